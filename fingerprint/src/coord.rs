@@ -1,0 +1,217 @@
+//! Tensor identity: where in an execution a recorded tensor belongs.
+
+use crate::wire::{Decoder, Encoder, WireError};
+use std::cmp::Ordering;
+use std::fmt;
+
+/// Longest component path accepted, in bytes.
+pub const MAX_PATH_LEN: usize = 128;
+
+/// Whether a forward processes the prompt or one generated token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum Phase {
+    /// The prompt forward (step 0).
+    Prefill = 0,
+    /// A token-by-token decode forward (steps 1, 2, ...).
+    Decode = 1,
+}
+
+impl Phase {
+    /// Lowercase name for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+        }
+    }
+}
+
+/// The L0–L4 conformance hierarchy of the paper (section 4.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u32)]
+pub enum Level {
+    /// Tokens and text: visible behavioural divergence.
+    L0 = 0,
+    /// Logits and top-k margins: pre-token decision divergence.
+    L1 = 1,
+    /// Full persistent state at a decode boundary: cross-token divergence.
+    L2 = 2,
+    /// Layer-indexed post-attention / post-mHC state and routes.
+    L3 = 3,
+    /// Operator intermediates: the divergent operator or contract.
+    L4 = 4,
+}
+
+impl Level {
+    /// Every level, in order.
+    pub const ALL: [Level; 5] = [Level::L0, Level::L1, Level::L2, Level::L3, Level::L4];
+
+    /// The stable wire code (0–4).
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// The level with the given code, if any.
+    pub fn from_code(code: u32) -> Option<Level> {
+        Level::ALL.get(code as usize).copied()
+    }
+
+    /// `L0` … `L4`.
+    pub fn name(self) -> &'static str {
+        ["L0", "L1", "L2", "L3", "L4"][self as usize]
+    }
+
+    /// What the level compares, in a few words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Level::L0 => "tokens / text",
+            Level::L1 => "logits / top-k margins",
+            Level::L2 => "full persistent state",
+            Level::L3 => "layer state (post-attention / post-mHC) and routes",
+            Level::L4 => "operator intermediates",
+        }
+    }
+
+    /// Parses `L0`…`L4` (case-insensitive) or `0`…`4`.
+    pub fn from_name(s: &str) -> Option<Level> {
+        let t = s.trim_start_matches(['L', 'l']);
+        t.parse::<u32>().ok().and_then(Level::from_code)
+    }
+}
+
+impl fmt::Display for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The coordinate of one recorded tensor.
+///
+/// Steps number forwards: step 0 is the prefill forward over the prompt,
+/// step `s ≥ 1` is the decode forward that consumes the `s`-th generated
+/// token. `position` is the absolute token position the tensor belongs to;
+/// L2 records use the position of the last token processed before the decode
+/// boundary. `layer` is `None` for model-global tensors (tokens, logits).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Coord {
+    /// Forward index (0 = prefill).
+    pub step: u32,
+    /// Absolute token position.
+    pub position: u32,
+    /// Prefill or decode.
+    pub phase: Phase,
+    /// Decoder layer, or `None` for model-global tensors.
+    pub layer: Option<u32>,
+    /// Component / operator path such as `layer.post_ffn_mhc` or `moe.combine`.
+    pub path: String,
+}
+
+impl Coord {
+    /// Checks the path charset and length (`[A-Za-z0-9_.:\[\]-]`, 1–128 bytes).
+    pub fn validate_path(path: &str) -> Result<(), String> {
+        if path.is_empty() {
+            return Err("component path is empty".into());
+        }
+        if path.len() > MAX_PATH_LEN {
+            return Err(format!(
+                "component path is {} bytes, longer than {MAX_PATH_LEN}",
+                path.len()
+            ));
+        }
+        if let Some(c) = path
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || "_.:[]-".contains(*c)))
+        {
+            return Err(format!("component path {path:?} has invalid character {c:?}"));
+        }
+        Ok(())
+    }
+
+    /// Appends the wire encoding: `step u32, position u32, phase u32,
+    /// layer Option<u32>, path String`.
+    pub fn encode(&self, e: &mut Encoder) {
+        e.u32(self.step)
+            .u32(self.position)
+            .u32(self.phase as u32)
+            .opt_u32(self.layer)
+            .str(&self.path);
+    }
+
+    /// Decodes and validates a coordinate.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Coord, WireError> {
+        let step = d.u32("coordinate step")?;
+        let position = d.u32("coordinate position")?;
+        let at = d.offset();
+        let phase = match d.u32("coordinate phase")? {
+            0 => Phase::Prefill,
+            1 => Phase::Decode,
+            p => return Err(d.error_at(at, format!("unknown phase code {p}"))),
+        };
+        let layer = d.opt_u32("coordinate layer")?;
+        let at = d.offset();
+        let path = d.str("coordinate path", MAX_PATH_LEN as u64)?.to_string();
+        Coord::validate_path(&path).map_err(|m| d.error_at(at, m))?;
+        Ok(Coord {
+            step,
+            position,
+            phase,
+            layer,
+            path,
+        })
+    }
+
+    /// Canonical order of records inside the hash tree (after step, level and
+    /// layer, which the tree nodes already separate): position, phase, path.
+    pub fn tree_order(&self, other: &Coord) -> Ordering {
+        (self.step, self.layer, self.position, self.phase, &self.path).cmp(&(
+            other.step,
+            other.layer,
+            other.position,
+            other.phase,
+            &other.path,
+        ))
+    }
+}
+
+impl fmt::Display for Coord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "step {} pos {} ({})",
+            self.step,
+            self.position,
+            self.phase.name()
+        )?;
+        if let Some(l) = self.layer {
+            write!(f, " layer {l}")?;
+        }
+        write!(f, " {}", self.path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_validation() {
+        let c = Coord {
+            step: 3,
+            position: 7,
+            phase: Phase::Decode,
+            layer: Some(5),
+            path: "moe.term[2]".into(),
+        };
+        let mut e = Encoder::new();
+        c.encode(&mut e);
+        let bytes = e.into_bytes();
+        let mut d = Decoder::new(&bytes, 0);
+        assert_eq!(Coord::decode(&mut d).unwrap(), c);
+        assert!(Coord::validate_path("").is_err());
+        assert!(Coord::validate_path("a b").is_err());
+        assert!(Coord::validate_path(&"x".repeat(129)).is_err());
+        assert_eq!(Level::from_name("l3"), Some(Level::L3));
+        assert_eq!(Level::from_name("L9"), None);
+    }
+}

@@ -1,0 +1,50 @@
+//! This crate provides the canonical bytes and digests behind every moeconf
+//! fingerprint: tensor identity ([`Coord`], [`Level`], [`DType`]), value
+//! canonicalization ([`CanonPolicy`]), domain-separated record digests over
+//! BLAKE3-256 or SHA-256 ([`Algorithm`]), and the [`HashTree`] that lets a
+//! comparison descend only into differing subtrees.
+//!
+//! # Brief overview
+//!
+//! * [`Coord`] names one recorded tensor: step, position, phase, layer, path.
+//! * [`record_digest`] hashes a [`TensorView`] in canonical form.
+//! * [`HashTree::build`] folds record digests into step, level and layer nodes.
+//! * [`wire`] is the bincode-1-compatible encoding used for every preimage.
+//!
+//! The run → trace → diff flow lives in the other crates: the reference
+//! runtime produces tensors, `moeconf-schema` stores them with these digests,
+//! and `moeconf-bisect` walks two trees.
+//!
+//! ```
+//! use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView};
+//! let coord = Coord { step: 1, position: 3, phase: Phase::Decode, layer: Some(5), path: "moe.combine".into() };
+//! let bytes: Vec<u8> = [1.0f32, -0.0, f32::NAN].iter().flat_map(|v| v.to_le_bytes()).collect();
+//! let t = TensorView { dtype: DType::F32, shape: &[3], bytes: &bytes };
+//! let d = record_digest(Algorithm::Blake3, CanonPolicy::default(), &coord, Level::L4, t).unwrap();
+//! assert_eq!(d.to_hex().len(), 64);
+//! ```
+#![deny(missing_docs)]
+
+mod algorithm;
+mod canonical;
+mod coord;
+mod dtype;
+mod record;
+mod tree;
+pub mod wire;
+
+pub use algorithm::{Algorithm, Digest, StreamHasher, PARALLEL_HASH_THRESHOLD};
+pub use canonical::{
+    canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical, CanonPolicy,
+    CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
+};
+pub use coord::{Coord, Level, Phase, MAX_PATH_LEN};
+pub use dtype::DType;
+pub use record::{
+    feed_canonical, record_digest, record_digest_with_sink, record_prefix, FingerprintError, TensorView,
+    DOMAIN_RECORD, MAX_RANK,
+};
+pub use tree::{
+    binding_digest, GroupNode, HashTree, Leaf, LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL,
+    DOMAIN_ROOT, DOMAIN_STEP,
+};

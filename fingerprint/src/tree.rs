@@ -1,0 +1,232 @@
+//! The fingerprint hash tree: records → layer groups → levels → steps → root.
+//!
+//! The tree lets a comparison descend only into subtrees whose digests
+//! differ: two traces with equal roots are equivalent everywhere; otherwise
+//! the first differing step, then level, then layer group, then record is
+//! found by comparing a handful of 32-byte digests.
+//!
+//! Node preimages (wire encoding, see [`crate::wire`]):
+//!
+//! ```text
+//! group = ("moeconf.group.v1", step u32, level u32, layer Option<u32>, Vec<[u8;32]> records)
+//! level = ("moeconf.level.v1", step u32, level u32, Vec<[u8;32]> groups)
+//! step  = ("moeconf.step.v1",  step u32, Vec<(level u32, [u8;32])> levels)
+//! root  = ("moeconf.root.v1",  algorithm u32, binding [u8;32], Vec<(step u32, [u8;32])> steps)
+//! binding digest = H("moeconf.binding.v1", Vec<u8> encoded binding)
+//! ```
+//!
+//! Children are in canonical order: steps and levels ascending, groups by
+//! layer (`None` first, then ascending), records by (position, phase, path).
+//! The order in which a backend happened to emit records therefore does not
+//! change any digest.
+
+use crate::algorithm::{Algorithm, Digest};
+use crate::coord::{Coord, Level};
+use crate::record::FingerprintError;
+use crate::wire::Encoder;
+
+/// Domain tag of layer-group nodes.
+pub const DOMAIN_GROUP: &str = "moeconf.group.v1";
+/// Domain tag of level nodes.
+pub const DOMAIN_LEVEL: &str = "moeconf.level.v1";
+/// Domain tag of step nodes.
+pub const DOMAIN_STEP: &str = "moeconf.step.v1";
+/// Domain tag of the root.
+pub const DOMAIN_ROOT: &str = "moeconf.root.v1";
+/// Domain tag of the binding digest.
+pub const DOMAIN_BINDING: &str = "moeconf.binding.v1";
+
+/// One record as the tree sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Leaf<'a> {
+    /// Where the record belongs.
+    pub coord: &'a Coord,
+    /// Its level.
+    pub level: Level,
+    /// Its record digest.
+    pub digest: Digest,
+}
+
+/// A layer group: the records of one (step, level, layer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupNode {
+    /// The layer, or `None` for model-global records.
+    pub layer: Option<u32>,
+    /// The group digest.
+    pub digest: Digest,
+    /// Indices into the leaf slice given to [`HashTree::build`], in canonical order.
+    pub records: Vec<usize>,
+}
+
+/// The records of one (step, level).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LevelNode {
+    /// The level.
+    pub level: Level,
+    /// The level digest.
+    pub digest: Digest,
+    /// Its layer groups, `None` first then by layer.
+    pub groups: Vec<GroupNode>,
+}
+
+/// The records of one forward step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepNode {
+    /// The step index.
+    pub step: u32,
+    /// The step digest.
+    pub digest: Digest,
+    /// Its levels, ascending.
+    pub levels: Vec<LevelNode>,
+}
+
+/// The whole tree of a trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashTree {
+    /// The root digest, which binds the binding digest and every record.
+    pub root: Digest,
+    /// The steps, ascending.
+    pub steps: Vec<StepNode>,
+}
+
+/// Digest of an encoded binding.
+pub fn binding_digest(alg: Algorithm, encoded_binding: &[u8]) -> Digest {
+    let mut e = Encoder::new();
+    e.str(DOMAIN_BINDING).bytes(encoded_binding);
+    alg.hash(e.as_bytes())
+}
+
+fn hash_list(alg: Algorithm, mut e: Encoder, items: impl ExactSizeIterator<Item = (Option<u32>, Digest)>) -> Digest {
+    e.len(items.len());
+    for (tag, d) in items {
+        if let Some(t) = tag {
+            e.u32(t);
+        }
+        e.raw(&d.0);
+    }
+    alg.hash(e.as_bytes())
+}
+
+impl HashTree {
+    /// Builds the tree over `leaves`. Fails on two records with the same
+    /// level and coordinate.
+    pub fn build(alg: Algorithm, binding: Digest, leaves: &[Leaf<'_>]) -> Result<HashTree, FingerprintError> {
+        let mut order: Vec<usize> = (0..leaves.len()).collect();
+        let key = |i: usize| {
+            let l = &leaves[i];
+            (l.coord.step, l.level, l.coord.layer, l.coord.position, l.coord.phase, l.coord.path.as_str())
+        };
+        order.sort_by(|&a, &b| key(a).cmp(&key(b)));
+        for w in order.windows(2) {
+            if key(w[0]) == key(w[1]) {
+                let l = &leaves[w[1]];
+                return Err(FingerprintError::DuplicateRecord {
+                    coord: l.coord.to_string(),
+                    level: l.level,
+                });
+            }
+        }
+
+        let mut steps: Vec<StepNode> = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let step = leaves[order[i]].coord.step;
+            let mut levels = Vec::new();
+            while i < order.len() && leaves[order[i]].coord.step == step {
+                let level = leaves[order[i]].level;
+                let mut groups = Vec::new();
+                while i < order.len() && leaves[order[i]].coord.step == step && leaves[order[i]].level == level {
+                    let layer = leaves[order[i]].coord.layer;
+                    let mut records = Vec::new();
+                    while i < order.len()
+                        && leaves[order[i]].coord.step == step
+                        && leaves[order[i]].level == level
+                        && leaves[order[i]].coord.layer == layer
+                    {
+                        records.push(order[i]);
+                        i += 1;
+                    }
+                    let mut e = Encoder::new();
+                    e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
+                    let digest = hash_list(alg, e, records.iter().map(|&r| (None, leaves[r].digest)));
+                    groups.push(GroupNode { layer, digest, records });
+                }
+                let mut e = Encoder::new();
+                e.str(DOMAIN_LEVEL).u32(step).u32(level.code());
+                let digest = hash_list(alg, e, groups.iter().map(|g| (None, g.digest)));
+                levels.push(LevelNode { level, digest, groups });
+            }
+            let mut e = Encoder::new();
+            e.str(DOMAIN_STEP).u32(step);
+            let digest = hash_list(alg, e, levels.iter().map(|l| (Some(l.level.code()), l.digest)));
+            steps.push(StepNode { step, digest, levels });
+        }
+        let mut e = Encoder::new();
+        e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0);
+        let root = hash_list(alg, e, steps.iter().map(|s| (Some(s.step), s.digest)));
+        Ok(HashTree { root, steps })
+    }
+
+    /// The step node with index `step`, if present.
+    pub fn step(&self, step: u32) -> Option<&StepNode> {
+        self.steps.binary_search_by_key(&step, |s| s.step).ok().map(|i| &self.steps[i])
+    }
+}
+
+impl StepNode {
+    /// The level node for `level`, if present.
+    pub fn level(&self, level: Level) -> Option<&LevelNode> {
+        self.levels.iter().find(|l| l.level == level)
+    }
+}
+
+impl LevelNode {
+    /// The group for `layer`, if present.
+    pub fn group(&self, layer: Option<u32>) -> Option<&GroupNode> {
+        self.groups.iter().find(|g| g.layer == layer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coord::Phase;
+
+    fn c(step: u32, layer: Option<u32>, path: &str) -> Coord {
+        Coord { step, position: step, phase: Phase::Decode, layer, path: path.into() }
+    }
+
+    #[test]
+    fn emission_order_does_not_matter_and_content_does() {
+        let coords = [c(0, None, "token"), c(0, Some(1), "x"), c(1, Some(0), "x"), c(0, Some(0), "x")];
+        let alg = Algorithm::Blake3;
+        let leaves: Vec<Leaf> = coords
+            .iter()
+            .enumerate()
+            .map(|(i, co)| Leaf { coord: co, level: Level::L3, digest: alg.hash(&[i as u8]) })
+            .collect();
+        let b = binding_digest(alg, b"binding");
+        let t1 = HashTree::build(alg, b, &leaves).unwrap();
+        let mut rev = leaves.clone();
+        rev.reverse();
+        let t2 = HashTree::build(alg, b, &rev).unwrap();
+        assert_eq!(t1.root, t2.root);
+        assert_eq!(t1.steps.len(), 2);
+        assert_eq!(t1.steps[0].levels[0].groups.len(), 3);
+        assert_eq!(t1.steps[0].levels[0].groups[0].layer, None);
+
+        let mut changed = leaves.clone();
+        changed[2].digest = alg.hash(b"other");
+        let t3 = HashTree::build(alg, b, &changed).unwrap();
+        assert_ne!(t3.root, t1.root);
+        assert_eq!(t3.steps[0].digest, t1.steps[0].digest, "untouched step keeps its digest");
+        assert_ne!(t3.steps[1].digest, t1.steps[1].digest);
+
+        let t4 = HashTree::build(alg, binding_digest(alg, b"other"), &leaves).unwrap();
+        assert_ne!(t4.root, t1.root, "root binds the binding");
+
+        let mut dup = leaves.clone();
+        dup.push(leaves[0]);
+        assert!(HashTree::build(alg, b, &dup).is_err());
+    }
+}

@@ -1,0 +1,1 @@
+//! moeconf trace container (in progress).
