@@ -250,7 +250,7 @@ mod tests {
     fn every_identity_field_changes_the_digest() {
         let bytes = [0u8; 8];
         let s2 = [2u64];
-        let s11 = [1u64, 1];
+        let s11 = [2u64, 1];
         let t = TensorView { dtype: DType::F32, shape: &s2, bytes: &bytes };
         let alg = Algorithm::Blake3;
         let p = CanonPolicy::default();
