@@ -97,8 +97,7 @@ pub fn is_canonical(dtype: DType, bytes: &[u8], policy: CanonPolicy) -> bool {
             let mut bad = false;
             for c in bytes.chunks_exact(8) {
                 let b = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-                let nan = (b & 0x7fff_ffff_ffff_ffff) > 0x7ff0_0000_0000_0000
-                    && b != CANONICAL_NAN_F64;
+                let nan = (b & 0x7fff_ffff_ffff_ffff) > 0x7ff0_0000_0000_0000 && b != CANONICAL_NAN_F64;
                 bad |= nan | (fold & (b == 0x8000_0000_0000_0000));
             }
             !bad
@@ -178,10 +177,7 @@ mod tests {
 
     #[test]
     fn f64_nan_and_zero() {
-        assert_eq!(
-            canonical_f64_bits(0xfff8_0000_0000_0001, KEEP),
-            CANONICAL_NAN_F64
-        );
+        assert_eq!(canonical_f64_bits(0xfff8_0000_0000_0001, KEEP), CANONICAL_NAN_F64);
         assert_eq!(canonical_f64_bits(0x8000_0000_0000_0000, FOLD), 0);
         assert_eq!(
             canonical_f64_bits(0x8000_0000_0000_0000, KEEP),

@@ -35,8 +35,8 @@ pub mod wire;
 
 pub use algorithm::{Algorithm, Digest, StreamHasher, PARALLEL_HASH_THRESHOLD};
 pub use canonical::{
-    canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical, CanonPolicy,
-    CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
+    canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical,
+    CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
 };
 pub use coord::{Coord, Level, Phase, MAX_PATH_LEN};
 pub use dtype::DType;
@@ -45,6 +45,6 @@ pub use record::{
     DOMAIN_RECORD, MAX_RANK,
 };
 pub use tree::{
-    binding_digest, GroupNode, HashTree, Leaf, LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL,
-    DOMAIN_ROOT, DOMAIN_STEP,
+    binding_digest, GroupNode, HashTree, Leaf, LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP,
+    DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
 };

@@ -218,17 +218,34 @@ mod tests {
     fn streaming_equals_reference_across_chunk_boundaries() {
         // Sizes around the chunk size and the parallel threshold, with a
         // NaN placed in a later chunk so both the clean and rewrite paths run.
-        for n in [0usize, 1, CHUNK / 4 - 1, CHUNK / 4 + 1, PARALLEL_HASH_THRESHOLD / 4 + 3] {
-            let mut vals: Vec<u32> = (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761)) >> 2).collect();
+        for n in [
+            0usize,
+            1,
+            CHUNK / 4 - 1,
+            CHUNK / 4 + 1,
+            PARALLEL_HASH_THRESHOLD / 4 + 3,
+        ] {
+            let mut vals: Vec<u32> = (0..n as u32)
+                .map(|i| (i.wrapping_mul(2_654_435_761)) >> 2)
+                .collect();
             if n > 10 {
                 vals[n - 2] = 0xffc1_2345; // non-canonical NaN
                 vals[n / 2] = 0x8000_0000; // -0
             }
             let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
             let shape = [n as u64];
-            let t = TensorView { dtype: DType::F32, shape: &shape, bytes: &bytes };
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
             for alg in [Algorithm::Blake3, Algorithm::Sha256] {
-                for p in [CanonPolicy::default(), CanonPolicy { fold_negative_zero: true }] {
+                for p in [
+                    CanonPolicy::default(),
+                    CanonPolicy {
+                        fold_negative_zero: true,
+                    },
+                ] {
                     let c = coord("layer.post_ffn_mhc");
                     let want = reference(alg, p, &c, Level::L3, t);
                     let mut sunk = Vec::new();
@@ -251,14 +268,28 @@ mod tests {
         let bytes = [0u8; 8];
         let s2 = [2u64];
         let s11 = [2u64, 1];
-        let t = TensorView { dtype: DType::F32, shape: &s2, bytes: &bytes };
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &s2,
+            bytes: &bytes,
+        };
         let alg = Algorithm::Blake3;
         let p = CanonPolicy::default();
         let base = record_digest(alg, p, &coord("a"), Level::L3, t).unwrap();
         let mut others = vec![
             record_digest(alg, p, &coord("b"), Level::L3, t).unwrap(),
             record_digest(alg, p, &coord("a"), Level::L4, t).unwrap(),
-            record_digest(alg, p, &coord("a"), Level::L3, TensorView { dtype: DType::I32, ..t }).unwrap(),
+            record_digest(
+                alg,
+                p,
+                &coord("a"),
+                Level::L3,
+                TensorView {
+                    dtype: DType::I32,
+                    ..t
+                },
+            )
+            .unwrap(),
             record_digest(alg, p, &coord("a"), Level::L3, TensorView { shape: &s11, ..t }).unwrap(),
         ];
         let mut c = coord("a");
@@ -276,10 +307,25 @@ mod tests {
     fn bad_shapes_are_rejected() {
         let bytes = [0u8; 6];
         let s = [2u64];
-        let t = TensorView { dtype: DType::F32, shape: &s, bytes: &bytes };
-        assert!(record_digest(Algorithm::Blake3, CanonPolicy::default(), &coord("x"), Level::L0, t).is_err());
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &s,
+            bytes: &bytes,
+        };
+        assert!(record_digest(
+            Algorithm::Blake3,
+            CanonPolicy::default(),
+            &coord("x"),
+            Level::L0,
+            t
+        )
+        .is_err());
         let big = [u64::MAX, 2];
-        let t = TensorView { dtype: DType::F32, shape: &big, bytes: &bytes };
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &big,
+            bytes: &bytes,
+        };
         assert!(t.validate("x").is_err());
     }
 }

@@ -96,7 +96,11 @@ pub fn binding_digest(alg: Algorithm, encoded_binding: &[u8]) -> Digest {
     alg.hash(e.as_bytes())
 }
 
-fn hash_list(alg: Algorithm, mut e: Encoder, items: impl ExactSizeIterator<Item = (Option<u32>, Digest)>) -> Digest {
+fn hash_list(
+    alg: Algorithm,
+    mut e: Encoder,
+    items: impl ExactSizeIterator<Item = (Option<u32>, Digest)>,
+) -> Digest {
     e.len(items.len());
     for (tag, d) in items {
         if let Some(t) = tag {
@@ -114,7 +118,14 @@ impl HashTree {
         let mut order: Vec<usize> = (0..leaves.len()).collect();
         let key = |i: usize| {
             let l = &leaves[i];
-            (l.coord.step, l.level, l.coord.layer, l.coord.position, l.coord.phase, l.coord.path.as_str())
+            (
+                l.coord.step,
+                l.level,
+                l.coord.layer,
+                l.coord.position,
+                l.coord.phase,
+                l.coord.path.as_str(),
+            )
         };
         order.sort_by(|&a, &b| key(a).cmp(&key(b)));
         for w in order.windows(2) {
@@ -135,7 +146,10 @@ impl HashTree {
             while i < order.len() && leaves[order[i]].coord.step == step {
                 let level = leaves[order[i]].level;
                 let mut groups = Vec::new();
-                while i < order.len() && leaves[order[i]].coord.step == step && leaves[order[i]].level == level {
+                while i < order.len()
+                    && leaves[order[i]].coord.step == step
+                    && leaves[order[i]].level == level
+                {
                     let layer = leaves[order[i]].coord.layer;
                     let mut records = Vec::new();
                     while i < order.len()
@@ -149,12 +163,20 @@ impl HashTree {
                     let mut e = Encoder::new();
                     e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
                     let digest = hash_list(alg, e, records.iter().map(|&r| (None, leaves[r].digest)));
-                    groups.push(GroupNode { layer, digest, records });
+                    groups.push(GroupNode {
+                        layer,
+                        digest,
+                        records,
+                    });
                 }
                 let mut e = Encoder::new();
                 e.str(DOMAIN_LEVEL).u32(step).u32(level.code());
                 let digest = hash_list(alg, e, groups.iter().map(|g| (None, g.digest)));
-                levels.push(LevelNode { level, digest, groups });
+                levels.push(LevelNode {
+                    level,
+                    digest,
+                    groups,
+                });
             }
             let mut e = Encoder::new();
             e.str(DOMAIN_STEP).u32(step);
@@ -169,7 +191,10 @@ impl HashTree {
 
     /// The step node with index `step`, if present.
     pub fn step(&self, step: u32) -> Option<&StepNode> {
-        self.steps.binary_search_by_key(&step, |s| s.step).ok().map(|i| &self.steps[i])
+        self.steps
+            .binary_search_by_key(&step, |s| s.step)
+            .ok()
+            .map(|i| &self.steps[i])
     }
 }
 
@@ -193,17 +218,32 @@ mod tests {
     use crate::coord::Phase;
 
     fn c(step: u32, layer: Option<u32>, path: &str) -> Coord {
-        Coord { step, position: step, phase: Phase::Decode, layer, path: path.into() }
+        Coord {
+            step,
+            position: step,
+            phase: Phase::Decode,
+            layer,
+            path: path.into(),
+        }
     }
 
     #[test]
     fn emission_order_does_not_matter_and_content_does() {
-        let coords = [c(0, None, "token"), c(0, Some(1), "x"), c(1, Some(0), "x"), c(0, Some(0), "x")];
+        let coords = [
+            c(0, None, "token"),
+            c(0, Some(1), "x"),
+            c(1, Some(0), "x"),
+            c(0, Some(0), "x"),
+        ];
         let alg = Algorithm::Blake3;
         let leaves: Vec<Leaf> = coords
             .iter()
             .enumerate()
-            .map(|(i, co)| Leaf { coord: co, level: Level::L3, digest: alg.hash(&[i as u8]) })
+            .map(|(i, co)| Leaf {
+                coord: co,
+                level: Level::L3,
+                digest: alg.hash(&[i as u8]),
+            })
             .collect();
         let b = binding_digest(alg, b"binding");
         let t1 = HashTree::build(alg, b, &leaves).unwrap();
@@ -219,7 +259,10 @@ mod tests {
         changed[2].digest = alg.hash(b"other");
         let t3 = HashTree::build(alg, b, &changed).unwrap();
         assert_ne!(t3.root, t1.root);
-        assert_eq!(t3.steps[0].digest, t1.steps[0].digest, "untouched step keeps its digest");
+        assert_eq!(
+            t3.steps[0].digest, t1.steps[0].digest,
+            "untouched step keeps its digest"
+        );
         assert_ne!(t3.steps[1].digest, t1.steps[1].digest);
 
         let t4 = HashTree::build(alg, binding_digest(alg, b"other"), &leaves).unwrap();

@@ -128,11 +128,7 @@ pub struct Decoder<'a> {
 impl<'a> Decoder<'a> {
     /// A decoder over `bytes`, which start at absolute offset `base`.
     pub fn new(bytes: &'a [u8], base: u64) -> Decoder<'a> {
-        Decoder {
-            bytes,
-            pos: 0,
-            base,
-        }
+        Decoder { bytes, pos: 0, base }
     }
 
     /// Absolute offset of the next byte to be read.
@@ -164,10 +160,7 @@ impl<'a> Decoder<'a> {
     /// Fails unless every byte was consumed.
     pub fn finish(&self, what: &str) -> Result<(), WireError> {
         if self.remaining() != 0 {
-            return Err(self.error(format!(
-                "{} trailing bytes after the {what}",
-                self.remaining()
-            )));
+            return Err(self.error(format!("{} trailing bytes after the {what}", self.remaining())));
         }
         Ok(())
     }
@@ -252,12 +245,8 @@ impl<'a> Decoder<'a> {
         let n = self.len(what, 1, max)?;
         let at = self.offset();
         let b = self.take(n, what)?;
-        std::str::from_utf8(b).map_err(|e| {
-            self.error_at(
-                at + e.valid_up_to() as u64,
-                format!("{what}: invalid UTF-8"),
-            )
-        })
+        std::str::from_utf8(b)
+            .map_err(|e| self.error_at(at + e.valid_up_to() as u64, format!("{what}: invalid UTF-8")))
     }
 
     /// Reads a byte vector of at most `max` bytes.

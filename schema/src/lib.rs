@@ -1,1 +1,63 @@
-//! moeconf trace container (in progress).
+//! This crate provides the moeconf trace: the data model of one captured
+//! model execution (binding, coordinates, records), its canonical
+//! serialization contract and the container file that holds it.
+//!
+//! # Brief overview
+//!
+//! * [`Binding`] says what the trace is of (model, tokenizer, prompt,
+//!   decoding, precision, contract, schedule, capture, canonicalization);
+//!   [`Provenance`] says who produced it.
+//! * [`TraceWriter`] appends records as a runtime produces them and writes the
+//!   file atomically.
+//! * [`Trace`] opens a file, validates every field of it and exposes the
+//!   records, payloads and fingerprint [`HashTree`](moeconf_fingerprint::HashTree).
+//!
+//! The run → trace → diff flow: the reference runtime (or a backend's capture
+//! hooks) writes a trace with [`TraceWriter`]; `moeconf diff` opens two with
+//! [`Trace::open`] and walks their trees.
+//!
+//! The normative byte layout is docs/format.md.
+//!
+//! ```
+//! use moeconf_schema::{Binding, Header, Trace, TraceWriter};
+//! use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+//! let dir = tempfile::tempdir().unwrap();
+//! let path = dir.path().join("t.bin");
+//! let mut w = TraceWriter::create(&path, Algorithm::Blake3, Header::default()).unwrap();
+//! let ids = 42i32.to_le_bytes();
+//! let coord = Coord { step: 0, position: 0, phase: Phase::Prefill, layer: None, path: "token.output".into() };
+//! w.append(coord, Level::L0, TensorView { dtype: DType::I32, shape: &[1], bytes: &ids }, true).unwrap();
+//! let summary = w.finish().unwrap();
+//! let t = Trace::open(&path).unwrap();
+//! assert_eq!(t.root(), summary.root);
+//! assert_eq!(t.payload(0), Some(&ids[..]));
+//! ```
+#![deny(missing_docs)]
+
+mod binding;
+mod error;
+pub mod layout;
+mod reader;
+mod writer;
+
+pub use binding::{
+    weights_digest, Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TensorDigest,
+    TokenizerIdentity, MAX_STRING,
+};
+pub use error::TraceError;
+pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
+pub use reader::{Trace, VerifySummary};
+pub use writer::{TraceWriter, WriteSummary};
+
+/// Parses and fully verifies arbitrary bytes as a trace, discarding the
+/// result: the body of the `cargo fuzz` target and of the mutation test.
+/// Undocumented and unstable; exists only for fuzzing.
+#[doc(hidden)]
+pub fn fuzz_read(bytes: &[u8]) {
+    if let Ok(t) = Trace::from_bytes(std::path::Path::new("fuzz.bin"), bytes.to_vec()) {
+        let _ = t.verify_payloads();
+        for i in 0..t.records().len() {
+            let _ = t.payload_verified(i);
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! What a trace is a trace *of*: the binding (hashed into the root) and the
+//! provenance (recorded, not hashed).
+//!
+//! The binding holds everything that decides whether two traces are
+//! comparable (model, tokenizer, prompt, decoding) and everything that
+//! describes the execution semantics under test (precision profile,
+//! aggregation contract and schedule, capture spec, canonicalization policy).
+//! It contains no timestamps and no paths, so the same execution always
+//! yields the same bytes. The provenance (runtime name, version, thread
+//! count) is stored beside it but kept out of the root digest: a
+//! deterministic runtime produces the same root with 1 or 16 threads.
+
+use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
+use moeconf_fingerprint::{CanonPolicy, Digest, Level};
+use serde_json::{json, Value};
+
+/// Longest string field accepted in a header (prompt text included).
+pub const MAX_STRING: u64 = 1 << 20;
+/// Most weight tensors a model identity may list.
+pub const MAX_TENSORS: u64 = 1 << 20;
+/// Most prompt token ids.
+pub const MAX_PROMPT_IDS: u64 = 1 << 24;
+/// Most free-form key/value pairs.
+pub const MAX_EXTRA: u64 = 4096;
+
+/// Digest of one weight tensor of the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDigest {
+    /// Tensor name in the checkpoint (DeepSeek's original naming).
+    pub name: String,
+    /// Its dtype as stored (`bf16`, `f32`, `i64`, ...).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Digest of its raw little-endian bytes.
+    pub digest: Digest,
+}
+
+/// Identity of the model weights and configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelIdentity {
+    /// Display name (e.g. `builtin:tiny-v4`); informative, but part of the binding.
+    pub name: String,
+    /// Digest of the config.json bytes.
+    pub config_digest: Digest,
+    /// Digest over the sorted tensor list (name, dtype, shape, digest).
+    pub weights_digest: Digest,
+    /// Every weight tensor, sorted by name.
+    pub tensors: Vec<TensorDigest>,
+}
+
+/// Identity of the tokenizer.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TokenizerIdentity {
+    /// Display name.
+    pub name: String,
+    /// Digest of the tokenizer file's bytes.
+    pub digest: Digest,
+}
+
+/// The prompt: its text and the token ids the runtime fed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PromptBinding {
+    /// Raw UTF-8 prompt text.
+    pub text: String,
+    /// Token ids of the prompt (no special tokens unless the text has them).
+    pub ids: Vec<u32>,
+}
+
+/// Decoding configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoding {
+    /// Decoding strategy; only `greedy` exists today.
+    pub strategy: String,
+    /// Number of tokens generated.
+    pub max_new_tokens: u32,
+}
+
+impl Default for Decoding {
+    fn default() -> Self {
+        Decoding {
+            strategy: "greedy".into(),
+            max_new_tokens: 0,
+        }
+    }
+}
+
+/// Which levels were captured and which kept their tensor bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CaptureSpec {
+    /// Bit `i` set: level `Li` was fingerprinted.
+    pub levels: u32,
+    /// Bit `i` set: level `Li` records carry payloads (small records such as
+    /// token ids and margins always do).
+    pub payload_levels: u32,
+}
+
+impl CaptureSpec {
+    /// Fingerprints for every level, payloads for none.
+    pub const FINGERPRINTS_ONLY: CaptureSpec = CaptureSpec {
+        levels: 0b11111,
+        payload_levels: 0,
+    };
+
+    /// Whether `level` is captured.
+    pub fn captures(&self, level: Level) -> bool {
+        self.levels & (1 << level.code()) != 0
+    }
+
+    /// Whether `level` keeps payloads.
+    pub fn keeps_payload(&self, level: Level) -> bool {
+        self.payload_levels & (1 << level.code()) != 0
+    }
+
+    /// `L0-L4` style summary, payload levels marked with `+`.
+    pub fn describe(&self) -> String {
+        Level::ALL
+            .iter()
+            .filter(|l| self.captures(**l))
+            .map(|l| {
+                if self.keeps_payload(*l) {
+                    format!("{l}+payload")
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// The hashed binding of a trace.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Binding {
+    /// Model identity.
+    pub model: ModelIdentity,
+    /// Tokenizer identity.
+    pub tokenizer: TokenizerIdentity,
+    /// Prompt text and ids.
+    pub prompt: PromptBinding,
+    /// Decoding configuration.
+    pub decoding: Decoding,
+    /// Precision profile (`bf16`, `f32`, or a backend's own name).
+    pub precision: String,
+    /// MoE aggregation contract (`native`, `b`, ...).
+    pub contract: String,
+    /// Aggregation schedule (`identity`, `layer-static:7`, `fork:layer=5,...`).
+    pub schedule: String,
+    /// Captured levels.
+    pub capture: CaptureSpec,
+    /// Canonicalization policy used for every digest.
+    pub canon: CanonPolicy,
+    /// Further key/value facts that bind the execution (sorted by key).
+    pub extra: Vec<(String, String)>,
+}
+
+/// Recorded facts about the producer, not part of the root digest.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Provenance {
+    /// Runtime name (e.g. `moeconf-reference-runtime`).
+    pub runtime: String,
+    /// Runtime version.
+    pub version: String,
+    /// Worker threads used.
+    pub threads: u32,
+    /// Further key/value notes.
+    pub notes: Vec<(String, String)>,
+}
+
+fn enc_pairs(e: &mut Encoder, pairs: &[(String, String)]) {
+    e.len(pairs.len());
+    for (k, v) in pairs {
+        e.str(k).str(v);
+    }
+}
+
+fn dec_pairs(d: &mut Decoder<'_>, what: &str) -> Result<Vec<(String, String)>, WireError> {
+    let n = d.len(what, 16, MAX_EXTRA)?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let k = d.str(what, MAX_STRING)?.to_string();
+        let val = d.str(what, MAX_STRING)?.to_string();
+        v.push((k, val));
+    }
+    Ok(v)
+}
+
+fn dec_digest(d: &mut Decoder<'_>, what: &str) -> Result<Digest, WireError> {
+    Ok(Digest(d.array32(what)?))
+}
+
+impl Binding {
+    /// Appends the wire encoding (field order as declared).
+    pub fn encode(&self, e: &mut Encoder) {
+        let m = &self.model;
+        e.str(&m.name).raw(&m.config_digest.0).raw(&m.weights_digest.0);
+        e.len(m.tensors.len());
+        for t in &m.tensors {
+            e.str(&t.name).str(&t.dtype).len(t.shape.len());
+            for &s in &t.shape {
+                e.u64(s);
+            }
+            e.raw(&t.digest.0);
+        }
+        e.str(&self.tokenizer.name).raw(&self.tokenizer.digest.0);
+        e.str(&self.prompt.text).len(self.prompt.ids.len());
+        for &id in &self.prompt.ids {
+            e.u32(id);
+        }
+        e.str(&self.decoding.strategy).u32(self.decoding.max_new_tokens);
+        e.str(&self.precision).str(&self.contract).str(&self.schedule);
+        e.u32(self.capture.levels).u32(self.capture.payload_levels);
+        e.bool(self.canon.fold_negative_zero);
+        enc_pairs(e, &self.extra);
+    }
+
+    /// The wire encoding alone.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut e = Encoder::new();
+        self.encode(&mut e);
+        e.into_bytes()
+    }
+
+    /// Decodes a binding.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Binding, WireError> {
+        let name = d.str("model name", MAX_STRING)?.to_string();
+        let config_digest = dec_digest(d, "model config digest")?;
+        let weights_digest = dec_digest(d, "model weights digest")?;
+        let n = d.len("model tensor list", 8 + 8 + 8 + 32, MAX_TENSORS)?;
+        let mut tensors = Vec::with_capacity(n);
+        for _ in 0..n {
+            let tname = d.str("tensor name", MAX_STRING)?.to_string();
+            let dtype = d.str("tensor dtype", 64)?.to_string();
+            let rank = d.len("tensor shape", 8, moeconf_fingerprint::MAX_RANK as u64)?;
+            let mut shape = Vec::with_capacity(rank);
+            for _ in 0..rank {
+                shape.push(d.u64("tensor dimension")?);
+            }
+            let digest = dec_digest(d, "tensor digest")?;
+            tensors.push(TensorDigest {
+                name: tname,
+                dtype,
+                shape,
+                digest,
+            });
+        }
+        let tokenizer = TokenizerIdentity {
+            name: d.str("tokenizer name", MAX_STRING)?.to_string(),
+            digest: dec_digest(d, "tokenizer digest")?,
+        };
+        let text = d.str("prompt text", MAX_STRING)?.to_string();
+        let n = d.len("prompt ids", 4, MAX_PROMPT_IDS)?;
+        let mut ids = Vec::with_capacity(n);
+        for _ in 0..n {
+            ids.push(d.u32("prompt id")?);
+        }
+        let decoding = Decoding {
+            strategy: d.str("decoding strategy", 64)?.to_string(),
+            max_new_tokens: d.u32("max new tokens")?,
+        };
+        let precision = d.str("precision", MAX_STRING)?.to_string();
+        let contract = d.str("contract", MAX_STRING)?.to_string();
+        let schedule = d.str("schedule", MAX_STRING)?.to_string();
+        let at = d.offset();
+        let capture = CaptureSpec {
+            levels: d.u32("capture levels")?,
+            payload_levels: d.u32("capture payload levels")?,
+        };
+        if capture.levels > 0b11111 || capture.payload_levels > 0b11111 {
+            return Err(d.error_at(at, "capture spec names a level above L4"));
+        }
+        let canon = CanonPolicy {
+            fold_negative_zero: d.bool("fold negative zero flag")?,
+        };
+        let extra = dec_pairs(d, "binding extras")?;
+        Ok(Binding {
+            model: ModelIdentity {
+                name,
+                config_digest,
+                weights_digest,
+                tensors,
+            },
+            tokenizer,
+            prompt: PromptBinding { text, ids },
+            decoding,
+            precision,
+            contract,
+            schedule,
+            capture,
+            canon,
+            extra,
+        })
+    }
+
+    /// JSON form for `inspect --format json` and reports.
+    pub fn to_json(&self, with_tensors: bool) -> Value {
+        let mut model = json!({
+            "name": self.model.name,
+            "config_digest": self.model.config_digest.to_hex(),
+            "weights_digest": self.model.weights_digest.to_hex(),
+            "tensor_count": self.model.tensors.len(),
+        });
+        if with_tensors {
+            model["tensors"] = Value::Array(
+                self.model
+                    .tensors
+                    .iter()
+                    .map(|t| json!({"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": t.digest.to_hex()}))
+                    .collect(),
+            );
+        }
+        json!({
+            "model": model,
+            "tokenizer": {"name": self.tokenizer.name, "digest": self.tokenizer.digest.to_hex()},
+            "prompt": {"text": self.prompt.text, "ids": self.prompt.ids},
+            "decoding": {"strategy": self.decoding.strategy, "max_new_tokens": self.decoding.max_new_tokens},
+            "precision": self.precision,
+            "contract": self.contract,
+            "schedule": self.schedule,
+            "capture": {
+                "levels": Level::ALL.iter().filter(|l| self.capture.captures(**l)).map(|l| l.name()).collect::<Vec<_>>(),
+                "payload_levels": Level::ALL.iter().filter(|l| self.capture.keeps_payload(**l)).map(|l| l.name()).collect::<Vec<_>>(),
+            },
+            "canonicalization": {"nan": "canonical quiet NaN per dtype", "fold_negative_zero": self.canon.fold_negative_zero},
+            "extra": self.extra.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
+        })
+    }
+}
+
+impl Provenance {
+    /// Appends the wire encoding.
+    pub fn encode(&self, e: &mut Encoder) {
+        e.str(&self.runtime).str(&self.version).u32(self.threads);
+        enc_pairs(e, &self.notes);
+    }
+
+    /// Decodes a provenance block.
+    pub fn decode(d: &mut Decoder<'_>) -> Result<Provenance, WireError> {
+        Ok(Provenance {
+            runtime: d.str("runtime name", MAX_STRING)?.to_string(),
+            version: d.str("runtime version", MAX_STRING)?.to_string(),
+            threads: d.u32("thread count")?,
+            notes: dec_pairs(d, "provenance notes")?,
+        })
+    }
+
+    /// JSON form.
+    pub fn to_json(&self) -> Value {
+        json!({
+            "runtime": self.runtime,
+            "version": self.version,
+            "threads": self.threads,
+            "notes": self.notes.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// Digest over a sorted tensor list, as stored in [`ModelIdentity::weights_digest`]:
+/// H("moeconf.weights.v1", Vec<(name, dtype, shape, digest)>).
+pub fn weights_digest(alg: moeconf_fingerprint::Algorithm, tensors: &[TensorDigest]) -> Digest {
+    let mut e = Encoder::new();
+    e.str("moeconf.weights.v1").len(tensors.len());
+    for t in tensors {
+        e.str(&t.name).str(&t.dtype).len(t.shape.len());
+        for &s in &t.shape {
+            e.u64(s);
+        }
+        e.raw(&t.digest.0);
+    }
+    alg.hash(e.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::Algorithm;
+
+    pub(crate) fn sample() -> Binding {
+        let tensors = vec![TensorDigest {
+            name: "embed.weight".into(),
+            dtype: "bf16".into(),
+            shape: vec![1024, 256],
+            digest: Algorithm::Blake3.hash(b"w"),
+        }];
+        Binding {
+            model: ModelIdentity {
+                name: "builtin:tiny-v4".into(),
+                config_digest: Algorithm::Blake3.hash(b"c"),
+                weights_digest: weights_digest(Algorithm::Blake3, &tensors),
+                tensors,
+            },
+            tokenizer: TokenizerIdentity {
+                name: "tokenizer.json".into(),
+                digest: Algorithm::Blake3.hash(b"t"),
+            },
+            prompt: PromptBinding {
+                text: "why the sheep".into(),
+                ids: vec![5, 9, 200],
+            },
+            decoding: Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 8,
+            },
+            precision: "bf16".into(),
+            contract: "native".into(),
+            schedule: "identity".into(),
+            capture: CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b01010,
+            },
+            canon: CanonPolicy::default(),
+            extra: vec![("seed".into(), "7".into())],
+        }
+    }
+
+    #[test]
+    fn binding_round_trips() {
+        let b = sample();
+        let bytes = b.to_bytes();
+        let mut d = Decoder::new(&bytes, 0);
+        assert_eq!(Binding::decode(&mut d).unwrap(), b);
+        d.finish("binding").unwrap();
+        assert_eq!(b.capture.describe(), "L0,L1+payload,L2,L3+payload,L4");
+    }
+}

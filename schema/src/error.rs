@@ -1,0 +1,87 @@
+//! Errors of trace reading and writing.
+
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// Everything that can go wrong reading or writing a trace. Every variant
+/// names the file; format errors also name the byte offset.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// The operating system refused a read, write or rename.
+    #[error("{}: {what}: {source}", path.display())]
+    Io {
+        /// The file concerned.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The bytes are not a valid trace: truncated, corrupted or malformed.
+    #[error("{}: byte {offset}: {what}", path.display())]
+    Format {
+        /// The file concerned.
+        path: PathBuf,
+        /// Absolute offset of the offending byte.
+        offset: u64,
+        /// What is wrong there.
+        what: String,
+    },
+    /// The file is a trace of a format version this build cannot read.
+    #[error(
+        "{}: trace format version {found} is not supported (this build reads version {supported}); \
+         upgrade moeconf or re-capture the trace",
+        path.display()
+    )]
+    UnsupportedVersion {
+        /// The file concerned.
+        path: PathBuf,
+        /// The version in the file.
+        found: u32,
+        /// The version this build reads and writes.
+        supported: u32,
+    },
+    /// The writer was given something it cannot store (bad shape, duplicate
+    /// coordinate, invalid path).
+    #[error("{}: {what}", path.display())]
+    Invalid {
+        /// The trace being written.
+        path: PathBuf,
+        /// What was rejected.
+        what: String,
+    },
+}
+
+impl TraceError {
+    pub(crate) fn format(path: &Path, offset: u64, what: impl Into<String>) -> TraceError {
+        TraceError::Format {
+            path: path.to_path_buf(),
+            offset,
+            what: what.into(),
+        }
+    }
+
+    pub(crate) fn io(path: &Path, what: &'static str, source: std::io::Error) -> TraceError {
+        TraceError::Io {
+            path: path.to_path_buf(),
+            what,
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(path: &Path, what: impl Into<String>) -> TraceError {
+        TraceError::Invalid {
+            path: path.to_path_buf(),
+            what: what.into(),
+        }
+    }
+
+    /// The byte offset of a format error, if this is one.
+    pub fn offset(&self) -> Option<u64> {
+        match self {
+            TraceError::Format { offset, .. } => Some(*offset),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Byte layout of the trace container: preamble, header, payload section,
+//! index and trailer (docs/format.md is the normative description).
+
+use crate::binding::{Binding, Provenance};
+use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
+use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Level, TensorView, MAX_RANK};
+
+/// File magic: `MOECONF` followed by a NUL byte.
+pub const MAGIC: [u8; 8] = *b"MOECONF\0";
+/// Trailer magic: `MOECEND` followed by a NUL byte.
+pub const END_MAGIC: [u8; 8] = *b"MOECEND\0";
+/// The container format version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+/// Size of the fixed preamble.
+pub const PREAMBLE_LEN: u64 = 32;
+/// Size of the fixed trailer.
+pub const TRAILER_LEN: u64 = 104;
+/// Alignment of the payload section and of every payload.
+pub const PAYLOAD_ALIGN: u64 = 64;
+/// Largest header accepted.
+pub const MAX_HEADER_LEN: u64 = 256 << 20;
+/// Domain tag of the header-and-index checksum.
+pub const DOMAIN_CHECKSUM: &str = "moeconf.checksum.v1";
+/// Smallest possible encoded index entry, used to bound record counts.
+pub const MIN_ENTRY_LEN: u64 = 4 + 4 + 4 + 1 + 8 + 1 + 4 + 4 + 8 + 32 + 1;
+
+/// Rounds `x` up to a multiple of `PAYLOAD_ALIGN`.
+pub fn align_up(x: u64) -> Option<u64> {
+    x.checked_add(PAYLOAD_ALIGN - 1)
+        .map(|v| v / PAYLOAD_ALIGN * PAYLOAD_ALIGN)
+}
+
+/// The 32-byte preamble.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preamble {
+    /// Digest algorithm of the trace.
+    pub algorithm: Algorithm,
+    /// Length of the encoded header that follows.
+    pub header_len: u64,
+}
+
+impl Preamble {
+    /// The 32 bytes: magic, version u32, flags u32 (0), algorithm u32,
+    /// reserved u32 (0), header length u64.
+    pub fn to_bytes(&self) -> [u8; 32] {
+        let mut e = Encoder::new();
+        e.raw(&MAGIC)
+            .u32(FORMAT_VERSION)
+            .u32(0)
+            .u32(self.algorithm.code())
+            .u32(0)
+            .u64(self.header_len);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(e.as_bytes());
+        out
+    }
+}
+
+/// Header: the binding then the provenance.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Header {
+    /// Hashed binding.
+    pub binding: Binding,
+    /// Unhashed provenance.
+    pub provenance: Provenance,
+}
+
+impl Header {
+    /// Wire encoding.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut e = Encoder::new();
+        self.binding.encode(&mut e);
+        self.provenance.encode(&mut e);
+        e.into_bytes()
+    }
+
+    /// Decodes a header, rejecting trailing bytes.
+    pub fn decode(bytes: &[u8], base: u64) -> Result<Header, WireError> {
+        let mut d = Decoder::new(bytes, base);
+        let binding = Binding::decode(&mut d)?;
+        let provenance = Provenance::decode(&mut d)?;
+        d.finish("header")?;
+        Ok(Header { binding, provenance })
+    }
+}
+
+/// Location of a payload inside the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadRef {
+    /// Absolute offset (a multiple of 64).
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// One record of the index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexEntry {
+    /// Where the tensor belongs.
+    pub coord: Coord,
+    /// Its level.
+    pub level: Level,
+    /// Its element type.
+    pub dtype: DType,
+    /// Its logical shape.
+    pub shape: Vec<u64>,
+    /// Its record digest.
+    pub digest: Digest,
+    /// Its canonical bytes, when kept.
+    pub payload: Option<PayloadRef>,
+}
+
+impl IndexEntry {
+    /// Appends the wire encoding.
+    pub fn encode(&self, e: &mut Encoder) {
+        self.coord.encode(e);
+        e.u32(self.level.code())
+            .u32(self.dtype.code())
+            .len(self.shape.len());
+        for &s in &self.shape {
+            e.u64(s);
+        }
+        e.raw(&self.digest.0);
+        match self.payload {
+            None => {
+                e.u8(0);
+            }
+            Some(p) => {
+                e.u8(1).u64(p.offset).u64(p.len);
+            }
+        }
+    }
+
+    /// Decodes and validates one entry (codes, rank, byte length vs shape).
+    pub fn decode(d: &mut Decoder<'_>) -> Result<IndexEntry, WireError> {
+        let coord = Coord::decode(d)?;
+        let at = d.offset();
+        let lc = d.u32("record level")?;
+        let level = Level::from_code(lc).ok_or_else(|| d.error_at(at, format!("unknown level code {lc}")))?;
+        let at = d.offset();
+        let dc = d.u32("record dtype")?;
+        let dtype = DType::from_code(dc).ok_or_else(|| d.error_at(at, format!("unknown dtype code {dc}")))?;
+        let rank = d.len("record shape", 8, MAX_RANK as u64)?;
+        let mut shape = Vec::with_capacity(rank);
+        for _ in 0..rank {
+            shape.push(d.u64("record dimension")?);
+        }
+        let digest = Digest(d.array32("record digest")?);
+        let at = d.offset();
+        let payload = if d.option_tag("record payload")? {
+            let offset = d.u64("payload offset")?;
+            let len = d.u64("payload length")?;
+            let want = TensorView::element_count(&shape).and_then(|n| n.checked_mul(dtype.size() as u64));
+            if want != Some(len) {
+                return Err(d.error_at(
+                    at,
+                    format!("record {coord}: payload length {len} does not match shape {shape:?} of {dtype}"),
+                ));
+            }
+            Some(PayloadRef { offset, len })
+        } else {
+            None
+        };
+        Ok(IndexEntry {
+            coord,
+            level,
+            dtype,
+            shape,
+            digest,
+            payload,
+        })
+    }
+}
+
+/// The 104-byte trailer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trailer {
+    /// Absolute offset of the index.
+    pub index_offset: u64,
+    /// Length of the encoded index.
+    pub index_len: u64,
+    /// Number of records in the index.
+    pub record_count: u64,
+    /// Root of the hash tree.
+    pub root: Digest,
+    /// Checksum of preamble, header, index and the trailer's first 64 bytes.
+    pub checksum: Digest,
+}
+
+impl Trailer {
+    /// The first 64 bytes (everything the checksum covers).
+    pub fn covered_bytes(&self) -> [u8; 64] {
+        let mut e = Encoder::new();
+        e.raw(&END_MAGIC)
+            .u64(self.index_offset)
+            .u64(self.index_len)
+            .u64(self.record_count)
+            .raw(&self.root.0);
+        let mut out = [0u8; 64];
+        out.copy_from_slice(e.as_bytes());
+        out
+    }
+
+    /// All 104 bytes: covered part, checksum, end magic again.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = self.covered_bytes().to_vec();
+        v.extend_from_slice(&self.checksum.0);
+        v.extend_from_slice(&END_MAGIC);
+        v
+    }
+}
+
+/// The checksum over preamble + header, index and trailer's covered bytes.
+pub fn checksum(
+    alg: Algorithm,
+    preamble_and_header: &[u8],
+    index: &[u8],
+    trailer_covered: &[u8; 64],
+) -> Digest {
+    let mut h = alg.hasher();
+    let mut e = Encoder::new();
+    e.str(DOMAIN_CHECKSUM);
+    h.update(e.as_bytes());
+    h.update(preamble_and_header);
+    h.update(index);
+    h.update(trailer_covered);
+    h.finalize()
+}

@@ -1,0 +1,399 @@
+//! Validating trace reader.
+//!
+//! A trace file is untrusted input. [`Trace::open`] checks, in this order:
+//! size, magic, version, reserved fields, algorithm, header length, trailer
+//! magic and offsets, the checksum of preamble + header + index + trailer,
+//! then decodes header and index (every length capped before allocating),
+//! checks that payloads lie inside the payload section in order, aligned and
+//! non-overlapping, rebuilds the hash tree and compares its root with the
+//! trailer. [`Trace::verify_payloads`] additionally re-hashes every payload
+//! and checks that every padding byte is zero, so that every byte of the file
+//! is accounted for. Any failure names the file and the byte offset.
+
+use crate::binding::{Binding, Provenance};
+use crate::error::TraceError;
+use crate::layout::{
+    align_up, checksum, Header, IndexEntry, Trailer, END_MAGIC, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN,
+    MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
+};
+use moeconf_fingerprint::wire::Decoder;
+use moeconf_fingerprint::{
+    binding_digest, is_canonical, record_prefix, Algorithm, Digest, HashTree, Leaf, TensorView,
+};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+enum Backing {
+    Map(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Map(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// An opened, validated trace.
+pub struct Trace {
+    path: PathBuf,
+    data: Backing,
+    alg: Algorithm,
+    header: Header,
+    entries: Vec<IndexEntry>,
+    tree: HashTree,
+    binding_digest: Digest,
+    header_end: u64,
+    payload_start: u64,
+    index_offset: u64,
+}
+
+/// What [`Trace::verify_payloads`] checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifySummary {
+    /// Payloads re-hashed.
+    pub payloads: u64,
+    /// Payload bytes re-hashed.
+    pub payload_bytes: u64,
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+impl Trace {
+    /// Opens and validates the trace at `path` (memory-mapped).
+    pub fn open(path: &Path) -> Result<Trace, TraceError> {
+        let file = File::open(path).map_err(|e| TraceError::io(path, "opening trace", e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| TraceError::io(path, "reading trace metadata", e))?
+            .len();
+        if len < PREAMBLE_LEN + TRAILER_LEN {
+            return Err(TraceError::format(
+                path,
+                0,
+                format!(
+                    "file is {len} bytes, shorter than the smallest trace ({} bytes): truncated or not a trace",
+                    PREAMBLE_LEN + TRAILER_LEN
+                ),
+            ));
+        }
+        // SAFETY: the map is read-only and private to this process; like every
+        // memory-mapped reader it assumes no other process truncates the file
+        // while it is open. All reads below are bounds-checked slices.
+        let map =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| TraceError::io(path, "mapping trace", e))?;
+        Trace::parse(path, Backing::Map(map))
+    }
+
+    /// Validates a trace held in memory (`name` is used in messages).
+    pub fn from_bytes(name: &Path, bytes: Vec<u8>) -> Result<Trace, TraceError> {
+        Trace::parse(name, Backing::Owned(bytes))
+    }
+
+    fn parse(path: &Path, data: Backing) -> Result<Trace, TraceError> {
+        let b = data.bytes();
+        let len = b.len() as u64;
+        let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
+        if len < PREAMBLE_LEN + TRAILER_LEN {
+            return Err(fail(
+                0,
+                format!("file is {len} bytes, shorter than the smallest trace"),
+            ));
+        }
+        if b[0..8] != MAGIC {
+            return Err(fail(
+                0,
+                "not a moeconf trace (bad magic; expected \"MOECONF\\0\")".into(),
+            ));
+        }
+        let version = u32_at(b, 8);
+        if version != FORMAT_VERSION {
+            return Err(TraceError::UnsupportedVersion {
+                path: path.to_path_buf(),
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let flags = u32_at(b, 12);
+        if flags != 0 {
+            return Err(fail(
+                12,
+                format!("unknown flags {flags:#x} (must be 0 in version 1)"),
+            ));
+        }
+        let alg_code = u32_at(b, 16);
+        let alg = Algorithm::from_code(alg_code)
+            .ok_or_else(|| fail(16, format!("unknown digest algorithm code {alg_code}")))?;
+        if u32_at(b, 20) != 0 {
+            return Err(fail(20, "reserved field is not zero".into()));
+        }
+        let header_len = u64_at(b, 24);
+        let header_end = PREAMBLE_LEN
+            .checked_add(header_len)
+            .filter(|&e| header_len <= MAX_HEADER_LEN && e <= len - TRAILER_LEN)
+            .ok_or_else(|| {
+                fail(
+                    24,
+                    format!("header length {header_len} does not fit in a {len}-byte file"),
+                )
+            })?;
+        let payload_start = align_up(header_end).ok_or_else(|| fail(24, "header length overflows".into()))?;
+
+        // Trailer.
+        let t0 = (len - TRAILER_LEN) as usize;
+        if b[t0..t0 + 8] != END_MAGIC || b[t0 + 96..t0 + 104] != END_MAGIC {
+            return Err(fail(
+                t0 as u64,
+                "trailer magic missing: the file is truncated or was not finished by its writer".into(),
+            ));
+        }
+        let index_offset = u64_at(b, t0 + 8);
+        let index_len = u64_at(b, t0 + 16);
+        let record_count = u64_at(b, t0 + 24);
+        let mut root = [0u8; 32];
+        root.copy_from_slice(&b[t0 + 32..t0 + 64]);
+        let mut stored_sum = [0u8; 32];
+        stored_sum.copy_from_slice(&b[t0 + 64..t0 + 96]);
+        if index_offset < payload_start.min(len)
+            || index_offset.checked_add(index_len) != Some(len - TRAILER_LEN)
+        {
+            return Err(fail(
+                t0 as u64 + 8,
+                format!(
+                    "index at {index_offset} with length {index_len} does not end at the trailer ({})",
+                    len - TRAILER_LEN
+                ),
+            ));
+        }
+        if record_count > index_len / MIN_ENTRY_LEN {
+            return Err(fail(
+                t0 as u64 + 24,
+                format!("record count {record_count} cannot fit in a {index_len}-byte index"),
+            ));
+        }
+        let trailer = Trailer {
+            index_offset,
+            index_len,
+            record_count,
+            root: Digest(root),
+            checksum: Digest(stored_sum),
+        };
+        let index_bytes = &b[index_offset as usize..(index_offset + index_len) as usize];
+        let sum = checksum(
+            alg,
+            &b[..header_end as usize],
+            index_bytes,
+            &trailer.covered_bytes(),
+        );
+        if sum.0 != stored_sum {
+            return Err(fail(
+                t0 as u64 + 64,
+                "checksum mismatch: the header, index or trailer is corrupted".into(),
+            ));
+        }
+
+        // Header and index.
+        let header = Header::decode(&b[PREAMBLE_LEN as usize..header_end as usize], PREAMBLE_LEN)
+            .map_err(|e| fail(e.offset, format!("header: {}", e.what)))?;
+        let mut d = Decoder::new(index_bytes, index_offset);
+        let n = d
+            .len("index record count", MIN_ENTRY_LEN as usize, record_count)
+            .map_err(|e| fail(e.offset, e.what))?;
+        if n as u64 != record_count {
+            return Err(fail(
+                index_offset,
+                format!("index holds {n} records, trailer says {record_count}"),
+            ));
+        }
+        let mut entries = Vec::with_capacity(n);
+        let mut next_payload = payload_start;
+        for i in 0..n {
+            let at = d.offset();
+            let e =
+                IndexEntry::decode(&mut d).map_err(|e| fail(e.offset, format!("record {i}: {}", e.what)))?;
+            if let Some(p) = e.payload {
+                let end = p.offset.checked_add(p.len);
+                if p.offset % PAYLOAD_ALIGN != 0
+                    || p.offset < next_payload
+                    || end.is_none_or(|end| end > index_offset)
+                {
+                    return Err(fail(
+                        at,
+                        format!(
+                            "record {i} ({}): payload at {} (+{}) is outside the payload section, misaligned \
+                             or overlapping",
+                            e.coord, p.offset, p.len
+                        ),
+                    ));
+                }
+                next_payload = end.unwrap_or(index_offset);
+            }
+            entries.push(e);
+        }
+        d.finish("index").map_err(|e| fail(e.offset, e.what))?;
+
+        let bd = binding_digest(alg, &header.binding.to_bytes());
+        let leaves: Vec<Leaf> = entries
+            .iter()
+            .map(|e| Leaf {
+                coord: &e.coord,
+                level: e.level,
+                digest: e.digest,
+            })
+            .collect();
+        let tree = HashTree::build(alg, bd, &leaves).map_err(|e| fail(index_offset, e.to_string()))?;
+        if tree.root.0 != root {
+            return Err(fail(
+                t0 as u64 + 32,
+                "root digest does not match the records: the index or trailer is corrupted".into(),
+            ));
+        }
+        drop(leaves);
+        Ok(Trace {
+            path: path.to_path_buf(),
+            data,
+            alg,
+            header,
+            entries,
+            tree,
+            binding_digest: bd,
+            header_end,
+            payload_start,
+            index_offset,
+        })
+    }
+
+    /// The file this trace was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The digest algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.alg
+    }
+
+    /// The hashed binding.
+    pub fn binding(&self) -> &Binding {
+        &self.header.binding
+    }
+
+    /// Digest of the binding (a child of the root).
+    pub fn binding_digest(&self) -> Digest {
+        self.binding_digest
+    }
+
+    /// The unhashed provenance.
+    pub fn provenance(&self) -> &Provenance {
+        &self.header.provenance
+    }
+
+    /// Root digest.
+    pub fn root(&self) -> Digest {
+        self.tree.root
+    }
+
+    /// Records in execution (write) order.
+    pub fn records(&self) -> &[IndexEntry] {
+        &self.entries
+    }
+
+    /// The hash tree; its leaves index into [`Trace::records`].
+    pub fn tree(&self) -> &HashTree {
+        &self.tree
+    }
+
+    /// Total file size.
+    pub fn file_len(&self) -> u64 {
+        self.data.bytes().len() as u64
+    }
+
+    /// The canonical bytes of record `i`, if it kept a payload. Not re-hashed;
+    /// use [`Trace::payload_verified`] where integrity matters.
+    pub fn payload(&self, i: usize) -> Option<&[u8]> {
+        let p = self.entries.get(i)?.payload?;
+        // In bounds: checked in parse against the index offset.
+        self.data
+            .bytes()
+            .get(p.offset as usize..(p.offset + p.len) as usize)
+    }
+
+    /// The payload of record `i`, re-hashed against its record digest.
+    pub fn payload_verified(&self, i: usize) -> Result<Option<&[u8]>, TraceError> {
+        let Some(e) = self.entries.get(i) else {
+            return Ok(None);
+        };
+        let Some(p) = e.payload else {
+            return Ok(None);
+        };
+        let bytes = self.payload(i).ok_or_else(|| {
+            TraceError::format(&self.path, p.offset, format!("record {i}: payload out of bounds"))
+        })?;
+        let fail = |what: &str| {
+            TraceError::format(&self.path, p.offset, format!("record {i} ({}): {what}", e.coord))
+        };
+        if !is_canonical(e.dtype, bytes, self.header.binding.canon) {
+            return Err(fail("payload is not in canonical form"));
+        }
+        let t = TensorView {
+            dtype: e.dtype,
+            shape: &e.shape,
+            bytes,
+        };
+        t.validate(&e.coord.path).map_err(|err| fail(&err.to_string()))?;
+        let mut h = self.alg.hasher();
+        h.update(&record_prefix(&e.coord, e.level, e.dtype, &e.shape, p.len));
+        h.update_with(bytes, true);
+        if h.finalize() != e.digest {
+            return Err(fail(
+                "payload bytes do not match the record digest (corrupted payload)",
+            ));
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Re-hashes every payload and checks that all padding bytes are zero,
+    /// so that every byte of the file has been validated.
+    pub fn verify_payloads(&self) -> Result<VerifySummary, TraceError> {
+        let b = self.data.bytes();
+        let mut cursor = self.header_end as usize;
+        let mut summary = VerifySummary {
+            payloads: 0,
+            payload_bytes: 0,
+        };
+        let check_zero = |from: usize, to: usize| -> Result<(), TraceError> {
+            if let Some(k) = b[from..to].iter().position(|&x| x != 0) {
+                return Err(TraceError::format(
+                    &self.path,
+                    (from + k) as u64,
+                    "padding byte is not zero (corrupted file)",
+                ));
+            }
+            Ok(())
+        };
+        check_zero(cursor, self.payload_start as usize)?;
+        cursor = self.payload_start as usize;
+        for i in 0..self.entries.len() {
+            if let Some(p) = self.entries[i].payload {
+                check_zero(cursor, p.offset as usize)?;
+                self.payload_verified(i)?;
+                cursor = (p.offset + p.len) as usize;
+                summary.payloads += 1;
+                summary.payload_bytes += p.len;
+            }
+        }
+        check_zero(cursor, self.index_offset as usize)?;
+        Ok(summary)
+    }
+}
