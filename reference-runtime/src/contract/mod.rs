@@ -3,8 +3,37 @@
 //! precision, order, rounding points).
 //!
 //! The paper's schemes P32, C, A and B (section 2.5) are presets of one
-//! parameterized contract; `native` is the runtime's default and equals C with
-//! the identity order.
+//! parameterized [`AggregationContract`]; `native` is the runtime's default
+//! and equals C with the identity order ([`combine_native`], [`NativeCombine`]).
+//! Orders and B structural classes live in the `order` functions
+//! ([`permutation_from_index`], [`b_class_of`], …), per-event schedules in
+//! [`Schedule`], [`ScheduledCombine`] and [`ForkCombine`], and the
+//! order-invariance certificate in [`order_sensitivity`]. docs/contracts.md
+//! states every equation, enumeration order and the non-finite behaviour.
+
+mod certificate;
+mod error;
+mod exact;
+mod order;
+mod schedule;
+mod spec;
+
+pub use certificate::{order_sensitivity, prove_invariance, Certificate, InvarianceProof, MAX_CERTIFIED_K};
+pub use error::ContractError;
+pub use exact::ExactSum;
+pub use order::{
+    all_permutations, b_canonical, b_class_count, b_class_of, b_class_representative,
+    b_class_representatives, factorial, identity_permutation, index_of_permutation, permutation_from_index,
+    validate_permutation, MAX_ENUMERATED_K, MAX_INDEXED_K,
+};
+pub use schedule::{
+    derive_seed, draw_index, parse_fork_order, prompt_hash, splitmix64, ForkCombine, ForkPoint, Schedule,
+    ScheduledCombine, DEFAULT_EXPERIMENT_SEED, DOMAIN_LAYER_STATIC, DOMAIN_TOKEN_DYNAMIC,
+};
+pub use spec::{
+    Accumulator, AggregationContract, OperandPrecision, Order, OutputRounding, Shape, CANONICAL_NAN_BITS,
+    PRESET_NAMES,
+};
 
 use crate::bf16::r_bf16;
 
@@ -39,14 +68,26 @@ pub trait MoeCombine: Send + Sync {
 /// v_j is rounded with R_BF16, the rounded terms are accumulated in FP32 from
 /// +0 in selection order, then the shared-expert output is added in FP32 and
 /// the sum is rounded with R_BF16:
-/// `y = R_BF16(((0 + v̂_0) + v̂_1) + … + v̂_{k-1} + s)`.
+/// `y = R_BF16(((0 + v̂_0) + v̂_1) + … + v̂_{k-1} + s)`. A NaN result is
+/// written as the canonical quiet NaN [`CANONICAL_NAN_BITS`] (NaN sign and
+/// payload after arithmetic differ between machines). Bitwise equal to
+/// [`AggregationContract::native`] (tested).
+///
+/// # Panics
+///
+/// If a term or `shared` is shorter than `out`.
 pub fn combine_native(terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
     for (d, o) in out.iter_mut().enumerate() {
         let mut acc = 0.0f32;
         for t in terms {
             acc += r_bf16(t[d]);
         }
-        *o = r_bf16(acc + shared[d]);
+        let y = r_bf16(acc + shared[d]);
+        *o = if y.is_nan() {
+            f32::from_bits(CANONICAL_NAN_BITS)
+        } else {
+            y
+        };
     }
 }
 
@@ -61,5 +102,25 @@ impl MoeCombine for NativeCombine {
 
     fn describe(&self) -> String {
         "native".to_string()
+    }
+}
+
+impl<T: MoeCombine + ?Sized> MoeCombine for Box<T> {
+    fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
+        (**self).combine(event, terms, shared, out)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+impl<T: MoeCombine + ?Sized> MoeCombine for std::sync::Arc<T> {
+    fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
+        (**self).combine(event, terms, shared, out)
+    }
+
+    fn describe(&self) -> String {
+        (**self).describe()
     }
 }
