@@ -106,6 +106,54 @@ pub fn is_canonical(dtype: DType, bytes: &[u8], policy: CanonPolicy) -> bool {
     }
 }
 
+/// Fast pre-check used on the hashing hot path: `true` means `bytes` are
+/// certainly canonical (no NaN/∞ exponent pattern at all, and no −0 folding
+/// requested); `false` means "look closer" with [`is_canonical`].
+///
+/// The answer is a pure function of the bytes, so the CPU-feature dispatch
+/// inside cannot change any digest: it only decides how fast the scan runs.
+pub fn surely_canonical(dtype: DType, bytes: &[u8], policy: CanonPolicy) -> bool {
+    if policy.fold_negative_zero {
+        return false;
+    }
+    match dtype {
+        DType::F32 => match bytemuck::try_cast_slice::<u8, u32>(bytes) {
+            Ok(words) => !any_f32_special(words),
+            Err(_) => false,
+        },
+        DType::I32 | DType::I64 | DType::U32 | DType::U8 => true,
+        DType::BF16 | DType::F64 => false,
+    }
+}
+
+/// Whether any word has an all-ones f32 exponent (∞ or NaN), as little-endian words.
+fn any_f32_special(words: &[u32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { any_f32_special_avx2(words) };
+        }
+    }
+    any_f32_special_portable(words)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn any_f32_special_avx2(words: &[u32]) -> bool {
+    any_f32_special_portable(words)
+}
+
+#[inline(always)]
+fn any_f32_special_portable(words: &[u32]) -> bool {
+    let mut acc = 0u32;
+    for &w in words {
+        let b = u32::from_le(w);
+        acc |= u32::from((b & 0x7f80_0000) == 0x7f80_0000);
+    }
+    acc != 0
+}
+
 /// Rewrites `bytes` (little-endian values of `dtype`) to canonical form.
 pub fn canonicalize_in_place(dtype: DType, bytes: &mut [u8], policy: CanonPolicy) {
     match dtype {
@@ -207,6 +255,32 @@ mod tests {
                 assert_eq!(canon, u32::from_le_bytes(bytes) == bits, "{bits:#010x}");
             }
         }
+    }
+
+    #[test]
+    fn surely_canonical_never_contradicts_is_canonical() {
+        let vals: Vec<u32> = vec![
+            0,
+            1,
+            0x8000_0000,
+            0x7f80_0000,
+            0x7fc0_0000,
+            0xffc0_0000,
+            0x3f80_0000,
+            0x7f7f_ffff,
+        ];
+        for v in &vals {
+            for w in &vals {
+                let bytes: Vec<u8> = [*v, *w, 5, 6].iter().flat_map(|x| x.to_le_bytes()).collect();
+                for p in [KEEP, FOLD] {
+                    if surely_canonical(DType::F32, &bytes, p) {
+                        assert!(is_canonical(DType::F32, &bytes, p), "{v:#x} {w:#x}");
+                    }
+                }
+            }
+        }
+        let clean: Vec<u8> = (0..1000u32).flat_map(|x| (x * 12345).to_le_bytes()).collect();
+        assert!(surely_canonical(DType::F32, &clean, KEEP));
     }
 
     #[test]

@@ -1,0 +1,117 @@
+//! `moeconf bench`: throughput measured against a baseline in the same run.
+
+use crate::cli::{BenchFingerprintArgs, Format};
+use crate::output::print_json;
+use moeconf_fingerprint::{
+    record_digest_with_sink, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView,
+};
+use serde_json::json;
+use std::process::ExitCode;
+use std::time::Instant;
+
+fn best_of(repeat: u32, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..repeat {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// Deterministic finite f32 values (no NaN, so the canonical path hashes in
+/// place; the point is the cost of the scan).
+fn buffer(bytes: usize) -> Vec<u8> {
+    let mut s: u32 = 0x1234_5678;
+    let mut v = Vec::with_capacity(bytes);
+    while v.len() < bytes {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let x = (s >> 9) as f32 / (1u32 << 23) as f32 - 0.5;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+pub fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
+    let bytes = (a.mib as usize) << 20;
+    eprintln!(
+        "moeconf bench fingerprint: preparing {} MiB of f32 values ...",
+        a.mib
+    );
+    let data = buffer(bytes);
+    let shape = [(bytes / 4) as u64];
+    let coord = Coord {
+        step: 0,
+        position: 0,
+        phase: Phase::Decode,
+        layer: Some(0),
+        path: "bench.tensor".into(),
+    };
+    let t = TensorView {
+        dtype: DType::F32,
+        shape: &shape,
+        bytes: &data,
+    };
+    let threads = rayon::current_num_threads();
+    let policy = CanonPolicy::default();
+    let mut sink_digest = None;
+    eprintln!("measuring (best of {}) ...", a.repeat);
+    let raw_1 = best_of(a.repeat, || {
+        let mut h = blake3::Hasher::new();
+        h.update(&data);
+        std::hint::black_box(h.finalize());
+    });
+    let canon_1 = best_of(a.repeat, || {
+        let d = record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, false, |_| Ok(()));
+        sink_digest = d.ok();
+    });
+    let raw_n = best_of(a.repeat, || {
+        let mut h = blake3::Hasher::new();
+        h.update_rayon(&data);
+        std::hint::black_box(h.finalize());
+    });
+    let canon_n = best_of(a.repeat, || {
+        let d = record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, true, |_| Ok(()));
+        std::hint::black_box(d.ok());
+    });
+    let sha_1 = best_of(1, || {
+        let d = record_digest_with_sink(Algorithm::Sha256, policy, &coord, Level::L4, t, false, |_| Ok(()));
+        std::hint::black_box(d.ok());
+    });
+    let gbps = |s: f64| bytes as f64 / s / 1e9;
+    let ratio_1 = raw_1 / canon_1;
+    let ratio_n = raw_n / canon_n;
+    let scaling = canon_1 / canon_n;
+    match a.format {
+        Format::Json => print_json(&json!({
+            "schema_version": 1,
+            "kind": "moeconf.bench.fingerprint",
+            "bytes": bytes,
+            "threads": threads,
+            "raw_blake3_1thread_gbps": gbps(raw_1),
+            "canonical_1thread_gbps": gbps(canon_1),
+            "raw_blake3_rayon_gbps": gbps(raw_n),
+            "canonical_rayon_gbps": gbps(canon_n),
+            "canonical_sha256_1thread_gbps": gbps(sha_1),
+            "ratio_canonical_over_raw_1thread": ratio_1,
+            "ratio_canonical_over_raw_rayon": ratio_n,
+            "canonical_thread_scaling": scaling,
+        }))?,
+        Format::Text => {
+            println!(
+                "fingerprint throughput over {} MiB of f32 ({threads} rayon threads)",
+                a.mib
+            );
+            println!("  (a) raw BLAKE3, 1 thread          {:>7.2} GB/s", gbps(raw_1));
+            println!("  (b) canonical record, 1 thread    {:>7.2} GB/s   ratio b/a = {ratio_1:.3}  (target >= 0.90)", gbps(canon_1));
+            println!("  (c) raw BLAKE3, rayon             {:>7.2} GB/s", gbps(raw_n));
+            println!(
+                "  (d) canonical record, rayon       {:>7.2} GB/s   ratio d/c = {ratio_n:.3}",
+                gbps(canon_n)
+            );
+            println!("  canonical scaling 1 -> {threads} threads: {scaling:.2}x");
+            println!("  (e) canonical record, SHA-256     {:>7.2} GB/s", gbps(sha_1));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,15 @@
+//! One module per subcommand.
+
+mod bench;
+mod inspect;
+
+use crate::cli::{BenchCommand, Cli, Command};
+use std::process::ExitCode;
+
+/// Runs the parsed command.
+pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Inspect(a) => inspect::run(&a),
+        Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
+    }
+}
