@@ -6,3 +6,22 @@
 
 pub mod bf16;
 pub mod contract;
+pub mod attention;
+pub mod capture;
+pub mod compressor;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod head;
+pub mod indexer;
+pub mod linear;
+pub mod mhc;
+pub mod model;
+pub mod moe;
+pub mod precision;
+pub mod rmsnorm;
+pub mod rope;
+pub mod router;
+pub mod state;
+pub mod tokenizer;
+pub mod weights;

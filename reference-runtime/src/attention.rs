@@ -1,0 +1,250 @@
+//! The attention block of every layer: low-rank queries, the single shared
+//! K=V head, sliding window with per-head sinks, CSA/HCA compressed keys, the
+//! lightning indexer, de-rotation and the grouped output projection
+//! (`modeling_deepseek_v4.py` L728-884; notes §2.4).
+//!
+//! Numerical contract (round = the profile's rounding point):
+//! - `q_lat = rmsnorm_w(round(W_qa·a))`; `q_h = rope(rmsnorm_unweighted(round(W_qb·q_lat)_h))`.
+//! - `kv = rope(rmsnorm_w(round(W_kv·a)))`; rope kind "main" on sliding layers, else "compress".
+//! - Keys: the window (≤ w kvs, oldest first) then the compressed entries (HCA: all;
+//!   CSA: the indexer's selection in ascending entry order).
+//! - `l_j = round(round(dot8(q_h, k_j)) · d^(−1/2))`; `M = max(max_j l_j, sink_h)`;
+//!   `e_j = expf(l_j − M)`; `Z = (Σ_j e_j) + expf(sink_h − M)` (keys in order, sink last);
+//!   `p_j = round(e_j / Z)`; `o_h = round(Σ_j p_j · v_j)` (keys in order, FP32).
+//! - De-rotation: inverse rope at t on the trailing r channels of each o_h.
+//! - `u_g = round(W_oa[gR..(g+1)R] · o_g)` over contiguous head groups, `out = round(W_ob · u)`.
+
+use moeconf_fingerprint::Level;
+
+use crate::capture::{CaptureError, Recorder};
+use crate::compressor::{compressor_step, CompressorWeights};
+use crate::config::{AttentionKind, ModelConfig};
+use crate::error::RuntimeError;
+use crate::indexer::{indexer_scores, topk_desc, IndexerWeights};
+use crate::linear::dot8;
+use crate::precision::Precision;
+use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
+use crate::rope::{apply_rope, RopeFreqs};
+use crate::state::LayerState;
+use crate::weights::{Mat, WeightLoader};
+
+/// Weights of one attention block.
+#[derive(Debug, Clone)]
+pub struct AttnWeights {
+    /// Layer kind.
+    pub kind: AttentionKind,
+    /// W_qa `[q_r, D]`.
+    pub wq_a: Mat,
+    /// q_a_norm weight `[q_r]`.
+    pub q_norm: Vec<f32>,
+    /// W_qb `[H·d, q_r]`.
+    pub wq_b: Mat,
+    /// W_kv `[d, D]`.
+    pub wkv: Mat,
+    /// kv_norm weight `[d]`.
+    pub kv_norm: Vec<f32>,
+    /// W_oa `[G·R, H·d/G]`.
+    pub wo_a: Mat,
+    /// W_ob `[D, G·R]`.
+    pub wo_b: Mat,
+    /// Per-head sink logits `[H]`.
+    pub sinks: Vec<f32>,
+    /// Main compressor (CSA/HCA).
+    pub compressor: Option<CompressorWeights>,
+    /// Lightning indexer (CSA).
+    pub indexer: Option<IndexerWeights>,
+}
+
+impl AttnWeights {
+    /// Loads `layers.{i}.attn.*`.
+    pub fn load(w: &mut WeightLoader, cfg: &ModelConfig, i: usize) -> Result<AttnWeights, RuntimeError> {
+        let p = format!("layers.{i}.attn");
+        let (dm, h, d, qr) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
+        let kind = cfg.layer_types[i];
+        let compressor = match kind {
+            AttentionKind::Sliding => None,
+            AttentionKind::Csa => Some(CompressorWeights::load(
+                w,
+                &format!("{p}.compressor"),
+                dm,
+                d,
+                cfg.csa_rate,
+                true,
+            )?),
+            AttentionKind::Hca => Some(CompressorWeights::load(
+                w,
+                &format!("{p}.compressor"),
+                dm,
+                d,
+                cfg.hca_rate,
+                false,
+            )?),
+        };
+        let indexer = match kind {
+            AttentionKind::Csa => Some(IndexerWeights::load(
+                w,
+                &format!("{p}.indexer"),
+                dm,
+                qr,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.csa_rate,
+            )?),
+            _ => None,
+        };
+        Ok(AttnWeights {
+            kind,
+            wq_a: w.mat(&format!("{p}.wq_a.weight"), qr, dm)?,
+            q_norm: w.vec_f32(&format!("{p}.q_norm.weight"), &[qr])?,
+            wq_b: w.mat(&format!("{p}.wq_b.weight"), h * d, qr)?,
+            wkv: w.mat(&format!("{p}.wkv.weight"), d, dm)?,
+            kv_norm: w.vec_f32(&format!("{p}.kv_norm.weight"), &[d])?,
+            wo_a: w.mat(
+                &format!("{p}.wo_a.weight"),
+                cfg.o_groups * cfg.o_lora_rank,
+                h * d / cfg.o_groups,
+            )?,
+            wo_b: w.mat(&format!("{p}.wo_b.weight"), dm, cfg.o_groups * cfg.o_lora_rank)?,
+            sinks: w.vec_f32(&format!("{p}.attn_sink"), &[h])?,
+            compressor,
+            indexer,
+        })
+    }
+}
+
+/// Rope tables shared by all layers.
+#[derive(Debug, Clone)]
+pub struct Ropes {
+    /// "main" (sliding layers).
+    pub main: RopeFreqs,
+    /// "compress" (CSA/HCA layers, compressors, indexer).
+    pub compress: RopeFreqs,
+}
+
+/// Runs the attention block for one token at position `t` with normalised
+/// input `a`, updating the layer state; returns the block output (length D).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_forward(
+    aw: &AttnWeights,
+    cfg: &ModelConfig,
+    ls: &mut LayerState,
+    a: &[f32],
+    t: u32,
+    ropes: &Ropes,
+    p: Precision,
+    rec: &mut Recorder<'_>,
+    layer: u32,
+) -> Result<Vec<f32>, CaptureError> {
+    let (h, d, eps) = (cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps);
+    let l = Some(layer);
+    let rope = if aw.kind == AttentionKind::Sliding {
+        &ropes.main
+    } else {
+        &ropes.compress
+    };
+    let cs = rope.cos_sin(t, p);
+
+    let q_lat = rmsnorm_weighted(&aw.wq_a.linear(a, p), &aw.q_norm, eps, p);
+    let mut q = aw.wq_b.linear(&q_lat, p);
+    for hq in q.chunks_exact_mut(d) {
+        rmsnorm_unweighted_in_place(hq, eps, p);
+        apply_rope(hq, &cs, false, p);
+    }
+    rec.f32(Level::L4, t, l, "attn.q", &[h as u64, d as u64], &q)?;
+
+    let mut kv = rmsnorm_weighted(&aw.wkv.linear(a, p), &aw.kv_norm, eps, p);
+    apply_rope(&mut kv, &cs, false, p);
+    rec.f32(Level::L4, t, l, "attn.kv", &[d as u64], &kv)?;
+    ls.window_kv.extend_from_slice(&kv);
+
+    if let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) {
+        if let Some(entry) = compressor_step(cw, cst, a, &ropes.compress, eps, p) {
+            rec.f32(Level::L4, t, l, "attn.compressed", &[1, d as u64], &entry)?;
+        }
+    }
+    let mut selected: Vec<usize> = Vec::new();
+    if let (Some(iw), Some(ist)) = (&aw.indexer, ls.indexer.as_mut()) {
+        if let Some(entry) = compressor_step(&iw.compressor, ist, a, &ropes.compress, eps, p) {
+            rec.f32(
+                Level::L4,
+                t,
+                l,
+                "attn.indexer_compressed",
+                &[1, ist.dim as u64],
+                &entry,
+            )?;
+        }
+        let ccs = ropes.compress.cos_sin(t, p);
+        let scores = indexer_scores(iw, ist, &q_lat, a, &ccs, cfg.index_n_heads, p);
+        selected = topk_desc(&scores, cfg.index_topk.min(scores.len()));
+        let ids: Vec<i32> = selected.iter().map(|&i| i as i32).collect();
+        rec.i32(Level::L4, t, l, "attn.indexer_topk", &ids)?;
+    }
+
+    // Key list: window rows, then compressed entries.
+    let mut keys: Vec<&[f32]> = ls.window_kv.chunks_exact(d).collect();
+    if let Some(cst) = &ls.compressor {
+        match aw.kind {
+            AttentionKind::Csa => {
+                let mut sel = selected.clone();
+                sel.sort_unstable();
+                keys.extend(sel.iter().map(|&i| cst.entry(i)));
+            }
+            _ => keys.extend((0..cst.entry_count as usize).map(|i| cst.entry(i))),
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut core = vec![0.0f32; h * d];
+    let mut logits = vec![0.0f32; keys.len()];
+    for hh in 0..h {
+        let qh = &q[hh * d..(hh + 1) * d];
+        let sink = aw.sinks[hh];
+        let mut m = sink;
+        for (lj, k) in logits.iter_mut().zip(&keys) {
+            *lj = p.round(p.round(dot8(qh, k)) * scale);
+            m = m.max(*lj);
+        }
+        let mut z = 0.0f32;
+        for lj in logits.iter_mut() {
+            *lj = libm::expf(*lj - m);
+            z += *lj;
+        }
+        z += libm::expf(sink - m);
+        let oh = &mut core[hh * d..(hh + 1) * d];
+        for (ej, v) in logits.iter().zip(&keys) {
+            let pj = p.round(ej / z);
+            for (o, vv) in oh.iter_mut().zip(v.iter()) {
+                *o += pj * vv;
+            }
+        }
+        p.round_slice(oh);
+    }
+    rec.f32(Level::L4, t, l, "attn.core", &[h as u64, d as u64], &core)?;
+    drop(keys);
+
+    for oh in core.chunks_exact_mut(d) {
+        apply_rope(oh, &cs, true, p);
+    }
+    let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
+    let per_group = h * d / g;
+    let mut u = vec![0.0f32; g * r];
+    for gi in 0..g {
+        aw.wo_a.matvec_rows(
+            gi * r,
+            &core[gi * per_group..(gi + 1) * per_group],
+            &mut u[gi * r..(gi + 1) * r],
+        );
+    }
+    p.round_slice(&mut u);
+    let out = aw.wo_b.linear(&u, p);
+    rec.f32(Level::L4, t, l, "attn.output", &[cfg.hidden_size as u64], &out)?;
+
+    // Keep the last w−1 kvs (HF DynamicSlidingWindowLayer).
+    let keep = cfg.sliding_window.saturating_sub(1) * d;
+    if ls.window_kv.len() > keep {
+        let drop_n = ls.window_kv.len() - keep;
+        ls.window_kv.drain(..drop_n);
+    }
+    ls.cumulative_length += 1;
+    Ok(out)
+}

@@ -1,0 +1,268 @@
+//! Capture of L0–L4 tensors through a [`CaptureSink`] (the contract is
+//! notes/capture.md): the runtime emits records in execution order, as FP32 /
+//! I32 / I64 / U8 little-endian tensors, and skips every level the sink does
+//! not want without building its payload.
+
+use moeconf_fingerprint::{Coord, DType, Level, Phase, TensorView};
+
+/// A sink refused or failed to store a record.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct CaptureError {
+    /// What went wrong (e.g. the trace writer's I/O error).
+    pub message: String,
+}
+
+impl CaptureError {
+    /// A capture error with a message.
+    pub fn new(message: impl Into<String>) -> CaptureError {
+        CaptureError {
+            message: message.into(),
+        }
+    }
+}
+
+/// Receives the tensors the runtime captures.
+pub trait CaptureSink {
+    /// Whether records of `level` should be built and passed to [`CaptureSink::record`].
+    fn wants(&self, level: Level) -> bool;
+    /// Stores one record (called in execution order).
+    fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError>;
+}
+
+/// A sink that wants nothing (for benchmarks of the bare forward).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NullSink;
+
+impl CaptureSink for NullSink {
+    fn wants(&self, _level: Level) -> bool {
+        false
+    }
+    fn record(&mut self, _coord: Coord, _level: Level, _tensor: TensorView<'_>) -> Result<(), CaptureError> {
+        Ok(())
+    }
+}
+
+/// One owned captured record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    /// Tensor identity.
+    pub coord: Coord,
+    /// Capture level.
+    pub level: Level,
+    /// Element type.
+    pub dtype: DType,
+    /// Logical shape.
+    pub shape: Vec<u64>,
+    /// Little-endian element bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl Record {
+    /// Borrowed view of the tensor.
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: &self.bytes,
+        }
+    }
+    /// The elements as FP32 (empty unless dtype is F32).
+    pub fn f32s(&self) -> Vec<f32> {
+        if self.dtype != DType::F32 {
+            return Vec::new();
+        }
+        self.bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+    /// The elements as I32 (empty unless dtype is I32).
+    pub fn i32s(&self) -> Vec<i32> {
+        if self.dtype != DType::I32 {
+            return Vec::new();
+        }
+        self.bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+/// Collects owned records of the wanted levels in memory (tests, small runs).
+#[derive(Debug, Clone)]
+pub struct MemorySink {
+    levels: [bool; 5],
+    /// The records, in the order they were emitted.
+    pub records: Vec<Record>,
+}
+
+impl MemorySink {
+    /// A sink that wants every level.
+    pub fn all() -> MemorySink {
+        MemorySink {
+            levels: [true; 5],
+            records: Vec::new(),
+        }
+    }
+    /// A sink that wants exactly `levels`.
+    pub fn with_levels(levels: &[Level]) -> MemorySink {
+        let mut l = [false; 5];
+        for lv in levels {
+            l[lv.code() as usize] = true;
+        }
+        MemorySink {
+            levels: l,
+            records: Vec::new(),
+        }
+    }
+    /// Records whose path equals `path`, in order.
+    pub fn by_path<'a>(&'a self, path: &'a str) -> impl Iterator<Item = &'a Record> + 'a {
+        self.records.iter().filter(move |r| r.coord.path == path)
+    }
+}
+
+impl CaptureSink for MemorySink {
+    fn wants(&self, level: Level) -> bool {
+        self.levels.get(level.code() as usize).copied().unwrap_or(false)
+    }
+    fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
+        self.records.push(Record {
+            coord,
+            level,
+            dtype: tensor.dtype,
+            shape: tensor.shape.to_vec(),
+            bytes: tensor.bytes.to_vec(),
+        });
+        Ok(())
+    }
+}
+
+/// Builds coordinates and little-endian payloads for one forward step.
+pub(crate) struct Recorder<'a> {
+    sink: &'a mut dyn CaptureSink,
+    step: u32,
+    phase: Phase,
+    want: [bool; 5],
+    buf: Vec<u8>,
+}
+
+impl<'a> Recorder<'a> {
+    pub(crate) fn new(sink: &'a mut dyn CaptureSink, step: u32, phase: Phase) -> Recorder<'a> {
+        let mut want = [false; 5];
+        for lv in Level::ALL {
+            want[lv.code() as usize] = sink.wants(lv);
+        }
+        Recorder {
+            sink,
+            step,
+            phase,
+            want,
+            buf: Vec::new(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn wants(&self, level: Level) -> bool {
+        self.want[level.code() as usize]
+    }
+
+    fn emit(
+        &mut self,
+        level: Level,
+        position: u32,
+        layer: Option<u32>,
+        path: &str,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<(), CaptureError> {
+        let coord = Coord {
+            step: self.step,
+            position,
+            phase: self.phase,
+            layer,
+            path: path.to_string(),
+        };
+        let bytes = std::mem::take(&mut self.buf);
+        let r = self.sink.record(
+            coord,
+            level,
+            TensorView {
+                dtype,
+                shape,
+                bytes: &bytes,
+            },
+        );
+        self.buf = bytes;
+        r
+    }
+
+    pub(crate) fn f32(
+        &mut self,
+        level: Level,
+        position: u32,
+        layer: Option<u32>,
+        path: &str,
+        shape: &[u64],
+        data: &[f32],
+    ) -> Result<(), CaptureError> {
+        if !self.wants(level) {
+            return Ok(());
+        }
+        self.buf.clear();
+        for v in data {
+            self.buf.extend_from_slice(&v.to_le_bytes());
+        }
+        self.emit(level, position, layer, path, DType::F32, shape)
+    }
+
+    pub(crate) fn i32(
+        &mut self,
+        level: Level,
+        position: u32,
+        layer: Option<u32>,
+        path: &str,
+        data: &[i32],
+    ) -> Result<(), CaptureError> {
+        if !self.wants(level) {
+            return Ok(());
+        }
+        self.buf.clear();
+        for v in data {
+            self.buf.extend_from_slice(&v.to_le_bytes());
+        }
+        self.emit(level, position, layer, path, DType::I32, &[data.len() as u64])
+    }
+
+    pub(crate) fn i64_scalar(
+        &mut self,
+        level: Level,
+        position: u32,
+        layer: Option<u32>,
+        path: &str,
+        v: i64,
+    ) -> Result<(), CaptureError> {
+        if !self.wants(level) {
+            return Ok(());
+        }
+        self.buf.clear();
+        self.buf.extend_from_slice(&v.to_le_bytes());
+        self.emit(level, position, layer, path, DType::I64, &[1])
+    }
+
+    pub(crate) fn bytes(
+        &mut self,
+        level: Level,
+        position: u32,
+        layer: Option<u32>,
+        path: &str,
+        data: &[u8],
+    ) -> Result<(), CaptureError> {
+        if !self.wants(level) {
+            return Ok(());
+        }
+        self.buf.clear();
+        self.buf.extend_from_slice(data);
+        self.emit(level, position, layer, path, DType::U8, &[data.len() as u64])
+    }
+}

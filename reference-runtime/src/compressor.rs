@@ -1,0 +1,132 @@
+//! KV compressors of CSA (overlapping windows) and HCA layers, also used at
+//! width d_I by the lightning indexer (`modeling_deepseek_v4.py` L373-454,
+//! L530-572, L600-713; notes §2.4).
+//!
+//! Per token: `c = round(W_kv·a)`, `z = round(W_gate·a)` (dot8) are appended
+//! raw to the buffer. When the buffer holds `rate` rows, window i = entry_count
+//! closes: slot gates are `z + ape[slot]` in FP32 (not rounded; HF promotes to
+//! FP32). CSA pools 2·rate slots per channel — slots 0..rate from the previous
+//! window's Ca half (kv 0, gate −∞ for i = 0), slots rate..2·rate from this
+//! window's Cb half — and saves this window's Ca half as the new overlap; HCA
+//! pools the rate slots. Per channel: `M = max_s g_s`, `e_s = expf(g_s − M)`,
+//! `S = Σ_s e_s` (slot order), `p_s = round(e_s / S)`,
+//! `e = round(Σ_s round(p_s · c_s))` (slot order, FP32 sum). Then the weighted
+//! RMSNorm over dim, then "compress" RoPE at position i·rate on the trailing r
+//! channels.
+
+use crate::error::RuntimeError;
+use crate::precision::Precision;
+use crate::rmsnorm::rmsnorm_weighted;
+use crate::rope::{apply_rope, RopeFreqs};
+use crate::state::CompressorState;
+use crate::weights::{Mat, WeightLoader};
+
+/// Weights of one compressor.
+#[derive(Debug, Clone)]
+pub struct CompressorWeights {
+    /// W_kv, `[width, D]`.
+    pub wkv: Mat,
+    /// W_gate, `[width, D]`.
+    pub wgate: Mat,
+    /// Position bias B (`ape`), `[rate, width]`.
+    pub ape: Vec<f32>,
+    /// kv_norm weight, `[dim]`.
+    pub norm: Vec<f32>,
+}
+
+impl CompressorWeights {
+    /// Loads `{prefix}.wkv.weight`, `.wgate.weight`, `.ape`, `.norm.weight`.
+    pub fn load(
+        w: &mut WeightLoader,
+        prefix: &str,
+        d_model: usize,
+        dim: usize,
+        rate: usize,
+        overlap: bool,
+    ) -> Result<CompressorWeights, RuntimeError> {
+        let width = if overlap { 2 * dim } else { dim };
+        Ok(CompressorWeights {
+            wkv: w.mat(&format!("{prefix}.wkv.weight"), width, d_model)?,
+            wgate: w.mat(&format!("{prefix}.wgate.weight"), width, d_model)?,
+            ape: w.vec_f32(&format!("{prefix}.ape"), &[rate, width])?,
+            norm: w.vec_f32(&format!("{prefix}.norm.weight"), &[dim])?,
+        })
+    }
+}
+
+/// Processes one token's normalised attention input `a`; returns the entry
+/// emitted if this token closed a window (it is also appended to the state).
+pub fn compressor_step(
+    cw: &CompressorWeights,
+    st: &mut CompressorState,
+    a: &[f32],
+    rope: &RopeFreqs,
+    eps: f32,
+    p: Precision,
+) -> Option<Vec<f32>> {
+    let c = cw.wkv.linear(a, p);
+    let z = cw.wgate.linear(a, p);
+    st.buffer_kv.extend_from_slice(&c);
+    st.buffer_gate.extend_from_slice(&z);
+    if st.buffered() < st.rate {
+        return None;
+    }
+    let (rate, dim, width) = (st.rate, st.dim, st.width);
+    let i = st.entry_count;
+    // Slot kv and gate, [slots][dim].
+    let slots = if st.overlap { 2 * rate } else { rate };
+    let mut kv = vec![0.0f32; slots * dim];
+    let mut gate = vec![f32::NEG_INFINITY; slots * dim];
+    let gated = |j: usize, ch: usize| st.buffer_gate[j * width + ch] + cw.ape[j * width + ch];
+    if st.overlap {
+        if let (Some(ok), Some(og)) = (&st.overlap_kv, &st.overlap_gate) {
+            kv[..rate * dim].copy_from_slice(ok);
+            gate[..rate * dim].copy_from_slice(og);
+        }
+        let mut new_ok = vec![0.0f32; rate * dim];
+        let mut new_og = vec![0.0f32; rate * dim];
+        for j in 0..rate {
+            for ch in 0..dim {
+                kv[(rate + j) * dim + ch] = st.buffer_kv[j * width + dim + ch];
+                gate[(rate + j) * dim + ch] = gated(j, dim + ch);
+                new_ok[j * dim + ch] = st.buffer_kv[j * width + ch];
+                new_og[j * dim + ch] = gated(j, ch);
+            }
+        }
+        st.overlap_kv = Some(new_ok);
+        st.overlap_gate = Some(new_og);
+    } else {
+        for j in 0..rate {
+            for ch in 0..dim {
+                kv[j * dim + ch] = st.buffer_kv[j * width + ch];
+                gate[j * dim + ch] = gated(j, ch);
+            }
+        }
+    }
+    let mut pooled = vec![0.0f32; dim];
+    let mut e = vec![0.0f32; slots];
+    for ch in 0..dim {
+        let m = (0..slots)
+            .map(|s| gate[s * dim + ch])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (s, es) in e.iter_mut().enumerate() {
+            *es = libm::expf(gate[s * dim + ch] - m);
+            sum += *es;
+        }
+        let mut acc = 0.0f32;
+        for (s, es) in e.iter().enumerate() {
+            let prob = p.round(es / sum);
+            acc += p.round(prob * kv[s * dim + ch]);
+        }
+        pooled[ch] = p.round(acc);
+    }
+    let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
+    let cs = rope.cos_sin((i as usize * rate) as u32, p);
+    apply_rope(&mut entry, &cs, false, p);
+    st.buffer_kv.clear();
+    st.buffer_gate.clear();
+    st.compressed_kv.extend_from_slice(&entry);
+    st.entry_count += 1;
+    Some(entry)
+}

@@ -1,0 +1,425 @@
+//! Model configuration, deserialized straight from the transformers 5.23.0
+//! `deepseek_v4` keys of `config.json` (`configuration_deepseek_v4.py`; see
+//! docs/deepseek-v4-architecture.md §1) and validated into [`ModelConfig`].
+//!
+//! Legacy keys (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
+//! `rope_scaling`) are accepted as in HF. Every validation error names the file
+//! and the key.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::RuntimeError;
+
+/// Attention kind of a decoder layer (`layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// `sliding_attention`: sliding window only, "main" rope.
+    Sliding,
+    /// `compressed_sparse_attention` (CSA): overlapping compressor + lightning indexer, "compress" rope.
+    Csa,
+    /// `heavily_compressed_attention` (HCA): non-overlapping compressor, "compress" rope.
+    Hca,
+}
+
+/// MoE routing kind of a decoder layer (`mlp_layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    /// `hash_moe`: experts from `tid2eid[token]`.
+    HashMoe,
+    /// `moe`: sqrt-softplus top-k with the correction bias for selection.
+    Moe,
+}
+
+/// YaRN parameters of the "compress" rope.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// Scaling factor s.
+    pub factor: f64,
+    /// original_max_position_embeddings L0.
+    pub original_max_position_embeddings: f64,
+    /// beta_fast.
+    pub beta_fast: f64,
+    /// beta_slow.
+    pub beta_slow: f64,
+}
+
+/// The validated architecture (notation of the notes §0).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// vocab_size V.
+    pub vocab_size: usize,
+    /// hidden_size D.
+    pub hidden_size: usize,
+    /// moe_intermediate_size I (routed and shared expert width).
+    pub moe_intermediate_size: usize,
+    /// num_attention_heads H.
+    pub num_heads: usize,
+    /// head_dim d.
+    pub head_dim: usize,
+    /// q_lora_rank.
+    pub q_lora_rank: usize,
+    /// r = int(head_dim · partial_rotary_factor): rotated trailing channels.
+    pub rope_dim: usize,
+    /// num_experts_per_tok k.
+    pub experts_per_tok: usize,
+    /// n_routed_experts E.
+    pub n_routed_experts: usize,
+    /// routed_scaling_factor.
+    pub routed_scaling_factor: f32,
+    /// rope_theta (main rope, sliding layers).
+    pub rope_theta: f32,
+    /// compress_rope_theta (compress rope, CSA/HCA layers).
+    pub compress_rope_theta: f32,
+    /// YaRN of the compress rope, if any.
+    pub yarn: Option<Yarn>,
+    /// Attention kind per layer.
+    pub layer_types: Vec<AttentionKind>,
+    /// Routing kind per layer.
+    pub mlp_layer_types: Vec<MlpKind>,
+    /// CSA compress rate m.
+    pub csa_rate: usize,
+    /// HCA compress rate m'.
+    pub hca_rate: usize,
+    /// hc_mult N.
+    pub hc_mult: usize,
+    /// hc_sinkhorn_iters.
+    pub hc_sinkhorn_iters: usize,
+    /// hc_eps.
+    pub hc_eps: f32,
+    /// swiglu_limit L.
+    pub swiglu_limit: f32,
+    /// sliding_window w.
+    pub sliding_window: usize,
+    /// o_groups G.
+    pub o_groups: usize,
+    /// o_lora_rank R.
+    pub o_lora_rank: usize,
+    /// index_n_heads H_I.
+    pub index_n_heads: usize,
+    /// index_head_dim d_I.
+    pub index_head_dim: usize,
+    /// index_topk K_I.
+    pub index_topk: usize,
+    /// rms_norm_eps ε.
+    pub rms_norm_eps: f32,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    #[serde(alias = "type")]
+    rope_type: Option<String>,
+    factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+    beta_fast: Option<f64>,
+    beta_slow: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawCompressRates {
+    compressed_sparse_attention: Option<usize>,
+    heavily_compressed_attention: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    head_dim: Option<usize>,
+    q_lora_rank: Option<usize>,
+    partial_rotary_factor: Option<f64>,
+    qk_rope_head_dim: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    scoring_func: Option<String>,
+    routed_scaling_factor: Option<f64>,
+    rope_theta: Option<f64>,
+    compress_rope_theta: Option<f64>,
+    rope_parameters: Option<RawRope>,
+    rope_scaling: Option<RawRope>,
+    layer_types: Option<Vec<String>>,
+    compress_ratios: Option<Vec<usize>>,
+    compress_rates: Option<RawCompressRates>,
+    mlp_layer_types: Option<Vec<String>>,
+    num_hash_layers: Option<usize>,
+    hc_mult: Option<usize>,
+    hc_sinkhorn_iters: Option<usize>,
+    hc_eps: Option<f64>,
+    swiglu_limit: Option<f64>,
+    sliding_window: Option<usize>,
+    o_groups: Option<usize>,
+    o_lora_rank: Option<usize>,
+    index_n_heads: Option<usize>,
+    index_head_dim: Option<usize>,
+    index_topk: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    hidden_act: Option<String>,
+    quantization_config: Option<serde_json::Value>,
+}
+
+/// Upper bound on any single dimension, so a hostile config cannot make the
+/// runtime allocate absurd buffers before the weight shapes are checked.
+pub const MAX_DIM: usize = 1 << 24;
+
+impl ModelConfig {
+    /// Reads and validates `path` (a `config.json`).
+    pub fn from_file(path: &Path) -> Result<ModelConfig, RuntimeError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        ModelConfig::from_json(path, &text)
+    }
+
+    /// Parses and validates config text; `path` is only used in messages.
+    pub fn from_json(path: &Path, text: &str) -> Result<ModelConfig, RuntimeError> {
+        let err = |message: String| RuntimeError::Config {
+            path: path.to_path_buf(),
+            message,
+        };
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| err(format!("invalid JSON: {e}")))?;
+        let need = |v: Option<usize>, key: &str| -> Result<usize, RuntimeError> {
+            match v {
+                None => Err(err(format!("missing key `{key}`"))),
+                Some(0) => Err(err(format!("key `{key}` must be positive, got 0"))),
+                Some(x) if x > MAX_DIM => Err(err(format!("key `{key}` = {x} exceeds the limit {MAX_DIM}"))),
+                Some(x) => Ok(x),
+            }
+        };
+        let or = |v: Option<usize>, d: usize, key: &str| need(Some(v.unwrap_or(d)), key);
+        let vocab_size = need(raw.vocab_size, "vocab_size")?;
+        let hidden_size = need(raw.hidden_size, "hidden_size")?;
+        let moe_intermediate_size = need(raw.moe_intermediate_size, "moe_intermediate_size")?;
+        let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
+        let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
+        let head_dim = need(raw.head_dim, "head_dim")?;
+        let q_lora_rank = need(raw.q_lora_rank, "q_lora_rank")?;
+        let rope_dim = match (raw.partial_rotary_factor, raw.qk_rope_head_dim) {
+            (Some(f), _) => {
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(err(format!(
+                        "key `partial_rotary_factor` must be in (0, 1], got {f}"
+                    )));
+                }
+                (head_dim as f64 * f) as usize
+            }
+            (None, Some(r)) => r,
+            (None, None) => head_dim / 8,
+        };
+        let experts_per_tok = need(raw.num_experts_per_tok, "num_experts_per_tok")?;
+        let n_routed_experts = need(raw.n_routed_experts, "n_routed_experts")?;
+        if let Some(s) = raw.n_shared_experts {
+            if s != 1 {
+                return Err(err(format!(
+                    "key `n_shared_experts` = {s}: DeepSeek-V4 has exactly one shared expert"
+                )));
+            }
+        }
+        match raw.scoring_func.as_deref() {
+            None | Some("sqrtsoftplus") => {}
+            Some(other) => {
+                return Err(err(format!(
+                    "key `scoring_func` = {other:?} is unsupported (only \"sqrtsoftplus\")"
+                )))
+            }
+        }
+        match raw.hidden_act.as_deref() {
+            None | Some("silu") => {}
+            Some(other) => {
+                return Err(err(format!(
+                    "key `hidden_act` = {other:?} is unsupported (only \"silu\")"
+                )))
+            }
+        }
+        if raw.quantization_config.is_some() {
+            return Err(err(
+                "key `quantization_config`: quantized checkpoints (FP8 block-scaled, FP4 experts) are not supported yet; use a bf16 or f32 checkpoint".into(),
+            ));
+        }
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let yarn = match rope {
+            None => None,
+            Some(r) => match r.rope_type.as_deref() {
+                None | Some("default") => None,
+                Some("yarn") => Some(Yarn {
+                    factor: r
+                        .factor
+                        .ok_or_else(|| err("key `rope_parameters.factor` missing for yarn".into()))?,
+                    original_max_position_embeddings: r.original_max_position_embeddings.ok_or_else(
+                        || {
+                            err(
+                                "key `rope_parameters.original_max_position_embeddings` missing for yarn"
+                                    .into(),
+                            )
+                        },
+                    )?,
+                    beta_fast: r.beta_fast.unwrap_or(32.0),
+                    beta_slow: r.beta_slow.unwrap_or(1.0),
+                }),
+                Some(other) => {
+                    return Err(err(format!(
+                        "key `rope_parameters.rope_type` = {other:?} is unsupported"
+                    )))
+                }
+            },
+        };
+        let (csa_rate, hca_rate) = match &raw.compress_rates {
+            Some(c) => (
+                need(
+                    Some(c.compressed_sparse_attention.unwrap_or(4)),
+                    "compress_rates.compressed_sparse_attention",
+                )?,
+                need(
+                    Some(c.heavily_compressed_attention.unwrap_or(128)),
+                    "compress_rates.heavily_compressed_attention",
+                )?,
+            ),
+            None => (4, 128),
+        };
+        let layer_types = match (&raw.layer_types, &raw.compress_ratios) {
+            (Some(lt), _) => lt
+                .iter()
+                .enumerate()
+                .map(|(i, s)| match s.as_str() {
+                    "sliding_attention" => Ok(AttentionKind::Sliding),
+                    "compressed_sparse_attention" => Ok(AttentionKind::Csa),
+                    "heavily_compressed_attention" => Ok(AttentionKind::Hca),
+                    other => Err(err(format!(
+                        "key `layer_types[{i}]` = {other:?} is not a DeepSeek-V4 layer type"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            (None, Some(cr)) => cr
+                .iter()
+                .take(num_layers)
+                .enumerate()
+                .map(|(i, r)| match r {
+                    0 => Ok(AttentionKind::Sliding),
+                    4 => Ok(AttentionKind::Csa),
+                    128 => Ok(AttentionKind::Hca),
+                    other => Err(err(format!(
+                        "key `compress_ratios[{i}]` = {other} (only 0, 4, 128 map to a layer type)"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            (None, None) => return Err(err("missing key `layer_types`".into())),
+        };
+        if layer_types.len() != num_layers {
+            return Err(err(format!(
+                "key `layer_types` has {} entries, expected num_hidden_layers = {num_layers}",
+                layer_types.len()
+            )));
+        }
+        let mlp_layer_types = match &raw.mlp_layer_types {
+            Some(m) => m
+                .iter()
+                .enumerate()
+                .map(|(i, s)| match s.as_str() {
+                    "hash_moe" => Ok(MlpKind::HashMoe),
+                    "moe" => Ok(MlpKind::Moe),
+                    other => Err(err(format!(
+                        "key `mlp_layer_types[{i}]` = {other:?} (expected \"hash_moe\" or \"moe\")"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None => {
+                let h = raw.num_hash_layers.unwrap_or(3);
+                (0..num_layers)
+                    .map(|i| if i < h { MlpKind::HashMoe } else { MlpKind::Moe })
+                    .collect()
+            }
+        };
+        if mlp_layer_types.len() != num_layers {
+            return Err(err(format!(
+                "key `mlp_layer_types` has {} entries, expected num_hidden_layers = {num_layers}",
+                mlp_layer_types.len()
+            )));
+        }
+        let f = |v: Option<f64>, d: f64, key: &str| -> Result<f32, RuntimeError> {
+            let x = v.unwrap_or(d);
+            if !x.is_finite() {
+                return Err(err(format!("key `{key}` must be finite, got {x}")));
+            }
+            Ok(x as f32)
+        };
+        let cfg = ModelConfig {
+            vocab_size,
+            hidden_size,
+            moe_intermediate_size,
+            num_heads,
+            head_dim,
+            q_lora_rank,
+            rope_dim,
+            experts_per_tok,
+            n_routed_experts,
+            routed_scaling_factor: f(raw.routed_scaling_factor, 1.5, "routed_scaling_factor")?,
+            rope_theta: f(raw.rope_theta, 10000.0, "rope_theta")?,
+            compress_rope_theta: f(raw.compress_rope_theta, 160000.0, "compress_rope_theta")?,
+            yarn,
+            layer_types,
+            mlp_layer_types,
+            csa_rate,
+            hca_rate,
+            hc_mult: or(raw.hc_mult, 4, "hc_mult")?,
+            hc_sinkhorn_iters: or(raw.hc_sinkhorn_iters, 20, "hc_sinkhorn_iters")?,
+            hc_eps: f(raw.hc_eps, 1e-6, "hc_eps")?,
+            swiglu_limit: f(raw.swiglu_limit, 10.0, "swiglu_limit")?,
+            sliding_window: or(raw.sliding_window, 128, "sliding_window")?,
+            o_groups: or(raw.o_groups, 8, "o_groups")?,
+            o_lora_rank: or(raw.o_lora_rank, 1024, "o_lora_rank")?,
+            index_n_heads: or(raw.index_n_heads, 64, "index_n_heads")?,
+            index_head_dim: or(raw.index_head_dim, 128, "index_head_dim")?,
+            index_topk: or(raw.index_topk, 512, "index_topk")?,
+            rms_norm_eps: f(raw.rms_norm_eps, 1e-6, "rms_norm_eps")?,
+        };
+        if cfg.rope_dim == 0 || !cfg.rope_dim.is_multiple_of(2) || cfg.rope_dim > cfg.head_dim {
+            return Err(err(format!(
+                "key `partial_rotary_factor`: rotary width {} must be even, positive and at most head_dim {}",
+                cfg.rope_dim, cfg.head_dim
+            )));
+        }
+        if cfg.rope_dim > cfg.index_head_dim {
+            return Err(err(format!(
+                "key `index_head_dim` = {} is smaller than the rotary width {}",
+                cfg.index_head_dim, cfg.rope_dim
+            )));
+        }
+        if cfg.experts_per_tok > cfg.n_routed_experts {
+            return Err(err(format!(
+                "key `num_experts_per_tok` = {} exceeds n_routed_experts = {}",
+                cfg.experts_per_tok, cfg.n_routed_experts
+            )));
+        }
+        if !cfg.num_heads.is_multiple_of(cfg.o_groups) {
+            return Err(err(format!(
+                "key `o_groups` = {} does not divide num_attention_heads = {}",
+                cfg.o_groups, cfg.num_heads
+            )));
+        }
+        if cfg.hc_eps < 0.0 || cfg.rms_norm_eps < 0.0 || cfg.swiglu_limit <= 0.0 {
+            return Err(err(
+                "keys `hc_eps`/`rms_norm_eps` must be >= 0 and `swiglu_limit` > 0".into(),
+            ));
+        }
+        Ok(cfg)
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layer_types.len()
+    }
+
+    /// Compress rate of a layer kind (0 for sliding layers).
+    pub fn compress_rate(&self, kind: AttentionKind) -> usize {
+        match kind {
+            AttentionKind::Sliding => 0,
+            AttentionKind::Csa => self.csa_rate,
+            AttentionKind::Hca => self.hca_rate,
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! The output head: mHC head collapse, final RMSNorm, LM head, and the greedy
+//! choice (`modeling_deepseek_v4.py` L1001-1017, L1381, L1527; notes §2.7).
+//!
+//! `y = hc_head(X)` (crate::mhc), `h = rmsnorm_w(y, norm)`, `logits = round(W_lm·h)`.
+//! Greedy: the highest logit, ties to the lowest id (NaN never wins: IEEE
+//! total order with NaN treated as below everything).
+
+use crate::config::ModelConfig;
+use crate::error::RuntimeError;
+use crate::mhc::{hc_head, HcHead};
+use crate::precision::Precision;
+use crate::rmsnorm::rmsnorm_weighted;
+use crate::weights::{Mat, WeightLoader};
+
+/// Head weights.
+#[derive(Debug, Clone)]
+pub struct HeadWeights {
+    /// mHC head collapse.
+    pub hc: HcHead,
+    /// Final norm weight `[D]`.
+    pub norm: Vec<f32>,
+    /// LM head `[V, D]`.
+    pub lm_head: Mat,
+}
+
+impl HeadWeights {
+    /// Loads `hc_head_*`, `norm.weight`, `head.weight`.
+    pub fn load(w: &mut WeightLoader, cfg: &ModelConfig) -> Result<HeadWeights, RuntimeError> {
+        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+        Ok(HeadWeights {
+            hc: HcHead {
+                fn_: w.mat("hc_head_fn", n, n * d)?,
+                base: w.vec_f32("hc_head_base", &[n])?,
+                scale: w.vec_f32("hc_head_scale", &[1])?,
+            },
+            norm: w.vec_f32("norm.weight", &[d])?,
+            lm_head: w.mat("head.weight", cfg.vocab_size, d)?,
+        })
+    }
+}
+
+/// Logits of the final residual streams.
+pub fn head_forward(hw: &HeadWeights, streams: &[f32], cfg: &ModelConfig, p: Precision) -> Vec<f32> {
+    let y = hc_head(&hw.hc, streams, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, p);
+    let h = rmsnorm_weighted(&y, &hw.norm, cfg.rms_norm_eps, p);
+    hw.lm_head.linear(&h, p)
+}
+
+fn key(v: f32) -> f32 {
+    if v.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        v
+    }
+}
+
+/// The `k` best ids by logit, descending, ties to the lower id.
+pub fn topk_logits(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    idx.sort_by(|&a, &b| {
+        key(logits[b as usize])
+            .partial_cmp(&key(logits[a as usize]))
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
+
+/// Greedy argmax (ties to the lowest id).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if key(v) > key(logits[best]) {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,95 @@
+//! The lightning indexer of CSA layers: its own compressor at width d_I
+//! (crate::compressor), queries from the query latent, and top-k selection of
+//! compressed entries (`modeling_deepseek_v4.py` L457-597; notes §2.4).
+//!
+//! `q^I = round(W^I_qb · q_lat)` viewed as H_I × d_I, each head rotated with the
+//! "compress" rope at t. `ω_h = round(W^I_w · a)_h · H_I^(−1/2)` (FP32 product).
+//! `score_i = Σ_h (ReLU(dot8(q_h, k_i)) · d_I^(−1/2)) · ω_h`, h ascending, FP32.
+//! Selection: the min(K_I, T) entries of highest score, descending, ties to the
+//! lower index (all T emitted entries are causal for the token that sees them).
+
+use crate::error::RuntimeError;
+use crate::linear::dot8;
+use crate::precision::Precision;
+use crate::rope::{apply_rope, CosSin};
+use crate::state::CompressorState;
+use crate::weights::{Mat, WeightLoader};
+
+use crate::compressor::CompressorWeights;
+
+/// Weights of the lightning indexer.
+#[derive(Debug, Clone)]
+pub struct IndexerWeights {
+    /// The indexer's compressor (overlapping, width d_I).
+    pub compressor: CompressorWeights,
+    /// W^I_qb, `[H_I·d_I, q_lora_rank]`.
+    pub wq_b: Mat,
+    /// W^I_w (`weights_proj`), `[H_I, D]`.
+    pub weights_proj: Mat,
+}
+
+impl IndexerWeights {
+    /// Loads `{prefix}.compressor.*`, `{prefix}.wq_b.weight`, `{prefix}.weights_proj.weight`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        w: &mut WeightLoader,
+        prefix: &str,
+        d_model: usize,
+        q_lora_rank: usize,
+        heads: usize,
+        dim: usize,
+        rate: usize,
+    ) -> Result<IndexerWeights, RuntimeError> {
+        Ok(IndexerWeights {
+            compressor: CompressorWeights::load(
+                w,
+                &format!("{prefix}.compressor"),
+                d_model,
+                dim,
+                rate,
+                true,
+            )?,
+            wq_b: w.mat(&format!("{prefix}.wq_b.weight"), heads * dim, q_lora_rank)?,
+            weights_proj: w.mat(&format!("{prefix}.weights_proj.weight"), heads, d_model)?,
+        })
+    }
+}
+
+/// Scores every emitted indexer entry for the current token.
+pub fn indexer_scores(
+    iw: &IndexerWeights,
+    st: &CompressorState,
+    q_lat: &[f32],
+    a: &[f32],
+    cs: &CosSin,
+    heads: usize,
+    p: Precision,
+) -> Vec<f32> {
+    let dim = st.dim;
+    let mut q = iw.wq_b.linear(q_lat, p);
+    for h in 0..heads {
+        apply_rope(&mut q[h * dim..(h + 1) * dim], cs, false, p);
+    }
+    let w_scale = 1.0 / (heads as f32).sqrt();
+    let omega: Vec<f32> = iw.weights_proj.linear(a, p).iter().map(|v| v * w_scale).collect();
+    let s_scale = 1.0 / (dim as f32).sqrt();
+    (0..st.entry_count as usize)
+        .map(|i| {
+            let k = st.entry(i);
+            let mut acc = 0.0f32;
+            for h in 0..heads {
+                let dot = dot8(&q[h * dim..(h + 1) * dim], k);
+                acc += (dot.max(0.0) * s_scale) * omega[h];
+            }
+            acc
+        })
+        .collect()
+}
+
+/// Indices of the `k` highest scores, descending, ties to the lower index.
+pub fn topk_desc(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}

@@ -1,0 +1,223 @@
+//! Manifold-constrained hyper-connections (mHC): the "pre" collapse with
+//! Sinkhorn-normalised mixing, the "post" update of the N residual streams, and
+//! the head's collapse (`modeling_deepseek_v4.py` L940-1017, L1188-1199; notes §2.3,
+//! §2.5, §2.7).
+//!
+//! All weight-path arithmetic is FP32 in both profiles: `u = x̂ · rms_factor(x̂)`
+//! (ε = rms_norm_eps), `μ = Φ·u` (dot8 per row), `pre_j = σ(α₀μ_j + b_j) + ε_hc`,
+//! `post_j = 2σ(α₁μ_{N+j} + b_{N+j})`, `C = softmax_row(α₂C_raw + b) + ε_hc`,
+//! then Sinkhorn: one column step, then `iters − 1` × (row step, column step),
+//! each step dividing by `(sum + ε_hc)` with the sum taken in index order.
+//! σ(z) = 1 / (1 + libm::expf(−z)); softmax subtracts the row max and divides
+//! by the sequential sum. The collapse `x = Σ_j pre_j X_j` sums j = 0..N−1 in
+//! FP32 and is rounded once.
+//!
+//! Post: `X'_k = round(round(post_k · y) + round(Σ_j C_jk · X_j))` with post and
+//! C rounded to the activation dtype first (HF casts them), j summed in order.
+
+use crate::error::RuntimeError;
+use crate::precision::Precision;
+use crate::rmsnorm::rms_factor;
+use crate::weights::{Mat, WeightLoader};
+
+/// Parameters of one mHC site (`hc_attn_*` or `hc_ffn_*`).
+#[derive(Debug, Clone)]
+pub struct HcSite {
+    /// Φ, `[(2+N)·N, N·D]`.
+    pub fn_: Mat,
+    /// b, `[(2+N)·N]`.
+    pub base: Vec<f32>,
+    /// α, `[3]`.
+    pub scale: Vec<f32>,
+}
+
+impl HcSite {
+    /// Loads `{prefix}_fn`, `{prefix}_base`, `{prefix}_scale`.
+    pub fn load(w: &mut WeightLoader, prefix: &str, n: usize, d: usize) -> Result<HcSite, RuntimeError> {
+        let rows = (2 + n) * n;
+        Ok(HcSite {
+            fn_: w.mat(&format!("{prefix}_fn"), rows, n * d)?,
+            base: w.vec_f32(&format!("{prefix}_base"), &[rows])?,
+            scale: w.vec_f32(&format!("{prefix}_scale"), &[3])?,
+        })
+    }
+}
+
+/// Parameters of the head's mHC collapse (`hc_head_*`).
+#[derive(Debug, Clone)]
+pub struct HcHead {
+    /// Φ_head, `[N, N·D]`.
+    pub fn_: Mat,
+    /// b_head, `[N]`.
+    pub base: Vec<f32>,
+    /// α_head, `[1]`.
+    pub scale: Vec<f32>,
+}
+
+/// Output of an mHC "pre".
+#[derive(Debug, Clone, PartialEq)]
+pub struct HcPre {
+    /// Collapsed block input x (length D), rounded.
+    pub x: Vec<f32>,
+    /// post weights (length N), FP32.
+    pub post: Vec<f32>,
+    /// Doubly-stochastic mixing C (N×N row-major: C[j][k] = comb[j·N + k]), FP32.
+    pub comb: Vec<f32>,
+}
+
+/// Logistic sigmoid `1 / (1 + exp(−z))` with libm's expf.
+#[inline]
+pub fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + libm::expf(-z))
+}
+
+/// `μ = Φ · (x̂ · rms_factor(x̂))` over the flattened streams (FP32).
+fn mix_logits(fn_: &Mat, streams: &[f32], eps: f32) -> Vec<f32> {
+    let r = rms_factor(streams, eps);
+    let u: Vec<f32> = streams.iter().map(|v| v * r).collect();
+    let mut mu = vec![0.0f32; fn_.rows()];
+    fn_.matvec(&u, &mut mu);
+    mu
+}
+
+/// `Σ_j w_j · X_j` (j ascending, FP32), rounded once.
+fn collapse(streams: &[f32], w: &[f32], d: usize, p: Precision) -> Vec<f32> {
+    let mut x = vec![0.0f32; d];
+    for (j, wj) in w.iter().enumerate() {
+        let xj = &streams[j * d..(j + 1) * d];
+        for (o, v) in x.iter_mut().zip(xj) {
+            *o += wj * v;
+        }
+    }
+    p.round_slice(&mut x);
+    x
+}
+
+/// Sinkhorn normalisation of the N×N matrix `c` in place (notes §2.3 step 5).
+pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    let col_step = |c: &mut [f32]| {
+        for k in 0..n {
+            let mut s = 0.0f32;
+            for j in 0..n {
+                s += c[j * n + k];
+            }
+            let den = s + eps;
+            for j in 0..n {
+                c[j * n + k] /= den;
+            }
+        }
+    };
+    let row_step = |c: &mut [f32]| {
+        for j in 0..n {
+            let mut s = 0.0f32;
+            for k in 0..n {
+                s += c[j * n + k];
+            }
+            let den = s + eps;
+            for k in 0..n {
+                c[j * n + k] /= den;
+            }
+        }
+    };
+    col_step(c);
+    for _ in 1..iters {
+        row_step(c);
+        col_step(c);
+    }
+}
+
+/// mHC "pre": collapses the N streams (`streams`, N·D) into the block input.
+pub fn hc_pre(
+    site: &HcSite,
+    streams: &[f32],
+    n: usize,
+    rms_eps: f32,
+    hc_eps: f32,
+    iters: usize,
+    p: Precision,
+) -> HcPre {
+    let d = streams.len() / n;
+    let mu = mix_logits(&site.fn_, streams, rms_eps);
+    let (a0, a1, a2) = (site.scale[0], site.scale[1], site.scale[2]);
+    let pre: Vec<f32> = (0..n)
+        .map(|j| sigmoid(a0 * mu[j] + site.base[j]) + hc_eps)
+        .collect();
+    let post: Vec<f32> = (0..n)
+        .map(|j| 2.0 * sigmoid(a1 * mu[n + j] + site.base[n + j]))
+        .collect();
+    let mut comb = vec![0.0f32; n * n];
+    for j in 0..n {
+        let row = &mut comb[j * n..(j + 1) * n];
+        for k in 0..n {
+            row[k] = a2 * mu[2 * n + j * n + k] + site.base[2 * n + j * n + k];
+        }
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut s = 0.0f32;
+        for v in row.iter_mut() {
+            *v = libm::expf(*v - m);
+            s += *v;
+        }
+        for v in row.iter_mut() {
+            *v = *v / s + hc_eps;
+        }
+    }
+    sinkhorn(&mut comb, n, iters, hc_eps);
+    let x = collapse(streams, &pre, d, p);
+    HcPre { x, post, comb }
+}
+
+/// mHC "post": `X'_k = post_k · y + Σ_j C_jk · X_j` (see module docs for rounding).
+pub fn hc_post(streams: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize, p: Precision) -> Vec<f32> {
+    let d = y.len();
+    let post: Vec<f32> = post.iter().map(|v| p.round(*v)).collect();
+    let comb: Vec<f32> = comb.iter().map(|v| p.round(*v)).collect();
+    let mut out = vec![0.0f32; n * d];
+    for k in 0..n {
+        let o = &mut out[k * d..(k + 1) * d];
+        for (i, oi) in o.iter_mut().enumerate() {
+            let mut mix = 0.0f32;
+            for j in 0..n {
+                mix += comb[j * n + k] * streams[j * d + i];
+            }
+            *oi = p.round(p.round(post[k] * y[i]) + p.round(mix));
+        }
+    }
+    out
+}
+
+/// The head's collapse: `pre_j = σ(α·μ_j + b_j) + ε_hc`, no Sinkhorn; returns
+/// the rounded `Σ_j pre_j X_j`.
+pub fn hc_head(
+    head: &HcHead,
+    streams: &[f32],
+    n: usize,
+    rms_eps: f32,
+    hc_eps: f32,
+    p: Precision,
+) -> Vec<f32> {
+    let d = streams.len() / n;
+    let mu = mix_logits(&head.fn_, streams, rms_eps);
+    let pre: Vec<f32> = (0..n)
+        .map(|j| sigmoid(mu[j] * head.scale[0] + head.base[j]) + hc_eps)
+        .collect();
+    collapse(streams, &pre, d, p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sinkhorn_makes_columns_sum_to_one() {
+        let mut c: Vec<f32> = (0..16).map(|i| 0.1 + (i as f32 * 0.37) % 1.0).collect();
+        sinkhorn(&mut c, 4, 20, 1e-6);
+        for k in 0..4 {
+            let s: f32 = (0..4).map(|j| c[j * 4 + k]).sum();
+            assert!((s - 1.0).abs() < 1e-4, "column {k} sums to {s}");
+        }
+        for j in 0..4 {
+            let s: f32 = (0..4).map(|k| c[j * 4 + k]).sum();
+            assert!((s - 1.0).abs() < 1e-2, "row {j} sums to {s}");
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! The MoE router: sqrt-softplus scores, top-k selection with the correction
+//! bias (selection only), hash routing through `tid2eid`, and the normalised
+//! gate weights (`modeling_deepseek_v4.py` L1079-1128; notes §2.6).
+//!
+//! `logit = round(dot8(W_gate_e, f))`; `s_e = round(sqrt(round(softplus(logit))))`
+//! with softplus(x) = x for x > 20, else `libm::log1pf(libm::expf(x))`.
+//! moe layers: selection score `σ_e = s_e + b_e` (FP32); experts sorted by σ
+//! descending, ties to the lower id (IEEE total order); the first k are the
+//! selection, in that order. hash_moe layers: the k ids of `tid2eid[token]` in
+//! row order. Gates: `S = round(Σ_j s_{idx_j} + 1e−20)` (selection order, FP32),
+//! `g_j = round(round(s_{idx_j} / S) · routed_scaling_factor)`.
+
+use crate::config::{MlpKind, ModelConfig};
+use crate::error::RuntimeError;
+use crate::precision::Precision;
+use crate::weights::{Mat, WeightLoader};
+
+/// Router weights of one layer.
+#[derive(Debug, Clone)]
+pub struct RouterWeights {
+    /// W_gate `[E, D]`.
+    pub gate: Mat,
+    /// Correction bias `[E]` (moe layers).
+    pub bias: Option<Vec<f32>>,
+    /// `tid2eid` `[V, k]` row-major (hash_moe layers).
+    pub tid2eid: Option<Vec<u32>>,
+}
+
+impl RouterWeights {
+    /// Loads `layers.{i}.ffn.gate.*`.
+    pub fn load(w: &mut WeightLoader, cfg: &ModelConfig, i: usize) -> Result<RouterWeights, RuntimeError> {
+        let p = format!("layers.{i}.ffn.gate");
+        let e = cfg.n_routed_experts;
+        let gate = w.mat(&format!("{p}.weight"), e, cfg.hidden_size)?;
+        Ok(match cfg.mlp_layer_types[i] {
+            MlpKind::Moe => RouterWeights {
+                gate,
+                bias: Some(w.vec_f32(&format!("{p}.bias"), &[e])?),
+                tid2eid: None,
+            },
+            MlpKind::HashMoe => RouterWeights {
+                gate,
+                bias: None,
+                tid2eid: Some(w.ids(&format!("{p}.tid2eid"), &[cfg.vocab_size, cfg.experts_per_tok], e)?),
+            },
+        })
+    }
+}
+
+/// The routing decision for one token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// s_e for every expert (before the correction bias).
+    pub scores: Vec<f32>,
+    /// Selected experts, in selection order.
+    pub topk: Vec<u32>,
+    /// Gate weights g_j, same order.
+    pub gates: Vec<f32>,
+    /// σ of rank k minus σ of rank k+1 (moe layers with E > k).
+    pub margin: Option<f32>,
+}
+
+/// softplus with β = 1 and threshold 20 (torch semantics), libm transcendentals.
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        libm::log1pf(libm::expf(x))
+    }
+}
+
+/// Routes one token (`token` is needed by hash layers).
+pub fn route(rw: &RouterWeights, f: &[f32], token: u32, cfg: &ModelConfig, p: Precision) -> Routing {
+    let logits = rw.gate.linear(f, p);
+    let scores: Vec<f32> = logits
+        .iter()
+        .map(|&l| p.round(p.round(softplus(l)).sqrt()))
+        .collect();
+    let k = cfg.experts_per_tok;
+    let (topk, margin) = match (&rw.tid2eid, &rw.bias) {
+        (Some(t), _) => {
+            let row = token as usize * k;
+            (t[row..row + k].to_vec(), None)
+        }
+        (None, bias) => {
+            let sel: Vec<f32> = scores
+                .iter()
+                .enumerate()
+                .map(|(e, s)| s + bias.as_ref().map_or(0.0, |b| b[e]))
+                .collect();
+            let mut idx: Vec<usize> = (0..sel.len()).collect();
+            idx.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
+            let margin = idx.get(k).map(|&next| sel[idx[k - 1]] - sel[next]);
+            (idx[..k].iter().map(|&e| e as u32).collect(), margin)
+        }
+    };
+    let mut sum = 0.0f32;
+    for &e in &topk {
+        sum += scores[e as usize];
+    }
+    let den = p.round(sum + 1e-20);
+    let gates = topk
+        .iter()
+        .map(|&e| p.round(p.round(scores[e as usize] / den) * cfg.routed_scaling_factor))
+        .collect();
+    Routing {
+        scores,
+        topk,
+        gates,
+        margin,
+    }
+}

@@ -1,0 +1,233 @@
+//! Decode-time persistent state, exactly the HF 5.23.0 cache content (notes §4),
+//! in a canonical logical layout without allocation padding.
+//!
+//! Per layer: `cumulative_length`; `window_kv` = the last min(c, w−1) post-norm,
+//! post-RoPE kv vectors in position order; for CSA/HCA layers the compressor
+//! state and for CSA layers the indexer state ([`CompressorState`]): raw
+//! buffers of the open window (c mod rate rows; gate stored without the
+//! position bias), the emitted compressed entries (post norm, post RoPE), the
+//! entry count, and for CSA the overlap slice (Ca half of the last closed
+//! window; gate includes the position bias), `None` before the first window
+//! closes. All floats are FP32 holding the profile's values (BF16-representable
+//! in the bf16 profile except the overlap gate, which HF keeps in FP32).
+//!
+//! [`DecodeState`] is `Clone`, and keeps the position, step and pending token
+//! explicit, so a run can be snapshot and forked.
+
+use moeconf_fingerprint::Level;
+
+use crate::capture::{CaptureError, Recorder};
+use crate::config::{AttentionKind, ModelConfig};
+
+/// State of one compressor (main or indexer) of a CSA/HCA layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompressorState {
+    /// Compress rate (window length).
+    pub rate: usize,
+    /// Width of the raw projections (2·dim with overlap, else dim).
+    pub width: usize,
+    /// Width of an emitted entry.
+    pub dim: usize,
+    /// Whether windows overlap (CSA).
+    pub overlap: bool,
+    /// Raw kv projections of the open window, `[c mod rate, width]` row-major.
+    pub buffer_kv: Vec<f32>,
+    /// Raw gate projections of the open window (no position bias), `[c mod rate, width]`.
+    pub buffer_gate: Vec<f32>,
+    /// Emitted entries, `[T, dim]`.
+    pub compressed_kv: Vec<f32>,
+    /// T, the number of emitted entries.
+    pub entry_count: u64,
+    /// Ca kv of the last closed window, `[rate, dim]` (CSA), or `None`.
+    pub overlap_kv: Option<Vec<f32>>,
+    /// Ca gate (+ position bias) of the last closed window, `[rate, dim]`, or `None`.
+    pub overlap_gate: Option<Vec<f32>>,
+}
+
+impl CompressorState {
+    /// Empty state.
+    pub fn new(rate: usize, dim: usize, overlap: bool) -> CompressorState {
+        CompressorState {
+            rate,
+            width: if overlap { 2 * dim } else { dim },
+            dim,
+            overlap,
+            buffer_kv: Vec::new(),
+            buffer_gate: Vec::new(),
+            compressed_kv: Vec::new(),
+            entry_count: 0,
+            overlap_kv: None,
+            overlap_gate: None,
+        }
+    }
+
+    /// Rows in the open-window buffer.
+    pub fn buffered(&self) -> usize {
+        self.buffer_kv.len() / self.width
+    }
+
+    /// Entry `i` (`dim` values).
+    pub fn entry(&self, i: usize) -> &[f32] {
+        &self.compressed_kv[i * self.dim..(i + 1) * self.dim]
+    }
+
+    fn emit_l2(&self, rec: &mut Recorder<'_>, pos: u32, layer: u32, name: &str) -> Result<(), CaptureError> {
+        let l = Some(layer);
+        let (w, d) = (self.width as u64, self.dim as u64);
+        let rows = self.buffered() as u64;
+        rec.f32(
+            Level::L2,
+            pos,
+            l,
+            &format!("state.{name}.buffer_kv"),
+            &[rows, w],
+            &self.buffer_kv,
+        )?;
+        rec.f32(
+            Level::L2,
+            pos,
+            l,
+            &format!("state.{name}.buffer_gate"),
+            &[rows, w],
+            &self.buffer_gate,
+        )?;
+        rec.f32(
+            Level::L2,
+            pos,
+            l,
+            &format!("state.{name}.compressed_kv"),
+            &[self.entry_count, d],
+            &self.compressed_kv,
+        )?;
+        rec.i64_scalar(
+            Level::L2,
+            pos,
+            l,
+            &format!("state.{name}.entry_count"),
+            self.entry_count as i64,
+        )?;
+        if self.overlap {
+            let empty: Vec<f32> = Vec::new();
+            let ok = self.overlap_kv.as_ref().unwrap_or(&empty);
+            let og = self.overlap_gate.as_ref().unwrap_or(&empty);
+            let m = (ok.len() / self.dim) as u64;
+            rec.f32(
+                Level::L2,
+                pos,
+                l,
+                &format!("state.{name}.overlap_kv"),
+                &[m, d],
+                ok,
+            )?;
+            rec.f32(
+                Level::L2,
+                pos,
+                l,
+                &format!("state.{name}.overlap_gate"),
+                &[m, d],
+                og,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// State of one decoder layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerState {
+    /// Attention kind.
+    pub kind: AttentionKind,
+    /// Tokens processed by this layer so far (c).
+    pub cumulative_length: u64,
+    /// head_dim d.
+    pub head_dim: usize,
+    /// Last min(c, w−1) kv vectors, `[n, d]`, oldest first.
+    pub window_kv: Vec<f32>,
+    /// Main compressor (CSA/HCA).
+    pub compressor: Option<CompressorState>,
+    /// Indexer compressor (CSA).
+    pub indexer: Option<CompressorState>,
+}
+
+/// The whole persistent state of a generation, plus its explicit counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeState {
+    /// Per-layer caches.
+    pub layers: Vec<LayerState>,
+    /// Absolute position of the next token to be consumed (= tokens consumed so far).
+    pub position: u32,
+    /// Index of the next forward step (0 = prefill).
+    pub step: u32,
+    /// The predicted token not yet consumed (g_{step}), if any.
+    pub pending: Option<u32>,
+    /// Prompt ids consumed by the prefill.
+    pub prompt: Vec<u32>,
+    /// Generated tokens g_1, g_2, … so far.
+    pub generated: Vec<u32>,
+}
+
+impl DecodeState {
+    /// The empty state of a model.
+    pub fn new(cfg: &ModelConfig) -> DecodeState {
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|&kind| LayerState {
+                kind,
+                cumulative_length: 0,
+                head_dim: cfg.head_dim,
+                window_kv: Vec::new(),
+                compressor: match kind {
+                    AttentionKind::Sliding => None,
+                    AttentionKind::Csa => Some(CompressorState::new(cfg.csa_rate, cfg.head_dim, true)),
+                    AttentionKind::Hca => Some(CompressorState::new(cfg.hca_rate, cfg.head_dim, false)),
+                },
+                indexer: match kind {
+                    AttentionKind::Csa => Some(CompressorState::new(cfg.csa_rate, cfg.index_head_dim, true)),
+                    _ => None,
+                },
+            })
+            .collect();
+        DecodeState {
+            layers,
+            position: 0,
+            step: 0,
+            pending: None,
+            prompt: Vec::new(),
+            generated: Vec::new(),
+        }
+    }
+
+    /// Emits the L2 records of every layer in canonical order (capture.md).
+    pub(crate) fn emit_l2(&self, rec: &mut Recorder<'_>, pos: u32) -> Result<(), CaptureError> {
+        if !rec.wants(Level::L2) {
+            return Ok(());
+        }
+        for (i, ls) in self.layers.iter().enumerate() {
+            let l = Some(i as u32);
+            rec.i64_scalar(
+                Level::L2,
+                pos,
+                l,
+                "state.cumulative_length",
+                ls.cumulative_length as i64,
+            )?;
+            let n = (ls.window_kv.len() / ls.head_dim) as u64;
+            rec.f32(
+                Level::L2,
+                pos,
+                l,
+                "state.window_kv",
+                &[n, ls.head_dim as u64],
+                &ls.window_kv,
+            )?;
+            if let Some(c) = &ls.compressor {
+                c.emit_l2(rec, pos, i as u32, "compressor")?;
+            }
+            if let Some(c) = &ls.indexer {
+                c.emit_l2(rec, pos, i as u32, "indexer")?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,64 @@
+//! Tokenization through the `tokenizers` crate from a `tokenizer.json`:
+//! `encode` adds no special tokens; `decode` keeps special tokens out.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::RuntimeError;
+
+/// Turns generated ids into text (for the `text.continuation` record).
+pub trait Detokenize: Sync {
+    /// Decodes ids to text.
+    fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError>;
+}
+
+/// A `tokenizer.json` loaded with the `tokenizers` crate.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer").field("path", &self.path).finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `path`.
+    pub fn from_file(path: &Path) -> Result<Tokenizer, RuntimeError> {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| RuntimeError::Tokenizer {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        Ok(Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Token ids of `text` (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, RuntimeError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| RuntimeError::Tokenizer {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+impl Detokenize for Tokenizer {
+    fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError> {
+        self.inner.decode(ids, true).map_err(|e| RuntimeError::Tokenizer {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })
+    }
+}
