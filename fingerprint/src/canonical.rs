@@ -130,11 +130,21 @@ pub fn surely_canonical(dtype: DType, bytes: &[u8], policy: CanonPolicy) -> bool
 fn any_f32_special(words: &[u32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above).
+            return unsafe { any_f32_special_avx512(words) };
+        }
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2 (checked just above).
             return unsafe { any_f32_special_avx2(words) };
         }
     }
+    any_f32_special_portable(words)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn any_f32_special_avx512(words: &[u32]) -> bool {
     any_f32_special_portable(words)
 }
 
@@ -146,12 +156,13 @@ unsafe fn any_f32_special_avx2(words: &[u32]) -> bool {
 
 #[inline(always)]
 fn any_f32_special_portable(words: &[u32]) -> bool {
+    // max of the exponent fields: reaches 0x7f80_0000 iff some exponent is
+    // all ones. Two vector ops per lane (and, max), no compare in the loop.
     let mut acc = 0u32;
     for &w in words {
-        let b = u32::from_le(w);
-        acc |= u32::from((b & 0x7f80_0000) == 0x7f80_0000);
+        acc = acc.max(u32::from_le(w) & 0x7f80_0000);
     }
-    acc != 0
+    acc == 0x7f80_0000
 }
 
 /// Rewrites `bytes` (little-endian values of `dtype`) to canonical form.

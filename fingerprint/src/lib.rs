@@ -36,13 +36,13 @@ pub mod wire;
 pub use algorithm::{Algorithm, Digest, StreamHasher, PARALLEL_HASH_THRESHOLD};
 pub use canonical::{
     canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical,
-    CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
+    surely_canonical, CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
 };
 pub use coord::{Coord, Level, Phase, MAX_PATH_LEN};
 pub use dtype::DType;
 pub use record::{
     feed_canonical, record_digest, record_digest_with_sink, record_prefix, FingerprintError, TensorView,
-    DOMAIN_RECORD, MAX_RANK,
+    DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,
 };
 pub use tree::{
     binding_digest, GroupNode, HashTree, Leaf, LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP,
