@@ -33,6 +33,13 @@ pub enum Command {
         after_help = "Examples:\n  moeconf inspect ref.bin\n  moeconf inspect ref.bin --format json > ref.json"
     )]
     Inspect(InspectArgs),
+    /// Compare two traces of the same prompt and model: are they equivalent,
+    /// and if not, where (step, layer, operator) does the candidate first
+    /// depart from the reference, and which numerical contract explains it.
+    #[command(
+        after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json"
+    )]
+    Diff(crate::cmd::diff::DiffArgs),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 mod bench;
+pub mod diff;
 mod inspect;
 
 use crate::cli::{BenchCommand, Cli, Command};
@@ -10,6 +11,7 @@ use std::process::ExitCode;
 pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Inspect(a) => inspect::run(&a),
+        Command::Diff(a) => diff::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
     }
 }
