@@ -7,6 +7,7 @@
 pub mod bf16;
 pub mod contract;
 pub mod attention;
+pub mod bench;
 pub mod capture;
 pub mod compressor;
 pub mod config;

@@ -1,0 +1,63 @@
+//! Reports prefill and decode tokens/s of the reference runtime on the tiny
+//! fixture (and optionally the larger generated configuration):
+//! `cargo run --release -p moeconf-reference-runtime --example bench_runtime [-- large]`.
+use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy, Coord, Level, TensorView};
+use moeconf_reference_runtime::bench::bench_generate;
+use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, NullSink};
+use moeconf_reference_runtime::contract::NativeCombine;
+use moeconf_reference_runtime::model::{Model, StepOptions};
+use moeconf_reference_runtime::precision::Precision;
+
+/// Fingerprints every record (like the default trace capture), keeps nothing.
+struct DigestSink(u64);
+
+impl CaptureSink for DigestSink {
+    fn wants(&self, _level: Level) -> bool {
+        true
+    }
+    fn record(&mut self, coord: Coord, level: Level, t: TensorView<'_>) -> Result<(), CaptureError> {
+        let d = record_digest(Algorithm::Blake3, CanonPolicy::default(), &coord, level, t)
+            .map_err(|e| CaptureError::new(e.to_string()))?;
+        self.0 ^= u64::from(d.0[0]);
+        Ok(())
+    }
+}
+
+fn main() {
+    let large = std::env::args().any(|a| a == "large");
+    let dir = std::env::temp_dir().join(if large {
+        "moeconf-bench-large"
+    } else {
+        "moeconf-bench-tiny"
+    });
+    let spec = if large {
+        moeconf_fixtures::checkpoint::V4Spec::bench_large()
+    } else {
+        moeconf_fixtures::checkpoint::V4Spec::tiny()
+    };
+    moeconf_fixtures::checkpoint::write_v4(&dir, &spec).expect("write checkpoint");
+    let model = Model::load(&dir).expect("load");
+    let prompt: Vec<u32> = (0..64).map(|i| (i * 37 + 5) % 1024).collect();
+    for precision in [Precision::Bf16, Precision::F32] {
+        let opts = StepOptions {
+            precision,
+            combine: &NativeCombine,
+            detokenizer: None,
+        };
+        let r = bench_generate(&model, &prompt, 200, &opts, &mut NullSink).expect("run");
+        println!(
+            "{} no capture:     prefill {:8.1} tok/s   decode {:8.1} tok/s",
+            precision.name(),
+            r.prefill_tokens_per_second(),
+            r.decode_tokens_per_second()
+        );
+        let mut sink = DigestSink(0);
+        let r = bench_generate(&model, &prompt, 200, &opts, &mut sink).expect("run");
+        println!(
+            "{} digest all:     prefill {:8.1} tok/s   decode {:8.1} tok/s",
+            precision.name(),
+            r.prefill_tokens_per_second(),
+            r.decode_tokens_per_second()
+        );
+    }
+}

@@ -1,0 +1,126 @@
+//! The MoE output recorded as `moe.combine` is exactly the native combine of
+//! the recorded terms and shared-expert output, and the persistent-state
+//! invariants of notes §4 hold at every decode boundary.
+
+mod common;
+
+use common::{fixture_model, prompt};
+use moeconf_fingerprint::Level;
+use moeconf_reference_runtime::capture::MemorySink;
+use moeconf_reference_runtime::contract::{combine_native, NativeCombine};
+use moeconf_reference_runtime::generate::GenerateOptions;
+use moeconf_reference_runtime::precision::Precision;
+
+fn run(max_new: usize, p: &[u32]) -> MemorySink {
+    let mut sink = MemorySink::all();
+    let opts = GenerateOptions {
+        max_new_tokens: max_new,
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+    };
+    fixture_model().generate(p, &opts, &mut sink).unwrap();
+    sink
+}
+
+#[test]
+fn native_combine_equals_captured_moe_combine() {
+    let sink = run(6, &prompt(1, 13));
+    let recs = &sink.records;
+    let mut checked = 0;
+    for (i, r) in recs.iter().enumerate() {
+        if r.coord.path != "moe.combine" {
+            continue;
+        }
+        // The k terms and the shared output precede the combine, in order.
+        let k = 6;
+        let terms: Vec<Vec<f32>> = (0..k).map(|j| recs[i - 1 - k + j].f32s()).collect();
+        for (j, t) in recs[i - 1 - k..i - 1].iter().enumerate() {
+            assert_eq!(t.coord.path, format!("moe.term.{j}"));
+            assert_eq!(
+                (t.coord.position, t.coord.layer),
+                (r.coord.position, r.coord.layer)
+            );
+        }
+        assert_eq!(recs[i - 1].coord.path, "moe.shared");
+        let shared = recs[i - 1].f32s();
+        let refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
+        let mut y = vec![0.0f32; shared.len()];
+        combine_native(&refs, &shared, &mut y);
+        let got = r.f32s();
+        assert!(
+            y.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "combine differs at {:?}",
+            r.coord
+        );
+        checked += 1;
+    }
+    // 13 prompt positions + 5 decode positions, 9 layers.
+    assert_eq!(checked, (13 + 5) * 9);
+}
+
+#[test]
+fn state_invariants_hold_at_every_decode_boundary() {
+    let p = prompt(2, 21);
+    let sink = run(20, &p);
+    let cfg = fixture_model().config();
+    for r in sink.records.iter().filter(|r| r.level == Level::L2) {
+        let c = i64::from(r.coord.position) + 1;
+        let layer = r.coord.layer.unwrap() as usize;
+        let rate = cfg.compress_rate(cfg.layer_types[layer]) as i64;
+        let val = |r: &moeconf_reference_runtime::capture::Record| {
+            i64::from_le_bytes(r.bytes[..8].try_into().unwrap())
+        };
+        match r.coord.path.as_str() {
+            "state.cumulative_length" => assert_eq!(val(r), c),
+            "state.window_kv" => assert_eq!(r.shape[0] as i64, c.min(cfg.sliding_window as i64 - 1)),
+            "state.compressor.entry_count" | "state.indexer.entry_count" => assert_eq!(val(r), c / rate),
+            "state.compressor.buffer_kv" | "state.indexer.buffer_gate" => {
+                assert_eq!(r.shape[0] as i64, c % rate)
+            }
+            "state.compressor.overlap_kv" => {
+                assert_eq!(r.shape[0] as i64, if c < rate { 0 } else { rate });
+            }
+            _ => {}
+        }
+    }
+    // Decode boundaries: one per step.
+    assert_eq!(
+        sink.by_path("state.cumulative_length").count(),
+        20 * cfg.num_layers()
+    );
+}
+
+#[test]
+fn chunked_prefill_equals_token_by_token() {
+    // The runtime processes a prefill token by token with the cache, so a
+    // 21-token prefill followed by decodes must give bit-identical logits to a
+    // 40-token prefill of the same sequence at position 39.
+    let p = prompt(4, 21);
+    let model = fixture_model();
+    let opts = GenerateOptions {
+        max_new_tokens: 20,
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+    };
+    let mut s1 = MemorySink::with_levels(&[Level::L1]);
+    let g = model.generate(&p, &opts, &mut s1).unwrap();
+    let mut full = p.clone();
+    full.extend_from_slice(&g.tokens[..19]);
+    let mut s2 = MemorySink::with_levels(&[Level::L1]);
+    let g2 = model
+        .generate(
+            &full,
+            &GenerateOptions {
+                max_new_tokens: 1,
+                ..opts
+            },
+            &mut s2,
+        )
+        .unwrap();
+    assert_eq!(g2.tokens[0], g.tokens[19]);
+    let a = s1.by_path("lm.logits").last().unwrap().bytes.clone();
+    let b = s2.by_path("lm.logits").last().unwrap().bytes.clone();
+    assert_eq!(a, b);
+}
