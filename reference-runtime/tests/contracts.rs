@@ -964,3 +964,16 @@ fn fork_changes_only_the_forked_event() {
         "native fork(layer=5 step=1 contract=b+order=index:719)"
     );
 }
+
+/// Hand-derived class representatives for k = 6: class c has pair rank
+/// c / 24 and suffix rank c % 24. Class 135: pair rank 5 is (1, 2) (ranks
+/// 0–4 are (0, 1)…(0, 5)); suffix rank 15 = 2·3! + 1·2! + 1·1! picks
+/// entries 2, 1, 1, 0 of the remaining [0, 3, 4, 5] → [4, 3, 5, 0].
+#[test]
+fn b_class_representatives_match_hand_derivations() {
+    assert_eq!(b_class_representative(6, 0).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(b_class_representative(6, 23).unwrap(), vec![0, 1, 5, 4, 3, 2]);
+    assert_eq!(b_class_representative(6, 24).unwrap(), vec![0, 2, 1, 3, 4, 5]);
+    assert_eq!(b_class_representative(6, 135).unwrap(), vec![1, 2, 4, 3, 5, 0]);
+    assert_eq!(b_class_of(&[2, 1, 4, 3, 5, 0]).unwrap(), 135);
+}
