@@ -57,7 +57,8 @@ pub fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
     eprintln!("measuring (best of {}, measurements interleaved) ...", a.repeat);
     // Interleave the measurements so that load from other processes hits
     // baseline and candidate alike; report the best of each.
-    let (mut raw_1, mut canon_1, mut raw_n, mut canon_n) = (f64::INFINITY, f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    let (mut raw_1, mut canon_1, mut raw_n, mut canon_n) =
+        (f64::INFINITY, f64::INFINITY, f64::INFINITY, f64::INFINITY);
     let mut digests = Vec::new();
     for _ in 0..a.repeat {
         raw_1 = raw_1.min(best_of(1, || {
@@ -66,7 +67,8 @@ pub fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
             std::hint::black_box(h.finalize());
         }));
         canon_1 = canon_1.min(best_of(1, || {
-            let d = record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, false, |_| Ok(()));
+            let d =
+                record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, false, |_| Ok(()));
             digests.push(d.ok());
         }));
         raw_n = raw_n.min(best_of(1, || {
@@ -75,7 +77,8 @@ pub fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
             std::hint::black_box(h.finalize());
         }));
         canon_n = canon_n.min(best_of(1, || {
-            let d = record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, true, |_| Ok(()));
+            let d =
+                record_digest_with_sink(Algorithm::Blake3, policy, &coord, Level::L4, t, true, |_| Ok(()));
             digests.push(d.ok());
         }));
     }

@@ -3,6 +3,7 @@
 mod bench;
 pub mod diff;
 mod inspect;
+mod run;
 
 use crate::cli::{BenchCommand, Cli, Command};
 use std::process::ExitCode;
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Inspect(a) => inspect::run(&a),
+        Command::Run(a) => run::run(&a),
         Command::Diff(a) => diff::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
     }
