@@ -1,0 +1,200 @@
+//! End-to-end: `moeconf run` writes traces of the built-in model, `moeconf
+//! inspect` reads them back in both formats, and bad input exits 2 with a
+//! message naming the file.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn moeconf(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moeconf"))
+        .args(args)
+        .output()
+        .expect("spawn moeconf")
+}
+
+fn run_trace(out: &Path, extra: &[&str]) -> Output {
+    let o = out.to_str().unwrap();
+    let mut args = vec![
+        "run",
+        "--model",
+        "builtin:tiny-v4",
+        "--prompt",
+        "why the sheep",
+        "--max-new-tokens",
+        "4",
+        "-o",
+        o,
+    ];
+    args.extend_from_slice(extra);
+    moeconf(&args)
+}
+
+fn root_of(path: &Path) -> String {
+    let o = moeconf(&["inspect", path.to_str().unwrap(), "--format", "json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["root"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn run_then_inspect_text_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("ref.bin");
+    let o = run_trace(&t, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let o = moeconf(&["inspect", t.to_str().unwrap()]);
+    assert!(o.status.success());
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.contains("prompt     \"why the sheep\""), "{text}");
+    assert!(text.contains("decoding   greedy, 4 new tokens"), "{text}");
+    assert!(text.contains("contract native"), "{text}");
+    assert!(text.contains("layer.post_ffn_mhc"), "{text}");
+    assert!(text.contains("verified   every byte"), "{text}");
+
+    let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
+    assert!(o.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["algorithm"], "blake3");
+    assert_eq!(v["binding"]["prompt"]["text"], "why the sheep");
+    assert_eq!(v["binding"]["decoding"]["max_new_tokens"], 4);
+    assert_eq!(v["steps"]["count"], 4);
+    assert_eq!(v["records"]["payloads_present"], true);
+    for level in ["L0", "L1", "L2", "L3", "L4"] {
+        assert!(
+            v["records"]["by_level"][level]["records"].as_u64().unwrap() > 0,
+            "{level}"
+        );
+    }
+    // Default capture: payloads for L1 and L3, fingerprints only for big L4 tensors.
+    let comps = &v["records"]["by_level"]["L4"]["components"];
+    assert_eq!(comps["moe.combine"]["payloads"], 0);
+    assert!(
+        v["records"]["by_level"]["L3"]["components"]["layer.post_ffn_mhc"]["payloads"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+}
+
+#[test]
+fn root_does_not_depend_on_threads_or_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut roots = Vec::new();
+    for threads in ["1", "2", "4", "2"] {
+        let t = dir.path().join(format!("t{}.bin", roots.len()));
+        let o = run_trace(&t, &["--threads", threads]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        roots.push(root_of(&t));
+    }
+    assert!(roots.windows(2).all(|w| w[0] == w[1]), "{roots:?}");
+    // Two runs with the same thread count are byte-identical files.
+    let a = std::fs::read(dir.path().join("t1.bin")).unwrap();
+    let b = std::fs::read(dir.path().join("t3.bin")).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn contract_schedule_and_fork_are_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("fork.bin");
+    let o = run_trace(
+        &t,
+        &[
+            "--fork-layer",
+            "5",
+            "--fork-contract",
+            "b",
+            "--fork-order",
+            "135",
+            "--digest",
+            "sha256",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["algorithm"], "sha256");
+    let sched = v["binding"]["schedule"].as_str().unwrap();
+    assert!(sched.contains("layer=5") && sched.contains("step=1"), "{sched}");
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("ref.bin");
+    assert!(run_trace(&t, &["--capture", "fingerprints"]).status.success());
+    let mut bytes = std::fs::read(&t).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 0x40;
+    let bad = dir.path().join("bad.bin");
+    std::fs::write(&bad, &bytes).unwrap();
+    let o = moeconf(&["inspect", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8(o.stderr).unwrap();
+    assert!(
+        err.starts_with("moeconf: ") && err.contains("bad.bin: byte "),
+        "{err}"
+    );
+
+    let trunc = dir.path().join("trunc.bin");
+    std::fs::write(&trunc, &bytes[..n - 10]).unwrap();
+    let o = moeconf(&["inspect", trunc.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("truncated"));
+
+    for args in [
+        vec!["inspect", "/nonexistent/x.bin"],
+        vec![
+            "run",
+            "--prompt",
+            "x",
+            "-o",
+            "/tmp/never.bin",
+            "--precision",
+            "fp8",
+        ],
+        vec!["run", "--prompt", "x", "-o", "/tmp/never.bin", "--capture", "L9"],
+        vec![
+            "run",
+            "--prompt",
+            "x",
+            "-o",
+            "/tmp/never.bin",
+            "--fork-order",
+            "3",
+        ],
+        vec![
+            "run",
+            "--prompt",
+            "x",
+            "-o",
+            "/tmp/never.bin",
+            "--fork-layer",
+            "5",
+            "--fork-order",
+            "360",
+        ],
+        vec![
+            "run",
+            "--prompt",
+            "x",
+            "-o",
+            "/tmp/never.bin",
+            "--model",
+            "/nonexistent-model",
+        ],
+        vec!["bogus-subcommand"],
+    ] {
+        let o = moeconf(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!o.stderr.is_empty());
+    }
+    assert!(!Path::new("/tmp/never.bin").exists());
+}
