@@ -27,6 +27,10 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// The guided tour: trace the built-in model twice, once natively and once
+    /// with one changed MoE reduction (scheme B at layer 5, the paper's fork),
+    /// and show where and why the two executions part.
+    Demo(DemoArgs),
     /// Run the reference runtime greedily on a prompt and write a trace of
     /// every level (tokens, logits, persistent state, layer state, operators).
     #[command(after_help = RUN_EXAMPLES)]
@@ -64,6 +68,32 @@ Fork (--fork-layer L): only the MoE aggregation of layer L at one event uses --f
 (default b) with --fork-order (a B class 0..359 for b, a permutation index 0..719 otherwise, or
 p:5,4,3,2,1,0 for an explicit permutation); by default the event is the first decode forward
 (step 1, the forward that consumes the first emitted token), as FORK_TOKEN=-1 in the paper.";
+
+/// `moeconf demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Where to write the two traces.
+    #[arg(long, default_value = "moeconf-demo")]
+    pub out_dir: PathBuf,
+    /// Prompt of both runs.
+    #[arg(long, default_value = "why the sheep")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub max_new_tokens: u32,
+    /// Layer of the candidate's single changed MoE aggregation.
+    #[arg(long, default_value_t = 5)]
+    pub fork_layer: u32,
+    /// Contract of the candidate's changed aggregation.
+    #[arg(long, default_value = "b")]
+    pub fork_contract: String,
+    /// Order of the changed aggregation (a B class for b).
+    #[arg(long, default_value = "135")]
+    pub fork_order: String,
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
 
 /// `moeconf run`.
 #[derive(Debug, Args)]
