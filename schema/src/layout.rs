@@ -226,3 +226,40 @@ pub fn checksum(
     h.update(trailer_covered);
     h.finalize()
 }
+
+/// Returns a copy of `bytes` whose trailer checksum is recomputed over the
+/// (possibly corrupted) preamble, header, index and trailer fields, or `None`
+/// when the offsets needed are out of range. Only for fuzzing: it lets
+/// mutated headers and indexes reach the decoders.
+#[doc(hidden)]
+pub fn with_recomputed_checksum(bytes: &[u8]) -> Option<Vec<u8>> {
+    let len = bytes.len() as u64;
+    if len < PREAMBLE_LEN + TRAILER_LEN {
+        return None;
+    }
+    let word = |at: usize| -> Option<u64> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(bytes.get(at..at + 8)?);
+        Some(u64::from_le_bytes(a))
+    };
+    let code = u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?);
+    let alg = Algorithm::from_code(code)?;
+    let header_end = PREAMBLE_LEN.checked_add(word(24)?)?;
+    let t0 = (len - TRAILER_LEN) as usize;
+    let index_offset = word(t0 + 8)?;
+    let index_len = word(t0 + 16)?;
+    if header_end > len || index_offset.checked_add(index_len)? > len - TRAILER_LEN {
+        return None;
+    }
+    let mut covered = [0u8; 64];
+    covered.copy_from_slice(bytes.get(t0..t0 + 64)?);
+    let sum = checksum(
+        alg,
+        bytes.get(..header_end as usize)?,
+        bytes.get(index_offset as usize..(index_offset + index_len) as usize)?,
+        &covered,
+    );
+    let mut out = bytes.to_vec();
+    out[t0 + 64..t0 + 96].copy_from_slice(&sum.0);
+    Some(out)
+}

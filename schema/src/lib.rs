@@ -52,12 +52,22 @@ pub use writer::{TraceWriter, WriteSummary};
 /// Parses and fully verifies arbitrary bytes as a trace, discarding the
 /// result: the body of the `cargo fuzz` target and of the mutation test.
 /// Undocumented and unstable; exists only for fuzzing.
+///
+/// Each input is read twice: as given, and with its trailer checksum
+/// recomputed over the mutated bytes, so that mutations of the header and
+/// index get past the checksum and exercise the decoders behind it.
 #[doc(hidden)]
 pub fn fuzz_read(bytes: &[u8]) {
-    if let Ok(t) = Trace::from_bytes(std::path::Path::new("fuzz.bin"), bytes.to_vec()) {
-        let _ = t.verify_payloads();
-        for i in 0..t.records().len() {
-            let _ = t.payload_verified(i);
+    let read = |b: Vec<u8>| {
+        if let Ok(t) = Trace::from_bytes(std::path::Path::new("fuzz.bin"), b) {
+            let _ = t.verify_payloads();
+            for i in 0..t.records().len() {
+                let _ = t.payload_verified(i);
+            }
         }
+    };
+    read(bytes.to_vec());
+    if let Some(fixed) = layout::with_recomputed_checksum(bytes) {
+        read(fixed);
     }
 }
