@@ -341,16 +341,18 @@ fn tree_shape_matches_its_written_out_equation() {
     }
 }
 
-/// Rounds the integer `n · 2^q` to the nearest f32 (ties to even), with i128
-/// arithmetic only: a second formulation independent of the superaccumulator.
-fn round_scaled_i128(n: i128, q: i32) -> f32 {
+/// Rounds the integer `n · 2^q` to `p` significant bits, never below the
+/// quantum 2^min_exp (f32: 24, −149; bf16: 8, −133), ties to even, overflow
+/// from 2^128 to ∞, with i128 arithmetic only: a second formulation
+/// independent of the superaccumulator.
+fn round_scaled_i128(n: i128, q: i32, p: i32, min_exp: i32) -> f32 {
     if n == 0 {
         return 0.0;
     }
     let mag = n.unsigned_abs();
     let t = 127 - mag.leading_zeros() as i32; // highest set bit
-                                              // Quantum exponent of the result: 24 significant bits, but never below 2^-149.
-    let qe = (t + q - 23).max(-149);
+                                              // Quantum exponent of the result: p significant bits, but never below 2^min_exp.
+    let qe = (t + q - (p - 1)).max(min_exp);
     let shift = qe - q;
     let (mut m, e) = if shift <= 0 {
         (mag << (-shift) as u32, qe) // exact
@@ -363,8 +365,8 @@ fn round_scaled_i128(n: i128, q: i32) -> f32 {
         (floor + u128::from(up), qe)
     };
     let mut e = e;
-    while m >= (1 << 24) {
-        // Only from a round-up carry: m = 2^24, exact halving.
+    while m >= (1 << p) {
+        // Only from a round-up carry: m = 2^p, exact halving.
         m >>= 1;
         e += 1;
     }
@@ -425,14 +427,59 @@ fn exact_contract_equals_an_i128_reference() {
             sum += n << (e - q) as u32;
             s.add(t[0]);
         }
-        let want = round_scaled_i128(sum, q);
+        let want = round_scaled_i128(sum, q, 24, -149);
+        let want_bf16 = round_scaled_i128(sum, q, 8, -133);
         assert_eq!(s.to_f32().to_bits(), want.to_bits(), "terms {:?}", terms);
+        assert_eq!(
+            s.to_bf16().to_bits(),
+            want_bf16.to_bits(),
+            "bf16: terms {:?}",
+            terms
+        );
         // Through the contract, F32 operands, no final rounding and a +0 shared
         // term: y = FP32(a_k) + 0 = FP32(a_k) (an exact sum is never −0).
         let c = AggregationContract::parse("exact+operand=f32+output=f32").unwrap();
         let perm = permutation_from_index(k, rng.below(factorial(k))).unwrap();
         let got = run(&c.with_order(Order::Permutation(perm)), &terms, &[0.0]);
         assert_eq!(got[0], want.to_bits(), "terms {:?}", terms);
+        // exact-fused: the last term passed as the shared output is part of the
+        // one exact sum, rounded once to the output precision.
+        let (routed, shared) = terms.split_at(k - 1);
+        let fused = AggregationContract::parse("exact-fused+operand=f32").unwrap();
+        assert_eq!(
+            run(&fused, routed, &shared[0])[0],
+            want_bf16.to_bits(),
+            "fused: terms {:?}",
+            terms
+        );
+        let fused32 = AggregationContract::parse("exact-fused+operand=f32+output=f32").unwrap();
+        assert_eq!(
+            run(&fused32, routed, &shared[0])[0],
+            want.to_bits(),
+            "fused f32: terms {:?}",
+            terms
+        );
+    }
+}
+
+/// One value rounded once to bf16 by the superaccumulator is R_BF16 of it
+/// (R_BF16 is tested exhaustively in tests/bf16.rs), over every
+/// sign/exponent/top-fraction pattern with boundary low halves.
+#[test]
+fn exact_bf16_rounding_of_one_value_is_r_bf16() {
+    for high in 0u32..=0xffff {
+        if (high >> 7) & 0xff == 0xff {
+            continue; // NaN and ∞: the exact policy, not R_BF16's bit rule
+        }
+        for low in [0x0000u32, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff] {
+            let x = f32::from_bits((high << 16) | low);
+            let mut s = ExactSum::new();
+            s.add(x);
+            // An exact zero sum is +0 (R_BF16 would keep −0); a nonzero value
+            // that underflows keeps its sign, as R_BF16's does.
+            let want = if x == 0.0 { 0 } else { rb(x).to_bits() };
+            assert_eq!(s.to_bf16().to_bits(), want, "{:#010x}", x.to_bits());
+        }
     }
 }
 
@@ -441,9 +488,11 @@ fn exact_contract_is_order_invariant_including_non_finite_terms() {
     let mut rng = Rng(8);
     for i in 0..iterations(40) {
         let (terms, shared) = random_event(&mut rng, 6, 16, i % 2 == 0);
-        let cert = order_sensitivity(&AggregationContract::exact(), &refs(&terms), &shared).unwrap();
-        assert_eq!((cert.orders, cert.distinct_outputs), (720, 1));
-        assert_eq!(cert.proof, Some(InvarianceProof::ExactAccumulator));
+        for c in [AggregationContract::exact(), AggregationContract::exact_fused()] {
+            let cert = order_sensitivity(&c, &refs(&terms), &shared).unwrap();
+            assert_eq!((cert.orders, cert.distinct_outputs), (720, 1), "{}", c.describe());
+            assert_eq!(cert.proof, Some(InvarianceProof::ExactAccumulator));
+        }
     }
 }
 
@@ -724,6 +773,7 @@ fn presets_parse_case_insensitively_and_describe_round_trips() {
         ("Exact", AggregationContract::exact()),
         ("TREE", AggregationContract::tree()),
         ("f64", AggregationContract::f64()),
+        ("Exact-Fused", AggregationContract::exact_fused()),
     ];
     for (s, c) in expected {
         assert_eq!(AggregationContract::parse(s).unwrap(), c, "{s}");

@@ -5,7 +5,8 @@
 //! counts the bitwise-distinct outputs. Independently it tries to **prove**
 //! order invariance from the exact sum ([`InvarianceProof`]):
 //!
-//! * the [`Accumulator::Exact`] accumulator is order-invariant by construction;
+//! * the [`Accumulator::Exact`] and [`Accumulator::ExactFused`] accumulators are
+//!   order-invariant by construction;
 //! * otherwise, for each element, let `u_j` be the operand-rounded terms and
 //!   `q` the smallest power of two dividing all nonzero `u_j` (their common
 //!   quantum). Every partial sum of every order and tree shape is a subset sum,
@@ -16,7 +17,7 @@
 //!   yields the exact sum; an exact zero is +0 in every order (a +0 start
 //!   never produces −0 by addition, and a tree's final `+0 ⊕ root` maps a −0
 //!   root to +0). Equal `a_k` give equal merged outputs. Non-finite operands
-//!   prevent the proof (except for `Exact`).
+//!   prevent the proof (except for the exact accumulators).
 //!
 //! The proof is a sufficient condition: an unproven set may still be
 //! invariant, which the enumeration then shows.
@@ -123,7 +124,7 @@ pub fn order_sensitivity(
 /// every element.
 pub fn prove_invariance(family: &AggregationContract, terms: &[&[f32]], d: usize) -> Option<InvarianceProof> {
     let (precision_bits, min_quantum_exp) = match family.accumulator {
-        Accumulator::Exact => return Some(InvarianceProof::ExactAccumulator),
+        Accumulator::Exact | Accumulator::ExactFused => return Some(InvarianceProof::ExactAccumulator),
         Accumulator::F32 => (24u32, -149i32),
         Accumulator::Bf16 => (8, -133),
         Accumulator::F64 => (53, -1074),

@@ -7,7 +7,7 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum ContractError {
     /// A contract string is neither a preset name nor a valid `key=value` override.
-    #[error("unknown contract {given:?}: expected one of native, p32, c, a, b, exact, tree, f64 (optionally followed by +key=value overrides)")]
+    #[error("unknown contract {given:?}: expected one of native, p32, c, a, b, exact, tree, f64, exact-fused (optionally followed by +key=value overrides)")]
     UnknownContract {
         /// The string that was given.
         given: String,

@@ -7,14 +7,17 @@
 //! 32-bit digits (carry-save: a limb absorbs up to 2^31 additions before it
 //! could overflow, and [`ExactSum::add`] normalizes long before that). The
 //! sum is therefore exact for any number of terms and independent of their
-//! order, and [`ExactSum::to_f32`] rounds the exact real value **once** to
-//! the nearest f32 (ties to even), including gradual underflow and overflow
-//! to ±∞ (a magnitude that rounds to 2^128 or above).
+//! order, and [`ExactSum::to_f32`] ([`ExactSum::to_bf16`]) rounds the exact
+//! real value **once** to the nearest f32 (bf16), ties to even, including
+//! gradual underflow and overflow to ±∞ (a magnitude that rounds to 2^128 or
+//! above).
 //!
 //! Non-finite operands are tracked separately: the result is NaN if any
 //! operand is NaN or if both +∞ and −∞ occur, otherwise ±∞ if an infinity
 //! occurs, otherwise the rounded exact sum. An exact zero sum is +0 (as an
-//! FP32 accumulation from +0 would give).
+//! FP32 accumulation from +0 would give); a nonzero sum too small for the
+//! target's smallest quantum (possible for bf16 only) rounds to a zero of its
+//! own sign, as R_BF16 does.
 
 /// Number of 32-bit digits: 277 value bits plus sign and carry headroom.
 pub const LIMBS: usize = 10;
@@ -92,6 +95,20 @@ impl ExactSum {
 
     /// The exact sum rounded once to f32, round to nearest, ties to even.
     pub fn to_f32(&self) -> f32 {
+        self.round(24, 0)
+    }
+
+    /// The exact sum rounded once to bf16 (8 significant bits, subnormal
+    /// quantum 2^−133, overflow to ±∞ from the tie above the largest bf16),
+    /// round to nearest, ties to even; returned as the f32 holding the bf16
+    /// value. For an exact sum that is an f32 value this equals R_BF16 of it.
+    pub fn to_bf16(&self) -> f32 {
+        self.round(8, 16)
+    }
+
+    /// Rounds once to `precision` significant bits with the smallest quantum
+    /// 2^(−149 + min_shift) and the f32 exponent range.
+    fn round(&self, precision: u32, min_shift: u32) -> f32 {
         if self.nan || (self.pos_inf && self.neg_inf) {
             return f32::NAN;
         }
@@ -111,7 +128,7 @@ impl ExactSum {
             s.normalize();
         }
         // Now every limb is a digit in [0, 2^32) and the value is Σ d_i 2^(32 i) · 2^−149.
-        let magnitude = round_digits_to_f32_bits(&s.limbs);
+        let magnitude = round_digits(&s.limbs, precision, min_shift);
         f32::from_bits(magnitude | if negative { 0x8000_0000 } else { 0 })
     }
 }
@@ -121,40 +138,48 @@ fn bit(digits: &[i64; LIMBS], i: u32) -> bool {
     (digits[(i / 32) as usize] >> (i % 32)) & 1 == 1
 }
 
-/// Rounds the non-negative integer `M` (in 32-bit digits) times 2^−149 to the
-/// nearest f32 magnitude (ties to even) and returns its bits.
-fn round_digits_to_f32_bits(digits: &[i64; LIMBS]) -> u32 {
+/// Rounds the non-negative integer `M` (in 32-bit digits) times 2^−149 to
+/// `precision` (≤ 24) significant bits, never below the quantum
+/// 2^(−149 + min_shift), ties to even, and returns the f32 bits of the result
+/// (+∞ on overflow).
+fn round_digits(digits: &[i64; LIMBS], precision: u32, min_shift: u32) -> u32 {
     let Some(top) = (0..LIMBS).rev().find(|&i| digits[i] != 0) else {
         return 0; // exact zero: +0
     };
     // Index of the highest set bit of M.
     let t = top as u32 * 32 + (63 - digits[top].leading_zeros());
-    if t < 24 {
-        // M < 2^24: exact; the f32 bit pattern of M · 2^−149 is M itself
-        // (subnormal below 2^23, exponent field 1 in [2^23, 2^24)).
-        return digits[0] as u32;
-    }
-    let mut shift = t - 23;
-    // The 24 leading bits.
+    // M is kept in multiples of 2^shift: `precision` bits from the top, or the smallest quantum.
+    let mut shift = (t + 1).saturating_sub(precision).max(min_shift);
     let mut sig: u32 = 0;
     for i in (shift..=t).rev() {
         sig = (sig << 1) | u32::from(bit(digits, i));
     }
-    let round_bit = bit(digits, shift - 1);
-    let sticky = (0..shift - 1).any(|i| bit(digits, i));
-    if round_bit && (sticky || sig & 1 == 1) {
-        sig += 1;
-        if sig == 1 << 24 {
-            sig = 1 << 23;
-            shift += 1;
+    if shift > 0 {
+        let round_bit = bit(digits, shift - 1);
+        let sticky = (0..shift - 1).any(|i| bit(digits, i));
+        if round_bit && (sticky || sig & 1 == 1) {
+            sig += 1;
+            if sig == 1 << precision {
+                sig = 1 << (precision - 1);
+                shift += 1;
+            }
         }
     }
-    // value = sig · 2^(shift − 149) with sig in [2^23, 2^24): biased exponent shift + 1.
-    let exp_field = shift + 1;
+    if sig == 0 {
+        return 0; // rounded to zero below the smallest quantum
+    }
+    // value = sig · 2^(shift − 149); as an f32 its biased exponent is b + shift − 23.
+    let b = 32 - sig.leading_zeros();
+    let biased = b + shift;
+    if biased <= 23 {
+        // Below 2^−126: an f32 subnormal whose bit pattern is the value / 2^−149.
+        return sig << shift;
+    }
+    let exp_field = biased - 23;
     if exp_field >= 0xff {
         return 0x7f80_0000; // overflow to infinity
     }
-    (exp_field << 23) | (sig & 0x007f_ffff)
+    (exp_field << 23) | ((sig << (24 - b)) & 0x007f_ffff)
 }
 
 #[cfg(test)]

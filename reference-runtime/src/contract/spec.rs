@@ -20,7 +20,9 @@
 //! `FP32(a_k)` the IEEE round-to-nearest-even conversion (Rust `as f32`);
 //! `Exact`: the exact real sum of all `u_j` in a superaccumulator, rounded once
 //! to FP32 (round to nearest, ties to even) to form `FP32(a_k)`: order and
-//! shape do not change it. The paper's presets (section 2.5):
+//! shape do not change it; `ExactFused`: the exact real sum of all `u_j` and
+//! `s`, rounded once directly to the output precision (this replaces step 3).
+//! The paper's presets (section 2.5):
 //!
 //! | preset | operand | accumulator | shape | output |
 //! |---|---|---|---|---|
@@ -31,6 +33,7 @@
 //! | `exact` | BF16 | exact | sequential | BF16 |
 //! | `f64` | BF16 | F64 | sequential | BF16 |
 //! | `tree` | BF16 | F32 | pairwise tree | BF16 |
+//! | `exact-fused` | BF16 | exact, `s` included | — | BF16, one rounding |
 
 use std::fmt;
 
@@ -67,6 +70,10 @@ pub enum Accumulator {
     F64,
     /// The exact real sum, rounded once to FP32 (ties to even) before the merge; order-invariant.
     Exact,
+    /// The exact real sum of the k operands **and** the shared output `s`,
+    /// rounded once, directly to the output precision (ties to even): the
+    /// correctly rounded MoE output. Replaces the separate merge; order-invariant.
+    ExactFused,
 }
 
 /// Association of the routed reduction.
@@ -200,7 +207,17 @@ pub struct AggregationContract {
 }
 
 /// Names of the presets, in the order [`AggregationContract::describe`] tries them.
-pub const PRESET_NAMES: [&str; 8] = ["native", "p32", "c", "a", "b", "exact", "tree", "f64"];
+pub const PRESET_NAMES: [&str; 9] = [
+    "native",
+    "p32",
+    "c",
+    "a",
+    "b",
+    "exact",
+    "tree",
+    "f64",
+    "exact-fused",
+];
 
 impl AggregationContract {
     const fn preset(operand: OperandPrecision, accumulator: Accumulator, shape: Shape) -> Self {
@@ -244,6 +261,12 @@ impl AggregationContract {
         Self::preset(OperandPrecision::Bf16, Accumulator::Exact, Shape::Sequential)
     }
 
+    /// BF16-rounded terms and the shared output summed exactly and rounded
+    /// once to BF16: the correctly rounded MoE output.
+    pub const fn exact_fused() -> Self {
+        Self::preset(OperandPrecision::Bf16, Accumulator::ExactFused, Shape::Sequential)
+    }
+
     /// BF16-rounded terms, FP32 accumulator, fixed pairwise tree.
     pub const fn tree() -> Self {
         Self::preset(OperandPrecision::Bf16, Accumulator::F32, Shape::PairwiseTree)
@@ -265,6 +288,7 @@ impl AggregationContract {
             "exact" => Self::exact(),
             "tree" => Self::tree(),
             "f64" => Self::f64(),
+            "exact-fused" => Self::exact_fused(),
             _ => return None,
         })
     }
@@ -275,9 +299,9 @@ impl AggregationContract {
         self
     }
 
-    /// Parses a contract: a preset name (`native|p32|c|a|b|exact|tree|f64`,
+    /// Parses a contract: a preset name (`native|p32|c|a|b|exact|tree|f64|exact-fused`,
     /// case-insensitive), optionally followed by `+key=value` overrides with
-    /// keys `operand` (`f32|bf16`), `accumulator`/`acc` (`f32|bf16|f64|exact`),
+    /// keys `operand` (`f32|bf16`), `accumulator`/`acc` (`f32|bf16|f64|exact|exact-fused`),
     /// `shape` (`sequential|tree`), `output` (`bf16|f32`) and `order` (see
     /// [`Order::parse`]; a bare integer is a B class for the B operand and
     /// accumulator, otherwise a permutation index). A string that starts with
@@ -318,7 +342,8 @@ impl AggregationContract {
                         "bf16" => Accumulator::Bf16,
                         "f64" => Accumulator::F64,
                         "exact" => Accumulator::Exact,
-                        _ => return Err(bad("accumulator must be f32, bf16, f64 or exact")),
+                        "exact-fused" => Accumulator::ExactFused,
+                        _ => return Err(bad("accumulator must be f32, bf16, f64, exact or exact-fused")),
                     }
                 }
                 "shape" => {
@@ -352,7 +377,7 @@ impl AggregationContract {
     }
 
     /// A canonical description that [`AggregationContract::parse`] reads back:
-    /// the first preset (in `p32, c, a, b, exact, tree, f64` order) whose
+    /// the first preset (in `p32, c, a, b, exact, tree, f64, exact-fused` order) whose
     /// operand, accumulator and shape match, then `+output=f32` and
     /// `+order=…` when they differ from the preset's. C with the identity
     /// order is described as `c` (the runtime's [`super::NativeCombine`]
@@ -378,6 +403,7 @@ impl AggregationContract {
                     Accumulator::Bf16 => "bf16",
                     Accumulator::F64 => "f64",
                     Accumulator::Exact => "exact",
+                    Accumulator::ExactFused => "exact-fused",
                 };
                 let shape = match self.shape {
                     Shape::Sequential => "sequential",
@@ -455,11 +481,22 @@ impl AggregationContract {
                     OperandPrecision::Bf16 => r_bf16(v),
                 };
             }
-            let a = self.reduce(&ops, &mut scratch);
-            let merged = a + shared[d];
-            let r = match self.output {
-                OutputRounding::Bf16 => r_bf16(merged),
-                OutputRounding::F32 => merged,
+            let r = if self.accumulator == Accumulator::ExactFused {
+                let mut s = ExactSum::new();
+                for &x in &ops {
+                    s.add(x);
+                }
+                s.add(shared[d]);
+                match self.output {
+                    OutputRounding::Bf16 => s.to_bf16(),
+                    OutputRounding::F32 => s.to_f32(),
+                }
+            } else {
+                let merged = self.reduce(&ops, &mut scratch) + shared[d];
+                match self.output {
+                    OutputRounding::Bf16 => r_bf16(merged),
+                    OutputRounding::F32 => merged,
+                }
             };
             *y = if r.is_nan() {
                 f32::from_bits(CANONICAL_NAN_BITS)
@@ -470,10 +507,11 @@ impl AggregationContract {
     }
 
     /// The routed reduction of one element's operands (already permuted and
-    /// operand-rounded), returned as `FP32(a_k)`.
+    /// operand-rounded), returned as `FP32(a_k)` (for `ExactFused`, the
+    /// routed part alone, rounded once to FP32).
     pub(crate) fn reduce(&self, ops: &[f32], scratch: &mut Vec<f32>) -> f32 {
         match self.accumulator {
-            Accumulator::Exact => {
+            Accumulator::Exact | Accumulator::ExactFused => {
                 let mut s = ExactSum::new();
                 for &x in ops {
                     s.add(x);
