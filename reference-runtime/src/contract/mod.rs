@@ -10,6 +10,20 @@
 //! [`Schedule`], [`ScheduledCombine`] and [`ForkCombine`], and the
 //! order-invariance certificate in [`order_sensitivity`]. docs/contracts.md
 //! states every equation, enumeration order and the non-finite behaviour.
+//!
+//! ```
+//! use moeconf_reference_runtime::contract::{b_class_of, AggregationContract, Order};
+//! // A rounds only the first operand when it enters the accumulator: the
+//! // first pair's order matters. B rounds every operand first: it does not.
+//! let terms: [&[f32]; 2] = [&[1.00390625], &[0.00390625]]; // 1 + 2^-8, 2^-8
+//! let mut y = [0.0f32];
+//! let a = AggregationContract::parse("a").unwrap();
+//! a.try_combine(&terms, &[0.0], &mut y).unwrap();
+//! assert_eq!(y[0], 1.0);
+//! a.with_order(Order::Permutation(vec![1, 0])).try_combine(&terms, &[0.0], &mut y).unwrap();
+//! assert_eq!(y[0], 1.0078125);
+//! assert_eq!(b_class_of(&[1, 0]).unwrap(), b_class_of(&[0, 1]).unwrap());
+//! ```
 
 mod certificate;
 mod error;
