@@ -31,18 +31,30 @@ fn fold8(l: [f32; LANES]) -> f32 {
 pub fn dot8(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
-    let mut l = [0.0f32; LANES];
-    let mut ca = a.chunks_exact(LANES);
-    let mut cb = b.chunks_exact(LANES);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for j in 0..LANES {
-            l[j] += x[j] * y[j];
+    let mut lo = [0.0f32; 4];
+    let mut hi = [0.0f32; 4];
+    let blocks = n / LANES;
+    for k in 0..blocks {
+        let x: &[f32; LANES] = a[k * LANES..k * LANES + LANES]
+            .try_into()
+            .unwrap_or(&[0.0; LANES]);
+        let y: &[f32; LANES] = b[k * LANES..k * LANES + LANES]
+            .try_into()
+            .unwrap_or(&[0.0; LANES]);
+        for j in 0..4 {
+            lo[j] += x[j] * y[j];
+            hi[j] += x[4 + j] * y[4 + j];
         }
     }
-    for (j, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
-        l[j] += x * y;
+    for i in blocks * LANES..n {
+        let j = i % LANES;
+        if j < 4 {
+            lo[j] += a[i] * b[i];
+        } else {
+            hi[j - 4] += a[i] * b[i];
+        }
     }
-    fold8(l)
+    fold8([lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]])
 }
 
 #[inline]
@@ -50,9 +62,36 @@ fn bf16_at(c: &[u8], j: usize) -> f32 {
     f32::from_bits(u32::from(u16::from_le_bytes([c[2 * j], c[2 * j + 1]])) << 16)
 }
 
+/// `dot8` of a BF16 row given as 16-bit words (little-endian storage order).
+#[inline]
+fn dot8_bf16_words(w: &[u16], x: &[f32]) -> f32 {
+    let n = w.len().min(x.len());
+    let (w, x) = (&w[..n], &x[..n]);
+    let mut l = [0.0f32; LANES];
+    let blocks = n / LANES;
+    for b in 0..blocks {
+        let c: &[u16; LANES] = w[b * LANES..b * LANES + LANES].try_into().unwrap_or(&[0; LANES]);
+        let y: &[f32; LANES] = x[b * LANES..b * LANES + LANES]
+            .try_into()
+            .unwrap_or(&[0.0; LANES]);
+        let wf: [f32; LANES] = std::array::from_fn(|j| f32::from_bits(u32::from(u16::from_le(c[j])) << 16));
+        for j in 0..LANES {
+            l[j] += wf[j] * y[j];
+        }
+    }
+    for i in blocks * LANES..n {
+        l[i % LANES] += f32::from_bits(u32::from(u16::from_le(w[i])) << 16) * x[i];
+    }
+    fold8(l)
+}
+
 /// `dot8` of a little-endian BF16 row (`2·n` bytes) with an FP32 vector.
+/// Aligned rows are read as 16-bit words; unaligned rows byte by byte (same order, same result).
 #[inline]
 pub fn dot8_bf16(w: &[u8], x: &[f32]) -> f32 {
+    if let Ok(words) = bytemuck::try_cast_slice::<u8, u16>(w) {
+        return dot8_bf16_words(words, x);
+    }
     let n = (w.len() / 2).min(x.len());
     let (w, x) = (&w[..2 * n], &x[..n]);
     let mut l = [0.0f32; LANES];
@@ -76,8 +115,13 @@ fn f32_at(c: &[u8], j: usize) -> f32 {
 }
 
 /// `dot8` of a little-endian FP32 row (`4·n` bytes) with an FP32 vector.
+/// Aligned rows on little-endian hosts are read as f32 directly (same order, same result).
 #[inline]
 pub fn dot8_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_endian = "little")]
+    if let Ok(words) = bytemuck::try_cast_slice::<u8, f32>(w) {
+        return dot8(words, x);
+    }
     let n = (w.len() / 4).min(x.len());
     let (w, x) = (&w[..4 * n], &x[..n]);
     let mut l = [0.0f32; LANES];
@@ -95,6 +139,63 @@ pub fn dot8_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
     fold8(l)
 }
 
+/// The input vector of a BF16 matrix–vector product split into even and odd
+/// elements once, so every row can be read as 32-bit words holding two BF16
+/// values (low half = even element). Lane assignment and order are exactly
+/// `dot8`'s: each accumulator holds one residue class of i mod 8, in increasing i.
+struct SplitInput {
+    even: Vec<f32>,
+    odd: Vec<f32>,
+    /// `x[n-1]` when n is odd.
+    last: Option<f32>,
+}
+
+impl SplitInput {
+    fn new(x: &[f32]) -> SplitInput {
+        let pairs = x.len() / 2;
+        SplitInput {
+            even: (0..pairs).map(|q| x[2 * q]).collect(),
+            odd: (0..pairs).map(|q| x[2 * q + 1]).collect(),
+            last: if !x.len().is_multiple_of(2) {
+                x.last().copied()
+            } else {
+                None
+            },
+        }
+    }
+}
+
+/// `dot8` of a BF16 row stored as little-endian 32-bit words (two elements
+/// each) with a [`SplitInput`]. Word q holds elements 2q (low) and 2q+1 (high);
+/// element 2q belongs to class 2(q mod 4), element 2q+1 to class 2(q mod 4)+1.
+#[inline]
+fn dot8_bf16_pairs(w: &[u32], x: &SplitInput, tail: Option<u16>) -> f32 {
+    let pairs = w.len().min(x.even.len());
+    let (w, xe, xo) = (&w[..pairs], &x.even[..pairs], &x.odd[..pairs]);
+    let mut ae = [0.0f32; 4];
+    let mut ao = [0.0f32; 4];
+    let blocks = pairs / 4;
+    for b in 0..blocks {
+        let ww: &[u32; 4] = w[4 * b..4 * b + 4].try_into().unwrap_or(&[0; 4]);
+        let e: &[f32; 4] = xe[4 * b..4 * b + 4].try_into().unwrap_or(&[0.0; 4]);
+        let o: &[f32; 4] = xo[4 * b..4 * b + 4].try_into().unwrap_or(&[0.0; 4]);
+        for k in 0..4 {
+            let word = u32::from_le(ww[k]);
+            ae[k] += f32::from_bits(word << 16) * e[k];
+            ao[k] += f32::from_bits(word & 0xffff_0000) * o[k];
+        }
+    }
+    for q in blocks * 4..pairs {
+        let word = u32::from_le(w[q]);
+        ae[q % 4] += f32::from_bits(word << 16) * xe[q];
+        ao[q % 4] += f32::from_bits(word & 0xffff_0000) * xo[q];
+    }
+    if let (Some(t), Some(xl)) = (tail, x.last) {
+        ae[pairs % 4] += f32::from_bits(u32::from(t) << 16) * xl;
+    }
+    fold8([ae[0], ao[0], ae[1], ao[1], ae[2], ao[2], ae[3], ao[3]])
+}
+
 impl Mat {
     /// `dot8` of row `r` with `x` (`x.len()` must be `cols`).
     #[inline]
@@ -110,16 +211,31 @@ impl Mat {
     /// no rounding (callers apply the profile's rounding point).
     pub fn matvec_rows(&self, row0: usize, x: &[f32], out: &mut [f32]) {
         debug_assert_eq!(x.len(), self.cols());
-        if out.len() * self.cols() >= PAR_MIN_WORK {
-            let chunk = (PAR_MIN_WORK / self.cols().max(1)).max(1);
+        let cols = self.cols();
+        // BF16 rows whose storage is 4-byte aligned are read as 32-bit words.
+        let split = (self.dtype() == WeightDType::Bf16 && self.words_aligned()).then(|| SplitInput::new(x));
+        let row = |r: usize| -> f32 {
+            match &split {
+                Some(sx) => {
+                    let bytes = self.row_bytes(r);
+                    let (body, tail) = bytes.split_at(bytes.len() & !3);
+                    let words: &[u32] = bytemuck::try_cast_slice(body).unwrap_or(&[]);
+                    let t = (tail.len() == 2).then(|| u16::from_le_bytes([tail[0], tail[1]]));
+                    dot8_bf16_pairs(words, sx, t)
+                }
+                None => self.dot_row(r, x),
+            }
+        };
+        if out.len() * cols >= PAR_MIN_WORK {
+            let chunk = (PAR_MIN_WORK / cols.max(1)).max(1);
             out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
                 for (i, v) in o.iter_mut().enumerate() {
-                    *v = self.dot_row(row0 + ci * chunk + i, x);
+                    *v = row(row0 + ci * chunk + i);
                 }
             });
         } else {
             for (i, v) in out.iter_mut().enumerate() {
-                *v = self.dot_row(row0 + i, x);
+                *v = row(row0 + i);
             }
         }
     }
@@ -142,6 +258,10 @@ impl Mat {
 mod tests {
     use super::*;
 
+    fn r_bf16_bytes(v: f32) -> [u8; 2] {
+        crate::bf16::to_bf16_bits(v).to_le_bytes()
+    }
+
     #[test]
     fn dot8_order_is_lane_blocked() {
         // Index 1 and index 9 share lane 1 and cancel there; lane 0 keeps 1.0.
@@ -157,7 +277,48 @@ mod tests {
         // bf16 weights of 1.0 (0x3f80) give the same value through the byte path.
         let w: Vec<u8> = (0..10).flat_map(|_| 0x3f80u16.to_le_bytes()).collect();
         assert_eq!(dot8_bf16(&w, &a), 1.0);
+        // Unaligned storage takes the byte path and must give the same bits.
+        let mut shifted = vec![0u8];
+        shifted.extend_from_slice(&w);
+        let wa: Vec<u8> = (0..10).flat_map(|i| r_bf16_bytes(a[i] * 0.5 + 1.0)).collect();
+        let mut wb = vec![0u8];
+        wb.extend_from_slice(&wa);
+        assert_eq!(dot8_bf16(&wa, &a).to_bits(), dot8_bf16(&wb[1..], &a).to_bits());
+        assert_eq!(dot8_bf16(&shifted[1..], &a), 1.0);
         let wf: Vec<u8> = (0..10).flat_map(|_| 1.0f32.to_le_bytes()).collect();
         assert_eq!(dot8_f32_bytes(&wf, &a), 1.0);
+    }
+
+    #[test]
+    fn paired_bf16_kernel_equals_dot8_bitwise() {
+        // Lengths 0..40 cover every remainder of the 8-lane blocks and odd tails.
+        let mut state = 0x1234_5678u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state as f32 / u32::MAX as f32 - 0.5) * 8.0
+        };
+        for n in 0..40usize {
+            let x: Vec<f32> = (0..n).map(|_| next()).collect();
+            let wv: Vec<f32> = (0..n).map(|_| crate::bf16::r_bf16(next())).collect();
+            let bytes: Vec<u8> = wv.iter().flat_map(|v| r_bf16_bytes(*v)).collect();
+            let mut aligned: Vec<u32> = vec![0; n.div_ceil(2)];
+            bytemuck::cast_slice_mut::<u32, u8>(&mut aligned)[..2 * n].copy_from_slice(&bytes);
+            let words = &aligned[..n / 2];
+            let tail =
+                (!n.is_multiple_of(2)).then(|| u16::from_le_bytes([bytes[2 * n - 2], bytes[2 * n - 1]]));
+            let got = dot8_bf16_pairs(words, &SplitInput::new(&x), tail);
+            let want = dot8(&wv, &x);
+            assert_eq!(got.to_bits(), want.to_bits(), "n = {n}");
+            assert_eq!(dot8_bf16(&bytes, &x).to_bits(), want.to_bits(), "n = {n}");
+            // Sequential reference of the documented lane order.
+            let mut l = [0.0f32; 8];
+            for i in 0..n {
+                l[i % 8] += wv[i] * x[i];
+            }
+            let fold = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+            assert_eq!(want.to_bits(), fold.to_bits(), "n = {n}");
+        }
     }
 }

@@ -15,6 +15,7 @@ use crate::capture::{CaptureError, Recorder};
 use crate::config::ModelConfig;
 use crate::contract::{CombineEvent, MoeCombine};
 use crate::error::RuntimeError;
+use crate::linear::PAR_MIN_WORK;
 use crate::precision::Precision;
 use crate::router::{route, RouterWeights};
 use crate::weights::{Mat, WeightLoader};
@@ -138,13 +139,17 @@ pub(crate) fn moe_forward(
         rec.f32(Level::L3, t, l, "router.margin", &[1], &[m])?;
     }
     // Experts 0..k-1 in selection order, then the shared expert (index k).
-    let outs: Vec<Vec<f32>> = (0..=r.topk.len())
-        .into_par_iter()
-        .map(|j| match r.topk.get(j) {
-            Some(&e) => expert_forward(&mw.experts[e as usize], f, cfg.swiglu_limit, p),
-            None => expert_forward(&mw.shared, f, cfg.swiglu_limit, p),
-        })
-        .collect();
+    // Each expert output is independent; run them on rayon only when an expert
+    // is big enough to pay for the scheduling (results are identical either way).
+    let one = |j: usize| match r.topk.get(j) {
+        Some(&e) => expert_forward(&mw.experts[e as usize], f, cfg.swiglu_limit, p),
+        None => expert_forward(&mw.shared, f, cfg.swiglu_limit, p),
+    };
+    let outs: Vec<Vec<f32>> = if cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_WORK {
+        (0..=r.topk.len()).into_par_iter().map(one).collect()
+    } else {
+        (0..=r.topk.len()).map(one).collect()
+    };
     let mut terms: Vec<Vec<f32>> = Vec::with_capacity(r.topk.len());
     for (j, g) in r.gates.iter().enumerate() {
         terms.push(outs[j].iter().map(|y| g * y).collect());

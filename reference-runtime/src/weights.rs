@@ -70,6 +70,11 @@ impl Mat {
         let start = self.offset + r * rb;
         &self.map[start..start + rb]
     }
+    /// Whether every row starts on a 4-byte boundary (rows can be read as 32-bit words).
+    pub fn words_aligned(&self) -> bool {
+        let base = self.map.as_ptr() as usize + self.offset;
+        base.is_multiple_of(4) && (self.cols * self.dtype.size()).is_multiple_of(4)
+    }
     /// Element `(r, c)` promoted to FP32.
     pub fn get(&self, r: usize, c: usize) -> f32 {
         let b = self.row_bytes(r);
