@@ -1027,3 +1027,37 @@ fn b_class_representatives_match_hand_derivations() {
     assert_eq!(b_class_representative(6, 135).unwrap(), vec![1, 2, 4, 3, 5, 0]);
     assert_eq!(b_class_of(&[2, 1, 4, 3, 5, 0]).unwrap(), 135);
 }
+
+/// The parsers reject or accept arbitrary CLI text without panicking
+/// (strings built from the grammar's own characters, so that many are near
+/// misses of valid forms).
+#[test]
+fn parsers_never_panic() {
+    let alphabet: Vec<char> = "abcdefilnoprstuxyz0123456789+=:,-_ ABCEP\u{00e9}"
+        .chars()
+        .collect();
+    let mut rng = Rng(14);
+    for _ in 0..iterations(20_000) {
+        let len = rng.below(24) as usize;
+        let s: String = (0..len)
+            .map(|_| alphabet[rng.below(alphabet.len() as u64) as usize])
+            .collect();
+        let _ = AggregationContract::parse(&s);
+        let _ = Schedule::parse(&s);
+        if let Ok(o) = Order::parse(&s, rng.below(2) == 0) {
+            let _ = o.resolve(6);
+        }
+    }
+    // Near misses of valid forms.
+    for s in [
+        "b+order=class:99999999999999999999",
+        "layer-static:18446744073709551616",
+        "index:18446744073709551615",
+    ] {
+        let _ = AggregationContract::parse(s);
+        let _ = Schedule::parse(s);
+        if let Ok(o) = Order::parse(s, true) {
+            assert!(o.resolve(6).is_err());
+        }
+    }
+}
