@@ -1,7 +1,67 @@
 //! This crate provides the comparison of two moeconf traces: it walks both
 //! fingerprint trees, descends only where digests differ, and localizes the
-//! first divergent step, layer and operator through the L0–L4 hierarchy.
+//! first divergent step, layer and operator through the L0–L4 hierarchy
+//! (paper section 4.5), then names the numerical contract that explains a
+//! divergent MoE combine.
 //!
-//! The walk itself arrives with part 4 of the roadmap (`moeconf diff`); the
-//! crate exists now so the workspace layout is final.
+//! # Brief overview
+//!
+//! * [`diff`] compares a reference and a candidate [`Trace`](moeconf_schema::Trace)
+//!   under [`DiffOptions`] and returns a [`DiffReport`], or a [`BisectError`]
+//!   when the bindings are not comparable.
+//! * [`DiffReport`] serializes to the JSON document of docs/diff.md
+//!   ([`DiffReport::to_json`]) and renders to text ([`DiffReport::render_text`]).
+//! * [`infer`] finds which aggregation contract and order reproduce a
+//!   recorded `moe.combine` from its routed terms ([`Inference`]).
+//! * [`summarize`] is the element-wise comparison behind every numeric
+//!   summary (count, max |Δ|, ULPs, minimum passing tolerances, worst element).
+//!
+//! Flow: the reference runtime (or a backend's hooks) writes traces with
+//! `moeconf_schema::TraceWriter`; `moeconf diff ref.bin cand.bin` opens both
+//! and calls [`diff`]; `moeconf gate` reuses the same report.
+//!
+//! ```
+//! use moeconf_bisect::{diff, DiffOptions, Verdict};
+//! use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+//! use moeconf_schema::{Header, Trace, TraceWriter};
+//! let dir = tempfile::tempdir().unwrap();
+//! let write = |name: &str, token: i32| {
+//!     let path = dir.path().join(name);
+//!     let mut w = TraceWriter::create(&path, Algorithm::Blake3, Header::default()).unwrap();
+//!     let coord = Coord { step: 0, position: 0, phase: Phase::Prefill, layer: None, path: "token.output".into() };
+//!     let bytes = token.to_le_bytes();
+//!     w.append(coord, Level::L0, TensorView { dtype: DType::I32, shape: &[1], bytes: &bytes }, true).unwrap();
+//!     w.finish().unwrap();
+//!     Trace::open(&path).unwrap()
+//! };
+//! let (a, b) = (write("a.bin", 7), write("b.bin", 9));
+//! assert_eq!(diff(&a, &a, &DiffOptions::default()).unwrap().verdict, Verdict::Equivalent);
+//! let report = diff(&a, &b, &DiffOptions::default()).unwrap();
+//! assert_eq!(report.verdict, Verdict::Divergent);
+//! assert_eq!(report.levels.l0.ordinal, Some(1));
+//! ```
 #![deny(missing_docs)]
+
+mod comparability;
+mod diff;
+mod error;
+mod inference;
+mod numeric;
+mod operators;
+mod render;
+mod report;
+mod textdiff;
+mod walk;
+
+pub use comparability::{compare_bindings, Comparability};
+pub use diff::{diff, DiffOptions};
+pub use error::{BisectError, FieldDifference};
+pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
+pub use numeric::{summarize, unravel, NumericSummary, WorstElement};
+pub use operators::{half_of, inputs_of, Half, InputSpec};
+pub use report::{
+    ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,
+    L4Report, LevelStatus, Levels, Localized, RecordRef, RouteDivergence, StateComponent, StateLayer, TextOp,
+    TraceSummary, Verdict, DIFF_SCHEMA_VERSION,
+};
+pub use textdiff::{inline_diff, render_inline};

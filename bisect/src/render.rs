@@ -1,0 +1,412 @@
+//! Human-readable rendering of a [`DiffReport`]: a verdict line first, one
+//! compact section per level (each opened by one line of plain explanation),
+//! and the summary line last.
+
+use crate::numeric::NumericSummary;
+use crate::report::*;
+use crate::textdiff::render_inline;
+use std::fmt::Write;
+
+struct Style {
+    color: bool,
+}
+
+impl Style {
+    fn paint(&self, code: &str, s: &str) -> String {
+        if self.color {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+    fn bold(&self, s: &str) -> String {
+        self.paint("1", s)
+    }
+    fn red(&self, s: &str) -> String {
+        self.paint("1;31", s)
+    }
+    fn green(&self, s: &str) -> String {
+        self.paint("1;32", s)
+    }
+    fn dim(&self, s: &str) -> String {
+        self.paint("2", s)
+    }
+    fn status(&self, st: LevelStatus) -> String {
+        match st {
+            LevelStatus::Match => self.green("match"),
+            LevelStatus::Differ => self.red("DIFFER"),
+            LevelStatus::NotCompared => self.dim("not compared"),
+        }
+    }
+    fn inline(&self, ops: &[TextOp]) -> String {
+        if !self.color {
+            return render_inline(ops);
+        }
+        ops.iter()
+            .map(|op| match op.tag.as_str() {
+                "delete" => self.paint("31", &format!("[-{}-]", op.text)),
+                "insert" => self.paint("32", &format!("{{+{}+}}", op.text)),
+                _ => op.text.clone(),
+            })
+            .collect()
+    }
+}
+
+fn num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.6e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+fn opt_num(v: Option<f64>) -> String {
+    v.map(num).unwrap_or_else(|| "?".into())
+}
+
+fn numeric_lines(out: &mut String, n: &NumericSummary) {
+    let _ = writeln!(
+        out,
+        "      {} of {} values differ; max |Δ| {}, max {} ulp; would pass with atol ≥ {} (rtol 0) or rtol ≥ {} (atol 0)",
+        n.differing,
+        n.elements,
+        num(n.max_abs_delta),
+        n.max_ulp,
+        num(n.min_atol),
+        num(n.min_rtol)
+    );
+    if n.nan_mismatches > 0 {
+        let _ = writeln!(out, "      {} values are NaN on one side only", n.nan_mismatches);
+    }
+    if let Some(w) = &n.worst {
+        let _ = writeln!(
+            out,
+            "      worst element {:?}: reference {} vs candidate {}",
+            w.index,
+            num(w.reference),
+            num(w.candidate)
+        );
+    }
+}
+
+fn header(out: &mut String, st: &Style, name: &str, what: &str, status: LevelStatus, explains: &str) {
+    let _ = writeln!(out);
+    let _ = writeln!(out, "{} {:<46} {}", st.bold(name), what, st.status(status));
+    let _ = writeln!(out, "   {}", st.dim(explains));
+}
+
+impl DiffReport {
+    /// Renders the report for a terminal; `color` adds ANSI colors (callers
+    /// decide: only on a TTY and when `NO_COLOR` is unset).
+    pub fn render_text(&self, color: bool) -> String {
+        let st = Style { color };
+        let mut o = String::new();
+        match (self.verdict, &self.first_divergence) {
+            (Verdict::Equivalent, _) => {
+                let _ = writeln!(
+                    o,
+                    "{} the candidate executes the same way as the reference at every compared level ({})",
+                    st.green("EQUIVALENT:"),
+                    self.compared_levels.join(", ")
+                );
+            }
+            (Verdict::Divergent, Some(f)) => {
+                let mut at = format!("step {} position {}", f.step, f.position);
+                if let Some(l) = f.layer {
+                    at.push_str(&format!(" layer {l}"));
+                }
+                let _ = writeln!(
+                    o,
+                    "{} the candidate departs from the reference at {at}, in {} ({})",
+                    st.red("DIVERGENT:"),
+                    f.operator,
+                    f.level
+                );
+            }
+            (Verdict::Divergent, None) => {
+                let _ = writeln!(o, "{} the traces cover different steps", st.red("DIVERGENT:"));
+            }
+        }
+        for (label, t) in [("reference", &self.reference), ("candidate", &self.candidate)] {
+            let _ = writeln!(
+                o,
+                "  {label}  {}  (runtime {}, precision {}, contract {}, schedule {}; {} records, {} steps)",
+                t.path, t.runtime, t.precision, t.contract, t.schedule, t.records, t.steps
+            );
+        }
+        for d in &self.comparability.expected_differences {
+            let _ = writeln!(
+                o,
+                "  expected difference  {}: {} -> {}",
+                d.field, d.reference, d.candidate
+            );
+        }
+        for d in &self.comparability.forced_over {
+            let _ = writeln!(
+                o,
+                "  {} {}: {} -> {}",
+                st.red("FORCED over a binding difference"),
+                d.field,
+                d.reference,
+                d.candidate
+            );
+        }
+        if !self.unmatched_steps.is_empty() {
+            let _ = writeln!(o, "  steps present in one trace only: {:?}", self.unmatched_steps);
+        }
+
+        let l = &self.levels;
+        // L0
+        let l0 = &l.l0;
+        header(&mut o, &st, "L0", "tokens / text", l0.status, &l0.explains);
+        if l0.status == LevelStatus::Differ {
+            if let Some(n) = l0.ordinal {
+                let tok = |id: Option<i64>, text: &Option<String>| {
+                    format!(
+                        "{}{}",
+                        id.map(|v| v.to_string()).unwrap_or_else(|| "?".into()),
+                        text.as_ref().map(|t| format!(" {t:?}")).unwrap_or_default()
+                    )
+                };
+                let _ = writeln!(
+                    o,
+                    "   first different generated token: #{n} (predicted by step {}): reference {} vs candidate {}",
+                    n - 1,
+                    tok(l0.reference_token, &l0.reference_token_text),
+                    tok(l0.candidate_token, &l0.candidate_token_text)
+                );
+            } else if let Some(f) = &l0.first {
+                let _ = writeln!(o, "   first differing record: {}", f.describe());
+            }
+            if !l0.text_diff.is_empty() {
+                let _ = writeln!(
+                    o,
+                    "   text ([-reference only-] {{+candidate only+}}): {}",
+                    st.inline(&l0.text_diff)
+                );
+            }
+        }
+        // L1
+        let l1 = &l.l1;
+        header(
+            &mut o,
+            &st,
+            "L1",
+            "logits / top-k margins",
+            l1.status,
+            &l1.explains,
+        );
+        if let Some(f) = &l1.first {
+            let _ = writeln!(
+                o,
+                "   first differing step: {} (position {}; differing: {}); {} of the steps differ",
+                f.step,
+                f.position,
+                l1.differing_paths.join(", "),
+                l1.differing_steps
+            );
+            let top = |t: Option<[i64; 2]>| {
+                t.map(|t| format!("{} > {}", t[0], t[1]))
+                    .unwrap_or_else(|| "?".into())
+            };
+            let _ = writeln!(
+                o,
+                "   top-1 token {}; reference {} (margin {}), candidate {} (margin {})",
+                match l1.argmax_changed {
+                    Some(true) => "CHANGED",
+                    Some(false) => "unchanged",
+                    None => "unknown",
+                },
+                top(l1.reference_top2),
+                opt_num(l1.reference_margin),
+                top(l1.candidate_top2),
+                opt_num(l1.candidate_margin)
+            );
+            if let Some(n) = &l1.logits {
+                let _ = writeln!(o, "   lm.logits:");
+                numeric_lines(&mut o, n);
+            }
+        }
+        // L2
+        let l2 = &l.l2;
+        header(
+            &mut o,
+            &st,
+            "L2",
+            "full persistent state",
+            l2.status,
+            &l2.explains,
+        );
+        if let Some(s) = l2.step {
+            let _ = writeln!(
+                o,
+                "   first differing decode boundary: after step {s}; {} boundaries differ",
+                l2.differing_steps
+            );
+            for layer in &l2.layers {
+                let comps: Vec<String> = layer
+                    .components
+                    .iter()
+                    .map(|c| match (c.differing_values, c.values) {
+                        (Some(d), Some(n)) => format!("{} ({d}/{n} values)", c.path),
+                        _ if c.present_in != "both" => format!("{} (only in {})", c.path, c.present_in),
+                        _ => c.path.clone(),
+                    })
+                    .collect();
+                let name = layer
+                    .layer
+                    .map(|l| format!("layer {l}"))
+                    .unwrap_or_else(|| "global".into());
+                let _ = writeln!(o, "   {name}: {}", comps.join(", "));
+            }
+            if !l2.identical_layers.is_empty() {
+                let _ = writeln!(o, "   identical layers: {}", ranges(&l2.identical_layers));
+            }
+        }
+        // L3
+        let l3 = &l.l3;
+        header(
+            &mut o,
+            &st,
+            "L3",
+            "layer state (post-mHC) and routes",
+            l3.status,
+            &l3.explains,
+        );
+        if let Some(f) = &l3.first {
+            let _ = writeln!(
+                o,
+                "   first differing checkpoint: {} ({} half)",
+                f.describe(),
+                l3.half.map(|h| h.name()).unwrap_or("?")
+            );
+            match &l3.last_matched_checkpoint {
+                Some(m) => {
+                    let _ = writeln!(
+                        o,
+                        "   all {} earlier checkpoints of step {} match; last match: {}",
+                        l3.earlier_checkpoints_matched,
+                        f.step,
+                        m.describe()
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "   it is the first checkpoint of step {}", f.step);
+                }
+            }
+            if let Some(n) = &l3.numeric {
+                numeric_lines(&mut o, n);
+            }
+        } else if let Some(f) = &l3.first_record {
+            let _ = writeln!(
+                o,
+                "   first differing record: {} (no post-mHC checkpoint differs)",
+                f.describe()
+            );
+        }
+        if l3.status == LevelStatus::Differ {
+            match &l3.route {
+                Some(r) => {
+                    let _ = writeln!(
+                        o,
+                        "   first route change: {}: experts {:?} -> {:?} (entering {:?}, leaving {:?}; margins {} vs {})",
+                        r.at.describe(),
+                        r.reference_experts,
+                        r.candidate_experts,
+                        r.entering,
+                        r.leaving,
+                        opt_num(r.reference_margin),
+                        opt_num(r.candidate_margin)
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "   routes: identical everywhere");
+                }
+            }
+        }
+        // L4
+        let l4 = &l.l4;
+        header(
+            &mut o,
+            &st,
+            "L4",
+            "operator intermediates",
+            l4.status,
+            &l4.explains,
+        );
+        if let Some(loc) = &l4.localized {
+            let _ = writeln!(
+                o,
+                "   localized operator: {} — {}",
+                st.bold(&loc.at.describe()),
+                if loc.inputs_match {
+                    "its output differs while its inputs match"
+                } else {
+                    "first differing operator (some inputs differ too)"
+                }
+            );
+            let ins: Vec<String> = loc
+                .inputs
+                .iter()
+                .map(|i| format!("{} {}", i.input, i.status))
+                .collect();
+            if !ins.is_empty() {
+                let _ = writeln!(o, "   inputs: {}", ins.join("; "));
+            }
+            if let Some(n) = &loc.numeric {
+                numeric_lines(&mut o, n);
+            }
+        } else if let Some(f) = &l4.first {
+            let _ = writeln!(o, "   first differing record: {}", f.describe());
+        }
+        if let Some(c) = &l4.contract {
+            match &c.candidate {
+                Some(e) => {
+                    let _ = writeln!(
+                        o,
+                        "   contract: candidate's moe.combine at layer {} step {} equals {}",
+                        c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
+                        c.at.step,
+                        st.bold(e)
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "   contract: {}", c.note.clone().unwrap_or_default());
+                }
+            }
+            if let Some(r) = &c.reference {
+                let _ = writeln!(
+                    o,
+                    "   reference's moe.combine equals {r}{}",
+                    match c.reference_is_native {
+                        Some(true) => " (the native contract)",
+                        Some(false) => " (not the native contract)",
+                        None => "",
+                    }
+                );
+            }
+        }
+        let _ = writeln!(o);
+        let _ = writeln!(o, "{}", st.bold(&self.summary));
+        o
+    }
+}
+
+/// `0-4, 7, 9-10`.
+fn ranges(v: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    parts.join(", ")
+}

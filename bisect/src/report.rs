@@ -1,0 +1,398 @@
+//! The diff report: one serializable document (docs/diff.md is its schema).
+
+use crate::comparability::Comparability;
+use crate::inference::Inference;
+use crate::numeric::NumericSummary;
+use crate::operators::Half;
+use moeconf_fingerprint::{Coord, Level};
+use serde::Serialize;
+
+/// Version of the JSON document; bumped on any incompatible change.
+pub const DIFF_SCHEMA_VERSION: u32 = 1;
+
+/// Overall verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Every level captured by both traces matches bitwise.
+    Equivalent,
+    /// At least one compared level differs.
+    Divergent,
+}
+
+/// Status of one level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LevelStatus {
+    /// Every record of the level matches.
+    Match,
+    /// At least one record differs (or exists on one side only).
+    Differ,
+    /// The level was not captured by both traces.
+    NotCompared,
+}
+
+/// Where a record sits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RecordRef {
+    /// Level of the record (`L0`…`L4`).
+    pub level: String,
+    /// Forward step (0 = prefill).
+    pub step: u32,
+    /// Absolute token position.
+    pub position: u32,
+    /// `prefill` or `decode`.
+    pub phase: String,
+    /// Decoder layer (`null` for model-global records).
+    pub layer: Option<u32>,
+    /// Component / operator path.
+    pub path: String,
+    /// Which side holds the record: `both`, `reference` or `candidate`.
+    pub present_in: String,
+}
+
+impl RecordRef {
+    pub(crate) fn new(level: Level, c: &Coord, present_in: &str) -> RecordRef {
+        RecordRef {
+            level: level.name().to_string(),
+            step: c.step,
+            position: c.position,
+            phase: c.phase.name().to_string(),
+            layer: c.layer,
+            path: c.path.clone(),
+            present_in: present_in.to_string(),
+        }
+    }
+
+    /// `step 3 pos 12 (decode) layer 5 moe.combine`.
+    pub fn describe(&self) -> String {
+        let mut s = format!("step {} pos {} ({})", self.step, self.position, self.phase);
+        if let Some(l) = self.layer {
+            s.push_str(&format!(" layer {l}"));
+        }
+        s.push(' ');
+        s.push_str(&self.path);
+        if self.present_in != "both" {
+            s.push_str(&format!(" [only in {}]", self.present_in));
+        }
+        s
+    }
+}
+
+/// The localization: the earliest divergence in execution order, at the
+/// finest level that sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FirstDivergence {
+    /// The level that localizes it.
+    pub level: String,
+    /// Forward step.
+    pub step: u32,
+    /// Absolute token position.
+    pub position: u32,
+    /// Decoder layer (`null` for model-global records).
+    pub layer: Option<u32>,
+    /// The operator (record path) whose output first differs.
+    pub operator: String,
+    /// The candidate's inferred aggregation contract, when the operator is
+    /// `moe.combine` and payloads allowed inference.
+    pub contract: Option<String>,
+}
+
+/// One inline text-diff segment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TextOp {
+    /// `equal`, `delete` (only in the reference) or `insert` (only in the candidate).
+    pub tag: String,
+    /// The text of the segment.
+    pub text: String,
+}
+
+/// L0: generated tokens and text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct L0Report {
+    /// Status of the level.
+    pub status: LevelStatus,
+    /// One line of plain explanation.
+    pub explains: String,
+    /// Steps whose L0 records differ.
+    pub differing_steps: u64,
+    /// The first differing L0 record in execution order.
+    pub first: Option<RecordRef>,
+    /// First differing generated ordinal n (g_n is predicted by step n−1).
+    pub ordinal: Option<u32>,
+    /// The reference's token id there.
+    pub reference_token: Option<i64>,
+    /// The candidate's token id there.
+    pub candidate_token: Option<i64>,
+    /// The reference token's text (the growth of the continuation at that step).
+    pub reference_token_text: Option<String>,
+    /// The candidate token's text.
+    pub candidate_token_text: Option<String>,
+    /// The reference's final continuation.
+    pub reference_text: Option<String>,
+    /// The candidate's final continuation.
+    pub candidate_text: Option<String>,
+    /// Inline diff of the two final continuations (words, or characters for
+    /// text without spaces such as Chinese).
+    pub text_diff: Vec<TextOp>,
+}
+
+/// L1: logits at each step's last position.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct L1Report {
+    /// Status of the level.
+    pub status: LevelStatus,
+    /// One line of plain explanation.
+    pub explains: String,
+    /// Steps whose L1 records differ.
+    pub differing_steps: u64,
+    /// The first differing L1 record.
+    pub first: Option<RecordRef>,
+    /// Paths of the L1 records that differ at that step.
+    pub differing_paths: Vec<String>,
+    /// Whether the top-1 token changed.
+    pub argmax_changed: Option<bool>,
+    /// Reference rank-1 and rank-2 ids.
+    pub reference_top2: Option<[i64; 2]>,
+    /// Candidate rank-1 and rank-2 ids.
+    pub candidate_top2: Option<[i64; 2]>,
+    /// Reference rank-1 minus rank-2 logit.
+    pub reference_margin: Option<f64>,
+    /// Candidate rank-1 minus rank-2 logit.
+    pub candidate_margin: Option<f64>,
+    /// Element-wise comparison of `lm.logits` (payloads on both sides).
+    pub logits: Option<NumericSummary>,
+}
+
+/// One differing persistent-state component.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StateComponent {
+    /// Component path (`state.window_kv`, …).
+    pub path: String,
+    /// Differing values (payloads on both sides, same shape).
+    pub differing_values: Option<u64>,
+    /// Values in the component.
+    pub values: Option<u64>,
+    /// Which side holds it: `both`, `reference` or `candidate`.
+    pub present_in: String,
+}
+
+/// The differing components of one layer's persistent state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StateLayer {
+    /// Decoder layer.
+    pub layer: Option<u32>,
+    /// Differing components, in emission order.
+    pub components: Vec<StateComponent>,
+}
+
+/// L2: the full persistent state at decode boundaries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct L2Report {
+    /// Status of the level.
+    pub status: LevelStatus,
+    /// One line of plain explanation.
+    pub explains: String,
+    /// Boundaries whose state differs.
+    pub differing_steps: u64,
+    /// The first differing state record.
+    pub first: Option<RecordRef>,
+    /// The boundary: after this step.
+    pub step: Option<u32>,
+    /// Layers whose state differs at that boundary, with components.
+    pub layers: Vec<StateLayer>,
+    /// Layers whose state is identical at that boundary.
+    pub identical_layers: Vec<u32>,
+}
+
+/// The first change of routed experts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RouteDivergence {
+    /// Where (`router.topk`).
+    pub at: RecordRef,
+    /// Reference experts in selection order.
+    pub reference_experts: Vec<i64>,
+    /// Candidate experts in selection order.
+    pub candidate_experts: Vec<i64>,
+    /// Experts the candidate selects that the reference does not.
+    pub entering: Vec<i64>,
+    /// Experts the reference selects that the candidate does not.
+    pub leaving: Vec<i64>,
+    /// Reference rank-k minus rank-(k+1) selection score.
+    pub reference_margin: Option<f64>,
+    /// Candidate margin.
+    pub candidate_margin: Option<f64>,
+}
+
+/// L3: post-mHC layer state and routes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct L3Report {
+    /// Status of the level.
+    pub status: LevelStatus,
+    /// One line of plain explanation.
+    pub explains: String,
+    /// Steps with a differing L3 record.
+    pub differing_steps: u64,
+    /// The first differing post-mHC checkpoint in execution order.
+    pub first: Option<RecordRef>,
+    /// The half that checkpoint closes.
+    pub half: Option<Half>,
+    /// Post-mHC checkpoints of that step before it, all matching.
+    pub earlier_checkpoints_matched: u64,
+    /// The last matching checkpoint before it (the divergence lies after it).
+    pub last_matched_checkpoint: Option<RecordRef>,
+    /// Element-wise comparison of the first differing checkpoint.
+    pub numeric: Option<NumericSummary>,
+    /// The first differing L3 record of any kind (routes included).
+    pub first_record: Option<RecordRef>,
+    /// The first route change.
+    pub route: Option<RouteDivergence>,
+}
+
+/// Whether one operator input matches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InputCheck {
+    /// The input, e.g. `moe.term.* (layer 5)`.
+    pub input: String,
+    /// `match`, `differ` or `not_captured`.
+    pub status: String,
+    /// Records compared.
+    pub records: u64,
+}
+
+/// The localized operator.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Localized {
+    /// The operator's output record.
+    pub at: RecordRef,
+    /// Its half of the layer.
+    pub half: Option<Half>,
+    /// Its inputs and whether they match.
+    pub inputs: Vec<InputCheck>,
+    /// Whether every captured input matches (the operator itself departs).
+    pub inputs_match: bool,
+    /// Element-wise comparison of the output.
+    pub numeric: Option<NumericSummary>,
+}
+
+/// Contract inference at the localized `moe.combine`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ContractReport {
+    /// The combine event.
+    pub at: RecordRef,
+    /// The candidate's explanation, e.g. `scheme B, class 135`.
+    pub candidate: Option<String>,
+    /// What reproduces the candidate's output.
+    pub candidate_inference: Option<Inference>,
+    /// The reference's explanation.
+    pub reference: Option<String>,
+    /// What reproduces the reference's output.
+    pub reference_inference: Option<Inference>,
+    /// Whether the reference matches the native contract (C, identity order).
+    pub reference_is_native: Option<bool>,
+    /// Why inference was not run or found nothing.
+    pub note: Option<String>,
+}
+
+/// L4: operator intermediates.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct L4Report {
+    /// Status of the level.
+    pub status: LevelStatus,
+    /// One line of plain explanation.
+    pub explains: String,
+    /// Steps with a differing L4 record.
+    pub differing_steps: u64,
+    /// The first differing L4 record in execution order.
+    pub first: Option<RecordRef>,
+    /// The first differing operator whose inputs match, inside the first
+    /// divergent (step, layer, half).
+    pub localized: Option<Localized>,
+    /// Contract inference, when the localized operator is `moe.combine`.
+    pub contract: Option<ContractReport>,
+}
+
+/// The five levels.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Levels {
+    /// Tokens and text.
+    #[serde(rename = "L0")]
+    pub l0: L0Report,
+    /// Logits and margins.
+    #[serde(rename = "L1")]
+    pub l1: L1Report,
+    /// Full persistent state.
+    #[serde(rename = "L2")]
+    pub l2: L2Report,
+    /// Layer state and routes.
+    #[serde(rename = "L3")]
+    pub l3: L3Report,
+    /// Operator intermediates.
+    #[serde(rename = "L4")]
+    pub l4: L4Report,
+}
+
+/// What one trace is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TraceSummary {
+    /// The file.
+    pub path: String,
+    /// Root digest (hex).
+    pub root: String,
+    /// Runtime that produced it.
+    pub runtime: String,
+    /// Precision profile.
+    pub precision: String,
+    /// Aggregation contract.
+    pub contract: String,
+    /// Schedule.
+    pub schedule: String,
+    /// Records.
+    pub records: u64,
+    /// Steps.
+    pub steps: u64,
+}
+
+/// The whole report of `moeconf diff`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DiffReport {
+    /// [`DIFF_SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// `moeconf.diff`.
+    pub kind: String,
+    /// Equivalent or divergent.
+    pub verdict: Verdict,
+    /// The reference trace.
+    pub reference: TraceSummary,
+    /// The candidate trace.
+    pub candidate: TraceSummary,
+    /// Binding differences.
+    pub comparability: Comparability,
+    /// Levels compared (captured by both).
+    pub compared_levels: Vec<String>,
+    /// Steps present in only one trace.
+    pub unmatched_steps: Vec<u32>,
+    /// The localization (`null` when equivalent).
+    pub first_divergence: Option<FirstDivergence>,
+    /// One object per level.
+    pub levels: Levels,
+    /// The one-line summary printed last.
+    pub summary: String,
+}
+
+impl DiffReport {
+    /// The report as a JSON value (documented in docs/diff.md).
+    pub fn to_json(&self) -> serde_json::Value {
+        // Serialization of these plain structs cannot fail (no maps with
+        // non-string keys, non-finite floats are written as strings).
+        serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The process exit code of `moeconf diff` for this report: 0 equivalent, 1 divergent.
+    pub fn exit_code(&self) -> u8 {
+        match self.verdict {
+            Verdict::Equivalent => 0,
+            Verdict::Divergent => 1,
+        }
+    }
+}

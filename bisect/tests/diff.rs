@@ -1,0 +1,430 @@
+//! End-to-end tests of the bisection on synthetic traces with known injected
+//! differences (tests/common/mod.rs builds them in the runtime's record order).
+
+mod common;
+
+use common::*;
+use moeconf_bisect::{diff, BisectError, DiffOptions, LevelStatus, OrderKind, Verdict};
+use moeconf_reference_runtime::contract::{b_class_representative, AggregationContract, Order};
+
+fn pair(
+    reference: &Synth,
+    candidate: &Synth,
+) -> (tempfile::TempDir, moeconf_schema::Trace, moeconf_schema::Trace) {
+    let dir = tempfile::tempdir().unwrap();
+    let r = reference.write(&dir.path().join("ref.bin"));
+    let c = candidate.write(&dir.path().join("cand.bin"));
+    (dir, r, c)
+}
+
+fn b_class(class: u64) -> AggregationContract {
+    AggregationContract::b().with_order(Order::BClass(class))
+}
+
+#[test]
+fn identical_traces_are_equivalent() {
+    let mut cand = Synth::reference();
+    // Expected backend differences are shown, not refused, and do not break equivalence.
+    cand.binding.contract = "c".into();
+    cand.provenance.threads = 8;
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    assert_eq!(rep.verdict, Verdict::Equivalent);
+    assert_eq!(rep.exit_code(), 0);
+    assert!(rep.first_divergence.is_none());
+    for st in [
+        rep.levels.l0.status,
+        rep.levels.l1.status,
+        rep.levels.l2.status,
+        rep.levels.l3.status,
+        rep.levels.l4.status,
+    ] {
+        assert_eq!(st, LevelStatus::Match);
+    }
+    let fields: Vec<&str> = rep
+        .comparability
+        .expected_differences
+        .iter()
+        .map(|d| d.field.as_str())
+        .collect();
+    assert_eq!(fields, ["contract", "provenance.threads"]);
+    assert!(rep.summary.starts_with("equivalent"), "{}", rep.summary);
+    let text = rep.render_text(false);
+    assert!(text.starts_with("EQUIVALENT"), "{text}");
+    assert!(!text.contains('\x1b'));
+}
+
+/// A B fork at (step, layer, position): the report must name exactly that
+/// event and operator, and contract inference the injected class.
+fn check_b_fork(step: u32, layer: u32, position: u32, class: u64) {
+    let cand = Synth::candidate(Inject::Combine {
+        step,
+        layer,
+        position,
+        contract: b_class(class),
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    assert_eq!(rep.verdict, Verdict::Divergent);
+    let fd = rep.first_divergence.as_ref().expect("localized");
+    assert_eq!(
+        (
+            fd.level.as_str(),
+            fd.step,
+            fd.position,
+            fd.layer,
+            fd.operator.as_str()
+        ),
+        ("L4", step, position, Some(layer), "moe.combine"),
+        "fork at step {step} layer {layer} position {position}: {fd:?}"
+    );
+    // L3: the post-FFN checkpoint of that event is the first to differ; the
+    // post-attention checkpoint before it matches.
+    let l3 = &rep.levels.l3;
+    let first = l3.first.as_ref().unwrap();
+    assert_eq!(
+        (first.step, first.layer, first.position, first.path.as_str()),
+        (step, Some(layer), position, "layer.post_ffn_mhc")
+    );
+    let last = l3.last_matched_checkpoint.as_ref().unwrap();
+    assert_eq!(
+        (last.layer, last.position, last.path.as_str()),
+        (Some(layer), position, "layer.post_attn_mhc")
+    );
+    assert!(l3.route.is_none(), "routes are unchanged");
+    // L4: inputs of the combine match.
+    let loc = rep.levels.l4.localized.as_ref().unwrap();
+    assert!(loc.inputs_match);
+    assert!(loc
+        .inputs
+        .iter()
+        .any(|i| i.input.starts_with("moe.term.*") && i.status == "match" && i.records == 6));
+    let num = loc.numeric.as_ref().unwrap();
+    assert!(num.differing > 0 && num.differing <= num.elements);
+    // Contract inference names the injected contract and class.
+    let con = rep.levels.l4.contract.as_ref().unwrap();
+    let inf = con.candidate_inference.as_ref().unwrap();
+    let b = inf
+        .matches
+        .iter()
+        .find(|m| m.scheme == "b")
+        .expect("B reproduces the candidate");
+    assert_eq!(b.order_kind, OrderKind::BClass);
+    assert_eq!(b.orders, vec![class], "exactly the injected class");
+    assert_eq!(
+        con.candidate.as_deref(),
+        Some(format!("scheme B, class {class}").as_str())
+    );
+    assert_eq!(fd.contract, con.candidate);
+    assert!(!inf.native);
+    assert_eq!(con.reference_is_native, Some(true));
+    // The state of layers up to the fork layer stays identical at that boundary.
+    // (A fork in the last layer leaves every layer's state identical.)
+    let l2 = &rep.levels.l2;
+    if layer + 1 < LAYERS {
+        assert_eq!(l2.step, Some(step));
+        assert_eq!(l2.identical_layers, (0..=layer).collect::<Vec<_>>());
+    } else {
+        assert_eq!(l2.status, LevelStatus::Match);
+    }
+    let text = rep.render_text(false);
+    assert!(
+        text.contains(&format!("equals scheme B, class {class}")),
+        "{text}"
+    );
+    assert!(
+        text.lines().last().unwrap().contains("operator moe.combine"),
+        "{text}"
+    );
+}
+
+#[test]
+fn b_fork_is_localized_at_several_layers_and_positions() {
+    // Decode steps (one position) and the prefill (position inside the prompt).
+    check_b_fork(1, 2, PROMPT, 135);
+    check_b_fork(2, 0, PROMPT + 1, 7);
+    check_b_fork(0, 1, 1, 359);
+    check_b_fork(3, 3, PROMPT + 2, 200);
+}
+
+#[test]
+fn other_contracts_are_inferred() {
+    // A permuted A order and P32: inference reports the permutation index.
+    for (contract, scheme) in [
+        (
+            AggregationContract::a().with_order(Order::PermutationIndex(451)),
+            "a",
+        ),
+        (
+            AggregationContract::p32().with_order(Order::PermutationIndex(3)),
+            "p32",
+        ),
+    ] {
+        let cand = Synth::candidate(Inject::Combine {
+            step: 1,
+            layer: 1,
+            position: PROMPT,
+            contract,
+        });
+        let (_d, r, c) = pair(&Synth::reference(), &cand);
+        let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let inf = rep
+            .levels
+            .l4
+            .contract
+            .as_ref()
+            .unwrap()
+            .candidate_inference
+            .clone()
+            .unwrap();
+        let m = inf
+            .matches
+            .iter()
+            .find(|m| m.scheme == scheme)
+            .unwrap_or_else(|| panic!("{scheme}: {inf:?}"));
+        assert_eq!(m.order_kind, OrderKind::PermutationIndex);
+        let expect = if scheme == "a" { 451 } else { 3 };
+        assert!(m.orders.contains(&expect), "{m:?}");
+    }
+    // Sanity of the class numbering used above.
+    assert_eq!(b_class_representative(6, 0).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn attention_divergence_is_localized_at_attn_output() {
+    let cand = Synth::candidate(Inject::Attention {
+        step: 2,
+        layer: 1,
+        position: PROMPT + 1,
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let fd = rep.first_divergence.unwrap();
+    assert_eq!(
+        (fd.level.as_str(), fd.step, fd.layer, fd.operator.as_str()),
+        ("L4", 2, Some(1), "attn.output")
+    );
+    assert!(fd.contract.is_none());
+    let l3 = rep.levels.l3.first.unwrap();
+    assert_eq!((l3.layer, l3.path.as_str()), (Some(1), "layer.post_attn_mhc"));
+    let loc = rep.levels.l4.localized.unwrap();
+    assert!(loc.inputs_match);
+    assert_eq!(loc.inputs.len(), 1);
+    assert_eq!(
+        (loc.inputs[0].input.as_str(), loc.inputs[0].status.as_str()),
+        ("attn.core (layer 1)", "match")
+    );
+    assert!(rep.levels.l4.contract.is_none());
+}
+
+#[test]
+fn state_only_difference_is_reported_at_l2() {
+    let cand = Synth::candidate(Inject::State { step: 2, layer: 3 });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    assert_eq!(rep.verdict, Verdict::Divergent);
+    for st in [
+        rep.levels.l0.status,
+        rep.levels.l1.status,
+        rep.levels.l3.status,
+        rep.levels.l4.status,
+    ] {
+        assert_eq!(st, LevelStatus::Match);
+    }
+    let l2 = &rep.levels.l2;
+    assert_eq!(l2.status, LevelStatus::Differ);
+    assert_eq!((l2.step, l2.differing_steps), (Some(2), 1));
+    assert_eq!(l2.layers.len(), 1);
+    assert_eq!(l2.layers[0].layer, Some(3));
+    let comp = &l2.layers[0].components[0];
+    assert_eq!(comp.path, "state.window_kv");
+    assert_eq!(comp.values, Some(4 * HD as u64));
+    assert!(comp.differing_values.unwrap() > 0);
+    assert_eq!(l2.identical_layers, vec![0, 1, 2]);
+    let fd = rep.first_divergence.unwrap();
+    assert_eq!(
+        (fd.level.as_str(), fd.step, fd.layer, fd.operator.as_str()),
+        ("L2", 2, Some(3), "state.window_kv")
+    );
+}
+
+#[test]
+fn token_divergence_reports_ordinal_and_text_diff() {
+    // The fork at step 1 changes the token predicted by step 2 (ordinal 3);
+    // a route changes at step 3.
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: PROMPT,
+        contract: b_class(135),
+    });
+    cand.token_step = Some(3);
+    cand.route_change = Some((3, 0, PROMPT + 2));
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let l0 = &rep.levels.l0;
+    assert_eq!(l0.ordinal, Some(3));
+    assert_eq!(l0.reference_token, Some(i64::from(token_of(2))));
+    assert_eq!(l0.candidate_token, Some(i64::from(token_of(2) + 1)));
+    assert_eq!(l0.reference_token_text, Some(word(token_of(2))));
+    assert_eq!(l0.candidate_token_text, Some(word(token_of(2) + 1)));
+    let tags: Vec<&str> = l0.text_diff.iter().map(|o| o.tag.as_str()).collect();
+    assert!(
+        tags.contains(&"delete") && tags.contains(&"insert"),
+        "{:?}",
+        l0.text_diff
+    );
+    assert!(l0.text_diff[0].tag == "equal" && l0.text_diff[0].text.starts_with(&word(token_of(0))));
+    // L1 at the fork step: logits differ, the argmax does not.
+    let l1 = &rep.levels.l1;
+    assert_eq!(l1.first.as_ref().unwrap().step, 1);
+    assert_eq!(l1.argmax_changed, Some(false));
+    assert_eq!(
+        (l1.reference_margin, l1.candidate_margin),
+        (Some(1.0), Some(0.75))
+    );
+    assert_eq!(l1.logits.as_ref().unwrap().elements, V as u64);
+    // The route change at step 3 layer 0: one expert leaves, one enters.
+    let route = rep.levels.l3.route.as_ref().unwrap();
+    assert_eq!(
+        (route.at.step, route.at.layer, route.at.position),
+        (3, Some(0), PROMPT + 2)
+    );
+    assert_eq!((route.entering.len(), route.leaving.len()), (1, 1));
+    assert!(route.reference_margin.is_some() && route.candidate_margin.is_some());
+    // The localization is still the fork.
+    let fd = rep.first_divergence.unwrap();
+    assert_eq!(
+        (fd.step, fd.layer, fd.operator.as_str()),
+        (1, Some(2), "moe.combine")
+    );
+    assert!(
+        rep.summary.contains("visible at generated token 3"),
+        "{}",
+        rep.summary
+    );
+}
+
+#[test]
+fn fingerprints_without_payloads_still_localize() {
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: PROMPT,
+        contract: b_class(135),
+    });
+    cand.payloads = false;
+    let mut reference = Synth::reference();
+    reference.payloads = false;
+    let (_d, r, c) = pair(&reference, &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let fd = rep.first_divergence.as_ref().unwrap();
+    assert_eq!(
+        (fd.step, fd.layer, fd.operator.as_str()),
+        (1, Some(2), "moe.combine")
+    );
+    assert!(fd.contract.is_none());
+    let con = rep.levels.l4.contract.as_ref().unwrap();
+    assert!(con.candidate.is_none() && con.note.as_ref().unwrap().contains("payloads"));
+    assert!(rep.levels.l4.localized.as_ref().unwrap().numeric.is_none());
+}
+
+#[test]
+fn non_comparable_bindings_list_every_field() {
+    let mut cand = Synth::reference();
+    cand.binding.prompt.ids = vec![5, 6, 8];
+    cand.binding.prompt.text = "why the goat".into();
+    cand.binding.decoding.max_new_tokens = 9;
+    cand.binding.model.weights_digest = moeconf_fingerprint::Digest([1; 32]);
+    cand.binding.contract = "b".into();
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let err = diff(&r, &c, &DiffOptions::default()).unwrap_err();
+    let BisectError::NotComparable { fields } = &err else {
+        panic!("{err}")
+    };
+    let names: Vec<&str> = fields
+        .iter()
+        .map(|f| f.field.split(' ').next().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "model.weights_digest",
+            "prompt.text",
+            "prompt.ids",
+            "decoding.max_new_tokens"
+        ]
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("first difference at index 2") && msg.contains("--force"),
+        "{msg}"
+    );
+    // Forced: compared, and the refused fields are carried in the report.
+    let rep = diff(
+        &r,
+        &c,
+        &DiffOptions {
+            force: true,
+            ..DiffOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(rep.comparability.forced_over.len(), 4);
+    assert_eq!(rep.verdict, Verdict::Equivalent);
+}
+
+#[test]
+fn json_has_the_documented_keys() {
+    let cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: PROMPT,
+        contract: b_class(135),
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
+    assert_eq!(j["schema_version"], 1);
+    assert_eq!(j["kind"], "moeconf.diff");
+    assert_eq!(j["verdict"], "divergent");
+    let fd = &j["first_divergence"];
+    for key in ["level", "step", "position", "layer", "operator", "contract"] {
+        assert!(fd.get(key).is_some(), "first_divergence.{key}");
+    }
+    assert_eq!(fd["operator"], "moe.combine");
+    assert_eq!(fd["contract"], "scheme B, class 135");
+    for level in ["L0", "L1", "L2", "L3", "L4"] {
+        let l = &j["levels"][level];
+        assert!(l["status"].is_string() && l["explains"].is_string(), "{level}");
+        assert!(
+            l.get("first").is_some() && l.get("differing_steps").is_some(),
+            "{level}"
+        );
+    }
+    let num = &j["levels"]["L4"]["localized"]["numeric"];
+    for key in [
+        "differing",
+        "elements",
+        "max_abs_delta",
+        "max_ulp",
+        "min_atol",
+        "min_rtol",
+        "worst",
+    ] {
+        assert!(num.get(key).is_some(), "numeric.{key}");
+    }
+    assert_eq!(
+        j["levels"]["L4"]["contract"]["candidate_inference"]["matches"][0]["scheme"],
+        "b"
+    );
+    for key in [
+        "reference",
+        "candidate",
+        "comparability",
+        "compared_levels",
+        "unmatched_steps",
+        "summary",
+    ] {
+        assert!(j.get(key).is_some(), "{key}");
+    }
+}
