@@ -180,7 +180,7 @@ fn stratified_sweep_matches_references() {
     assert_eq!(fails, 0, "first failure: {first:?}");
 }
 
-/// All 2^32 f32 bit patterns (70 s in --release on the 2-core machine; see docs/contracts.md).
+/// All 2^32 f32 bit patterns (70–84 s in --release on the 2-core machine; see docs/contracts.md).
 #[test]
 #[ignore = "full 2^32 sweep: cargo test --release -p moeconf-reference-runtime --test bf16 -- --ignored"]
 fn exhaustive_sweep_matches_references() {
