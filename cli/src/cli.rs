@@ -48,6 +48,19 @@ pub enum Command {
         after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json"
     )]
     Diff(crate::cmd::diff::DiffArgs),
+    /// Trace-freeze-fork sweep: snapshot the run at a fork point and evaluate
+    /// every order of a contract there (e.g. all 720 A orders, all 360 B classes).
+    Sweep(crate::cmd::sweep::SweepArgs),
+    /// Exactness certificate: for the MoE events captured in a trace (L4
+    /// payloads of moe.term.* and moe.shared), how many distinct outputs a
+    /// contract gives over all k! orders.
+    Certify(crate::cmd::certify::CertifyArgs),
+    /// Build a canonical trace from a backend's safetensors tensor dumps
+    /// (naming convention and manifest in docs/import.md).
+    Import(crate::cmd::import::ImportArgs),
+    /// CI gate: diff a candidate against a reference under a reviewed policy
+    /// (moeconf.toml), with text/JSON/JUnit/Markdown reports and blessed baselines.
+    Gate(crate::cmd::gate::GateArgs),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]

@@ -56,9 +56,5 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         eprintln!("$ moeconf diff {} {}", reference.display(), candidate.display());
         eprintln!();
     }
-    diff::run(&DiffArgs {
-        reference,
-        candidate,
-        format: a.format,
-    })
+    diff::run(&DiffArgs::new(reference, candidate, a.format))
 }

@@ -1,8 +1,27 @@
-//! `moeconf diff`: L0–L4 bisection of two traces (filled in by part 4).
+//! `moeconf diff`: L0–L4 bisection of two traces (the `moeconf-bisect` walk).
+//!
+//! Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are
+//! not comparable, reported with every differing binding field).
 
 use crate::cli::Format;
+use crate::output::print_json;
+use anyhow::Context;
+use moeconf_bisect::{diff, DiffOptions};
+use moeconf_schema::Trace;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+/// When to color the text report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ColorChoice {
+    /// Only on a terminal and when `NO_COLOR` is unset or empty.
+    Auto,
+    /// Always (ANSI escapes even into files).
+    Always,
+    /// Never.
+    Never,
+}
 
 /// Arguments of `moeconf diff`.
 #[derive(Debug, clap::Args)]
@@ -14,9 +33,78 @@ pub struct DiffArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Compare even when the bindings name a different model, tokenizer,
+    /// prompt or decoding configuration (the differences are reported).
+    #[arg(long)]
+    pub force: bool,
+    /// Skip contract inference at a divergent moe.combine.
+    #[arg(long)]
+    pub no_contract_inference: bool,
+    /// Colors in the text report.
+    #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
+    pub color: ColorChoice,
+}
+
+impl DiffArgs {
+    /// Default options for comparing `reference` and `candidate` (used by `moeconf demo`).
+    pub fn new(reference: PathBuf, candidate: PathBuf, format: Format) -> DiffArgs {
+        DiffArgs {
+            reference,
+            candidate,
+            format,
+            force: false,
+            no_contract_inference: false,
+            color: ColorChoice::Auto,
+        }
+    }
+}
+
+/// Whether to color: `auto` means stdout is a terminal and `NO_COLOR` is
+/// unset or empty (https://no-color.org).
+fn use_color(choice: ColorChoice, is_tty: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    match choice {
+        ColorChoice::Always => true,
+        ColorChoice::Never => false,
+        ColorChoice::Auto => is_tty && no_color.is_none_or(|v| v.is_empty()),
+    }
 }
 
 pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
-    let _ = (&a.reference, &a.candidate, a.format);
-    anyhow::bail!("diff: not available in this build yet")
+    let reference = Trace::open(&a.reference)?;
+    let candidate = Trace::open(&a.candidate)?;
+    let opts = DiffOptions {
+        force: a.force,
+        contract_inference: !a.no_contract_inference,
+    };
+    let report = diff(&reference, &candidate, &opts)
+        .with_context(|| format!("diff {} {}", a.reference.display(), a.candidate.display()))?;
+    match a.format {
+        Format::Json => print_json(&report.to_json())?,
+        Format::Text => {
+            let color = use_color(
+                a.color,
+                std::io::stdout().is_terminal(),
+                std::env::var_os("NO_COLOR"),
+            );
+            let mut out = std::io::stdout().lock();
+            out.write_all(report.render_text(color).as_bytes())?;
+            out.flush()?;
+        }
+    }
+    Ok(ExitCode::from(report.exit_code()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn color_only_on_a_terminal_without_no_color() {
+        assert!(use_color(ColorChoice::Auto, true, None));
+        assert!(use_color(ColorChoice::Auto, true, Some("".into())));
+        assert!(!use_color(ColorChoice::Auto, true, Some("1".into())));
+        assert!(!use_color(ColorChoice::Auto, false, None));
+        assert!(use_color(ColorChoice::Always, false, Some("1".into())));
+        assert!(!use_color(ColorChoice::Never, true, None));
+    }
 }

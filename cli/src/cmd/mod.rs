@@ -1,10 +1,14 @@
 //! One module per subcommand.
 
 mod bench;
+pub mod certify;
 mod demo;
 pub mod diff;
+pub mod gate;
+pub mod import;
 mod inspect;
 mod run;
+pub mod sweep;
 
 use crate::cli::{BenchCommand, Cli, Command};
 use std::process::ExitCode;
@@ -16,6 +20,10 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(a) => run::run(&a),
         Command::Demo(a) => demo::run(&a),
         Command::Diff(a) => diff::run(&a),
+        Command::Sweep(a) => sweep::run(&a),
+        Command::Certify(a) => certify::run(&a),
+        Command::Import(a) => import::run(&a),
+        Command::Gate(a) => gate::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
     }
 }
