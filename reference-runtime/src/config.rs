@@ -423,3 +423,66 @@ impl ModelConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "vocab_size": 1024, "hidden_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 8, "head_dim": 64, "q_lora_rank": 64, "num_experts_per_tok": 6,
+            "n_routed_experts": 32, "o_groups": 2, "o_lora_rank": 32, "index_n_heads": 4,
+            "index_head_dim": 32, "index_topk": 4, "sliding_window": 8
+        })
+    }
+
+    #[test]
+    fn legacy_keys_map_like_hf() {
+        // compress_ratios 0/4/128 → sliding/CSA/HCA; qk_rope_head_dim → r; num_hash_layers → mlp types;
+        // legacy rope_scaling {type: yarn} → YaRN on the compress rope.
+        let mut v = base();
+        v["compress_ratios"] = serde_json::json!([0, 4, 128, 0]);
+        v["qk_rope_head_dim"] = serde_json::json!(16);
+        v["num_hash_layers"] = serde_json::json!(1);
+        v["rope_scaling"] =
+            serde_json::json!({"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536});
+        let c = ModelConfig::from_json(Path::new("config.json"), &v.to_string()).unwrap();
+        assert_eq!(
+            c.layer_types,
+            vec![AttentionKind::Sliding, AttentionKind::Csa, AttentionKind::Hca]
+        );
+        assert_eq!(
+            c.mlp_layer_types,
+            vec![MlpKind::HashMoe, MlpKind::Moe, MlpKind::Moe]
+        );
+        assert_eq!(c.rope_dim, 16);
+        assert_eq!((c.csa_rate, c.hca_rate), (4, 128));
+        assert_eq!(c.yarn.map(|y| y.factor), Some(16.0));
+    }
+
+    #[test]
+    fn quantized_config_is_refused_with_the_key() {
+        let mut v = base();
+        v["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention", "sliding_attention"]);
+        v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+        let e = ModelConfig::from_json(Path::new("x/config.json"), &v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("x/config.json: key `quantization_config`"), "{e}");
+    }
+
+    #[test]
+    fn zero_and_huge_dimensions_are_refused() {
+        for (key, val) in [("hidden_size", 0u64), ("vocab_size", 1 << 40)] {
+            let mut v = base();
+            v["layer_types"] =
+                serde_json::json!(["sliding_attention", "sliding_attention", "sliding_attention"]);
+            v[key] = serde_json::json!(val);
+            let e = ModelConfig::from_json(Path::new("config.json"), &v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{e}");
+        }
+    }
+}

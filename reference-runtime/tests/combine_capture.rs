@@ -124,3 +124,29 @@ fn chunked_prefill_equals_token_by_token() {
     let b = s2.by_path("lm.logits").last().unwrap().bytes.clone();
     assert_eq!(a, b);
 }
+
+#[test]
+fn unwanted_levels_are_skipped_without_changing_results() {
+    let p = prompt(5, 9);
+    let all = run(4, &p);
+    let model = fixture_model();
+    let opts = GenerateOptions {
+        max_new_tokens: 4,
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+    };
+    let mut only = MemorySink::with_levels(&[Level::L1, Level::L2]);
+    model.generate(&p, &opts, &mut only).unwrap();
+    assert!(only
+        .records
+        .iter()
+        .all(|r| r.level == Level::L1 || r.level == Level::L2));
+    let filtered: Vec<_> = all
+        .records
+        .iter()
+        .filter(|r| r.level == Level::L1 || r.level == Level::L2)
+        .cloned()
+        .collect();
+    assert_eq!(only.records, filtered);
+}
