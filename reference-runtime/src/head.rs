@@ -77,3 +77,17 @@ pub fn argmax(logits: &[f32]) -> u32 {
     }
     best as u32
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ties_go_to_the_lowest_id_and_nan_never_wins() {
+        let l = [1.0, 3.0, f32::NAN, 3.0, -0.0, 0.0, 2.0];
+        assert_eq!(argmax(&l), 1);
+        assert_eq!(topk_logits(&l, 7), vec![1, 3, 6, 0, 4, 5, 2]);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
+        assert_eq!(argmax(&[f32::NAN, -1.0]), 1);
+    }
+}
