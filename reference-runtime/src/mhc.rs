@@ -61,7 +61,7 @@ pub struct HcPre {
     pub x: Vec<f32>,
     /// post weights (length N), FP32.
     pub post: Vec<f32>,
-    /// Doubly-stochastic mixing C (N×N row-major: C[j][k] = comb[j·N + k]), FP32.
+    /// Doubly-stochastic mixing C (N×N row-major: `C[j][k] = comb[j·N + k]`), FP32.
     pub comb: Vec<f32>,
 }
 
