@@ -1,0 +1,121 @@
+"""Command line: ``python3 -m moeconf {inspect,write,identity} ...`` (``--help`` for details).
+
+* ``inspect TRACE`` validates a trace and prints a JSON summary (root, counts);
+* ``write SPEC.json -o OUT`` writes a trace from a JSON description of the binding,
+  provenance and records (hex-encoded tensor bytes); used by the cross-language
+  tests, whose Rust side writes the same records with ``moeconf_schema``;
+* ``identity DIR`` prints the model identity of a model directory.
+
+Exit codes: 0 success, 2 error (the message names the file and byte offset).
+"""
+
+import argparse
+import json
+import sys
+
+from .binding import ZERO_DIGEST, Binding, Provenance, TensorDigest
+from .fingerprint import Coord
+from .identity import SafetensorsError, model_identity
+from .trace import TraceFormatError, TraceWriter, read_trace
+
+
+def _hex32(v, what):
+    if v is None:
+        return ZERO_DIGEST
+    b = bytes.fromhex(v)
+    if len(b) != 32:
+        raise ValueError(f"{what}: expected 64 hex digits")
+    return b
+
+
+def binding_from_json(doc):
+    """Builds a :class:`Binding` from a JSON object using the field names of
+    :class:`Binding`; digests are hex strings, ``extra`` a list of pairs."""
+    b = Binding()
+    for k, v in doc.items():
+        if k in ("config_digest", "weights_digest", "tokenizer_digest"):
+            v = _hex32(v, k)
+        elif k == "tensors":
+            v = [TensorDigest(t["name"], t["dtype"], list(t["shape"]), _hex32(t["digest"], "tensor digest"))
+                 for t in v]
+        elif k == "extra":
+            v = [(a, c) for a, c in v]
+        elif not hasattr(b, k):
+            raise ValueError(f"binding: unknown field {k!r}")
+        setattr(b, k, v)
+    return b
+
+
+def write_from_spec(spec, out):
+    """Writes the trace described by the JSON document ``spec`` to ``out``; returns the summary."""
+    prov = spec.get("provenance", {})
+    provenance = Provenance(prov.get("runtime", "moeconf-python"), prov.get("version", ""),
+                            prov.get("threads", 1), [tuple(p) for p in prov.get("notes", [])])
+    w = TraceWriter(out, binding_from_json(spec.get("binding", {})), provenance,
+                    spec.get("algorithm", "blake3"))
+    with w:
+        for r in spec.get("records", []):
+            coord = Coord.make(r["step"], r["position"], r["phase"], r.get("layer"), r["path"])
+            w.append(coord, r["level"], bytes.fromhex(r["data_hex"]), r["dtype"], r["shape"],
+                     bool(r.get("keep_payload", False)))
+        return w.finish()
+
+
+def _summary(t):
+    return {
+        "file": t.path,
+        "algorithm": t.algorithm,
+        "root": t.root.hex(),
+        "binding_digest": t.binding_digest.hex(),
+        "records": len(t.records),
+        "payloads": t.payload_count(),
+        "steps": len({r.coord.step for r in t.records}),
+        "by_level": {f"L{lv}": sum(1 for r in t.records if r.level == lv) for lv in range(5)},
+        "model": {"name": t.binding.model_name, "config_digest": t.binding.config_digest.hex(),
+                  "weights_digest": t.binding.weights_digest.hex(), "tensor_count": len(t.binding.tensors)},
+        "provenance": {"runtime": t.provenance.runtime, "version": t.provenance.version},
+    }
+
+
+def main(argv=None):
+    """Entry point; returns the process exit code."""
+    p = argparse.ArgumentParser(prog="python3 -m moeconf", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("inspect", help="validate a trace and print a JSON summary")
+    a.add_argument("trace")
+    a.add_argument("--no-verify", action="store_true", help="skip payload re-hashing and padding checks")
+    a = sub.add_parser("write", help="write a trace from a JSON spec")
+    a.add_argument("spec")
+    a.add_argument("-o", "--output", required=True)
+    a = sub.add_parser("identity", help="print the model identity of a directory")
+    a.add_argument("dir")
+    a.add_argument("--name", default=None, help="display name bound into traces (default: DIR)")
+    a.add_argument("--algorithm", default="blake3", choices=["blake3", "sha256"])
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            doc = _summary(read_trace(args.trace, verify=not args.no_verify))
+        elif args.cmd == "write":
+            with open(args.spec, encoding="utf-8") as f:
+                spec = json.load(f)
+            s = write_from_spec(spec, args.output)
+            doc = {"file": args.output, "root": s.root.hex(), "records": s.records, "payloads": s.payloads,
+                   "bytes": s.bytes}
+        else:
+            ident = model_identity(args.name or args.dir, args.dir, args.algorithm)
+            doc = {"name": ident.name, "config_digest": ident.config_digest.hex(),
+                   "weights_digest": ident.weights_digest.hex(),
+                   "tensors": [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "digest": t.digest.hex()}
+                               for t in ident.tensors]}
+    except (TraceFormatError, SafetensorsError, OSError, ValueError, KeyError, TypeError) as e:
+        where = f"{args.spec}: " if args.cmd == "write" and not isinstance(e, TraceFormatError) else ""
+        msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        print(f"moeconf (python): {where}{msg}", file=sys.stderr)
+        return 2
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
