@@ -70,6 +70,12 @@ impl SchemeMatch {
             OrderKind::PermutationIndex => ("order index", "order indices"),
             OrderKind::BClass => ("class", "classes"),
         };
+        if self.matching == self.tried && self.tried > 1 {
+            return format!(
+                "{name}, any order (all {} {many} reproduce it: order-invariant on these terms)",
+                self.tried
+            );
+        }
         let list: Vec<String> = self.orders.iter().map(|o| o.to_string()).collect();
         if self.matching == 1 {
             return format!("{name}, {one} {}", list.join(", "));

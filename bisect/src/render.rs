@@ -378,10 +378,10 @@ impl DiffReport {
                 let _ = writeln!(
                     o,
                     "   reference's moe.combine equals {r}{}",
-                    match c.reference_is_native {
-                        Some(true) => " (the native contract)",
-                        Some(false) => " (not the native contract)",
-                        None => "",
+                    if c.reference_is_native == Some(false) {
+                        " (not the native contract)"
+                    } else {
+                        ""
                     }
                 );
             }

@@ -162,3 +162,161 @@ fn json_output_is_one_versioned_document() {
     let out = moeconf(&["diff", "--color", "always", s(&f.reference), s(&f.divergent)]);
     assert!(String::from_utf8(out.stdout).unwrap().contains('\x1b'));
 }
+
+// ---------------------------------------------------------------------------
+// End to end on the reference runtime: candidates with a known injected
+// difference must be localized at exactly the injected step, layer and
+// operator, and contract inference must name the injected contract.
+
+const PROMPT: &str = "why the sheep";
+
+fn run_trace(out: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "run",
+        "--model",
+        "builtin:tiny-v4",
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "4",
+        "--capture",
+        "all",
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    let o = moeconf(&args);
+    assert!(
+        o.status.success(),
+        "run {extra:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn diff_json(reference: &Path, candidate: &Path) -> (i32, serde_json::Value) {
+    let o = moeconf(&["diff", "--format", "json", s(reference), s(candidate)]);
+    let code = o.status.code().unwrap_or(-1);
+    assert!(code == 0 || code == 1, "{}", String::from_utf8_lossy(&o.stderr));
+    (code, serde_json::from_slice(&o.stdout).unwrap())
+}
+
+#[test]
+fn runtime_b_forks_are_localized_and_their_class_inferred() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("ref.bin");
+    run_trace(&reference, &[]);
+    let prompt_len = moeconf_schema::Trace::open(&reference)
+        .unwrap()
+        .binding()
+        .prompt
+        .ids
+        .len() as u64;
+    // (layer, class, step, position within the step's tokens)
+    for (layer, class, step, position) in [
+        (2u32, 135u64, 1u32, None),
+        (5, 17, 2, None),
+        (3, 300, 0, Some(1u64)),
+    ] {
+        let cand = dir.path().join(format!("fork-{layer}-{class}.bin"));
+        let (layer_s, class_s, step_s) = (layer.to_string(), class.to_string(), step.to_string());
+        let mut extra = vec![
+            "--fork-layer",
+            &layer_s,
+            "--fork-contract",
+            "b",
+            "--fork-order",
+            &class_s,
+            "--fork-step",
+            &step_s,
+        ];
+        let pos_s = position.map(|p| p.to_string());
+        if let Some(p) = &pos_s {
+            extra.extend(["--fork-position", p.as_str()]);
+        }
+        run_trace(&cand, &extra);
+        let (code, j) = diff_json(&reference, &cand);
+        assert_eq!(code, 1);
+        let fd = &j["first_divergence"];
+        let expect_pos = position.unwrap_or(prompt_len + u64::from(step) - 1);
+        assert_eq!(
+            (
+                fd["step"].as_u64(),
+                fd["layer"].as_u64(),
+                fd["position"].as_u64(),
+                fd["operator"].as_str()
+            ),
+            (
+                Some(u64::from(step)),
+                Some(u64::from(layer)),
+                Some(expect_pos),
+                Some("moe.combine")
+            ),
+            "fork layer {layer} class {class} step {step}: {fd}"
+        );
+        assert_eq!(fd["contract"], format!("scheme B, class {class}"));
+        assert_eq!(j["levels"]["L4"]["contract"]["reference_is_native"], true);
+        assert_eq!(j["levels"]["L4"]["localized"]["inputs_match"], true);
+    }
+}
+
+#[test]
+fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
+    use moeconf_reference_runtime::contract::{b_class_of, permutation_from_index, prompt_hash, Schedule};
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("ref.bin");
+    run_trace(&reference, &[]);
+    let schedule = Schedule::parse("layer-static:7").unwrap();
+    for scheme in ["b", "a", "p32"] {
+        let cand = dir.path().join(format!("{scheme}.bin"));
+        run_trace(&cand, &["--contract", scheme, "--schedule", "layer-static:7"]);
+        let (code, j) = diff_json(&reference, &cand);
+        assert_eq!(code, 1, "{scheme}");
+        let fd = &j["first_divergence"];
+        assert_eq!(
+            (fd["step"].as_u64(), fd["operator"].as_str()),
+            (Some(0), Some("moe.combine")),
+            "{scheme}: {fd}"
+        );
+        // The scheduled order of the localized layer is among the reproducing orders.
+        let layer = fd["layer"].as_u64().unwrap() as u32;
+        let index = schedule
+            .permutation_index(prompt_hash(PROMPT), layer, 0, 6)
+            .unwrap();
+        let expect = if scheme == "b" {
+            b_class_of(&permutation_from_index(6, index).unwrap()).unwrap()
+        } else {
+            index
+        };
+        let matches = j["levels"]["L4"]["contract"]["candidate_inference"]["matches"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let m = matches
+            .iter()
+            .find(|m| m["scheme"] == scheme)
+            .unwrap_or_else(|| panic!("{scheme} not inferred: {matches:?}"));
+        let orders: Vec<u64> = m["orders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o.as_u64().unwrap())
+            .collect();
+        let everything = m["matching"] == m["tried"];
+        assert!(
+            orders.contains(&expect) || everything,
+            "{scheme}: expected order {expect}, got {m}"
+        );
+    }
+    // C under any layer-static order reproduces the native result bitwise here.
+    for seed in ["layer-static:7", "layer-static:11"] {
+        let cand = dir.path().join("c.bin");
+        run_trace(&cand, &["--contract", "c", "--schedule", seed]);
+        let (code, j) = diff_json(&reference, &cand);
+        assert_eq!(
+            (code, j["verdict"].as_str()),
+            (0, Some("equivalent")),
+            "{seed}: {}",
+            j["summary"]
+        );
+    }
+}
