@@ -1,0 +1,109 @@
+"""Across the language boundary, both ways, through the Rust ``moeconf`` binary:
+
+* a Python-written trace is accepted by ``moeconf inspect`` (full verification)
+  with the root and counts Python computed, and ``moeconf diff`` finds two
+  Python traces of the same tensors equivalent;
+* a Rust-written trace (``moeconf run``) is read and fully verified in Python
+  with the same root; its model binding equals the identity Python computes
+  from the model directory; re-writing every record of a ``--capture all``
+  trace with the Python writer reproduces the Rust root bit for bit.
+
+The Rust side of "same tensors, same root" with ``moeconf_schema::TraceWriter``
+is ``tests/python_interop.rs``; ``tests/test_import.py`` does it through
+``moeconf import``.
+"""
+
+import glob
+import json
+import os
+
+import numpy as np
+
+from moeconf import Provenance, TraceWriter, model_identity, read_trace, tokenizer_digest
+from test_roundtrip import _write_sample
+
+
+def _inspect(run_moeconf, path):
+    return json.loads(run_moeconf("inspect", path, "--format", "json").stdout)
+
+
+def test_rust_inspect_reads_python_trace(run_moeconf, tmp_path):
+    for alg in ("blake3", "sha256"):
+        p = tmp_path / f"py-{alg}.bin"
+        items, s = _write_sample(p, alg, fold=True)
+        doc = _inspect(run_moeconf, p)
+        assert doc["algorithm"] == alg
+        assert doc["root"] == s.root.hex()
+        assert doc["records"]["total"] == len(items) == s.records
+        assert doc["records"]["with_payload"] == s.payloads
+        assert doc["verified"]["payloads"] == s.payloads   # every payload re-hashed by Rust
+        assert doc["binding"]["prompt"]["ids"] == [11, 12, 13]
+        assert doc["binding"]["canonicalization"]["fold_negative_zero"] is True
+        assert doc["provenance"]["runtime"] == "pytest"
+        assert doc["steps"]["count"] == 2
+        assert doc["binding_digest"] == read_trace(p).binding_digest.hex()
+
+
+def test_rust_diff_of_python_traces(run_moeconf, tmp_path):
+    a, b, c = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+    items, _ = _write_sample(a)
+    _write_sample(b, keep=False)        # same tensors, fingerprints only
+    assert run_moeconf("diff", a, b, check=False).returncode == 0
+    # One changed logit: diff must find it (exit 1) at L1.
+    t = read_trace(a)
+    w = TraceWriter(c, t.binding, Provenance("pytest", "1", 1))
+    for i, (coord, lv, arr) in enumerate(items):
+        if coord.path == "lm.logits":
+            arr = arr.copy()
+            arr[0] = np.nextafter(arr[0], np.float32(np.inf))
+        w.append(coord, lv, arr, keep_payload=True)
+    w.finish()
+    p = run_moeconf("diff", a, c, "--format", "json", check=False)
+    assert p.returncode == 1, p.stderr
+    assert "lm.logits" in p.stdout
+
+
+def _rust_run(run_moeconf, tmp_path, out, *extra):
+    run_moeconf("run", "--model", "builtin:tiny-v4", "--prompt", "why the sheep", "--max-new-tokens", "2",
+                "-o", out, *extra)
+    (model_dir,) = glob.glob(str(tmp_path / "cache" / "tiny-v4-*"))
+    return model_dir
+
+
+def test_python_reads_rust_run_trace(run_moeconf, tmp_path):
+    x = tmp_path / "x.bin"
+    model_dir = _rust_run(run_moeconf, tmp_path, x)
+    doc = _inspect(run_moeconf, x)
+    t = read_trace(x)
+    assert t.root.hex() == doc["root"]
+    assert len(t.records) == doc["records"]["total"]
+    assert t.payload_count() == doc["records"]["with_payload"]
+    assert t.binding.prompt_text == "why the sheep" and t.binding.max_new_tokens == 2
+    assert {r.coord.step for r in t.records} == {0, 1}
+    # Model identity and tokenizer digest computed in Python equal the Rust binding.
+    ident = model_identity("builtin:tiny-v4", model_dir)
+    assert ident.config_digest == t.binding.config_digest
+    assert ident.weights_digest == t.binding.weights_digest
+    assert [(x.name, x.dtype, x.shape, x.digest) for x in ident.tensors] == \
+        [(x.name, x.dtype, x.shape, x.digest) for x in t.binding.tensors]
+    assert tokenizer_digest(os.path.join(model_dir, "tokenizer.json")) == t.binding.tokenizer_digest
+    # The generated ids: token.output payloads agree with token.input of the next step.
+    out = [t.array(i)[0] for i, r in enumerate(t.records) if r.coord.path == "token.output"]
+    nxt = [t.array(i)[0] for i, r in enumerate(t.records) if r.coord.path == "token.input" and r.coord.step == 1]
+    assert len(out) == 2 and nxt == out[:1]
+
+
+def test_python_rewrite_of_rust_trace_has_the_same_root(run_moeconf, tmp_path):
+    for alg in ("blake3", "sha256"):
+        x = tmp_path / f"all-{alg}.bin"
+        _rust_run(run_moeconf, tmp_path, x, "--capture", "all", "--digest", alg, "--fold-negative-zero")
+        t = read_trace(x)
+        assert t.payload_count() == len(t.records) > 1000
+        y = tmp_path / f"py-{alg}.bin"
+        w = TraceWriter(y, t.binding, Provenance("pytest-rewrite", "1", 1), alg)
+        for i, r in enumerate(t.records):
+            w.append(r.coord, r.level, t.payload(i), r.dtype, r.shape, keep_payload=(i % 2 == 0))
+        s = w.finish()
+        assert s.root == t.root, alg
+        assert _inspect(run_moeconf, y)["root"] == t.root.hex()
+        assert run_moeconf("diff", x, y, check=False).returncode == 0
