@@ -12,6 +12,7 @@ pub mod capture;
 pub mod compressor;
 pub mod config;
 pub mod error;
+pub mod fork;
 pub mod generate;
 pub mod head;
 pub mod indexer;
