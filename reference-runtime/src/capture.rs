@@ -209,11 +209,35 @@ impl<'a> Recorder<'a> {
         if !self.wants(level) {
             return Ok(());
         }
-        self.buf.clear();
-        for v in data {
-            self.buf.extend_from_slice(&v.to_le_bytes());
+        #[cfg(target_endian = "little")]
+        {
+            // f32 in memory is already the little-endian payload: no copy.
+            let coord = Coord {
+                step: self.step,
+                position,
+                phase: self.phase,
+                layer,
+                path: path.to_string(),
+            };
+            let bytes: &[u8] = bytemuck::cast_slice(data);
+            self.sink.record(
+                coord,
+                level,
+                TensorView {
+                    dtype: DType::F32,
+                    shape,
+                    bytes,
+                },
+            )
         }
-        self.emit(level, position, layer, path, DType::F32, shape)
+        #[cfg(not(target_endian = "little"))]
+        {
+            self.buf.clear();
+            for v in data {
+                self.buf.extend_from_slice(&v.to_le_bytes());
+            }
+            self.emit(level, position, layer, path, DType::F32, shape)
+        }
     }
 
     pub(crate) fn i32(

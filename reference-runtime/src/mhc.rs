@@ -172,14 +172,19 @@ pub fn hc_post(streams: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize,
     let post: Vec<f32> = post.iter().map(|v| p.round(*v)).collect();
     let comb: Vec<f32> = comb.iter().map(|v| p.round(*v)).collect();
     let mut out = vec![0.0f32; n * d];
+    let mut mix = vec![0.0f32; d];
     for k in 0..n {
-        let o = &mut out[k * d..(k + 1) * d];
-        for (i, oi) in o.iter_mut().enumerate() {
-            let mut mix = 0.0f32;
-            for j in 0..n {
-                mix += comb[j * n + k] * streams[j * d + i];
+        // mix_i = ((0 + C_0k·X_0i) + C_1k·X_1i) + … (j ascending for every i).
+        mix.iter_mut().for_each(|m| *m = 0.0);
+        for j in 0..n {
+            let c = comb[j * n + k];
+            for (m, x) in mix.iter_mut().zip(&streams[j * d..(j + 1) * d]) {
+                *m += c * x;
             }
-            *oi = p.round(p.round(post[k] * y[i]) + p.round(mix));
+        }
+        let o = &mut out[k * d..(k + 1) * d];
+        for ((oi, yi), m) in o.iter_mut().zip(y).zip(&mix) {
+            *oi = p.round(p.round(post[k] * yi) + p.round(*m));
         }
     }
     out
