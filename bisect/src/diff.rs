@@ -12,6 +12,7 @@ use crate::textdiff::inline_diff;
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::{DType, Level};
 use moeconf_schema::Trace;
+use std::path::Path;
 
 /// Options of [`diff`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +62,21 @@ fn trace_summary(t: &Trace) -> TraceSummary {
         records: t.records().len() as u64,
         steps: t.tree().steps.len() as u64,
     }
+}
+
+/// Opens (and validates) the reference and the candidate concurrently, one
+/// thread each: opening parses and checks both indexes and rebuilds both
+/// hash trees, which dominates the time of a diff on large traces. The
+/// result does not depend on the threads (each trace is parsed by one).
+pub fn open_pair(reference: &Path, candidate: &Path) -> Result<(Trace, Trace), BisectError> {
+    let (r, c) = std::thread::scope(|s| {
+        let h = s.spawn(|| Trace::open(candidate));
+        let r = Trace::open(reference);
+        // A panic in the reader is a bug; re-raise it on this thread.
+        let c = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (r, c)
+    });
+    Ok((r?, c?))
 }
 
 fn has_level(t: &Trace, level: Level) -> bool {

@@ -45,6 +45,16 @@ pub enum BisectError {
         /// The candidate's algorithm name.
         candidate: String,
     },
+    /// A file could not be read or written (the benchmark's byte comparison).
+    #[error("{}: {what}: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// A payload on the divergent path failed verification or could not be
     /// read.
     #[error(transparent)]

@@ -42,6 +42,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod bench;
 mod comparability;
 mod diff;
 mod error;
@@ -53,8 +54,9 @@ mod report;
 mod textdiff;
 mod walk;
 
+pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
 pub use comparability::{compare_bindings, Comparability};
-pub use diff::{diff, DiffOptions};
+pub use diff::{diff, open_pair, DiffOptions};
 pub use error::{BisectError, FieldDifference};
 pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
 pub use numeric::{summarize, unravel, NumericSummary, WorstElement};

@@ -6,8 +6,7 @@
 use crate::cli::Format;
 use crate::output::print_json;
 use anyhow::Context;
-use moeconf_bisect::{diff, DiffOptions};
-use moeconf_schema::Trace;
+use moeconf_bisect::{diff, open_pair, DiffOptions};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -70,8 +69,7 @@ fn use_color(choice: ColorChoice, is_tty: bool, no_color: Option<std::ffi::OsStr
 }
 
 pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
-    let reference = Trace::open(&a.reference)?;
-    let candidate = Trace::open(&a.candidate)?;
+    let (reference, candidate) = open_pair(&a.reference, &a.candidate)?;
     let opts = DiffOptions {
         force: a.force,
         contract_inference: !a.no_contract_inference,
