@@ -69,4 +69,9 @@ fn main() {
             precision.name()
         );
     }
+    let anon = moeconf_reference_runtime::bench::anon_rss_bytes().unwrap_or(0);
+    println!(
+        "anonymous RSS after the runs: {:.1} MiB",
+        anon as f64 / (1024.0 * 1024.0)
+    );
 }

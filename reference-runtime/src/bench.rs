@@ -56,3 +56,14 @@ pub fn bench_generate(
         decode_seconds: (t2 - t1).as_secs_f64(),
     })
 }
+
+/// Current anonymous resident memory of this process in bytes (`RssAnon` of
+/// `/proc/self/status`; Linux only, `None` elsewhere or if unreadable). Weights
+/// are memory-mapped files, so they count as file-backed, not anonymous, memory:
+/// this figure must not grow with the number of experts.
+pub fn anon_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("RssAnon:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
