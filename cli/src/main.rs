@@ -5,12 +5,14 @@
 
 mod cli;
 mod cmd;
+mod gate;
 mod output;
 mod runner;
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    reset_sigpipe();
     match run() {
         Ok(code) => code,
         Err(err) => {
@@ -33,4 +35,16 @@ fn is_broken_pipe(err: &anyhow::Error) -> bool {
         e.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+/// Rust ignores SIGPIPE, which turns a closed stdout (`moeconf diff a b | head`)
+/// into a panic inside `println!`. Restore the default action, as Unix
+/// command-line tools expect: the process ends quietly when the reader goes.
+fn reset_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal disposition to SIG_DFL at startup, before any
+    // thread is spawned, has no memory-safety preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }
