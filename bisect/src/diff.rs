@@ -117,6 +117,13 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         declared || (has_level(reference, l) && has_level(candidate, l))
     };
     let compared_levels: Vec<Level> = Level::ALL.into_iter().filter(|&l| compared(l)).collect();
+    let any_records = !reference.records().is_empty() || !candidate.records().is_empty();
+    if compared_levels.is_empty() && any_records {
+        return Err(BisectError::NothingToCompare {
+            reference: reference.binding().capture.describe(),
+            candidate: candidate.binding().capture.describe(),
+        });
+    }
 
     let rsteps: Vec<u32> = reference.tree().steps.iter().map(|s| s.step).collect();
     let csteps: Vec<u32> = candidate.tree().steps.iter().map(|s| s.step).collect();
@@ -230,7 +237,12 @@ fn summary_line(
             if let Some(l) = f.layer {
                 s.push_str(&format!(" layer {l}"));
             }
-            s.push_str(&format!(" operator {}", f.operator));
+            let noun = if f.level == "L3" || f.level == "L4" {
+                "operator"
+            } else {
+                "record"
+            };
+            s.push_str(&format!(" {noun} {}", f.operator));
             if let Some(c) = &f.contract {
                 s.push_str(&format!("; candidate contract: {c}"));
             }
@@ -377,7 +389,7 @@ impl Ctx<'_> {
             if self.s.pair_equal(p) {
                 continue;
             }
-            rep.ordinal = Some(s + 1);
+            rep.ordinal = s.checked_add(1);
             let (rb, cb) = self.payloads(p)?;
             let tok = |e: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Option<i64> {
                 let e = &t.records()[e?];

@@ -45,6 +45,14 @@ pub enum BisectError {
         /// The candidate's algorithm name.
         candidate: String,
     },
+    /// No level is captured by both traces, so nothing can be compared.
+    #[error("no level is captured by both traces (reference captures {reference}, candidate {candidate}); re-capture with common levels")]
+    NothingToCompare {
+        /// The reference's capture spec, e.g. `L0,L1`.
+        reference: String,
+        /// The candidate's capture spec.
+        candidate: String,
+    },
     /// A file could not be read or written (the benchmark's byte comparison).
     #[error("{}: {what}: {source}", .path.display())]
     Io {

@@ -240,7 +240,7 @@ impl DiffReport {
         if let Some(s) = l2.step {
             let _ = writeln!(
                 o,
-                "   first differing decode boundary: after step {s}; {} boundaries differ",
+                "   first differing decode boundary: after step {s}; {} of the boundaries differ",
                 l2.differing_steps
             );
             for layer in &l2.layers {
@@ -284,7 +284,7 @@ impl DiffReport {
                 Some(m) => {
                     let _ = writeln!(
                         o,
-                        "   all {} earlier checkpoints of step {} match; last match: {}",
+                        "   the {} earlier checkpoint(s) of step {} all match; last match: {}",
                         l3.earlier_checkpoints_matched,
                         f.step,
                         m.describe()

@@ -428,3 +428,96 @@ fn json_has_the_documented_keys() {
         assert!(j.get(key).is_some(), "{key}");
     }
 }
+
+#[test]
+fn different_algorithms_and_disjoint_levels_are_errors() {
+    use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+    use moeconf_schema::{Header, Trace, TraceWriter};
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, alg: Algorithm, level: Level, path: &str| {
+        let p = dir.path().join(name);
+        let mut w = TraceWriter::create(&p, alg, Header::default()).unwrap();
+        let c = Coord {
+            step: 0,
+            position: 0,
+            phase: Phase::Prefill,
+            layer: None,
+            path: path.into(),
+        };
+        let b = 1i32.to_le_bytes();
+        w.append(
+            c,
+            level,
+            TensorView {
+                dtype: DType::I32,
+                shape: &[1],
+                bytes: &b,
+            },
+            true,
+        )
+        .unwrap();
+        w.finish().unwrap();
+        Trace::open(&p).unwrap()
+    };
+    let a = write("a.bin", Algorithm::Blake3, Level::L0, "token.output");
+    let b = write("b.bin", Algorithm::Sha256, Level::L0, "token.output");
+    let err = diff(
+        &a,
+        &b,
+        &DiffOptions {
+            force: true,
+            ..DiffOptions::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, BisectError::AlgorithmMismatch { .. }), "{err}");
+    let c = write("c.bin", Algorithm::Blake3, Level::L1, "lm.margin");
+    let err = diff(&a, &c, &DiffOptions::default()).unwrap_err();
+    assert!(matches!(err, BisectError::NothingToCompare { .. }), "{err}");
+}
+
+/// Prints the text report of every scenario (run with `--nocapture` to read
+/// them) and checks the shape every report shares: verdict first, one
+/// section per level, each with a plain-language line, summary last.
+#[test]
+fn text_reports_have_verdict_sections_and_summary() {
+    let mut token = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: PROMPT,
+        contract: b_class(135),
+    });
+    token.token_step = Some(3);
+    for cand in [
+        token,
+        Synth::candidate(Inject::Attention {
+            step: 2,
+            layer: 1,
+            position: PROMPT + 1,
+        }),
+        Synth::candidate(Inject::State { step: 2, layer: 3 }),
+    ] {
+        let (_d, r, c) = pair(&Synth::reference(), &cand);
+        let text = diff(&r, &c, &DiffOptions::default()).unwrap().render_text(false);
+        println!("{text}\n----------------------------------------");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("DIVERGENT: the candidate departs from the reference at step"));
+        for (level, what) in [
+            ("L0", "tokens / text"),
+            ("L1", "logits"),
+            ("L2", "full persistent state"),
+            ("L3", "layer state"),
+            ("L4", "operator"),
+        ] {
+            let i = lines
+                .iter()
+                .position(|l| l.starts_with(level) && l.contains(what))
+                .unwrap_or_else(|| panic!("{level} section"));
+            assert!(
+                lines[i + 1].starts_with("   ") && lines[i + 1].len() > 40,
+                "{level}: explanation line"
+            );
+        }
+        assert!(lines.last().unwrap().starts_with("first divergence: "));
+    }
+}
