@@ -502,6 +502,15 @@ fn run_branch(
         detokenizer: opts.detokenizer,
     };
     let g = snap.continue_with(model, opts.max_new_tokens, &sopts, &mut sink)?;
+    if sink.fork_moe.is_empty() {
+        let p = opts.point;
+        return Err(RuntimeError::Input(format!(
+            "the fork point (layer {}, step {}{}) matched no MoE event",
+            p.layer,
+            p.step,
+            p.position.map(|x| format!(", position {x}")).unwrap_or_default()
+        )));
+    }
     let text = match opts.detokenizer {
         Some(d) => Some(d.decode(&g.tokens)?),
         None => None,

@@ -298,3 +298,68 @@ fn full_a_and_b_sweep() {
     assert_eq!(r.branches[0].len(), 720);
     assert_eq!(r.branches[1].len(), 360);
 }
+
+#[test]
+fn snapshots_at_other_steps_equal_replays() {
+    let m = fixture_model();
+    let ids = prompt(6, 7);
+    let n = 4;
+    let native = StepOptions {
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+    };
+    // A prefill fork restricted to the last prompt position, and a fork at step 2.
+    let points = [
+        ForkPoint {
+            layer: 3,
+            step: 0,
+            position: Some(ids.len() as u32 - 1),
+        },
+        ForkPoint {
+            layer: 7,
+            step: 2,
+            position: None,
+        },
+    ];
+    for point in points {
+        let mut prefix = MemorySink::all();
+        let snap = Snapshot::freeze(m, &ids, point.step, &native, &mut prefix).unwrap();
+        assert_eq!(snap.step(), point.step);
+        let fork = ForkCombine::new(
+            point,
+            AggregationContract::a().with_order(Order::PermutationIndex(719)),
+        );
+        let (tokens, full) = replay(&fork, &ids, n);
+        let sopts = StepOptions {
+            precision: Precision::Bf16,
+            combine: &fork,
+            detokenizer: None,
+        };
+        let mut cont = MemorySink::all();
+        let g = snap.continue_with(m, n, &sopts, &mut cont).unwrap();
+        assert_eq!(g.tokens, tokens);
+        let mut joined = prefix.records.clone();
+        joined.extend(cont.records);
+        assert!(joined == full.records, "{point:?}");
+    }
+    // A continuation must run the fork step.
+    let snap = Snapshot::freeze(m, &ids, 2, &native, &mut MemorySink::all()).unwrap();
+    assert!(snap.continue_with(m, 2, &native, &mut MemorySink::all()).is_err());
+}
+
+#[test]
+fn sweep_rejects_a_fork_point_without_event() {
+    let ids = prompt(1, 5);
+    let mut o = opts(2);
+    // Step 1 processes only position 5.
+    o.point.position = Some(0);
+    let mut b = Scheme::enumerate("b", 6).unwrap();
+    b.truncate(1);
+    let e = sweep(fixture_model(), &ids, &[b.clone()], &o, None).unwrap_err();
+    assert!(e.to_string().contains("matched no MoE event"), "{e}");
+    let mut o = opts(2);
+    o.point.layer = 9;
+    assert!(sweep(fixture_model(), &ids, &[b.clone()], &o, None).is_err());
+    assert!(sweep(fixture_model(), &ids, &[b], &opts(1), None).is_err());
+}
