@@ -6,6 +6,7 @@
 mod cli;
 mod cmd;
 mod gate;
+mod gate;
 mod output;
 mod runner;
 

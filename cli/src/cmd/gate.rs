@@ -1,15 +1,262 @@
-//! `moeconf gate`: CI gate (part 6); being written.
+//! `moeconf gate`: CI gate for kernel changes (docs/ci.md).
+//!
+//! Judges a candidate trace against a reference trace, or against blessed
+//! fingerprints (`--baseline`), under a reviewed policy (`moeconf.toml`),
+//! and reports in text, JSON, JUnit XML or Markdown.
+//!
+//! Exit codes: 0 pass, 1 fail, 2 error. With `--bisect-exit-codes` (for
+//! `git bisect run`): 0 good, 1 bad, 125 skip (the candidate trace is missing
+//! or unreadable, so this commit cannot be tested), 128 for any other error
+//! (a broken policy or reference aborts the bisection instead of marking
+//! every commit bad).
 
+use crate::gate::baseline::{self, Baseline};
+use crate::gate::policy::{self, Overrides};
+use crate::gate::{evaluate, report_junit, report_md, GateReport};
+use anyhow::Context;
+use moeconf_bisect::{diff, DiffOptions};
+use moeconf_schema::Trace;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+/// Report format of `moeconf gate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum GateFormat {
+    /// Human-readable text, summary line last.
+    Text,
+    /// One JSON document (`schema_version`, `kind: moeconf.gate`).
+    Json,
+    /// JUnit XML: one test case per level and per failing rule.
+    Junit,
+    /// Markdown for pull-request comments and `$GITHUB_STEP_SUMMARY`.
+    Md,
+}
 
 /// Arguments of `moeconf gate`.
 #[derive(Debug, clap::Args)]
 pub struct GateArgs {
-    /// Input path.
-    pub input: Option<std::path::PathBuf>,
+    /// REFERENCE CANDIDATE, or only CANDIDATE with --baseline.
+    #[arg(required = true, num_args = 1..=2, value_name = "TRACE")]
+    pub traces: Vec<PathBuf>,
+    /// Policy file (default: moeconf.toml at the repository root; env MOECONF_POLICY).
+    #[arg(long, value_name = "FILE")]
+    pub policy: Option<PathBuf>,
+    /// Profile of the policy (`[profile.NAME]`; built in: default, strict; env MOECONF_PROFILE).
+    #[arg(long, value_name = "NAME")]
+    pub profile: Option<String>,
+    /// Report format on stdout (env MOECONF_FORMAT).
+    #[arg(long, value_enum)]
+    pub format: Option<GateFormat>,
+    /// Also write the report (in --format) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Also write a JUnit XML report to this file.
+    #[arg(long, value_name = "FILE")]
+    pub junit: Option<PathBuf>,
+    /// Override a level's mode, e.g. --level L2=info (repeatable; env MOECONF_LEVELS=L2=info,L4=info).
+    #[arg(long, value_name = "LEVEL=MODE")]
+    pub level: Vec<String>,
+    /// Whether both-NaN elements pass (env MOECONF_EQUAL_NAN).
+    #[arg(long, value_name = "BOOL")]
+    pub equal_nan: Option<bool>,
+    /// Route flips whose reference router.margin is below this are near-ties (0 disables).
+    #[arg(long, value_name = "MARGIN")]
+    pub route_near_tie_margin: Option<f64>,
+    /// Token/argmax flips whose reference lm.margin is below this are near-ties (0 disables).
+    #[arg(long, value_name = "MARGIN")]
+    pub argmax_near_tie_margin: Option<f64>,
+    /// Blessed fingerprints: compare the candidate with them, or write them with --bless.
+    #[arg(long, value_name = "FILE")]
+    pub baseline: Option<PathBuf>,
+    /// Record the candidate's fingerprints as the accepted baseline (review the file's diff, then commit).
+    #[arg(long, requires = "baseline")]
+    pub bless: bool,
+    /// Exit codes for `git bisect run`: 0 good, 1 bad, 125 skip (candidate unreadable), 128 other errors.
+    #[arg(long)]
+    pub bisect_exit_codes: bool,
 }
 
+/// An error with the exit code it maps to under `--bisect-exit-codes`.
+struct Failed {
+    err: anyhow::Error,
+    skip: bool,
+}
+
+fn setup(err: anyhow::Error) -> Failed {
+    Failed { err, skip: false }
+}
+
+/// The overrides given on the command line.
+fn cli_overrides(a: &GateArgs) -> anyhow::Result<Overrides> {
+    Ok(Overrides {
+        policy: a.policy.clone(),
+        profile: a.profile.clone(),
+        levels: a
+            .level
+            .iter()
+            .map(|s| policy::parse_level_mode(s).with_context(|| format!("--level {s}")))
+            .collect::<anyhow::Result<_>>()?,
+        equal_nan: a.equal_nan,
+        route_near_tie_margin: a.route_near_tie_margin,
+        argmax_near_tie_margin: a.argmax_near_tie_margin,
+    })
+}
+
+/// `--format`, else `MOECONF_FORMAT`, else text.
+fn format_of(flag: Option<GateFormat>, env: Option<String>) -> anyhow::Result<GateFormat> {
+    if let Some(f) = flag {
+        return Ok(f);
+    }
+    match env.as_deref().filter(|v| !v.is_empty()) {
+        None => Ok(GateFormat::Text),
+        Some(v) => <GateFormat as clap::ValueEnum>::from_str(v, true)
+            .map_err(|_| anyhow::anyhow!("MOECONF_FORMAT={v:?}: expected text, json, junit or md")),
+    }
+}
+
+fn render(r: &GateReport, f: GateFormat) -> anyhow::Result<String> {
+    Ok(match f {
+        GateFormat::Text => r.render_text(),
+        GateFormat::Json => {
+            let mut s = serde_json::to_string_pretty(&r.to_json())?;
+            s.push('\n');
+            s
+        }
+        GateFormat::Junit => report_junit::render(r),
+        GateFormat::Md => report_md::render(r),
+    })
+}
+
+/// Writes `text` to `path` atomically.
+fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("{}: cannot create a temporary file", path.display()))?;
+    tmp.write_all(text.as_bytes())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path)
+        .with_context(|| format!("{}: cannot write", path.display()))?;
+    Ok(())
+}
+
+fn gate(a: &GateArgs) -> Result<u8, Failed> {
+    let env = |k: &str| std::env::var(k).ok();
+    let overrides = cli_overrides(a)
+        .and_then(|cli| Ok(cli.over(Overrides::from_env(env)?)))
+        .map_err(setup)?;
+    let format = format_of(a.format, env("MOECONF_FORMAT")).map_err(setup)?;
+    let cwd = std::env::current_dir()
+        .context("current directory")
+        .map_err(setup)?;
+    let (profile, source) = policy::resolve(&overrides, &cwd).map_err(setup)?;
+    let (reference, candidate) = match (a.traces.as_slice(), &a.baseline) {
+        ([c], Some(_)) => (None, c),
+        ([r, c], None) => (Some(r), c),
+        ([_, _], Some(_)) => {
+            return Err(setup(anyhow::anyhow!(
+                "give either REFERENCE CANDIDATE or --baseline FILE CANDIDATE, not both"
+            )))
+        }
+        _ => {
+            return Err(setup(anyhow::anyhow!(
+                "one trace given: add the reference trace (REFERENCE CANDIDATE) or --baseline FILE"
+            )))
+        }
+    };
+    if a.bless && reference.is_some() {
+        return Err(setup(anyhow::anyhow!(
+            "--bless records one candidate: give only CANDIDATE"
+        )));
+    }
+    let cand = Trace::open(candidate).map_err(|e| Failed {
+        err: e.into(),
+        skip: true,
+    })?;
+    let mut report = match (reference, &a.baseline) {
+        (_, Some(file)) if a.bless => {
+            let previous = Baseline::read(file).ok().map(|b| b.root);
+            let b = Baseline::of(&cand);
+            b.write(file).map_err(setup)?;
+            println!(
+                "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
+                candidate.display(),
+                file.display(),
+                b.steps.len(),
+                b.root,
+                match previous {
+                    Some(p) if p == b.root => " (unchanged)".to_string(),
+                    Some(p) => format!(" (was {p})"),
+                    None => " (new baseline)".to_string(),
+                },
+                file.display()
+            );
+            return Ok(0);
+        }
+        (None, Some(file)) => {
+            let b = Baseline::read(file).map_err(setup)?;
+            let mut r = baseline::compare(&b, &cand, &profile).map_err(setup)?;
+            r.reference = file.display().to_string();
+            r
+        }
+        (Some(rp), _) => {
+            let rt = Trace::open(rp).map_err(|e| setup(e.into()))?;
+            let d = diff(&rt, &cand, &DiffOptions::default())
+                .with_context(|| format!("gate {} {}", rp.display(), candidate.display()))
+                .map_err(setup)?;
+            let mut r = evaluate(&rt, &cand, &profile, d.first_divergence.clone());
+            r.reference = rp.display().to_string();
+            r
+        }
+        (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
+    };
+    report.policy_source = source.describe();
+    report.candidate = candidate.display().to_string();
+    report.candidate_root = cand.root().to_hex();
+    let text = render(&report, format).map_err(setup)?;
+    {
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())
+            .and_then(|_| out.flush())
+            .map_err(|e| setup(e.into()))?;
+    }
+    if let Some(p) = &a.output {
+        write_atomic(p, &text).map_err(setup)?;
+    }
+    if let Some(p) = &a.junit {
+        write_atomic(p, &report_junit::render(&report)).map_err(setup)?;
+    }
+    Ok(report.exit_code())
+}
+
+/// Runs `moeconf gate`.
 pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
-    let _ = &a.input;
-    anyhow::bail!("gate: not available in this build yet")
+    match gate(a) {
+        Ok(code) => Ok(ExitCode::from(code)),
+        Err(f) if a.bisect_exit_codes => {
+            eprintln!("moeconf: {:#}", f.err);
+            Ok(ExitCode::from(if f.skip { 125 } else { 128 }))
+        }
+        Err(f) => Err(f.err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_precedence() {
+        assert_eq!(
+            format_of(Some(GateFormat::Md), Some("json".into())).unwrap(),
+            GateFormat::Md
+        );
+        assert_eq!(format_of(None, Some("junit".into())).unwrap(), GateFormat::Junit);
+        assert_eq!(format_of(None, Some("".into())).unwrap(), GateFormat::Text);
+        assert_eq!(format_of(None, None).unwrap(), GateFormat::Text);
+        assert!(format_of(None, Some("xml".into())).is_err());
+    }
 }

@@ -1,0 +1,87 @@
+//! Markdown rendering of a gate report: GitHub-flavoured, small enough for a
+//! pull-request comment or `$GITHUB_STEP_SUMMARY` (one table, then details).
+
+use super::{GateReport, Status};
+
+/// Escapes `|` and newlines so text stays inside one table cell.
+fn cell(s: &str) -> String {
+    s.replace('|', "\\|").replace('\n', " ")
+}
+
+/// The report as Markdown.
+pub fn render(r: &GateReport) -> String {
+    let mut s = format!(
+        "### moeconf gate: {}\n\nProfile `{}` ({}), candidate `{}` against {} `{}`.\n\n",
+        if r.verdict == Status::Fail {
+            "❌ FAIL"
+        } else {
+            "✅ PASS"
+        },
+        r.profile.name,
+        cell(&r.policy_source),
+        cell(&r.candidate),
+        r.against,
+        cell(&r.reference)
+    );
+    if let Some(l) = r.localization_line() {
+        s.push_str(&format!("**First divergence:** {}\n\n", cell(&l)));
+    }
+    s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
+    s.push_str("|---|---|---|---:|---:|---:|---|\n");
+    for l in &r.levels {
+        let first = l
+            .first_failure
+            .as_ref()
+            .map(|f| format!("{}: {}", f.at.describe(), f.reason))
+            .unwrap_or_default();
+        s.push_str(&format!(
+            "| {} {} | {} | {} | {} | {} | {} | {} |\n",
+            l.level,
+            l.describe,
+            l.mode.name(),
+            l.status.label(),
+            l.records,
+            l.differing,
+            l.failed,
+            cell(&first)
+        ));
+    }
+    let failing: Vec<_> = r
+        .rules
+        .iter()
+        .filter(|x| x.minimal.is_some() || x.status == Status::Fail)
+        .collect();
+    if !failing.is_empty() {
+        s.push_str(
+            "\n| Rule | Levels | Judged | Fail | Smallest passing tolerance |\n|---|---|---:|---:|---|\n",
+        );
+        for x in failing {
+            s.push_str(&format!(
+                "| `{}` | {} | {} | {} | {} |\n",
+                cell(&x.rule),
+                x.levels.join(", "),
+                x.judged,
+                x.failed,
+                cell(&x.minimal.map(|m| m.describe()).unwrap_or_default())
+            ));
+        }
+    }
+    if !r.near_ties.is_empty() {
+        s.push_str("\n**Near-ties (warnings):**\n\n");
+        for n in &r.near_ties {
+            s.push_str(&format!(
+                "- {} flip at {}: {} (reference margin {:.3e} < {})\n",
+                n.kind,
+                cell(&n.at.describe()),
+                cell(&n.change),
+                n.reference_margin,
+                n.threshold
+            ));
+        }
+    }
+    for n in &r.notes {
+        s.push_str(&format!("\n> {}\n", cell(n)));
+    }
+    s.push_str(&format!("\n{}\n", r.summary));
+    s
+}
