@@ -6,7 +6,6 @@
 mod cli;
 mod cmd;
 mod gate;
-mod gate;
 mod output;
 mod runner;
 
