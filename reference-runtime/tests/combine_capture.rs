@@ -150,3 +150,36 @@ fn unwanted_levels_are_skipped_without_changing_results() {
         .collect();
     assert_eq!(only.records, filtered);
 }
+
+#[test]
+fn bf16_profile_activations_are_bf16_values() {
+    // Every rounding point of docs/operators.md leaves a BF16 value (low 16 bits
+    // zero). Not rounded by contract: the FP32 routed terms, the FP32 margins and
+    // the overlap gate (which carries the FP32 position bias).
+    let sink = run(6, &prompt(6, 21));
+    let not_rounded = ["moe.term.", "router.margin", "lm.margin", "overlap_gate"];
+    let mut checked = 0;
+    for r in sink
+        .records
+        .iter()
+        .filter(|r| r.dtype == moeconf_fingerprint::DType::F32)
+    {
+        if not_rounded.iter().any(|p| r.coord.path.contains(p)) {
+            continue;
+        }
+        for v in r.f32s() {
+            assert_eq!(
+                v.to_bits() & 0xffff,
+                0,
+                "{:?} holds a non-BF16 value {v:e}",
+                r.coord
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked > 1000);
+    // And the FP32 terms really are not rounded (so the combine decides).
+    assert!(sink
+        .by_path("moe.term.0")
+        .any(|r| r.f32s().iter().any(|v| v.to_bits() & 0xffff != 0)));
+}
