@@ -14,7 +14,8 @@
 
 use moeconf_fingerprint::{canonical_f32_bits, CanonPolicy};
 use moeconf_reference_runtime::contract::{
-    all_permutations, b_class_representatives, identity_permutation, AggregationContract, OutputRounding,
+    all_permutations, b_class_representatives, identity_permutation, prove_invariance, AggregationContract,
+    OutputRounding,
 };
 use serde::Serialize;
 
@@ -118,23 +119,37 @@ struct Event<'a> {
 }
 
 impl Event<'_> {
-    /// Whether `contract` under `perm` reproduces every element, stopping at
-    /// the first mismatch.
+    /// Whether `contract` under `perm` reproduces every element. Elements are
+    /// evaluated in growing chunks (1, 8, 64, 512, then 4096 at a time) and
+    /// the evaluation stops at the first chunk with a mismatch: a wrong order
+    /// almost always fails on the first element, a right one costs one
+    /// contract call per chunk.
     fn reproduces(&self, contract: &AggregationContract, perm: &[usize]) -> bool {
-        let mut out = [0.0f32];
+        let d = self.combine.len();
+        let mut out: Vec<f32> = Vec::new();
         let mut slices: Vec<&[f32]> = Vec::with_capacity(self.terms.len());
-        for d in 0..self.combine.len() {
+        let (mut start, mut len) = (0usize, 1usize);
+        while start < d {
+            let end = (start + len).min(d);
             slices.clear();
-            slices.extend(self.terms.iter().map(|t| &t[d..d + 1]));
+            slices.extend(self.terms.iter().map(|t| &t[start..end]));
+            out.clear();
+            out.resize(end - start, 0.0);
             if contract
-                .try_combine_with_permutation(perm, &slices, &self.shared[d..d + 1], &mut out)
+                .try_combine_with_permutation(perm, &slices, &self.shared[start..end], &mut out)
                 .is_err()
             {
                 return false;
             }
-            if canonical_f32_bits(out[0].to_bits(), self.canon) != self.combine[d].to_bits() {
+            let same = out
+                .iter()
+                .zip(&self.combine[start..end])
+                .all(|(o, y)| canonical_f32_bits(o.to_bits(), self.canon) == y.to_bits());
+            if !same {
                 return false;
             }
+            start = end;
+            len = (len * 8).min(4096);
         }
         true
     }
@@ -146,6 +161,22 @@ impl Event<'_> {
         orders: &[Vec<usize>],
         kind: OrderKind,
     ) -> Option<SchemeMatch> {
+        // When every partial sum of every order is provably exact, all orders
+        // give the same bits: evaluate one and count all (the static proof of
+        // the contract's order-sensitivity certificate).
+        if orders.len() > 1 {
+            let refs: Vec<&[f32]> = self.terms.iter().map(|t| t.as_slice()).collect();
+            if prove_invariance(contract, &refs, self.combine.len()).is_some() {
+                let all = self.reproduces(contract, &orders[0]);
+                return all.then(|| SchemeMatch {
+                    scheme: name,
+                    order_kind: kind,
+                    orders: (0..orders.len().min(MAX_LISTED_ORDERS) as u64).collect(),
+                    matching: orders.len() as u64,
+                    tried: orders.len() as u64,
+                });
+            }
+        }
         let mut listed = Vec::new();
         let mut matching = 0u64;
         for (i, perm) in orders.iter().enumerate() {
@@ -221,4 +252,68 @@ pub fn infer(terms: &[Vec<f32>], shared: &[f32], combine: &[f32], canon: CanonPo
         matches,
         native,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_reference_runtime::contract::{b_class_representative, Order};
+
+    fn terms(seed: u64, k: usize, d: usize) -> Vec<Vec<f32>> {
+        let mut x = seed;
+        (0..k)
+            .map(|_| {
+                (0..d)
+                    .map(|_| {
+                        x = x
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn names_the_b_class_and_the_native_contract() {
+        let t = terms(1, 6, 64);
+        let shared: Vec<f32> = terms(2, 1, 64).remove(0);
+        let refs: Vec<&[f32]> = t.iter().map(|v| v.as_slice()).collect();
+        let mut y = vec![0.0; 64];
+        let b = AggregationContract::b().with_order(Order::BClass(135));
+        b.try_combine(&refs, &shared, &mut y).unwrap();
+        let inf = infer(&t, &shared, &y, CanonPolicy::default()).unwrap();
+        assert!(!inf.native);
+        assert_eq!(inf.explain().as_deref(), Some("scheme B, class 135"));
+        assert_eq!(b_class_representative(6, 135).unwrap().len(), 6);
+        AggregationContract::native()
+            .try_combine(&refs, &shared, &mut y)
+            .unwrap();
+        let inf = infer(&t, &shared, &y, CanonPolicy::default()).unwrap();
+        assert!(inf.native);
+        assert_eq!(inf.explain().as_deref(), Some("native (C, identity order)"));
+    }
+
+    #[test]
+    fn order_invariant_terms_match_every_order_through_the_proof() {
+        // Small integers: every partial sum is exact in every accumulator, so
+        // all 720 orders of P32 reproduce the output (and the proof says so).
+        let t: Vec<Vec<f32>> = (0..6)
+            .map(|j| (0..32).map(|i| ((i * 7 + j * 3) % 11) as f32).collect())
+            .collect();
+        let shared = vec![1.0f32; 32];
+        let refs: Vec<&[f32]> = t.iter().map(|v| v.as_slice()).collect();
+        let mut y = vec![0.0; 32];
+        AggregationContract::p32()
+            .try_combine(&refs, &shared, &mut y)
+            .unwrap();
+        let inf = infer(&t, &shared, &y, CanonPolicy::default()).unwrap();
+        assert!(inf.native, "exact sums: native gives the same bits");
+        let p32 = inf.matches.iter().find(|m| m.scheme == "p32").unwrap();
+        assert_eq!((p32.matching, p32.tried), (720, 720));
+        assert!(p32.explain().contains("any order"));
+        let b = inf.matches.iter().find(|m| m.scheme == "b").unwrap();
+        assert_eq!(b.matching, 360);
+    }
 }
