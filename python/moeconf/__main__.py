@@ -11,6 +11,7 @@ Exit codes: 0 success, 2 error (the message names the file and byte offset).
 
 import argparse
 import json
+import os
 import sys
 
 from .binding import ZERO_DIGEST, Binding, Provenance, TensorDigest
@@ -112,8 +113,13 @@ def main(argv=None):
         msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
         print(f"moeconf (python): {where}{msg}", file=sys.stderr)
         return 2
-    json.dump(doc, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    try:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # A closed pipe (`| head`) is not an error; silence the flush at exit too.
+        sys.stdout = open(os.devnull, "w")
     return 0
 
 

@@ -431,6 +431,8 @@ def read_trace(path, verify=True):
             except WireError as e:
                 raise WireError(e.offset, f"record {i}: {e.what}") from None
             want = _byte_len(r.dtype, r.shape)
+            if want >= 2**64:
+                raise WireError(at, f"record {i} ({r.coord}): shape {r.shape} overflows a u64 byte length")
             if r.payload is not None:
                 off, ln = r.payload
                 if off % ALIGN or off < next_payload or off + ln > index_offset:
