@@ -363,3 +363,42 @@ fn sweep_rejects_a_fork_point_without_event() {
     assert!(sweep(fixture_model(), &ids, &[b.clone()], &o, None).is_err());
     assert!(sweep(fixture_model(), &ids, &[b], &opts(1), None).is_err());
 }
+
+/// The sweep's distinct MoE outputs at the fork event equal the exactness
+/// certificate's distinct outputs over the same captured terms (the terms are
+/// the same in every branch: only the combine changes), for A, B and C.
+#[test]
+fn sweep_distinct_outputs_match_the_certificate() {
+    use moeconf_reference_runtime::contract::order_sensitivity;
+    let ids = prompt(8, 9);
+    let schemes: Vec<Scheme> = ["a", "b", "c"]
+        .iter()
+        .map(|s| Scheme::enumerate(s, 6).unwrap())
+        .collect();
+    let report = sweep(fixture_model(), &ids, &schemes, &opts(2), None).unwrap();
+    let (_, native) = replay(
+        &ForkCombine::new(ForkPoint::first_decode(LAYER), AggregationContract::c()),
+        &ids,
+        2,
+    );
+    let at = |path: &str| {
+        native
+            .records
+            .iter()
+            .find(|r| r.coord.path == path && r.coord.step == 1 && r.coord.layer == Some(LAYER))
+            .unwrap()
+            .f32s()
+    };
+    let terms: Vec<Vec<f32>> = (0..6).map(|j| at(&format!("moe.term.{j}"))).collect();
+    let refs: Vec<&[f32]> = terms.iter().map(|t| t.as_slice()).collect();
+    let shared = at("moe.shared");
+    for (s, summary) in schemes.iter().zip(&report.summaries) {
+        let cert = order_sensitivity(&s.family, &refs, &shared).unwrap();
+        assert_eq!(summary.distinct_moe_outputs, cert.distinct_outputs, "{}", s.name);
+    }
+    // A rounds after every addition: the event is order-sensitive under A.
+    assert!(report.summaries[0].distinct_moe_outputs > 1);
+    // C at its identity order is the native reference.
+    assert_eq!(report.branches[2][0].fork_moe, report.reference.fork_moe);
+    assert_eq!(report.branches[2][0].digest, report.reference.digest);
+}
