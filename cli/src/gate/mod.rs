@@ -908,3 +908,122 @@ fn finish(
         summary,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::{Algorithm, Phase, TensorView};
+    use moeconf_schema::{Binding, CaptureSpec, Header, TraceWriter};
+
+    /// One L3 record `layer.post_ffn_mhc` holding `v`, in a trace of the given precision.
+    fn trace(dir: &std::path::Path, name: &str, precision: &str, v: &[f32]) -> Trace {
+        let path = dir.join(name);
+        let binding = Binding {
+            precision: precision.into(),
+            capture: CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b11111,
+            },
+            ..Binding::default()
+        };
+        let mut w = TraceWriter::create(
+            &path,
+            Algorithm::Blake3,
+            Header {
+                binding,
+                ..Header::default()
+            },
+        )
+        .unwrap();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let coord = Coord {
+            step: 0,
+            position: 0,
+            phase: Phase::Prefill,
+            layer: Some(0),
+            path: "layer.post_ffn_mhc".into(),
+        };
+        let view = TensorView {
+            dtype: DType::F32,
+            shape: &[v.len() as u64],
+            bytes: &bytes,
+        };
+        w.append(coord, Level::L3, view, true).unwrap();
+        w.finish().unwrap();
+        Trace::open(&path).unwrap()
+    }
+
+    fn tolerant() -> Profile {
+        let mut p = Profile::builtin("t");
+        p.levels[3] = Mode::Tolerance;
+        p
+    }
+
+    #[test]
+    fn bf16_traces_use_the_bf16_row_of_the_dtype_table() {
+        let dir = tempfile::tempdir().unwrap();
+        // Relative difference 2^-10 ≈ 9.8e-4: inside bf16's rtol 1.6e-2, far outside f32's 1.3e-6.
+        let v = [1.0f32, 2.0, -4.0];
+        let w = [1.0f32 + 1.0 / 1024.0, 2.0, -4.0];
+        let (r, c) = (
+            trace(dir.path(), "r.bin", "bf16", &v),
+            trace(dir.path(), "c.bin", "bf16", &w),
+        );
+        let rep = evaluate(&r, &c, &tolerant(), None);
+        assert_eq!(rep.levels[3].status, Status::Pass, "{}", rep.render_text());
+        assert_eq!(rep.levels[3].differing, 1);
+        let (r, c) = (
+            trace(dir.path(), "r32.bin", "f32", &v),
+            trace(dir.path(), "c32.bin", "f32", &w),
+        );
+        let rep = evaluate(&r, &c, &tolerant(), None);
+        assert_eq!(rep.levels[3].status, Status::Fail);
+        assert!(
+            rep.rules[0].minimal.unwrap().describe().contains("rtol >= 9.6"),
+            "{}",
+            rep.render_text()
+        );
+        // Bitwise fails either way; info reports without failing.
+        let mut p = tolerant();
+        p.levels[3] = Mode::Bitwise;
+        assert_eq!(evaluate(&r, &c, &p, None).verdict, Status::Fail);
+        p.levels[3] = Mode::Info;
+        let rep = evaluate(&r, &c, &p, None);
+        assert_eq!((rep.verdict, rep.levels[3].status), (Status::Pass, Status::Info));
+    }
+
+    #[test]
+    fn nan_policy_and_per_dtype_override_reach_the_evaluation() {
+        let dir = tempfile::tempdir().unwrap();
+        let nan = f32::NAN;
+        let (r, c) = (
+            trace(dir.path(), "r.bin", "f32", &[nan, 1.0]),
+            trace(dir.path(), "c.bin", "f32", &[nan, 1.5]),
+        );
+        let mut p = tolerant();
+        p.dtype_tolerance.insert("f32".into(), (0.0, 0.5));
+        assert_eq!(
+            evaluate(&r, &c, &p, None).verdict,
+            Status::Fail,
+            "both NaN without equal_nan"
+        );
+        p.equal_nan = true;
+        assert_eq!(evaluate(&r, &c, &p, None).verdict, Status::Pass);
+        p.dtype_tolerance.insert("f32".into(), (0.0, 0.25));
+        assert_eq!(evaluate(&r, &c, &p, None).verdict, Status::Fail);
+        // A ulp rule first in line replaces the catch-all for this path.
+        p.rules.insert(
+            0,
+            policy::Rule {
+                path: "layer.*".into(),
+                level: None,
+                check: Check::Ulp { max_ulp: 1 << 22 },
+            },
+        );
+        assert_eq!(
+            evaluate(&r, &c, &p, None).verdict,
+            Status::Pass,
+            "1.0 -> 1.5 is 2^22 ulp"
+        );
+    }
+}
