@@ -13,6 +13,7 @@ Reading::
 """
 
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -367,7 +368,9 @@ def read_trace(path, verify=True):
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            b = f.read()
+            size = os.fstat(f.fileno()).st_size
+            # Memory-mapped when non-empty, so a multi-GB trace is not copied into memory.
+            b = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as e:
         raise TraceFormatError(path, 0, f"cannot read: {e.strerror}") from None
     n = len(b)
