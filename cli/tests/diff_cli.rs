@@ -265,12 +265,17 @@ fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("ref.bin");
     run_trace(&reference, &[]);
-    let schedule = Schedule::parse("layer-static:7").unwrap();
-    for scheme in ["b", "a", "p32"] {
+    for (scheme, sched) in [
+        ("b", "layer-static:7"),
+        ("a", "layer-static:7"),
+        ("p32", "layer-static:7"),
+        ("b", "token-dynamic:3"),
+    ] {
+        let schedule = Schedule::parse(sched).unwrap();
         let cand = dir.path().join(format!("{scheme}.bin"));
-        run_trace(&cand, &["--contract", scheme, "--schedule", "layer-static:7"]);
+        run_trace(&cand, &["--contract", scheme, "--schedule", sched]);
         let (code, j) = diff_json(&reference, &cand);
-        assert_eq!(code, 1, "{scheme}");
+        assert_eq!(code, 1, "{scheme} {sched}");
         let fd = &j["first_divergence"];
         assert_eq!(
             (fd["step"].as_u64(), fd["operator"].as_str()),
@@ -279,8 +284,9 @@ fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
         );
         // The scheduled order of the localized layer is among the reproducing orders.
         let layer = fd["layer"].as_u64().unwrap() as u32;
+        let position = fd["position"].as_u64().unwrap() as u32;
         let index = schedule
-            .permutation_index(prompt_hash(PROMPT), layer, 0, 6)
+            .permutation_index(prompt_hash(PROMPT), layer, position, 6)
             .unwrap();
         let expect = if scheme == "b" {
             b_class_of(&permutation_from_index(6, index).unwrap()).unwrap()
