@@ -421,10 +421,14 @@ pub fn evaluate(
 ) -> GateReport {
     let (rr, cr) = (reference.records(), candidate.records());
     let cmap: HashMap<Key<'_>, usize> = cr.iter().enumerate().map(|(i, e)| (key(e), i)).collect();
+    let mut present = [false; 5];
+    for e in rr {
+        present[e.level.code() as usize] = true;
+    }
     let captured = |l: Level| {
         reference.binding().capture.captures(l)
             && candidate.binding().capture.captures(l)
-            && rr.iter().any(|e| e.level == l)
+            && present[l.code() as usize]
     };
     let tol = |l: Level| profile.mode(l) == Mode::Tolerance;
 
@@ -498,15 +502,28 @@ pub fn evaluate(
             if let Some(&m) = router_margin.get(&at) {
                 if m < profile.route_near_tie_margin {
                     route_ties.insert(at);
+                    let (a, b) = (
+                        ints(reference, i).unwrap_or_default(),
+                        ints(candidate, j).unwrap_or_default(),
+                    );
+                    let same_set = {
+                        let (mut x, mut y) = (a.clone(), b.clone());
+                        x.sort_unstable();
+                        y.sort_unstable();
+                        x == y
+                    };
                     near_ties.push(NearTie {
                         kind: "route".into(),
                         at: Loc::new(e.level, &e.coord),
                         reference_margin: m,
                         threshold: profile.route_near_tie_margin,
                         change: format!(
-                            "experts {:?} -> {:?}",
-                            ints(reference, i).unwrap_or_default(),
-                            ints(candidate, j).unwrap_or_default()
+                            "experts {a:?} -> {b:?}{}",
+                            if same_set {
+                                " (same set, selection order changed)"
+                            } else {
+                                ""
+                            }
                         ),
                     });
                 }
