@@ -80,9 +80,9 @@ pub fn compare_bindings(
     if r.prompt.ids != c.prompt.ids {
         let at = first_difference(&r.prompt.ids, &c.prompt.ids);
         refuse.push(FieldDifference {
-            field: format!("prompt.ids (first difference at index {at})"),
+            field: "prompt.ids".into(),
             reference: short_list(&r.prompt.ids),
-            candidate: short_list(&c.prompt.ids),
+            candidate: format!("{}; first difference at index {at}", short_list(&c.prompt.ids)),
         });
     }
     push(
