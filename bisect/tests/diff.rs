@@ -521,3 +521,31 @@ fn text_reports_have_verdict_sections_and_summary() {
         assert!(lines.last().unwrap().starts_with("first divergence: "));
     }
 }
+
+#[test]
+fn corrupt_payload_on_the_divergent_path_is_an_error() {
+    let cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: PROMPT,
+        contract: b_class(135),
+    });
+    let (dir, r, c) = pair(&Synth::reference(), &cand);
+    let i = c
+        .records()
+        .iter()
+        .position(|e| e.coord.step == 1 && e.coord.layer == Some(2) && e.coord.path == "moe.combine")
+        .unwrap();
+    let off = c.records()[i].payload.unwrap().offset as usize;
+    drop(c);
+    let path = dir.path().join("cand.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[off] ^= 0x01;
+    std::fs::write(&path, &bytes).unwrap();
+    // The index and checksum are intact, so the trace opens; the payload read
+    // on the divergent path is re-hashed and rejected.
+    let c = moeconf_schema::Trace::open(&path).unwrap();
+    let err = diff(&r, &c, &DiffOptions::default()).unwrap_err();
+    assert!(matches!(err, BisectError::Trace(_)), "{err}");
+    assert!(err.to_string().contains("moe.combine"), "{err}");
+}
