@@ -18,8 +18,13 @@ use crate::weights::{Mat, WeightDType};
 /// Number of accumulator lanes of [`dot8`].
 pub const LANES: usize = 8;
 
-/// Minimum rows·cols of a matrix–vector product before it is split over rayon.
-pub const PAR_MIN_WORK: usize = 1 << 16;
+/// Minimum rows·cols of a matrix–vector product before it is split over rayon
+/// (smaller products finish faster than a worker wakes up on a busy 2-core machine).
+pub const PAR_MIN_WORK: usize = 1 << 19;
+
+/// Minimum multiply–adds of one expert (3·I·D) before the k + 1 expert
+/// evaluations of a token run on rayon.
+pub const PAR_MIN_EXPERT_WORK: usize = 1 << 18;
 
 #[inline]
 fn fold8(l: [f32; LANES]) -> f32 {
@@ -227,7 +232,7 @@ impl Mat {
             }
         };
         if out.len() * cols >= PAR_MIN_WORK {
-            let chunk = (PAR_MIN_WORK / cols.max(1)).max(1);
+            let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
             out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
                 for (i, v) in o.iter_mut().enumerate() {
                     *v = row(row0 + ci * chunk + i);

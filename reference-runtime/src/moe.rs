@@ -15,9 +15,9 @@ use crate::capture::{CaptureError, Recorder};
 use crate::config::ModelConfig;
 use crate::contract::{CombineEvent, MoeCombine};
 use crate::error::RuntimeError;
-use crate::linear::PAR_MIN_WORK;
+use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;
-use crate::router::{route, RouterWeights};
+use crate::router::{route_with, RouterWeights};
 use crate::weights::{Mat, WeightLoader};
 
 /// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
@@ -120,9 +120,10 @@ pub(crate) fn moe_forward(
     p: Precision,
     combine: &dyn MoeCombine,
     rec: &mut Recorder<'_>,
+    fx: &crate::faults::Active<'_>,
 ) -> Result<Vec<f32>, CaptureError> {
     let (t, l) = (site.position, Some(site.layer));
-    let r = route(&mw.router, f, site.token, cfg, p);
+    let r = route_with(&mw.router, f, site.token, cfg, p, fx.router_flip);
     let k = r.topk.len() as u64;
     rec.f32(
         Level::L3,
@@ -145,7 +146,7 @@ pub(crate) fn moe_forward(
         Some(&e) => expert_forward(&mw.experts[e as usize], f, cfg.swiglu_limit, p),
         None => expert_forward(&mw.shared, f, cfg.swiglu_limit, p),
     };
-    let outs: Vec<Vec<f32>> = if cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_WORK {
+    let outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
         (0..=r.topk.len()).into_par_iter().map(one).collect()
     } else {
         (0..=r.topk.len()).map(one).collect()
