@@ -75,3 +75,47 @@ fn f32_profile_is_identical_across_thread_counts_and_runs() {
 
 const PINNED_BF16: &str = "b4367e98d147ccf33f60fc7941592053aabc3e4cf86219a9f6973bb5c1ca5394";
 const PINNED_F32: &str = "28224b079d23ac1991df89b18746910d39ab86c81d31e0285a5de07ea5d10ef6";
+
+#[test]
+fn parallel_paths_are_identical_across_thread_counts() {
+    // The tiny fixture is below the parallelism thresholds, so this mid-size
+    // checkpoint (hidden 512, I 256, 3 layers of each kind) makes the LM head
+    // matvec and the expert evaluations really run on rayon.
+    use moeconf_fixtures::checkpoint::{write_v4, LayerKind, V4Spec};
+    use moeconf_reference_runtime::linear::{PAR_MIN_EXPERT_WORK, PAR_MIN_WORK};
+    use moeconf_reference_runtime::model::Model;
+    let spec = V4Spec {
+        hidden_size: 512,
+        n_routed_experts: 16,
+        moe_intermediate_size: 256,
+        layer_types: vec![LayerKind::Sliding, LayerKind::Csa, LayerKind::Hca],
+        num_hash_layers: 1,
+        ..V4Spec::tiny()
+    };
+    assert!(spec.vocab_size * spec.hidden_size >= PAR_MIN_WORK);
+    assert!(3 * spec.moe_intermediate_size * spec.hidden_size >= PAR_MIN_EXPERT_WORK);
+    let dir = tempfile::tempdir().unwrap();
+    write_v4(dir.path(), &spec).unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut sink = MemorySink::all();
+            let opts = GenerateOptions {
+                max_new_tokens: 6,
+                precision: Precision::Bf16,
+                combine: &NativeCombine,
+                detokenizer: None,
+            };
+            let g = model.generate(&prompt(7, 9), &opts, &mut sink).unwrap();
+            (g.tokens, sink.records)
+        })
+    };
+    let base = run(1);
+    for threads in [2, 4] {
+        assert!(run(threads) == base, "records differ with {threads} threads");
+    }
+}
