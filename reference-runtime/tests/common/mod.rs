@@ -11,15 +11,17 @@ use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::contract::{CombineEvent, MoeCombine};
 use moeconf_reference_runtime::model::Model;
 
-/// The tiny-v4 fixture, generated into a temporary directory once per binary.
+/// The tiny-v4 fixture, materialized once under cargo's per-target temporary
+/// directory (`CARGO_TARGET_TMPDIR`) and reused by every test binary and run
+/// (the folder name carries the generator version, so a generator change
+/// makes a new one).
 pub fn fixture_dir() -> PathBuf {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    let d = DIR.get_or_init(|| {
-        let d = tempfile::tempdir().expect("tempdir");
-        moeconf_fixtures::checkpoint::write_tiny_v4(d.path()).expect("write fixture");
-        d
-    });
-    d.path().to_path_buf()
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures");
+        moeconf_fixtures::ensure_tiny_v4_in(&root).expect("materialize the tiny-v4 fixture")
+    })
+    .clone()
 }
 
 /// The loaded fixture model.
