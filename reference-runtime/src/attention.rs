@@ -17,9 +17,10 @@
 use moeconf_fingerprint::Level;
 
 use crate::capture::{CaptureError, Recorder};
-use crate::compressor::{compressor_step, CompressorWeights};
+use crate::compressor::{compressor_step_with, CompressorWeights};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::error::RuntimeError;
+use crate::faults::{keep_mantissa_bits, truncate_bf16, Active};
 use crate::indexer::{indexer_scores, topk_desc, IndexerWeights};
 use crate::linear::dot8;
 use crate::precision::Precision;
@@ -134,6 +135,7 @@ pub(crate) fn attention_forward(
     p: Precision,
     rec: &mut Recorder<'_>,
     layer: u32,
+    fx: &Active<'_>,
 ) -> Result<Vec<f32>, CaptureError> {
     let (h, d, eps) = (cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps);
     let l = Some(layer);
@@ -154,17 +156,31 @@ pub(crate) fn attention_forward(
 
     let mut kv = rmsnorm_weighted(&aw.wkv.linear(a, p), &aw.kv_norm, eps, p);
     apply_rope(&mut kv, &cs, false, p);
+    if let Some(bits) = fx.kv_mantissa_bits {
+        keep_mantissa_bits(&mut kv, bits);
+    }
     rec.f32(Level::L4, t, l, "attn.kv", &[d as u64], &kv)?;
     ls.window_kv.extend_from_slice(&kv);
 
     if let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) {
-        if let Some(entry) = compressor_step(cw, cst, a, &ropes.compress, eps, p) {
+        if let Some(entry) = compressor_step_with(
+            cw,
+            cst,
+            a,
+            &ropes.compress,
+            eps,
+            p,
+            fx.compressor_reversed,
+            fx.compressor_bf16_accumulator,
+        ) {
             rec.f32(Level::L4, t, l, "attn.compressed", &[1, d as u64], &entry)?;
         }
     }
     let mut selected: Vec<usize> = Vec::new();
     if let (Some(iw), Some(ist)) = (&aw.indexer, ls.indexer.as_mut()) {
-        if let Some(entry) = compressor_step(&iw.compressor, ist, a, &ropes.compress, eps, p) {
+        if let Some(entry) =
+            compressor_step_with(&iw.compressor, ist, a, &ropes.compress, eps, p, false, false)
+        {
             rec.f32(
                 Level::L4,
                 t,
@@ -205,17 +221,40 @@ pub(crate) fn attention_forward(
             m = m.max(*lj);
         }
         let mut z = 0.0f32;
-        for lj in logits.iter_mut() {
-            *lj = libm::expf(*lj - m);
-            z += *lj;
+        if fx.softmax_reversed || fx.softmax_bf16_accumulator {
+            for lj in logits.iter_mut() {
+                *lj = libm::expf(*lj - m);
+            }
+            let mut add = |e: &f32| {
+                z = if fx.softmax_bf16_accumulator {
+                    crate::bf16::r_bf16(z + e)
+                } else {
+                    z + e
+                }
+            };
+            if fx.softmax_reversed {
+                logits.iter().rev().for_each(&mut add);
+            } else {
+                logits.iter().for_each(&mut add);
+            }
+        } else {
+            for lj in logits.iter_mut() {
+                *lj = libm::expf(*lj - m);
+                z += *lj;
+            }
         }
         z += libm::expf(sink - m);
         let oh = &mut core[hh * d..(hh + 1) * d];
-        for (ej, v) in logits.iter().zip(&keys) {
+        let mut weighted = |ej: &f32, v: &&[f32]| {
             let pj = p.round(ej / z);
             for (o, vv) in oh.iter_mut().zip(v.iter()) {
                 *o += pj * vv;
             }
+        };
+        if fx.softmax_reversed {
+            logits.iter().zip(&keys).rev().for_each(|(ej, v)| weighted(ej, v));
+        } else {
+            logits.iter().zip(&keys).for_each(|(ej, v)| weighted(ej, v));
         }
         p.round_slice(oh);
     }
@@ -236,7 +275,13 @@ pub(crate) fn attention_forward(
         );
     }
     p.round_slice(&mut u);
-    let out = aw.wo_b.linear(&u, p);
+    let out = if fx.attn_output_truncate {
+        let mut o = aw.wo_b.linear(&u, Precision::F32);
+        o.iter_mut().for_each(|v| *v = truncate_bf16(*v));
+        o
+    } else {
+        aw.wo_b.linear(&u, p)
+    };
     rec.f32(Level::L4, t, l, "attn.output", &[cfg.hidden_size as u64], &out)?;
 
     // Keep the last w−1 kvs (HF DynamicSlidingWindowLayer).

@@ -64,6 +64,23 @@ pub fn compressor_step(
     eps: f32,
     p: Precision,
 ) -> Option<Vec<f32>> {
+    compressor_step_with(cw, st, a, rope, eps, p, false, false)
+}
+
+/// [`compressor_step`] with the pooling sums optionally in reverse slot
+/// order and/or the pooled sum accumulated in BF16 (the
+/// [`crate::faults::FaultKind::CompressorPoolingReversed`] and
+/// [`crate::faults::FaultKind::CompressorPoolingBf16Accumulator`] faults).
+pub(crate) fn compressor_step_with(
+    cw: &CompressorWeights,
+    st: &mut CompressorState,
+    a: &[f32],
+    rope: &RopeFreqs,
+    eps: f32,
+    p: Precision,
+    reversed: bool,
+    bf16_accumulator: bool,
+) -> Option<Vec<f32>> {
     let c = cw.wkv.linear(a, p);
     let z = cw.wgate.linear(a, p);
     st.buffer_kv.extend_from_slice(&c);
@@ -110,14 +127,33 @@ pub fn compressor_step(
             .map(|s| gate[s * dim + ch])
             .fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0f32;
-        for (s, es) in e.iter_mut().enumerate() {
-            *es = libm::expf(gate[s * dim + ch] - m);
-            sum += *es;
+        if reversed {
+            for (s, es) in e.iter_mut().enumerate() {
+                *es = libm::expf(gate[s * dim + ch] - m);
+            }
+            for es in e.iter().rev() {
+                sum += *es;
+            }
+        } else {
+            for (s, es) in e.iter_mut().enumerate() {
+                *es = libm::expf(gate[s * dim + ch] - m);
+                sum += *es;
+            }
         }
         let mut acc = 0.0f32;
-        for (s, es) in e.iter().enumerate() {
+        let mut pool = |s: usize, es: &f32| {
             let prob = p.round(es / sum);
-            acc += p.round(prob * kv[s * dim + ch]);
+            let term = p.round(prob * kv[s * dim + ch]);
+            if bf16_accumulator {
+                acc = crate::bf16::r_bf16(acc + term);
+            } else {
+                acc += term;
+            }
+        };
+        if reversed {
+            e.iter().enumerate().rev().for_each(|(s, es)| pool(s, es));
+        } else {
+            e.iter().enumerate().for_each(|(s, es)| pool(s, es));
         }
         pooled[ch] = p.round(acc);
     }

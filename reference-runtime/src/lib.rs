@@ -4,14 +4,15 @@
 //! capture of L0–L4 state.
 #![deny(missing_docs)]
 
-pub mod bf16;
-pub mod contract;
 pub mod attention;
 pub mod bench;
+pub mod bf16;
 pub mod capture;
 pub mod compressor;
 pub mod config;
+pub mod contract;
 pub mod error;
+pub mod faults;
 pub mod fork;
 pub mod generate;
 pub mod head;

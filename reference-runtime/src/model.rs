@@ -17,6 +17,7 @@ use crate::capture::{CaptureSink, Recorder};
 use crate::config::ModelConfig;
 use crate::contract::MoeCombine;
 use crate::error::RuntimeError;
+use crate::faults::{Active, FaultPlan, RoundedRoutedCombine, SharedFirstCombine};
 use crate::head::{argmax, head_forward, topk_logits, HeadWeights};
 use crate::mhc::{hc_post, hc_pre, HcSite};
 use crate::moe::{moe_forward, MoeSite, MoeWeights};
@@ -150,6 +151,20 @@ impl Model {
         opts: &StepOptions<'_>,
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
+        self.step_with_faults(state, ids, opts, None, sink)
+    }
+
+    /// [`Model::step`] with the faults and interventions of `faults` applied
+    /// where they match (calibration only, see [`crate::faults`]); `None`
+    /// is exactly [`Model::step`].
+    pub fn step_with_faults(
+        &self,
+        state: &mut DecodeState,
+        ids: &[u32],
+        opts: &StepOptions<'_>,
+        faults: Option<&FaultPlan>,
+        sink: &mut dyn CaptureSink,
+    ) -> Result<StepOutput, RuntimeError> {
         let cfg = &self.cfg;
         if ids.is_empty() {
             return Err(RuntimeError::Input(
@@ -192,17 +207,19 @@ impl Model {
             for (j, x) in streams.iter_mut().enumerate() {
                 let t = pos0 + j as u32;
                 let ls = &mut state.layers[li];
+                let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
                 let pre = hc_pre(&lw.hc_attn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
                 rec.f32(Level::L4, t, l, "attn.hc_pre", &[d as u64], &pre.x)?;
                 let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, eps, p);
                 rec.f32(Level::L4, t, l, "attn.norm", &[d as u64], &a)?;
-                let y = attention_forward(&lw.attn, cfg, ls, &a, t, &self.ropes, p, &mut rec, li as u32)?;
+                let y =
+                    attention_forward(&lw.attn, cfg, ls, &a, t, &self.ropes, p, &mut rec, li as u32, &fx)?;
                 *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
                 rec.f32(Level::L3, t, l, "layer.post_attn_mhc", &[n as u64, d as u64], x)?;
 
                 let pre = hc_pre(&lw.hc_ffn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
                 rec.f32(Level::L4, t, l, "ffn.hc_pre", &[d as u64], &pre.x)?;
-                let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, eps, p);
+                let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, fx.ffn_norm_eps.unwrap_or(eps), p);
                 rec.f32(Level::L4, t, l, "ffn.norm", &[d as u64], &f)?;
                 let site = MoeSite {
                     layer: li as u32,
@@ -210,8 +227,20 @@ impl Model {
                     position: t,
                     token: ids[j],
                 };
-                let y = moe_forward(&lw.moe, &f, cfg, site, p, opts.combine, &mut rec)?;
+                let combine: &dyn MoeCombine = match (fx.combine, fx.shared_first, fx.rounded_routed_merge) {
+                    (Some(c), _, _) => c,
+                    (None, true, _) => &SharedFirstCombine,
+                    (None, false, true) => &RoundedRoutedCombine,
+                    (None, false, false) => opts.combine,
+                };
+                let y = moe_forward(&lw.moe, &f, cfg, site, p, combine, &mut rec, &fx)?;
                 *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
+                if let (Some(dh), Some(plan)) = (fx.add_post_ffn_mhc, faults) {
+                    plan.observe_pre_add(x);
+                    for (v, d) in x.iter_mut().zip(dh) {
+                        *v += d;
+                    }
+                }
                 rec.f32(Level::L3, t, l, "layer.post_ffn_mhc", &[n as u64, d as u64], x)?;
             }
         }

@@ -72,6 +72,19 @@ pub fn softplus(x: f32) -> f32 {
 
 /// Routes one token (`token` is needed by hash layers).
 pub fn route(rw: &RouterWeights, f: &[f32], token: u32, cfg: &ModelConfig, p: Precision) -> Routing {
+    route_with(rw, f, token, cfg, p, false)
+}
+
+/// [`route`], optionally with selection ranks k and k+1 swapped on moe
+/// layers (the [`crate::faults::FaultKind::RouterNearTieFlip`] fault).
+pub(crate) fn route_with(
+    rw: &RouterWeights,
+    f: &[f32],
+    token: u32,
+    cfg: &ModelConfig,
+    p: Precision,
+    near_tie_flip: bool,
+) -> Routing {
     let logits = rw.gate.linear(f, p);
     let scores: Vec<f32> = logits
         .iter()
@@ -91,6 +104,9 @@ pub fn route(rw: &RouterWeights, f: &[f32], token: u32, cfg: &ModelConfig, p: Pr
                 .collect();
             let mut idx: Vec<usize> = (0..sel.len()).collect();
             idx.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
+            if near_tie_flip && idx.len() > k && k > 0 {
+                idx.swap(k - 1, k);
+            }
             let margin = idx.get(k).map(|&next| sel[idx[k - 1]] - sel[next]);
             (idx[..k].iter().map(|&e| e as u32).collect(), margin)
         }
