@@ -71,6 +71,7 @@ pub fn compressor_step(
 /// order and/or the pooled sum accumulated in BF16 (the
 /// [`crate::faults::FaultKind::CompressorPoolingReversed`] and
 /// [`crate::faults::FaultKind::CompressorPoolingBf16Accumulator`] faults).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn compressor_step_with(
     cw: &CompressorWeights,
     st: &mut CompressorState,
