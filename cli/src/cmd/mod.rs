@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 mod bench;
+pub mod calibrate;
 pub mod certify;
 mod demo;
 pub mod diff;
@@ -24,6 +25,8 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Certify(a) => certify::run(&a),
         Command::Import(a) => import::run(&a),
         Command::Gate(a) => gate::run(&a),
+        Command::Calibrate(a) => calibrate::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
+        Command::Bench(BenchCommand::Diff(a)) => bench::diff(&a),
     }
 }

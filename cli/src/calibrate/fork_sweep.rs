@@ -1,0 +1,253 @@
+//! Protocol 2, single-layer A/B fork (paper sections 2.4.1, 2.6 and 3.2):
+//! freeze "why the sheep" before the first decode forward, then evaluate
+//! every A permutation and every B structural class at the fork layer's MoE
+//! aggregation with the runtime's trace-freeze-fork sweep.
+//!
+//! The 720 → 360 collapse is checked from the captured event itself: the
+//! native run's routed terms and shared output at the fork are combined
+//! under B with all k! raw orders, and every order must give bitwise the
+//! output of its class (the first-pair symmetry), with k!/2 classes observed.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::Context;
+use moeconf_fingerprint::CanonPolicy;
+use moeconf_reference_runtime::contract::{
+    all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine,
+};
+use moeconf_reference_runtime::fork::{sweep, Scheme, SweepOptions};
+use serde_json::json;
+
+use super::{frac, Claim, Collect, Ctx, Section, Table, ALGORITHM};
+
+/// The routed terms, shared output and native MoE output of one combine event.
+pub struct ForkEvent {
+    /// Gate-weighted FP32 routed terms, in selection order.
+    pub terms: Vec<Vec<f32>>,
+    /// Shared-expert output.
+    pub shared: Vec<f32>,
+    /// The native `moe.combine` output.
+    pub native: Vec<f32>,
+}
+
+/// Captures the MoE event of (`layer`, `step`) at the step's last position in a native run.
+pub fn capture_event(ctx: &Ctx, prompt_ids: &[u32], layer: u32, step: u32) -> anyhow::Result<ForkEvent> {
+    let mut sink = Collect::new(&["moe.term.*", "moe.shared", "moe.combine"]);
+    ctx.generate(prompt_ids, step as usize + 1, &NativeCombine, None, &mut sink)?;
+    let l = Some(layer);
+    let k = ctx.k();
+    let mut terms = Vec::with_capacity(k);
+    for j in 0..k {
+        let r = sink
+            .at(&format!("moe.term.{j}"), step, l)
+            .with_context(|| format!("no moe.term.{j} at layer {layer}, step {step}"))?;
+        terms.push(r.f32s());
+    }
+    let shared = sink
+        .at("moe.shared", step, l)
+        .context("no moe.shared at the fork")?
+        .f32s();
+    let native = sink
+        .at("moe.combine", step, l)
+        .context("no moe.combine at the fork")?
+        .f32s();
+    Ok(ForkEvent {
+        terms,
+        shared,
+        native,
+    })
+}
+
+/// The result of combining one event under every raw order of a contract.
+pub struct OrderCheck {
+    /// Raw orders evaluated (k!).
+    pub raw: usize,
+    /// Distinct outputs over all raw orders.
+    pub distinct_outputs: usize,
+    /// B structural classes observed (distinct `b_class_of`), for B.
+    pub classes: usize,
+    /// Whether both members of every B class gave bitwise the same output.
+    pub classes_consistent: bool,
+}
+
+/// Combines `ev` under `contract` with all k! orders.
+pub fn check_orders(ev: &ForkEvent, contract: &AggregationContract) -> anyhow::Result<OrderCheck> {
+    let k = ev.terms.len();
+    let refs: Vec<&[f32]> = ev.terms.iter().map(|v| v.as_slice()).collect();
+    let perms = all_permutations(k)?;
+    let mut outputs: HashSet<Vec<u32>> = HashSet::new();
+    let mut by_class: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut consistent = true;
+    let mut y = vec![0.0f32; ev.shared.len()];
+    for p in &perms {
+        contract.try_combine_with_permutation(p, &refs, &ev.shared, &mut y)?;
+        let bits: Vec<u32> = y.iter().map(|v| v.to_bits()).collect();
+        let class = b_class_of(p)?;
+        match by_class.get(&class) {
+            Some(prev) => consistent &= *prev == bits,
+            None => {
+                by_class.insert(class, bits.clone());
+            }
+        }
+        outputs.insert(bits);
+    }
+    Ok(OrderCheck {
+        raw: perms.len(),
+        distinct_outputs: outputs.len(),
+        classes: by_class.len(),
+        classes_consistent: consistent,
+    })
+}
+
+/// Runs protocol 2.
+pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
+    let prompt = "why the sheep";
+    let ids = ctx.encode(prompt)?;
+    let k = ctx.k();
+    let point = ForkPoint::first_decode(ctx.fork_layer);
+    let ev = capture_event(ctx, &ids, point.layer, point.step)?;
+    let b_check = check_orders(&ev, &AggregationContract::b())?;
+    let a_check = check_orders(&ev, &AggregationContract::a())?;
+
+    let mut schemes = vec![Scheme::enumerate("a", k)?, Scheme::enumerate("b", k)?];
+    for s in &mut schemes {
+        s.truncate(ctx.sizes.fork_branches);
+    }
+    let total: usize = schemes.iter().map(|s| s.branches.len()).sum();
+    ctx.note(&format!(
+        "[2] single-layer A/B fork at layer {}, step {}: {total} branches × {} tokens",
+        point.layer, point.step, ctx.sizes.fork_tokens
+    ));
+    let opts = SweepOptions {
+        point,
+        max_new_tokens: ctx.sizes.fork_tokens,
+        precision: ctx.precision,
+        base: &NativeCombine,
+        detokenizer: Some(&ctx.m.tokenizer),
+        algorithm: ALGORITHM,
+        canon: CanonPolicy::default(),
+    };
+    let last = AtomicUsize::new(0);
+    let progress = |done: usize, total: usize| {
+        let pct = done * 10 / total.max(1);
+        if ctx.progress && last.fetch_max(pct, Ordering::Relaxed) < pct {
+            eprintln!("calibrate:     fork sweep {done}/{total}");
+        }
+    };
+    let report = sweep(&ctx.m.model, &ids, &schemes, &opts, Some(&progress))?;
+
+    let mut t = Table::new(
+        "basin_counts",
+        &format!(
+            "Single-layer fork (section 3.2): \"{prompt}\", layer {}, step {} (first decode), {} tokens",
+            point.layer, point.step, ctx.sizes.fork_tokens
+        ),
+        &[
+            "Scheme",
+            "Raw permutations",
+            "Exact structural classes",
+            "Evaluated",
+            "Distinct MoE outputs",
+            "Distinct post-mHC states",
+            "Post-mHC differs from native",
+            "Distinct texts",
+        ],
+    );
+    let mut rf = Table::new(
+        "basin_rank_frequency",
+        "Basin rank-frequency (branches / raw permutations per continuation text)",
+        &[
+            "Scheme",
+            "Rank",
+            "Branches",
+            "Raw permutations",
+            "First branch",
+            "Continuation",
+        ],
+    );
+    let mut schemes_json = Vec::new();
+    for (s, scheme) in report.summaries.iter().zip(&schemes) {
+        let check = if scheme.family.is_b_like() {
+            &b_check
+        } else {
+            &a_check
+        };
+        let classes = if scheme.family.is_b_like() {
+            check.classes
+        } else {
+            check.raw
+        };
+        t.row(vec![
+            s.scheme.to_uppercase(),
+            check.raw.to_string(),
+            classes.to_string(),
+            s.evaluated.to_string(),
+            s.distinct_moe_outputs.to_string(),
+            s.distinct_post_mhc.to_string(),
+            frac(s.post_mhc_differs_from_reference, s.evaluated),
+            s.basins.to_string(),
+        ]);
+        for (i, b) in s.basin_rank_frequency.iter().enumerate() {
+            let first = scheme
+                .branches
+                .get(b.first_branch)
+                .map(|x| x.label.clone())
+                .unwrap_or_default();
+            rf.row(vec![
+                s.scheme.to_uppercase(),
+                (i + 1).to_string(),
+                b.branches.to_string(),
+                b.raw_permutations.to_string(),
+                first,
+                format!("{:?}", b.text),
+            ]);
+        }
+        schemes_json.push(json!({
+            "scheme": s.scheme,
+            "family": s.family,
+            "raw_permutations": check.raw,
+            "structural_classes": classes,
+            "evaluated": s.evaluated,
+            "distinct_moe_outputs": s.distinct_moe_outputs,
+            "distinct_moe_outputs_all_raw_orders": check.distinct_outputs,
+            "distinct_post_mhc": s.distinct_post_mhc,
+            "post_mhc_differs_from_native": s.post_mhc_differs_from_reference,
+            "distinct_continuations": s.distinct_continuations,
+            "basins": s.basins,
+            "basin_rank_frequency": s.basin_rank_frequency.iter().map(|b| json!({
+                "branches": b.branches, "raw_permutations": b.raw_permutations,
+                "first_branch": scheme.branches.get(b.first_branch).map(|x| x.label.clone()),
+                "text": b.text, "tokens": b.tokens,
+            })).collect::<Vec<_>>(),
+        }));
+    }
+    let expected_classes = if k >= 2 { b_check.raw / 2 } else { b_check.raw };
+    let collapse = b_check.classes == expected_classes && b_check.classes_consistent;
+    let json = json!({
+        "prompt": prompt,
+        "fork_layer": point.layer,
+        "fork_step": point.step,
+        "tokens": ctx.sizes.fork_tokens,
+        "native_text": report.reference.text,
+        "b_raw_orders": b_check.raw,
+        "b_classes_observed": b_check.classes,
+        "b_classes_bitwise_consistent": b_check.classes_consistent,
+        "b_distinct_outputs_over_raw_orders": b_check.distinct_outputs,
+        "a_distinct_outputs_over_raw_orders": a_check.distinct_outputs,
+        "schemes": schemes_json,
+    });
+    Ok(Section {
+        key: "fork_sweep".into(),
+        tables: vec![t, rf],
+        json,
+        claims: vec![Claim::new(
+            "b_720_to_360",
+            collapse,
+            format!(
+                "B: {} raw orders collapse to {} structural classes (expected {expected_classes}); both orders of every class bitwise equal: {}",
+                b_check.raw, b_check.classes, b_check.classes_consistent
+            ),
+        )],
+    })
+}
