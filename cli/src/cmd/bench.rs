@@ -1,6 +1,6 @@
 //! `moeconf bench`: throughput measured against a baseline in the same run.
 
-use crate::cli::{BenchFingerprintArgs, Format};
+use crate::cli::{BenchDiffArgs, BenchFingerprintArgs, Format};
 use crate::output::print_json;
 use moeconf_fingerprint::{
     record_digest_with_sink, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView,
@@ -122,6 +122,65 @@ pub fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
             );
             println!("  canonical scaling 1 -> {threads} threads: {scaling:.2}x");
             println!("  (e) canonical record, SHA-256     {:>7.2} GB/s", gbps(sha_1));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
+    let tmp;
+    let dir = match &a.dir {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::Builder::new().prefix("moeconf-bench-diff").tempdir()?;
+            tmp.path().to_path_buf()
+        }
+    };
+    eprintln!(
+        "moeconf bench diff: writing two {} MiB traces into {} ...",
+        a.mib,
+        dir.display()
+    );
+    let b = moeconf_bisect::bench_diff(&dir, a.mib << 20, a.record_bytes, a.repeat)?;
+    match a.format {
+        Format::Json => print_json(&json!({
+            "schema_version": 1,
+            "kind": "moeconf.bench.diff",
+            "file_bytes": b.file_bytes,
+            "records": b.records,
+            "record_bytes": b.record_bytes,
+            "byte_compare_seconds": b.byte_compare_seconds,
+            "diff_seconds": b.diff_seconds,
+            "open_seconds": b.open_seconds,
+            "walk_seconds": b.walk_seconds,
+            "ratio": b.ratio,
+            "localized": b.localized.as_ref().map(|f| json!({"step": f.step, "layer": f.layer, "operator": f.operator})),
+        }))?,
+        Format::Text => {
+            println!(
+                "diff of two {:.2} GiB traces ({} records of {} bytes each), differing in one record",
+                b.file_bytes as f64 / (1u64 << 30) as f64,
+                b.records,
+                b.record_bytes
+            );
+            println!(
+                "  byte comparison of the files   {:>9.4} s",
+                b.byte_compare_seconds
+            );
+            println!(
+                "  moeconf diff (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)",
+                b.diff_seconds,
+                100.0 * b.ratio
+            );
+            println!("    of which opening both traces {:>9.4} s", b.open_seconds);
+            println!(
+                "    of which the walk            {:>9.4} s   ({:.3}% of the byte comparison)",
+                b.walk_seconds,
+                100.0 * b.walk_seconds / b.byte_compare_seconds
+            );
+            if let Some(f) = &b.localized {
+                println!("  localized: step {} layer {:?} {}", f.step, f.layer, f.operator);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
