@@ -201,6 +201,29 @@ pub enum BenchCommand {
     /// Hash the same f32 buffer as raw bytes with BLAKE3 and through the
     /// canonical fingerprint path, single- and multi-threaded; print ratios.
     Fingerprint(BenchFingerprintArgs),
+    /// Write two large traces (with payloads) differing in one record and
+    /// time `diff` against a plain byte comparison of the two files.
+    Diff(BenchDiffArgs),
+}
+
+/// `moeconf bench diff`.
+#[derive(Debug, Args)]
+pub struct BenchDiffArgs {
+    /// Size of each trace in MiB.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub mib: u64,
+    /// Payload bytes per record.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub record_bytes: u64,
+    /// Repetitions per measurement (the best is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+    /// Directory for the two temporary traces (removed afterwards).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 /// `moeconf bench fingerprint`.

@@ -27,5 +27,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Gate(a) => gate::run(&a),
         Command::Calibrate(a) => calibrate::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
+        Command::Bench(BenchCommand::Diff(a)) => bench::diff(&a),
     }
 }
