@@ -27,6 +27,12 @@
 //! | [`FaultKind::KvLowPrecision`] | `attn.kv` | the token's kv entry truncated to fewer mantissa bits before it is used and stored |
 //! | [`FaultKind::CombineContract`] | `moe.combine` | another MoE aggregation contract |
 //! | [`FaultKind::AddPostFfnMhc`] | `layer.post_ffn_mhc` | an intervention: ΔH added once in FP32 after the FFN-half hc_post |
+//!
+//! In the bf16 profile the order faults on sums of BF16-valued operands
+//! (`AttentionSoftmaxReversed`'s value sum, `CompressorPoolingReversed`,
+//! `SharedExpertFirst`) are usually silent: such FP32 sums are exact, so
+//! every order gives the same bits (the reason the C contract is
+//! order-invariant). The calibration matrix reports them separately.
 
 use std::sync::Mutex;
 

@@ -407,7 +407,26 @@ impl Table {
 
     /// Aligned text (column widths in characters).
     pub fn render(&self) -> String {
-        let w = |s: &str| s.chars().count();
+        // Display width: East Asian wide characters take two columns.
+        let w = |s: &str| {
+            s.chars()
+                .map(|c| {
+                    let u = c as u32;
+                    let wide = (0x1100..=0x115f).contains(&u)
+                        || (0x2e80..=0xa4cf).contains(&u)
+                        || (0xac00..=0xd7a3).contains(&u)
+                        || (0xf900..=0xfaff).contains(&u)
+                        || (0xfe30..=0xfe4f).contains(&u)
+                        || (0xff00..=0xff60).contains(&u)
+                        || (0xffe0..=0xffe6).contains(&u);
+                    if wide {
+                        2
+                    } else {
+                        1
+                    }
+                })
+                .sum::<usize>()
+        };
         let mut widths: Vec<usize> = self.columns.iter().map(|c| w(c)).collect();
         for r in &self.rows {
             for (i, c) in r.iter().enumerate() {
