@@ -54,6 +54,12 @@ pub struct CalibrateArgs {
     /// Request seeds per prompt and scheme in protocols 3-5 (default: 64, quick: 6).
     #[arg(long)]
     pub seeds: Option<u64>,
+    /// Tokens generated per fork branch in protocol 2 (default: 8, quick: 4; at least 2).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=4096))]
+    pub fork_tokens: Option<u32>,
+    /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=4096))]
+    pub tokens: Option<u32>,
     /// No progress on stderr.
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -82,6 +88,12 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
             bail!("--seeds {s}: expected 1..100000");
         }
         sizes.seeds = s;
+    }
+    if let Some(n) = a.fork_tokens {
+        sizes.fork_tokens = n as usize;
+    }
+    if let Some(n) = a.tokens {
+        sizes.tokens = n as usize;
     }
     std::fs::create_dir_all(a.out.join("traces"))
         .with_context(|| format!("--out {}: cannot create the directory", a.out.display()))?;
