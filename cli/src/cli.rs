@@ -204,6 +204,31 @@ pub enum BenchCommand {
     /// Write two large traces (with payloads) differing in one record and
     /// time `diff` against a plain byte comparison of the two files.
     Diff(BenchDiffArgs),
+    /// Decode and prefill tokens/s of the reference runtime on the fixture
+    /// (and, with --large, a generated hidden-1024 / 64-expert model), with
+    /// and without the default trace capture, and anonymous RSS.
+    Runtime(BenchRuntimeArgs),
+}
+
+/// `moeconf bench runtime`.
+#[derive(Debug, Args)]
+pub struct BenchRuntimeArgs {
+    /// Also measure the larger generated configuration (hidden 1024, 64
+    /// experts; about 500 MB of weights written to a temporary directory).
+    #[arg(long)]
+    pub large: bool,
+    /// Decode steps per measurement.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100000))]
+    pub decode_tokens: u32,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub prompt_tokens: u32,
+    /// Repetitions per measurement (the best is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 /// `moeconf bench diff`.

@@ -1,6 +1,6 @@
 //! `moeconf bench`: throughput measured against a baseline in the same run.
 
-use crate::cli::{BenchDiffArgs, BenchFingerprintArgs, Format};
+use crate::cli::{BenchDiffArgs, BenchFingerprintArgs, BenchRuntimeArgs, Format};
 use crate::output::print_json;
 use moeconf_fingerprint::{
     record_digest_with_sink, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView,
@@ -181,6 +181,142 @@ pub fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
             if let Some(f) = &b.localized {
                 println!("  localized: step {} layer {:?} {}", f.step, f.layer, f.operator);
             }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+struct RuntimeRow {
+    model: &'static str,
+    precision: &'static str,
+    capture: &'static str,
+    prefill: f64,
+    decode: f64,
+}
+
+fn bench_model(
+    name: &'static str,
+    dir: &std::path::Path,
+    a: &BenchRuntimeArgs,
+    rows: &mut Vec<RuntimeRow>,
+) -> anyhow::Result<()> {
+    use moeconf_reference_runtime::bench::bench_generate;
+    use moeconf_reference_runtime::capture::NullSink;
+    use moeconf_reference_runtime::contract::NativeCombine;
+    use moeconf_reference_runtime::model::{Model, StepOptions};
+    use moeconf_reference_runtime::precision::Precision;
+    let model = Model::load(dir)?;
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (i * 37 + 5) % vocab).collect();
+    let trace_dir = tempfile::Builder::new().prefix("moeconf-bench-rt").tempdir()?;
+    for precision in [Precision::Bf16, Precision::F32] {
+        let opts = StepOptions {
+            precision,
+            combine: &NativeCombine,
+            detokenizer: None,
+        };
+        for capture in ["none", "default"] {
+            let (mut p, mut d) = (0.0f64, 0.0f64);
+            for _ in 0..a.repeat {
+                let r = if capture == "none" {
+                    bench_generate(&model, &prompt, a.decode_tokens as usize, &opts, &mut NullSink)?
+                } else {
+                    let path = trace_dir.path().join("bench.bin");
+                    let spec = crate::runner::parse_capture("default")?;
+                    let w = moeconf_schema::TraceWriter::create(
+                        &path,
+                        Algorithm::Blake3,
+                        moeconf_schema::Header::default(),
+                    )?;
+                    let mut sink = crate::runner::TraceSink::new(w, spec);
+                    let r = bench_generate(&model, &prompt, a.decode_tokens as usize, &opts, &mut sink)?;
+                    sink.finish()?;
+                    r
+                };
+                p = p.max(r.prefill_tokens_per_second());
+                d = d.max(r.decode_tokens_per_second());
+            }
+            rows.push(RuntimeRow {
+                model: name,
+                precision: precision.name(),
+                capture,
+                prefill: p,
+                decode: d,
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
+    let mut rows = Vec::new();
+    eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
+    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4")?;
+    bench_model("tiny-v4", &tiny, a, &mut rows)?;
+    let rss_tiny = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let mut rss_large = None;
+    if a.large {
+        let dir = tempfile::Builder::new().prefix("moeconf-bench-large").tempdir()?;
+        eprintln!(
+            "generating the large configuration in {} ...",
+            dir.path().display()
+        );
+        moeconf_fixtures::checkpoint::write_v4(
+            dir.path(),
+            &moeconf_fixtures::checkpoint::V4Spec::bench_large(),
+        )?;
+        bench_model("large (hidden 1024, 64 experts)", dir.path(), a, &mut rows)?;
+        rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
+    }
+    let threads = rayon::current_num_threads();
+    match a.format {
+        Format::Json => print_json(&json!({
+            "schema_version": 1,
+            "kind": "moeconf.bench.runtime",
+            "threads": threads,
+            "prompt_tokens": a.prompt_tokens,
+            "decode_tokens": a.decode_tokens,
+            "rows": rows.iter().map(|r| json!({
+                "model": r.model, "precision": r.precision, "capture": r.capture,
+                "prefill_tokens_per_second": r.prefill, "decode_tokens_per_second": r.decode,
+            })).collect::<Vec<_>>(),
+            "anon_rss_bytes_after_tiny": rss_tiny,
+            "anon_rss_bytes_after_large": rss_large,
+        }))?,
+        Format::Text => {
+            println!(
+                "reference runtime throughput ({threads} threads, prompt {} tokens, {} decode steps, best of {})",
+                a.prompt_tokens, a.decode_tokens, a.repeat
+            );
+            println!(
+                "  {:<34} {:<5} {:<8} {:>12} {:>12} {:>16}",
+                "model", "prec", "capture", "prefill t/s", "decode t/s", "decode vs none"
+            );
+            for r in &rows {
+                let base = rows
+                    .iter()
+                    .find(|b| b.model == r.model && b.precision == r.precision && b.capture == "none")
+                    .map(|b| b.decode)
+                    .unwrap_or(r.decode);
+                println!(
+                    "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x",
+                    r.model,
+                    r.precision,
+                    r.capture,
+                    r.prefill,
+                    r.decode,
+                    r.decode / base
+                );
+            }
+            let mib = |b: Option<u64>| {
+                b.map(|b| format!("{:.1} MiB", b as f64 / 1048576.0))
+                    .unwrap_or("n/a".into())
+            };
+            println!(
+                "  anonymous RSS: {} after tiny, {} after large (weights are memory-mapped, not copied)",
+                mib(rss_tiny),
+                mib(rss_large)
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -28,5 +28,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Calibrate(a) => calibrate::run(&a),
         Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
         Command::Bench(BenchCommand::Diff(a)) => bench::diff(&a),
+        Command::Bench(BenchCommand::Runtime(a)) => bench::runtime(&a),
     }
 }
