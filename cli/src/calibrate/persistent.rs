@@ -188,6 +188,8 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
         ],
     );
     let mut json_rows = Vec::new();
+    // Rows of table B.4 by (prompt, scheme), printed prompt-major as in the paper.
+    let mut b4_rows: Vec<Vec<Option<Vec<String>>>> = vec![vec![None; SCHEMES.len()]; prompts.len()];
     let mut json_schemes = Vec::new();
     let np = prompts.len();
     for (si, scheme) in SCHEMES.iter().enumerate() {
@@ -206,7 +208,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
                 .len();
             let can_route = runs.iter().filter(|r| r.routes != can.routes).count();
             let can_tok = runs.iter().filter(|r| r.tokens != can.tokens).count();
-            per_prompt.row(vec![
+            b4_rows[pi][si] = Some(vec![
                 format!("\"{}\"", prompts[pi].text),
                 scheme.to_uppercase(),
                 frac(route_div, runs.len()),
@@ -249,6 +251,10 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
             "canonical_route_divergence": cr, "canonical_token_divergence": ct,
             "canonical_vs_native_route": cnr, "canonical_vs_native_tokens": cnt, "prompts": np,
         }));
+    }
+
+    for row in b4_rows.into_iter().flatten().flatten() {
+        per_prompt.row(row);
     }
 
     // Protocol 5: C intermediate check (table B.5).
