@@ -119,9 +119,11 @@ impl Coord {
                 path.len()
             ));
         }
+        let ok = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'[' | b']' | b'-');
         if let Some(c) = path
-            .chars()
-            .find(|c| !(c.is_ascii_alphanumeric() || "_.:[]-".contains(*c)))
+            .bytes()
+            .position(|b| !ok(b))
+            .and_then(|i| path[i..].chars().next())
         {
             return Err(format!("component path {path:?} has invalid character {c:?}"));
         }

@@ -98,7 +98,7 @@ pub fn binding_digest(alg: Algorithm, encoded_binding: &[u8]) -> Digest {
 
 fn hash_list(
     alg: Algorithm,
-    mut e: Encoder,
+    e: &mut Encoder,
     items: impl ExactSizeIterator<Item = (Option<u32>, Digest)>,
 ) -> Digest {
     e.len(items.len());
@@ -115,21 +115,27 @@ impl HashTree {
     /// Builds the tree over `leaves`. Fails on two records with the same
     /// level and coordinate.
     pub fn build(alg: Algorithm, binding: Digest, leaves: &[Leaf<'_>]) -> Result<HashTree, FingerprintError> {
-        let mut order: Vec<usize> = (0..leaves.len()).collect();
-        let key = |i: usize| {
-            let l = &leaves[i];
-            (
-                l.coord.step,
-                l.level,
-                l.coord.layer,
-                l.coord.position,
-                l.coord.phase,
-                l.coord.path.as_str(),
-            )
+        // Sort by (step, level, layer, position, phase) packed into one
+        // integer, comparing paths only on ties: opening a trace builds this
+        // tree, so it is on the hot path of every diff.
+        let packed = |l: &Leaf<'_>| -> u128 {
+            let layer = l.coord.layer.map_or(0u128, |x| u128::from(x) + 1);
+            (u128::from(l.coord.step) << 96)
+                | (u128::from(l.level.code()) << 88)
+                | (layer << 48)
+                | (u128::from(l.coord.position) << 8)
+                | l.coord.phase as u128
         };
-        order.sort_by(|&a, &b| key(a).cmp(&key(b)));
+        let cmp = |a: &usize, b: &usize| {
+            let (la, lb) = (&leaves[*a], &leaves[*b]);
+            packed(la)
+                .cmp(&packed(lb))
+                .then_with(|| la.coord.path.cmp(&lb.coord.path))
+        };
+        let mut order: Vec<usize> = (0..leaves.len()).collect();
+        order.sort_unstable_by(cmp);
         for w in order.windows(2) {
-            if key(w[0]) == key(w[1]) {
+            if cmp(&w[0], &w[1]) == std::cmp::Ordering::Equal {
                 let l = &leaves[w[1]];
                 return Err(FingerprintError::DuplicateRecord {
                     coord: l.coord.to_string(),
@@ -137,6 +143,7 @@ impl HashTree {
                 });
             }
         }
+        let mut e = Encoder::new();
 
         let mut steps: Vec<StepNode> = Vec::new();
         let mut i = 0;
@@ -160,32 +167,36 @@ impl HashTree {
                         records.push(order[i]);
                         i += 1;
                     }
-                    let mut e = Encoder::new();
+                    e.clear();
                     e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
-                    let digest = hash_list(alg, e, records.iter().map(|&r| (None, leaves[r].digest)));
+                    let digest = hash_list(alg, &mut e, records.iter().map(|&r| (None, leaves[r].digest)));
                     groups.push(GroupNode {
                         layer,
                         digest,
                         records,
                     });
                 }
-                let mut e = Encoder::new();
+                e.clear();
                 e.str(DOMAIN_LEVEL).u32(step).u32(level.code());
-                let digest = hash_list(alg, e, groups.iter().map(|g| (None, g.digest)));
+                let digest = hash_list(alg, &mut e, groups.iter().map(|g| (None, g.digest)));
                 levels.push(LevelNode {
                     level,
                     digest,
                     groups,
                 });
             }
-            let mut e = Encoder::new();
+            e.clear();
             e.str(DOMAIN_STEP).u32(step);
-            let digest = hash_list(alg, e, levels.iter().map(|l| (Some(l.level.code()), l.digest)));
+            let digest = hash_list(
+                alg,
+                &mut e,
+                levels.iter().map(|l| (Some(l.level.code()), l.digest)),
+            );
             steps.push(StepNode { step, digest, levels });
         }
-        let mut e = Encoder::new();
+        e.clear();
         e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0);
-        let root = hash_list(alg, e, steps.iter().map(|s| (Some(s.step), s.digest)));
+        let root = hash_list(alg, &mut e, steps.iter().map(|s| (Some(s.step), s.digest)));
         Ok(HashTree { root, steps })
     }
 

@@ -36,6 +36,11 @@ impl Encoder {
         &self.buf
     }
 
+    /// Empties the encoder, keeping its allocation (for reuse in loops).
+    pub fn clear(&mut self) {
+        self.buf.clear();
+    }
+
     /// Consumes the encoder, returning its bytes.
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf
