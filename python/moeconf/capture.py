@@ -1,0 +1,425 @@
+"""Capture a canonical moeconf trace from a Hugging Face transformers
+``DeepseekV4ForCausalLM`` during greedy generation (docs/interop.md).
+
+:func:`capture` drives the model itself, token by token with its own
+``DynamicCache`` (step 0 = the prefill forward over all prompt ids, step s >= 1
+consumes generated token g_s; notes/capture.md), and records what forward hooks
+on the HF modules and thin wrappers around the per-layer cache methods expose:
+
+* L0 ``token.input`` / ``token.output`` / ``text.continuation``;
+* L1 ``lm.logits`` / ``lm.topk_ids`` / ``lm.topk_logits`` / ``lm.margin``;
+* L3 ``layer.post_attn_mhc`` (input of ``ffn_hc``), ``layer.post_ffn_mhc``
+  (decoder-layer output), ``router.scores`` (``score_fn`` of the gate logits),
+  ``router.topk`` (indices as returned, i.e. the order in which the experts
+  implementation combines them), ``router.gates``, ``router.margin`` (score-routed
+  layers: selection score ``scores + e_score_correction_bias`` of rank k minus
+  rank k+1, in fp32);
+* L2 the cache of every layer after every step, in the canonical logical layout
+  of docs/operators.md section 4;
+* L4 ``attn.hc_pre``, ``attn.norm``, ``attn.q`` (``q_b_norm`` output rotated with
+  the same ``apply_rotary_pos_emb`` call HF makes), ``attn.kv`` (the argument of
+  the cache ``update``), ``attn.compressed`` / ``attn.indexer_compressed`` (the
+  entries passed to ``update_compressor_states``, at the position that closes
+  their window), ``attn.indexer_topk`` (indexer output, ``-1`` sentinels
+  dropped), ``attn.core`` (the attention-interface output, before de-rotation),
+  ``attn.output``, ``ffn.hc_pre``, ``ffn.norm``, ``moe.term.j`` (recomputed per
+  slot, see below), ``moe.shared`` and ``moe.combine`` (the MoE block output).
+
+``moe.term.j`` is not a tensor HF materializes under a module boundary (the
+grouped-mm experts path computes all slots in one sorted batch); the capture
+recomputes ``g_j * down(gate(gate_up(x)))`` per slot with the module's own
+weights and ``_apply_gate`` and checks that their slot-order sum equals the
+experts output; the number of (position, layer) events where it does not is
+returned as ``CaptureResult.moe_terms_recombine_mismatches``.
+
+Everything is recorded as f32 (bf16 values are exact in f32), ids as i32,
+counters as i64, as the reference runtime does. Requires torch and
+transformers (imported lazily; the rest of the package does not need them).
+"""
+
+import os
+from typing import List, NamedTuple
+
+import numpy as np
+
+from . import binding_from_model
+from .binding import Provenance
+from .fingerprint import Coord
+from .trace import TraceWriter, WriteSummary
+
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "parse_levels"]
+
+#: Level name -> bit of the binding capture masks.
+LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
+#: Entries of ``lm.topk_ids`` / ``lm.topk_logits``.
+LM_TOPK = 8
+
+
+class CaptureResult(NamedTuple):
+    """What :func:`capture` returns: the generated ids, the writer's summary (root,
+    record counts), and how many (position, MoE layer) events had recomputed
+    ``moe.term.*`` whose slot-order sum differs from the experts output."""
+
+    generated: List[int]
+    summary: WriteSummary
+    moe_terms_recombine_mismatches: int
+
+
+def parse_levels(levels):
+    """A level mask from ``"all"``, an int mask, or an iterable of names (``["L0", "L3"]``)."""
+    if levels == "all" or levels is None:
+        return 0b11111
+    if isinstance(levels, int):
+        if not 0 <= levels <= 0b11111:
+            raise ValueError(f"level mask {levels!r} is not a bit mask of L0..L4")
+        return levels
+    mask = 0
+    for name in levels:
+        if name not in LEVEL_BITS:
+            raise ValueError(f"unknown level {name!r} (expected L0..L4)")
+        mask |= LEVEL_BITS[name]
+    return mask
+
+
+def _f32(t):
+    """A detached CPU float32 numpy copy of a tensor (bf16 -> f32 is exact)."""
+    import torch
+
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+class _Tokenizer:
+    """Uniform encode/decode over a ``tokenizers.Tokenizer``, a transformers tokenizer, or None."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text):
+        t = self.tok
+        if hasattr(t, "encode_batch"):  # tokenizers.Tokenizer
+            return list(t.encode(text, add_special_tokens=False).ids)
+        return list(t.encode(text, add_special_tokens=False))
+
+    def decode(self, ids):
+        t = self.tok
+        if t is None:
+            return None
+        if hasattr(t, "encode_batch"):
+            return t.decode(list(ids), skip_special_tokens=False)
+        return t.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class _Recorder:
+    """Buffers per-(layer, position) records of one forward and writes them in the
+    canonical per-position order (notes/capture.md) when the layer ends."""
+
+    def __init__(self, writer, mask, payload_mask):
+        self.w = writer
+        self.mask = mask
+        self.payload_mask = payload_mask
+        self.step = 0
+        self.start = 0
+        self.phase = "prefill"
+        self.pending = {}  # layer -> {position: [(level, path, array)]}
+
+    def wants(self, level):
+        return bool(self.mask & LEVEL_BITS[level])
+
+    def emit(self, position, layer, level, path, arr):
+        if not self.wants(level):
+            return
+        keep = bool(self.payload_mask & LEVEL_BITS[level])
+        self.w.append(Coord.make(self.step, int(position), self.phase, layer, path), level,
+                      np.ascontiguousarray(arr), keep_payload=keep)
+
+    def add(self, layer, position, level, path, arr):
+        """Queues one record of a layer (flushed by :meth:`flush`)."""
+        if self.wants(level):
+            self.pending.setdefault(layer, {}).setdefault(int(position), []).append((level, path, arr))
+
+    def add_rows(self, layer, level, path, rows):
+        """Queues ``rows[s]`` at position ``start + s`` for every token of the forward."""
+        if self.wants(level):
+            for s in range(rows.shape[0]):
+                self.add(layer, self.start + s, level, path, rows[s])
+
+    def flush(self, layer):
+        for position in sorted(self.pending.get(layer, {})):
+            for level, path, arr in self.pending[layer][position]:
+                self.emit(position, layer, level, path, arr)
+        self.pending.pop(layer, None)
+
+
+def _state_records(cfg, cache):
+    """The L2 records of every layer: ``[(layer, path, array)]`` in canonical order
+    (docs/operators.md section 4)."""
+    out = []
+    d = cfg.head_dim
+    d_i = getattr(cfg, "index_head_dim", d)
+    for i, layer in enumerate(cache.layers):
+        kind = cfg.layer_types[i]
+        out.append((i, "state.cumulative_length", np.array([int(layer.cumulative_length)], dtype=np.int64)))
+        keys = getattr(layer, "keys", None)
+        window = np.zeros((0, d), np.float32) if keys is None or keys.numel() == 0 else _f32(keys[0, 0])
+        out.append((i, "state.window_kv", window))
+        if kind == "sliding_attention":
+            continue
+        csa = kind == "compressed_sparse_attention"
+        names = [("compressor", d, 2 * d if csa else d)]
+        if csa:
+            names.append(("indexer", d_i, 2 * d_i))
+        for name, dim, width in names:
+            pre = f"state.{name}."
+
+            def rows(t, cols):
+                return np.zeros((0, cols), np.float32) if t is None else _f32(t[0]).reshape(-1, cols)
+
+            out.append((i, pre + "buffer_kv", rows(layer.buffer_kv[name], width)))
+            out.append((i, pre + "buffer_gate", rows(layer.buffer_gate[name], width)))
+            out.append((i, pre + "compressed_kv", rows(layer.compressed_kv[name], dim)))
+            out.append((i, pre + "entry_count", np.array([int(layer.entry_count[name])], dtype=np.int64)))
+            if csa:
+                out.append((i, pre + "overlap_kv", rows(layer.overlap_kv[name], dim)))
+                out.append((i, pre + "overlap_gate", rows(layer.overlap_gate[name], dim)))
+    return out
+
+
+def _lm_records(logits):
+    """``lm.logits``, ``lm.topk_ids``, ``lm.topk_logits``, ``lm.margin`` and the greedy id
+    (ties to the lowest id) from one f32 logits row."""
+    order = np.argsort(-logits.astype(np.float64), kind="stable")  # descending, ties -> lower id
+    top = order[:LM_TOPK]
+    margin = np.float32(logits[order[0]]) - np.float32(logits[order[1]]) if logits.size > 1 else np.float32(0)
+    recs = [("lm.logits", logits.astype(np.float32)),
+            ("lm.topk_ids", top.astype(np.int32)),
+            ("lm.topk_logits", logits[top].astype(np.float32)),
+            ("lm.margin", np.array([margin], dtype=np.float32))]
+    return recs, int(order[0])
+
+
+def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_dir=None, model_name=None,
+            precision=None, levels="all", payload_levels="all", algorithm="blake3", contract="hf-native",
+            schedule="identity"):
+    """Runs ``model`` (a transformers ``DeepseekV4ForCausalLM``) greedily for
+    ``max_new_tokens`` forward steps on ``prompt`` and writes a canonical trace
+    to ``out_path`` (atomically).
+
+    ``tokenizer_or_ids``: a ``tokenizers.Tokenizer`` or transformers tokenizer
+    (the prompt is encoded without special tokens; ``text.continuation`` is
+    decoded with it), or the prompt ids themselves (then ``prompt`` is only bound
+    as text and no ``text.continuation`` is recorded). ``model_dir`` (default
+    ``model.name_or_path``) is the checkpoint directory whose identity is bound,
+    computed as ``moeconf run`` does; ``model_name`` the bound display name
+    (default: the directory). ``precision`` defaults to ``hf-f32`` / ``hf-bf16``
+    from the model dtype. ``levels`` / ``payload_levels``: ``"all"``, a mask or
+    level names. Returns a :class:`CaptureResult`.
+    """
+    import torch
+    import transformers
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
+
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != "deepseek_v4":
+        raise ValueError(f"capture supports model_type deepseek_v4, got {getattr(cfg, 'model_type', None)!r}")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    model_dir = os.fspath(model_dir or model.name_or_path)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir}: no config.json (pass model_dir= the checkpoint directory)")
+    mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
+    dtype = next(model.parameters()).dtype
+    if precision is None:
+        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, f"hf-{dtype}")
+
+    if isinstance(tokenizer_or_ids, (list, tuple)):
+        tok, prompt_ids = _Tokenizer(None), [int(i) for i in tokenizer_or_ids]
+    else:
+        tok = _Tokenizer(tokenizer_or_ids)
+        prompt_ids = tok.encode(prompt)
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+
+    binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt or "",
+                                 prompt_ids=prompt_ids, max_new_tokens=int(max_new_tokens),
+                                 precision=precision, contract=contract, schedule=schedule,
+                                 capture_levels=mask, capture_payload_levels=payload_mask,
+                                 algorithm=algorithm)
+    prov = Provenance("transformers", transformers.__version__, torch.get_num_threads(),
+                      [("torch", torch.__version__),
+                       ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))])
+    writer = TraceWriter(out_path, binding, prov, algorithm)
+    rec = _Recorder(writer, mask, payload_mask)
+    cache = DynamicCache(config=cfg)
+    base = model.model
+    k = cfg.num_experts_per_tok
+    handles, restore = [], []
+    ctx = {"mismatch": 0, "cos_sin": {}}
+
+    def hook(module, fn, pre=False, kwargs=False):
+        if pre:
+            handles.append(module.register_forward_pre_hook(fn, with_kwargs=kwargs))
+        else:
+            handles.append(module.register_forward_hook(fn, with_kwargs=kwargs))
+
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def on_layer(m, args, out, i=i):
+            rec.add_rows(i, "L3", "layer.post_ffn_mhc", _f32(out[0]))
+            rec.flush(i)
+
+        def on_attn_hc(m, args, out, i=i):
+            rec.add_rows(i, "L4", "attn.hc_pre", _f32(out[2][0]))
+
+        def on_attn_norm(m, args, out, i=i):
+            rec.add_rows(i, "L4", "attn.norm", _f32(out[0]))
+
+        def on_attn_pre(m, args, kw, i=i, attn=attn):
+            ctx["cos_sin"][i] = kw["position_embeddings"][attn.rope_layer_type]
+
+        def on_q(m, args, out, i=i):
+            if rec.wants("L4"):
+                cos, sin = ctx["cos_sin"][i]
+                q = mdv4.apply_rotary_pos_emb(out, cos, sin)  # the call HF makes next, same inputs
+                rec.add_rows(i, "L4", "attn.q", _f32(q[0].transpose(0, 1)))
+
+        def on_attn(m, args, out, i=i):
+            rec.add_rows(i, "L4", "attn.output", _f32(out[0][0]))
+
+        def on_ffn_hc_pre(m, args, i=i):
+            rec.add_rows(i, "L3", "layer.post_attn_mhc", _f32(args[0][0]))
+
+        def on_ffn_hc(m, args, out, i=i):
+            rec.add_rows(i, "L4", "ffn.hc_pre", _f32(out[2][0]))
+
+        def on_ffn_norm(m, args, out, i=i):
+            rec.add_rows(i, "L4", "ffn.norm", _f32(out[0]))
+
+        def on_gate(m, args, out, i=i, is_hash=mlp.is_hash):
+            logits, weights, indices = out
+            scores = m.score_fn(logits)
+            rows = []
+            if not is_hash:
+                sel = (scores + m.e_score_correction_bias).float()  # the selection scores HF ranks
+                top = torch.sort(sel, dim=-1, descending=True, stable=True).values
+                rows = (top[:, k - 1] - top[:, k]).reshape(-1, 1) if sel.shape[-1] > k else None
+            for s in range(scores.shape[0]):
+                pos = rec.start + s
+                rec.add(i, pos, "L3", "router.scores", _f32(scores[s]))
+                rec.add(i, pos, "L3", "router.topk", indices[s].to(torch.int32).numpy())
+                rec.add(i, pos, "L3", "router.gates", _f32(weights[s]))
+                if not is_hash and rows is not None:
+                    rec.add(i, pos, "L3", "router.margin", _f32(rows[s]))
+
+        def on_experts(m, args, out, i=i):
+            if not rec.wants("L4"):
+                return
+            x, idx, w = args[0], args[1], args[2]
+            for s in range(x.shape[0]):
+                terms = []
+                for j in range(idx.shape[1]):
+                    e = int(idx[s, j])
+                    h = m._apply_gate(torch.nn.functional.linear(x[s:s + 1], m.gate_up_proj[e]))
+                    terms.append(torch.nn.functional.linear(h, m.down_proj[e]) * w[s, j])
+                    rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[-1][0]))
+                total = torch.stack(terms, dim=1).sum(dim=1).to(out.dtype)
+                if not torch.equal(total[0], out[s]):
+                    ctx["mismatch"] += 1
+
+        def on_shared(m, args, out, i=i):
+            rec.add_rows(i, "L4", "moe.shared", _f32(out[0]))
+
+        def on_mlp(m, args, out, i=i):
+            rec.add_rows(i, "L4", "moe.combine", _f32(out[0]))
+
+        hook(layer, on_layer)
+        hook(layer.attn_hc, on_attn_hc)
+        hook(layer.input_layernorm, on_attn_norm)
+        hook(attn, on_attn_pre, pre=True, kwargs=True)
+        hook(attn.q_b_norm, on_q)
+        hook(attn, on_attn)
+        hook(layer.ffn_hc, on_ffn_hc_pre, pre=True)
+        hook(layer.ffn_hc, on_ffn_hc)
+        hook(layer.post_attention_layernorm, on_ffn_norm)
+        hook(mlp.gate, on_gate)
+        hook(mlp.experts, on_experts)
+        hook(mlp.shared_experts, on_shared)
+        hook(mlp, on_mlp)
+        comp = attn.compressor
+        if comp is not None and getattr(comp, "indexer", None) is not None:
+            def on_indexer(m, args, out, i=i):
+                for s in range(out.shape[1]):
+                    ids = out[0, s]
+                    rec.add(i, rec.start + s, "L4", "attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy())
+
+            hook(comp.indexer, on_indexer)
+
+    # Cache-layer wrappers: the current kv (argument of update) and emitted compressed entries.
+    for i, cl in enumerate(cache.layers):
+        orig_update = cl.update
+
+        def update(key_states, value_states, *a, _orig=orig_update, _i=i, **kw):
+            rec.add_rows(_i, "L4", "attn.kv", _f32(key_states[0, 0]))
+            return _orig(key_states, value_states, *a, **kw)
+
+        cl.update = update
+        if hasattr(cl, "update_compressor_states"):
+            orig_ucs = cl.update_compressor_states
+
+            def ucs(name, compressed, _orig=orig_ucs, _i=i, _cl=cl):
+                first = _cl.entry_count[name]
+                path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
+                rows = _f32(compressed[0])
+                for j in range(rows.shape[0]):
+                    rec.add(_i, (first + j + 1) * _cl.compress_rate - 1, "L4", path, rows[j:j + 1])
+                return _orig(name, compressed)
+
+            cl.update_compressor_states = ucs
+
+    # attn.core: the attention-interface output before de-rotation (module global looked up per call).
+    orig_eager = mdv4.eager_attention_forward
+
+    def eager(module, *a, **kw):
+        out, weights = orig_eager(module, *a, **kw)
+        rec.add_rows(module.layer_idx, "L4", "attn.core", _f32(out[0]))
+        return out, weights
+
+    mdv4.eager_attention_forward = eager
+    restore.append(lambda: setattr(mdv4, "eager_attention_forward", orig_eager))
+
+    generated = []
+    try:
+        with torch.no_grad():
+            feed = list(prompt_ids)
+            for step in range(max_new_tokens):
+                rec.step = step
+                rec.start = 0 if step == 0 else len(prompt_ids) + step - 1
+                rec.phase = "prefill" if step == 0 else "decode"
+                last = rec.start + len(feed) - 1
+                rec.emit(rec.start, None, "L0", "token.input", np.array(feed, dtype=np.int32))
+                ids = torch.tensor([feed], dtype=torch.long)
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                logits = _f32(out.logits[0, -1])
+                lm, nxt = _lm_records(logits)
+                for path, arr in lm:
+                    rec.emit(last, None, "L1", path, arr)
+                generated.append(nxt)
+                rec.emit(last, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
+                text = tok.decode(generated)
+                if text is not None:
+                    rec.emit(last, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
+                if rec.wants("L2"):
+                    for layer, path, arr in _state_records(cfg, cache):
+                        rec.emit(last, layer, "L2", path, arr)
+                feed = [nxt]
+        summary = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for h in handles:
+            h.remove()
+        for r in restore:
+            r()
+    return CaptureResult(generated, summary, ctx["mismatch"])
