@@ -30,6 +30,9 @@ pub enum Command {
     /// The guided tour: trace the built-in model twice, once natively and once
     /// with one changed MoE reduction (scheme B at layer 5, the paper's fork),
     /// and show where and why the two executions part.
+    #[command(
+        after_help = "Examples:\n  moeconf demo\n  moeconf demo --fork-contract a --fork-order 17\n  moeconf demo --format json --out-dir /tmp/demo"
+    )]
     Demo(DemoArgs),
     /// Run the reference runtime greedily on a prompt and write a trace of
     /// every level (tokens, logits, persistent state, layer state, operators).
@@ -57,9 +60,15 @@ pub enum Command {
     Certify(crate::cmd::certify::CertifyArgs),
     /// Build a canonical trace from a backend's safetensors tensor dumps
     /// (naming convention and manifest in docs/import.md).
+    #[command(
+        after_help = "Examples:\n  moeconf import dumps/ -o cand.bin\n  moeconf import dumps/ --manifest dumps/manifest.json --payloads L1,L3 -o cand.bin\n\nNaming convention and manifest: docs/import.md"
+    )]
     Import(crate::cmd::import::ImportArgs),
     /// CI gate: diff a candidate against a reference under a reviewed policy
     /// (moeconf.toml), with text/JSON/JUnit/Markdown reports and blessed baselines.
+    #[command(
+        after_help = "Exit codes: 0 pass, 1 fail, 2 error (--bisect-exit-codes: 0 good, 1 bad, 125 skip, 128 error).\n\nExamples:\n  moeconf gate ref.bin cand.bin\n  moeconf gate ref.bin cand.bin --profile ci --format md >> \"$GITHUB_STEP_SUMMARY\"\n  moeconf gate ref.bin cand.bin --junit moeconf-junit.xml\n  moeconf gate --bless --baseline baselines/sheep.json cand.bin\n  moeconf gate --baseline baselines/sheep.json cand.bin\n\nPolicies, tolerance semantics and a GitHub Actions workflow: docs/ci.md"
+    )]
     Gate(crate::cmd::gate::GateArgs),
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
