@@ -67,7 +67,7 @@ pub enum Command {
     /// CI gate: diff a candidate against a reference under a reviewed policy
     /// (moeconf.toml), with text/JSON/JUnit/Markdown reports and blessed baselines.
     #[command(
-        after_help = "Exit codes: 0 pass, 1 fail, 2 error (--bisect-exit-codes: 0 good, 1 bad, 125 skip, 128 error).\n\nExamples:\n  moeconf gate ref.bin cand.bin\n  moeconf gate ref.bin cand.bin --profile ci --format md >> \"$GITHUB_STEP_SUMMARY\"\n  moeconf gate ref.bin cand.bin --junit moeconf-junit.xml\n  moeconf gate --bless --baseline baselines/sheep.json cand.bin\n  moeconf gate --baseline baselines/sheep.json cand.bin\n\nPolicies, tolerance semantics and a GitHub Actions workflow: docs/ci.md"
+        after_help = "Exit codes: 0 pass, 1 fail, 2 error (--bisect-exit-codes: 0 good, 1 bad, 125 skip, 128 error).\n\nExamples:\n  moeconf gate ref.bin cand.bin\n  moeconf gate ref.bin cand.bin --profile strict --format md >> \"$GITHUB_STEP_SUMMARY\"\n  moeconf gate ref.bin cand.bin --junit moeconf-junit.xml\n  moeconf gate --bless --baseline baselines/sheep.json cand.bin\n  moeconf gate --baseline baselines/sheep.json cand.bin\n\nPolicies, tolerance semantics and a GitHub Actions workflow: docs/ci.md"
     )]
     Gate(crate::cmd::gate::GateArgs),
     /// Calibration suite: the paper's experiments and the fault-injection
