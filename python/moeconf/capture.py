@@ -47,7 +47,7 @@ from .binding import Provenance
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
-__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "parse_levels"]
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "parse_levels", "original_name", "save_original"]
 
 #: Level name -> bit of the binding capture masks.
 LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
@@ -423,3 +423,63 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
         for r in restore:
             r()
     return CaptureResult(generated, summary, ctx["mismatch"])
+
+
+def original_name(name):
+    """The DeepSeek original (scheme B) name of a tensor that transformers'
+    ``save_pretrained(save_original_format=True)`` wrote under its hybrid names
+    (scheme C of the architecture notes, section 5): the ``model.`` prefix is
+    dropped, ``embed_tokens`` becomes ``embed``, ``hc_head.hc_{fn,base,scale}``
+    becomes ``hc_head_{fn,base,scale}`` and the attention ``attn.norm`` (HF's
+    reversal of ``kv_norm``) becomes ``attn.kv_norm``. Everything else (per-expert
+    ``ffn.experts.e.w1/w2/w3``, ``head.weight``, ``norm.weight``, ...) is
+    already original. Idempotent on scheme-B names."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name == "embed_tokens.weight":
+        return "embed.weight"
+    if name.startswith("hc_head."):
+        return "hc_head_" + name[len("hc_head.hc_"):] if name.startswith("hc_head.hc_") else name
+    parts = name.split(".")
+    # layers.{i}.attn.norm.weight -> layers.{i}.attn.kv_norm.weight (not attn.compressor.norm etc.)
+    if len(parts) == 5 and parts[0] == "layers" and parts[2:] == ["attn", "norm", "weight"]:
+        parts[3] = "kv_norm"
+    return ".".join(parts)
+
+
+def save_original(model, out_dir, tokenizer_json=None):
+    """Saves ``model`` (a transformers ``DeepseekV4ForCausalLM``) as a DeepSeek
+    original-names checkpoint (scheme B) that the reference runtime loads:
+    ``save_pretrained(save_original_format=True)`` into a temporary directory
+    (transformers' own reverse conversion: per-expert tensors, original module
+    names), then every tensor renamed with :func:`original_name` into
+    ``out_dir/model.safetensors`` (tensor bytes and dtypes unchanged), the
+    ``config.json`` transformers wrote, and ``tokenizer_json`` copied as
+    ``tokenizer.json`` when given. Returns the list of (hybrid, original) names
+    that changed."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    renamed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, save_original_format=True)
+        tensors = {}
+        for f in sorted(os.listdir(tmp)):
+            if not f.endswith(".safetensors"):
+                continue
+            for name, t in load_file(os.path.join(tmp, f)).items():
+                new = original_name(name)
+                if new in tensors:
+                    raise ValueError(f"{f}: tensors {name!r} and another both map to {new!r}")
+                if new != name:
+                    renamed.append((name, new))
+                tensors[new] = t.contiguous()
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(os.path.join(tmp, "config.json"), os.path.join(out_dir, "config.json"))
+    if tokenizer_json is not None:
+        shutil.copyfile(tokenizer_json, os.path.join(out_dir, "tokenizer.json"))
+    return renamed

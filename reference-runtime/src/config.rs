@@ -114,6 +114,10 @@ struct RawRope {
     original_max_position_embeddings: Option<f64>,
     beta_fast: Option<f64>,
     beta_slow: Option<f64>,
+    /// Per-rope-type form written by transformers 5.x `save_pretrained`: `{main: {..}, compress: {..}}`.
+    rope_theta: Option<f64>,
+    main: Option<Box<RawRope>>,
+    compress: Option<Box<RawRope>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -242,6 +246,25 @@ impl ModelConfig {
             ));
         }
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        // transformers 5.x saves the per-rope-type form {main: {..}, compress: {..}}: YaRN (if any)
+        // lives in `compress`, and each sub-dict carries its own rope_theta, which HF uses.
+        let (main_rope, compress_rope) = match rope {
+            Some(r) if r.main.is_some() || r.compress.is_some() => (r.main.as_deref(), r.compress.as_deref()),
+            _ => (None, None),
+        };
+        if let Some(t) = main_rope
+            .and_then(|m| m.rope_type.as_deref())
+            .filter(|t| *t != "default")
+        {
+            return Err(err(format!(
+                "key `rope_parameters.main.rope_type` = {t:?} is unsupported (only the compress rope may scale)"
+            )));
+        }
+        let rope = if main_rope.is_some() || compress_rope.is_some() {
+            compress_rope
+        } else {
+            rope
+        };
         let yarn = match rope {
             None => None,
             Some(r) => match r.rope_type.as_deref() {
@@ -358,8 +381,18 @@ impl ModelConfig {
             experts_per_tok,
             n_routed_experts,
             routed_scaling_factor: f(raw.routed_scaling_factor, 1.5, "routed_scaling_factor")?,
-            rope_theta: f(raw.rope_theta, 10000.0, "rope_theta")?,
-            compress_rope_theta: f(raw.compress_rope_theta, 160000.0, "compress_rope_theta")?,
+            rope_theta: f(
+                main_rope.and_then(|m| m.rope_theta).or(raw.rope_theta),
+                10000.0,
+                "rope_theta",
+            )?,
+            compress_rope_theta: f(
+                compress_rope
+                    .and_then(|c| c.rope_theta)
+                    .or(raw.compress_rope_theta),
+                160000.0,
+                "compress_rope_theta",
+            )?,
             yarn,
             layer_types,
             mlp_layer_types,
@@ -459,6 +492,31 @@ mod tests {
         assert_eq!(c.rope_dim, 16);
         assert_eq!((c.csa_rate, c.hca_rate), (4, 128));
         assert_eq!(c.yarn.map(|y| y.factor), Some(16.0));
+    }
+
+    #[test]
+    fn nested_rope_parameters_as_saved_by_transformers() {
+        // transformers 5.23 `save_pretrained` writes {main: {..}, compress: {..}}; YaRN is on `compress`.
+        let mut v = base();
+        v["layer_types"] = serde_json::json!([
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "sliding_attention"
+        ]);
+        v["rope_parameters"] = serde_json::json!({
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 65536, "attention_factor": 1.0}
+        });
+        let c = ModelConfig::from_json(Path::new("config.json"), &v.to_string()).unwrap();
+        assert_eq!(
+            c.yarn.map(|y| (y.factor, y.original_max_position_embeddings)),
+            Some((16.0, 65536.0))
+        );
+        assert_eq!((c.rope_theta, c.compress_rope_theta), (10000.0, 160000.0));
+        v["rope_parameters"]["main"]["rope_type"] = serde_json::json!("yarn");
+        let e = ModelConfig::from_json(Path::new("config.json"), &v.to_string()).unwrap_err();
+        assert!(e.to_string().contains("rope_parameters.main.rope_type"), "{e}");
     }
 
     #[test]
