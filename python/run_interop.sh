@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The one command for the opt-in transformers tests and the measured cross-backend report
+# (docs/interop.md). Installs the pinned heavy stack from PyPI (torch 2.15.0 CPU+CUDA wheels,
+# transformers 5.23.0, safetensors 0.8.0: about 5.6 GB), builds the Rust binary if it is
+# missing, runs the `transformers`-marked tests (MOECONF_TRANSFORMERS_TESTS=1), then
+# python/interop_check.py, which prints every number of docs/interop.md and leaves the traces
+# in $INTEROP_OUT (default target/interop). Not part of the default CI run (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON="${PYTHON:-python3}"
+PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --disable-pip-version-check \
+  "torch==2.15.0" "transformers==5.23.0" "safetensors==0.8.0" numpy blake3 pytest
+BIN="${MOECONF_BIN:-../target/release/moeconf}"
+if [ ! -x "$BIN" ]; then
+  (cd .. && cargo build --release -p moeconf)
+fi
+MOECONF_BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
+export MOECONF_BIN
+MOECONF_TRANSFORMERS_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m transformers tests
+"$PYTHON" interop_check.py --out "${INTEROP_OUT:-../target/interop}"
