@@ -44,3 +44,8 @@ def binding_from_model(model_dir, name, **fields):
             raise TypeError(f"Binding has no field {k!r}")
         setattr(b, k, v)
     return b
+
+
+# ``moeconf.capture(model, ...)``: the transformers capture (a callable module; torch and
+# transformers are imported only when it runs).
+from . import capture  # noqa: E402

@@ -38,6 +38,8 @@ transformers (imported lazily; the rest of the package does not need them).
 """
 
 import os
+import sys
+import types
 from typing import List, NamedTuple
 
 import numpy as np
@@ -483,3 +485,14 @@ def save_original(model, out_dir, tokenizer_json=None):
     if tokenizer_json is not None:
         shutil.copyfile(tokenizer_json, os.path.join(out_dir, "tokenizer.json"))
     return renamed
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``moeconf.capture(model, ...)`` call :func:`capture` while the module keeps
+    its other names (``moeconf.capture.save_original``, ...)."""
+
+    def __call__(self, *args, **kwargs):
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

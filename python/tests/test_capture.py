@@ -22,8 +22,9 @@ if os.environ.get("MOECONF_TRANSFORMERS_TESTS") != "1":
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import moeconf  # noqa: E402
 from moeconf import read_trace  # noqa: E402
-from moeconf.capture import capture, original_name, save_original  # noqa: E402
+from moeconf.capture import original_name, save_original  # noqa: E402
 
 PROMPT = "why the sheep"
 STEPS = 8
@@ -69,7 +70,7 @@ def _capture(env, prec):
     model = _load(env["model"], {"f32": torch.float32, "bf16": torch.bfloat16}[prec])
     tok = Tokenizer.from_file(os.path.join(env["model"], "tokenizer.json"))
     out = env["root"] / f"hf_{prec}.bin"
-    res = capture(model, tok, PROMPT, STEPS, out, model_name="builtin:tiny-v4")
+    res = moeconf.capture(model, tok, PROMPT, STEPS, out, model_name="builtin:tiny-v4")  # the callable module
     return out, res
 
 
