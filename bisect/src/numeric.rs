@@ -71,7 +71,8 @@ pub struct NumericSummary {
 }
 
 /// Element `i` of a little-endian tensor as `f64` (integers converted).
-fn value(dtype: DType, bytes: &[u8], i: usize) -> Option<f64> {
+/// Shared by the diff summaries and the gate's tolerance checks.
+pub fn element_value(dtype: DType, bytes: &[u8], i: usize) -> Option<f64> {
     let n = dtype.size();
     let b = bytes.get(i * n..i * n + n)?;
     Some(match dtype {
@@ -87,7 +88,8 @@ fn value(dtype: DType, bytes: &[u8], i: usize) -> Option<f64> {
 
 /// Position of element `i` on a line where adjacent floats are one apart
 /// (sign-magnitude bits mapped to a monotone integer); integers as themselves.
-fn ordinal(dtype: DType, bytes: &[u8], i: usize) -> Option<i128> {
+/// The ULP distance of two floats is the difference of their ordinals.
+pub fn element_ordinal(dtype: DType, bytes: &[u8], i: usize) -> Option<i128> {
     let n = dtype.size();
     let b = bytes.get(i * n..i * n + n)?;
     let sm = |bits: u64, sign: u64| -> i128 {
@@ -168,7 +170,10 @@ pub fn summarize(
             continue;
         }
         s.differing += 1;
-        let (Some(r), Some(c)) = (value(dtype, reference, i), value(dtype, candidate, i)) else {
+        let (Some(r), Some(c)) = (
+            element_value(dtype, reference, i),
+            element_value(dtype, candidate, i),
+        ) else {
             continue;
         };
         if r.is_nan() || c.is_nan() {
@@ -178,7 +183,10 @@ pub fn summarize(
             continue;
         }
         let delta = (c - r).abs();
-        if let (Some(a), Some(b)) = (ordinal(dtype, reference, i), ordinal(dtype, candidate, i)) {
+        if let (Some(a), Some(b)) = (
+            element_ordinal(dtype, reference, i),
+            element_ordinal(dtype, candidate, i),
+        ) {
             let u = (a - b).unsigned_abs();
             s.max_ulp = s.max_ulp.max(u64::try_from(u).unwrap_or(u64::MAX));
         }
@@ -208,8 +216,8 @@ pub fn summarize(
         Some(WorstElement {
             flat_index: i as u64,
             index: unravel(i as u64, shape),
-            reference: value(dtype, reference, i)?,
-            candidate: value(dtype, candidate, i)?,
+            reference: element_value(dtype, reference, i)?,
+            candidate: element_value(dtype, candidate, i)?,
         })
     });
     Some(s)

@@ -182,50 +182,17 @@ pub struct Eval {
     pub minimal: Option<Minimal>,
 }
 
-/// Element `i` as f64 (integers converted exactly up to 2^53).
+/// One element (its `dtype.size()` bytes) as f64; the same conversion as the diff's summaries.
 fn value(dtype: DType, b: &[u8]) -> f64 {
-    let a = |n: usize| -> [u8; 8] {
-        let mut x = [0u8; 8];
-        x[..n].copy_from_slice(&b[..n]);
-        x
-    };
-    match dtype {
-        DType::F32 => f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::BF16 => f64::from(f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)),
-        DType::F64 => f64::from_le_bytes(a(8)),
-        DType::I32 => f64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::I64 => i64::from_le_bytes(a(8)) as f64,
-        DType::U32 => f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::U8 => f64::from(b[0]),
-    }
+    moeconf_bisect::element_value(dtype, b, 0).unwrap_or(f64::NAN)
 }
 
-/// Position on a line where adjacent representable values are one apart.
+/// One element's position on the line where adjacent representable values
+/// are one apart (the diff's definition, so gate and diff agree on ULPs).
 fn ordinal(dtype: DType, b: &[u8]) -> i128 {
-    let sm = |bits: u64, sign: u64| -> i128 {
-        if bits & sign != 0 {
-            -((bits & !sign) as i128)
-        } else {
-            bits as i128
-        }
-    };
-    match dtype {
-        DType::F32 => sm(u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])), 1 << 31),
-        DType::BF16 => sm(u64::from(u16::from_le_bytes([b[0], b[1]])), 1 << 15),
-        DType::F64 => sm(
-            u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-            1 << 63,
-        ),
-        DType::I32 => i128::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::I64 => i128::from(i64::from_le_bytes([
-            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
-        ])),
-        DType::U32 => i128::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::U8 => i128::from(b[0]),
-    }
+    moeconf_bisect::element_ordinal(dtype, b, 0).unwrap_or(0)
 }
 
-/// The two payloads as element slices, or a reason they cannot be compared.
 fn elements<'a>(
     dtype: DType,
     r: &'a [u8],
