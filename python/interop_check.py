@@ -122,7 +122,10 @@ def main():
     ap.add_argument("--moeconf", default=os.environ.get("MOECONF_BIN") or
                     os.path.join(REPO, "target", "release", "moeconf"))
     ap.add_argument("--out", default="interop-out")
+    ap.add_argument("--steps", type=int, default=STEPS, help="new tokens (forward steps); 8 in docs/interop.md "
+                    "sections 2-4, 40 in section 4.4 (HCA entries, sparse indexer selection)")
     args = ap.parse_args()
+    steps = args.steps
 
     import torch
     import transformers
@@ -145,7 +148,7 @@ def main():
     T = {}
     for prec in ("f32", "bf16"):
         T["ref", prec] = os.path.join(out, f"ref_{prec}.bin")
-        mc("run", "--model", "builtin:tiny-v4", "--prompt", PROMPT, "--max-new-tokens", STEPS,
+        mc("run", "--model", "builtin:tiny-v4", "--prompt", PROMPT, "--max-new-tokens", steps,
            "--precision", prec, "--capture", "all", "-o", T["ref", prec])
     model_dir = os.path.dirname(glob.glob(os.path.join(out, "cache", "*", "config.json"))[0])
     print("fixture checkpoint:", model_dir)
@@ -155,11 +158,11 @@ def main():
     for prec in ("f32", "bf16"):
         model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=dtypes[prec]).eval()
         T["hf", prec] = os.path.join(out, f"hf_{prec}.bin")
-        res = capture(model, tok, PROMPT, STEPS, T["hf", prec], model_name="builtin:tiny-v4")
+        res = capture(model, tok, PROMPT, steps, T["hf", prec], model_name="builtin:tiny-v4")
         print(f"transformers {prec}: generated {res.generated}; experts implementation "
               f"{getattr(model.config, '_experts_implementation', None)}; recomputed moe.term.* whose slot-order "
               f"sum differs from the experts output: {res.moe_terms_recombine_mismatches} of "
-              f"{model.config.num_hidden_layers * (4 + STEPS)} events")
+              f"{model.config.num_hidden_layers * (4 + steps)} events")
 
     # transformers -> original names -> reference runtime
     saved = os.path.join(out, "hf_saved_b")
@@ -168,7 +171,7 @@ def main():
     print(f"save_original: {len(renamed)} tensors renamed from save_pretrained's names")
     for prec in ("f32", "bf16"):
         p = os.path.join(out, f"ref_saved_{prec}.bin")
-        mc("run", "--model", saved, "--prompt", PROMPT, "--max-new-tokens", STEPS, "--precision", prec,
+        mc("run", "--model", saved, "--prompt", PROMPT, "--max-new-tokens", steps, "--precision", prec,
            "--capture", "all", "-o", p)
         d = mc("diff", "--force", T["ref", prec], p, check=False)
         print(f"reference on the transformers-saved checkpoint vs on the fixture ({prec}), diff --force: "
@@ -182,6 +185,13 @@ def main():
     with open(policy, "w", encoding="utf-8") as f:
         f.write(m.group(1))
     k = model.config.num_experts_per_tok
+    hf = read_trace(T["hf", "f32"])
+    comp = {p: sum(1 for r in hf.records if r.coord.path == p) for p in ("attn.compressed", "attn.indexer_compressed")}
+    sparse = sum(1 for i, r in enumerate(hf.records) if r.coord.path == "attn.indexer_topk"
+                 and r.shape[0] == model.config.index_topk)
+    print(f"features in the transformers fp32 capture: {comp['attn.compressed']} compressed entries, "
+          f"{comp['attn.indexer_compressed']} indexer entries, {sparse} indexer selections of the full "
+          f"index_topk={model.config.index_topk}")
     for ref, cand in ((("ref", "f32"), ("hf", "f32")), (("ref", "bf16"), ("hf", "bf16")),
                       (("ref", "f32"), ("ref", "bf16")), (("hf", "f32"), ("hf", "bf16"))):
         print(f"\n== {ref[0]}-{ref[1]} (reference) vs {cand[0]}-{cand[1]} (candidate)")

@@ -103,12 +103,13 @@ class _Tokenizer:
         return list(t.encode(text, add_special_tokens=False))
 
     def decode(self, ids):
+        # special tokens (e.g. an emitted end-of-sentence) are left out, as the reference's decode does
         t = self.tok
         if t is None:
             return None
         if hasattr(t, "encode_batch"):
-            return t.decode(list(ids), skip_special_tokens=False)
-        return t.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            return t.decode(list(ids), skip_special_tokens=True)
+        return t.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class _Recorder:
