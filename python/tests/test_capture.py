@@ -166,3 +166,32 @@ def test_transformers_saved_original_checkpoint_runs_identically_in_rust(env, pr
         a = _load(env["model"], torch.float32)(input_ids=ids).logits
         b = _load(str(saved), torch.float32)(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+def test_every_feature_is_captured_over_40_tokens(env):
+    # 44 positions: window wrap (w = 8), HCA entries (rate 16), sparse indexer selections (T > 4)
+    from tokenizers import Tokenizer
+
+    steps = 40
+    ref_path = env["root"] / "ref_f32_40.bin"
+    env["run"]("run", "--model", "builtin:tiny-v4", "--prompt", PROMPT, "--max-new-tokens", steps,
+               "--precision", "f32", "--capture", "all", "-o", ref_path)
+    torch.set_num_threads(1)
+    model = _load(env["model"], torch.float32)
+    out = env["root"] / "hf_f32_40.bin"
+    moeconf.capture(model, Tokenizer.from_file(os.path.join(env["model"], "tokenizer.json")), PROMPT, steps, out,
+                    model_name="builtin:tiny-v4")
+    hf, ref = read_trace(out), read_trace(ref_path)
+    assert {_key(r) for r in hf.records} == {_key(r) for r in ref.records}
+    cfg = model.config
+    hca = [i for i, t in enumerate(cfg.layer_types) if t == "heavily_compressed_attention"]
+    entries = [r for r in hf.records if r.coord.path == "attn.compressed" and r.coord.layer in hca]
+    assert len(entries) == len(hca) * (44 // cfg.compress_rates["heavily_compressed_attention"])
+    assert all(r.coord.position % 16 == 15 and r.shape == [1, cfg.head_dim] for r in entries)
+    sparse = [r for r in hf.records if r.coord.path == "attn.indexer_topk" and r.shape == [cfg.index_topk]
+              and (r.coord.position + 1) // 4 > cfg.index_topk]
+    assert sparse, "no sparse indexer selection captured"
+    ih = {_key(r): i for i, r in enumerate(hf.records)}
+    ids = [(ref.array(i).tolist(), hf.array(ih[_key(r)]).tolist())
+           for i, r in enumerate(ref.records) if r.coord.path == "attn.indexer_topk" and r.coord.step < 8]
+    assert all(a == b for a, b in ids)  # identical selections while the tokens agree
