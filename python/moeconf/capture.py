@@ -233,7 +233,7 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
     dtype = next(model.parameters()).dtype
     if precision is None:
-        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, f"hf-{dtype}")
+        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, "hf-" + str(dtype).replace("torch.", ""))
 
     if isinstance(tokenizer_or_ids, (list, tuple)):
         tok, prompt_ids = _Tokenizer(None), [int(i) for i in tokenizer_or_ids]
