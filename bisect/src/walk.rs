@@ -120,6 +120,22 @@ impl<'a> Sides<'a> {
 
     fn merge_records(&self, ra: &[usize], ca: &[usize], out: &mut Vec<Pair>) {
         let (re, ce) = (self.r.records(), self.c.records());
+        self.merge_join(ra, ca, out, |a, b| {
+            re[a].digest != ce[b].digest || re[a].dtype != ce[b].dtype || re[a].shape != ce[b].shape
+        });
+    }
+
+    /// Merge-joins two record lists sorted in tree order: records present on
+    /// one side only are always emitted; records on both sides are emitted
+    /// when `keep_pair` says so.
+    fn merge_join(
+        &self,
+        ra: &[usize],
+        ca: &[usize],
+        out: &mut Vec<Pair>,
+        keep_pair: impl Fn(usize, usize) -> bool,
+    ) {
+        let (re, ce) = (self.r.records(), self.c.records());
         let (mut i, mut j) = (0, 0);
         while i < ra.len() || j < ca.len() {
             let ord = match (ra.get(i), ca.get(j)) {
@@ -144,10 +160,7 @@ impl<'a> Sides<'a> {
                 }
                 Ordering::Equal => {
                     let (a, b) = (ra[i], ca[j]);
-                    if re[a].digest != ce[b].digest
-                        || re[a].dtype != ce[b].dtype
-                        || re[a].shape != ce[b].shape
-                    {
+                    if keep_pair(a, b) {
                         out.push(Pair {
                             r: Some(a),
                             c: Some(b),
@@ -196,40 +209,8 @@ impl<'a> Sides<'a> {
                 .collect()
         };
         let (ra, ca) = (pick(self.r), pick(self.c));
-        let (re, ce) = (self.r.records(), self.c.records());
         let mut out = Vec::new();
-        let (mut i, mut j) = (0, 0);
-        while i < ra.len() || j < ca.len() {
-            let ord = match (ra.get(i), ca.get(j)) {
-                (Some(&a), Some(&b)) => tree_key(&re[a]).cmp(&tree_key(&ce[b])),
-                (Some(_), None) => Ordering::Less,
-                _ => Ordering::Greater,
-            };
-            match ord {
-                Ordering::Less => {
-                    out.push(Pair {
-                        r: Some(ra[i]),
-                        c: None,
-                    });
-                    i += 1;
-                }
-                Ordering::Greater => {
-                    out.push(Pair {
-                        r: None,
-                        c: Some(ca[j]),
-                    });
-                    j += 1;
-                }
-                Ordering::Equal => {
-                    out.push(Pair {
-                        r: Some(ra[i]),
-                        c: Some(ca[j]),
-                    });
-                    i += 1;
-                    j += 1;
-                }
-            }
-        }
+        self.merge_join(&ra, &ca, &mut out, |_, _| true);
         out
     }
 

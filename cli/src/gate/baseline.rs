@@ -188,25 +188,7 @@ pub fn compare(baseline: &Baseline, candidate: &Trace, profile: &Profile) -> any
         let name = l.name();
         let in_baseline = baseline.steps.iter().any(|s| s.levels.contains_key(name));
         let in_candidate = candidate.tree().steps.iter().any(|s| s.level(l).is_some());
-        let mut r = LevelResult {
-            level: name.into(),
-            describe: l.describe().into(),
-            mode: profile.mode(l),
-            status: if in_baseline && in_candidate {
-                Status::Pass
-            } else {
-                Status::NotCompared
-            },
-            records: 0,
-            differing: 0,
-            failed: 0,
-            inconclusive: 0,
-            near_ties: 0,
-            skipped_after_near_tie: 0,
-            first_difference: None,
-            first_failure: None,
-            minimal: None,
-        };
+        let mut r = LevelResult::empty(l, profile.mode(l), in_baseline && in_candidate);
         if r.status == Status::Pass {
             for &s in &steps {
                 r.records += 1;

@@ -152,6 +152,32 @@ pub struct LevelResult {
     pub minimal: Option<Minimal>,
 }
 
+impl LevelResult {
+    /// A level with nothing judged yet: `Pass` when both sides captured it,
+    /// `NotCompared` otherwise.
+    pub fn empty(level: Level, mode: Mode, captured: bool) -> LevelResult {
+        LevelResult {
+            level: level.name().into(),
+            describe: level.describe().into(),
+            mode,
+            status: if captured {
+                Status::Pass
+            } else {
+                Status::NotCompared
+            },
+            records: 0,
+            differing: 0,
+            failed: 0,
+            inconclusive: 0,
+            near_ties: 0,
+            skipped_after_near_tie: 0,
+            first_difference: None,
+            first_failure: None,
+            minimal: None,
+        }
+    }
+}
+
 /// Result of one rule (only rules that judged a differing record are listed).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RuleResult {
@@ -534,25 +560,7 @@ pub fn evaluate(
     let mut levels: Vec<LevelAcc> = Level::ALL
         .iter()
         .map(|&l| LevelAcc {
-            r: LevelResult {
-                level: l.name().into(),
-                describe: l.describe().into(),
-                mode: profile.mode(l),
-                status: if captured(l) {
-                    Status::Pass
-                } else {
-                    Status::NotCompared
-                },
-                records: 0,
-                differing: 0,
-                failed: 0,
-                inconclusive: 0,
-                near_ties: 0,
-                skipped_after_near_tie: 0,
-                first_difference: None,
-                first_failure: None,
-                minimal: None,
-            },
+            r: LevelResult::empty(l, profile.mode(l), captured(l)),
         })
         .collect();
     // Rule accumulators keyed by rule index; bitwise failures of level l under usize::MAX - 5 + l.
