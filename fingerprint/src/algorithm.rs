@@ -60,9 +60,16 @@ impl Algorithm {
 
     /// Digest of a byte string in one call.
     pub fn hash(self, bytes: &[u8]) -> Digest {
-        let mut h = self.hasher();
-        h.update(bytes);
-        h.finalize()
+        // One-shot paths: no boxed streaming state (tree nodes hash thousands
+        // of short preimages when a trace is opened).
+        match self {
+            Algorithm::Blake3 => Digest(*blake3::hash(bytes).as_bytes()),
+            Algorithm::Sha256 => {
+                let mut d = [0u8; 32];
+                d.copy_from_slice(&sha2::Sha256::digest(bytes));
+                Digest(d)
+            }
+        }
     }
 }
 

@@ -126,11 +126,11 @@ impl HashTree {
                 | (u128::from(l.coord.position) << 8)
                 | l.coord.phase as u128
         };
+        let keys: Vec<u128> = leaves.iter().map(packed).collect();
         let cmp = |a: &usize, b: &usize| {
-            let (la, lb) = (&leaves[*a], &leaves[*b]);
-            packed(la)
-                .cmp(&packed(lb))
-                .then_with(|| la.coord.path.cmp(&lb.coord.path))
+            keys[*a]
+                .cmp(&keys[*b])
+                .then_with(|| leaves[*a].coord.path.cmp(&leaves[*b].coord.path))
         };
         let mut order: Vec<usize> = (0..leaves.len()).collect();
         order.sort_unstable_by(cmp);
