@@ -35,7 +35,7 @@ pub const MAX_RANK: usize = 8;
 /// Chunk size of the canonicalizing stream on one thread (fits in L2).
 const CHUNK: usize = 256 * 1024;
 /// Chunk size when large tensors are hashed on the rayon pool.
-const PARALLEL_CHUNK: usize = 1024 * 1024;
+const PARALLEL_CHUNK: usize = 8 * 1024 * 1024;
 
 /// Errors of the fingerprint crate.
 #[derive(Debug, Error)]
@@ -174,8 +174,24 @@ where
         // roll the hasher back and hash a canonicalized copy instead. This
         // keeps the scan nearly free next to the hash.
         let snapshot = hasher.clone();
-        hasher.update_with(c, parallel);
-        if surely_canonical(dtype, c, policy) || is_canonical(dtype, c, policy) {
+        let canonical = if chunk == PARALLEL_CHUNK {
+            // Large tensor on the rayon pool: hash and scan the piece at the
+            // same time (the scan in cache-sized sub-pieces), so neither waits
+            // for the other. Sub-pieces are multiples of every element size.
+            let (_, canonical) = rayon::join(
+                || hasher.update_with(c, true),
+                || {
+                    use rayon::prelude::*;
+                    c.par_chunks(CHUNK)
+                        .all(|x| surely_canonical(dtype, x, policy) || is_canonical(dtype, x, policy))
+                },
+            );
+            canonical
+        } else {
+            hasher.update_with(c, parallel);
+            surely_canonical(dtype, c, policy) || is_canonical(dtype, c, policy)
+        };
+        if canonical {
             sink(c)?;
         } else {
             *hasher = snapshot;
