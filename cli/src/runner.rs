@@ -279,6 +279,16 @@ pub fn build_combine(
     }
 }
 
+/// The provenance block of traces written by this build's reference runtime.
+pub fn reference_provenance(threads: u32, notes: Vec<(String, String)>) -> Provenance {
+    Provenance {
+        runtime: "moeconf-reference-runtime".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        threads,
+        notes,
+    }
+}
+
 /// Everything a traced run needs.
 pub struct RunSpec<'a> {
     /// Prompt text (tokenized with the model's tokenizer).
@@ -350,12 +360,7 @@ pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> anyhow::
     };
     let header = Header {
         binding,
-        provenance: Provenance {
-            runtime: "moeconf-reference-runtime".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            threads: rayon::current_num_threads() as u32,
-            notes: vec![],
-        },
+        provenance: reference_provenance(rayon::current_num_threads() as u32, vec![]),
     };
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
     let mut sink = TraceSink::new(writer, spec.capture);

@@ -28,8 +28,7 @@ use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::state::DecodeState;
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_schema::{
-    Binding, CaptureSpec, Decoding, Header, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity,
-    TraceWriter,
+    Binding, CaptureSpec, Decoding, Header, ModelIdentity, PromptBinding, TokenizerIdentity, TraceWriter,
 };
 use serde_json::Value;
 
@@ -250,12 +249,7 @@ impl Ctx {
         };
         let header = Header {
             binding,
-            provenance: Provenance {
-                runtime: "moeconf-reference-runtime".into(),
-                version: env!("CARGO_PKG_VERSION").into(),
-                threads: 1,
-                notes,
-            },
+            provenance: crate::runner::reference_provenance(1, notes),
         };
         let writer = TraceWriter::create(path, ALGORITHM, header)?;
         let mut sink = TraceSink::new(writer, capture);
