@@ -182,6 +182,18 @@ pub struct Eval {
     pub minimal: Option<Minimal>,
 }
 
+impl Eval {
+    /// A failure where the two records cannot be compared element by element
+    /// (dtype or length mismatch): no tolerance would have passed.
+    fn unusable(detail: String) -> Eval {
+        Eval {
+            pass: false,
+            detail,
+            minimal: None,
+        }
+    }
+}
+
 /// One element (its `dtype.size()` bytes) as f64; the same conversion as the diff's summaries.
 fn value(dtype: DType, b: &[u8]) -> f64 {
     moeconf_bisect::element_value(dtype, b, 0).unwrap_or(f64::NAN)
@@ -236,13 +248,7 @@ fn nonfinite(r: f64, c: f64, equal_nan: bool) -> Result<bool, String> {
 pub fn elementwise(dtype: DType, r: &[u8], c: &[u8], rtol: f64, atol: f64, equal_nan: bool) -> Eval {
     let (ri, ci) = match elements(dtype, r, c) {
         Ok(x) => x,
-        Err(e) => {
-            return Eval {
-                pass: false,
-                detail: e,
-                minimal: None,
-            }
-        }
+        Err(e) => return Eval::unusable(e),
     };
     let (mut failing, mut total) = (0u64, 0u64);
     let (mut atol_needed, mut rtol_needed) = (0.0f64, 0.0f64);
@@ -306,13 +312,7 @@ pub fn elementwise(dtype: DType, r: &[u8], c: &[u8], rtol: f64, atol: f64, equal
 pub fn ulp(dtype: DType, r: &[u8], c: &[u8], max_ulp: u64, equal_nan: bool) -> Eval {
     let (ri, ci) = match elements(dtype, r, c) {
         Ok(x) => x,
-        Err(e) => {
-            return Eval {
-                pass: false,
-                detail: e,
-                minimal: None,
-            }
-        }
+        Err(e) => return Eval::unusable(e),
     };
     let mut worst: (u64, usize) = (0, 0);
     let mut special: Option<String> = None;
@@ -361,13 +361,7 @@ pub fn aggregate(
 ) -> Eval {
     let (ri, ci) = match elements(dtype, r, c) {
         Ok(x) => x,
-        Err(e) => {
-            return Eval {
-                pass: false,
-                detail: e,
-                minimal: None,
-            }
-        }
+        Err(e) => return Eval::unusable(e),
     };
     let (mut rr, mut cc, mut rc, mut dd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     for (i, (rb, cb)) in ri.zip(ci).enumerate() {
