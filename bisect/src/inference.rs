@@ -13,7 +13,7 @@
 //! element evaluations. Orders are enumerated for k ≤ [`MAX_INFERENCE_K`].
 
 use moeconf_fingerprint::{canonical_f32_bits, CanonPolicy};
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     all_permutations, b_class_representatives, identity_permutation, prove_invariance, AggregationContract,
     OutputRounding,
 };
@@ -257,7 +257,7 @@ pub fn infer(terms: &[Vec<f32>], shared: &[f32], combine: &[f32], canon: CanonPo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use moeconf_reference_runtime::contract::{b_class_representative, Order};
+    use moeconf_contract::{b_class_representative, Order};
 
     fn terms(seed: u64, k: usize, d: usize) -> Vec<Vec<f32>> {
         let mut x = seed;

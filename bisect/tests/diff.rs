@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use moeconf_bisect::{diff, BisectError, DiffOptions, LevelStatus, OrderKind, Verdict};
-use moeconf_reference_runtime::contract::{b_class_representative, AggregationContract, Order};
+use moeconf_contract::{b_class_representative, AggregationContract, Order};
 
 fn pair(
     reference: &Synth,

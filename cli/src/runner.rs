@@ -5,8 +5,8 @@
 use anyhow::{bail, Context};
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
-use moeconf_reference_runtime::contract::prompt_hash;
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::prompt_hash;
+use moeconf_contract::{
     parse_fork_order, AggregationContract, ForkCombine, ForkPoint, MoeCombine, Schedule, ScheduledCombine,
 };
 use moeconf_reference_runtime::generate::GenerateOptions;

@@ -261,7 +261,7 @@ fn runtime_b_forks_are_localized_and_their_class_inferred() {
 
 #[test]
 fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
-    use moeconf_reference_runtime::contract::{b_class_of, permutation_from_index, prompt_hash, Schedule};
+    use moeconf_contract::{b_class_of, permutation_from_index, prompt_hash, Schedule};
     let dir = tempfile::tempdir().unwrap();
     let reference = dir.path().join("ref.bin");
     run_trace(&reference, &[]);

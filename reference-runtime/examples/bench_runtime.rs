@@ -4,7 +4,7 @@
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::bench::bench_generate;
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, NullSink};
-use moeconf_reference_runtime::contract::NativeCombine;
+use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
 

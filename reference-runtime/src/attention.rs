@@ -227,7 +227,7 @@ pub(crate) fn attention_forward(
             }
             let mut add = |e: &f32| {
                 z = if fx.softmax_bf16_accumulator {
-                    crate::bf16::r_bf16(z + e)
+                    moeconf_contract::bf16::r_bf16(z + e)
                 } else {
                     z + e
                 }

@@ -146,7 +146,7 @@ pub(crate) fn compressor_step_with(
             let prob = p.round(es / sum);
             let term = p.round(prob * kv[s * dim + ch]);
             if bf16_accumulator {
-                acc = crate::bf16::r_bf16(acc + term);
+                acc = moeconf_contract::bf16::r_bf16(acc + term);
             } else {
                 acc += term;
             }

@@ -36,8 +36,8 @@
 
 use std::sync::Mutex;
 
-use crate::bf16::r_bf16;
-use crate::contract::{AggregationContract, CombineEvent, MoeCombine, CANONICAL_NAN_BITS};
+use moeconf_contract::bf16::r_bf16;
+use moeconf_contract::{AggregationContract, CombineEvent, MoeCombine, CANONICAL_NAN_BITS};
 
 /// One deliberate deviation from the runtime's numerical contract.
 #[derive(Debug, Clone, PartialEq)]
@@ -353,7 +353,7 @@ mod tests {
         SharedFirstCombine.combine(&ev, &[&t0, &t1], &s, &mut y);
         assert_eq!(y[0].to_bits(), 0x3380_0000);
         let mut n = [0.0f32];
-        crate::contract::combine_native(&[&t0, &t1], &s, &mut n);
+        moeconf_contract::combine_native(&[&t0, &t1], &s, &mut n);
         assert_eq!(n[0], 0.0);
         assert_eq!(FaultKind::SharedExpertFirst.operator(), "moe.combine");
     }

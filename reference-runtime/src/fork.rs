@@ -40,7 +40,7 @@ use moeconf_fingerprint::{
 use rayon::prelude::*;
 
 use crate::capture::{CaptureError, CaptureSink};
-use crate::contract::{
+use moeconf_contract::{
     b_class_count, factorial, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Order,
     MAX_ENUMERATED_K,
 };
@@ -183,7 +183,7 @@ impl Scheme {
     /// (`index:0..`, lexicographic; distinct A permutations are not merged).
     /// k ≤ [`MAX_ENUMERATED_K`].
     pub fn enumerate(name: &str, k: usize) -> Result<Scheme, RuntimeError> {
-        let bad = |e: crate::contract::ContractError| RuntimeError::Input(format!("scheme {name:?}: {e}"));
+        let bad = |e: moeconf_contract::ContractError| RuntimeError::Input(format!("scheme {name:?}: {e}"));
         let family = AggregationContract::parse(name).map_err(bad)?;
         if k > MAX_ENUMERATED_K {
             return Err(RuntimeError::Input(format!(

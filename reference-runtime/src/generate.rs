@@ -3,7 +3,7 @@
 //! position P+s−1 and predicts g_{s+1}; N new tokens take N forwards).
 
 use crate::capture::CaptureSink;
-use crate::contract::MoeCombine;
+use moeconf_contract::MoeCombine;
 use crate::error::RuntimeError;
 use crate::model::{Model, StepOptions};
 use crate::precision::Precision;

@@ -6,11 +6,9 @@
 
 pub mod attention;
 pub mod bench;
-pub mod bf16;
 pub mod capture;
 pub mod compressor;
 pub mod config;
-pub mod contract;
 pub mod error;
 pub mod faults;
 pub mod fork;

@@ -264,7 +264,7 @@ mod tests {
     use super::*;
 
     fn r_bf16_bytes(v: f32) -> [u8; 2] {
-        crate::bf16::to_bf16_bits(v).to_le_bytes()
+        moeconf_contract::bf16::to_bf16_bits(v).to_le_bytes()
     }
 
     #[test]
@@ -306,7 +306,7 @@ mod tests {
         };
         for n in 0..40usize {
             let x: Vec<f32> = (0..n).map(|_| next()).collect();
-            let wv: Vec<f32> = (0..n).map(|_| crate::bf16::r_bf16(next())).collect();
+            let wv: Vec<f32> = (0..n).map(|_| moeconf_contract::bf16::r_bf16(next())).collect();
             let bytes: Vec<u8> = wv.iter().flat_map(|v| r_bf16_bytes(*v)).collect();
             let mut aligned: Vec<u32> = vec![0; n.div_ceil(2)];
             bytemuck::cast_slice_mut::<u32, u8>(&mut aligned)[..2 * n].copy_from_slice(&bytes);

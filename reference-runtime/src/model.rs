@@ -15,7 +15,7 @@ use moeconf_fingerprint::{Level, Phase};
 use crate::attention::{attention_forward, AttnWeights, Ropes};
 use crate::capture::{CaptureSink, Recorder};
 use crate::config::ModelConfig;
-use crate::contract::MoeCombine;
+use moeconf_contract::MoeCombine;
 use crate::error::RuntimeError;
 use crate::faults::{Active, FaultPlan, RoundedRoutedCombine, SharedFirstCombine};
 use crate::head::{argmax, head_forward, topk_logits, HeadWeights};

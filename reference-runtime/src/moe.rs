@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use crate::capture::{CaptureError, Recorder};
 use crate::config::ModelConfig;
-use crate::contract::{CombineEvent, MoeCombine};
+use moeconf_contract::{CombineEvent, MoeCombine};
 use crate::error::RuntimeError;
 use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;

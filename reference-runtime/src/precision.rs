@@ -6,7 +6,7 @@
 //! operator accumulate in FP32. In the `f32` profile the same code runs with
 //! every rounding point the identity. docs/operators.md lists each point.
 
-use crate::bf16::r_bf16;
+use moeconf_contract::bf16::r_bf16;
 
 /// Numerical profile of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

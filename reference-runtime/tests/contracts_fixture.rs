@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     AggregationContract, ForkCombine, ForkPoint, MoeCombine, NativeCombine, Order, Schedule, ScheduledCombine,
 };
 use moeconf_reference_runtime::generate::GenerateOptions;

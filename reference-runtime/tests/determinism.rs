@@ -5,7 +5,7 @@ mod common;
 
 use common::{digests, fixture_model, prompt, trace_digest, F32Combine};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::{MoeCombine, NativeCombine};
+use moeconf_contract::{MoeCombine, NativeCombine};
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::precision::Precision;
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use common::{digests, fixture_model, prompt};
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     b_class_of, permutation_from_index, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order,
 };
 use moeconf_reference_runtime::fork::{sweep, Branch, Scheme, Snapshot, SweepOptions, SweepReport};
@@ -369,7 +369,7 @@ fn sweep_rejects_a_fork_point_without_event() {
 /// the same in every branch: only the combine changes), for A, B and C.
 #[test]
 fn sweep_distinct_outputs_match_the_certificate() {
-    use moeconf_reference_runtime::contract::order_sensitivity;
+    use moeconf_contract::order_sensitivity;
     let ids = prompt(8, 9);
     let schemes: Vec<Scheme> = ["a", "b", "c"]
         .iter()

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use common::{fixture_model, prompt, F32Combine};
 use moeconf_fingerprint::Level;
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::NativeCombine;
+use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::precision::Precision;
 

@@ -4,7 +4,7 @@
 
 use moeconf_fingerprint::{DType, Level};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::NativeCombine;
+use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;

@@ -13,7 +13,7 @@
 #![allow(dead_code)]
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
-use moeconf_reference_runtime::contract::{combine_native, AggregationContract};
+use moeconf_contract::{combine_native, AggregationContract};
 use moeconf_schema::{Binding, CaptureSpec, Header, Provenance, Trace, TraceWriter};
 use std::path::Path;
 

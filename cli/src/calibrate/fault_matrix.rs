@@ -15,7 +15,7 @@
 
 use moeconf_bisect::{diff, DiffOptions, Verdict};
 use moeconf_reference_runtime::config::{AttentionKind, MlpKind};
-use moeconf_reference_runtime::contract::{b_class_count, AggregationContract, NativeCombine, Order};
+use moeconf_contract::{b_class_count, AggregationContract, NativeCombine, Order};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_schema::Trace;
 use rayon::prelude::*;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context;
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine,
 };
 use moeconf_reference_runtime::fork::{sweep, Scheme, SweepOptions};

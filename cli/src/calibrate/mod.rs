@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
-use moeconf_reference_runtime::contract::MoeCombine;
+use moeconf_contract::MoeCombine;
 use moeconf_reference_runtime::faults::FaultPlan;
 use moeconf_reference_runtime::model::StepOptions;
 use moeconf_reference_runtime::precision::Precision;

@@ -15,7 +15,7 @@
 
 use std::collections::HashSet;
 
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     prompt_hash, AggregationContract, NativeCombine, Schedule, ScheduledCombine, DEFAULT_EXPERIMENT_SEED,
 };
 use rayon::prelude::*;
@@ -44,7 +44,7 @@ struct RunOut {
 fn run_one(
     ctx: &Ctx,
     ids: &[u32],
-    combine: &dyn moeconf_reference_runtime::contract::MoeCombine,
+    combine: &dyn moeconf_contract::MoeCombine,
     keep_intermediates: bool,
 ) -> anyhow::Result<RunOut> {
     let mut paths = vec!["router.topk"];

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeSet;
 
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     prompt_hash, AggregationContract, NativeCombine, Schedule, ScheduledCombine, DEFAULT_EXPERIMENT_SEED,
 };
 use serde_json::json;

@@ -5,7 +5,7 @@
 
 use anyhow::Context;
 use moeconf_bisect::{diff, DiffOptions, Verdict};
-use moeconf_reference_runtime::contract::NativeCombine;
+use moeconf_contract::NativeCombine;
 use moeconf_schema::Trace;
 use rayon::prelude::*;
 use serde_json::json;

@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{bail, Context};
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order,
 };
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};

@@ -202,7 +202,7 @@ fn bench_model(
 ) -> anyhow::Result<()> {
     use moeconf_reference_runtime::bench::bench_generate;
     use moeconf_reference_runtime::capture::NullSink;
-    use moeconf_reference_runtime::contract::NativeCombine;
+    use moeconf_contract::NativeCombine;
     use moeconf_reference_runtime::model::{Model, StepOptions};
     use moeconf_reference_runtime::precision::Precision;
     let model = Model::load(dir)?;

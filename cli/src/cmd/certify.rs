@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use moeconf_fingerprint::{DType, Phase};
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     order_sensitivity, AggregationContract, Certificate, InvarianceProof, Order,
 };
 use moeconf_schema::Trace;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, Context};
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
-use moeconf_reference_runtime::contract::{AggregationContract, ForkPoint};
+use moeconf_contract::{AggregationContract, ForkPoint};
 use moeconf_reference_runtime::fork::{sweep, Branch, BranchResult, Scheme, SweepOptions, SweepReport};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::tokenizer::Detokenize;

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_reference_runtime::contract::{CombineEvent, MoeCombine};
+use moeconf_contract::{CombineEvent, MoeCombine};
 use moeconf_reference_runtime::model::Model;
 
 /// The tiny-v4 fixture, materialized once under cargo's per-target temporary

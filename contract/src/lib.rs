@@ -12,7 +12,7 @@
 //! states every equation, enumeration order and the non-finite behaviour.
 //!
 //! ```
-//! use moeconf_reference_runtime::contract::{b_class_of, AggregationContract, Order};
+//! use moeconf_contract::{b_class_of, AggregationContract, Order};
 //! // A rounds only the first operand when it enters the accumulator: the
 //! // first pair's order matters. B rounds every operand first: it does not.
 //! let terms: [&[f32]; 2] = [&[1.00390625], &[0.00390625]]; // 1 + 2^-8, 2^-8
@@ -25,6 +25,9 @@
 //! assert_eq!(b_class_of(&[1, 0]).unwrap(), b_class_of(&[0, 1]).unwrap());
 //! ```
 
+#![deny(missing_docs)]
+
+pub mod bf16;
 mod certificate;
 mod error;
 mod exact;

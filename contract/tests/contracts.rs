@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use moeconf_reference_runtime::contract::{
+use moeconf_contract::{
     all_permutations, b_canonical, b_class_count, b_class_of, b_class_representative,
     b_class_representatives, combine_native, derive_seed, draw_index, index_of_permutation,
     order_sensitivity, parse_fork_order, permutation_from_index, prompt_hash, splitmix64, Accumulator,
