@@ -12,11 +12,11 @@
 //! mismatching element, so most of the ~2 500 candidates for k = 6 cost a few
 //! element evaluations. Orders are enumerated for k ≤ [`MAX_INFERENCE_K`].
 
-use moeconf_fingerprint::{canonical_f32_bits, CanonPolicy};
 use moeconf_contract::{
     all_permutations, b_class_representatives, identity_permutation, prove_invariance, AggregationContract,
     OutputRounding,
 };
+use moeconf_fingerprint::{canonical_f32_bits, CanonPolicy};
 use serde::Serialize;
 
 /// Largest number of routed terms whose orders are enumerated (8! = 40 320).

@@ -3,12 +3,9 @@
 //! Exit codes follow diff(1)/cmp(1): 0 equivalent / success, 1 divergence
 //! found, 2 error (usage, I/O, malformed input).
 
-mod calibrate;
 mod cli;
 mod cmd;
-mod gate;
 mod output;
-mod runner;
 
 use std::process::ExitCode;
 

@@ -8,7 +8,8 @@ use std::fmt;
 pub const MAX_PATH_LEN: usize = 128;
 
 /// Whether a forward processes the prompt or one generated token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 #[repr(u32)]
 pub enum Phase {
     /// The prompt forward (step 0).
@@ -28,7 +29,7 @@ impl Phase {
 }
 
 /// The L0–L4 conformance hierarchy of the paper (section 4.5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[repr(u32)]
 pub enum Level {
     /// Tokens and text: visible behavioural divergence.
@@ -73,10 +74,75 @@ impl Level {
         }
     }
 
-    /// Parses `L0`…`L4` (case-insensitive) or `0`…`4`.
+    /// Parses `L0`…`L4` (case-insensitive) or `0`…`4`: exactly one digit,
+    /// with at most one leading `L`.
     pub fn from_name(s: &str) -> Option<Level> {
-        let t = s.trim_start_matches(['L', 'l']);
-        t.parse::<u32>().ok().and_then(Level::from_code)
+        let t = s.strip_prefix(['L', 'l']).unwrap_or(s);
+        match t.as_bytes() {
+            [d @ b'0'..=b'4'] => Level::from_code(u32::from(d - b'0')),
+            _ => None,
+        }
+    }
+}
+
+/// A set of levels (the capture spec's level masks, the gate's required
+/// levels): bit `i` is level `Li`. The bit layout is the wire encoding of
+/// capture specs (docs/format.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LevelSet(u8);
+
+impl LevelSet {
+    /// No level.
+    pub const EMPTY: LevelSet = LevelSet(0);
+    /// L0 through L4.
+    pub const ALL: LevelSet = LevelSet(0b11111);
+
+    /// The set with bit mask `bits`, if it names only L0–L4.
+    pub fn from_bits(bits: u32) -> Option<LevelSet> {
+        (bits <= 0b11111).then_some(LevelSet(bits as u8))
+    }
+
+    /// The bit mask.
+    pub fn bits(self) -> u32 {
+        u32::from(self.0)
+    }
+
+    /// Whether `level` is in the set.
+    pub fn contains(self, level: Level) -> bool {
+        self.0 & (1 << level.code()) != 0
+    }
+
+    /// The set with `level` added.
+    #[must_use]
+    pub fn with(self, level: Level) -> LevelSet {
+        LevelSet(self.0 | (1 << level.code()))
+    }
+
+    /// Adds `level`.
+    pub fn insert(&mut self, level: Level) {
+        *self = self.with(level);
+    }
+
+    /// Levels in both sets.
+    #[must_use]
+    pub fn intersection(self, other: LevelSet) -> LevelSet {
+        LevelSet(self.0 & other.0)
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    /// The levels in the set, in order.
+    pub fn iter(self) -> impl Iterator<Item = Level> {
+        Level::ALL.into_iter().filter(move |l| self.contains(*l))
+    }
+}
+
+impl FromIterator<Level> for LevelSet {
+    fn from_iter<I: IntoIterator<Item = Level>>(iter: I) -> LevelSet {
+        iter.into_iter().fold(LevelSet::EMPTY, LevelSet::with)
     }
 }
 
@@ -215,5 +281,12 @@ mod tests {
         assert!(Coord::validate_path(&"x".repeat(129)).is_err());
         assert_eq!(Level::from_name("l3"), Some(Level::L3));
         assert_eq!(Level::from_name("L9"), None);
+        assert_eq!(Level::from_name("LL3"), None);
+        assert_eq!(Level::from_name("3"), Some(Level::L3));
+        assert_eq!(Level::from_name("L03"), None);
+        let set: LevelSet = [Level::L1, Level::L3].into_iter().collect();
+        assert_eq!(set.bits(), 0b01010);
+        assert_eq!(set.iter().collect::<Vec<_>>(), vec![Level::L1, Level::L3]);
+        assert_eq!(LevelSet::from_bits(0b100000), None);
     }
 }

@@ -82,6 +82,68 @@ impl DType {
     }
 }
 
+/// Exact promotion of a bfloat16 bit pattern to f32 (the upper half of a binary32).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+/// Exact promotion of an IEEE binary16 bit pattern to f32 (no platform
+/// conversion; subnormals normalized, NaN payloads kept in the high bits).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: m * 2^-24, normalized into the f32 exponent range.
+            let shift = m.leading_zeros() - 21; // places to move the top bit to bit 10
+            let m = (m << shift) & 0x3ff;
+            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
+        }
+        (0x1f, 0) => sign | 0x7f80_0000,
+        (0x1f, m) => sign | 0x7fc0_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+impl DType {
+    /// Element `i` of a little-endian tensor of this dtype as `f64`
+    /// (floats widened exactly, integers converted; `None` past the end).
+    /// The one place trace values are decoded for comparison and reports.
+    pub fn value_f64(self, bytes: &[u8], i: usize) -> Option<f64> {
+        let n = self.size();
+        let b = bytes.get(i.checked_mul(n)?..i.checked_mul(n)?.checked_add(n)?)?;
+        let w4 = |b: &[u8]| [b[0], b[1], b[2], b[3]];
+        let w8 = |b: &[u8]| [b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]];
+        Some(match self {
+            DType::F32 => f64::from(f32::from_le_bytes(w4(b))),
+            DType::BF16 => f64::from(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+            DType::F64 => f64::from_le_bytes(w8(b)),
+            DType::I32 => f64::from(i32::from_le_bytes(w4(b))),
+            DType::I64 => i64::from_le_bytes(w8(b)) as f64,
+            DType::U32 => f64::from(u32::from_le_bytes(w4(b))),
+            DType::U8 => f64::from(b[0]),
+        })
+    }
+
+    /// Element `i` of an integer tensor as `i64` (`None` for float dtypes,
+    /// past the end, or a u64-range value that does not fit).
+    pub fn value_i64(self, bytes: &[u8], i: usize) -> Option<i64> {
+        let n = self.size();
+        let b = bytes.get(i.checked_mul(n)?..i.checked_mul(n)?.checked_add(n)?)?;
+        Some(match self {
+            DType::I32 => i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            DType::I64 => i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+            DType::U32 => i64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            DType::U8 => i64::from(b[0]),
+            DType::F32 | DType::BF16 | DType::F64 => return None,
+        })
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -100,5 +162,37 @@ mod tests {
             assert_eq!(DType::from_name(d.name()), Some(*d));
         }
         assert_eq!(DType::from_code(7), None);
+    }
+
+    #[test]
+    fn f16_widening_is_exact_for_every_value() {
+        for h in 0..=u16::MAX {
+            let w = f16_to_f32(h);
+            let e = (h >> 10) & 0x1f;
+            let m = f64::from(h & 0x3ff);
+            let sign = if h >> 15 == 1 { -1.0 } else { 1.0 };
+            let want = match e {
+                0 => sign * m * 2f64.powi(-24),
+                0x1f if m == 0.0 => sign * f64::INFINITY,
+                0x1f => {
+                    assert!(w.is_nan());
+                    continue;
+                }
+                _ => sign * (1.0 + m / 1024.0) * 2f64.powi(i32::from(e) - 15),
+            };
+            assert_eq!(f64::from(w), want, "h = {h:#06x}");
+            assert_eq!(w.is_sign_negative(), sign < 0.0);
+        }
+    }
+
+    #[test]
+    fn values_decode() {
+        let b: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(DType::F32.value_f64(&b, 1), Some(-2.0));
+        assert_eq!(DType::F32.value_f64(&b, 2), None);
+        assert_eq!(DType::F32.value_f64(&b, usize::MAX), None);
+        assert_eq!(DType::BF16.value_f64(&[0xc0, 0x3f], 0), Some(1.5));
+        assert_eq!(DType::I32.value_i64(&7i32.to_le_bytes(), 0), Some(7));
+        assert_eq!(DType::F32.value_i64(&b, 0), None);
     }
 }

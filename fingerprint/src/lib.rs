@@ -27,6 +27,7 @@
 
 mod algorithm;
 mod canonical;
+pub mod catalogue;
 mod coord;
 mod dtype;
 mod record;
@@ -38,8 +39,9 @@ pub use canonical::{
     canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical,
     surely_canonical, CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
 };
-pub use coord::{Coord, Level, Phase, MAX_PATH_LEN};
-pub use dtype::DType;
+pub use catalogue::{Component, Half};
+pub use coord::{Coord, Level, LevelSet, Phase, MAX_PATH_LEN};
+pub use dtype::{bf16_to_f32, f16_to_f32, DType};
 pub use record::{
     feed_canonical, record_digest, record_digest_with_sink, record_prefix, FingerprintError, TensorView,
     DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,

@@ -1,10 +1,10 @@
 //! Reports prefill and decode tokens/s of the reference runtime on the tiny
 //! fixture (and optionally the larger generated configuration):
 //! `cargo run --release -p moeconf-reference-runtime --example bench_runtime [-- large]`.
+use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::bench::bench_generate;
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, NullSink};
-use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
 

@@ -40,16 +40,16 @@ use moeconf_fingerprint::{
 use rayon::prelude::*;
 
 use crate::capture::{CaptureError, CaptureSink};
-use moeconf_contract::{
-    b_class_count, factorial, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Order,
-    MAX_ENUMERATED_K,
-};
 use crate::error::RuntimeError;
 use crate::generate::Generation;
 use crate::model::{Model, StepOptions};
 use crate::precision::Precision;
 use crate::state::DecodeState;
 use crate::tokenizer::Detokenize;
+use moeconf_contract::{
+    b_class_count, factorial, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Order,
+    MAX_ENUMERATED_K,
+};
 
 /// The frozen state of a request just before the forward of a fork step.
 #[derive(Debug, Clone, PartialEq)]

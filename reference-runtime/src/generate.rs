@@ -3,12 +3,12 @@
 //! position P+s−1 and predicts g_{s+1}; N new tokens take N forwards).
 
 use crate::capture::CaptureSink;
-use moeconf_contract::MoeCombine;
 use crate::error::RuntimeError;
 use crate::model::{Model, StepOptions};
 use crate::precision::Precision;
 use crate::state::DecodeState;
 use crate::tokenizer::Detokenize;
+use moeconf_contract::MoeCombine;
 
 /// Options of [`Model::generate`].
 #[derive(Clone, Copy)]

@@ -15,7 +15,6 @@ use moeconf_fingerprint::{Level, Phase};
 use crate::attention::{attention_forward, AttnWeights, Ropes};
 use crate::capture::{CaptureSink, Recorder};
 use crate::config::ModelConfig;
-use moeconf_contract::MoeCombine;
 use crate::error::RuntimeError;
 use crate::faults::{Active, FaultPlan, RoundedRoutedCombine, SharedFirstCombine};
 use crate::head::{argmax, head_forward, topk_logits, HeadWeights};
@@ -27,6 +26,7 @@ use crate::rope::RopeFreqs;
 use crate::state::DecodeState;
 use crate::tokenizer::Detokenize;
 use crate::weights::{Mat, WeightLoader};
+use moeconf_contract::MoeCombine;
 
 /// Weights of one decoder layer.
 #[derive(Debug, Clone)]

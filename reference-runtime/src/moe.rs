@@ -13,12 +13,12 @@ use rayon::prelude::*;
 
 use crate::capture::{CaptureError, Recorder};
 use crate::config::ModelConfig;
-use moeconf_contract::{CombineEvent, MoeCombine};
 use crate::error::RuntimeError;
 use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;
 use crate::router::{route_with, RouterWeights};
 use crate::weights::{Mat, WeightLoader};
+use moeconf_contract::{CombineEvent, MoeCombine};
 
 /// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
 #[derive(Debug, Clone)]

@@ -5,9 +5,9 @@
 mod common;
 
 use common::{fixture_model, prompt};
+use moeconf_contract::{combine_native, NativeCombine};
 use moeconf_fingerprint::Level;
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_contract::{combine_native, NativeCombine};
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::precision::Precision;
 

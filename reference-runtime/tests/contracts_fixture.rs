@@ -5,10 +5,10 @@
 
 use std::sync::OnceLock;
 
-use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_contract::{
     AggregationContract, ForkCombine, ForkPoint, MoeCombine, NativeCombine, Order, Schedule, ScheduledCombine,
 };
+use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;

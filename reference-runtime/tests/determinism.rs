@@ -4,8 +4,8 @@
 mod common;
 
 use common::{digests, fixture_model, prompt, trace_digest, F32Combine};
-use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_contract::{MoeCombine, NativeCombine};
+use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::precision::Precision;
 

@@ -7,8 +7,8 @@
 mod common;
 
 use common::{digests, fixture_model, prompt};
-use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_contract::{AggregationContract, NativeCombine, Order};
+use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_reference_runtime::model::StepOptions;
 use moeconf_reference_runtime::precision::Precision;

@@ -10,11 +10,11 @@ mod common;
 use std::collections::HashMap;
 
 use common::{digests, fixture_model, prompt};
-use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy};
-use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_contract::{
     b_class_of, permutation_from_index, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order,
 };
+use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy};
+use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::fork::{sweep, Branch, Scheme, Snapshot, SweepOptions, SweepReport};
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::StepOptions;

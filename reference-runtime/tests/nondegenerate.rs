@@ -8,9 +8,9 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::{fixture_model, prompt, F32Combine};
+use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::Level;
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::precision::Precision;
 

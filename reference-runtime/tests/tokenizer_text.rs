@@ -2,9 +2,9 @@
 //! from, and every step's `text.continuation` record is the UTF-8 decoding of
 //! all generated ids so far.
 
+use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::{DType, Level};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;

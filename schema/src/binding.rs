@@ -112,6 +112,50 @@ impl CaptureSpec {
         self.payload_levels & (1 << level.code()) != 0
     }
 
+    /// Parses a capture spec: `default` (fingerprints for every level,
+    /// payloads for L1 and L3), `all` (every level with payloads),
+    /// `fingerprints` (no payloads beyond small records), or a list like
+    /// `L0,L1+payload,L3+payload`. The error says what is wrong, for the
+    /// caller to prefix with the option's name.
+    pub fn parse(s: &str) -> Result<CaptureSpec, String> {
+        match s {
+            "default" => Ok(CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b01010,
+            }),
+            "all" => Ok(CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b11111,
+            }),
+            "fingerprints" => Ok(CaptureSpec::FINGERPRINTS_ONLY),
+            list => {
+                let mut spec = CaptureSpec {
+                    levels: 0,
+                    payload_levels: 0,
+                };
+                for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+                    let (lv, payload) = match item.strip_suffix("+payload") {
+                        Some(l) => (l, true),
+                        None => (item, false),
+                    };
+                    let level = Level::from_name(lv).ok_or_else(|| {
+                        format!("{item:?} is not a level (use L0..L4, optionally with +payload)")
+                    })?;
+                    spec.levels |= 1 << level.code();
+                    if payload {
+                        spec.payload_levels |= 1 << level.code();
+                    }
+                }
+                if spec.levels == 0 {
+                    return Err(format!(
+                        "{s:?} selects no level (try default, all, fingerprints or L0,L1+payload,...)"
+                    ));
+                }
+                Ok(spec)
+            }
+        }
+    }
+
     /// `L0-L4` style summary, payload levels marked with `+`.
     pub fn describe(&self) -> String {
         Level::ALL

@@ -85,3 +85,36 @@ impl TraceError {
         }
     }
 }
+
+/// Errors reading the inputs a trace is built from: a dump directory and its
+/// manifest (`moeconf import`), or a checkpoint directory whose identity a
+/// binding records. Every variant names the file.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum InputError {
+    /// The operating system refused a read or listing. The message says
+    /// what and where; the I/O error is the source.
+    #[error("{context}")]
+    Io {
+        /// What was being done, naming the file.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The input is malformed or inconsistent (the message names the file
+    /// and what is wrong).
+    #[error("{0}")]
+    Invalid(String),
+    /// Writing the trace failed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+}
+
+impl InputError {
+    /// An I/O error with its context.
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> InputError {
+        let context = context.into();
+        move |source| InputError::Io { context, source }
+    }
+}

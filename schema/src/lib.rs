@@ -36,6 +36,8 @@
 
 mod binding;
 mod error;
+mod identity;
+pub mod import;
 pub mod layout;
 mod reader;
 mod writer;
@@ -44,10 +46,16 @@ pub use binding::{
     weights_digest, Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TensorDigest,
     TokenizerIdentity, MAX_STRING,
 };
-pub use error::TraceError;
+pub use error::{InputError, TraceError};
+pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
 pub use reader::{Trace, VerifySummary};
 pub use writer::{TraceWriter, WriteSummary};
+
+/// Records of at most this many bytes keep their payload whatever the
+/// capture spec says (token ids, margins, top-k lists, router selections,
+/// counters), so that even a fingerprint-only trace can be explained.
+pub const SMALL_RECORD_BYTES: usize = 256;
 
 /// Parses and fully verifies arbitrary bytes as a trace, discarding the
 /// result: the body of the `cargo fuzz` target and of the mutation test.

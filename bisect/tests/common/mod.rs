@@ -12,8 +12,8 @@
 //! token has been fed back.
 #![allow(dead_code)]
 
-use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
 use moeconf_contract::{combine_native, AggregationContract};
+use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
 use moeconf_schema::{Binding, CaptureSpec, Header, Provenance, Trace, TraceWriter};
 use std::path::Path;
 

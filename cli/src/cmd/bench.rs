@@ -200,9 +200,9 @@ fn bench_model(
     a: &BenchRuntimeArgs,
     rows: &mut Vec<RuntimeRow>,
 ) -> anyhow::Result<()> {
+    use moeconf_contract::NativeCombine;
     use moeconf_reference_runtime::bench::bench_generate;
     use moeconf_reference_runtime::capture::NullSink;
-    use moeconf_contract::NativeCombine;
     use moeconf_reference_runtime::model::{Model, StepOptions};
     use moeconf_reference_runtime::precision::Precision;
     let model = Model::load(dir)?;
@@ -222,13 +222,13 @@ fn bench_model(
                     bench_generate(&model, &prompt, a.decode_tokens as usize, &opts, &mut NullSink)?
                 } else {
                     let path = trace_dir.path().join("bench.bin");
-                    let spec = crate::runner::parse_capture("default")?;
+                    let spec = moeconf_runner::parse_capture("default")?;
                     let w = moeconf_schema::TraceWriter::create(
                         &path,
                         Algorithm::Blake3,
                         moeconf_schema::Header::default(),
                     )?;
-                    let mut sink = crate::runner::TraceSink::new(w, spec);
+                    let mut sink = moeconf_runner::TraceSink::new(w, spec);
                     let r = bench_generate(&model, &prompt, a.decode_tokens as usize, &opts, &mut sink)?;
                     sink.finish()?;
                     r

@@ -1,5 +1,5 @@
 //! `moeconf calibrate`: run the paper's experiments and the fault-injection
-//! localization matrix on the reference runtime (see `crate::calibrate` and
+//! localization matrix on the reference runtime (see `moeconf_calibrate` and
 //! docs/calibration.md), print every table in the paper's layout, write
 //! `calibration.json` and one TSV per table into `--out`, and exit 1 when a
 //! structural claim fails.
@@ -12,8 +12,8 @@ use anyhow::{bail, Context};
 use moeconf_reference_runtime::precision::Precision;
 use serde_json::json;
 
-use crate::calibrate::{self, write_atomic, Ctx, Section, Sizes};
-use crate::runner::load_model;
+use moeconf_calibrate::{self, write_atomic, Ctx, Section, Sizes};
+use moeconf_runner::load_model;
 
 /// Version of `calibration.json`.
 pub const CALIBRATION_SCHEMA_VERSION: u32 = 1;
@@ -113,32 +113,38 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
         Ok(())
     };
     if want(1) {
-        timed("replay", &|| Ok(vec![calibrate::replay::run(&ctx)?]))?;
+        timed("replay", &|| Ok(vec![moeconf_calibrate::replay::run(&ctx)?]))?;
     }
     if want(2) {
-        timed("fork_sweep", &|| Ok(vec![calibrate::fork_sweep::run(&ctx)?]))?;
+        timed("fork_sweep", &|| {
+            Ok(vec![moeconf_calibrate::fork_sweep::run(&ctx)?])
+        })?;
     }
     if want(3) || want(4) || want(5) {
-        timed("persistent", &|| calibrate::persistent::run(&ctx))?;
+        timed("persistent", &|| moeconf_calibrate::persistent::run(&ctx))?;
     }
     if want(6) {
         timed("post_mhc_substitution", &|| {
-            Ok(vec![calibrate::substitution::post_mhc(&ctx)?])
+            Ok(vec![moeconf_calibrate::substitution::post_mhc(&ctx)?])
         })?;
     }
     if want(7) {
         timed("persistent_state_substitution", &|| {
-            Ok(vec![calibrate::substitution::persistent_state(&ctx)?])
+            Ok(vec![moeconf_calibrate::substitution::persistent_state(&ctx)?])
         })?;
     }
     if want(8) {
-        timed("propagation", &|| Ok(vec![calibrate::propagation::run(&ctx)?]))?;
+        timed("propagation", &|| {
+            Ok(vec![moeconf_calibrate::propagation::run(&ctx)?])
+        })?;
     }
     if want(9) {
-        timed("breadth", &|| Ok(vec![calibrate::breadth::run(&ctx)?]))?;
+        timed("breadth", &|| Ok(vec![moeconf_calibrate::breadth::run(&ctx)?]))?;
     }
     if want(10) {
-        timed("fault_matrix", &|| Ok(vec![calibrate::fault_matrix::run(&ctx)?]))?;
+        timed("fault_matrix", &|| {
+            Ok(vec![moeconf_calibrate::fault_matrix::run(&ctx)?])
+        })?;
     }
 
     // Print tables, write TSVs and the JSON document.

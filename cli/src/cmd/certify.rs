@@ -13,10 +13,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
+use moeconf_contract::{order_sensitivity, AggregationContract, Certificate, InvarianceProof, Order};
 use moeconf_fingerprint::{DType, Phase};
-use moeconf_contract::{
-    order_sensitivity, AggregationContract, Certificate, InvarianceProof, Order,
-};
 use moeconf_schema::Trace;
 use serde_json::{json, Value};
 

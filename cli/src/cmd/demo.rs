@@ -3,10 +3,10 @@
 
 use crate::cli::{DemoArgs, Format};
 use crate::cmd::diff::{self, DiffArgs};
-use crate::runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use anyhow::Context;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use std::process::ExitCode;
 
 pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {

@@ -10,11 +10,11 @@
 //! (a broken policy or reference aborts the bisection instead of marking
 //! every commit bad).
 
-use crate::gate::baseline::{self, Baseline};
-use crate::gate::policy::{self, Overrides};
-use crate::gate::{evaluate, report_junit, report_md, GateReport};
 use anyhow::Context;
 use moeconf_bisect::{diff, DiffOptions};
+use moeconf_gate::baseline::{self, Baseline};
+use moeconf_gate::policy::{self, Overrides};
+use moeconf_gate::{evaluate, report_junit, report_md, GateReport};
 use moeconf_schema::Trace;
 use std::io::Write;
 use std::path::{Path, PathBuf};

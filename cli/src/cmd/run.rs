@@ -2,10 +2,10 @@
 
 use crate::cli::RunArgs;
 use crate::output::human_bytes;
-use crate::runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use anyhow::{bail, Context};
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use std::process::ExitCode;
 
 /// Sets the global rayon pool size (results never depend on it).

@@ -15,8 +15,8 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{bail, Context};
-use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_contract::{AggregationContract, ForkPoint};
+use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::fork::{sweep, Branch, BranchResult, Scheme, SweepOptions, SweepReport};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::tokenizer::Detokenize;
@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 
 use crate::cli::Format;
 use crate::output::print_json;
-use crate::runner::{build_combine, load_model, CombineChoice};
+use moeconf_runner::{build_combine, load_model, CombineChoice};
 
 /// Version of the JSON document written by `moeconf sweep`.
 pub const SWEEP_SCHEMA_VERSION: u32 = 1;

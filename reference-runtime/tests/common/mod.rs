@@ -6,9 +6,9 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use moeconf_contract::{CombineEvent, MoeCombine};
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy};
 use moeconf_reference_runtime::capture::MemorySink;
-use moeconf_contract::{CombineEvent, MoeCombine};
 use moeconf_reference_runtime::model::Model;
 
 /// The tiny-v4 fixture, materialized once under cargo's per-target temporary

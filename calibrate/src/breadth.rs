@@ -10,11 +10,9 @@
 
 use std::collections::{BTreeSet, HashSet};
 
+use moeconf_contract::{b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order};
 use moeconf_fixtures::{Language, Prompt, PromptKind};
 use moeconf_reference_runtime::capture::NullSink;
-use moeconf_contract::{
-    b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order,
-};
 use rayon::prelude::*;
 use serde_json::json;
 

@@ -12,10 +12,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context;
+use moeconf_contract::{all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine};
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_contract::{
-    all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine,
-};
 use moeconf_reference_runtime::fork::{sweep, Scheme, SweepOptions};
 use serde_json::json;
 

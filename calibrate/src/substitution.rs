@@ -22,9 +22,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::{bail, Context};
-use moeconf_contract::{
-    b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order,
-};
+use moeconf_contract::{b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_reference_runtime::state::{CompressorState, DecodeState, LayerState};
 use serde_json::json;

@@ -1,28 +1,66 @@
 //! Running the reference runtime into a trace: model resolution, binding
-//! construction (model, tokenizer, prompt digests) and the capture sink that
-//! feeds a [`TraceWriter`]. Shared by `run`, `demo` and later `calibrate`.
+//! construction (model, tokenizer, prompt digests), the MoE combine a run
+//! selects, and the capture sink that feeds a [`TraceWriter`]. Shared by the
+//! `run`, `demo`, `sweep` and `calibrate` commands.
+#![deny(missing_docs)]
 
-use anyhow::{bail, Context};
-use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
-use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
 use moeconf_contract::prompt_hash;
 use moeconf_contract::{
     parse_fork_order, AggregationContract, ForkCombine, ForkPoint, MoeCombine, Schedule, ScheduledCombine,
 };
+use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
+use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
+use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::tokenizer::Tokenizer;
+pub use moeconf_schema::model_identity;
 use moeconf_schema::{
-    weights_digest, Binding, CaptureSpec, Decoding, Header, ModelIdentity, PromptBinding, Provenance,
-    TensorDigest, TokenizerIdentity, TraceWriter, WriteSummary,
+    Binding, CaptureSpec, Decoding, Header, InputError, PromptBinding, Provenance, TokenizerIdentity,
+    TraceError, TraceWriter, WriteSummary, SMALL_RECORD_BYTES,
 };
 use std::path::{Path, PathBuf};
 
-/// Records at most this many bytes keep their payload whatever the capture
-/// spec says (token ids, margins, top-k lists, router selections, counters),
-/// so that even a fingerprint-only trace can be explained.
-pub const SMALL_RECORD_BYTES: usize = 256;
+/// Everything that can stop a traced run. Messages name the option or file
+/// concerned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// An option or input is invalid (the message names it).
+    #[error("{0}")]
+    Invalid(String),
+    /// Something failed while doing what the context says.
+    #[error("{context}")]
+    Context {
+        /// What was being done.
+        context: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// Reading the model directory or tokenizer failed.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// Writing the trace failed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+}
+
+fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -> impl FnOnce(E) -> RunError {
+    let context = c.into();
+    move |e| RunError::Context {
+        context,
+        source: Box::new(e),
+    }
+}
+
+macro_rules! bail {
+    ($($t:tt)*) => { return Err(RunError::Invalid(format!($($t)*))) };
+}
 
 /// A loaded model with its tokenizer and identity.
 pub struct LoadedModel {
@@ -37,9 +75,9 @@ pub struct LoadedModel {
 }
 
 /// Resolves `spec` (`builtin:NAME` or a directory) and loads model and tokenizer.
-pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
+pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
     let dir = if spec.starts_with("builtin:") {
-        moeconf_fixtures::ensure_builtin(spec).with_context(|| format!("materializing {spec}"))?
+        moeconf_fixtures::ensure_builtin(spec).map_err(context(format!("materializing {spec}")))?
     } else {
         let d = PathBuf::from(spec);
         if !d.is_dir() {
@@ -47,7 +85,7 @@ pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
         }
         d
     };
-    let model = Model::load(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+    let model = Model::load(&dir).map_err(context(format!("loading model from {}", dir.display())))?;
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tok_path)?;
     Ok(LoadedModel {
@@ -58,85 +96,13 @@ pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
     })
 }
 
-fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
-    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+fn read(path: &Path) -> Result<Vec<u8>, RunError> {
+    std::fs::read(path).map_err(context(format!("reading {}", path.display())))
 }
 
-/// Model identity: digest of config.json and of every tensor's raw bytes in
-/// the directory's safetensors files (sorted by name).
-pub fn model_identity(name: &str, dir: &Path, alg: Algorithm) -> anyhow::Result<ModelIdentity> {
-    let config_digest = alg.hash(&read(&dir.join("config.json"))?);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("listing {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
-    let mut tensors = Vec::new();
-    for f in &files {
-        let bytes = read(f)?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", f.display()))?;
-        for (tname, view) in st.tensors() {
-            let mut h = alg.hasher();
-            h.update_with(view.data(), true);
-            tensors.push(TensorDigest {
-                name: tname,
-                dtype: format!("{:?}", view.dtype()).to_lowercase(),
-                shape: view.shape().iter().map(|&d| d as u64).collect(),
-                digest: h.finalize(),
-            });
-        }
-    }
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(ModelIdentity {
-        name: name.to_string(),
-        config_digest,
-        weights_digest: weights_digest(alg, &tensors),
-        tensors,
-    })
-}
-
-/// Parses a capture spec: `default` (fingerprints for every level, payloads
-/// for L1 and L3), `all` (every level with payloads), `fingerprints` (no
-/// payloads beyond small records), or a list like `L0,L1+payload,L3+payload`.
-pub fn parse_capture(s: &str) -> anyhow::Result<CaptureSpec> {
-    match s {
-        "default" => Ok(CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b01010,
-        }),
-        "all" => Ok(CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
-        }),
-        "fingerprints" => Ok(CaptureSpec::FINGERPRINTS_ONLY),
-        list => {
-            let mut spec = CaptureSpec {
-                levels: 0,
-                payload_levels: 0,
-            };
-            for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-                let (lv, payload) = match item.strip_suffix("+payload") {
-                    Some(l) => (l, true),
-                    None => (item, false),
-                };
-                let level = Level::from_name(lv).with_context(|| {
-                    format!("--capture: {item:?} is not a level (use L0..L4, optionally with +payload)")
-                })?;
-                spec.levels |= 1 << level.code();
-                if payload {
-                    spec.payload_levels |= 1 << level.code();
-                }
-            }
-            if spec.levels == 0 {
-                bail!(
-                    "--capture: {s:?} selects no level (try default, all, fingerprints or L0,L1+payload,...)"
-                );
-            }
-            Ok(spec)
-        }
-    }
+/// Parses a `--capture` spec ([`CaptureSpec::parse`]).
+pub fn parse_capture(s: &str) -> Result<CaptureSpec, RunError> {
+    CaptureSpec::parse(s).map_err(|m| RunError::Invalid(format!("--capture: {m}")))
 }
 
 /// A capture sink that appends to a trace.
@@ -152,7 +118,7 @@ impl TraceSink {
     }
 
     /// Finishes the trace file.
-    pub fn finish(self) -> anyhow::Result<WriteSummary> {
+    pub fn finish(self) -> Result<WriteSummary, RunError> {
         Ok(self.writer.finish()?)
     }
 }
@@ -231,13 +197,17 @@ pub fn build_combine(
     k: usize,
     prompt: &str,
     layers: usize,
-) -> anyhow::Result<BuiltCombine> {
-    let base = AggregationContract::parse(&c.contract).map_err(|e| anyhow::anyhow!("--contract: {e}"))?;
-    let schedule = Schedule::parse(&c.schedule).map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
+) -> Result<BuiltCombine, RunError> {
+    let opt = |name: &str| {
+        let name = name.to_string();
+        move |e: moeconf_contract::ContractError| RunError::Invalid(format!("{name}: {e}"))
+    };
+    let base = AggregationContract::parse(&c.contract).map_err(opt("--contract"))?;
+    let schedule = Schedule::parse(&c.schedule).map_err(opt("--schedule"))?;
     let scheduled = ScheduledCombine::new(base.clone(), schedule.clone(), prompt_hash(prompt));
     scheduled
         .validate_for_k(k)
-        .map_err(|e| anyhow::anyhow!("--contract/--schedule: {e}"))?;
+        .map_err(opt("--contract/--schedule"))?;
     let fork_given = c.fork_contract.is_some() || c.fork_order.is_some() || c.fork_step.is_some();
     match c.fork_layer {
         None if fork_given => bail!("--fork-contract/--fork-order/--fork-step need --fork-layer"),
@@ -254,16 +224,12 @@ pub fn build_combine(
                 );
             }
             let fc = c.fork_contract.as_deref().unwrap_or("b");
-            let mut contract =
-                AggregationContract::parse(fc).map_err(|e| anyhow::anyhow!("--fork-contract: {e}"))?;
+            let mut contract = AggregationContract::parse(fc).map_err(opt("--fork-contract"))?;
             if let Some(o) = &c.fork_order {
-                let order =
-                    parse_fork_order(o, &contract).map_err(|e| anyhow::anyhow!("--fork-order: {e}"))?;
+                let order = parse_fork_order(o, &contract).map_err(opt("--fork-order"))?;
                 contract = contract.with_order(order);
             }
-            contract
-                .validate_for_k(k)
-                .map_err(|e| anyhow::anyhow!("--fork-order: {e}"))?;
+            contract.validate_for_k(k).map_err(opt("--fork-order"))?;
             let mut point = ForkPoint::first_decode(layer);
             if let Some(s) = c.fork_step {
                 point.step = s;
@@ -320,7 +286,7 @@ pub struct RunOutcome {
 }
 
 /// Runs the model greedily and writes the trace to `out` atomically.
-pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> anyhow::Result<RunOutcome> {
+pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<RunOutcome, RunError> {
     use moeconf_reference_runtime::tokenizer::Detokenize;
     if spec.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");

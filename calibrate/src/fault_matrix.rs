@@ -14,8 +14,8 @@
 //! sums are exact, which is also why the C contract is order-invariant.
 
 use moeconf_bisect::{diff, DiffOptions, Verdict};
-use moeconf_reference_runtime::config::{AttentionKind, MlpKind};
 use moeconf_contract::{b_class_count, AggregationContract, NativeCombine, Order};
+use moeconf_reference_runtime::config::{AttentionKind, MlpKind};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_schema::Trace;
 use rayon::prelude::*;

@@ -19,9 +19,9 @@ pub mod substitution;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use moeconf_contract::MoeCombine;
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
-use moeconf_contract::MoeCombine;
 use moeconf_reference_runtime::faults::FaultPlan;
 use moeconf_reference_runtime::model::StepOptions;
 use moeconf_reference_runtime::precision::Precision;
@@ -32,7 +32,7 @@ use moeconf_schema::{
 };
 use serde_json::Value;
 
-use crate::runner::{model_identity, LoadedModel, TraceSink};
+use moeconf_runner::{model_identity, LoadedModel, TraceSink};
 
 /// Sizes of one calibration run (full or `--quick`).
 #[derive(Debug, Clone, Copy)]
@@ -249,7 +249,7 @@ impl Ctx {
         };
         let header = Header {
             binding,
-            provenance: crate::runner::reference_provenance(1, notes),
+            provenance: moeconf_runner::reference_provenance(1, notes),
         };
         let writer = TraceWriter::create(path, ALGORITHM, header)?;
         let mut sink = TraceSink::new(writer, capture);

@@ -1,0 +1,1011 @@
+//! The component catalogue: every record a moeconf trace can hold, typed.
+//!
+//! A record's `path` (`router.topk`, `moe.term.3`, …) names a [`Component`].
+//! The catalogue says, for each component, its [`Level`], what kind of values
+//! it holds ([`ValueKind`]), the half-layer it belongs to ([`Half`]), its rank
+//! in the reference runtime's execution order, which layer kinds have it
+//! ([`LayerKinds`]) and which records its operator reads ([`Input`]). Every
+//! other crate asks the catalogue instead of spelling path strings, so adding
+//! a captured record is one new variant and one row of [`SPECS`]
+//! (docs/architecture.md spells the steps out).
+//!
+//! docs/format.md §6 is the normative table; a test checks that every row
+//! here appears there.
+
+use crate::coord::Level;
+use std::fmt;
+
+/// Which half of a decoder layer a record belongs to (each half ends in an
+/// mHC `hc_post`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Half {
+    /// mHC pre → attention → mHC post (`attn.*`, `layer.post_attn_mhc`).
+    Attention,
+    /// mHC pre → router, experts, combine → mHC post (`ffn.*`, `router.*`,
+    /// `moe.*`, `layer.post_ffn_mhc`).
+    Ffn,
+}
+
+impl Half {
+    /// `attention` / `ffn`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Half::Attention => "attention",
+            Half::Ffn => "ffn",
+        }
+    }
+}
+
+/// What the elements of a record mean, which decides how two records are
+/// compared and worded in reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ValueKind {
+    /// Real values (f32 in the reference runtime; any float dtype in traces).
+    Float,
+    /// Identifiers or indices (token ids, expert ids, selected entries):
+    /// compared as sets and sequences, never by magnitude. Stored as i32.
+    Ids,
+    /// Counters (lengths, entry counts), stored as i64.
+    Count,
+    /// UTF-8 text bytes, stored as u8.
+    Text,
+}
+
+/// Attention kind of a decoder layer (docs/operators.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// Sliding-window attention only.
+    Sliding,
+    /// Compressed sparse attention: overlapping compressor + lightning indexer.
+    Csa,
+    /// Heavily compressed attention: non-overlapping compressor, every entry read.
+    Hca,
+}
+
+/// MLP kind of a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FfnKind {
+    /// Score-routed MoE (top-k of the biased router scores).
+    Moe,
+    /// Hash-routed MoE (fixed `tid2eid` table per token id).
+    HashMoe,
+}
+
+/// The set of layer kinds on which a component exists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayerKinds {
+    /// Attention kinds that have it (bit 0 sliding, 1 CSA, 2 HCA).
+    attention: u8,
+    /// MLP kinds that have it (bit 0 score-routed, 1 hash-routed).
+    ffn: u8,
+}
+
+impl LayerKinds {
+    /// Every layer kind (and model-global records).
+    pub const ALL: LayerKinds = LayerKinds {
+        attention: 0b111,
+        ffn: 0b11,
+    };
+    /// Layers with a KV compressor (CSA and HCA).
+    pub const COMPRESSED: LayerKinds = LayerKinds {
+        attention: 0b110,
+        ffn: 0b11,
+    };
+    /// CSA layers only (overlapping compressor, lightning indexer).
+    pub const CSA: LayerKinds = LayerKinds {
+        attention: 0b010,
+        ffn: 0b11,
+    };
+    /// Score-routed MoE layers only (hash routing has no scores to rank).
+    pub const SCORE_ROUTED: LayerKinds = LayerKinds {
+        attention: 0b111,
+        ffn: 0b01,
+    };
+
+    /// Whether a layer of this attention and MLP kind has the component.
+    pub fn contains(self, attention: AttentionKind, ffn: FfnKind) -> bool {
+        let a = match attention {
+            AttentionKind::Sliding => 1,
+            AttentionKind::Csa => 2,
+            AttentionKind::Hca => 4,
+        };
+        let f = match ffn {
+            FfnKind::Moe => 1,
+            FfnKind::HashMoe => 2,
+        };
+        self.attention & a != 0 && self.ffn & f != 0
+    }
+}
+
+/// Where an operator's input record lives, relative to the operator's own
+/// coordinate (step, position, layer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InputSource {
+    /// The same step, position and layer.
+    SameLayer,
+    /// The residual streams entering the layer: the previous layer's
+    /// `layer.post_ffn_mhc` at the same position, or for layer 0 the step's
+    /// `token.input`.
+    LayerInput,
+    /// The persistent state of the same layer at the previous decode
+    /// boundary (every `state.*` record of that layer, one step back).
+    CarriedState,
+}
+
+/// One input of an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Input {
+    /// Where the input lives.
+    pub source: InputSource,
+    /// The input component (ignored for [`InputSource::LayerInput`] and
+    /// [`InputSource::CarriedState`], which name their records themselves).
+    pub component: Component,
+}
+
+/// Everything the catalogue knows about one component.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ComponentSpec {
+    /// The component.
+    pub component: Component,
+    /// Its path, or for a family (`moe.term.J`) the prefix `moe.term.`.
+    pub path: &'static str,
+    /// Capture level.
+    pub level: Level,
+    /// What its values mean.
+    pub kind: ValueKind,
+    /// Half-layer of a per-layer operator record (`None`: model-global or
+    /// persistent state).
+    pub half: Option<Half>,
+    /// Rank in the reference runtime's execution order within its group
+    /// (model-global records of a step, one layer's operators, one layer's
+    /// persistent state). Unique within a group.
+    pub rank: u16,
+    /// Layer kinds that have it.
+    pub layers: LayerKinds,
+    /// The records its operator reads (empty for inputs of the whole step
+    /// and for persistent state).
+    pub inputs: &'static [Input],
+    /// One line for reports and docs.
+    pub meaning: &'static str,
+}
+
+macro_rules! components {
+    ($($(#[$doc:meta])* $variant:ident,)*) => {
+        /// A catalogue component (docs/format.md §6). `MoeTerm` is the family
+        /// `moe.term.J` of the k gate-weighted routed terms; the others name
+        /// exactly one path.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Component {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Component {
+            /// Every component, in catalogue order.
+            pub const ALL: &'static [Component] = &[$(Component::$variant,)*];
+        }
+    };
+}
+
+components! {
+    /// L0 ids consumed by the step (prefill: the prompt).
+    TokenInput,
+    /// L0 greedy prediction.
+    TokenOutput,
+    /// L0 UTF-8 decoding of every generated id so far.
+    TextContinuation,
+    /// L1 logits at the step's last position.
+    LmLogits,
+    /// L1 top-8 ids by logit.
+    LmTopkIds,
+    /// L1 top-8 logits.
+    LmTopkLogits,
+    /// L1 rank-1 minus rank-2 logit.
+    LmMargin,
+    /// L2 tokens processed by the layer.
+    StateCumulativeLength,
+    /// L2 sliding-window KV.
+    StateWindowKv,
+    /// L2 attention compressor: raw kv rows of the open window.
+    StateCompressorBufferKv,
+    /// L2 attention compressor: raw gate rows of the open window.
+    StateCompressorBufferGate,
+    /// L2 attention compressor: emitted entries.
+    StateCompressorCompressedKv,
+    /// L2 attention compressor: number of emitted entries.
+    StateCompressorEntryCount,
+    /// L2 attention compressor: overlap kv carried to the next window (CSA).
+    StateCompressorOverlapKv,
+    /// L2 attention compressor: overlap gate carried to the next window (CSA).
+    StateCompressorOverlapGate,
+    /// L2 indexer compressor: raw kv rows of the open window.
+    StateIndexerBufferKv,
+    /// L2 indexer compressor: raw gate rows of the open window.
+    StateIndexerBufferGate,
+    /// L2 indexer compressor: emitted entries.
+    StateIndexerCompressedKv,
+    /// L2 indexer compressor: number of emitted entries.
+    StateIndexerEntryCount,
+    /// L2 indexer compressor: overlap kv.
+    StateIndexerOverlapKv,
+    /// L2 indexer compressor: overlap gate.
+    StateIndexerOverlapGate,
+    /// L4 attention-half mHC collapse.
+    AttnHcPre,
+    /// L4 attention RMSNorm output.
+    AttnNorm,
+    /// L4 queries after norm and RoPE.
+    AttnQ,
+    /// L4 the new KV vector of this position.
+    AttnKv,
+    /// L4 an entry the attention compressor emitted at this position.
+    AttnCompressed,
+    /// L4 an entry the indexer compressor emitted at this position.
+    AttnIndexerCompressed,
+    /// L4 compressed entries the lightning indexer selected.
+    AttnIndexerTopk,
+    /// L4 attention output per head, before de-rotation.
+    AttnCore,
+    /// L4 attention output projection.
+    AttnOutput,
+    /// L3 residual streams after the attention-half mHC post.
+    LayerPostAttnMhc,
+    /// L4 FFN-half mHC collapse.
+    FfnHcPre,
+    /// L4 FFN RMSNorm output.
+    FfnNorm,
+    /// L3 router scores before the correction bias.
+    RouterScores,
+    /// L3 selected experts, in combine order.
+    RouterTopk,
+    /// L3 gate weights of the selected experts.
+    RouterGates,
+    /// L3 rank-k minus rank-(k+1) selection score.
+    RouterMargin,
+    /// L4 gate-weighted routed term J (`moe.term.J`).
+    MoeTerm,
+    /// L4 shared-expert output.
+    MoeShared,
+    /// L4 MoE output (the aggregation contract's result).
+    MoeCombine,
+    /// L3 residual streams after the FFN-half mHC post.
+    LayerPostFfnMhc,
+}
+
+use Component as C;
+use InputSource::{CarriedState, LayerInput, SameLayer};
+
+const fn same(component: Component) -> Input {
+    Input {
+        source: SameLayer,
+        component,
+    }
+}
+const LAYER_INPUT: Input = Input {
+    source: LayerInput,
+    component: C::LayerPostFfnMhc,
+};
+const CARRIED_STATE: Input = Input {
+    source: CarriedState,
+    component: C::StateCumulativeLength,
+};
+
+#[allow(clippy::too_many_arguments)] // a table row constructor: one argument per column
+const fn spec(
+    component: Component,
+    path: &'static str,
+    level: Level,
+    kind: ValueKind,
+    half: Option<Half>,
+    rank: u16,
+    layers: LayerKinds,
+    inputs: &'static [Input],
+    meaning: &'static str,
+) -> ComponentSpec {
+    ComponentSpec {
+        component,
+        path,
+        level,
+        kind,
+        half,
+        rank,
+        layers,
+        inputs,
+        meaning,
+    }
+}
+
+use Half::{Attention as ATT, Ffn as FFN};
+use Level::{L0, L1, L2, L3, L4};
+use ValueKind::{Count, Float, Ids, Text};
+const ALL: LayerKinds = LayerKinds::ALL;
+const CMP: LayerKinds = LayerKinds::COMPRESSED;
+const CSA: LayerKinds = LayerKinds::CSA;
+
+/// The catalogue, one row per [`Component`] in [`Component::ALL`] order.
+/// Ranks: model-global records in step order (the step's input first, its
+/// outputs after the layers), per-layer operators in execution order,
+/// persistent state in serialization order.
+pub const SPECS: &[ComponentSpec] = &[
+    spec(
+        C::TokenInput,
+        "token.input",
+        L0,
+        Ids,
+        None,
+        0,
+        ALL,
+        &[],
+        "ids consumed by the step (prefill: the prompt)",
+    ),
+    spec(
+        C::TokenOutput,
+        "token.output",
+        L0,
+        Ids,
+        None,
+        5,
+        ALL,
+        &[],
+        "greedy prediction (ties to the lowest id)",
+    ),
+    spec(
+        C::TextContinuation,
+        "text.continuation",
+        L0,
+        Text,
+        None,
+        6,
+        ALL,
+        &[],
+        "UTF-8 decoding of all generated ids so far",
+    ),
+    spec(
+        C::LmLogits,
+        "lm.logits",
+        L1,
+        Float,
+        None,
+        1,
+        ALL,
+        &[],
+        "logits at the step's last position",
+    ),
+    spec(
+        C::LmTopkIds,
+        "lm.topk_ids",
+        L1,
+        Ids,
+        None,
+        2,
+        ALL,
+        &[],
+        "top-8 ids by logit, ties to the lower id",
+    ),
+    spec(
+        C::LmTopkLogits,
+        "lm.topk_logits",
+        L1,
+        Float,
+        None,
+        3,
+        ALL,
+        &[],
+        "top-8 logits",
+    ),
+    spec(
+        C::LmMargin,
+        "lm.margin",
+        L1,
+        Float,
+        None,
+        4,
+        ALL,
+        &[],
+        "rank-1 minus rank-2 logit",
+    ),
+    spec(
+        C::StateCumulativeLength,
+        "state.cumulative_length",
+        L2,
+        Count,
+        None,
+        0,
+        ALL,
+        &[],
+        "tokens processed by the layer",
+    ),
+    spec(
+        C::StateWindowKv,
+        "state.window_kv",
+        L2,
+        Float,
+        None,
+        1,
+        ALL,
+        &[],
+        "sliding-window KV, oldest first",
+    ),
+    spec(
+        C::StateCompressorBufferKv,
+        "state.compressor.buffer_kv",
+        L2,
+        Float,
+        None,
+        2,
+        CMP,
+        &[],
+        "attention compressor: raw kv rows of the open window",
+    ),
+    spec(
+        C::StateCompressorBufferGate,
+        "state.compressor.buffer_gate",
+        L2,
+        Float,
+        None,
+        3,
+        CMP,
+        &[],
+        "attention compressor: raw gate rows of the open window",
+    ),
+    spec(
+        C::StateCompressorCompressedKv,
+        "state.compressor.compressed_kv",
+        L2,
+        Float,
+        None,
+        4,
+        CMP,
+        &[],
+        "attention compressor: emitted entries",
+    ),
+    spec(
+        C::StateCompressorEntryCount,
+        "state.compressor.entry_count",
+        L2,
+        Count,
+        None,
+        5,
+        CMP,
+        &[],
+        "attention compressor: emitted entry count",
+    ),
+    spec(
+        C::StateCompressorOverlapKv,
+        "state.compressor.overlap_kv",
+        L2,
+        Float,
+        None,
+        6,
+        CSA,
+        &[],
+        "attention compressor: overlap kv for the next window",
+    ),
+    spec(
+        C::StateCompressorOverlapGate,
+        "state.compressor.overlap_gate",
+        L2,
+        Float,
+        None,
+        7,
+        CSA,
+        &[],
+        "attention compressor: overlap gate for the next window",
+    ),
+    spec(
+        C::StateIndexerBufferKv,
+        "state.indexer.buffer_kv",
+        L2,
+        Float,
+        None,
+        8,
+        CSA,
+        &[],
+        "indexer compressor: raw kv rows of the open window",
+    ),
+    spec(
+        C::StateIndexerBufferGate,
+        "state.indexer.buffer_gate",
+        L2,
+        Float,
+        None,
+        9,
+        CSA,
+        &[],
+        "indexer compressor: raw gate rows of the open window",
+    ),
+    spec(
+        C::StateIndexerCompressedKv,
+        "state.indexer.compressed_kv",
+        L2,
+        Float,
+        None,
+        10,
+        CSA,
+        &[],
+        "indexer compressor: emitted entries",
+    ),
+    spec(
+        C::StateIndexerEntryCount,
+        "state.indexer.entry_count",
+        L2,
+        Count,
+        None,
+        11,
+        CSA,
+        &[],
+        "indexer compressor: emitted entry count",
+    ),
+    spec(
+        C::StateIndexerOverlapKv,
+        "state.indexer.overlap_kv",
+        L2,
+        Float,
+        None,
+        12,
+        CSA,
+        &[],
+        "indexer compressor: overlap kv for the next window",
+    ),
+    spec(
+        C::StateIndexerOverlapGate,
+        "state.indexer.overlap_gate",
+        L2,
+        Float,
+        None,
+        13,
+        CSA,
+        &[],
+        "indexer compressor: overlap gate for the next window",
+    ),
+    spec(
+        C::AttnHcPre,
+        "attn.hc_pre",
+        L4,
+        Float,
+        Some(ATT),
+        0,
+        ALL,
+        &[LAYER_INPUT],
+        "attention-half mHC collapse of the residual streams",
+    ),
+    spec(
+        C::AttnNorm,
+        "attn.norm",
+        L4,
+        Float,
+        Some(ATT),
+        1,
+        ALL,
+        &[same(C::AttnHcPre)],
+        "attention RMSNorm output",
+    ),
+    spec(
+        C::AttnQ,
+        "attn.q",
+        L4,
+        Float,
+        Some(ATT),
+        2,
+        ALL,
+        &[same(C::AttnNorm)],
+        "queries after norm and RoPE",
+    ),
+    spec(
+        C::AttnKv,
+        "attn.kv",
+        L4,
+        Float,
+        Some(ATT),
+        3,
+        ALL,
+        &[same(C::AttnNorm)],
+        "the position's new KV vector",
+    ),
+    spec(
+        C::AttnCompressed,
+        "attn.compressed",
+        L4,
+        Float,
+        Some(ATT),
+        4,
+        CMP,
+        &[same(C::AttnNorm)],
+        "entry emitted by the attention compressor",
+    ),
+    spec(
+        C::AttnIndexerCompressed,
+        "attn.indexer_compressed",
+        L4,
+        Float,
+        Some(ATT),
+        5,
+        CSA,
+        &[same(C::AttnNorm)],
+        "entry emitted by the indexer compressor",
+    ),
+    spec(
+        C::AttnIndexerTopk,
+        "attn.indexer_topk",
+        L4,
+        Ids,
+        Some(ATT),
+        6,
+        CSA,
+        &[same(C::AttnNorm), same(C::AttnIndexerCompressed), CARRIED_STATE],
+        "compressed entries selected by the lightning indexer",
+    ),
+    spec(
+        C::AttnCore,
+        "attn.core",
+        L4,
+        Float,
+        Some(ATT),
+        7,
+        ALL,
+        &[
+            same(C::AttnQ),
+            same(C::AttnKv),
+            same(C::AttnCompressed),
+            same(C::AttnIndexerTopk),
+            CARRIED_STATE,
+        ],
+        "attention output per head, before de-rotation",
+    ),
+    spec(
+        C::AttnOutput,
+        "attn.output",
+        L4,
+        Float,
+        Some(ATT),
+        8,
+        ALL,
+        &[same(C::AttnCore)],
+        "de-rotated grouped output projection",
+    ),
+    spec(
+        C::LayerPostAttnMhc,
+        "layer.post_attn_mhc",
+        L3,
+        Float,
+        Some(ATT),
+        9,
+        ALL,
+        &[LAYER_INPUT, same(C::AttnOutput)],
+        "residual streams after the attention-half mHC post",
+    ),
+    spec(
+        C::FfnHcPre,
+        "ffn.hc_pre",
+        L4,
+        Float,
+        Some(FFN),
+        10,
+        ALL,
+        &[same(C::LayerPostAttnMhc)],
+        "FFN-half mHC collapse of the residual streams",
+    ),
+    spec(
+        C::FfnNorm,
+        "ffn.norm",
+        L4,
+        Float,
+        Some(FFN),
+        11,
+        ALL,
+        &[same(C::FfnHcPre)],
+        "FFN RMSNorm output",
+    ),
+    spec(
+        C::RouterScores,
+        "router.scores",
+        L3,
+        Float,
+        Some(FFN),
+        12,
+        ALL,
+        &[same(C::FfnNorm)],
+        "router scores before the correction bias",
+    ),
+    spec(
+        C::RouterTopk,
+        "router.topk",
+        L3,
+        Ids,
+        Some(FFN),
+        13,
+        ALL,
+        &[same(C::RouterScores)],
+        "selected experts, in combine order",
+    ),
+    spec(
+        C::RouterGates,
+        "router.gates",
+        L3,
+        Float,
+        Some(FFN),
+        14,
+        ALL,
+        &[same(C::RouterScores), same(C::RouterTopk)],
+        "gate weights of the selected experts",
+    ),
+    spec(
+        C::RouterMargin,
+        "router.margin",
+        L3,
+        Float,
+        Some(FFN),
+        15,
+        LayerKinds::SCORE_ROUTED,
+        &[same(C::RouterScores)],
+        "rank-k minus rank-(k+1) selection score",
+    ),
+    spec(
+        C::MoeTerm,
+        "moe.term.",
+        L4,
+        Float,
+        Some(FFN),
+        16,
+        ALL,
+        &[same(C::FfnNorm), same(C::RouterTopk), same(C::RouterGates)],
+        "gate-weighted routed term J, v_J = g_J · E_J(x)",
+    ),
+    spec(
+        C::MoeShared,
+        "moe.shared",
+        L4,
+        Float,
+        Some(FFN),
+        17,
+        ALL,
+        &[same(C::FfnNorm)],
+        "shared-expert output",
+    ),
+    spec(
+        C::MoeCombine,
+        "moe.combine",
+        L4,
+        Float,
+        Some(FFN),
+        18,
+        ALL,
+        &[same(C::MoeTerm), same(C::MoeShared)],
+        "MoE output: the aggregation contract's result",
+    ),
+    spec(
+        C::LayerPostFfnMhc,
+        "layer.post_ffn_mhc",
+        L3,
+        Float,
+        Some(FFN),
+        19,
+        ALL,
+        &[same(C::LayerPostAttnMhc), same(C::MoeCombine)],
+        "residual streams after the FFN-half mHC post",
+    ),
+];
+
+/// Where a record sits in a step's execution order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ExecGroup {
+    /// The step's input ids (before every layer).
+    StepInput = 0,
+    /// A layer's operators and layer-state records.
+    Layer = 1,
+    /// The step's outputs (logits, token, text), after the layers.
+    StepOutput = 2,
+    /// The persistent state at the decode boundary, after the step.
+    State = 3,
+}
+
+impl Component {
+    /// The catalogue row.
+    pub fn spec(self) -> &'static ComponentSpec {
+        &SPECS[self as usize]
+    }
+
+    /// The path (for the family [`Component::MoeTerm`]: its prefix `moe.term.`;
+    /// use [`Component::indexed_path`] for one member).
+    pub fn path(self) -> &'static str {
+        self.spec().path
+    }
+
+    /// Capture level.
+    pub fn level(self) -> Level {
+        self.spec().level
+    }
+
+    /// What its values mean.
+    pub fn kind(self) -> ValueKind {
+        self.spec().kind
+    }
+
+    /// The half-layer of a per-layer operator record.
+    pub fn half(self) -> Option<Half> {
+        self.spec().half
+    }
+
+    /// Whether the component is a family of indexed paths (`moe.term.J`).
+    pub fn is_family(self) -> bool {
+        self == Component::MoeTerm
+    }
+
+    /// The path of family member `index` (`moe.term.3`); for a single-path
+    /// component the index is ignored.
+    pub fn indexed_path(self, index: u32) -> String {
+        if self.is_family() {
+            format!("{}{index}", self.path())
+        } else {
+            self.path().to_string()
+        }
+    }
+
+    /// Whether `path` is this component (any member of a family).
+    pub fn matches(self, path: &str) -> bool {
+        if self.is_family() {
+            path.strip_prefix(self.path()).is_some_and(is_index)
+        } else {
+            path == self.path()
+        }
+    }
+
+    /// The component a path names, with the family index for `moe.term.J`.
+    pub fn parse(path: &str) -> Option<(Component, Option<u32>)> {
+        if let Some(j) = path.strip_prefix(Component::MoeTerm.path()) {
+            return is_index(j).then(|| (Component::MoeTerm, j.parse().ok()));
+        }
+        SPECS
+            .iter()
+            .find(|s| s.path == path && !s.component.is_family())
+            .map(|s| (s.component, None))
+    }
+
+    /// The execution group of the component's records.
+    pub fn exec_group(self) -> ExecGroup {
+        match (self, self.level()) {
+            (Component::TokenInput, _) => ExecGroup::StepInput,
+            (_, Level::L2) => ExecGroup::State,
+            _ if self.half().is_some() => ExecGroup::Layer,
+            _ => ExecGroup::StepOutput,
+        }
+    }
+
+    /// Whether a record of this component is one of the two post-mHC
+    /// layer-state checkpoints that end a half-layer.
+    pub fn is_checkpoint(self) -> bool {
+        matches!(self, Component::LayerPostAttnMhc | Component::LayerPostFfnMhc)
+    }
+
+    /// Components of `level`, in catalogue order.
+    pub fn of_level(level: Level) -> impl Iterator<Item = Component> {
+        Component::ALL.iter().copied().filter(move |c| c.level() == level)
+    }
+}
+
+impl fmt::Display for Component {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_family() {
+            write!(f, "{}*", self.path())
+        } else {
+            f.write_str(self.path())
+        }
+    }
+}
+
+/// A decimal index without sign or leading zeros.
+fn is_index(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes().all(|b| b.is_ascii_digit())
+        && (s.len() == 1 || !s.starts_with('0'))
+        && s.len() <= 10
+}
+
+/// The level of a record path: the catalogue's level for a catalogue
+/// component, else by the catalogue's namespace prefixes (`token.`/`text.`
+/// L0, `lm.` L1, `state.` L2, `layer.`/`router.` L3, `attn.`/`ffn.`/`moe.`
+/// L4), so that backends can record further components in a known namespace.
+pub fn level_of_path(path: &str) -> Option<Level> {
+    if let Some((c, _)) = Component::parse(path) {
+        return Some(c.level());
+    }
+    NAMESPACES
+        .iter()
+        .find(|(p, _)| path.starts_with(p))
+        .map(|(_, l)| *l)
+}
+
+/// Catalogue namespaces and their levels.
+pub const NAMESPACES: &[(&str, Level)] = &[
+    ("token.", Level::L0),
+    ("text.", Level::L0),
+    ("lm.", Level::L1),
+    ("state.", Level::L2),
+    ("layer.", Level::L3),
+    ("router.", Level::L3),
+    ("attn.", Level::L4),
+    ("ffn.", Level::L4),
+    ("moe.", Level::L4),
+];
+
+/// The half-layer of a record path (by catalogue component, else by
+/// namespace: `attn.` attention; `ffn.`, `router.`, `moe.` FFN).
+pub fn half_of_path(path: &str) -> Option<Half> {
+    if let Some((c, _)) = Component::parse(path) {
+        return c.half();
+    }
+    if path.starts_with("attn.") {
+        Some(Half::Attention)
+    } else if ["ffn.", "router.", "moe."].iter().any(|p| path.starts_with(p)) {
+        Some(Half::Ffn)
+    } else {
+        None
+    }
+}
+
+/// Sort key of a record path in the reference runtime's execution order
+/// within its group: (rank, family index); unknown paths sort after every
+/// catalogue component.
+pub fn exec_rank(path: &str) -> (u16, u64) {
+    match Component::parse(path) {
+        Some((c, idx)) => (c.spec().rank, idx.map_or(0, u64::from)),
+        None => (u16::MAX, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_is_in_enum_order_and_paths_parse_back() {
+        assert_eq!(SPECS.len(), Component::ALL.len());
+        for (i, s) in SPECS.iter().enumerate() {
+            assert_eq!(s.component as usize, i, "{}", s.path);
+            crate::Coord::validate_path(s.path).unwrap();
+            if s.component.is_family() {
+                assert_eq!(Component::parse("moe.term.3"), Some((s.component, Some(3))));
+                assert_eq!(Component::parse("moe.term.03"), None);
+                assert_eq!(Component::parse("moe.term."), None);
+            } else {
+                assert_eq!(Component::parse(s.path), Some((s.component, None)));
+            }
+            assert_eq!(level_of_path(s.path.trim_end_matches('.')), Some(s.level));
+        }
+    }
+
+    #[test]
+    fn ranks_are_unique_within_each_group() {
+        let mut seen = std::collections::HashSet::new();
+        for c in Component::ALL {
+            assert!(seen.insert((c.exec_group(), c.spec().rank)), "{c}");
+        }
+    }
+
+    #[test]
+    fn inputs_come_earlier_in_execution_order() {
+        for c in Component::ALL {
+            for i in c.spec().inputs {
+                if i.source == InputSource::SameLayer {
+                    assert_eq!(i.component.exec_group(), ExecGroup::Layer, "{c}");
+                    assert!(
+                        i.component.spec().rank < c.spec().rank,
+                        "{c} reads {}",
+                        i.component
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn layer_kinds() {
+        use AttentionKind::*;
+        use FfnKind::*;
+        assert!(Component::AttnIndexerTopk.spec().layers.contains(Csa, Moe));
+        assert!(!Component::AttnIndexerTopk.spec().layers.contains(Hca, Moe));
+        assert!(!Component::AttnCompressed.spec().layers.contains(Sliding, Moe));
+        assert!(!Component::RouterMargin.spec().layers.contains(Csa, HashMoe));
+        assert!(Component::MoeCombine.spec().layers.contains(Sliding, HashMoe));
+    }
+}
