@@ -49,6 +49,7 @@ mod error;
 mod inference;
 mod numeric;
 mod operators;
+mod pairing;
 mod render;
 mod report;
 mod textdiff;
@@ -61,6 +62,7 @@ pub use error::{BisectError, FieldDifference};
 pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
 pub use numeric::{element_ordinal, element_value, summarize, unravel, NumericSummary, WorstElement};
 pub use operators::{half_of, inputs_of, Half, InputSpec};
+pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,
     L4Report, LevelStatus, Levels, Localized, RecordRef, RouteDivergence, StateComponent, StateLayer, TextOp,

@@ -52,7 +52,8 @@ pub struct RecordRef {
 }
 
 impl RecordRef {
-    pub(crate) fn new(level: Level, c: &Coord, present_in: &str) -> RecordRef {
+    /// The record of `level` at `c`; `present_in` is `both`, `reference` or `candidate`.
+    pub fn new(level: Level, c: &Coord, present_in: &str) -> RecordRef {
         RecordRef {
             level: level.name().to_string(),
             step: c.step,
@@ -64,17 +65,24 @@ impl RecordRef {
         }
     }
 
-    /// `step 3 pos 12 (decode) layer 5 moe.combine`.
+    /// `step 3 pos 12 (decode) layer 5 moe.combine [only in candidate]`.
     pub fn describe(&self) -> String {
+        let mut s = self.describe_location();
+        if self.present_in != "both" {
+            s.push_str(&format!(" [only in {}]", self.present_in));
+        }
+        s
+    }
+
+    /// `step 3 pos 12 (decode) layer 5 moe.combine`: where the record sits,
+    /// without saying which side holds it.
+    pub fn describe_location(&self) -> String {
         let mut s = format!("step {} pos {} ({})", self.step, self.position, self.phase);
         if let Some(l) = self.layer {
             s.push_str(&format!(" layer {l}"));
         }
         s.push(' ');
         s.push_str(&self.path);
-        if self.present_in != "both" {
-            s.push_str(&format!(" [only in {}]", self.present_in));
-        }
         s
     }
 }

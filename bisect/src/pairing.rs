@@ -1,0 +1,46 @@
+//! Record pairing for tools built on the diff engine (the CI gate): the
+//! records of two traces paired by (step, level, layer, position, phase,
+//! path) through the same hash-tree descent [`diff`](crate::diff) uses, so
+//! only subtrees whose digests differ are entered and equal records cost
+//! nothing.
+
+use crate::walk::{Pair, Sides};
+use moeconf_fingerprint::Level;
+use moeconf_schema::Trace;
+
+/// One differing record position of two traces: the index of the record in
+/// each trace's [`records`](Trace::records), `None` on the side that lacks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordPair {
+    /// Index into the reference's records.
+    pub reference: Option<usize>,
+    /// Index into the candidate's records.
+    pub candidate: Option<usize>,
+}
+
+/// Every record pair of every step and level whose digests differ, and
+/// every record present on one side only, in execution order: records of
+/// the reference in its write order, then records only the candidate holds,
+/// in the candidate's write order.
+pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Vec<RecordPair> {
+    let sides = Sides {
+        r: reference,
+        c: candidate,
+    };
+    let mut pairs: Vec<Pair> = Vec::new();
+    for step in sides.steps() {
+        for level in Level::ALL {
+            if sides.level_differs(step, level) {
+                pairs.extend(sides.differing_records(step, level));
+            }
+        }
+    }
+    pairs.sort_by_key(Pair::order_key);
+    pairs
+        .into_iter()
+        .map(|p| RecordPair {
+            reference: p.r,
+            candidate: p.c,
+        })
+        .collect()
+}
