@@ -6,14 +6,15 @@
 //! A baseline holds no tensor bytes, so it is compared bitwise: every level
 //! whose mode is not `info` must have the blessed digest at every step.
 
-use super::policy::{Mode, Profile};
-use super::{finish, Failure, GateReport, LevelResult, Loc, Status};
-use anyhow::{bail, Context};
-use moeconf_fingerprint::{Digest, Level};
+use crate::error::{BaselineError, FileKind, GateError};
+use crate::policy::{Mode, Profile};
+use crate::report::{Failure, GateReport, LevelResult, Status};
+use crate::write::write_atomic;
+use moeconf_bisect::RecordRef;
+use moeconf_fingerprint::{Coord, Digest, Level, Phase, StepNode};
 use moeconf_schema::Trace;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::io::Write;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// Version of the baseline file.
@@ -98,143 +99,190 @@ impl Baseline {
     }
 
     /// Writes the file atomically (temporary file in the same directory, then rename).
-    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let mut tmp = tempfile::NamedTempFile::new_in(dir)
-            .with_context(|| format!("baseline {}: cannot create a temporary file", path.display()))?;
-        serde_json::to_writer_pretty(&mut tmp, self)?;
-        tmp.write_all(b"\n")?;
-        tmp.as_file().sync_all()?;
-        tmp.persist(path)
-            .with_context(|| format!("baseline {}: cannot write", path.display()))?;
-        Ok(())
+    pub fn write(&self, path: &Path) -> Result<(), GateError> {
+        let mut text = serde_json::to_string_pretty(self).map_err(|e| GateError::Write {
+            file: FileKind::Baseline,
+            path: path.to_path_buf(),
+            source: e.into(),
+        })?;
+        text.push('\n');
+        write_atomic(path, text.as_bytes(), FileKind::Baseline)
     }
 
     /// Reads and validates a baseline file.
-    pub fn read(path: &Path) -> anyhow::Result<Baseline> {
-        let ctx = || format!("baseline {}", path.display());
-        let len = std::fs::metadata(path).with_context(ctx)?.len();
+    pub fn read(path: &Path) -> Result<Baseline, GateError> {
+        Baseline::read_unnamed(path).map_err(|source| GateError::Baseline {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// [`Baseline::read`] without the file name (added by the caller).
+    fn read_unnamed(path: &Path) -> Result<Baseline, BaselineError> {
+        let len = std::fs::metadata(path)?.len();
         if len > MAX_BASELINE_BYTES {
-            bail!(
-                "{}: {len} bytes is larger than the {MAX_BASELINE_BYTES}-byte limit",
-                ctx()
-            );
+            return Err(BaselineError::TooLarge {
+                len,
+                limit: MAX_BASELINE_BYTES,
+            });
         }
-        let text = std::fs::read_to_string(path).with_context(ctx)?;
-        let b: Baseline = serde_json::from_str(&text).with_context(ctx)?;
+        let b: Baseline = serde_json::from_str(&std::fs::read_to_string(path)?)?;
         if b.kind != "moeconf.baseline" || b.schema_version != BASELINE_SCHEMA_VERSION {
-            bail!(
-                "{}: not a moeconf baseline of schema version {BASELINE_SCHEMA_VERSION} (kind {:?}, version {})",
-                ctx(),
-                b.kind,
-                b.schema_version
-            );
+            return Err(BaselineError::NotABaseline {
+                kind: b.kind,
+                version: b.schema_version,
+                expected: BASELINE_SCHEMA_VERSION,
+            });
         }
-        let hex = |what: String, h: &str| -> anyhow::Result<()> {
-            Digest::from_hex(h)
-                .with_context(|| format!("{}: {what}: {h:?} is not a 64-digit hex digest", ctx()))?;
-            Ok(())
+        let hex = |what: String, text: &str| match Digest::from_hex(text) {
+            Some(_) => Ok(()),
+            None => Err(BaselineError::Digest {
+                what,
+                text: text.into(),
+            }),
         };
         hex("root".into(), &b.root)?;
         hex("binding_digest".into(), &b.binding_digest)?;
         for s in &b.steps {
             hex(format!("step {}", s.step), &s.digest)?;
             for (l, d) in &s.levels {
-                Level::from_name(l)
-                    .with_context(|| format!("{}: step {}: unknown level {l:?}", ctx(), s.step))?;
+                if Level::from_name(l).is_none() {
+                    return Err(BaselineError::UnknownLevel {
+                        step: s.step,
+                        name: l.clone(),
+                    });
+                }
                 hex(format!("step {} {l}", s.step), d)?;
             }
         }
         Ok(b)
     }
-}
 
-/// Compares a candidate with blessed fingerprints under `profile`: every
-/// level that is not `info` must have the blessed level digest at every step.
-pub fn compare(baseline: &Baseline, candidate: &Trace, profile: &Profile) -> anyhow::Result<GateReport> {
-    if baseline.algorithm != candidate.algorithm().name() {
-        bail!(
-            "the baseline uses {} digests and the candidate {}: rebless or rerun with --digest {}",
-            baseline.algorithm,
-            candidate.algorithm().name(),
-            baseline.algorithm
-        );
-    }
-    let mut notes = Vec::new();
-    if baseline.binding_digest != candidate.binding_digest().to_hex() {
+    /// A note for the report when the candidate's binding differs from the blessed one.
+    fn binding_note(&self, candidate: &Trace) -> Option<String> {
+        if self.binding_digest == candidate.binding_digest().to_hex() {
+            return None;
+        }
         let b = candidate.binding();
-        notes.push(format!(
+        Some(format!(
             "the candidate's binding differs from the blessed one (blessed: model {:?}, precision {}, contract {}, \
              schedule {}; candidate: model {:?}, precision {}, contract {}, schedule {})",
-            baseline.model,
-            baseline.precision,
-            baseline.contract,
-            baseline.schedule,
+            self.model,
+            self.precision,
+            self.contract,
+            self.schedule,
             b.model.name,
             b.precision,
             b.contract,
             b.schedule
-        ));
+        ))
     }
-    let cand: BTreeMap<u32, &moeconf_fingerprint::StepNode> =
-        candidate.tree().steps.iter().map(|s| (s.step, s)).collect();
-    let blessed: BTreeMap<u32, &StepDigests> = baseline.steps.iter().map(|s| (s.step, s)).collect();
-    let steps: std::collections::BTreeSet<u32> = cand.keys().chain(blessed.keys()).copied().collect();
-    let mut levels = Vec::new();
-    for l in Level::ALL {
-        let name = l.name();
-        let in_baseline = baseline.steps.iter().any(|s| s.levels.contains_key(name));
-        let in_candidate = candidate.tree().steps.iter().any(|s| s.level(l).is_some());
-        let mut r = LevelResult::empty(l, profile.mode(l), in_baseline && in_candidate);
-        if r.status == Status::Pass {
-            for &s in &steps {
-                r.records += 1;
-                let want = blessed.get(&s).and_then(|b| b.levels.get(name));
-                let got = cand.get(&s).and_then(|n| n.level(l)).map(|n| n.digest.to_hex());
-                if want.map(String::as_str) == got.as_deref() {
-                    continue;
-                }
-                r.differing += 1;
-                // Position and phase of the step, from the candidate's first record there.
-                let first = candidate
-                    .records()
-                    .iter()
-                    .find(|e| e.coord.step == s && e.level == l);
-                let at = Loc {
-                    level: name.into(),
-                    step: s,
-                    position: first.map_or(0, |e| e.coord.position),
-                    phase: first
-                        .map_or(if s == 0 { "prefill" } else { "decode" }, |e| {
-                            e.coord.phase.name()
-                        })
-                        .into(),
-                    layer: None,
-                    path: "(level digest)".into(),
+}
+
+/// Both sides of a baseline comparison, step by step.
+struct Steps<'a> {
+    candidate: &'a Trace,
+    by_step: BTreeMap<u32, &'a StepNode>,
+    blessed: BTreeMap<u32, &'a StepDigests>,
+    /// Steps of either side, ascending.
+    all: BTreeSet<u32>,
+}
+
+impl<'a> Steps<'a> {
+    fn new(baseline: &'a Baseline, candidate: &'a Trace) -> Steps<'a> {
+        let by_step: BTreeMap<u32, &StepNode> = candidate.tree().steps.iter().map(|s| (s.step, s)).collect();
+        let blessed: BTreeMap<u32, &StepDigests> = baseline.steps.iter().map(|s| (s.step, s)).collect();
+        let all = by_step.keys().chain(blessed.keys()).copied().collect();
+        Steps {
+            candidate,
+            by_step,
+            blessed,
+            all,
+        }
+    }
+
+    /// Where a differing level digest sits: the step, with the position and
+    /// phase of the candidate's first record of the level there.
+    fn location(&self, level: Level, step: u32) -> RecordRef {
+        let first = self
+            .candidate
+            .records()
+            .iter()
+            .find(|e| e.coord.step == step && e.level == level);
+        let coord = Coord {
+            step,
+            position: first.map_or(0, |e| e.coord.position),
+            phase: first.map_or(if step == 0 { Phase::Prefill } else { Phase::Decode }, |e| {
+                e.coord.phase
+            }),
+            layer: None,
+            path: "(level digest)".into(),
+        };
+        RecordRef::new(level, &coord, "both")
+    }
+
+    /// The level's result: every step's level digest against the blessed one.
+    fn compare_level(&self, level: Level, mode: Mode, captured: bool) -> LevelResult {
+        let mut r = LevelResult::empty(level, mode, captured);
+        if r.status != Status::Pass {
+            return r;
+        }
+        for &s in &self.all {
+            r.records += 1;
+            let want = self.blessed.get(&s).and_then(|b| b.levels.get(level.name()));
+            let got = self
+                .by_step
+                .get(&s)
+                .and_then(|n| n.level(level))
+                .map(|n| n.digest.to_hex());
+            if want.map(String::as_str) == got.as_deref() {
+                continue;
+            }
+            r.differing += 1;
+            let at = self.location(level, s);
+            r.first_difference.get_or_insert_with(|| at.clone());
+            if mode != Mode::Info {
+                r.failed += 1;
+                let reason = match (want, got) {
+                    (Some(_), Some(_)) => "level digest differs from the blessed baseline",
+                    (Some(_), None) => "blessed step/level missing from the candidate",
+                    _ => "step/level not in the blessed baseline",
                 };
-                r.first_difference.get_or_insert_with(|| at.clone());
-                if profile.mode(l) != Mode::Info {
-                    r.failed += 1;
-                    let reason = match (want, got) {
-                        (Some(_), Some(_)) => "level digest differs from the blessed baseline".to_string(),
-                        (Some(_), None) => "blessed step/level missing from the candidate".to_string(),
-                        _ => "step/level not in the blessed baseline".to_string(),
-                    };
-                    r.first_failure.get_or_insert(Failure { at, reason });
-                }
+                r.first_failure.get_or_insert(Failure {
+                    at,
+                    reason: reason.into(),
+                });
             }
         }
-        levels.push(r);
+        r
     }
-    let mut report = finish(profile, levels, BTreeMap::new(), Vec::new(), None);
+}
+
+/// Compares a candidate with blessed fingerprints under `profile`: every
+/// level that is not `info` must have the blessed level digest at every step.
+pub fn compare(baseline: &Baseline, candidate: &Trace, profile: &Profile) -> Result<GateReport, GateError> {
+    if baseline.algorithm != candidate.algorithm().name() {
+        return Err(GateError::AlgorithmMismatch {
+            baseline: baseline.algorithm.clone(),
+            candidate: candidate.algorithm().name().into(),
+        });
+    }
+    let mut notes: Vec<String> = baseline.binding_note(candidate).into_iter().collect();
+    let steps = Steps::new(baseline, candidate);
+    let levels = Level::ALL
+        .into_iter()
+        .map(|l| {
+            let in_baseline = baseline.steps.iter().any(|s| s.levels.contains_key(l.name()));
+            let in_candidate = candidate.tree().steps.iter().any(|s| s.level(l).is_some());
+            steps.compare_level(l, profile.mode(l), in_baseline && in_candidate)
+        })
+        .collect();
+    let mut report = GateReport::new(profile, levels, Vec::new(), Vec::new(), None);
     report.against = "baseline".into();
     notes.push(format!(
         "compared against blessed fingerprints (root {}); baselines hold digests only, so every non-info \
          level is compared bitwise per step",
-        &baseline.root[..16.min(baseline.root.len())]
+        baseline.root.get(..16).unwrap_or(&baseline.root)
     ));
     report.notes = notes;
     Ok(report)

@@ -9,10 +9,11 @@
 //! overrides it field by field (a profile's `rules` list replaces the base
 //! list as a whole, so first-match order stays readable in one place).
 
-use anyhow::{bail, Context};
+use crate::error::{GateError, PolicyError};
 use moeconf_fingerprint::{DType, Level};
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// How a level is gated.
@@ -28,14 +29,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    fn parse(s: &str) -> Option<Mode> {
-        match s {
-            "bitwise" => Some(Mode::Bitwise),
-            "tolerance" => Some(Mode::Tolerance),
-            "info" => Some(Mode::Info),
-            _ => None,
-        }
-    }
+    /// Every mode.
+    const ALL: [Mode; 3] = [Mode::Bitwise, Mode::Tolerance, Mode::Info];
 
     /// `bitwise`, `tolerance` or `info`.
     pub fn name(self) -> &'static str {
@@ -44,6 +39,14 @@ impl Mode {
             Mode::Tolerance => "tolerance",
             Mode::Info => "info",
         }
+    }
+
+    /// The mode called `name`.
+    pub fn from_name(name: &str) -> Result<Mode, PolicyError> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == name)
+            .ok_or_else(|| PolicyError::UnknownMode { name: name.into() })
     }
 }
 
@@ -87,16 +90,93 @@ pub enum Check {
     Ignore,
 }
 
+/// The checks a rule can name in the file, with the keys each one reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CheckKind {
+    Exact,
+    Elementwise,
+    Ulp,
+    Aggregate,
+    Logits,
+    Ignore,
+}
+
+impl CheckKind {
+    const ALL: [CheckKind; 6] = [
+        CheckKind::Exact,
+        CheckKind::Elementwise,
+        CheckKind::Ulp,
+        CheckKind::Aggregate,
+        CheckKind::Logits,
+        CheckKind::Ignore,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            CheckKind::Exact => "exact",
+            CheckKind::Elementwise => "elementwise",
+            CheckKind::Ulp => "ulp",
+            CheckKind::Aggregate => "aggregate",
+            CheckKind::Logits => "logits",
+            CheckKind::Ignore => "ignore",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<CheckKind> {
+        CheckKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// The rule keys the check reads.
+    fn keys(self) -> &'static [&'static str] {
+        match self {
+            CheckKind::Exact | CheckKind::Ignore => &[],
+            CheckKind::Elementwise => &["rtol", "atol"],
+            CheckKind::Ulp => &["max_ulp"],
+            CheckKind::Aggregate => &["cosine_min", "norm_ratio_tol", "nmse_max"],
+            CheckKind::Logits => &["topk_overlap_min", "topk", "kl_max"],
+        }
+    }
+}
+
 impl Check {
+    fn kind(&self) -> CheckKind {
+        match self {
+            Check::Exact => CheckKind::Exact,
+            Check::Elementwise { .. } => CheckKind::Elementwise,
+            Check::Ulp { .. } => CheckKind::Ulp,
+            Check::Aggregate { .. } => CheckKind::Aggregate,
+            Check::Logits { .. } => CheckKind::Logits,
+            Check::Ignore => CheckKind::Ignore,
+        }
+    }
+
     /// The check's name as written in the policy.
     pub fn name(&self) -> &'static str {
-        match self {
-            Check::Exact => "exact",
-            Check::Elementwise { .. } => "elementwise",
-            Check::Ulp { .. } => "ulp",
-            Check::Aggregate { .. } => "aggregate",
-            Check::Logits { .. } => "logits",
-            Check::Ignore => "ignore",
+        self.kind().name()
+    }
+
+    /// The check's thresholds that must be finite and non-negative, by key.
+    fn thresholds(&self) -> Vec<(&'static str, f64)> {
+        match *self {
+            Check::Elementwise { rtol, atol } => [("rtol", rtol), ("atol", atol)]
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, v?)))
+                .collect(),
+            Check::Aggregate {
+                cosine_min,
+                norm_ratio_tol,
+                nmse_max,
+            } => vec![
+                ("cosine_min", cosine_min),
+                ("norm_ratio_tol", norm_ratio_tol),
+                ("nmse_max", nmse_max),
+            ],
+            Check::Logits {
+                topk_overlap_min,
+                kl_max,
+                ..
+            } => vec![("topk_overlap_min", topk_overlap_min), ("kl_max", kl_max)],
+            Check::Exact | Check::Ulp { .. } | Check::Ignore => Vec::new(),
         }
     }
 }
@@ -107,18 +187,10 @@ pub struct Rule {
     /// Glob over the component path (`*` any run of characters, `?` one character).
     pub path: String,
     /// Restrict the rule to one level.
-    #[serde(serialize_with = "ser_level")]
     pub level: Option<Level>,
     /// What the rule checks.
     #[serde(flatten)]
     pub check: Check,
-}
-
-fn ser_level<S: serde::Serializer>(l: &Option<Level>, s: S) -> Result<S::Ok, S::Error> {
-    match l {
-        Some(l) => s.serialize_some(l.name()),
-        None => s.serialize_none(),
-    }
 }
 
 impl Rule {
@@ -134,6 +206,11 @@ impl Rule {
             .map(|l| format!(" at {}", l.name()))
             .unwrap_or_default();
         format!("#{} {}{} ({})", index + 1, self.path, lvl, self.check.name())
+    }
+
+    /// Whether this is the catch-all rule: every path at every level.
+    fn is_catch_all(&self) -> bool {
+        self.path == "*" && self.level.is_none()
     }
 }
 
@@ -194,6 +271,11 @@ impl Profile {
         self.levels[level.code() as usize]
     }
 
+    /// Sets the mode of a level.
+    pub fn set_mode(&mut self, level: Level, mode: Mode) {
+        self.levels[level.code() as usize] = mode;
+    }
+
     /// The first rule matching a record, with its index.
     pub fn rule_for(&self, level: Level, path: &str) -> Option<(usize, &Rule)> {
         self.rules
@@ -212,81 +294,53 @@ impl Profile {
 
     /// Checks the invariants: a catch-all rule `*` (any level) exists and is
     /// last, thresholds are finite and non-negative.
-    pub fn validate(&self) -> anyhow::Result<()> {
-        let catch_all = self.rules.iter().position(|r| r.path == "*" && r.level.is_none());
-        match catch_all {
-            None => bail!(
-                "profile {:?}: no catch-all rule: add a last rule with path = \"*\" (and no level) so every \
-                 record has a rule",
-                self.name
-            ),
-            Some(i) if i + 1 != self.rules.len() => bail!(
-                "profile {:?}: rules after the catch-all rule {} can never match",
-                self.name,
-                self.rules[i].describe(i)
-            ),
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        let profile = || self.name.clone();
+        match self.rules.iter().position(Rule::is_catch_all) {
+            None => return Err(PolicyError::NoCatchAll { profile: profile() }),
+            Some(i) if i + 1 != self.rules.len() => {
+                return Err(PolicyError::UnreachableRules {
+                    profile: profile(),
+                    catch_all: self.rules[i].describe(i),
+                })
+            }
             Some(_) => {}
         }
-        for (what, v) in [
+        for (key, value) in [
             ("route_near_tie_margin", self.route_near_tie_margin),
             ("argmax_near_tie_margin", self.argmax_near_tie_margin),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                bail!(
-                    "profile {:?}: {what} must be a finite number >= 0, got {v}",
-                    self.name
-                );
+            if !is_threshold(value) {
+                return Err(PolicyError::Threshold {
+                    profile: profile(),
+                    key,
+                    value,
+                });
             }
         }
         for (i, r) in self.rules.iter().enumerate() {
-            let bad = |what: &str, v: f64| -> anyhow::Result<()> {
-                if !(v.is_finite() && v >= 0.0) {
-                    bail!(
-                        "profile {:?}: rule {}: {what} must be a finite number >= 0, got {v}",
-                        self.name,
-                        r.describe(i)
-                    );
-                }
-                Ok(())
-            };
-            match &r.check {
-                Check::Elementwise { rtol, atol } => {
-                    if let Some(v) = rtol {
-                        bad("rtol", *v)?;
-                    }
-                    if let Some(v) = atol {
-                        bad("atol", *v)?;
-                    }
-                }
-                Check::Aggregate {
-                    cosine_min,
-                    norm_ratio_tol,
-                    nmse_max,
-                } => {
-                    bad("cosine_min", *cosine_min)?;
-                    bad("norm_ratio_tol", *norm_ratio_tol)?;
-                    bad("nmse_max", *nmse_max)?;
-                }
-                Check::Logits {
-                    topk_overlap_min,
-                    topk,
-                    kl_max,
-                } => {
-                    bad("topk_overlap_min", *topk_overlap_min)?;
-                    bad("kl_max", *kl_max)?;
-                    if *topk == 0 {
-                        bail!(
-                            "profile {:?}: rule {}: topk must be >= 1",
-                            self.name,
-                            r.describe(i)
-                        );
-                    }
-                }
-                Check::Exact | Check::Ulp { .. } | Check::Ignore => {}
+            if let Some((key, value)) = r.check.thresholds().into_iter().find(|(_, v)| !is_threshold(*v)) {
+                return Err(PolicyError::RuleThreshold {
+                    profile: profile(),
+                    rule: r.describe(i),
+                    key,
+                    value,
+                });
+            }
+            if matches!(r.check, Check::Logits { topk: 0, .. }) {
+                return Err(PolicyError::ZeroTopk {
+                    profile: profile(),
+                    rule: r.describe(i),
+                });
             }
         }
         Ok(())
     }
+}
+
+/// Whether `v` is a usable threshold: finite and non-negative.
+fn is_threshold(v: f64) -> bool {
+    v.is_finite() && v >= 0.0
 }
 
 /// Glob match over a whole string: `*` matches any run of characters
@@ -366,18 +420,15 @@ struct RawRule {
     kl_max: Option<f64>,
 }
 
-fn parse_level(s: &str) -> anyhow::Result<Level> {
-    Level::from_name(s).with_context(|| format!("unknown level {s:?} (expected L0, L1, L2, L3 or L4)"))
-}
-
-fn parse_mode(s: &str) -> anyhow::Result<Mode> {
-    Mode::parse(s).with_context(|| format!("unknown mode {s:?} (expected bitwise, tolerance or info)"))
+/// The level called `name` (`L0`…`L4`).
+fn parse_level(name: &str) -> Result<Level, PolicyError> {
+    Level::from_name(name).ok_or_else(|| PolicyError::UnknownLevel { name: name.into() })
 }
 
 impl RawRule {
-    fn resolve(&self) -> anyhow::Result<Rule> {
-        let level = self.level.as_deref().map(parse_level).transpose()?;
-        let given: Vec<&str> = [
+    /// The keys the rule sets, in the order of the file format.
+    fn given_keys(&self) -> Vec<&'static str> {
+        [
             ("rtol", self.rtol.is_some()),
             ("atol", self.atol.is_some()),
             ("max_ulp", self.max_ulp.is_some()),
@@ -388,56 +439,57 @@ impl RawRule {
             ("topk", self.topk.is_some()),
             ("kl_max", self.kl_max.is_some()),
         ]
-        .iter()
-        .filter(|(_, g)| *g)
-        .map(|(n, _)| *n)
-        .collect();
-        let allowed: &[&str] = match self.check.as_str() {
-            "exact" | "ignore" => &[],
-            "elementwise" => &["rtol", "atol"],
-            "ulp" => &["max_ulp"],
-            "aggregate" => &["cosine_min", "norm_ratio_tol", "nmse_max"],
-            "logits" => &["topk_overlap_min", "topk", "kl_max"],
-            other => bail!(
-                "rule {:?}: unknown check {other:?} (expected exact, elementwise, ulp, aggregate, logits or ignore)",
-                self.path
-            ),
-        };
-        if let Some(k) = given.iter().find(|k| !allowed.contains(k)) {
-            bail!(
-                "rule {:?}: key {k} does not apply to check {:?}",
-                self.path,
-                self.check
-            );
+        .into_iter()
+        .filter(|(_, given)| *given)
+        .map(|(key, _)| key)
+        .collect()
+    }
+
+    /// A key the check requires.
+    fn need<T>(&self, value: Option<T>, key: &'static str) -> Result<T, PolicyError> {
+        value.ok_or_else(|| PolicyError::MissingKey {
+            rule: self.path.clone(),
+            check: self.check.clone(),
+            key,
+        })
+    }
+
+    fn resolve(&self) -> Result<Rule, PolicyError> {
+        let level = self.level.as_deref().map(parse_level).transpose()?;
+        let kind = CheckKind::from_name(&self.check).ok_or_else(|| PolicyError::UnknownCheck {
+            rule: self.path.clone(),
+            check: self.check.clone(),
+        })?;
+        if let Some(key) = self.given_keys().into_iter().find(|k| !kind.keys().contains(k)) {
+            return Err(PolicyError::KeyNotApplicable {
+                rule: self.path.clone(),
+                key,
+                check: self.check.clone(),
+            });
         }
-        let need = |v: Option<f64>, k: &str| {
-            v.with_context(|| format!("rule {:?}: check {:?} needs {k}", self.path, self.check))
-        };
-        let check = match self.check.as_str() {
-            "exact" => Check::Exact,
-            "ignore" => Check::Ignore,
-            "elementwise" => Check::Elementwise {
+        let check = match kind {
+            CheckKind::Exact => Check::Exact,
+            CheckKind::Ignore => Check::Ignore,
+            CheckKind::Elementwise => Check::Elementwise {
                 rtol: self.rtol,
                 atol: self.atol,
             },
-            "ulp" => Check::Ulp {
-                max_ulp: self
-                    .max_ulp
-                    .with_context(|| format!("rule {:?}: check \"ulp\" needs max_ulp", self.path))?,
+            CheckKind::Ulp => Check::Ulp {
+                max_ulp: self.need(self.max_ulp, "max_ulp")?,
             },
-            "aggregate" => Check::Aggregate {
-                cosine_min: need(self.cosine_min, "cosine_min")?,
-                norm_ratio_tol: need(self.norm_ratio_tol, "norm_ratio_tol")?,
-                nmse_max: need(self.nmse_max, "nmse_max")?,
+            CheckKind::Aggregate => Check::Aggregate {
+                cosine_min: self.need(self.cosine_min, "cosine_min")?,
+                norm_ratio_tol: self.need(self.norm_ratio_tol, "norm_ratio_tol")?,
+                nmse_max: self.need(self.nmse_max, "nmse_max")?,
             },
-            _ => Check::Logits {
-                topk_overlap_min: need(self.topk_overlap_min, "topk_overlap_min")?,
+            CheckKind::Logits => Check::Logits {
+                topk_overlap_min: self.need(self.topk_overlap_min, "topk_overlap_min")?,
                 topk: self.topk.unwrap_or(8),
-                kl_max: need(self.kl_max, "kl_max")?,
+                kl_max: self.need(self.kl_max, "kl_max")?,
             },
         };
         if self.path.is_empty() {
-            bail!("rule with an empty path pattern");
+            return Err(PolicyError::EmptyPattern);
         }
         Ok(Rule {
             path: self.path.clone(),
@@ -449,38 +501,32 @@ impl RawRule {
 
 impl RawProfile {
     /// Applies this profile's fields over `base`.
-    fn apply(&self, base: &mut Profile) -> anyhow::Result<()> {
-        if let Some(levels) = &self.levels {
-            for (k, v) in levels {
-                let l = parse_level(k)?;
-                base.levels[l.code() as usize] = parse_mode(v)?;
-            }
-        }
+    fn apply(&self, base: &mut Profile) -> Result<(), PolicyError> {
+        let levels = self
+            .levels
+            .iter()
+            .flatten()
+            .map(|(level, mode)| Ok((parse_level(level)?, Mode::from_name(mode)?)))
+            .collect::<Result<Vec<_>, PolicyError>>()?;
         if let Some(rules) = &self.rules {
-            base.rules = rules
-                .iter()
-                .map(RawRule::resolve)
-                .collect::<anyhow::Result<_>>()?;
+            base.rules = rules.iter().map(RawRule::resolve).collect::<Result<_, _>>()?;
         }
-        if let Some(v) = self.equal_nan {
-            base.equal_nan = v;
+        // The remaining settings override the base as the environment's do.
+        Overrides {
+            levels,
+            equal_nan: self.equal_nan,
+            route_near_tie_margin: self.route_near_tie_margin,
+            argmax_near_tie_margin: self.argmax_near_tie_margin,
+            ..Overrides::default()
         }
-        if let Some(v) = self.route_near_tie_margin {
-            base.route_near_tie_margin = v;
-        }
-        if let Some(v) = self.argmax_near_tie_margin {
-            base.argmax_near_tie_margin = v;
-        }
-        if let Some(t) = &self.dtype_tolerance {
-            for (k, v) in t {
-                let d =
-                    DType::from_name(k).with_context(|| format!("dtype_tolerance: unknown dtype {k:?}"))?;
-                if !d.is_float() {
-                    bail!("dtype_tolerance: {k} is not a floating-point dtype (integers compare exactly)");
-                }
-                base.dtype_tolerance
-                    .insert(d.name().to_string(), (v.rtol, v.atol));
+        .apply(base);
+        for (name, tol) in self.dtype_tolerance.iter().flatten() {
+            let d = DType::from_name(name).ok_or_else(|| PolicyError::UnknownDtype { name: name.clone() })?;
+            if !d.is_float() {
+                return Err(PolicyError::IntegerDtype { name: name.clone() });
             }
+            base.dtype_tolerance
+                .insert(d.name().to_string(), (tol.rtol, tol.atol));
         }
         Ok(())
     }
@@ -509,14 +555,19 @@ impl Overrides {
     /// `MOECONF_ROUTE_NEAR_TIE_MARGIN`, `MOECONF_ARGMAX_NEAR_TIE_MARGIN`
     /// through `get` (the process environment in the binary, a map in tests).
     /// Empty values count as unset.
-    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> anyhow::Result<Overrides> {
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Overrides, PolicyError> {
         let var = |k: &str| get(k).filter(|v| !v.is_empty());
-        let num = |k: &str| -> anyhow::Result<Option<f64>> {
-            var(k)
-                .map(|v| {
-                    v.trim()
+        let num = |variable: &'static str| -> Result<Option<f64>, PolicyError> {
+            var(variable)
+                .map(|value| {
+                    value
+                        .trim()
                         .parse::<f64>()
-                        .with_context(|| format!("{k}={v:?}: not a number"))
+                        .map_err(|source| PolicyError::NotANumber {
+                            variable,
+                            value: value.clone(),
+                            source,
+                        })
                 })
                 .transpose()
         };
@@ -524,17 +575,22 @@ impl Overrides {
             policy: var("MOECONF_POLICY").map(PathBuf::from),
             profile: var("MOECONF_PROFILE"),
             levels: match var("MOECONF_LEVELS") {
-                Some(v) => v
+                Some(value) => value
                     .split(',')
-                    .map(|s| parse_level_mode(s.trim()).with_context(|| format!("MOECONF_LEVELS={v:?}")))
-                    .collect::<anyhow::Result<_>>()?,
+                    .map(|s| {
+                        parse_level_mode(s.trim()).map_err(|e| PolicyError::EnvLevels {
+                            value: value.clone(),
+                            source: Box::new(e),
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
                 None => Vec::new(),
             },
             equal_nan: match var("MOECONF_EQUAL_NAN").as_deref() {
                 None => None,
                 Some("1" | "true") => Some(true),
                 Some("0" | "false") => Some(false),
-                Some(v) => bail!("MOECONF_EQUAL_NAN={v:?}: expected 1, true, 0 or false"),
+                Some(v) => return Err(PolicyError::EqualNan { value: v.into() }),
             },
             route_near_tie_margin: num("MOECONF_ROUTE_NEAR_TIE_MARGIN")?,
             argmax_near_tie_margin: num("MOECONF_ARGMAX_NEAR_TIE_MARGIN")?,
@@ -554,14 +610,30 @@ impl Overrides {
             argmax_near_tie_margin: self.argmax_near_tie_margin.or(lower.argmax_near_tie_margin),
         }
     }
+
+    /// Applies the level modes and settings given here over `profile`.
+    fn apply(&self, profile: &mut Profile) {
+        for &(level, mode) in &self.levels {
+            profile.set_mode(level, mode);
+        }
+        if let Some(v) = self.equal_nan {
+            profile.equal_nan = v;
+        }
+        if let Some(v) = self.route_near_tie_margin {
+            profile.route_near_tie_margin = v;
+        }
+        if let Some(v) = self.argmax_near_tie_margin {
+            profile.argmax_near_tie_margin = v;
+        }
+    }
 }
 
 /// Parses `L3=tolerance`.
-pub fn parse_level_mode(s: &str) -> anyhow::Result<(Level, Mode)> {
+pub fn parse_level_mode(s: &str) -> Result<(Level, Mode), PolicyError> {
     let (l, m) = s
         .split_once('=')
-        .with_context(|| format!("{s:?}: expected LEVEL=MODE, e.g. L3=tolerance"))?;
-    Ok((parse_level(l.trim())?, parse_mode(m.trim())?))
+        .ok_or_else(|| PolicyError::LevelModeSyntax { text: s.into() })?;
+    Ok((parse_level(l.trim())?, Mode::from_name(m.trim())?))
 }
 
 /// The repository root: the nearest ancestor of `start` (itself included) that contains `.git`.
@@ -584,29 +656,75 @@ pub enum Source {
 impl Source {
     /// `built-in defaults` or the file path.
     pub fn describe(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Source::BuiltIn => "built-in defaults".into(),
-            Source::File(p) => p.display().to_string(),
+            Source::BuiltIn => f.write_str("built-in defaults"),
+            Source::File(p) => write!(f, "{}", p.display()),
         }
     }
+}
+
+/// The policy file to read: the one the overrides name, else `moeconf.toml`
+/// at the repository root of `cwd` when it exists.
+fn policy_file(o: &Overrides, cwd: &Path) -> Option<PathBuf> {
+    match &o.policy {
+        Some(p) => Some(p.clone()),
+        None => repository_root(cwd)
+            .map(|r| r.join("moeconf.toml"))
+            .filter(|p| p.is_file()),
+    }
+}
+
+/// Reads and parses a policy file.
+fn read_file(path: &Path) -> Result<RawFile, GateError> {
+    let text = std::fs::read_to_string(path).map_err(|source| GateError::PolicyRead {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| GateError::PolicySyntax {
+        path: path.to_path_buf(),
+        source: Box::new(e),
+    })
+}
+
+/// The profile `name` of the file: the built-in profile, then the file's
+/// `[profile.default]`, then `[profile.NAME]` (the built-in `strict` ignores
+/// the file unless the file defines `[profile.strict]`).
+fn file_profile(raw: &RawFile, name: &str, source: &Source) -> Result<Profile, GateError> {
+    let mut profile = Profile::builtin(name);
+    if name == "strict" && !raw.profile.contains_key("strict") {
+        return Ok(profile);
+    }
+    let invalid = |e: PolicyError| GateError::Profile {
+        policy: source.clone(),
+        profile: name.into(),
+        source: e,
+    };
+    if let Some(base) = raw.profile.get("default") {
+        base.apply(&mut profile).map_err(invalid)?;
+    }
+    if name != "default" {
+        let p = raw.profile.get(name).ok_or_else(|| GateError::NoSuchProfile {
+            policy: source.clone(),
+            profile: name.into(),
+            defined: raw.profile.keys().cloned().collect(),
+        })?;
+        p.apply(&mut profile).map_err(invalid)?;
+    }
+    Ok(profile)
 }
 
 /// Resolves the profile: built-in defaults, then the file (given by the
 /// overrides or discovered as `moeconf.toml` at the repository root of
 /// `cwd`), then the overrides (environment below command line, already merged).
-pub fn resolve(o: &Overrides, cwd: &Path) -> anyhow::Result<(Profile, Source)> {
-    let file = match &o.policy {
-        Some(p) => Some(p.clone()),
-        None => repository_root(cwd)
-            .map(|r| r.join("moeconf.toml"))
-            .filter(|p| p.is_file()),
-    };
-    let (raw, source) = match &file {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("policy {}", p.display()))?;
-            let raw: RawFile = toml::from_str(&text).with_context(|| format!("policy {}", p.display()))?;
-            (raw, Source::File(p.clone()))
-        }
+pub fn resolve(o: &Overrides, cwd: &Path) -> Result<(Profile, Source), GateError> {
+    let (raw, source) = match policy_file(o, cwd) {
+        Some(p) => (read_file(&p)?, Source::File(p)),
         None => (RawFile::default(), Source::BuiltIn),
     };
     let name = o
@@ -614,40 +732,12 @@ pub fn resolve(o: &Overrides, cwd: &Path) -> anyhow::Result<(Profile, Source)> {
         .clone()
         .or_else(|| raw.default_profile.clone())
         .unwrap_or_else(|| "default".to_string());
-    let ctx = || format!("policy {}: profile {name:?}", source.describe());
-    let mut profile = Profile::builtin(&name);
-    if name == "strict" && !raw.profile.contains_key("strict") {
-        // Built-in `strict`: every level bitwise, whatever the file's default says.
-    } else {
-        if let Some(base) = raw.profile.get("default") {
-            base.apply(&mut profile).with_context(ctx)?;
-        }
-        if name != "default" {
-            let p = raw.profile.get(&name).with_context(|| {
-                let known: Vec<&str> = raw.profile.keys().map(String::as_str).collect();
-                format!(
-                    "{}: no such profile (defined: {known:?}; built in: default, strict)",
-                    ctx()
-                )
-            })?;
-            p.apply(&mut profile).with_context(ctx)?;
-        }
-    }
-    for (l, m) in &o.levels {
-        profile.levels[l.code() as usize] = *m;
-    }
-    if let Some(v) = o.equal_nan {
-        profile.equal_nan = v;
-    }
-    if let Some(v) = o.route_near_tie_margin {
-        profile.route_near_tie_margin = v;
-    }
-    if let Some(v) = o.argmax_near_tie_margin {
-        profile.argmax_near_tie_margin = v;
-    }
-    profile
-        .validate()
-        .with_context(|| format!("policy {}", source.describe()))?;
+    let mut profile = file_profile(&raw, &name, &source)?;
+    o.apply(&mut profile);
+    profile.validate().map_err(|e| GateError::InvalidProfile {
+        policy: source.clone(),
+        source: e,
+    })?;
     Ok((profile, source))
 }
 
@@ -763,6 +853,17 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
         assert_eq!(p, Profile::builtin("default"));
     }
 
+    /// The error and its sources, as the binary prints them (`{:#}` of anyhow).
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s.push_str(&format!(": {c}"));
+            cur = c.source();
+        }
+        s
+    }
+
     #[test]
     fn invalid_policies_are_named_errors() {
         let dir = tempfile::tempdir().unwrap();
@@ -788,7 +889,7 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
                 policy: Some(p),
                 ..Overrides::default()
             };
-            let err = format!("{:#}", resolve(&o, dir.path()).unwrap_err());
+            let err = chain(&resolve(&o, dir.path()).unwrap_err());
             assert!(
                 err.contains(want) || (want == "TOML" && err.contains("moeconf.toml")),
                 "{text}: {err}"
@@ -800,7 +901,7 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
             policy: Some(write(dir.path(), FILE)),
             ..Overrides::default()
         };
-        assert!(format!("{:#}", resolve(&o, dir.path()).unwrap_err()).contains("no such profile"));
+        assert!(chain(&resolve(&o, dir.path()).unwrap_err()).contains("no such profile"));
         assert!(Overrides::from_env(|_| Some("x".into())).is_err());
         assert!(parse_level_mode("L3").is_err());
     }

@@ -7,7 +7,7 @@
 //! `<testcase classname name>` with `<failure message type>`, `<skipped>`
 //! or `<system-out>`.
 
-use super::{GateReport, Status};
+use crate::report::{GateReport, LevelResult, NearTie, RuleResult, Status};
 use std::fmt::Write;
 
 /// Escapes text for XML attributes and content (control characters other
@@ -29,24 +29,24 @@ pub fn escape(s: &str) -> String {
     o
 }
 
+/// One `<testcase>`.
 struct Case {
     name: String,
+    /// `(message, body)` of a `<failure>`.
     failure: Option<(String, String)>,
+    /// The message of a `<skipped>`.
     skipped: Option<String>,
+    /// `<system-out>` text (none when empty).
     out: String,
 }
 
-/// The report as a JUnit XML document.
-pub fn render(r: &GateReport) -> String {
-    let localized = r
-        .localization_line()
-        .map(|l| format!("first divergence (moeconf diff): {l}"));
-    let mut cases: Vec<Case> = Vec::new();
-    for l in &r.levels {
-        let name = format!("{} {} [{}]", l.level, l.describe, l.mode.name());
+impl Case {
+    /// A level's test case: fails with the first failure and the
+    /// localization, skipped when the level was not compared.
+    fn level(l: &LevelResult, localized: Option<&str>) -> Case {
         let mut out = format!("{} records, {} differ, {} fail", l.records, l.differing, l.failed);
         if let Some(d) = &l.first_difference {
-            out.push_str(&format!("\nfirst difference: {}", d.describe()));
+            out.push_str(&format!("\nfirst difference: {}", d.describe_location()));
         }
         if let Some(m) = &l.minimal {
             out.push_str(&format!(
@@ -55,13 +55,12 @@ pub fn render(r: &GateReport) -> String {
             ));
         }
         let failure = (l.status == Status::Fail).then(|| {
-            let f = l.first_failure.as_ref();
-            let msg = match f {
-                Some(f) => format!("{} at {}: {}", l.level, f.at.describe(), f.reason),
-                None => format!("{} fails", l.level),
+            let msg = match &l.first_failure {
+                Some(f) => format!("{} at {}", l.level.name(), f.describe()),
+                None => format!("{} fails", l.level.name()),
             };
             let mut body = msg.clone();
-            if let Some(loc) = &localized {
+            if let Some(loc) = localized {
                 body.push('\n');
                 body.push_str(loc);
             }
@@ -69,50 +68,104 @@ pub fn render(r: &GateReport) -> String {
             body.push_str(&out);
             (msg, body)
         });
-        let skipped =
-            (l.status == Status::NotCompared).then(|| "level not captured by both sides".to_string());
-        cases.push(Case {
-            name,
+        Case {
+            name: format!("{} {} [{}]", l.level.name(), l.describe, l.mode.name()),
             failure,
-            skipped,
+            skipped: (l.status == Status::NotCompared)
+                .then(|| "level not captured by both sides".to_string()),
             out,
-        });
+        }
     }
-    for rule in r.rules.iter().filter(|x| x.status == Status::Fail) {
-        let name = format!("rule {} [{}]", rule.rule, rule.levels.join(","));
+
+    /// A failing rule's test case, with its smallest passing tolerance.
+    fn rule(rule: &RuleResult, localized: Option<&str>) -> Case {
         let msg = match &rule.first_failure {
-            Some(f) => format!("{} at {}: {}", f.at.level, f.at.describe(), f.reason),
+            Some(f) => format!("{} at {}", f.at.level, f.describe()),
             None => "fails".into(),
         };
         let mut body = format!("{msg}\n{} of {} differing records fail", rule.failed, rule.judged);
-        if let Some(loc) = &localized {
+        if let Some(loc) = localized {
             body.push('\n');
             body.push_str(loc);
         }
         if let Some(m) = &rule.minimal {
             body.push_str(&format!("\nsmallest passing tolerance: {}", m.describe()));
         }
-        cases.push(Case {
-            name,
+        Case {
+            name: format!("rule {} [{}]", rule.rule, rule.level_names(",")),
             failure: Some((msg, body)),
             skipped: None,
             out: String::new(),
-        });
+        }
     }
-    for n in &r.near_ties {
-        cases.push(Case {
-            name: format!("near-tie {} {}", n.kind, n.at.describe()),
+
+    /// A near-tie's (passing) test case, with the warning in `<system-out>`.
+    fn near_tie(n: &NearTie) -> Case {
+        Case {
+            name: format!("near-tie {} {}", n.kind.name(), n.at.describe_location()),
             failure: None,
             skipped: None,
             out: format!(
                 "WARNING: {} flip accepted as a near-tie: {} (reference margin {:.3e} < threshold {})",
-                n.kind, n.change, n.reference_margin, n.threshold
+                n.kind.name(),
+                n.change,
+                n.reference_margin,
+                n.threshold
             ),
-        });
+        }
     }
+
+    /// The `<testcase>` element.
+    fn write(&self, x: &mut String, class: &str) {
+        let _ = write!(
+            x,
+            "    <testcase classname=\"{}\" name=\"{}\"",
+            escape(class),
+            escape(&self.name)
+        );
+        if self.failure.is_none() && self.skipped.is_none() && self.out.is_empty() {
+            x.push_str("/>\n");
+            return;
+        }
+        x.push_str(">\n");
+        if let Some((msg, body)) = &self.failure {
+            let _ = writeln!(
+                x,
+                "      <failure message=\"{}\" type=\"moeconf.gate\">{}</failure>",
+                escape(msg),
+                escape(body)
+            );
+        }
+        if let Some(s) = &self.skipped {
+            let _ = writeln!(x, "      <skipped message=\"{}\"/>", escape(s));
+        }
+        if !self.out.is_empty() {
+            let _ = writeln!(x, "      <system-out>{}</system-out>", escape(&self.out));
+        }
+        x.push_str("    </testcase>\n");
+    }
+}
+
+/// The report as a JUnit XML document.
+pub fn render(r: &GateReport) -> String {
+    let localized = r
+        .localization_line()
+        .map(|l| format!("first divergence (moeconf diff): {l}"));
+    let localized = localized.as_deref();
+    let cases: Vec<Case> = r
+        .levels
+        .iter()
+        .map(|l| Case::level(l, localized))
+        .chain(
+            r.rules
+                .iter()
+                .filter(|x| x.status == Status::Fail)
+                .map(|x| Case::rule(x, localized)),
+        )
+        .chain(r.near_ties.iter().map(Case::near_tie))
+        .collect();
     let failures = cases.iter().filter(|c| c.failure.is_some()).count();
     let skipped = cases.iter().filter(|c| c.skipped.is_some()).count();
-    let class = format!("moeconf.gate.{}", r.profile.name);
     let mut x = String::from("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n");
     let _ = writeln!(
         x,
@@ -135,33 +188,9 @@ pub fn render(r: &GateReport) -> String {
         let _ = writeln!(x, "      <property name=\"{k}\" value=\"{}\"/>", escape(v));
     }
     let _ = writeln!(x, "    </properties>");
+    let class = format!("moeconf.gate.{}", r.profile.name);
     for c in &cases {
-        let _ = write!(
-            x,
-            "    <testcase classname=\"{}\" name=\"{}\"",
-            escape(&class),
-            escape(&c.name)
-        );
-        if c.failure.is_none() && c.skipped.is_none() && c.out.is_empty() {
-            x.push_str("/>\n");
-            continue;
-        }
-        x.push_str(">\n");
-        if let Some((msg, body)) = &c.failure {
-            let _ = writeln!(
-                x,
-                "      <failure message=\"{}\" type=\"moeconf.gate\">{}</failure>",
-                escape(msg),
-                escape(body)
-            );
-        }
-        if let Some(s) = &c.skipped {
-            let _ = writeln!(x, "      <skipped message=\"{}\"/>", escape(s));
-        }
-        if !c.out.is_empty() {
-            let _ = writeln!(x, "      <system-out>{}</system-out>", escape(&c.out));
-        }
-        x.push_str("    </testcase>\n");
+        c.write(&mut x, &class);
     }
     x.push_str("  </testsuite>\n</testsuites>\n");
     x

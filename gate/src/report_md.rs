@@ -1,7 +1,7 @@
 //! Markdown rendering of a gate report: GitHub-flavoured, small enough for a
 //! pull-request comment or `$GITHUB_STEP_SUMMARY` (one table, then details).
 
-use super::{GateReport, Status};
+use crate::report::{GateReport, Status};
 
 /// Escapes `|` and newlines so text stays inside one table cell.
 fn cell(s: &str) -> String {
@@ -12,10 +12,10 @@ fn cell(s: &str) -> String {
 pub fn render(r: &GateReport) -> String {
     let mut s = format!(
         "### moeconf gate: {}\n\nProfile `{}` ({}), candidate `{}` against {} `{}`.\n\n",
-        if r.verdict == Status::Fail {
-            "❌ FAIL"
-        } else {
+        if r.verdict.passes() {
             "✅ PASS"
+        } else {
+            "❌ FAIL"
         },
         r.profile.name,
         cell(&r.policy_source),
@@ -29,14 +29,10 @@ pub fn render(r: &GateReport) -> String {
     s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");
     for l in &r.levels {
-        let first = l
-            .first_failure
-            .as_ref()
-            .map(|f| format!("{}: {}", f.at.describe(), f.reason))
-            .unwrap_or_default();
+        let first = l.first_failure.as_ref().map(|f| f.describe()).unwrap_or_default();
         s.push_str(&format!(
             "| {} {} | {} | {} | {} | {} | {} | {} |\n",
-            l.level,
+            l.level.name(),
             l.describe,
             l.mode.name(),
             l.status.label(),
@@ -59,7 +55,7 @@ pub fn render(r: &GateReport) -> String {
             s.push_str(&format!(
                 "| `{}` | {} | {} | {} | {} |\n",
                 cell(&x.rule),
-                x.levels.join(", "),
+                x.level_names(", "),
                 x.judged,
                 x.failed,
                 cell(&x.minimal.map(|m| m.describe()).unwrap_or_default())
@@ -69,14 +65,9 @@ pub fn render(r: &GateReport) -> String {
     if !r.near_ties.is_empty() {
         s.push_str("\n**Near-ties (warnings):**\n\n");
         for n in &r.near_ties {
-            s.push_str(&format!(
-                "- {} flip at {}: {} (reference margin {:.3e} < {})\n",
-                n.kind,
-                cell(&n.at.describe()),
-                cell(&n.change),
-                n.reference_margin,
-                n.threshold
-            ));
+            // Kind, margin and threshold hold no `|` or newline: escaping the
+            // whole line equals escaping location and change.
+            s.push_str(&format!("- {}\n", cell(&n.describe())));
         }
     }
     for n in &r.notes {

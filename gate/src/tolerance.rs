@@ -194,22 +194,21 @@ impl Eval {
     }
 }
 
-/// One element (its `dtype.size()` bytes) as f64; the same conversion as the diff's summaries.
-fn value(dtype: DType, b: &[u8]) -> f64 {
-    moeconf_bisect::element_value(dtype, b, 0).unwrap_or(f64::NAN)
+/// Element `i` as f64 (the one decoding of trace values, `DType::value_f64`);
+/// NaN past the end, which [`element_count`] rules out.
+fn value(dtype: DType, bytes: &[u8], i: usize) -> f64 {
+    dtype.value_f64(bytes, i).unwrap_or(f64::NAN)
 }
 
-/// One element's position on the line where adjacent representable values
+/// Element `i`'s position on the line where adjacent representable values
 /// are one apart (the diff's definition, so gate and diff agree on ULPs).
-fn ordinal(dtype: DType, b: &[u8]) -> i128 {
-    moeconf_bisect::element_ordinal(dtype, b, 0).unwrap_or(0)
+fn ordinal(dtype: DType, bytes: &[u8], i: usize) -> i128 {
+    moeconf_bisect::element_ordinal(dtype, bytes, i).unwrap_or(0)
 }
 
-fn elements<'a>(
-    dtype: DType,
-    r: &'a [u8],
-    c: &'a [u8],
-) -> Result<(std::slice::ChunksExact<'a, u8>, std::slice::ChunksExact<'a, u8>), String> {
+/// The number of elements of two payloads that can be compared element by
+/// element as `dtype` (same length, a whole number of elements).
+fn element_count(dtype: DType, r: &[u8], c: &[u8]) -> Result<usize, String> {
     let n = dtype.size();
     if r.len() != c.len() || !r.len().is_multiple_of(n) {
         return Err(format!(
@@ -219,7 +218,7 @@ fn elements<'a>(
             dtype.name()
         ));
     }
-    Ok((r.chunks_exact(n), c.chunks_exact(n)))
+    Ok(r.len() / n)
 }
 
 /// The NaN/infinity rule for one element: `Ok(true)` when the element is
@@ -246,17 +245,17 @@ fn nonfinite(r: f64, c: f64, equal_nan: bool) -> Result<bool, String> {
 
 /// Element-wise `|c − r| ≤ atol + rtol·|r|` (PyTorch's asymmetric rule, `r` = reference).
 pub fn elementwise(dtype: DType, r: &[u8], c: &[u8], rtol: f64, atol: f64, equal_nan: bool) -> Eval {
-    let (ri, ci) = match elements(dtype, r, c) {
-        Ok(x) => x,
+    let n = match element_count(dtype, r, c) {
+        Ok(n) => n,
         Err(e) => return Eval::unusable(e),
     };
     let (mut failing, mut total) = (0u64, 0u64);
     let (mut atol_needed, mut rtol_needed) = (0.0f64, 0.0f64);
     let mut worst: Option<(usize, f64, f64, f64)> = None; // (index, ref, cand, excess over the bound)
     let mut special: Option<String> = None;
-    for (i, (rb, cb)) in ri.zip(ci).enumerate() {
+    for i in 0..n {
         total += 1;
-        let (rv, cv) = (value(dtype, rb), value(dtype, cb));
+        let (rv, cv) = (value(dtype, r, i), value(dtype, c, i));
         match nonfinite(rv, cv, equal_nan) {
             Ok(true) => continue,
             Err(e) => {
@@ -310,14 +309,14 @@ pub fn elementwise(dtype: DType, r: &[u8], c: &[u8], rtol: f64, atol: f64, equal
 
 /// At most `max_ulp` units in the last place per element.
 pub fn ulp(dtype: DType, r: &[u8], c: &[u8], max_ulp: u64, equal_nan: bool) -> Eval {
-    let (ri, ci) = match elements(dtype, r, c) {
-        Ok(x) => x,
+    let n = match element_count(dtype, r, c) {
+        Ok(n) => n,
         Err(e) => return Eval::unusable(e),
     };
     let mut worst: (u64, usize) = (0, 0);
     let mut special: Option<String> = None;
-    for (i, (rb, cb)) in ri.zip(ci).enumerate() {
-        match nonfinite(value(dtype, rb), value(dtype, cb), equal_nan) {
+    for i in 0..n {
+        match nonfinite(value(dtype, r, i), value(dtype, c, i), equal_nan) {
             Ok(true) => continue,
             Err(e) => {
                 special.get_or_insert(format!("element [{i}]: {e}"));
@@ -325,7 +324,8 @@ pub fn ulp(dtype: DType, r: &[u8], c: &[u8], max_ulp: u64, equal_nan: bool) -> E
             }
             Ok(false) => {}
         }
-        let u = u64::try_from((ordinal(dtype, rb) - ordinal(dtype, cb)).unsigned_abs()).unwrap_or(u64::MAX);
+        let u =
+            u64::try_from((ordinal(dtype, r, i) - ordinal(dtype, c, i)).unsigned_abs()).unwrap_or(u64::MAX);
         if u > worst.0 {
             worst = (u, i);
         }
@@ -351,21 +351,31 @@ pub fn ulp(dtype: DType, r: &[u8], c: &[u8], max_ulp: u64, equal_nan: bool) -> E
     }
 }
 
+/// The limits of an aggregate check (docs/ci.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AggregateLimits {
+    /// Smallest accepted cosine similarity.
+    pub cosine_min: f64,
+    /// Largest accepted `|‖cand‖/‖ref‖ − 1|`.
+    pub norm_ratio_tol: f64,
+    /// Largest accepted `‖cand − ref‖² / ‖ref‖²`.
+    pub nmse_max: f64,
+}
+
 /// Cosine similarity, norm ratio and NMSE of the whole tensor.
-pub fn aggregate(
-    dtype: DType,
-    r: &[u8],
-    c: &[u8],
-    (cosine_min, norm_ratio_tol, nmse_max): (f64, f64, f64),
-    equal_nan: bool,
-) -> Eval {
-    let (ri, ci) = match elements(dtype, r, c) {
-        Ok(x) => x,
+pub fn aggregate(dtype: DType, r: &[u8], c: &[u8], limits: AggregateLimits, equal_nan: bool) -> Eval {
+    let AggregateLimits {
+        cosine_min,
+        norm_ratio_tol,
+        nmse_max,
+    } = limits;
+    let n = match element_count(dtype, r, c) {
+        Ok(n) => n,
         Err(e) => return Eval::unusable(e),
     };
     let (mut rr, mut cc, mut rc, mut dd) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
-    for (i, (rb, cb)) in ri.zip(ci).enumerate() {
-        let (rv, cv) = (value(dtype, rb), value(dtype, cb));
+    for i in 0..n {
+        let (rv, cv) = (value(dtype, r, i), value(dtype, c, i));
         match nonfinite(rv, cv, equal_nan) {
             Ok(true) => continue,
             Err(e) => {
@@ -394,24 +404,8 @@ pub fn aggregate(
     } else {
         rc / (nr * nc)
     };
-    let ratio_dev = if nr == 0.0 {
-        if nc == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        }
-    } else {
-        (nc / nr - 1.0).abs()
-    };
-    let nmse = if rr == 0.0 {
-        if dd == 0.0 {
-            0.0
-        } else {
-            f64::INFINITY
-        }
-    } else {
-        dd / rr
-    };
+    let ratio_dev = relative(nc, nr, |n, d| (n / d - 1.0).abs());
+    let nmse = relative(dd, rr, |n, d| n / d);
     let pass = cosine >= cosine_min && ratio_dev <= norm_ratio_tol && nmse <= nmse_max;
     Eval {
         pass,
@@ -424,6 +418,16 @@ pub fn aggregate(
             norm_ratio_tol_needed: ratio_dev,
             nmse_max_needed: nmse,
         }),
+    }
+}
+
+/// `f(num, den)` for a non-zero `den`; for a zero `den`, 0 when `num` is
+/// zero too (nothing to compare) and infinity otherwise.
+fn relative(num: f64, den: f64, f: impl Fn(f64, f64) -> f64) -> f64 {
+    match (den == 0.0, num == 0.0) {
+        (false, _) => f(num, den),
+        (true, true) => 0.0,
+        (true, false) => f64::INFINITY,
     }
 }
 
@@ -474,62 +478,53 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Option<Vec<f64>> {
         return None;
     }
     Some(
-        bytes
-            .chunks_exact(dtype.size())
-            .map(|b| value(dtype, b))
+        (0..bytes.len() / dtype.size())
+            .map(|i| value(dtype, bytes, i))
             .collect(),
     )
 }
 
-/// Logit gates on full logits: returns `(reference argmax, candidate argmax, eval)`;
-/// the argmax agreement itself is judged by the caller (it may be a near-tie).
+/// The limits of a logits check (docs/ci.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitLimits {
+    /// Smallest accepted `|topk(ref) ∩ topk(cand)| / k`.
+    pub topk_overlap_min: f64,
+    /// k of the overlap (capped at the length of the logits).
+    pub topk: usize,
+    /// Largest accepted KL(softmax(ref) ‖ softmax(cand)) in nats.
+    pub kl_max: f64,
+}
+
+/// The argmax of each side, reference first.
+pub type ArgmaxPair = (usize, usize);
+
+/// Logit gates on full logits: returns both argmaxes (when the logits could
+/// be compared) and the verdict of the overlap and KL gates; the argmax
+/// agreement itself is judged by the caller (it may be a near-tie).
 pub fn logits(
     dtype: DType,
     r: &[u8],
     c: &[u8],
-    (topk_overlap_min, k, kl_max): (f64, usize, f64),
+    limits: LogitLimits,
     equal_nan: bool,
-) -> (Option<(usize, usize)>, Eval) {
+) -> (Option<ArgmaxPair>, Eval) {
+    let LogitLimits {
+        topk_overlap_min,
+        topk: k,
+        kl_max,
+    } = limits;
     let (Some(rv), Some(cv)) = (decode(dtype, r), decode(dtype, c)) else {
-        return (
-            None,
-            Eval {
-                pass: false,
-                detail: "malformed logits payload".into(),
-                minimal: None,
-            },
-        );
+        return (None, Eval::unusable("malformed logits payload".into()));
     };
     if rv.len() != cv.len() || rv.is_empty() {
-        return (
-            None,
-            Eval {
-                pass: false,
-                detail: "logits of different lengths".into(),
-                minimal: None,
-            },
-        );
+        return (None, Eval::unusable("logits of different lengths".into()));
     }
     for (i, (&a, &b)) in rv.iter().zip(&cv).enumerate() {
         if let Err(e) = nonfinite(a, b, equal_nan) {
-            return (
-                None,
-                Eval {
-                    pass: false,
-                    detail: format!("logit [{i}]: {e}"),
-                    minimal: None,
-                },
-            );
+            return (None, Eval::unusable(format!("logit [{i}]: {e}")));
         }
         if a.is_nan() || a.is_infinite() {
-            return (
-                None,
-                Eval {
-                    pass: false,
-                    detail: format!("logit [{i}] is {a}: KL undefined"),
-                    minimal: None,
-                },
-            );
+            return (None, Eval::unusable(format!("logit [{i}] is {a}: KL undefined")));
         }
     }
     let k = k.min(rv.len());
@@ -560,6 +555,22 @@ mod tests {
 
     fn b(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn limits(cosine_min: f64, norm_ratio_tol: f64, nmse_max: f64) -> AggregateLimits {
+        AggregateLimits {
+            cosine_min,
+            norm_ratio_tol,
+            nmse_max,
+        }
+    }
+
+    fn logit_limits(topk_overlap_min: f64, topk: usize, kl_max: f64) -> LogitLimits {
+        LogitLimits {
+            topk_overlap_min,
+            topk,
+            kl_max,
+        }
     }
 
     #[test]
@@ -600,8 +611,8 @@ mod tests {
         assert!(!e.pass && e.detail.contains("infinity"), "{}", e.detail);
         let same = (b(&[f32::INFINITY]), b(&[f32::INFINITY]));
         assert!(ulp(DType::F32, &same.0, &same.1, 0, false).pass);
-        assert!(!aggregate(DType::F32, &one.0, &one.1, (0.0, 1e9, 1e9), true).pass);
-        assert!(aggregate(DType::F32, &both.0, &both.1, (1.0, 0.0, 0.0), true).pass);
+        assert!(!aggregate(DType::F32, &one.0, &one.1, limits(0.0, 1e9, 1e9), true).pass);
+        assert!(aggregate(DType::F32, &both.0, &both.1, limits(1.0, 0.0, 0.0), true).pass);
     }
 
     #[test]
@@ -624,29 +635,29 @@ mod tests {
         let r = b(&[1.0, 2.0, 3.0]);
         // 1% larger everywhere: cosine 1, norm ratio deviation 0.01, NMSE 1e-4.
         let c = b(&[1.01, 2.02, 3.03]);
-        let e = aggregate(DType::F32, &r, &c, (0.999_999, 0.02, 2e-4), false);
+        let e = aggregate(DType::F32, &r, &c, limits(0.999_999, 0.02, 2e-4), false);
         assert!(e.pass, "{}", e.detail);
         assert!(
-            !aggregate(DType::F32, &r, &c, (0.999_999, 0.005, 2e-4), false).pass,
+            !aggregate(DType::F32, &r, &c, limits(0.999_999, 0.005, 2e-4), false).pass,
             "norm ratio catches scale"
         );
         assert!(
-            !aggregate(DType::F32, &r, &c, (0.999_999, 0.02, 5e-5), false).pass,
+            !aggregate(DType::F32, &r, &c, limits(0.999_999, 0.02, 5e-5), false).pass,
             "nmse catches it too"
         );
         // Same norm, other direction: cosine catches it.
         let d = b(&[3.0, 2.0, 1.0]);
-        assert!(!aggregate(DType::F32, &r, &d, (0.9, 1.0, 10.0), false).pass);
+        assert!(!aggregate(DType::F32, &r, &d, limits(0.9, 1.0, 10.0), false).pass);
     }
 
     #[test]
     fn logits_overlap_kl_and_argmax() {
         let r = b(&[1.0, 3.0, 2.0, 0.0]);
         let c = b(&[1.0, 2.0, 3.0, 0.0]);
-        let (am, e) = logits(DType::F32, &r, &c, (1.0, 2, 10.0), false);
+        let (am, e) = logits(DType::F32, &r, &c, logit_limits(1.0, 2, 10.0), false);
         assert_eq!(am, Some((1, 2)));
         assert!(e.pass, "same top-2 set");
-        let (_, e) = logits(DType::F32, &r, &c, (1.0, 2, 0.1), false);
+        let (_, e) = logits(DType::F32, &r, &c, logit_limits(1.0, 2, 0.1), false);
         assert!(!e.pass, "KL of the swap is ~0.35 nats: {}", e.detail);
         assert_eq!(kl(&[0.0, 0.0], &[0.0, 0.0]), 0.0);
         // KL of [0, ln 3] vs [0, 0]: p = (1/4, 3/4), q = (1/2, 1/2) -> 1/4 ln(1/2) + 3/4 ln(3/2).

@@ -11,13 +11,15 @@
 //! every commit bad).
 
 use anyhow::Context;
-use moeconf_bisect::{diff, DiffOptions};
-use moeconf_gate::baseline::{self, Baseline};
+use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{self, Overrides};
-use moeconf_gate::{evaluate, report_junit, report_md, GateReport};
+use moeconf_gate::{
+    against_baseline, against_reference, report_junit, report_md, write_atomic, FileKind, GateError,
+    GateReport,
+};
 use moeconf_schema::Trace;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Report format of `moeconf gate`.
@@ -80,11 +82,25 @@ pub struct GateArgs {
 /// An error with the exit code it maps to under `--bisect-exit-codes`.
 struct Failed {
     err: anyhow::Error,
+    /// The candidate cannot be tested: `git bisect run` skips the commit.
     skip: bool,
 }
 
-fn setup(err: anyhow::Error) -> Failed {
-    Failed { err, skip: false }
+/// Any error but an unreadable candidate: the setup is broken.
+fn setup(err: impl Into<anyhow::Error>) -> Failed {
+    Failed {
+        err: err.into(),
+        skip: false,
+    }
+}
+
+impl From<GateError> for Failed {
+    fn from(e: GateError) -> Failed {
+        Failed {
+            skip: e.is_candidate_unreadable(),
+            err: e.into(),
+        }
+    }
 }
 
 /// The overrides given on the command line.
@@ -128,18 +144,38 @@ fn render(r: &GateReport, f: GateFormat) -> anyhow::Result<String> {
     })
 }
 
-/// Writes `text` to `path` atomically.
-fn write_atomic(path: &Path, text: &str) -> anyhow::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", path.display()))?;
-    tmp.write_all(text.as_bytes())?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path)
-        .with_context(|| format!("{}: cannot write", path.display()))?;
+/// The reference and candidate traces given: `(None, candidate)` with `--baseline`.
+fn traces(a: &GateArgs) -> anyhow::Result<(Option<&PathBuf>, &PathBuf)> {
+    match (a.traces.as_slice(), &a.baseline) {
+        ([c], Some(_)) => Ok((None, c)),
+        ([r, c], None) => Ok((Some(r), c)),
+        ([_, _], Some(_)) => {
+            anyhow::bail!("give either REFERENCE CANDIDATE or --baseline FILE CANDIDATE, not both")
+        }
+        _ => {
+            anyhow::bail!("one trace given: add the reference trace (REFERENCE CANDIDATE) or --baseline FILE")
+        }
+    }
+}
+
+/// `--bless`: records the candidate's fingerprints in `file` and says what changed.
+fn bless(candidate: &Trace, file: &std::path::Path) -> Result<(), GateError> {
+    let previous = Baseline::read(file).ok().map(|b| b.root);
+    let b = Baseline::of(candidate);
+    b.write(file)?;
+    println!(
+        "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
+        candidate.path().display(),
+        file.display(),
+        b.steps.len(),
+        b.root,
+        match previous {
+            Some(p) if p == b.root => " (unchanged)".to_string(),
+            Some(p) => format!(" (was {p})"),
+            None => " (new baseline)".to_string(),
+        },
+        file.display()
+    );
     Ok(())
 }
 
@@ -152,82 +188,36 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
     let cwd = std::env::current_dir()
         .context("current directory")
         .map_err(setup)?;
-    let (profile, source) = policy::resolve(&overrides, &cwd).map_err(setup)?;
-    let (reference, candidate) = match (a.traces.as_slice(), &a.baseline) {
-        ([c], Some(_)) => (None, c),
-        ([r, c], None) => (Some(r), c),
-        ([_, _], Some(_)) => {
-            return Err(setup(anyhow::anyhow!(
-                "give either REFERENCE CANDIDATE or --baseline FILE CANDIDATE, not both"
-            )))
-        }
-        _ => {
-            return Err(setup(anyhow::anyhow!(
-                "one trace given: add the reference trace (REFERENCE CANDIDATE) or --baseline FILE"
-            )))
-        }
-    };
+    let (profile, source) = policy::resolve(&overrides, &cwd)?;
+    let (reference, candidate) = traces(a).map_err(setup)?;
     if a.bless && reference.is_some() {
         return Err(setup(anyhow::anyhow!(
             "--bless records one candidate: give only CANDIDATE"
         )));
     }
-    let cand = Trace::open(candidate).map_err(|e| Failed {
-        err: e.into(),
-        skip: true,
-    })?;
+    let cand = Trace::open(candidate).map_err(GateError::Candidate)?;
     let mut report = match (reference, &a.baseline) {
         (_, Some(file)) if a.bless => {
-            let previous = Baseline::read(file).ok().map(|b| b.root);
-            let b = Baseline::of(&cand);
-            b.write(file).map_err(setup)?;
-            println!(
-                "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
-                candidate.display(),
-                file.display(),
-                b.steps.len(),
-                b.root,
-                match previous {
-                    Some(p) if p == b.root => " (unchanged)".to_string(),
-                    Some(p) => format!(" (was {p})"),
-                    None => " (new baseline)".to_string(),
-                },
-                file.display()
-            );
+            bless(&cand, file)?;
             return Ok(0);
         }
-        (None, Some(file)) => {
-            let b = Baseline::read(file).map_err(setup)?;
-            let mut r = baseline::compare(&b, &cand, &profile).map_err(setup)?;
-            r.reference = file.display().to_string();
-            r
-        }
-        (Some(rp), _) => {
-            let rt = Trace::open(rp).map_err(|e| setup(e.into()))?;
-            let d = diff(&rt, &cand, &DiffOptions::default())
-                .with_context(|| format!("gate {} {}", rp.display(), candidate.display()))
-                .map_err(setup)?;
-            let mut r = evaluate(&rt, &cand, &profile, d.first_divergence.clone());
-            r.reference = rp.display().to_string();
-            r
-        }
+        (None, Some(file)) => against_baseline(file, &cand, &profile)?,
+        (Some(rp), _) => against_reference(rp, &cand, &profile)?,
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
     report.policy_source = source.describe();
-    report.candidate = candidate.display().to_string();
-    report.candidate_root = cand.root().to_hex();
     let text = render(&report, format).map_err(setup)?;
     {
         let mut out = std::io::stdout().lock();
         out.write_all(text.as_bytes())
             .and_then(|_| out.flush())
-            .map_err(|e| setup(e.into()))?;
+            .map_err(setup)?;
     }
     if let Some(p) = &a.output {
-        write_atomic(p, &text).map_err(setup)?;
+        write_atomic(p, text.as_bytes(), FileKind::Report)?;
     }
     if let Some(p) = &a.junit {
-        write_atomic(p, &report_junit::render(&report)).map_err(setup)?;
+        write_atomic(p, report_junit::render(&report).as_bytes(), FileKind::Report)?;
     }
     Ok(report.exit_code())
 }

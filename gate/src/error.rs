@@ -1,0 +1,345 @@
+//! The gate's errors, typed so that callers can tell a broken policy from an
+//! unreadable candidate (which `git bisect run` skips) and so that every
+//! message names the file, profile, rule or key at fault.
+//!
+//! Printed as a chain (`{:#}`: each error, then `: ` and its source), a
+//! variant's own text never repeats its source's: the file is named once, by
+//! the outermost error, and the detail comes from the source.
+
+use crate::policy::Source;
+use moeconf_bisect::BisectError;
+use moeconf_schema::TraceError;
+use std::num::ParseFloatError;
+use std::path::PathBuf;
+
+/// Why the gate could not produce a verdict.
+#[derive(Debug, thiserror::Error)]
+pub enum GateError {
+    /// The policy file cannot be read.
+    #[error("policy {}", path.display())]
+    PolicyRead {
+        /// The policy file.
+        path: PathBuf,
+        /// The operating system's refusal.
+        source: std::io::Error,
+    },
+    /// The policy file is not TOML of the policy's shape (syntax error,
+    /// unknown key, wrong type).
+    #[error("policy {}", path.display())]
+    PolicySyntax {
+        /// The policy file.
+        path: PathBuf,
+        /// The parser's message (line, column and the offending text).
+        source: Box<toml::de::Error>,
+    },
+    /// A profile of the policy sets something invalid.
+    #[error("policy {policy}: profile {profile:?}")]
+    Profile {
+        /// Where the policy came from.
+        policy: Source,
+        /// The profile being resolved.
+        profile: String,
+        /// The invalid setting.
+        source: PolicyError,
+    },
+    /// The selected profile is defined neither in the file nor built in.
+    #[error(
+        "policy {policy}: profile {profile:?}: no such profile (defined: {defined:?}; built in: default, strict)"
+    )]
+    NoSuchProfile {
+        /// Where the policy came from.
+        policy: Source,
+        /// The profile asked for.
+        profile: String,
+        /// The profiles the file defines.
+        defined: Vec<String>,
+    },
+    /// The resolved profile (file and overrides together) breaks an
+    /// invariant: no catch-all rule, or a threshold out of range.
+    #[error("policy {policy}")]
+    InvalidProfile {
+        /// Where the policy came from.
+        policy: Source,
+        /// The broken invariant.
+        source: PolicyError,
+    },
+    /// A baseline file cannot be read or is not a valid baseline.
+    #[error("baseline {}", path.display())]
+    Baseline {
+        /// The baseline file.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: BaselineError,
+    },
+    /// The baseline and the candidate use different digest algorithms, so no
+    /// digest can be compared.
+    #[error(
+        "the baseline uses {baseline} digests and the candidate {candidate}: rebless or rerun with --digest {baseline}"
+    )]
+    AlgorithmMismatch {
+        /// The baseline's algorithm name.
+        baseline: String,
+        /// The candidate's algorithm name.
+        candidate: String,
+    },
+    /// The reference trace cannot be opened (missing, unreadable or invalid).
+    #[error(transparent)]
+    Reference(TraceError),
+    /// The candidate trace cannot be opened. Under `git bisect run` this
+    /// commit cannot be tested, so it is skipped rather than marked bad.
+    #[error(transparent)]
+    Candidate(TraceError),
+    /// The diff engine refused the pair (bindings not comparable, different
+    /// digest algorithms, no common level) or could not read a payload.
+    #[error("gate {} {}", reference.display(), candidate.display())]
+    Diff {
+        /// The reference trace.
+        reference: PathBuf,
+        /// The candidate trace.
+        candidate: PathBuf,
+        /// The diff engine's reason.
+        source: BisectError,
+    },
+    /// The temporary file next to a report or baseline cannot be created.
+    #[error("{}{}: cannot create a temporary file", file.prefix(), path.display())]
+    CreateTemporary {
+        /// What is being written.
+        file: FileKind,
+        /// The destination.
+        path: PathBuf,
+        /// The operating system's refusal.
+        source: std::io::Error,
+    },
+    /// A report or baseline cannot be written into its temporary file.
+    #[error("{}{}: cannot write", file.prefix(), path.display())]
+    Write {
+        /// What is being written.
+        file: FileKind,
+        /// The destination.
+        path: PathBuf,
+        /// The operating system's refusal.
+        source: std::io::Error,
+    },
+    /// The written temporary file cannot be renamed over the destination.
+    #[error("{}{}: cannot write", file.prefix(), path.display())]
+    Persist {
+        /// What is being written.
+        file: FileKind,
+        /// The destination.
+        path: PathBuf,
+        /// The failed rename.
+        source: tempfile::PersistError,
+    },
+}
+
+impl GateError {
+    /// Whether the error means that the candidate cannot be tested (its
+    /// trace is missing or unreadable), as opposed to a broken setup.
+    pub fn is_candidate_unreadable(&self) -> bool {
+        matches!(self, GateError::Candidate(_))
+    }
+}
+
+/// What an atomic write produces, for the messages of [`GateError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileKind {
+    /// A report (`--output`, `--junit`): messages name only the file.
+    Report,
+    /// A baseline (`--bless`): messages say `baseline FILE`.
+    Baseline,
+}
+
+impl FileKind {
+    /// The words before the file name in a message.
+    fn prefix(self) -> &'static str {
+        match self {
+            FileKind::Report => "",
+            FileKind::Baseline => "baseline ",
+        }
+    }
+}
+
+/// An invalid policy setting, from the file, the environment or the command
+/// line. [`GateError`] adds the file and profile it was found in.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// A level name other than `L0`…`L4`.
+    #[error("unknown level {name:?} (expected L0, L1, L2, L3 or L4)")]
+    UnknownLevel {
+        /// The name given.
+        name: String,
+    },
+    /// A mode other than `bitwise`, `tolerance` or `info`.
+    #[error("unknown mode {name:?} (expected bitwise, tolerance or info)")]
+    UnknownMode {
+        /// The name given.
+        name: String,
+    },
+    /// A rule's `check` names no known check.
+    #[error(
+        "rule {rule:?}: unknown check {check:?} (expected exact, elementwise, ulp, aggregate, logits or ignore)"
+    )]
+    UnknownCheck {
+        /// The rule's path pattern.
+        rule: String,
+        /// The check given.
+        check: String,
+    },
+    /// A rule sets a key its check does not read.
+    #[error("rule {rule:?}: key {key} does not apply to check {check:?}")]
+    KeyNotApplicable {
+        /// The rule's path pattern.
+        rule: String,
+        /// The key.
+        key: &'static str,
+        /// The rule's check.
+        check: String,
+    },
+    /// A rule lacks a key its check requires.
+    #[error("rule {rule:?}: check {check:?} needs {key}")]
+    MissingKey {
+        /// The rule's path pattern.
+        rule: String,
+        /// The rule's check.
+        check: String,
+        /// The missing key.
+        key: &'static str,
+    },
+    /// A rule with an empty path pattern.
+    #[error("rule with an empty path pattern")]
+    EmptyPattern,
+    /// `dtype_tolerance` names an unknown dtype.
+    #[error("dtype_tolerance: unknown dtype {name:?}")]
+    UnknownDtype {
+        /// The name given.
+        name: String,
+    },
+    /// `dtype_tolerance` names an integer dtype (integers compare exactly).
+    #[error("dtype_tolerance: {name} is not a floating-point dtype (integers compare exactly)")]
+    IntegerDtype {
+        /// The dtype's name.
+        name: String,
+    },
+    /// The profile has no catch-all rule, so some record would have no rule.
+    #[error(
+        "profile {profile:?}: no catch-all rule: add a last rule with path = \"*\" (and no level) so every \
+         record has a rule"
+    )]
+    NoCatchAll {
+        /// The profile.
+        profile: String,
+    },
+    /// Rules follow the catch-all rule, so they can never match.
+    #[error("profile {profile:?}: rules after the catch-all rule {catch_all} can never match")]
+    UnreachableRules {
+        /// The profile.
+        profile: String,
+        /// The catch-all rule, described (`#3 * (exact)`).
+        catch_all: String,
+    },
+    /// A profile-wide threshold that is negative or not finite.
+    #[error("profile {profile:?}: {key} must be a finite number >= 0, got {value}")]
+    Threshold {
+        /// The profile.
+        profile: String,
+        /// The key (`route_near_tie_margin`, `argmax_near_tie_margin`).
+        key: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// A rule threshold that is negative or not finite.
+    #[error("profile {profile:?}: rule {rule}: {key} must be a finite number >= 0, got {value}")]
+    RuleThreshold {
+        /// The profile.
+        profile: String,
+        /// The rule, described (`#2 layer.* (aggregate)`).
+        rule: String,
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// A logits rule with `topk = 0`.
+    #[error("profile {profile:?}: rule {rule}: topk must be >= 1")]
+    ZeroTopk {
+        /// The profile.
+        profile: String,
+        /// The rule, described.
+        rule: String,
+    },
+    /// A level override that is not `LEVEL=MODE`.
+    #[error("{text:?}: expected LEVEL=MODE, e.g. L3=tolerance")]
+    LevelModeSyntax {
+        /// The text given.
+        text: String,
+    },
+    /// An environment variable that should hold a number.
+    #[error("{variable}={value:?}: not a number")]
+    NotANumber {
+        /// The variable.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// The parser's reason.
+        source: ParseFloatError,
+    },
+    /// An invalid entry of `MOECONF_LEVELS`.
+    #[error("MOECONF_LEVELS={value:?}")]
+    EnvLevels {
+        /// The variable's whole value.
+        value: String,
+        /// The invalid entry's reason.
+        source: Box<PolicyError>,
+    },
+    /// `MOECONF_EQUAL_NAN` other than `1`, `true`, `0` or `false`.
+    #[error("MOECONF_EQUAL_NAN={value:?}: expected 1, true, 0 or false")]
+    EqualNan {
+        /// The value given.
+        value: String,
+    },
+}
+
+/// What is wrong with a baseline file; [`GateError::Baseline`] names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum BaselineError {
+    /// The file cannot be read.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The file is larger than any plausible baseline.
+    #[error("{len} bytes is larger than the {limit}-byte limit")]
+    TooLarge {
+        /// The file's size.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The file is not JSON of the baseline's shape.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// The JSON is not a baseline of the supported schema version.
+    #[error("not a moeconf baseline of schema version {expected} (kind {kind:?}, version {version})")]
+    NotABaseline {
+        /// The `kind` found.
+        kind: String,
+        /// The `schema_version` found.
+        version: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// A digest that is not 64 hex digits.
+    #[error("{what}: {text:?} is not a 64-digit hex digest")]
+    Digest {
+        /// Which digest (`root`, `step 3 L4`, …).
+        what: String,
+        /// The text found.
+        text: String,
+    },
+    /// A level name other than `L0`…`L4`.
+    #[error("step {step}: unknown level {name:?}")]
+    UnknownLevel {
+        /// The step.
+        step: u32,
+        /// The name found.
+        name: String,
+    },
+}

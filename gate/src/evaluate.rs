@@ -1,0 +1,499 @@
+//! Judging a candidate trace against a reference trace (docs/ci.md §3–4).
+//!
+//! The diff engine pairs the records ([`differing_pairs`]: the hash trees
+//! are descended only where digests differ, so equal records cost nothing).
+//! Before any record is judged, the reference's margins decide which flips
+//! are near-ties: a token flip below `argmax_near_tie_margin` stops the gate
+//! after its step (later steps consume another token), a route flip below
+//! `route_near_tie_margin` waives the selection-slot records of its
+//! coordinate. Then every differing record of a level captured by both sides
+//! is judged, in execution order, by its level's mode and, on a tolerance
+//! level, by the first matching rule; [`Tally`] sums the outcomes per level
+//! and per rule into the [`GateReport`].
+
+use crate::judge::{self, Differing, Outcome, PayloadPair};
+use crate::policy::{Mode, Profile};
+use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status};
+use crate::tolerance::Minimal;
+use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef};
+use moeconf_fingerprint::{Component, Level, LevelSet};
+use moeconf_schema::{IndexEntry, Trace};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// Which rule decided a record: the key of the per-rule results, in the
+/// order they are reported (policy rules first, then bitwise levels, then
+/// records no rule matched).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Decider {
+    /// The policy rule at this index (tolerance levels).
+    Rule(usize),
+    /// A bitwise level: every difference fails.
+    Bitwise(Level),
+    /// No rule matched (a profile without a catch-all rule).
+    NoRule,
+}
+
+impl Decider {
+    /// `#2 layer.* at L3 (aggregate)`, `bitwise` or `no rule`.
+    fn describe(self, profile: &Profile) -> String {
+        match self {
+            Decider::Rule(i) => profile
+                .rules
+                .get(i)
+                .map_or_else(|| "no rule".into(), |r| r.describe(i)),
+            Decider::Bitwise(_) => "bitwise".into(),
+            Decider::NoRule => "no rule".into(),
+        }
+    }
+}
+
+/// Where a route is chosen: one token at one layer of one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct RouteSite {
+    step: u32,
+    position: u32,
+    layer: Option<u32>,
+}
+
+impl RouteSite {
+    fn of(e: &IndexEntry) -> RouteSite {
+        RouteSite {
+            step: e.coord.step,
+            position: e.coord.position,
+            layer: e.coord.layer,
+        }
+    }
+}
+
+/// The reference's decision margins: `lm.margin` per step, `router.margin`
+/// per route site.
+struct Margins {
+    lm: BTreeMap<u32, f64>,
+    router: HashMap<RouteSite, f64>,
+}
+
+impl Margins {
+    fn read(reference: &Trace) -> Margins {
+        let mut m = Margins {
+            lm: BTreeMap::new(),
+            router: HashMap::new(),
+        };
+        for (i, e) in reference.records().iter().enumerate() {
+            let path = e.coord.path.as_str();
+            if Component::LmMargin.matches(path) {
+                if let Some(v) = judge::scalar(reference, i) {
+                    m.lm.insert(e.coord.step, v);
+                }
+            } else if Component::RouterMargin.matches(path) {
+                if let Some(v) = judge::scalar(reference, i) {
+                    m.router.insert(RouteSite::of(e), v);
+                }
+            }
+        }
+        m
+    }
+}
+
+/// The near-ties accepted before records are judged.
+#[derive(Default)]
+struct AcceptedFlips {
+    /// The step of an accepted token flip: later steps are not gated.
+    cutoff: Option<u32>,
+    /// Route sites whose flip is accepted.
+    routes: HashSet<RouteSite>,
+    /// The near-ties, in report order.
+    near_ties: Vec<NearTie>,
+}
+
+impl AcceptedFlips {
+    /// Whether `step` comes after an accepted token flip.
+    fn after_cutoff(&self, step: u32) -> bool {
+        self.cutoff.is_some_and(|s| step > s)
+    }
+
+    /// Whether a differing record is part of an accepted near-tie: the other
+    /// L0 records of the flipped token's step, or the selection-slot records
+    /// (`router.topk`, `router.gates`, `moe.term.*`) of a flipped route.
+    fn waives(&self, level: Level, e: &IndexEntry) -> bool {
+        let path = e.coord.path.as_str();
+        (level == Level::L0 && self.cutoff == Some(e.coord.step))
+            || (self.routes.contains(&RouteSite::of(e))
+                && (Component::RouterTopk.matches(path)
+                    || Component::RouterGates.matches(path)
+                    || path.starts_with(Component::MoeTerm.path())))
+    }
+}
+
+/// Both traces, the profile and the reference's margins.
+struct Gate<'a> {
+    reference: &'a Trace,
+    candidate: &'a Trace,
+    profile: &'a Profile,
+    margins: Margins,
+}
+
+impl<'a> Gate<'a> {
+    /// The entry of a pair on whichever side has it (reference first).
+    fn entry(&self, p: RecordPair) -> Option<&'a IndexEntry> {
+        let (r, c) = (self.reference.records(), self.candidate.records());
+        p.reference
+            .and_then(|i| r.get(i))
+            .or_else(|| p.candidate.and_then(|j| c.get(j)))
+    }
+
+    /// Both sides' entries of a pair present on both sides.
+    fn entries(&self, p: RecordPair) -> Option<(&'a IndexEntry, &'a IndexEntry)> {
+        Some((
+            self.reference.records().get(p.reference?)?,
+            self.candidate.records().get(p.candidate?)?,
+        ))
+    }
+
+    /// The ids (tokens, experts) of reference record `i` and candidate
+    /// record `j`; empty where a side has no integer payload.
+    fn ids(&self, i: usize, j: usize) -> (Vec<i64>, Vec<i64>) {
+        (
+            judge::ids(self.reference, i).unwrap_or_default(),
+            judge::ids(self.candidate, j).unwrap_or_default(),
+        )
+    }
+
+    /// The reference margin below the argmax near-tie threshold at `step`.
+    fn argmax_tie(&self, step: u32) -> Option<f64> {
+        let m = *self.margins.lm.get(&step)?;
+        let threshold = self.profile.argmax_near_tie_margin;
+        (threshold > 0.0 && m < threshold).then_some(m)
+    }
+
+    /// The token near-tie: the first step (in step order) whose reference
+    /// `token.output` differs from the candidate's, when its reference margin
+    /// is below the argmax threshold on a tolerance L0.
+    fn token_flip(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) {
+        let first = pairs
+            .iter()
+            .filter_map(|p| {
+                let i = p.reference?;
+                Some((i, p.candidate, self.reference.records().get(i)?))
+            })
+            .filter(|(.., e)| Component::TokenOutput.matches(&e.coord.path))
+            .min_by_key(|&(i, _, e)| (e.coord.step, i));
+        // A token missing from the candidate is no flip.
+        let Some((i, Some(j), e)) = first else { return };
+        if self.profile.mode(Level::L0) != Mode::Tolerance {
+            return;
+        }
+        let Some(m) = self.argmax_tie(e.coord.step) else {
+            return;
+        };
+        flips.cutoff = Some(e.coord.step);
+        let (a, b) = self.ids(i, j);
+        flips.near_ties.push(NearTie {
+            kind: FlipKind::Argmax,
+            at: RecordRef::new(e.level, &e.coord, "both"),
+            reference_margin: m,
+            threshold: self.profile.argmax_near_tie_margin,
+            change: format!("token {a:?} -> {b:?}"),
+        });
+    }
+
+    /// Route near-ties: `router.topk` records that differ, up to the token
+    /// cutoff, whose reference `router.margin` is below the route threshold
+    /// on a tolerance L3.
+    fn route_flips(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) {
+        let threshold = self.profile.route_near_tie_margin;
+        if self.profile.mode(Level::L3) != Mode::Tolerance || threshold <= 0.0 {
+            return;
+        }
+        for &p in pairs {
+            let (Some(i), Some(j)) = (p.reference, p.candidate) else {
+                continue;
+            };
+            let Some(re) = self.reference.records().get(i) else {
+                continue;
+            };
+            if !Component::RouterTopk.matches(&re.coord.path) || flips.after_cutoff(re.coord.step) {
+                continue;
+            }
+            let site = RouteSite::of(re);
+            let Some(&m) = self.margins.router.get(&site).filter(|&&m| m < threshold) else {
+                continue;
+            };
+            flips.routes.insert(site);
+            let (a, b) = self.ids(i, j);
+            let same_set = {
+                let (mut x, mut y) = (a.clone(), b.clone());
+                x.sort_unstable();
+                y.sort_unstable();
+                x == y
+            };
+            flips.near_ties.push(NearTie {
+                kind: FlipKind::Route,
+                at: RecordRef::new(re.level, &re.coord, "both"),
+                reference_margin: m,
+                threshold,
+                change: format!(
+                    "experts {a:?} -> {b:?}{}",
+                    if same_set {
+                        " (same set, selection order changed)"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+    }
+
+    /// Both payloads of a pair (verified), `None` on a side without one;
+    /// one-sided pairs have none.
+    fn payloads(&self, p: RecordPair) -> Result<PayloadPair<'a>, String> {
+        let (Some(i), Some(j)) = (p.reference, p.candidate) else {
+            return Ok((None, None));
+        };
+        match (
+            self.reference.payload_verified(i),
+            self.candidate.payload_verified(j),
+        ) {
+            (Ok(a), Ok(b)) => Ok((a, b)),
+            (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
+        }
+    }
+
+    /// The element-wise tolerance (rtol 0 / atol 0) under which a differing
+    /// float record would have matched, from its payloads (reported for
+    /// bitwise and info levels).
+    fn bitwise_minimal(&self, p: RecordPair, payloads: &Result<PayloadPair<'_>, String>) -> Option<Minimal> {
+        let (re, ce) = self.entries(p)?;
+        let Ok((Some(a), Some(b))) = payloads else {
+            return None;
+        };
+        if !re.dtype.is_float() {
+            return None;
+        }
+        let s = summarize(re.dtype, &re.shape, a, ce.dtype, &ce.shape, b)?;
+        Some(Minimal::Elementwise {
+            rtol: 0.0,
+            atol_needed: s.min_atol,
+            atol: 0.0,
+            rtol_needed: s.min_rtol,
+        })
+    }
+
+    /// Which rule decides a differing record, and its outcome; `None` on an
+    /// info level (reported, never judged).
+    fn decide(
+        &self,
+        p: RecordPair,
+        payloads: Result<PayloadPair<'a>, String>,
+        flips: &AcceptedFlips,
+    ) -> Option<(Decider, Outcome)> {
+        let missing = match (p.reference, p.candidate) {
+            (Some(_), None) => Some("only in the reference (missing from the candidate)"),
+            (None, Some(_)) => Some("only in the candidate"),
+            _ => None,
+        };
+        let e = self.entry(p)?;
+        let level = e.level;
+        match self.profile.mode(level) {
+            Mode::Info => None,
+            Mode::Bitwise => Some((
+                Decider::Bitwise(level),
+                Outcome::Fail(missing.unwrap_or("differs bitwise").to_string(), None),
+            )),
+            Mode::Tolerance => {
+                let rule = self.profile.rule_for(level, &e.coord.path);
+                let decider = rule.map_or(Decider::NoRule, |(i, _)| Decider::Rule(i));
+                let outcome = match (missing, rule, payloads, self.entries(p)) {
+                    (Some(m), ..) => Outcome::Fail(m.to_string(), None),
+                    _ if flips.waives(level, e) => Outcome::Waived,
+                    (_, None, ..) => {
+                        Outcome::Fail("no rule matches (the policy lacks a catch-all)".into(), None)
+                    }
+                    (_, _, Err(err), _) => Outcome::Fail(format!("corrupt payload: {err}"), None),
+                    (_, Some((_, r)), Ok(payloads), Some((reference, candidate))) => judge::record(
+                        &judge::Context {
+                            profile: self.profile,
+                            reference: self.reference,
+                            candidate: self.candidate,
+                            lm_margin: self.margins.lm.get(&e.coord.step).copied(),
+                        },
+                        &r.check,
+                        &Differing {
+                            reference,
+                            candidate,
+                            payloads,
+                        },
+                    ),
+                    _ => Outcome::Fail("record missing".into(), None),
+                };
+                Some((decider, outcome))
+            }
+        }
+    }
+}
+
+/// What one rule has judged so far.
+#[derive(Default)]
+struct RuleTally {
+    levels: Vec<Level>,
+    judged: u64,
+    failed: u64,
+    first_failure: Option<Failure>,
+    minimal: Option<Minimal>,
+}
+
+/// Merges a requirement into an accumulated one (the looser one wins).
+fn merge_minimal(acc: &mut Option<Minimal>, m: Option<Minimal>) {
+    if let Some(m) = m {
+        *acc = Some(acc.map_or(m, |a| a.merge(m)));
+    }
+}
+
+/// The per-level and per-rule sums of the outcomes.
+struct Tally {
+    levels: Vec<LevelResult>,
+    rules: BTreeMap<Decider, RuleTally>,
+    near_ties: Vec<NearTie>,
+}
+
+impl Tally {
+    fn level(&mut self, level: Level) -> &mut LevelResult {
+        &mut self.levels[level.code() as usize]
+    }
+
+    /// Adds one judged record's outcome to its level and rule.
+    fn add(&mut self, level: Level, decider: Decider, at: RecordRef, outcome: Outcome) {
+        let rule = self.rules.entry(decider).or_default();
+        if !rule.levels.contains(&level) {
+            rule.levels.push(level);
+        }
+        rule.judged += 1;
+        let la = &mut self.levels[level.code() as usize];
+        let failure = |reason: String| Failure { at, reason };
+        let f = match outcome {
+            Outcome::Pass(m) => {
+                merge_minimal(&mut rule.minimal, m);
+                return;
+            }
+            Outcome::Waived => {
+                la.near_ties += 1;
+                return;
+            }
+            Outcome::NearTie(n) => {
+                la.near_ties += 1;
+                self.near_ties.push(n);
+                return;
+            }
+            Outcome::Fail(reason, m) => {
+                merge_minimal(&mut rule.minimal, m);
+                failure(reason)
+            }
+            Outcome::Inconclusive(reason) => {
+                la.inconclusive += 1;
+                failure(reason)
+            }
+        };
+        rule.failed += 1;
+        la.failed += 1;
+        rule.first_failure.get_or_insert_with(|| f.clone());
+        la.first_failure.get_or_insert(f);
+    }
+
+    /// The report: levels settled, rules described in key order.
+    fn into_report(self, profile: &Profile, localization: Option<FirstDivergence>) -> GateReport {
+        let rules = self
+            .rules
+            .into_iter()
+            .map(|(decider, t)| RuleResult {
+                rule: decider.describe(profile),
+                levels: t.levels,
+                judged: t.judged,
+                failed: t.failed,
+                status: if t.failed > 0 { Status::Fail } else { Status::Pass },
+                first_failure: t.first_failure,
+                minimal: t.minimal,
+            })
+            .collect();
+        GateReport::new(profile, self.levels, rules, self.near_ties, localization)
+    }
+}
+
+/// Levels compared: captured by both bindings and present in the reference.
+fn compared_levels(reference: &Trace, candidate: &Trace) -> LevelSet {
+    let present: LevelSet = reference.records().iter().map(|e| e.level).collect();
+    Level::ALL
+        .into_iter()
+        .filter(|&l| {
+            reference.binding().capture.captures(l)
+                && candidate.binding().capture.captures(l)
+                && present.contains(l)
+        })
+        .collect()
+}
+
+/// Which side holds a pair's record, in [`RecordRef`]'s words.
+fn present_in(p: RecordPair) -> &'static str {
+    match (p.reference, p.candidate) {
+        (Some(_), Some(_)) => "both",
+        (Some(_), None) => "reference",
+        _ => "candidate",
+    }
+}
+
+/// Judges `candidate` against `reference` under `profile`.
+///
+/// Every reference record is matched with the candidate record of the same
+/// (step, level, layer, position, phase, path); equal digests pass. A
+/// differing record fails on a bitwise level, is reported on an info level,
+/// and on a tolerance level is judged by the first matching rule (with the
+/// near-tie rules of docs/ci.md applied first). `localization` is the diff
+/// engine's first divergence, shown in every failure report.
+pub fn evaluate(
+    reference: &Trace,
+    candidate: &Trace,
+    profile: &Profile,
+    localization: Option<FirstDivergence>,
+) -> GateReport {
+    let gate = Gate {
+        reference,
+        candidate,
+        profile,
+        margins: Margins::read(reference),
+    };
+    let pairs = differing_pairs(reference, candidate);
+    let mut flips = AcceptedFlips::default();
+    gate.token_flip(&pairs, &mut flips);
+    gate.route_flips(&pairs, &mut flips);
+
+    let compared = compared_levels(reference, candidate);
+    let mut tally = Tally {
+        levels: Level::ALL
+            .iter()
+            .map(|&l| LevelResult::empty(l, profile.mode(l), compared.contains(l)))
+            .collect(),
+        rules: BTreeMap::new(),
+        near_ties: std::mem::take(&mut flips.near_ties),
+    };
+    for e in reference.records().iter().filter(|e| compared.contains(e.level)) {
+        let la = tally.level(e.level);
+        la.records += 1;
+        if flips.after_cutoff(e.coord.step) {
+            la.skipped_after_near_tie += 1;
+        }
+    }
+    for p in pairs {
+        let Some(e) = gate.entry(p) else { continue };
+        if !compared.contains(e.level) || flips.after_cutoff(e.coord.step) {
+            continue;
+        }
+        let at = RecordRef::new(e.level, &e.coord, present_in(p));
+        let payloads = gate.payloads(p);
+        let la = tally.level(e.level);
+        la.differing += 1;
+        la.first_difference.get_or_insert_with(|| at.clone());
+        merge_minimal(&mut la.minimal, gate.bitwise_minimal(p, &payloads));
+        if let Some((decider, outcome)) = gate.decide(p, payloads, &flips) {
+            tally.add(e.level, decider, at, outcome);
+        }
+    }
+    tally.into_report(profile, localization)
+}
