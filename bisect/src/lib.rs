@@ -43,6 +43,7 @@
 #![deny(missing_docs)]
 
 mod bench;
+pub mod certify;
 mod comparability;
 mod diff;
 mod error;
@@ -56,6 +57,7 @@ mod textdiff;
 mod walk;
 
 pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
+pub use certify::{certify, CertifyError, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
 pub use error::{BisectError, FieldDifference};

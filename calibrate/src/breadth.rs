@@ -14,11 +14,12 @@ use moeconf_contract::{b_class_count, AggregationContract, ForkCombine, ForkPoin
 use moeconf_fixtures::{Language, Prompt, PromptKind};
 use moeconf_reference_runtime::capture::NullSink;
 use rayon::prelude::*;
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::fork_sweep::capture_event;
-use super::{frac, max_abs_diff, Ctx, Section, Table};
+use crate::fork_sweep::capture_event;
+use crate::{frac, max_abs_diff, Ctx, Result, Section, Table};
 
+/// The B branch injected for one prompt, and what the class scan saw.
 struct Pick {
     class: u64,
     linf: f64,
@@ -27,7 +28,9 @@ struct Pick {
     classes: u64,
 }
 
-fn pick_branch(ctx: &Ctx, ids: &[u32], point: ForkPoint) -> anyhow::Result<Pick> {
+/// The B class with the largest L∞ distance from the native MoE output
+/// at `point` (ties: the lowest class).
+fn pick_branch(ctx: &Ctx, ids: &[u32], point: ForkPoint) -> Result<Pick> {
     let ev = capture_event(ctx, ids, point.layer, point.step)?;
     let refs: Vec<&[f32]> = ev.terms.iter().map(|v| v.as_slice()).collect();
     let n = b_class_count(ctx.k())?;
@@ -59,7 +62,7 @@ fn pick_branch(ctx: &Ctx, ids: &[u32], point: ForkPoint) -> anyhow::Result<Pick>
 }
 
 /// Runs protocol 9.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
+pub fn run(ctx: &Ctx) -> Result<Section> {
     let prompts: Vec<Prompt> = moeconf_fixtures::breadth_prompts()
         .into_iter()
         .take(ctx.sizes.breadth_prompts)
@@ -73,70 +76,178 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
     let ids: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| ctx.encode(&p.text))
-        .collect::<anyhow::Result<_>>()?;
+        .collect::<Result<_>>()?;
     let picks: Vec<Pick> = ids
         .par_iter()
         .map(|i| pick_branch(ctx, i, point))
-        .collect::<anyhow::Result<_>>()?;
-
-    let mut t = Table::new(
-        "breadth_summary",
-        "Breadth stage accounting (table B.3): maximum-L∞ B branch at the fork, staged horizons",
-        &[
-            "Horizon",
-            "At risk at stage start",
-            "New separated",
-            "Cumulative separated",
-            "Saved-file text differences",
-            "Repeated prior events",
-        ],
-    );
-    let total = prompts.len();
-    let mut separated: BTreeSet<usize> = BTreeSet::new();
-    let mut first_stage: Vec<usize> = Vec::new();
-    let mut stages = Vec::new();
-    let mut texts: Vec<Option<(String, String, usize)>> = vec![None; total];
-    for (si, &h) in ctx.sizes.horizons.iter().enumerate() {
-        let at_risk: Vec<usize> = (0..total).filter(|i| !separated.contains(i)).collect();
-        let rows: Vec<(usize, bool, String, String)> = at_risk
-            .par_iter()
-            .map(|&i| -> anyhow::Result<(usize, bool, String, String)> {
-                let mut null = NullSink;
-                let ns = ctx.generate(&ids[i], h.max(2), &NativeCombine, None, &mut null)?;
-                let fork = ForkCombine::new(
-                    point,
-                    AggregationContract::b().with_order(Order::BClass(picks[i].class)),
-                );
-                let bs = ctx.generate(&ids[i], h.max(2), &fork, None, &mut null)?;
-                let (nt, bt) = (ctx.decode(&ns.generated)?, ctx.decode(&bs.generated)?);
-                Ok((i, nt != bt, nt, bt))
+        .collect::<Result<_>>()?;
+    let stages = Stages::run(ctx, point, &ids, &picks)?;
+    let b = breakdown(ctx, &prompts, &picks, &stages.first_stage);
+    let json = json!({
+        "prompts": prompts.len(), "fork_layer": point.layer, "fork_step": point.step,
+        "horizons": ctx.sizes.horizons, "stages": stages.json(&prompts),
+        "first_horizon": b.json,
+        "per_prompt": prompts.iter().enumerate().map(|(i, p)| {
+            let text = stages.texts[i].as_ref();
+            json!({
+                "id": p.id, "language": p.language.as_str(), "kind": p.kind.as_str(),
+                "class": picks[i].class, "max_linf": picks[i].linf, "distinct_b_outputs": picks[i].distinct,
+                "classes_differing_from_native": picks[i].differ, "classes": picks[i].classes,
+                "separated": stages.separated.contains(&i),
+                "native_text": text.map(|t| t.native.clone()), "branch_text": text.map(|t| t.branch.clone()),
+                "last_horizon_run": text.map(|t| t.horizon),
             })
-            .collect::<anyhow::Result<_>>()?;
-        let diffs: Vec<usize> = rows.iter().filter(|r| r.1).map(|r| r.0).collect();
-        let repeated = diffs.iter().filter(|i| separated.contains(i)).count();
-        let new: Vec<usize> = diffs.iter().copied().filter(|i| !separated.contains(i)).collect();
-        for (i, _, nt, bt) in &rows {
-            texts[*i] = Some((nt.clone(), bt.clone(), h));
-        }
-        separated.extend(new.iter().copied());
-        if si == 0 {
-            first_stage = new.clone();
-        }
-        t.row(vec![
-            format!("{h} tokens"),
-            at_risk.len().to_string(),
-            new.len().to_string(),
-            frac(separated.len(), total),
-            diffs.len().to_string(),
-            repeated.to_string(),
-        ]);
-        stages.push(
-            json!({"horizon": h, "at_risk": at_risk.len(), "new_separated": new.len(),
-            "cumulative_separated": separated.len(), "saved_file_text_differences": diffs.len(),
-            "repeated_prior_events": repeated,
-            "new_ids": new.iter().map(|&i| prompts[i].id.clone()).collect::<Vec<_>>()}),
-        );
+        }).collect::<Vec<_>>(),
+    });
+    Ok(Section {
+        key: "breadth".into(),
+        tables: vec![stages.table, b.table],
+        json,
+        claims: vec![],
+    })
+}
+
+/// Both continuations of one prompt at the last horizon it was run to.
+#[derive(Clone)]
+struct Texts {
+    native: String,
+    branch: String,
+    horizon: usize,
+}
+
+/// One stage's result for one prompt.
+struct StageRun {
+    prompt: usize,
+    texts: Texts,
+}
+
+impl StageRun {
+    fn differs(&self) -> bool {
+        self.texts.native != self.texts.branch
     }
+}
+
+/// One stage of the staged horizons.
+struct Stage {
+    horizon: usize,
+    at_risk: usize,
+    new: Vec<usize>,
+    cumulative: usize,
+    differences: usize,
+    repeated: usize,
+}
+
+/// The staged-horizon accounting (table B.3).
+struct Stages {
+    table: Table,
+    stages: Vec<Stage>,
+    separated: BTreeSet<usize>,
+    first_stage: Vec<usize>,
+    texts: Vec<Option<Texts>>,
+}
+
+/// Native and branch continuations of one prompt to horizon `h` (at least 2 tokens).
+fn stage_run(ctx: &Ctx, point: ForkPoint, ids: &[u32], class: u64, h: usize) -> Result<Texts> {
+    let mut null = NullSink;
+    let ns = ctx.generate(ids, h.max(2), &NativeCombine, None, &mut null)?;
+    let fork = ForkCombine::new(point, AggregationContract::b().with_order(Order::BClass(class)));
+    let bs = ctx.generate(ids, h.max(2), &fork, None, &mut null)?;
+    Ok(Texts {
+        native: ctx.decode(&ns.generated)?,
+        branch: ctx.decode(&bs.generated)?,
+        horizon: h,
+    })
+}
+
+impl Stages {
+    /// Runs every horizon; only prompts not yet separated are carried on.
+    fn run(ctx: &Ctx, point: ForkPoint, ids: &[Vec<u32>], picks: &[Pick]) -> Result<Stages> {
+        let total = ids.len();
+        let mut s = Stages {
+            table: Table::new(
+                "breadth_summary",
+                "Breadth stage accounting (table B.3): maximum-L∞ B branch at the fork, staged horizons",
+                &[
+                    "Horizon",
+                    "At risk at stage start",
+                    "New separated",
+                    "Cumulative separated",
+                    "Saved-file text differences",
+                    "Repeated prior events",
+                ],
+            ),
+            stages: Vec::new(),
+            separated: BTreeSet::new(),
+            first_stage: Vec::new(),
+            texts: vec![None; total],
+        };
+        for (si, &h) in ctx.sizes.horizons.iter().enumerate() {
+            let at_risk: Vec<usize> = (0..total).filter(|i| !s.separated.contains(i)).collect();
+            let rows: Vec<StageRun> = at_risk
+                .par_iter()
+                .map(|&i| {
+                    Ok(StageRun {
+                        prompt: i,
+                        texts: stage_run(ctx, point, &ids[i], picks[i].class, h)?,
+                    })
+                })
+                .collect::<Result<_>>()?;
+            let diffs: Vec<usize> = rows.iter().filter(|r| r.differs()).map(|r| r.prompt).collect();
+            let repeated = diffs.iter().filter(|i| s.separated.contains(i)).count();
+            let new: Vec<usize> = diffs
+                .iter()
+                .copied()
+                .filter(|i| !s.separated.contains(i))
+                .collect();
+            for r in rows {
+                s.texts[r.prompt] = Some(r.texts);
+            }
+            s.separated.extend(new.iter().copied());
+            if si == 0 {
+                s.first_stage = new.clone();
+            }
+            let stage = Stage {
+                horizon: h,
+                at_risk: at_risk.len(),
+                new,
+                cumulative: s.separated.len(),
+                differences: diffs.len(),
+                repeated,
+            };
+            s.table.row(vec![
+                format!("{h} tokens"),
+                stage.at_risk.to_string(),
+                stage.new.len().to_string(),
+                frac(stage.cumulative, total),
+                stage.differences.to_string(),
+                stage.repeated.to_string(),
+            ]);
+            s.stages.push(stage);
+        }
+        Ok(s)
+    }
+
+    fn json(&self, prompts: &[Prompt]) -> Vec<Value> {
+        self.stages
+            .iter()
+            .map(|st| {
+                json!({"horizon": st.horizon, "at_risk": st.at_risk, "new_separated": st.new.len(),
+                "cumulative_separated": st.cumulative, "saved_file_text_differences": st.differences,
+                "repeated_prior_events": st.repeated,
+                "new_ids": st.new.iter().map(|&i| prompts[i].id.clone()).collect::<Vec<_>>()})
+            })
+            .collect()
+    }
+}
+
+/// The breakdown table by language and prompt type, and its JSON object.
+struct Breakdown {
+    table: Table,
+    json: Value,
+}
+
+fn breakdown(ctx: &Ctx, prompts: &[Prompt], picks: &[Pick], first_stage: &[usize]) -> Breakdown {
+    let total = prompts.len();
     let count = |f: &dyn Fn(&Prompt) -> bool| {
         (
             first_stage.iter().filter(|&&i| f(&prompts[i])).count(),
@@ -173,23 +284,8 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
         frac(first_stage.len(), total),
         format!("{} prompts with every class differing", frac(all_differ, total)),
     ]);
-    let json = json!({
-        "prompts": total, "fork_layer": point.layer, "fork_step": point.step,
-        "horizons": ctx.sizes.horizons, "stages": stages,
-        "first_horizon": {"english": [en, en_n], "chinese": [zh, zh_n], "ordinary": [nat, nat_n], "sensitivity": [sen, sen_n]},
-        "per_prompt": prompts.iter().enumerate().map(|(i, p)| json!({
-            "id": p.id, "language": p.language.as_str(), "kind": p.kind.as_str(),
-            "class": picks[i].class, "max_linf": picks[i].linf, "distinct_b_outputs": picks[i].distinct,
-            "classes_differing_from_native": picks[i].differ, "classes": picks[i].classes,
-            "separated": separated.contains(&i),
-            "native_text": texts[i].as_ref().map(|t| t.0.clone()), "branch_text": texts[i].as_ref().map(|t| t.1.clone()),
-            "last_horizon_run": texts[i].as_ref().map(|t| t.2),
-        })).collect::<Vec<_>>(),
-    });
-    Ok(Section {
-        key: "breadth".into(),
-        tables: vec![t, b],
-        json,
-        claims: vec![],
-    })
+    Breakdown {
+        table: b,
+        json: json!({"english": [en, en_n], "chinese": [zh, zh_n], "ordinary": [nat, nat_n], "sensitivity": [sen, sen_n]}),
+    }
 }

@@ -13,15 +13,17 @@
 //! BF16-valued operands in an FP32 accumulator is typically silent: those
 //! sums are exact, which is also why the C contract is order-invariant.
 
+use std::path::Path;
+
 use moeconf_bisect::{diff, DiffOptions, Verdict};
 use moeconf_contract::{b_class_count, AggregationContract, NativeCombine, Order};
 use moeconf_reference_runtime::config::{AttentionKind, MlpKind};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_schema::Trace;
 use rayon::prelude::*;
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::{frac, Claim, Ctx, Section, Table};
+use crate::{frac, Claim, Ctx, Result, Section, Table, TraceRequest};
 
 const PROMPT: &str = "why the sheep";
 
@@ -29,7 +31,7 @@ const PROMPT: &str = "why the sheep";
 /// derived from the configuration: attention faults on the first layer with
 /// compressed keys (most keys), router and combine faults on routed (non-hash)
 /// layers, compressor faults at a decode step whose token closes a CSA window.
-pub fn matrix(ctx: &Ctx, prompt_len: usize, tokens: usize) -> anyhow::Result<Vec<Fault>> {
+pub fn matrix(ctx: &Ctx, prompt_len: usize, tokens: usize) -> Result<Vec<Fault>> {
     let cfg = ctx.m.model.config();
     let layers = cfg.num_layers() as u32;
     let last = tokens.saturating_sub(1) as u32;
@@ -93,18 +95,89 @@ pub fn matrix(ctx: &Ctx, prompt_len: usize, tokens: usize) -> anyhow::Result<Vec
     Ok(faults)
 }
 
+/// Where the diff localized the first divergence.
+struct Found {
+    step: u32,
+    layer: Option<u32>,
+    operator: String,
+    position: u32,
+}
+
+/// What the diff made of one fault.
 struct Outcome {
     fault: Fault,
+    /// The candidate trace differs from the reference (root digests differ).
     effective: bool,
+    /// The diff called the pair equivalent.
     equivalent: bool,
-    found: Option<(u32, Option<u32>, String, u32)>,
+    found: Option<Found>,
     contract: Option<String>,
+    /// The localization is exactly the injected step, layer and operator.
     localized: bool,
     summary: String,
 }
 
+impl Outcome {
+    fn result(&self) -> &'static str {
+        match (self.effective, self.localized, self.equivalent) {
+            (true, true, _) => "exact",
+            (true, false, _) => "WRONG",
+            (false, _, true) => "silent (bitwise identical run; diff: equivalent)",
+            (false, _, false) => "FALSE POSITIVE",
+        }
+    }
+
+    fn json(&self) -> Value {
+        let f = self.found.as_ref();
+        json!({
+            "fault": self.fault.kind.name(), "step": self.fault.step, "layer": self.fault.layer,
+            "operator": self.fault.kind.operator(),
+            "found_step": f.map(|f| f.step), "found_layer": f.and_then(|f| f.layer),
+            "found_operator": f.map(|f| f.operator.clone()), "found_position": f.map(|f| f.position),
+            "inferred_contract": self.contract, "effective": self.effective, "localized": self.localized,
+            "diff_equivalent": self.equivalent, "diff_summary": self.summary,
+        })
+    }
+}
+
+/// Writes the candidate trace of fault `i` and diffs it against the reference.
+fn run_fault(ctx: &Ctx, ids: &[u32], ref_path: &Path, i: usize, f: &Fault) -> Result<Outcome> {
+    let path = ref_path.with_file_name(format!("fault-{:02}.bin", i + 1));
+    let plan = FaultPlan::new(vec![f.clone()]);
+    ctx.write_trace(TraceRequest {
+        prompt: PROMPT,
+        prompt_ids: ids,
+        tokens: ctx.sizes.tokens,
+        combine: &NativeCombine,
+        faults: Some(&plan),
+        notes: vec![("fault".to_string(), f.kind.name())],
+        path: &path,
+    })?;
+    let (r, c) = (Trace::open(ref_path)?, Trace::open(&path)?);
+    let report = diff(&r, &c, &DiffOptions::default())?;
+    let first = report.first_divergence.as_ref();
+    let found = first.map(|d| Found {
+        step: d.step,
+        layer: d.layer,
+        operator: d.operator.clone(),
+        position: d.position,
+    });
+    let localized = found
+        .as_ref()
+        .is_some_and(|d| Some(d.step) == f.step && d.layer == f.layer && d.operator == f.kind.operator());
+    Ok(Outcome {
+        fault: f.clone(),
+        effective: r.root() != c.root(),
+        equivalent: report.verdict == Verdict::Equivalent,
+        contract: first.and_then(|d| d.contract.clone()),
+        found,
+        localized,
+        summary: report.summary.clone(),
+    })
+}
+
 /// Runs protocol 10.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
+pub fn run(ctx: &Ctx) -> Result<Section> {
     let ids = ctx.encode(PROMPT)?;
     let n = ctx.sizes.tokens;
     let faults = matrix(ctx, ids.len(), n)?;
@@ -112,39 +185,53 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
         "[10] fault-injection localization matrix: {} faults, {n} tokens",
         faults.len()
     ));
-    let dir = ctx.out.join("traces");
-    let ref_path = dir.join("fault-reference.bin");
-    ctx.write_trace(PROMPT, &ids, n, &NativeCombine, None, vec![], &ref_path)?;
+    let ref_path = ctx.out.join("traces").join("fault-reference.bin");
+    ctx.write_trace(TraceRequest {
+        prompt: PROMPT,
+        prompt_ids: &ids,
+        tokens: n,
+        combine: &NativeCombine,
+        faults: None,
+        notes: vec![],
+        path: &ref_path,
+    })?;
     let outcomes: Vec<Outcome> = faults
         .par_iter()
         .enumerate()
-        .map(|(i, f)| -> anyhow::Result<Outcome> {
-            let path = dir.join(format!("fault-{:02}.bin", i + 1));
-            let plan = FaultPlan::new(vec![f.clone()]);
-            let notes = vec![("fault".to_string(), f.kind.name())];
-            ctx.write_trace(PROMPT, &ids, n, &NativeCombine, Some(&plan), notes, &path)?;
-            let (r, c) = (Trace::open(&ref_path)?, Trace::open(&path)?);
-            let report = diff(&r, &c, &DiffOptions::default())?;
-            let found = report
-                .first_divergence
-                .as_ref()
-                .map(|d| (d.step, d.layer, d.operator.clone(), d.position));
-            let effective = r.root() != c.root();
-            let equivalent = report.verdict == Verdict::Equivalent;
-            let localized = found.as_ref().is_some_and(|(st, l, op, _)| {
-                Some(*st) == f.step && *l == f.layer && op == f.kind.operator()
-            });
-            Ok(Outcome {
-                fault: f.clone(),
-                effective,
-                equivalent,
-                contract: report.first_divergence.as_ref().and_then(|d| d.contract.clone()),
-                found,
-                localized,
-                summary: report.summary.clone(),
-            })
-        })
-        .collect::<anyhow::Result<_>>()?;
+        .map(|(i, f)| run_fault(ctx, &ids, &ref_path, i, f))
+        .collect::<Result<_>>()?;
+    let effective = outcomes.iter().filter(|o| o.effective).count();
+    let ok = outcomes.iter().filter(|o| o.effective && o.localized).count();
+    let silent = outcomes.len() - effective;
+    let silent_ok = outcomes.iter().filter(|o| !o.effective && o.equivalent).count();
+    let json = json!({
+        "prompt": PROMPT, "tokens": n, "faults": outcomes.len(), "effective": effective, "localized": ok,
+        "silent": silent, "silent_reported_equivalent": silent_ok,
+        "rows": outcomes.iter().map(Outcome::json).collect::<Vec<_>>(),
+    });
+    Ok(Section {
+        key: "fault_matrix".into(),
+        tables: vec![table(n, &outcomes)],
+        json,
+        claims: vec![
+            Claim::new(
+                "localization_exact",
+                ok == effective && effective >= 8,
+                format!(
+                    "{} effective injected faults localized to exactly their step, layer and operator (at least 8 needed)",
+                    frac(ok, effective)
+                ),
+            ),
+            Claim::new(
+                "silent_faults_equivalent",
+                silent_ok == silent,
+                format!("{} silent faults (no bit changed) reported equivalent", frac(silent_ok, silent)),
+            ),
+        ],
+    })
+}
+
+fn table(n: usize, outcomes: &[Outcome]) -> Table {
     let mut t = Table::new(
         "fault_localization",
         &format!(
@@ -165,7 +252,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
     let opt = |x: Option<u32>| x.map_or("all".to_string(), |v| v.to_string());
     for (i, o) in outcomes.iter().enumerate() {
         let (fs, fl, fo) = match &o.found {
-            Some((s, l, op, _)) => (s.to_string(), opt(*l), op.clone()),
+            Some(f) => (f.step.to_string(), opt(f.layer), f.operator.clone()),
             None => ("-".into(), "-".into(), "(equivalent)".into()),
         };
         t.row(vec![
@@ -177,49 +264,8 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
             fs,
             fl,
             fo,
-            match (o.effective, o.localized, o.equivalent) {
-                (true, true, _) => "exact",
-                (true, false, _) => "WRONG",
-                (false, _, true) => "silent (bitwise identical run; diff: equivalent)",
-                (false, _, false) => "FALSE POSITIVE",
-            }
-            .into(),
+            o.result().into(),
         ]);
     }
-    let effective = outcomes.iter().filter(|o| o.effective).count();
-    let ok = outcomes.iter().filter(|o| o.effective && o.localized).count();
-    let silent = outcomes.len() - effective;
-    let silent_ok = outcomes.iter().filter(|o| !o.effective && o.equivalent).count();
-    let json = json!({
-        "prompt": PROMPT, "tokens": n, "faults": outcomes.len(), "effective": effective, "localized": ok,
-        "silent": silent, "silent_reported_equivalent": silent_ok,
-        "rows": outcomes.iter().map(|o| json!({
-            "fault": o.fault.kind.name(), "step": o.fault.step, "layer": o.fault.layer,
-            "operator": o.fault.kind.operator(),
-            "found_step": o.found.as_ref().map(|f| f.0), "found_layer": o.found.as_ref().and_then(|f| f.1),
-            "found_operator": o.found.as_ref().map(|f| f.2.clone()), "found_position": o.found.as_ref().map(|f| f.3),
-            "inferred_contract": o.contract, "effective": o.effective, "localized": o.localized,
-            "diff_equivalent": o.equivalent, "diff_summary": o.summary,
-        })).collect::<Vec<_>>(),
-    });
-    Ok(Section {
-        key: "fault_matrix".into(),
-        tables: vec![t],
-        json,
-        claims: vec![
-            Claim::new(
-                "localization_exact",
-                ok == effective && effective >= 8,
-                format!(
-                    "{} effective injected faults localized to exactly their step, layer and operator (at least 8 needed)",
-                    frac(ok, effective)
-                ),
-            ),
-            Claim::new(
-                "silent_faults_equivalent",
-                silent_ok == silent,
-                format!("{} silent faults (no bit changed) reported equivalent", frac(silent_ok, silent)),
-            ),
-        ],
-    })
+    t
 }

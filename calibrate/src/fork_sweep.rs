@@ -11,13 +11,14 @@
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::Context;
 use moeconf_contract::{all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine};
-use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{sweep, Scheme, SweepOptions};
-use serde_json::json;
+use moeconf_fingerprint::{CanonPolicy, Component};
+use moeconf_reference_runtime::fork::{sweep, Scheme, SchemeSummary, SweepOptions, SweepReport};
+use serde_json::{json, Value};
 
-use super::{frac, Claim, Collect, Ctx, Section, Table, ALGORITHM};
+use crate::{frac, CalibrateError, Claim, Collect, Ctx, Result, Section, Table, ALGORITHM};
+
+const PROMPT: &str = "why the sheep";
 
 /// The routed terms, shared output and native MoE output of one combine event.
 pub struct ForkEvent {
@@ -30,26 +31,28 @@ pub struct ForkEvent {
 }
 
 /// Captures the MoE event of (`layer`, `step`) at the step's last position in a native run.
-pub fn capture_event(ctx: &Ctx, prompt_ids: &[u32], layer: u32, step: u32) -> anyhow::Result<ForkEvent> {
-    let mut sink = Collect::new(&["moe.term.*", "moe.shared", "moe.combine"]);
+pub fn capture_event(ctx: &Ctx, prompt_ids: &[u32], layer: u32, step: u32) -> Result<ForkEvent> {
+    let mut sink = Collect::new(&[Component::MoeTerm, Component::MoeShared, Component::MoeCombine]);
     ctx.generate(prompt_ids, step as usize + 1, &NativeCombine, None, &mut sink)?;
     let l = Some(layer);
     let k = ctx.k();
     let mut terms = Vec::with_capacity(k);
-    for j in 0..k {
-        let r = sink
-            .at(&format!("moe.term.{j}"), step, l)
-            .with_context(|| format!("no moe.term.{j} at layer {layer}, step {step}"))?;
+    for j in 0..k as u32 {
+        let r = sink.at_member(Component::MoeTerm, j, step, l).ok_or_else(|| {
+            CalibrateError::MissingRecord(format!(
+                "no {} at layer {layer}, step {step}",
+                Component::MoeTerm.indexed_path(j)
+            ))
+        })?;
         terms.push(r.f32s());
     }
-    let shared = sink
-        .at("moe.shared", step, l)
-        .context("no moe.shared at the fork")?
-        .f32s();
-    let native = sink
-        .at("moe.combine", step, l)
-        .context("no moe.combine at the fork")?
-        .f32s();
+    let at_fork = |c: Component| {
+        sink.at(c, step, l)
+            .map(|r| r.f32s())
+            .ok_or_else(|| CalibrateError::MissingRecord(format!("no {c} at the fork")))
+    };
+    let shared = at_fork(Component::MoeShared)?;
+    let native = at_fork(Component::MoeCombine)?;
     Ok(ForkEvent {
         terms,
         shared,
@@ -70,7 +73,7 @@ pub struct OrderCheck {
 }
 
 /// Combines `ev` under `contract` with all k! orders.
-pub fn check_orders(ev: &ForkEvent, contract: &AggregationContract) -> anyhow::Result<OrderCheck> {
+pub fn check_orders(ev: &ForkEvent, contract: &AggregationContract) -> Result<OrderCheck> {
     let k = ev.terms.len();
     let refs: Vec<&[f32]> = ev.terms.iter().map(|v| v.as_slice()).collect();
     let perms = all_permutations(k)?;
@@ -98,20 +101,80 @@ pub fn check_orders(ev: &ForkEvent, contract: &AggregationContract) -> anyhow::R
     })
 }
 
+/// The order checks of the fork event under B and A.
+struct Checks {
+    b: OrderCheck,
+    a: OrderCheck,
+}
+
+impl Checks {
+    /// The check that applies to a scheme, and its structural class count
+    /// (B-like: observed classes; otherwise every raw order).
+    fn of(&self, scheme: &Scheme) -> (&OrderCheck, usize) {
+        if scheme.family.is_b_like() {
+            (&self.b, self.b.classes)
+        } else {
+            (&self.a, self.a.raw)
+        }
+    }
+}
+
 /// Runs protocol 2.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
-    let prompt = "why the sheep";
-    let ids = ctx.encode(prompt)?;
+pub fn run(ctx: &Ctx) -> Result<Section> {
+    let ids = ctx.encode(PROMPT)?;
     let k = ctx.k();
     let point = ForkPoint::first_decode(ctx.fork_layer);
     let ev = capture_event(ctx, &ids, point.layer, point.step)?;
-    let b_check = check_orders(&ev, &AggregationContract::b())?;
-    let a_check = check_orders(&ev, &AggregationContract::a())?;
-
+    let checks = Checks {
+        b: check_orders(&ev, &AggregationContract::b())?,
+        a: check_orders(&ev, &AggregationContract::a())?,
+    };
     let mut schemes = vec![Scheme::enumerate("a", k)?, Scheme::enumerate("b", k)?];
     for s in &mut schemes {
         s.truncate(ctx.sizes.fork_branches);
     }
+    let report = run_sweep(ctx, &ids, point, &schemes)?;
+    let mut tables = Tables::new(ctx, point);
+    let schemes_json: Vec<Value> = report
+        .summaries
+        .iter()
+        .zip(&schemes)
+        .map(|(s, scheme)| tables.add(s, scheme, &checks))
+        .collect();
+    let b = &checks.b;
+    let expected_classes = if k >= 2 { b.raw / 2 } else { b.raw };
+    let collapse = b.classes == expected_classes && b.classes_consistent;
+    let json = json!({
+        "prompt": PROMPT,
+        "fork_layer": point.layer,
+        "fork_step": point.step,
+        "tokens": ctx.sizes.fork_tokens,
+        "native_text": report.reference.text,
+        "b_raw_orders": b.raw,
+        "b_classes_observed": b.classes,
+        "b_classes_bitwise_consistent": b.classes_consistent,
+        "b_distinct_outputs_over_raw_orders": b.distinct_outputs,
+        "a_distinct_outputs_over_raw_orders": checks.a.distinct_outputs,
+        "schemes": schemes_json,
+    });
+    Ok(Section {
+        key: "fork_sweep".into(),
+        tables: vec![tables.counts, tables.rank_frequency],
+        json,
+        claims: vec![Claim::new(
+            "b_720_to_360",
+            collapse,
+            format!(
+                "B: {} raw orders collapse to {} structural classes (expected {expected_classes}); both orders of every class bitwise equal: {}",
+                b.raw, b.classes, b.classes_consistent
+            ),
+        )],
+    })
+}
+
+/// The runtime's trace-freeze-fork sweep of `schemes` at `point`, with
+/// progress every 10 %.
+fn run_sweep(ctx: &Ctx, ids: &[u32], point: ForkPoint, schemes: &[Scheme]) -> Result<SweepReport> {
     let total: usize = schemes.iter().map(|s| s.branches.len()).sum();
     ctx.note(&format!(
         "[2] single-layer A/B fork at layer {}, step {}: {total} branches × {} tokens",
@@ -133,50 +196,56 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
             eprintln!("calibrate:     fork sweep {done}/{total}");
         }
     };
-    let report = sweep(&ctx.m.model, &ids, &schemes, &opts, Some(&progress))?;
+    Ok(sweep(&ctx.m.model, ids, schemes, &opts, Some(&progress))?)
+}
 
-    let mut t = Table::new(
-        "basin_counts",
-        &format!(
-            "Single-layer fork (section 3.2): \"{prompt}\", layer {}, step {} (first decode), {} tokens",
-            point.layer, point.step, ctx.sizes.fork_tokens
-        ),
-        &[
-            "Scheme",
-            "Raw permutations",
-            "Exact structural classes",
-            "Evaluated",
-            "Distinct MoE outputs",
-            "Distinct post-mHC states",
-            "Post-mHC differs from native",
-            "Distinct texts",
-        ],
-    );
-    let mut rf = Table::new(
-        "basin_rank_frequency",
-        "Basin rank-frequency (branches / raw permutations per continuation text)",
-        &[
-            "Scheme",
-            "Rank",
-            "Branches",
-            "Raw permutations",
-            "First branch",
-            "Continuation",
-        ],
-    );
-    let mut schemes_json = Vec::new();
-    for (s, scheme) in report.summaries.iter().zip(&schemes) {
-        let check = if scheme.family.is_b_like() {
-            &b_check
-        } else {
-            &a_check
-        };
-        let classes = if scheme.family.is_b_like() {
-            check.classes
-        } else {
-            check.raw
-        };
-        t.row(vec![
+/// The two tables of protocol 2, filled one scheme at a time.
+struct Tables {
+    counts: Table,
+    rank_frequency: Table,
+}
+
+impl Tables {
+    fn new(ctx: &Ctx, point: ForkPoint) -> Tables {
+        let counts = Table::new(
+            "basin_counts",
+            &format!(
+                "Single-layer fork (section 3.2): \"{PROMPT}\", layer {}, step {} (first decode), {} tokens",
+                point.layer, point.step, ctx.sizes.fork_tokens
+            ),
+            &[
+                "Scheme",
+                "Raw permutations",
+                "Exact structural classes",
+                "Evaluated",
+                "Distinct MoE outputs",
+                "Distinct post-mHC states",
+                "Post-mHC differs from native",
+                "Distinct texts",
+            ],
+        );
+        let rank_frequency = Table::new(
+            "basin_rank_frequency",
+            "Basin rank-frequency (branches / raw permutations per continuation text)",
+            &[
+                "Scheme",
+                "Rank",
+                "Branches",
+                "Raw permutations",
+                "First branch",
+                "Continuation",
+            ],
+        );
+        Tables {
+            counts,
+            rank_frequency,
+        }
+    }
+
+    /// Adds one scheme's rows; returns its JSON object.
+    fn add(&mut self, s: &SchemeSummary, scheme: &Scheme, checks: &Checks) -> Value {
+        let (check, classes) = checks.of(scheme);
+        self.counts.row(vec![
             s.scheme.to_uppercase(),
             check.raw.to_string(),
             classes.to_string(),
@@ -186,22 +255,18 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
             frac(s.post_mhc_differs_from_reference, s.evaluated),
             s.basins.to_string(),
         ]);
+        let first_label = |i: usize| scheme.branches.get(i).map(|x| x.label.clone());
         for (i, b) in s.basin_rank_frequency.iter().enumerate() {
-            let first = scheme
-                .branches
-                .get(b.first_branch)
-                .map(|x| x.label.clone())
-                .unwrap_or_default();
-            rf.row(vec![
+            self.rank_frequency.row(vec![
                 s.scheme.to_uppercase(),
                 (i + 1).to_string(),
                 b.branches.to_string(),
                 b.raw_permutations.to_string(),
-                first,
+                first_label(b.first_branch).unwrap_or_default(),
                 format!("{:?}", b.text),
             ]);
         }
-        schemes_json.push(json!({
+        json!({
             "scheme": s.scheme,
             "family": s.family,
             "raw_permutations": check.raw,
@@ -215,37 +280,9 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
             "basins": s.basins,
             "basin_rank_frequency": s.basin_rank_frequency.iter().map(|b| json!({
                 "branches": b.branches, "raw_permutations": b.raw_permutations,
-                "first_branch": scheme.branches.get(b.first_branch).map(|x| x.label.clone()),
+                "first_branch": first_label(b.first_branch),
                 "text": b.text, "tokens": b.tokens,
             })).collect::<Vec<_>>(),
-        }));
+        })
     }
-    let expected_classes = if k >= 2 { b_check.raw / 2 } else { b_check.raw };
-    let collapse = b_check.classes == expected_classes && b_check.classes_consistent;
-    let json = json!({
-        "prompt": prompt,
-        "fork_layer": point.layer,
-        "fork_step": point.step,
-        "tokens": ctx.sizes.fork_tokens,
-        "native_text": report.reference.text,
-        "b_raw_orders": b_check.raw,
-        "b_classes_observed": b_check.classes,
-        "b_classes_bitwise_consistent": b_check.classes_consistent,
-        "b_distinct_outputs_over_raw_orders": b_check.distinct_outputs,
-        "a_distinct_outputs_over_raw_orders": a_check.distinct_outputs,
-        "schemes": schemes_json,
-    });
-    Ok(Section {
-        key: "fork_sweep".into(),
-        tables: vec![t, rf],
-        json,
-        claims: vec![Claim::new(
-            "b_720_to_360",
-            collapse,
-            format!(
-                "B: {} raw orders collapse to {} structural classes (expected {expected_classes}); both orders of every class bitwise equal: {}",
-                b_check.raw, b_check.classes, b_check.classes_consistent
-            ),
-        )],
-    })
 }

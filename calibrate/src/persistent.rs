@@ -16,23 +16,71 @@
 use std::collections::HashSet;
 
 use moeconf_contract::{
-    prompt_hash, AggregationContract, NativeCombine, Schedule, ScheduledCombine, DEFAULT_EXPERIMENT_SEED,
+    prompt_hash, AggregationContract, MoeCombine, NativeCombine, Schedule, ScheduledCombine,
+    DEFAULT_EXPERIMENT_SEED,
 };
+use moeconf_fingerprint::Component;
+use moeconf_fixtures::Prompt;
 use rayon::prelude::*;
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::{frac, max_abs_diff, Claim, Collect, Ctx, Kept, Section, Table};
+use crate::{frac, max_abs_diff, Claim, Collect, Ctx, Kept, Result, Section, Table};
+
+/// One of the paper's four aggregation schemes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PaperScheme {
+    /// FP32 operands and accumulator.
+    P32,
+    /// BF16 operands, FP32 accumulator (order-invariant on BF16 values).
+    C,
+    /// BF16 operands, BF16 accumulator after the first sum.
+    A,
+    /// BF16 operands and accumulator.
+    B,
+}
+
+impl PaperScheme {
+    /// The scheme's preset name (`p32`, `c`, `a`, `b`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PaperScheme::P32 => "p32",
+            PaperScheme::C => "c",
+            PaperScheme::A => "a",
+            PaperScheme::B => "b",
+        }
+    }
+
+    /// The scheme's contract, identity order.
+    pub fn contract(self) -> AggregationContract {
+        match self {
+            PaperScheme::P32 => AggregationContract::p32(),
+            PaperScheme::C => AggregationContract::c(),
+            PaperScheme::A => AggregationContract::a(),
+            PaperScheme::B => AggregationContract::b(),
+        }
+    }
+}
 
 /// The paper's four schemes, in table order.
-pub const SCHEMES: [&str; 4] = ["p32", "c", "a", "b"];
+pub const SCHEMES: [PaperScheme; 4] = [PaperScheme::P32, PaperScheme::C, PaperScheme::A, PaperScheme::B];
 
-/// The intermediates of the C check, with the group each belongs to.
-const INTERMEDIATES: [(&str, &str); 4] = [
-    ("moe.combine", "MoE"),
-    ("layer.post_ffn_mhc", "post-mHC"),
-    ("router.scores", "Router"),
-    ("lm.logits", "LM"),
+/// The intermediates of the C check, in the order of table B.5's groups
+/// (MoE, post-mHC, router, LM).
+const INTERMEDIATES: [Component; 4] = [
+    Component::MoeCombine,
+    Component::LayerPostFfnMhc,
+    Component::RouterScores,
+    Component::LmLogits,
 ];
+
+/// What a run keeps besides its routes and tokens.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keep {
+    /// Routes only.
+    Routes,
+    /// Routes and the C check's intermediates.
+    Intermediates,
+}
 
 /// What one run produced.
 struct RunOut {
@@ -41,20 +89,17 @@ struct RunOut {
     intermediates: Vec<Kept>,
 }
 
-fn run_one(
-    ctx: &Ctx,
-    ids: &[u32],
-    combine: &dyn moeconf_contract::MoeCombine,
-    keep_intermediates: bool,
-) -> anyhow::Result<RunOut> {
-    let mut paths = vec!["router.topk"];
-    if keep_intermediates {
-        paths.extend(INTERMEDIATES.iter().map(|(p, _)| *p));
+fn run_one(ctx: &Ctx, ids: &[u32], combine: &dyn MoeCombine, keep: Keep) -> Result<RunOut> {
+    let mut components = vec![Component::RouterTopk];
+    if keep == Keep::Intermediates {
+        components.extend(INTERMEDIATES);
     }
-    let mut sink = Collect::new(&paths);
+    let mut sink = Collect::new(&components);
     let state = ctx.generate(ids, ctx.sizes.tokens, combine, None, &mut sink)?;
-    let (routes, intermediates): (Vec<Kept>, Vec<Kept>) =
-        sink.kept.into_iter().partition(|k| k.coord.path == "router.topk");
+    let (routes, intermediates): (Vec<Kept>, Vec<Kept>) = sink
+        .kept
+        .into_iter()
+        .partition(|k| Component::RouterTopk.matches(&k.coord.path));
     Ok(RunOut {
         tokens: state.generated,
         routes: routes.into_iter().map(|k| k.bytes).collect(),
@@ -62,100 +107,232 @@ fn run_one(
     })
 }
 
-/// C-check comparison of one run against native: (missing records, max |Δ| per group, all bitwise).
-fn compare_intermediates(native: &[Kept], run: &[Kept]) -> (usize, [f64; 4], bool) {
-    let mut missing = native.len().abs_diff(run.len());
-    let mut max = [0.0f64; 4];
-    let mut bitwise = missing == 0;
+/// The C check of one run against native.
+struct CCheck {
+    /// Records missing on one side or at another coordinate.
+    missing: usize,
+    /// Max |Δ| per intermediate group (the order of `INTERMEDIATES`).
+    max: [f64; 4],
+    /// Whether every record is bitwise equal.
+    bitwise: bool,
+}
+
+fn compare_intermediates(native: &[Kept], run: &[Kept]) -> CCheck {
+    let mut c = CCheck {
+        missing: native.len().abs_diff(run.len()),
+        max: [0.0; 4],
+        bitwise: native.len() == run.len(),
+    };
     for (a, b) in native.iter().zip(run) {
         if a.coord != b.coord {
-            missing += 1;
-            bitwise = false;
+            c.missing += 1;
+            c.bitwise = false;
             continue;
         }
         let g = INTERMEDIATES
             .iter()
-            .position(|(p, _)| *p == a.coord.path)
+            .position(|i| i.matches(&a.coord.path))
             .unwrap_or(0);
         if a.bytes != b.bytes {
-            bitwise = false;
+            c.bitwise = false;
         }
-        max[g] = max[g].max(max_abs_diff(&a.f32s(), &b.f32s()));
+        c.max[g] = c.max[g].max(max_abs_diff(&a.f32s(), &b.f32s()));
     }
-    (missing, max, bitwise)
+    c
 }
 
+/// One run of the protocols (indices into the prompts and [`SCHEMES`]).
 #[derive(Clone, Copy)]
 enum Job {
-    Native(usize),
-    Canonical(usize, usize),
-    Random(usize, usize, u64),
+    Native { prompt: usize },
+    Canonical { prompt: usize, scheme: usize },
+    Random { prompt: usize, scheme: usize, seed: u64 },
+}
+
+impl Job {
+    /// Every job: per prompt the native run, then per scheme the canonical
+    /// run and `seeds` layer-static runs.
+    fn all(prompts: usize, seeds: u64) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        for prompt in 0..prompts {
+            jobs.push(Job::Native { prompt });
+            for scheme in 0..SCHEMES.len() {
+                jobs.push(Job::Canonical { prompt, scheme });
+                for seed in 0..seeds {
+                    jobs.push(Job::Random { prompt, scheme, seed });
+                }
+            }
+        }
+        jobs
+    }
+
+    fn run(self, ctx: &Ctx, prompts: &[Prompt], ids: &[Vec<u32>]) -> Result<RunOut> {
+        let scheduled = |prompt: usize, scheme: usize, schedule: Schedule| {
+            let s = SCHEMES[scheme];
+            let c = ScheduledCombine::new(s.contract(), schedule, prompt_hash(&prompts[prompt].text));
+            let keep = if s == PaperScheme::C {
+                Keep::Intermediates
+            } else {
+                Keep::Routes
+            };
+            run_one(ctx, &ids[prompt], &c, keep)
+        };
+        match self {
+            Job::Native { prompt } => run_one(ctx, &ids[prompt], &NativeCombine, Keep::Intermediates),
+            Job::Canonical { prompt, scheme } => scheduled(prompt, scheme, Schedule::Identity),
+            Job::Random { prompt, scheme, seed } => scheduled(
+                prompt,
+                scheme,
+                Schedule::LayerStatic {
+                    experiment_seed: DEFAULT_EXPERIMENT_SEED,
+                    request_seed: seed,
+                },
+            ),
+        }
+    }
+}
+
+/// The runs indexed by prompt and scheme.
+struct Runs<'a> {
+    native: Vec<Option<&'a RunOut>>,
+    canonical: Vec<Vec<Option<&'a RunOut>>>,
+    random: Vec<Vec<Vec<&'a RunOut>>>,
+}
+
+impl<'a> Runs<'a> {
+    fn index(prompts: usize, jobs: &[Job], outs: &'a [RunOut]) -> Runs<'a> {
+        let mut r = Runs {
+            native: vec![None; prompts],
+            canonical: vec![vec![None; SCHEMES.len()]; prompts],
+            random: vec![vec![Vec::new(); SCHEMES.len()]; prompts],
+        };
+        for (job, out) in jobs.iter().zip(outs) {
+            match *job {
+                Job::Native { prompt } => r.native[prompt] = Some(out),
+                Job::Canonical { prompt, scheme } => r.canonical[prompt][scheme] = Some(out),
+                Job::Random { prompt, scheme, .. } => r.random[prompt][scheme].push(out),
+            }
+        }
+        r
+    }
 }
 
 /// Runs protocols 3, 4 and 5; returns their three sections.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
+pub fn run(ctx: &Ctx) -> Result<Vec<Section>> {
     let prompts = moeconf_fixtures::depth_prompts();
     let ids: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| ctx.encode(&p.text))
-        .collect::<anyhow::Result<_>>()?;
-    let s = ctx.sizes.seeds;
-    let mut jobs = Vec::new();
-    for pi in 0..prompts.len() {
-        jobs.push(Job::Native(pi));
-        for si in 0..SCHEMES.len() {
-            jobs.push(Job::Canonical(pi, si));
-            for seed in 0..s {
-                jobs.push(Job::Random(pi, si, seed));
-            }
-        }
-    }
+        .collect::<Result<_>>()?;
+    let jobs = Job::all(prompts.len(), ctx.sizes.seeds);
     ctx.note(&format!(
         "[3-5] persistent layer-static ablation, canonical reference, C check: {} runs × {} tokens",
         jobs.len(),
         ctx.sizes.tokens
     ));
-    let contract = |si: usize| {
-        AggregationContract::from_preset_name(SCHEMES[si]).unwrap_or_else(AggregationContract::native)
-    };
     let outs: Vec<RunOut> = jobs
         .par_iter()
-        .map(|job| match *job {
-            Job::Native(pi) => run_one(ctx, &ids[pi], &NativeCombine, true),
-            Job::Canonical(pi, si) => {
-                let c =
-                    ScheduledCombine::new(contract(si), Schedule::Identity, prompt_hash(&prompts[pi].text));
-                run_one(ctx, &ids[pi], &c, SCHEMES[si] == "c")
-            }
-            Job::Random(pi, si, seed) => {
-                let sched = Schedule::LayerStatic {
-                    experiment_seed: DEFAULT_EXPERIMENT_SEED,
-                    request_seed: seed,
-                };
-                let c = ScheduledCombine::new(contract(si), sched, prompt_hash(&prompts[pi].text));
-                run_one(ctx, &ids[pi], &c, SCHEMES[si] == "c")
-            }
-        })
-        .collect::<anyhow::Result<_>>()?;
+        .map(|job| job.run(ctx, &prompts, &ids))
+        .collect::<Result<_>>()?;
+    let runs = Runs::index(prompts.len(), &jobs, &outs);
+    let (persistent, canonical) = ablation(ctx, &prompts, &runs);
+    Ok(vec![persistent, canonical, c_intermediate(&prompts, &runs)])
+}
 
-    // Index the results.
-    let mut native: Vec<Option<&RunOut>> = vec![None; prompts.len()];
-    let mut canonical: Vec<Vec<Option<&RunOut>>> = vec![vec![None; SCHEMES.len()]; prompts.len()];
-    let mut random: Vec<Vec<Vec<&RunOut>>> = vec![vec![Vec::new(); SCHEMES.len()]; prompts.len()];
-    for (job, out) in jobs.iter().zip(&outs) {
-        match *job {
-            Job::Native(pi) => native[pi] = Some(out),
-            Job::Canonical(pi, si) => canonical[pi][si] = Some(out),
-            Job::Random(pi, si, _) => random[pi][si].push(out),
+/// Protocol 3 and 4 counts of one (prompt, scheme) cell, or summed over prompts.
+#[derive(Default)]
+struct Counts {
+    /// Random runs.
+    runs: usize,
+    /// Random runs whose routes differ from native.
+    native_route: usize,
+    /// Random runs whose tokens differ from native.
+    native_tokens: usize,
+    /// Random runs whose routes differ from the canonical run.
+    canonical_route: usize,
+    /// Random runs whose tokens differ from the canonical run.
+    canonical_tokens: usize,
+    /// Prompts whose canonical routes differ from native.
+    canonical_vs_native_route: usize,
+    /// Prompts whose canonical tokens differ from native.
+    canonical_vs_native_tokens: usize,
+}
+
+impl Counts {
+    fn of(nat: &RunOut, can: &RunOut, runs: &[&RunOut]) -> Counts {
+        let count = |f: &dyn Fn(&RunOut) -> bool| runs.iter().filter(|r| f(r)).count();
+        Counts {
+            runs: runs.len(),
+            native_route: count(&|r| r.routes != nat.routes),
+            native_tokens: count(&|r| r.tokens != nat.tokens),
+            canonical_route: count(&|r| r.routes != can.routes),
+            canonical_tokens: count(&|r| r.tokens != can.tokens),
+            canonical_vs_native_route: usize::from(can.routes != nat.routes),
+            canonical_vs_native_tokens: usize::from(can.tokens != nat.tokens),
         }
     }
 
-    // Protocol 3 (table B.4 first part) and the aggregated table 3.6.
-    let mut per_prompt = Table::new(
+    fn add(&mut self, c: &Counts) {
+        self.runs += c.runs;
+        self.native_route += c.native_route;
+        self.native_tokens += c.native_tokens;
+        self.canonical_route += c.canonical_route;
+        self.canonical_tokens += c.canonical_tokens;
+        self.canonical_vs_native_route += c.canonical_vs_native_route;
+        self.canonical_vs_native_tokens += c.canonical_vs_native_tokens;
+    }
+}
+
+/// One (prompt, scheme) cell of table B.4.
+struct Cell {
+    counts: Counts,
+    /// Distinct token sequences over the random runs.
+    unique: usize,
+}
+
+impl Cell {
+    fn of(nat: &RunOut, can: &RunOut, random: &[&RunOut]) -> Cell {
+        Cell {
+            counts: Counts::of(nat, can, random),
+            unique: random
+                .iter()
+                .map(|r| r.tokens.clone())
+                .collect::<HashSet<_>>()
+                .len(),
+        }
+    }
+
+    fn row(&self, prompt: &Prompt, scheme: PaperScheme) -> Vec<String> {
+        let c = &self.counts;
+        vec![
+            format!("\"{}\"", prompt.text),
+            scheme.name().to_uppercase(),
+            frac(c.native_route, c.runs),
+            frac(c.native_tokens, c.runs),
+            self.unique.to_string(),
+        ]
+    }
+
+    fn json(&self, prompt: &Prompt, scheme: PaperScheme) -> Value {
+        let c = &self.counts;
+        json!({
+            "prompt_id": prompt.id, "scheme": scheme.name(), "schedules": c.runs,
+            "native_route_divergence": c.native_route, "native_token_divergence": c.native_tokens,
+            "unique_continuations": self.unique,
+            "canonical_vs_native_route": c.canonical_vs_native_route == 1,
+            "canonical_vs_native_tokens": c.canonical_vs_native_tokens == 1,
+            "random_vs_canonical_route": c.canonical_route, "random_vs_canonical_tokens": c.canonical_tokens,
+        })
+    }
+}
+
+/// The three tables of protocols 3 and 4: B.4 (first part), 3.6 and B.4 (second part).
+fn ablation_tables(ctx: &Ctx) -> [Table; 3] {
+    let per_prompt = Table::new(
         "persistent_ablation",
         &format!(
-            "Persistent layer-static ablation (table B.4): {s} seeds per prompt and scheme, {} tokens",
-            ctx.sizes.tokens
+            "Persistent layer-static ablation (table B.4): {} seeds per prompt and scheme, {} tokens",
+            ctx.sizes.seeds, ctx.sizes.tokens
         ),
         &[
             "Prompt",
@@ -165,7 +342,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
             "Unique continuations",
         ],
     );
-    let mut agg = Table::new(
+    let agg = Table::new(
         "persistent_canonical_axes",
         "Persistent and same-mode reference axes (table 3.6)",
         &[
@@ -176,7 +353,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
             "Canonical token sequence",
         ],
     );
-    let mut canon_t = Table::new(
+    let canon_t = Table::new(
         "canonical_reference",
         "Same-mode canonical reference (table B.4, second part)",
         &[
@@ -187,78 +364,74 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
             "Random vs. canonical route",
         ],
     );
+    [per_prompt, agg, canon_t]
+}
+
+/// Protocols 3 and 4: the persistent ablation (table B.4, first part, and
+/// the aggregated table 3.6) and the canonical reference (table B.4, second part).
+fn ablation(ctx: &Ctx, prompts: &[Prompt], runs: &Runs<'_>) -> (Section, Section) {
+    let [mut per_prompt, mut agg, mut canon_t] = ablation_tables(ctx);
+    let np = prompts.len();
     let mut json_rows = Vec::new();
     // Rows of table B.4 by (prompt, scheme), printed prompt-major as in the paper.
-    let mut b4_rows: Vec<Vec<Option<Vec<String>>>> = vec![vec![None; SCHEMES.len()]; prompts.len()];
+    let mut b4_rows: Vec<Vec<Option<Vec<String>>>> = vec![vec![None; SCHEMES.len()]; np];
     let mut json_schemes = Vec::new();
-    let np = prompts.len();
-    for (si, scheme) in SCHEMES.iter().enumerate() {
-        let (mut nr, mut nt, mut cr, mut ct, mut cnr, mut cnt, mut total) = (0, 0, 0, 0, 0, 0, 0);
-        for pi in 0..np {
-            let (Some(nat), Some(can)) = (native[pi], canonical[pi][si]) else {
+    for (si, &scheme) in SCHEMES.iter().enumerate() {
+        let mut sum = Counts::default();
+        for (pi, prompt) in prompts.iter().enumerate() {
+            let (Some(nat), Some(can)) = (runs.native[pi], runs.canonical[pi][si]) else {
                 continue;
             };
-            let runs = &random[pi][si];
-            let route_div = runs.iter().filter(|r| r.routes != nat.routes).count();
-            let tok_div = runs.iter().filter(|r| r.tokens != nat.tokens).count();
-            let unique = runs
-                .iter()
-                .map(|r| r.tokens.clone())
-                .collect::<HashSet<_>>()
-                .len();
-            let can_route = runs.iter().filter(|r| r.routes != can.routes).count();
-            let can_tok = runs.iter().filter(|r| r.tokens != can.tokens).count();
-            b4_rows[pi][si] = Some(vec![
-                format!("\"{}\"", prompts[pi].text),
-                scheme.to_uppercase(),
-                frac(route_div, runs.len()),
-                frac(tok_div, runs.len()),
-                unique.to_string(),
-            ]);
-            json_rows.push(json!({
-                "prompt_id": prompts[pi].id, "scheme": scheme, "schedules": runs.len(),
-                "native_route_divergence": route_div, "native_token_divergence": tok_div,
-                "unique_continuations": unique,
-                "canonical_vs_native_route": can.routes != nat.routes,
-                "canonical_vs_native_tokens": can.tokens != nat.tokens,
-                "random_vs_canonical_route": can_route, "random_vs_canonical_tokens": can_tok,
-            }));
-            nr += route_div;
-            nt += tok_div;
-            cr += can_route;
-            ct += can_tok;
-            cnr += usize::from(can.routes != nat.routes);
-            cnt += usize::from(can.tokens != nat.tokens);
-            total += runs.len();
+            let cell = Cell::of(nat, can, &runs.random[pi][si]);
+            b4_rows[pi][si] = Some(cell.row(prompt, scheme));
+            json_rows.push(cell.json(prompt, scheme));
+            sum.add(&cell.counts);
         }
+        let name = scheme.name();
         agg.row(vec![
-            scheme.to_uppercase(),
-            frac(nr, total),
-            frac(nt, total),
-            frac(cr, total),
-            frac(ct, total),
+            name.to_uppercase(),
+            frac(sum.native_route, sum.runs),
+            frac(sum.native_tokens, sum.runs),
+            frac(sum.canonical_route, sum.runs),
+            frac(sum.canonical_tokens, sum.runs),
         ]);
         canon_t.row(vec![
-            scheme.to_uppercase(),
-            frac(cnt, np),
-            frac(cnr, np),
-            frac(ct, total),
-            frac(cr, total),
+            name.to_uppercase(),
+            frac(sum.canonical_vs_native_tokens, np),
+            frac(sum.canonical_vs_native_route, np),
+            frac(sum.canonical_tokens, sum.runs),
+            frac(sum.canonical_route, sum.runs),
         ]);
         json_schemes.push(json!({
-            "scheme": scheme, "trajectories": total,
-            "native_route_divergence": nr, "native_token_divergence": nt,
-            "canonical_route_divergence": cr, "canonical_token_divergence": ct,
-            "canonical_vs_native_route": cnr, "canonical_vs_native_tokens": cnt, "prompts": np,
+            "scheme": name, "trajectories": sum.runs,
+            "native_route_divergence": sum.native_route, "native_token_divergence": sum.native_tokens,
+            "canonical_route_divergence": sum.canonical_route, "canonical_token_divergence": sum.canonical_tokens,
+            "canonical_vs_native_route": sum.canonical_vs_native_route,
+            "canonical_vs_native_tokens": sum.canonical_vs_native_tokens, "prompts": np,
         }));
     }
-
     for row in b4_rows.into_iter().flatten().flatten() {
         per_prompt.row(row);
     }
+    let persistent = Section {
+        key: "persistent".into(),
+        tables: vec![per_prompt, agg],
+        json: json!({ "seeds": ctx.sizes.seeds, "tokens": ctx.sizes.tokens, "experiment_seed": DEFAULT_EXPERIMENT_SEED,
+            "per_prompt": json_rows, "per_scheme": json_schemes }),
+        claims: vec![],
+    };
+    let canonical = Section {
+        key: "canonical".into(),
+        tables: vec![canon_t],
+        json: json!({ "per_scheme": json_schemes }),
+        claims: vec![],
+    };
+    (persistent, canonical)
+}
 
-    // Protocol 5: C intermediate check (table B.5).
-    let ci = SCHEMES.iter().position(|x| *x == "c").unwrap_or(1);
+/// Protocol 5: the C intermediate check (table B.5).
+fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
+    let ci = SCHEMES.iter().position(|x| *x == PaperScheme::C).unwrap_or(1);
     let mut b5 = Table::new(
         "c_intermediate_summary",
         "C intermediate check (table B.5): every step, layer and position",
@@ -277,68 +450,58 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Vec<Section>> {
     let mut c_runs = 0usize;
     let mut c_records = 0usize;
     let mut b5_json = Vec::new();
-    for pi in 0..np {
-        let Some(nat) = native[pi] else { continue };
-        let mut runs: Vec<&RunOut> = random[pi][ci].clone();
-        if let Some(c) = canonical[pi][ci] {
-            runs.push(c);
+    for (pi, prompt) in prompts.iter().enumerate() {
+        let Some(nat) = runs.native[pi] else { continue };
+        let mut c_runs_here: Vec<&RunOut> = runs.random[pi][ci].clone();
+        if let Some(c) = runs.canonical[pi][ci] {
+            c_runs_here.push(c);
         }
-        let mut missing = 0;
-        let mut max = [0.0f64; 4];
-        let mut bitwise = true;
-        for r in &runs {
-            let (m, mx, b) = compare_intermediates(&nat.intermediates, &r.intermediates);
-            missing += m;
-            for g in 0..4 {
-                max[g] = max[g].max(mx[g]);
+        let mut sum = CCheck {
+            missing: 0,
+            max: [0.0; 4],
+            bitwise: true,
+        };
+        for r in &c_runs_here {
+            let c = compare_intermediates(&nat.intermediates, &r.intermediates);
+            sum.missing += c.missing;
+            for (m, x) in sum.max.iter_mut().zip(c.max) {
+                *m = m.max(x);
             }
-            bitwise &= b && r.routes == nat.routes && r.tokens == nat.tokens;
+            sum.bitwise &= c.bitwise && r.routes == nat.routes && r.tokens == nat.tokens;
             c_records += r.intermediates.len();
         }
-        c_runs += runs.len();
-        c_all &= bitwise && !nat.intermediates.is_empty();
+        c_runs += c_runs_here.len();
+        c_all &= sum.bitwise && !nat.intermediates.is_empty();
         b5.row(vec![
-            format!("\"{}\"", prompts[pi].text),
-            runs.len().to_string(),
-            missing.to_string(),
-            format!("{}", max[0]),
-            format!("{}", max[1]),
-            format!("{}", max[2]),
-            format!("{}", max[3]),
-            if bitwise { "yes" } else { "NO" }.into(),
+            format!("\"{}\"", prompt.text),
+            c_runs_here.len().to_string(),
+            sum.missing.to_string(),
+            format!("{}", sum.max[0]),
+            format!("{}", sum.max[1]),
+            format!("{}", sum.max[2]),
+            format!("{}", sum.max[3]),
+            if sum.bitwise { "yes" } else { "NO" }.into(),
         ]);
-        b5_json.push(json!({
-            "prompt_id": prompts[pi].id, "schedules": runs.len(), "missing_records": missing,
-            "moe_max_abs": max[0], "post_mhc_max_abs": max[1], "router_max_abs": max[2], "lm_max_abs": max[3],
-            "bitwise_identical": bitwise,
-        }));
+        b5_json.push(b5_json_row(prompt, c_runs_here.len(), &sum));
     }
+    Section {
+        key: "c_intermediate".into(),
+        tables: vec![b5],
+        json: json!({ "runs": c_runs, "records_compared": c_records, "all_bitwise": c_all, "per_prompt": b5_json }),
+        claims: vec![Claim::new(
+            "c_bitwise_native",
+            c_all && c_runs > 0,
+            format!(
+                "{c_runs} C runs ({c_records} MoE/post-mHC/router/LM records): bitwise equal to native, same routes and tokens: {c_all}"
+            ),
+        )],
+    }
+}
 
-    Ok(vec![
-        Section {
-            key: "persistent".into(),
-            tables: vec![per_prompt, agg],
-            json: json!({ "seeds": s, "tokens": ctx.sizes.tokens, "experiment_seed": DEFAULT_EXPERIMENT_SEED,
-                "per_prompt": json_rows, "per_scheme": json_schemes }),
-            claims: vec![],
-        },
-        Section {
-            key: "canonical".into(),
-            tables: vec![canon_t],
-            json: json!({ "per_scheme": json_schemes }),
-            claims: vec![],
-        },
-        Section {
-            key: "c_intermediate".into(),
-            tables: vec![b5],
-            json: json!({ "runs": c_runs, "records_compared": c_records, "all_bitwise": c_all, "per_prompt": b5_json }),
-            claims: vec![Claim::new(
-                "c_bitwise_native",
-                c_all && c_runs > 0,
-                format!(
-                    "{c_runs} C runs ({c_records} MoE/post-mHC/router/LM records): bitwise equal to native, same routes and tokens: {c_all}"
-                ),
-            )],
-        },
-    ])
+fn b5_json_row(prompt: &Prompt, schedules: usize, c: &CCheck) -> Value {
+    json!({
+        "prompt_id": prompt.id, "schedules": schedules, "missing_records": c.missing,
+        "moe_max_abs": c.max[0], "post_mhc_max_abs": c.max[1], "router_max_abs": c.max[2], "lm_max_abs": c.max[3],
+        "bitwise_identical": c.bitwise,
+    })
 }

@@ -12,19 +12,21 @@ use std::collections::BTreeSet;
 use moeconf_contract::{
     prompt_hash, AggregationContract, NativeCombine, Schedule, ScheduledCombine, DEFAULT_EXPERIMENT_SEED,
 };
-use serde_json::json;
+use moeconf_fingerprint::Component;
+use moeconf_reference_runtime::state::DecodeState;
+use serde_json::{json, Map, Value};
 
-use super::{max_abs_diff, Collect, Ctx, Kept, Section, Table};
+use crate::{max_abs_diff, Collect, Ctx, Kept, Result, Section, Table};
 
 const PROMPT: &str = "why the sheep";
-const KEEP: [&str; 7] = [
-    "moe.combine",
-    "layer.post_ffn_mhc",
-    "router.topk",
-    "router.scores",
-    "router.margin",
-    "lm.logits",
-    "lm.margin",
+const KEEP: [Component; 7] = [
+    Component::MoeCombine,
+    Component::LayerPostFfnMhc,
+    Component::RouterTopk,
+    Component::RouterScores,
+    Component::RouterMargin,
+    Component::LmLogits,
+    Component::LmMargin,
 ];
 
 fn coord_text(k: &Kept) -> String {
@@ -34,10 +36,6 @@ fn coord_text(k: &Kept) -> String {
         k.coord.position,
         k.coord.layer.map_or("-".into(), |l| l.to_string())
     )
-}
-
-fn same_coord<'a>(c: &'a Collect, k: &Kept) -> Option<&'a Kept> {
-    c.kept.iter().find(|x| x.coord == k.coord)
 }
 
 fn argmax(v: &[f32]) -> Option<usize> {
@@ -50,8 +48,25 @@ fn argmax(v: &[f32]) -> Option<usize> {
     best
 }
 
+/// `-` for a missing value.
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map_or("-".into(), |v| v.to_string())
+}
+
+/// The native and the candidate run, captured.
+struct Pair {
+    nat: Collect,
+    cand: Collect,
+}
+
+/// The propagation table and its JSON object, filled stage by stage.
+struct Trace {
+    t: Table,
+    j: Map<String, Value>,
+}
+
 /// Runs protocol 8.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
+pub fn run(ctx: &Ctx) -> Result<Section> {
     let ids = ctx.encode(PROMPT)?;
     let n = ctx.sizes.tokens;
     ctx.note("[8] representative propagation trace: B, layer-static seed 0");
@@ -64,185 +79,183 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
     let b = ScheduledCombine::new(AggregationContract::b(), sched, prompt_hash(PROMPT));
     let mut cand = Collect::new(&KEEP);
     let cs = ctx.generate(&ids, n, &b, None, &mut cand)?;
+    let pair = Pair { nat, cand };
 
-    let mut t = Table::new(
-        "propagation_trace",
-        &format!(
-            "Representative persistent-schedule propagation trace (section 3.2.1): \"{PROMPT}\", B, seed 0"
+    let mut tr = Trace {
+        t: Table::new(
+            "propagation_trace",
+            &format!(
+                "Representative persistent-schedule propagation trace (section 3.2.1): \"{PROMPT}\", B, seed 0"
+            ),
+            &["Stage", "Native reference", "B, seed 0", "Observed difference"],
         ),
-        &["Stage", "Native reference", "B, seed 0", "Observed difference"],
-    );
-    let mut j = serde_json::Map::new();
-    // First MoE output difference.
-    let first_moe = nat
-        .path("moe.combine")
-        .zip(cand.path("moe.combine"))
-        .find(|(a, b)| a.coord == b.coord && a.bytes != b.bytes);
-    match first_moe {
-        Some((a, b)) => {
-            let d = max_abs_diff(&a.f32s(), &b.f32s());
-            t.row(vec![
-                format!("First differing MoE output ({})", coord_text(a)),
-                "captured FP32 vector".into(),
-                "captured FP32 vector".into(),
-                format!("not bitwise equal; max L∞ = {d}"),
-            ]);
-            j.insert("first_moe".into(), json!({"step": a.coord.step, "position": a.coord.position, "layer": a.coord.layer, "max_abs": d}));
-            let mhc_n = nat.path("layer.post_ffn_mhc").find(|x| {
-                x.coord.step == a.coord.step
-                    && x.coord.position == a.coord.position
-                    && x.coord.layer == a.coord.layer
-            });
-            if let Some(m) = mhc_n {
-                if let Some(mc) = same_coord(&cand, m) {
-                    let d = max_abs_diff(&m.f32s(), &mc.f32s());
-                    t.row(vec![
-                        "Post-mHC state at that layer".into(),
-                        "captured FP32 vector".into(),
-                        "captured FP32 vector".into(),
-                        if m.bytes == mc.bytes {
-                            "bitwise equal".into()
-                        } else {
-                            format!("not bitwise equal; max L∞ = {d}")
-                        },
-                    ]);
-                    j.insert("post_mhc_max_abs".into(), json!(d));
-                }
-            }
-        }
-        None => {
-            t.row(vec![
-                "First differing MoE output".into(),
-                "-".into(),
-                "-".into(),
-                "none: all MoE outputs bitwise equal".into(),
-            ]);
-        }
+        j: Map::new(),
+    };
+    tr.first_moe(&pair);
+    tr.first_route(&pair);
+    tr.first_logits(&pair);
+    tr.tokens(ctx, &ns, &cs)?;
+    Ok(Section {
+        key: "propagation".into(),
+        tables: vec![tr.t],
+        json: Value::Object(tr.j),
+        claims: vec![],
+    })
+}
+
+impl Trace {
+    /// A stage where the runs do not differ.
+    fn absent(&mut self, stage: &str, observed: String) {
+        self.t.row(vec![stage.into(), "-".into(), "-".into(), observed]);
     }
-    // First router whose selected set changes.
-    let set = |k: &Kept| k.i32s().into_iter().collect::<BTreeSet<i32>>();
-    let first_route = nat
-        .path("router.topk")
-        .zip(cand.path("router.topk"))
-        .find(|(a, b)| a.coord == b.coord && set(a) != set(b));
-    if let Some((a, b)) = first_route {
+
+    /// The first differing MoE output and the post-mHC state at that layer.
+    fn first_moe(&mut self, p: &Pair) {
+        let first = p
+            .nat
+            .of(Component::MoeCombine)
+            .zip(p.cand.of(Component::MoeCombine))
+            .find(|(a, b)| a.coord == b.coord && a.bytes != b.bytes);
+        let Some((a, b)) = first else {
+            self.absent(
+                "First differing MoE output",
+                "none: all MoE outputs bitwise equal".into(),
+            );
+            return;
+        };
+        let d = max_abs_diff(&a.f32s(), &b.f32s());
+        self.t.row(vec![
+            format!("First differing MoE output ({})", coord_text(a)),
+            "captured FP32 vector".into(),
+            "captured FP32 vector".into(),
+            format!("not bitwise equal; max L∞ = {d}"),
+        ]);
+        self.j.insert(
+            "first_moe".into(),
+            json!({"step": a.coord.step, "position": a.coord.position, "layer": a.coord.layer, "max_abs": d}),
+        );
+        let Some(m) = p.nat.at_site(Component::LayerPostFfnMhc, a) else {
+            return;
+        };
+        let Some(mc) = p.cand.kept.iter().find(|x| x.coord == m.coord) else {
+            return;
+        };
+        let d = max_abs_diff(&m.f32s(), &mc.f32s());
+        self.t.row(vec![
+            "Post-mHC state at that layer".into(),
+            "captured FP32 vector".into(),
+            "captured FP32 vector".into(),
+            if m.bytes == mc.bytes {
+                "bitwise equal".into()
+            } else {
+                format!("not bitwise equal; max L∞ = {d}")
+            },
+        ]);
+        self.j.insert("post_mhc_max_abs".into(), json!(d));
+    }
+
+    /// The first router whose selected set changes.
+    fn first_route(&mut self, p: &Pair) {
+        let set = |k: &Kept| k.i32s().into_iter().collect::<BTreeSet<i32>>();
+        let first = p
+            .nat
+            .of(Component::RouterTopk)
+            .zip(p.cand.of(Component::RouterTopk))
+            .find(|(a, b)| a.coord == b.coord && set(a) != set(b));
+        let Some((a, b)) = first else {
+            self.absent("First changed router", "none: every selected set equal".into());
+            return;
+        };
         let (sa, sb) = (set(a), set(b));
         let entering: Vec<i32> = sb.difference(&sa).copied().collect();
         let leaving: Vec<i32> = sa.difference(&sb).copied().collect();
         let margin = |c: &Collect| {
-            c.kept
-                .iter()
-                .find(|x| {
-                    x.coord.path == "router.margin"
-                        && x.coord.step == a.coord.step
-                        && x.coord.position == a.coord.position
-                        && x.coord.layer == a.coord.layer
-                })
+            c.at_site(Component::RouterMargin, a)
                 .and_then(|x| x.f32s().first().copied())
         };
         let scores = |c: &Collect| {
-            c.kept
-                .iter()
-                .find(|x| {
-                    x.coord.path == "router.scores"
-                        && x.coord.step == a.coord.step
-                        && x.coord.position == a.coord.position
-                        && x.coord.layer == a.coord.layer
-                })
+            c.at_site(Component::RouterScores, a)
                 .map(|x| x.f32s())
                 .unwrap_or_default()
         };
-        let dscore = max_abs_diff(&scores(&nat), &scores(&cand));
+        let dscore = max_abs_diff(&scores(&p.nat), &scores(&p.cand));
         let fmt = |s: &BTreeSet<i32>, m: Option<f32>| {
-            format!(
-                "top-{} {:?}; rank-k/k+1 margin {}",
-                s.len(),
-                s,
-                m.map_or("-".into(), |v| v.to_string())
-            )
+            format!("top-{} {:?}; rank-k/k+1 margin {}", s.len(), s, or_dash(m))
         };
-        t.row(vec![
+        self.t.row(vec![
             format!("First changed router ({})", coord_text(a)),
-            fmt(&sa, margin(&nat)),
-            fmt(&sb, margin(&cand)),
+            fmt(&sa, margin(&p.nat)),
+            fmt(&sb, margin(&p.cand)),
             format!("score max L∞ = {dscore}; entering {entering:?}, leaving {leaving:?}"),
         ]);
-        j.insert(
+        self.j.insert(
             "first_route".into(),
             json!({"step": a.coord.step, "position": a.coord.position, "layer": a.coord.layer,
             "native": sa, "candidate": sb, "entering": entering, "leaving": leaving,
-            "native_margin": margin(&nat), "candidate_margin": margin(&cand), "score_max_abs": dscore}),
+            "native_margin": margin(&p.nat), "candidate_margin": margin(&p.cand), "score_max_abs": dscore}),
         );
-    } else {
-        t.row(vec![
-            "First changed router".into(),
-            "-".into(),
-            "-".into(),
-            "none: every selected set equal".into(),
-        ]);
     }
-    // First-position LM logits (the prefill step).
-    if let (Some(a), Some(b)) = (nat.at("lm.logits", 0, None), cand.at("lm.logits", 0, None)) {
+
+    /// The first-position LM logits (the prefill step).
+    fn first_logits(&mut self, p: &Pair) {
+        let (Some(a), Some(b)) = (
+            p.nat.at(Component::LmLogits, 0, None),
+            p.cand.at(Component::LmLogits, 0, None),
+        ) else {
+            return;
+        };
         let (la, lb) = (a.f32s(), b.f32s());
-        let m = |c: &Collect| c.at("lm.margin", 0, None).and_then(|x| x.f32s().first().copied());
+        let m = |c: &Collect| {
+            c.at(Component::LmMargin, 0, None)
+                .and_then(|x| x.f32s().first().copied())
+        };
         let d = max_abs_diff(&la, &lb);
         let (aa, ab) = (argmax(&la), argmax(&lb));
-        t.row(vec![
+        self.t.row(vec![
             "First-position LM logits".into(),
-            format!(
-                "argmax {}; rank-1/2 margin {}",
-                aa.map_or("-".into(), |v| v.to_string()),
-                m(&nat).map_or("-".into(), |v| v.to_string())
-            ),
-            format!(
-                "argmax {}; rank-1/2 margin {}",
-                ab.map_or("-".into(), |v| v.to_string()),
-                m(&cand).map_or("-".into(), |v| v.to_string())
-            ),
+            format!("argmax {}; rank-1/2 margin {}", or_dash(aa), or_dash(m(&p.nat))),
+            format!("argmax {}; rank-1/2 margin {}", or_dash(ab), or_dash(m(&p.cand))),
             format!(
                 "max L∞ = {d}; first greedy token {}",
                 if aa == ab { "unchanged" } else { "changed" }
             ),
         ]);
-        j.insert("first_logits".into(), json!({"native_argmax": aa, "candidate_argmax": ab, "native_margin": m(&nat), "candidate_margin": m(&cand), "max_abs": d}));
+        self.j.insert(
+            "first_logits".into(),
+            json!({"native_argmax": aa, "candidate_argmax": ab, "native_margin": m(&p.nat), "candidate_margin": m(&p.cand), "max_abs": d}),
+        );
     }
-    let first_tok = ns.generated.iter().zip(&cs.generated).position(|(a, b)| a != b);
-    match first_tok {
-        Some(i) => {
-            t.row(vec![
+
+    /// The first changed generated token and both continuations.
+    fn tokens(&mut self, ctx: &Ctx, ns: &DecodeState, cs: &DecodeState) -> Result<()> {
+        let n = ctx.sizes.tokens;
+        let first_tok = ns.generated.iter().zip(&cs.generated).position(|(a, b)| a != b);
+        match first_tok {
+            Some(i) => self.t.row(vec![
                 "First changed generated token".into(),
                 format!("ordinal {}: token {}", i + 1, ns.generated[i]),
                 format!("ordinal {}: token {}", i + 1, cs.generated[i]),
                 format!("the first {i} generated token ids agree"),
-            ]);
+            ]),
+            None => self.absent("First changed generated token", format!("none within {n} tokens")),
         }
-        None => t.row(vec![
-            "First changed generated token".into(),
-            "-".into(),
-            "-".into(),
-            format!("none within {n} tokens"),
-        ]),
+        let (nt, ct) = (ctx.decode(&ns.generated)?, ctx.decode(&cs.generated)?);
+        self.t.row(vec![
+            format!("{n}-token continuation"),
+            format!("{nt:?}"),
+            format!("{ct:?}"),
+            if nt == ct {
+                "same".into()
+            } else {
+                "different greedy continuation".into()
+            },
+        ]);
+        self.j
+            .insert("first_changed_ordinal".into(), json!(first_tok.map(|i| i + 1)));
+        self.j.insert("native_text".into(), json!(nt));
+        self.j.insert("candidate_text".into(), json!(ct));
+        self.j.insert("native_tokens".into(), json!(ns.generated));
+        self.j.insert("candidate_tokens".into(), json!(cs.generated));
+        Ok(())
     }
-    let (nt, ct) = (ctx.decode(&ns.generated)?, ctx.decode(&cs.generated)?);
-    t.row(vec![
-        format!("{n}-token continuation"),
-        format!("{nt:?}"),
-        format!("{ct:?}"),
-        if nt == ct {
-            "same".into()
-        } else {
-            "different greedy continuation".into()
-        },
-    ]);
-    j.insert("first_changed_ordinal".into(), json!(first_tok.map(|i| i + 1)));
-    j.insert("native_text".into(), json!(nt));
-    j.insert("candidate_text".into(), json!(ct));
-    j.insert("native_tokens".into(), json!(ns.generated));
-    j.insert("candidate_tokens".into(), json!(cs.generated));
-    Ok(Section {
-        key: "propagation".into(),
-        tables: vec![t],
-        json: serde_json::Value::Object(j),
-        claims: vec![],
-    })
 }

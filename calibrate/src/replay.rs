@@ -3,14 +3,16 @@
 //! and every fingerprint (the trace root) must be identical, and the diff
 //! engine must call the pair equivalent.
 
-use anyhow::Context;
+use std::path::Path;
+
 use moeconf_bisect::{diff, DiffOptions, Verdict};
 use moeconf_contract::NativeCombine;
+use moeconf_fingerprint::Component;
 use moeconf_schema::Trace;
 use rayon::prelude::*;
 use serde_json::json;
 
-use super::{frac, Claim, Ctx, Section, Table};
+use crate::{frac, CalibrateError, Claim, Ctx, Result, Section, Table, TraceRequest};
 
 struct Row {
     id: String,
@@ -23,17 +25,24 @@ struct Row {
     verdict_equivalent: bool,
 }
 
-fn routes(t: &Trace) -> anyhow::Result<Vec<Vec<u8>>> {
+fn routes(t: &Trace) -> Result<Vec<Vec<u8>>> {
     let mut out = Vec::new();
     for (i, r) in t.records().iter().enumerate() {
-        if r.coord.path == "router.topk" {
+        if Component::RouterTopk.matches(&r.coord.path) {
             out.push(t.payload_verified(i)?.map(|p| p.to_vec()).unwrap_or_default());
         }
     }
     Ok(out)
 }
 
-fn one(ctx: &Ctx, id: &str, text: &str) -> anyhow::Result<Row> {
+fn open(path: &Path) -> Result<Trace> {
+    Trace::open(path).map_err(|source| CalibrateError::Open {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn one(ctx: &Ctx, id: &str, text: &str) -> Result<Row> {
     let ids = ctx.encode(text)?;
     let dir = ctx.out.join("traces");
     let paths = [
@@ -42,12 +51,17 @@ fn one(ctx: &Ctx, id: &str, text: &str) -> anyhow::Result<Row> {
     ];
     let mut states = Vec::new();
     for p in &paths {
-        states.push(ctx.write_trace(text, &ids, ctx.sizes.tokens, &NativeCombine, None, vec![], p)?);
+        states.push(ctx.write_trace(TraceRequest {
+            prompt: text,
+            prompt_ids: &ids,
+            tokens: ctx.sizes.tokens,
+            combine: &NativeCombine,
+            faults: None,
+            notes: vec![],
+            path: p,
+        })?);
     }
-    let (a, b) = (
-        Trace::open(&paths[0]).with_context(|| format!("opening {}", paths[0].display()))?,
-        Trace::open(&paths[1]).with_context(|| format!("opening {}", paths[1].display()))?,
-    );
+    let (a, b) = (open(&paths[0])?, open(&paths[1])?);
     let report = diff(&a, &b, &DiffOptions::default())?;
     let (ta, tb) = (
         ctx.decode(&states[0].generated)?,
@@ -70,7 +84,7 @@ fn one(ctx: &Ctx, id: &str, text: &str) -> anyhow::Result<Row> {
 }
 
 /// Runs protocol 1.
-pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
+pub fn run(ctx: &Ctx) -> Result<Section> {
     let prompts: Vec<_> = moeconf_fixtures::replay_prompts()
         .into_iter()
         .take(ctx.sizes.replay_prompts)
@@ -79,7 +93,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<Section> {
     let rows: Vec<Row> = prompts
         .par_iter()
         .map(|p| one(ctx, &p.id, &p.text))
-        .collect::<anyhow::Result<_>>()?;
+        .collect::<Result<_>>()?;
     let mut t = Table::new(
         "replay",
         "Native-reference replay (section 3.1): each prompt run twice",

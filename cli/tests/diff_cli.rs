@@ -6,6 +6,9 @@ use moeconf_schema::{Binding, CaptureSpec, Header, TraceWriter};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::{run_args, s};
+
 /// A small trace: two steps of tokens, logits and one layer's post-FFN state;
 /// `bump` changes the layer state of step 1 and the token of step 1.
 fn write(path: &Path, prompt: &str, bump: bool) {
@@ -75,10 +78,6 @@ fn moeconf(args: &[&str]) -> Output {
         .env_remove("NO_COLOR")
         .output()
         .unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 struct Fixture {
@@ -171,19 +170,7 @@ fn json_output_is_one_versioned_document() {
 const PROMPT: &str = "why the sheep";
 
 fn run_trace(out: &Path, extra: &[&str]) {
-    let mut args = vec![
-        "run",
-        "--model",
-        "builtin:tiny-v4",
-        "--prompt",
-        PROMPT,
-        "--max-new-tokens",
-        "4",
-        "--capture",
-        "all",
-        "-o",
-        s(out),
-    ];
+    let mut args = run_args(out, "4", &["--capture", "all"]);
     args.extend_from_slice(extra);
     let o = moeconf(&args);
     assert!(

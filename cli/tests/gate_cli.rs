@@ -6,8 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::{run_args, s};
+
 const BIN: &str = env!("CARGO_BIN_EXE_moeconf");
-const PROMPT: &str = "why the sheep";
 
 /// A scratch repository: `.git` marker, traces, and the `ci` policy of docs/ci.md as moeconf.toml.
 struct Repo {
@@ -33,20 +35,10 @@ impl Repo {
     /// `moeconf run` on the fixture with extra arguments, into `name`.
     fn trace(&self, name: &str, extra: &[&str]) -> PathBuf {
         let out = self.path(name);
-        let mut args = vec![
-            "run",
-            "--model",
-            "builtin:tiny-v4",
-            "--prompt",
-            PROMPT,
-            "--max-new-tokens",
-            "2",
-            "-o",
-        ];
-        let o = out.to_str().unwrap().to_string();
-        args.push(&o);
-        args.extend_from_slice(extra);
-        let r = Command::new(BIN).args(&args).output().unwrap();
+        let r = Command::new(BIN)
+            .args(run_args(&out, "2", extra))
+            .output()
+            .unwrap();
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
         out
     }
@@ -99,10 +91,6 @@ fn stdout(o: &Output) -> String {
 
 fn json(o: &Output) -> serde_json::Value {
     serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", stdout(o)))
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 #[test]

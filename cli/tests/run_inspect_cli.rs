@@ -5,6 +5,9 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+mod common;
+use common::run_args;
+
 fn moeconf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moeconf"))
         .args(args)
@@ -13,20 +16,7 @@ fn moeconf(args: &[&str]) -> Output {
 }
 
 fn run_trace(out: &Path, extra: &[&str]) -> Output {
-    let o = out.to_str().unwrap();
-    let mut args = vec![
-        "run",
-        "--model",
-        "builtin:tiny-v4",
-        "--prompt",
-        "why the sheep",
-        "--max-new-tokens",
-        "4",
-        "-o",
-        o,
-    ];
-    args.extend_from_slice(extra);
-    moeconf(&args)
+    moeconf(&run_args(out, "4", extra))
 }
 
 fn root_of(path: &Path) -> String {

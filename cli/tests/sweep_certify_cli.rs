@@ -5,6 +5,9 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+mod common;
+use common::{run_args, s};
+
 fn moeconf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moeconf"))
         .args(args)
@@ -101,19 +104,8 @@ fn sweep_rejects_bad_input_with_exit_2() {
 
 fn trace(dir: &Path, name: &str, capture: &str) -> String {
     let p = dir.join(name);
-    let s = p.to_str().unwrap().to_string();
-    ok(&moeconf(&[
-        "run",
-        "--prompt",
-        "why the sheep",
-        "--max-new-tokens",
-        "2",
-        "--capture",
-        capture,
-        "-o",
-        &s,
-    ]));
-    s
+    ok(&moeconf(&run_args(&p, "2", &["--capture", capture])));
+    s(&p).to_string()
 }
 
 #[test]

@@ -26,6 +26,7 @@
 #![deny(missing_docs)]
 
 mod algorithm;
+pub mod bench;
 mod canonical;
 pub mod catalogue;
 mod coord;

@@ -4,6 +4,8 @@
 //! `run`, `demo`, `sweep` and `calibrate` commands.
 #![deny(missing_docs)]
 
+pub mod bench;
+
 use moeconf_contract::prompt_hash;
 use moeconf_contract::{
     parse_fork_order, AggregationContract, ForkCombine, ForkPoint, MoeCombine, Schedule, ScheduledCombine,

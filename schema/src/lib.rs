@@ -38,6 +38,7 @@ mod binding;
 mod error;
 mod identity;
 pub mod import;
+pub mod inspect;
 pub mod layout;
 mod reader;
 mod writer;

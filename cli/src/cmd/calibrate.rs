@@ -9,14 +9,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use moeconf_reference_runtime::precision::Precision;
-use serde_json::json;
-
-use moeconf_calibrate::{self, write_atomic, Ctx, Section, Sizes};
+use moeconf_calibrate::suite::{self, write_json, RunInfo};
+use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
 use moeconf_runner::load_model;
-
-/// Version of `calibration.json`.
-pub const CALIBRATION_SCHEMA_VERSION: u32 = 1;
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
@@ -68,6 +63,26 @@ pub struct CalibrateArgs {
     pub threads: Option<usize>,
 }
 
+impl CalibrateArgs {
+    /// The run sizes: `--quick` or the paper's, with the explicit overrides.
+    fn sizes(&self) -> anyhow::Result<Sizes> {
+        let mut sizes = if self.quick { Sizes::QUICK } else { Sizes::FULL };
+        if let Some(s) = self.seeds {
+            if s == 0 || s > 100_000 {
+                bail!("--seeds {s}: expected 1..100000");
+            }
+            sizes.seeds = s;
+        }
+        if let Some(n) = self.fork_tokens {
+            sizes.fork_tokens = n as usize;
+        }
+        if let Some(n) = self.tokens {
+            sizes.tokens = n as usize;
+        }
+        Ok(sizes)
+    }
+}
+
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
@@ -77,121 +92,37 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
             .build_global()
             .context("--threads: cannot configure the worker pool")?;
     }
-    let precision = Precision::from_name(&a.precision)
-        .with_context(|| format!("--precision {:?}: expected bf16 or f32", a.precision))?;
-    if let Some(bad) = a.only.iter().find(|&&p| !(1..=10).contains(&p)) {
-        bail!("--only {bad}: protocols are numbered 1..10");
-    }
-    let mut sizes = if a.quick { Sizes::QUICK } else { Sizes::FULL };
-    if let Some(s) = a.seeds {
-        if s == 0 || s > 100_000 {
-            bail!("--seeds {s}: expected 1..100000");
-        }
-        sizes.seeds = s;
-    }
-    if let Some(n) = a.fork_tokens {
-        sizes.fork_tokens = n as usize;
-    }
-    if let Some(n) = a.tokens {
-        sizes.tokens = n as usize;
-    }
+    let precision = super::precision(&a.precision)?;
+    suite::check_selection(&a.only)?;
+    let sizes = a.sizes()?;
     std::fs::create_dir_all(a.out.join("traces"))
         .with_context(|| format!("--out {}: cannot create the directory", a.out.display()))?;
     let m = load_model(&a.model)?;
-    let ctx = Ctx::new(m, precision, a.fork_layer, sizes, a.out.clone(), !a.quiet)?;
-    let want = |p: u32| a.only.is_empty() || a.only.contains(&p);
-
-    let mut sections: Vec<Section> = Vec::new();
-    let mut timings = Vec::new();
-    let mut timed = |name: &str, f: &dyn Fn() -> anyhow::Result<Vec<Section>>| -> anyhow::Result<()> {
-        let t = Instant::now();
-        let s = f().with_context(|| format!("protocol {name}"))?;
-        let secs = t.elapsed().as_secs_f64();
-        ctx.note(&format!("    {name} done in {secs:.1} s"));
-        timings.push(json!({"protocol": name, "seconds": secs}));
-        sections.extend(s);
-        Ok(())
+    let opts = CtxOptions {
+        precision,
+        fork_layer: a.fork_layer,
+        sizes,
+        out: a.out.clone(),
+        progress: !a.quiet,
     };
-    if want(1) {
-        timed("replay", &|| Ok(vec![moeconf_calibrate::replay::run(&ctx)?]))?;
+    let ctx = Ctx::new(m, opts)?;
+    let results = suite::run(&ctx, &a.only)?;
+    for t in results.tables() {
+        println!("{}", t.render());
+        t.write_tsv(&a.out)?;
     }
-    if want(2) {
-        timed("fork_sweep", &|| {
-            Ok(vec![moeconf_calibrate::fork_sweep::run(&ctx)?])
-        })?;
-    }
-    if want(3) || want(4) || want(5) {
-        timed("persistent", &|| moeconf_calibrate::persistent::run(&ctx))?;
-    }
-    if want(6) {
-        timed("post_mhc_substitution", &|| {
-            Ok(vec![moeconf_calibrate::substitution::post_mhc(&ctx)?])
-        })?;
-    }
-    if want(7) {
-        timed("persistent_state_substitution", &|| {
-            Ok(vec![moeconf_calibrate::substitution::persistent_state(&ctx)?])
-        })?;
-    }
-    if want(8) {
-        timed("propagation", &|| {
-            Ok(vec![moeconf_calibrate::propagation::run(&ctx)?])
-        })?;
-    }
-    if want(9) {
-        timed("breadth", &|| Ok(vec![moeconf_calibrate::breadth::run(&ctx)?]))?;
-    }
-    if want(10) {
-        timed("fault_matrix", &|| {
-            Ok(vec![moeconf_calibrate::fault_matrix::run(&ctx)?])
-        })?;
-    }
-
-    // Print tables, write TSVs and the JSON document.
-    let mut claims = Vec::new();
-    let mut doc = serde_json::Map::new();
-    for s in &sections {
-        for t in &s.tables {
-            println!("{}", t.render());
-            write_atomic(&a.out.join(format!("{}.tsv", t.name)), t.tsv().as_bytes())?;
-        }
-        doc.insert(s.key.clone(), s.json.clone());
-        claims.extend(s.claims.iter().cloned());
-    }
-    let all_hold = claims.iter().all(|c| c.holds);
-    println!("Structural claims:");
-    for c in &claims {
-        println!(
-            "  [{}] {}: {}",
-            if c.holds { "ok" } else { "FAIL" },
-            c.id,
-            c.detail
-        );
-    }
+    print!("{}", results.render_claims());
     let wall = start.elapsed().as_secs_f64();
-    let json = json!({
-        "schema_version": CALIBRATION_SCHEMA_VERSION,
-        "kind": "moeconf.calibration",
-        "model": a.model,
-        "precision": precision.name(),
-        "quick": a.quick,
-        "fork_layer": a.fork_layer,
-        "sizes": {
-            "tokens": sizes.tokens, "fork_tokens": sizes.fork_tokens,
-            "fork_branches": if sizes.fork_branches == usize::MAX { None } else { Some(sizes.fork_branches) },
-            "seeds": sizes.seeds, "control_tokens": sizes.control_tokens, "horizons": sizes.horizons,
-        },
-        "protocols": doc,
-        "claims": claims,
-        "all_claims_hold": all_hold,
-        "timings": timings,
-        "wall_seconds": wall,
-    });
-    let mut bytes = serde_json::to_vec_pretty(&json)?;
-    bytes.push(b'\n');
-    write_atomic(&a.out.join("calibration.json"), &bytes)?;
+    let info = RunInfo {
+        model: &a.model,
+        precision,
+        quick: a.quick,
+        fork_layer: a.fork_layer,
+        sizes,
+    };
+    write_json(&a.out.join("calibration.json"), &results.to_json(&info, wall))?;
     println!("wall time: {wall:.1} s; results in {}", a.out.display());
-    Ok(if all_hold {
+    Ok(if results.all_hold() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)

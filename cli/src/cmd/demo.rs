@@ -1,14 +1,46 @@
 //! `moeconf demo`: the README's main job. Two traces of the built-in model,
 //! identical except for one MoE reduction, and the diff that localizes it.
 
-use crate::cli::{DemoArgs, Format};
+use crate::cli::Format;
 use crate::cmd::diff::{self, DiffArgs};
 use anyhow::Context;
+use clap::Args;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// `moeconf demo`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Examples:\n  moeconf demo\n  moeconf demo --fork-contract a --fork-order 17\n  moeconf demo --format json --out-dir /tmp/demo"
+)]
+pub struct DemoArgs {
+    /// Where to write the two traces.
+    #[arg(long, default_value = "moeconf-demo")]
+    pub out_dir: PathBuf,
+    /// Prompt of both runs.
+    #[arg(long, default_value = "why the sheep")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub max_new_tokens: u32,
+    /// Layer of the candidate's single changed MoE aggregation.
+    #[arg(long, default_value_t = 5)]
+    pub fork_layer: u32,
+    /// Contract of the candidate's changed aggregation.
+    #[arg(long, default_value = "b")]
+    pub fork_contract: String,
+    /// Order of the changed aggregation (a B class for b).
+    #[arg(long, default_value = "135")]
+    pub fork_order: String,
+    /// Report format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// Runs `moeconf demo`.
 pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let text = a.format == Format::Text;
     std::fs::create_dir_all(&a.out_dir).with_context(|| format!("creating {}", a.out_dir.display()))?;

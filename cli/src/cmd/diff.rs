@@ -24,6 +24,9 @@ pub enum ColorChoice {
 
 /// Arguments of `moeconf diff`.
 #[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json"
+)]
 pub struct DiffArgs {
     /// The reference trace.
     pub reference: PathBuf,
@@ -68,6 +71,7 @@ fn use_color(choice: ColorChoice, is_tty: bool, no_color: Option<std::ffi::OsStr
     }
 }
 
+/// Runs `moeconf diff`.
 pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
     let (reference, candidate) = open_pair(&a.reference, &a.candidate)?;
     let opts = DiffOptions {

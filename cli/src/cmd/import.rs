@@ -1,15 +1,17 @@
 //! `moeconf import DIR -o TRACE`: a canonical trace from a backend's tensor
 //! dumps (the library side is `moeconf_schema::import`; docs/import.md).
 
-use crate::output::human_bytes;
-use anyhow::Context;
-use moeconf_fingerprint::{Algorithm, CanonPolicy};
+use moeconf_fingerprint::CanonPolicy;
 use moeconf_schema::import::{import, parse_payloads, ImportOptions};
+use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// Arguments of `moeconf import`.
 #[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Examples:\n  moeconf import dumps/ -o cand.bin\n  moeconf import dumps/ --manifest dumps/manifest.json --payloads L1,L3 -o cand.bin\n\nNaming convention and manifest: docs/import.md"
+)]
 pub struct ImportArgs {
     /// Dump directory: `manifest.json` and `*.safetensors` files with tensors
     /// named `step.{t}.pos.{p}[.layer.{i}].{component}` (docs/import.md).
@@ -35,7 +37,7 @@ pub struct ImportArgs {
 
 /// Runs `moeconf import`.
 pub fn run(a: &ImportArgs) -> anyhow::Result<ExitCode> {
-    let algorithm = Algorithm::from_name(&a.digest).with_context(|| format!("--digest {:?}", a.digest))?;
+    let algorithm = super::algorithm(&a.digest)?;
     let payload_levels = parse_payloads(&a.payloads).map_err(|m| anyhow::anyhow!("--payloads: {m}"))?;
     let s = import(&ImportOptions {
         input: a.input.clone(),

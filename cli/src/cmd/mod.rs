@@ -1,17 +1,21 @@
-//! One module per subcommand.
+//! One module per subcommand, each with its `Args` beside its `run`, and
+//! the option parsing they share.
 
-mod bench;
+pub mod bench;
 pub mod calibrate;
 pub mod certify;
-mod demo;
+pub mod demo;
 pub mod diff;
 pub mod gate;
 pub mod import;
-mod inspect;
-mod run;
+pub mod inspect;
+pub mod run;
 pub mod sweep;
 
-use crate::cli::{BenchCommand, Cli, Command};
+use crate::cli::{Cli, Command};
+use anyhow::{bail, Context};
+use moeconf_fingerprint::Algorithm;
+use moeconf_reference_runtime::precision::Precision;
 use std::process::ExitCode;
 
 /// Runs the parsed command.
@@ -26,8 +30,30 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Import(a) => import::run(&a),
         Command::Gate(a) => gate::run(&a),
         Command::Calibrate(a) => calibrate::run(&a),
-        Command::Bench(BenchCommand::Fingerprint(a)) => bench::fingerprint(&a),
-        Command::Bench(BenchCommand::Diff(a)) => bench::diff(&a),
-        Command::Bench(BenchCommand::Runtime(a)) => bench::runtime(&a),
+        Command::Bench(b) => bench::run(&b),
     }
+}
+
+/// Sets the global rayon pool size (results never depend on it).
+pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring the thread pool")?;
+    }
+    Ok(())
+}
+
+/// Parses `--precision`.
+pub fn precision(name: &str) -> anyhow::Result<Precision> {
+    Precision::from_name(name).with_context(|| format!("--precision {name:?}: expected bf16 or f32"))
+}
+
+/// Parses `--digest`.
+pub fn algorithm(name: &str) -> anyhow::Result<Algorithm> {
+    Algorithm::from_name(name).with_context(|| format!("--digest {name:?}"))
 }

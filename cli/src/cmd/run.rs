@@ -1,40 +1,88 @@
 //! `moeconf run`: trace the reference runtime.
 
-use crate::cli::RunArgs;
-use crate::output::human_bytes;
-use anyhow::{bail, Context};
-use moeconf_fingerprint::{Algorithm, CanonPolicy};
-use moeconf_reference_runtime::precision::Precision;
+use crate::cli::ModelPromptArgs;
+use clap::Args;
+use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use moeconf_schema::inspect::human_bytes;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// Sets the global rayon pool size (results never depend on it).
-pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
-    if let Some(n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring the thread pool")?;
-    }
-    Ok(())
+const RUN_EXAMPLES: &str = "Examples:
+  moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --max-new-tokens 8 -o ref.bin
+  moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --contract b --schedule layer-static:7 -o cand.bin
+  moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --fork-contract b --fork-order 135 -o fork.bin
+  moeconf run --model ./my-checkpoint --prompt-file prompt.txt --precision f32 --capture all -o full.bin
+
+Contracts (--contract, --fork-contract): native (= c with identity order), p32, c, a, b (the paper's
+schemes), exact (correctly rounded sum), tree (fixed pairwise tree), f64 (FP64 accumulation).
+Schedules (--schedule): identity, layer-static:SEED (one permutation per MoE layer for the whole
+request), token-dynamic:SEED (a fresh permutation per layer and position).
+Fork (--fork-layer L): only the MoE aggregation of layer L at one event uses --fork-contract
+(default b) with --fork-order (a B class 0..359 for b, a permutation index 0..719 otherwise, or
+p:5,4,3,2,1,0 for an explicit permutation); by default the event is the first decode forward
+(step 1, the forward that consumes the first emitted token), as FORK_TOKEN=-1 in the paper.";
+
+/// `moeconf run`.
+#[derive(Debug, Args)]
+#[command(after_help = RUN_EXAMPLES)]
+pub struct RunArgs {
+    /// Model and prompt.
+    #[command(flatten)]
+    pub input: ModelPromptArgs,
+    /// Number of tokens to generate (= number of forward steps).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_new_tokens: u32,
+    /// Output trace file (written atomically).
+    #[arg(short = 'o', long)]
+    pub output: PathBuf,
+    /// Precision profile: bf16 (BF16 weights and activations at HF's rounding points, FP32
+    /// accumulation) or f32.
+    #[arg(long, default_value = "bf16")]
+    pub precision: String,
+    /// What to capture: default (fingerprints for all levels, payloads for L1 and L3), all
+    /// (every level with payloads), fingerprints, or a list such as L0,L1+payload,L3+payload.
+    #[arg(long, default_value = "default")]
+    pub capture: String,
+    /// Digest algorithm of the trace.
+    #[arg(long, default_value = "blake3", value_parser = ["blake3", "sha256"])]
+    pub digest: String,
+    /// Fold -0.0 to +0.0 before hashing (recorded in the binding).
+    #[arg(long)]
+    pub fold_negative_zero: bool,
+    /// MoE aggregation contract applied at every MoE layer.
+    #[arg(long, default_value = "native")]
+    pub contract: String,
+    /// Order schedule of the contract: identity, layer-static:SEED or token-dynamic:SEED.
+    #[arg(long, default_value = "identity")]
+    pub schedule: String,
+    /// Single-layer fork: the MoE layer whose aggregation changes at one event.
+    #[arg(long)]
+    pub fork_layer: Option<u32>,
+    /// Contract at the fork (default b).
+    #[arg(long)]
+    pub fork_contract: Option<String>,
+    /// Order at the fork: B class (b), permutation index (others), or p:i,j,...
+    #[arg(long, alias = "fork-class")]
+    pub fork_order: Option<String>,
+    /// Forward step of the fork (default 1: the first decode forward).
+    #[arg(long)]
+    pub fork_step: Option<u32>,
+    /// Restrict the fork to one absolute position (for prefill forks).
+    #[arg(long)]
+    pub fork_position: Option<u32>,
+    /// Worker threads (results never depend on it).
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
+/// Runs `moeconf run`.
 pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
-    set_threads(a.threads)?;
-    let prompt = match (&a.prompt, &a.prompt_file) {
-        (Some(p), None) => p.clone(),
-        (None, Some(f)) => {
-            std::fs::read_to_string(f).with_context(|| format!("--prompt-file {}: reading", f.display()))?
-        }
-        _ => bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
-    };
-    let precision = Precision::from_name(&a.precision)
-        .with_context(|| format!("--precision {:?}: expected bf16 or f32", a.precision))?;
+    super::set_threads(a.threads)?;
+    let prompt = a.input.prompt()?;
+    let precision = super::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
-    let algorithm = Algorithm::from_name(&a.digest).with_context(|| format!("--digest {:?}", a.digest))?;
+    let algorithm = super::algorithm(&a.digest)?;
     let choice = CombineChoice {
         contract: a.contract.clone(),
         schedule: a.schedule.clone(),
@@ -44,7 +92,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         fork_contract: a.fork_contract.clone(),
         fork_order: a.fork_order.clone(),
     };
-    let m = load_model(&a.model)?;
+    let m = load_model(&a.input.model)?;
     let spec = RunSpec {
         prompt: &prompt,
         max_new_tokens: a.max_new_tokens,

@@ -1,0 +1,265 @@
+//! What every protocol shares: the loaded model, the run sizes and the
+//! runs themselves (greedy generation with a combine, optional faults, into
+//! a capture sink or a full trace).
+
+use std::path::{Path, PathBuf};
+
+use moeconf_contract::MoeCombine;
+use moeconf_fingerprint::{Algorithm, CanonPolicy, Digest};
+use moeconf_reference_runtime::capture::CaptureSink;
+use moeconf_reference_runtime::faults::FaultPlan;
+use moeconf_reference_runtime::model::StepOptions;
+use moeconf_reference_runtime::precision::Precision;
+use moeconf_reference_runtime::state::DecodeState;
+use moeconf_reference_runtime::tokenizer::Detokenize;
+use moeconf_runner::{model_identity, parse_capture, LoadedModel, TraceSink};
+use moeconf_schema::{
+    Binding, Decoding, Header, ModelIdentity, PromptBinding, TokenizerIdentity, TraceWriter,
+};
+
+use crate::error::{CalibrateError, Result};
+
+/// Digest algorithm of every trace and digest the suite writes.
+pub const ALGORITHM: Algorithm = Algorithm::Blake3;
+
+/// Sizes of one calibration run (full or `--quick`).
+#[derive(Debug, Clone, Copy)]
+pub struct Sizes {
+    /// Replay prompts used (protocol 1); `usize::MAX` = all.
+    pub replay_prompts: usize,
+    /// Generated tokens of replay, persistent, canonical, C-check and fault runs.
+    pub tokens: usize,
+    /// Generated tokens per fork branch (protocol 2; paper: 8).
+    pub fork_tokens: usize,
+    /// Branches per scheme in the fork sweep; `usize::MAX` = all.
+    pub fork_branches: usize,
+    /// Request seeds per prompt and scheme (protocols 3–5; paper: 64).
+    pub seeds: u64,
+    /// Driver tokens of the substitution controls (paper: 9).
+    pub control_tokens: usize,
+    /// Breadth prompts used (protocol 9); `usize::MAX` = all 50.
+    pub breadth_prompts: usize,
+    /// Breadth horizons (paper: 8, 16, 32).
+    pub horizons: [usize; 3],
+}
+
+impl Sizes {
+    /// The paper's sizes.
+    pub const FULL: Sizes = Sizes {
+        replay_prompts: usize::MAX,
+        tokens: 8,
+        fork_tokens: 8,
+        fork_branches: usize::MAX,
+        seeds: 64,
+        control_tokens: 9,
+        breadth_prompts: usize::MAX,
+        horizons: [8, 16, 32],
+    };
+
+    /// Reduced sizes for `--quick` (every protocol, fewer runs and tokens).
+    pub const QUICK: Sizes = Sizes {
+        replay_prompts: 3,
+        tokens: 6,
+        fork_tokens: 4,
+        fork_branches: 48,
+        seeds: 6,
+        control_tokens: 6,
+        breadth_prompts: 8,
+        horizons: [4, 8, 12],
+    };
+}
+
+/// How a calibration run is configured, apart from the model.
+#[derive(Debug, Clone)]
+pub struct CtxOptions {
+    /// Precision profile of every run.
+    pub precision: Precision,
+    /// Layer of the single-layer fork (paper: 5).
+    pub fork_layer: u32,
+    /// Run sizes.
+    pub sizes: Sizes,
+    /// Output directory (traces go to its `traces/` folder).
+    pub out: PathBuf,
+    /// Whether to print progress lines on stderr.
+    pub progress: bool,
+}
+
+/// Everything the protocols share.
+pub struct Ctx {
+    /// The model under calibration.
+    pub m: LoadedModel,
+    /// Model identity for trace bindings (computed once).
+    pub identity: ModelIdentity,
+    /// Digest of tokenizer.json.
+    pub tokenizer_digest: Digest,
+    /// Precision profile.
+    pub precision: Precision,
+    /// Layer of the single-layer fork (paper: 5).
+    pub fork_layer: u32,
+    /// Run sizes.
+    pub sizes: Sizes,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Progress on stderr.
+    pub progress: bool,
+}
+
+/// One greedy run written to a full trace by [`Ctx::write_trace`].
+pub struct TraceRequest<'a> {
+    /// Prompt text (bound in the trace).
+    pub prompt: &'a str,
+    /// Its token ids.
+    pub prompt_ids: &'a [u32],
+    /// Tokens to generate.
+    pub tokens: usize,
+    /// MoE combine of every event.
+    pub combine: &'a dyn MoeCombine,
+    /// Faults to inject, if any.
+    pub faults: Option<&'a FaultPlan>,
+    /// Provenance notes (e.g. the injected fault's name).
+    pub notes: Vec<(String, String)>,
+    /// The trace file to write.
+    pub path: &'a Path,
+}
+
+impl Ctx {
+    /// Builds the context (hashes the model once for trace bindings); fails
+    /// when the fork layer is not a layer of the model.
+    pub fn new(m: LoadedModel, opts: CtxOptions) -> Result<Ctx> {
+        let layers = m.model.config().num_layers();
+        let fork_layer = opts.fork_layer;
+        if fork_layer as usize >= layers {
+            return Err(CalibrateError::Invalid(format!(
+                "--fork-layer {fork_layer}: the model has {layers} layers (0..{})",
+                layers - 1
+            )));
+        }
+        let identity = model_identity(&m.name, &m.dir, ALGORITHM)?;
+        let tok_path = m.dir.join("tokenizer.json");
+        let tok = std::fs::read(&tok_path)
+            .map_err(CalibrateError::io(format!("reading {}", tok_path.display())))?;
+        let tokenizer_digest = ALGORITHM.hash(&tok);
+        Ok(Ctx {
+            m,
+            identity,
+            tokenizer_digest,
+            precision: opts.precision,
+            fork_layer,
+            sizes: opts.sizes,
+            out: opts.out,
+            progress: opts.progress,
+        })
+    }
+
+    /// Routed experts per token (k).
+    pub fn k(&self) -> usize {
+        self.m.model.config().experts_per_tok
+    }
+
+    /// Tokenizes a prompt (must give at least one token).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let ids = self.m.tokenizer.encode(text)?;
+        if ids.is_empty() {
+            return Err(CalibrateError::Invalid(format!(
+                "the prompt {text:?} tokenizes to no tokens"
+            )));
+        }
+        Ok(ids)
+    }
+
+    /// Decodes generated ids.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(self.m.tokenizer.decode(ids)?)
+    }
+
+    /// A progress line on stderr (when enabled).
+    pub fn note(&self, msg: &str) {
+        if self.progress {
+            eprintln!("calibrate: {msg}");
+        }
+    }
+
+    /// Step options with `combine`.
+    pub fn step_opts<'a>(&'a self, combine: &'a dyn MoeCombine) -> StepOptions<'a> {
+        StepOptions {
+            precision: self.precision,
+            combine,
+            detokenizer: Some(&self.m.tokenizer),
+        }
+    }
+
+    /// Runs forward steps from `state` until `n` tokens are generated, with
+    /// `combine` and the optional fault plan; records go to `sink`.
+    pub fn advance(
+        &self,
+        state: &mut DecodeState,
+        prompt: &[u32],
+        n: usize,
+        combine: &dyn MoeCombine,
+        faults: Option<&FaultPlan>,
+        sink: &mut dyn CaptureSink,
+    ) -> Result<()> {
+        let opts = self.step_opts(combine);
+        while (state.step as usize) < n {
+            let ids: Vec<u32> = if state.step == 0 {
+                prompt.to_vec()
+            } else {
+                vec![state
+                    .pending
+                    .ok_or_else(|| CalibrateError::Invalid("the decode state has no pending token".into()))?]
+            };
+            self.m.model.step_with_faults(state, &ids, &opts, faults, sink)?;
+        }
+        Ok(())
+    }
+
+    /// A greedy run of `n` tokens from scratch; returns the final state.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        n: usize,
+        combine: &dyn MoeCombine,
+        faults: Option<&FaultPlan>,
+        sink: &mut dyn CaptureSink,
+    ) -> Result<DecodeState> {
+        let mut state = self.m.model.new_state();
+        self.advance(&mut state, prompt, n, combine, faults, sink)?;
+        Ok(state)
+    }
+
+    /// Runs greedily into a trace file with every level and payload
+    /// (`capture all`); returns the final state.
+    pub fn write_trace(&self, req: TraceRequest<'_>) -> Result<DecodeState> {
+        let capture = parse_capture("all")?;
+        let binding = Binding {
+            model: self.identity.clone(),
+            tokenizer: TokenizerIdentity {
+                name: "tokenizer.json".into(),
+                digest: self.tokenizer_digest,
+            },
+            prompt: PromptBinding {
+                text: req.prompt.to_string(),
+                ids: req.prompt_ids.to_vec(),
+            },
+            decoding: Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: req.tokens as u32,
+            },
+            precision: self.precision.name().to_string(),
+            contract: "native".into(),
+            schedule: "identity".into(),
+            capture,
+            canon: CanonPolicy::default(),
+            extra: vec![],
+        };
+        let header = Header {
+            binding,
+            provenance: moeconf_runner::reference_provenance(1, req.notes),
+        };
+        let writer = TraceWriter::create(req.path, ALGORITHM, header)?;
+        let mut sink = TraceSink::new(writer, capture);
+        let state = self.generate(req.prompt_ids, req.tokens, req.combine, req.faults, &mut sink)?;
+        sink.finish()?;
+        Ok(state)
+    }
+}

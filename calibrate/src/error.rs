@@ -1,0 +1,104 @@
+//! The calibration suite's error type.
+
+use std::path::PathBuf;
+
+use moeconf_bisect::BisectError;
+use moeconf_contract::ContractError;
+use moeconf_reference_runtime::error::RuntimeError;
+use moeconf_runner::RunError;
+use moeconf_schema::{InputError, TraceError};
+
+/// Everything that can stop a calibration protocol or the sweep report.
+/// Messages name the option, file or record concerned; a variant with a
+/// source never repeats the source's text (anyhow's `{:#}` chain prints it).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CalibrateError {
+    /// An option or precondition rules the run out (the message names it).
+    #[error("{0}")]
+    Invalid(String),
+    /// A record the protocol needs was not captured (the message names it
+    /// and where it was expected).
+    #[error("{0}")]
+    MissingRecord(String),
+    /// Reading or writing a file failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done, naming the file.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A trace the protocol wrote could not be opened.
+    #[error("opening {}", path.display())]
+    Open {
+        /// The trace file.
+        path: PathBuf,
+        /// Why it could not be opened.
+        #[source]
+        source: TraceError,
+    },
+    /// A protocol of the suite failed.
+    #[error("protocol {name}")]
+    Protocol {
+        /// The protocol's key (e.g. `fork_sweep`).
+        name: &'static str,
+        /// Why it failed.
+        #[source]
+        source: Box<CalibrateError>,
+    },
+    /// A `--scheme` or `--branch` of the sweep is invalid.
+    #[error("{option}")]
+    Option {
+        /// The option and the value given (e.g. `--branch "b+x"`).
+        option: String,
+        /// What is wrong with it.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The reference runtime failed (loading, tokenizing, a forward step, the sweep).
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// Running the runtime into a trace failed.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// Reading or writing a trace failed.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    /// The model directory could not be identified.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// The diff engine refused a pair of traces.
+    #[error(transparent)]
+    Diff(#[from] BisectError),
+    /// A JSON document could not be serialized.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// A contract, order or class could not be built or applied.
+    #[error(transparent)]
+    Contract(#[from] ContractError),
+}
+
+impl CalibrateError {
+    /// An I/O error with its context.
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CalibrateError {
+        let context = context.into();
+        move |source| CalibrateError::Io { context, source }
+    }
+
+    /// An invalid sweep option, keeping what is wrong with it as the source.
+    pub(crate) fn option<E>(option: impl Into<String>) -> impl FnOnce(E) -> CalibrateError
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        let option = option.into();
+        move |e| CalibrateError::Option {
+            option,
+            source: Box::new(e),
+        }
+    }
+}
+
+/// Result of the calibration suite.
+pub type Result<T, E = CalibrateError> = std::result::Result<T, E>;

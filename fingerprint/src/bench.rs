@@ -1,0 +1,112 @@
+//! The fingerprint throughput benchmark (`moeconf bench fingerprint`): the
+//! same f32 buffer hashed as raw bytes with BLAKE3 and through the canonical
+//! record path, single- and multi-threaded, measured against each other in
+//! the same run.
+
+use std::time::Instant;
+
+use crate::{record_digest_with_sink, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView};
+
+/// The best wall-clock time of `repeat` runs of `f`, in seconds.
+pub fn best_of(repeat: u32, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..repeat {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// `bytes` of deterministic finite f32 values (no NaN, so the canonical
+/// path hashes in place; the point is the cost of the scan).
+pub fn f32_buffer(bytes: usize) -> Vec<u8> {
+    let mut s: u32 = 0x1234_5678;
+    let mut v = Vec::with_capacity(bytes);
+    while v.len() < bytes {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        let x = (s >> 9) as f32 / (1u32 << 23) as f32 - 0.5;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+/// Best times (seconds) of hashing one buffer each way.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FingerprintBench {
+    /// Bytes hashed per measurement.
+    pub bytes: usize,
+    /// Raw BLAKE3, one thread.
+    pub raw_1thread: f64,
+    /// Canonical record digest (BLAKE3), one thread.
+    pub canonical_1thread: f64,
+    /// Raw BLAKE3 over the rayon pool.
+    pub raw_rayon: f64,
+    /// Canonical record digest (BLAKE3) over the rayon pool.
+    pub canonical_rayon: f64,
+    /// Canonical record digest with SHA-256, one thread.
+    pub canonical_sha256_1thread: f64,
+    /// Whether every canonical digest (single- and multi-threaded) agreed.
+    pub digests_agree: bool,
+}
+
+impl FingerprintBench {
+    /// Throughput in GB/s of a measurement that took `seconds`.
+    pub fn gbps(&self, seconds: f64) -> f64 {
+        self.bytes as f64 / seconds / 1e9
+    }
+}
+
+/// Measures `data` (f32 values) `repeat` times each way. The raw and
+/// canonical measurements are interleaved so that load from other processes
+/// hits baseline and candidate alike; the best of each is kept.
+pub fn bench_fingerprint(data: &[u8], repeat: u32) -> FingerprintBench {
+    let shape = [(data.len() / 4) as u64];
+    let coord = Coord {
+        step: 0,
+        position: 0,
+        phase: Phase::Decode,
+        layer: Some(0),
+        path: "bench.tensor".into(),
+    };
+    let t = TensorView {
+        dtype: DType::F32,
+        shape: &shape,
+        bytes: data,
+    };
+    let policy = CanonPolicy::default();
+    let canonical = |alg: Algorithm, parallel: bool| {
+        record_digest_with_sink(alg, policy, &coord, Level::L4, t, parallel, |_| Ok(())).ok()
+    };
+    let raw = |parallel: bool| {
+        let mut h = blake3::Hasher::new();
+        if parallel {
+            h.update_rayon(data);
+        } else {
+            h.update(data);
+        }
+        std::hint::black_box(h.finalize());
+    };
+    let (mut raw_1, mut canon_1, mut raw_n, mut canon_n) =
+        (f64::INFINITY, f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    let mut digests = Vec::new();
+    for _ in 0..repeat {
+        raw_1 = raw_1.min(best_of(1, || raw(false)));
+        canon_1 = canon_1.min(best_of(1, || digests.push(canonical(Algorithm::Blake3, false))));
+        raw_n = raw_n.min(best_of(1, || raw(true)));
+        canon_n = canon_n.min(best_of(1, || digests.push(canonical(Algorithm::Blake3, true))));
+    }
+    let digests_agree = digests.windows(2).all(|w| w[0] == w[1]);
+    let sha_1 = best_of(1, || {
+        std::hint::black_box(canonical(Algorithm::Sha256, false));
+    });
+    FingerprintBench {
+        bytes: data.len(),
+        raw_1thread: raw_1,
+        canonical_1thread: canon_1,
+        raw_rayon: raw_n,
+        canonical_rayon: canon_n,
+        canonical_sha256_1thread: sha_1,
+        digests_agree,
+    }
+}

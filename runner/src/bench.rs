@@ -1,0 +1,127 @@
+//! The runtime throughput benchmark (`moeconf bench runtime`): prefill and
+//! decode tokens/s of the reference runtime on a model, in both precision
+//! profiles, without capture and with the default trace capture, so the
+//! cost of tracing is measured against the bare forward in the same run.
+
+use std::path::Path;
+
+use moeconf_contract::NativeCombine;
+use moeconf_fingerprint::Algorithm;
+use moeconf_reference_runtime::bench::{bench_generate, BenchReport};
+use moeconf_reference_runtime::capture::NullSink;
+use moeconf_reference_runtime::model::{Model, StepOptions};
+use moeconf_reference_runtime::precision::Precision;
+use moeconf_schema::{Header, TraceWriter};
+
+use crate::{parse_capture, RunError, TraceSink};
+
+/// What a measured run captures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchCapture {
+    /// Nothing (the bare forward).
+    None,
+    /// The default trace capture (`--capture default`) into a trace file.
+    Default,
+}
+
+impl BenchCapture {
+    /// `none` / `default`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchCapture::None => "none",
+            BenchCapture::Default => "default",
+        }
+    }
+}
+
+/// Sizes of the runtime benchmark.
+#[derive(Debug, Clone, Copy)]
+pub struct RuntimeBenchOptions {
+    /// Prompt length of the prefill.
+    pub prompt_tokens: u32,
+    /// Decode steps per measurement.
+    pub decode_tokens: u32,
+    /// Repetitions per measurement (the best is kept).
+    pub repeat: u32,
+}
+
+/// The best throughput of one (model, precision, capture) combination.
+#[derive(Debug, Clone)]
+pub struct RuntimeRow {
+    /// The model's display name.
+    pub model: String,
+    /// Precision profile.
+    pub precision: Precision,
+    /// What was captured.
+    pub capture: BenchCapture,
+    /// Best prefill tokens per second.
+    pub prefill: f64,
+    /// Best decode tokens per second.
+    pub decode: f64,
+}
+
+/// Measures the model in `dir` (named `name` in the rows) in both precision
+/// profiles, without and with capture; trace files go to `scratch`.
+pub fn bench_runtime(
+    name: &str,
+    dir: &Path,
+    opts: &RuntimeBenchOptions,
+    scratch: &Path,
+) -> Result<Vec<RuntimeRow>, RunError> {
+    let model = Model::load(dir)?;
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..opts.prompt_tokens).map(|i| (i * 37 + 5) % vocab).collect();
+    let mut rows = Vec::new();
+    for precision in [Precision::Bf16, Precision::F32] {
+        let step = StepOptions {
+            precision,
+            combine: &NativeCombine,
+            detokenizer: None,
+        };
+        for capture in [BenchCapture::None, BenchCapture::Default] {
+            let (mut prefill, mut decode) = (0.0f64, 0.0f64);
+            for _ in 0..opts.repeat {
+                let r = generate(
+                    &model,
+                    &prompt,
+                    opts.decode_tokens as usize,
+                    &step,
+                    capture,
+                    scratch,
+                )?;
+                prefill = prefill.max(r.prefill_tokens_per_second());
+                decode = decode.max(r.decode_tokens_per_second());
+            }
+            rows.push(RuntimeRow {
+                model: name.to_string(),
+                precision,
+                capture,
+                prefill,
+                decode,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// One timed generation, capturing as `capture` says.
+fn generate(
+    model: &Model,
+    prompt: &[u32],
+    decode_tokens: usize,
+    step: &StepOptions<'_>,
+    capture: BenchCapture,
+    scratch: &Path,
+) -> Result<BenchReport, RunError> {
+    match capture {
+        BenchCapture::None => Ok(bench_generate(model, prompt, decode_tokens, step, &mut NullSink)?),
+        BenchCapture::Default => {
+            let spec = parse_capture(BenchCapture::Default.name())?;
+            let w = TraceWriter::create(&scratch.join("bench.bin"), Algorithm::Blake3, Header::default())?;
+            let mut sink = TraceSink::new(w, spec);
+            let r = bench_generate(model, prompt, decode_tokens, step, &mut sink)?;
+            sink.finish()?;
+            Ok(r)
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! What a trace is of and what it holds (`moeconf inspect`): the binding,
+//! digest algorithm, root digest and record counts per level and component,
+//! rendered as text or as a JSON document.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use moeconf_fingerprint::Level;
+use serde_json::{json, Map, Value};
+
+use crate::{Trace, TraceError, VerifySummary, FORMAT_VERSION};
+
+/// Version of the JSON document of [`Inspection::to_json`].
+pub const INSPECT_SCHEMA_VERSION: u32 = 1;
+
+/// Renders a byte count with a binary unit (`12.3 KiB`).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// What to inspect besides the counts.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InspectOptions {
+    /// Re-hash every payload ([`Trace::verify_payloads`]); header, index,
+    /// checksum and root are verified on open either way.
+    pub verify_payloads: bool,
+    /// List every weight tensor digest of the model binding.
+    pub list_tensors: bool,
+}
+
+/// Record counts of one component, one level or the whole trace.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
+    records: u64,
+    payloads: u64,
+    payload_bytes: u64,
+}
+
+/// A trace's summary, ready to render.
+pub struct Inspection<'a> {
+    trace: &'a Trace,
+    opts: InspectOptions,
+    /// (level, path) -> counts, in level then path order.
+    per: BTreeMap<(Level, String), Counts>,
+    total: Counts,
+    first_step: u32,
+    last_step: u32,
+    verified: Option<VerifySummary>,
+}
+
+impl<'a> Inspection<'a> {
+    /// Counts the records of `trace` (and re-hashes its payloads when asked).
+    pub fn new(trace: &'a Trace, opts: InspectOptions) -> Result<Inspection<'a>, TraceError> {
+        let verified = if opts.verify_payloads {
+            Some(trace.verify_payloads()?)
+        } else {
+            None
+        };
+        let mut per: BTreeMap<(Level, String), Counts> = BTreeMap::new();
+        let mut total = Counts::default();
+        let (mut first_step, mut last_step) = (u32::MAX, 0u32);
+        for r in trace.records() {
+            let c = per.entry((r.level, r.coord.path.clone())).or_default();
+            c.records += 1;
+            total.records += 1;
+            if let Some(p) = r.payload {
+                c.payloads += 1;
+                c.payload_bytes += p.len;
+                total.payloads += 1;
+                total.payload_bytes += p.len;
+            }
+            first_step = first_step.min(r.coord.step);
+            last_step = last_step.max(r.coord.step);
+        }
+        Ok(Inspection {
+            trace,
+            opts,
+            per,
+            total,
+            first_step,
+            last_step,
+            verified,
+        })
+    }
+
+    fn steps(&self) -> usize {
+        self.trace.tree().steps.len()
+    }
+
+    /// The JSON document (`kind: moeconf.inspect`, docs/format.md).
+    pub fn to_json(&self) -> Value {
+        let t = self.trace;
+        let mut levels = Map::new();
+        for level in Level::ALL {
+            let mut comps = Map::new();
+            let (mut n, mut p) = (0u64, 0u64);
+            for ((_, path), c) in self.per.iter().filter(|((l, _), _)| *l == level) {
+                n += c.records;
+                p += c.payloads;
+                comps.insert(
+                    path.clone(),
+                    json!({"records": c.records, "payloads": c.payloads, "payload_bytes": c.payload_bytes}),
+                );
+            }
+            levels.insert(
+                level.name().to_string(),
+                json!({"describes": level.describe(), "records": n, "payloads": p, "components": comps}),
+            );
+        }
+        let steps = self.steps();
+        let total = &self.total;
+        let step = |s: u32| if steps > 0 { json!(s) } else { Value::Null };
+        json!({
+            "schema_version": INSPECT_SCHEMA_VERSION,
+            "kind": "moeconf.inspect",
+            "file": t.path().display().to_string(),
+            "file_bytes": t.file_len(),
+            "format_version": FORMAT_VERSION,
+            "algorithm": t.algorithm().name(),
+            "root": t.root().to_hex(),
+            "binding_digest": t.binding_digest().to_hex(),
+            "binding": t.binding().to_json(self.opts.list_tensors),
+            "provenance": t.provenance().to_json(),
+            "records": {
+                "total": total.records,
+                "with_payload": total.payloads,
+                "payload_bytes": total.payload_bytes,
+                "payloads_present": total.payloads > 0,
+                "by_level": levels,
+            },
+            "steps": {"count": steps, "first": step(self.first_step), "last": step(self.last_step)},
+            "verified": match &self.verified { Some(v) => json!({"payloads": v.payloads, "payload_bytes": v.payload_bytes}), None => Value::Null },
+        })
+    }
+
+    /// The text report: binding and provenance, then the counts.
+    pub fn render_text(&self) -> String {
+        let mut o = String::new();
+        self.render_binding(&mut o);
+        self.render_records(&mut o);
+        o
+    }
+
+    fn render_binding(&self, o: &mut String) {
+        let t = self.trace;
+        let b = t.binding();
+        let _ = writeln!(
+            o,
+            "trace      {} ({}, format v{FORMAT_VERSION}, {})",
+            t.path().display(),
+            human_bytes(t.file_len()),
+            t.algorithm()
+        );
+        let _ = writeln!(o, "root       {}", t.root());
+        let _ = writeln!(
+            o,
+            "model      {}  config {}  weights {} ({} tensors)",
+            b.model.name,
+            b.model.config_digest.short(),
+            b.model.weights_digest.short(),
+            b.model.tensors.len()
+        );
+        if self.opts.list_tensors {
+            for td in &b.model.tensors {
+                let _ = writeln!(
+                    o,
+                    "             {:<48} {:>5} {:?} {}",
+                    td.name,
+                    td.dtype,
+                    td.shape,
+                    td.digest.short()
+                );
+            }
+        }
+        let _ = writeln!(
+            o,
+            "tokenizer  {}  {}",
+            b.tokenizer.name,
+            b.tokenizer.digest.short()
+        );
+        let _ = writeln!(
+            o,
+            "prompt     {:?} ({} ids: {:?})",
+            b.prompt.text,
+            b.prompt.ids.len(),
+            b.prompt.ids
+        );
+        let _ = writeln!(
+            o,
+            "decoding   {}, {} new tokens",
+            b.decoding.strategy, b.decoding.max_new_tokens
+        );
+        let _ = writeln!(
+            o,
+            "precision  {}   contract {}   schedule {}",
+            b.precision, b.contract, b.schedule
+        );
+        let _ = writeln!(o, "capture    {}", b.capture.describe());
+        let zero = if b.canon.fold_negative_zero {
+            "folded to +0"
+        } else {
+            "preserved"
+        };
+        let _ = writeln!(o, "canonical  NaN -> canonical quiet NaN; -0 {zero}");
+        for (k, v) in &b.extra {
+            let _ = writeln!(o, "extra      {k} = {v}");
+        }
+        let p = t.provenance();
+        let _ = writeln!(
+            o,
+            "runtime    {} {}, {} threads (provenance, not hashed)",
+            p.runtime, p.version, p.threads
+        );
+    }
+
+    fn render_records(&self, o: &mut String) {
+        let total = &self.total;
+        let _ = writeln!(
+            o,
+            "records    {} in {} steps ({} with payloads, {})",
+            total.records,
+            self.steps(),
+            total.payloads,
+            human_bytes(total.payload_bytes)
+        );
+        let _ = writeln!(
+            o,
+            "  level  {:<36} {:>8} {:>9}",
+            "component", "records", "payloads"
+        );
+        for ((level, path), c) in &self.per {
+            let _ = writeln!(
+                o,
+                "  {:<6} {:<36} {:>8} {:>9}",
+                level.name(),
+                path,
+                c.records,
+                c.payloads
+            );
+        }
+        let _ = match &self.verified {
+            Some(v) => writeln!(
+                o,
+                "verified   every byte: checksum, root, {} payloads re-hashed ({})",
+                v.payloads,
+                human_bytes(v.payload_bytes)
+            ),
+            None => writeln!(
+                o,
+                "verified   checksum and root (payloads not re-hashed: --no-verify)"
+            ),
+        };
+    }
+}
