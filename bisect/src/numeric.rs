@@ -70,20 +70,11 @@ pub struct NumericSummary {
     pub worst: Option<WorstElement>,
 }
 
-/// Element `i` of a little-endian tensor as `f64` (integers converted).
-/// Shared by the diff summaries and the gate's tolerance checks.
+/// Element `i` of a little-endian tensor as `f64` (integers converted):
+/// [`DType::value_f64`]. Shared by the diff summaries and the gate's
+/// tolerance checks.
 pub fn element_value(dtype: DType, bytes: &[u8], i: usize) -> Option<f64> {
-    let n = dtype.size();
-    let b = bytes.get(i * n..i * n + n)?;
-    Some(match dtype {
-        DType::F32 => f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::BF16 => f64::from(f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)),
-        DType::F64 => f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-        DType::I32 => f64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::I64 => i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
-        DType::U32 => f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::U8 => f64::from(b[0]),
-    })
+    dtype.value_f64(bytes, i)
 }
 
 /// Position of element `i` on a line where adjacent floats are one apart
