@@ -216,26 +216,24 @@ pub fn summarize(
 
 /// The payload decoded as `f32` values (`None` unless it is an f32 tensor).
 pub fn f32_values(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
-    if dtype != DType::F32 || !bytes.chunks_exact(4).remainder().is_empty() {
-        return None;
-    }
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
+    words(DType::F32, dtype, bytes, f32::from_le_bytes)
 }
 
 /// The payload decoded as `i32` values (`None` unless it is an i32 tensor).
 pub fn i32_values(dtype: DType, bytes: &[u8]) -> Option<Vec<i32>> {
-    if dtype != DType::I32 || !bytes.chunks_exact(4).remainder().is_empty() {
+    words(DType::I32, dtype, bytes, i32::from_le_bytes)
+}
+
+/// A payload of 4-byte little-endian elements decoded with `decode`, when
+/// its dtype is `want` and its length a whole number of elements.
+fn words<T>(want: DType, dtype: DType, bytes: &[u8], decode: fn([u8; 4]) -> T) -> Option<Vec<T>> {
+    if dtype != want || !bytes.chunks_exact(4).remainder().is_empty() {
         return None;
     }
     Some(
         bytes
             .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .map(|c| decode([c[0], c[1], c[2], c[3]]))
             .collect(),
     )
 }

@@ -70,22 +70,20 @@ impl Record {
     }
     /// The elements as FP32 (empty unless dtype is F32).
     pub fn f32s(&self) -> Vec<f32> {
-        if self.dtype != DType::F32 {
-            return Vec::new();
-        }
-        self.bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        self.words(DType::F32, f32::from_le_bytes)
     }
     /// The elements as I32 (empty unless dtype is I32).
     pub fn i32s(&self) -> Vec<i32> {
-        if self.dtype != DType::I32 {
+        self.words(DType::I32, i32::from_le_bytes)
+    }
+    /// The 4-byte elements decoded with `decode` (empty unless dtype is `want`).
+    fn words<T>(&self, want: DType, decode: fn([u8; 4]) -> T) -> Vec<T> {
+        if self.dtype != want {
             return Vec::new();
         }
         self.bytes
             .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .map(|c| decode([c[0], c[1], c[2], c[3]]))
             .collect()
     }
 }

@@ -99,19 +99,27 @@ pub fn dot8_bf16(w: &[u8], x: &[f32]) -> f32 {
     if let Ok(words) = bytemuck::try_cast_slice::<u8, u16>(w) {
         return dot8_bf16_words(words, x);
     }
-    let n = (w.len() / 2).min(x.len());
-    let (w, x) = (&w[..2 * n], &x[..n]);
+    dot8_le_bytes::<2>(w, x, bf16_at)
+}
+
+/// `dot8` of a little-endian row of `SIZE`-byte elements (read with `at`)
+/// with an FP32 vector, element by element: the unaligned fallback of the
+/// BF16 and FP32 byte kernels.
+#[inline]
+fn dot8_le_bytes<const SIZE: usize>(w: &[u8], x: &[f32], at: impl Fn(&[u8], usize) -> f32) -> f32 {
+    let n = (w.len() / SIZE).min(x.len());
+    let (w, x) = (&w[..SIZE * n], &x[..n]);
     let mut l = [0.0f32; LANES];
-    let mut cw = w.chunks_exact(2 * LANES);
+    let mut cw = w.chunks_exact(SIZE * LANES);
     let mut cx = x.chunks_exact(LANES);
     for (c, y) in (&mut cw).zip(&mut cx) {
         for j in 0..LANES {
-            l[j] += bf16_at(c, j) * y[j];
+            l[j] += at(c, j) * y[j];
         }
     }
     let rw = cw.remainder();
     for (j, y) in cx.remainder().iter().enumerate() {
-        l[j] += bf16_at(rw, j) * y;
+        l[j] += at(rw, j) * y;
     }
     fold8(l)
 }
@@ -129,21 +137,7 @@ pub fn dot8_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
     if let Ok(words) = bytemuck::try_cast_slice::<u8, f32>(w) {
         return dot8(words, x);
     }
-    let n = (w.len() / 4).min(x.len());
-    let (w, x) = (&w[..4 * n], &x[..n]);
-    let mut l = [0.0f32; LANES];
-    let mut cw = w.chunks_exact(4 * LANES);
-    let mut cx = x.chunks_exact(LANES);
-    for (c, y) in (&mut cw).zip(&mut cx) {
-        for j in 0..LANES {
-            l[j] += f32_at(c, j) * y[j];
-        }
-    }
-    let rw = cw.remainder();
-    for (j, y) in cx.remainder().iter().enumerate() {
-        l[j] += f32_at(rw, j) * y;
-    }
-    fold8(l)
+    dot8_le_bytes::<4>(w, x, f32_at)
 }
 
 /// The input vector of a BF16 matrix–vector product split into even and odd
