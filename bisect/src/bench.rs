@@ -12,7 +12,7 @@
 use crate::diff::{diff, open_pair, DiffOptions};
 use crate::error::BisectError;
 use crate::report::FirstDivergence;
-use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Phase, TensorView};
 use moeconf_schema::{Binding, CaptureSpec, Header, TraceError, TraceWriter};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -44,12 +44,12 @@ pub struct DiffBench {
     pub localized: Option<FirstDivergence>,
 }
 
-/// The component paths of one synthetic layer, in execution order.
-const PATHS: [(&str, Level); 4] = [
-    ("attn.output", Level::L4),
-    ("layer.post_attn_mhc", Level::L3),
-    ("moe.combine", Level::L4),
-    ("layer.post_ffn_mhc", Level::L3),
+/// The components of one synthetic layer, in execution order.
+const COMPONENTS: [Component; 4] = [
+    Component::AttnOutput,
+    Component::LayerPostAttnMhc,
+    Component::MoeCombine,
+    Component::LayerPostFfnMhc,
 ];
 
 /// Layers per step of the synthetic traces.
@@ -77,12 +77,12 @@ fn write_trace(
     let mut buf = vec![0u8; n * 4];
     for step in 0..steps {
         for layer in 0..BENCH_LAYERS {
-            for (k, (p, level)) in PATHS.iter().enumerate() {
+            for (k, &component) in COMPONENTS.iter().enumerate() {
                 // Cheap distinct finite values: small integers as f32.
                 let base = (step * 131 + layer * 17 + k as u32 * 7) as usize;
                 for (i, c) in buf.chunks_exact_mut(4).enumerate() {
                     let mut v = ((base + i) % 4096) as f32;
-                    if changed == Some((step, layer)) && *p == "moe.combine" && i == n / 2 {
+                    if changed == Some((step, layer)) && component == Component::MoeCombine && i == n / 2 {
                         v += 0.5;
                     }
                     c.copy_from_slice(&v.to_le_bytes());
@@ -92,12 +92,12 @@ fn write_trace(
                     position: step,
                     phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
                     layer: Some(layer),
-                    path: (*p).into(),
+                    path: component.path().into(),
                 };
                 let shape = [n as u64];
                 w.append(
                     coord,
-                    *level,
+                    component.level(),
                     TensorView {
                         dtype: DType::F32,
                         shape: &shape,
@@ -162,7 +162,7 @@ pub fn bench_diff(
     repeat: u32,
 ) -> Result<DiffBench, BisectError> {
     let record_bytes = record_bytes.clamp(64, 1 << 30) & !3;
-    let per_step = record_bytes * u64::from(BENCH_LAYERS) * PATHS.len() as u64;
+    let per_step = record_bytes * u64::from(BENCH_LAYERS) * COMPONENTS.len() as u64;
     let steps = u32::try_from(total_bytes.div_ceil(per_step).max(2)).unwrap_or(u32::MAX);
     let changed = (steps - 2, BENCH_LAYERS / 2);
     let (a, b): (PathBuf, PathBuf) = (dir.join("bench-ref.bin"), dir.join("bench-cand.bin"));

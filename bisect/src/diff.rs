@@ -10,7 +10,7 @@ use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint};
 use crate::report::*;
 use crate::textdiff::inline_diff;
 use crate::walk::{Pair, Sides};
-use moeconf_fingerprint::{DType, Level};
+use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::Trace;
 use std::path::Path;
 
@@ -90,6 +90,84 @@ fn has_level(t: &Trace, level: Level) -> bool {
 /// algorithms, or a payload read on the divergent path is corrupt. Only the
 /// payloads of the records on the divergent path are read.
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport, BisectError> {
+    let comparability = comparability(reference, candidate, opts)?;
+    let cx = Ctx {
+        s: Sides {
+            r: reference,
+            c: candidate,
+        },
+        opts: *opts,
+    };
+    let compared = compared_levels(reference, candidate);
+    let any_records = !reference.records().is_empty() || !candidate.records().is_empty();
+    if compared.is_empty() && any_records {
+        return Err(BisectError::NothingToCompare {
+            reference: reference.binding().capture.describe(),
+            candidate: candidate.binding().capture.describe(),
+        });
+    }
+
+    let rsteps: Vec<u32> = reference.tree().steps.iter().map(|s| s.step).collect();
+    let csteps: Vec<u32> = candidate.tree().steps.iter().map(|s| s.step).collect();
+    let unmatched_steps: Vec<u32> =
+        cx.s.steps()
+            .into_iter()
+            .filter(|s| rsteps.binary_search(s).is_err() || csteps.binary_search(s).is_err())
+            .collect();
+
+    let l0 = cx.l0(compared.contains(Level::L0))?;
+    let l1 = cx.l1(compared.contains(Level::L1))?;
+    let l2 = cx.l2(compared.contains(Level::L2))?;
+    let (l3, l3_first) = cx.l3(compared.contains(Level::L3))?;
+    let (l4, l4_local) = cx.l4(compared.contains(Level::L4), &l3, l3_first)?;
+    let levels = Levels { l0, l1, l2, l3, l4 };
+
+    let statuses = [
+        levels.l0.status,
+        levels.l1.status,
+        levels.l2.status,
+        levels.l3.status,
+        levels.l4.status,
+    ];
+    let divergent = statuses.contains(&LevelStatus::Differ) || !unmatched_steps.is_empty();
+    let verdict = if divergent {
+        Verdict::Divergent
+    } else {
+        Verdict::Equivalent
+    };
+    let first_divergence = cx.first_divergence(&levels, compared, l3_first, l4_local);
+    let compared_levels: Vec<Level> = compared.iter().collect();
+    let summary = summary_line(
+        verdict,
+        &first_divergence,
+        &levels.l0,
+        reference,
+        &unmatched_steps,
+        &compared_levels,
+    );
+    Ok(DiffReport {
+        schema_version: DIFF_SCHEMA_VERSION,
+        kind: "moeconf.diff".into(),
+        verdict,
+        reference: trace_summary(reference),
+        candidate: trace_summary(candidate),
+        comparability,
+        compared_levels: compared_levels.iter().map(|l| l.name().to_string()).collect(),
+        unmatched_steps,
+        first_divergence,
+        levels,
+        summary,
+    })
+}
+
+/// Whether the traces may be compared: the same digest algorithm, and no
+/// refusing binding difference unless forced. Returns the binding
+/// differences the report shows.
+fn comparability(
+    reference: &Trace,
+    candidate: &Trace,
+    opts: &DiffOptions,
+) -> Result<Comparability, BisectError> {
     if reference.algorithm() != candidate.algorithm() {
         return Err(BisectError::AlgorithmMismatch {
             reference: reference.algorithm().name().to_string(),
@@ -105,109 +183,21 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     if !refusing.is_empty() && !opts.force {
         return Err(BisectError::NotComparable { fields: refusing });
     }
-    let cx = Ctx {
-        s: Sides {
-            r: reference,
-            c: candidate,
-        },
-        opts: *opts,
-    };
-    let compared = |l: Level| {
-        let declared = reference.binding().capture.captures(l) && candidate.binding().capture.captures(l);
-        declared || (has_level(reference, l) && has_level(candidate, l))
-    };
-    let compared_levels: Vec<Level> = Level::ALL.into_iter().filter(|&l| compared(l)).collect();
-    let any_records = !reference.records().is_empty() || !candidate.records().is_empty();
-    if compared_levels.is_empty() && any_records {
-        return Err(BisectError::NothingToCompare {
-            reference: reference.binding().capture.describe(),
-            candidate: candidate.binding().capture.describe(),
-        });
-    }
-
-    let rsteps: Vec<u32> = reference.tree().steps.iter().map(|s| s.step).collect();
-    let csteps: Vec<u32> = candidate.tree().steps.iter().map(|s| s.step).collect();
-    let unmatched_steps: Vec<u32> =
-        cx.s.steps()
-            .into_iter()
-            .filter(|s| rsteps.binary_search(s).is_err() || csteps.binary_search(s).is_err())
-            .collect();
-
-    let l0 = cx.l0(compared(Level::L0))?;
-    let l1 = cx.l1(compared(Level::L1))?;
-    let l2 = cx.l2(compared(Level::L2))?;
-    let (l3, l3_first) = cx.l3(compared(Level::L3))?;
-    let (l4, l4_local) = cx.l4(compared(Level::L4), &l3, l3_first)?;
-
-    let divergent = [l0.status, l1.status, l2.status, l3.status, l4.status].contains(&LevelStatus::Differ)
-        || !unmatched_steps.is_empty();
-    let verdict = if divergent {
-        Verdict::Divergent
-    } else {
-        Verdict::Equivalent
-    };
-
-    // The localization: the earliest divergent record in execution order;
-    // on the same record the finer level wins (lists are finest first).
-    let contract = l4.contract.as_ref().and_then(|c| c.candidate.clone());
-    let mut cands: Vec<(Pair, &RecordRef, Option<String>)> = Vec::new();
-    if let (Some(p), Some(loc)) = (l4_local, l4.localized.as_ref()) {
-        let c = if loc.at.path == "moe.combine" {
-            contract.clone()
-        } else {
-            None
-        };
-        cands.push((p, &loc.at, c));
-    }
-    if let (Some(p), Some(r)) = (l3_first, l3.first.as_ref()) {
-        cands.push((p, r, None));
-    }
-    for (p, r) in [
-        (cx.first_pair(Level::L2, compared(Level::L2)), l2.first.as_ref()),
-        (cx.first_pair(Level::L1, compared(Level::L1)), l1.first.as_ref()),
-        (cx.first_pair(Level::L0, compared(Level::L0)), l0.first.as_ref()),
-    ] {
-        if let (Some(p), Some(r)) = (p, r) {
-            cands.push((p, r, None));
-        }
-    }
-    let first_divergence = cands
-        .iter()
-        .enumerate()
-        .min_by_key(|(i, (p, _, _))| (p.order_key(), *i))
-        .map(|(_, (_, r, c))| FirstDivergence {
-            level: r.level.clone(),
-            step: r.step,
-            position: r.position,
-            layer: r.layer,
-            operator: r.path.clone(),
-            contract: c.clone(),
-        });
-
-    let summary = summary_line(
-        verdict,
-        &first_divergence,
-        &l0,
-        reference,
-        &unmatched_steps,
-        &compared_levels,
-    );
-    Ok(DiffReport {
-        schema_version: DIFF_SCHEMA_VERSION,
-        kind: "moeconf.diff".into(),
-        verdict,
-        reference: trace_summary(reference),
-        candidate: trace_summary(candidate),
-        comparability: Comparability {
-            forced_over: refusing,
-            expected_differences: shown,
-        },
-        compared_levels: compared_levels.iter().map(|l| l.name().to_string()).collect(),
-        unmatched_steps,
-        first_divergence,
-        levels: Levels { l0, l1, l2, l3, l4 },
-        summary,
+    Ok(Comparability {
+        forced_over: refusing,
+        expected_differences: shown,
     })
+}
+
+/// The levels both traces declare (or, undeclared, both hold records of).
+fn compared_levels(reference: &Trace, candidate: &Trace) -> LevelSet {
+    let (rc, cc) = (&reference.binding().capture, &candidate.binding().capture);
+    Level::ALL
+        .into_iter()
+        .filter(|&l| {
+            (rc.captures(l) && cc.captures(l)) || (has_level(reference, l) && has_level(candidate, l))
+        })
+        .collect()
 }
 
 fn summary_line(
@@ -275,6 +265,52 @@ fn decode_i32_first2(dtype: DType, bytes: &[u8]) -> Option<[i64; 2]> {
 }
 
 impl Ctx<'_> {
+    /// The localization: the earliest divergent record in execution order;
+    /// on the same record the finer level wins (lists are finest first).
+    fn first_divergence(
+        &self,
+        levels: &Levels,
+        compared: LevelSet,
+        l3_first: Option<Pair>,
+        l4_local: Option<Pair>,
+    ) -> Option<FirstDivergence> {
+        let l4 = &levels.l4;
+        let contract = l4.contract.as_ref().and_then(|c| c.candidate.clone());
+        let mut cands: Vec<(Pair, &RecordRef, Option<String>)> = Vec::new();
+        if let (Some(p), Some(loc)) = (l4_local, l4.localized.as_ref()) {
+            let c = if Component::MoeCombine.matches(&loc.at.path) {
+                contract.clone()
+            } else {
+                None
+            };
+            cands.push((p, &loc.at, c));
+        }
+        if let (Some(p), Some(r)) = (l3_first, levels.l3.first.as_ref()) {
+            cands.push((p, r, None));
+        }
+        for (level, r) in [
+            (Level::L2, levels.l2.first.as_ref()),
+            (Level::L1, levels.l1.first.as_ref()),
+            (Level::L0, levels.l0.first.as_ref()),
+        ] {
+            if let (Some(p), Some(r)) = (self.first_pair(level, compared.contains(level)), r) {
+                cands.push((p, r, None));
+            }
+        }
+        cands
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, (p, _, _))| (p.order_key(), *i))
+            .map(|(_, (_, r, c))| FirstDivergence {
+                level: r.level.clone(),
+                step: r.step,
+                position: r.position,
+                layer: r.layer,
+                operator: r.path.clone(),
+                contract: c.clone(),
+            })
+    }
+
     fn rec_ref(&self, level: Level, p: Pair) -> Option<RecordRef> {
         let e = self.s.entry(p)?;
         let present = match (p.r, p.c) {
@@ -317,10 +353,10 @@ impl Ctx<'_> {
         Ok(summarize(re.dtype, &re.shape, rb, ce.dtype, &ce.shape, cb))
     }
 
-    /// The single record `path` of a model-global level at `step`.
-    fn global(&self, step: u32, level: Level, path: &str) -> Option<Pair> {
+    /// The single record of a model-global component at `step`.
+    fn global(&self, step: u32, component: Component) -> Option<Pair> {
         self.s
-            .lookup(step, level, None, None, path, false)
+            .lookup_component(step, None, None, component)
             .first()
             .copied()
     }
@@ -332,7 +368,7 @@ impl Ctx<'_> {
     }
 
     fn continuation(&self, step: u32) -> Result<(Option<String>, Option<String>), BisectError> {
-        let p = self.global(step, Level::L0, "text.continuation");
+        let p = self.global(step, Component::TextContinuation);
         let (r, c) = p.map(|p| (p.r, p.c)).unwrap_or((None, None));
         Ok((self.text_of(self.s.r, r)?, self.text_of(self.s.c, c)?))
     }
@@ -345,7 +381,7 @@ impl Ctx<'_> {
             if let Some(&i) = g
                 .records
                 .iter()
-                .find(|&&i| t.records()[i].coord.path == "text.continuation")
+                .find(|&&i| Component::TextContinuation.matches(&t.records()[i].coord.path))
             {
                 return self.text_of(t, Some(i));
             }
@@ -383,7 +419,7 @@ impl Ctx<'_> {
             .and_then(|&p| self.rec_ref(Level::L0, p));
         // The first step whose predicted token differs.
         for &s in &steps {
-            let Some(p) = self.global(s, Level::L0, "token.output") else {
+            let Some(p) = self.global(s, Component::TokenOutput) else {
                 continue;
             };
             if self.s.pair_equal(p) {
@@ -454,7 +490,7 @@ impl Ctx<'_> {
                 }
             }
         }
-        if let Some(p) = self.global(s, Level::L1, "lm.topk_ids") {
+        if let Some(p) = self.global(s, Component::LmTopkIds) {
             let (rb, cb) = self.payloads(p)?;
             rep.reference_top2 =
                 p.r.zip(rb)
@@ -466,10 +502,10 @@ impl Ctx<'_> {
         rep.argmax_changed = match (rep.reference_top2, rep.candidate_top2) {
             (Some(a), Some(b)) => Some(a[0] != b[0]),
             _ => self
-                .global(s, Level::L0, "token.output")
+                .global(s, Component::TokenOutput)
                 .map(|p| !self.s.pair_equal(p)),
         };
-        if let Some(p) = self.global(s, Level::L1, "lm.margin") {
+        if let Some(p) = self.global(s, Component::LmMargin) {
             let (rb, cb) = self.payloads(p)?;
             let first = |i: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Option<f64> {
                 let e = &t.records()[i?];
@@ -478,7 +514,7 @@ impl Ctx<'_> {
             rep.reference_margin = first(p.r, self.s.r, rb);
             rep.candidate_margin = first(p.c, self.s.c, cb);
         }
-        if let Some(p) = self.global(s, Level::L1, "lm.logits") {
+        if let Some(p) = self.global(s, Component::LmLogits) {
             rep.logits = self.numeric(p)?;
         }
         Ok(rep)
@@ -592,10 +628,11 @@ impl Ctx<'_> {
                 }
             }
             if rep.route.is_none() {
-                if let Some(&p) = diffs
-                    .iter()
-                    .find(|&&p| self.s.entry(p).is_some_and(|e| e.coord.path == "router.topk"))
-                {
+                if let Some(&p) = diffs.iter().find(|&&p| {
+                    self.s
+                        .entry(p)
+                        .is_some_and(|e| Component::RouterTopk.matches(&e.coord.path))
+                }) {
                     rep.route = self.route(p)?;
                 }
             }
@@ -628,14 +665,7 @@ impl Ctx<'_> {
         let c = &e.coord;
         if let Some(&mp) = self
             .s
-            .lookup(
-                c.step,
-                Level::L3,
-                c.layer,
-                Some(c.position),
-                "router.margin",
-                false,
-            )
+            .lookup_component(c.step, c.layer, Some(c.position), Component::RouterMargin)
             .first()
         {
             let (rb, cb) = self.payloads(mp)?;
@@ -734,7 +764,7 @@ impl Ctx<'_> {
             return Ok((rep, None));
         };
         let numeric = self.numeric(p)?;
-        if at.path == "moe.combine" && self.opts.contract_inference {
+        if Component::MoeCombine.matches(&at.path) && self.opts.contract_inference {
             rep.contract = Some(self.contract(step, layer_idx, position, at.clone())?);
         }
         rep.localized = Some(Localized {
@@ -790,12 +820,13 @@ impl Ctx<'_> {
         let mut terms: Vec<(usize, usize)> = Vec::new();
         for p in self
             .s
-            .lookup(step, Level::L4, Some(layer), Some(position), "moe.term.", true)
+            .lookup_component(step, Some(layer), Some(position), Component::MoeTerm)
         {
             let Some(i) = pick(p) else { continue };
-            let Some(j) = t.records()[i].coord.path["moe.term.".len()..]
-                .parse::<usize>()
-                .ok()
+            let path = &t.records()[i].coord.path;
+            let Some(j) = path
+                .strip_prefix(Component::MoeTerm.path())
+                .and_then(|j| j.parse::<usize>().ok())
             else {
                 continue;
             };
@@ -805,10 +836,10 @@ impl Ctx<'_> {
         if terms.is_empty() || terms.iter().enumerate().any(|(n, &(j, _))| n != j) {
             return Ok(None);
         }
-        let one = |path: &str| -> Result<Option<Vec<f32>>, BisectError> {
+        let one = |component: Component| -> Result<Option<Vec<f32>>, BisectError> {
             match self
                 .s
-                .lookup(step, Level::L4, Some(layer), Some(position), path, false)
+                .lookup_component(step, Some(layer), Some(position), component)
                 .first()
                 .and_then(|&p| pick(p))
             {
@@ -816,7 +847,7 @@ impl Ctx<'_> {
                 None => Ok(None),
             }
         };
-        let (Some(shared), Some(combine)) = (one("moe.shared")?, one("moe.combine")?) else {
+        let (Some(shared), Some(combine)) = (one(Component::MoeShared)?, one(Component::MoeCombine)?) else {
             return Ok(None);
         };
         let mut tv = Vec::with_capacity(terms.len());

@@ -62,8 +62,9 @@ pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
 pub use error::{BisectError, FieldDifference};
 pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
+pub use moeconf_fingerprint::Half;
 pub use numeric::{element_ordinal, element_value, summarize, unravel, NumericSummary, WorstElement};
-pub use operators::{half_of, inputs_of, Half, InputSpec};
+pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,

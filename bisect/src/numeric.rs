@@ -70,20 +70,11 @@ pub struct NumericSummary {
     pub worst: Option<WorstElement>,
 }
 
-/// Element `i` of a little-endian tensor as `f64` (integers converted).
-/// Shared by the diff summaries and the gate's tolerance checks.
+/// Element `i` of a little-endian tensor as `f64` (integers converted):
+/// [`DType::value_f64`]. Shared by the diff summaries and the gate's
+/// tolerance checks.
 pub fn element_value(dtype: DType, bytes: &[u8], i: usize) -> Option<f64> {
-    let n = dtype.size();
-    let b = bytes.get(i * n..i * n + n)?;
-    Some(match dtype {
-        DType::F32 => f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::BF16 => f64::from(f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)),
-        DType::F64 => f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-        DType::I32 => f64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::I64 => i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
-        DType::U32 => f64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        DType::U8 => f64::from(b[0]),
-    })
+    dtype.value_f64(bytes, i)
 }
 
 /// Position of element `i` on a line where adjacent floats are one apart
@@ -225,26 +216,24 @@ pub fn summarize(
 
 /// The payload decoded as `f32` values (`None` unless it is an f32 tensor).
 pub fn f32_values(dtype: DType, bytes: &[u8]) -> Option<Vec<f32>> {
-    if dtype != DType::F32 || !bytes.chunks_exact(4).remainder().is_empty() {
-        return None;
-    }
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
+    words(DType::F32, dtype, bytes, f32::from_le_bytes)
 }
 
 /// The payload decoded as `i32` values (`None` unless it is an i32 tensor).
 pub fn i32_values(dtype: DType, bytes: &[u8]) -> Option<Vec<i32>> {
-    if dtype != DType::I32 || !bytes.chunks_exact(4).remainder().is_empty() {
+    words(DType::I32, dtype, bytes, i32::from_le_bytes)
+}
+
+/// A payload of 4-byte little-endian elements decoded with `decode`, when
+/// its dtype is `want` and its length a whole number of elements.
+fn words<T>(want: DType, dtype: DType, bytes: &[u8], decode: fn([u8; 4]) -> T) -> Option<Vec<T>> {
+    if dtype != want || !bytes.chunks_exact(4).remainder().is_empty() {
         return None;
     }
     Some(
         bytes
             .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .map(|c| decode([c[0], c[1], c[2], c[3]]))
             .collect(),
     )
 }

@@ -1,12 +1,13 @@
-//! Operator input/output relations of the component catalogue
-//! (docs/format.md §6, notes on the reference runtime's execution order).
+//! Operator input/output relations, read from the component catalogue
+//! (`moeconf_fingerprint::catalogue`, docs/format.md §6).
 //!
 //! A record is the output of one operator; [`inputs_of`] lists the records
 //! that operator reads at the same step, position and layer (or the layer
-//! before / the previous decode boundary). The localized operator of a
-//! divergence is the first differing record, in execution order, whose
-//! inputs all match: the operator itself computed something different from
-//! the same inputs.
+//! before / the previous decode boundary), as the catalogue's
+//! [`ComponentSpec::inputs`](moeconf_fingerprint::catalogue::ComponentSpec)
+//! say. The localized operator of a divergence is the first differing
+//! record, in execution order, whose inputs all match: the operator itself
+//! computed something different from the same inputs.
 //!
 //! Same-position relations only: attention also reads the keys and values of
 //! earlier positions of the same step (prefill), which the relation covers
@@ -14,47 +15,18 @@
 //! in from the previous decode boundary is listed as an input of the
 //! attention operators that read it.
 
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::catalogue::{half_of_path, Input, InputSource, STATE_PREFIX};
+use moeconf_fingerprint::{Component, Half, Level};
 
-/// The two halves of a decoder layer (each ends in an mHC `hc_post`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Half {
-    /// mHC pre → attention → mHC post (`attn.*`, `layer.post_attn_mhc`).
-    Attention,
-    /// mHC pre → router, experts, combine → mHC post (`ffn.*`, `router.*`,
-    /// `moe.*`, `layer.post_ffn_mhc`).
-    Ffn,
-}
-
-impl Half {
-    /// `attention` / `ffn`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Half::Attention => "attention",
-            Half::Ffn => "ffn",
-        }
-    }
-}
-
-/// The half a layer record belongs to (`None` for model-global and L2 records).
+/// The half a layer record belongs to (`None` for model-global and L2
+/// records): the catalogue's half, else by namespace.
 pub fn half_of(path: &str) -> Option<Half> {
-    if path.starts_with("attn.") || path == "layer.post_attn_mhc" {
-        Some(Half::Attention)
-    } else if path.starts_with("ffn.")
-        || path.starts_with("router.")
-        || path.starts_with("moe.")
-        || path == "layer.post_ffn_mhc"
-    {
-        Some(Half::Ffn)
-    } else {
-        None
-    }
+    half_of_path(path)
 }
 
 /// Whether `path` is one of the two post-mHC layer-state checkpoints.
 pub fn is_checkpoint(path: &str) -> bool {
-    path == "layer.post_attn_mhc" || path == "layer.post_ffn_mhc"
+    Component::parse(path).is_some_and(|(c, _)| c.is_checkpoint())
 }
 
 /// One input of an operator, relative to the operator's own coordinate.
@@ -75,28 +47,29 @@ pub struct InputSpec {
     pub prefix: bool,
 }
 
-fn same(level: Level, layer: u32, path: &str) -> InputSpec {
+/// The records of `component` at the operator's own step, position and `layer`.
+fn same(component: Component, layer: u32) -> InputSpec {
     InputSpec {
-        level,
+        level: component.level(),
         steps_back: 0,
         layer: Some(layer),
         same_position: true,
-        path: path.to_string(),
-        prefix: false,
+        path: component.path().to_string(),
+        prefix: component.is_family(),
     }
 }
 
 /// The residual streams entering layer `layer`: the previous layer's
 /// post-FFN state, or the step's input ids for layer 0.
-fn layer_input(layer: u32) -> InputSpec {
+fn layer_input(input: &Input, layer: u32) -> InputSpec {
     match layer.checked_sub(1) {
-        Some(prev) => same(Level::L3, prev, "layer.post_ffn_mhc"),
+        Some(prev) => same(input.component, prev),
         None => InputSpec {
-            level: Level::L0,
+            level: Component::TokenInput.level(),
             steps_back: 0,
             layer: None,
             same_position: false,
-            path: "token.input".into(),
+            path: Component::TokenInput.path().to_string(),
             prefix: false,
         },
     }
@@ -109,54 +82,39 @@ fn carried_state(layer: u32) -> InputSpec {
         steps_back: 1,
         layer: Some(layer),
         same_position: false,
-        path: "state.".into(),
+        path: STATE_PREFIX.to_string(),
         prefix: true,
     }
+}
+
+/// The catalogue component whose operator produces `path`: a catalogue
+/// path, or any path under a family's prefix (`moe.term.*`).
+fn producer(path: &str) -> Option<Component> {
+    Component::parse(path).map(|(c, _)| c).or_else(|| {
+        Component::ALL
+            .iter()
+            .copied()
+            .find(|c| c.is_family() && path.starts_with(c.path()))
+    })
 }
 
 /// The inputs of the operator that produces `path` at layer `layer`, or an
 /// empty list for paths without a known relation (then the record counts as
 /// localized when it is the first to differ).
 pub fn inputs_of(path: &str, layer: u32) -> Vec<InputSpec> {
-    use Level::{L3, L4};
-    let s = |lv: Level, p: &str| same(lv, layer, p);
-    match path {
-        "attn.hc_pre" => vec![layer_input(layer)],
-        "attn.norm" => vec![s(L4, "attn.hc_pre")],
-        "attn.q" | "attn.kv" | "attn.compressed" | "attn.indexer_compressed" => vec![s(L4, "attn.norm")],
-        "attn.indexer_topk" => vec![
-            s(L4, "attn.norm"),
-            s(L4, "attn.indexer_compressed"),
-            carried_state(layer),
-        ],
-        "attn.core" => vec![
-            s(L4, "attn.q"),
-            s(L4, "attn.kv"),
-            s(L4, "attn.compressed"),
-            s(L4, "attn.indexer_topk"),
-            carried_state(layer),
-        ],
-        "attn.output" => vec![s(L4, "attn.core")],
-        "layer.post_attn_mhc" => vec![layer_input(layer), s(L4, "attn.output")],
-        "ffn.hc_pre" => vec![s(L3, "layer.post_attn_mhc")],
-        "ffn.norm" => vec![s(L4, "ffn.hc_pre")],
-        "router.scores" => vec![s(L4, "ffn.norm")],
-        "router.topk" | "router.margin" => vec![s(L3, "router.scores")],
-        "router.gates" => vec![s(L3, "router.scores"), s(L3, "router.topk")],
-        "moe.shared" => vec![s(L4, "ffn.norm")],
-        "moe.combine" => vec![
-            InputSpec {
-                prefix: true,
-                ..s(L4, "moe.term.")
-            },
-            s(L4, "moe.shared"),
-        ],
-        "layer.post_ffn_mhc" => vec![s(L3, "layer.post_attn_mhc"), s(L4, "moe.combine")],
-        p if p.starts_with("moe.term.") => {
-            vec![s(L4, "ffn.norm"), s(L3, "router.topk"), s(L3, "router.gates")]
-        }
-        _ => Vec::new(),
-    }
+    let Some(component) = producer(path) else {
+        return Vec::new();
+    };
+    component
+        .spec()
+        .inputs
+        .iter()
+        .map(|input| match input.source {
+            InputSource::SameLayer => same(input.component, layer),
+            InputSource::LayerInput => layer_input(input, layer),
+            InputSource::CarriedState => carried_state(layer),
+        })
+        .collect()
 }
 
 /// Human name of the input spec, e.g. `moe.term.* (L4, layer 5)`.
@@ -175,4 +133,101 @@ pub fn describe_input(spec: &InputSpec) -> String {
         s.push(')');
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The relation as it was spelled before the catalogue held it: the
+    /// catalogue must produce exactly these lists.
+    #[test]
+    fn catalogue_inputs_match_the_former_table() {
+        let s = |lv: Level, p: &str, layer: u32| InputSpec {
+            level: lv,
+            steps_back: 0,
+            layer: Some(layer),
+            same_position: true,
+            path: p.into(),
+            prefix: p.ends_with('.'),
+        };
+        let carried = |layer: u32| InputSpec {
+            level: Level::L2,
+            steps_back: 1,
+            layer: Some(layer),
+            same_position: false,
+            path: "state.".into(),
+            prefix: true,
+        };
+        let token_input = InputSpec {
+            level: Level::L0,
+            steps_back: 0,
+            layer: None,
+            same_position: false,
+            path: "token.input".into(),
+            prefix: false,
+        };
+        use Level::{L3, L4};
+        assert_eq!(inputs_of("attn.hc_pre", 0), vec![token_input.clone()]);
+        assert_eq!(inputs_of("attn.hc_pre", 3), vec![s(L3, "layer.post_ffn_mhc", 2)]);
+        assert_eq!(
+            inputs_of("layer.post_attn_mhc", 0),
+            vec![token_input, s(L4, "attn.output", 0)]
+        );
+        for p in ["attn.q", "attn.kv", "attn.compressed", "attn.indexer_compressed"] {
+            assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4)], "{p}");
+        }
+        assert_eq!(
+            inputs_of("attn.indexer_topk", 2),
+            vec![
+                s(L4, "attn.norm", 2),
+                s(L4, "attn.indexer_compressed", 2),
+                carried(2)
+            ]
+        );
+        assert_eq!(
+            inputs_of("attn.core", 2),
+            vec![
+                s(L4, "attn.q", 2),
+                s(L4, "attn.kv", 2),
+                s(L4, "attn.compressed", 2),
+                s(L4, "attn.indexer_topk", 2),
+                carried(2)
+            ]
+        );
+        assert_eq!(inputs_of("ffn.hc_pre", 1), vec![s(L3, "layer.post_attn_mhc", 1)]);
+        assert_eq!(inputs_of("router.margin", 1), vec![s(L3, "router.scores", 1)]);
+        assert_eq!(
+            inputs_of("router.gates", 1),
+            vec![s(L3, "router.scores", 1), s(L3, "router.topk", 1)]
+        );
+        assert_eq!(
+            inputs_of("moe.combine", 5),
+            vec![s(L4, "moe.term.", 5), s(L4, "moe.shared", 5)]
+        );
+        assert_eq!(
+            inputs_of("moe.term.3", 5),
+            vec![
+                s(L4, "ffn.norm", 5),
+                s(L3, "router.topk", 5),
+                s(L3, "router.gates", 5)
+            ]
+        );
+        assert_eq!(
+            inputs_of("layer.post_ffn_mhc", 5),
+            vec![s(L3, "layer.post_attn_mhc", 5), s(L4, "moe.combine", 5)]
+        );
+        assert!(inputs_of("lm.logits", 0).is_empty());
+        assert!(inputs_of("state.window_kv", 0).is_empty());
+        assert!(inputs_of("attn.custom", 0).is_empty());
+        assert_eq!(inputs_of("moe.term.x", 1).len(), 3);
+        assert_eq!(
+            describe_input(&carried(4)),
+            "state.* (layer 4, previous decode boundary)"
+        );
+        assert_eq!(half_of("layer.post_attn_mhc"), Some(Half::Attention));
+        assert_eq!(half_of("moe.anything"), Some(Half::Ffn));
+        assert_eq!(half_of("state.window_kv"), None);
+        assert!(is_checkpoint("layer.post_ffn_mhc") && !is_checkpoint("router.topk"));
+    }
 }

@@ -5,6 +5,7 @@
 use crate::numeric::NumericSummary;
 use crate::report::*;
 use crate::textdiff::render_inline;
+use moeconf_fingerprint::Component;
 use std::fmt::Write;
 
 struct Style {
@@ -101,6 +102,21 @@ impl DiffReport {
     pub fn render_text(&self, color: bool) -> String {
         let st = Style { color };
         let mut o = String::new();
+        self.render_verdict(&mut o, &st);
+        self.render_traces(&mut o, &st);
+        let l = &self.levels;
+        render_l0(&mut o, &st, &l.l0);
+        render_l1(&mut o, &st, &l.l1);
+        render_l2(&mut o, &st, &l.l2);
+        render_l3(&mut o, &st, &l.l3);
+        render_l4(&mut o, &st, &l.l4);
+        let _ = writeln!(o);
+        let _ = writeln!(o, "{}", st.bold(&self.summary));
+        o
+    }
+
+    /// The verdict line.
+    fn render_verdict(&self, o: &mut String, st: &Style) {
         match (self.verdict, &self.first_divergence) {
             (Verdict::Equivalent, _) => {
                 let _ = writeln!(
@@ -127,6 +143,10 @@ impl DiffReport {
                 let _ = writeln!(o, "{} the traces cover different steps", st.red("DIVERGENT:"));
             }
         }
+    }
+
+    /// The two traces, their binding differences and unmatched steps.
+    fn render_traces(&self, o: &mut String, st: &Style) {
         for (label, t) in [("reference", &self.reference), ("candidate", &self.candidate)] {
             let _ = writeln!(
                 o,
@@ -154,241 +174,235 @@ impl DiffReport {
         if !self.unmatched_steps.is_empty() {
             let _ = writeln!(o, "  steps present in one trace only: {:?}", self.unmatched_steps);
         }
+    }
+}
 
-        let l = &self.levels;
-        // L0
-        let l0 = &l.l0;
-        header(&mut o, &st, "L0", "tokens / text", l0.status, &l0.explains);
-        if l0.status == LevelStatus::Differ {
-            if let Some(n) = l0.ordinal {
-                let tok = |id: Option<i64>, text: &Option<String>| {
-                    format!(
-                        "{}{}",
-                        id.map(|v| v.to_string()).unwrap_or_else(|| "?".into()),
-                        text.as_ref().map(|t| format!(" {t:?}")).unwrap_or_default()
-                    )
-                };
+/// L0: the first different generated token and the text diff.
+fn render_l0(o: &mut String, st: &Style, l0: &L0Report) {
+    header(o, st, "L0", "tokens / text", l0.status, &l0.explains);
+    if l0.status != LevelStatus::Differ {
+        return;
+    }
+    if let Some(n) = l0.ordinal {
+        let tok = |id: Option<i64>, text: &Option<String>| {
+            format!(
+                "{}{}",
+                id.map(|v| v.to_string()).unwrap_or_else(|| "?".into()),
+                text.as_ref().map(|t| format!(" {t:?}")).unwrap_or_default()
+            )
+        };
+        let _ = writeln!(
+            o,
+            "   first different generated token: #{n} (predicted by step {}): reference {} vs candidate {}",
+            n - 1,
+            tok(l0.reference_token, &l0.reference_token_text),
+            tok(l0.candidate_token, &l0.candidate_token_text)
+        );
+    } else if let Some(f) = &l0.first {
+        let _ = writeln!(o, "   first differing record: {}", f.describe());
+    }
+    if !l0.text_diff.is_empty() {
+        let _ = writeln!(
+            o,
+            "   text ([-reference only-] {{+candidate only+}}): {}",
+            st.inline(&l0.text_diff)
+        );
+    }
+}
+
+/// L1: the first differing step, top-1 change, margins and logits.
+fn render_l1(o: &mut String, st: &Style, l1: &L1Report) {
+    header(o, st, "L1", "logits / top-k margins", l1.status, &l1.explains);
+    let Some(f) = &l1.first else {
+        return;
+    };
+    let _ = writeln!(
+        o,
+        "   first differing step: {} (position {}; differing: {}); {} of the steps differ",
+        f.step,
+        f.position,
+        l1.differing_paths.join(", "),
+        l1.differing_steps
+    );
+    let top = |t: Option<[i64; 2]>| {
+        t.map(|t| format!("{} > {}", t[0], t[1]))
+            .unwrap_or_else(|| "?".into())
+    };
+    let _ = writeln!(
+        o,
+        "   top-1 token {}; reference {} (margin {}), candidate {} (margin {})",
+        match l1.argmax_changed {
+            Some(true) => "CHANGED",
+            Some(false) => "unchanged",
+            None => "unknown",
+        },
+        top(l1.reference_top2),
+        opt_num(l1.reference_margin),
+        top(l1.candidate_top2),
+        opt_num(l1.candidate_margin)
+    );
+    if let Some(n) = &l1.logits {
+        let _ = writeln!(o, "   {}:", Component::LmLogits.path());
+        numeric_lines(o, n);
+    }
+}
+
+/// L2: the first differing decode boundary, per layer.
+fn render_l2(o: &mut String, st: &Style, l2: &L2Report) {
+    header(o, st, "L2", "full persistent state", l2.status, &l2.explains);
+    let Some(s) = l2.step else {
+        return;
+    };
+    let _ = writeln!(
+        o,
+        "   first differing decode boundary: after step {s}; {} of the boundaries differ",
+        l2.differing_steps
+    );
+    for layer in &l2.layers {
+        let comps: Vec<String> = layer
+            .components
+            .iter()
+            .map(|c| match (c.differing_values, c.values) {
+                (Some(d), Some(n)) => format!("{} ({d}/{n} values)", c.path),
+                _ if c.present_in != "both" => format!("{} (only in {})", c.path, c.present_in),
+                _ => c.path.clone(),
+            })
+            .collect();
+        let name = layer
+            .layer
+            .map(|l| format!("layer {l}"))
+            .unwrap_or_else(|| "global".into());
+        let _ = writeln!(o, "   {name}: {}", comps.join(", "));
+    }
+    if !l2.identical_layers.is_empty() {
+        let _ = writeln!(o, "   identical layers: {}", ranges(&l2.identical_layers));
+    }
+}
+
+/// L3: the first differing post-mHC checkpoint and the first route change.
+fn render_l3(o: &mut String, st: &Style, l3: &L3Report) {
+    header(
+        o,
+        st,
+        "L3",
+        "layer state (post-mHC) and routes",
+        l3.status,
+        &l3.explains,
+    );
+    if let Some(f) = &l3.first {
+        let _ = writeln!(
+            o,
+            "   first differing checkpoint: {} ({} half)",
+            f.describe(),
+            l3.half.map(|h| h.name()).unwrap_or("?")
+        );
+        match &l3.last_matched_checkpoint {
+            Some(m) => {
                 let _ = writeln!(
                     o,
-                    "   first different generated token: #{n} (predicted by step {}): reference {} vs candidate {}",
-                    n - 1,
-                    tok(l0.reference_token, &l0.reference_token_text),
-                    tok(l0.candidate_token, &l0.candidate_token_text)
-                );
-            } else if let Some(f) = &l0.first {
-                let _ = writeln!(o, "   first differing record: {}", f.describe());
-            }
-            if !l0.text_diff.is_empty() {
-                let _ = writeln!(
-                    o,
-                    "   text ([-reference only-] {{+candidate only+}}): {}",
-                    st.inline(&l0.text_diff)
+                    "   the {} earlier checkpoint(s) of step {} all match; last match: {}",
+                    l3.earlier_checkpoints_matched,
+                    f.step,
+                    m.describe()
                 );
             }
+            None => {
+                let _ = writeln!(o, "   it is the first checkpoint of step {}", f.step);
+            }
         }
-        // L1
-        let l1 = &l.l1;
-        header(
-            &mut o,
-            &st,
-            "L1",
-            "logits / top-k margins",
-            l1.status,
-            &l1.explains,
+        if let Some(n) = &l3.numeric {
+            numeric_lines(o, n);
+        }
+    } else if let Some(f) = &l3.first_record {
+        let _ = writeln!(
+            o,
+            "   first differing record: {} (no post-mHC checkpoint differs)",
+            f.describe()
         );
-        if let Some(f) = &l1.first {
+    }
+    if l3.status != LevelStatus::Differ {
+        return;
+    }
+    match &l3.route {
+        Some(r) => {
             let _ = writeln!(
                 o,
-                "   first differing step: {} (position {}; differing: {}); {} of the steps differ",
-                f.step,
-                f.position,
-                l1.differing_paths.join(", "),
-                l1.differing_steps
+                "   first route change: {}: experts {:?} -> {:?} (entering {:?}, leaving {:?}; margins {} vs {})",
+                r.at.describe(),
+                r.reference_experts,
+                r.candidate_experts,
+                r.entering,
+                r.leaving,
+                opt_num(r.reference_margin),
+                opt_num(r.candidate_margin)
             );
-            let top = |t: Option<[i64; 2]>| {
-                t.map(|t| format!("{} > {}", t[0], t[1]))
-                    .unwrap_or_else(|| "?".into())
-            };
-            let _ = writeln!(
-                o,
-                "   top-1 token {}; reference {} (margin {}), candidate {} (margin {})",
-                match l1.argmax_changed {
-                    Some(true) => "CHANGED",
-                    Some(false) => "unchanged",
-                    None => "unknown",
-                },
-                top(l1.reference_top2),
-                opt_num(l1.reference_margin),
-                top(l1.candidate_top2),
-                opt_num(l1.candidate_margin)
-            );
-            if let Some(n) = &l1.logits {
-                let _ = writeln!(o, "   lm.logits:");
-                numeric_lines(&mut o, n);
-            }
         }
-        // L2
-        let l2 = &l.l2;
-        header(
-            &mut o,
-            &st,
-            "L2",
-            "full persistent state",
-            l2.status,
-            &l2.explains,
+        None => {
+            let _ = writeln!(o, "   routes: identical everywhere");
+        }
+    }
+}
+
+/// L4: the localized operator, its inputs, and contract inference.
+fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
+    header(o, st, "L4", "operator intermediates", l4.status, &l4.explains);
+    if let Some(loc) = &l4.localized {
+        let _ = writeln!(
+            o,
+            "   localized operator: {} — {}",
+            st.bold(&loc.at.describe()),
+            if loc.inputs_match {
+                "its output differs while its inputs match"
+            } else {
+                "first differing operator (some inputs differ too)"
+            }
         );
-        if let Some(s) = l2.step {
+        let ins: Vec<String> = loc
+            .inputs
+            .iter()
+            .map(|i| format!("{} {}", i.input, i.status))
+            .collect();
+        if !ins.is_empty() {
+            let _ = writeln!(o, "   inputs: {}", ins.join("; "));
+        }
+        if let Some(n) = &loc.numeric {
+            numeric_lines(o, n);
+        }
+    } else if let Some(f) = &l4.first {
+        let _ = writeln!(o, "   first differing record: {}", f.describe());
+    }
+    if let Some(c) = &l4.contract {
+        render_contract(o, st, c);
+    }
+}
+
+/// Which contract reproduces the candidate's (and the reference's) combine.
+fn render_contract(o: &mut String, st: &Style, c: &ContractReport) {
+    let combine = Component::MoeCombine.path();
+    match &c.candidate {
+        Some(e) => {
             let _ = writeln!(
                 o,
-                "   first differing decode boundary: after step {s}; {} of the boundaries differ",
-                l2.differing_steps
+                "   contract: candidate's {combine} at layer {} step {} equals {}",
+                c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
+                c.at.step,
+                st.bold(e)
             );
-            for layer in &l2.layers {
-                let comps: Vec<String> = layer
-                    .components
-                    .iter()
-                    .map(|c| match (c.differing_values, c.values) {
-                        (Some(d), Some(n)) => format!("{} ({d}/{n} values)", c.path),
-                        _ if c.present_in != "both" => format!("{} (only in {})", c.path, c.present_in),
-                        _ => c.path.clone(),
-                    })
-                    .collect();
-                let name = layer
-                    .layer
-                    .map(|l| format!("layer {l}"))
-                    .unwrap_or_else(|| "global".into());
-                let _ = writeln!(o, "   {name}: {}", comps.join(", "));
-            }
-            if !l2.identical_layers.is_empty() {
-                let _ = writeln!(o, "   identical layers: {}", ranges(&l2.identical_layers));
-            }
         }
-        // L3
-        let l3 = &l.l3;
-        header(
-            &mut o,
-            &st,
-            "L3",
-            "layer state (post-mHC) and routes",
-            l3.status,
-            &l3.explains,
+        None => {
+            let _ = writeln!(o, "   contract: {}", c.note.clone().unwrap_or_default());
+        }
+    }
+    if let Some(r) = &c.reference {
+        let _ = writeln!(
+            o,
+            "   reference's {combine} equals {r}{}",
+            if c.reference_is_native == Some(false) {
+                " (not the native contract)"
+            } else {
+                ""
+            }
         );
-        if let Some(f) = &l3.first {
-            let _ = writeln!(
-                o,
-                "   first differing checkpoint: {} ({} half)",
-                f.describe(),
-                l3.half.map(|h| h.name()).unwrap_or("?")
-            );
-            match &l3.last_matched_checkpoint {
-                Some(m) => {
-                    let _ = writeln!(
-                        o,
-                        "   the {} earlier checkpoint(s) of step {} all match; last match: {}",
-                        l3.earlier_checkpoints_matched,
-                        f.step,
-                        m.describe()
-                    );
-                }
-                None => {
-                    let _ = writeln!(o, "   it is the first checkpoint of step {}", f.step);
-                }
-            }
-            if let Some(n) = &l3.numeric {
-                numeric_lines(&mut o, n);
-            }
-        } else if let Some(f) = &l3.first_record {
-            let _ = writeln!(
-                o,
-                "   first differing record: {} (no post-mHC checkpoint differs)",
-                f.describe()
-            );
-        }
-        if l3.status == LevelStatus::Differ {
-            match &l3.route {
-                Some(r) => {
-                    let _ = writeln!(
-                        o,
-                        "   first route change: {}: experts {:?} -> {:?} (entering {:?}, leaving {:?}; margins {} vs {})",
-                        r.at.describe(),
-                        r.reference_experts,
-                        r.candidate_experts,
-                        r.entering,
-                        r.leaving,
-                        opt_num(r.reference_margin),
-                        opt_num(r.candidate_margin)
-                    );
-                }
-                None => {
-                    let _ = writeln!(o, "   routes: identical everywhere");
-                }
-            }
-        }
-        // L4
-        let l4 = &l.l4;
-        header(
-            &mut o,
-            &st,
-            "L4",
-            "operator intermediates",
-            l4.status,
-            &l4.explains,
-        );
-        if let Some(loc) = &l4.localized {
-            let _ = writeln!(
-                o,
-                "   localized operator: {} — {}",
-                st.bold(&loc.at.describe()),
-                if loc.inputs_match {
-                    "its output differs while its inputs match"
-                } else {
-                    "first differing operator (some inputs differ too)"
-                }
-            );
-            let ins: Vec<String> = loc
-                .inputs
-                .iter()
-                .map(|i| format!("{} {}", i.input, i.status))
-                .collect();
-            if !ins.is_empty() {
-                let _ = writeln!(o, "   inputs: {}", ins.join("; "));
-            }
-            if let Some(n) = &loc.numeric {
-                numeric_lines(&mut o, n);
-            }
-        } else if let Some(f) = &l4.first {
-            let _ = writeln!(o, "   first differing record: {}", f.describe());
-        }
-        if let Some(c) = &l4.contract {
-            match &c.candidate {
-                Some(e) => {
-                    let _ = writeln!(
-                        o,
-                        "   contract: candidate's moe.combine at layer {} step {} equals {}",
-                        c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
-                        c.at.step,
-                        st.bold(e)
-                    );
-                }
-                None => {
-                    let _ = writeln!(o, "   contract: {}", c.note.clone().unwrap_or_default());
-                }
-            }
-            if let Some(r) = &c.reference {
-                let _ = writeln!(
-                    o,
-                    "   reference's moe.combine equals {r}{}",
-                    if c.reference_is_native == Some(false) {
-                        " (not the native contract)"
-                    } else {
-                        ""
-                    }
-                );
-            }
-        }
-        let _ = writeln!(o);
-        let _ = writeln!(o, "{}", st.bold(&self.summary));
-        o
     }
 }
 

@@ -3,8 +3,7 @@
 use crate::comparability::Comparability;
 use crate::inference::Inference;
 use crate::numeric::NumericSummary;
-use crate::operators::Half;
-use moeconf_fingerprint::{Coord, Level};
+use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.

@@ -2,7 +2,7 @@
 //! entered, so an unchanged step costs one 32-byte comparison and no record,
 //! payload or tensor byte is touched.
 
-use moeconf_fingerprint::{Level, LevelNode, StepNode};
+use moeconf_fingerprint::{Component, Level, LevelNode, StepNode};
 use moeconf_schema::{IndexEntry, Trace};
 use std::cmp::Ordering;
 
@@ -212,6 +212,25 @@ impl<'a> Sides<'a> {
         let mut out = Vec::new();
         self.merge_join(&ra, &ca, &mut out, |_, _| true);
         out
+    }
+
+    /// [`Sides::lookup`] of a catalogue component: its records (every member
+    /// of a family) at the catalogue's level.
+    pub fn lookup_component(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: Option<u32>,
+        component: Component,
+    ) -> Vec<Pair> {
+        self.lookup(
+            step,
+            component.level(),
+            layer,
+            position,
+            component.path(),
+            component.is_family(),
+        )
     }
 
     /// Whether both sides hold the record and their digests are equal.

@@ -6,6 +6,9 @@
 //! mode. NaN and ±∞ skip the bias and only have their low 16 bits cleared
 //! (so a NaN whose payload lives only in the low 16 bits becomes ±∞: the
 //! paper's rule, reproduced exactly; see docs/operators.md).
+//!
+//! The inverse direction (exact widening of a bf16 pattern to f32) is
+//! `moeconf_fingerprint::bf16_to_f32`, the one place values are widened.
 
 /// R_BF16 on raw bits: returns the f32 bit pattern of the rounded value
 /// (low 16 bits zero).
@@ -30,12 +33,6 @@ pub fn r_bf16(x: f32) -> f32 {
 #[inline]
 pub fn to_bf16_bits(x: f32) -> u16 {
     (r_bf16_bits(x.to_bits()) >> 16) as u16
-}
-
-/// Exact promotion of a bf16 storage pattern to f32.
-#[inline]
-pub fn from_bf16_bits(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
 }
 
 /// Rounds every element in place with R_BF16.

@@ -44,8 +44,9 @@ pub use order::{
     validate_permutation, MAX_ENUMERATED_K, MAX_INDEXED_K,
 };
 pub use schedule::{
-    derive_seed, draw_index, parse_fork_order, prompt_hash, splitmix64, ForkCombine, ForkPoint, Schedule,
-    ScheduledCombine, DEFAULT_EXPERIMENT_SEED, DOMAIN_LAYER_STATIC, DOMAIN_TOKEN_DYNAMIC,
+    derive_seed, draw_index, fnv1a64, parse_fork_order, prompt_hash, splitmix64, ForkCombine, ForkPoint,
+    Schedule, ScheduledCombine, DEFAULT_EXPERIMENT_SEED, DOMAIN_LAYER_STATIC, DOMAIN_TOKEN_DYNAMIC,
+    GOLDEN_GAMMA,
 };
 pub use spec::{
     Accumulator, AggregationContract, OperandPrecision, Order, OutputRounding, Shape, CANONICAL_NAN_BITS,

@@ -170,28 +170,28 @@ pub fn b_class_representative(k: usize, class: u64) -> Result<Vec<usize>, Contra
 /// enumerate (10! = 3 628 800 permutations).
 pub const MAX_ENUMERATED_K: usize = 10;
 
-/// All k! permutations of `0..k` in lexicographic order (element i has index i).
-pub fn all_permutations(k: usize) -> Result<Vec<Vec<usize>>, ContractError> {
+/// Refuses k above [`MAX_ENUMERATED_K`] for `what`.
+fn enumerable(k: usize, what: &'static str) -> Result<(), ContractError> {
     if k > MAX_ENUMERATED_K {
         return Err(ContractError::TooManyTerms {
             k,
-            what: "enumerating permutations",
+            what,
             max: MAX_ENUMERATED_K,
         });
     }
+    Ok(())
+}
+
+/// All k! permutations of `0..k` in lexicographic order (element i has index i).
+pub fn all_permutations(k: usize) -> Result<Vec<Vec<usize>>, ContractError> {
+    enumerable(k, "enumerating permutations")?;
     let count = factorial_checked(k)?;
     (0..count).map(|i| permutation_from_index(k, i)).collect()
 }
 
 /// The canonical representatives of all B classes, element i being class i.
 pub fn b_class_representatives(k: usize) -> Result<Vec<Vec<usize>>, ContractError> {
-    if k > MAX_ENUMERATED_K {
-        return Err(ContractError::TooManyTerms {
-            k,
-            what: "enumerating B classes",
-            max: MAX_ENUMERATED_K,
-        });
-    }
+    enumerable(k, "enumerating B classes")?;
     let count = b_class_count(k)?;
     (0..count).map(|c| b_class_representative(k, c)).collect()
 }

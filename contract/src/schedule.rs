@@ -41,7 +41,8 @@ pub const DOMAIN_LAYER_STATIC: u64 = 0x6c79_7273_7461_7463;
 /// Domain tag of token-dynamic seeds (ASCII "tokdynam").
 pub const DOMAIN_TOKEN_DYNAMIC: u64 = 0x746f_6b64_796e_616d;
 
-const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+/// SplitMix64's state increment (the golden gamma, 2^64 / φ rounded to odd).
+pub const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// One SplitMix64 output from state `x` (the state advanced by the golden
 /// gamma, then finalized).
@@ -57,11 +58,18 @@ pub fn derive_seed(domain: u64, words: &[u64]) -> u64 {
     words.iter().fold(domain, |h, &w| splitmix64(h ^ w))
 }
 
-/// 64-bit FNV-1a of the prompt's UTF-8 bytes: the prompt identity in schedule seeds.
-pub fn prompt_hash(prompt: &str) -> u64 {
-    prompt.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+/// 64-bit FNV-1a of `bytes` (offset basis `0xcbf29ce484222325`, prime
+/// `0x100000001b3`): the one string hash of moeconf's seeds (prompt identity
+/// in schedule seeds, tensor names in the fixture generator).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     })
+}
+
+/// 64-bit FNV-1a of the prompt's UTF-8 bytes: the prompt identity in schedule seeds.
+pub fn prompt_hash(prompt: &str) -> u64 {
+    fnv1a64(prompt.as_bytes())
 }
 
 /// A uniform index in `0..n` (n ≥ 1) drawn from the SplitMix64 stream seeded

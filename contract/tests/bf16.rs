@@ -8,7 +8,8 @@
 //! two cores; it is the acceptance test, so it is not ignored)
 //! (see docs/contracts.md for the measured time).
 
-use moeconf_contract::bf16::{from_bf16_bits, r_bf16, r_bf16_bits, r_bf16_slice, to_bf16_bits};
+use moeconf_contract::bf16::{r_bf16, r_bf16_bits, r_bf16_slice, to_bf16_bits};
+use moeconf_fingerprint::bf16_to_f32 as from_bf16_bits;
 use rayon::prelude::*;
 
 /// R_BF16 computed arithmetically in f64, without bit tricks on the f32

@@ -133,6 +133,10 @@ pub enum InputSource {
     CarriedState,
 }
 
+/// The path prefix of every persistent-state component: the records an
+/// [`InputSource::CarriedState`] input stands for.
+pub const STATE_PREFIX: &str = "state.";
+
 /// One input of an operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Input {

@@ -14,18 +14,19 @@
 //! - De-rotation: inverse rope at t on the trailing r channels of each o_h.
 //! - `u_g = round(W_oa[gR..(g+1)R] · o_g)` over contiguous head groups, `out = round(W_ob · u)`.
 
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::Component;
 
 use crate::capture::{CaptureError, Recorder};
 use crate::compressor::{compressor_step_with, CompressorWeights};
 use crate::config::{AttentionKind, ModelConfig};
+use crate::context::TokenCtx;
 use crate::error::RuntimeError;
-use crate::faults::{keep_mantissa_bits, truncate_bf16, Active};
+use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder, Summation};
 use crate::indexer::{indexer_scores, topk_desc, IndexerWeights};
 use crate::linear::dot8;
 use crate::precision::Precision;
 use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
-use crate::rope::{apply_rope, RopeFreqs};
+use crate::rope::{apply_rope, CosSin, RopeFreqs};
 use crate::state::LayerState;
 use crate::weights::{Mat, WeightLoader};
 
@@ -82,15 +83,7 @@ impl AttnWeights {
             )?),
         };
         let indexer = match kind {
-            AttentionKind::Csa => Some(IndexerWeights::load(
-                w,
-                &format!("{p}.indexer"),
-                dm,
-                qr,
-                cfg.index_n_heads,
-                cfg.index_head_dim,
-                cfg.csa_rate,
-            )?),
+            AttentionKind::Csa => Some(IndexerWeights::load(w, &format!("{p}.indexer"), cfg)?),
             _ => None,
         };
         Ok(AttnWeights {
@@ -122,23 +115,19 @@ pub struct Ropes {
     pub compress: RopeFreqs,
 }
 
-/// Runs the attention block for one token at position `t` with normalised
-/// input `a`, updating the layer state; returns the block output (length D).
-#[allow(clippy::too_many_arguments)]
+/// Runs the attention block for one token (at `cx.position`) with
+/// normalised input `a`, updating the layer state; returns the block output
+/// (length D).
 pub(crate) fn attention_forward(
     aw: &AttnWeights,
-    cfg: &ModelConfig,
     ls: &mut LayerState,
     a: &[f32],
-    t: u32,
     ropes: &Ropes,
-    p: Precision,
+    cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-    layer: u32,
-    fx: &Active<'_>,
 ) -> Result<Vec<f32>, CaptureError> {
-    let (h, d, eps) = (cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps);
-    let l = Some(layer);
+    let (cfg, p, t, at) = (cx.cfg, cx.p, cx.position, cx.at());
+    let (h, d) = (cfg.num_heads, cfg.head_dim);
     let rope = if aw.kind == AttentionKind::Sliding {
         &ropes.main
     } else {
@@ -146,103 +135,155 @@ pub(crate) fn attention_forward(
     };
     let cs = rope.cos_sin(t, p);
 
-    let q_lat = rmsnorm_weighted(&aw.wq_a.linear(a, p), &aw.q_norm, eps, p);
-    let mut q = aw.wq_b.linear(&q_lat, p);
-    for hq in q.chunks_exact_mut(d) {
-        rmsnorm_unweighted_in_place(hq, eps, p);
-        apply_rope(hq, &cs, false, p);
-    }
-    rec.f32(Level::L4, t, l, "attn.q", &[h as u64, d as u64], &q)?;
-
-    let mut kv = rmsnorm_weighted(&aw.wkv.linear(a, p), &aw.kv_norm, eps, p);
-    apply_rope(&mut kv, &cs, false, p);
-    if let Some(bits) = fx.kv_mantissa_bits {
-        keep_mantissa_bits(&mut kv, bits);
-    }
-    rec.f32(Level::L4, t, l, "attn.kv", &[d as u64], &kv)?;
+    let (q_lat, q) = queries(aw, a, &cs, cx);
+    rec.f32(Component::AttnQ, at, &[h as u64, d as u64], &q)?;
+    let kv = new_kv(aw, a, &cs, cx);
+    rec.f32(Component::AttnKv, at, &[d as u64], &kv)?;
     ls.window_kv.extend_from_slice(&kv);
 
-    if let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) {
-        if let Some(entry) = compressor_step_with(
-            cw,
-            cst,
-            a,
-            &ropes.compress,
-            eps,
-            p,
-            fx.compressor_reversed,
-            fx.compressor_bf16_accumulator,
-        ) {
-            rec.f32(Level::L4, t, l, "attn.compressed", &[1, d as u64], &entry)?;
-        }
-    }
-    let mut selected: Vec<usize> = Vec::new();
-    if let (Some(iw), Some(ist)) = (&aw.indexer, ls.indexer.as_mut()) {
-        if let Some(entry) =
-            compressor_step_with(&iw.compressor, ist, a, &ropes.compress, eps, p, false, false)
-        {
-            rec.f32(
-                Level::L4,
-                t,
-                l,
-                "attn.indexer_compressed",
-                &[1, ist.dim as u64],
-                &entry,
-            )?;
-        }
-        let ccs = ropes.compress.cos_sin(t, p);
-        let scores = indexer_scores(iw, ist, &q_lat, a, &ccs, cfg.index_n_heads, p);
-        selected = topk_desc(&scores, cfg.index_topk.min(scores.len()));
-        let ids: Vec<i32> = selected.iter().map(|&i| i as i32).collect();
-        rec.i32(Level::L4, t, l, "attn.indexer_topk", &ids)?;
-    }
+    compress(aw, ls, a, ropes, cx, rec)?;
+    let selected = select(aw, ls, a, &q_lat, ropes, cx, rec)?;
+    let mut core = {
+        let keys = key_list(aw.kind, ls, &selected, d);
+        attend(&q, &keys, &aw.sinks, cx)
+    };
+    rec.f32(Component::AttnCore, at, &[h as u64, d as u64], &core)?;
+    let out = output_projection(aw, &mut core, &cs, cx);
+    rec.f32(Component::AttnOutput, at, &[cfg.hidden_size as u64], &out)?;
 
-    // Key list: window rows, then compressed entries.
+    // Keep the last w−1 kvs (HF DynamicSlidingWindowLayer).
+    let keep = cfg.sliding_window.saturating_sub(1) * d;
+    if ls.window_kv.len() > keep {
+        let drop_n = ls.window_kv.len() - keep;
+        ls.window_kv.drain(..drop_n);
+    }
+    ls.cumulative_length += 1;
+    Ok(out)
+}
+
+/// The query latent and the per-head queries after norm and RoPE.
+fn queries(aw: &AttnWeights, a: &[f32], cs: &CosSin, cx: &TokenCtx<'_>) -> (Vec<f32>, Vec<f32>) {
+    let (p, eps) = (cx.p, cx.cfg.rms_norm_eps);
+    let q_lat = rmsnorm_weighted(&aw.wq_a.linear(a, p), &aw.q_norm, eps, p);
+    let mut q = aw.wq_b.linear(&q_lat, p);
+    for hq in q.chunks_exact_mut(cx.cfg.head_dim) {
+        rmsnorm_unweighted_in_place(hq, eps, p);
+        apply_rope(hq, cs, false, p);
+    }
+    (q_lat, q)
+}
+
+/// The position's new kv vector (norm, RoPE, and the kv precision fault).
+fn new_kv(aw: &AttnWeights, a: &[f32], cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
+    let p = cx.p;
+    let mut kv = rmsnorm_weighted(&aw.wkv.linear(a, p), &aw.kv_norm, cx.cfg.rms_norm_eps, p);
+    apply_rope(&mut kv, cs, false, p);
+    if let Some(bits) = cx.fx.kv_mantissa_bits {
+        keep_mantissa_bits(&mut kv, bits);
+    }
+    kv
+}
+
+/// The main compressor's step (CSA/HCA), recording an emitted entry.
+fn compress(
+    aw: &AttnWeights,
+    ls: &mut LayerState,
+    a: &[f32],
+    ropes: &Ropes,
+    cx: &TokenCtx<'_>,
+    rec: &mut Recorder<'_>,
+) -> Result<(), CaptureError> {
+    let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) else {
+        return Ok(());
+    };
+    let eps = cx.cfg.rms_norm_eps;
+    if let Some(entry) =
+        compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor_pooling)
+    {
+        let d = cx.cfg.head_dim as u64;
+        rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &entry)?;
+    }
+    Ok(())
+}
+
+/// The lightning indexer (CSA): its compressor's step, then the selection
+/// of compressed entries (descending score). Empty on other layers.
+fn select(
+    aw: &AttnWeights,
+    ls: &mut LayerState,
+    a: &[f32],
+    q_lat: &[f32],
+    ropes: &Ropes,
+    cx: &TokenCtx<'_>,
+    rec: &mut Recorder<'_>,
+) -> Result<Vec<usize>, CaptureError> {
+    let (Some(iw), Some(ist)) = (&aw.indexer, ls.indexer.as_mut()) else {
+        return Ok(Vec::new());
+    };
+    let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
+    let contract = Summation::default();
+    if let Some(entry) = compressor_step_with(
+        &iw.compressor,
+        ist,
+        a,
+        &ropes.compress,
+        cfg.rms_norm_eps,
+        p,
+        contract,
+    ) {
+        rec.f32(Component::AttnIndexerCompressed, at, &[1, ist.dim as u64], &entry)?;
+    }
+    let ccs = ropes.compress.cos_sin(cx.position, p);
+    let scores = indexer_scores(iw, ist, q_lat, a, &ccs, cfg.index_n_heads, p);
+    let selected = topk_desc(&scores, cfg.index_topk.min(scores.len()));
+    let ids: Vec<i32> = selected.iter().map(|&i| i as i32).collect();
+    rec.i32(Component::AttnIndexerTopk, at, &ids)?;
+    Ok(selected)
+}
+
+/// The keys of this token: the window rows, then the compressed entries
+/// (HCA: all; CSA: the indexer's selection in ascending entry order).
+fn key_list<'s>(kind: AttentionKind, ls: &'s LayerState, selected: &[usize], d: usize) -> Vec<&'s [f32]> {
     let mut keys: Vec<&[f32]> = ls.window_kv.chunks_exact(d).collect();
     if let Some(cst) = &ls.compressor {
-        match aw.kind {
+        match kind {
             AttentionKind::Csa => {
-                let mut sel = selected.clone();
+                let mut sel = selected.to_vec();
                 sel.sort_unstable();
                 keys.extend(sel.iter().map(|&i| cst.entry(i)));
             }
             _ => keys.extend((0..cst.entry_count as usize).map(|i| cst.entry(i))),
         }
     }
+    keys
+}
+
+/// Per-head sink softmax over `keys` and the weighted value sum (K = V):
+/// the attention output per head, before de-rotation, `[H·d]`.
+fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], cx: &TokenCtx<'_>) -> Vec<f32> {
+    let (p, h, d) = (cx.p, cx.cfg.num_heads, cx.cfg.head_dim);
+    let softmax = cx.fx.softmax;
+    let reversed = softmax.order == SumOrder::Reversed;
     let scale = 1.0 / (d as f32).sqrt();
     let mut core = vec![0.0f32; h * d];
-    let mut logits = vec![0.0f32; keys.len()];
+    let mut e = vec![0.0f32; keys.len()];
     for hh in 0..h {
         let qh = &q[hh * d..(hh + 1) * d];
-        let sink = aw.sinks[hh];
+        let sink = sinks[hh];
         let mut m = sink;
-        for (lj, k) in logits.iter_mut().zip(&keys) {
+        for (lj, k) in e.iter_mut().zip(keys) {
             *lj = p.round(p.round(dot8(qh, k)) * scale);
             m = m.max(*lj);
         }
-        let mut z = 0.0f32;
-        if fx.softmax_reversed || fx.softmax_bf16_accumulator {
-            for lj in logits.iter_mut() {
-                *lj = libm::expf(*lj - m);
-            }
-            let mut add = |e: &f32| {
-                z = if fx.softmax_bf16_accumulator {
-                    moeconf_contract::bf16::r_bf16(z + e)
-                } else {
-                    z + e
-                }
-            };
-            if fx.softmax_reversed {
-                logits.iter().rev().for_each(&mut add);
-            } else {
-                logits.iter().for_each(&mut add);
-            }
-        } else {
-            for lj in logits.iter_mut() {
-                *lj = libm::expf(*lj - m);
-                z += *lj;
-            }
+        for ej in e.iter_mut() {
+            *ej = libm::expf(*ej - m);
         }
+        let add = |z: f32, ej: &f32| softmax.accumulator.add(z, *ej);
+        let mut z = if reversed {
+            e.iter().rev().fold(0.0f32, add)
+        } else {
+            e.iter().fold(0.0f32, add)
+        };
         z += libm::expf(sink - m);
         let oh = &mut core[hh * d..(hh + 1) * d];
         let mut weighted = |ej: &f32, v: &&[f32]| {
@@ -251,18 +292,22 @@ pub(crate) fn attention_forward(
                 *o += pj * vv;
             }
         };
-        if fx.softmax_reversed {
-            logits.iter().zip(&keys).rev().for_each(|(ej, v)| weighted(ej, v));
+        if reversed {
+            e.iter().zip(keys).rev().for_each(|(ej, v)| weighted(ej, v));
         } else {
-            logits.iter().zip(&keys).for_each(|(ej, v)| weighted(ej, v));
+            e.iter().zip(keys).for_each(|(ej, v)| weighted(ej, v));
         }
         p.round_slice(oh);
     }
-    rec.f32(Level::L4, t, l, "attn.core", &[h as u64, d as u64], &core)?;
-    drop(keys);
+    core
+}
 
+/// De-rotation of each head's output, then the grouped output projection.
+fn output_projection(aw: &AttnWeights, core: &mut [f32], cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
+    let (cfg, p) = (cx.cfg, cx.p);
+    let (h, d) = (cfg.num_heads, cfg.head_dim);
     for oh in core.chunks_exact_mut(d) {
-        apply_rope(oh, &cs, true, p);
+        apply_rope(oh, cs, true, p);
     }
     let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
     let per_group = h * d / g;
@@ -275,21 +320,11 @@ pub(crate) fn attention_forward(
         );
     }
     p.round_slice(&mut u);
-    let out = if fx.attn_output_truncate {
+    if cx.fx.attn_output_truncate {
         let mut o = aw.wo_b.linear(&u, Precision::F32);
         o.iter_mut().for_each(|v| *v = truncate_bf16(*v));
         o
     } else {
         aw.wo_b.linear(&u, p)
-    };
-    rec.f32(Level::L4, t, l, "attn.output", &[cfg.hidden_size as u64], &out)?;
-
-    // Keep the last w−1 kvs (HF DynamicSlidingWindowLayer).
-    let keep = cfg.sliding_window.saturating_sub(1) * d;
-    if ls.window_kv.len() > keep {
-        let drop_n = ls.window_kv.len() - keep;
-        ls.window_kv.drain(..drop_n);
     }
-    ls.cumulative_length += 1;
-    Ok(out)
 }

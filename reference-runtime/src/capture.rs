@@ -1,9 +1,10 @@
 //! Capture of L0–L4 tensors through a [`CaptureSink`] (the contract is
 //! notes/capture.md): the runtime emits records in execution order, as FP32 /
 //! I32 / I64 / U8 little-endian tensors, and skips every level the sink does
-//! not want without building its payload.
+//! not want without building its payload. Records are named by catalogue
+//! [`Component`]s (their levels are the catalogue's), never by path strings.
 
-use moeconf_fingerprint::{Coord, DType, Level, Phase, TensorView};
+use moeconf_fingerprint::{Component, Coord, DType, Level, LevelSet, Phase, TensorView};
 
 /// A sink refused or failed to store a record.
 #[derive(Debug, thiserror::Error)]
@@ -69,22 +70,20 @@ impl Record {
     }
     /// The elements as FP32 (empty unless dtype is F32).
     pub fn f32s(&self) -> Vec<f32> {
-        if self.dtype != DType::F32 {
-            return Vec::new();
-        }
-        self.bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        self.words(DType::F32, f32::from_le_bytes)
     }
     /// The elements as I32 (empty unless dtype is I32).
     pub fn i32s(&self) -> Vec<i32> {
-        if self.dtype != DType::I32 {
+        self.words(DType::I32, i32::from_le_bytes)
+    }
+    /// The 4-byte elements decoded with `decode` (empty unless dtype is `want`).
+    fn words<T>(&self, want: DType, decode: fn([u8; 4]) -> T) -> Vec<T> {
+        if self.dtype != want {
             return Vec::new();
         }
         self.bytes
             .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .map(|c| decode([c[0], c[1], c[2], c[3]]))
             .collect()
     }
 }
@@ -92,29 +91,26 @@ impl Record {
 /// Collects owned records of the wanted levels in memory (tests, small runs).
 #[derive(Debug, Clone)]
 pub struct MemorySink {
-    levels: [bool; 5],
+    levels: LevelSet,
     /// The records, in the order they were emitted.
     pub records: Vec<Record>,
 }
 
 impl MemorySink {
-    /// A sink that wants every level.
-    pub fn all() -> MemorySink {
+    /// A sink that wants exactly the levels of `levels`.
+    pub fn new(levels: LevelSet) -> MemorySink {
         MemorySink {
-            levels: [true; 5],
+            levels,
             records: Vec::new(),
         }
     }
+    /// A sink that wants every level.
+    pub fn all() -> MemorySink {
+        MemorySink::new(LevelSet::ALL)
+    }
     /// A sink that wants exactly `levels`.
     pub fn with_levels(levels: &[Level]) -> MemorySink {
-        let mut l = [false; 5];
-        for lv in levels {
-            l[lv.code() as usize] = true;
-        }
-        MemorySink {
-            levels: l,
-            records: Vec::new(),
-        }
+        MemorySink::new(levels.iter().copied().collect())
     }
     /// Records whose path equals `path`, in order.
     pub fn by_path<'a>(&'a self, path: &'a str) -> impl Iterator<Item = &'a Record> + 'a {
@@ -124,7 +120,7 @@ impl MemorySink {
 
 impl CaptureSink for MemorySink {
     fn wants(&self, level: Level) -> bool {
-        self.levels.get(level.code() as usize).copied().unwrap_or(false)
+        self.levels.contains(level)
     }
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
         self.records.push(Record {
@@ -138,21 +134,75 @@ impl CaptureSink for MemorySink {
     }
 }
 
+/// Where in a step a record belongs: the token position and the decoder
+/// layer (`None` for model-global records).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct At {
+    /// Absolute token position.
+    pub position: u32,
+    /// Decoder layer.
+    pub layer: Option<u32>,
+}
+
+impl At {
+    /// A model-global record at `position`.
+    pub(crate) fn global(position: u32) -> At {
+        At {
+            position,
+            layer: None,
+        }
+    }
+
+    /// A record of `layer` at `position`.
+    pub(crate) fn layer(position: u32, layer: u32) -> At {
+        At {
+            position,
+            layer: Some(layer),
+        }
+    }
+}
+
+/// The record a capture call names: a catalogue component, with the member
+/// index for a family (`moe.term.J`). Its level is the catalogue's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Name {
+    component: Component,
+    index: u32,
+}
+
+impl From<Component> for Name {
+    fn from(component: Component) -> Name {
+        Name { component, index: 0 }
+    }
+}
+
+impl Name {
+    /// Member `index` of the family `component` (`moe.term.J`).
+    pub(crate) fn member(component: Component, index: u32) -> Name {
+        Name { component, index }
+    }
+
+    fn level(self) -> Level {
+        self.component.level()
+    }
+
+    fn path(self) -> String {
+        self.component.indexed_path(self.index)
+    }
+}
+
 /// Builds coordinates and little-endian payloads for one forward step.
 pub(crate) struct Recorder<'a> {
     sink: &'a mut dyn CaptureSink,
     step: u32,
     phase: Phase,
-    want: [bool; 5],
+    want: LevelSet,
     buf: Vec<u8>,
 }
 
 impl<'a> Recorder<'a> {
     pub(crate) fn new(sink: &'a mut dyn CaptureSink, step: u32, phase: Phase) -> Recorder<'a> {
-        let mut want = [false; 5];
-        for lv in Level::ALL {
-            want[lv.code() as usize] = sink.wants(lv);
-        }
+        let want = Level::ALL.into_iter().filter(|&l| sink.wants(l)).collect();
         Recorder {
             sink,
             step,
@@ -164,29 +214,26 @@ impl<'a> Recorder<'a> {
 
     #[inline]
     pub(crate) fn wants(&self, level: Level) -> bool {
-        self.want[level.code() as usize]
+        self.want.contains(level)
     }
 
-    fn emit(
-        &mut self,
-        level: Level,
-        position: u32,
-        layer: Option<u32>,
-        path: &str,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<(), CaptureError> {
-        let coord = Coord {
+    fn coord(&self, name: Name, at: At) -> Coord {
+        Coord {
             step: self.step,
-            position,
+            position: at.position,
             phase: self.phase,
-            layer,
-            path: path.to_string(),
-        };
+            layer: at.layer,
+            path: name.path(),
+        }
+    }
+
+    /// Passes `self.buf` to the sink as the payload of `name`.
+    fn emit(&mut self, name: Name, at: At, dtype: DType, shape: &[u64]) -> Result<(), CaptureError> {
+        let coord = self.coord(name, at);
         let bytes = std::mem::take(&mut self.buf);
         let r = self.sink.record(
             coord,
-            level,
+            name.level(),
             TensorView {
                 dtype,
                 shape,
@@ -197,32 +244,26 @@ impl<'a> Recorder<'a> {
         r
     }
 
+    /// An FP32 record of logical shape `shape`.
     pub(crate) fn f32(
         &mut self,
-        level: Level,
-        position: u32,
-        layer: Option<u32>,
-        path: &str,
+        name: impl Into<Name>,
+        at: At,
         shape: &[u64],
         data: &[f32],
     ) -> Result<(), CaptureError> {
-        if !self.wants(level) {
+        let name = name.into();
+        if !self.wants(name.level()) {
             return Ok(());
         }
         #[cfg(target_endian = "little")]
         {
             // f32 in memory is already the little-endian payload: no copy.
-            let coord = Coord {
-                step: self.step,
-                position,
-                phase: self.phase,
-                layer,
-                path: path.to_string(),
-            };
+            let coord = self.coord(name, at);
             let bytes: &[u8] = bytemuck::cast_slice(data);
             self.sink.record(
                 coord,
-                level,
+                name.level(),
                 TensorView {
                     dtype: DType::F32,
                     shape,
@@ -236,57 +277,42 @@ impl<'a> Recorder<'a> {
             for v in data {
                 self.buf.extend_from_slice(&v.to_le_bytes());
             }
-            self.emit(level, position, layer, path, DType::F32, shape)
+            self.emit(name, at, DType::F32, shape)
         }
     }
 
-    pub(crate) fn i32(
-        &mut self,
-        level: Level,
-        position: u32,
-        layer: Option<u32>,
-        path: &str,
-        data: &[i32],
-    ) -> Result<(), CaptureError> {
-        if !self.wants(level) {
+    /// An I32 vector record (ids).
+    pub(crate) fn i32(&mut self, name: impl Into<Name>, at: At, data: &[i32]) -> Result<(), CaptureError> {
+        let name = name.into();
+        if !self.wants(name.level()) {
             return Ok(());
         }
         self.buf.clear();
         for v in data {
             self.buf.extend_from_slice(&v.to_le_bytes());
         }
-        self.emit(level, position, layer, path, DType::I32, &[data.len() as u64])
+        self.emit(name, at, DType::I32, &[data.len() as u64])
     }
 
-    pub(crate) fn i64_scalar(
-        &mut self,
-        level: Level,
-        position: u32,
-        layer: Option<u32>,
-        path: &str,
-        v: i64,
-    ) -> Result<(), CaptureError> {
-        if !self.wants(level) {
+    /// An I64 scalar record (a counter), shape `[1]`.
+    pub(crate) fn i64_scalar(&mut self, name: impl Into<Name>, at: At, v: i64) -> Result<(), CaptureError> {
+        let name = name.into();
+        if !self.wants(name.level()) {
             return Ok(());
         }
         self.buf.clear();
         self.buf.extend_from_slice(&v.to_le_bytes());
-        self.emit(level, position, layer, path, DType::I64, &[1])
+        self.emit(name, at, DType::I64, &[1])
     }
 
-    pub(crate) fn bytes(
-        &mut self,
-        level: Level,
-        position: u32,
-        layer: Option<u32>,
-        path: &str,
-        data: &[u8],
-    ) -> Result<(), CaptureError> {
-        if !self.wants(level) {
+    /// A U8 vector record (UTF-8 text).
+    pub(crate) fn bytes(&mut self, name: impl Into<Name>, at: At, data: &[u8]) -> Result<(), CaptureError> {
+        let name = name.into();
+        if !self.wants(name.level()) {
             return Ok(());
         }
         self.buf.clear();
         self.buf.extend_from_slice(data);
-        self.emit(level, position, layer, path, DType::U8, &[data.len() as u64])
+        self.emit(name, at, DType::U8, &[data.len() as u64])
     }
 }

@@ -15,6 +15,7 @@
 //! channels.
 
 use crate::error::RuntimeError;
+use crate::faults::{SumOrder, Summation};
 use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
 use crate::rope::{apply_rope, RopeFreqs};
@@ -64,14 +65,13 @@ pub fn compressor_step(
     eps: f32,
     p: Precision,
 ) -> Option<Vec<f32>> {
-    compressor_step_with(cw, st, a, rope, eps, p, false, false)
+    compressor_step_with(cw, st, a, rope, eps, p, Summation::default())
 }
 
-/// [`compressor_step`] with the pooling sums optionally in reverse slot
-/// order and/or the pooled sum accumulated in BF16 (the
+/// [`compressor_step`] with the pooling sums in the order and accumulator of
+/// `pooling` (the contract's by default; the
 /// [`crate::faults::FaultKind::CompressorPoolingReversed`] and
-/// [`crate::faults::FaultKind::CompressorPoolingBf16Accumulator`] faults).
-#[allow(clippy::too_many_arguments)]
+/// [`crate::faults::FaultKind::CompressorPoolingBf16Accumulator`] faults change it).
 pub(crate) fn compressor_step_with(
     cw: &CompressorWeights,
     st: &mut CompressorState,
@@ -79,8 +79,7 @@ pub(crate) fn compressor_step_with(
     rope: &RopeFreqs,
     eps: f32,
     p: Precision,
-    reversed: bool,
-    bf16_accumulator: bool,
+    pooling: Summation,
 ) -> Option<Vec<f32>> {
     let c = cw.wkv.linear(a, p);
     let z = cw.wgate.linear(a, p);
@@ -89,12 +88,35 @@ pub(crate) fn compressor_step_with(
     if st.buffered() < st.rate {
         return None;
     }
-    let (rate, dim, width) = (st.rate, st.dim, st.width);
     let i = st.entry_count;
-    // Slot kv and gate, [slots][dim].
-    let slots = if st.overlap { 2 * rate } else { rate };
-    let mut kv = vec![0.0f32; slots * dim];
-    let mut gate = vec![f32::NEG_INFINITY; slots * dim];
+    let slots = close_window(cw, st);
+    let pooled = pool(&slots, st.dim, p, pooling);
+    let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
+    let cs = rope.cos_sin((i as usize * st.rate) as u32, p);
+    apply_rope(&mut entry, &cs, false, p);
+    st.buffer_kv.clear();
+    st.buffer_gate.clear();
+    st.compressed_kv.extend_from_slice(&entry);
+    st.entry_count += 1;
+    Some(entry)
+}
+
+/// The pooling slots of a closing window, `[slots][dim]` row-major.
+struct Slots {
+    kv: Vec<f32>,
+    gate: Vec<f32>,
+    count: usize,
+}
+
+/// Lays out the slots of the window in the buffer (CSA: the previous
+/// window's Ca half, then this window's Cb half; HCA: the window) with their
+/// position-biased gates, and for CSA saves this window's Ca half as the new
+/// overlap.
+fn close_window(cw: &CompressorWeights, st: &mut CompressorState) -> Slots {
+    let (rate, dim, width) = (st.rate, st.dim, st.width);
+    let count = if st.overlap { 2 * rate } else { rate };
+    let mut kv = vec![0.0f32; count * dim];
+    let mut gate = vec![f32::NEG_INFINITY; count * dim];
     let gated = |j: usize, ch: usize| st.buffer_gate[j * width + ch] + cw.ape[j * width + ch];
     if st.overlap {
         if let (Some(ok), Some(og)) = (&st.overlap_kv, &st.overlap_gate) {
@@ -121,49 +143,41 @@ pub(crate) fn compressor_step_with(
             }
         }
     }
+    Slots { kv, gate, count }
+}
+
+/// Per channel: softmax of the slot gates, then the rounded weighted sum of
+/// the slot kvs (see the module docs), summed as `pooling` says.
+fn pool(slots: &Slots, dim: usize, p: Precision, pooling: Summation) -> Vec<f32> {
+    let (kv, gate) = (&slots.kv, &slots.gate);
+    let reversed = pooling.order == SumOrder::Reversed;
     let mut pooled = vec![0.0f32; dim];
-    let mut e = vec![0.0f32; slots];
+    let mut e = vec![0.0f32; slots.count];
     for ch in 0..dim {
-        let m = (0..slots)
+        let m = (0..slots.count)
             .map(|s| gate[s * dim + ch])
             .fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        if reversed {
-            for (s, es) in e.iter_mut().enumerate() {
-                *es = libm::expf(gate[s * dim + ch] - m);
-            }
-            for es in e.iter().rev() {
-                sum += *es;
-            }
-        } else {
-            for (s, es) in e.iter_mut().enumerate() {
-                *es = libm::expf(gate[s * dim + ch] - m);
-                sum += *es;
-            }
+        for (s, es) in e.iter_mut().enumerate() {
+            *es = libm::expf(gate[s * dim + ch] - m);
         }
+        // The normalizer is always an FP32 sum; only its order can change.
+        let sum = if reversed {
+            e.iter().rev().fold(0.0f32, |acc, es| acc + es)
+        } else {
+            e.iter().fold(0.0f32, |acc, es| acc + es)
+        };
         let mut acc = 0.0f32;
-        let mut pool = |s: usize, es: &f32| {
+        let mut add = |s: usize, es: &f32| {
             let prob = p.round(es / sum);
             let term = p.round(prob * kv[s * dim + ch]);
-            if bf16_accumulator {
-                acc = moeconf_contract::bf16::r_bf16(acc + term);
-            } else {
-                acc += term;
-            }
+            acc = pooling.accumulator.add(acc, term);
         };
         if reversed {
-            e.iter().enumerate().rev().for_each(|(s, es)| pool(s, es));
+            e.iter().enumerate().rev().for_each(|(s, es)| add(s, es));
         } else {
-            e.iter().enumerate().for_each(|(s, es)| pool(s, es));
+            e.iter().enumerate().for_each(|(s, es)| add(s, es));
         }
         pooled[ch] = p.round(acc);
     }
-    let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
-    let cs = rope.cos_sin((i as usize * rate) as u32, p);
-    apply_rope(&mut entry, &cs, false, p);
-    st.buffer_kv.clear();
-    st.buffer_gate.clear();
-    st.compressed_kv.extend_from_slice(&entry);
-    st.entry_count += 1;
-    Some(entry)
+    pooled
 }

@@ -170,56 +170,104 @@ struct RawConfig {
 /// runtime allocate absurd buffers before the weight shapes are checked.
 pub const MAX_DIM: usize = 1 << 24;
 
-impl ModelConfig {
-    /// Reads and validates `path` (a `config.json`).
-    pub fn from_file(path: &Path) -> Result<ModelConfig, RuntimeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        ModelConfig::from_json(path, &text)
+/// The dimensions read first (all required except the rotary width).
+struct Dims {
+    vocab_size: usize,
+    hidden_size: usize,
+    moe_intermediate_size: usize,
+    num_layers: usize,
+    num_heads: usize,
+    head_dim: usize,
+    q_lora_rank: usize,
+    rope_dim: usize,
+    experts_per_tok: usize,
+    n_routed_experts: usize,
+}
+
+/// The rope sections of a config: the per-rope-type sub-dicts (if the
+/// config has that form) and the compress rope's YaRN.
+struct RopeKeys<'r> {
+    main: Option<&'r RawRope>,
+    compress: Option<&'r RawRope>,
+    yarn: Option<Yarn>,
+}
+
+/// Reads and validates the keys of one `config.json`; every error names the
+/// file and the key.
+struct Keys<'p> {
+    path: &'p Path,
+}
+
+impl Keys<'_> {
+    fn err(&self, message: String) -> RuntimeError {
+        RuntimeError::Config {
+            path: self.path.to_path_buf(),
+            message,
+        }
     }
 
-    /// Parses and validates config text; `path` is only used in messages.
-    pub fn from_json(path: &Path, text: &str) -> Result<ModelConfig, RuntimeError> {
-        let err = |message: String| RuntimeError::Config {
-            path: path.to_path_buf(),
-            message,
-        };
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| err(format!("invalid JSON: {e}")))?;
-        let need = |v: Option<usize>, key: &str| -> Result<usize, RuntimeError> {
-            match v {
-                None => Err(err(format!("missing key `{key}`"))),
-                Some(0) => Err(err(format!("key `{key}` must be positive, got 0"))),
-                Some(x) if x > MAX_DIM => Err(err(format!("key `{key}` = {x} exceeds the limit {MAX_DIM}"))),
-                Some(x) => Ok(x),
-            }
-        };
-        let or = |v: Option<usize>, d: usize, key: &str| need(Some(v.unwrap_or(d)), key);
-        let vocab_size = need(raw.vocab_size, "vocab_size")?;
-        let hidden_size = need(raw.hidden_size, "hidden_size")?;
-        let moe_intermediate_size = need(raw.moe_intermediate_size, "moe_intermediate_size")?;
-        let num_layers = need(raw.num_hidden_layers, "num_hidden_layers")?;
-        let num_heads = need(raw.num_attention_heads, "num_attention_heads")?;
-        let head_dim = need(raw.head_dim, "head_dim")?;
-        let q_lora_rank = need(raw.q_lora_rank, "q_lora_rank")?;
+    /// A required positive dimension, at most [`MAX_DIM`].
+    fn need(&self, v: Option<usize>, key: &str) -> Result<usize, RuntimeError> {
+        match v {
+            None => Err(self.err(format!("missing key `{key}`"))),
+            Some(0) => Err(self.err(format!("key `{key}` must be positive, got 0"))),
+            Some(x) if x > MAX_DIM => Err(self.err(format!("key `{key}` = {x} exceeds the limit {MAX_DIM}"))),
+            Some(x) => Ok(x),
+        }
+    }
+
+    /// An optional dimension with a default, validated like [`Keys::need`].
+    fn or(&self, v: Option<usize>, default: usize, key: &str) -> Result<usize, RuntimeError> {
+        self.need(Some(v.unwrap_or(default)), key)
+    }
+
+    /// An optional finite scalar with a default, as f32.
+    fn float(&self, v: Option<f64>, default: f64, key: &str) -> Result<f32, RuntimeError> {
+        let x = v.unwrap_or(default);
+        if !x.is_finite() {
+            return Err(self.err(format!("key `{key}` must be finite, got {x}")));
+        }
+        Ok(x as f32)
+    }
+
+    fn dims(&self, raw: &RawConfig) -> Result<Dims, RuntimeError> {
+        let vocab_size = self.need(raw.vocab_size, "vocab_size")?;
+        let hidden_size = self.need(raw.hidden_size, "hidden_size")?;
+        let moe_intermediate_size = self.need(raw.moe_intermediate_size, "moe_intermediate_size")?;
+        let num_layers = self.need(raw.num_hidden_layers, "num_hidden_layers")?;
+        let num_heads = self.need(raw.num_attention_heads, "num_attention_heads")?;
+        let head_dim = self.need(raw.head_dim, "head_dim")?;
+        let q_lora_rank = self.need(raw.q_lora_rank, "q_lora_rank")?;
         let rope_dim = match (raw.partial_rotary_factor, raw.qk_rope_head_dim) {
             (Some(f), _) => {
                 if !(f > 0.0 && f <= 1.0) {
-                    return Err(err(format!(
-                        "key `partial_rotary_factor` must be in (0, 1], got {f}"
-                    )));
+                    return Err(self.err(format!("key `partial_rotary_factor` must be in (0, 1], got {f}")));
                 }
                 (head_dim as f64 * f) as usize
             }
             (None, Some(r)) => r,
             (None, None) => head_dim / 8,
         };
-        let experts_per_tok = need(raw.num_experts_per_tok, "num_experts_per_tok")?;
-        let n_routed_experts = need(raw.n_routed_experts, "n_routed_experts")?;
+        Ok(Dims {
+            vocab_size,
+            hidden_size,
+            moe_intermediate_size,
+            num_layers,
+            num_heads,
+            head_dim,
+            q_lora_rank,
+            rope_dim,
+            experts_per_tok: self.need(raw.num_experts_per_tok, "num_experts_per_tok")?,
+            n_routed_experts: self.need(raw.n_routed_experts, "n_routed_experts")?,
+        })
+    }
+
+    /// Refuses what the runtime does not implement: more than one shared
+    /// expert, other scoring functions and activations, quantized weights.
+    fn check_supported(&self, raw: &RawConfig) -> Result<(), RuntimeError> {
         if let Some(s) = raw.n_shared_experts {
             if s != 1 {
-                return Err(err(format!(
+                return Err(self.err(format!(
                     "key `n_shared_experts` = {s}: DeepSeek-V4 has exactly one shared expert"
                 )));
             }
@@ -227,7 +275,7 @@ impl ModelConfig {
         match raw.scoring_func.as_deref() {
             None | Some("sqrtsoftplus") => {}
             Some(other) => {
-                return Err(err(format!(
+                return Err(self.err(format!(
                     "key `scoring_func` = {other:?} is unsupported (only \"sqrtsoftplus\")"
                 )))
             }
@@ -235,75 +283,87 @@ impl ModelConfig {
         match raw.hidden_act.as_deref() {
             None | Some("silu") => {}
             Some(other) => {
-                return Err(err(format!(
+                return Err(self.err(format!(
                     "key `hidden_act` = {other:?} is unsupported (only \"silu\")"
                 )))
             }
         }
         if raw.quantization_config.is_some() {
-            return Err(err(
+            return Err(self.err(
                 "key `quantization_config`: quantized checkpoints (FP8 block-scaled, FP4 experts) are not supported yet; use a bf16 or f32 checkpoint".into(),
             ));
         }
+        Ok(())
+    }
+
+    fn rope<'r>(&self, raw: &'r RawConfig) -> Result<RopeKeys<'r>, RuntimeError> {
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         // transformers 5.x saves the per-rope-type form {main: {..}, compress: {..}}: YaRN (if any)
         // lives in `compress`, and each sub-dict carries its own rope_theta, which HF uses.
-        let (main_rope, compress_rope) = match rope {
+        let (main, compress) = match rope {
             Some(r) if r.main.is_some() || r.compress.is_some() => (r.main.as_deref(), r.compress.as_deref()),
             _ => (None, None),
         };
-        if let Some(t) = main_rope
+        if let Some(t) = main
             .and_then(|m| m.rope_type.as_deref())
             .filter(|t| *t != "default")
         {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `rope_parameters.main.rope_type` = {t:?} is unsupported (only the compress rope may scale)"
             )));
         }
-        let rope = if main_rope.is_some() || compress_rope.is_some() {
-            compress_rope
+        let scaled = if main.is_some() || compress.is_some() {
+            compress
         } else {
             rope
         };
-        let yarn = match rope {
+        let yarn = match scaled {
             None => None,
-            Some(r) => match r.rope_type.as_deref() {
-                None | Some("default") => None,
-                Some("yarn") => Some(Yarn {
-                    factor: r
-                        .factor
-                        .ok_or_else(|| err("key `rope_parameters.factor` missing for yarn".into()))?,
-                    original_max_position_embeddings: r.original_max_position_embeddings.ok_or_else(
-                        || {
-                            err(
-                                "key `rope_parameters.original_max_position_embeddings` missing for yarn"
-                                    .into(),
-                            )
-                        },
-                    )?,
-                    beta_fast: r.beta_fast.unwrap_or(32.0),
-                    beta_slow: r.beta_slow.unwrap_or(1.0),
-                }),
-                Some(other) => {
-                    return Err(err(format!(
-                        "key `rope_parameters.rope_type` = {other:?} is unsupported"
-                    )))
-                }
-            },
+            Some(r) => self.yarn(r)?,
         };
-        let (csa_rate, hca_rate) = match &raw.compress_rates {
+        Ok(RopeKeys { main, compress, yarn })
+    }
+
+    /// The YaRN parameters of the scaled rope, `None` for an unscaled one.
+    fn yarn(&self, r: &RawRope) -> Result<Option<Yarn>, RuntimeError> {
+        match r.rope_type.as_deref() {
+            None | Some("default") => Ok(None),
+            Some("yarn") => Ok(Some(Yarn {
+                factor: r
+                    .factor
+                    .ok_or_else(|| self.err("key `rope_parameters.factor` missing for yarn".into()))?,
+                original_max_position_embeddings: r.original_max_position_embeddings.ok_or_else(|| {
+                    self.err("key `rope_parameters.original_max_position_embeddings` missing for yarn".into())
+                })?,
+                beta_fast: r.beta_fast.unwrap_or(32.0),
+                beta_slow: r.beta_slow.unwrap_or(1.0),
+            })),
+            Some(other) => Err(self.err(format!(
+                "key `rope_parameters.rope_type` = {other:?} is unsupported"
+            ))),
+        }
+    }
+
+    fn compress_rates(&self, raw: &RawConfig) -> Result<(usize, usize), RuntimeError> {
+        Ok(match &raw.compress_rates {
             Some(c) => (
-                need(
-                    Some(c.compressed_sparse_attention.unwrap_or(4)),
+                self.or(
+                    c.compressed_sparse_attention,
+                    4,
                     "compress_rates.compressed_sparse_attention",
                 )?,
-                need(
-                    Some(c.heavily_compressed_attention.unwrap_or(128)),
+                self.or(
+                    c.heavily_compressed_attention,
+                    128,
                     "compress_rates.heavily_compressed_attention",
                 )?,
             ),
             None => (4, 128),
-        };
+        })
+    }
+
+    /// `layer_types`, or the legacy `compress_ratios`; one per layer.
+    fn layer_types(&self, raw: &RawConfig, num_layers: usize) -> Result<Vec<AttentionKind>, RuntimeError> {
         let layer_types = match (&raw.layer_types, &raw.compress_ratios) {
             (Some(lt), _) => lt
                 .iter()
@@ -312,7 +372,7 @@ impl ModelConfig {
                     "sliding_attention" => Ok(AttentionKind::Sliding),
                     "compressed_sparse_attention" => Ok(AttentionKind::Csa),
                     "heavily_compressed_attention" => Ok(AttentionKind::Hca),
-                    other => Err(err(format!(
+                    other => Err(self.err(format!(
                         "key `layer_types[{i}]` = {other:?} is not a DeepSeek-V4 layer type"
                     ))),
                 })
@@ -325,19 +385,24 @@ impl ModelConfig {
                     0 => Ok(AttentionKind::Sliding),
                     4 => Ok(AttentionKind::Csa),
                     128 => Ok(AttentionKind::Hca),
-                    other => Err(err(format!(
+                    other => Err(self.err(format!(
                         "key `compress_ratios[{i}]` = {other} (only 0, 4, 128 map to a layer type)"
                     ))),
                 })
                 .collect::<Result<Vec<_>, _>>()?,
-            (None, None) => return Err(err("missing key `layer_types`".into())),
+            (None, None) => return Err(self.err("missing key `layer_types`".into())),
         };
         if layer_types.len() != num_layers {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `layer_types` has {} entries, expected num_hidden_layers = {num_layers}",
                 layer_types.len()
             )));
         }
+        Ok(layer_types)
+    }
+
+    /// `mlp_layer_types`, or the legacy `num_hash_layers` (default 3); one per layer.
+    fn mlp_layer_types(&self, raw: &RawConfig, num_layers: usize) -> Result<Vec<MlpKind>, RuntimeError> {
         let mlp_layer_types = match &raw.mlp_layer_types {
             Some(m) => m
                 .iter()
@@ -345,7 +410,7 @@ impl ModelConfig {
                 .map(|(i, s)| match s.as_str() {
                     "hash_moe" => Ok(MlpKind::HashMoe),
                     "moe" => Ok(MlpKind::Moe),
-                    other => Err(err(format!(
+                    other => Err(self.err(format!(
                         "key `mlp_layer_types[{i}]` = {other:?} (expected \"hash_moe\" or \"moe\")"
                     ))),
                 })
@@ -358,87 +423,111 @@ impl ModelConfig {
             }
         };
         if mlp_layer_types.len() != num_layers {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `mlp_layer_types` has {} entries, expected num_hidden_layers = {num_layers}",
                 mlp_layer_types.len()
             )));
         }
-        let f = |v: Option<f64>, d: f64, key: &str| -> Result<f32, RuntimeError> {
-            let x = v.unwrap_or(d);
-            if !x.is_finite() {
-                return Err(err(format!("key `{key}` must be finite, got {x}")));
-            }
-            Ok(x as f32)
-        };
-        let cfg = ModelConfig {
-            vocab_size,
-            hidden_size,
-            moe_intermediate_size,
-            num_heads,
-            head_dim,
-            q_lora_rank,
-            rope_dim,
-            experts_per_tok,
-            n_routed_experts,
-            routed_scaling_factor: f(raw.routed_scaling_factor, 1.5, "routed_scaling_factor")?,
-            rope_theta: f(
-                main_rope.and_then(|m| m.rope_theta).or(raw.rope_theta),
-                10000.0,
-                "rope_theta",
-            )?,
-            compress_rope_theta: f(
-                compress_rope
-                    .and_then(|c| c.rope_theta)
-                    .or(raw.compress_rope_theta),
-                160000.0,
-                "compress_rope_theta",
-            )?,
-            yarn,
-            layer_types,
-            mlp_layer_types,
-            csa_rate,
-            hca_rate,
-            hc_mult: or(raw.hc_mult, 4, "hc_mult")?,
-            hc_sinkhorn_iters: or(raw.hc_sinkhorn_iters, 20, "hc_sinkhorn_iters")?,
-            hc_eps: f(raw.hc_eps, 1e-6, "hc_eps")?,
-            swiglu_limit: f(raw.swiglu_limit, 10.0, "swiglu_limit")?,
-            sliding_window: or(raw.sliding_window, 128, "sliding_window")?,
-            o_groups: or(raw.o_groups, 8, "o_groups")?,
-            o_lora_rank: or(raw.o_lora_rank, 1024, "o_lora_rank")?,
-            index_n_heads: or(raw.index_n_heads, 64, "index_n_heads")?,
-            index_head_dim: or(raw.index_head_dim, 128, "index_head_dim")?,
-            index_topk: or(raw.index_topk, 512, "index_topk")?,
-            rms_norm_eps: f(raw.rms_norm_eps, 1e-6, "rms_norm_eps")?,
-        };
+        Ok(mlp_layer_types)
+    }
+
+    /// Relations between keys (rotary width, experts, groups, epsilons).
+    fn check_consistency(&self, cfg: &ModelConfig) -> Result<(), RuntimeError> {
         if cfg.rope_dim == 0 || !cfg.rope_dim.is_multiple_of(2) || cfg.rope_dim > cfg.head_dim {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `partial_rotary_factor`: rotary width {} must be even, positive and at most head_dim {}",
                 cfg.rope_dim, cfg.head_dim
             )));
         }
         if cfg.rope_dim > cfg.index_head_dim {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `index_head_dim` = {} is smaller than the rotary width {}",
                 cfg.index_head_dim, cfg.rope_dim
             )));
         }
         if cfg.experts_per_tok > cfg.n_routed_experts {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `num_experts_per_tok` = {} exceeds n_routed_experts = {}",
                 cfg.experts_per_tok, cfg.n_routed_experts
             )));
         }
         if !cfg.num_heads.is_multiple_of(cfg.o_groups) {
-            return Err(err(format!(
+            return Err(self.err(format!(
                 "key `o_groups` = {} does not divide num_attention_heads = {}",
                 cfg.o_groups, cfg.num_heads
             )));
         }
         if cfg.hc_eps < 0.0 || cfg.rms_norm_eps < 0.0 || cfg.swiglu_limit <= 0.0 {
-            return Err(err(
-                "keys `hc_eps`/`rms_norm_eps` must be >= 0 and `swiglu_limit` > 0".into(),
-            ));
+            return Err(self.err("keys `hc_eps`/`rms_norm_eps` must be >= 0 and `swiglu_limit` > 0".into()));
         }
+        Ok(())
+    }
+}
+
+impl ModelConfig {
+    /// Reads and validates `path` (a `config.json`).
+    pub fn from_file(path: &Path) -> Result<ModelConfig, RuntimeError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        ModelConfig::from_json(path, &text)
+    }
+
+    /// Parses and validates config text; `path` is only used in messages.
+    /// Keys are checked in a fixed order (dimensions, supported features,
+    /// rope, layer kinds, scalars, then their consistency), so the first
+    /// error reported does not depend on the JSON's key order.
+    pub fn from_json(path: &Path, text: &str) -> Result<ModelConfig, RuntimeError> {
+        let k = Keys { path };
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| k.err(format!("invalid JSON: {e}")))?;
+        let dims = k.dims(&raw)?;
+        k.check_supported(&raw)?;
+        let rope = k.rope(&raw)?;
+        let (csa_rate, hca_rate) = k.compress_rates(&raw)?;
+        let layer_types = k.layer_types(&raw, dims.num_layers)?;
+        let mlp_layer_types = k.mlp_layer_types(&raw, dims.num_layers)?;
+        let cfg = ModelConfig {
+            vocab_size: dims.vocab_size,
+            hidden_size: dims.hidden_size,
+            moe_intermediate_size: dims.moe_intermediate_size,
+            num_heads: dims.num_heads,
+            head_dim: dims.head_dim,
+            q_lora_rank: dims.q_lora_rank,
+            rope_dim: dims.rope_dim,
+            experts_per_tok: dims.experts_per_tok,
+            n_routed_experts: dims.n_routed_experts,
+            routed_scaling_factor: k.float(raw.routed_scaling_factor, 1.5, "routed_scaling_factor")?,
+            rope_theta: k.float(
+                rope.main.and_then(|m| m.rope_theta).or(raw.rope_theta),
+                10000.0,
+                "rope_theta",
+            )?,
+            compress_rope_theta: k.float(
+                rope.compress
+                    .and_then(|c| c.rope_theta)
+                    .or(raw.compress_rope_theta),
+                160000.0,
+                "compress_rope_theta",
+            )?,
+            yarn: rope.yarn,
+            layer_types,
+            mlp_layer_types,
+            csa_rate,
+            hca_rate,
+            hc_mult: k.or(raw.hc_mult, 4, "hc_mult")?,
+            hc_sinkhorn_iters: k.or(raw.hc_sinkhorn_iters, 20, "hc_sinkhorn_iters")?,
+            hc_eps: k.float(raw.hc_eps, 1e-6, "hc_eps")?,
+            swiglu_limit: k.float(raw.swiglu_limit, 10.0, "swiglu_limit")?,
+            sliding_window: k.or(raw.sliding_window, 128, "sliding_window")?,
+            o_groups: k.or(raw.o_groups, 8, "o_groups")?,
+            o_lora_rank: k.or(raw.o_lora_rank, 1024, "o_lora_rank")?,
+            index_n_heads: k.or(raw.index_n_heads, 64, "index_n_heads")?,
+            index_head_dim: k.or(raw.index_head_dim, 128, "index_head_dim")?,
+            index_topk: k.or(raw.index_topk, 512, "index_topk")?,
+            rms_norm_eps: k.float(raw.rms_norm_eps, 1e-6, "rms_norm_eps")?,
+        };
+        k.check_consistency(&cfg)?;
         Ok(cfg)
     }
 

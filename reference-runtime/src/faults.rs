@@ -38,6 +38,7 @@ use std::sync::Mutex;
 
 use moeconf_contract::bf16::r_bf16;
 use moeconf_contract::{AggregationContract, CombineEvent, MoeCombine, CANONICAL_NAN_BITS};
+use moeconf_fingerprint::Component;
 
 /// One deliberate deviation from the runtime's numerical contract.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,23 +84,30 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    /// The capture record of the operator this kind changes: the record the
-    /// bisector must name as the first divergence.
-    pub fn operator(&self) -> &'static str {
+    /// The catalogue component of the operator this kind changes: the
+    /// record the bisector must name as the first divergence.
+    pub fn component(&self) -> Component {
+        use Component as C;
         match self {
-            FaultKind::AttentionSoftmaxReversed | FaultKind::AttentionSoftmaxBf16Accumulator => "attn.core",
-            FaultKind::AttentionOutputTruncate => "attn.output",
-            FaultKind::FfnNormEpsilon(_) => "ffn.norm",
-            FaultKind::RouterNearTieFlip => "router.topk",
+            FaultKind::AttentionSoftmaxReversed | FaultKind::AttentionSoftmaxBf16Accumulator => C::AttnCore,
+            FaultKind::AttentionOutputTruncate => C::AttnOutput,
+            FaultKind::FfnNormEpsilon(_) => C::FfnNorm,
+            FaultKind::RouterNearTieFlip => C::RouterTopk,
             FaultKind::SharedExpertFirst | FaultKind::RoundedRoutedMerge | FaultKind::CombineContract(_) => {
-                "moe.combine"
+                C::MoeCombine
             }
             FaultKind::CompressorPoolingReversed | FaultKind::CompressorPoolingBf16Accumulator => {
-                "attn.compressed"
+                C::AttnCompressed
             }
-            FaultKind::KvLowPrecision { .. } => "attn.kv",
-            FaultKind::AddPostFfnMhc(_) => "layer.post_ffn_mhc",
+            FaultKind::KvLowPrecision { .. } => C::AttnKv,
+            FaultKind::AddPostFfnMhc(_) => C::LayerPostFfnMhc,
         }
+    }
+
+    /// The path of [`FaultKind::component`] (the record the bisector must
+    /// name as the first divergence).
+    pub fn operator(&self) -> &'static str {
+        self.component().path()
     }
 
     /// A short name for reports (`softmax-reversed`, `combine:b+order=class:135`, …).
@@ -175,15 +183,17 @@ impl FaultPlan {
         let mut a = Active::default();
         for f in self.faults.iter().filter(|f| f.matches(step, layer, position)) {
             match &f.kind {
-                FaultKind::AttentionSoftmaxReversed => a.softmax_reversed = true,
-                FaultKind::AttentionSoftmaxBf16Accumulator => a.softmax_bf16_accumulator = true,
-                FaultKind::CompressorPoolingBf16Accumulator => a.compressor_bf16_accumulator = true,
+                FaultKind::AttentionSoftmaxReversed => a.softmax.order = SumOrder::Reversed,
+                FaultKind::AttentionSoftmaxBf16Accumulator => a.softmax.accumulator = SumAccumulator::Bf16,
+                FaultKind::CompressorPoolingBf16Accumulator => {
+                    a.compressor_pooling.accumulator = SumAccumulator::Bf16
+                }
                 FaultKind::RoundedRoutedMerge => a.rounded_routed_merge = true,
                 FaultKind::AttentionOutputTruncate => a.attn_output_truncate = true,
                 FaultKind::FfnNormEpsilon(e) => a.ffn_norm_eps = Some(*e),
                 FaultKind::RouterNearTieFlip => a.router_flip = true,
                 FaultKind::SharedExpertFirst => a.shared_first = true,
-                FaultKind::CompressorPoolingReversed => a.compressor_reversed = true,
+                FaultKind::CompressorPoolingReversed => a.compressor_pooling.order = SumOrder::Reversed,
                 FaultKind::KvLowPrecision { mantissa_bits } => a.kv_mantissa_bits = Some(*mantissa_bits),
                 FaultKind::CombineContract(c) => a.combine = Some(c),
                 FaultKind::AddPostFfnMhc(d) => a.add_post_ffn_mhc = Some(d),
@@ -206,16 +216,66 @@ impl FaultPlan {
     }
 }
 
+/// The order in which a sum visits its terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SumOrder {
+    /// Increasing index (the numerical contract).
+    #[default]
+    Forward,
+    /// Decreasing index (an order fault).
+    Reversed,
+}
+
+/// The container a running sum is held in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SumAccumulator {
+    /// FP32 (the numerical contract).
+    #[default]
+    F32,
+    /// BF16: R_BF16 after every addition (an accumulator fault).
+    Bf16,
+}
+
+impl SumAccumulator {
+    /// `acc + x` in this container.
+    #[inline]
+    pub fn add(self, acc: f32, x: f32) -> f32 {
+        match self {
+            SumAccumulator::F32 => acc + x,
+            SumAccumulator::Bf16 => r_bf16(acc + x),
+        }
+    }
+}
+
+/// How a softmax-weighted sum accumulates: the contract's (forward, FP32)
+/// by default, or as a calibration fault changes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Summation {
+    /// Order of the terms.
+    pub order: SumOrder,
+    /// Container of the running sum.
+    pub accumulator: SumAccumulator,
+}
+
+impl Summation {
+    /// Whether this is the numerical contract's summation.
+    pub fn is_contract(self) -> bool {
+        self == Summation::default()
+    }
+}
+
 /// The faults active at one coordinate, as the operators consume them.
 /// `Active::default()` is the unmodified runtime.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Active<'a> {
-    /// See [`FaultKind::AttentionSoftmaxReversed`].
-    pub softmax_reversed: bool,
-    /// See [`FaultKind::AttentionSoftmaxBf16Accumulator`].
-    pub softmax_bf16_accumulator: bool,
-    /// See [`FaultKind::CompressorPoolingBf16Accumulator`].
-    pub compressor_bf16_accumulator: bool,
+    /// The attention softmax normalizer (and, for the order, the weighted
+    /// value sum): see [`FaultKind::AttentionSoftmaxReversed`] and
+    /// [`FaultKind::AttentionSoftmaxBf16Accumulator`].
+    pub softmax: Summation,
+    /// The main compressor's pooling: see
+    /// [`FaultKind::CompressorPoolingReversed`] and
+    /// [`FaultKind::CompressorPoolingBf16Accumulator`].
+    pub compressor_pooling: Summation,
     /// See [`FaultKind::RoundedRoutedMerge`].
     pub rounded_routed_merge: bool,
     /// See [`FaultKind::AttentionOutputTruncate`].
@@ -226,14 +286,24 @@ pub struct Active<'a> {
     pub router_flip: bool,
     /// See [`FaultKind::SharedExpertFirst`].
     pub shared_first: bool,
-    /// See [`FaultKind::CompressorPoolingReversed`].
-    pub compressor_reversed: bool,
     /// See [`FaultKind::KvLowPrecision`].
     pub kv_mantissa_bits: Option<u32>,
     /// See [`FaultKind::CombineContract`].
     pub combine: Option<&'a AggregationContract>,
     /// See [`FaultKind::AddPostFfnMhc`].
     pub add_post_ffn_mhc: Option<&'a [f32]>,
+}
+
+impl<'a> Active<'a> {
+    /// The MoE combine of this coordinate: a fault's, else `base` (the run's).
+    pub fn combine_or(&self, base: &'a dyn MoeCombine) -> &'a dyn MoeCombine {
+        match (self.combine, self.shared_first, self.rounded_routed_merge) {
+            (Some(c), _, _) => c,
+            (None, true, _) => &SharedFirstCombine,
+            (None, false, true) => &RoundedRoutedCombine,
+            (None, false, false) => base,
+        }
+    }
 }
 
 /// BF16 truncation: the low 16 bits cleared (round toward zero).
@@ -324,7 +394,7 @@ mod tests {
         assert_eq!(plan.active(9, 3, 7).kv_mantissa_bits, Some(3));
         assert_eq!(plan.active(9, 3, 8).kv_mantissa_bits, None);
         let none = plan.active(0, 0, 0);
-        assert!(!none.softmax_reversed && none.combine.is_none() && none.add_post_ffn_mhc.is_none());
+        assert!(none.softmax.is_contract() && none.combine.is_none() && none.add_post_ffn_mhc.is_none());
     }
 
     #[test]

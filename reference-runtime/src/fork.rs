@@ -35,7 +35,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use moeconf_fingerprint::{
-    record_digest_with_sink, Algorithm, CanonPolicy, Coord, Digest, Level, StreamHasher, TensorView,
+    record_digest_with_sink, Algorithm, CanonPolicy, Component, Coord, Digest, Level, StreamHasher,
+    TensorView,
 };
 use rayon::prelude::*;
 
@@ -460,15 +461,17 @@ impl CaptureSink for DigestSink {
             output: 0,
             topk: vec![Vec::new(); layers],
         };
-        match coord.path.as_str() {
-            "moe.combine" if at_fork => self.fork_moe.push(d),
-            "layer.post_ffn_mhc" if at_fork => self.fork_post_mhc.push(d),
-            "token.input" => self.steps.entry(coord.step).or_insert_with(entry).input = ints(tensor.bytes),
-            "token.output" => {
+        match Component::parse(&coord.path).map(|(c, _)| c) {
+            Some(Component::MoeCombine) if at_fork => self.fork_moe.push(d),
+            Some(Component::LayerPostFfnMhc) if at_fork => self.fork_post_mhc.push(d),
+            Some(Component::TokenInput) => {
+                self.steps.entry(coord.step).or_insert_with(entry).input = ints(tensor.bytes)
+            }
+            Some(Component::TokenOutput) => {
                 let s = self.steps.entry(coord.step).or_insert_with(entry);
                 s.output = ints(tensor.bytes).first().copied().unwrap_or(0);
             }
-            "router.topk" => {
+            Some(Component::RouterTopk) => {
                 // Positions come in order, so the last write is the last position.
                 let s = self.steps.entry(coord.step).or_insert_with(entry);
                 if let Some(slot) = coord.layer.and_then(|l| s.topk.get_mut(l as usize)) {

@@ -8,6 +8,7 @@
 //! Selection: the min(K_I, T) entries of highest score, descending, ties to the
 //! lower index (all T emitted entries are causal for the token that sees them).
 
+use crate::config::ModelConfig;
 use crate::error::RuntimeError;
 use crate::linear::dot8;
 use crate::precision::Precision;
@@ -29,27 +30,25 @@ pub struct IndexerWeights {
 }
 
 impl IndexerWeights {
-    /// Loads `{prefix}.compressor.*`, `{prefix}.wq_b.weight`, `{prefix}.weights_proj.weight`.
-    #[allow(clippy::too_many_arguments)]
+    /// Loads `{prefix}.compressor.*`, `{prefix}.wq_b.weight`,
+    /// `{prefix}.weights_proj.weight` with the sizes of `cfg` (H_I heads of
+    /// width d_I, the CSA compress rate).
     pub fn load(
         w: &mut WeightLoader,
         prefix: &str,
-        d_model: usize,
-        q_lora_rank: usize,
-        heads: usize,
-        dim: usize,
-        rate: usize,
+        cfg: &ModelConfig,
     ) -> Result<IndexerWeights, RuntimeError> {
+        let (d_model, heads, dim) = (cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim);
         Ok(IndexerWeights {
             compressor: CompressorWeights::load(
                 w,
                 &format!("{prefix}.compressor"),
                 d_model,
                 dim,
-                rate,
+                cfg.csa_rate,
                 true,
             )?,
-            wq_b: w.mat(&format!("{prefix}.wq_b.weight"), heads * dim, q_lora_rank)?,
+            wq_b: w.mat(&format!("{prefix}.wq_b.weight"), heads * dim, cfg.q_lora_rank)?,
             weights_proj: w.mat(&format!("{prefix}.weights_proj.weight"), heads, d_model)?,
         })
     }

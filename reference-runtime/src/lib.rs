@@ -9,6 +9,7 @@ pub mod bench;
 pub mod capture;
 pub mod compressor;
 pub mod config;
+mod context;
 pub mod error;
 pub mod faults;
 pub mod fork;

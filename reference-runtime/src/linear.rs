@@ -6,11 +6,13 @@
 //! the 8 lanes are then folded as `((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`. The
 //! order is plain Rust, identical on every CPU: the compiler may vectorize the
 //! lanes but cannot reassociate them. BF16 weights are promoted exactly to FP32
-//! on the fly (`bits << 16`) inside the loop, reading the memory map directly.
+//! on the fly (`moeconf_fingerprint::bf16_to_f32`, and its in-word form in
+//! the paired kernel) inside the loop, reading the memory map directly.
 //!
 //! Matrix–vector products parallelize over output rows only (each row is one
 //! independent `dot8`), so results do not depend on the thread count.
 
+use moeconf_fingerprint::bf16_to_f32;
 use rayon::prelude::*;
 
 use crate::weights::{Mat, WeightDType};
@@ -64,7 +66,7 @@ pub fn dot8(a: &[f32], b: &[f32]) -> f32 {
 
 #[inline]
 fn bf16_at(c: &[u8], j: usize) -> f32 {
-    f32::from_bits(u32::from(u16::from_le_bytes([c[2 * j], c[2 * j + 1]])) << 16)
+    bf16_to_f32(u16::from_le_bytes([c[2 * j], c[2 * j + 1]]))
 }
 
 /// `dot8` of a BF16 row given as 16-bit words (little-endian storage order).
@@ -79,13 +81,13 @@ fn dot8_bf16_words(w: &[u16], x: &[f32]) -> f32 {
         let y: &[f32; LANES] = x[b * LANES..b * LANES + LANES]
             .try_into()
             .unwrap_or(&[0.0; LANES]);
-        let wf: [f32; LANES] = std::array::from_fn(|j| f32::from_bits(u32::from(u16::from_le(c[j])) << 16));
+        let wf: [f32; LANES] = std::array::from_fn(|j| bf16_to_f32(u16::from_le(c[j])));
         for j in 0..LANES {
             l[j] += wf[j] * y[j];
         }
     }
     for i in blocks * LANES..n {
-        l[i % LANES] += f32::from_bits(u32::from(u16::from_le(w[i])) << 16) * x[i];
+        l[i % LANES] += bf16_to_f32(u16::from_le(w[i])) * x[i];
     }
     fold8(l)
 }
@@ -97,19 +99,27 @@ pub fn dot8_bf16(w: &[u8], x: &[f32]) -> f32 {
     if let Ok(words) = bytemuck::try_cast_slice::<u8, u16>(w) {
         return dot8_bf16_words(words, x);
     }
-    let n = (w.len() / 2).min(x.len());
-    let (w, x) = (&w[..2 * n], &x[..n]);
+    dot8_le_bytes::<2>(w, x, bf16_at)
+}
+
+/// `dot8` of a little-endian row of `SIZE`-byte elements (read with `at`)
+/// with an FP32 vector, element by element: the unaligned fallback of the
+/// BF16 and FP32 byte kernels.
+#[inline]
+fn dot8_le_bytes<const SIZE: usize>(w: &[u8], x: &[f32], at: impl Fn(&[u8], usize) -> f32) -> f32 {
+    let n = (w.len() / SIZE).min(x.len());
+    let (w, x) = (&w[..SIZE * n], &x[..n]);
     let mut l = [0.0f32; LANES];
-    let mut cw = w.chunks_exact(2 * LANES);
+    let mut cw = w.chunks_exact(SIZE * LANES);
     let mut cx = x.chunks_exact(LANES);
     for (c, y) in (&mut cw).zip(&mut cx) {
         for j in 0..LANES {
-            l[j] += bf16_at(c, j) * y[j];
+            l[j] += at(c, j) * y[j];
         }
     }
     let rw = cw.remainder();
     for (j, y) in cx.remainder().iter().enumerate() {
-        l[j] += bf16_at(rw, j) * y;
+        l[j] += at(rw, j) * y;
     }
     fold8(l)
 }
@@ -127,21 +137,7 @@ pub fn dot8_f32_bytes(w: &[u8], x: &[f32]) -> f32 {
     if let Ok(words) = bytemuck::try_cast_slice::<u8, f32>(w) {
         return dot8(words, x);
     }
-    let n = (w.len() / 4).min(x.len());
-    let (w, x) = (&w[..4 * n], &x[..n]);
-    let mut l = [0.0f32; LANES];
-    let mut cw = w.chunks_exact(4 * LANES);
-    let mut cx = x.chunks_exact(LANES);
-    for (c, y) in (&mut cw).zip(&mut cx) {
-        for j in 0..LANES {
-            l[j] += f32_at(c, j) * y[j];
-        }
-    }
-    let rw = cw.remainder();
-    for (j, y) in cx.remainder().iter().enumerate() {
-        l[j] += f32_at(rw, j) * y;
-    }
-    fold8(l)
+    dot8_le_bytes::<4>(w, x, f32_at)
 }
 
 /// The input vector of a BF16 matrix–vector product split into even and odd
@@ -173,6 +169,11 @@ impl SplitInput {
 /// `dot8` of a BF16 row stored as little-endian 32-bit words (two elements
 /// each) with a [`SplitInput`]. Word q holds elements 2q (low) and 2q+1 (high);
 /// element 2q belongs to class 2(q mod 4), element 2q+1 to class 2(q mod 4)+1.
+///
+/// The hot kernel of every BF16 linear: it widens both halves of a word in
+/// place (`word << 16` for the low element, `word & 0xffff_0000` for the
+/// high one), which is `moeconf_fingerprint::bf16_to_f32` of each half
+/// without splitting the word into two u16 first.
 #[inline]
 fn dot8_bf16_pairs(w: &[u32], x: &SplitInput, tail: Option<u16>) -> f32 {
     let pairs = w.len().min(x.even.len());
@@ -196,7 +197,7 @@ fn dot8_bf16_pairs(w: &[u32], x: &SplitInput, tail: Option<u16>) -> f32 {
         ao[q % 4] += f32::from_bits(word & 0xffff_0000) * xo[q];
     }
     if let (Some(t), Some(xl)) = (tail, x.last) {
-        ae[pairs % 4] += f32::from_bits(u32::from(t) << 16) * xl;
+        ae[pairs % 4] += bf16_to_f32(t) * xl;
     }
     fold8([ae[0], ao[0], ae[1], ao[1], ae[2], ao[2], ae[3], ao[3]])
 }

@@ -95,34 +95,29 @@ fn collapse(streams: &[f32], w: &[f32], d: usize, p: Precision) -> Vec<f32> {
 
 /// Sinkhorn normalisation of the N×N matrix `c` in place (notes §2.3 step 5).
 pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
-    let col_step = |c: &mut [f32]| {
-        for k in 0..n {
-            let mut s = 0.0f32;
-            for j in 0..n {
-                s += c[j * n + k];
-            }
-            let den = s + eps;
-            for j in 0..n {
-                c[j * n + k] /= den;
-            }
-        }
-    };
-    let row_step = |c: &mut [f32]| {
-        for j in 0..n {
-            let mut s = 0.0f32;
-            for k in 0..n {
-                s += c[j * n + k];
-            }
-            let den = s + eps;
-            for k in 0..n {
-                c[j * n + k] /= den;
-            }
-        }
-    };
+    let col_step = |c: &mut [f32]| normalize_lines(c, n, eps, |k, j| j * n + k);
+    let row_step = |c: &mut [f32]| normalize_lines(c, n, eps, |j, k| j * n + k);
     col_step(c);
     for _ in 1..iters {
         row_step(c);
         col_step(c);
+    }
+}
+
+/// Divides every line of the N×N matrix `c` by (its sum + `eps`), the sum
+/// taken in index order; `at(line, i)` is the flat index of element `i` of
+/// line `line` (a row or a column).
+#[inline]
+fn normalize_lines(c: &mut [f32], n: usize, eps: f32, at: impl Fn(usize, usize) -> usize) {
+    for line in 0..n {
+        let mut s = 0.0f32;
+        for i in 0..n {
+            s += c[at(line, i)];
+        }
+        let den = s + eps;
+        for i in 0..n {
+            c[at(line, i)] /= den;
+        }
     }
 }
 

@@ -10,20 +10,21 @@
 
 use std::path::{Path, PathBuf};
 
-use moeconf_fingerprint::{Level, Phase};
+use moeconf_fingerprint::{Component, Level, Phase};
 
 use crate::attention::{attention_forward, AttnWeights, Ropes};
-use crate::capture::{CaptureSink, Recorder};
+use crate::capture::{At, CaptureSink, Recorder};
 use crate::config::ModelConfig;
+use crate::context::TokenCtx;
 use crate::error::RuntimeError;
-use crate::faults::{Active, FaultPlan, RoundedRoutedCombine, SharedFirstCombine};
+use crate::faults::{Active, FaultPlan};
 use crate::head::{argmax, head_forward, topk_logits, HeadWeights};
 use crate::mhc::{hc_post, hc_pre, HcSite};
-use crate::moe::{moe_forward, MoeSite, MoeWeights};
+use crate::moe::{moe_forward, MoeWeights};
 use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
 use crate::rope::RopeFreqs;
-use crate::state::DecodeState;
+use crate::state::{DecodeState, LayerState};
 use crate::tokenizer::Detokenize;
 use crate::weights::{Mat, WeightLoader};
 use moeconf_contract::MoeCombine;
@@ -74,21 +75,6 @@ pub struct StepOutput {
     pub logits: Vec<f32>,
     /// The greedy prediction.
     pub next_token: u32,
-}
-
-fn l0_text(
-    rec: &mut Recorder<'_>,
-    det: Option<&dyn Detokenize>,
-    ids: &[u32],
-    pos: u32,
-) -> Result<(), RuntimeError> {
-    if let Some(d) = det {
-        if rec.wants(Level::L0) {
-            let text = d.decode(ids)?;
-            rec.bytes(Level::L0, pos, None, "text.continuation", text.as_bytes())?;
-        }
-    }
-    Ok(())
 }
 
 impl Model {
@@ -177,7 +163,6 @@ impl Model {
                 cfg.vocab_size
             )));
         }
-        let p = opts.precision;
         let phase = if state.step == 0 {
             Phase::Prefill
         } else {
@@ -187,91 +172,32 @@ impl Model {
         let pos0 = state.position;
         let last = pos0 + ids.len() as u32 - 1;
         let id32: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-        rec.i32(Level::L0, pos0, None, "token.input", &id32)?;
+        rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
 
-        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
-        let mut streams: Vec<Vec<f32>> = ids
-            .iter()
-            .map(|&t| {
-                let e: Vec<f32> = (0..d).map(|c| self.embed.get(t as usize, c)).collect();
-                let mut x = Vec::with_capacity(n * d);
-                for _ in 0..n {
-                    x.extend_from_slice(&e);
-                }
-                x
-            })
-            .collect();
-        let eps = cfg.rms_norm_eps;
+        let mut streams = self.embed(ids);
         for (li, lw) in self.layers.iter().enumerate() {
-            let l = Some(li as u32);
             for (j, x) in streams.iter_mut().enumerate() {
                 let t = pos0 + j as u32;
-                let ls = &mut state.layers[li];
                 let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
-                let pre = hc_pre(&lw.hc_attn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
-                rec.f32(Level::L4, t, l, "attn.hc_pre", &[d as u64], &pre.x)?;
-                let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, eps, p);
-                rec.f32(Level::L4, t, l, "attn.norm", &[d as u64], &a)?;
-                let y =
-                    attention_forward(&lw.attn, cfg, ls, &a, t, &self.ropes, p, &mut rec, li as u32, &fx)?;
-                *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
-                rec.f32(Level::L3, t, l, "layer.post_attn_mhc", &[n as u64, d as u64], x)?;
-
-                let pre = hc_pre(&lw.hc_ffn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
-                rec.f32(Level::L4, t, l, "ffn.hc_pre", &[d as u64], &pre.x)?;
-                let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, fx.ffn_norm_eps.unwrap_or(eps), p);
-                rec.f32(Level::L4, t, l, "ffn.norm", &[d as u64], &f)?;
-                let site = MoeSite {
-                    layer: li as u32,
+                let cx = TokenCtx {
+                    cfg,
+                    p: opts.precision,
+                    combine: opts.combine,
                     step: state.step,
+                    layer: li as u32,
                     position: t,
                     token: ids[j],
+                    fx: &fx,
+                    plan: faults,
                 };
-                let combine: &dyn MoeCombine = match (fx.combine, fx.shared_first, fx.rounded_routed_merge) {
-                    (Some(c), _, _) => c,
-                    (None, true, _) => &SharedFirstCombine,
-                    (None, false, true) => &RoundedRoutedCombine,
-                    (None, false, false) => opts.combine,
-                };
-                let y = moe_forward(&lw.moe, &f, cfg, site, p, combine, &mut rec, &fx)?;
-                *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
-                if let (Some(dh), Some(plan)) = (fx.add_post_ffn_mhc, faults) {
-                    plan.observe_pre_add(x);
-                    for (v, d) in x.iter_mut().zip(dh) {
-                        *v += d;
-                    }
-                }
-                rec.f32(Level::L3, t, l, "layer.post_ffn_mhc", &[n as u64, d as u64], x)?;
+                self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
             }
         }
         let last_streams = streams.last().map(|v| v.as_slice()).unwrap_or(&[]);
-        let logits = head_forward(&self.head, last_streams, cfg, p);
+        let logits = head_forward(&self.head, last_streams, cfg, opts.precision);
         let next = argmax(&logits);
-        if rec.wants(Level::L1) {
-            rec.f32(
-                Level::L1,
-                last,
-                None,
-                "lm.logits",
-                &[logits.len() as u64],
-                &logits,
-            )?;
-            let top = topk_logits(&logits, 8.min(logits.len()));
-            let top_ids: Vec<i32> = top.iter().map(|&i| i as i32).collect();
-            let top_l: Vec<f32> = top.iter().map(|&i| logits[i as usize]).collect();
-            rec.i32(Level::L1, last, None, "lm.topk_ids", &top_ids)?;
-            rec.f32(
-                Level::L1,
-                last,
-                None,
-                "lm.topk_logits",
-                &[top_l.len() as u64],
-                &top_l,
-            )?;
-            let margin = if top_l.len() > 1 { top_l[0] - top_l[1] } else { 0.0 };
-            rec.f32(Level::L1, last, None, "lm.margin", &[1], &[margin])?;
-        }
-        rec.i32(Level::L0, last, None, "token.output", &[next as i32])?;
+        logit_records(&mut rec, &logits, last)?;
+        rec.i32(Component::TokenOutput, At::global(last), &[next as i32])?;
 
         if state.step == 0 {
             state.prompt = ids.to_vec();
@@ -280,11 +206,97 @@ impl Model {
         state.position = last + 1;
         state.step += 1;
         state.pending = Some(next);
-        l0_text(&mut rec, opts.detokenizer, &state.generated, last)?;
+        text_record(&mut rec, opts.detokenizer, &state.generated, last)?;
         state.emit_l2(&mut rec, last)?;
         Ok(StepOutput {
             logits,
             next_token: next,
         })
     }
+
+    /// The embedding of every id, repeated into the N residual streams.
+    fn embed(&self, ids: &[u32]) -> Vec<Vec<f32>> {
+        let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
+        ids.iter()
+            .map(|&t| {
+                let e: Vec<f32> = (0..d).map(|c| self.embed.get(t as usize, c)).collect();
+                let mut x = Vec::with_capacity(n * d);
+                for _ in 0..n {
+                    x.extend_from_slice(&e);
+                }
+                x
+            })
+            .collect()
+    }
+
+    /// One token through one decoder layer: the attention half (hc_pre,
+    /// attn_norm, attention, hc_post), then the FFN half (hc_pre, ffn_norm,
+    /// router, experts, combine, hc_post), updating the residual streams `x`.
+    fn layer_forward(
+        &self,
+        lw: &LayerWeights,
+        ls: &mut LayerState,
+        x: &mut Vec<f32>,
+        cx: &TokenCtx<'_>,
+        rec: &mut Recorder<'_>,
+    ) -> Result<(), RuntimeError> {
+        let (cfg, p, at, fx) = (cx.cfg, cx.p, cx.at(), cx.fx);
+        let (n, d, eps) = (cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps);
+        let pre = hc_pre(&lw.hc_attn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
+        rec.f32(Component::AttnHcPre, at, &[d as u64], &pre.x)?;
+        let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, eps, p);
+        rec.f32(Component::AttnNorm, at, &[d as u64], &a)?;
+        let y = attention_forward(&lw.attn, ls, &a, &self.ropes, cx, rec)?;
+        *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
+        rec.f32(Component::LayerPostAttnMhc, at, &[n as u64, d as u64], x)?;
+
+        let pre = hc_pre(&lw.hc_ffn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
+        rec.f32(Component::FfnHcPre, at, &[d as u64], &pre.x)?;
+        let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, fx.ffn_norm_eps.unwrap_or(eps), p);
+        rec.f32(Component::FfnNorm, at, &[d as u64], &f)?;
+        let y = moe_forward(&lw.moe, &f, cx, rec)?;
+        *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
+        if let (Some(dh), Some(plan)) = (fx.add_post_ffn_mhc, cx.plan) {
+            plan.observe_pre_add(x);
+            for (v, d) in x.iter_mut().zip(dh) {
+                *v += d;
+            }
+        }
+        rec.f32(Component::LayerPostFfnMhc, at, &[n as u64, d as u64], x)?;
+        Ok(())
+    }
+}
+
+/// The L1 records of a step: logits at its last position, the top-8 ids and
+/// logits, and the rank-1 minus rank-2 margin.
+fn logit_records(rec: &mut Recorder<'_>, logits: &[f32], last: u32) -> Result<(), RuntimeError> {
+    if !rec.wants(Level::L1) {
+        return Ok(());
+    }
+    let at = At::global(last);
+    rec.f32(Component::LmLogits, at, &[logits.len() as u64], logits)?;
+    let top = topk_logits(logits, 8.min(logits.len()));
+    let top_ids: Vec<i32> = top.iter().map(|&i| i as i32).collect();
+    let top_l: Vec<f32> = top.iter().map(|&i| logits[i as usize]).collect();
+    rec.i32(Component::LmTopkIds, at, &top_ids)?;
+    rec.f32(Component::LmTopkLogits, at, &[top_l.len() as u64], &top_l)?;
+    let margin = if top_l.len() > 1 { top_l[0] - top_l[1] } else { 0.0 };
+    rec.f32(Component::LmMargin, at, &[1], &[margin])?;
+    Ok(())
+}
+
+/// The `text.continuation` record: the decoding of every generated id so far.
+fn text_record(
+    rec: &mut Recorder<'_>,
+    det: Option<&dyn Detokenize>,
+    ids: &[u32],
+    pos: u32,
+) -> Result<(), RuntimeError> {
+    if let Some(d) = det {
+        if rec.wants(Component::TextContinuation.level()) {
+            let text = d.decode(ids)?;
+            rec.bytes(Component::TextContinuation, At::global(pos), text.as_bytes())?;
+        }
+    }
+    Ok(())
 }

@@ -8,17 +8,18 @@
 //! rounded: the combine decides). The shared expert's `y` is passed as is.
 //! Experts run in parallel (rayon) over independent outputs only.
 
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::Component;
 use rayon::prelude::*;
 
-use crate::capture::{CaptureError, Recorder};
+use crate::capture::{CaptureError, Name, Recorder};
 use crate::config::ModelConfig;
+use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;
-use crate::router::{route_with, RouterWeights};
+use crate::router::{route_with, RouterWeights, Routing};
 use crate::weights::{Mat, WeightLoader};
-use moeconf_contract::{CombineEvent, MoeCombine};
+use moeconf_contract::CombineEvent;
 
 /// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
 #[derive(Debug, Clone)]
@@ -97,48 +98,56 @@ impl MoeWeights {
     }
 }
 
-/// Identifies where an MoE forward runs (for the combine event and capture).
-#[derive(Debug, Clone, Copy)]
-pub struct MoeSite {
-    /// Decoder layer.
-    pub layer: u32,
-    /// Forward step.
-    pub step: u32,
-    /// Absolute token position.
-    pub position: u32,
-    /// Token id at this position (hash routing).
-    pub token: u32,
-}
-
-/// Router + experts + shared expert + combine for one token.
-#[allow(clippy::too_many_arguments)]
+/// Router + experts + shared expert + combine for one token (with the run's
+/// combine, unless a fault of `cx` replaces it).
 pub(crate) fn moe_forward(
     mw: &MoeWeights,
     f: &[f32],
-    cfg: &ModelConfig,
-    site: MoeSite,
-    p: Precision,
-    combine: &dyn MoeCombine,
+    cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-    fx: &crate::faults::Active<'_>,
 ) -> Result<Vec<f32>, CaptureError> {
-    let (t, l) = (site.position, Some(site.layer));
-    let r = route_with(&mw.router, f, site.token, cfg, p, fx.router_flip);
+    let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
+    let r = route_with(&mw.router, f, cx.token, cfg, p, cx.fx.router_flip);
     let k = r.topk.len() as u64;
-    rec.f32(
-        Level::L3,
-        t,
-        l,
-        "router.scores",
-        &[r.scores.len() as u64],
-        &r.scores,
-    )?;
+    rec.f32(Component::RouterScores, at, &[r.scores.len() as u64], &r.scores)?;
     let ids: Vec<i32> = r.topk.iter().map(|&e| e as i32).collect();
-    rec.i32(Level::L3, t, l, "router.topk", &ids)?;
-    rec.f32(Level::L3, t, l, "router.gates", &[k], &r.gates)?;
+    rec.i32(Component::RouterTopk, at, &ids)?;
+    rec.f32(Component::RouterGates, at, &[k], &r.gates)?;
     if let Some(m) = r.margin {
-        rec.f32(Level::L3, t, l, "router.margin", &[1], &[m])?;
+        rec.f32(Component::RouterMargin, at, &[1], &[m])?;
     }
+    let (terms, shared) = experts(mw, f, &r, cfg, p);
+    let dm = cfg.hidden_size as u64;
+    if rec.wants(Component::MoeTerm.level()) {
+        for (j, v) in terms.iter().enumerate() {
+            rec.f32(Name::member(Component::MoeTerm, j as u32), at, &[dm], v)?;
+        }
+        rec.f32(Component::MoeShared, at, &[dm], &shared)?;
+    }
+    let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
+    let event = CombineEvent {
+        layer: cx.layer,
+        step: cx.step,
+        position: cx.position,
+        experts: &r.topk,
+    };
+    let mut y = vec![0.0f32; cfg.hidden_size];
+    cx.fx
+        .combine_or(cx.combine)
+        .combine(&event, &term_refs, &shared, &mut y);
+    rec.f32(Component::MoeCombine, at, &[dm], &y)?;
+    Ok(y)
+}
+
+/// The gate-weighted routed terms (selection order) and the shared
+/// expert's output.
+fn experts(
+    mw: &MoeWeights,
+    f: &[f32],
+    r: &Routing,
+    cfg: &ModelConfig,
+    p: Precision,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
     // Experts 0..k-1 in selection order, then the shared expert (index k).
     // Each expert output is independent; run them on rayon only when an expert
     // is big enough to pay for the scheduling (results are identical either way).
@@ -146,32 +155,17 @@ pub(crate) fn moe_forward(
         Some(&e) => expert_forward(&mw.experts[e as usize], f, cfg.swiglu_limit, p),
         None => expert_forward(&mw.shared, f, cfg.swiglu_limit, p),
     };
-    let outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
+    let mut outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
         (0..=r.topk.len()).into_par_iter().map(one).collect()
     } else {
         (0..=r.topk.len()).map(one).collect()
     };
-    let mut terms: Vec<Vec<f32>> = Vec::with_capacity(r.topk.len());
-    for (j, g) in r.gates.iter().enumerate() {
-        terms.push(outs[j].iter().map(|y| g * y).collect());
-    }
-    let shared = &outs[r.topk.len()];
-    let dm = cfg.hidden_size as u64;
-    if rec.wants(Level::L4) {
-        for (j, v) in terms.iter().enumerate() {
-            rec.f32(Level::L4, t, l, &format!("moe.term.{j}"), &[dm], v)?;
-        }
-        rec.f32(Level::L4, t, l, "moe.shared", &[dm], shared)?;
-    }
-    let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
-    let event = CombineEvent {
-        layer: site.layer,
-        step: site.step,
-        position: site.position,
-        experts: &r.topk,
-    };
-    let mut y = vec![0.0f32; cfg.hidden_size];
-    combine.combine(&event, &term_refs, shared, &mut y);
-    rec.f32(Level::L4, t, l, "moe.combine", &[dm], &y)?;
-    Ok(y)
+    let shared = outs.pop().unwrap_or_default();
+    let terms = r
+        .gates
+        .iter()
+        .zip(&outs)
+        .map(|(g, y)| y.iter().map(|v| g * v).collect())
+        .collect();
+    (terms, shared)
 }

@@ -14,9 +14,9 @@
 //! [`DecodeState`] is `Clone`, and keeps the position, step and pending token
 //! explicit, so a run can be snapshot and forked.
 
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::{Component, Level};
 
-use crate::capture::{CaptureError, Recorder};
+use crate::capture::{At, CaptureError, Recorder};
 use crate::config::{AttentionKind, ModelConfig};
 
 /// State of one compressor (main or indexer) of a CSA/HCA layer.
@@ -71,64 +71,68 @@ impl CompressorState {
         &self.compressed_kv[i * self.dim..(i + 1) * self.dim]
     }
 
-    fn emit_l2(&self, rec: &mut Recorder<'_>, pos: u32, layer: u32, name: &str) -> Result<(), CaptureError> {
-        let l = Some(layer);
+    fn emit_l2(&self, rec: &mut Recorder<'_>, at: At, role: CompressorRole) -> Result<(), CaptureError> {
+        let c = role.components();
         let (w, d) = (self.width as u64, self.dim as u64);
         let rows = self.buffered() as u64;
-        rec.f32(
-            Level::L2,
-            pos,
-            l,
-            &format!("state.{name}.buffer_kv"),
-            &[rows, w],
-            &self.buffer_kv,
-        )?;
-        rec.f32(
-            Level::L2,
-            pos,
-            l,
-            &format!("state.{name}.buffer_gate"),
-            &[rows, w],
-            &self.buffer_gate,
-        )?;
-        rec.f32(
-            Level::L2,
-            pos,
-            l,
-            &format!("state.{name}.compressed_kv"),
-            &[self.entry_count, d],
-            &self.compressed_kv,
-        )?;
-        rec.i64_scalar(
-            Level::L2,
-            pos,
-            l,
-            &format!("state.{name}.entry_count"),
-            self.entry_count as i64,
-        )?;
+        rec.f32(c.buffer_kv, at, &[rows, w], &self.buffer_kv)?;
+        rec.f32(c.buffer_gate, at, &[rows, w], &self.buffer_gate)?;
+        rec.f32(c.compressed_kv, at, &[self.entry_count, d], &self.compressed_kv)?;
+        rec.i64_scalar(c.entry_count, at, self.entry_count as i64)?;
         if self.overlap {
             let empty: Vec<f32> = Vec::new();
             let ok = self.overlap_kv.as_ref().unwrap_or(&empty);
             let og = self.overlap_gate.as_ref().unwrap_or(&empty);
             let m = (ok.len() / self.dim) as u64;
-            rec.f32(
-                Level::L2,
-                pos,
-                l,
-                &format!("state.{name}.overlap_kv"),
-                &[m, d],
-                ok,
-            )?;
-            rec.f32(
-                Level::L2,
-                pos,
-                l,
-                &format!("state.{name}.overlap_gate"),
-                &[m, d],
-                og,
-            )?;
+            rec.f32(c.overlap_kv, at, &[m, d], ok)?;
+            rec.f32(c.overlap_gate, at, &[m, d], og)?;
         }
         Ok(())
+    }
+}
+
+/// Which compressor of a layer a [`CompressorState`] belongs to; chooses its
+/// L2 records among the catalogue's `state.compressor.*` and
+/// `state.indexer.*` components.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompressorRole {
+    /// The attention's own KV compressor (CSA and HCA layers).
+    Attention,
+    /// The lightning indexer's compressor (CSA layers).
+    Indexer,
+}
+
+/// The six L2 components of one compressor, in serialization order.
+struct CompressorComponents {
+    buffer_kv: Component,
+    buffer_gate: Component,
+    compressed_kv: Component,
+    entry_count: Component,
+    overlap_kv: Component,
+    overlap_gate: Component,
+}
+
+impl CompressorRole {
+    fn components(self) -> CompressorComponents {
+        use Component as C;
+        match self {
+            CompressorRole::Attention => CompressorComponents {
+                buffer_kv: C::StateCompressorBufferKv,
+                buffer_gate: C::StateCompressorBufferGate,
+                compressed_kv: C::StateCompressorCompressedKv,
+                entry_count: C::StateCompressorEntryCount,
+                overlap_kv: C::StateCompressorOverlapKv,
+                overlap_gate: C::StateCompressorOverlapGate,
+            },
+            CompressorRole::Indexer => CompressorComponents {
+                buffer_kv: C::StateIndexerBufferKv,
+                buffer_gate: C::StateIndexerBufferGate,
+                compressed_kv: C::StateIndexerCompressedKv,
+                entry_count: C::StateIndexerEntryCount,
+                overlap_kv: C::StateIndexerOverlapKv,
+                overlap_gate: C::StateIndexerOverlapGate,
+            },
+        }
     }
 }
 
@@ -204,28 +208,20 @@ impl DecodeState {
             return Ok(());
         }
         for (i, ls) in self.layers.iter().enumerate() {
-            let l = Some(i as u32);
-            rec.i64_scalar(
-                Level::L2,
-                pos,
-                l,
-                "state.cumulative_length",
-                ls.cumulative_length as i64,
-            )?;
+            let at = At::layer(pos, i as u32);
+            rec.i64_scalar(Component::StateCumulativeLength, at, ls.cumulative_length as i64)?;
             let n = (ls.window_kv.len() / ls.head_dim) as u64;
             rec.f32(
-                Level::L2,
-                pos,
-                l,
-                "state.window_kv",
+                Component::StateWindowKv,
+                at,
                 &[n, ls.head_dim as u64],
                 &ls.window_kv,
             )?;
             if let Some(c) = &ls.compressor {
-                c.emit_l2(rec, pos, i as u32, "compressor")?;
+                c.emit_l2(rec, at, CompressorRole::Attention)?;
             }
             if let Some(c) = &ls.indexer {
-                c.emit_l2(rec, pos, i as u32, "indexer")?;
+                c.emit_l2(rec, at, CompressorRole::Indexer)?;
             }
         }
         Ok(())

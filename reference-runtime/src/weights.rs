@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
+use moeconf_fingerprint::bf16_to_f32;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::RuntimeError;
@@ -79,9 +80,7 @@ impl Mat {
     pub fn get(&self, r: usize, c: usize) -> f32 {
         let b = self.row_bytes(r);
         match self.dtype {
-            WeightDType::Bf16 => {
-                f32::from_bits(u32::from(u16::from_le_bytes([b[2 * c], b[2 * c + 1]])) << 16)
-            }
+            WeightDType::Bf16 => bf16_to_f32(u16::from_le_bytes([b[2 * c], b[2 * c + 1]])),
             WeightDType::F32 => f32::from_le_bytes([b[4 * c], b[4 * c + 1], b[4 * c + 2], b[4 * c + 3]]),
         }
     }
@@ -249,7 +248,7 @@ impl WeightLoader {
         match dtype {
             Dtype::BF16 => Ok(bytes
                 .chunks_exact(2)
-                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
                 .collect()),
             Dtype::F32 => Ok(bytes
                 .chunks_exact(4)

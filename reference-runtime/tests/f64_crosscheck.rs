@@ -269,6 +269,8 @@ struct Comp {
 }
 
 /// Compressor step; `dim` = entry width, `overlap` = CSA layout.
+// The f64 re-statement keeps every quantity of the compressor explicit (one
+// argument each) so it reads against docs/operators.md, not the runtime's code.
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 fn comp_step(
     c: &Cfg,

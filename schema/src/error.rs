@@ -111,6 +111,7 @@ pub enum InputError {
     Trace(#[from] TraceError),
 }
 
+#[cfg(feature = "checkpoint")]
 impl InputError {
     /// An I/O error with its context.
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> InputError {

@@ -29,7 +29,8 @@ use crate::{
 };
 use moeconf_fingerprint::catalogue::{exec_rank, level_of_path, ExecGroup, ValueKind};
 use moeconf_fingerprint::{
-    f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, Phase, TensorView,
+    bf16_to_f32, f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, Phase,
+    TensorView,
 };
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
@@ -161,7 +162,12 @@ pub fn parse_dump_name(name: &str) -> Result<DumpName, String> {
             "tensor name {name:?}: step or position is not a decimal u32: {expected}"
         ));
     };
-    let (layer, component) = match rest.strip_prefix("layer.").and_then(|r| r.split_once('.')) {
+    // `layer.L.` (the dump convention's layer segment, not a component namespace).
+    let in_layer = rest
+        .split_once('.')
+        .filter(|(segment, _)| *segment == "layer")
+        .and_then(|(_, r)| r.split_once('.'));
+    let (layer, component) = match in_layer {
         Some((i, comp)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => {
             let Some(l) = parse_index(i) else {
                 return Err(format!(
@@ -218,7 +224,7 @@ fn convert(dtype: Dtype, data: &[u8], component: &str) -> Result<Converted, Stri
         Dtype::BF16 => Converted {
             dtype: DType::F32,
             bytes: wide(2, &|c| {
-                ((u16::from_le_bytes([c[0], c[1]]) as u32) << 16).to_le_bytes()
+                bf16_to_f32(u16::from_le_bytes([c[0], c[1]])).to_le_bytes()
             }),
         },
         Dtype::F16 => Converted {

@@ -3,7 +3,10 @@
 
 use crate::binding::{Binding, Provenance};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
-use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Level, TensorView, MAX_RANK};
+use moeconf_fingerprint::{
+    binding_digest, Algorithm, Coord, DType, Digest, FingerprintError, HashTree, Leaf, Level, TensorView,
+    MAX_RANK,
+};
 
 /// File magic: `MOECONF` followed by a NUL byte.
 pub const MAGIC: [u8; 8] = *b"MOECONF\0";
@@ -225,6 +228,28 @@ pub fn checksum(
     h.update(index);
     h.update(trailer_covered);
     h.finalize()
+}
+
+/// The fingerprint tree of a trace: the digest of `binding` and the
+/// [`HashTree`] over the record digests of `entries`. The one tree builder
+/// of the container: the writer stores its root in the trailer, the reader
+/// rebuilds it to check that root.
+pub fn fingerprint_tree(
+    alg: Algorithm,
+    binding: &Binding,
+    entries: &[IndexEntry],
+) -> Result<(Digest, HashTree), FingerprintError> {
+    let bd = binding_digest(alg, &binding.to_bytes());
+    let leaves: Vec<Leaf> = entries
+        .iter()
+        .map(|e| Leaf {
+            coord: &e.coord,
+            level: e.level,
+            digest: e.digest,
+        })
+        .collect();
+    let tree = HashTree::build(alg, bd, &leaves)?;
+    Ok((bd, tree))
 }
 
 /// Returns a copy of `bytes` whose trailer checksum is recomputed over the

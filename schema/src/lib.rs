@@ -36,7 +36,9 @@
 
 mod binding;
 mod error;
+#[cfg(feature = "checkpoint")]
 mod identity;
+#[cfg(feature = "checkpoint")]
 pub mod import;
 pub mod inspect;
 pub mod layout;
@@ -48,6 +50,7 @@ pub use binding::{
     TokenizerIdentity, MAX_STRING,
 };
 pub use error::{InputError, TraceError};
+#[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
 pub use reader::{Trace, VerifySummary};

@@ -13,13 +13,11 @@
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, checksum, Header, IndexEntry, Trailer, END_MAGIC, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN,
-    MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
+    align_up, checksum, fingerprint_tree, Header, IndexEntry, Trailer, END_MAGIC, FORMAT_VERSION, MAGIC,
+    MAX_HEADER_LEN, MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
 };
 use moeconf_fingerprint::wire::Decoder;
-use moeconf_fingerprint::{
-    binding_digest, is_canonical, record_prefix, Algorithm, Digest, HashTree, Leaf, TensorView,
-};
+use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, HashTree, TensorView};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -70,6 +68,176 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
+/// What the preamble says about the file's layout.
+struct Preambled {
+    alg: Algorithm,
+    /// End of the header (start of the padding before the payload section).
+    header_end: u64,
+    /// Start of the payload section.
+    payload_start: u64,
+}
+
+/// Checks size, magic, version, flags, algorithm, reserved field and header length.
+fn check_preamble(path: &Path, b: &[u8]) -> Result<Preambled, TraceError> {
+    let len = b.len() as u64;
+    let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
+    if len < PREAMBLE_LEN + TRAILER_LEN {
+        return Err(fail(
+            0,
+            format!("file is {len} bytes, shorter than the smallest trace"),
+        ));
+    }
+    if b[0..8] != MAGIC {
+        return Err(fail(
+            0,
+            "not a moeconf trace (bad magic; expected \"MOECONF\\0\")".into(),
+        ));
+    }
+    let version = u32_at(b, 8);
+    if version != FORMAT_VERSION {
+        return Err(TraceError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let flags = u32_at(b, 12);
+    if flags != 0 {
+        return Err(fail(
+            12,
+            format!("unknown flags {flags:#x} (must be 0 in version 1)"),
+        ));
+    }
+    let alg_code = u32_at(b, 16);
+    let alg = Algorithm::from_code(alg_code)
+        .ok_or_else(|| fail(16, format!("unknown digest algorithm code {alg_code}")))?;
+    if u32_at(b, 20) != 0 {
+        return Err(fail(20, "reserved field is not zero".into()));
+    }
+    let header_len = u64_at(b, 24);
+    let header_end = PREAMBLE_LEN
+        .checked_add(header_len)
+        .filter(|&e| header_len <= MAX_HEADER_LEN && e <= len - TRAILER_LEN)
+        .ok_or_else(|| {
+            fail(
+                24,
+                format!("header length {header_len} does not fit in a {len}-byte file"),
+            )
+        })?;
+    let payload_start = align_up(header_end).ok_or_else(|| fail(24, "header length overflows".into()))?;
+    Ok(Preambled {
+        alg,
+        header_end,
+        payload_start,
+    })
+}
+
+/// Checks the trailer's magic, index offsets and record count bound, and the
+/// checksum over preamble + header, index and trailer.
+fn check_trailer(path: &Path, b: &[u8], pre: &Preambled) -> Result<Trailer, TraceError> {
+    let len = b.len() as u64;
+    let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
+    let t0 = (len - TRAILER_LEN) as usize;
+    if b[t0..t0 + 8] != END_MAGIC || b[t0 + 96..t0 + 104] != END_MAGIC {
+        return Err(fail(
+            t0 as u64,
+            "trailer magic missing: the file is truncated or was not finished by its writer".into(),
+        ));
+    }
+    let index_offset = u64_at(b, t0 + 8);
+    let index_len = u64_at(b, t0 + 16);
+    let record_count = u64_at(b, t0 + 24);
+    let mut root = [0u8; 32];
+    root.copy_from_slice(&b[t0 + 32..t0 + 64]);
+    let mut stored_sum = [0u8; 32];
+    stored_sum.copy_from_slice(&b[t0 + 64..t0 + 96]);
+    if index_offset < pre.payload_start.min(len)
+        || index_offset.checked_add(index_len) != Some(len - TRAILER_LEN)
+    {
+        return Err(fail(
+            t0 as u64 + 8,
+            format!(
+                "index at {index_offset} with length {index_len} does not end at the trailer ({})",
+                len - TRAILER_LEN
+            ),
+        ));
+    }
+    if record_count > index_len / MIN_ENTRY_LEN {
+        return Err(fail(
+            t0 as u64 + 24,
+            format!("record count {record_count} cannot fit in a {index_len}-byte index"),
+        ));
+    }
+    let trailer = Trailer {
+        index_offset,
+        index_len,
+        record_count,
+        root: Digest(root),
+        checksum: Digest(stored_sum),
+    };
+    let sum = checksum(
+        pre.alg,
+        &b[..pre.header_end as usize],
+        index_bytes(b, &trailer),
+        &trailer.covered_bytes(),
+    );
+    if sum.0 != stored_sum {
+        return Err(fail(
+            t0 as u64 + 64,
+            "checksum mismatch: the header, index or trailer is corrupted".into(),
+        ));
+    }
+    Ok(trailer)
+}
+
+/// The index bytes (in bounds: checked by [`check_trailer`]).
+fn index_bytes<'b>(b: &'b [u8], t: &Trailer) -> &'b [u8] {
+    &b[t.index_offset as usize..(t.index_offset + t.index_len) as usize]
+}
+
+/// Decodes the index and checks that payloads lie inside the payload
+/// section in order, aligned and non-overlapping.
+fn decode_index(path: &Path, b: &[u8], pre: &Preambled, t: &Trailer) -> Result<Vec<IndexEntry>, TraceError> {
+    let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
+    let (index_offset, record_count) = (t.index_offset, t.record_count);
+    let mut d = Decoder::new(index_bytes(b, t), index_offset);
+    let n = d
+        .len("index record count", MIN_ENTRY_LEN as usize, record_count)
+        .map_err(|e| fail(e.offset, e.what))?;
+    if n as u64 != record_count {
+        return Err(fail(
+            index_offset,
+            format!("index holds {n} records, trailer says {record_count}"),
+        ));
+    }
+    let mut entries = Vec::with_capacity(n);
+    let mut next_payload = pre.payload_start;
+    for i in 0..n {
+        let at = d.offset();
+        let e = IndexEntry::decode(&mut d).map_err(|e| fail(e.offset, format!("record {i}: {}", e.what)))?;
+        if let Some(p) = e.payload {
+            let end = p.offset.checked_add(p.len);
+            if p.offset % PAYLOAD_ALIGN != 0
+                || p.offset < next_payload
+                || end.is_none_or(|end| end > index_offset)
+            {
+                return Err(fail(
+                    at,
+                    format!(
+                        "record {i} ({}): payload at {} (+{}) is outside the payload section, misaligned \
+                         or overlapping",
+                        e.coord, p.offset, p.len
+                    ),
+                ));
+            }
+            next_payload = end.unwrap_or(index_offset);
+        }
+        entries.push(e);
+    }
+    d.finish("index").map_err(|e| fail(e.offset, e.what))?;
+    Ok(entries)
+}
+
 impl Trace {
     /// Opens and validates the trace at `path` (memory-mapped).
     pub fn open(path: &Path) -> Result<Trace, TraceError> {
@@ -103,174 +271,31 @@ impl Trace {
 
     fn parse(path: &Path, data: Backing) -> Result<Trace, TraceError> {
         let b = data.bytes();
-        let len = b.len() as u64;
+        let pre = check_preamble(path, b)?;
+        let trailer = check_trailer(path, b, &pre)?;
         let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
-        if len < PREAMBLE_LEN + TRAILER_LEN {
-            return Err(fail(
-                0,
-                format!("file is {len} bytes, shorter than the smallest trace"),
-            ));
-        }
-        if b[0..8] != MAGIC {
-            return Err(fail(
-                0,
-                "not a moeconf trace (bad magic; expected \"MOECONF\\0\")".into(),
-            ));
-        }
-        let version = u32_at(b, 8);
-        if version != FORMAT_VERSION {
-            return Err(TraceError::UnsupportedVersion {
-                path: path.to_path_buf(),
-                found: version,
-                supported: FORMAT_VERSION,
-            });
-        }
-        let flags = u32_at(b, 12);
-        if flags != 0 {
-            return Err(fail(
-                12,
-                format!("unknown flags {flags:#x} (must be 0 in version 1)"),
-            ));
-        }
-        let alg_code = u32_at(b, 16);
-        let alg = Algorithm::from_code(alg_code)
-            .ok_or_else(|| fail(16, format!("unknown digest algorithm code {alg_code}")))?;
-        if u32_at(b, 20) != 0 {
-            return Err(fail(20, "reserved field is not zero".into()));
-        }
-        let header_len = u64_at(b, 24);
-        let header_end = PREAMBLE_LEN
-            .checked_add(header_len)
-            .filter(|&e| header_len <= MAX_HEADER_LEN && e <= len - TRAILER_LEN)
-            .ok_or_else(|| {
-                fail(
-                    24,
-                    format!("header length {header_len} does not fit in a {len}-byte file"),
-                )
-            })?;
-        let payload_start = align_up(header_end).ok_or_else(|| fail(24, "header length overflows".into()))?;
-
-        // Trailer.
-        let t0 = (len - TRAILER_LEN) as usize;
-        if b[t0..t0 + 8] != END_MAGIC || b[t0 + 96..t0 + 104] != END_MAGIC {
-            return Err(fail(
-                t0 as u64,
-                "trailer magic missing: the file is truncated or was not finished by its writer".into(),
-            ));
-        }
-        let index_offset = u64_at(b, t0 + 8);
-        let index_len = u64_at(b, t0 + 16);
-        let record_count = u64_at(b, t0 + 24);
-        let mut root = [0u8; 32];
-        root.copy_from_slice(&b[t0 + 32..t0 + 64]);
-        let mut stored_sum = [0u8; 32];
-        stored_sum.copy_from_slice(&b[t0 + 64..t0 + 96]);
-        if index_offset < payload_start.min(len)
-            || index_offset.checked_add(index_len) != Some(len - TRAILER_LEN)
-        {
-            return Err(fail(
-                t0 as u64 + 8,
-                format!(
-                    "index at {index_offset} with length {index_len} does not end at the trailer ({})",
-                    len - TRAILER_LEN
-                ),
-            ));
-        }
-        if record_count > index_len / MIN_ENTRY_LEN {
-            return Err(fail(
-                t0 as u64 + 24,
-                format!("record count {record_count} cannot fit in a {index_len}-byte index"),
-            ));
-        }
-        let trailer = Trailer {
-            index_offset,
-            index_len,
-            record_count,
-            root: Digest(root),
-            checksum: Digest(stored_sum),
-        };
-        let index_bytes = &b[index_offset as usize..(index_offset + index_len) as usize];
-        let sum = checksum(
-            alg,
-            &b[..header_end as usize],
-            index_bytes,
-            &trailer.covered_bytes(),
-        );
-        if sum.0 != stored_sum {
-            return Err(fail(
-                t0 as u64 + 64,
-                "checksum mismatch: the header, index or trailer is corrupted".into(),
-            ));
-        }
-
-        // Header and index.
-        let header = Header::decode(&b[PREAMBLE_LEN as usize..header_end as usize], PREAMBLE_LEN)
+        let header = Header::decode(&b[PREAMBLE_LEN as usize..pre.header_end as usize], PREAMBLE_LEN)
             .map_err(|e| fail(e.offset, format!("header: {}", e.what)))?;
-        let mut d = Decoder::new(index_bytes, index_offset);
-        let n = d
-            .len("index record count", MIN_ENTRY_LEN as usize, record_count)
-            .map_err(|e| fail(e.offset, e.what))?;
-        if n as u64 != record_count {
+        let entries = decode_index(path, b, &pre, &trailer)?;
+        let (bd, tree) = fingerprint_tree(pre.alg, &header.binding, &entries)
+            .map_err(|e| fail(trailer.index_offset, e.to_string()))?;
+        if tree.root != trailer.root {
             return Err(fail(
-                index_offset,
-                format!("index holds {n} records, trailer says {record_count}"),
-            ));
-        }
-        let mut entries = Vec::with_capacity(n);
-        let mut next_payload = payload_start;
-        for i in 0..n {
-            let at = d.offset();
-            let e =
-                IndexEntry::decode(&mut d).map_err(|e| fail(e.offset, format!("record {i}: {}", e.what)))?;
-            if let Some(p) = e.payload {
-                let end = p.offset.checked_add(p.len);
-                if p.offset % PAYLOAD_ALIGN != 0
-                    || p.offset < next_payload
-                    || end.is_none_or(|end| end > index_offset)
-                {
-                    return Err(fail(
-                        at,
-                        format!(
-                            "record {i} ({}): payload at {} (+{}) is outside the payload section, misaligned \
-                             or overlapping",
-                            e.coord, p.offset, p.len
-                        ),
-                    ));
-                }
-                next_payload = end.unwrap_or(index_offset);
-            }
-            entries.push(e);
-        }
-        d.finish("index").map_err(|e| fail(e.offset, e.what))?;
-
-        let bd = binding_digest(alg, &header.binding.to_bytes());
-        let leaves: Vec<Leaf> = entries
-            .iter()
-            .map(|e| Leaf {
-                coord: &e.coord,
-                level: e.level,
-                digest: e.digest,
-            })
-            .collect();
-        let tree = HashTree::build(alg, bd, &leaves).map_err(|e| fail(index_offset, e.to_string()))?;
-        if tree.root.0 != root {
-            return Err(fail(
-                t0 as u64 + 32,
+                b.len() as u64 - TRAILER_LEN + 32,
                 "root digest does not match the records: the index or trailer is corrupted".into(),
             ));
         }
-        drop(leaves);
         Ok(Trace {
             path: path.to_path_buf(),
             data,
-            alg,
+            alg: pre.alg,
             header,
             entries,
             tree,
             binding_digest: bd,
-            header_end,
-            payload_start,
-            index_offset,
+            header_end: pre.header_end,
+            payload_start: pre.payload_start,
+            index_offset: trailer.index_offset,
         })
     }
 

@@ -10,12 +10,11 @@
 use crate::binding::Binding;
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, checksum, Header, IndexEntry, PayloadRef, Preamble, Trailer, PAYLOAD_ALIGN, PREAMBLE_LEN,
+    align_up, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Preamble, Trailer, PAYLOAD_ALIGN,
+    PREAMBLE_LEN,
 };
 use moeconf_fingerprint::wire::Encoder;
-use moeconf_fingerprint::{
-    binding_digest, record_digest_with_sink, Algorithm, Coord, Digest, HashTree, Leaf, Level, TensorView,
-};
+use moeconf_fingerprint::{record_digest_with_sink, Algorithm, Coord, Digest, Level, TensorView};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -182,17 +181,7 @@ impl TraceWriter {
 
     /// Writes index and trailer, syncs, and renames the file into place.
     pub fn finish(mut self) -> Result<WriteSummary, TraceError> {
-        let leaves: Vec<Leaf> = self
-            .entries
-            .iter()
-            .map(|e| Leaf {
-                coord: &e.coord,
-                level: e.level,
-                digest: e.digest,
-            })
-            .collect();
-        let bd = binding_digest(self.alg, &self.header.binding.to_bytes());
-        let tree = HashTree::build(self.alg, bd, &leaves)
+        let (_, tree) = fingerprint_tree(self.alg, &self.header.binding, &self.entries)
             .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?;
         let mut e = Encoder::new();
         e.len(self.entries.len());

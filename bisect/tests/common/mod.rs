@@ -175,6 +175,8 @@ struct W {
 }
 
 impl W {
+    // One argument per field of the record written (coordinate, level,
+    // tensor): the synthetic traces spell every record out in full.
     #[allow(clippy::too_many_arguments)]
     fn put(
         &mut self,
@@ -198,6 +200,7 @@ impl W {
             .append(coord, level, TensorView { dtype, shape, bytes }, self.keep)
             .expect("append");
     }
+    // As `put`, for an f32 tensor.
     #[allow(clippy::too_many_arguments)]
     fn f32(
         &mut self,
