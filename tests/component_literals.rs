@@ -85,7 +85,11 @@ fn no_component_path_literals_outside_the_catalogue() {
         rust_files(&root.join(krate).join("src"), &mut files);
         files.sort();
         for f in files {
-            let rel = f.strip_prefix(root).unwrap_or(&f).to_string_lossy().replace('\\', "/");
+            let rel = f
+                .strip_prefix(root)
+                .unwrap_or(&f)
+                .to_string_lossy()
+                .replace('\\', "/");
             if rel == CATALOGUE {
                 continue;
             }
@@ -116,7 +120,10 @@ fn no_component_path_literals_outside_the_catalogue() {
 
 #[test]
 fn the_scanner_sees_literals() {
-    assert_eq!(literals(r#"let x = "router.topk"; // "moe.combine""#), vec!["router.topk"]);
+    assert_eq!(
+        literals(r#"let x = "router.topk"; // "moe.combine""#),
+        vec!["router.topk"]
+    );
     assert_eq!(literals(r#"f('"', "a\"b")"#), vec![r#"a\"b"#]);
     assert!(is_component_literal("moe.term.3"));
     assert!(is_component_literal("moe.term."));
