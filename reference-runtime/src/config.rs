@@ -11,6 +11,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::RuntimeError;
+use crate::files::{read_capped, MAX_CONFIG_BYTES};
 
 /// Attention kind of a decoder layer (`layer_types`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,6 +171,77 @@ struct RawConfig {
 /// runtime allocate absurd buffers before the weight shapes are checked.
 pub const MAX_DIM: usize = 1 << 24;
 
+/// Upper bound on `num_hidden_layers` (DeepSeek-V4 has 61).
+pub const MAX_LAYERS: usize = 1024;
+
+/// Upper bound on `hc_mult`, the number of residual streams (DeepSeek-V4: 4).
+pub const MAX_HC_MULT: usize = 64;
+
+/// Upper bound on `hc_sinkhorn_iters` (DeepSeek-V4: 20): each iteration is
+/// O(hc_mult²) work at every mHC site of every token.
+pub const MAX_SINKHORN_ITERS: usize = 1000;
+
+/// A config number as written in messages: plain decimal, or scientific
+/// notation when that would be very long.
+fn show(x: f64) -> String {
+    if x != 0.0 && x.is_finite() && !(1e-4..1e16).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        format!("{x}")
+    }
+}
+
+/// The allowed values of a floating-point key: finite, above (or at) `lo`,
+/// at most `hi`.
+#[derive(Debug, Clone, Copy)]
+struct Range {
+    lo: f64,
+    lo_open: bool,
+    hi: f64,
+}
+
+impl Range {
+    /// Finite and > `lo` (and representable as a finite f32).
+    const fn above(lo: f64) -> Range {
+        Range {
+            lo,
+            lo_open: true,
+            hi: f32::MAX as f64,
+        }
+    }
+
+    /// Finite and ≥ `lo` (and representable as a finite f32).
+    const fn at_least(lo: f64) -> Range {
+        Range {
+            lo,
+            lo_open: false,
+            hi: f32::MAX as f64,
+        }
+    }
+
+    /// In (0, 1] (epsilons).
+    const EPSILON: Range = Range {
+        lo: 0.0,
+        lo_open: true,
+        hi: 1.0,
+    };
+
+    fn contains(self, x: f64) -> bool {
+        let above = if self.lo_open { x > self.lo } else { x >= self.lo };
+        x.is_finite() && above && x <= self.hi
+    }
+
+    fn describe(self) -> String {
+        let op = if self.lo_open { ">" } else { ">=" };
+        if self.hi == f32::MAX as f64 {
+            format!("a finite number {op} {}", self.lo)
+        } else {
+            let open = if self.lo_open { "(" } else { "[" };
+            format!("a number in {open}{}, {}]", self.lo, self.hi)
+        }
+    }
+}
+
 /// The dimensions read first (all required except the rotary width).
 struct Dims {
     vocab_size: usize,
@@ -206,14 +278,20 @@ impl Keys<'_> {
         }
     }
 
-    /// A required positive dimension, at most [`MAX_DIM`].
-    fn need(&self, v: Option<usize>, key: &str) -> Result<usize, RuntimeError> {
+    /// A required integer in `1..=max`.
+    fn need_at_most(&self, v: Option<usize>, key: &str, max: usize) -> Result<usize, RuntimeError> {
         match v {
             None => Err(self.err(format!("missing key `{key}`"))),
-            Some(0) => Err(self.err(format!("key `{key}` must be positive, got 0"))),
-            Some(x) if x > MAX_DIM => Err(self.err(format!("key `{key}` = {x} exceeds the limit {MAX_DIM}"))),
+            Some(x) if x == 0 || x > max => Err(self.err(format!(
+                "key `{key}` = {x} is out of range: expected an integer in 1..={max}"
+            ))),
             Some(x) => Ok(x),
         }
+    }
+
+    /// A required dimension in `1..=`[`MAX_DIM`].
+    fn need(&self, v: Option<usize>, key: &str) -> Result<usize, RuntimeError> {
+        self.need_at_most(v, key, MAX_DIM)
     }
 
     /// An optional dimension with a default, validated like [`Keys::need`].
@@ -221,28 +299,45 @@ impl Keys<'_> {
         self.need(Some(v.unwrap_or(default)), key)
     }
 
-    /// An optional finite scalar with a default, as f32.
-    fn float(&self, v: Option<f64>, default: f64, key: &str) -> Result<f32, RuntimeError> {
-        let x = v.unwrap_or(default);
-        if !x.is_finite() {
-            return Err(self.err(format!("key `{key}` must be finite, got {x}")));
+    /// An optional integer in `1..=max` with a default.
+    fn or_at_most(
+        &self,
+        v: Option<usize>,
+        default: usize,
+        key: &str,
+        max: usize,
+    ) -> Result<usize, RuntimeError> {
+        self.need_at_most(Some(v.unwrap_or(default)), key, max)
+    }
+
+    /// A real number in `range`.
+    fn real(&self, x: f64, key: &str, range: Range) -> Result<f64, RuntimeError> {
+        if !range.contains(x) {
+            return Err(self.err(format!(
+                "key `{key}` = {} is out of range: expected {}",
+                show(x),
+                range.describe()
+            )));
         }
-        Ok(x as f32)
+        Ok(x)
+    }
+
+    /// An optional scalar in `range` with a default, as f32.
+    fn float(&self, v: Option<f64>, default: f64, key: &str, range: Range) -> Result<f32, RuntimeError> {
+        Ok(self.real(v.unwrap_or(default), key, range)? as f32)
     }
 
     fn dims(&self, raw: &RawConfig) -> Result<Dims, RuntimeError> {
         let vocab_size = self.need(raw.vocab_size, "vocab_size")?;
         let hidden_size = self.need(raw.hidden_size, "hidden_size")?;
         let moe_intermediate_size = self.need(raw.moe_intermediate_size, "moe_intermediate_size")?;
-        let num_layers = self.need(raw.num_hidden_layers, "num_hidden_layers")?;
+        let num_layers = self.need_at_most(raw.num_hidden_layers, "num_hidden_layers", MAX_LAYERS)?;
         let num_heads = self.need(raw.num_attention_heads, "num_attention_heads")?;
         let head_dim = self.need(raw.head_dim, "head_dim")?;
         let q_lora_rank = self.need(raw.q_lora_rank, "q_lora_rank")?;
         let rope_dim = match (raw.partial_rotary_factor, raw.qk_rope_head_dim) {
             (Some(f), _) => {
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(self.err(format!("key `partial_rotary_factor` must be in (0, 1], got {f}")));
-                }
+                self.real(f, "partial_rotary_factor", Range::EPSILON)?;
                 (head_dim as f64 * f) as usize
             }
             (None, Some(r)) => r,
@@ -312,35 +407,51 @@ impl Keys<'_> {
                 "key `rope_parameters.main.rope_type` = {t:?} is unsupported (only the compress rope may scale)"
             )));
         }
-        let scaled = if main.is_some() || compress.is_some() {
-            compress
+        let section = if raw.rope_parameters.is_some() {
+            "rope_parameters"
         } else {
-            rope
+            "rope_scaling"
+        };
+        let (scaled, prefix) = if main.is_some() || compress.is_some() {
+            (compress, format!("{section}.compress"))
+        } else {
+            (rope, section.to_string())
         };
         let yarn = match scaled {
             None => None,
-            Some(r) => self.yarn(r)?,
+            Some(r) => self.yarn(r, &prefix)?,
         };
         Ok(RopeKeys { main, compress, yarn })
     }
 
-    /// The YaRN parameters of the scaled rope, `None` for an unscaled one.
-    fn yarn(&self, r: &RawRope) -> Result<Option<Yarn>, RuntimeError> {
+    /// The YaRN parameters of the scaled rope (keys under `prefix`), `None`
+    /// for an unscaled one. As in HF, factor ≥ 1; the correction range
+    /// takes logarithms of `original_max_position_embeddings / (2π·β)`, so
+    /// both are positive.
+    fn yarn(&self, r: &RawRope, prefix: &str) -> Result<Option<Yarn>, RuntimeError> {
+        let key = |k: &str| format!("{prefix}.{k}");
+        let required =
+            |v: Option<f64>, k: &str| v.ok_or_else(|| self.err(format!("key `{}` missing for yarn", key(k))));
         match r.rope_type.as_deref() {
             None | Some("default") => Ok(None),
             Some("yarn") => Ok(Some(Yarn {
-                factor: r
-                    .factor
-                    .ok_or_else(|| self.err("key `rope_parameters.factor` missing for yarn".into()))?,
-                original_max_position_embeddings: r.original_max_position_embeddings.ok_or_else(|| {
-                    self.err("key `rope_parameters.original_max_position_embeddings` missing for yarn".into())
-                })?,
-                beta_fast: r.beta_fast.unwrap_or(32.0),
-                beta_slow: r.beta_slow.unwrap_or(1.0),
+                factor: self.real(
+                    required(r.factor, "factor")?,
+                    &key("factor"),
+                    Range::at_least(1.0),
+                )?,
+                original_max_position_embeddings: self.real(
+                    required(
+                        r.original_max_position_embeddings,
+                        "original_max_position_embeddings",
+                    )?,
+                    &key("original_max_position_embeddings"),
+                    Range::at_least(1.0),
+                )?,
+                beta_fast: self.real(r.beta_fast.unwrap_or(32.0), &key("beta_fast"), Range::above(0.0))?,
+                beta_slow: self.real(r.beta_slow.unwrap_or(1.0), &key("beta_slow"), Range::above(0.0))?,
             })),
-            Some(other) => Err(self.err(format!(
-                "key `rope_parameters.rope_type` = {other:?} is unsupported"
-            ))),
+            Some(other) => Err(self.err(format!("key `{}` = {other:?} is unsupported", key("rope_type")))),
         }
     }
 
@@ -457,19 +568,22 @@ impl Keys<'_> {
                 cfg.o_groups, cfg.num_heads
             )));
         }
-        if cfg.hc_eps < 0.0 || cfg.rms_norm_eps < 0.0 || cfg.swiglu_limit <= 0.0 {
-            return Err(self.err("keys `hc_eps`/`rms_norm_eps` must be >= 0 and `swiglu_limit` > 0".into()));
-        }
         Ok(())
     }
 }
 
 impl ModelConfig {
     /// Reads and validates `path` (a `config.json`).
+    /// The file must be a regular file of at most
+    /// [`crate::files::MAX_CONFIG_BYTES`].
     pub fn from_file(path: &Path) -> Result<ModelConfig, RuntimeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::Io {
+        let bytes = read_capped(path, "config.json", MAX_CONFIG_BYTES)?;
+        let text = String::from_utf8(bytes).map_err(|e| RuntimeError::Config {
             path: path.to_path_buf(),
-            source,
+            message: format!(
+                "not UTF-8 (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
         })?;
         ModelConfig::from_json(path, &text)
     }
@@ -497,11 +611,17 @@ impl ModelConfig {
             rope_dim: dims.rope_dim,
             experts_per_tok: dims.experts_per_tok,
             n_routed_experts: dims.n_routed_experts,
-            routed_scaling_factor: k.float(raw.routed_scaling_factor, 1.5, "routed_scaling_factor")?,
+            routed_scaling_factor: k.float(
+                raw.routed_scaling_factor,
+                1.5,
+                "routed_scaling_factor",
+                Range::above(0.0),
+            )?,
             rope_theta: k.float(
                 rope.main.and_then(|m| m.rope_theta).or(raw.rope_theta),
                 10000.0,
                 "rope_theta",
+                Range::above(1.0),
             )?,
             compress_rope_theta: k.float(
                 rope.compress
@@ -509,23 +629,29 @@ impl ModelConfig {
                     .or(raw.compress_rope_theta),
                 160000.0,
                 "compress_rope_theta",
+                Range::above(1.0),
             )?,
             yarn: rope.yarn,
             layer_types,
             mlp_layer_types,
             csa_rate,
             hca_rate,
-            hc_mult: k.or(raw.hc_mult, 4, "hc_mult")?,
-            hc_sinkhorn_iters: k.or(raw.hc_sinkhorn_iters, 20, "hc_sinkhorn_iters")?,
-            hc_eps: k.float(raw.hc_eps, 1e-6, "hc_eps")?,
-            swiglu_limit: k.float(raw.swiglu_limit, 10.0, "swiglu_limit")?,
+            hc_mult: k.or_at_most(raw.hc_mult, 4, "hc_mult", MAX_HC_MULT)?,
+            hc_sinkhorn_iters: k.or_at_most(
+                raw.hc_sinkhorn_iters,
+                20,
+                "hc_sinkhorn_iters",
+                MAX_SINKHORN_ITERS,
+            )?,
+            hc_eps: k.float(raw.hc_eps, 1e-6, "hc_eps", Range::EPSILON)?,
+            swiglu_limit: k.float(raw.swiglu_limit, 10.0, "swiglu_limit", Range::above(0.0))?,
             sliding_window: k.or(raw.sliding_window, 128, "sliding_window")?,
             o_groups: k.or(raw.o_groups, 8, "o_groups")?,
             o_lora_rank: k.or(raw.o_lora_rank, 1024, "o_lora_rank")?,
             index_n_heads: k.or(raw.index_n_heads, 64, "index_n_heads")?,
             index_head_dim: k.or(raw.index_head_dim, 128, "index_head_dim")?,
             index_topk: k.or(raw.index_topk, 512, "index_topk")?,
-            rms_norm_eps: k.float(raw.rms_norm_eps, 1e-6, "rms_norm_eps")?,
+            rms_norm_eps: k.float(raw.rms_norm_eps, 1e-6, "rms_norm_eps", Range::EPSILON)?,
         };
         k.check_consistency(&cfg)?;
         Ok(cfg)
@@ -631,5 +757,98 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{e}");
         }
+    }
+
+    #[test]
+    fn values_out_of_range_name_key_value_and_range() {
+        let sliding = serde_json::json!(["sliding_attention", "sliding_attention", "sliding_attention"]);
+        let yarn = serde_json::json!({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536});
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(Edit, &str); 16] = [
+            (
+                |v| v["rope_theta"] = 0.0.into(),
+                "key `rope_theta` = 0 is out of range: expected a finite number > 1",
+            ),
+            (
+                |v| v["compress_rope_theta"] = 1.0.into(),
+                "key `compress_rope_theta` = 1 is out of range",
+            ),
+            (
+                |v| v["rope_theta"] = 1e300.into(),
+                "key `rope_theta` = 1e300 is out of range",
+            ),
+            (
+                |v| v["rope_parameters"]["factor"] = 0.5.into(),
+                "key `rope_parameters.factor` = 0.5 is out of range: expected a finite number >= 1",
+            ),
+            (
+                |v| v["rope_parameters"]["original_max_position_embeddings"] = 0.into(),
+                "`rope_parameters.original_max_position_embeddings` = 0",
+            ),
+            (
+                |v| v["rope_parameters"]["beta_fast"] = 0.0.into(),
+                "`rope_parameters.beta_fast` = 0 is out of range: expected a finite number > 0",
+            ),
+            (
+                |v| v["rope_parameters"]["beta_slow"] = (-1.0).into(),
+                "`rope_parameters.beta_slow` = -1",
+            ),
+            (
+                |v| v["hc_sinkhorn_iters"] = (1u64 << 24).into(),
+                "key `hc_sinkhorn_iters` = 16777216 is out of range: expected an integer in 1..=1000",
+            ),
+            (
+                |v| v["hc_mult"] = 65.into(),
+                "key `hc_mult` = 65 is out of range: expected an integer in 1..=64",
+            ),
+            (
+                |v| v["num_hidden_layers"] = 1025.into(),
+                "key `num_hidden_layers` = 1025 is out of range: expected an integer in 1..=1024",
+            ),
+            (
+                |v| v["hc_eps"] = 0.0.into(),
+                "key `hc_eps` = 0 is out of range: expected a number in (0, 1]",
+            ),
+            (
+                |v| v["rms_norm_eps"] = 2.0.into(),
+                "key `rms_norm_eps` = 2 is out of range",
+            ),
+            (
+                |v| v["swiglu_limit"] = 0.0.into(),
+                "key `swiglu_limit` = 0 is out of range: expected a finite number > 0",
+            ),
+            (
+                |v| v["routed_scaling_factor"] = 0.0.into(),
+                "key `routed_scaling_factor` = 0 is out of range",
+            ),
+            (
+                |v| v["partial_rotary_factor"] = 0.0.into(),
+                "key `partial_rotary_factor` = 0 is out of range: expected a number in (0, 1]",
+            ),
+            (
+                |v| v["sliding_window"] = 0.into(),
+                "key `sliding_window` = 0 is out of range: expected an integer in 1..=16777216",
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut v = base();
+            v["layer_types"] = sliding.clone();
+            v["rope_parameters"] = yarn.clone();
+            edit(&mut v);
+            let e = ModelConfig::from_json(Path::new("m/config.json"), &v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("m/config.json: "), "{e}");
+            assert!(e.contains(want), "{e}\nwanted: {want}");
+        }
+        // The nested transformers form names the nested key.
+        let mut v = base();
+        v["layer_types"] = sliding;
+        v["rope_parameters"] = serde_json::json!({"main": {"rope_type": "default"},
+            "compress": {"rope_type": "yarn", "factor": 0.0, "original_max_position_embeddings": 65536}});
+        let e = ModelConfig::from_json(Path::new("config.json"), &v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`rope_parameters.compress.factor` = 0"), "{e}");
     }
 }

@@ -12,6 +12,7 @@ pub mod config;
 mod context;
 pub mod error;
 pub mod faults;
+pub mod files;
 pub mod fork;
 pub mod generate;
 pub mod head;

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::RuntimeError;
+use crate::files::{read_capped, MAX_TOKENIZER_BYTES};
 
 /// Turns generated ids into text (for the `text.continuation` record).
 pub trait Detokenize: Sync {
@@ -24,9 +25,10 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads `path`.
+    /// Loads `path`, a regular file of at most [`MAX_TOKENIZER_BYTES`].
     pub fn from_file(path: &Path) -> Result<Tokenizer, RuntimeError> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| RuntimeError::Tokenizer {
+        let bytes = read_capped(path, "tokenizer.json", MAX_TOKENIZER_BYTES)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| RuntimeError::Tokenizer {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;

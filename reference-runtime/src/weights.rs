@@ -21,6 +21,10 @@ use moeconf_fingerprint::bf16_to_f32;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::RuntimeError;
+use crate::files::regular_file;
+
+/// The shortest safetensors file: the 8-byte header length and `{}`.
+const SAFETENSORS_MIN_BYTES: u64 = 10;
 
 /// Element type of a memory-mapped weight matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,36 +114,45 @@ fn dtype_name(d: Dtype) -> String {
 }
 
 impl WeightLoader {
-    /// Memory-maps and parses every `*.safetensors` file of `dir` (sorted by name).
+    /// Memory-maps and parses every `*.safetensors` file of `dir` (sorted by
+    /// name). Each must be a regular file (symbolic links are followed): a
+    /// directory, FIFO, device or socket of that name, a symbolic-link loop
+    /// and a file too short for a safetensors header are refused by name.
     pub fn open_dir(dir: &Path) -> Result<WeightLoader, RuntimeError> {
-        let io = |path: &Path| {
+        let io = |path: &Path, what: &'static str| {
             let path = path.to_path_buf();
-            move |source| RuntimeError::Io { path, source }
+            move |source| RuntimeError::Io { path, what, source }
         };
         let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(io(dir))?
+            .map_err(io(dir, "list the directory"))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("safetensors"))
             .collect();
         paths.sort();
         if paths.is_empty() {
-            return Err(RuntimeError::Io {
+            return Err(RuntimeError::File {
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "no *.safetensors file in directory",
-                ),
+                message: "no *.safetensors file in the model directory".into(),
             });
         }
         let mut files = Vec::new();
         let mut entries = BTreeMap::new();
         for path in paths {
-            let file = std::fs::File::open(&path).map_err(io(&path))?;
+            let len = regular_file(&path, "a safetensors file")?;
+            if len < SAFETENSORS_MIN_BYTES {
+                return Err(RuntimeError::Safetensors {
+                    path,
+                    message: format!(
+                        "{len} bytes is too short for a header (at least {SAFETENSORS_MIN_BYTES})"
+                    ),
+                });
+            }
+            let file = std::fs::File::open(&path).map_err(io(&path, "open"))?;
             // SAFETY: the file is opened read-only; the runtime assumes checkpoint
             // files are not truncated or rewritten while a model is loaded (the
             // fixture generator replaces files atomically by rename, which keeps
             // an existing mapping valid).
-            let map = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
+            let map = unsafe { Mmap::map(&file) }.map_err(io(&path, "memory-map"))?;
             let map = Arc::new(map);
             let st = SafeTensors::deserialize(&map[..]).map_err(|e| RuntimeError::Safetensors {
                 path: path.clone(),

@@ -145,3 +145,51 @@ fn truncated_safetensors_is_an_error() {
         "{msg}"
     );
 }
+
+#[test]
+fn non_regular_safetensors_entries_are_named() {
+    // A directory (formerly "No such device (os error 19)"), an empty file,
+    // and on Unix a FIFO (opening it blocked forever) and a symlink loop.
+    let d = tempfile::tempdir().unwrap();
+    let src = fixture_dir();
+    std::fs::copy(src.join("config.json"), d.path().join("config.json")).unwrap();
+    std::fs::copy(src.join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    let dir = d.path().join("x.safetensors");
+    std::fs::create_dir(&dir).unwrap();
+    let msg = load_err(d.path());
+    assert!(
+        msg.ends_with("x.safetensors: is a directory, expected a safetensors file"),
+        "{msg}"
+    );
+    std::fs::remove_dir(&dir).unwrap();
+    let empty = d.path().join("a.safetensors");
+    std::fs::write(&empty, b"").unwrap();
+    let msg = load_err(d.path());
+    assert!(
+        msg.contains("a.safetensors: malformed safetensors file: 0 bytes"),
+        "{msg}"
+    );
+    std::fs::remove_file(&empty).unwrap();
+    #[cfg(unix)]
+    {
+        let fifo = d.path().join("f.safetensors");
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        let msg = load_err(d.path());
+        assert!(
+            msg.ends_with("f.safetensors: is a FIFO, expected a safetensors file"),
+            "{msg}"
+        );
+        std::fs::remove_file(&fifo).unwrap();
+        let lp = d.path().join("l.safetensors");
+        std::os::unix::fs::symlink(&lp, &lp).unwrap();
+        let msg = load_err(d.path());
+        assert!(
+            msg.contains("cannot access") && msg.contains("l.safetensors"),
+            "{msg}"
+        );
+    }
+}
