@@ -185,6 +185,7 @@ impl Ctx {
             precision: self.precision,
             combine,
             detokenizer: Some(&self.m.tokenizer),
+            allow_non_finite: false,
         }
     }
 

@@ -2,7 +2,7 @@
 //! lives beside its `run` in `cmd/`, and values are validated there so it can
 //! be tested without a process.
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
@@ -88,7 +88,7 @@ pub struct ModelPromptArgs {
     /// Prompt text (raw UTF-8, no chat template).
     #[arg(long, conflicts_with = "prompt_file")]
     pub prompt: Option<String>,
-    /// Read the prompt text from a file.
+    /// Read the prompt text (UTF-8, at most 16 MiB) from a file.
     #[arg(long)]
     pub prompt_file: Option<PathBuf>,
 }
@@ -98,9 +98,7 @@ impl ModelPromptArgs {
     pub fn prompt(&self) -> anyhow::Result<String> {
         match (&self.prompt, &self.prompt_file) {
             (Some(p), None) => Ok(p.clone()),
-            (None, Some(f)) => {
-                std::fs::read_to_string(f).with_context(|| format!("--prompt-file {}: reading", f.display()))
-            }
+            (None, Some(f)) => Ok(moeconf_runner::limits::read_prompt_file(f)?),
             _ => bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
         }
     }

@@ -56,6 +56,7 @@ fn main() {
             precision,
             combine: &NativeCombine,
             detokenizer: None,
+            allow_non_finite: false,
         };
         let (p, d) = best(&mut || bench_generate(&model, &prompt, 200, &opts, &mut NullSink).expect("run"));
         println!(

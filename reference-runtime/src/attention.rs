@@ -16,7 +16,7 @@
 
 use moeconf_fingerprint::Component;
 
-use crate::capture::{CaptureError, Recorder};
+use crate::capture::Recorder;
 use crate::compressor::{compressor_step_with, CompressorWeights};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::context::TokenCtx;
@@ -27,7 +27,7 @@ use crate::linear::dot8;
 use crate::precision::Precision;
 use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
 use crate::rope::{apply_rope, CosSin, RopeFreqs};
-use crate::state::LayerState;
+use crate::state::{CompressorRole, CompressorState, LayerState};
 use crate::weights::{Mat, WeightLoader};
 
 /// Weights of one attention block.
@@ -125,7 +125,7 @@ pub(crate) fn attention_forward(
     ropes: &Ropes,
     cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-) -> Result<Vec<f32>, CaptureError> {
+) -> Result<Vec<f32>, RuntimeError> {
     let (cfg, p, t, at) = (cx.cfg, cx.p, cx.position, cx.at());
     let (h, d) = (cfg.num_heads, cfg.head_dim);
     let rope = if aw.kind == AttentionKind::Sliding {
@@ -192,18 +192,36 @@ fn compress(
     ropes: &Ropes,
     cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-) -> Result<(), CaptureError> {
+) -> Result<(), RuntimeError> {
     let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) else {
         return Ok(());
     };
     let eps = cx.cfg.rms_norm_eps;
-    if let Some(entry) =
-        compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor_pooling)
-    {
-        let d = cx.cfg.head_dim as u64;
-        rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &entry)?;
+    let rows = cst.buffered();
+    match compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor_pooling) {
+        Some(entry) => {
+            let d = cx.cfg.head_dim as u64;
+            rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &entry)?;
+        }
+        None => check_buffered(rec, cst, rows, cx, CompressorRole::Attention)?,
     }
     Ok(())
+}
+
+/// Checks the projections a compressor step buffered (rows `from..`) for
+/// non-finite values: they are persistent state that no operator record
+/// shows until the window closes.
+fn check_buffered(
+    rec: &Recorder<'_>,
+    st: &CompressorState,
+    from: usize,
+    cx: &TokenCtx<'_>,
+    role: CompressorRole,
+) -> Result<(), RuntimeError> {
+    let (kv, gate) = role.buffer_components();
+    let start = from * st.width;
+    rec.check(kv, cx.at(), st.buffer_kv.get(start..).unwrap_or(&[]))?;
+    rec.check(gate, cx.at(), st.buffer_gate.get(start..).unwrap_or(&[]))
 }
 
 /// The lightning indexer (CSA): its compressor's step, then the selection
@@ -216,13 +234,14 @@ fn select(
     ropes: &Ropes,
     cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-) -> Result<Vec<usize>, CaptureError> {
+) -> Result<Vec<usize>, RuntimeError> {
     let (Some(iw), Some(ist)) = (&aw.indexer, ls.indexer.as_mut()) else {
         return Ok(Vec::new());
     };
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
     let contract = Summation::default();
-    if let Some(entry) = compressor_step_with(
+    let rows = ist.buffered();
+    match compressor_step_with(
         &iw.compressor,
         ist,
         a,
@@ -231,7 +250,8 @@ fn select(
         p,
         contract,
     ) {
-        rec.f32(Component::AttnIndexerCompressed, at, &[1, ist.dim as u64], &entry)?;
+        Some(entry) => rec.f32(Component::AttnIndexerCompressed, at, &[1, ist.dim as u64], &entry)?,
+        None => check_buffered(rec, ist, rows, cx, CompressorRole::Indexer)?,
     }
     let ccs = ropes.compress.cos_sin(cx.position, p);
     let scores = indexer_scores(iw, ist, q_lat, a, &ccs, cfg.index_n_heads, p);

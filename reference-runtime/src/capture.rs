@@ -6,6 +6,8 @@
 
 use moeconf_fingerprint::{Component, Coord, DType, Level, LevelSet, Phase, TensorView};
 
+use crate::error::RuntimeError;
+
 /// A sink refused or failed to store a record.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
@@ -191,17 +193,36 @@ impl Name {
     }
 }
 
-/// Builds coordinates and little-endian payloads for one forward step.
+/// Index of the first NaN or infinity of `data`, if any. The common case (all
+/// finite) is one branch-free pass that the compiler vectorizes.
+#[inline]
+pub(crate) fn first_non_finite(data: &[f32]) -> Option<usize> {
+    if data.iter().fold(true, |ok, v| ok & v.is_finite()) {
+        return None;
+    }
+    data.iter().position(|v| !v.is_finite())
+}
+
+/// Builds coordinates and little-endian payloads for one forward step, and
+/// checks every FP32 operator output it is shown for non-finite values.
 pub(crate) struct Recorder<'a> {
     sink: &'a mut dyn CaptureSink,
     step: u32,
     phase: Phase,
     want: LevelSet,
     buf: Vec<u8>,
+    check_finite: bool,
 }
 
 impl<'a> Recorder<'a> {
-    pub(crate) fn new(sink: &'a mut dyn CaptureSink, step: u32, phase: Phase) -> Recorder<'a> {
+    /// A recorder of forward step `step`; with `check_finite`, a NaN or
+    /// infinity in any checked output is a [`RuntimeError::NonFinite`].
+    pub(crate) fn new(
+        sink: &'a mut dyn CaptureSink,
+        step: u32,
+        phase: Phase,
+        check_finite: bool,
+    ) -> Recorder<'a> {
         let want = Level::ALL.into_iter().filter(|&l| sink.wants(l)).collect();
         Recorder {
             sink,
@@ -209,6 +230,28 @@ impl<'a> Recorder<'a> {
             phase,
             want,
             buf: Vec::new(),
+            check_finite,
+        }
+    }
+
+    /// Fails with [`RuntimeError::NonFinite`] if `data`, the output `name`
+    /// at `at`, holds a NaN or an infinity (and the run checks), whether or
+    /// not the record is captured.
+    #[inline]
+    pub(crate) fn check(&self, name: impl Into<Name>, at: At, data: &[f32]) -> Result<(), RuntimeError> {
+        if !self.check_finite {
+            return Ok(());
+        }
+        match first_non_finite(data) {
+            None => Ok(()),
+            Some(index) => Err(RuntimeError::NonFinite {
+                step: self.step,
+                layer: at.layer,
+                position: at.position,
+                path: name.into().path(),
+                index,
+                value: data[index],
+            }),
         }
     }
 
@@ -244,15 +287,21 @@ impl<'a> Recorder<'a> {
         r
     }
 
-    /// An FP32 record of logical shape `shape`.
+    /// An FP32 record of logical shape `shape`. Operator outputs are checked
+    /// for non-finite values ([`Recorder::check`]) even when not captured;
+    /// L2 state records are not re-checked here (state is checked where it
+    /// is produced, so the whole cache is not scanned again every step).
     pub(crate) fn f32(
         &mut self,
         name: impl Into<Name>,
         at: At,
         shape: &[u64],
         data: &[f32],
-    ) -> Result<(), CaptureError> {
+    ) -> Result<(), RuntimeError> {
         let name = name.into();
+        if name.level() != Level::L2 {
+            self.check(name, at, data)?;
+        }
         if !self.wants(name.level()) {
             return Ok(());
         }
@@ -261,15 +310,17 @@ impl<'a> Recorder<'a> {
             // f32 in memory is already the little-endian payload: no copy.
             let coord = self.coord(name, at);
             let bytes: &[u8] = bytemuck::cast_slice(data);
-            self.sink.record(
-                coord,
-                name.level(),
-                TensorView {
-                    dtype: DType::F32,
-                    shape,
-                    bytes,
-                },
-            )
+            self.sink
+                .record(
+                    coord,
+                    name.level(),
+                    TensorView {
+                        dtype: DType::F32,
+                        shape,
+                        bytes,
+                    },
+                )
+                .map_err(RuntimeError::from)
         }
         #[cfg(not(target_endian = "little"))]
         {
@@ -277,12 +328,12 @@ impl<'a> Recorder<'a> {
             for v in data {
                 self.buf.extend_from_slice(&v.to_le_bytes());
             }
-            self.emit(name, at, DType::F32, shape)
+            Ok(self.emit(name, at, DType::F32, shape)?)
         }
     }
 
     /// An I32 vector record (ids).
-    pub(crate) fn i32(&mut self, name: impl Into<Name>, at: At, data: &[i32]) -> Result<(), CaptureError> {
+    pub(crate) fn i32(&mut self, name: impl Into<Name>, at: At, data: &[i32]) -> Result<(), RuntimeError> {
         let name = name.into();
         if !self.wants(name.level()) {
             return Ok(());
@@ -291,28 +342,28 @@ impl<'a> Recorder<'a> {
         for v in data {
             self.buf.extend_from_slice(&v.to_le_bytes());
         }
-        self.emit(name, at, DType::I32, &[data.len() as u64])
+        Ok(self.emit(name, at, DType::I32, &[data.len() as u64])?)
     }
 
     /// An I64 scalar record (a counter), shape `[1]`.
-    pub(crate) fn i64_scalar(&mut self, name: impl Into<Name>, at: At, v: i64) -> Result<(), CaptureError> {
+    pub(crate) fn i64_scalar(&mut self, name: impl Into<Name>, at: At, v: i64) -> Result<(), RuntimeError> {
         let name = name.into();
         if !self.wants(name.level()) {
             return Ok(());
         }
         self.buf.clear();
         self.buf.extend_from_slice(&v.to_le_bytes());
-        self.emit(name, at, DType::I64, &[1])
+        Ok(self.emit(name, at, DType::I64, &[1])?)
     }
 
     /// A U8 vector record (UTF-8 text).
-    pub(crate) fn bytes(&mut self, name: impl Into<Name>, at: At, data: &[u8]) -> Result<(), CaptureError> {
+    pub(crate) fn bytes(&mut self, name: impl Into<Name>, at: At, data: &[u8]) -> Result<(), RuntimeError> {
         let name = name.into();
         if !self.wants(name.level()) {
             return Ok(());
         }
         self.buf.clear();
         self.buf.extend_from_slice(data);
-        self.emit(name, at, DType::U8, &[data.len() as u64])
+        Ok(self.emit(name, at, DType::U8, &[data.len() as u64])?)
     }
 }

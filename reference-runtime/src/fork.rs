@@ -503,6 +503,7 @@ fn run_branch(
         precision: opts.precision,
         combine,
         detokenizer: opts.detokenizer,
+        allow_non_finite: false,
     };
     let g = snap.continue_with(model, opts.max_new_tokens, &sopts, &mut sink)?;
     if sink.fork_moe.is_empty() {
@@ -633,6 +634,7 @@ pub fn sweep(
         precision: opts.precision,
         combine: &base,
         detokenizer: opts.detokenizer,
+        allow_non_finite: false,
     };
     let mut null = crate::capture::NullSink;
     let snap = Snapshot::freeze(model, prompt_ids, opts.point.step, &freeze_opts, &mut null)?;

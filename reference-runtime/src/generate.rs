@@ -21,6 +21,8 @@ pub struct GenerateOptions<'a> {
     pub combine: &'a dyn MoeCombine,
     /// Decoder for `text.continuation` records (omitted when `None`).
     pub detokenizer: Option<&'a dyn Detokenize>,
+    /// Record non-finite values instead of failing ([`StepOptions::allow_non_finite`]).
+    pub allow_non_finite: bool,
 }
 
 /// Result of a generation.
@@ -47,6 +49,7 @@ impl Model {
             precision: opts.precision,
             combine: opts.combine,
             detokenizer: opts.detokenizer,
+            allow_non_finite: opts.allow_non_finite,
         };
         let mut last_logits = Vec::new();
         for s in 0..opts.max_new_tokens {

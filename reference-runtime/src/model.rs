@@ -66,6 +66,11 @@ pub struct StepOptions<'a> {
     pub combine: &'a dyn MoeCombine,
     /// Decoder for the `text.continuation` record (omitted when `None`).
     pub detokenizer: Option<&'a dyn Detokenize>,
+    /// Record NaN and infinite values instead of failing. By default (`false`)
+    /// every operator output (whether captured or not), the persistent state
+    /// it produces and the logits are checked, and the first non-finite value
+    /// in execution order ends the step with [`RuntimeError::NonFinite`].
+    pub allow_non_finite: bool,
 }
 
 /// Result of one forward step.
@@ -168,7 +173,7 @@ impl Model {
         } else {
             Phase::Decode
         };
-        let mut rec = Recorder::new(sink, state.step, phase);
+        let mut rec = Recorder::new(sink, state.step, phase, !opts.allow_non_finite);
         let pos0 = state.position;
         let last = pos0 + ids.len() as u32 - 1;
         let id32: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
@@ -269,11 +274,13 @@ impl Model {
 
 /// The L1 records of a step: logits at its last position, the top-8 ids and
 /// logits, and the rank-1 minus rank-2 margin.
+/// The logits are checked for non-finite values even when L1 is not captured.
 fn logit_records(rec: &mut Recorder<'_>, logits: &[f32], last: u32) -> Result<(), RuntimeError> {
+    let at = At::global(last);
+    rec.check(Component::LmLogits, at, logits)?;
     if !rec.wants(Level::L1) {
         return Ok(());
     }
-    let at = At::global(last);
     rec.f32(Component::LmLogits, at, &[logits.len() as u64], logits)?;
     let top = topk_logits(logits, 8.min(logits.len()));
     let top_ids: Vec<i32> = top.iter().map(|&i| i as i32).collect();

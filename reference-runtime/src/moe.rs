@@ -11,7 +11,7 @@
 use moeconf_fingerprint::Component;
 use rayon::prelude::*;
 
-use crate::capture::{CaptureError, Name, Recorder};
+use crate::capture::{Name, Recorder};
 use crate::config::ModelConfig;
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
@@ -105,7 +105,7 @@ pub(crate) fn moe_forward(
     f: &[f32],
     cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
-) -> Result<Vec<f32>, CaptureError> {
+) -> Result<Vec<f32>, RuntimeError> {
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
     let r = route_with(&mw.router, f, cx.token, cfg, p, cx.fx.router_flip);
     let k = r.topk.len() as u64;
@@ -118,12 +118,12 @@ pub(crate) fn moe_forward(
     }
     let (terms, shared) = experts(mw, f, &r, cfg, p);
     let dm = cfg.hidden_size as u64;
-    if rec.wants(Component::MoeTerm.level()) {
-        for (j, v) in terms.iter().enumerate() {
-            rec.f32(Name::member(Component::MoeTerm, j as u32), at, &[dm], v)?;
-        }
-        rec.f32(Component::MoeShared, at, &[dm], &shared)?;
+    // Recorded (and so checked for non-finite values) even when L4 is not
+    // captured: the expert outputs are operator outputs.
+    for (j, v) in terms.iter().enumerate() {
+        rec.f32(Name::member(Component::MoeTerm, j as u32), at, &[dm], v)?;
     }
+    rec.f32(Component::MoeShared, at, &[dm], &shared)?;
     let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
     let event = CombineEvent {
         layer: cx.layer,

@@ -16,8 +16,9 @@
 
 use moeconf_fingerprint::{Component, Level};
 
-use crate::capture::{At, CaptureError, Recorder};
+use crate::capture::{At, Recorder};
 use crate::config::{AttentionKind, ModelConfig};
+use crate::error::RuntimeError;
 
 /// State of one compressor (main or indexer) of a CSA/HCA layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,7 +72,7 @@ impl CompressorState {
         &self.compressed_kv[i * self.dim..(i + 1) * self.dim]
     }
 
-    fn emit_l2(&self, rec: &mut Recorder<'_>, at: At, role: CompressorRole) -> Result<(), CaptureError> {
+    fn emit_l2(&self, rec: &mut Recorder<'_>, at: At, role: CompressorRole) -> Result<(), RuntimeError> {
         let c = role.components();
         let (w, d) = (self.width as u64, self.dim as u64);
         let rows = self.buffered() as u64;
@@ -113,6 +114,12 @@ struct CompressorComponents {
 }
 
 impl CompressorRole {
+    /// The L2 components of this compressor's open-window buffers (kv, gate).
+    pub(crate) fn buffer_components(self) -> (Component, Component) {
+        let c = self.components();
+        (c.buffer_kv, c.buffer_gate)
+    }
+
     fn components(self) -> CompressorComponents {
         use Component as C;
         match self {
@@ -203,7 +210,7 @@ impl DecodeState {
     }
 
     /// Emits the L2 records of every layer in canonical order (capture.md).
-    pub(crate) fn emit_l2(&self, rec: &mut Recorder<'_>, pos: u32) -> Result<(), CaptureError> {
+    pub(crate) fn emit_l2(&self, rec: &mut Recorder<'_>, pos: u32) -> Result<(), RuntimeError> {
         if !rec.wants(Level::L2) {
             return Ok(());
         }

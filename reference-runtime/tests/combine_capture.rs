@@ -18,6 +18,7 @@ fn run(max_new: usize, p: &[u32]) -> MemorySink {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     fixture_model().generate(p, &opts, &mut sink).unwrap();
     sink
@@ -103,6 +104,7 @@ fn chunked_prefill_equals_token_by_token() {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let mut s1 = MemorySink::with_levels(&[Level::L1]);
     let g = model.generate(&p, &opts, &mut s1).unwrap();
@@ -135,6 +137,7 @@ fn unwanted_levels_are_skipped_without_changing_results() {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let mut only = MemorySink::with_levels(&[Level::L1, Level::L2]);
     model.generate(&p, &opts, &mut only).unwrap();

@@ -35,6 +35,7 @@ fn run(combine: &dyn MoeCombine) -> (Vec<u32>, MemorySink) {
         precision: Precision::Bf16,
         combine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let g = fixture_model()
         .generate(&prompt, &opts, &mut sink)

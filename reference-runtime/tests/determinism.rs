@@ -24,6 +24,7 @@ fn run(threads: usize, precision: Precision, combine: &dyn MoeCombine) -> (Vec<u
             precision,
             combine,
             detokenizer: None,
+            allow_non_finite: false,
         };
         let g = fixture_model()
             .generate(&prompt(0, 21), &opts, &mut sink)
@@ -109,6 +110,7 @@ fn parallel_paths_are_identical_across_thread_counts() {
                 precision: Precision::Bf16,
                 combine: &NativeCombine,
                 detokenizer: None,
+                allow_non_finite: false,
             };
             let g = model.generate(&prompt(7, 9), &opts, &mut sink).unwrap();
             (g.tokens, sink.records)

@@ -596,6 +596,7 @@ fn f32_profile_matches_independent_f64_implementation() {
         precision: Precision::F32,
         combine: &F32Combine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let gen = fixture_model().generate(&p, &opts, &mut sink).unwrap();
 

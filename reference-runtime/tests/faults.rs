@@ -22,6 +22,7 @@ fn run(plan: Option<&FaultPlan>) -> MemorySink {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let mut sink = MemorySink::all();
     let mut st = m.new_state();

@@ -62,6 +62,7 @@ fn replay(fork: &ForkCombine, ids: &[u32], n: usize) -> (Vec<u32>, MemorySink) {
                 precision: Precision::Bf16,
                 combine: fork,
                 detokenizer: None,
+                allow_non_finite: false,
             },
             &mut sink,
         )
@@ -78,6 +79,7 @@ fn continuation_from_snapshot_equals_full_replay() {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     let mut prefix = MemorySink::all();
     let snap = Snapshot::freeze(m, &ids, 1, &native, &mut prefix).unwrap();
@@ -96,6 +98,7 @@ fn continuation_from_snapshot_equals_full_replay() {
             precision: Precision::Bf16,
             combine: &fork,
             detokenizer: None,
+            allow_non_finite: false,
         };
         // Continue twice: the snapshot must not be consumed or altered.
         for _ in 0..2 {
@@ -308,6 +311,7 @@ fn snapshots_at_other_steps_equal_replays() {
         precision: Precision::Bf16,
         combine: &NativeCombine,
         detokenizer: None,
+        allow_non_finite: false,
     };
     // A prefill fork restricted to the last prompt position, and a fork at step 2.
     let points = [
@@ -335,6 +339,7 @@ fn snapshots_at_other_steps_equal_replays() {
             precision: Precision::Bf16,
             combine: &fork,
             detokenizer: None,
+            allow_non_finite: false,
         };
         let mut cont = MemorySink::all();
         let g = snap.continue_with(m, n, &sopts, &mut cont).unwrap();

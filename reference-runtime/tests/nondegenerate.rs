@@ -35,6 +35,7 @@ fn fixture_is_not_degenerate() {
             precision: Precision::Bf16,
             combine: &NativeCombine,
             detokenizer: None,
+            allow_non_finite: false,
         };
         let g = model.generate(&prompt(seed, 21), &opts, &mut sink).unwrap();
         let distinct: BTreeSet<u32> = g.tokens.iter().copied().collect();
@@ -95,6 +96,7 @@ fn fixture_prompts_give_varied_continuations() {
             precision: Precision::Bf16,
             combine: &NativeCombine,
             detokenizer: None,
+            allow_non_finite: false,
         };
         let g = model.generate(&ids, &opts, &mut sink).unwrap();
         let distinct: BTreeSet<u32> = g.tokens.iter().copied().collect();

@@ -26,6 +26,7 @@ fn text_prompt_generates_and_records_continuations() {
             precision: Precision::Bf16,
             combine: &NativeCombine,
             detokenizer: Some(&tok),
+            allow_non_finite: false,
         };
         let g = model.generate(&ids, &opts, &mut sink).unwrap();
         let texts: Vec<_> = sink.by_path("text.continuation").collect();

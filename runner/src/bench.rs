@@ -77,6 +77,7 @@ pub fn bench_runtime(
             precision,
             combine: &NativeCombine,
             detokenizer: None,
+            allow_non_finite: false,
         };
         for capture in [BenchCapture::None, BenchCapture::Default] {
             let (mut prefill, mut decode) = (0.0f64, 0.0f64);

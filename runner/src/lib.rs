@@ -5,14 +5,17 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod limits;
 
 use moeconf_contract::prompt_hash;
 use moeconf_contract::{
-    parse_fork_order, AggregationContract, ForkCombine, ForkPoint, MoeCombine, Schedule, ScheduledCombine,
+    parse_fork_order, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Schedule,
+    ScheduledCombine,
 };
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
 use moeconf_reference_runtime::error::RuntimeError;
+use moeconf_reference_runtime::files::{read_capped, MAX_TOKENIZER_BYTES};
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;
@@ -23,6 +26,8 @@ use moeconf_schema::{
     TraceError, TraceWriter, WriteSummary, SMALL_RECORD_BYTES,
 };
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Everything that can stop a traced run. Messages name the option or file
 /// concerned.
@@ -50,6 +55,23 @@ pub enum RunError {
     /// Writing the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// The run produced a NaN or an infinity ([`RuntimeError::NonFinite`],
+    /// which names where) and non-finite values were not allowed.
+    #[error("{error}; the run is invalid (rerun with --allow-non-finite to record non-finite values)")]
+    NonFinite {
+        /// The runtime's error, naming step, layer, position and operator.
+        error: RuntimeError,
+    },
+}
+
+impl RunError {
+    /// Wraps a runtime error, singling out non-finite values.
+    fn runtime(error: RuntimeError) -> RunError {
+        match error {
+            e @ RuntimeError::NonFinite { .. } => RunError::NonFinite { error: e },
+            e => RunError::Runtime(e),
+        }
+    }
 }
 
 fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -> impl FnOnce(E) -> RunError {
@@ -96,10 +118,6 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
         model,
         tokenizer,
     })
-}
-
-fn read(path: &Path) -> Result<Vec<u8>, RunError> {
-    std::fs::read(path).map_err(context(format!("reading {}", path.display())))
 }
 
 /// Parses a `--capture` spec ([`CaptureSpec::parse`]).
@@ -180,6 +198,47 @@ pub struct BuiltCombine {
     pub contract: String,
     /// Binding `schedule` string.
     pub schedule: String,
+    /// For a fork: how many combine events the fork point matched so far.
+    pub fork: Option<ForkWatch>,
+}
+
+/// Counts the combine events a fork point matches, so a run can tell
+/// whether the fork it claims in its binding took effect.
+#[derive(Debug, Clone)]
+pub struct ForkWatch {
+    point: ForkPoint,
+    hits: Arc<AtomicU64>,
+}
+
+impl ForkWatch {
+    /// The fork point watched.
+    pub fn point(&self) -> ForkPoint {
+        self.point
+    }
+
+    /// Combine events that used the fork contract so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
+/// A fork combine that counts the events its point matches.
+struct WatchedFork<B> {
+    fork: ForkCombine<B>,
+    hits: Arc<AtomicU64>,
+}
+
+impl<B: MoeCombine> MoeCombine for WatchedFork<B> {
+    fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
+        if self.fork.point().matches(event) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+        }
+        self.fork.combine(event, terms, shared, out)
+    }
+
+    fn describe(&self) -> String {
+        self.fork.describe()
+    }
 }
 
 /// The binding label of a contract: `native` stays `native` (it equals
@@ -217,6 +276,7 @@ pub fn build_combine(
             contract: contract_label(&c.contract, &base),
             schedule: schedule.to_string(),
             combine: Box::new(scheduled),
+            fork: None,
         }),
         Some(layer) => {
             if layer as usize >= layers {
@@ -238,13 +298,79 @@ pub fn build_combine(
             }
             point.position = c.fork_position;
             let fork = ForkCombine::with_base(scheduled, point, contract);
+            let watch = ForkWatch {
+                point,
+                hits: Arc::new(AtomicU64::new(0)),
+            };
             Ok(BuiltCombine {
                 contract: contract_label(&c.contract, &base),
                 schedule: format!("{} + {}", schedule, fork.describe()),
-                combine: Box::new(fork),
+                combine: Box::new(WatchedFork {
+                    fork,
+                    hits: watch.hits.clone(),
+                }),
+                fork: Some(watch),
             })
         }
     }
+}
+
+/// Refuses a fork point that no forward of the run processes: a layer the
+/// model does not have, a step at or beyond `max_new_tokens` (steps are
+/// 0..max_new_tokens−1), or a position the step does not process (step 0
+/// processes the prompt positions 0..P−1, step s ≥ 1 position P+s−1).
+/// `step_given` says whether the step came from `--fork-step` (messages
+/// name the default otherwise).
+pub fn check_fork_point(
+    point: ForkPoint,
+    step_given: bool,
+    prompt_tokens: usize,
+    max_new_tokens: u32,
+    layers: usize,
+) -> Result<(), RunError> {
+    if point.layer as usize >= layers {
+        bail!(
+            "--fork-layer {}: the model has {layers} layers (0..{})",
+            point.layer,
+            layers.saturating_sub(1)
+        );
+    }
+    let step = point.step;
+    if step >= max_new_tokens {
+        let default = if step_given {
+            ""
+        } else {
+            " (the default: the first decode forward)"
+        };
+        let steps = match max_new_tokens {
+            1 => "only forward step 0".to_string(),
+            n => format!("forward steps 0 to {}", n - 1),
+        };
+        bail!("--fork-step {step}{default}: --max-new-tokens {max_new_tokens} runs {steps}, so the fork would never happen");
+    }
+    if let Some(p) = point.position {
+        let processed = if step == 0 {
+            0..prompt_tokens as u64
+        } else {
+            let t = prompt_tokens as u64 + u64::from(step) - 1;
+            t..t + 1
+        };
+        if !processed.contains(&u64::from(p)) {
+            let which = if step == 0 {
+                format!(
+                    "positions 0..{} (the {prompt_tokens} prompt tokens)",
+                    prompt_tokens.saturating_sub(1)
+                )
+            } else {
+                format!(
+                    "only position {} (after {prompt_tokens} prompt tokens)",
+                    processed.start
+                )
+            };
+            bail!("--fork-position {p}: step {step} processes {which}, so the fork would never happen");
+        }
+    }
+    Ok(())
 }
 
 /// The provenance block of traces written by this build's reference runtime.
@@ -273,6 +399,9 @@ pub struct RunSpec<'a> {
     pub algorithm: Algorithm,
     /// Canonicalization policy.
     pub canon: CanonPolicy,
+    /// Record NaN and infinite values instead of failing (recorded in the
+    /// binding's `extra` as `non_finite = allowed`).
+    pub allow_non_finite: bool,
 }
 
 /// What a traced run produced.
@@ -287,16 +416,29 @@ pub struct RunOutcome {
     pub prompt_ids: Vec<u32>,
 }
 
-/// Runs the model greedily and writes the trace to `out` atomically.
-pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<RunOutcome, RunError> {
-    use moeconf_reference_runtime::tokenizer::Detokenize;
-    if spec.max_new_tokens == 0 {
-        bail!("--max-new-tokens must be at least 1");
+/// A run whose options were validated against the model and prompt: the
+/// prompt ids and the combine, ready to execute ([`run_prepared`]).
+pub struct PreparedRun {
+    prompt_ids: Vec<u32>,
+    built: BuiltCombine,
+}
+
+/// Validates `spec` against the loaded model before anything runs or is
+/// written: token count, prompt, contract, schedule and fork point (a fork
+/// that can never take effect is refused, [`check_fork_point`]).
+pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, RunError> {
+    if spec.max_new_tokens == 0 || spec.max_new_tokens > limits::MAX_NEW_TOKENS {
+        bail!(
+            "--max-new-tokens {}: expected 1..={}",
+            spec.max_new_tokens,
+            limits::MAX_NEW_TOKENS
+        );
     }
     let prompt_ids = m.tokenizer.encode(spec.prompt)?;
     if prompt_ids.is_empty() {
         bail!("the prompt {:?} tokenizes to no tokens", spec.prompt);
     }
+    limits::check_prompt_tokens(prompt_ids.len())?;
     let cfg = m.model.config();
     let built = build_combine(
         spec.combine,
@@ -304,8 +446,35 @@ pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<R
         spec.prompt,
         cfg.layer_types.len(),
     )?;
-    let tok_bytes = read(&m.dir.join("tokenizer.json"))?;
-    let binding = Binding {
+    if let Some(w) = &built.fork {
+        let step_given = spec.combine.fork_step.is_some();
+        check_fork_point(
+            w.point(),
+            step_given,
+            prompt_ids.len(),
+            spec.max_new_tokens,
+            cfg.layer_types.len(),
+        )?;
+    }
+    Ok(PreparedRun { prompt_ids, built })
+}
+
+/// Runs the model greedily and writes the trace to `out` atomically
+/// ([`prepare_run`], then [`run_prepared`]).
+pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<RunOutcome, RunError> {
+    let prepared = prepare_run(m, spec)?;
+    run_prepared(m, spec, prepared, out)
+}
+
+/// The binding of a prepared run.
+fn run_binding(m: &LoadedModel, spec: &RunSpec<'_>, prepared: &PreparedRun) -> Result<Binding, RunError> {
+    let tok_path = m.dir.join("tokenizer.json");
+    let tok_bytes = read_capped(&tok_path, "tokenizer.json", MAX_TOKENIZER_BYTES)?;
+    let mut extra = vec![];
+    if spec.allow_non_finite {
+        extra.push(("non_finite".to_string(), "allowed".to_string()));
+    }
+    Ok(Binding {
         model: model_identity(&m.name, &m.dir, spec.algorithm)?,
         tokenizer: TokenizerIdentity {
             name: "tokenizer.json".into(),
@@ -313,21 +482,34 @@ pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<R
         },
         prompt: PromptBinding {
             text: spec.prompt.to_string(),
-            ids: prompt_ids.clone(),
+            ids: prepared.prompt_ids.clone(),
         },
         decoding: Decoding {
             strategy: "greedy".into(),
             max_new_tokens: spec.max_new_tokens,
         },
         precision: spec.precision.name().to_string(),
-        contract: built.contract.clone(),
-        schedule: built.schedule.clone(),
+        contract: prepared.built.contract.clone(),
+        schedule: prepared.built.schedule.clone(),
         capture: spec.capture,
         canon: spec.canon,
-        extra: vec![],
-    };
+        extra,
+    })
+}
+
+/// Runs a prepared run and writes its trace to `out` atomically. The trace
+/// is only written if the run is valid: a non-finite value (unless
+/// allowed) or a fork that never took effect fails the run and leaves no
+/// file behind.
+pub fn run_prepared(
+    m: &LoadedModel,
+    spec: &RunSpec<'_>,
+    prepared: PreparedRun,
+    out: &Path,
+) -> Result<RunOutcome, RunError> {
+    use moeconf_reference_runtime::tokenizer::Detokenize;
     let header = Header {
-        binding,
+        binding: run_binding(m, spec, &prepared)?,
         provenance: reference_provenance(rayon::current_num_threads() as u32, vec![]),
     };
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
@@ -335,16 +517,96 @@ pub fn run_to_trace(m: &LoadedModel, spec: &RunSpec<'_>, out: &Path) -> Result<R
     let opts = GenerateOptions {
         max_new_tokens: spec.max_new_tokens as usize,
         precision: spec.precision,
-        combine: built.combine.as_ref(),
+        combine: prepared.built.combine.as_ref(),
         detokenizer: Some(&m.tokenizer),
+        allow_non_finite: spec.allow_non_finite,
     };
-    let generation = m.model.generate(&prompt_ids, &opts, &mut sink)?;
+    let generation = m
+        .model
+        .generate(&prepared.prompt_ids, &opts, &mut sink)
+        .map_err(RunError::runtime)?;
+    if let Some(w) = &prepared.built.fork {
+        if w.hits() == 0 {
+            // The writer is dropped unfinished: its temporary file is removed.
+            let p = w.point();
+            let at = p.position.map(|x| format!(", position {x}")).unwrap_or_default();
+            bail!(
+                "the fork at layer {}, step {}{at} never took effect (no MoE combine event matched it); no trace written",
+                p.layer,
+                p.step
+            );
+        }
+    }
     let summary = sink.finish()?;
     let text = m.tokenizer.decode(&generation.tokens)?;
     Ok(RunOutcome {
         tokens: generation.tokens,
         text,
         summary,
-        prompt_ids,
+        prompt_ids: prepared.prompt_ids,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec<'a>(choice: &'a CombineChoice, tokens: u32) -> RunSpec<'a> {
+        RunSpec {
+            prompt: "why the sheep",
+            max_new_tokens: tokens,
+            precision: Precision::Bf16,
+            combine: choice,
+            capture: parse_capture("default").unwrap(),
+            algorithm: Algorithm::Blake3,
+            canon: CanonPolicy::default(),
+            allow_non_finite: false,
+        }
+    }
+
+    fn files_in(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_fork_that_never_took_effect_fails_and_writes_nothing() {
+        let m = load_model("builtin:tiny-v4").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("fork.bin");
+        // Validation refuses the unreachable step up front ...
+        let choice = CombineChoice {
+            fork_layer: Some(3),
+            fork_step: Some(5),
+            ..CombineChoice::default()
+        };
+        let e = prepare_run(&m, &spec(&choice, 2)).err().unwrap().to_string();
+        assert!(e.contains("--fork-step 5"), "{e}");
+        // ... and a run whose fork point was never matched (validation bypassed)
+        // fails after the run, leaving neither the trace nor its temporary file.
+        let prompt_ids = m.tokenizer.encode("why the sheep").unwrap();
+        let layers = m.model.config().num_layers();
+        let built =
+            build_combine(&choice, m.model.config().experts_per_tok, "why the sheep", layers).unwrap();
+        assert!(built.schedule.contains("fork"), "{}", built.schedule);
+        let prepared = PreparedRun { prompt_ids, built };
+        let e = run_prepared(&m, &spec(&choice, 2), prepared, &out)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("never took effect"), "{e}");
+        assert!(files_in(dir.path()).is_empty(), "{:?}", files_in(dir.path()));
+        // A reachable fork runs and counts its events (one per layer-3 event of step 1).
+        let choice = CombineChoice {
+            fork_layer: Some(3),
+            ..CombineChoice::default()
+        };
+        let prepared = prepare_run(&m, &spec(&choice, 2)).unwrap();
+        let watch = prepared.built.fork.clone().unwrap();
+        run_prepared(&m, &spec(&choice, 2), prepared, &out).unwrap();
+        assert_eq!(watch.hits(), 1);
+        assert!(out.exists());
+    }
 }

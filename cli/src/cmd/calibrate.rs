@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use moeconf_calibrate::suite::{self, write_json, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
+use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
 
 const EXAMPLES: &str = "Examples:
@@ -50,15 +51,15 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub seeds: Option<u64>,
     /// Tokens generated per fork branch in protocol 2 (default: 8, quick: 4; at least 2).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=4096))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=MAX_NEW_TOKENS as i64))]
     pub fork_tokens: Option<u32>,
     /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=4096))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_NEW_TOKENS as i64))]
     pub tokens: Option<u32>,
     /// No progress on stderr.
     #[arg(long, short = 'q')]
     pub quiet: bool,
-    /// Worker threads (results never depend on it).
+    /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -86,18 +87,23 @@ impl CalibrateArgs {
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
-    if let Some(n) = a.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
-            .context("--threads: cannot configure the worker pool")?;
-    }
+    super::set_threads(a.threads)?;
     let precision = super::precision(&a.precision)?;
     suite::check_selection(&a.only)?;
     let sizes = a.sizes()?;
+    let m = load_model(&a.model)?;
+    // Every fork of the suite is at step 1 with at least 2 generated tokens,
+    // so only the layer can miss; refuse it before creating --out.
+    let layers = m.model.config().num_layers();
+    if a.fork_layer as usize >= layers {
+        bail!(
+            "--fork-layer {}: the model has {layers} layers (0..{})",
+            a.fork_layer,
+            layers.saturating_sub(1)
+        );
+    }
     std::fs::create_dir_all(a.out.join("traces"))
         .with_context(|| format!("--out {}: cannot create the directory", a.out.display()))?;
-    let m = load_model(&a.model)?;
     let opts = CtxOptions {
         precision,
         fork_layer: a.fork_layer,

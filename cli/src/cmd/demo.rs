@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use moeconf_runner::{load_model, parse_capture, prepare_run, run_prepared, CombineChoice, RunSpec};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -66,9 +66,14 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         capture,
         algorithm: Algorithm::Blake3,
         canon: CanonPolicy::default(),
+        allow_non_finite: false,
     };
-    let r = run_to_trace(&m, &spec(&native), &reference)?;
-    let c = run_to_trace(&m, &spec(&fork), &candidate)?;
+    // Both runs are validated (the fork must take effect) before either runs.
+    let (native_spec, fork_spec) = (spec(&native), spec(&fork));
+    let native_run = prepare_run(&m, &native_spec)?;
+    let fork_run = prepare_run(&m, &fork_spec)?;
+    let r = run_prepared(&m, &native_spec, native_run, &reference)?;
+    let c = run_prepared(&m, &fork_spec, fork_run, &candidate)?;
     if text {
         println!();
         println!(

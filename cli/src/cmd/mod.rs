@@ -13,7 +13,7 @@ pub mod run;
 pub mod sweep;
 
 use crate::cli::{Cli, Command};
-use anyhow::{bail, Context};
+use anyhow::Context;
 use moeconf_fingerprint::Algorithm;
 use moeconf_reference_runtime::precision::Precision;
 use std::process::ExitCode;
@@ -34,12 +34,11 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Sets the global rayon pool size (results never depend on it).
+/// Sets the global rayon pool size (results never depend on it), within
+/// [`moeconf_runner::limits::max_threads`].
 pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
     if let Some(n) = threads {
-        if n == 0 {
-            bail!("--threads must be at least 1");
-        }
+        moeconf_runner::limits::check_threads(n)?;
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

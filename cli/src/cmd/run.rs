@@ -3,6 +3,7 @@
 use crate::cli::ModelPromptArgs;
 use clap::Args;
 use moeconf_fingerprint::CanonPolicy;
+use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
@@ -21,7 +22,13 @@ request), token-dynamic:SEED (a fresh permutation per layer and position).
 Fork (--fork-layer L): only the MoE aggregation of layer L at one event uses --fork-contract
 (default b) with --fork-order (a B class 0..359 for b, a permutation index 0..719 otherwise, or
 p:5,4,3,2,1,0 for an explicit permutation); by default the event is the first decode forward
-(step 1, the forward that consumes the first emitted token), as FORK_TOKEN=-1 in the paper.";
+(step 1, the forward that consumes the first emitted token), as FORK_TOKEN=-1 in the paper.
+A fork that no forward of the run reaches (a step >= --max-new-tokens, a position the step does
+not process) is refused before the run, and a run whose fork never took effect writes no trace.
+
+A run is valid or it is an error: a NaN or infinity in any operator output, the persistent state
+or the logits stops it (exit 2) naming the first step, layer, position and operator where it
+appeared, unless --allow-non-finite is given (then recorded in the binding's extra).";
 
 /// `moeconf run`.
 #[derive(Debug, Args)]
@@ -31,7 +38,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub input: ModelPromptArgs,
     /// Number of tokens to generate (= number of forward steps).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
     pub max_new_tokens: u32,
     /// Output trace file (written atomically).
     #[arg(short = 'o', long)]
@@ -71,9 +78,13 @@ pub struct RunArgs {
     /// Restrict the fork to one absolute position (for prefill forks).
     #[arg(long)]
     pub fork_position: Option<u32>,
-    /// Worker threads (results never depend on it).
+    /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Record NaN and infinite values instead of failing (noted in the trace's binding). By
+    /// default a non-finite operator output, state or logit is an error naming where it appeared.
+    #[arg(long)]
+    pub allow_non_finite: bool,
 }
 
 /// Runs `moeconf run`.
@@ -103,6 +114,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         canon: CanonPolicy {
             fold_negative_zero: a.fold_negative_zero,
         },
+        allow_non_finite: a.allow_non_finite,
     };
     let t = std::time::Instant::now();
     let out = run_to_trace(&m, &spec, &a.output)?;

@@ -24,7 +24,8 @@ use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
 use crate::output::{print_json, print_text};
-use moeconf_runner::{build_combine, load_model, CombineChoice};
+use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
+use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
 
 const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 8
@@ -64,7 +65,7 @@ pub struct SweepArgs {
     #[arg(long)]
     pub limit: Option<usize>,
     /// Tokens generated per branch (steps 0..N-1); must exceed --fork-step.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
     pub max_new_tokens: u32,
     /// Precision profile: bf16 or f32.
     #[arg(long, default_value = "bf16")]
@@ -90,7 +91,7 @@ pub struct SweepArgs {
     /// No progress counter on stderr.
     #[arg(long, short = 'q')]
     pub quiet: bool,
-    /// Worker threads (results never depend on it).
+    /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -164,13 +165,17 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let cfg = m.model.config();
     let k = cfg.experts_per_tok;
     let layers = cfg.layer_types.len();
-    if a.fork_layer as usize >= layers {
-        bail!(
-            "--fork-layer {}: the model has {layers} layers (0..{})",
-            a.fork_layer,
-            layers.saturating_sub(1)
-        );
+    let point = ForkPoint {
+        layer: a.fork_layer,
+        step: a.fork_step,
+        position: a.fork_position,
+    };
+    let prompt_ids = m.tokenizer.encode(&prompt)?;
+    if prompt_ids.is_empty() {
+        bail!("the prompt {prompt:?} tokenizes to no tokens");
     }
+    check_prompt_tokens(prompt_ids.len())?;
+    check_fork_point(point, true, prompt_ids.len(), a.max_new_tokens, layers)?;
     let request = SchemeRequest {
         schemes: &a.scheme,
         branches: &a.branch,
@@ -183,16 +188,8 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         ..CombineChoice::default()
     };
     let base = build_combine(&choice, k, &prompt, layers)?;
-    let prompt_ids = m.tokenizer.encode(&prompt)?;
-    if prompt_ids.is_empty() {
-        bail!("the prompt {prompt:?} tokenizes to no tokens");
-    }
     let opts = SweepOptions {
-        point: ForkPoint {
-            layer: a.fork_layer,
-            step: a.fork_step,
-            position: a.fork_position,
-        },
+        point,
         max_new_tokens: a.max_new_tokens as usize,
         precision,
         base: base.combine.as_ref(),
