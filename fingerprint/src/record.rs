@@ -58,8 +58,9 @@ pub enum FingerprintError {
         /// Its level.
         level: Level,
     },
-    /// The payload sink failed while bytes were streamed into it.
-    #[error("writing payload bytes: {0}")]
+    /// The payload sink failed while bytes were streamed into it (the I/O
+    /// error is the source, not repeated in the text).
+    #[error("writing payload bytes")]
     Sink(#[from] std::io::Error),
 }
 
