@@ -9,17 +9,23 @@
 //! trailer. [`Trace::verify_payloads`] additionally re-hashes every payload
 //! and checks that every padding byte is zero, so that every byte of the file
 //! is accounted for. Any failure names the file and the byte offset.
+//!
+//! Payload bytes are only ever handed out by [`Trace::payload_verified`],
+//! which re-hashes a payload against its record digest before its first use
+//! (and remembers that it did); there is no accessor for unverified bytes.
 
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, checksum, fingerprint_tree, Header, IndexEntry, Trailer, END_MAGIC, FORMAT_VERSION, MAGIC,
-    MAX_HEADER_LEN, MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
+    align_up, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Trailer, END_MAGIC, FORMAT_VERSION,
+    MAGIC, MAX_HEADER_LEN, MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
 };
 use moeconf_fingerprint::wire::Decoder;
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, HashTree, TensorView};
+use rayon::prelude::*;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 enum Backing {
     Map(memmap2::Mmap),
@@ -45,8 +51,9 @@ pub struct Trace {
     tree: HashTree,
     binding_digest: Digest,
     header_end: u64,
-    payload_start: u64,
     index_offset: u64,
+    /// One bit per record: its payload has been re-hashed and matched.
+    verified: Box<[AtomicU64]>,
 }
 
 /// What [`Trace::verify_payloads`] checked.
@@ -264,6 +271,16 @@ impl Trace {
         Trace::parse(path, Backing::Map(map))
     }
 
+    /// Opens the trace at `path` and re-hashes every payload
+    /// ([`Trace::verify_payloads`]): what every command that gives a verdict
+    /// uses, so that no byte of an input it did not check can stand behind
+    /// its answer.
+    pub fn open_verified(path: &Path) -> Result<Trace, TraceError> {
+        let t = Trace::open(path)?;
+        t.verify_payloads()?;
+        Ok(t)
+    }
+
     /// Validates a trace held in memory (`name` is used in messages).
     pub fn from_bytes(name: &Path, bytes: Vec<u8>) -> Result<Trace, TraceError> {
         Trace::parse(name, Backing::Owned(bytes))
@@ -285,8 +302,12 @@ impl Trace {
                 "root digest does not match the records: the index or trailer is corrupted".into(),
             ));
         }
+        let verified = (0..entries.len().div_ceil(64))
+            .map(|_| AtomicU64::new(0))
+            .collect();
         Ok(Trace {
             path: path.to_path_buf(),
+            verified,
             data,
             alg: pre.alg,
             header,
@@ -294,7 +315,6 @@ impl Trace {
             tree,
             binding_digest: bd,
             header_end: pre.header_end,
-            payload_start: pre.payload_start,
             index_offset: trailer.index_offset,
         })
     }
@@ -344,25 +364,35 @@ impl Trace {
         self.data.bytes().len() as u64
     }
 
-    /// The canonical bytes of record `i`, if it kept a payload. Not re-hashed;
-    /// use [`Trace::payload_verified`] where integrity matters.
-    pub fn payload(&self, i: usize) -> Option<&[u8]> {
-        let p = self.entries.get(i)?.payload?;
-        // In bounds: checked in parse against the index offset.
+    /// The bytes of payload `p` (in bounds: checked in parse against the
+    /// index offset). Private: every caller outside [`Trace::check_payload`]
+    /// goes through [`Trace::payload_verified`].
+    fn raw_payload(&self, p: PayloadRef) -> Option<&[u8]> {
         self.data
             .bytes()
             .get(p.offset as usize..(p.offset + p.len) as usize)
     }
 
-    /// The payload of record `i`, re-hashed against its record digest.
-    pub fn payload_verified(&self, i: usize) -> Result<Option<&[u8]>, TraceError> {
-        let Some(e) = self.entries.get(i) else {
-            return Ok(None);
-        };
-        let Some(p) = e.payload else {
-            return Ok(None);
-        };
-        let bytes = self.payload(i).ok_or_else(|| {
+    /// Whether record `i`'s payload has already been re-hashed and matched.
+    fn is_verified(&self, i: usize) -> bool {
+        self.verified
+            .get(i / 64)
+            .is_some_and(|w| w.load(Ordering::Relaxed) & (1 << (i % 64)) != 0)
+    }
+
+    /// Remembers that record `i`'s payload matched its digest. The bytes are
+    /// immutable (a read-only map or an owned buffer), so a matched payload
+    /// stays matched; `Relaxed` suffices because the bit only saves work.
+    fn mark_verified(&self, i: usize) {
+        if let Some(w) = self.verified.get(i / 64) {
+            w.fetch_or(1 << (i % 64), Ordering::Relaxed);
+        }
+    }
+
+    /// Re-hashes the payload of record `i` against its record digest and
+    /// checks that it is canonical and matches the record's shape.
+    fn check_payload(&self, i: usize, e: &IndexEntry, p: PayloadRef) -> Result<&[u8], TraceError> {
+        let bytes = self.raw_payload(p).ok_or_else(|| {
             TraceError::format(&self.path, p.offset, format!("record {i}: payload out of bounds"))
         })?;
         let fail = |what: &str| {
@@ -385,40 +415,98 @@ impl Trace {
                 "payload bytes do not match the record digest (corrupted payload)",
             ));
         }
+        Ok(bytes)
+    }
+
+    /// The payload of record `i`, re-hashed against its record digest: the
+    /// one way to read payload bytes. `Ok(None)` when the record kept no
+    /// payload (or `i` is out of range); a payload that does not match its
+    /// digest, is not canonical or does not fit the record's shape is an
+    /// error naming the file, the record and the payload's byte offset. A
+    /// payload is hashed once: later reads of the same record (and every
+    /// read after [`Trace::verify_payloads`]) return it without re-hashing.
+    ///
+    /// There is no accessor for unverified payload bytes:
+    ///
+    /// ```compile_fail
+    /// # fn f(t: &moeconf_schema::Trace) {
+    /// let _unchecked: Option<&[u8]> = t.payload(0);
+    /// # }
+    /// ```
+    pub fn payload_verified(&self, i: usize) -> Result<Option<&[u8]>, TraceError> {
+        let Some(e) = self.entries.get(i) else {
+            return Ok(None);
+        };
+        let Some(p) = e.payload else {
+            return Ok(None);
+        };
+        if self.is_verified(i) {
+            if let Some(bytes) = self.raw_payload(p) {
+                return Ok(Some(bytes));
+            }
+        }
+        let bytes = self.check_payload(i, e, p)?;
+        self.mark_verified(i);
         Ok(Some(bytes))
     }
 
-    /// Re-hashes every payload and checks that all padding bytes are zero,
-    /// so that every byte of the file has been validated.
-    pub fn verify_payloads(&self) -> Result<VerifySummary, TraceError> {
+    /// The first non-zero padding byte (before the payload section, between
+    /// payloads, or before the index), if any.
+    fn first_nonzero_padding(&self) -> Option<u64> {
         let b = self.data.bytes();
-        let mut cursor = self.header_end as usize;
+        let nonzero = |from: u64, to: u64| {
+            b[from as usize..to as usize]
+                .iter()
+                .position(|&x| x != 0)
+                .map(|k| from + k as u64)
+        };
+        let mut cursor = self.header_end;
+        for p in self.entries.iter().filter_map(|e| e.payload) {
+            if let Some(at) = nonzero(cursor, p.offset) {
+                return Some(at);
+            }
+            cursor = p.offset + p.len;
+        }
+        nonzero(cursor, self.index_offset)
+    }
+
+    /// Re-hashes every payload (in parallel) and checks that all padding
+    /// bytes are zero, so that every byte of the file has been validated.
+    /// The error is the first problem in file order. Afterwards every
+    /// [`Trace::payload_verified`] returns without re-hashing.
+    pub fn verify_payloads(&self) -> Result<VerifySummary, TraceError> {
+        let bad_payload = (0..self.entries.len()).into_par_iter().find_map_first(|i| {
+            let e = &self.entries[i];
+            let p = e.payload?;
+            if self.is_verified(i) {
+                return None;
+            }
+            match self.check_payload(i, e, p) {
+                Ok(_) => {
+                    self.mark_verified(i);
+                    None
+                }
+                Err(err) => Some(err),
+            }
+        });
+        let bad_padding = self.first_nonzero_padding();
+        let padding =
+            |at: u64| TraceError::format(&self.path, at, "padding byte is not zero (corrupted file)");
+        match (bad_payload, bad_padding) {
+            (None, None) => {}
+            (Some(err), None) => return Err(err),
+            (None, Some(at)) => return Err(padding(at)),
+            (Some(err), Some(at)) if err.offset().is_some_and(|o| o < at) => return Err(err),
+            (Some(_), Some(at)) => return Err(padding(at)),
+        }
         let mut summary = VerifySummary {
             payloads: 0,
             payload_bytes: 0,
         };
-        let check_zero = |from: usize, to: usize| -> Result<(), TraceError> {
-            if let Some(k) = b[from..to].iter().position(|&x| x != 0) {
-                return Err(TraceError::format(
-                    &self.path,
-                    (from + k) as u64,
-                    "padding byte is not zero (corrupted file)",
-                ));
-            }
-            Ok(())
-        };
-        check_zero(cursor, self.payload_start as usize)?;
-        cursor = self.payload_start as usize;
-        for i in 0..self.entries.len() {
-            if let Some(p) = self.entries[i].payload {
-                check_zero(cursor, p.offset as usize)?;
-                self.payload_verified(i)?;
-                cursor = (p.offset + p.len) as usize;
-                summary.payloads += 1;
-                summary.payload_bytes += p.len;
-            }
+        for p in self.entries.iter().filter_map(|e| e.payload) {
+            summary.payloads += 1;
+            summary.payload_bytes += p.len;
         }
-        check_zero(cursor, self.index_offset as usize)?;
         Ok(summary)
     }
 }
