@@ -7,8 +7,9 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RuntimeError {
-    /// Reading a file failed.
-    #[error("{}: {source}", path.display())]
+    /// Reading a file failed. The message names the file; the I/O error is
+    /// the source (printed after it by an error chain, not repeated here).
+    #[error("{}", path.display())]
     Io {
         /// The file concerned.
         path: PathBuf,
@@ -53,7 +54,7 @@ pub enum RuntimeError {
     /// The caller's input is invalid (empty prompt, token id out of range, ...).
     #[error("invalid input: {0}")]
     Input(String),
-    /// The capture sink refused a record.
-    #[error("capture: {0}")]
+    /// The capture sink refused a record (its message is the source).
+    #[error("capture")]
     Capture(#[from] crate::capture::CaptureError),
 }
