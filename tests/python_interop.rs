@@ -38,7 +38,7 @@ fn coord(step: u32, position: u32, layer: Option<u32>, path: &str) -> Coord {
         position,
         phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
         layer,
-        path: path.to_string(),
+        path: path.into(),
     }
 }
 

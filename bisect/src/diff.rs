@@ -500,8 +500,8 @@ impl Ctx<'_> {
         rep.first = diffs.first().and_then(|&p| self.rec_ref(Level::L1, p));
         for &p in &diffs {
             if let Some(e) = self.s.entry(p) {
-                if !rep.differing_paths.contains(&e.coord.path) {
-                    rep.differing_paths.push(e.coord.path.clone());
+                if !rep.differing_paths.iter().any(|p| e.coord.path == *p) {
+                    rep.differing_paths.push(e.coord.path.to_string());
                 }
             }
         }
@@ -560,7 +560,7 @@ impl Ctx<'_> {
             let Some(e) = self.s.entry(p) else { continue };
             let num = self.numeric(p)?;
             let comp = StateComponent {
-                path: e.coord.path.clone(),
+                path: e.coord.path.to_string(),
                 differing_values: num.as_ref().map(|n| n.differing),
                 values: num.as_ref().map(|n| n.elements),
                 present_in: self

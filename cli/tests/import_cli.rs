@@ -181,7 +181,7 @@ fn small_dump_imports_and_inspects() {
     // bf16 and f16 widen exactly to f32; f64 stays f64; u32/u8 stay.
     let (r, b) = rec("layer.post_ffn_mhc");
     assert_eq!(
-        (r.dtype, r.shape.clone(), b),
+        (r.dtype, r.shape.to_vec(), b),
         (DType::F32, vec![2, 1], f32s(&[1.5, f32::NEG_INFINITY]))
     );
     let (r, b) = rec("attn.output");

@@ -77,7 +77,7 @@ impl Repo {
             position: 0,
             phase: Phase::Prefill,
             layer: None,
-            path: c.path().to_string(),
+            path: c.path().into(),
         };
         let records = [
             (Component::TokenOutput, DType::I32, token.to_le_bytes()),
