@@ -38,7 +38,7 @@ fn coord(step: u32, position: u32, layer: Option<u32>, path: &str) -> Coord {
         position,
         phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
         layer,
-        path: path.to_string(),
+        path: path.into(),
     }
 }
 
@@ -399,7 +399,11 @@ fn python_and_rust_writers_agree_on_known_tensors() {
     assert_eq!(tp.provenance(), tr.provenance());
     assert_eq!(tp.records(), tr.records());
     for i in 0..records.len() {
-        assert_eq!(tp.payload(i), tr.payload(i), "record {i}");
+        assert_eq!(
+            tp.payload_verified(i).unwrap(),
+            tr.payload_verified(i).unwrap(),
+            "record {i}"
+        );
     }
     // Same header, same layout rules, same index: the two files are byte-identical.
     assert_eq!(

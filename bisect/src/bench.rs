@@ -9,11 +9,11 @@
 //! pays for reading every byte from disk, `diff` only for the index and one
 //! payload.
 
-use crate::diff::{diff, open_pair, DiffOptions};
+use crate::diff::{diff, open_both, DiffOptions};
 use crate::error::BisectError;
 use crate::report::FirstDivergence;
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Phase, TensorView};
-use moeconf_schema::{Binding, CaptureSpec, Header, TraceError, TraceWriter};
+use moeconf_schema::{Binding, CaptureSpec, Header, Trace, TraceError, TraceWriter};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,6 +35,11 @@ pub struct DiffBench {
     pub diff_seconds: f64,
     /// Of `diff_seconds`: opening and validating both traces (index, checksum, tree).
     pub open_seconds: f64,
+    /// Best time of re-hashing every payload of both opened traces
+    /// ([`moeconf_schema::Trace::verify_payloads`]), which `moeconf diff`
+    /// adds to `diff_seconds` so that no corrupted byte goes unnoticed
+    /// (not part of `ratio`, which measures the localization).
+    pub verify_seconds: f64,
     /// Best time of the walk alone ([`diff`] on two opened traces): the part
     /// that descends the trees and reads the divergent payloads.
     pub walk_seconds: f64,
@@ -153,7 +158,8 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
 /// `record_bytes` payload bytes, [`BENCH_LAYERS`] layers × 4 components per
 /// step) that differ in one `moe.combine` value in the second-to-last
 /// step, then times `repeat` byte comparisons and `repeat` diffs (opening
-/// both traces with [`open_pair`], then [`diff`]). The files are removed
+/// both traces, then [`diff`]), and separately the payload verification
+/// that [`open_pair`](crate::open_pair) adds. The files are removed
 /// afterwards unless `MOECONF_BENCH_KEEP` is set (for profiling).
 pub fn bench_diff(
     dir: &Path,
@@ -181,17 +187,22 @@ pub fn bench_diff(
         let mut best_diff = f64::INFINITY;
         let mut best_open = f64::INFINITY;
         let mut best_walk = f64::INFINITY;
+        let mut best_verify = f64::INFINITY;
         let mut localized = None;
         let mut file_bytes = 0;
         let mut records = 0;
         for _ in 0..repeat.max(1) {
             let t = Instant::now();
-            let (ra, rb) = open_pair(&a, &b)?;
+            let (ra, rb) = open_both(&a, &b, Trace::open)?;
             best_open = best_open.min(t.elapsed().as_secs_f64());
             let w = Instant::now();
             let report = diff(&ra, &rb, &DiffOptions::default())?;
             best_walk = best_walk.min(w.elapsed().as_secs_f64());
             best_diff = best_diff.min(t.elapsed().as_secs_f64());
+            let v = Instant::now();
+            ra.verify_payloads()?;
+            rb.verify_payloads()?;
+            best_verify = best_verify.min(v.elapsed().as_secs_f64());
             localized = report.first_divergence;
             file_bytes = ra.file_len();
             records = ra.records().len() as u64;
@@ -204,6 +215,7 @@ pub fn bench_diff(
             differing_bytes: differing,
             diff_seconds: best_diff,
             open_seconds: best_open,
+            verify_seconds: best_verify,
             walk_seconds: best_walk,
             ratio: best_diff / best_cmp,
             localized,

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 use moeconf_contract::{order_sensitivity, AggregationContract, Certificate, ContractError, InvarianceProof};
 use moeconf_fingerprint::{Component, DType, Phase};
-use moeconf_schema::Trace;
+use moeconf_schema::{Trace, TraceError};
 use serde_json::{json, Value};
 
 /// Version of the JSON document of [`CertifyReport::to_json`].
@@ -84,6 +84,10 @@ pub enum CertifyError {
         /// The payload's length.
         bytes: usize,
     },
+    /// A payload does not match its record digest (or is otherwise
+    /// invalid): the message names the file, the record and its offset.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
     /// A contract family cannot be evaluated on an event.
     #[error("{}: {at}: --contract {contract}", path.display())]
     Contract {
@@ -170,7 +174,7 @@ fn f32_payload(trace: &Trace, i: usize, what: &str) -> Result<Option<Vec<f32>>, 
             dtype: e.dtype,
         });
     }
-    let Some(bytes) = trace.payload(i) else {
+    let Some(bytes) = trace.payload_verified(i)? else {
         return Ok(None);
     };
     if bytes.len() % 4 != 0 {

@@ -11,7 +11,7 @@ use crate::report::*;
 use crate::textdiff::inline_diff;
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
-use moeconf_schema::Trace;
+use moeconf_schema::{Trace, TraceError};
 use std::path::Path;
 
 /// Options of [`diff`].
@@ -65,13 +65,25 @@ fn trace_summary(t: &Trace) -> TraceSummary {
 }
 
 /// Opens (and validates) the reference and the candidate concurrently, one
-/// thread each: opening parses and checks both indexes and rebuilds both
-/// hash trees, which dominates the time of a diff on large traces. The
-/// result does not depend on the threads (each trace is parsed by one).
+/// thread each, and re-hashes every payload of both
+/// ([`Trace::open_verified`]): what `moeconf diff` compares, so that a
+/// corrupted byte anywhere in either file is an error, never a verdict.
+/// Opening parses and checks both indexes and rebuilds both hash trees;
+/// verification hashes every payload byte. The result does not depend on
+/// the threads.
 pub fn open_pair(reference: &Path, candidate: &Path) -> Result<(Trace, Trace), BisectError> {
+    open_both(reference, candidate, Trace::open_verified)
+}
+
+/// Opens both traces concurrently with `open` (one thread each).
+pub(crate) fn open_both(
+    reference: &Path,
+    candidate: &Path,
+    open: fn(&Path) -> Result<Trace, TraceError>,
+) -> Result<(Trace, Trace), BisectError> {
     let (r, c) = std::thread::scope(|s| {
-        let h = s.spawn(|| Trace::open(candidate));
-        let r = Trace::open(reference);
+        let h = s.spawn(|| open(candidate));
+        let r = open(reference);
         // A panic in the reader is a bug; re-raise it on this thread.
         let c = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         (r, c)
@@ -88,7 +100,10 @@ fn has_level(t: &Trace, level: Level) -> bool {
 /// Fails when the traces are not comparable (different model, tokenizer,
 /// prompt or decoding; see [`DiffOptions::force`]), use different digest
 /// algorithms, or a payload read on the divergent path is corrupt. Only the
-/// payloads of the records on the divergent path are read.
+/// payloads of the records on the divergent path are read, each re-hashed
+/// against its record digest before use; to refuse a corrupted byte
+/// anywhere in either file, open them with [`open_pair`] (as `moeconf diff`
+/// does).
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport, BisectError> {
     let comparability = comparability(reference, candidate, opts)?;
     let cx = Ctx {
@@ -485,8 +500,8 @@ impl Ctx<'_> {
         rep.first = diffs.first().and_then(|&p| self.rec_ref(Level::L1, p));
         for &p in &diffs {
             if let Some(e) = self.s.entry(p) {
-                if !rep.differing_paths.contains(&e.coord.path) {
-                    rep.differing_paths.push(e.coord.path.clone());
+                if !rep.differing_paths.iter().any(|p| e.coord.path == *p) {
+                    rep.differing_paths.push(e.coord.path.to_string());
                 }
             }
         }
@@ -545,7 +560,7 @@ impl Ctx<'_> {
             let Some(e) = self.s.entry(p) else { continue };
             let num = self.numeric(p)?;
             let comp = StateComponent {
-                path: e.coord.path.clone(),
+                path: e.coord.path.to_string(),
                 differing_values: num.as_ref().map(|n| n.differing),
                 values: num.as_ref().map(|n| n.elements),
                 present_in: self

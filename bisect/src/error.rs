@@ -53,14 +53,16 @@ pub enum BisectError {
         /// The candidate's capture spec.
         candidate: String,
     },
-    /// A file could not be read or written (the benchmark's byte comparison).
-    #[error("{}: {what}: {source}", .path.display())]
+    /// A file could not be read or written (the benchmark's byte
+    /// comparison). The I/O error is the source, not repeated in the text.
+    #[error("{}: {what}", .path.display())]
     Io {
         /// The file.
         path: std::path::PathBuf,
         /// What was being done.
         what: &'static str,
         /// The I/O error.
+        #[source]
         source: std::io::Error,
     },
     /// A payload on the divergent path failed verification or could not be

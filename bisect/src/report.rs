@@ -59,7 +59,7 @@ impl RecordRef {
             position: c.position,
             phase: c.phase.name().to_string(),
             layer: c.layer,
-            path: c.path.clone(),
+            path: c.path.to_string(),
             present_in: present_in.to_string(),
         }
     }

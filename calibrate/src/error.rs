@@ -30,8 +30,9 @@ pub enum CalibrateError {
         #[source]
         source: std::io::Error,
     },
-    /// A trace the protocol wrote could not be opened.
-    #[error("opening {}", path.display())]
+    /// A trace the protocol wrote could not be read back. The source (a
+    /// [`TraceError`]) names the file, so the message does not repeat it.
+    #[error("reading back a trace the protocol wrote")]
     Open {
         /// The trace file.
         path: PathBuf,
@@ -102,3 +103,29 @@ impl CalibrateError {
 
 /// Result of the calibration suite.
 pub type Result<T, E = CalibrateError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error and its sources joined as anyhow's `{:#}` prints them.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut src = e.source();
+        while let Some(c) = src {
+            s.push_str(": ");
+            s.push_str(&c.to_string());
+            src = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn a_trace_that_cannot_be_read_back_is_named_once() {
+        let path = PathBuf::from("/nonexistent-moeconf/replay-x-a.bin");
+        let source = moeconf_schema::Trace::open(&path).err().expect("missing file");
+        let msg = chain(&CalibrateError::Open { path, source });
+        assert_eq!(msg.matches("replay-x-a.bin").count(), 1, "{msg}");
+        assert_eq!(msg.matches("(os error 2)").count(), 1, "{msg}");
+    }
+}

@@ -153,7 +153,7 @@ fn run_fault(ctx: &Ctx, ids: &[u32], ref_path: &Path, i: usize, f: &Fault) -> Re
         notes: vec![("fault".to_string(), f.kind.name())],
         path: &path,
     })?;
-    let (r, c) = (Trace::open(ref_path)?, Trace::open(&path)?);
+    let (r, c) = (Trace::open_verified(ref_path)?, Trace::open_verified(&path)?);
     let report = diff(&r, &c, &DiffOptions::default())?;
     let first = report.first_divergence.as_ref();
     let found = first.map(|d| Found {

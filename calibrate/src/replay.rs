@@ -36,7 +36,7 @@ fn routes(t: &Trace) -> Result<Vec<Vec<u8>>> {
 }
 
 fn open(path: &Path) -> Result<Trace> {
-    Trace::open(path).map_err(|source| CalibrateError::Open {
+    Trace::open_verified(path).map_err(|source| CalibrateError::Open {
         path: path.to_path_buf(),
         source,
     })

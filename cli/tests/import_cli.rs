@@ -165,7 +165,10 @@ fn small_dump_imports_and_inspects() {
     let trace = Trace::open(&out).unwrap();
     let rec = |path: &str| {
         let i = trace.records().iter().position(|r| r.coord.path == path).unwrap();
-        (trace.records()[i].clone(), trace.payload(i).unwrap().to_vec())
+        (
+            trace.records()[i].clone(),
+            trace.payload_verified(i).unwrap().unwrap().to_vec(),
+        )
     };
     // Ids become the catalogue's i32, counters its i64.
     let (r, b) = rec("token.output");
@@ -178,7 +181,7 @@ fn small_dump_imports_and_inspects() {
     // bf16 and f16 widen exactly to f32; f64 stays f64; u32/u8 stay.
     let (r, b) = rec("layer.post_ffn_mhc");
     assert_eq!(
-        (r.dtype, r.shape.clone(), b),
+        (r.dtype, r.shape.to_vec(), b),
         (DType::F32, vec![2, 1], f32s(&[1.5, f32::NEG_INFINITY]))
     );
     let (r, b) = rec("attn.output");
@@ -272,7 +275,7 @@ fn dump_of_a_reference_run_reimports_to_the_same_root() {
             Some(l) => format!("step.{}.pos.{}.layer.{l}.{}", c.step, c.position, c.path),
             None => format!("step.{}.pos.{}.{}", c.step, c.position, c.path),
         };
-        let bytes = trace.payload(i).unwrap().to_vec();
+        let bytes = trace.payload_verified(i).unwrap().unwrap().to_vec();
         let shape: Vec<usize> = r.shape.iter().map(|&d| d as usize).collect();
         let (dtype, bytes) = match r.dtype {
             DType::F32 if bytes.chunks_exact(4).all(|x| x[0] == 0 && x[1] == 0) => {

@@ -1,8 +1,12 @@
 //! Tensor identity: where in an execution a recorded tensor belongs.
 
 use crate::wire::{Decoder, Encoder, WireError};
+use std::borrow::Borrow;
 use std::cmp::Ordering;
+use std::collections::HashSet;
 use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
 
 /// Longest component path accepted, in bytes.
 pub const MAX_PATH_LEN: usize = 128;
@@ -170,7 +174,150 @@ pub struct Coord {
     /// Decoder layer, or `None` for model-global tensors.
     pub layer: Option<u32>,
     /// Component / operator path such as `layer.post_ffn_mhc` or `moe.combine`.
-    pub path: String,
+    pub path: RecordPath,
+}
+
+/// A component / operator path (`moe.combine`, `layer.post_ffn_mhc`): an
+/// immutable, reference-counted string. A trace has few distinct paths and
+/// up to millions of records, so readers and writers give every record with
+/// the same path one shared allocation ([`Interner`]); cloning is a
+/// reference-count increment. It compares, hashes, orders, prints and
+/// dereferences like the `str` it holds.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct RecordPath(Arc<str>);
+
+impl RecordPath {
+    /// The path as a string slice.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Deref for RecordPath {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for RecordPath {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Borrow<str> for RecordPath {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RecordPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for RecordPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl From<&str> for RecordPath {
+    fn from(s: &str) -> RecordPath {
+        RecordPath(Arc::from(s))
+    }
+}
+
+impl From<String> for RecordPath {
+    fn from(s: String) -> RecordPath {
+        RecordPath(Arc::from(s))
+    }
+}
+
+impl From<&String> for RecordPath {
+    fn from(s: &String) -> RecordPath {
+        RecordPath::from(s.as_str())
+    }
+}
+
+impl PartialEq<str> for RecordPath {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for RecordPath {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl PartialEq<String> for RecordPath {
+    fn eq(&self, other: &String) -> bool {
+        *self.0 == **other
+    }
+}
+
+impl PartialEq<RecordPath> for str {
+    fn eq(&self, other: &RecordPath) -> bool {
+        self == &*other.0
+    }
+}
+
+impl PartialEq<RecordPath> for &str {
+    fn eq(&self, other: &RecordPath) -> bool {
+        *self == &*other.0
+    }
+}
+
+impl PartialEq<RecordPath> for String {
+    fn eq(&self, other: &RecordPath) -> bool {
+        **self == *other.0
+    }
+}
+
+impl serde::Serialize for RecordPath {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+/// Hands out one shared [`RecordPath`] per distinct path string (and one
+/// shared shape per distinct shape), so that a trace of millions of records
+/// holds a few dozen allocations for them instead of millions.
+#[derive(Debug, Default)]
+pub struct Interner {
+    paths: HashSet<RecordPath>,
+    shapes: HashSet<Arc<[u64]>>,
+}
+
+impl Interner {
+    /// An empty interner.
+    pub fn new() -> Interner {
+        Interner::default()
+    }
+
+    /// The shared path equal to `s`.
+    pub fn path(&mut self, s: &str) -> RecordPath {
+        if let Some(p) = self.paths.get(s) {
+            return p.clone();
+        }
+        let p = RecordPath::from(s);
+        self.paths.insert(p.clone());
+        p
+    }
+
+    /// The shared shape equal to `dims`.
+    pub fn shape(&mut self, dims: &[u64]) -> Arc<[u64]> {
+        if let Some(s) = self.shapes.get(dims) {
+            return s.clone();
+        }
+        let s: Arc<[u64]> = Arc::from(dims);
+        self.shapes.insert(s.clone());
+        s
+    }
 }
 
 impl Coord {
@@ -208,6 +355,11 @@ impl Coord {
 
     /// Decodes and validates a coordinate.
     pub fn decode(d: &mut Decoder<'_>) -> Result<Coord, WireError> {
+        Coord::decode_interned(d, &mut Interner::new())
+    }
+
+    /// Decodes and validates a coordinate, sharing its path through `paths`.
+    pub fn decode_interned(d: &mut Decoder<'_>, paths: &mut Interner) -> Result<Coord, WireError> {
         let step = d.u32("coordinate step")?;
         let position = d.u32("coordinate position")?;
         let at = d.offset();
@@ -218,8 +370,9 @@ impl Coord {
         };
         let layer = d.opt_u32("coordinate layer")?;
         let at = d.offset();
-        let path = d.str("coordinate path", MAX_PATH_LEN as u64)?.to_string();
-        Coord::validate_path(&path).map_err(|m| d.error_at(at, m))?;
+        let path = d.str("coordinate path", MAX_PATH_LEN as u64)?;
+        Coord::validate_path(path).map_err(|m| d.error_at(at, m))?;
+        let path = paths.path(path);
         Ok(Coord {
             step,
             position,

@@ -41,7 +41,7 @@ pub use canonical::{
     surely_canonical, CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,
 };
 pub use catalogue::{Component, Half};
-pub use coord::{Coord, Level, LevelSet, Phase, MAX_PATH_LEN};
+pub use coord::{Coord, Interner, Level, LevelSet, Phase, RecordPath, MAX_PATH_LEN};
 pub use dtype::{bf16_to_f32, f16_to_f32, DType};
 pub use record::{
     feed_canonical, record_digest, record_digest_with_sink, record_prefix, FingerprintError, TensorView,

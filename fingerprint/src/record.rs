@@ -58,8 +58,9 @@ pub enum FingerprintError {
         /// Its level.
         level: Level,
     },
-    /// The payload sink failed while bytes were streamed into it.
-    #[error("writing payload bytes: {0}")]
+    /// The payload sink failed while bytes were streamed into it (the I/O
+    /// error is the source, not repeated in the text).
+    #[error("writing payload bytes")]
     Sink(#[from] std::io::Error),
 }
 
@@ -114,7 +115,9 @@ pub const PREIMAGE_ALIGN: usize = 64;
 /// The fixed part of a record preimage (everything before the data bytes),
 /// including its zero padding to a multiple of [`PREIMAGE_ALIGN`].
 pub fn record_prefix(coord: &Coord, level: Level, dtype: DType, shape: &[u64], byte_len: u64) -> Vec<u8> {
-    let mut e = Encoder::new();
+    // Typical prefixes pad to 128 bytes and the longest (path of 128 bytes,
+    // rank 8) to 320: one allocation, with room for a small payload after it.
+    let mut e = Encoder::with_capacity(320);
     e.str(DOMAIN_RECORD);
     coord.encode(&mut e);
     e.u32(level.code()).u32(dtype.code()).len(shape.len());

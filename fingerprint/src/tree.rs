@@ -115,6 +115,19 @@ impl HashTree {
     /// Builds the tree over `leaves`. Fails on two records with the same
     /// level and coordinate.
     pub fn build(alg: Algorithm, binding: Digest, leaves: &[Leaf<'_>]) -> Result<HashTree, FingerprintError> {
+        HashTree::build_with(alg, binding, leaves.len(), |i| leaves[i])
+    }
+
+    /// Builds the tree over the `n` leaves `leaf(0)`, …, `leaf(n - 1)`
+    /// without collecting them (a reader builds them from its index
+    /// entries). The same tree as [`HashTree::build`] of the collected
+    /// leaves.
+    pub fn build_with<'a>(
+        alg: Algorithm,
+        binding: Digest,
+        n: usize,
+        leaf: impl Fn(usize) -> Leaf<'a>,
+    ) -> Result<HashTree, FingerprintError> {
         // Sort by (step, level, layer, position, phase) packed into one
         // integer, comparing paths only on ties: opening a trace builds this
         // tree, so it is on the hot path of every diff.
@@ -126,17 +139,17 @@ impl HashTree {
                 | (u128::from(l.coord.position) << 8)
                 | l.coord.phase as u128
         };
-        let keys: Vec<u128> = leaves.iter().map(packed).collect();
+        let keys: Vec<u128> = (0..n).map(|i| packed(&leaf(i))).collect();
         let cmp = |a: &usize, b: &usize| {
             keys[*a]
                 .cmp(&keys[*b])
-                .then_with(|| leaves[*a].coord.path.cmp(&leaves[*b].coord.path))
+                .then_with(|| leaf(*a).coord.path.cmp(&leaf(*b).coord.path))
         };
-        let mut order: Vec<usize> = (0..leaves.len()).collect();
+        let mut order: Vec<usize> = (0..n).collect();
         order.sort_unstable_by(cmp);
         for w in order.windows(2) {
             if cmp(&w[0], &w[1]) == std::cmp::Ordering::Equal {
-                let l = &leaves[w[1]];
+                let l = leaf(w[1]);
                 return Err(FingerprintError::DuplicateRecord {
                     coord: l.coord.to_string(),
                     level: l.level,
@@ -148,28 +161,26 @@ impl HashTree {
         let mut steps: Vec<StepNode> = Vec::new();
         let mut i = 0;
         while i < order.len() {
-            let step = leaves[order[i]].coord.step;
+            let step = leaf(order[i]).coord.step;
             let mut levels = Vec::new();
-            while i < order.len() && leaves[order[i]].coord.step == step {
-                let level = leaves[order[i]].level;
+            while i < order.len() && leaf(order[i]).coord.step == step {
+                let level = leaf(order[i]).level;
                 let mut groups = Vec::new();
-                while i < order.len()
-                    && leaves[order[i]].coord.step == step
-                    && leaves[order[i]].level == level
-                {
-                    let layer = leaves[order[i]].coord.layer;
-                    let mut records = Vec::new();
+                while i < order.len() && leaf(order[i]).coord.step == step && leaf(order[i]).level == level {
+                    let layer = leaf(order[i]).coord.layer;
+                    let start = i;
                     while i < order.len()
-                        && leaves[order[i]].coord.step == step
-                        && leaves[order[i]].level == level
-                        && leaves[order[i]].coord.layer == layer
+                        && leaf(order[i]).coord.step == step
+                        && leaf(order[i]).level == level
+                        && leaf(order[i]).coord.layer == layer
                     {
-                        records.push(order[i]);
                         i += 1;
                     }
+                    // Exactly sized: one index per record, no growth slack.
+                    let records = order[start..i].to_vec();
                     e.clear();
                     e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
-                    let digest = hash_list(alg, &mut e, records.iter().map(|&r| (None, leaves[r].digest)));
+                    let digest = hash_list(alg, &mut e, records.iter().map(|&r| (None, leaf(r).digest)));
                     groups.push(GroupNode {
                         layer,
                         digest,

@@ -31,6 +31,14 @@ impl Encoder {
         Encoder { buf: Vec::new() }
     }
 
+    /// An empty encoder with room for `n` bytes (no reallocation while
+    /// encoding up to `n`).
+    pub fn with_capacity(n: usize) -> Encoder {
+        Encoder {
+            buf: Vec::with_capacity(n),
+        }
+    }
+
     /// The bytes written so far.
     pub fn as_bytes(&self) -> &[u8] {
         &self.buf

@@ -11,6 +11,7 @@
 //! level, by the first matching rule; [`Tally`] sums the outcomes per level
 //! and per rule into the [`GateReport`].
 
+use crate::error::GateError;
 use crate::judge::{self, Differing, Outcome, PayloadPair};
 use crate::policy::{Mode, Profile};
 use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status};
@@ -73,24 +74,28 @@ struct Margins {
 }
 
 impl Margins {
-    fn read(reference: &Trace) -> Margins {
+    /// Reads every margin of the reference; a margin payload that does not
+    /// match its record digest is an error (a corrupted margin must not
+    /// decide a near-tie).
+    fn read(reference: &Trace) -> Result<Margins, GateError> {
         let mut m = Margins {
             lm: BTreeMap::new(),
             router: HashMap::new(),
         };
+        let scalar = |i| judge::scalar(reference, i).map_err(GateError::Reference);
         for (i, e) in reference.records().iter().enumerate() {
             let path = e.coord.path.as_str();
             if Component::LmMargin.matches(path) {
-                if let Some(v) = judge::scalar(reference, i) {
+                if let Some(v) = scalar(i)? {
                     m.lm.insert(e.coord.step, v);
                 }
             } else if Component::RouterMargin.matches(path) {
-                if let Some(v) = judge::scalar(reference, i) {
+                if let Some(v) = scalar(i)? {
                     m.router.insert(RouteSite::of(e), v);
                 }
             }
         }
-        m
+        Ok(m)
     }
 }
 
@@ -150,12 +155,17 @@ impl<'a> Gate<'a> {
     }
 
     /// The ids (tokens, experts) of reference record `i` and candidate
-    /// record `j`; empty where a side has no integer payload.
-    fn ids(&self, i: usize, j: usize) -> (Vec<i64>, Vec<i64>) {
-        (
-            judge::ids(self.reference, i).unwrap_or_default(),
-            judge::ids(self.candidate, j).unwrap_or_default(),
-        )
+    /// record `j`; empty where a side has no integer payload. A corrupted
+    /// payload is an error of its side.
+    fn ids(&self, i: usize, j: usize) -> Result<(Vec<i64>, Vec<i64>), GateError> {
+        Ok((
+            judge::ids(self.reference, i)
+                .map_err(GateError::Reference)?
+                .unwrap_or_default(),
+            judge::ids(self.candidate, j)
+                .map_err(GateError::Candidate)?
+                .unwrap_or_default(),
+        ))
     }
 
     /// The reference margin below the argmax near-tie threshold at `step`.
@@ -168,7 +178,7 @@ impl<'a> Gate<'a> {
     /// The token near-tie: the first step (in step order) whose reference
     /// `token.output` differs from the candidate's, when its reference margin
     /// is below the argmax threshold on a tolerance L0.
-    fn token_flip(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) {
+    fn token_flip(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) -> Result<(), GateError> {
         let first = pairs
             .iter()
             .filter_map(|p| {
@@ -178,15 +188,17 @@ impl<'a> Gate<'a> {
             .filter(|(.., e)| Component::TokenOutput.matches(&e.coord.path))
             .min_by_key(|&(i, _, e)| (e.coord.step, i));
         // A token missing from the candidate is no flip.
-        let Some((i, Some(j), e)) = first else { return };
+        let Some((i, Some(j), e)) = first else {
+            return Ok(());
+        };
         if self.profile.mode(Level::L0) != Mode::Tolerance {
-            return;
+            return Ok(());
         }
         let Some(m) = self.argmax_tie(e.coord.step) else {
-            return;
+            return Ok(());
         };
         flips.cutoff = Some(e.coord.step);
-        let (a, b) = self.ids(i, j);
+        let (a, b) = self.ids(i, j)?;
         flips.near_ties.push(NearTie {
             kind: FlipKind::Argmax,
             at: RecordRef::new(e.level, &e.coord, "both"),
@@ -194,15 +206,16 @@ impl<'a> Gate<'a> {
             threshold: self.profile.argmax_near_tie_margin,
             change: format!("token {a:?} -> {b:?}"),
         });
+        Ok(())
     }
 
     /// Route near-ties: `router.topk` records that differ, up to the token
     /// cutoff, whose reference `router.margin` is below the route threshold
     /// on a tolerance L3.
-    fn route_flips(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) {
+    fn route_flips(&self, pairs: &[RecordPair], flips: &mut AcceptedFlips) -> Result<(), GateError> {
         let threshold = self.profile.route_near_tie_margin;
         if self.profile.mode(Level::L3) != Mode::Tolerance || threshold <= 0.0 {
-            return;
+            return Ok(());
         }
         for &p in pairs {
             let (Some(i), Some(j)) = (p.reference, p.candidate) else {
@@ -219,7 +232,7 @@ impl<'a> Gate<'a> {
                 continue;
             };
             flips.routes.insert(site);
-            let (a, b) = self.ids(i, j);
+            let (a, b) = self.ids(i, j)?;
             let same_set = {
                 let (mut x, mut y) = (a.clone(), b.clone());
                 x.sort_unstable();
@@ -241,29 +254,28 @@ impl<'a> Gate<'a> {
                 ),
             });
         }
+        Ok(())
     }
 
     /// Both payloads of a pair (verified), `None` on a side without one;
-    /// one-sided pairs have none.
-    fn payloads(&self, p: RecordPair) -> Result<PayloadPair<'a>, String> {
+    /// one-sided pairs have none. A payload that does not match its record
+    /// digest is an error of its side, never a judged difference.
+    fn payloads(&self, p: RecordPair) -> Result<PayloadPair<'a>, GateError> {
         let (Some(i), Some(j)) = (p.reference, p.candidate) else {
             return Ok((None, None));
         };
-        match (
-            self.reference.payload_verified(i),
-            self.candidate.payload_verified(j),
-        ) {
-            (Ok(a), Ok(b)) => Ok((a, b)),
-            (Err(e), _) | (_, Err(e)) => Err(e.to_string()),
-        }
+        Ok((
+            self.reference.payload_verified(i).map_err(GateError::Reference)?,
+            self.candidate.payload_verified(j).map_err(GateError::Candidate)?,
+        ))
     }
 
     /// The element-wise tolerance (rtol 0 / atol 0) under which a differing
     /// float record would have matched, from its payloads (reported for
     /// bitwise and info levels).
-    fn bitwise_minimal(&self, p: RecordPair, payloads: &Result<PayloadPair<'_>, String>) -> Option<Minimal> {
+    fn bitwise_minimal(&self, p: RecordPair, payloads: PayloadPair<'_>) -> Option<Minimal> {
         let (re, ce) = self.entries(p)?;
-        let Ok((Some(a), Some(b))) = payloads else {
+        let (Some(a), Some(b)) = payloads else {
             return None;
         };
         if !re.dtype.is_float() {
@@ -283,7 +295,7 @@ impl<'a> Gate<'a> {
     fn decide(
         &self,
         p: RecordPair,
-        payloads: Result<PayloadPair<'a>, String>,
+        payloads: PayloadPair<'a>,
         flips: &AcceptedFlips,
     ) -> Option<(Decider, Outcome)> {
         let missing = match (p.reference, p.candidate) {
@@ -308,8 +320,7 @@ impl<'a> Gate<'a> {
                     (_, None, ..) => {
                         Outcome::Fail("no rule matches (the policy lacks a catch-all)".into(), None)
                     }
-                    (_, _, Err(err), _) => Outcome::Fail(format!("corrupt payload: {err}"), None),
-                    (_, Some((_, r)), Ok(payloads), Some((reference, candidate))) => judge::record(
+                    (_, Some((_, r)), payloads, Some((reference, candidate))) => judge::record(
                         &judge::Context {
                             profile: self.profile,
                             reference: self.reference,
@@ -447,22 +458,26 @@ fn present_in(p: RecordPair) -> &'static str {
 /// and on a tolerance level is judged by the first matching rule (with the
 /// near-tie rules of docs/ci.md applied first). `localization` is the diff
 /// engine's first divergence, shown in every failure report.
+///
+/// Every payload the gate reads (margins, ids, the records it judges) is
+/// re-hashed against its record digest first; one that does not match is
+/// [`GateError::Reference`] or [`GateError::Candidate`], never a verdict.
 pub fn evaluate(
     reference: &Trace,
     candidate: &Trace,
     profile: &Profile,
     localization: Option<FirstDivergence>,
-) -> GateReport {
+) -> Result<GateReport, GateError> {
     let gate = Gate {
         reference,
         candidate,
         profile,
-        margins: Margins::read(reference),
+        margins: Margins::read(reference)?,
     };
     let pairs = differing_pairs(reference, candidate);
     let mut flips = AcceptedFlips::default();
-    gate.token_flip(&pairs, &mut flips);
-    gate.route_flips(&pairs, &mut flips);
+    gate.token_flip(&pairs, &mut flips)?;
+    gate.route_flips(&pairs, &mut flips)?;
 
     let compared = compared_levels(reference, candidate);
     let mut tally = Tally {
@@ -486,14 +501,14 @@ pub fn evaluate(
             continue;
         }
         let at = RecordRef::new(e.level, &e.coord, present_in(p));
-        let payloads = gate.payloads(p);
+        let payloads = gate.payloads(p)?;
         let la = tally.level(e.level);
         la.differing += 1;
         la.first_difference.get_or_insert_with(|| at.clone());
-        merge_minimal(&mut la.minimal, gate.bitwise_minimal(p, &payloads));
+        merge_minimal(&mut la.minimal, gate.bitwise_minimal(p, payloads));
         if let Some((decider, outcome)) = gate.decide(p, payloads, &flips) {
             tally.add(e.level, decider, at, outcome);
         }
     }
-    tally.into_report(profile, localization)
+    Ok(tally.into_report(profile, localization))
 }

@@ -8,7 +8,7 @@ use crate::report::{FlipKind, NearTie};
 use crate::tolerance::{self, AggregateLimits, ArgmaxPair, Eval, LogitLimits, Minimal};
 use moeconf_bisect::RecordRef;
 use moeconf_fingerprint::{Component, DType};
-use moeconf_schema::{IndexEntry, Trace};
+use moeconf_schema::{IndexEntry, Trace, TraceError};
 
 /// Both sides' payloads of one record pair (`None` where a side kept none).
 pub(crate) type PayloadPair<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
@@ -241,24 +241,35 @@ fn argmax_flip(cx: &Context<'_>, re: &IndexEntry, (p, q): ArgmaxPair, eval: Eval
     }
 }
 
-/// The first value of record `i`'s payload (margins are one-element f32 records).
-pub(crate) fn scalar(t: &Trace, i: usize) -> Option<f64> {
-    let e = t.records().get(i)?;
-    tolerance::decode(e.dtype, t.payload(i)?)?.first().copied()
+/// The first value of record `i`'s payload (margins are one-element f32
+/// records); `Ok(None)` without a payload. A payload that does not match its
+/// record digest is an error, never a missing value.
+pub(crate) fn scalar(t: &Trace, i: usize) -> Result<Option<f64>, TraceError> {
+    let Some(e) = t.records().get(i) else {
+        return Ok(None);
+    };
+    Ok(t.payload_verified(i)?
+        .and_then(|p| tolerance::decode(e.dtype, p))
+        .and_then(|v| v.first().copied()))
 }
 
-/// Record `i`'s payload as integer ids (token ids, experts); `None` for a
-/// float record or without a payload.
-pub(crate) fn ids(t: &Trace, i: usize) -> Option<Vec<i64>> {
-    let e = t.records().get(i)?;
+/// Record `i`'s payload as integer ids (token ids, experts); `Ok(None)` for
+/// a float record or without a payload. A payload that does not match its
+/// record digest is an error.
+pub(crate) fn ids(t: &Trace, i: usize) -> Result<Option<Vec<i64>>, TraceError> {
+    let Some(e) = t.records().get(i) else {
+        return Ok(None);
+    };
     if e.dtype.is_float() {
-        return None;
+        return Ok(None);
     }
-    let p = t.payload(i)?;
+    let Some(p) = t.payload_verified(i)? else {
+        return Ok(None);
+    };
     if !p.len().is_multiple_of(e.dtype.size()) {
-        return None;
+        return Ok(None);
     }
-    (0..p.len() / e.dtype.size())
+    Ok((0..p.len() / e.dtype.size())
         .map(|k| e.dtype.value_i64(p, k))
-        .collect()
+        .collect())
 }

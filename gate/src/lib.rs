@@ -49,21 +49,23 @@ use policy::Profile;
 use std::path::Path;
 
 /// Judges `candidate` against the reference trace at `reference` under
-/// `profile`: opens the reference, asks the diff engine for the
-/// localization (refusing traces whose bindings are not comparable), then
-/// [`evaluate`]s. The report names both traces.
+/// `profile`: opens the reference and re-hashes every payload of both
+/// traces (a corrupted byte of either is an error, never a verdict), asks
+/// the diff engine for the localization (refusing traces whose bindings are
+/// not comparable), then [`evaluate`]s. The report names both traces.
 pub fn against_reference(
     reference: &Path,
     candidate: &Trace,
     profile: &Profile,
 ) -> Result<GateReport, GateError> {
-    let rt = Trace::open(reference).map_err(GateError::Reference)?;
+    let rt = Trace::open_verified(reference).map_err(GateError::Reference)?;
+    candidate.verify_payloads().map_err(GateError::Candidate)?;
     let d = diff(&rt, candidate, &DiffOptions::default()).map_err(|source| GateError::Diff {
         reference: reference.to_path_buf(),
         candidate: candidate.path().to_path_buf(),
         source,
     })?;
-    let mut report = evaluate(&rt, candidate, profile, d.first_divergence);
+    let mut report = evaluate(&rt, candidate, profile, d.first_divergence)?;
     report.reference = reference.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();
@@ -71,9 +73,12 @@ pub fn against_reference(
 }
 
 /// Judges `candidate` against the blessed baseline `file` under `profile`
-/// (every level that is not `info` bitwise, per step). The report names the
-/// baseline and the candidate.
+/// (every level that is not `info` bitwise, per step). Every payload of the
+/// candidate is re-hashed first: a baseline holds digests only, but a
+/// candidate with a corrupted byte is an error, never a verdict. The report
+/// names the baseline and the candidate.
 pub fn against_baseline(file: &Path, candidate: &Trace, profile: &Profile) -> Result<GateReport, GateError> {
+    candidate.verify_payloads().map_err(GateError::Candidate)?;
     let b = baseline::Baseline::read(file)?;
     let mut report = baseline::compare(&b, candidate, profile)?;
     report.reference = file.display().to_string();
@@ -150,14 +155,14 @@ mod tests {
             trace(dir.path(), "r.bin", "bf16", &v),
             trace(dir.path(), "c.bin", "bf16", &w),
         );
-        let rep = evaluate(&r, &c, &tolerant(), None);
+        let rep = evaluate(&r, &c, &tolerant(), None).unwrap();
         assert_eq!(rep.levels[3].status, Status::Pass, "{}", rep.render_text());
         assert_eq!(rep.levels[3].differing, 1);
         let (r, c) = (
             trace(dir.path(), "r32.bin", "f32", &v),
             trace(dir.path(), "c32.bin", "f32", &w),
         );
-        let rep = evaluate(&r, &c, &tolerant(), None);
+        let rep = evaluate(&r, &c, &tolerant(), None).unwrap();
         assert_eq!(rep.levels[3].status, Status::Fail);
         assert!(
             rep.rules[0].minimal.unwrap().describe().contains("rtol >= 9.6"),
@@ -167,9 +172,9 @@ mod tests {
         // Bitwise fails either way; info reports without failing.
         let mut p = tolerant();
         p.levels[3] = Mode::Bitwise;
-        assert_eq!(evaluate(&r, &c, &p, None).verdict, Verdict::Fail);
+        assert_eq!(evaluate(&r, &c, &p, None).unwrap().verdict, Verdict::Fail);
         p.levels[3] = Mode::Info;
-        let rep = evaluate(&r, &c, &p, None);
+        let rep = evaluate(&r, &c, &p, None).unwrap();
         assert_eq!((rep.verdict, rep.levels[3].status), (Verdict::Pass, Status::Info));
     }
 
@@ -184,14 +189,14 @@ mod tests {
         let mut p = tolerant();
         p.dtype_tolerance.insert("f32".into(), (0.0, 0.5));
         assert_eq!(
-            evaluate(&r, &c, &p, None).verdict,
+            evaluate(&r, &c, &p, None).unwrap().verdict,
             Verdict::Fail,
             "both NaN without equal_nan"
         );
         p.equal_nan = true;
-        assert_eq!(evaluate(&r, &c, &p, None).verdict, Verdict::Pass);
+        assert_eq!(evaluate(&r, &c, &p, None).unwrap().verdict, Verdict::Pass);
         p.dtype_tolerance.insert("f32".into(), (0.0, 0.25));
-        assert_eq!(evaluate(&r, &c, &p, None).verdict, Verdict::Fail);
+        assert_eq!(evaluate(&r, &c, &p, None).unwrap().verdict, Verdict::Fail);
         // A ulp rule first in line replaces the catch-all for this path.
         p.rules.insert(
             0,
@@ -202,7 +207,7 @@ mod tests {
             },
         );
         assert_eq!(
-            evaluate(&r, &c, &p, None).verdict,
+            evaluate(&r, &c, &p, None).unwrap().verdict,
             Verdict::Pass,
             "1.0 -> 1.5 is 2^22 ulp"
         );
@@ -215,7 +220,7 @@ mod tests {
         // The candidate lacks layer 1 and adds layer 2; layer 0 is equal.
         let r = traces_of(dir.path(), "r.bin", "f32", &[(0, v), (1, v)]);
         let c = traces_of(dir.path(), "c.bin", "f32", &[(0, v), (2, v)]);
-        let rep = evaluate(&r, &c, &tolerant(), None);
+        let rep = evaluate(&r, &c, &tolerant(), None).unwrap();
         let l3 = &rep.levels[3];
         assert_eq!((l3.records, l3.differing, l3.failed), (2, 2, 2));
         assert_eq!(l3.first_difference.as_ref().map(|d| d.layer), Some(Some(1)));
@@ -231,7 +236,7 @@ mod tests {
         // A bitwise level judges its records as the rule `bitwise`.
         let mut p = tolerant();
         p.levels[3] = Mode::Bitwise;
-        let rep = evaluate(&r, &c, &p, None);
+        let rep = evaluate(&r, &c, &p, None).unwrap();
         assert_eq!(rep.rules[0].rule, "bitwise");
         assert_eq!(rep.rules[0].judged, 2);
     }

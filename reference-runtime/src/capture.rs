@@ -266,7 +266,7 @@ impl<'a> Recorder<'a> {
             position: at.position,
             phase: self.phase,
             layer: at.layer,
-            path: name.path(),
+            path: name.path().into(),
         }
     }
 

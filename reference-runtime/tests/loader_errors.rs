@@ -193,3 +193,26 @@ fn non_regular_safetensors_entries_are_named() {
         );
     }
 }
+
+/// An unreadable file names the file once and keeps the operating system's
+/// reason as the source, so an error chain (anyhow's `{:#}`) says each once.
+#[test]
+fn io_errors_do_not_repeat_their_source() {
+    let d = tempfile::tempdir().unwrap();
+    let Err(e) = Model::load(&d.path().join("absent")) else {
+        panic!("loading a missing directory should fail");
+    };
+    let mut parts = vec![e.to_string()];
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        parts.push(s.to_string());
+        src = s.source();
+    }
+    assert!(parts.len() >= 2, "the I/O error is the source: {parts:?}");
+    for (i, p) in parts.iter().enumerate() {
+        for q in &parts[i + 1..] {
+            assert!(!p.contains(q.as_str()), "{p:?} repeats its source {q:?}");
+        }
+    }
+    assert!(parts[0].contains("absent"), "{parts:?}");
+}

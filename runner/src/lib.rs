@@ -153,8 +153,21 @@ impl CaptureSink for TraceSink {
         self.writer
             .append(coord, level, tensor, keep)
             .map(|_| ())
-            .map_err(|e| CaptureError::new(e.to_string()))
+            .map_err(|e| CaptureError::new(error_chain(&e)))
     }
+}
+
+/// An error and its sources joined by ": " (the capture error carries text
+/// only, and a trace error's I/O reason is its source, not its text).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 /// How the MoE combine is chosen for a run.

@@ -8,14 +8,18 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum TraceError {
-    /// The operating system refused a read, write or rename.
-    #[error("{}: {what}: {source}", path.display())]
+    /// The operating system refused a read, write or rename. The message
+    /// names the file and what was being done; the I/O error is the source
+    /// (printed after it by an error chain such as anyhow's `{:#}`, never
+    /// repeated in this variant's own text).
+    #[error("{}: {what}", path.display())]
     Io {
         /// The file concerned.
         path: PathBuf,
         /// What was being done.
         what: &'static str,
         /// The underlying error.
+        #[source]
         source: std::io::Error,
     },
     /// The bytes are not a valid trace: truncated, corrupted or malformed.
@@ -117,5 +121,54 @@ impl InputError {
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> InputError {
         let context = context.into();
         move |source| InputError::Io { context, source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+
+    /// The texts of `e` and of each of its sources, outermost first.
+    fn chain(e: &dyn Error) -> Vec<String> {
+        let mut out = vec![e.to_string()];
+        let mut src = e.source();
+        while let Some(s) = src {
+            out.push(s.to_string());
+            src = s.source();
+        }
+        out
+    }
+
+    /// No error of the chain repeats the text of one of its sources, so a
+    /// chain printed as `a: b: c` (anyhow's `{:#}`) says everything once.
+    fn assert_no_repetition(e: &dyn Error) {
+        let parts = chain(e);
+        for (i, p) in parts.iter().enumerate() {
+            for q in &parts[i + 1..] {
+                assert!(
+                    !p.contains(q.as_str()),
+                    "{p:?} repeats its source {q:?} (chain {parts:?})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn io_errors_name_file_and_action_once_and_keep_the_os_error_as_source() {
+        let missing = Path::new("/nonexistent-moeconf-dir/x.bin");
+        let e = crate::Trace::open(missing).err().expect("missing file");
+        assert_no_repetition(&e);
+        let parts = chain(&e);
+        assert_eq!(parts.len(), 2, "{parts:?}");
+        assert_eq!(parts[0], "/nonexistent-moeconf-dir/x.bin: opening trace");
+        assert!(e.source().is_some_and(|s| s.is::<std::io::Error>()));
+        let input = InputError::from(e);
+        assert_no_repetition(&input);
+        let io = InputError::Io {
+            context: "reading dumps/manifest.json".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        assert_no_repetition(&io);
     }
 }

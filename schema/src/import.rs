@@ -557,7 +557,7 @@ pub fn import(a: &ImportOptions) -> Result<WriteSummary, InputError> {
                 Phase::Decode
             },
             layer: it.name.layer,
-            path: it.name.component.clone(),
+            path: it.name.component.as_str().into(),
         };
         let view = TensorView {
             dtype: it.dtype,

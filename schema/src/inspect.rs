@@ -1,16 +1,24 @@
 //! What a trace is of and what it holds (`moeconf inspect`): the binding,
 //! digest algorithm, root digest and record counts per level and component,
 //! rendered as text or as a JSON document.
+//!
+//! Memory is proportional to what is printed, not to the trace: counting
+//! keeps one entry per (level, component path) and borrows the paths from
+//! the trace's index; both renderings are written to a stream, and the one
+//! list that can be large (the model's weight tensors, up to 2^20 of them,
+//! with `--tensors`) is serialized element by element instead of being
+//! built as one document in memory.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::io::{self, Write};
 
 use moeconf_fingerprint::Level;
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{json, Map, Value};
 
-use crate::{Trace, TraceError, VerifySummary, FORMAT_VERSION};
+use crate::{TensorDigest, Trace, TraceError, VerifySummary, FORMAT_VERSION};
 
-/// Version of the JSON document of [`Inspection::to_json`].
+/// Version of the JSON document of [`Inspection::write_json`].
 pub const INSPECT_SCHEMA_VERSION: u32 = 1;
 
 /// Renders a byte count with a binary unit (`12.3 KiB`).
@@ -51,8 +59,9 @@ struct Counts {
 pub struct Inspection<'a> {
     trace: &'a Trace,
     opts: InspectOptions,
-    /// (level, path) -> counts, in level then path order.
-    per: BTreeMap<(Level, String), Counts>,
+    /// (level, path) -> counts, in level then path order (paths borrowed
+    /// from the trace's index: no allocation per record).
+    per: BTreeMap<(Level, &'a str), Counts>,
     total: Counts,
     first_step: u32,
     last_step: u32,
@@ -67,11 +76,11 @@ impl<'a> Inspection<'a> {
         } else {
             None
         };
-        let mut per: BTreeMap<(Level, String), Counts> = BTreeMap::new();
+        let mut per: BTreeMap<(Level, &'a str), Counts> = BTreeMap::new();
         let mut total = Counts::default();
         let (mut first_step, mut last_step) = (u32::MAX, 0u32);
         for r in trace.records() {
-            let c = per.entry((r.level, r.coord.path.clone())).or_default();
+            let c = per.entry((r.level, r.coord.path.as_str())).or_default();
             c.records += 1;
             total.records += 1;
             if let Some(p) = r.payload {
@@ -98,8 +107,10 @@ impl<'a> Inspection<'a> {
         self.trace.tree().steps.len()
     }
 
-    /// The JSON document (`kind: moeconf.inspect`, docs/format.md).
-    pub fn to_json(&self) -> Value {
+    /// The JSON document (`kind: moeconf.inspect`, docs/format.md §9)
+    /// without the weight tensor list, which [`Inspection::write_json`]
+    /// streams into `binding.model.tensors`.
+    fn document(&self) -> Value {
         let t = self.trace;
         let mut levels = Map::new();
         for level in Level::ALL {
@@ -109,7 +120,7 @@ impl<'a> Inspection<'a> {
                 n += c.records;
                 p += c.payloads;
                 comps.insert(
-                    path.clone(),
+                    path.to_string(),
                     json!({"records": c.records, "payloads": c.payloads, "payload_bytes": c.payload_bytes}),
                 );
             }
@@ -130,7 +141,7 @@ impl<'a> Inspection<'a> {
             "algorithm": t.algorithm().name(),
             "root": t.root().to_hex(),
             "binding_digest": t.binding_digest().to_hex(),
-            "binding": t.binding().to_json(self.opts.list_tensors),
+            "binding": t.binding().to_json(false),
             "provenance": t.provenance().to_json(),
             "records": {
                 "total": total.records,
@@ -144,112 +155,140 @@ impl<'a> Inspection<'a> {
         })
     }
 
-    /// The text report: binding and provenance, then the counts.
-    pub fn render_text(&self) -> String {
-        let mut o = String::new();
-        self.render_binding(&mut o);
-        self.render_records(&mut o);
-        o
+    /// Writes the JSON document (`kind: moeconf.inspect`, docs/format.md
+    /// §9), pretty-printed with a final newline. With
+    /// [`InspectOptions::list_tensors`] the weight tensors are serialized
+    /// one by one into `binding.model.tensors` (keys stay sorted, as in the
+    /// rest of the document).
+    pub fn write_json(&self, out: &mut dyn Write) -> io::Result<()> {
+        let doc = self.document();
+        let tensors = TensorsJson(&self.trace.binding().model.tensors);
+        let spliced = Splice {
+            value: &doc,
+            path: &["binding", "model"],
+            key: "tensors",
+            extra: &tensors,
+        };
+        if self.opts.list_tensors {
+            serde_json::to_writer_pretty(&mut *out, &spliced)?;
+        } else {
+            serde_json::to_writer_pretty(&mut *out, &doc)?;
+        }
+        writeln!(out)
     }
 
-    fn render_binding(&self, o: &mut String) {
+    /// Writes the text report: binding and provenance, then the counts.
+    pub fn write_text(&self, out: &mut dyn Write) -> io::Result<()> {
+        self.render_binding(out)?;
+        self.render_records(out)
+    }
+
+    /// The text report as a string (see [`Inspection::write_text`]).
+    pub fn render_text(&self) -> String {
+        let mut buf = Vec::new();
+        // Writing into a Vec cannot fail.
+        let _ = self.write_text(&mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    fn render_binding(&self, o: &mut dyn Write) -> io::Result<()> {
         let t = self.trace;
         let b = t.binding();
-        let _ = writeln!(
+        writeln!(
             o,
             "trace      {} ({}, format v{FORMAT_VERSION}, {})",
             t.path().display(),
             human_bytes(t.file_len()),
             t.algorithm()
-        );
-        let _ = writeln!(o, "root       {}", t.root());
-        let _ = writeln!(
+        )?;
+        writeln!(o, "root       {}", t.root())?;
+        writeln!(
             o,
             "model      {}  config {}  weights {} ({} tensors)",
             b.model.name,
             b.model.config_digest.short(),
             b.model.weights_digest.short(),
             b.model.tensors.len()
-        );
+        )?;
         if self.opts.list_tensors {
             for td in &b.model.tensors {
-                let _ = writeln!(
+                writeln!(
                     o,
                     "             {:<48} {:>5} {:?} {}",
                     td.name,
                     td.dtype,
                     td.shape,
                     td.digest.short()
-                );
+                )?;
             }
         }
-        let _ = writeln!(
+        writeln!(
             o,
             "tokenizer  {}  {}",
             b.tokenizer.name,
             b.tokenizer.digest.short()
-        );
-        let _ = writeln!(
+        )?;
+        writeln!(
             o,
             "prompt     {:?} ({} ids: {:?})",
             b.prompt.text,
             b.prompt.ids.len(),
             b.prompt.ids
-        );
-        let _ = writeln!(
+        )?;
+        writeln!(
             o,
             "decoding   {}, {} new tokens",
             b.decoding.strategy, b.decoding.max_new_tokens
-        );
-        let _ = writeln!(
+        )?;
+        writeln!(
             o,
             "precision  {}   contract {}   schedule {}",
             b.precision, b.contract, b.schedule
-        );
-        let _ = writeln!(o, "capture    {}", b.capture.describe());
+        )?;
+        writeln!(o, "capture    {}", b.capture.describe())?;
         let zero = if b.canon.fold_negative_zero {
             "folded to +0"
         } else {
             "preserved"
         };
-        let _ = writeln!(o, "canonical  NaN -> canonical quiet NaN; -0 {zero}");
+        writeln!(o, "canonical  NaN -> canonical quiet NaN; -0 {zero}")?;
         for (k, v) in &b.extra {
-            let _ = writeln!(o, "extra      {k} = {v}");
+            writeln!(o, "extra      {k} = {v}")?;
         }
         let p = t.provenance();
-        let _ = writeln!(
+        writeln!(
             o,
             "runtime    {} {}, {} threads (provenance, not hashed)",
             p.runtime, p.version, p.threads
-        );
+        )
     }
 
-    fn render_records(&self, o: &mut String) {
+    fn render_records(&self, o: &mut dyn Write) -> io::Result<()> {
         let total = &self.total;
-        let _ = writeln!(
+        writeln!(
             o,
             "records    {} in {} steps ({} with payloads, {})",
             total.records,
             self.steps(),
             total.payloads,
             human_bytes(total.payload_bytes)
-        );
-        let _ = writeln!(
+        )?;
+        writeln!(
             o,
             "  level  {:<36} {:>8} {:>9}",
             "component", "records", "payloads"
-        );
+        )?;
         for ((level, path), c) in &self.per {
-            let _ = writeln!(
+            writeln!(
                 o,
                 "  {:<6} {:<36} {:>8} {:>9}",
                 level.name(),
                 path,
                 c.records,
                 c.payloads
-            );
+            )?;
         }
-        let _ = match &self.verified {
+        match &self.verified {
             Some(v) => writeln!(
                 o,
                 "verified   every byte: checksum, root, {} payloads re-hashed ({})",
@@ -260,6 +299,74 @@ impl<'a> Inspection<'a> {
                 o,
                 "verified   checksum and root (payloads not re-hashed: --no-verify)"
             ),
+        }
+    }
+}
+
+/// The weight tensors as a JSON array, serialized one element at a time.
+struct TensorsJson<'a>(&'a [TensorDigest]);
+
+impl Serialize for TensorsJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(TensorJson))
+    }
+}
+
+/// One weight tensor: `{digest, dtype, name, shape}` (sorted keys).
+struct TensorJson<'a>(&'a TensorDigest);
+
+impl Serialize for TensorJson<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let t = self.0;
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("digest", &t.digest.to_hex())?;
+        m.serialize_entry("dtype", &t.dtype)?;
+        m.serialize_entry("name", &t.name)?;
+        m.serialize_entry("shape", &t.shape)?;
+        m.end()
+    }
+}
+
+/// `value` serialized with `key: extra` added to the object found by
+/// following `path` (object keys), at its sorted position, so that the
+/// output equals that of the document with the entry inserted, without
+/// building `extra` as a [`Value`].
+struct Splice<'a, T: Serialize> {
+    value: &'a Value,
+    path: &'a [&'a str],
+    key: &'a str,
+    extra: &'a T,
+}
+
+impl<T: Serialize> Serialize for Splice<'_, T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let Value::Object(map) = self.value else {
+            return self.value.serialize(s);
         };
+        let here = self.path.is_empty();
+        let mut m = s.serialize_map(Some(map.len() + usize::from(here)))?;
+        let mut pending = here;
+        for (k, v) in map {
+            if pending && k.as_str() > self.key {
+                m.serialize_entry(self.key, self.extra)?;
+                pending = false;
+            }
+            match self.path.split_first() {
+                Some((head, rest)) if k == head => m.serialize_entry(
+                    k,
+                    &Splice {
+                        value: v,
+                        path: rest,
+                        key: self.key,
+                        extra: self.extra,
+                    },
+                )?,
+                _ => m.serialize_entry(k, v)?,
+            }
+        }
+        if pending {
+            m.serialize_entry(self.key, self.extra)?;
+        }
+        m.end()
     }
 }

@@ -4,9 +4,10 @@
 use crate::binding::{Binding, Provenance};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
 use moeconf_fingerprint::{
-    binding_digest, Algorithm, Coord, DType, Digest, FingerprintError, HashTree, Leaf, Level, TensorView,
-    MAX_RANK,
+    binding_digest, Algorithm, Coord, DType, Digest, FingerprintError, HashTree, Interner, Leaf, Level,
+    TensorView, MAX_RANK,
 };
+use std::sync::Arc;
 
 /// File magic: `MOECONF` followed by a NUL byte.
 pub const MAGIC: [u8; 8] = *b"MOECONF\0";
@@ -79,11 +80,20 @@ impl Header {
 
     /// Decodes a header, rejecting trailing bytes.
     pub fn decode(bytes: &[u8], base: u64) -> Result<Header, WireError> {
+        Header::decode_split(bytes, base).map(|(h, _)| h)
+    }
+
+    /// Decodes a header and also returns the length of its encoded binding
+    /// (the first bytes of `bytes`). The encoding is canonical (fixed-width
+    /// integers, strict bool and option tags, exact lengths), so those bytes
+    /// are exactly what [`Binding::to_bytes`] of the decoded binding gives.
+    pub fn decode_split(bytes: &[u8], base: u64) -> Result<(Header, usize), WireError> {
         let mut d = Decoder::new(bytes, base);
         let binding = Binding::decode(&mut d)?;
+        let binding_len = (d.offset() - base) as usize;
         let provenance = Provenance::decode(&mut d)?;
         d.finish("header")?;
-        Ok(Header { binding, provenance })
+        Ok((Header { binding, provenance }, binding_len))
     }
 }
 
@@ -105,8 +115,9 @@ pub struct IndexEntry {
     pub level: Level,
     /// Its element type.
     pub dtype: DType,
-    /// Its logical shape.
-    pub shape: Vec<u64>,
+    /// Its logical shape (shared between records of the same shape, see
+    /// [`Interner`]).
+    pub shape: Arc<[u64]>,
     /// Its record digest.
     pub digest: Digest,
     /// Its canonical bytes, when kept.
@@ -120,7 +131,7 @@ impl IndexEntry {
         e.u32(self.level.code())
             .u32(self.dtype.code())
             .len(self.shape.len());
-        for &s in &self.shape {
+        for &s in self.shape.iter() {
             e.u64(s);
         }
         e.raw(&self.digest.0);
@@ -136,7 +147,14 @@ impl IndexEntry {
 
     /// Decodes and validates one entry (codes, rank, byte length vs shape).
     pub fn decode(d: &mut Decoder<'_>) -> Result<IndexEntry, WireError> {
-        let coord = Coord::decode(d)?;
+        IndexEntry::decode_interned(d, &mut Interner::new())
+    }
+
+    /// [`IndexEntry::decode`], sharing the path and shape with earlier
+    /// entries through `interner` (an index of a million records then holds
+    /// one allocation per distinct path and shape, not two per record).
+    pub fn decode_interned(d: &mut Decoder<'_>, interner: &mut Interner) -> Result<IndexEntry, WireError> {
+        let coord = Coord::decode_interned(d, interner)?;
         let at = d.offset();
         let lc = d.u32("record level")?;
         let level = Level::from_code(lc).ok_or_else(|| d.error_at(at, format!("unknown level code {lc}")))?;
@@ -144,10 +162,11 @@ impl IndexEntry {
         let dc = d.u32("record dtype")?;
         let dtype = DType::from_code(dc).ok_or_else(|| d.error_at(at, format!("unknown dtype code {dc}")))?;
         let rank = d.len("record shape", 8, MAX_RANK as u64)?;
-        let mut shape = Vec::with_capacity(rank);
-        for _ in 0..rank {
-            shape.push(d.u64("record dimension")?);
+        let mut dims = [0u64; MAX_RANK];
+        for dim in dims.iter_mut().take(rank) {
+            *dim = d.u64("record dimension")?;
         }
+        let shape = interner.shape(&dims[..rank]);
         let digest = Digest(d.array32("record digest")?);
         let at = d.offset();
         let payload = if d.option_tag("record payload")? {
@@ -239,16 +258,27 @@ pub fn fingerprint_tree(
     binding: &Binding,
     entries: &[IndexEntry],
 ) -> Result<(Digest, HashTree), FingerprintError> {
-    let bd = binding_digest(alg, &binding.to_bytes());
-    let leaves: Vec<Leaf> = entries
-        .iter()
-        .map(|e| Leaf {
+    fingerprint_tree_encoded(alg, &binding.to_bytes(), entries)
+}
+
+/// [`fingerprint_tree`] of an already encoded binding (the reader hashes
+/// the binding bytes of the file instead of re-encoding what it decoded,
+/// which for a model listing 2^20 tensors would double the header in
+/// memory). The leaves are read from `entries` in place.
+pub fn fingerprint_tree_encoded(
+    alg: Algorithm,
+    encoded_binding: &[u8],
+    entries: &[IndexEntry],
+) -> Result<(Digest, HashTree), FingerprintError> {
+    let bd = binding_digest(alg, encoded_binding);
+    let tree = HashTree::build_with(alg, bd, entries.len(), |i| {
+        let e = &entries[i];
+        Leaf {
             coord: &e.coord,
             level: e.level,
             digest: e.digest,
-        })
-        .collect();
-    let tree = HashTree::build(alg, bd, &leaves)?;
+        }
+    })?;
     Ok((bd, tree))
 }
 

@@ -30,7 +30,7 @@
 //! let summary = w.finish().unwrap();
 //! let t = Trace::open(&path).unwrap();
 //! assert_eq!(t.root(), summary.root);
-//! assert_eq!(t.payload(0), Some(&ids[..]));
+//! assert_eq!(t.payload_verified(0).unwrap(), Some(&ids[..]));
 //! ```
 #![deny(missing_docs)]
 

@@ -14,7 +14,7 @@ use crate::layout::{
     PREAMBLE_LEN,
 };
 use moeconf_fingerprint::wire::Encoder;
-use moeconf_fingerprint::{record_digest_with_sink, Algorithm, Coord, Digest, Level, TensorView};
+use moeconf_fingerprint::{record_digest_with_sink, Algorithm, Coord, Digest, Interner, Level, TensorView};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -45,6 +45,8 @@ pub struct TraceWriter {
     preamble_and_header: Vec<u8>,
     pos: u64,
     entries: Vec<IndexEntry>,
+    /// One shared path and shape per distinct value among `entries`.
+    interner: Interner,
     parallel: bool,
 }
 
@@ -72,6 +74,7 @@ impl TraceWriter {
             header,
             pos: 0,
             entries: Vec::new(),
+            interner: Interner::new(),
             parallel: true,
         };
         let header_bytes = w.header.to_bytes();
@@ -168,11 +171,15 @@ impl TraceWriter {
             record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |_| Ok(()))
                 .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?
         };
+        let coord = Coord {
+            path: self.interner.path(&coord.path),
+            ..coord
+        };
         self.entries.push(IndexEntry {
             coord,
             level,
             dtype: tensor.dtype,
-            shape: tensor.shape.to_vec(),
+            shape: self.interner.shape(tensor.shape),
             digest,
             payload,
         });

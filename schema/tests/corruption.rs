@@ -114,3 +114,50 @@ fn random_mutations_never_panic() {
         moeconf_schema::fuzz_read(&b);
     }
 }
+
+/// The reader hands out payload bytes only through the verified accessor:
+/// a payload whose bytes no longer match its record digest (index,
+/// checksum and root intact, so the file opens) is an error naming the
+/// file, the record and the payload's offset, on every read, from
+/// `payload_verified`, `verify_payloads` and `open_verified` alike; the
+/// other records stay readable.
+#[test]
+fn a_corrupted_payload_is_refused_by_every_accessor() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.bin");
+    write_small(&p, Algorithm::Blake3);
+    let t = Trace::open(&p).unwrap();
+    let i = t.records().iter().position(|e| e.payload.is_some()).unwrap();
+    let off = t.records()[i].payload.unwrap().offset;
+    let others: Vec<usize> = (0..t.records().len())
+        .filter(|&k| k != i && t.records()[k].payload.is_some())
+        .collect();
+    drop(t);
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[off as usize] ^= 0x01;
+    let t = Trace::from_bytes(Path::new("case.bin"), bytes.clone()).expect("payload-only corruption opens");
+    let want = format!("case.bin: byte {off}: record {i} (");
+    for _ in 0..2 {
+        let e = t.payload_verified(i).expect_err("corrupted payload handed out");
+        assert!(e.to_string().starts_with(&want), "{e}");
+        assert!(e.to_string().contains("do not match the record digest"), "{e}");
+        assert_eq!(e.offset(), Some(off));
+    }
+    for &k in &others {
+        assert!(t.payload_verified(k).unwrap().is_some(), "record {k}");
+    }
+    let e = t.verify_payloads().expect_err("verification passed");
+    assert!(e.to_string().starts_with(&want), "{e}");
+    std::fs::write(&p, &bytes).unwrap();
+    let e = Trace::open_verified(&p).err().expect("open_verified accepted it");
+    assert_eq!(e.offset(), Some(off), "{e}");
+    // After a successful verification every payload is served (from the cache).
+    write_small(&p, Algorithm::Blake3);
+    let t = Trace::open_verified(&p).unwrap();
+    for k in 0..t.records().len() {
+        assert_eq!(
+            t.payload_verified(k).unwrap().is_some(),
+            t.records()[k].payload.is_some()
+        );
+    }
+}

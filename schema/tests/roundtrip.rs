@@ -26,7 +26,7 @@ fn written_trace_round_trips_for_both_algorithms() {
         assert_eq!(summary.payloads, 2 * (2 + 2));
         // Records come back in write (execution) order with matching digests.
         assert_eq!(t.records()[1].coord.path, "lm.logits");
-        let logits = t.payload(1).unwrap();
+        let logits = t.payload_verified(1).unwrap().unwrap();
         let vals: Vec<u32> = logits
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -46,7 +46,10 @@ fn written_trace_round_trips_for_both_algorithms() {
         )
         .unwrap();
         assert_eq!(t.records()[1].digest, want);
-        assert!(t.payload(3).is_none(), "fingerprint-only record has no payload");
+        assert!(
+            t.payload_verified(3).unwrap().is_none(),
+            "fingerprint-only record has no payload"
+        );
     }
 }
 

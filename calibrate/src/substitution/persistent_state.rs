@@ -229,7 +229,7 @@ fn checkpoints(c: &Collect, boundary: usize) -> BTreeMap<(u32, Option<u32>), Sta
     {
         m.entry((k.coord.step, k.coord.layer))
             .or_default()
-            .push((k.coord.path.clone(), k.bytes.clone()));
+            .push((k.coord.path.to_string(), k.bytes.clone()));
     }
     m
 }

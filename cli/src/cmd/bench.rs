@@ -177,6 +177,7 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
             "diff_seconds": b.diff_seconds,
             "open_seconds": b.open_seconds,
             "walk_seconds": b.walk_seconds,
+            "verify_seconds": b.verify_seconds,
             "ratio": b.ratio,
             "localized": b.localized.as_ref().map(|f| json!({"step": f.step, "layer": f.layer, "operator": f.operator})),
         }))?,
@@ -192,7 +193,7 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
                 b.byte_compare_seconds
             );
             println!(
-                "  moeconf diff (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)",
+                "  localization (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)",
                 b.diff_seconds,
                 100.0 * b.ratio
             );
@@ -201,6 +202,10 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
                 "    of which the walk            {:>9.4} s   ({:.3}% of the byte comparison)",
                 b.walk_seconds,
                 100.0 * b.walk_seconds / b.byte_compare_seconds
+            );
+            println!(
+                "  payload verification (both)    {:>9.4} s   (moeconf diff re-hashes every payload)",
+                b.verify_seconds
             );
             if let Some(f) = &b.localized {
                 println!("  localized: step {} layer {:?} {}", f.step, f.layer, f.operator);

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use moeconf_bisect::certify::{certify, Family};
 use moeconf_contract::{AggregationContract, Order};
 use moeconf_schema::Trace;
@@ -55,7 +55,9 @@ pub fn run(a: &CertifyArgs) -> anyhow::Result<ExitCode> {
     if families.is_empty() {
         bail!("--contract: give at least one contract family (e.g. c,a,b)");
     }
-    let trace = Trace::open(&a.trace).with_context(|| format!("opening {}", a.trace.display()))?;
+    // Every payload is re-hashed: a certificate is never computed from a
+    // corrupted term. The error names the file (no context to add).
+    let trace = Trace::open_verified(&a.trace)?;
     let report = certify(&trace, &families)?;
     match a.format {
         Format::Json => print_json(&report.to_json())?,

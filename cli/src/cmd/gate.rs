@@ -195,7 +195,8 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             "--bless records one candidate: give only CANDIDATE"
         )));
     }
-    let cand = Trace::open(candidate).map_err(GateError::Candidate)?;
+    // Every payload is re-hashed before anything is judged or blessed.
+    let cand = Trace::open_verified(candidate).map_err(GateError::Candidate)?;
     let mut report = match (reference, &a.baseline) {
         (_, Some(file)) if a.bless => {
             bless(&cand, file)?;

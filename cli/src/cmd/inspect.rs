@@ -2,10 +2,10 @@
 //! is `moeconf_schema::inspect`).
 
 use crate::cli::Format;
-use crate::output::{print_json, print_text};
 use clap::Args;
 use moeconf_schema::inspect::{InspectOptions, Inspection};
 use moeconf_schema::Trace;
+use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -37,9 +37,13 @@ pub fn run(a: &InspectArgs) -> anyhow::Result<ExitCode> {
         list_tensors: a.tensors,
     };
     let inspection = Inspection::new(&t, opts)?;
+    // Streamed: memory stays proportional to the summary, not to the
+    // tensor list or the report's length.
+    let mut out = BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
     match a.format {
-        Format::Json => print_json(&inspection.to_json())?,
-        Format::Text => print_text(&inspection.render_text())?,
+        Format::Json => inspection.write_json(&mut out)?,
+        Format::Text => inspection.write_text(&mut out)?,
     }
+    out.flush()?;
     Ok(ExitCode::SUCCESS)
 }
