@@ -13,7 +13,7 @@ use crate::diff::{diff, open_both, DiffOptions};
 use crate::error::BisectError;
 use crate::report::FirstDivergence;
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Phase, TensorView};
-use moeconf_schema::{Binding, CaptureSpec, Header, Trace, TraceError, TraceWriter};
+use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, Trace, TraceError, TraceWriter};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -70,6 +70,11 @@ fn write_trace(
         capture: CaptureSpec {
             levels: 0b11111,
             payload_levels: 0b11111,
+        },
+        // Steps 0..steps-1 (the writer refuses steps beyond max_new_tokens).
+        decoding: Decoding {
+            strategy: "greedy".into(),
+            max_new_tokens: steps,
         },
         ..Binding::default()
     };
@@ -154,6 +159,9 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
+/// The file names [`bench_diff`] writes into its directory (and removes afterwards).
+pub const BENCH_TRACE_NAMES: [&str; 2] = ["bench-ref.bin", "bench-cand.bin"];
+
 /// Writes two traces of about `total_bytes` each into `dir` (records of
 /// `record_bytes` payload bytes, [`BENCH_LAYERS`] layers × 4 components per
 /// step) that differ in one `moe.combine` value in the second-to-last
@@ -171,7 +179,8 @@ pub fn bench_diff(
     let per_step = record_bytes * u64::from(BENCH_LAYERS) * COMPONENTS.len() as u64;
     let steps = u32::try_from(total_bytes.div_ceil(per_step).max(2)).unwrap_or(u32::MAX);
     let changed = (steps - 2, BENCH_LAYERS / 2);
-    let (a, b): (PathBuf, PathBuf) = (dir.join("bench-ref.bin"), dir.join("bench-cand.bin"));
+    let [ra, rb] = BENCH_TRACE_NAMES;
+    let (a, b): (PathBuf, PathBuf) = (dir.join(ra), dir.join(rb));
     let result = (|| {
         write_trace(&a, steps, record_bytes as usize, None)?;
         write_trace(&b, steps, record_bytes as usize, Some(changed))?;

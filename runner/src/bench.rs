@@ -118,7 +118,10 @@ fn generate(
         BenchCapture::None => Ok(bench_generate(model, prompt, decode_tokens, step, &mut NullSink)?),
         BenchCapture::Default => {
             let spec = parse_capture(BenchCapture::Default.name())?;
-            let w = TraceWriter::create(&scratch.join("bench.bin"), Algorithm::Blake3, Header::default())?;
+            // Steps 0..=decode_tokens: the writer refuses steps its binding does not allow.
+            let mut header = Header::default();
+            header.binding.decoding.max_new_tokens = u32::try_from(decode_tokens + 1).unwrap_or(u32::MAX);
+            let w = TraceWriter::create(&scratch.join("bench.bin"), Algorithm::Blake3, header)?;
             let mut sink = TraceSink::new(w, spec);
             let r = bench_generate(model, prompt, decode_tokens, step, &mut sink)?;
             sink.finish()?;

@@ -59,12 +59,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => return Err(format!("unknown kind {kind:?} (records or tensors)").into()),
     };
+    let per_step = LAYERS * COMPONENTS.len();
+    // Steps 0..records/per_step: the writer refuses steps beyond max_new_tokens.
+    binding.decoding.max_new_tokens = u32::try_from(records / per_step + 1)?;
     let header = Header {
         binding,
         ..Header::default()
     };
     let mut w = TraceWriter::create(Path::new(out), Algorithm::Blake3, header)?;
-    let per_step = LAYERS * COMPONENTS.len();
     for i in 0..records {
         let step = (i / per_step) as u32;
         let coord = Coord {

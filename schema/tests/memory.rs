@@ -65,6 +65,7 @@ fn binding(tensors: Vec<TensorDigest>) -> Binding {
         },
         ..Binding::default()
     };
+    b.decoding.max_new_tokens = u32::MAX;
     b.model.weights_digest = weights_digest(Algorithm::Blake3, &tensors);
     b.model.tensors = tensors;
     b
@@ -82,7 +83,7 @@ fn write(path: &std::path::Path, records: usize, tensors: Vec<TensorDigest>) {
         let coord = Coord {
             step: group / 61,
             position: group / 61,
-            phase: Phase::Decode,
+            phase: if group < 61 { Phase::Prefill } else { Phase::Decode },
             layer: Some(group % 61),
             path: PATHS[i % PATHS.len()].into(),
         };

@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
 use moeconf_runner::bench::{bench_runtime, BenchCapture, RuntimeBenchOptions, RuntimeRow};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// `moeconf bench ...`.
@@ -60,7 +60,8 @@ pub struct BenchDiffArgs {
     /// Repetitions per measurement (the best is reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
-    /// Directory for the two temporary traces (removed afterwards).
+    /// Directory for the two temporary traces `bench-ref.bin` and `bench-cand.bin` (removed
+    /// afterwards; refused if either already exists).
     #[arg(long)]
     pub dir: Option<PathBuf>,
     /// Output format.
@@ -151,10 +152,34 @@ fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `bench diff --dir D`: D must be a directory, and the two traces the
+/// benchmark writes there and removes afterwards must not exist yet (the
+/// benchmark never takes over, and then deletes, a file it did not create).
+fn check_bench_dir(dir: &Path) -> anyhow::Result<()> {
+    if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir()) {
+        anyhow::bail!("--dir {}: not a directory", dir.display());
+    }
+    for name in moeconf_bisect::BENCH_TRACE_NAMES {
+        let p = dir.join(name);
+        if std::fs::symlink_metadata(&p).is_ok() {
+            anyhow::bail!(
+                "--dir {}: {} already exists; bench diff writes and then removes its own traces there, \
+                 so it refuses to take over an existing file",
+                dir.display(),
+                p.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
     let tmp;
     let dir = match &a.dir {
-        Some(d) => d.clone(),
+        Some(d) => {
+            check_bench_dir(d)?;
+            d.clone()
+        }
         None => {
             tmp = tempfile::Builder::new().prefix("moeconf-bench-diff").tempdir()?;
             tmp.path().to_path_buf()

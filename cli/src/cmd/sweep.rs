@@ -10,22 +10,23 @@
 //! routes and tokens.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use moeconf_calibrate::sweep::{build_schemes, render_text, report_json, SchemeRequest, SweepHeader};
-use moeconf_calibrate::write_atomic;
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_reference_runtime::fork::{sweep, SweepOptions, SweepReport};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
-use crate::output::{print_json, print_text};
+use crate::output::{check_output, print_json, print_text};
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
+use moeconf_schema::output::write_checked;
+use moeconf_schema::CheckedOutput;
 
 const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 8
@@ -82,7 +83,8 @@ pub struct SweepArgs {
     /// Report format on stdout.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
-    /// Also write the JSON report (every branch) to FILE, atomically.
+    /// Also write the JSON report (every branch) to FILE, atomically; FILE is checked before the
+    /// sweep (its directory exists; not a directory, FIFO, device, socket, symbolic link or input).
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
     /// Basins listed per scheme in the text report.
@@ -138,19 +140,20 @@ impl Progress {
     }
 }
 
-/// Writes the JSON report to `-o FILE`.
-fn write_output(path: &Path, doc: &serde_json::Value) -> anyhow::Result<()> {
-    if path.file_name().is_none() {
-        bail!("-o {}: not a file path", path.display());
-    }
+/// Writes the JSON report to `-o FILE` (checked before the sweep).
+fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(doc)?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes).with_context(|| format!("-o {}: cannot write", path.display()))
+    Ok(write_checked(out, &bytes)?)
 }
 
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
+    let mut inputs = a.input.inputs();
+    if let Some(o) = &a.output {
+        check_output(o, &inputs)?;
+    }
     let prompt = a.input.prompt()?;
     let precision = super::precision(&a.precision)?;
     let algorithm = super::algorithm(&a.digest)?;
@@ -162,6 +165,12 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let m = load_model(&a.input.model)?;
+    inputs.dir_files(&m.dir, "model file");
+    let output = a
+        .output
+        .as_ref()
+        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .transpose()?;
     let cfg = m.model.config();
     let k = cfg.experts_per_tok;
     let layers = cfg.layer_types.len();
@@ -222,8 +231,8 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         k,
     };
     let doc = report_json(&header, &report);
-    if let Some(path) = &a.output {
-        write_output(path, &doc)?;
+    if let Some(out) = &output {
+        write_output(out, &doc)?;
     }
     match a.format {
         Format::Json => print_json(&doc)?,
