@@ -82,9 +82,18 @@ impl Header {
     /// header fits in [`MAX_HEADER_LEN`] and decodes with the reader's own
     /// decoder (every cap of docs/format.md §7: string lengths, the
     /// decoding strategy's and tensor dtypes' 64 bytes, tensor, prompt-id,
-    /// extra and note counts, ranks, capture bits). The error names the
-    /// field and the limit.
+    /// extra and note counts, ranks, capture bits). Also the writer rule of
+    /// §5.2 that the Python writer enforces too: tensors sorted by name and
+    /// extras by key (bytewise; readers do not check it). The error names
+    /// the field and the limit.
     pub fn to_checked_bytes(&self) -> Result<Vec<u8>, String> {
+        let b = &self.binding;
+        if !b.model.tensors.windows(2).all(|w| w[0].name <= w[1].name) {
+            return Err("the binding's tensors must be sorted by name".into());
+        }
+        if !b.extra.windows(2).all(|w| w[0].0 <= w[1].0) {
+            return Err("the binding's extra must be sorted by key".into());
+        }
         let bytes = self.to_bytes();
         if bytes.len() as u64 > MAX_HEADER_LEN {
             return Err(format!(
