@@ -279,7 +279,7 @@ fn whatever_the_writer_accepts_the_reader_accepts() {
     let seed = std::env::var("MOECONF_PROPTEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x6d6f_6563_6f6e_66u64);
+        .unwrap_or(0x006d_6f65_636f_6e66_u64);
     let cases = std::env::var("MOECONF_PROPTEST_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
