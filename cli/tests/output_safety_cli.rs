@@ -546,3 +546,46 @@ fn demo_checks_its_two_traces_before_running() {
     );
     assert_eq!(read(&target), b"keep");
 }
+
+#[test]
+fn a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_run_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.bin");
+    let mut child = Command::new(BIN)
+        .args(run_args(&out, "400", &["--capture", "all"]))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let prefix = format!(".out.bin.moeconf-tmp.{pid}.");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let tmp = loop {
+        if let Some(n) = temporaries(dir.path())
+            .into_iter()
+            .find(|n| n.starts_with(&prefix))
+        {
+            break n;
+        }
+        assert!(std::time::Instant::now() < deadline, "no temporary file appeared");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    child.kill().unwrap(); // SIGKILL: no destructor runs
+    child.wait().unwrap();
+    let rand = tmp.strip_prefix(&prefix).unwrap();
+    assert!(
+        rand.len() == 16 && rand.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{tmp}"
+    );
+    assert!(!out.exists());
+    let o = moeconf(&run_args(&out, "2", &[]));
+    assert!(o.status.success(), "{}", err(&o));
+    assert!(
+        err(&o).contains(&tmp) && err(&o).contains(&format!("left by process {pid}")),
+        "{}",
+        err(&o)
+    );
+}

@@ -26,15 +26,18 @@ const COMPONENTS: [Component; 4] = [
 /// Layers per step.
 const LAYERS: usize = 61;
 
+/// `n` tensor digests, sorted by name as a binding lists them (docs/format.md §5.2).
 fn tensors(n: usize) -> Vec<TensorDigest> {
-    (0..n)
+    let mut v: Vec<TensorDigest> = (0..n)
         .map(|i| TensorDigest {
             name: format!("layers.{}.experts.{}.w{}", i / 768, (i / 3) % 256, i % 3),
             dtype: "bf16".into(),
             shape: vec![2048, 7168],
             digest: Algorithm::Blake3.hash(&(i as u64).to_le_bytes()),
         })
-        .collect()
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
