@@ -114,13 +114,16 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         opts: *opts,
     };
     let compared = compared_levels(reference, candidate);
-    let any_records = !reference.records().is_empty() || !candidate.records().is_empty();
-    if compared.is_empty() && any_records {
+    if reference.records().is_empty() && candidate.records().is_empty() {
+        return Err(BisectError::NoRecords);
+    }
+    if compared.is_empty() {
         return Err(BisectError::NothingToCompare {
             reference: reference.binding().capture.describe(),
             candidate: candidate.binding().capture.describe(),
         });
     }
+    let uncompared_levels = uncompared_levels(reference, candidate, compared);
 
     let rsteps: Vec<u32> = reference.tree().steps.iter().map(|s| s.step).collect();
     let csteps: Vec<u32> = candidate.tree().steps.iter().map(|s| s.step).collect();
@@ -144,7 +147,9 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         levels.l3.status,
         levels.l4.status,
     ];
-    let divergent = statuses.contains(&LevelStatus::Differ) || !unmatched_steps.is_empty();
+    let divergent = statuses.contains(&LevelStatus::Differ)
+        || !unmatched_steps.is_empty()
+        || !uncompared_levels.is_empty();
     let verdict = if divergent {
         Verdict::Divergent
     } else {
@@ -157,7 +162,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         &first_divergence,
         &levels.l0,
         reference,
-        &unmatched_steps,
+        (&unmatched_steps, &uncompared_levels),
         &compared_levels,
     );
     Ok(DiffReport {
@@ -169,10 +174,31 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         comparability,
         compared_levels: compared_levels.iter().map(|l| l.name().to_string()).collect(),
         unmatched_steps,
+        uncompared_levels,
         first_divergence,
         levels,
         summary,
     })
+}
+
+/// Levels one trace holds and the other does not (and that are therefore
+/// not compared): a coverage difference, which makes the traces divergent.
+fn uncompared_levels(reference: &Trace, candidate: &Trace, compared: LevelSet) -> Vec<UncomparedLevel> {
+    Level::ALL
+        .into_iter()
+        .filter(|&l| !compared.contains(l))
+        .filter_map(|l| {
+            let present_in = match (has_level(reference, l), has_level(candidate, l)) {
+                (true, false) => "reference",
+                (false, true) => "candidate",
+                _ => return None,
+            };
+            Some(UncomparedLevel {
+                level: l.name().into(),
+                present_in: present_in.into(),
+            })
+        })
+        .collect()
 }
 
 /// Whether the traces may be compared: the same digest algorithm, and no
@@ -220,7 +246,7 @@ fn summary_line(
     fd: &Option<FirstDivergence>,
     l0: &L0Report,
     reference: &Trace,
-    unmatched: &[u32],
+    (unmatched, uncompared): (&[u32], &[UncomparedLevel]),
     compared: &[Level],
 ) -> String {
     let levels = match (compared.first(), compared.last()) {
@@ -253,15 +279,39 @@ fn summary_line(
             }
             match l0.ordinal {
                 Some(n) => s.push_str(&format!("; visible at generated token {n}")),
-                None if l0.status == LevelStatus::Match => s.push_str("; tokens and text identical"),
+                None if l0.status == LevelStatus::Match && has_level(reference, Level::L0) => {
+                    s.push_str("; tokens and text identical")
+                }
                 None => {}
             }
             s
         }
-        (Verdict::Divergent, None) => {
-            format!("divergent: steps {:?} are present in only one trace", unmatched)
+        (Verdict::Divergent, None) => coverage_summary(unmatched, uncompared),
+    }
+}
+
+/// The summary of traces that differ only in what they cover: the levels
+/// one trace holds alone, then the steps one trace holds alone.
+fn coverage_summary(unmatched: &[u32], uncompared: &[UncomparedLevel]) -> String {
+    let mut parts = Vec::new();
+    for side in ["reference", "candidate"] {
+        let names: Vec<&str> = uncompared
+            .iter()
+            .filter(|u| u.present_in == side)
+            .map(|u| u.level.as_str())
+            .collect();
+        if !names.is_empty() {
+            parts.push(format!(
+                "level{} {} captured only by the {side} (not compared)",
+                if names.len() == 1 { "" } else { "s" },
+                names.join(", ")
+            ));
         }
     }
+    if !unmatched.is_empty() {
+        parts.push(format!("steps {unmatched:?} are present in only one trace"));
+    }
+    format!("divergent: {}", parts.join("; "))
 }
 
 fn status(compared: bool, differing: &[u32]) -> LevelStatus {
@@ -310,6 +360,19 @@ impl Ctx<'_> {
         ] {
             if let (Some(p), Some(r)) = (self.first_pair(level, compared.contains(level)), r) {
                 cands.push((p, r, None));
+            }
+        }
+        // No operator was localized and no checkpoint differs (e.g. a
+        // differing L4 record without a layer): the first differing record
+        // of L4, then L3, is the divergence.
+        if cands.is_empty() {
+            for (level, r) in [
+                (Level::L4, levels.l4.first.as_ref()),
+                (Level::L3, levels.l3.first_record.as_ref()),
+            ] {
+                if let (Some(p), Some(r)) = (self.first_pair(level, compared.contains(level)), r) {
+                    cands.push((p, r, None));
+                }
             }
         }
         cands

@@ -69,6 +69,6 @@ pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,
     L4Report, LevelStatus, Levels, Localized, RecordRef, RouteDivergence, StateComponent, StateLayer, TextOp,
-    TraceSummary, Verdict, DIFF_SCHEMA_VERSION,
+    TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{inline_diff, render_inline};

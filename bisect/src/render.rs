@@ -140,7 +140,12 @@ impl DiffReport {
                 );
             }
             (Verdict::Divergent, None) => {
-                let _ = writeln!(o, "{} the traces cover different steps", st.red("DIVERGENT:"));
+                let what = match (self.uncompared_levels.is_empty(), self.unmatched_steps.is_empty()) {
+                    (false, false) => "levels and steps",
+                    (false, true) => "levels",
+                    _ => "steps",
+                };
+                let _ = writeln!(o, "{} the traces cover different {what}", st.red("DIVERGENT:"));
             }
         }
     }
@@ -173,6 +178,13 @@ impl DiffReport {
         }
         if !self.unmatched_steps.is_empty() {
             let _ = writeln!(o, "  steps present in one trace only: {:?}", self.unmatched_steps);
+        }
+        for u in &self.uncompared_levels {
+            let _ = writeln!(
+                o,
+                "  level {} captured only by the {} (not compared)",
+                u.level, u.present_in
+            );
         }
     }
 }

@@ -379,12 +379,24 @@ pub struct DiffReport {
     pub compared_levels: Vec<String>,
     /// Steps present in only one trace.
     pub unmatched_steps: Vec<u32>,
+    /// Levels held by one trace only and therefore not compared (the other
+    /// neither captured nor holds them): the traces are not equivalent.
+    pub uncompared_levels: Vec<UncomparedLevel>,
     /// The localization (`null` when equivalent).
     pub first_divergence: Option<FirstDivergence>,
     /// One object per level.
     pub levels: Levels,
     /// The one-line summary printed last.
     pub summary: String,
+}
+
+/// A level one trace holds records of and the other neither declares nor holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct UncomparedLevel {
+    /// `L0`…`L4`.
+    pub level: String,
+    /// `reference` or `candidate`: the trace that holds it.
+    pub present_in: String,
 }
 
 impl DiffReport {

@@ -68,6 +68,14 @@ pub struct GateArgs {
     /// Token/argmax flips whose reference lm.margin is below this are near-ties (0 disables).
     #[arg(long, value_name = "MARGIN")]
     pub argmax_near_tie_margin: Option<f64>,
+    /// Levels both sides must hold: L0..L4, judged, reference, comma-separated, or none
+    /// (env MOECONF_REQUIRED; default L0,L1,judged, strict: reference).
+    #[arg(long, value_name = "LIST")]
+    pub required: Option<String>,
+    /// Compare even when the bindings (of the traces, or of the baseline and the candidate) name a
+    /// different model, tokenizer, prompt or decoding configuration (noted in the report).
+    #[arg(long)]
+    pub force: bool,
     /// Blessed fingerprints: compare the candidate with them, or write them with --bless.
     #[arg(long, value_name = "FILE")]
     pub baseline: Option<PathBuf>,
@@ -116,6 +124,11 @@ fn cli_overrides(a: &GateArgs) -> anyhow::Result<Overrides> {
         equal_nan: a.equal_nan,
         route_near_tie_margin: a.route_near_tie_margin,
         argmax_near_tie_margin: a.argmax_near_tie_margin,
+        required: a
+            .required
+            .as_deref()
+            .map(|r| policy::Requirement::parse_list(r).with_context(|| format!("--required {r}")))
+            .transpose()?,
     })
 }
 
@@ -161,7 +174,7 @@ fn traces(a: &GateArgs) -> anyhow::Result<(Option<&PathBuf>, &PathBuf)> {
 /// `--bless`: records the candidate's fingerprints in `file` and says what changed.
 fn bless(candidate: &Trace, file: &std::path::Path) -> Result<(), GateError> {
     let previous = Baseline::read(file).ok().map(|b| b.root);
-    let b = Baseline::of(candidate);
+    let b = Baseline::of(candidate)?;
     b.write(file)?;
     println!(
         "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
@@ -202,8 +215,8 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             bless(&cand, file)?;
             return Ok(0);
         }
-        (None, Some(file)) => against_baseline(file, &cand, &profile)?,
-        (Some(rp), _) => against_reference(rp, &cand, &profile)?,
+        (None, Some(file)) => against_baseline(file, &cand, &profile, a.force)?,
+        (Some(rp), _) => against_reference(rp, &cand, &profile, a.force)?,
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
     report.policy_source = source.describe();
