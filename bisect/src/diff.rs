@@ -8,7 +8,7 @@ use crate::inference::infer;
 use crate::numeric::{f32_values, i32_values, summarize, NumericSummary};
 use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint};
 use crate::report::*;
-use crate::textdiff::inline_diff;
+use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Trace, TraceError};
@@ -486,6 +486,7 @@ impl Ctx<'_> {
             reference_text: None,
             candidate_text: None,
             text_diff: Vec::new(),
+            text_summary: None,
         };
         let Some(&s0) = steps.first() else {
             return Ok(rep);
@@ -531,7 +532,10 @@ impl Ctx<'_> {
         rep.candidate_text = self.last_text(self.s.c)?;
         if let (Some(a), Some(b)) = (&rep.reference_text, &rep.candidate_text) {
             if a != b {
-                rep.text_diff = inline_diff(a, b);
+                match compare_texts(a, b) {
+                    TextComparison::Inline(ops) => rep.text_diff = ops,
+                    TextComparison::Summary(s) => rep.text_summary = Some(s),
+                }
             }
         }
         Ok(rep)

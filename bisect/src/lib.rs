@@ -57,7 +57,7 @@ mod textdiff;
 mod walk;
 
 pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
-pub use certify::{certify, CertifyError, CertifyReport, Family};
+pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
 pub use error::{BisectError, FieldDifference};
@@ -69,6 +69,8 @@ pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,
     L4Report, LevelStatus, Levels, Localized, RecordRef, RouteDivergence, StateComponent, StateLayer, TextOp,
-    TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
+    TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
-pub use textdiff::{inline_diff, render_inline};
+pub use textdiff::{
+    compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,
+};

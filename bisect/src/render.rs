@@ -4,7 +4,7 @@
 
 use crate::numeric::NumericSummary;
 use crate::report::*;
-use crate::textdiff::render_inline;
+use crate::textdiff::{describe_summary, render_inline};
 use moeconf_fingerprint::Component;
 use std::fmt::Write;
 
@@ -219,6 +219,9 @@ fn render_l0(o: &mut String, st: &Style, l0: &L0Report) {
             "   text ([-reference only-] {{+candidate only+}}): {}",
             st.inline(&l0.text_diff)
         );
+    }
+    if let Some(s) = &l0.text_summary {
+        let _ = writeln!(o, "   text: no inline diff: {}", describe_summary(s));
     }
 }
 

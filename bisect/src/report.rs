@@ -114,6 +114,38 @@ pub struct TextOp {
     pub text: String,
 }
 
+/// Where two texts first differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TextPosition {
+    /// Byte offset into the UTF-8 text (the same in both: the prefix before it is shared).
+    pub byte_offset: u64,
+    /// Character (Unicode scalar value) offset.
+    pub char_offset: u64,
+    /// 1-based line.
+    pub line: u64,
+    /// 1-based column, in characters.
+    pub column: u64,
+}
+
+/// What is reported instead of an inline diff when the differing part of
+/// the continuations is too long to diff within the bound (docs/diff.md,
+/// "Bounded work"): where they first differ, their lengths and a
+/// positional count of differing characters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TextSummary {
+    /// Why no inline diff is given.
+    pub reason: String,
+    /// The first differing character.
+    pub first_difference: TextPosition,
+    /// Characters of the reference text.
+    pub reference_chars: u64,
+    /// Characters of the candidate text.
+    pub candidate_chars: u64,
+    /// Positions (up to the shorter length) whose characters differ, plus
+    /// the difference of the lengths: a positional count, without alignment.
+    pub differing_chars: u64,
+}
+
 /// L0: generated tokens and text.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct L0Report {
@@ -142,6 +174,9 @@ pub struct L0Report {
     /// Inline diff of the two final continuations (words, or characters for
     /// text without spaces such as Chinese).
     pub text_diff: Vec<TextOp>,
+    /// Instead of `text_diff` when the differing middle of the
+    /// continuations exceeds the inline-diff bound (`null` otherwise).
+    pub text_summary: Option<TextSummary>,
 }
 
 /// L1: logits at each step's last position.
