@@ -145,6 +145,12 @@ fn long_divergent_continuations_are_summarized_not_diffed() {
 /// One MoE event at layer 0: `k` routed terms and the shared output, `d`
 /// values each, all small integers (every order sums them exactly).
 fn moe_trace(path: &Path, k: u32, d: usize) -> PathBuf {
+    moe_events(path, k, d, &[true])
+}
+
+/// MoE events at layers 0, 1, …, one per entry of `payloads` (whether that
+/// event keeps its payloads).
+fn moe_events(path: &Path, k: u32, d: usize, payloads: &[bool]) -> PathBuf {
     let mut w = writer(path, 1);
     let values: Vec<u8> = (0..d).flat_map(|i| ((i % 7) as f32).to_le_bytes()).collect();
     let shape = [d as u64];
@@ -153,12 +159,15 @@ fn moe_trace(path: &Path, k: u32, d: usize) -> PathBuf {
         shape: &shape,
         bytes: &values,
     };
-    for j in 0..k {
-        let path = Component::MoeTerm.indexed_path(j);
-        w.append(at(Some(0), &path), Level::L4, view, true).unwrap();
+    for (layer, &keep) in payloads.iter().enumerate() {
+        let layer = Some(layer as u32);
+        for j in 0..k {
+            let path = Component::MoeTerm.indexed_path(j);
+            w.append(at(layer, &path), Level::L4, view, keep).unwrap();
+        }
+        w.append(at(layer, Component::MoeShared.path()), Level::L4, view, keep)
+            .unwrap();
     }
-    w.append(at(Some(0), Component::MoeShared.path()), Level::L4, view, true)
-        .unwrap();
     w.finish().unwrap();
     path.to_path_buf()
 }
@@ -233,4 +242,21 @@ fn certify_of_the_fixture_stays_within_the_default_limits() {
     let o = moeconf(dir.path(), &["certify", s(&full), "--max-work", "1000000"]);
     assert_eq!(code(&o), 2, "{}", both(&o));
     assert!(String::from_utf8_lossy(&o.stdout).is_empty(), "no partial report");
+}
+
+#[test]
+fn certify_of_part_of_the_events_is_not_a_success() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let part = moe_events(&d.join("part.bin"), 3, 16, &[true, false]);
+    let o = moeconf(d, &["certify", s(&part)]);
+    assert_eq!(code(&o), 1, "{}", both(&o));
+    let out = both(&o);
+    assert!(
+        out.contains("1 more without payloads skipped")
+            && out.contains("incomplete: 1 of 2 MoE events keep no payloads"),
+        "{out}"
+    );
+    let all = moe_events(&d.join("all.bin"), 3, 16, &[true, true]);
+    assert_eq!(code(&moeconf(d, &["certify", s(&all)])), 0);
 }

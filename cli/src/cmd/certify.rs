@@ -24,7 +24,10 @@ Contracts are families (native, p32, c, a, b, exact, tree, f64, exact-fused, ...
 order is ignored: every one of the k! orders (k <= 8) is evaluated. The work of an event is
 k! x D order-values (D values per term); before anything is evaluated, each event must stay
 within --max-event-work and all events and families together within --max-work, else certify
-stops with an error (never a partial certificate). `distinct` is the number of
+stops with an error (never a partial certificate).
+
+Exit codes: 0 every MoE event certified, 1 the report covers only the events that keep
+payloads (the others are counted as skipped), 2 error. `distinct` is the number of
 bitwise-distinct MoE outputs over all orders (1 = order-invariant on this event); a proof says
 why invariance holds for any order (exact accumulator, or every partial sum exactly
 representable).";
@@ -77,6 +80,17 @@ pub fn run(a: &CertifyArgs) -> anyhow::Result<ExitCode> {
     match a.format {
         Format::Json => print_json(&report.to_json())?,
         Format::Text => print_text(&report.render_text(a.summary_only))?,
+    }
+    // A certificate of part of the events is reported, never a success.
+    if report.without_payload > 0 {
+        eprintln!(
+            "moeconf: {}: incomplete: {} of {} MoE events keep no payloads and were not certified (exit 1); \
+             re-run with --capture all",
+            a.trace.display(),
+            report.without_payload,
+            report.without_payload + report.rows.len()
+        );
+        return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -4,7 +4,10 @@
 //! fingerprints (`--baseline`), under a reviewed policy (`moeconf.toml`),
 //! and reports in text, JSON, JUnit XML or Markdown.
 //!
-//! Exit codes: 0 pass, 1 fail, 2 error. With `--bisect-exit-codes` (for
+//! Exit codes: 0 pass, 1 fail (including a candidate that lacks a required
+//! level, a step or a record: docs/ci.md §2 "Coverage"), 2 error (also a
+//! reference or baseline that cannot gate: empty, without a required level,
+//! a binding that does not match). With `--bisect-exit-codes` (for
 //! `git bisect run`): 0 good, 1 bad, 125 skip (the candidate trace is missing
 //! or unreadable, so this commit cannot be tested), 128 for any other error
 //! (a broken policy or reference aborts the bisection instead of marking
