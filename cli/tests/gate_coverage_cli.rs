@@ -360,9 +360,10 @@ fn version_1_baselines_are_refused_with_a_rebless_message() {
         e.contains("base.json") && e.contains("schema version 1") && e.contains("--bless"),
         "{e}"
     );
-    // Re-blessing replaces it.
+    // Re-blessing replaces it (same root: the trace is unchanged).
     let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&base), s(&r)]);
     assert_eq!(code(&o), 0, "{}", both(&o));
+    assert!(stdout(&o).contains("(unchanged)"), "{}", stdout(&o));
     assert_eq!(code(&repo.moeconf(&["gate", "--baseline", s(&base), s(&r)])), 0);
 }
 

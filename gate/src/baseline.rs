@@ -278,6 +278,23 @@ impl Baseline {
         })
     }
 
+    /// The root recorded in the baseline file at `path`, of any schema
+    /// version (what `--bless` reports as the previous root); `None` when
+    /// there is no readable baseline there.
+    pub fn blessed_root(path: &Path) -> Option<String> {
+        #[derive(Deserialize)]
+        struct Root {
+            kind: String,
+            root: String,
+        }
+        let len = std::fs::metadata(path).ok()?.len();
+        if len > MAX_BASELINE_BYTES {
+            return None;
+        }
+        let r: Root = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+        (r.kind == "moeconf.baseline").then_some(r.root)
+    }
+
     /// [`Baseline::read`] without the file name (added by the caller).
     fn read_unnamed(path: &Path) -> Result<Baseline, BaselineError> {
         let len = std::fs::metadata(path)?.len();
@@ -549,4 +566,126 @@ pub fn compare(
     ));
     report.notes = notes;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::{Algorithm, Component, DType, TensorView};
+    use moeconf_schema::{Header, TraceWriter};
+
+    /// A one-step trace holding `token.output` and `lm.margin` (L0 and L1).
+    fn trace(dir: &Path) -> Trace {
+        let path = dir.join("t.bin");
+        let binding = Binding {
+            capture: CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b11111,
+            },
+            decoding: Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 1,
+            },
+            ..Binding::default()
+        };
+        let header = Header {
+            binding,
+            ..Header::default()
+        };
+        let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
+        for (c, level) in [
+            (Component::TokenOutput, Level::L0),
+            (Component::LmMargin, Level::L1),
+        ] {
+            let coord = Coord {
+                step: 0,
+                position: 0,
+                phase: Phase::Prefill,
+                layer: None,
+                path: c.path().into(),
+            };
+            let bytes = 7i32.to_le_bytes();
+            let dtype = if level == Level::L0 {
+                DType::I32
+            } else {
+                DType::F32
+            };
+            let view = TensorView {
+                dtype,
+                shape: &[1],
+                bytes: &bytes,
+            };
+            w.append(coord, level, view, true).unwrap();
+        }
+        w.finish().unwrap();
+        Trace::open(&path).unwrap()
+    }
+
+    #[test]
+    fn the_blessed_binding_refuses_like_trace_against_trace() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path());
+        let profile = Profile::builtin("default");
+        let file = dir.path().join("b.json");
+        let mut b = Baseline::of(&t).unwrap();
+        assert_eq!(
+            compare(&b, &file, &t, &profile, false).unwrap().verdict,
+            crate::Verdict::Pass
+        );
+        b.binding.model.config_digest = "11".repeat(32);
+        b.binding.tokenizer.digest = "22".repeat(32);
+        let err = compare(&b, &file, &t, &profile, false).unwrap_err();
+        let GateError::Baseline {
+            source: BaselineError::NotComparable { fields },
+            ..
+        } = &err
+        else {
+            panic!("{err}");
+        };
+        let names: Vec<&str> = fields.iter().map(|f| f.field.as_str()).collect();
+        assert_eq!(names, ["model.config_digest", "tokenizer.digest"]);
+        let report = compare(&b, &file, &t, &profile, true).unwrap();
+        assert!(
+            report
+                .notes
+                .iter()
+                .any(|n| n.starts_with("forced over model.config_digest")),
+            "{:?}",
+            report.notes
+        );
+        // Shown fields differ without refusing.
+        let mut b = Baseline::of(&t).unwrap();
+        b.binding.precision = "f32".into();
+        b.binding.model.name = "other".into();
+        assert!(compare(&b, &file, &t, &profile, false).is_ok());
+    }
+
+    #[test]
+    fn invalid_baselines_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path());
+        let good = Baseline::of(&t).unwrap();
+        assert!(good.validate().is_ok());
+        let mut b = good.clone();
+        b.binding.model.weights_digest = "xyz".into();
+        assert!(matches!(
+            b.validate(),
+            Err(BaselineError::BindingField {
+                field: "model.weights_digest",
+                ..
+            })
+        ));
+        let mut b = good.clone();
+        b.steps.push(b.steps[0].clone());
+        assert!(matches!(
+            b.validate(),
+            Err(BaselineError::DuplicateStep { step: 0 })
+        ));
+        let mut b = good.clone();
+        b.steps.clear();
+        assert!(matches!(b.validate(), Err(BaselineError::NoSteps)));
+        let mut b = good;
+        b.binding.capture = "L9".into();
+        assert!(b.validate().is_err());
+    }
 }

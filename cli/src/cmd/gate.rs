@@ -176,7 +176,7 @@ fn traces(a: &GateArgs) -> anyhow::Result<(Option<&PathBuf>, &PathBuf)> {
 
 /// `--bless`: records the candidate's fingerprints in `file` and says what changed.
 fn bless(candidate: &Trace, file: &std::path::Path) -> Result<(), GateError> {
-    let previous = Baseline::read(file).ok().map(|b| b.root);
+    let previous = Baseline::blessed_root(file);
     let b = Baseline::of(candidate)?;
     b.write(file)?;
     println!(
