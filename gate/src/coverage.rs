@@ -140,7 +140,7 @@ impl Coverage {
             "missing from the candidate: it holds no records (an empty trace never passes)".into()
         } else {
             format!(
-                "required level missing from the candidate: it holds no {} records (profile {:?} requires {})",
+                "required level missing from the candidate: it holds no {} records (profile {:?}: required = [{}])",
                 level.name(),
                 profile.name,
                 profile.describe_required()
