@@ -113,6 +113,9 @@ pub enum FaultKind {
         /// Explicit mantissa bits kept.
         mantissa_bits: u32,
     },
+    /// Indexer compressor: the pooled sum accumulated in BF16 (R_BF16 after
+    /// every addition) instead of FP32.
+    IndexerCompressorPoolingBf16Accumulator,
     /// Indexer compressor state: the raw kv rows buffered for the open window
     /// keep this many mantissa bits (inject at a token that does not close
     /// the window; the buffer is read when it closes).
@@ -209,6 +212,7 @@ impl FaultKind {
             | K::CompressorIgnoresOverlap => C::AttnCompressed,
             K::CompressorOverlapGateWithoutBias => C::StateCompressorOverlapGate,
             K::CompressedStoreLowPrecision { .. } => C::AttnCompressedRead,
+            K::IndexerCompressorPoolingBf16Accumulator => C::AttnIndexerCompressed,
             K::IndexerBufferLowPrecision { .. } => C::StateIndexerBufferKv,
             K::IndexerStoreLowPrecision { .. } => C::AttnIndexerRead,
             K::IndexerScoreScaleAfterSum => C::AttnIndexerScores,
@@ -269,6 +273,9 @@ impl FaultKind {
             K::CompressorOverlapGateWithoutBias => "compressor-overlap-gate-without-bias".into(),
             K::CompressedStoreLowPrecision { mantissa_bits } => {
                 format!("compressed-store-mantissa-{mantissa_bits}-bits")
+            }
+            K::IndexerCompressorPoolingBf16Accumulator => {
+                "indexer-compressor-pooling-bf16-accumulator".into()
             }
             K::IndexerBufferLowPrecision { mantissa_bits } => {
                 format!("indexer-buffer-mantissa-{mantissa_bits}-bits")
@@ -377,6 +384,9 @@ impl FaultPlan {
                 K::CompressorOverlapGateWithoutBias => a.compressor.overlap_gate_without_bias = true,
                 K::CompressedStoreLowPrecision { mantissa_bits } => {
                     a.compressor.store_bits = Some(*mantissa_bits)
+                }
+                K::IndexerCompressorPoolingBf16Accumulator => {
+                    a.indexer.compressor.pooling.accumulator = SumAccumulator::Bf16
                 }
                 K::IndexerBufferLowPrecision { mantissa_bits } => {
                     a.indexer.compressor.buffer_bits = Some(*mantissa_bits)

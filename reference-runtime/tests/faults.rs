@@ -132,6 +132,7 @@ fn cases() -> Vec<Case> {
         Case::at(3, 2, K::CompressorIgnoresOverlap),
         Case::at(3, 4, K::CompressorOverlapGateWithoutBias),
         Case::at(3, 6, K::CompressedStoreLowPrecision { mantissa_bits: 3 }),
+        Case::at(3, 6, K::IndexerCompressorPoolingBf16Accumulator),
         Case::at(1, 2, K::IndexerBufferLowPrecision { mantissa_bits: 3 }),
         Case::at(3, 2, K::IndexerStoreLowPrecision { mantissa_bits: 3 }),
         Case::at(3, 2, K::IndexerScoreScaleAfterSum),
