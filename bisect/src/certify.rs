@@ -10,18 +10,57 @@
 //!
 //! It lives beside contract inference ([`crate::infer`]): both read the
 //! routed terms of a recorded combine back from a trace.
+//!
+//! **Bounded work.** Certifying an event evaluates k! orders of D values
+//! (its *work*, in order-values) per family, and holds the distinct outputs
+//! of one event in memory (at most 4 bytes per order-value). Before any
+//! evaluation every event is checked: k ≤ [`MAX_CERTIFIED_K`], the event's
+//! work ≤ [`CertifyLimits::max_event_work`], and the sum over all events and
+//! families ≤ [`CertifyLimits::max_total_work`]. Anything beyond is an error
+//! naming the event or the totals and the limit to raise; a certificate is
+//! never computed for part of the events and presented as complete.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use moeconf_contract::{order_sensitivity, AggregationContract, Certificate, ContractError, InvarianceProof};
+use moeconf_contract::{
+    factorial, order_sensitivity, AggregationContract, Certificate, ContractError, InvarianceProof,
+    MAX_CERTIFIED_K,
+};
 use moeconf_fingerprint::{Component, DType, Phase};
 use moeconf_schema::{Trace, TraceError};
 use serde_json::{json, Value};
 
 /// Version of the JSON document of [`CertifyReport::to_json`].
 pub const CERTIFY_SCHEMA_VERSION: u32 = 1;
+
+/// Default [`CertifyLimits::max_event_work`]: 2^25 order-values (at most
+/// 128 MiB of distinct outputs for one event; k = 8 allows D ≤ 832, k = 6
+/// D ≤ 46 603).
+pub const DEFAULT_MAX_EVENT_WORK: u64 = 1 << 25;
+
+/// Default [`CertifyLimits::max_total_work`]: 2^28 order-values over all
+/// events and families (about 5–8 s on the 2-core development machine).
+pub const DEFAULT_MAX_TOTAL_WORK: u64 = 1 << 28;
+
+/// How much work one `certify` run may do (module docs, "Bounded work").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CertifyLimits {
+    /// Largest k! × D of one event (also bounds its memory: 4 bytes per order-value).
+    pub max_event_work: u64,
+    /// Largest Σ k! × D over every certified event and family.
+    pub max_total_work: u64,
+}
+
+impl Default for CertifyLimits {
+    fn default() -> Self {
+        CertifyLimits {
+            max_event_work: DEFAULT_MAX_EVENT_WORK,
+            max_total_work: DEFAULT_MAX_TOTAL_WORK,
+        }
+    }
+}
 
 /// Why a trace cannot be certified. Every variant names the trace file.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +127,60 @@ pub enum CertifyError {
     /// invalid): the message names the file, the record and its offset.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// An event has more routed terms than certify enumerates orders for.
+    #[error(
+        "{}: {at}: k = {k} routed terms: certify enumerates all k! orders and supports k <= {max}",
+        path.display()
+    )]
+    TooManyTerms {
+        /// The trace file.
+        path: PathBuf,
+        /// The event.
+        at: String,
+        /// Its routed terms.
+        k: usize,
+        /// The largest supported k.
+        max: usize,
+    },
+    /// One event needs more work than the per-event limit.
+    #[error(
+        "{}: {at}: k = {k} routed terms of {d} values: {k}! orders x {d} values = {work} order-values, more than \
+         the per-event limit of {limit} (raise it with --max-event-work; one event's distinct outputs are held \
+         in memory, up to 4 bytes per order-value)",
+        path.display()
+    )]
+    EventTooLarge {
+        /// The trace file.
+        path: PathBuf,
+        /// The event.
+        at: String,
+        /// Its routed terms.
+        k: usize,
+        /// Values per term.
+        d: u64,
+        /// k! × D (saturating).
+        work: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// All events together need more work than the total limit.
+    #[error(
+        "{}: certifying {events} MoE events under {families} contract famil{} takes {work} order-values (k! x D \
+         summed), more than the limit of {limit}: raise it with --max-work, or certify fewer families",
+        path.display(), if *families == 1 { "y" } else { "ies" }
+    )]
+    TooMuchWork {
+        /// The trace file.
+        path: PathBuf,
+        /// Events with payloads.
+        events: usize,
+        /// Families requested.
+        families: usize,
+        /// The total (saturating).
+        work: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// A contract family cannot be evaluated on an event.
     #[error("{}: {at}: --contract {contract}", path.display())]
     Contract {
@@ -279,13 +372,84 @@ fn event_values(trace: &Trace, ev: &MoeEvent) -> Result<Option<EventValues>, Cer
     Ok(Some(EventValues { terms, shared }))
 }
 
-/// Certifies every MoE event of `trace` under each family.
+/// Whether every record of an event keeps its payload.
+fn has_payloads(trace: &Trace, ev: &MoeEvent) -> bool {
+    let kept = |i: usize| trace.records().get(i).is_some_and(|e| e.payload.is_some());
+    ev.shared.is_some_and(kept) && ev.terms.iter().all(|&(_, i)| kept(i))
+}
+
+/// Checks every event with payloads against the limits before any
+/// evaluation: k, the event's work and the total (module docs).
+fn check_limits(
+    trace: &Trace,
+    events: &[MoeEvent],
+    families: usize,
+    limits: CertifyLimits,
+) -> Result<(), CertifyError> {
+    let path = || trace.path().to_path_buf();
+    let (mut total, mut counted) = (0u64, 0usize);
+    for ev in events.iter().filter(|ev| has_payloads(trace, ev)) {
+        let k = ev.terms.len();
+        if k > MAX_CERTIFIED_K {
+            return Err(CertifyError::TooManyTerms {
+                path: path(),
+                at: ev.at(),
+                k,
+                max: MAX_CERTIFIED_K,
+            });
+        }
+        let d = ev.shared.and_then(|i| trace.records().get(i)).map_or(0, |e| {
+            e.shape
+                .iter()
+                .try_fold(1u64, |a, &x| a.checked_mul(x))
+                .unwrap_or(u64::MAX)
+        });
+        let work = factorial(k).unwrap_or(u64::MAX).saturating_mul(d);
+        if work > limits.max_event_work {
+            return Err(CertifyError::EventTooLarge {
+                path: path(),
+                at: ev.at(),
+                k,
+                d,
+                work,
+                limit: limits.max_event_work,
+            });
+        }
+        total = total.saturating_add(work.saturating_mul(families as u64));
+        counted += 1;
+    }
+    if total > limits.max_total_work {
+        return Err(CertifyError::TooMuchWork {
+            path: path(),
+            events: counted,
+            families,
+            work: total,
+            limit: limits.max_total_work,
+        });
+    }
+    Ok(())
+}
+
+/// Certifies every MoE event of `trace` under each family, within the
+/// default [`CertifyLimits`].
 pub fn certify(trace: &Trace, families: &[Family]) -> Result<CertifyReport, CertifyError> {
+    certify_within(trace, families, CertifyLimits::default())
+}
+
+/// Certifies every MoE event of `trace` under each family, after checking
+/// that the whole run stays within `limits` (an error otherwise: never a
+/// partial certificate).
+pub fn certify_within(
+    trace: &Trace,
+    families: &[Family],
+    limits: CertifyLimits,
+) -> Result<CertifyReport, CertifyError> {
     let path = || trace.path().to_path_buf();
     let events = collect_events(trace);
     if events.is_empty() {
         return Err(CertifyError::NoEvents { path: path() });
     }
+    check_limits(trace, &events, families.len(), limits)?;
     let mut rows = Vec::new();
     let mut without_payload = 0usize;
     for mut ev in events {

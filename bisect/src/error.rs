@@ -53,6 +53,10 @@ pub enum BisectError {
         /// The candidate's capture spec.
         candidate: String,
     },
+    /// Neither trace holds a record: nothing was compared, so nothing can
+    /// be called equivalent.
+    #[error("neither trace holds any record: nothing to compare")]
+    NoRecords,
     /// A file could not be read or written (the benchmark's byte
     /// comparison). The I/O error is the source, not repeated in the text.
     #[error("{}: {what}", .path.display())]

@@ -60,18 +60,30 @@ fn same(component: Component, layer: u32) -> InputSpec {
 }
 
 /// The residual streams entering layer `layer`: the previous layer's
-/// post-FFN state, or the step's input ids for layer 0.
+/// post-FFN state, or for layer 0 the embedding of the same position.
 fn layer_input(input: &Input, layer: u32) -> InputSpec {
     match layer.checked_sub(1) {
         Some(prev) => same(input.component, prev),
         None => InputSpec {
-            level: Component::TokenInput.level(),
+            level: Component::EmbedOutput.level(),
             steps_back: 0,
             layer: None,
-            same_position: false,
-            path: Component::TokenInput.path().to_string(),
+            same_position: true,
+            path: Component::EmbedOutput.path().to_string(),
             prefix: false,
         },
+    }
+}
+
+/// The step's input ids (model-global, any position of the step).
+fn step_input() -> InputSpec {
+    InputSpec {
+        level: Component::TokenInput.level(),
+        steps_back: 0,
+        layer: None,
+        same_position: false,
+        path: Component::TokenInput.path().to_string(),
+        prefix: false,
     }
 }
 
@@ -89,7 +101,7 @@ fn carried_state(layer: u32) -> InputSpec {
 
 /// The catalogue component whose operator produces `path`: a catalogue
 /// path, or any path under a family's prefix (`moe.term.*`).
-fn producer(path: &str) -> Option<Component> {
+pub(crate) fn producer(path: &str) -> Option<Component> {
     Component::parse(path).map(|(c, _)| c).or_else(|| {
         Component::ALL
             .iter()
@@ -113,6 +125,7 @@ pub fn inputs_of(path: &str, layer: u32) -> Vec<InputSpec> {
             InputSource::SameLayer => same(input.component, layer),
             InputSource::LayerInput => layer_input(input, layer),
             InputSource::CarriedState => carried_state(layer),
+            InputSource::StepInput => step_input(),
         })
         .collect()
 }
@@ -139,10 +152,11 @@ pub fn describe_input(spec: &InputSpec) -> String {
 mod tests {
     use super::*;
 
-    /// The relation as it was spelled before the catalogue held it: the
-    /// catalogue must produce exactly these lists.
+    /// The relation spelled out: the catalogue must produce exactly these
+    /// lists (the mHC mixing, the cache read views and the carried state
+    /// are inputs since issue 13).
     #[test]
-    fn catalogue_inputs_match_the_former_table() {
+    fn catalogue_inputs_match_the_table() {
         let s = |lv: Level, p: &str, layer: u32| InputSpec {
             level: lv,
             steps_back: 0,
@@ -168,20 +182,59 @@ mod tests {
             prefix: false,
         };
         use Level::{L3, L4};
-        assert_eq!(inputs_of("attn.hc_pre", 0), vec![token_input.clone()]);
-        assert_eq!(inputs_of("attn.hc_pre", 3), vec![s(L3, "layer.post_ffn_mhc", 2)]);
-        assert_eq!(
-            inputs_of("layer.post_attn_mhc", 0),
-            vec![token_input, s(L4, "attn.output", 0)]
-        );
-        for p in ["attn.q", "attn.kv", "attn.compressed", "attn.indexer_compressed"] {
-            assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4)], "{p}");
+        let embed0 = InputSpec {
+            level: L4,
+            steps_back: 0,
+            layer: None,
+            same_position: true,
+            path: "embed.output".into(),
+            prefix: false,
+        };
+        assert_eq!(inputs_of("embed.output", 0), vec![token_input]);
+        for p in ["attn.hc_pre_weights", "attn.hc_post_weights", "attn.hc_comb"] {
+            assert_eq!(inputs_of(p, 0), vec![embed0.clone()], "{p}");
+            assert_eq!(inputs_of(p, 3), vec![s(L3, "layer.post_ffn_mhc", 2)], "{p}");
         }
         assert_eq!(
-            inputs_of("attn.indexer_topk", 2),
+            inputs_of("attn.hc_pre", 3),
+            vec![s(L3, "layer.post_ffn_mhc", 2), s(L4, "attn.hc_pre_weights", 3)]
+        );
+        assert_eq!(
+            inputs_of("layer.post_attn_mhc", 0),
             vec![
-                s(L4, "attn.norm", 2),
-                s(L4, "attn.indexer_compressed", 2),
+                embed0,
+                s(L4, "attn.output", 0),
+                s(L4, "attn.hc_post_weights", 0),
+                s(L4, "attn.hc_comb", 0)
+            ]
+        );
+        for p in ["attn.q", "attn.kv"] {
+            assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4)], "{p}");
+        }
+        for p in ["attn.compressed", "attn.indexer_compressed"] {
+            assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4), carried(4)], "{p}");
+        }
+        assert_eq!(
+            inputs_of("attn.indexer_read", 2),
+            vec![s(L4, "attn.indexer_compressed", 2), carried(2)]
+        );
+        assert_eq!(
+            inputs_of("attn.indexer_scores", 2),
+            vec![s(L4, "attn.norm", 2), s(L4, "attn.indexer_read", 2)]
+        );
+        assert_eq!(
+            inputs_of("attn.indexer_topk", 2),
+            vec![s(L4, "attn.indexer_scores", 2)]
+        );
+        assert_eq!(
+            inputs_of("attn.window_read", 2),
+            vec![s(L4, "attn.kv", 2), carried(2)]
+        );
+        assert_eq!(
+            inputs_of("attn.compressed_read", 2),
+            vec![
+                s(L4, "attn.compressed", 2),
+                s(L4, "attn.indexer_topk", 2),
                 carried(2)
             ]
         );
@@ -189,13 +242,17 @@ mod tests {
             inputs_of("attn.core", 2),
             vec![
                 s(L4, "attn.q", 2),
-                s(L4, "attn.kv", 2),
-                s(L4, "attn.compressed", 2),
-                s(L4, "attn.indexer_topk", 2),
-                carried(2)
+                s(L4, "attn.window_read", 2),
+                s(L4, "attn.compressed_read", 2),
             ]
         );
-        assert_eq!(inputs_of("ffn.hc_pre", 1), vec![s(L3, "layer.post_attn_mhc", 1)]);
+        for p in ["ffn.hc_pre_weights", "ffn.hc_post_weights", "ffn.hc_comb"] {
+            assert_eq!(inputs_of(p, 1), vec![s(L3, "layer.post_attn_mhc", 1)], "{p}");
+        }
+        assert_eq!(
+            inputs_of("ffn.hc_pre", 1),
+            vec![s(L3, "layer.post_attn_mhc", 1), s(L4, "ffn.hc_pre_weights", 1)]
+        );
         assert_eq!(inputs_of("router.margin", 1), vec![s(L3, "router.scores", 1)]);
         assert_eq!(
             inputs_of("router.gates", 1),
@@ -215,7 +272,12 @@ mod tests {
         );
         assert_eq!(
             inputs_of("layer.post_ffn_mhc", 5),
-            vec![s(L3, "layer.post_attn_mhc", 5), s(L4, "moe.combine", 5)]
+            vec![
+                s(L3, "layer.post_attn_mhc", 5),
+                s(L4, "moe.combine", 5),
+                s(L4, "ffn.hc_post_weights", 5),
+                s(L4, "ffn.hc_comb", 5)
+            ]
         );
         assert!(inputs_of("lm.logits", 0).is_empty());
         assert!(inputs_of("state.window_kv", 0).is_empty());

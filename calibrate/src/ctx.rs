@@ -181,8 +181,14 @@ impl Ctx {
 
     /// Step options with `combine`.
     pub fn step_opts<'a>(&'a self, combine: &'a dyn MoeCombine) -> StepOptions<'a> {
+        self.step_opts_in(combine, self.precision)
+    }
+
+    /// Step options with `combine` in `precision` (the fault matrix runs both
+    /// profiles whatever `--precision` says).
+    pub fn step_opts_in<'a>(&'a self, combine: &'a dyn MoeCombine, precision: Precision) -> StepOptions<'a> {
         StepOptions {
-            precision: self.precision,
+            precision,
             combine,
             detokenizer: Some(&self.m.tokenizer),
             allow_non_finite: false,
@@ -200,7 +206,22 @@ impl Ctx {
         faults: Option<&FaultPlan>,
         sink: &mut dyn CaptureSink,
     ) -> Result<()> {
-        let opts = self.step_opts(combine);
+        self.advance_in(state, prompt, n, combine, faults, sink, self.precision)
+    }
+
+    /// [`Ctx::advance`] in `precision`.
+    #[allow(clippy::too_many_arguments)] // advance's arguments plus the profile
+    pub fn advance_in(
+        &self,
+        state: &mut DecodeState,
+        prompt: &[u32],
+        n: usize,
+        combine: &dyn MoeCombine,
+        faults: Option<&FaultPlan>,
+        sink: &mut dyn CaptureSink,
+        precision: Precision,
+    ) -> Result<()> {
+        let opts = self.step_opts_in(combine, precision);
         while (state.step as usize) < n {
             let ids: Vec<u32> = if state.step == 0 {
                 prompt.to_vec()
@@ -231,6 +252,11 @@ impl Ctx {
     /// Runs greedily into a trace file with every level and payload
     /// (`capture all`); returns the final state.
     pub fn write_trace(&self, req: TraceRequest<'_>) -> Result<DecodeState> {
+        self.write_trace_in(req, self.precision)
+    }
+
+    /// [`Ctx::write_trace`] in `precision` (bound in the trace).
+    pub fn write_trace_in(&self, req: TraceRequest<'_>, precision: Precision) -> Result<DecodeState> {
         let capture = parse_capture("all")?;
         let binding = Binding {
             model: self.identity.clone(),
@@ -246,7 +272,7 @@ impl Ctx {
                 strategy: "greedy".into(),
                 max_new_tokens: req.tokens as u32,
             },
-            precision: self.precision.name().to_string(),
+            precision: precision.name().to_string(),
             contract: "native".into(),
             schedule: "identity".into(),
             capture,
@@ -259,7 +285,9 @@ impl Ctx {
         };
         let writer = TraceWriter::create(req.path, ALGORITHM, header)?;
         let mut sink = TraceSink::new(writer, capture);
-        let state = self.generate(req.prompt_ids, req.tokens, req.combine, req.faults, &mut sink)?;
+        let mut state = self.m.model.new_state();
+        let (ids, n) = (req.prompt_ids, req.tokens);
+        self.advance_in(&mut state, ids, n, req.combine, req.faults, &mut sink, precision)?;
         sink.finish()?;
         Ok(state)
     }

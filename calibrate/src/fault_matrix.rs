@@ -1,101 +1,386 @@
 //! Protocol 10, the fault-injection localization matrix: the bisector's own
-//! calibration. A native reference trace of "why the sheep" is written once;
-//! each fault of the matrix (a different operator or contract, at a step and
-//! layer computed from the model's configuration and the prompt length) gives
-//! a candidate trace from the same runtime with one
-//! [`FaultPlan`](moeconf_reference_runtime::faults::FaultPlan); the diff
-//! engine compares each pair, and the localization must name exactly the
-//! injected step, layer and operator. Reported as N/N over the effective
-//! faults: a fault whose candidate trace is bitwise identical to the
-//! reference (same root digest) changed no bit anywhere and cannot be
-//! localized by any tool; such silent faults are listed separately and the
-//! diff must call them equivalent (no false positive). Reordering sums of
-//! BF16-valued operands in an FP32 accumulator is typically silent: those
-//! sums are exact, which is also why the C contract is order-invariant.
+//! calibration, in both precision profiles. A native reference trace of
+//! "why the sheep" is written once per profile; each case of the matrix (a
+//! fault plan: a different operator, cache access, carried state or
+//! contract, at a step and layer computed from the model's configuration and
+//! the prompt length) gives a candidate trace from the same runtime; the
+//! diff engine compares each pair, and its headline must name exactly the
+//! expected step, layer and record: the first record that differs in
+//! execution order over every level ([`FaultKind::component`]). The matrix
+//! also records that ground truth (the first differing record of the two
+//! traces, in index order), so a wrong headline can be told from a wrong
+//! expectation.
+//!
+//! Reported as N/N over the effective cases per profile: a case whose
+//! candidate trace is bitwise identical to the reference (same root digest)
+//! changed no bit anywhere and cannot be localized by any tool; such silent
+//! cases are listed separately and the diff must call them equivalent (no
+//! false positive). Reordering sums of BF16-valued operands in an FP32
+//! accumulator is typically silent in the bf16 profile: those sums are
+//! exact, which is also why the C contract is order-invariant.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use moeconf_bisect::{diff, DiffOptions, Verdict};
 use moeconf_contract::{b_class_count, AggregationContract, NativeCombine, Order};
+use moeconf_fingerprint::catalogue::ExecGroup;
+use moeconf_fingerprint::{Component, Half, Level};
+use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::config::{AttentionKind, MlpKind};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
+use moeconf_reference_runtime::precision::Precision;
+use moeconf_reference_runtime::state::DecodeState;
 use moeconf_schema::Trace;
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
-use crate::{frac, Claim, Ctx, Result, Section, Table, TraceRequest};
+use crate::{frac, CalibrateError, Claim, Ctx, Result, Section, Table, TraceRequest};
 
 const PROMPT: &str = "why the sheep";
 
-/// The matrix for a model, prompt length and run length. Coordinates are
-/// derived from the configuration: attention faults on the first layer with
-/// compressed keys (most keys), router and combine faults on routed (non-hash)
-/// layers, compressor faults at a decode step whose token closes a CSA window.
-pub fn matrix(ctx: &Ctx, prompt_len: usize, tokens: usize) -> Result<Vec<Fault>> {
-    let cfg = ctx.m.model.config();
-    let layers = cfg.num_layers() as u32;
-    let last = tokens.saturating_sub(1) as u32;
-    let s = |x: u32| x.min(last);
-    let csa: Vec<u32> = (0..layers)
-        .filter(|&i| cfg.layer_types[i as usize] == AttentionKind::Csa)
-        .collect();
-    let compressed: Vec<u32> = (0..layers)
-        .filter(|&i| cfg.layer_types[i as usize] != AttentionKind::Sliding)
-        .collect();
-    let routed: Vec<u32> = (0..layers)
-        .filter(|&i| cfg.mlp_layer_types[i as usize] == MlpKind::Moe)
-        .collect();
-    let pick = |v: &[u32], i: usize, fallback: u32| {
+/// Both profiles, in report order.
+const PROFILES: [Precision; 2] = [Precision::Bf16, Precision::F32];
+
+/// Where a case's first divergence must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    /// Forward step.
+    pub step: u32,
+    /// Decoder layer (`None` for model-global records).
+    pub layer: Option<u32>,
+    /// The record (any member, for the family `moe.term.J`).
+    pub component: Component,
+}
+
+/// One row of the matrix: a fault plan and where it must be localized.
+#[derive(Debug, Clone)]
+pub struct Case {
+    /// The faults of the plan (one, except the two-event nudge case).
+    pub faults: Vec<Fault>,
+    /// Where the first divergence must be.
+    pub expect: Expect,
+    /// What the case shows (empty for a single fault at its own step and layer).
+    pub note: &'static str,
+}
+
+impl Case {
+    /// One fault at its step and layer, localized there by its kind's record.
+    pub fn at(step: u32, layer: u32, kind: FaultKind) -> Case {
+        let component = kind.component();
+        let layer = if kind.is_global() { None } else { Some(layer) };
+        Case {
+            expect: Expect {
+                step,
+                layer,
+                component,
+            },
+            faults: vec![Fault::at(step, layer.unwrap_or(0), kind)],
+            note: "",
+        }
+    }
+
+    /// The case with a note saying what it shows.
+    fn note(mut self, note: &'static str) -> Case {
+        self.note = note;
+        self
+    }
+
+    /// The case's name for reports: its first fault's kind, marked when the
+    /// plan has more events.
+    pub fn name(&self) -> String {
+        let first = self.faults.first().map(|f| f.kind.name()).unwrap_or_default();
+        match self.faults.len() {
+            0 | 1 => first,
+            n => format!("{first} (+{} more event{})", n - 1, if n > 2 { "s" } else { "" }),
+        }
+    }
+}
+
+/// The model's layers by kind, and the steps of the run the matrix uses.
+struct Plan {
+    layers: u32,
+    csa: Vec<u32>,
+    compressed: Vec<u32>,
+    sliding: Vec<u32>,
+    routed: Vec<u32>,
+    hashed: Vec<u32>,
+    /// The last step of the run.
+    last: u32,
+    /// The first decode step whose token closes a CSA (else compressed) window.
+    closing: u32,
+    /// The first decode step whose token closes no such window.
+    open: u32,
+}
+
+impl Plan {
+    fn new(ctx: &Ctx, prompt_len: usize, tokens: usize) -> Plan {
+        let cfg = ctx.m.model.config();
+        let layers = cfg.num_layers() as u32;
+        let of = |f: &dyn Fn(usize) -> bool| (0..layers).filter(|&i| f(i as usize)).collect::<Vec<u32>>();
+        let csa = of(&|i| cfg.layer_types[i] == AttentionKind::Csa);
+        let rate = if csa.is_empty() {
+            cfg.hca_rate
+        } else {
+            cfg.csa_rate
+        }
+        .max(1);
+        let last = tokens.saturating_sub(1) as u32;
+        let closes = |st: u32| (prompt_len + st as usize).is_multiple_of(rate);
+        Plan {
+            layers,
+            compressed: of(&|i| cfg.layer_types[i] != AttentionKind::Sliding),
+            sliding: of(&|i| cfg.layer_types[i] == AttentionKind::Sliding),
+            routed: of(&|i| cfg.mlp_layer_types[i] == MlpKind::Moe),
+            hashed: of(&|i| cfg.mlp_layer_types[i] == MlpKind::HashMoe),
+            csa,
+            last,
+            closing: (1..=last).find(|&st| closes(st)).unwrap_or(0),
+            open: (1..=last).find(|&st| !closes(st)).unwrap_or(0),
+        }
+    }
+
+    /// Step `x`, or the last step of a shorter run.
+    fn s(&self, x: u32) -> u32 {
+        x.min(self.last)
+    }
+
+    /// Element `i` of `v` (its last for a shorter list), else `fallback`.
+    fn pick(&self, v: &[u32], i: usize, fallback: u32) -> u32 {
         v.get(i.min(v.len().saturating_sub(1)))
             .copied()
             .unwrap_or(fallback)
-    };
-    let mid = layers / 2;
-    let attn_layer = pick(&compressed, 0, 0);
-    let merge_layer = pick(&routed, routed.len().saturating_sub(2), mid);
-    let mut faults = vec![
-        Fault::at(s(3), attn_layer, FaultKind::AttentionSoftmaxReversed),
-        Fault::at(s(3), attn_layer, FaultKind::AttentionSoftmaxBf16Accumulator),
-        Fault::at(s(2), 1.min(layers - 1), FaultKind::AttentionOutputTruncate),
-        Fault::at(s(1), mid, FaultKind::FfnNormEpsilon(1e-2)),
-        Fault::at(
-            s(2),
-            pick(&routed, routed.len() / 2, mid),
-            FaultKind::RouterNearTieFlip,
-        ),
-        Fault::at(s(1), merge_layer, FaultKind::SharedExpertFirst),
-        Fault::at(s(1), merge_layer, FaultKind::RoundedRoutedMerge),
-        Fault::at(s(3), layers - 1, FaultKind::KvLowPrecision { mantissa_bits: 3 }),
-    ];
-    // Compressor pooling: a step whose token closes a CSA (else any compressed) window.
-    let (cl, rate) = match csa.get(1).or(csa.first()) {
-        Some(&l) => (l, cfg.csa_rate),
-        None => (pick(&compressed, 0, 0), cfg.hca_rate),
-    };
-    let closing = (1..=last)
-        .find(|&st| (prompt_len + st as usize).is_multiple_of(rate.max(1)))
-        .unwrap_or(0);
-    faults.push(Fault::at(closing, cl, FaultKind::CompressorPoolingReversed));
-    faults.push(Fault::at(
-        closing,
-        cl,
-        FaultKind::CompressorPoolingBf16Accumulator,
-    ));
-    let classes = b_class_count(ctx.k())?;
-    faults.push(Fault::at(
-        s(2),
-        ctx.fork_layer,
-        FaultKind::CombineContract(AggregationContract::b().with_order(Order::BClass(135.min(classes - 1)))),
-    ));
-    faults.push(Fault::at(
-        0,
-        pick(&routed, 0, 0),
-        FaultKind::CombineContract(AggregationContract::p32()),
-    ));
-    Ok(faults)
+    }
+
+    fn mid(&self) -> u32 {
+        self.layers / 2
+    }
+
+    /// The layer where the combine faults sit (the second-to-last routed layer).
+    fn merge_layer(&self) -> u32 {
+        self.pick(&self.routed, self.routed.len().saturating_sub(2), self.mid())
+    }
 }
 
-/// Where the diff localized the first divergence.
+/// The mHC mixing of both halves: pre weights, Sinkhorn, post weights, the
+/// collapse and the post's mixing sum.
+fn mhc_cases(pl: &Plan) -> Vec<Case> {
+    use FaultKind as K;
+    let (att, ffn) = (Half::Attention, Half::Ffn);
+    let l = |i: usize| pl.pick(&(0..pl.layers).collect::<Vec<_>>(), i, 0);
+    vec![
+        Case::at(pl.s(1), l(1), K::MhcPreWeightsWithoutEpsilon(att)),
+        Case::at(pl.s(1), l(3), K::MhcPostWeightsTruncated(att)),
+        Case::at(pl.s(2), l(2), K::MhcSinkhornWithoutEpsilon(att)),
+        Case::at(pl.s(1), l(4), K::MhcCollapseBf16Weights(att)),
+        Case::at(pl.s(2), l(5), K::MhcPostMixBf16Accumulator(att)),
+        Case::at(pl.s(2), l(6), K::MhcPreWeightsWithoutEpsilon(ffn)),
+        Case::at(pl.s(1), l(7), K::MhcPostWeightsTruncated(ffn)),
+        Case::at(pl.s(3), l(5), K::MhcSinkhornWithoutEpsilon(ffn)),
+        Case::at(pl.s(2), l(0), K::MhcCollapseBf16Weights(ffn)),
+        Case::at(pl.s(1), l(8), K::MhcPostMixBf16Accumulator(ffn)),
+    ]
+}
+
+/// The embedding, the attention operators and the head.
+fn attention_cases(pl: &Plan) -> Vec<Case> {
+    use FaultKind as K;
+    let attn_layer = pl.pick(&pl.compressed, 0, 0);
+    let split_k = Case {
+        faults: vec![Fault {
+            step: None,
+            layer: Some(attn_layer),
+            position: None,
+            kind: K::AttentionSplitKDecode,
+        }],
+        expect: Expect {
+            step: pl.s(1),
+            layer: Some(attn_layer),
+            component: Component::AttnCore,
+        },
+        note: "active at every step; a decode kernel, so the first decode step",
+    };
+    vec![
+        Case::at(pl.s(2), 0, K::EmbeddingWrongRow),
+        Case::at(pl.s(1), pl.mid(), K::AttnNormEpsilon(1e-2)),
+        Case::at(pl.s(2), attn_layer, K::QueryRopePositionOffByOne),
+        Case::at(pl.s(3), attn_layer, K::AttentionSoftmaxReversed),
+        Case::at(pl.s(3), attn_layer, K::AttentionSoftmaxBf16Accumulator),
+        split_k,
+        Case::at(pl.s(2), pl.pick(&pl.csa, 2, attn_layer), K::DerotationSkipped),
+        Case::at(pl.s(2), 1.min(pl.layers - 1), K::AttentionOutputTruncate),
+        Case::at(pl.s(3), pl.layers - 1, K::KvLowPrecision { mantissa_bits: 3 }),
+        // Model-global: the layer is ignored.
+        Case::at(pl.s(2), 0, K::HeadNormEpsilon(1e-2)),
+    ]
+}
+
+/// Cache storage versus cache reads, the compressors, their carried state
+/// and the lightning indexer.
+fn cache_cases(pl: &Plan) -> Vec<Case> {
+    use FaultKind as K;
+    let csa = |i: usize| pl.pick(&pl.csa, i, pl.pick(&pl.compressed, 0, 0));
+    let bits = 3;
+    vec![
+        Case::at(pl.s(2), pl.pick(&pl.sliding, 0, 0), K::WindowStoreLowPrecision { mantissa_bits: bits })
+            .note("cache storage: attn.kv is right, the stored row is not"),
+        Case::at(pl.s(3), pl.pick(&pl.sliding, 1, 0), K::WindowReadDropsOldest)
+            .note("cache read: the stored window is right, the read is not"),
+        Case::at(pl.closing, csa(1), K::CompressorPoolingReversed),
+        Case::at(pl.closing, csa(1), K::CompressorPoolingBf16Accumulator),
+        Case::at(pl.closing, csa(0), K::CompressorIgnoresOverlap),
+        Case::at(pl.closing, csa(2), K::CompressorOverlapGateWithoutBias)
+            .note("carried state: only the next window's entry reads it, so the L2 record at the boundary comes first"),
+        Case::at(pl.closing, csa(2), K::CompressedStoreLowPrecision { mantissa_bits: bits }),
+        Case::at(pl.open, csa(1), K::IndexerBufferLowPrecision { mantissa_bits: bits })
+            .note("carried buffer: read when the window closes, steps later; the L2 record at the boundary comes first"),
+        Case::at(pl.closing, csa(0), K::IndexerCompressorPoolingBf16Accumulator),
+        Case::at(pl.closing, csa(1), K::IndexerStoreLowPrecision { mantissa_bits: bits }),
+        Case::at(pl.s(2), csa(0), K::IndexerScoreScaleAfterSum)
+            .note("absorbed when the selection keeps its set (attention reads the selection in entry order)"),
+        Case::at(pl.s(2), csa(2), K::IndexerTopkDropsLast),
+    ]
+}
+
+/// The FFN norm, router, experts and combine.
+fn ffn_cases(ctx: &Ctx, pl: &Plan) -> Result<Vec<Case>> {
+    use FaultKind as K;
+    let r = |i: usize| pl.pick(&pl.routed, i, pl.mid());
+    let merge = pl.merge_layer();
+    let classes = b_class_count(ctx.k())?;
+    let b135 = AggregationContract::b().with_order(Order::BClass(135.min(classes - 1)));
+    Ok(vec![
+        Case::at(pl.s(1), pl.mid(), K::FfnNormEpsilon(1e-2)),
+        Case::at(pl.s(1), r(1), K::RouterSoftplusBf16Exp),
+        Case::at(pl.s(2), r(pl.routed.len() / 2), K::RouterNearTieFlip),
+        Case::at(
+            pl.s(1),
+            pl.pick(&pl.hashed, pl.hashed.len().saturating_sub(1), 0),
+            K::HashRouteNextRow,
+        ),
+        Case::at(pl.s(2), r(0), K::RouterGateScaleBeforeDivide),
+        Case::at(pl.s(1), r(2), K::RoutedExpertSwigluLimit(0.25)),
+        Case::at(pl.s(3), 1.min(pl.layers - 1), K::SharedExpertSwigluLimit(0.25)),
+        Case::at(pl.s(1), merge, K::RoutedTermRounded)
+            .note("absorbed: the native combine rounds every term the same way"),
+        Case::at(pl.s(1), merge, K::SharedExpertFirst),
+        Case::at(pl.s(1), merge, K::RoundedRoutedMerge),
+        Case::at(pl.s(2), ctx.fork_layer, K::CombineContract(b135)),
+        Case::at(0, r(0), K::CombineContract(AggregationContract::p32())),
+    ])
+}
+
+/// The matrix of one profile: every case above, and the two one-ulp combine
+/// nudges of issue 13's gap 1 (their elements searched on the runtime, see
+/// [`nudge_elements`]).
+pub fn matrix(ctx: &Ctx, precision: Precision, ids: &[u32], tokens: usize) -> Result<Vec<Case>> {
+    let pl = Plan::new(ctx, ids.len(), tokens);
+    let mut cases = attention_cases(&pl);
+    cases.extend(mhc_cases(&pl));
+    cases.extend(cache_cases(&pl));
+    cases.extend(ffn_cases(ctx, &pl)?);
+    cases.extend(nudge_cases(ctx, precision, ids, &pl)?);
+    Ok(cases)
+}
+
+/// A combine nudge at one event.
+fn nudge(step: u32, layer: u32, element: usize) -> Fault {
+    Fault::at(step, layer, FaultKind::CombineElementNudge { element })
+}
+
+/// Gap 1 of issue 13: exactly one `moe.combine` value moved by one ulp at
+/// the first decode step, where the FFN hc_post absorbs it (nothing else
+/// differs), alone and followed by a nudge two steps later that propagates.
+/// Both must be localized at the absorbed event.
+fn nudge_cases(ctx: &Ctx, precision: Precision, ids: &[u32], pl: &Plan) -> Result<Vec<Case>> {
+    let (layer, first, later) = (pl.merge_layer(), pl.s(1), pl.s(3));
+    if first == 0 || later <= first {
+        return Ok(Vec::new());
+    }
+    let (Some(absorbed), _) = nudge_elements(ctx, precision, ids, first, layer)? else {
+        return Ok(Vec::new());
+    };
+    let (_, Some(propagating)) = nudge_elements(ctx, precision, ids, later, layer)? else {
+        return Ok(Vec::new());
+    };
+    let expect = Expect {
+        step: first,
+        layer: Some(layer),
+        component: Component::MoeCombine,
+    };
+    Ok(vec![
+        Case {
+            faults: vec![nudge(first, layer, absorbed)],
+            expect,
+            note: "one combine value changed, absorbed by the FFN hc_post (nothing else differs)",
+        },
+        Case {
+            faults: vec![nudge(first, layer, absorbed), nudge(later, layer, propagating)],
+            expect,
+            note: "the absorbed nudge, then a nudge two steps later that propagates (issue 13 gap 1)",
+        },
+    ])
+}
+
+/// The first element whose one-ulp nudge of `moe.combine` at (`step`,
+/// `layer`) leaves that layer's `layer.post_ffn_mhc` unchanged (absorbed),
+/// and the first whose nudge changes it (propagating): each candidate runs
+/// the one decode step from the native state before it. A rule, not a
+/// choice: the lowest such elements.
+fn nudge_elements(
+    ctx: &Ctx,
+    precision: Precision,
+    ids: &[u32],
+    step: u32,
+    layer: u32,
+) -> Result<(Option<usize>, Option<usize>)> {
+    let mut before = ctx.m.model.new_state();
+    let mut null = moeconf_reference_runtime::capture::NullSink;
+    ctx.advance_in(
+        &mut before,
+        ids,
+        step as usize,
+        &NativeCombine,
+        None,
+        &mut null,
+        precision,
+    )?;
+    let post = |plan: Option<&FaultPlan>| -> Result<Vec<u8>> {
+        let mut st: DecodeState = before.clone();
+        let mut sink = MemorySink::with_levels(&[Level::L3]);
+        ctx.advance_in(
+            &mut st,
+            ids,
+            step as usize + 1,
+            &NativeCombine,
+            plan,
+            &mut sink,
+            precision,
+        )?;
+        let rec = sink
+            .records
+            .iter()
+            .find(|r| r.coord.layer == Some(layer) && Component::LayerPostFfnMhc.matches(&r.coord.path));
+        rec.map(|r| r.bytes.clone()).ok_or_else(|| {
+            CalibrateError::Invalid(format!("no layer.post_ffn_mhc at step {step} layer {layer}"))
+        })
+    };
+    let native = post(None)?;
+    let (mut absorbed, mut propagating) = (None, None);
+    for e in 0..ctx.m.model.config().hidden_size {
+        if absorbed.is_some() && propagating.is_some() {
+            break;
+        }
+        let same = post(Some(&FaultPlan::new(vec![nudge(step, layer, e)])))? == native;
+        match same {
+            true => absorbed = absorbed.or(Some(e)),
+            false => propagating = propagating.or(Some(e)),
+        }
+    }
+    Ok((absorbed, propagating))
+}
+
+/// A record location: step, layer, path, position.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Found {
     step: u32,
     layer: Option<u32>,
@@ -103,16 +388,35 @@ struct Found {
     position: u32,
 }
 
-/// What the diff made of one fault.
+impl Found {
+    fn json(&self) -> Value {
+        json!({"step": self.step, "layer": self.layer, "operator": self.operator, "position": self.position})
+    }
+
+    /// Whether this is the expected step, layer and record.
+    fn is(&self, e: &Expect) -> bool {
+        self.step == e.step && self.layer == e.layer && e.component.matches(&self.operator)
+    }
+}
+
+/// What the diff made of one case in one profile.
 struct Outcome {
-    fault: Fault,
+    precision: Precision,
+    case: Case,
     /// The candidate trace differs from the reference (root digests differ).
     effective: bool,
     /// The diff called the pair equivalent.
     equivalent: bool,
+    /// The diff's headline.
     found: Option<Found>,
+    /// The first differing record of the two traces in execution order.
+    truth: Option<Found>,
+    /// Whether a layer checkpoint of the truth's step differs after it.
+    divergence: Option<&'static str>,
+    /// How many records differ (by digest, records at the same index).
+    differing_records: usize,
     contract: Option<String>,
-    /// The localization is exactly the injected step, layer and operator.
+    /// The headline is exactly the expected step, layer and record.
     localized: bool,
     summary: String,
 }
@@ -128,31 +432,95 @@ impl Outcome {
     }
 
     fn json(&self) -> Value {
-        let f = self.found.as_ref();
+        let e = &self.case.expect;
+        let truth_is_expected = self.truth.as_ref().map(|t| t.is(e));
         json!({
-            "fault": self.fault.kind.name(), "step": self.fault.step, "layer": self.fault.layer,
-            "operator": self.fault.kind.operator(),
-            "found_step": f.map(|f| f.step), "found_layer": f.and_then(|f| f.layer),
-            "found_operator": f.map(|f| f.operator.clone()), "found_position": f.map(|f| f.position),
+            "profile": self.precision.name(), "fault": self.case.name(), "note": self.case.note,
+            "faults": self.case.faults.iter().map(|f| json!({
+                "kind": f.kind.name(), "step": f.step, "layer": f.layer, "position": f.position,
+            })).collect::<Vec<_>>(),
+            "expected": {"step": e.step, "layer": e.layer, "operator": e.component.to_string()},
+            "found": self.found.as_ref().map(Found::json),
+            "first_differing_record": self.truth.as_ref().map(Found::json),
+            "first_differing_record_is_expected": truth_is_expected,
+            "divergence": self.divergence, "differing_records": self.differing_records,
             "inferred_contract": self.contract, "effective": self.effective, "localized": self.localized,
-            "diff_equivalent": self.equivalent, "diff_summary": self.summary,
+            "diff_equivalent": self.equivalent, "diff_summary": self.summary, "result": self.result(),
         })
     }
 }
 
-/// Writes the candidate trace of fault `i` and diffs it against the reference.
-fn run_fault(ctx: &Ctx, ids: &[u32], ref_path: &Path, i: usize, f: &Fault) -> Result<Outcome> {
-    let path = ref_path.with_file_name(format!("fault-{:02}.bin", i + 1));
-    let plan = FaultPlan::new(vec![f.clone()]);
-    ctx.write_trace(TraceRequest {
-        prompt: PROMPT,
-        prompt_ids: ids,
-        tokens: ctx.sizes.tokens,
-        combine: &NativeCombine,
-        faults: Some(&plan),
-        notes: vec![("fault".to_string(), f.kind.name())],
-        path: &path,
-    })?;
+/// The first record whose digest differs between the two traces, in index
+/// (execution) order, or the first record only one of them has; and what
+/// kind of divergence it is: *propagating* (a layer checkpoint of the same
+/// step differs after it, or it is one), *absorbed* (none does: rounding
+/// erased it before the next checkpoint), *state* (the first difference is
+/// persistent state at a decode boundary) or *output* (the step's logits or
+/// token, after every layer).
+fn first_differing_record(r: &Trace, c: &Trace) -> (Option<Found>, Option<&'static str>) {
+    let at = |e: &moeconf_schema::IndexEntry| Found {
+        step: e.coord.step,
+        layer: e.coord.layer,
+        operator: e.coord.path.to_string(),
+        position: e.coord.position,
+    };
+    let (rr, cr) = (r.records(), c.records());
+    let differs = |(a, b): &(&moeconf_schema::IndexEntry, &moeconf_schema::IndexEntry)| {
+        a.digest != b.digest || a.coord != b.coord
+    };
+    let Some(i) = rr.iter().zip(cr).position(|p| differs(&p)) else {
+        let only = match rr.len().cmp(&cr.len()) {
+            std::cmp::Ordering::Less => cr.get(rr.len()).map(at),
+            std::cmp::Ordering::Greater => rr.get(cr.len()).map(at),
+            std::cmp::Ordering::Equal => None,
+        };
+        return (only, None);
+    };
+    let step = rr[i].coord.step;
+    let propagates = rr[i..].iter().zip(&cr[i..]).any(|p| {
+        p.0.coord.step == step
+            && Component::parse(&p.0.coord.path).is_some_and(|(c, _)| c.is_checkpoint())
+            && differs(&p)
+    });
+    let kind = match Component::parse(&rr[i].coord.path).map(|(c, _)| c.exec_group()) {
+        Some(ExecGroup::State) => "state",
+        Some(ExecGroup::StepOutput) => "output",
+        _ if propagates => "propagating",
+        _ => "absorbed",
+    };
+    (Some(at(&rr[i])), Some(kind))
+}
+
+/// The trace paths of one profile.
+fn trace_path(ctx: &Ctx, precision: Precision, name: &str) -> PathBuf {
+    ctx.out
+        .join("traces")
+        .join(format!("fault-{}-{name}.bin", precision.name()))
+}
+
+/// Writes the candidate trace of case `i` and diffs it against the reference.
+fn run_case(
+    ctx: &Ctx,
+    precision: Precision,
+    ids: &[u32],
+    ref_path: &Path,
+    i: usize,
+    case: &Case,
+) -> Result<Outcome> {
+    let path = trace_path(ctx, precision, &format!("{:02}", i + 1));
+    let plan = FaultPlan::new(case.faults.clone());
+    ctx.write_trace_in(
+        TraceRequest {
+            prompt: PROMPT,
+            prompt_ids: ids,
+            tokens: ctx.sizes.tokens,
+            combine: &NativeCombine,
+            faults: Some(&plan),
+            notes: vec![("fault".to_string(), case.name())],
+            path: &path,
+        },
+        precision,
+    )?;
     let (r, c) = (Trace::open_verified(ref_path)?, Trace::open_verified(&path)?);
     let report = diff(&r, &c, &DiffOptions::default())?;
     let first = report.first_divergence.as_ref();
@@ -162,53 +530,126 @@ fn run_fault(ctx: &Ctx, ids: &[u32], ref_path: &Path, i: usize, f: &Fault) -> Re
         operator: d.operator.clone(),
         position: d.position,
     });
-    let localized = found
-        .as_ref()
-        .is_some_and(|d| Some(d.step) == f.step && d.layer == f.layer && d.operator == f.kind.operator());
+    let localized = found.as_ref().is_some_and(|d| d.is(&case.expect));
+    let (truth, divergence) = first_differing_record(&r, &c);
+    let differing_records = r
+        .records()
+        .iter()
+        .zip(c.records())
+        .filter(|(a, b)| a.digest != b.digest)
+        .count();
     Ok(Outcome {
-        fault: f.clone(),
+        precision,
+        case: case.clone(),
         effective: r.root() != c.root(),
         equivalent: report.verdict == Verdict::Equivalent,
         contract: first.and_then(|d| d.contract.clone()),
+        truth,
+        divergence,
+        differing_records,
         found,
         localized,
         summary: report.summary.clone(),
     })
 }
 
-/// Runs protocol 10.
+/// The matrix of one profile: its reference trace, then every case.
+fn run_profile(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<Vec<Outcome>> {
+    let n = ctx.sizes.tokens;
+    let cases = matrix(ctx, precision, ids, n)?;
+    ctx.note(&format!(
+        "[10] fault-injection localization matrix ({}): {} cases, {n} tokens",
+        precision.name(),
+        cases.len()
+    ));
+    let ref_path = trace_path(ctx, precision, "reference");
+    if let Some(dir) = ref_path.parent() {
+        std::fs::create_dir_all(dir).map_err(CalibrateError::io(format!("creating {}", dir.display())))?;
+    }
+    ctx.write_trace_in(
+        TraceRequest {
+            prompt: PROMPT,
+            prompt_ids: ids,
+            tokens: n,
+            combine: &NativeCombine,
+            faults: None,
+            notes: vec![],
+            path: &ref_path,
+        },
+        precision,
+    )?;
+    cases
+        .par_iter()
+        .enumerate()
+        .map(|(i, c)| run_case(ctx, precision, ids, &ref_path, i, c))
+        .collect()
+}
+
+/// Counts of one profile (or of both).
+#[derive(Debug, Default, Clone, Copy)]
+struct Counts {
+    cases: usize,
+    effective: usize,
+    localized: usize,
+    silent: usize,
+    silent_ok: usize,
+}
+
+impl Counts {
+    fn of<'a>(outcomes: impl Iterator<Item = &'a Outcome>) -> Counts {
+        let mut c = Counts::default();
+        for o in outcomes {
+            c.cases += 1;
+            c.effective += o.effective as usize;
+            c.localized += (o.effective && o.localized) as usize;
+            c.silent += !o.effective as usize;
+            c.silent_ok += (!o.effective && o.equivalent) as usize;
+        }
+        c
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "faults": self.cases, "effective": self.effective, "localized": self.localized,
+            "silent": self.silent, "silent_reported_equivalent": self.silent_ok,
+        })
+    }
+}
+
+/// Runs protocol 10 in both profiles.
 pub fn run(ctx: &Ctx) -> Result<Section> {
     let ids = ctx.encode(PROMPT)?;
     let n = ctx.sizes.tokens;
-    let faults = matrix(ctx, ids.len(), n)?;
-    ctx.note(&format!(
-        "[10] fault-injection localization matrix: {} faults, {n} tokens",
-        faults.len()
-    ));
-    let ref_path = ctx.out.join("traces").join("fault-reference.bin");
-    ctx.write_trace(TraceRequest {
-        prompt: PROMPT,
-        prompt_ids: &ids,
-        tokens: n,
-        combine: &NativeCombine,
-        faults: None,
-        notes: vec![],
-        path: &ref_path,
-    })?;
-    let outcomes: Vec<Outcome> = faults
-        .par_iter()
-        .enumerate()
-        .map(|(i, f)| run_fault(ctx, &ids, &ref_path, i, f))
-        .collect::<Result<_>>()?;
-    let effective = outcomes.iter().filter(|o| o.effective).count();
-    let ok = outcomes.iter().filter(|o| o.effective && o.localized).count();
-    let silent = outcomes.len() - effective;
-    let silent_ok = outcomes.iter().filter(|o| !o.effective && o.equivalent).count();
-    let json = json!({
-        "prompt": PROMPT, "tokens": n, "faults": outcomes.len(), "effective": effective, "localized": ok,
-        "silent": silent, "silent_reported_equivalent": silent_ok,
-        "rows": outcomes.iter().map(Outcome::json).collect::<Vec<_>>(),
-    });
+    let mut outcomes = Vec::new();
+    for precision in PROFILES {
+        outcomes.extend(run_profile(ctx, precision, &ids)?);
+    }
+    let all = Counts::of(outcomes.iter());
+    let per: Vec<(Precision, Counts)> = PROFILES
+        .iter()
+        .map(|&p| (p, Counts::of(outcomes.iter().filter(|o| o.precision == p))))
+        .collect();
+    let each_enough = per.iter().all(|(_, c)| c.effective >= 8);
+    let detail = per
+        .iter()
+        .map(|(p, c)| format!("{} {}", p.name(), frac(c.localized, c.effective)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut json = all.json();
+    let obj = json.as_object_mut().expect("an object");
+    obj.insert("prompt".into(), json!(PROMPT));
+    obj.insert("tokens".into(), json!(n));
+    obj.insert(
+        "profiles".into(),
+        per.iter()
+            .map(|(p, c)| {
+                let mut v = c.json();
+                v["precision"] = json!(p.name());
+                v
+            })
+            .collect(),
+    );
+    obj.insert("rows".into(), outcomes.iter().map(Outcome::json).collect());
     Ok(Section {
         key: "fault_matrix".into(),
         tables: vec![table(n, &outcomes)],
@@ -216,16 +657,19 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         claims: vec![
             Claim::new(
                 "localization_exact",
-                ok == effective && effective >= 8,
+                all.localized == all.effective && each_enough,
                 format!(
-                    "{} effective injected faults localized to exactly their step, layer and operator (at least 8 needed)",
-                    frac(ok, effective)
+                    "{} effective injected faults localized to exactly their step, layer and operator ({detail}; at least 8 per profile needed)",
+                    frac(all.localized, all.effective)
                 ),
             ),
             Claim::new(
                 "silent_faults_equivalent",
-                silent_ok == silent,
-                format!("{} silent faults (no bit changed) reported equivalent", frac(silent_ok, silent)),
+                all.silent_ok == all.silent,
+                format!(
+                    "{} silent faults (no bit changed) reported equivalent",
+                    frac(all.silent_ok, all.silent)
+                ),
             ),
         ],
     })
@@ -235,35 +679,47 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
     let mut t = Table::new(
         "fault_localization",
         &format!(
-            "Fault-injection localization matrix: \"{PROMPT}\", {n} tokens, diff against the native trace"
+            "Fault-injection localization matrix: \"{PROMPT}\", {n} tokens, diff against the native trace of each profile"
         ),
         &[
+            "Profile",
             "#",
             "Fault",
-            "Injected step",
-            "Injected layer",
-            "Operator",
+            "Expected step",
+            "Expected layer",
+            "Expected record",
             "Localized step",
             "Localized layer",
-            "Localized operator",
+            "Localized record",
+            "Divergence",
             "Result",
         ],
     );
-    let opt = |x: Option<u32>| x.map_or("all".to_string(), |v| v.to_string());
-    for (i, o) in outcomes.iter().enumerate() {
+    let opt = |x: Option<u32>| x.map_or("-".to_string(), |v| v.to_string());
+    let mut index = 0;
+    let mut profile = None;
+    for o in outcomes {
+        if profile != Some(o.precision) {
+            profile = Some(o.precision);
+            index = 0;
+        }
+        index += 1;
         let (fs, fl, fo) = match &o.found {
             Some(f) => (f.step.to_string(), opt(f.layer), f.operator.clone()),
             None => ("-".into(), "-".into(), "(equivalent)".into()),
         };
+        let e = &o.case.expect;
         t.row(vec![
-            (i + 1).to_string(),
-            o.fault.kind.name(),
-            opt(o.fault.step),
-            opt(o.fault.layer),
-            o.fault.kind.operator().into(),
+            o.precision.name().into(),
+            index.to_string(),
+            o.case.name(),
+            e.step.to_string(),
+            opt(e.layer),
+            e.component.to_string(),
             fs,
             fl,
             fo,
+            o.divergence.unwrap_or("-").into(),
             o.result().into(),
         ]);
     }

@@ -23,6 +23,8 @@ const POLICY: &str = r#"default_profile = "t"
 levels = { L0 = "tolerance", L1 = "tolerance", L2 = "info", L3 = "tolerance", L4 = "info" }
 argmax_near_tie_margin = 0.05
 rules = [ { path = "*", check = "exact" } ]
+# The synthetic traces hold L0 only (the built-in default also requires L1).
+required = ["judged"]
 "#;
 
 /// The reference's step-0 `lm.margin`.

@@ -4,10 +4,21 @@
 //! The catalogue says, for each component, its [`Level`], what kind of values
 //! it holds ([`ValueKind`]), the half-layer it belongs to ([`Half`]), its rank
 //! in the reference runtime's execution order, which layer kinds have it
-//! ([`LayerKinds`]) and which records its operator reads ([`Input`]). Every
+//! ([`LayerKinds`]), at which coordinates it is emitted ([`Presence`]) and
+//! which records its operator reads ([`Input`]). Every
 //! other crate asks the catalogue instead of spelling path strings, so adding
 //! a captured record is one new variant and one row of [`SPECS`]
 //! (docs/architecture.md spells the steps out).
+//!
+//! The inputs are complete: every value an operator reads is one of its
+//! input records (or a weight), so "its output differs while its inputs
+//! match" names the operator itself. Caches are read through their own
+//! records (`attn.window_read`, `attn.compressed_read`, `attn.indexer_read`)
+//! separate from what is appended (`attn.kv`, `attn.compressed`,
+//! `attn.indexer_compressed`), and the mHC mixing through the pre weights,
+//! the combination matrix and the post weights. The reference runtime's
+//! test `catalogue_inputs_are_captured` checks that every input is a record
+//! the runtime captures on that layer kind.
 //!
 //! docs/format.md §6 is the normative table; a test checks that every row
 //! here appears there.
@@ -103,6 +114,12 @@ impl LayerKinds {
         ffn: 0b01,
     };
 
+    /// Whether some layer kind has both (the component exists on a layer
+    /// that also has `other`).
+    pub fn intersects(self, other: LayerKinds) -> bool {
+        self.attention & other.attention != 0 && self.ffn & other.ffn != 0
+    }
+
     /// Whether a layer of this attention and MLP kind has the component.
     pub fn contains(self, attention: AttentionKind, ffn: FfnKind) -> bool {
         let a = match attention {
@@ -118,6 +135,20 @@ impl LayerKinds {
     }
 }
 
+/// At which coordinates the runtime emits a component's records (on the
+/// layer kinds that have it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Presence {
+    /// Every coordinate of its group: every position of every step for
+    /// layer operators and embeddings, every step for the step's other
+    /// model-global records (`text.continuation` when a detokenizer is
+    /// given), every decode boundary for persistent state.
+    Always,
+    /// Only at the positions where the operator emits something: a
+    /// compressor's entry exists only at the token that closes its window.
+    OnEmit,
+}
+
 /// Where an operator's input record lives, relative to the operator's own
 /// coordinate (step, position, layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,9 +156,11 @@ pub enum InputSource {
     /// The same step, position and layer.
     SameLayer,
     /// The residual streams entering the layer: the previous layer's
-    /// `layer.post_ffn_mhc` at the same position, or for layer 0 the step's
-    /// `token.input`.
+    /// `layer.post_ffn_mhc` at the same position, or for layer 0 the
+    /// embedding of the same position (`embed.output`).
     LayerInput,
+    /// The ids the step consumes (`token.input`, model-global).
+    StepInput,
     /// The persistent state of the same layer at the previous decode
     /// boundary (every `state.*` record of that layer, one step back).
     CarriedState,
@@ -167,6 +200,8 @@ pub struct ComponentSpec {
     pub rank: u16,
     /// Layer kinds that have it.
     pub layers: LayerKinds,
+    /// At which coordinates it is emitted.
+    pub presence: Presence,
     /// The records its operator reads (empty for inputs of the whole step
     /// and for persistent state).
     pub inputs: &'static [Input],
@@ -194,6 +229,8 @@ macro_rules! components {
 components! {
     /// L0 ids consumed by the step (prefill: the prompt).
     TokenInput,
+    /// L4 embedding of one position's id (the value of every residual stream entering layer 0).
+    EmbedOutput,
     /// L0 greedy prediction.
     TokenOutput,
     /// L0 UTF-8 decoding of every generated id so far.
@@ -234,26 +271,46 @@ components! {
     StateIndexerOverlapKv,
     /// L2 indexer compressor: overlap gate.
     StateIndexerOverlapGate,
+    /// L4 attention-half mHC pre weights (FP32).
+    AttnHcPreWeights,
+    /// L4 attention-half mHC post weights (FP32, before the post's rounding).
+    AttnHcPostWeights,
+    /// L4 attention-half Sinkhorn-normalised combination matrix (FP32).
+    AttnHcComb,
     /// L4 attention-half mHC collapse.
     AttnHcPre,
     /// L4 attention RMSNorm output.
     AttnNorm,
     /// L4 queries after norm and RoPE.
     AttnQ,
-    /// L4 the new KV vector of this position.
+    /// L4 the new KV vector of this position, as computed (before it is stored).
     AttnKv,
-    /// L4 an entry the attention compressor emitted at this position.
+    /// L4 an entry the attention compressor emitted at this position (before it is stored).
     AttnCompressed,
-    /// L4 an entry the indexer compressor emitted at this position.
+    /// L4 an entry the indexer compressor emitted at this position (before it is stored).
     AttnIndexerCompressed,
+    /// L4 the indexer keys as the indexer reads them from its cache (every entry).
+    AttnIndexerRead,
+    /// L4 lightning-indexer score of every compressed entry.
+    AttnIndexerScores,
     /// L4 compressed entries the lightning indexer selected.
     AttnIndexerTopk,
+    /// L4 the window keys/values attention reads from the cache (oldest first, this position's last).
+    AttnWindowRead,
+    /// L4 the compressed entries attention reads from the cache (HCA: all; CSA: the selected ones, ascending).
+    AttnCompressedRead,
     /// L4 attention output per head, before de-rotation.
     AttnCore,
     /// L4 attention output projection.
     AttnOutput,
     /// L3 residual streams after the attention-half mHC post.
     LayerPostAttnMhc,
+    /// L4 FFN-half mHC pre weights (FP32).
+    FfnHcPreWeights,
+    /// L4 FFN-half mHC post weights (FP32, before the post's rounding).
+    FfnHcPostWeights,
+    /// L4 FFN-half Sinkhorn-normalised combination matrix (FP32).
+    FfnHcComb,
     /// L4 FFN-half mHC collapse.
     FfnHcPre,
     /// L4 FFN RMSNorm output.
@@ -277,7 +334,7 @@ components! {
 }
 
 use Component as C;
-use InputSource::{CarriedState, LayerInput, SameLayer};
+use InputSource::{CarriedState, LayerInput, SameLayer, StepInput};
 
 const fn same(component: Component) -> Input {
     Input {
@@ -292,6 +349,10 @@ const LAYER_INPUT: Input = Input {
 const CARRIED_STATE: Input = Input {
     source: CarriedState,
     component: C::StateCumulativeLength,
+};
+const STEP_INPUT: Input = Input {
+    source: StepInput,
+    component: C::TokenInput,
 };
 
 #[allow(clippy::too_many_arguments)] // a table row constructor: one argument per column
@@ -314,9 +375,16 @@ const fn spec(
         half,
         rank,
         layers,
+        presence: Presence::Always,
         inputs,
         meaning,
     }
+}
+
+/// A row whose records exist only where the operator emits ([`Presence::OnEmit`]).
+const fn on_emit(mut row: ComponentSpec) -> ComponentSpec {
+    row.presence = Presence::OnEmit;
+    row
 }
 
 use Half::{Attention as ATT, Ffn as FFN};
@@ -343,12 +411,23 @@ pub const SPECS: &[ComponentSpec] = &[
         "ids consumed by the step (prefill: the prompt)",
     ),
     spec(
+        C::EmbedOutput,
+        "embed.output",
+        L4,
+        Float,
+        None,
+        1,
+        ALL,
+        &[STEP_INPUT],
+        "embedding of the position's id: every residual stream entering layer 0",
+    ),
+    spec(
         C::TokenOutput,
         "token.output",
         L0,
         Ids,
         None,
-        5,
+        6,
         ALL,
         &[],
         "greedy prediction (ties to the lowest id)",
@@ -359,7 +438,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L0,
         Text,
         None,
-        6,
+        7,
         ALL,
         &[],
         "UTF-8 decoding of all generated ids so far",
@@ -370,7 +449,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L1,
         Float,
         None,
-        1,
+        2,
         ALL,
         &[],
         "logits at the step's last position",
@@ -381,7 +460,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L1,
         Ids,
         None,
-        2,
+        3,
         ALL,
         &[],
         "top-8 ids by logit, ties to the lower id",
@@ -392,7 +471,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L1,
         Float,
         None,
-        3,
+        4,
         ALL,
         &[],
         "top-8 logits",
@@ -403,7 +482,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L1,
         Float,
         None,
-        4,
+        5,
         ALL,
         &[],
         "rank-1 minus rank-2 logit",
@@ -563,14 +642,47 @@ pub const SPECS: &[ComponentSpec] = &[
         "indexer compressor: overlap gate for the next window",
     ),
     spec(
-        C::AttnHcPre,
-        "attn.hc_pre",
+        C::AttnHcPreWeights,
+        "attn.hc_pre_weights",
         L4,
         Float,
         Some(ATT),
         0,
         ALL,
         &[LAYER_INPUT],
+        "attention-half mHC pre weights pre_j (FP32)",
+    ),
+    spec(
+        C::AttnHcPostWeights,
+        "attn.hc_post_weights",
+        L4,
+        Float,
+        Some(ATT),
+        1,
+        ALL,
+        &[LAYER_INPUT],
+        "attention-half mHC post weights post_j (FP32)",
+    ),
+    spec(
+        C::AttnHcComb,
+        "attn.hc_comb",
+        L4,
+        Float,
+        Some(ATT),
+        2,
+        ALL,
+        &[LAYER_INPUT],
+        "attention-half Sinkhorn-normalised combination matrix C (FP32)",
+    ),
+    spec(
+        C::AttnHcPre,
+        "attn.hc_pre",
+        L4,
+        Float,
+        Some(ATT),
+        3,
+        ALL,
+        &[LAYER_INPUT, same(C::AttnHcPreWeights)],
         "attention-half mHC collapse of the residual streams",
     ),
     spec(
@@ -579,7 +691,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        1,
+        4,
         ALL,
         &[same(C::AttnHcPre)],
         "attention RMSNorm output",
@@ -590,7 +702,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        2,
+        5,
         ALL,
         &[same(C::AttnNorm)],
         "queries after norm and RoPE",
@@ -601,32 +713,54 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        3,
+        6,
         ALL,
         &[same(C::AttnNorm)],
-        "the position's new KV vector",
+        "the position's new KV vector, before it is stored",
     ),
-    spec(
+    on_emit(spec(
         C::AttnCompressed,
         "attn.compressed",
         L4,
         Float,
         Some(ATT),
-        4,
+        7,
         CMP,
-        &[same(C::AttnNorm)],
-        "entry emitted by the attention compressor",
-    ),
-    spec(
+        &[same(C::AttnNorm), CARRIED_STATE],
+        "entry emitted by the attention compressor, before it is stored",
+    )),
+    on_emit(spec(
         C::AttnIndexerCompressed,
         "attn.indexer_compressed",
         L4,
         Float,
         Some(ATT),
-        5,
+        8,
         CSA,
-        &[same(C::AttnNorm)],
-        "entry emitted by the indexer compressor",
+        &[same(C::AttnNorm), CARRIED_STATE],
+        "entry emitted by the indexer compressor, before it is stored",
+    )),
+    spec(
+        C::AttnIndexerRead,
+        "attn.indexer_read",
+        L4,
+        Float,
+        Some(ATT),
+        9,
+        CSA,
+        &[same(C::AttnIndexerCompressed), CARRIED_STATE],
+        "indexer keys as read from the indexer cache (every entry)",
+    ),
+    spec(
+        C::AttnIndexerScores,
+        "attn.indexer_scores",
+        L4,
+        Float,
+        Some(ATT),
+        10,
+        CSA,
+        &[same(C::AttnNorm), same(C::AttnIndexerRead)],
+        "lightning-indexer score of every compressed entry",
     ),
     spec(
         C::AttnIndexerTopk,
@@ -634,10 +768,32 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Ids,
         Some(ATT),
-        6,
+        11,
         CSA,
-        &[same(C::AttnNorm), same(C::AttnIndexerCompressed), CARRIED_STATE],
+        &[same(C::AttnIndexerScores)],
         "compressed entries selected by the lightning indexer",
+    ),
+    spec(
+        C::AttnWindowRead,
+        "attn.window_read",
+        L4,
+        Float,
+        Some(ATT),
+        12,
+        ALL,
+        &[same(C::AttnKv), CARRIED_STATE],
+        "window KV as attention reads it from the cache",
+    ),
+    spec(
+        C::AttnCompressedRead,
+        "attn.compressed_read",
+        L4,
+        Float,
+        Some(ATT),
+        13,
+        CMP,
+        &[same(C::AttnCompressed), same(C::AttnIndexerTopk), CARRIED_STATE],
+        "compressed entries as attention reads them from the cache",
     ),
     spec(
         C::AttnCore,
@@ -645,14 +801,12 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        7,
+        14,
         ALL,
         &[
             same(C::AttnQ),
-            same(C::AttnKv),
-            same(C::AttnCompressed),
-            same(C::AttnIndexerTopk),
-            CARRIED_STATE,
+            same(C::AttnWindowRead),
+            same(C::AttnCompressedRead),
         ],
         "attention output per head, before de-rotation",
     ),
@@ -662,7 +816,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        8,
+        15,
         ALL,
         &[same(C::AttnCore)],
         "de-rotated grouped output projection",
@@ -673,10 +827,48 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(ATT),
-        9,
+        16,
         ALL,
-        &[LAYER_INPUT, same(C::AttnOutput)],
+        &[
+            LAYER_INPUT,
+            same(C::AttnOutput),
+            same(C::AttnHcPostWeights),
+            same(C::AttnHcComb),
+        ],
         "residual streams after the attention-half mHC post",
+    ),
+    spec(
+        C::FfnHcPreWeights,
+        "ffn.hc_pre_weights",
+        L4,
+        Float,
+        Some(FFN),
+        17,
+        ALL,
+        &[same(C::LayerPostAttnMhc)],
+        "FFN-half mHC pre weights pre_j (FP32)",
+    ),
+    spec(
+        C::FfnHcPostWeights,
+        "ffn.hc_post_weights",
+        L4,
+        Float,
+        Some(FFN),
+        18,
+        ALL,
+        &[same(C::LayerPostAttnMhc)],
+        "FFN-half mHC post weights post_j (FP32)",
+    ),
+    spec(
+        C::FfnHcComb,
+        "ffn.hc_comb",
+        L4,
+        Float,
+        Some(FFN),
+        19,
+        ALL,
+        &[same(C::LayerPostAttnMhc)],
+        "FFN-half Sinkhorn-normalised combination matrix C (FP32)",
     ),
     spec(
         C::FfnHcPre,
@@ -684,9 +876,9 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        10,
+        20,
         ALL,
-        &[same(C::LayerPostAttnMhc)],
+        &[same(C::LayerPostAttnMhc), same(C::FfnHcPreWeights)],
         "FFN-half mHC collapse of the residual streams",
     ),
     spec(
@@ -695,7 +887,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        11,
+        21,
         ALL,
         &[same(C::FfnHcPre)],
         "FFN RMSNorm output",
@@ -706,7 +898,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        12,
+        22,
         ALL,
         &[same(C::FfnNorm)],
         "router scores before the correction bias",
@@ -717,7 +909,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Ids,
         Some(FFN),
-        13,
+        23,
         ALL,
         &[same(C::RouterScores)],
         "selected experts, in combine order",
@@ -728,7 +920,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        14,
+        24,
         ALL,
         &[same(C::RouterScores), same(C::RouterTopk)],
         "gate weights of the selected experts",
@@ -739,7 +931,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        15,
+        25,
         LayerKinds::SCORE_ROUTED,
         &[same(C::RouterScores)],
         "rank-k minus rank-(k+1) selection score",
@@ -750,7 +942,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        16,
+        26,
         ALL,
         &[same(C::FfnNorm), same(C::RouterTopk), same(C::RouterGates)],
         "gate-weighted routed term J, v_J = g_J · E_J(x)",
@@ -761,7 +953,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        17,
+        27,
         ALL,
         &[same(C::FfnNorm)],
         "shared-expert output",
@@ -772,7 +964,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        18,
+        28,
         ALL,
         &[same(C::MoeTerm), same(C::MoeShared)],
         "MoE output: the aggregation contract's result",
@@ -783,9 +975,14 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        19,
+        29,
         ALL,
-        &[same(C::LayerPostAttnMhc), same(C::MoeCombine)],
+        &[
+            same(C::LayerPostAttnMhc),
+            same(C::MoeCombine),
+            same(C::FfnHcPostWeights),
+            same(C::FfnHcComb),
+        ],
         "residual streams after the FFN-half mHC post",
     ),
 ];
@@ -793,7 +990,7 @@ pub const SPECS: &[ComponentSpec] = &[
 /// Where a record sits in a step's execution order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ExecGroup {
-    /// The step's input ids (before every layer).
+    /// The step's input ids and their embeddings (before every layer).
     StepInput = 0,
     /// A layer's operators and layer-state records.
     Layer = 1,
@@ -868,7 +1065,7 @@ impl Component {
     /// The execution group of the component's records.
     pub fn exec_group(self) -> ExecGroup {
         match (self, self.level()) {
-            (Component::TokenInput, _) => ExecGroup::StepInput,
+            (Component::TokenInput | Component::EmbedOutput, _) => ExecGroup::StepInput,
             (_, Level::L2) => ExecGroup::State,
             _ if self.half().is_some() => ExecGroup::Layer,
             _ => ExecGroup::StepOutput,
@@ -907,7 +1104,7 @@ fn is_index(s: &str) -> bool {
 
 /// The level of a record path: the catalogue's level for a catalogue
 /// component, else by the catalogue's namespace prefixes (`token.`/`text.`
-/// L0, `lm.` L1, `state.` L2, `layer.`/`router.` L3, `attn.`/`ffn.`/`moe.`
+/// L0, `lm.` L1, `state.` L2, `layer.`/`router.` L3, `embed.`/`attn.`/`ffn.`/`moe.`
 /// L4), so that backends can record further components in a known namespace.
 pub fn level_of_path(path: &str) -> Option<Level> {
     if let Some((c, _)) = Component::parse(path) {
@@ -923,6 +1120,7 @@ pub fn level_of_path(path: &str) -> Option<Level> {
 pub const NAMESPACES: &[(&str, Level)] = &[
     ("token.", Level::L0),
     ("text.", Level::L0),
+    ("embed.", Level::L4),
     ("lm.", Level::L1),
     ("state.", Level::L2),
     ("layer.", Level::L3),
@@ -954,6 +1152,72 @@ pub fn exec_rank(path: &str) -> (u16, u64) {
     match Component::parse(path) {
         Some((c, idx)) => (c.spec().rank, idx.map_or(0, u64::from)),
         None => (u16::MAX, 0),
+    }
+}
+
+/// A record's place in the catalogue's execution order of a whole run
+/// (docs/operators.md §3 and §5): by step; within a step the step's input
+/// and embeddings, then the layers in order (layer-major, position-minor,
+/// the operators of one layer and position by rank, attention half before
+/// FFN half), then the step's outputs, then the persistent state at the
+/// decode boundary (layer by layer). Records of the same key (which a valid
+/// trace does not hold) are ordered by the caller.
+///
+/// A path outside the catalogue is placed by its namespace: a layer record
+/// of a known half (`attn.`, `ffn.`, `router.`, `moe.`) just before the
+/// checkpoint that closes that half, any other layer record after the
+/// layer's last checkpoint, `state.` records after the catalogue's state,
+/// `embed.` records with the step's input and other model-global records
+/// after the step's outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ExecKey {
+    /// Forward step.
+    pub step: u32,
+    /// The group within the step.
+    pub group: ExecGroup,
+    /// Decoder layer (0 for model-global records).
+    pub layer: u32,
+    /// Absolute position (0 for persistent state, which is per layer).
+    pub position: u32,
+    /// Twice the catalogue rank plus one for catalogue components (so that
+    /// a backend's own record of a half sorts just before the half's
+    /// closing checkpoint), `u32::MAX` for unplaced records.
+    pub slot: u32,
+    /// Family index (`moe.term.J`: J).
+    pub index: u64,
+}
+
+impl ExecKey {
+    /// The key of the record at `c`.
+    pub fn of(c: &crate::Coord) -> ExecKey {
+        let parsed = Component::parse(&c.path);
+        let group = match parsed {
+            Some((comp, _)) => comp.exec_group(),
+            None => match (level_of_path(&c.path), c.layer) {
+                (Some(Level::L2), _) => ExecGroup::State,
+                (_, Some(_)) => ExecGroup::Layer,
+                _ if c.path.starts_with("embed.") => ExecGroup::StepInput,
+                _ => ExecGroup::StepOutput,
+            },
+        };
+        let slot = match parsed {
+            Some((comp, _)) => 2 * u32::from(comp.spec().rank) + 1,
+            None => match (group, half_of_path(&c.path)) {
+                (ExecGroup::Layer, Some(Half::Attention)) => {
+                    2 * u32::from(Component::LayerPostAttnMhc.spec().rank)
+                }
+                (ExecGroup::Layer, Some(Half::Ffn)) => 2 * u32::from(Component::LayerPostFfnMhc.spec().rank),
+                _ => u32::MAX,
+            },
+        };
+        ExecKey {
+            step: c.step,
+            group,
+            layer: c.layer.unwrap_or(0),
+            position: if group == ExecGroup::State { 0 } else { c.position },
+            slot,
+            index: parsed.and_then(|(_, i)| i).map_or(0, u64::from),
+        }
     }
 }
 
@@ -999,6 +1263,92 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn layer_operators_have_inputs_on_their_layer_kinds() {
+        for c in Component::ALL
+            .iter()
+            .filter(|c| c.exec_group() == ExecGroup::Layer)
+        {
+            let s = c.spec();
+            assert!(!s.inputs.is_empty(), "{c} lists no inputs");
+            for i in s.inputs.iter().filter(|i| i.source == InputSource::SameLayer) {
+                assert!(
+                    s.layers.intersects(i.component.spec().layers),
+                    "{c} reads {} on no common layer kind",
+                    i.component
+                );
+            }
+        }
+        // The attention half runs before the FFN half.
+        let ranks = |h: Half| {
+            Component::ALL
+                .iter()
+                .filter(move |c| c.exec_group() == ExecGroup::Layer && c.half() == Some(h))
+                .map(|c| c.spec().rank)
+        };
+        assert!(ranks(Half::Attention).max() < ranks(Half::Ffn).min());
+        assert_eq!(Component::EmbedOutput.exec_group(), ExecGroup::StepInput);
+        assert!(Component::EmbedOutput.spec().rank > Component::TokenInput.spec().rank);
+    }
+
+    #[test]
+    fn format_md_lists_every_component() {
+        let doc = include_str!("../../docs/format.md");
+        let start = doc.find("## 6.").expect("docs/format.md has §6");
+        let end = doc[start..].find("\n## 7.").map_or(doc.len(), |e| start + e);
+        let section = &doc[start..end];
+        for s in SPECS {
+            let path = if s.component.is_family() {
+                format!("`{}J`", s.path)
+            } else {
+                format!("`{}`", s.path)
+            };
+            assert!(section.contains(&path), "docs/format.md §6 does not list {path}");
+        }
+    }
+
+    #[test]
+    fn exec_key_follows_the_runtime_order_of_a_step() {
+        let at = |step: u32, position: u32, layer: Option<u32>, path: &str| {
+            ExecKey::of(&crate::Coord {
+                step,
+                position,
+                phase: crate::Phase::Decode,
+                layer,
+                path: path.into(),
+            })
+        };
+        // One step of two positions and two layers, in the runtime's order.
+        let order = [
+            at(1, 4, None, "token.input"),
+            at(1, 4, None, "embed.output"),
+            at(1, 5, None, "embed.output"),
+            at(1, 4, Some(0), "attn.hc_pre_weights"),
+            at(1, 4, Some(0), "attn.custom"),
+            at(1, 4, Some(0), "layer.post_attn_mhc"),
+            at(1, 4, Some(0), "moe.term.0"),
+            at(1, 4, Some(0), "moe.term.5"),
+            at(1, 4, Some(0), "moe.extra"),
+            at(1, 4, Some(0), "layer.post_ffn_mhc"),
+            at(1, 4, Some(0), "layer.custom"),
+            at(1, 5, Some(0), "attn.hc_pre_weights"),
+            at(1, 4, Some(1), "attn.hc_pre_weights"),
+            at(1, 5, None, "lm.logits"),
+            at(1, 5, None, "lm.topk_ids"),
+            at(1, 5, None, "token.output"),
+            at(1, 5, None, "text.continuation"),
+            at(1, 5, None, "custom.global"),
+            at(1, 5, Some(0), "state.cumulative_length"),
+            at(1, 5, Some(0), "state.window_kv"),
+            at(1, 5, Some(0), "state.custom"),
+            at(1, 5, Some(1), "state.cumulative_length"),
+            at(2, 6, None, "token.input"),
+        ];
+        for w in order.windows(2) {
+            assert!(w[0] < w[1], "{:?} must precede {:?}", w[0], w[1]);
         }
     }
 

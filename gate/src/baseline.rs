@@ -4,21 +4,29 @@
 //! diff of that file (the `cargo insta review` / rustc `--bless` workflow).
 //!
 //! A baseline holds no tensor bytes, so it is compared bitwise: every level
-//! whose mode is not `info` must have the blessed digest at every step.
+//! whose mode is not `info` must have the blessed digest at every step. It
+//! also holds the blessed binding, checked against the candidate's like
+//! trace against trace (docs/diff.md, "Comparability"), and is subject to
+//! the same coverage rules (docs/ci.md §2).
 
+use crate::coverage::{self, Coverage, Sides};
 use crate::error::{BaselineError, FileKind, GateError};
 use crate::policy::{Mode, Profile};
 use crate::report::{Failure, GateReport, LevelResult, Status};
 use crate::write::write_atomic;
-use moeconf_bisect::RecordRef;
-use moeconf_fingerprint::{Coord, Digest, Level, Phase, StepNode};
-use moeconf_schema::Trace;
+use moeconf_bisect::{compare_bindings, RecordRef};
+use moeconf_fingerprint::{CanonPolicy, Coord, Digest, Level, Phase, StepNode};
+use moeconf_schema::{
+    Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity, Trace,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Version of the baseline file.
-pub const BASELINE_SCHEMA_VERSION: u32 = 1;
+/// Version of the baseline file. Version 2 added the blessed binding
+/// (`binding`), checked against the candidate's like trace against trace;
+/// version-1 files are refused with a message to re-bless.
+pub const BASELINE_SCHEMA_VERSION: u32 = 2;
 
 /// Largest baseline file read (a baseline of 100 000 steps is ~40 MB).
 const MAX_BASELINE_BYTES: u64 = 256 << 20;
@@ -35,6 +43,159 @@ pub struct StepDigests {
     pub levels: BTreeMap<String, String>,
 }
 
+/// The blessed model identity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlessedModel {
+    /// Display name (shown, never refused).
+    pub name: String,
+    /// Digest of the config bytes (hex).
+    pub config_digest: String,
+    /// Digest of the weights (hex).
+    pub weights_digest: String,
+}
+
+/// The blessed tokenizer identity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlessedTokenizer {
+    /// Display name (shown, never refused).
+    pub name: String,
+    /// Digest of the tokenizer file (hex).
+    pub digest: String,
+}
+
+/// The blessed prompt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlessedPrompt {
+    /// Prompt text.
+    pub text: String,
+    /// Prompt token ids.
+    pub ids: Vec<u32>,
+}
+
+/// The blessed decoding configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlessedDecoding {
+    /// Decoding strategy (`greedy`).
+    pub strategy: String,
+    /// Tokens generated.
+    pub max_new_tokens: u32,
+}
+
+/// The binding of the blessed trace: the fields that make two traces
+/// comparable (model and tokenizer digests, prompt, decoding,
+/// canonicalization; a difference refuses the comparison unless forced) and
+/// those shown for reviewers (names, precision, contract, schedule, capture).
+/// The model's per-tensor list is not kept: its digest is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlessedBinding {
+    /// Model identity.
+    pub model: BlessedModel,
+    /// Tokenizer identity.
+    pub tokenizer: BlessedTokenizer,
+    /// Prompt.
+    pub prompt: BlessedPrompt,
+    /// Decoding configuration.
+    pub decoding: BlessedDecoding,
+    /// Precision profile.
+    pub precision: String,
+    /// Aggregation contract.
+    pub contract: String,
+    /// Schedule.
+    pub schedule: String,
+    /// Captured levels (`L0,L1+payload,...`, as `moeconf inspect` prints them).
+    pub capture: String,
+    /// `-0` folded to `+0` before hashing.
+    pub fold_negative_zero: bool,
+    /// Further binding facts (key, value).
+    pub extra: Vec<(String, String)>,
+}
+
+impl BlessedBinding {
+    /// The blessed fields of a trace's binding.
+    fn of(b: &Binding) -> BlessedBinding {
+        BlessedBinding {
+            model: BlessedModel {
+                name: b.model.name.clone(),
+                config_digest: b.model.config_digest.to_hex(),
+                weights_digest: b.model.weights_digest.to_hex(),
+            },
+            tokenizer: BlessedTokenizer {
+                name: b.tokenizer.name.clone(),
+                digest: b.tokenizer.digest.to_hex(),
+            },
+            prompt: BlessedPrompt {
+                text: b.prompt.text.clone(),
+                ids: b.prompt.ids.clone(),
+            },
+            decoding: BlessedDecoding {
+                strategy: b.decoding.strategy.clone(),
+                max_new_tokens: b.decoding.max_new_tokens,
+            },
+            precision: b.precision.clone(),
+            contract: b.contract.clone(),
+            schedule: b.schedule.clone(),
+            capture: b.capture.describe(),
+            fold_negative_zero: b.canon.fold_negative_zero,
+            extra: b.extra.clone(),
+        }
+    }
+
+    /// The trace binding these fields describe (without the per-tensor
+    /// list), for [`compare_bindings`]; an invalid digest or capture spec
+    /// is an error naming the field.
+    fn to_binding(&self) -> Result<Binding, BaselineError> {
+        let digest = |field: &'static str, text: &str| {
+            Digest::from_hex(text).ok_or_else(|| BaselineError::BindingField {
+                field,
+                text: text.into(),
+            })
+        };
+        let capture = match self.capture.as_str() {
+            "" => CaptureSpec {
+                levels: 0,
+                payload_levels: 0,
+            },
+            spec => CaptureSpec::parse(spec).map_err(|_| BaselineError::BindingField {
+                field: "capture",
+                text: spec.into(),
+            })?,
+        };
+        Ok(Binding {
+            model: ModelIdentity {
+                name: self.model.name.clone(),
+                config_digest: digest("model.config_digest", &self.model.config_digest)?,
+                weights_digest: digest("model.weights_digest", &self.model.weights_digest)?,
+                tensors: Vec::new(),
+            },
+            tokenizer: TokenizerIdentity {
+                name: self.tokenizer.name.clone(),
+                digest: digest("tokenizer.digest", &self.tokenizer.digest)?,
+            },
+            prompt: PromptBinding {
+                text: self.prompt.text.clone(),
+                ids: self.prompt.ids.clone(),
+            },
+            decoding: Decoding {
+                strategy: self.decoding.strategy.clone(),
+                max_new_tokens: self.decoding.max_new_tokens,
+            },
+            precision: self.precision.clone(),
+            contract: self.contract.clone(),
+            schedule: self.schedule.clone(),
+            capture,
+            canon: CanonPolicy {
+                fold_negative_zero: self.fold_negative_zero,
+            },
+            extra: self.extra.clone(),
+        })
+    }
+}
+
 /// The blessed fingerprints of one trace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -49,37 +210,37 @@ pub struct Baseline {
     pub root: String,
     /// Binding digest (hex).
     pub binding_digest: String,
-    /// Model name (for reviewers).
-    pub model: String,
-    /// Prompt text (for reviewers).
-    pub prompt: String,
-    /// Precision profile.
-    pub precision: String,
-    /// Aggregation contract.
-    pub contract: String,
-    /// Schedule.
-    pub schedule: String,
+    /// The blessed binding, checked against the candidate's.
+    pub binding: BlessedBinding,
     /// Records in the trace.
     pub records: u64,
     /// Per-step digests, ascending.
     pub steps: Vec<StepDigests>,
 }
 
+/// The version and kind of a file, read before its full shape.
+#[derive(Deserialize)]
+struct Probe {
+    kind: String,
+    schema_version: u32,
+}
+
 impl Baseline {
-    /// The fingerprints of `t`.
-    pub fn of(t: &Trace) -> Baseline {
-        let b = t.binding();
-        Baseline {
+    /// The fingerprints of `t`; a trace without records is refused (its
+    /// baseline could gate nothing).
+    pub fn of(t: &Trace) -> Result<Baseline, GateError> {
+        if t.records().is_empty() {
+            return Err(GateError::BlessEmpty {
+                path: t.path().to_path_buf(),
+            });
+        }
+        Ok(Baseline {
             schema_version: BASELINE_SCHEMA_VERSION,
             kind: "moeconf.baseline".into(),
             algorithm: t.algorithm().name().into(),
             root: t.root().to_hex(),
             binding_digest: t.binding_digest().to_hex(),
-            model: b.model.name.clone(),
-            prompt: b.prompt.text.clone(),
-            precision: b.precision.clone(),
-            contract: b.contract.clone(),
-            schedule: b.schedule.clone(),
+            binding: BlessedBinding::of(t.binding()),
             records: t.records().len() as u64,
             steps: t
                 .tree()
@@ -95,7 +256,7 @@ impl Baseline {
                         .collect(),
                 })
                 .collect(),
-        }
+        })
     }
 
     /// Writes the file atomically (temporary file in the same directory, then rename).
@@ -126,6 +287,23 @@ impl Baseline {
         })
     }
 
+    /// The root recorded in the baseline file at `path`, of any schema
+    /// version (what `--bless` reports as the previous root); `None` when
+    /// there is no readable baseline there.
+    pub fn blessed_root(path: &Path) -> Option<String> {
+        #[derive(Deserialize)]
+        struct Root {
+            kind: String,
+            root: String,
+        }
+        let len = std::fs::metadata(path).ok()?.len();
+        if len > MAX_BASELINE_BYTES {
+            return None;
+        }
+        let r: Root = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+        (r.kind == "moeconf.baseline").then_some(r.root)
+    }
+
     /// [`Baseline::read`] without the file name (added by the caller).
     fn read_unnamed(path: &Path) -> Result<Baseline, BaselineError> {
         let len = std::fs::metadata(path)?.len();
@@ -135,14 +313,30 @@ impl Baseline {
                 limit: MAX_BASELINE_BYTES,
             });
         }
-        let b: Baseline = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-        if b.kind != "moeconf.baseline" || b.schema_version != BASELINE_SCHEMA_VERSION {
+        let text = std::fs::read_to_string(path)?;
+        let probe: Probe = serde_json::from_str(&text)?;
+        if probe.kind != "moeconf.baseline" || probe.schema_version > BASELINE_SCHEMA_VERSION {
             return Err(BaselineError::NotABaseline {
-                kind: b.kind,
-                version: b.schema_version,
+                kind: probe.kind,
+                version: probe.schema_version,
                 expected: BASELINE_SCHEMA_VERSION,
             });
         }
+        if probe.schema_version < BASELINE_SCHEMA_VERSION {
+            return Err(BaselineError::Outdated {
+                version: probe.schema_version,
+                expected: BASELINE_SCHEMA_VERSION,
+            });
+        }
+        let b: Baseline = serde_json::from_str(&text)?;
+        b.validate()?;
+        Ok(b)
+    }
+
+    /// Every digest is 64 hex digits, every level name is known, the
+    /// binding's fields are valid, and there is at least one step, each
+    /// listed once.
+    fn validate(&self) -> Result<(), BaselineError> {
         let hex = |what: String, text: &str| match Digest::from_hex(text) {
             Some(_) => Ok(()),
             None => Err(BaselineError::Digest {
@@ -150,9 +344,17 @@ impl Baseline {
                 text: text.into(),
             }),
         };
-        hex("root".into(), &b.root)?;
-        hex("binding_digest".into(), &b.binding_digest)?;
-        for s in &b.steps {
+        hex("root".into(), &self.root)?;
+        hex("binding_digest".into(), &self.binding_digest)?;
+        self.binding.to_binding()?;
+        if self.steps.is_empty() {
+            return Err(BaselineError::NoSteps);
+        }
+        let mut seen = BTreeSet::new();
+        for s in &self.steps {
+            if !seen.insert(s.step) {
+                return Err(BaselineError::DuplicateStep { step: s.step });
+            }
             hex(format!("step {}", s.step), &s.digest)?;
             for (l, d) in &s.levels {
                 if Level::from_name(l).is_none() {
@@ -164,7 +366,49 @@ impl Baseline {
                 hex(format!("step {} {l}", s.step), d)?;
             }
         }
-        Ok(b)
+        Ok(())
+    }
+
+    /// The levels the baseline holds (a digest at some step) and declares
+    /// (the blessed capture spec).
+    fn sides(&self, binding: &Binding) -> Sides {
+        Sides {
+            held: Level::ALL
+                .into_iter()
+                .filter(|l| self.steps.iter().any(|s| s.levels.contains_key(l.name())))
+                .collect(),
+            declared: Level::ALL
+                .into_iter()
+                .filter(|&l| binding.capture.captures(l))
+                .collect(),
+        }
+    }
+
+    /// The refusing binding differences between the blessed binding and the
+    /// candidate's (an error unless `force`), as notes when forced.
+    fn check_binding(
+        &self,
+        blessed: &Binding,
+        candidate: &Trace,
+        force: bool,
+    ) -> Result<Vec<String>, BaselineError> {
+        let none = Provenance::default();
+        let (refusing, _) = compare_bindings(blessed, candidate.binding(), &none, &none);
+        if refusing.is_empty() {
+            return Ok(Vec::new());
+        }
+        if !force {
+            return Err(BaselineError::NotComparable { fields: refusing });
+        }
+        Ok(refusing
+            .iter()
+            .map(|d| {
+                format!(
+                    "forced over {}: blessed {} vs candidate {}",
+                    d.field, d.reference, d.candidate
+                )
+            })
+            .collect())
     }
 
     /// A note for the report when the candidate's binding differs from the blessed one.
@@ -173,13 +417,14 @@ impl Baseline {
             return None;
         }
         let b = candidate.binding();
+        let blessed = &self.binding;
         Some(format!(
             "the candidate's binding differs from the blessed one (blessed: model {:?}, precision {}, contract {}, \
              schedule {}; candidate: model {:?}, precision {}, contract {}, schedule {})",
-            self.model,
-            self.precision,
-            self.contract,
-            self.schedule,
+            blessed.model.name,
+            blessed.precision,
+            blessed.contract,
+            blessed.schedule,
             b.model.name,
             b.precision,
             b.contract,
@@ -230,6 +475,21 @@ impl<'a> Steps<'a> {
         RecordRef::new(level, &coord, "both")
     }
 
+    /// The result of a required level the candidate does not hold: every
+    /// blessed step of the level fails, located at the first.
+    fn missing_level(&self, cov: &Coverage, profile: &Profile, level: Level) -> LevelResult {
+        let holding: Vec<u32> = self
+            .blessed
+            .iter()
+            .filter(|(_, b)| b.levels.contains_key(level.name()))
+            .map(|(&s, _)| s)
+            .collect();
+        let first = holding.first().copied().unwrap_or(0);
+        let phase = if first == 0 { Phase::Prefill } else { Phase::Decode };
+        let at = coverage::level_location(level, first, 0, phase);
+        cov.missing_level(profile, level, holding.len() as u64, at)
+    }
+
     /// The level's result: every step's level digest against the blessed one.
     fn compare_level(&self, level: Level, mode: Mode, captured: bool) -> LevelResult {
         let mut r = LevelResult::empty(level, mode, captured);
@@ -267,23 +527,43 @@ impl<'a> Steps<'a> {
     }
 }
 
-/// Compares a candidate with blessed fingerprints under `profile`: every
-/// level that is not `info` must have the blessed level digest at every step.
-pub fn compare(baseline: &Baseline, candidate: &Trace, profile: &Profile) -> Result<GateReport, GateError> {
+/// Compares a candidate with blessed fingerprints under `profile`: the
+/// blessed binding first (a refusing difference is an error unless
+/// `force`), then coverage (a required level the baseline lacks is an
+/// error, one the candidate lacks fails), then every compared level that is
+/// not `info` must have the blessed level digest at every step. `file`
+/// names the baseline in errors.
+pub fn compare(
+    baseline: &Baseline,
+    file: &Path,
+    candidate: &Trace,
+    profile: &Profile,
+    force: bool,
+) -> Result<GateReport, GateError> {
     if baseline.algorithm != candidate.algorithm().name() {
         return Err(GateError::AlgorithmMismatch {
             baseline: baseline.algorithm.clone(),
             candidate: candidate.algorithm().name().into(),
         });
     }
+    let named = |source| GateError::Baseline {
+        path: file.to_path_buf(),
+        source,
+    };
+    let blessed = baseline.binding.to_binding().map_err(named)?;
+    let forced = baseline
+        .check_binding(&blessed, candidate, force)
+        .map_err(named)?;
+    let cov = coverage::plan(profile, baseline.sides(&blessed), Sides::of(candidate))
+        .map_err(|e| named(BaselineError::Coverage(e)))?;
     let mut notes: Vec<String> = baseline.binding_note(candidate).into_iter().collect();
+    notes.extend(forced);
     let steps = Steps::new(baseline, candidate);
     let levels = Level::ALL
         .into_iter()
-        .map(|l| {
-            let in_baseline = baseline.steps.iter().any(|s| s.levels.contains_key(l.name()));
-            let in_candidate = candidate.tree().steps.iter().any(|s| s.level(l).is_some());
-            steps.compare_level(l, profile.mode(l), in_baseline && in_candidate)
+        .map(|l| match cov.missing.contains(l) {
+            true => steps.missing_level(&cov, profile, l),
+            false => steps.compare_level(l, profile.mode(l), cov.compared.contains(l)),
         })
         .collect();
     let mut report = GateReport::new(profile, levels, Vec::new(), Vec::new(), None);
@@ -295,4 +575,126 @@ pub fn compare(baseline: &Baseline, candidate: &Trace, profile: &Profile) -> Res
     ));
     report.notes = notes;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::{Algorithm, Component, DType, TensorView};
+    use moeconf_schema::{Header, TraceWriter};
+
+    /// A one-step trace holding `token.output` and `lm.margin` (L0 and L1).
+    fn trace(dir: &Path) -> Trace {
+        let path = dir.join("t.bin");
+        let binding = Binding {
+            capture: CaptureSpec {
+                levels: 0b11111,
+                payload_levels: 0b11111,
+            },
+            decoding: Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 1,
+            },
+            ..Binding::default()
+        };
+        let header = Header {
+            binding,
+            ..Header::default()
+        };
+        let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
+        for (c, level) in [
+            (Component::TokenOutput, Level::L0),
+            (Component::LmMargin, Level::L1),
+        ] {
+            let coord = Coord {
+                step: 0,
+                position: 0,
+                phase: Phase::Prefill,
+                layer: None,
+                path: c.path().into(),
+            };
+            let bytes = 7i32.to_le_bytes();
+            let dtype = if level == Level::L0 {
+                DType::I32
+            } else {
+                DType::F32
+            };
+            let view = TensorView {
+                dtype,
+                shape: &[1],
+                bytes: &bytes,
+            };
+            w.append(coord, level, view, true).unwrap();
+        }
+        w.finish().unwrap();
+        Trace::open(&path).unwrap()
+    }
+
+    #[test]
+    fn the_blessed_binding_refuses_like_trace_against_trace() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path());
+        let profile = Profile::builtin("default");
+        let file = dir.path().join("b.json");
+        let mut b = Baseline::of(&t).unwrap();
+        assert_eq!(
+            compare(&b, &file, &t, &profile, false).unwrap().verdict,
+            crate::Verdict::Pass
+        );
+        b.binding.model.config_digest = "11".repeat(32);
+        b.binding.tokenizer.digest = "22".repeat(32);
+        let err = compare(&b, &file, &t, &profile, false).unwrap_err();
+        let GateError::Baseline {
+            source: BaselineError::NotComparable { fields },
+            ..
+        } = &err
+        else {
+            panic!("{err}");
+        };
+        let names: Vec<&str> = fields.iter().map(|f| f.field.as_str()).collect();
+        assert_eq!(names, ["model.config_digest", "tokenizer.digest"]);
+        let report = compare(&b, &file, &t, &profile, true).unwrap();
+        assert!(
+            report
+                .notes
+                .iter()
+                .any(|n| n.starts_with("forced over model.config_digest")),
+            "{:?}",
+            report.notes
+        );
+        // Shown fields differ without refusing.
+        let mut b = Baseline::of(&t).unwrap();
+        b.binding.precision = "f32".into();
+        b.binding.model.name = "other".into();
+        assert!(compare(&b, &file, &t, &profile, false).is_ok());
+    }
+
+    #[test]
+    fn invalid_baselines_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path());
+        let good = Baseline::of(&t).unwrap();
+        assert!(good.validate().is_ok());
+        let mut b = good.clone();
+        b.binding.model.weights_digest = "xyz".into();
+        assert!(matches!(
+            b.validate(),
+            Err(BaselineError::BindingField {
+                field: "model.weights_digest",
+                ..
+            })
+        ));
+        let mut b = good.clone();
+        b.steps.push(b.steps[0].clone());
+        assert!(matches!(
+            b.validate(),
+            Err(BaselineError::DuplicateStep { step: 0 })
+        ));
+        let mut b = good.clone();
+        b.steps.clear();
+        assert!(matches!(b.validate(), Err(BaselineError::NoSteps)));
+        let mut b = good;
+        b.binding.capture = "L9".into();
+        assert!(b.validate().is_err());
+    }
 }

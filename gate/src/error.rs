@@ -82,6 +82,22 @@ pub enum GateError {
         /// The candidate's algorithm name.
         candidate: String,
     },
+    /// The reference trace cannot gate anything: it holds no records, lacks
+    /// a level the profile requires, or has no level in common with the
+    /// candidate.
+    #[error("reference {}", path.display())]
+    ReferenceCoverage {
+        /// The reference trace.
+        path: PathBuf,
+        /// What is missing.
+        source: CoverageError,
+    },
+    /// `--bless` of a trace that holds no records (the baseline could gate nothing).
+    #[error("cannot bless {}: it holds no records", path.display())]
+    BlessEmpty {
+        /// The trace.
+        path: PathBuf,
+    },
     /// The reference trace cannot be opened (missing, unreadable or invalid).
     #[error(transparent)]
     Reference(TraceError),
@@ -262,11 +278,58 @@ pub enum PolicyError {
         /// The invalid entry's reason.
         source: Box<PolicyError>,
     },
+    /// An invalid entry of `MOECONF_REQUIRED`.
+    #[error("MOECONF_REQUIRED={value:?}")]
+    EnvRequired {
+        /// The variable's whole value.
+        value: String,
+        /// The invalid entry's reason.
+        source: Box<PolicyError>,
+    },
+    /// A `required` entry that is neither a level nor `judged` / `reference`.
+    #[error("required: unknown entry {name:?} (expected L0, L1, L2, L3, L4, judged or reference)")]
+    UnknownRequirement {
+        /// The entry given.
+        name: String,
+    },
     /// `MOECONF_EQUAL_NAN` other than `1`, `true`, `0` or `false`.
     #[error("MOECONF_EQUAL_NAN={value:?}: expected 1, true, 0 or false")]
     EqualNan {
         /// The value given.
         value: String,
+    },
+}
+
+/// Why the reference side (trace or baseline) cannot gate the candidate;
+/// [`GateError`] names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CoverageError {
+    /// No records (or no steps) at all.
+    #[error("it holds no records, so nothing can be gated")]
+    Empty,
+    /// A level the profile requires is not held.
+    #[error(
+        "it holds no {levels} records, which profile {profile:?} requires (required = [{required}]): capture \
+         them, or relax `required` (docs/ci.md §2)"
+    )]
+    MissingRequired {
+        /// The levels, e.g. `L1, L2`.
+        levels: String,
+        /// The profile.
+        profile: String,
+        /// The profile's `required` list as written.
+        required: String,
+    },
+    /// The two sides have no level in common, and no required level is
+    /// missing from the candidate: nothing can be compared.
+    #[error(
+        "no level in common with the candidate (reference side holds {reference}, candidate {candidate})"
+    )]
+    NothingInCommon {
+        /// Levels the reference side holds.
+        reference: String,
+        /// Levels the candidate holds.
+        candidate: String,
     },
 }
 
@@ -304,6 +367,48 @@ pub enum BaselineError {
         what: String,
         /// The text found.
         text: String,
+    },
+    /// A baseline of schema version 1 (before the binding fields): it cannot
+    /// be checked against the candidate's binding.
+    #[error(
+        "schema version {version} baselines hold no binding (model, tokenizer, prompt, decoding) to check the \
+         candidate against: re-bless it with `moeconf gate --bless --baseline FILE TRACE` (version {expected})"
+    )]
+    Outdated {
+        /// The version found.
+        version: u32,
+        /// The version this build reads.
+        expected: u32,
+    },
+    /// The baseline holds no step (`steps: []`): it could gate nothing.
+    #[error("it holds no steps, so nothing can be gated (bless a trace that holds records)")]
+    NoSteps,
+    /// A step listed twice.
+    #[error("step {step} is listed twice")]
+    DuplicateStep {
+        /// The step.
+        step: u32,
+    },
+    /// A digest of the blessed binding that is not 64 hex digits, or another
+    /// binding field out of range.
+    #[error("binding.{field}: {text:?} is not valid")]
+    BindingField {
+        /// The field (`model.config_digest`, ...).
+        field: &'static str,
+        /// The text found.
+        text: String,
+    },
+    /// The baseline cannot gate the candidate (a required level it does not hold).
+    #[error(transparent)]
+    Coverage(CoverageError),
+    /// The candidate's binding differs from the blessed one in a field that
+    /// makes the comparison meaningless (as `moeconf diff` refuses traces).
+    #[error("the candidate is not comparable with the blessed baseline ({} differing field{}; use --force to compare anyway):\n{}",
+        .fields.len(), if .fields.len() == 1 { "" } else { "s" },
+        .fields.iter().map(|d| format!("  {}: blessed {} vs candidate {}", d.field, d.reference, d.candidate)).collect::<Vec<_>>().join("\n"))]
+    NotComparable {
+        /// Every refusing field that differs (reference = the blessed value).
+        fields: Vec<moeconf_bisect::FieldDifference>,
     },
     /// A level name other than `L0`…`L4`.
     #[error("step {step}: unknown level {name:?}")]

@@ -11,13 +11,14 @@
 //! level, by the first matching rule; [`Tally`] sums the outcomes per level
 //! and per rule into the [`GateReport`].
 
+use crate::coverage::{self, Coverage, Sides};
 use crate::error::GateError;
 use crate::judge::{self, Differing, Outcome, PayloadPair};
 use crate::policy::{Mode, Profile};
 use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status};
 use crate::tolerance::Minimal;
 use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef};
-use moeconf_fingerprint::{Component, Level, LevelSet};
+use moeconf_fingerprint::{Component, Level};
 use moeconf_schema::{IndexEntry, Trace};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -428,17 +429,17 @@ impl Tally {
     }
 }
 
-/// Levels compared: captured by both bindings and present in the reference.
-fn compared_levels(reference: &Trace, candidate: &Trace) -> LevelSet {
-    let present: LevelSet = reference.records().iter().map(|e| e.level).collect();
-    Level::ALL
-        .into_iter()
-        .filter(|&l| {
-            reference.binding().capture.captures(l)
-                && candidate.binding().capture.captures(l)
-                && present.contains(l)
-        })
-        .collect()
+/// The result of a required level the candidate does not hold: each of the
+/// reference's records of it fails, located at the first.
+fn missing_level(reference: &Trace, profile: &Profile, cov: &Coverage, level: Level) -> LevelResult {
+    let mut of_level = reference.records().iter().filter(|e| e.level == level);
+    let first = of_level.next();
+    let records = first.map_or(0, |_| 1 + of_level.count() as u64);
+    let at = first.map_or_else(
+        || coverage::level_location(level, 0, 0, moeconf_fingerprint::Phase::Prefill),
+        |e| RecordRef::new(level, &e.coord, "reference"),
+    );
+    cov.missing_level(profile, level, records, at)
 }
 
 /// Which side holds a pair's record, in [`RecordRef`]'s words.
@@ -479,11 +480,20 @@ pub fn evaluate(
     gate.token_flip(&pairs, &mut flips)?;
     gate.route_flips(&pairs, &mut flips)?;
 
-    let compared = compared_levels(reference, candidate);
+    let cov = coverage::plan(profile, Sides::of(reference), Sides::of(candidate)).map_err(|source| {
+        GateError::ReferenceCoverage {
+            path: reference.path().to_path_buf(),
+            source,
+        }
+    })?;
+    let compared = cov.compared;
     let mut tally = Tally {
         levels: Level::ALL
             .iter()
-            .map(|&l| LevelResult::empty(l, profile.mode(l), compared.contains(l)))
+            .map(|&l| match cov.missing.contains(l) {
+                true => missing_level(reference, profile, &cov, l),
+                false => LevelResult::empty(l, profile.mode(l), compared.contains(l)),
+            })
             .collect(),
         rules: BTreeMap::new(),
         near_ties: std::mem::take(&mut flips.near_ties),

@@ -26,6 +26,7 @@
 #![deny(missing_docs)]
 
 pub mod baseline;
+mod coverage;
 mod error;
 mod evaluate;
 mod judge;
@@ -36,14 +37,14 @@ pub mod report_md;
 pub mod tolerance;
 mod write;
 
-pub use error::{BaselineError, FileKind, GateError, PolicyError};
+pub use error::{BaselineError, CoverageError, FileKind, GateError, PolicyError};
 pub use evaluate::evaluate;
 pub use report::{
     Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status, Verdict, GATE_SCHEMA_VERSION,
 };
 pub use write::{write_atomic, write_checked};
 
-use moeconf_bisect::{diff, DiffOptions};
+use moeconf_bisect::{diff, BisectError, DiffOptions};
 use moeconf_schema::Trace;
 use policy::Profile;
 use std::path::Path;
@@ -52,20 +53,39 @@ use std::path::Path;
 /// `profile`: opens the reference and re-hashes every payload of both
 /// traces (a corrupted byte of either is an error, never a verdict), asks
 /// the diff engine for the localization (refusing traces whose bindings are
-/// not comparable), then [`evaluate`]s. The report names both traces.
+/// not comparable unless `force`; forced fields are noted in the report),
+/// then [`evaluate`]s. The report names both traces.
 pub fn against_reference(
     reference: &Path,
     candidate: &Trace,
     profile: &Profile,
+    force: bool,
 ) -> Result<GateReport, GateError> {
     let rt = Trace::open_verified(reference).map_err(GateError::Reference)?;
     candidate.verify_payloads().map_err(GateError::Candidate)?;
-    let d = diff(&rt, candidate, &DiffOptions::default()).map_err(|source| GateError::Diff {
-        reference: reference.to_path_buf(),
-        candidate: candidate.path().to_path_buf(),
-        source,
-    })?;
-    let mut report = evaluate(&rt, candidate, profile, d.first_divergence)?;
+    let opts = DiffOptions {
+        force,
+        ..DiffOptions::default()
+    };
+    let (localization, forced) = match diff(&rt, candidate, &opts) {
+        Ok(d) => (d.first_divergence, d.comparability.forced_over),
+        // Coverage decides what a gate without a common level says.
+        Err(BisectError::NothingToCompare { .. }) => (None, Vec::new()),
+        Err(source) => {
+            return Err(GateError::Diff {
+                reference: reference.to_path_buf(),
+                candidate: candidate.path().to_path_buf(),
+                source,
+            })
+        }
+    };
+    let mut report = evaluate(&rt, candidate, profile, localization)?;
+    report.notes.extend(forced.iter().map(|d| {
+        format!(
+            "forced over {}: reference {} vs candidate {}",
+            d.field, d.reference, d.candidate
+        )
+    }));
     report.reference = reference.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();
@@ -75,12 +95,19 @@ pub fn against_reference(
 /// Judges `candidate` against the blessed baseline `file` under `profile`
 /// (every level that is not `info` bitwise, per step). Every payload of the
 /// candidate is re-hashed first: a baseline holds digests only, but a
-/// candidate with a corrupted byte is an error, never a verdict. The report
-/// names the baseline and the candidate.
-pub fn against_baseline(file: &Path, candidate: &Trace, profile: &Profile) -> Result<GateReport, GateError> {
+/// candidate with a corrupted byte is an error, never a verdict. A
+/// candidate whose binding differs from the blessed one in a refusing field
+/// (model, tokenizer, prompt, decoding) is an error unless `force`. The
+/// report names the baseline and the candidate.
+pub fn against_baseline(
+    file: &Path,
+    candidate: &Trace,
+    profile: &Profile,
+    force: bool,
+) -> Result<GateReport, GateError> {
     candidate.verify_payloads().map_err(GateError::Candidate)?;
     let b = baseline::Baseline::read(file)?;
-    let mut report = baseline::compare(&b, candidate, profile)?;
+    let mut report = baseline::compare(&b, file, candidate, profile, force)?;
     report.reference = file.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();
@@ -143,9 +170,12 @@ mod tests {
         Trace::open(&path).unwrap()
     }
 
+    /// L3 in tolerance mode; the traces here hold only L3, so only judged
+    /// levels are required (the built-in default also requires L0 and L1).
     fn tolerant() -> Profile {
         let mut p = Profile::builtin("t");
         p.levels[3] = Mode::Tolerance;
+        p.required = vec![policy::Requirement::Judged];
         p
     }
 
@@ -175,6 +205,13 @@ mod tests {
         );
         // Bitwise fails either way; info reports without failing.
         let mut p = tolerant();
+        assert!(
+            matches!(
+                evaluate(&r, &c, &Profile::builtin("default"), None),
+                Err(GateError::ReferenceCoverage { .. })
+            ),
+            "the built-in default requires L0 and L1, which these traces lack"
+        );
         p.levels[3] = Mode::Bitwise;
         assert_eq!(evaluate(&r, &c, &p, None).unwrap().verdict, Verdict::Fail);
         p.levels[3] = Mode::Info;

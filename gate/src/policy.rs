@@ -10,7 +10,7 @@
 //! list as a whole, so first-match order stays readable in one place).
 
 use crate::error::{GateError, PolicyError};
-use moeconf_fingerprint::{DType, Level};
+use moeconf_fingerprint::{DType, Level, LevelSet};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -47,6 +47,60 @@ impl Mode {
             .into_iter()
             .find(|m| m.name() == name)
             .ok_or_else(|| PolicyError::UnknownMode { name: name.into() })
+    }
+}
+
+/// One entry of a profile's `required` list (docs/ci.md §2, "Coverage"):
+/// which levels both sides must hold records of. A required level missing
+/// from the candidate fails the gate; missing from the reference (or
+/// baseline), it is an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requirement {
+    /// This level.
+    Level(Level),
+    /// Every level the reference holds whose mode is `bitwise` or `tolerance`.
+    Judged,
+    /// Every level the reference holds, whatever its mode.
+    Reference,
+}
+
+impl Requirement {
+    /// `L0`…`L4`, `judged` or `reference`, as written in the policy.
+    pub fn name(self) -> &'static str {
+        match self {
+            Requirement::Level(l) => l.name(),
+            Requirement::Judged => "judged",
+            Requirement::Reference => "reference",
+        }
+    }
+
+    /// The requirement called `name`.
+    pub fn from_name(name: &str) -> Result<Requirement, PolicyError> {
+        match name {
+            "judged" => Ok(Requirement::Judged),
+            "reference" => Ok(Requirement::Reference),
+            _ => Level::from_name(name)
+                .map(Requirement::Level)
+                .ok_or_else(|| PolicyError::UnknownRequirement { name: name.into() }),
+        }
+    }
+
+    /// Parses a comma-separated list (`L0,L1,judged`); `none` is the empty list.
+    pub fn parse_list(text: &str) -> Result<Vec<Requirement>, PolicyError> {
+        if text.trim() == "none" {
+            return Ok(Vec::new());
+        }
+        text.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(Requirement::from_name)
+            .collect()
+    }
+}
+
+impl serde::Serialize for Requirement {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
     }
 }
 
@@ -242,11 +296,15 @@ pub struct Profile {
     pub argmax_near_tie_margin: f64,
     /// `(rtol, atol)` per dtype name, overriding [`builtin_dtype_tolerance`].
     pub dtype_tolerance: BTreeMap<String, (f64, f64)>,
+    /// Coverage: the levels both sides must hold ([`Profile::required_levels`]).
+    pub required: Vec<Requirement>,
 }
 
 impl Profile {
     /// The built-in profile: every level bitwise, catch-all element-wise rule
     /// with dtype defaults (used when a level is switched to tolerance).
+    /// `strict` requires every level the reference holds; every other
+    /// profile starts from L0, L1 and every judged level the reference holds.
     pub fn builtin(name: &str) -> Profile {
         Profile {
             name: name.to_string(),
@@ -263,6 +321,15 @@ impl Profile {
             route_near_tie_margin: 0.0,
             argmax_near_tie_margin: 0.0,
             dtype_tolerance: BTreeMap::new(),
+            required: if name == "strict" {
+                vec![Requirement::Reference]
+            } else {
+                vec![
+                    Requirement::Level(Level::L0),
+                    Requirement::Level(Level::L1),
+                    Requirement::Judged,
+                ]
+            },
         }
     }
 
@@ -274,6 +341,33 @@ impl Profile {
     /// Sets the mode of a level.
     pub fn set_mode(&mut self, level: Level, mode: Mode) {
         self.levels[level.code() as usize] = mode;
+    }
+
+    /// The levels both sides must hold, given the levels the reference (or
+    /// baseline) holds: the named levels, plus the judged (non-`info`) or
+    /// all levels of the reference for `judged` / `reference`.
+    pub fn required_levels(&self, reference_holds: LevelSet) -> LevelSet {
+        let mut set = LevelSet::EMPTY;
+        for r in &self.required {
+            match *r {
+                Requirement::Level(l) => set.insert(l),
+                Requirement::Judged => reference_holds
+                    .iter()
+                    .filter(|&l| self.mode(l) != Mode::Info)
+                    .for_each(|l| set.insert(l)),
+                Requirement::Reference => reference_holds.iter().for_each(|l| set.insert(l)),
+            }
+        }
+        set
+    }
+
+    /// The `required` list as written: `L0, L1, judged` (`none` when empty).
+    pub fn describe_required(&self) -> String {
+        if self.required.is_empty() {
+            return "none".into();
+        }
+        let names: Vec<&str> = self.required.iter().map(|r| r.name()).collect();
+        names.join(", ")
     }
 
     /// The first rule matching a record, with its index.
@@ -394,6 +488,7 @@ struct RawProfile {
     route_near_tie_margin: Option<f64>,
     argmax_near_tie_margin: Option<f64>,
     dtype_tolerance: Option<BTreeMap<String, RawTol>>,
+    required: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -511,12 +606,18 @@ impl RawProfile {
         if let Some(rules) = &self.rules {
             base.rules = rules.iter().map(RawRule::resolve).collect::<Result<_, _>>()?;
         }
+        let required = self
+            .required
+            .as_ref()
+            .map(|names| names.iter().map(|n| Requirement::from_name(n)).collect())
+            .transpose()?;
         // The remaining settings override the base as the environment's do.
         Overrides {
             levels,
             equal_nan: self.equal_nan,
             route_near_tie_margin: self.route_near_tie_margin,
             argmax_near_tie_margin: self.argmax_near_tie_margin,
+            required,
             ..Overrides::default()
         }
         .apply(base);
@@ -547,13 +648,15 @@ pub struct Overrides {
     pub route_near_tie_margin: Option<f64>,
     /// `argmax_near_tie_margin`.
     pub argmax_near_tie_margin: Option<f64>,
+    /// `required` (replaces the lower source's list as a whole).
+    pub required: Option<Vec<Requirement>>,
 }
 
 impl Overrides {
     /// Reads `MOECONF_POLICY`, `MOECONF_PROFILE`, `MOECONF_LEVELS`
     /// (`L2=info,L4=tolerance`), `MOECONF_EQUAL_NAN` (`1`/`true`/`0`/`false`),
-    /// `MOECONF_ROUTE_NEAR_TIE_MARGIN`, `MOECONF_ARGMAX_NEAR_TIE_MARGIN`
-    /// through `get` (the process environment in the binary, a map in tests).
+    /// `MOECONF_ROUTE_NEAR_TIE_MARGIN`, `MOECONF_ARGMAX_NEAR_TIE_MARGIN`,
+    /// `MOECONF_REQUIRED` (`L0,L1,judged`, or `none`) through `get` (the process environment in the binary, a map in tests).
     /// Empty values count as unset.
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Overrides, PolicyError> {
         let var = |k: &str| get(k).filter(|v| !v.is_empty());
@@ -594,6 +697,14 @@ impl Overrides {
             },
             route_near_tie_margin: num("MOECONF_ROUTE_NEAR_TIE_MARGIN")?,
             argmax_near_tie_margin: num("MOECONF_ARGMAX_NEAR_TIE_MARGIN")?,
+            required: var("MOECONF_REQUIRED")
+                .map(|value| {
+                    Requirement::parse_list(&value).map_err(|e| PolicyError::EnvRequired {
+                        value: value.clone(),
+                        source: Box::new(e),
+                    })
+                })
+                .transpose()?,
         })
     }
 
@@ -608,6 +719,7 @@ impl Overrides {
             equal_nan: self.equal_nan.or(lower.equal_nan),
             route_near_tie_margin: self.route_near_tie_margin.or(lower.route_near_tie_margin),
             argmax_near_tie_margin: self.argmax_near_tie_margin.or(lower.argmax_near_tie_margin),
+            required: self.required.or(lower.required),
         }
     }
 
@@ -624,6 +736,9 @@ impl Overrides {
         }
         if let Some(v) = self.argmax_near_tie_margin {
             profile.argmax_near_tie_margin = v;
+        }
+        if let Some(r) = &self.required {
+            profile.required = r.clone();
         }
     }
 }
@@ -779,6 +894,8 @@ rules = [
 ]
 [profile.ci.dtype_tolerance]
 f32 = { rtol = 1e-3, atol = 1e-4 }
+[profile.cov]
+required = ["L0", "judged"]
 "#;
 
     #[test]
@@ -834,6 +951,17 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
             Mode::Tolerance,
             "env level kept where the CLI is silent"
         );
+        // `required`: the built-in list, the file's, then the environment's.
+        assert_eq!(p.describe_required(), "L0, L1, judged");
+        let cov = Overrides {
+            profile: Some("cov".into()),
+            ..Overrides::default()
+        };
+        let (p, _) = resolve(&cov, &sub).unwrap();
+        assert_eq!(p.describe_required(), "L0, judged");
+        let env = Overrides::from_env(|k| (k == "MOECONF_REQUIRED").then(|| "none".into())).unwrap();
+        let (p, _) = resolve(&env.over(cov), &sub).unwrap();
+        assert!(p.required.is_empty());
         // Built-in strict ignores the file's profiles.
         let strict = Overrides {
             profile: Some("strict".into()),
@@ -879,6 +1007,7 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
             ("[profile.default]\nrules = [{ path = \"*\", check = \"ulp\", rtol = 1.0 }]\n", "does not apply"),
             ("[profile.default]\nrules = [{ path = \"*\", check = \"aggregate\", cosine_min = 0.9 }]\n", "needs"),
             ("[profile.default]\nequal_nans = true\n", "unknown field"),
+            ("[profile.default]\nrequired = [\"L0\", \"L7\"]\n", "unknown entry \"L7\""),
             ("[profile.default]\nroute_near_tie_margin = -1.0\n", "finite number"),
             ("[profile.default.dtype_tolerance]\ni32 = { rtol = 1.0, atol = 1.0 }\n", "not a floating"),
             ("[profile.default\n", "TOML"),
@@ -903,6 +1032,8 @@ f32 = { rtol = 1e-3, atol = 1e-4 }
         };
         assert!(chain(&resolve(&o, dir.path()).unwrap_err()).contains("no such profile"));
         assert!(Overrides::from_env(|_| Some("x".into())).is_err());
+        let e = Overrides::from_env(|k| (k == "MOECONF_REQUIRED").then(|| "L0,all".into())).unwrap_err();
+        assert!(chain(&e).contains("MOECONF_REQUIRED") && chain(&e).contains("\"all\""));
         assert!(parse_level_mode("L3").is_err());
     }
 }

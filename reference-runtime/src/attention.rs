@@ -7,12 +7,17 @@
 //! - `q_lat = rmsnorm_w(round(W_qa·a))`; `q_h = rope(rmsnorm_unweighted(round(W_qb·q_lat)_h))`.
 //! - `kv = rope(rmsnorm_w(round(W_kv·a)))`; rope kind "main" on sliding layers, else "compress".
 //! - Keys: the window (≤ w kvs, oldest first) then the compressed entries (HCA: all;
-//!   CSA: the indexer's selection in ascending entry order).
+//!   CSA: the indexer's selection in ascending entry order), read from the caches
+//!   after the position's kv and any emitted entry are stored; the read views are
+//!   recorded (`attn.window_read`, `attn.compressed_read`) separately from what is
+//!   appended (`attn.kv`, `attn.compressed`).
 //! - `l_j = round(round(dot8(q_h, k_j)) · d^(−1/2))`; `M = max(max_j l_j, sink_h)`;
 //!   `e_j = expf(l_j − M)`; `Z = (Σ_j e_j) + expf(sink_h − M)` (keys in order, sink last);
 //!   `p_j = round(e_j / Z)`; `o_h = round(Σ_j p_j · v_j)` (keys in order, FP32).
 //! - De-rotation: inverse rope at t on the trailing r channels of each o_h.
 //! - `u_g = round(W_oa[gR..(g+1)R] · o_g)` over contiguous head groups, `out = round(W_ob · u)`.
+
+use std::borrow::Cow;
 
 use moeconf_fingerprint::Component;
 
@@ -21,8 +26,8 @@ use crate::compressor::{compressor_step_with, CompressorWeights};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
-use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder, Summation};
-use crate::indexer::{indexer_scores, topk_desc, IndexerWeights};
+use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder};
+use crate::indexer::{indexer_scores_with, topk_desc, IndexerWeights};
 use crate::linear::dot8;
 use crate::precision::Precision;
 use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
@@ -135,16 +140,40 @@ pub(crate) fn attention_forward(
     };
     let cs = rope.cos_sin(t, p);
 
-    let (q_lat, q) = queries(aw, a, &cs, cx);
+    let shifted;
+    let q_cs = if cx.fx.attention.query_rope_off_by_one {
+        shifted = rope.cos_sin(t + 1, p);
+        &shifted
+    } else {
+        &cs
+    };
+    let (q_lat, q) = queries(aw, a, q_cs, cx);
     rec.f32(Component::AttnQ, at, &[h as u64, d as u64], &q)?;
     let kv = new_kv(aw, a, &cs, cx);
     rec.f32(Component::AttnKv, at, &[d as u64], &kv)?;
-    ls.window_kv.extend_from_slice(&kv);
+    store_kv(ls, &kv, cx);
 
     compress(aw, ls, a, ropes, cx, rec)?;
     let selected = select(aw, ls, a, &q_lat, ropes, cx, rec)?;
     let mut core = {
-        let keys = key_list(aw.kind, ls, &selected, d);
+        let window = window_read(ls, cx);
+        rec.f32(
+            Component::AttnWindowRead,
+            at,
+            &[(window.len() / d) as u64, d as u64],
+            window,
+        )?;
+        let compressed = compressed_read(aw.kind, ls, &selected);
+        if let Some(c) = &compressed {
+            rec.f32(
+                Component::AttnCompressedRead,
+                at,
+                &[(c.len() / d) as u64, d as u64],
+                c,
+            )?;
+        }
+        let mut keys: Vec<&[f32]> = window.chunks_exact(d).collect();
+        keys.extend(compressed.as_deref().unwrap_or(&[]).chunks_exact(d));
         attend(&q, &keys, &aw.sinks, cx)
     };
     rec.f32(Component::AttnCore, at, &[h as u64, d as u64], &core)?;
@@ -159,6 +188,49 @@ pub(crate) fn attention_forward(
     }
     ls.cumulative_length += 1;
     Ok(out)
+}
+
+/// Appends the position's kv to the window cache (with the
+/// [`crate::faults::FaultKind::WindowStoreLowPrecision`] fault, stored with
+/// fewer mantissa bits).
+fn store_kv(ls: &mut LayerState, kv: &[f32], cx: &TokenCtx<'_>) {
+    let start = ls.window_kv.len();
+    ls.window_kv.extend_from_slice(kv);
+    if let Some(bits) = cx.fx.attention.window_store_bits {
+        keep_mantissa_bits(&mut ls.window_kv[start..], bits);
+    }
+}
+
+/// The window rows attention reads: the cache after this position's kv is
+/// stored (≤ w rows, oldest first). With the
+/// [`crate::faults::FaultKind::WindowReadDropsOldest`] fault a full window
+/// is read without its oldest row.
+fn window_read<'s>(ls: &'s LayerState, cx: &TokenCtx<'_>) -> &'s [f32] {
+    let d = cx.cfg.head_dim;
+    let rows = ls.window_kv.len() / d;
+    if cx.fx.attention.window_read_drops_oldest && rows >= cx.cfg.sliding_window && rows > 0 {
+        &ls.window_kv[d..]
+    } else {
+        &ls.window_kv
+    }
+}
+
+/// The compressed entries attention reads from the cache (HCA: all; CSA: the
+/// indexer's selection in ascending entry order), `None` on sliding layers.
+fn compressed_read<'s>(
+    kind: AttentionKind,
+    ls: &'s LayerState,
+    selected: &[usize],
+) -> Option<Cow<'s, [f32]>> {
+    let cst = ls.compressor.as_ref()?;
+    Some(match kind {
+        AttentionKind::Csa => {
+            let mut sel = selected.to_vec();
+            sel.sort_unstable();
+            Cow::Owned(sel.iter().flat_map(|&i| cst.entry(i).iter().copied()).collect())
+        }
+        _ => Cow::Borrowed(&cst.compressed_kv),
+    })
 }
 
 /// The query latent and the per-head queries after norm and RoPE.
@@ -198,7 +270,7 @@ fn compress(
     };
     let eps = cx.cfg.rms_norm_eps;
     let rows = cst.buffered();
-    match compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor_pooling) {
+    match compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor) {
         Some(entry) => {
             let d = cx.cfg.head_dim as u64;
             rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &entry)?;
@@ -239,7 +311,7 @@ fn select(
         return Ok(Vec::new());
     };
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
-    let contract = Summation::default();
+    let fx = cx.fx.indexer;
     let rows = ist.buffered();
     match compressor_step_with(
         &iw.compressor,
@@ -248,34 +320,24 @@ fn select(
         &ropes.compress,
         cfg.rms_norm_eps,
         p,
-        contract,
+        fx.compressor,
     ) {
         Some(entry) => rec.f32(Component::AttnIndexerCompressed, at, &[1, ist.dim as u64], &entry)?,
         None => check_buffered(rec, ist, rows, cx, CompressorRole::Indexer)?,
     }
+    let (t, d_i) = (ist.entry_count, ist.dim as u64);
+    rec.f32(Component::AttnIndexerRead, at, &[t, d_i], &ist.compressed_kv)?;
     let ccs = ropes.compress.cos_sin(cx.position, p);
-    let scores = indexer_scores(iw, ist, q_lat, a, &ccs, cfg.index_n_heads, p);
-    let selected = topk_desc(&scores, cfg.index_topk.min(scores.len()));
+    let scores = indexer_scores_with(iw, ist, q_lat, a, &ccs, cfg.index_n_heads, p, fx.scale_after_sum);
+    rec.f32(Component::AttnIndexerScores, at, &[scores.len() as u64], &scores)?;
+    let mut k = cfg.index_topk.min(scores.len());
+    if fx.topk_drops_last {
+        k = k.saturating_sub(1);
+    }
+    let selected = topk_desc(&scores, k);
     let ids: Vec<i32> = selected.iter().map(|&i| i as i32).collect();
     rec.i32(Component::AttnIndexerTopk, at, &ids)?;
     Ok(selected)
-}
-
-/// The keys of this token: the window rows, then the compressed entries
-/// (HCA: all; CSA: the indexer's selection in ascending entry order).
-fn key_list<'s>(kind: AttentionKind, ls: &'s LayerState, selected: &[usize], d: usize) -> Vec<&'s [f32]> {
-    let mut keys: Vec<&[f32]> = ls.window_kv.chunks_exact(d).collect();
-    if let Some(cst) = &ls.compressor {
-        match kind {
-            AttentionKind::Csa => {
-                let mut sel = selected.to_vec();
-                sel.sort_unstable();
-                keys.extend(sel.iter().map(|&i| cst.entry(i)));
-            }
-            _ => keys.extend((0..cst.entry_count as usize).map(|i| cst.entry(i))),
-        }
-    }
-    keys
 }
 
 /// Per-head sink softmax over `keys` and the weighted value sum (K = V):
@@ -295,14 +357,18 @@ fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], cx: &TokenCtx<'_>) -> Vec<f
             *lj = p.round(p.round(dot8(qh, k)) * scale);
             m = m.max(*lj);
         }
-        for ej in e.iter_mut() {
-            *ej = libm::expf(*ej - m);
-        }
         let add = |z: f32, ej: &f32| softmax.accumulator.add(z, *ej);
-        let mut z = if reversed {
-            e.iter().rev().fold(0.0f32, add)
+        let mut z = if cx.fx.attention.split_k {
+            split_k_exponentials(&mut e, m)
         } else {
-            e.iter().fold(0.0f32, add)
+            for ej in e.iter_mut() {
+                *ej = libm::expf(*ej - m);
+            }
+            if reversed {
+                e.iter().rev().fold(0.0f32, add)
+            } else {
+                e.iter().fold(0.0f32, add)
+            }
         };
         z += libm::expf(sink - m);
         let oh = &mut core[hh * d..(hh + 1) * d];
@@ -322,12 +388,36 @@ fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], cx: &TokenCtx<'_>) -> Vec<f
     core
 }
 
+/// The [`crate::faults::FaultKind::AttentionSplitKDecode`] fault: the
+/// logits `e` (in place) become exponentials as a two-split decode kernel
+/// computes them: each half of the keys against its own maximum m_i, then
+/// rescaled to the global maximum `m` (`expf(l_j − m_i) · expf(m_i − m)`);
+/// returns the normalizer without the sink, the halves' FP32 sums added.
+fn split_k_exponentials(e: &mut [f32], m: f32) -> f32 {
+    let half = e.len() / 2;
+    let (lo, hi) = e.split_at_mut(half);
+    let mut z = 0.0f32;
+    for part in [lo, hi] {
+        let mi = part.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let rescale = libm::expf(mi - m);
+        let mut zi = 0.0f32;
+        for ej in part.iter_mut() {
+            *ej = libm::expf(*ej - mi) * rescale;
+            zi += *ej;
+        }
+        z += zi;
+    }
+    z
+}
+
 /// De-rotation of each head's output, then the grouped output projection.
 fn output_projection(aw: &AttnWeights, core: &mut [f32], cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
     let (cfg, p) = (cx.cfg, cx.p);
     let (h, d) = (cfg.num_heads, cfg.head_dim);
-    for oh in core.chunks_exact_mut(d) {
-        apply_rope(oh, cs, true, p);
+    if !cx.fx.attention.derotation_skipped {
+        for oh in core.chunks_exact_mut(d) {
+            apply_rope(oh, cs, true, p);
+        }
     }
     let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
     let per_group = h * d / g;

@@ -15,7 +15,7 @@
 //! channels.
 
 use crate::error::RuntimeError;
-use crate::faults::{SumOrder, Summation};
+use crate::faults::{keep_mantissa_bits, CompressorFaults, SumOrder, Summation};
 use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
 use crate::rope::{apply_rope, RopeFreqs};
@@ -65,13 +65,14 @@ pub fn compressor_step(
     eps: f32,
     p: Precision,
 ) -> Option<Vec<f32>> {
-    compressor_step_with(cw, st, a, rope, eps, p, Summation::default())
+    compressor_step_with(cw, st, a, rope, eps, p, CompressorFaults::default())
 }
 
-/// [`compressor_step`] with the pooling sums in the order and accumulator of
-/// `pooling` (the contract's by default; the
-/// [`crate::faults::FaultKind::CompressorPoolingReversed`] and
-/// [`crate::faults::FaultKind::CompressorPoolingBf16Accumulator`] faults change it).
+/// [`compressor_step`] with the calibration faults of `fx` (none by
+/// default): the pooling sums' order and accumulator, the carried overlap
+/// ignored or saved without its position bias, buffered rows or the stored
+/// entry kept with fewer mantissa bits. The returned entry is the one
+/// computed; the state stores it (with `fx.store_bits`, truncated).
 pub(crate) fn compressor_step_with(
     cw: &CompressorWeights,
     st: &mut CompressorState,
@@ -79,9 +80,12 @@ pub(crate) fn compressor_step_with(
     rope: &RopeFreqs,
     eps: f32,
     p: Precision,
-    pooling: Summation,
+    fx: CompressorFaults,
 ) -> Option<Vec<f32>> {
-    let c = cw.wkv.linear(a, p);
+    let mut c = cw.wkv.linear(a, p);
+    if let Some(bits) = fx.buffer_bits {
+        keep_mantissa_bits(&mut c, bits);
+    }
     let z = cw.wgate.linear(a, p);
     st.buffer_kv.extend_from_slice(&c);
     st.buffer_gate.extend_from_slice(&z);
@@ -89,14 +93,18 @@ pub(crate) fn compressor_step_with(
         return None;
     }
     let i = st.entry_count;
-    let slots = close_window(cw, st);
-    let pooled = pool(&slots, st.dim, p, pooling);
+    let slots = close_window(cw, st, fx);
+    let pooled = pool(&slots, st.dim, p, fx.pooling);
     let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
     let cs = rope.cos_sin((i as usize * st.rate) as u32, p);
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();
     st.buffer_gate.clear();
+    let start = st.compressed_kv.len();
     st.compressed_kv.extend_from_slice(&entry);
+    if let Some(bits) = fx.store_bits {
+        keep_mantissa_bits(&mut st.compressed_kv[start..], bits);
+    }
     st.entry_count += 1;
     Some(entry)
 }
@@ -111,15 +119,20 @@ struct Slots {
 /// Lays out the slots of the window in the buffer (CSA: the previous
 /// window's Ca half, then this window's Cb half; HCA: the window) with their
 /// position-biased gates, and for CSA saves this window's Ca half as the new
-/// overlap.
-fn close_window(cw: &CompressorWeights, st: &mut CompressorState) -> Slots {
+/// overlap. `fx` may ignore the carried overlap or save the new overlap gate
+/// without its position bias (calibration faults).
+fn close_window(cw: &CompressorWeights, st: &mut CompressorState, fx: CompressorFaults) -> Slots {
     let (rate, dim, width) = (st.rate, st.dim, st.width);
     let count = if st.overlap { 2 * rate } else { rate };
     let mut kv = vec![0.0f32; count * dim];
     let mut gate = vec![f32::NEG_INFINITY; count * dim];
     let gated = |j: usize, ch: usize| st.buffer_gate[j * width + ch] + cw.ape[j * width + ch];
+    let carried_gate = |j: usize, ch: usize| match fx.overlap_gate_without_bias {
+        true => st.buffer_gate[j * width + ch],
+        false => gated(j, ch),
+    };
     if st.overlap {
-        if let (Some(ok), Some(og)) = (&st.overlap_kv, &st.overlap_gate) {
+        if let (Some(ok), Some(og), false) = (&st.overlap_kv, &st.overlap_gate, fx.ignore_overlap) {
             kv[..rate * dim].copy_from_slice(ok);
             gate[..rate * dim].copy_from_slice(og);
         }
@@ -130,7 +143,7 @@ fn close_window(cw: &CompressorWeights, st: &mut CompressorState) -> Slots {
                 kv[(rate + j) * dim + ch] = st.buffer_kv[j * width + dim + ch];
                 gate[(rate + j) * dim + ch] = gated(j, dim + ch);
                 new_ok[j * dim + ch] = st.buffer_kv[j * width + ch];
-                new_og[j * dim + ch] = gated(j, ch);
+                new_og[j * dim + ch] = carried_gate(j, ch);
             }
         }
         st.overlap_kv = Some(new_ok);

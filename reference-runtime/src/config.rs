@@ -6,6 +6,7 @@
 //! `rope_scaling`) are accepted as in HF. Every validation error names the file
 //! and the key.
 
+use moeconf_fingerprint::catalogue;
 use std::path::Path;
 
 use serde::Deserialize;
@@ -669,6 +670,22 @@ impl ModelConfig {
             AttentionKind::Csa => self.csa_rate,
             AttentionKind::Hca => self.hca_rate,
         }
+    }
+
+    /// The catalogue's layer kinds of decoder layer `layer` (which records it
+    /// has, `moeconf_fingerprint::catalogue::LayerKinds`), or `None` past the
+    /// last layer.
+    pub fn catalogue_kinds(&self, layer: usize) -> Option<(catalogue::AttentionKind, catalogue::FfnKind)> {
+        let attention = match self.layer_types.get(layer)? {
+            AttentionKind::Sliding => catalogue::AttentionKind::Sliding,
+            AttentionKind::Csa => catalogue::AttentionKind::Csa,
+            AttentionKind::Hca => catalogue::AttentionKind::Hca,
+        };
+        let ffn = match self.mlp_layer_types.get(layer)? {
+            MlpKind::Moe => catalogue::FfnKind::Moe,
+            MlpKind::HashMoe => catalogue::FfnKind::HashMoe,
+        };
+        Some((attention, ffn))
     }
 }
 

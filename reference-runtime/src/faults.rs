@@ -9,40 +9,59 @@
 //! [`crate::model::Model::step`] passes none, and with no active fault every
 //! operator runs exactly the code it runs without a plan (bit-identical).
 //!
-//! Each [`FaultKind`] changes one operator, whose record (capture.md) is
-//! the first to differ while its inputs still match
-//! ([`FaultKind::operator`]):
+//! Each [`FaultKind`] changes one operator (or one piece of persistent
+//! state); [`FaultKind::component`] is the record that must be the first to
+//! differ, in execution order over every level, while its inputs still
+//! match. docs/calibration.md lists every kind, its record and its change;
+//! `reference-runtime/tests/faults.rs` checks every kind against the
+//! runtime's own records in both profiles.
 //!
-//! | kind | operator record | change |
-//! |---|---|---|
-//! | [`FaultKind::AttentionSoftmaxReversed`] | `attn.core` | softmax normalizer Σ e_j and the weighted value sum in reverse key order |
-//! | [`FaultKind::AttentionSoftmaxBf16Accumulator`] | `attn.core` | softmax normalizer accumulated in BF16 |
-//! | [`FaultKind::AttentionOutputTruncate`] | `attn.output` | BF16 truncation (clear the low 16 bits) instead of R_BF16 at the output projection's rounding point |
-//! | [`FaultKind::FfnNormEpsilon`] | `ffn.norm` | a different RMSNorm ε |
-//! | [`FaultKind::RouterNearTieFlip`] | `router.topk` | ranks k and k+1 of the selection swapped (one expert enters, one leaves) |
-//! | [`FaultKind::SharedExpertFirst`] | `moe.combine` | the shared-expert output enters the FP32 accumulator first instead of last |
-//! | [`FaultKind::CompressorPoolingReversed`] | `attn.compressed` | compressor softmax pooling sums in reverse slot order |
-//! | [`FaultKind::CompressorPoolingBf16Accumulator`] | `attn.compressed` | compressor pooled sum accumulated in BF16 |
-//! | [`FaultKind::RoundedRoutedMerge`] | `moe.combine` | routed sum rounded to BF16 before the shared merge |
-//! | [`FaultKind::KvLowPrecision`] | `attn.kv` | the token's kv entry truncated to fewer mantissa bits before it is used and stored |
-//! | [`FaultKind::CombineContract`] | `moe.combine` | another MoE aggregation contract |
-//! | [`FaultKind::AddPostFfnMhc`] | `layer.post_ffn_mhc` | an intervention: ΔH added once in FP32 after the FFN-half hc_post |
-//!
-//! In the bf16 profile the order faults on sums of BF16-valued operands
-//! (`AttentionSoftmaxReversed`'s value sum, `CompressorPoolingReversed`,
-//! `SharedExpertFirst`) are usually silent: such FP32 sums are exact, so
-//! every order gives the same bits (the reason the C contract is
-//! order-invariant). The calibration matrix reports them separately.
+//! Some kinds are *absorbed* by design: their record differs, but a later
+//! rounding point erases the difference before the next checkpoint
+//! ([`FaultKind::RoutedTermRounded`] under the native combine,
+//! [`FaultKind::CombineElementNudge`] at an element the hc_post absorbs,
+//! [`FaultKind::IndexerScoreScaleAfterSum`] when the selection keeps its
+//! set). Order faults on sums of BF16-valued operands
+//! ([`FaultKind::AttentionSoftmaxReversed`]'s value sum,
+//! [`FaultKind::CompressorPoolingReversed`], [`FaultKind::SharedExpertFirst`])
+//! are usually silent in the bf16 profile: such FP32 sums are exact, so every
+//! order gives the same bits (the reason the C contract is order-invariant).
 
 use std::sync::Mutex;
 
 use moeconf_contract::bf16::r_bf16;
 use moeconf_contract::{AggregationContract, CombineEvent, MoeCombine, CANONICAL_NAN_BITS};
-use moeconf_fingerprint::Component;
+use moeconf_fingerprint::{Component, Half};
+
+use crate::precision::Precision;
 
 /// One deliberate deviation from the runtime's numerical contract.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FaultKind {
+    /// Embedding: the row of the next id, `(token + 1) mod V`, instead of the
+    /// token's own row (a model-global fault; the layer of its [`Fault`] is
+    /// ignored).
+    EmbeddingWrongRow,
+    /// mHC pre of one half: `pre_j = σ(α₀μ_j + b_j)` without the `+ ε_hc`.
+    MhcPreWeightsWithoutEpsilon(Half),
+    /// mHC pre of one half: the Sinkhorn row and column steps divide by the
+    /// line sum without the `+ ε_hc`.
+    MhcSinkhornWithoutEpsilon(Half),
+    /// mHC pre of one half: the FP32 post weights truncated to BF16 (low 16
+    /// bits cleared) where they are computed.
+    MhcPostWeightsTruncated(Half),
+    /// mHC pre of one half: the collapse `Σ_j pre_j X_j` with the pre weights
+    /// rounded to BF16 first (HF keeps them FP32; the `hc_pre_weights`
+    /// record is unchanged).
+    MhcCollapseBf16Weights(Half),
+    /// mHC post of one half: the mixing `Σ_j C_jk X_j` accumulated in BF16
+    /// (R_BF16 after every addition) instead of FP32.
+    MhcPostMixBf16Accumulator(Half),
+    /// Attention-half RMSNorm (`attn_norm`) with this ε instead of the config's.
+    AttnNormEpsilon(f32),
+    /// Queries rotated at position t + 1 instead of t (an off-by-one position
+    /// in the query RoPE; keys unchanged).
+    QueryRopePositionOffByOne,
     /// Attention: the softmax normalizer `Z = Σ_j e_j` and the weighted value
     /// sum `Σ_j p_j v_j` are accumulated in reverse key order (the sink term
     /// is still added last to Z).
@@ -50,81 +69,236 @@ pub enum FaultKind {
     /// Attention: the softmax normalizer `Z` is accumulated in a BF16
     /// container (R_BF16 after every addition) instead of FP32.
     AttentionSoftmaxBf16Accumulator,
+    /// Attention in decode steps only (step ≥ 1; prefill unchanged): the
+    /// softmax normalizer is split in two halves over the keys, each summed
+    /// in FP32 and then added (a split-K decode kernel).
+    AttentionSplitKDecode,
+    /// Attention output: the inverse RoPE on each head's output is skipped.
+    DerotationSkipped,
     /// Attention output projection: the FP32 result is truncated to BF16
     /// (low 16 bits cleared) instead of rounded to nearest even.
     AttentionOutputTruncate,
-    /// FFN-half RMSNorm (`ffn_norm`) with this ε instead of the config's.
-    FfnNormEpsilon(f32),
-    /// Router (non-hash layers): the experts at selection ranks k and k+1
-    /// are swapped, as if a near-tie had been resolved the other way.
-    RouterNearTieFlip,
-    /// MoE combine: native operands and FP32 accumulator, but the shared
-    /// expert output is added first: `y = R_BF16(((s + v̂_0) + v̂_1) + …)`.
-    SharedExpertFirst,
+    /// The token's kv vector (after kv_norm and RoPE) keeps only this many
+    /// explicit mantissa bits (truncation), as if computed at lower precision;
+    /// used and stored so.
+    KvLowPrecision {
+        /// Explicit mantissa bits kept (0..=23; BF16 keeps 7, FP8 E4M3 keeps 3).
+        mantissa_bits: u32,
+    },
+    /// Window cache storage: the kv appended to the window keeps only this
+    /// many mantissa bits (the computed kv is unchanged), so every read of
+    /// that row, from this token on, sees the stored value.
+    WindowStoreLowPrecision {
+        /// Explicit mantissa bits kept.
+        mantissa_bits: u32,
+    },
+    /// Window cache read: when the window holds w rows, attention reads only
+    /// the newest w − 1 (the oldest is skipped; the cache is unchanged).
+    WindowReadDropsOldest,
     /// Main KV compressor (CSA/HCA): the pooling softmax normalizer and the
     /// pooled sum run over the slots in reverse order.
     CompressorPoolingReversed,
     /// Main KV compressor: the pooled sum accumulated in BF16 (R_BF16 after
     /// every addition) instead of FP32.
     CompressorPoolingBf16Accumulator,
+    /// Main CSA compressor: a closing window ignores the overlap carried from
+    /// the previous window (pools as if it were the first window).
+    CompressorIgnoresOverlap,
+    /// Main CSA compressor state: the overlap gate saved for the next window
+    /// lacks the position bias (only the next window's entry reads it).
+    CompressorOverlapGateWithoutBias,
+    /// Compressed cache storage: the emitted entry is stored with this many
+    /// mantissa bits (the emitted `attn.compressed` is unchanged).
+    CompressedStoreLowPrecision {
+        /// Explicit mantissa bits kept.
+        mantissa_bits: u32,
+    },
+    /// Indexer compressor: the pooled sum accumulated in BF16 (R_BF16 after
+    /// every addition) instead of FP32.
+    IndexerCompressorPoolingBf16Accumulator,
+    /// Indexer compressor state: the raw kv rows buffered for the open window
+    /// keep this many mantissa bits (inject at a token that does not close
+    /// the window; the buffer is read when it closes).
+    IndexerBufferLowPrecision {
+        /// Explicit mantissa bits kept.
+        mantissa_bits: u32,
+    },
+    /// Indexer key cache storage: the emitted indexer entry is stored with
+    /// this many mantissa bits (FP8-like indexer keys).
+    IndexerStoreLowPrecision {
+        /// Explicit mantissa bits kept.
+        mantissa_bits: u32,
+    },
+    /// Lightning indexer: the d_I^(−1/2) scale applied once to the head sum
+    /// instead of to each head's ReLU(q·k) (a reassociation).
+    IndexerScoreScaleAfterSum,
+    /// Lightning indexer: the selection keeps one entry fewer than
+    /// min(K_I, T) (the lowest-scored selected entry is dropped).
+    IndexerTopkDropsLast,
+    /// FFN-half RMSNorm (`ffn_norm`) with this ε instead of the config's.
+    FfnNormEpsilon(f32),
+    /// Router scores: softplus computed as `log1pf(R_BF16(expf(x)))`, the
+    /// exponential held in BF16.
+    RouterSoftplusBf16Exp,
+    /// Router (non-hash layers): the experts at selection ranks k and k+1
+    /// are swapped, as if a near-tie had been resolved the other way.
+    RouterNearTieFlip,
+    /// Hash routing (hash layers): the `tid2eid` row of the next id,
+    /// `(token + 1) mod V`.
+    HashRouteNextRow,
+    /// Router gates: the routed scaling factor applied before the division,
+    /// `g_j = round(round(s_{idx_j} · factor) / den)` (a reassociation).
+    RouterGateScaleBeforeDivide,
+    /// Routed experts: the SwiGLU clamp limit is this value instead of the config's.
+    RoutedExpertSwigluLimit(f32),
+    /// Shared expert: the SwiGLU clamp limit is this value instead of the config's.
+    SharedExpertSwigluLimit(f32),
+    /// Routed terms rounded with R_BF16 (`v_j = R_BF16(g_j · y)`) in both
+    /// profiles; the native combine rounds every term the same way, so the
+    /// combine output is unchanged (absorbed).
+    RoutedTermRounded,
+    /// MoE combine: native operands and FP32 accumulator, but the shared
+    /// expert output is added first: `y = R_BF16(((s + v̂_0) + v̂_1) + …)`.
+    SharedExpertFirst,
     /// MoE combine: the routed FP32 sum is rounded to BF16 before the shared
     /// output is merged: `y = R_BF16(R_BF16(a_k) + s)` (a double rounding).
     RoundedRoutedMerge,
-    /// The token's kv vector (after kv_norm and RoPE) keeps only this many
-    /// explicit mantissa bits (truncation), as if stored at lower precision.
-    KvLowPrecision {
-        /// Explicit mantissa bits kept (0..=23; BF16 keeps 7, FP8 E4M3 keeps 3).
-        mantissa_bits: u32,
-    },
     /// MoE combine with this contract (with its order) instead of the run's combine.
     CombineContract(AggregationContract),
+    /// MoE combine: exactly one output element moved one unit in the last
+    /// place of the profile's activation format away from zero (BF16 ulp in
+    /// the bf16 profile, FP32 ulp in f32).
+    CombineElementNudge {
+        /// The element (0..D).
+        element: usize,
+    },
+    /// Head: the final RMSNorm with this ε (a model-global fault at the
+    /// step's last position; the layer of its [`Fault`] is ignored).
+    HeadNormEpsilon(f32),
     /// Intervention (not a fault): `H += ΔH` elementwise in FP32, once, on
     /// the residual streams after the FFN-half hc_post (length hc_mult·D).
     AddPostFfnMhc(Vec<f32>),
 }
 
 impl FaultKind {
-    /// The catalogue component of the operator this kind changes: the
-    /// record the bisector must name as the first divergence.
+    /// The catalogue component of the record this kind changes first: the
+    /// record the bisector must name as the first divergence (for the
+    /// persistent-state kinds, the L2 record at the decode boundary of the
+    /// injected step).
     pub fn component(&self) -> Component {
         use Component as C;
+        use FaultKind as K;
+        let half = |h: &Half, attn: Component, ffn: Component| match h {
+            Half::Attention => attn,
+            Half::Ffn => ffn,
+        };
         match self {
-            FaultKind::AttentionSoftmaxReversed | FaultKind::AttentionSoftmaxBf16Accumulator => C::AttnCore,
-            FaultKind::AttentionOutputTruncate => C::AttnOutput,
-            FaultKind::FfnNormEpsilon(_) => C::FfnNorm,
-            FaultKind::RouterNearTieFlip => C::RouterTopk,
-            FaultKind::SharedExpertFirst | FaultKind::RoundedRoutedMerge | FaultKind::CombineContract(_) => {
-                C::MoeCombine
+            K::EmbeddingWrongRow => C::EmbedOutput,
+            K::MhcPreWeightsWithoutEpsilon(h) => half(h, C::AttnHcPreWeights, C::FfnHcPreWeights),
+            K::MhcSinkhornWithoutEpsilon(h) => half(h, C::AttnHcComb, C::FfnHcComb),
+            K::MhcPostWeightsTruncated(h) => half(h, C::AttnHcPostWeights, C::FfnHcPostWeights),
+            K::MhcCollapseBf16Weights(h) => half(h, C::AttnHcPre, C::FfnHcPre),
+            K::MhcPostMixBf16Accumulator(h) => half(h, C::LayerPostAttnMhc, C::LayerPostFfnMhc),
+            K::AttnNormEpsilon(_) => C::AttnNorm,
+            K::QueryRopePositionOffByOne => C::AttnQ,
+            K::AttentionSoftmaxReversed | K::AttentionSoftmaxBf16Accumulator | K::AttentionSplitKDecode => {
+                C::AttnCore
             }
-            FaultKind::CompressorPoolingReversed | FaultKind::CompressorPoolingBf16Accumulator => {
-                C::AttnCompressed
-            }
-            FaultKind::KvLowPrecision { .. } => C::AttnKv,
-            FaultKind::AddPostFfnMhc(_) => C::LayerPostFfnMhc,
+            K::DerotationSkipped | K::AttentionOutputTruncate => C::AttnOutput,
+            K::KvLowPrecision { .. } => C::AttnKv,
+            K::WindowStoreLowPrecision { .. } | K::WindowReadDropsOldest => C::AttnWindowRead,
+            K::CompressorPoolingReversed
+            | K::CompressorPoolingBf16Accumulator
+            | K::CompressorIgnoresOverlap => C::AttnCompressed,
+            K::CompressorOverlapGateWithoutBias => C::StateCompressorOverlapGate,
+            K::CompressedStoreLowPrecision { .. } => C::AttnCompressedRead,
+            K::IndexerCompressorPoolingBf16Accumulator => C::AttnIndexerCompressed,
+            K::IndexerBufferLowPrecision { .. } => C::StateIndexerBufferKv,
+            K::IndexerStoreLowPrecision { .. } => C::AttnIndexerRead,
+            K::IndexerScoreScaleAfterSum => C::AttnIndexerScores,
+            K::IndexerTopkDropsLast => C::AttnIndexerTopk,
+            K::FfnNormEpsilon(_) => C::FfnNorm,
+            K::RouterSoftplusBf16Exp => C::RouterScores,
+            K::RouterNearTieFlip | K::HashRouteNextRow => C::RouterTopk,
+            K::RouterGateScaleBeforeDivide => C::RouterGates,
+            K::RoutedExpertSwigluLimit(_) | K::RoutedTermRounded => C::MoeTerm,
+            K::SharedExpertSwigluLimit(_) => C::MoeShared,
+            K::SharedExpertFirst
+            | K::RoundedRoutedMerge
+            | K::CombineContract(_)
+            | K::CombineElementNudge { .. } => C::MoeCombine,
+            K::HeadNormEpsilon(_) => C::LmLogits,
+            K::AddPostFfnMhc(_) => C::LayerPostFfnMhc,
         }
     }
 
-    /// The path of [`FaultKind::component`] (the record the bisector must
-    /// name as the first divergence).
+    /// The path of [`FaultKind::component`] (for the family `moe.term.J` its
+    /// prefix `moe.term.`; match a record path with `component().matches`).
     pub fn operator(&self) -> &'static str {
         self.component().path()
     }
 
-    /// A short name for reports (`softmax-reversed`, `combine:b+order=class:135`, …).
+    /// Whether the kind is model-global (embedding, head): it applies at its
+    /// step and position whatever layer its [`Fault`] names.
+    pub fn is_global(&self) -> bool {
+        matches!(self, FaultKind::EmbeddingWrongRow | FaultKind::HeadNormEpsilon(_))
+    }
+
+    /// A short name for reports (`attention-softmax-reversed`, `combine:b+order=class:135`, …).
     pub fn name(&self) -> String {
+        use FaultKind as K;
+        let h = |h: &Half| h.name();
         match self {
-            FaultKind::AttentionSoftmaxReversed => "attention-softmax-reversed".into(),
-            FaultKind::AttentionSoftmaxBf16Accumulator => "attention-softmax-bf16-accumulator".into(),
-            FaultKind::CompressorPoolingBf16Accumulator => "compressor-pooling-bf16-accumulator".into(),
-            FaultKind::RoundedRoutedMerge => "routed-sum-rounded-before-shared-merge".into(),
-            FaultKind::AttentionOutputTruncate => "attn-output-bf16-truncate".into(),
-            FaultKind::FfnNormEpsilon(e) => format!("ffn-norm-eps={e:e}"),
-            FaultKind::RouterNearTieFlip => "router-near-tie-flip".into(),
-            FaultKind::SharedExpertFirst => "shared-expert-first".into(),
-            FaultKind::CompressorPoolingReversed => "compressor-pooling-reversed".into(),
-            FaultKind::KvLowPrecision { mantissa_bits } => format!("kv-mantissa-{mantissa_bits}-bits"),
-            FaultKind::CombineContract(c) => format!("combine:{}", c.describe()),
-            FaultKind::AddPostFfnMhc(_) => "add-post-ffn-mhc".into(),
+            K::EmbeddingWrongRow => "embedding-wrong-row".into(),
+            K::MhcPreWeightsWithoutEpsilon(x) => format!("mhc-{}-pre-weights-without-eps", h(x)),
+            K::MhcSinkhornWithoutEpsilon(x) => format!("mhc-{}-sinkhorn-without-eps", h(x)),
+            K::MhcPostWeightsTruncated(x) => format!("mhc-{}-post-weights-bf16-truncated", h(x)),
+            K::MhcCollapseBf16Weights(x) => format!("mhc-{}-collapse-bf16-weights", h(x)),
+            K::MhcPostMixBf16Accumulator(x) => format!("mhc-{}-post-mix-bf16-accumulator", h(x)),
+            K::AttnNormEpsilon(e) => format!("attn-norm-eps={e:e}"),
+            K::QueryRopePositionOffByOne => "query-rope-position-off-by-one".into(),
+            K::AttentionSoftmaxReversed => "attention-softmax-reversed".into(),
+            K::AttentionSoftmaxBf16Accumulator => "attention-softmax-bf16-accumulator".into(),
+            K::AttentionSplitKDecode => "attention-split-k-decode-only".into(),
+            K::DerotationSkipped => "attention-derotation-skipped".into(),
+            K::AttentionOutputTruncate => "attn-output-bf16-truncate".into(),
+            K::KvLowPrecision { mantissa_bits } => format!("kv-mantissa-{mantissa_bits}-bits"),
+            K::WindowStoreLowPrecision { mantissa_bits } => {
+                format!("window-store-mantissa-{mantissa_bits}-bits")
+            }
+            K::WindowReadDropsOldest => "window-read-drops-oldest".into(),
+            K::CompressorPoolingReversed => "compressor-pooling-reversed".into(),
+            K::CompressorPoolingBf16Accumulator => "compressor-pooling-bf16-accumulator".into(),
+            K::CompressorIgnoresOverlap => "compressor-ignores-carried-overlap".into(),
+            K::CompressorOverlapGateWithoutBias => "compressor-overlap-gate-without-bias".into(),
+            K::CompressedStoreLowPrecision { mantissa_bits } => {
+                format!("compressed-store-mantissa-{mantissa_bits}-bits")
+            }
+            K::IndexerCompressorPoolingBf16Accumulator => {
+                "indexer-compressor-pooling-bf16-accumulator".into()
+            }
+            K::IndexerBufferLowPrecision { mantissa_bits } => {
+                format!("indexer-buffer-mantissa-{mantissa_bits}-bits")
+            }
+            K::IndexerStoreLowPrecision { mantissa_bits } => {
+                format!("indexer-store-mantissa-{mantissa_bits}-bits")
+            }
+            K::IndexerScoreScaleAfterSum => "indexer-score-scale-after-head-sum".into(),
+            K::IndexerTopkDropsLast => "indexer-topk-drops-last".into(),
+            K::FfnNormEpsilon(e) => format!("ffn-norm-eps={e:e}"),
+            K::RouterSoftplusBf16Exp => "router-softplus-bf16-exp".into(),
+            K::RouterNearTieFlip => "router-near-tie-flip".into(),
+            K::HashRouteNextRow => "hash-route-next-row".into(),
+            K::RouterGateScaleBeforeDivide => "router-gate-scale-before-divide".into(),
+            K::RoutedExpertSwigluLimit(l) => format!("routed-expert-swiglu-limit={l}"),
+            K::SharedExpertSwigluLimit(l) => format!("shared-expert-swiglu-limit={l}"),
+            K::RoutedTermRounded => "routed-term-rounded".into(),
+            K::SharedExpertFirst => "shared-expert-first".into(),
+            K::RoundedRoutedMerge => "routed-sum-rounded-before-shared-merge".into(),
+            K::CombineContract(c) => format!("combine:{}", c.describe()),
+            K::CombineElementNudge { element } => format!("combine-element-{element}-nudged-one-ulp"),
+            K::HeadNormEpsilon(e) => format!("head-norm-eps={e:e}"),
+            K::AddPostFfnMhc(_) => "add-post-ffn-mhc".into(),
         }
     }
 }
@@ -178,28 +352,82 @@ impl FaultPlan {
         }
     }
 
-    /// The faults active at one (step, layer, position).
+    /// The faults active at one (step, layer, position) of a decoder layer
+    /// (model-global kinds are resolved by [`FaultPlan::global`]).
     pub fn active(&self, step: u32, layer: u32, position: u32) -> Active<'_> {
+        use FaultKind as K;
         let mut a = Active::default();
         for f in self.faults.iter().filter(|f| f.matches(step, layer, position)) {
             match &f.kind {
-                FaultKind::AttentionSoftmaxReversed => a.softmax.order = SumOrder::Reversed,
-                FaultKind::AttentionSoftmaxBf16Accumulator => a.softmax.accumulator = SumAccumulator::Bf16,
-                FaultKind::CompressorPoolingBf16Accumulator => {
-                    a.compressor_pooling.accumulator = SumAccumulator::Bf16
+                K::MhcPreWeightsWithoutEpsilon(h) => a.hc_mut(*h).pre_without_eps = true,
+                K::MhcSinkhornWithoutEpsilon(h) => a.hc_mut(*h).sinkhorn_without_eps = true,
+                K::MhcPostWeightsTruncated(h) => a.hc_mut(*h).post_truncated = true,
+                K::MhcCollapseBf16Weights(h) => a.hc_mut(*h).collapse_bf16_weights = true,
+                K::MhcPostMixBf16Accumulator(h) => a.hc_mut(*h).post_mix_bf16 = true,
+                K::AttnNormEpsilon(e) => a.attn_norm_eps = Some(*e),
+                K::QueryRopePositionOffByOne => a.attention.query_rope_off_by_one = true,
+                K::AttentionSoftmaxReversed => a.softmax.order = SumOrder::Reversed,
+                K::AttentionSoftmaxBf16Accumulator => a.softmax.accumulator = SumAccumulator::Bf16,
+                K::AttentionSplitKDecode => a.attention.split_k = step > 0,
+                K::DerotationSkipped => a.attention.derotation_skipped = true,
+                K::AttentionOutputTruncate => a.attn_output_truncate = true,
+                K::KvLowPrecision { mantissa_bits } => a.kv_mantissa_bits = Some(*mantissa_bits),
+                K::WindowStoreLowPrecision { mantissa_bits } => {
+                    a.attention.window_store_bits = Some(*mantissa_bits)
                 }
-                FaultKind::RoundedRoutedMerge => a.rounded_routed_merge = true,
-                FaultKind::AttentionOutputTruncate => a.attn_output_truncate = true,
-                FaultKind::FfnNormEpsilon(e) => a.ffn_norm_eps = Some(*e),
-                FaultKind::RouterNearTieFlip => a.router_flip = true,
-                FaultKind::SharedExpertFirst => a.shared_first = true,
-                FaultKind::CompressorPoolingReversed => a.compressor_pooling.order = SumOrder::Reversed,
-                FaultKind::KvLowPrecision { mantissa_bits } => a.kv_mantissa_bits = Some(*mantissa_bits),
-                FaultKind::CombineContract(c) => a.combine = Some(c),
-                FaultKind::AddPostFfnMhc(d) => a.add_post_ffn_mhc = Some(d),
+                K::WindowReadDropsOldest => a.attention.window_read_drops_oldest = true,
+                K::CompressorPoolingReversed => a.compressor.pooling.order = SumOrder::Reversed,
+                K::CompressorPoolingBf16Accumulator => {
+                    a.compressor.pooling.accumulator = SumAccumulator::Bf16
+                }
+                K::CompressorIgnoresOverlap => a.compressor.ignore_overlap = true,
+                K::CompressorOverlapGateWithoutBias => a.compressor.overlap_gate_without_bias = true,
+                K::CompressedStoreLowPrecision { mantissa_bits } => {
+                    a.compressor.store_bits = Some(*mantissa_bits)
+                }
+                K::IndexerCompressorPoolingBf16Accumulator => {
+                    a.indexer.compressor.pooling.accumulator = SumAccumulator::Bf16
+                }
+                K::IndexerBufferLowPrecision { mantissa_bits } => {
+                    a.indexer.compressor.buffer_bits = Some(*mantissa_bits)
+                }
+                K::IndexerStoreLowPrecision { mantissa_bits } => {
+                    a.indexer.compressor.store_bits = Some(*mantissa_bits)
+                }
+                K::IndexerScoreScaleAfterSum => a.indexer.scale_after_sum = true,
+                K::IndexerTopkDropsLast => a.indexer.topk_drops_last = true,
+                K::FfnNormEpsilon(e) => a.ffn_norm_eps = Some(*e),
+                K::RouterSoftplusBf16Exp => a.router.softplus_bf16_exp = true,
+                K::RouterNearTieFlip => a.router_flip = true,
+                K::HashRouteNextRow => a.router.hash_next_row = true,
+                K::RouterGateScaleBeforeDivide => a.router.gate_scale_first = true,
+                K::RoutedExpertSwigluLimit(l) => a.experts.routed_limit = Some(*l),
+                K::SharedExpertSwigluLimit(l) => a.experts.shared_limit = Some(*l),
+                K::RoutedTermRounded => a.experts.term_rounded = true,
+                K::SharedExpertFirst => a.shared_first = true,
+                K::RoundedRoutedMerge => a.rounded_routed_merge = true,
+                K::CombineContract(c) => a.combine = Some(c),
+                K::CombineElementNudge { element } => a.combine_nudge = Some(*element),
+                K::AddPostFfnMhc(d) => a.add_post_ffn_mhc = Some(d),
+                K::EmbeddingWrongRow | K::HeadNormEpsilon(_) => {}
             }
         }
         a
+    }
+
+    /// The model-global faults (embedding, head) active at one step and
+    /// position, whatever layer their [`Fault`] names.
+    pub fn global(&self, step: u32, position: u32) -> GlobalActive {
+        let mut g = GlobalActive::default();
+        let at = |f: &&Fault| f.step.is_none_or(|s| s == step) && f.position.is_none_or(|p| p == position);
+        for f in self.faults.iter().filter(at) {
+            match &f.kind {
+                FaultKind::EmbeddingWrongRow => g.embedding_next_row = true,
+                FaultKind::HeadNormEpsilon(e) => g.head_norm_eps = Some(*e),
+                _ => {}
+            }
+        }
+        g
     }
 
     /// Records the residual streams seen just before an [`FaultKind::AddPostFfnMhc`]
@@ -264,18 +492,117 @@ impl Summation {
     }
 }
 
+/// The model-global faults of one step and position ([`FaultPlan::global`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GlobalActive {
+    /// See [`FaultKind::EmbeddingWrongRow`].
+    pub embedding_next_row: bool,
+    /// See [`FaultKind::HeadNormEpsilon`].
+    pub head_norm_eps: Option<f32>,
+}
+
+/// Faults of one mHC site (one half-layer's pre and post).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MhcFaults {
+    /// See [`FaultKind::MhcPreWeightsWithoutEpsilon`].
+    pub pre_without_eps: bool,
+    /// See [`FaultKind::MhcSinkhornWithoutEpsilon`].
+    pub sinkhorn_without_eps: bool,
+    /// See [`FaultKind::MhcPostWeightsTruncated`].
+    pub post_truncated: bool,
+    /// See [`FaultKind::MhcCollapseBf16Weights`].
+    pub collapse_bf16_weights: bool,
+    /// See [`FaultKind::MhcPostMixBf16Accumulator`].
+    pub post_mix_bf16: bool,
+}
+
+/// Faults of the attention operator and its window cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionFaults {
+    /// See [`FaultKind::QueryRopePositionOffByOne`].
+    pub query_rope_off_by_one: bool,
+    /// See [`FaultKind::AttentionSplitKDecode`] (set only in decode steps).
+    pub split_k: bool,
+    /// See [`FaultKind::DerotationSkipped`].
+    pub derotation_skipped: bool,
+    /// See [`FaultKind::WindowStoreLowPrecision`].
+    pub window_store_bits: Option<u32>,
+    /// See [`FaultKind::WindowReadDropsOldest`].
+    pub window_read_drops_oldest: bool,
+}
+
+/// Faults of one compressor (the attention's or the indexer's) and its cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompressorFaults {
+    /// Pooling sums: [`FaultKind::CompressorPoolingReversed`],
+    /// [`FaultKind::CompressorPoolingBf16Accumulator`].
+    pub pooling: Summation,
+    /// See [`FaultKind::CompressorIgnoresOverlap`].
+    pub ignore_overlap: bool,
+    /// See [`FaultKind::CompressorOverlapGateWithoutBias`].
+    pub overlap_gate_without_bias: bool,
+    /// Mantissa bits kept in the buffered raw kv rows
+    /// ([`FaultKind::IndexerBufferLowPrecision`]).
+    pub buffer_bits: Option<u32>,
+    /// Mantissa bits kept when an emitted entry is stored
+    /// ([`FaultKind::CompressedStoreLowPrecision`],
+    /// [`FaultKind::IndexerStoreLowPrecision`]).
+    pub store_bits: Option<u32>,
+}
+
+/// Faults of the lightning indexer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexerFaults {
+    /// Its compressor and key cache.
+    pub compressor: CompressorFaults,
+    /// See [`FaultKind::IndexerScoreScaleAfterSum`].
+    pub scale_after_sum: bool,
+    /// See [`FaultKind::IndexerTopkDropsLast`].
+    pub topk_drops_last: bool,
+}
+
+/// Faults of the router (besides [`FaultKind::RouterNearTieFlip`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouterFaults {
+    /// See [`FaultKind::RouterSoftplusBf16Exp`].
+    pub softplus_bf16_exp: bool,
+    /// See [`FaultKind::HashRouteNextRow`].
+    pub hash_next_row: bool,
+    /// See [`FaultKind::RouterGateScaleBeforeDivide`].
+    pub gate_scale_first: bool,
+}
+
+/// Faults of the experts and the routed terms.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExpertFaults {
+    /// See [`FaultKind::RoutedExpertSwigluLimit`].
+    pub routed_limit: Option<f32>,
+    /// See [`FaultKind::SharedExpertSwigluLimit`].
+    pub shared_limit: Option<f32>,
+    /// See [`FaultKind::RoutedTermRounded`].
+    pub term_rounded: bool,
+}
+
 /// The faults active at one coordinate, as the operators consume them.
 /// `Active::default()` is the unmodified runtime.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Active<'a> {
+    /// mHC site of the attention half.
+    pub hc_attn: MhcFaults,
+    /// mHC site of the FFN half.
+    pub hc_ffn: MhcFaults,
+    /// See [`FaultKind::AttnNormEpsilon`].
+    pub attn_norm_eps: Option<f32>,
     /// The attention softmax normalizer (and, for the order, the weighted
     /// value sum): see [`FaultKind::AttentionSoftmaxReversed`] and
     /// [`FaultKind::AttentionSoftmaxBf16Accumulator`].
     pub softmax: Summation,
-    /// The main compressor's pooling: see
-    /// [`FaultKind::CompressorPoolingReversed`] and
-    /// [`FaultKind::CompressorPoolingBf16Accumulator`].
-    pub compressor_pooling: Summation,
+    /// The attention operator's other faults and its window cache.
+    pub attention: AttentionFaults,
+    /// The main compressor and its cache.
+    pub compressor: CompressorFaults,
+    /// The lightning indexer.
+    pub indexer: IndexerFaults,
     /// See [`FaultKind::RoundedRoutedMerge`].
     pub rounded_routed_merge: bool,
     /// See [`FaultKind::AttentionOutputTruncate`].
@@ -284,12 +611,18 @@ pub struct Active<'a> {
     pub ffn_norm_eps: Option<f32>,
     /// See [`FaultKind::RouterNearTieFlip`].
     pub router_flip: bool,
+    /// The router's other faults.
+    pub router: RouterFaults,
+    /// The experts and routed terms.
+    pub experts: ExpertFaults,
     /// See [`FaultKind::SharedExpertFirst`].
     pub shared_first: bool,
     /// See [`FaultKind::KvLowPrecision`].
     pub kv_mantissa_bits: Option<u32>,
     /// See [`FaultKind::CombineContract`].
     pub combine: Option<&'a AggregationContract>,
+    /// See [`FaultKind::CombineElementNudge`].
+    pub combine_nudge: Option<usize>,
     /// See [`FaultKind::AddPostFfnMhc`].
     pub add_post_ffn_mhc: Option<&'a [f32]>,
 }
@@ -304,6 +637,33 @@ impl<'a> Active<'a> {
             (None, false, false) => base,
         }
     }
+
+    /// The faults of the mHC site of `half`.
+    pub fn hc(&self, half: Half) -> MhcFaults {
+        match half {
+            Half::Attention => self.hc_attn,
+            Half::Ffn => self.hc_ffn,
+        }
+    }
+
+    fn hc_mut(&mut self, half: Half) -> &mut MhcFaults {
+        match half {
+            Half::Attention => &mut self.hc_attn,
+            Half::Ffn => &mut self.hc_ffn,
+        }
+    }
+}
+
+/// Moves `x` one unit in the last place of the profile's activation format
+/// away from zero: the BF16 ulp (bit 16) in the bf16 profile, the FP32 ulp
+/// in f32. ±0 becomes the smallest positive subnormal of the format.
+pub fn nudge_one_ulp(x: f32, p: Precision) -> f32 {
+    let unit = match p {
+        Precision::Bf16 => 1u32 << 16,
+        Precision::F32 => 1,
+    };
+    let bits = if x == 0.0 { 0 } else { x.to_bits() };
+    f32::from_bits(bits + unit)
 }
 
 /// BF16 truncation: the low 16 bits cleared (round toward zero).
@@ -395,6 +755,74 @@ mod tests {
         assert_eq!(plan.active(9, 3, 8).kv_mantissa_bits, None);
         let none = plan.active(0, 0, 0);
         assert!(none.softmax.is_contract() && none.combine.is_none() && none.add_post_ffn_mhc.is_none());
+    }
+
+    #[test]
+    fn global_faults_ignore_the_layer_and_layer_faults_ignore_globals() {
+        let plan = FaultPlan::new(vec![
+            Fault::at(1, 7, FaultKind::EmbeddingWrongRow),
+            Fault {
+                step: Some(2),
+                layer: None,
+                position: Some(9),
+                kind: FaultKind::HeadNormEpsilon(0.5),
+            },
+            Fault {
+                step: None,
+                layer: Some(4),
+                position: None,
+                kind: FaultKind::AttentionSplitKDecode,
+            },
+        ]);
+        assert!(plan.global(1, 3).embedding_next_row);
+        assert!(!plan.global(0, 3).embedding_next_row);
+        assert_eq!(plan.global(2, 9).head_norm_eps, Some(0.5));
+        assert_eq!(plan.global(2, 8).head_norm_eps, None);
+        assert_eq!(plan.active(1, 7, 3).attention, AttentionFaults::default());
+        // Split-K is a decode kernel: never in the prefill.
+        assert!(!plan.active(0, 4, 0).attention.split_k);
+        assert!(plan.active(3, 4, 0).attention.split_k);
+    }
+
+    #[test]
+    fn nudge_moves_one_unit_of_the_profile_format_away_from_zero() {
+        // 1.0 = 0x3f80_0000: next BF16 is 0x3f81_0000, next FP32 0x3f80_0001.
+        assert_eq!(nudge_one_ulp(1.0, Precision::Bf16).to_bits(), 0x3f81_0000);
+        assert_eq!(nudge_one_ulp(1.0, Precision::F32).to_bits(), 0x3f80_0001);
+        assert_eq!(nudge_one_ulp(-1.0, Precision::F32).to_bits(), 0xbf80_0001);
+        assert_eq!(nudge_one_ulp(-0.0, Precision::F32).to_bits(), 0x0000_0001);
+        assert_eq!(nudge_one_ulp(0.0, Precision::Bf16).to_bits(), 0x0001_0000);
+    }
+
+    #[test]
+    fn every_kind_has_a_distinct_name_and_a_catalogue_record() {
+        let kinds = [
+            FaultKind::EmbeddingWrongRow,
+            FaultKind::MhcPreWeightsWithoutEpsilon(Half::Attention),
+            FaultKind::MhcPreWeightsWithoutEpsilon(Half::Ffn),
+            FaultKind::MhcSinkhornWithoutEpsilon(Half::Ffn),
+            FaultKind::MhcPostWeightsTruncated(Half::Attention),
+            FaultKind::MhcCollapseBf16Weights(Half::Attention),
+            FaultKind::MhcPostMixBf16Accumulator(Half::Ffn),
+            FaultKind::KvLowPrecision { mantissa_bits: 3 },
+            FaultKind::WindowStoreLowPrecision { mantissa_bits: 3 },
+            FaultKind::CompressedStoreLowPrecision { mantissa_bits: 3 },
+            FaultKind::IndexerStoreLowPrecision { mantissa_bits: 3 },
+            FaultKind::IndexerBufferLowPrecision { mantissa_bits: 3 },
+            FaultKind::CombineElementNudge { element: 7 },
+        ];
+        let names: std::collections::HashSet<String> = kinds.iter().map(FaultKind::name).collect();
+        assert_eq!(names.len(), kinds.len());
+        assert_eq!(
+            FaultKind::MhcPostMixBf16Accumulator(Half::Ffn).component(),
+            Component::LayerPostFfnMhc
+        );
+        assert_eq!(
+            FaultKind::MhcSinkhornWithoutEpsilon(Half::Ffn).operator(),
+            "ffn.hc_comb"
+        );
+        assert_eq!(FaultKind::HeadNormEpsilon(0.1).component(), Component::LmLogits);
+        assert!(FaultKind::EmbeddingWrongRow.is_global() && !FaultKind::RoutedTermRounded.is_global());
     }
 
     #[test]

@@ -41,8 +41,20 @@ impl HeadWeights {
 
 /// Logits of the final residual streams.
 pub fn head_forward(hw: &HeadWeights, streams: &[f32], cfg: &ModelConfig, p: Precision) -> Vec<f32> {
+    head_forward_with(hw, streams, cfg, p, cfg.rms_norm_eps)
+}
+
+/// [`head_forward`] with the final RMSNorm's ε given (the config's, or a
+/// [`crate::faults::FaultKind::HeadNormEpsilon`] fault's).
+pub(crate) fn head_forward_with(
+    hw: &HeadWeights,
+    streams: &[f32],
+    cfg: &ModelConfig,
+    p: Precision,
+    norm_eps: f32,
+) -> Vec<f32> {
     let y = hc_head(&hw.hc, streams, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, p);
-    let h = rmsnorm_weighted(&y, &hw.norm, cfg.rms_norm_eps, p);
+    let h = rmsnorm_weighted(&y, &hw.norm, norm_eps, p);
     hw.lm_head.linear(&h, p)
 }
 

@@ -64,6 +64,23 @@ pub fn indexer_scores(
     heads: usize,
     p: Precision,
 ) -> Vec<f32> {
+    indexer_scores_with(iw, st, q_lat, a, cs, heads, p, false)
+}
+
+/// [`indexer_scores`], with the d_I^(−1/2) scale applied to each score's
+/// head sum instead of to every head's term when `scale_after_sum` (the
+/// [`crate::faults::FaultKind::IndexerScoreScaleAfterSum`] fault).
+#[allow(clippy::too_many_arguments)] // the operator's inputs plus one fault switch
+pub(crate) fn indexer_scores_with(
+    iw: &IndexerWeights,
+    st: &CompressorState,
+    q_lat: &[f32],
+    a: &[f32],
+    cs: &CosSin,
+    heads: usize,
+    p: Precision,
+    scale_after_sum: bool,
+) -> Vec<f32> {
     let dim = st.dim;
     let mut q = iw.wq_b.linear(q_lat, p);
     for h in 0..heads {
@@ -78,9 +95,16 @@ pub fn indexer_scores(
             let mut acc = 0.0f32;
             for h in 0..heads {
                 let dot = dot8(&q[h * dim..(h + 1) * dim], k);
-                acc += (dot.max(0.0) * s_scale) * omega[h];
+                acc += match scale_after_sum {
+                    false => (dot.max(0.0) * s_scale) * omega[h],
+                    true => dot.max(0.0) * omega[h],
+                };
             }
-            acc
+            if scale_after_sum {
+                acc * s_scale
+            } else {
+                acc
+            }
         })
         .collect()
 }

@@ -16,9 +16,11 @@
 //! C rounded to the activation dtype first (HF casts them), j summed in order.
 
 use crate::error::RuntimeError;
+use crate::faults::{truncate_bf16, MhcFaults};
 use crate::precision::Precision;
 use crate::rmsnorm::rms_factor;
 use crate::weights::{Mat, WeightLoader};
+use moeconf_contract::bf16::r_bf16;
 
 /// Parameters of one mHC site (`hc_attn_*` or `hc_ffn_*`).
 #[derive(Debug, Clone)]
@@ -59,6 +61,8 @@ pub struct HcHead {
 pub struct HcPre {
     /// Collapsed block input x (length D), rounded.
     pub x: Vec<f32>,
+    /// pre weights (length N), FP32.
+    pub pre: Vec<f32>,
     /// post weights (length N), FP32.
     pub post: Vec<f32>,
     /// Doubly-stochastic mixing C (N×N row-major: `C[j][k] = comb[j·N + k]`), FP32.
@@ -80,10 +84,12 @@ fn mix_logits(fn_: &Mat, streams: &[f32], eps: f32) -> Vec<f32> {
     mu
 }
 
-/// `Σ_j w_j · X_j` (j ascending, FP32), rounded once.
-fn collapse(streams: &[f32], w: &[f32], d: usize, p: Precision) -> Vec<f32> {
+/// `Σ_j w_j · X_j` (j ascending, FP32), rounded once. With `bf16_weights`
+/// (a calibration fault) the weights are rounded with R_BF16 first.
+fn collapse(streams: &[f32], w: &[f32], d: usize, p: Precision, bf16_weights: bool) -> Vec<f32> {
     let mut x = vec![0.0f32; d];
     for (j, wj) in w.iter().enumerate() {
+        let wj = if bf16_weights { r_bf16(*wj) } else { *wj };
         let xj = &streams[j * d..(j + 1) * d];
         for (o, v) in x.iter_mut().zip(xj) {
             *o += wj * v;
@@ -121,6 +127,19 @@ fn normalize_lines(c: &mut [f32], n: usize, eps: f32, at: impl Fn(usize, usize) 
     }
 }
 
+/// Numerical parameters of an mHC "pre" (from the configuration).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HcParams {
+    /// Streams N (`hc_mult`).
+    pub n: usize,
+    /// ε of the RMS factor (`rms_norm_eps`).
+    pub rms_eps: f32,
+    /// ε_hc (`hc_eps`).
+    pub hc_eps: f32,
+    /// Sinkhorn iterations (`hc_sinkhorn_iters`).
+    pub iters: usize,
+}
+
 /// mHC "pre": collapses the N streams (`streams`, N·D) into the block input.
 pub fn hc_pre(
     site: &HcSite,
@@ -131,14 +150,39 @@ pub fn hc_pre(
     iters: usize,
     p: Precision,
 ) -> HcPre {
+    let params = HcParams {
+        n,
+        rms_eps,
+        hc_eps,
+        iters,
+    };
+    hc_pre_with(site, streams, params, p, MhcFaults::default())
+}
+
+/// [`hc_pre`] with the calibration faults of `fx` (none by default).
+pub(crate) fn hc_pre_with(
+    site: &HcSite,
+    streams: &[f32],
+    hp: HcParams,
+    p: Precision,
+    fx: MhcFaults,
+) -> HcPre {
+    let HcParams {
+        n,
+        rms_eps,
+        hc_eps,
+        iters,
+    } = hp;
     let d = streams.len() / n;
     let mu = mix_logits(&site.fn_, streams, rms_eps);
     let (a0, a1, a2) = (site.scale[0], site.scale[1], site.scale[2]);
+    let pre_eps = if fx.pre_without_eps { 0.0 } else { hc_eps };
     let pre: Vec<f32> = (0..n)
-        .map(|j| sigmoid(a0 * mu[j] + site.base[j]) + hc_eps)
+        .map(|j| sigmoid(a0 * mu[j] + site.base[j]) + pre_eps)
         .collect();
     let post: Vec<f32> = (0..n)
         .map(|j| 2.0 * sigmoid(a1 * mu[n + j] + site.base[n + j]))
+        .map(|v| if fx.post_truncated { truncate_bf16(v) } else { v })
         .collect();
     let mut comb = vec![0.0f32; n * n];
     for j in 0..n {
@@ -156,13 +200,29 @@ pub fn hc_pre(
             *v = *v / s + hc_eps;
         }
     }
-    sinkhorn(&mut comb, n, iters, hc_eps);
-    let x = collapse(streams, &pre, d, p);
-    HcPre { x, post, comb }
+    let sinkhorn_eps = if fx.sinkhorn_without_eps { 0.0 } else { hc_eps };
+    sinkhorn(&mut comb, n, iters, sinkhorn_eps);
+    let x = collapse(streams, &pre, d, p, fx.collapse_bf16_weights);
+    HcPre { x, pre, post, comb }
 }
 
 /// mHC "post": `X'_k = post_k · y + Σ_j C_jk · X_j` (see module docs for rounding).
 pub fn hc_post(streams: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize, p: Precision) -> Vec<f32> {
+    hc_post_with(streams, y, post, comb, n, p, false)
+}
+
+/// [`hc_post`], with the mixing sum over the streams in reverse order when
+/// `mix_bf16` (a calibration fault) with the mixing sum held in BF16
+/// (R_BF16 after every addition).
+pub(crate) fn hc_post_with(
+    streams: &[f32],
+    y: &[f32],
+    post: &[f32],
+    comb: &[f32],
+    n: usize,
+    p: Precision,
+    mix_bf16: bool,
+) -> Vec<f32> {
     let d = y.len();
     let post: Vec<f32> = post.iter().map(|v| p.round(*v)).collect();
     let comb: Vec<f32> = comb.iter().map(|v| p.round(*v)).collect();
@@ -174,7 +234,7 @@ pub fn hc_post(streams: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize,
         for j in 0..n {
             let c = comb[j * n + k];
             for (m, x) in mix.iter_mut().zip(&streams[j * d..(j + 1) * d]) {
-                *m += c * x;
+                *m = if mix_bf16 { r_bf16(*m + c * x) } else { *m + c * x };
             }
         }
         let o = &mut out[k * d..(k + 1) * d];
@@ -200,7 +260,7 @@ pub fn hc_head(
     let pre: Vec<f32> = (0..n)
         .map(|j| sigmoid(mu[j] * head.scale[0] + head.base[j]) + hc_eps)
         .collect();
-    collapse(streams, &pre, d, p)
+    collapse(streams, &pre, d, p, false)
 }
 
 #[cfg(test)]

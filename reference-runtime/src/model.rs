@@ -10,16 +10,16 @@
 
 use std::path::{Path, PathBuf};
 
-use moeconf_fingerprint::{Component, Level, Phase};
+use moeconf_fingerprint::{Component, Half, Level, Phase};
 
 use crate::attention::{attention_forward, AttnWeights, Ropes};
 use crate::capture::{At, CaptureSink, Recorder};
 use crate::config::ModelConfig;
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
-use crate::faults::{Active, FaultPlan};
-use crate::head::{argmax, head_forward, topk_logits, HeadWeights};
-use crate::mhc::{hc_post, hc_pre, HcSite};
+use crate::faults::{Active, FaultPlan, GlobalActive};
+use crate::head::{argmax, head_forward_with, topk_logits, HeadWeights};
+use crate::mhc::{hc_post_with, hc_pre_with, HcParams, HcPre, HcSite};
 use crate::moe::{moe_forward, MoeWeights};
 use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
@@ -179,7 +179,14 @@ impl Model {
         let id32: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
         rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
 
-        let mut streams = self.embed(ids);
+        let global = |t: u32| faults.map_or_else(GlobalActive::default, |f| f.global(state.step, t));
+        let mut streams = Vec::with_capacity(ids.len());
+        for (j, &id) in ids.iter().enumerate() {
+            let t = pos0 + j as u32;
+            let e = self.embedding(id, global(t).embedding_next_row);
+            rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
+            streams.push(e.repeat(cfg.hc_mult));
+        }
         for (li, lw) in self.layers.iter().enumerate() {
             for (j, x) in streams.iter_mut().enumerate() {
                 let t = pos0 + j as u32;
@@ -199,7 +206,8 @@ impl Model {
             }
         }
         let last_streams = streams.last().map(|v| v.as_slice()).unwrap_or(&[]);
-        let logits = head_forward(&self.head, last_streams, cfg, opts.precision);
+        let head_eps = global(last).head_norm_eps.unwrap_or(cfg.rms_norm_eps);
+        let logits = head_forward_with(&self.head, last_streams, cfg, opts.precision, head_eps);
         let next = argmax(&logits);
         logit_records(&mut rec, &logits, last)?;
         rec.i32(Component::TokenOutput, At::global(last), &[next as i32])?;
@@ -219,18 +227,16 @@ impl Model {
         })
     }
 
-    /// The embedding of every id, repeated into the N residual streams.
-    fn embed(&self, ids: &[u32]) -> Vec<Vec<f32>> {
-        let (n, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
-        ids.iter()
-            .map(|&t| {
-                let e: Vec<f32> = (0..d).map(|c| self.embed.get(t as usize, c)).collect();
-                let mut x = Vec::with_capacity(n * d);
-                for _ in 0..n {
-                    x.extend_from_slice(&e);
-                }
-                x
-            })
+    /// The embedding row of `id` (of the next id with the
+    /// [`crate::faults::FaultKind::EmbeddingWrongRow`] fault).
+    fn embedding(&self, id: u32, next_row: bool) -> Vec<f32> {
+        let row = if next_row {
+            (id as usize + 1) % self.cfg.vocab_size
+        } else {
+            id as usize
+        };
+        (0..self.cfg.hidden_size)
+            .map(|c| self.embed.get(row, c))
             .collect()
     }
 
@@ -247,20 +253,26 @@ impl Model {
     ) -> Result<(), RuntimeError> {
         let (cfg, p, at, fx) = (cx.cfg, cx.p, cx.at(), cx.fx);
         let (n, d, eps) = (cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps);
-        let pre = hc_pre(&lw.hc_attn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
-        rec.f32(Component::AttnHcPre, at, &[d as u64], &pre.x)?;
-        let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, eps, p);
+        let hp = HcParams {
+            n,
+            rms_eps: eps,
+            hc_eps: cfg.hc_eps,
+            iters: cfg.hc_sinkhorn_iters,
+        };
+        let pre = hc_pre_with(&lw.hc_attn, x, hp, p, fx.hc_attn);
+        record_hc_pre(rec, at, Half::Attention, &pre)?;
+        let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, fx.attn_norm_eps.unwrap_or(eps), p);
         rec.f32(Component::AttnNorm, at, &[d as u64], &a)?;
         let y = attention_forward(&lw.attn, ls, &a, &self.ropes, cx, rec)?;
-        *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
+        *x = hc_post_with(x, &y, &pre.post, &pre.comb, n, p, fx.hc_attn.post_mix_bf16);
         rec.f32(Component::LayerPostAttnMhc, at, &[n as u64, d as u64], x)?;
 
-        let pre = hc_pre(&lw.hc_ffn, x, n, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, p);
-        rec.f32(Component::FfnHcPre, at, &[d as u64], &pre.x)?;
+        let pre = hc_pre_with(&lw.hc_ffn, x, hp, p, fx.hc_ffn);
+        record_hc_pre(rec, at, Half::Ffn, &pre)?;
         let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, fx.ffn_norm_eps.unwrap_or(eps), p);
         rec.f32(Component::FfnNorm, at, &[d as u64], &f)?;
         let y = moe_forward(&lw.moe, &f, cx, rec)?;
-        *x = hc_post(x, &y, &pre.post, &pre.comb, n, p);
+        *x = hc_post_with(x, &y, &pre.post, &pre.comb, n, p, fx.hc_ffn.post_mix_bf16);
         if let (Some(dh), Some(plan)) = (fx.add_post_ffn_mhc, cx.plan) {
             plan.observe_pre_add(x);
             for (v, d) in x.iter_mut().zip(dh) {
@@ -270,6 +282,27 @@ impl Model {
         rec.f32(Component::LayerPostFfnMhc, at, &[n as u64, d as u64], x)?;
         Ok(())
     }
+}
+
+/// The records of one mHC pre, in execution order: the pre weights, the
+/// post weights, the Sinkhorn-normalised combination matrix (all FP32, as
+/// computed) and the collapse.
+fn record_hc_pre(rec: &mut Recorder<'_>, at: At, half: Half, pre: &HcPre) -> Result<(), RuntimeError> {
+    use Component as C;
+    let (pre_w, post_w, comb, collapse) = match half {
+        Half::Attention => (
+            C::AttnHcPreWeights,
+            C::AttnHcPostWeights,
+            C::AttnHcComb,
+            C::AttnHcPre,
+        ),
+        Half::Ffn => (C::FfnHcPreWeights, C::FfnHcPostWeights, C::FfnHcComb, C::FfnHcPre),
+    };
+    let n = pre.pre.len() as u64;
+    rec.f32(pre_w, at, &[n], &pre.pre)?;
+    rec.f32(post_w, at, &[n], &pre.post)?;
+    rec.f32(comb, at, &[n, n], &pre.comb)?;
+    rec.f32(collapse, at, &[pre.x.len() as u64], &pre.x)
 }
 
 /// The L1 records of a step: logits at its last position, the top-8 ids and

@@ -15,10 +15,12 @@ use crate::capture::{Name, Recorder};
 use crate::config::ModelConfig;
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
+use crate::faults::{nudge_one_ulp, ExpertFaults};
 use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;
 use crate::router::{route_with, RouterWeights, Routing};
 use crate::weights::{Mat, WeightLoader};
+use moeconf_contract::bf16::r_bf16;
 use moeconf_contract::CombineEvent;
 
 /// One SwiGLU expert (`w1` gate, `w3` up, `w2` down).
@@ -107,7 +109,7 @@ pub(crate) fn moe_forward(
     rec: &mut Recorder<'_>,
 ) -> Result<Vec<f32>, RuntimeError> {
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
-    let r = route_with(&mw.router, f, cx.token, cfg, p, cx.fx.router_flip);
+    let r = route_with(&mw.router, f, cx.token, cfg, p, cx.fx.router_flip, cx.fx.router);
     let k = r.topk.len() as u64;
     rec.f32(Component::RouterScores, at, &[r.scores.len() as u64], &r.scores)?;
     let ids: Vec<i32> = r.topk.iter().map(|&e| e as i32).collect();
@@ -116,7 +118,7 @@ pub(crate) fn moe_forward(
     if let Some(m) = r.margin {
         rec.f32(Component::RouterMargin, at, &[1], &[m])?;
     }
-    let (terms, shared) = experts(mw, f, &r, cfg, p);
+    let (terms, shared) = experts(mw, f, &r, cfg, p, cx.fx.experts);
     let dm = cfg.hidden_size as u64;
     // Recorded (and so checked for non-finite values) even when L4 is not
     // captured: the expert outputs are operator outputs.
@@ -135,25 +137,31 @@ pub(crate) fn moe_forward(
     cx.fx
         .combine_or(cx.combine)
         .combine(&event, &term_refs, &shared, &mut y);
+    if let Some(v) = cx.fx.combine_nudge.and_then(|i| y.get_mut(i)) {
+        *v = nudge_one_ulp(*v, p);
+    }
     rec.f32(Component::MoeCombine, at, &[dm], &y)?;
     Ok(y)
 }
 
 /// The gate-weighted routed terms (selection order) and the shared
-/// expert's output.
+/// expert's output (with the calibration faults of `fx`).
 fn experts(
     mw: &MoeWeights,
     f: &[f32],
     r: &Routing,
     cfg: &ModelConfig,
     p: Precision,
+    fx: ExpertFaults,
 ) -> (Vec<Vec<f32>>, Vec<f32>) {
     // Experts 0..k-1 in selection order, then the shared expert (index k).
     // Each expert output is independent; run them on rayon only when an expert
     // is big enough to pay for the scheduling (results are identical either way).
+    let routed_limit = fx.routed_limit.unwrap_or(cfg.swiglu_limit);
+    let shared_limit = fx.shared_limit.unwrap_or(cfg.swiglu_limit);
     let one = |j: usize| match r.topk.get(j) {
-        Some(&e) => expert_forward(&mw.experts[e as usize], f, cfg.swiglu_limit, p),
-        None => expert_forward(&mw.shared, f, cfg.swiglu_limit, p),
+        Some(&e) => expert_forward(&mw.experts[e as usize], f, routed_limit, p),
+        None => expert_forward(&mw.shared, f, shared_limit, p),
     };
     let mut outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
         (0..=r.topk.len()).into_par_iter().map(one).collect()
@@ -165,7 +173,10 @@ fn experts(
         .gates
         .iter()
         .zip(&outs)
-        .map(|(g, y)| y.iter().map(|v| g * v).collect())
+        .map(|(g, y)| match fx.term_rounded {
+            true => y.iter().map(|v| r_bf16(g * v)).collect(),
+            false => y.iter().map(|v| g * v).collect(),
+        })
         .collect();
     (terms, shared)
 }

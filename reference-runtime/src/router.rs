@@ -12,8 +12,10 @@
 
 use crate::config::{MlpKind, ModelConfig};
 use crate::error::RuntimeError;
+use crate::faults::RouterFaults;
 use crate::precision::Precision;
 use crate::weights::{Mat, WeightLoader};
+use moeconf_contract::bf16::r_bf16;
 
 /// Router weights of one layer.
 #[derive(Debug, Clone)]
@@ -72,11 +74,12 @@ pub fn softplus(x: f32) -> f32 {
 
 /// Routes one token (`token` is needed by hash layers).
 pub fn route(rw: &RouterWeights, f: &[f32], token: u32, cfg: &ModelConfig, p: Precision) -> Routing {
-    route_with(rw, f, token, cfg, p, false)
+    route_with(rw, f, token, cfg, p, false, RouterFaults::default())
 }
 
-/// [`route`], optionally with selection ranks k and k+1 swapped on moe
-/// layers (the [`crate::faults::FaultKind::RouterNearTieFlip`] fault).
+/// [`route`] with calibration faults: selection ranks k and k+1 swapped on
+/// moe layers (`near_tie_flip`, [`crate::faults::FaultKind::RouterNearTieFlip`])
+/// and the other router faults of `fx`.
 pub(crate) fn route_with(
     rw: &RouterWeights,
     f: &[f32],
@@ -84,16 +87,22 @@ pub(crate) fn route_with(
     cfg: &ModelConfig,
     p: Precision,
     near_tie_flip: bool,
+    fx: RouterFaults,
 ) -> Routing {
     let logits = rw.gate.linear(f, p);
-    let scores: Vec<f32> = logits
-        .iter()
-        .map(|&l| p.round(p.round(softplus(l)).sqrt()))
-        .collect();
+    let sp = |x: f32| match fx.softplus_bf16_exp {
+        true if x <= 20.0 => libm::log1pf(r_bf16(libm::expf(x))),
+        _ => softplus(x),
+    };
+    let scores: Vec<f32> = logits.iter().map(|&l| p.round(p.round(sp(l)).sqrt())).collect();
     let k = cfg.experts_per_tok;
     let (topk, margin) = match (&rw.tid2eid, &rw.bias) {
         (Some(t), _) => {
-            let row = token as usize * k;
+            let id = match fx.hash_next_row {
+                true => (token as usize + 1) % cfg.vocab_size,
+                false => token as usize,
+            };
+            let row = id * k;
             (t[row..row + k].to_vec(), None)
         }
         (None, bias) => {
@@ -118,7 +127,13 @@ pub(crate) fn route_with(
     let den = p.round(sum + 1e-20);
     let gates = topk
         .iter()
-        .map(|&e| p.round(p.round(scores[e as usize] / den) * cfg.routed_scaling_factor))
+        .map(|&e| {
+            let s = scores[e as usize];
+            match fx.gate_scale_first {
+                false => p.round(p.round(s / den) * cfg.routed_scaling_factor),
+                true => p.round(p.round(s * cfg.routed_scaling_factor) / den),
+            }
+        })
         .collect();
     Routing {
         scores,

@@ -74,8 +74,8 @@ fn f32_profile_is_identical_across_thread_counts_and_runs() {
     assert_eq!(d, PINNED_F32, "f32 fixture trace digest changed");
 }
 
-const PINNED_BF16: &str = "b4367e98d147ccf33f60fc7941592053aabc3e4cf86219a9f6973bb5c1ca5394";
-const PINNED_F32: &str = "28224b079d23ac1991df89b18746910d39ab86c81d31e0285a5de07ea5d10ef6";
+const PINNED_BF16: &str = "ac0779057e0a8b206e7fcd9ce5b3bb7874523d4c0fc994eef45e6acef516c412";
+const PINNED_F32: &str = "73166bf2902fe208bfb0dc21dced39b8ebd6328ffefaf734a57d80286c1e47a8";
 
 #[test]
 fn parallel_paths_are_identical_across_thread_counts() {

@@ -1,13 +1,15 @@
 //! Fault injection (`faults::FaultPlan`, `Model::step_with_faults`): no plan
-//! and a plan that never matches are bitwise the plain runtime; each
-//! effective fault leaves every record before its operator's record
-//! unchanged and changes exactly that record first; the post-mHC
-//! intervention adds ΔH once.
+//! and a plan that never matches are bitwise the plain runtime; every fault
+//! kind, in both profiles, leaves every record before its own record
+//! ([`FaultKind::component`], in execution order over every level)
+//! unchanged and changes exactly that record first, and changes some bit in
+//! at least one profile; the post-mHC intervention adds ΔH once.
 
 mod common;
 
 use common::{digests, fixture_model, prompt};
 use moeconf_contract::{AggregationContract, NativeCombine, Order};
+use moeconf_fingerprint::Half;
 use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_reference_runtime::model::StepOptions;
@@ -16,10 +18,16 @@ use moeconf_reference_runtime::precision::Precision;
 const TOKENS: u32 = 5;
 
 fn run(plan: Option<&FaultPlan>) -> MemorySink {
+    run_in(plan, Precision::Bf16)
+}
+
+/// The 5-token prompt for 5 steps in `precision` with the native combine
+/// (as the calibration matrix runs it), capturing every level.
+fn run_in(plan: Option<&FaultPlan>, precision: Precision) -> MemorySink {
     let m = fixture_model();
     let ids = prompt(1, 5);
     let opts = StepOptions {
-        precision: Precision::Bf16,
+        precision,
         combine: &NativeCombine,
         detokenizer: None,
         allow_non_finite: false,
@@ -51,39 +59,137 @@ fn no_fault_is_the_plain_runtime() {
     assert_eq!(digests(&run(Some(&never))), plain);
 }
 
-#[test]
-fn each_fault_first_changes_its_own_operator() {
-    let base = run(None);
-    let bd = digests(&base);
-    // Layer 2 is CSA; with a 5-token prompt, step 3's token (count 8) closes a CSA window (rate 4).
-    let cases = vec![
-        Fault::at(3, 2, FaultKind::AttentionSoftmaxBf16Accumulator),
-        Fault::at(2, 1, FaultKind::AttentionOutputTruncate),
-        Fault::at(1, 4, FaultKind::FfnNormEpsilon(1e-2)),
-        Fault::at(2, 6, FaultKind::RouterNearTieFlip),
-        Fault::at(1, 7, FaultKind::RoundedRoutedMerge),
-        Fault::at(3, 8, FaultKind::KvLowPrecision { mantissa_bits: 3 }),
-        Fault::at(3, 4, FaultKind::CompressorPoolingBf16Accumulator),
-        Fault::at(
-            2,
-            5,
-            FaultKind::CombineContract(AggregationContract::b().with_order(Order::BClass(135))),
-        ),
-    ];
-    for f in cases {
-        let sink = run(Some(&FaultPlan::new(vec![f.clone()])));
-        let d = digests(&sink);
-        assert_eq!(d.len(), bd.len(), "{}", f.kind.name());
-        let first = d.iter().zip(&bd).position(|(a, b)| a != b);
-        let i = first.unwrap_or_else(|| panic!("{} changed nothing", f.kind.name()));
-        let c = &sink.records[i].coord;
-        assert_eq!(
-            (Some(c.step), c.layer, c.path.as_str()),
-            (f.step, f.layer, f.kind.operator()),
-            "{}",
-            f.kind.name()
-        );
+/// A fault and the record that must be the first to differ (in execution
+/// order over every level): its step, layer and component.
+struct Case {
+    fault: Fault,
+    step: u32,
+    layer: Option<u32>,
+}
+
+impl Case {
+    /// The fault's own step and layer.
+    fn at(step: u32, layer: u32, kind: FaultKind) -> Case {
+        Case {
+            fault: Fault::at(step, layer, kind),
+            step,
+            layer: Some(layer),
+        }
     }
+}
+
+/// Every fault kind, at coordinates of the 5-token prompt and 5 steps
+/// (positions 0..8): layers 0, 1, 8 sliding, 2/4/6 CSA, 3/5/7 HCA, 0–2
+/// hash-routed; window w = 8 is full from position 7 (step 3); CSA windows
+/// (rate 4) close at positions 3 (prefill) and 7 (step 3).
+fn cases() -> Vec<Case> {
+    use FaultKind as K;
+    use Half::{Attention as A, Ffn as F};
+    let b135 = AggregationContract::b().with_order(Order::BClass(135));
+    let mut v = vec![
+        Case {
+            fault: Fault::at(2, 0, K::EmbeddingWrongRow),
+            step: 2,
+            layer: None,
+        },
+        Case {
+            fault: Fault::at(2, 0, K::HeadNormEpsilon(1e-2)),
+            step: 2,
+            layer: None,
+        },
+        // Split-K decode kernel at every step of layer 2: the prefill is
+        // untouched, the first decode step is not.
+        Case {
+            fault: Fault {
+                step: None,
+                layer: Some(2),
+                position: None,
+                kind: K::AttentionSplitKDecode,
+            },
+            step: 1,
+            layer: Some(2),
+        },
+    ];
+    for (h, step, layer) in [(A, 1, 3), (F, 2, 5)] {
+        v.push(Case::at(step, layer, K::MhcPreWeightsWithoutEpsilon(h)));
+        v.push(Case::at(step, layer, K::MhcPostWeightsTruncated(h)));
+        v.push(Case::at(step, layer, K::MhcSinkhornWithoutEpsilon(h)));
+        v.push(Case::at(step, layer, K::MhcCollapseBf16Weights(h)));
+        v.push(Case::at(step, layer, K::MhcPostMixBf16Accumulator(h)));
+    }
+    v.extend([
+        Case::at(1, 4, K::AttnNormEpsilon(1e-2)),
+        Case::at(2, 3, K::QueryRopePositionOffByOne),
+        Case::at(3, 2, K::AttentionSoftmaxReversed),
+        Case::at(3, 2, K::AttentionSoftmaxBf16Accumulator),
+        Case::at(2, 6, K::DerotationSkipped),
+        Case::at(2, 1, K::AttentionOutputTruncate),
+        Case::at(3, 8, K::KvLowPrecision { mantissa_bits: 3 }),
+        Case::at(2, 0, K::WindowStoreLowPrecision { mantissa_bits: 3 }),
+        Case::at(3, 1, K::WindowReadDropsOldest),
+        Case::at(3, 4, K::CompressorPoolingReversed),
+        Case::at(3, 4, K::CompressorPoolingBf16Accumulator),
+        Case::at(3, 2, K::CompressorIgnoresOverlap),
+        Case::at(3, 4, K::CompressorOverlapGateWithoutBias),
+        Case::at(3, 6, K::CompressedStoreLowPrecision { mantissa_bits: 3 }),
+        Case::at(3, 6, K::IndexerCompressorPoolingBf16Accumulator),
+        Case::at(1, 2, K::IndexerBufferLowPrecision { mantissa_bits: 3 }),
+        Case::at(3, 2, K::IndexerStoreLowPrecision { mantissa_bits: 3 }),
+        Case::at(3, 2, K::IndexerScoreScaleAfterSum),
+        Case::at(3, 4, K::IndexerTopkDropsLast),
+        Case::at(1, 4, K::FfnNormEpsilon(1e-2)),
+        Case::at(1, 4, K::RouterSoftplusBf16Exp),
+        Case::at(2, 6, K::RouterNearTieFlip),
+        Case::at(1, 1, K::HashRouteNextRow),
+        Case::at(2, 6, K::RouterGateScaleBeforeDivide),
+        Case::at(1, 5, K::RoutedExpertSwigluLimit(0.25)),
+        Case::at(1, 5, K::SharedExpertSwigluLimit(0.25)),
+        Case::at(1, 7, K::RoutedTermRounded),
+        Case::at(1, 7, K::SharedExpertFirst),
+        Case::at(1, 7, K::RoundedRoutedMerge),
+        Case::at(2, 5, K::CombineContract(b135)),
+        Case::at(2, 5, K::CombineElementNudge { element: 0 }),
+    ]);
+    v
+}
+
+#[test]
+fn each_fault_first_changes_its_own_record_in_both_profiles() {
+    let mut silent = Vec::new();
+    let cases = cases();
+    for precision in [Precision::Bf16, Precision::F32] {
+        let base = run_in(None, precision);
+        let bd = digests(&base);
+        for case in &cases {
+            let name = case.fault.kind.name();
+            let sink = run_in(Some(&FaultPlan::new(vec![case.fault.clone()])), precision);
+            let d = digests(&sink);
+            let Some(i) = d.iter().zip(&bd).position(|(a, b)| a != b) else {
+                assert_eq!(d.len(), bd.len(), "{name}");
+                silent.push((name, precision));
+                continue;
+            };
+            let c = &sink.records[i].coord;
+            assert_eq!(base.records[i].coord, *c, "{name}: the record sequences part");
+            let expect = case.fault.kind.component();
+            assert!(
+                (c.step, c.layer) == (case.step, case.layer) && expect.matches(&c.path),
+                "{name} ({precision:?}): first difference at {c}, expected step {} layer {:?} {expect}",
+                case.step,
+                case.layer
+            );
+        }
+    }
+    // Every kind changes some bit in at least one profile, except the
+    // shared-expert-first order: the native combine rounds every routed term
+    // to BF16 in both profiles, and FP32 sums of BF16 values are exact here.
+    for case in &cases {
+        let name = case.fault.kind.name();
+        let n = silent.iter().filter(|(s, _)| *s == name).count();
+        let may_be_silent = case.fault.kind == FaultKind::SharedExpertFirst;
+        assert!(n < 2 || may_be_silent, "{name} is silent in both profiles");
+    }
+    eprintln!("silent: {silent:?}");
 }
 
 #[test]

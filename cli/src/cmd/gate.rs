@@ -4,7 +4,10 @@
 //! fingerprints (`--baseline`), under a reviewed policy (`moeconf.toml`),
 //! and reports in text, JSON, JUnit XML or Markdown.
 //!
-//! Exit codes: 0 pass, 1 fail, 2 error. With `--bisect-exit-codes` (for
+//! Exit codes: 0 pass, 1 fail (including a candidate that lacks a required
+//! level, a step or a record: docs/ci.md §2 "Coverage"), 2 error (also a
+//! reference or baseline that cannot gate: empty, without a required level,
+//! a binding that does not match). With `--bisect-exit-codes` (for
 //! `git bisect run`): 0 good, 1 bad, 125 skip (the candidate trace is missing
 //! or unreadable, so this commit cannot be tested), 128 for any other error
 //! (a broken policy or reference aborts the bisection instead of marking
@@ -73,6 +76,14 @@ pub struct GateArgs {
     /// Token/argmax flips whose reference lm.margin is below this are near-ties (0 disables).
     #[arg(long, value_name = "MARGIN")]
     pub argmax_near_tie_margin: Option<f64>,
+    /// Levels both sides must hold: L0..L4, judged, reference, comma-separated, or none
+    /// (env MOECONF_REQUIRED; default L0,L1,judged, strict: reference).
+    #[arg(long, value_name = "LIST")]
+    pub required: Option<String>,
+    /// Compare even when the bindings (of the traces, or of the baseline and the candidate) name a
+    /// different model, tokenizer, prompt or decoding configuration (noted in the report).
+    #[arg(long)]
+    pub force: bool,
     /// Blessed fingerprints: compare the candidate with them, or write them with --bless.
     #[arg(long, value_name = "FILE")]
     pub baseline: Option<PathBuf>,
@@ -121,6 +132,11 @@ fn cli_overrides(a: &GateArgs) -> anyhow::Result<Overrides> {
         equal_nan: a.equal_nan,
         route_near_tie_margin: a.route_near_tie_margin,
         argmax_near_tie_margin: a.argmax_near_tie_margin,
+        required: a
+            .required
+            .as_deref()
+            .map(|r| policy::Requirement::parse_list(r).with_context(|| format!("--required {r}")))
+            .transpose()?,
     })
 }
 
@@ -210,8 +226,8 @@ struct GateOutputs {
 /// `--bless`: records the candidate's fingerprints in `out` and says what changed.
 fn bless(candidate: &Trace, out: &CheckedOutput) -> Result<(), GateError> {
     let file = out.path();
-    let previous = Baseline::read(file).ok().map(|b| b.root);
-    let b = Baseline::of(candidate);
+    let previous = Baseline::blessed_root(file);
+    let b = Baseline::of(candidate)?;
     write_checked(out, b.text(file)?.as_bytes(), FileKind::Baseline)?;
     println!(
         "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
@@ -258,8 +274,8 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             bless(&cand, out)?;
             return Ok(0);
         }
-        (None, Some(file)) => against_baseline(file, &cand, &profile)?,
-        (Some(rp), _) => against_reference(rp, &cand, &profile)?,
+        (None, Some(file)) => against_baseline(file, &cand, &profile, a.force)?,
+        (Some(rp), _) => against_reference(rp, &cand, &profile, a.force)?,
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
     report.policy_source = source.describe();
