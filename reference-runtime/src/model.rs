@@ -251,23 +251,55 @@ impl Model {
         cx: &TokenCtx<'_>,
         rec: &mut Recorder<'_>,
     ) -> Result<(), RuntimeError> {
-        let (cfg, p, at, fx) = (cx.cfg, cx.p, cx.at(), cx.fx);
-        let (n, d, eps) = (cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps);
-        let hp = HcParams {
-            n,
-            rms_eps: eps,
+        self.attention_half(lw, ls, x, cx, rec)?;
+        self.ffn_half(lw, x, cx, rec)
+    }
+
+    /// The mHC parameters of the configuration.
+    fn hc_params(&self) -> HcParams {
+        let cfg = &self.cfg;
+        HcParams {
+            n: cfg.hc_mult,
+            rms_eps: cfg.rms_norm_eps,
             hc_eps: cfg.hc_eps,
             iters: cfg.hc_sinkhorn_iters,
-        };
-        let pre = hc_pre_with(&lw.hc_attn, x, hp, p, fx.hc_attn);
+        }
+    }
+
+    /// The attention half of one token through one layer: hc_pre,
+    /// attn_norm, attention (reading and updating `ls`), hc_post.
+    pub(crate) fn attention_half(
+        &self,
+        lw: &LayerWeights,
+        ls: &mut LayerState,
+        x: &mut Vec<f32>,
+        cx: &TokenCtx<'_>,
+        rec: &mut Recorder<'_>,
+    ) -> Result<(), RuntimeError> {
+        let (cfg, p, at, fx) = (cx.cfg, cx.p, cx.at(), cx.fx);
+        let (n, d, eps) = (cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps);
+        let pre = hc_pre_with(&lw.hc_attn, x, self.hc_params(), p, fx.hc_attn);
         record_hc_pre(rec, at, Half::Attention, &pre)?;
         let a = rmsnorm_weighted(&pre.x, &lw.attn_norm, fx.attn_norm_eps.unwrap_or(eps), p);
         rec.f32(Component::AttnNorm, at, &[d as u64], &a)?;
         let y = attention_forward(&lw.attn, ls, &a, &self.ropes, cx, rec)?;
         *x = hc_post_with(x, &y, &pre.post, &pre.comb, n, p, fx.hc_attn.post_mix_bf16);
         rec.f32(Component::LayerPostAttnMhc, at, &[n as u64, d as u64], x)?;
+        Ok(())
+    }
 
-        let pre = hc_pre_with(&lw.hc_ffn, x, hp, p, fx.hc_ffn);
+    /// The FFN half of one token through one layer: hc_pre, ffn_norm,
+    /// router, experts, combine, hc_post (no persistent state).
+    pub(crate) fn ffn_half(
+        &self,
+        lw: &LayerWeights,
+        x: &mut Vec<f32>,
+        cx: &TokenCtx<'_>,
+        rec: &mut Recorder<'_>,
+    ) -> Result<(), RuntimeError> {
+        let (cfg, p, at, fx) = (cx.cfg, cx.p, cx.at(), cx.fx);
+        let (n, d, eps) = (cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps);
+        let pre = hc_pre_with(&lw.hc_ffn, x, self.hc_params(), p, fx.hc_ffn);
         record_hc_pre(rec, at, Half::Ffn, &pre)?;
         let f = rmsnorm_weighted(&pre.x, &lw.ffn_norm, fx.ffn_norm_eps.unwrap_or(eps), p);
         rec.f32(Component::FfnNorm, at, &[d as u64], &f)?;
@@ -281,6 +313,22 @@ impl Model {
         }
         rec.f32(Component::LayerPostFfnMhc, at, &[n as u64, d as u64], x)?;
         Ok(())
+    }
+
+    /// The weights of layer `i`, if the model has it.
+    pub(crate) fn layer_weights(&self, i: usize) -> Option<&LayerWeights> {
+        self.layers.get(i)
+    }
+
+    /// The head weights.
+    pub(crate) fn head_weights(&self) -> &HeadWeights {
+        &self.head
+    }
+
+    /// The embedding row of `id` (the reference's `embed.output`), `None`
+    /// for an id outside the vocabulary.
+    pub fn embed(&self, id: u32) -> Option<Vec<f32>> {
+        ((id as usize) < self.cfg.vocab_size).then(|| self.embedding(id, false))
     }
 }
 

@@ -215,21 +215,28 @@ impl DecodeState {
             return Ok(());
         }
         for (i, ls) in self.layers.iter().enumerate() {
-            let at = At::layer(pos, i as u32);
-            rec.i64_scalar(Component::StateCumulativeLength, at, ls.cumulative_length as i64)?;
-            let n = (ls.window_kv.len() / ls.head_dim) as u64;
-            rec.f32(
-                Component::StateWindowKv,
-                at,
-                &[n, ls.head_dim as u64],
-                &ls.window_kv,
-            )?;
-            if let Some(c) = &ls.compressor {
-                c.emit_l2(rec, at, CompressorRole::Attention)?;
-            }
-            if let Some(c) = &ls.indexer {
-                c.emit_l2(rec, at, CompressorRole::Indexer)?;
-            }
+            ls.emit_l2(rec, At::layer(pos, i as u32))?;
+        }
+        Ok(())
+    }
+}
+
+impl LayerState {
+    /// Emits this layer's L2 records at `at`, in canonical order.
+    pub(crate) fn emit_l2(&self, rec: &mut Recorder<'_>, at: At) -> Result<(), RuntimeError> {
+        rec.i64_scalar(Component::StateCumulativeLength, at, self.cumulative_length as i64)?;
+        let n = (self.window_kv.len() / self.head_dim) as u64;
+        rec.f32(
+            Component::StateWindowKv,
+            at,
+            &[n, self.head_dim as u64],
+            &self.window_kv,
+        )?;
+        if let Some(c) = &self.compressor {
+            c.emit_l2(rec, at, CompressorRole::Attention)?;
+        }
+        if let Some(c) = &self.indexer {
+            c.emit_l2(rec, at, CompressorRole::Indexer)?;
         }
         Ok(())
     }

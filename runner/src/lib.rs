@@ -16,8 +16,9 @@ use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
 use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::files::{read_capped, MAX_TOKENIZER_BYTES};
+use moeconf_reference_runtime::faults::FaultPlan;
 use moeconf_reference_runtime::generate::GenerateOptions;
-use moeconf_reference_runtime::model::Model;
+use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::tokenizer::Tokenizer;
 pub use moeconf_schema::model_identity;
@@ -520,24 +521,48 @@ pub fn run_prepared(
     prepared: PreparedRun,
     out: &Path,
 ) -> Result<RunOutcome, RunError> {
+    run_prepared_with_faults(m, spec, prepared, None, out)
+}
+
+/// [`run_prepared`] with the faults of `faults` injected where they match
+/// (calibration and tests of `moeconf replay`: a candidate with known
+/// deviations); `None` is exactly [`run_prepared`]. The binding records
+/// the plan in its `extra` (`faults = NAME;NAME...`).
+pub fn run_prepared_with_faults(
+    m: &LoadedModel,
+    spec: &RunSpec<'_>,
+    prepared: PreparedRun,
+    faults: Option<&FaultPlan>,
+    out: &Path,
+) -> Result<RunOutcome, RunError> {
     use moeconf_reference_runtime::tokenizer::Detokenize;
+    let mut binding = run_binding(m, spec, &prepared)?;
+    if let Some(plan) = faults {
+        let names: Vec<String> = plan.faults.iter().map(|f| f.kind.name()).collect();
+        binding.extra.push(("faults".to_string(), names.join(";")));
+    }
     let header = Header {
-        binding: run_binding(m, spec, &prepared)?,
+        binding,
         provenance: reference_provenance(rayon::current_num_threads() as u32, vec![]),
     };
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
     let mut sink = TraceSink::new(writer, spec.capture);
-    let opts = GenerateOptions {
-        max_new_tokens: spec.max_new_tokens as usize,
-        precision: spec.precision,
-        combine: prepared.built.combine.as_ref(),
-        detokenizer: Some(&m.tokenizer),
-        allow_non_finite: spec.allow_non_finite,
+    let generation = match faults {
+        None => {
+            let opts = GenerateOptions {
+                max_new_tokens: spec.max_new_tokens as usize,
+                precision: spec.precision,
+                combine: prepared.built.combine.as_ref(),
+                detokenizer: Some(&m.tokenizer),
+                allow_non_finite: spec.allow_non_finite,
+            };
+            m.model
+                .generate(&prepared.prompt_ids, &opts, &mut sink)
+                .map_err(RunError::runtime)?
+                .tokens
+        }
+        Some(plan) => generate_with_faults(m, spec, &prepared, plan, &mut sink)?,
     };
-    let generation = m
-        .model
-        .generate(&prepared.prompt_ids, &opts, &mut sink)
-        .map_err(RunError::runtime)?;
     if let Some(w) = &prepared.built.fork {
         if w.hits() == 0 {
             // The writer is dropped unfinished: its temporary file is removed.
@@ -551,13 +576,44 @@ pub fn run_prepared(
         }
     }
     let summary = sink.finish()?;
-    let text = m.tokenizer.decode(&generation.tokens)?;
+    let text = m.tokenizer.decode(&generation)?;
     Ok(RunOutcome {
-        tokens: generation.tokens,
+        tokens: generation,
         text,
         summary,
         prompt_ids: prepared.prompt_ids,
     })
+}
+
+/// The greedy loop of [`Model::generate`] through
+/// [`Model::step_with_faults`]: the generated ids.
+fn generate_with_faults(
+    m: &LoadedModel,
+    spec: &RunSpec<'_>,
+    prepared: &PreparedRun,
+    plan: &FaultPlan,
+    sink: &mut TraceSink,
+) -> Result<Vec<u32>, RunError> {
+    let opts = StepOptions {
+        precision: spec.precision,
+        combine: prepared.built.combine.as_ref(),
+        detokenizer: Some(&m.tokenizer),
+        allow_non_finite: spec.allow_non_finite,
+    };
+    let mut state = m.model.new_state();
+    for s in 0..spec.max_new_tokens {
+        let ids = if s == 0 {
+            prepared.prompt_ids.clone()
+        } else {
+            vec![state
+                .pending
+                .ok_or_else(|| RunError::Invalid("no pending token".into()))?]
+        };
+        m.model
+            .step_with_faults(&mut state, &ids, &opts, Some(plan), sink)
+            .map_err(RunError::runtime)?;
+    }
+    Ok(state.generated)
 }
 
 #[cfg(test)]

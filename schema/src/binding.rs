@@ -102,6 +102,17 @@ impl CaptureSpec {
         payload_levels: 0,
     };
 
+    /// The capture `moeconf replay` needs (docs/replay.md): fingerprints of
+    /// every level, payloads of L0 (tokens), L1 (logits, for teacher
+    /// forcing), L2 (persistent state, the replay's carried inputs) and L3
+    /// (the post-mHC checkpoints, its layer inputs and outputs). L4
+    /// fingerprints name the operator where a half-layer parts, and the
+    /// `embed.output` fingerprint certifies the layer-0 input.
+    pub const REPLAY: CaptureSpec = CaptureSpec {
+        levels: 0b11111,
+        payload_levels: 0b01111,
+    };
+
     /// Whether `level` is captured.
     pub fn captures(&self, level: Level) -> bool {
         self.levels & (1 << level.code()) != 0
@@ -114,7 +125,9 @@ impl CaptureSpec {
 
     /// Parses a capture spec: `default` (fingerprints for every level,
     /// payloads for L1 and L3), `all` (every level with payloads),
-    /// `fingerprints` (no payloads beyond small records), or a list like
+    /// `fingerprints` (no payloads beyond small records), `replay` (the
+    /// minimal capture of `moeconf replay`, docs/replay.md: every level,
+    /// payloads for L0–L3, L4 as fingerprints), or a list like
     /// `L0,L1+payload,L3+payload`. The error says what is wrong, for the
     /// caller to prefix with the option's name.
     pub fn parse(s: &str) -> Result<CaptureSpec, String> {
@@ -128,6 +141,7 @@ impl CaptureSpec {
                 payload_levels: 0b11111,
             }),
             "fingerprints" => Ok(CaptureSpec::FINGERPRINTS_ONLY),
+            "replay" => Ok(CaptureSpec::REPLAY),
             list => {
                 let mut spec = CaptureSpec {
                     levels: 0,

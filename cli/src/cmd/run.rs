@@ -52,7 +52,8 @@ pub struct RunArgs {
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// What to capture: default (fingerprints for all levels, payloads for L1 and L3), all
-    /// (every level with payloads), fingerprints, or a list such as L0,L1+payload,L3+payload.
+    /// (every level with payloads), fingerprints, replay (what `moeconf replay` needs: payloads
+    /// for L0-L3, L4 fingerprints; docs/replay.md), or a list such as L0,L1+payload,L3+payload.
     #[arg(long, default_value = "default")]
     pub capture: String,
     /// Digest algorithm of the trace.
