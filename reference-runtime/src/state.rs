@@ -224,7 +224,11 @@ impl DecodeState {
 impl LayerState {
     /// Emits this layer's L2 records at `at`, in canonical order.
     pub(crate) fn emit_l2(&self, rec: &mut Recorder<'_>, at: At) -> Result<(), RuntimeError> {
-        rec.i64_scalar(Component::StateCumulativeLength, at, self.cumulative_length as i64)?;
+        rec.i64_scalar(
+            Component::StateCumulativeLength,
+            at,
+            self.cumulative_length as i64,
+        )?;
         let n = (self.window_kv.len() / self.head_dim) as u64;
         rec.f32(
             Component::StateWindowKv,

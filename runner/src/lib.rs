@@ -15,8 +15,8 @@ use moeconf_contract::{
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
 use moeconf_reference_runtime::error::RuntimeError;
-use moeconf_reference_runtime::files::{read_capped, MAX_TOKENIZER_BYTES};
 use moeconf_reference_runtime::faults::FaultPlan;
+use moeconf_reference_runtime::files::{read_capped, MAX_TOKENIZER_BYTES};
 use moeconf_reference_runtime::generate::GenerateOptions;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;

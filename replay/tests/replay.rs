@@ -1,0 +1,285 @@
+//! Layer replay and teacher forcing on the built-in tiny model: faulted,
+//! contract and forked candidates written by the runner (5 tokens each).
+
+use std::path::{Path, PathBuf};
+
+use moeconf_fingerprint::{Algorithm, CanonPolicy, Half};
+use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
+use moeconf_reference_runtime::precision::Precision;
+use moeconf_replay::{replay_layers, teacher_force, Part, Status, TeacherOptions, UnitId};
+use moeconf_runner::{
+    load_model, prepare_run, run_prepared_with_faults, CombineChoice, LoadedModel, RunSpec,
+};
+use moeconf_schema::{CaptureSpec, Trace};
+
+const PROMPT: &str = "why the sheep";
+const TOKENS: u32 = 5;
+
+fn write(
+    m: &LoadedModel,
+    out: &Path,
+    choice: &CombineChoice,
+    faults: Option<&FaultPlan>,
+    capture: CaptureSpec,
+) {
+    let spec = RunSpec {
+        prompt: PROMPT,
+        max_new_tokens: TOKENS,
+        precision: Precision::Bf16,
+        combine: choice,
+        capture,
+        algorithm: Algorithm::Blake3,
+        canon: CanonPolicy::default(),
+        allow_non_finite: false,
+    };
+    let prepared = prepare_run(m, &spec).unwrap();
+    run_prepared_with_faults(m, &spec, prepared, faults, out).unwrap();
+}
+
+fn trace(
+    m: &LoadedModel,
+    dir: &Path,
+    name: &str,
+    choice: &CombineChoice,
+    faults: Option<&FaultPlan>,
+) -> PathBuf {
+    let p = dir.join(name);
+    write(m, &p, choice, faults, CaptureSpec::REPLAY);
+    p
+}
+
+fn origins(r: &moeconf_replay::LayerReport) -> Vec<UnitId> {
+    r.origins().map(|u| u.unit).collect()
+}
+
+fn unit(step: u32, layer: u32, part: Part) -> UnitId {
+    UnitId {
+        step,
+        layer: Some(layer),
+        part,
+    }
+}
+
+#[test]
+fn a_native_run_reproduces_everywhere() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = trace(&m, dir.path(), "native.bin", &CombineChoice::default(), None);
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let layers = m.model.config().num_layers();
+    // Per step: embedding, two halves per layer, head.
+    assert_eq!(r.units.len(), TOKENS as usize * (2 * layers + 2));
+    assert!(
+        r.units.iter().all(|u| u.status == Status::Reproduced),
+        "{}",
+        r.render_text(false)
+    );
+    assert!(r
+        .units
+        .iter()
+        .all(|u| u.compared > 0 && u.first_difference.is_none()));
+    assert_eq!(r.exit_code(false), 0);
+}
+
+#[test]
+fn two_faults_at_two_places_are_exactly_the_two_origins() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan::new(vec![
+        Fault::at(1, 2, FaultKind::AttentionOutputTruncate),
+        Fault::at(3, 5, FaultKind::FfnNormEpsilon(0.5)),
+    ]);
+    let p = trace(
+        &m,
+        dir.path(),
+        "faults.bin",
+        &CombineChoice::default(),
+        Some(&plan),
+    );
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    assert_eq!(
+        origins(&r),
+        vec![unit(1, 2, Part::Attention), unit(3, 5, Part::Ffn)],
+        "{}",
+        r.render_text(false)
+    );
+    let first: Vec<String> = r
+        .origins()
+        .map(|u| u.first_difference.as_ref().unwrap().record.clone())
+        .collect();
+    assert_eq!(first, vec!["attn.output", "ffn.norm"]);
+    assert_eq!(r.count(Status::NotReplayable), 0);
+    assert_eq!(r.exit_code(false), 1);
+    // Later units are reproduced and marked downstream of the nearest origin.
+    let after = r
+        .units
+        .iter()
+        .find(|u| u.unit == unit(2, 0, Part::Attention))
+        .unwrap();
+    assert_eq!(after.status, Status::Reproduced);
+    assert_eq!(after.downstream_of, Some(unit(1, 2, Part::Attention)));
+    let before = r.units.iter().find(|u| u.unit == unit(1, 1, Part::Ffn)).unwrap();
+    assert_eq!(before.downstream_of, None);
+}
+
+#[test]
+fn a_contract_c_run_has_no_origin() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let choice = CombineChoice {
+        contract: "c".into(),
+        ..CombineChoice::default()
+    };
+    let p = trace(&m, dir.path(), "c.bin", &choice, None);
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    assert_eq!(r.contract, "c");
+    assert_eq!(r.count(Status::Origin), 0, "{}", r.render_text(false));
+    assert_eq!(r.exit_code(false), 0);
+}
+
+#[test]
+fn a_b_fork_is_one_origin_and_the_rest_propagates() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let choice = CombineChoice {
+        fork_layer: Some(5),
+        fork_step: Some(1),
+        fork_contract: Some("b".into()),
+        ..CombineChoice::default()
+    };
+    let p = trace(&m, dir.path(), "fork.bin", &choice, None);
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    assert!(r.fork_ignored.is_some());
+    assert_eq!(
+        origins(&r),
+        vec![unit(1, 5, Part::Ffn)],
+        "{}",
+        r.render_text(false)
+    );
+    let o = r.origins().next().unwrap();
+    assert_eq!(o.first_difference.as_ref().unwrap().record, "moe.combine");
+    // Everything after the fork in execution order is reproduced on the
+    // candidate's inputs and reported as propagation.
+    let fork_key = unit(1, 5, Part::Ffn).exec_key();
+    for u in r.units.iter().filter(|u| u.unit.exec_key() > fork_key) {
+        assert_eq!(u.status, Status::Reproduced, "{}", u.unit);
+        assert_eq!(u.downstream_of, Some(unit(1, 5, Part::Ffn)), "{}", u.unit);
+    }
+    assert!(r.propagated() > 0);
+}
+
+#[test]
+fn replay_is_the_same_on_one_and_two_threads() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan::new(vec![Fault::at(
+        2,
+        3,
+        FaultKind::MhcPostMixBf16Accumulator(Half::Ffn),
+    )]);
+    let p = trace(&m, dir.path(), "t.bin", &CombineChoice::default(), Some(&plan));
+    let t = Trace::open(&p).unwrap();
+    let json = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| replay_layers(&t, &m).unwrap().to_json(false))
+    };
+    let (one, two) = (json(1), json(2));
+    assert_eq!(one["summary"]["origins"], 1, "{one:#}");
+    assert_eq!(
+        serde_json::to_string(&one).unwrap(),
+        serde_json::to_string(&two).unwrap()
+    );
+}
+
+#[test]
+fn a_trace_without_payloads_says_what_is_missing() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("fp.bin");
+    write(
+        &m,
+        &p,
+        &CombineChoice::default(),
+        None,
+        CaptureSpec::parse("default").unwrap(),
+    );
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    // default keeps L3 payloads but not L2: every attention half after the
+    // prefill lacks its carried state; nothing is called reproduced there.
+    assert_eq!(r.count(Status::Origin), 0);
+    assert!(r.count(Status::NotReplayable) > 0);
+    assert_eq!(r.exit_code(false), 2);
+    assert_eq!(r.exit_code(true), 0);
+    let missing = r.missing_summary();
+    let window = missing
+        .iter()
+        .find(|(rec, payload, _)| rec == "state.window_kv" && *payload)
+        .unwrap_or_else(|| panic!("{missing:?}"));
+    assert_eq!(window.2, vec![0, 1, 2, 3]);
+    let a = r
+        .units
+        .iter()
+        .find(|u| u.unit == unit(2, 0, Part::Attention))
+        .unwrap();
+    assert_eq!(a.status, Status::NotReplayable);
+    assert!(a.missing.iter().all(|x| x.step == 1 && x.layer == Some(0)));
+}
+
+#[test]
+fn teacher_forcing_matches_a_native_run_and_measures_a_fork() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let native = trace(&m, dir.path(), "n.bin", &CombineChoice::default(), None);
+    let r = teacher_force(&Trace::open(&native).unwrap(), &m, TeacherOptions::default()).unwrap();
+    assert_eq!(r.steps.len(), TOKENS as usize);
+    assert!(r
+        .steps
+        .iter()
+        .all(|s| s.identical && s.kl == Some(0.0) && s.topk_overlap == 8));
+    assert_eq!(r.exit_code(), 0);
+    let plan = FaultPlan::new(vec![Fault::at(1, 2, FaultKind::AttentionOutputTruncate)]);
+    let f = trace(&m, dir.path(), "f.bin", &CombineChoice::default(), Some(&plan));
+    let r = teacher_force(&Trace::open(&f).unwrap(), &m, TeacherOptions::default()).unwrap();
+    assert!(r.steps[0].identical, "the prefill is unfaulted");
+    assert!(!r.steps[1].identical);
+    assert!(r.steps[1].kl.unwrap() > 0.0);
+    assert_eq!(r.exit_code(), 1);
+}
+
+#[test]
+fn an_absorbed_fault_is_an_origin_that_nothing_inherits() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Routed terms rounded to BF16 where they are computed: the native
+    // combine rounds every term the same way, so moe.term.J differs but the
+    // FFN half's output (moe.combine, layer.post_ffn_mhc) is bitwise the same.
+    let plan = FaultPlan::new(vec![Fault::at(3, 5, FaultKind::RoutedTermRounded)]);
+    let p = trace(
+        &m,
+        dir.path(),
+        "absorbed.bin",
+        &CombineChoice::default(),
+        Some(&plan),
+    );
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    assert_eq!(
+        origins(&r),
+        vec![unit(3, 5, Part::Ffn)],
+        "{}",
+        r.render_text(false)
+    );
+    let o = r.origins().next().unwrap();
+    assert!(o.absorbed, "{}", r.render_text(false));
+    assert!(o
+        .first_difference
+        .as_ref()
+        .unwrap()
+        .record
+        .starts_with("moe.term."));
+    assert_eq!(o.max_abs_diff, None);
+    assert_eq!(r.propagated(), 0);
+    assert_eq!(r.exit_code(false), 1);
+}
