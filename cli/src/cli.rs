@@ -61,6 +61,11 @@ pub enum Command {
         after_help = "Exit codes: 0 pass, 1 fail, 2 error (--bisect-exit-codes: 0 good, 1 bad, 125 skip, 128 error).\n\nExamples:\n  moeconf gate ref.bin cand.bin\n  moeconf gate ref.bin cand.bin --profile strict --format md >> \"$GITHUB_STEP_SUMMARY\"\n  moeconf gate ref.bin cand.bin --junit moeconf-junit.xml\n  moeconf gate --bless --baseline baselines/sheep.json cand.bin\n  moeconf gate --baseline baselines/sheep.json cand.bin\n\nPolicies, tolerance semantics and a GitHub Actions workflow: docs/ci.md"
     )]
     Gate(cmd::gate::GateArgs),
+    /// Replay a candidate trace on the reference runtime: every half-layer
+    /// fed the candidate's own captured inputs, to find every origin of
+    /// divergence (not only the first); or, with --teacher-force, the
+    /// reference on the candidate's tokens with per-step KL divergence.
+    Replay(cmd::replay::ReplayArgs),
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),

@@ -9,6 +9,7 @@ pub mod diff;
 pub mod gate;
 pub mod import;
 pub mod inspect;
+pub mod replay;
 pub mod run;
 pub mod sweep;
 
@@ -30,6 +31,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Import(a) => import::run(&a),
         Command::Gate(a) => gate::run(&a),
         Command::Calibrate(a) => calibrate::run(&a),
+        Command::Replay(a) => replay::run(&a),
         Command::Bench(b) => bench::run(&b),
     }
 }

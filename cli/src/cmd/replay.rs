@@ -1,0 +1,118 @@
+//! `moeconf replay`: replay a candidate trace on the reference runtime
+//! (`moeconf-replay`, docs/replay.md). Layer replay by default, token
+//! teacher forcing with `--teacher-force`.
+//!
+//! Exit codes (layer replay): 0 every replayable unit reproduced and none
+//! missing (or `--allow-incomplete`), 1 an origin exists, 2 error or some
+//! unit not replayable. Teacher forcing: 0 the logits are bitwise the
+//! reference's at every step, 1 they differ, 2 error.
+
+use crate::cli::Format;
+use crate::output::{check_output, print_json, print_text};
+use anyhow::Context;
+use moeconf_replay::{replay_layers, teacher_force, TeacherOptions};
+use moeconf_runner::load_model;
+use moeconf_schema::output::write_checked;
+use moeconf_schema::Trace;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Arguments of `moeconf replay`.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Exit codes: 0 every replayed unit reproduced, 1 an origin found, 2 error or a unit not replayable \
+(--allow-incomplete accepts). With --teacher-force: 0 logits bitwise identical at every step, 1 different, 2 error.\n\n\
+Examples:\n  moeconf run --prompt 'why the sheep' --capture replay -o cand.bin\n  moeconf replay cand.bin\n  \
+moeconf replay cand.bin --format json -o replay.json\n  moeconf replay --teacher-force cand.bin\n\nCapture spec and report format: docs/replay.md"
+)]
+pub struct ReplayArgs {
+    /// The candidate trace (captured with `--capture replay` or more).
+    pub candidate: PathBuf,
+    /// Reference model: `builtin:tiny-v4` or a checkpoint directory; by
+    /// default the model the trace's binding names, when it is a builtin.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Run the reference on the candidate's tokens and compare logits per
+    /// step (KL divergence, top-k overlap, argmax agreement).
+    #[arg(long)]
+    pub teacher_force: bool,
+    /// k of the top-k overlap (teacher forcing).
+    #[arg(long, default_value_t = 8)]
+    pub top_k: usize,
+    /// Exit 0 even when some units could not be replayed (inputs missing),
+    /// provided no origin was found. Without it, a replay that could not
+    /// check everything exits 2.
+    #[arg(long)]
+    pub allow_incomplete: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Write the report to this file instead of stdout.
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+    /// Worker threads (results never depend on it).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// The model to replay against: `--model`, else the binding's builtin.
+fn model_spec(a: &ReplayArgs, trace: &Trace) -> anyhow::Result<String> {
+    if let Some(m) = &a.model {
+        return Ok(m.clone());
+    }
+    let name = &trace.binding().model.name;
+    if name.starts_with("builtin:") {
+        Ok(name.clone())
+    } else {
+        anyhow::bail!(
+            "{}: bound to the model {name:?}; give its checkpoint directory with --model DIR",
+            a.candidate.display()
+        )
+    }
+}
+
+/// Runs `moeconf replay`.
+pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
+    super::set_threads(a.threads)?;
+    if a.top_k == 0 {
+        anyhow::bail!("--top-k 0: expected at least 1");
+    }
+    let mut inputs = moeconf_schema::Inputs::new();
+    inputs.file(&a.candidate, "candidate trace");
+    if let Some(m) = &a.model {
+        crate::output::add_model_inputs(m, &mut inputs);
+    }
+    let out = a.output.as_ref().map(|o| check_output(o, &inputs)).transpose()?;
+    let trace = Trace::open(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
+    let m = load_model(&model_spec(a, &trace)?)?;
+    let (text, json, code) = if a.teacher_force {
+        let r = teacher_force(&trace, &m, TeacherOptions { top_k: a.top_k })?;
+        (r.render_text(), r.to_json(), r.exit_code())
+    } else {
+        let r = replay_layers(&trace, &m)?;
+        let code = r.exit_code(a.allow_incomplete);
+        if code == 2 {
+            eprintln!(
+                "moeconf: {}: some units could not be replayed (the report lists the missing records and steps); \
+                 exit 2 (pass --allow-incomplete to accept)",
+                a.candidate.display()
+            );
+        }
+        (
+            r.render_text(a.allow_incomplete),
+            r.to_json(a.allow_incomplete),
+            code,
+        )
+    };
+    match (a.format, out) {
+        (Format::Json, None) => print_json(&json)?,
+        (Format::Text, None) => print_text(&text)?,
+        (Format::Json, Some(o)) => {
+            let mut bytes = serde_json::to_vec_pretty(&json)?;
+            bytes.push(b'\n');
+            write_checked(&o, &bytes)?;
+        }
+        (Format::Text, Some(o)) => write_checked(&o, text.as_bytes())?,
+    }
+    Ok(ExitCode::from(code))
+}
