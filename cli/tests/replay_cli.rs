@@ -1,0 +1,111 @@
+//! `moeconf replay` as a process: exit codes 0 (reproduced), 1 (origins),
+//! 2 (incomplete capture, wrong model), the JSON document, teacher forcing.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+mod common;
+use common::{run_args, s};
+
+fn moeconf(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moeconf"))
+        .args(args)
+        .output()
+        .expect("run moeconf")
+}
+
+fn run(out: &Path, extra: &[&str]) {
+    let o = moeconf(&run_args(out, "4", extra));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+#[test]
+fn replay_exit_codes_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let native = dir.path().join("native.bin");
+    run(&native, &["--capture", "replay"]);
+    let o = moeconf(&["replay", s(&native)]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("REPRODUCED"));
+
+    let fork = dir.path().join("fork.bin");
+    run(&fork, &["--capture", "replay", "--fork-layer", "3", "--fork-step", "1", "--fork-contract", "b"]);
+    let o = moeconf(&["replay", s(&fork), "--format", "json"]);
+    assert_eq!(o.status.code(), Some(1));
+    let v = json(&o);
+    assert_eq!(v["kind"], "moeconf.replay");
+    assert_eq!(v["mode"], "layers");
+    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["summary"]["origins"], 1, "{v:#}");
+    assert_eq!(v["origins"][0]["step"], 1);
+    assert_eq!(v["origins"][0]["layer"], 3);
+    assert_eq!(v["origins"][0]["part"], "ffn");
+    assert_eq!(v["origins"][0]["first_difference"]["record"], "moe.combine");
+
+    // -o writes the same document; teacher forcing measures the fork.
+    let out = dir.path().join("r.json");
+    let o = moeconf(&["replay", s(&fork), "--format", "json", "-o", s(&out)]);
+    assert_eq!(o.status.code(), Some(1));
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(written, v);
+    let o = moeconf(&["replay", "--teacher-force", s(&fork), "--format", "json"]);
+    assert_eq!(o.status.code(), Some(1));
+    let t = json(&o);
+    assert_eq!(t["mode"], "teacher_force");
+    assert_eq!(t["steps"][0]["identical"], true);
+    assert_eq!(t["steps"][1]["identical"], false);
+    assert!(t["steps"][1]["kl"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn an_incomplete_capture_is_exit_2_unless_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("default.bin");
+    run(&p, &[]);
+    let o = moeconf(&["replay", s(&p)]);
+    assert_eq!(o.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("payload of state.window_kv at steps 0,1,2"), "{text}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--allow-incomplete"));
+    let o = moeconf(&["replay", s(&p), "--allow-incomplete"]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    // Teacher forcing needs the logits' payloads, which default keeps.
+    let o = moeconf(&["replay", "--teacher-force", s(&p)]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    // Without L1 payloads it names what is missing.
+    let f = dir.path().join("fp.bin");
+    run(&f, &["--capture", "fingerprints"]);
+    let o = moeconf(&["replay", "--teacher-force", s(&f)]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("lm.logits payload at step 0"), "{err}");
+}
+
+#[test]
+fn another_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("n.bin");
+    run(&p, &["--capture", "replay"]);
+    // A model directory with the same config but other weights: a copy of
+    // the builtin with one byte of the last tensor's data changed.
+    let src = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").unwrap();
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        let mut bytes = std::fs::read(e.path()).unwrap();
+        if e.path().extension().is_some_and(|x| x == "safetensors") {
+            let n = bytes.len();
+            bytes[n - 1] ^= 0x01;
+        }
+        std::fs::write(other.join(e.file_name()), bytes).unwrap();
+    }
+    let o = moeconf(&["replay", s(&p), "--model", s(&other)]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("n.bin") && err.contains("other weights"), "{err}");
+}
