@@ -20,7 +20,8 @@ fn run(out: &Path, extra: &[&str]) {
 }
 
 fn json(o: &Output) -> serde_json::Value {
-    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
 }
 
 #[test]
@@ -33,7 +34,19 @@ fn replay_exit_codes_and_json() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("REPRODUCED"));
 
     let fork = dir.path().join("fork.bin");
-    run(&fork, &["--capture", "replay", "--fork-layer", "3", "--fork-step", "1", "--fork-contract", "b"]);
+    run(
+        &fork,
+        &[
+            "--capture",
+            "replay",
+            "--fork-layer",
+            "3",
+            "--fork-step",
+            "1",
+            "--fork-contract",
+            "b",
+        ],
+    );
     let o = moeconf(&["replay", s(&fork), "--format", "json"]);
     assert_eq!(o.status.code(), Some(1));
     let v = json(&o);
@@ -69,7 +82,10 @@ fn an_incomplete_capture_is_exit_2_unless_accepted() {
     let o = moeconf(&["replay", s(&p)]);
     assert_eq!(o.status.code(), Some(2));
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(text.contains("payload of state.window_kv at steps 0,1,2"), "{text}");
+    assert!(
+        text.contains("payload of state.window_kv at steps 0,1,2"),
+        "{text}"
+    );
     assert!(String::from_utf8_lossy(&o.stderr).contains("--allow-incomplete"));
     let o = moeconf(&["replay", s(&p), "--allow-incomplete"]);
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));

@@ -10,6 +10,7 @@
 //! canonical bytes. So a comparison needs no candidate payload: L4
 //! fingerprints are enough to name the operator where a half-layer parts.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use moeconf_fingerprint::{record_digest, Coord, DType, Phase, RecordPath, TensorView};
@@ -214,10 +215,15 @@ impl<'t> Candidate<'t> {
 /// `bytes` of dtype `from` converted exactly into `to`, or `None` when
 /// some value has no exact representation in `to` (or the pair is not a
 /// conversion replay knows).
-pub(crate) fn convert(from: DType, bytes: &[u8], to: DType) -> Option<Vec<u8>> {
+pub(crate) fn convert(from: DType, bytes: &[u8], to: DType) -> Option<Cow<'_, [u8]>> {
     if from == to {
-        return Some(bytes.to_vec());
+        return Some(Cow::Borrowed(bytes));
     }
+    convert_owned(from, bytes, to).map(Cow::Owned)
+}
+
+/// [`convert`] between two different dtypes.
+fn convert_owned(from: DType, bytes: &[u8], to: DType) -> Option<Vec<u8>> {
     let f32s = || {
         bytes
             .chunks_exact(4)
@@ -264,7 +270,7 @@ mod tests {
         // 1.5 is a BF16 value; 1.0 + 2^-20 is not.
         assert_eq!(
             convert(DType::F32, &b(&[1.5]), DType::BF16),
-            Some(0x3fc0u16.to_le_bytes().to_vec())
+            Some(Cow::Owned(0x3fc0u16.to_le_bytes().to_vec()))
         );
         assert_eq!(
             convert(DType::F32, &b(&[1.0 + 2f32.powi(-20)]), DType::BF16),
@@ -272,7 +278,7 @@ mod tests {
         );
         assert_eq!(
             convert(DType::F32, &b(&[0.1]), DType::F64),
-            Some(f64::from(0.1f32).to_le_bytes().to_vec())
+            Some(Cow::Owned(f64::from(0.1f32).to_le_bytes().to_vec()))
         );
         let big = (i64::from(i32::MAX) + 1).to_le_bytes();
         assert_eq!(convert(DType::I64, &big, DType::I32), None);

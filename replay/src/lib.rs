@@ -20,6 +20,7 @@
 //! and collected in execution order, and every reduction has a fixed order.
 #![deny(missing_docs)]
 
+pub mod bench;
 mod candidate;
 mod engine;
 pub mod error;

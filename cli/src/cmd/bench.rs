@@ -25,6 +25,27 @@ pub enum BenchCommand {
     /// (and, with --large, a generated hidden-1024 / 64-expert model), with
     /// and without the default trace capture, and anonymous RSS.
     Runtime(BenchRuntimeArgs),
+    /// Replay of a whole trace (every half-layer on the candidate's inputs)
+    /// against the reference run that wrote it, on the fixture; prints the
+    /// ratio replay / run.
+    Replay(BenchReplayArgs),
+}
+
+/// `moeconf bench replay`.
+#[derive(Debug, Args)]
+pub struct BenchReplayArgs {
+    /// Model: `builtin:tiny-v4` or a checkpoint directory.
+    #[arg(long, default_value = "builtin:tiny-v4")]
+    pub model: String,
+    /// Tokens generated (forward steps) by the measured run.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub tokens: u32,
+    /// Repetitions per measurement (the best is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 /// `moeconf bench runtime`.
@@ -89,7 +110,68 @@ pub fn run(cmd: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Fingerprint(a) => fingerprint(a),
         BenchCommand::Diff(a) => diff(a),
         BenchCommand::Runtime(a) => runtime(a),
+        BenchCommand::Replay(a) => replay(a),
     }
+}
+
+fn replay(a: &BenchReplayArgs) -> anyhow::Result<ExitCode> {
+    let m = moeconf_runner::load_model(&a.model)?;
+    let tmp = tempfile::Builder::new()
+        .prefix("moeconf-bench-replay")
+        .tempdir()?;
+    eprintln!(
+        "moeconf bench replay: {} tokens on {} (best of {}) ...",
+        a.tokens, a.model, a.repeat
+    );
+    let b = moeconf_replay::bench::bench_replay(&m, "why the sheep", a.tokens, a.repeat, tmp.path())?;
+    match a.format {
+        Format::Json => print_json(&json!({
+            "schema_version": 1,
+            "kind": "moeconf.bench.replay",
+            "model": a.model,
+            "tokens": b.tokens,
+            "prompt_tokens": b.prompt_tokens,
+            "units": b.units,
+            "threads": b.threads,
+            "run_seconds": b.run,
+            "bare_forward_seconds": b.bare,
+            "replay_1thread_seconds": b.replay_1thread,
+            "replay_pool_seconds": b.replay_pool,
+            "teacher_force_seconds": b.teacher,
+            "ratio_replay_1thread_over_run": b.replay_1thread / b.run,
+            "ratio_replay_pool_over_run": b.replay_pool / b.run,
+        }))?,
+        Format::Text => {
+            println!(
+                "replay of a whole trace vs the run that wrote it: {} ({} prompt + {} generated tokens, {} units)",
+                a.model, b.prompt_tokens, b.tokens, b.units
+            );
+            println!(
+                "  (a) reference run, --capture replay, to a trace  {:>8.3} s",
+                b.run
+            );
+            println!(
+                "  (b) bare forward, no capture                   {:>8.3} s",
+                b.bare
+            );
+            println!(
+                "  (c) layer replay, 1 thread                     {:>8.3} s   ratio c/a = {:.2}",
+                b.replay_1thread,
+                b.replay_1thread / b.run
+            );
+            println!(
+                "  (d) layer replay, {} threads                    {:>8.3} s   ratio d/a = {:.2}",
+                b.threads,
+                b.replay_pool,
+                b.replay_pool / b.run
+            );
+            println!(
+                "  (e) teacher forcing                            {:>8.3} s",
+                b.teacher
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
