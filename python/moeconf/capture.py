@@ -49,10 +49,17 @@ from .binding import Provenance
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
-__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "parse_levels", "original_name", "save_original"]
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "REPLAY_PAYLOAD_LEVELS", "parse_levels", "original_name",
+           "save_original"]
 
 #: Level name -> bit of the binding capture masks.
 LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
+
+#: The payload levels of the capture set ``replay`` (``moeconf run --capture
+#: replay``, docs/replay.md §3): payloads for L0-L3, with ``levels="all"`` (L4
+#: as fingerprints). ``capture(..., payload_levels=REPLAY_PAYLOAD_LEVELS)``
+#: records what ``moeconf replay`` needs.
+REPLAY_PAYLOAD_LEVELS = ("L0", "L1", "L2", "L3")
 #: Entries of ``lm.topk_ids`` / ``lm.topk_logits``.
 LM_TOPK = 8
 

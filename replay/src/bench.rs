@@ -115,7 +115,7 @@ pub fn bench_replay(
     })?;
     let replay = || {
         let t = Trace::open(&path).map_err(BenchError::Open)?;
-        replay_layers(&t, m).map_err(BenchError::Replay)
+        replay_layers(&t, m, &crate::LayerOptions::default()).map_err(BenchError::Replay)
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)

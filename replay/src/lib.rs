@@ -44,12 +44,20 @@ pub use units::{Part, UnitId};
 
 mod setup;
 
+/// Options of a layer replay.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LayerOptions {
+    /// The reference's precision profile instead of the binding's (for
+    /// traces of runtimes whose profile names differ, e.g. `hf-bf16`).
+    pub precision: Option<moeconf_reference_runtime::precision::Precision>,
+}
+
 /// Replays every unit of `trace` (embedding, each layer's attention and
 /// FFN half, head, at every step) on the reference model `m`, which must be
 /// the model the trace's binding names. Units run in parallel on the
 /// current rayon pool; the report is the same on any number of threads.
-pub fn replay_layers(trace: &Trace, m: &LoadedModel) -> Result<LayerReport> {
-    let reference = reference_for(trace, m)?;
+pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Result<LayerReport> {
+    let reference = reference_for(trace, m, opts.precision)?;
     let cand = candidate::Candidate::new(trace);
     let steps = units::steps(&cand)?;
     let levels = LevelSet::from_bits(trace.binding().capture.levels).unwrap_or(LevelSet::ALL);

@@ -31,8 +31,9 @@ pub struct Reference {
 /// Checks that `m` is the model `trace`'s binding names (config and weight
 /// digests under the trace's digest algorithm), and builds the reference's
 /// precision and combine from the binding. A mismatch is an error naming
-/// the trace and the differing part.
-pub fn reference_for(trace: &Trace, m: &LoadedModel) -> Result<Reference> {
+/// the trace and the differing part. `precision` overrides the binding's
+/// profile (traces of other runtimes name their own, e.g. `hf-bf16`).
+pub fn reference_for(trace: &Trace, m: &LoadedModel, precision: Option<Precision>) -> Result<Reference> {
     let b = trace.binding();
     let err = |what: String| ReplayError::Binding {
         path: trace.path().to_path_buf(),
@@ -52,12 +53,16 @@ pub fn reference_for(trace: &Trace, m: &LoadedModel) -> Result<Reference> {
             m.name, b.model.name
         )));
     }
-    let precision = Precision::from_name(&b.precision).ok_or_else(|| {
-        err(format!(
-            "the binding's precision profile {:?} is not one the reference runtime has (bf16, f32)",
-            b.precision
-        ))
-    })?;
+    let precision = match precision {
+        Some(p) => p,
+        None => Precision::from_name(&b.precision).ok_or_else(|| {
+            err(format!(
+                "the binding's precision profile {:?} is not one the reference runtime has (bf16, f32); \
+                 name the reference's profile with --precision",
+                b.precision
+            ))
+        })?,
+    };
     let (base, fork) = match b.schedule.split_once(" + ") {
         Some((base, fork)) => (base.trim().to_string(), Some(fork.trim().to_string())),
         None => (b.schedule.trim().to_string(), None),

@@ -32,11 +32,16 @@ use crate::units::steps;
 pub struct TeacherOptions {
     /// k of the top-k overlap.
     pub top_k: usize,
+    /// The reference's precision profile instead of the binding's.
+    pub precision: Option<moeconf_reference_runtime::precision::Precision>,
 }
 
 impl Default for TeacherOptions {
     fn default() -> Self {
-        TeacherOptions { top_k: 8 }
+        TeacherOptions {
+            top_k: 8,
+            precision: None,
+        }
     }
 }
 
@@ -132,7 +137,7 @@ fn metrics(step: u32, position: u32, r: &[f32], c: &[f32], k: usize) -> StepMetr
 /// every step. The trace needs `token.input` and `lm.logits` with payloads
 /// at every step; what is missing is an error naming records and steps.
 pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Result<TeacherReport> {
-    let reference = reference_for(trace, m)?;
+    let reference = reference_for(trace, m, opts.precision)?;
     let cand = Candidate::new(trace);
     let steps = steps(&cand)?;
     let mut missing = Vec::new();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Half};
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_replay::{replay_layers, teacher_force, Part, Status, TeacherOptions, UnitId};
+use moeconf_replay::{replay_layers, teacher_force, LayerOptions, Part, Status, TeacherOptions, UnitId};
 use moeconf_runner::{
     load_model, prepare_run, run_prepared_with_faults, CombineChoice, LoadedModel, RunSpec,
 };
@@ -65,7 +65,7 @@ fn a_native_run_reproduces_everywhere() {
     let m = load_model("builtin:tiny-v4").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let p = trace(&m, dir.path(), "native.bin", &CombineChoice::default(), None);
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     let layers = m.model.config().num_layers();
     // Per step: embedding, two halves per layer, head.
     assert_eq!(r.units.len(), TOKENS as usize * (2 * layers + 2));
@@ -96,7 +96,7 @@ fn two_faults_at_two_places_are_exactly_the_two_origins() {
         &CombineChoice::default(),
         Some(&plan),
     );
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     assert_eq!(
         origins(&r),
         vec![unit(1, 2, Part::Attention), unit(3, 5, Part::Ffn)],
@@ -131,7 +131,7 @@ fn a_contract_c_run_has_no_origin() {
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "c.bin", &choice, None);
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     assert_eq!(r.contract, "c");
     assert_eq!(r.count(Status::Origin), 0, "{}", r.render_text(false));
     assert_eq!(r.exit_code(false), 0);
@@ -148,7 +148,7 @@ fn a_b_fork_is_one_origin_and_the_rest_propagates() {
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "fork.bin", &choice, None);
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     assert!(r.fork_ignored.is_some());
     assert_eq!(
         origins(&r),
@@ -184,7 +184,11 @@ fn replay_is_the_same_on_one_and_two_threads() {
             .num_threads(threads)
             .build()
             .unwrap();
-        pool.install(|| replay_layers(&t, &m).unwrap().to_json(false))
+        pool.install(|| {
+            replay_layers(&t, &m, &LayerOptions::default())
+                .unwrap()
+                .to_json(false)
+        })
     };
     let (one, two) = (json(1), json(2));
     assert_eq!(one["summary"]["origins"], 1, "{one:#}");
@@ -206,7 +210,7 @@ fn a_trace_without_payloads_says_what_is_missing() {
         None,
         CaptureSpec::parse("default").unwrap(),
     );
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     // default keeps L3 payloads but not L2: every attention half after the
     // prefill lacks its carried state; nothing is called reproduced there.
     assert_eq!(r.count(Status::Origin), 0);
@@ -264,7 +268,7 @@ fn an_absorbed_fault_is_an_origin_that_nothing_inherits() {
         &CombineChoice::default(),
         Some(&plan),
     );
-    let r = replay_layers(&Trace::open(&p).unwrap(), &m).unwrap();
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
     assert_eq!(
         origins(&r),
         vec![unit(3, 5, Part::Ffn)],

@@ -10,7 +10,7 @@
 use crate::cli::Format;
 use crate::output::{check_output, print_json, print_text};
 use anyhow::Context;
-use moeconf_replay::{replay_layers, teacher_force, TeacherOptions};
+use moeconf_replay::{replay_layers, teacher_force, LayerOptions, TeacherOptions};
 use moeconf_runner::load_model;
 use moeconf_schema::output::write_checked;
 use moeconf_schema::Trace;
@@ -36,6 +36,11 @@ pub struct ReplayArgs {
     /// step (KL divergence, top-k overlap, argmax agreement).
     #[arg(long)]
     pub teacher_force: bool,
+    /// The reference's precision profile (bf16, f32) instead of the
+    /// binding's; needed for traces whose binding names another runtime's
+    /// profile (e.g. hf-bf16 from the Python capture).
+    #[arg(long)]
+    pub precision: Option<String>,
     /// k of the top-k overlap (teacher forcing).
     #[arg(long, default_value_t = 8)]
     pub top_k: usize,
@@ -85,11 +90,19 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let out = a.output.as_ref().map(|o| check_output(o, &inputs)).transpose()?;
     let trace = Trace::open(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
     let m = load_model(&model_spec(a, &trace)?)?;
+    let precision = a.precision.as_deref().map(super::precision).transpose()?;
     let (text, json, code) = if a.teacher_force {
-        let r = teacher_force(&trace, &m, TeacherOptions { top_k: a.top_k })?;
+        let r = teacher_force(
+            &trace,
+            &m,
+            TeacherOptions {
+                top_k: a.top_k,
+                precision,
+            },
+        )?;
         (r.render_text(), r.to_json(), r.exit_code())
     } else {
-        let r = replay_layers(&trace, &m)?;
+        let r = replay_layers(&trace, &m, &LayerOptions { precision })?;
         let code = r.exit_code(a.allow_incomplete);
         if code == 2 {
             eprintln!(
