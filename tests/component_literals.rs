@@ -20,6 +20,7 @@ const CRATES: &[&str] = &[
     "calibrate",
     "cli",
     "fixtures",
+    "replay",
 ];
 
 /// The one file allowed to spell paths.

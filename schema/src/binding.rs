@@ -433,6 +433,17 @@ mod tests {
     use super::*;
     use moeconf_fingerprint::Algorithm;
 
+    #[test]
+    fn the_replay_capture_set_is_payloads_for_l0_to_l3_and_l4_fingerprints() {
+        let r = CaptureSpec::parse("replay").unwrap();
+        assert_eq!(r, CaptureSpec::REPLAY);
+        assert_eq!(
+            r,
+            CaptureSpec::parse("L0+payload,L1+payload,L2+payload,L3+payload,L4").unwrap()
+        );
+        assert_eq!(r.describe(), "L0+payload,L1+payload,L2+payload,L3+payload,L4");
+    }
+
     pub(crate) fn sample() -> Binding {
         let tensors = vec![TensorDigest {
             name: "embed.weight".into(),
