@@ -287,3 +287,96 @@ fn an_absorbed_fault_is_an_origin_that_nothing_inherits() {
     assert_eq!(r.propagated(), 0);
     assert_eq!(r.exit_code(false), 1);
 }
+
+#[test]
+fn faults_in_carried_state_are_origins_where_the_state_is_written() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // "why the sheep" has 5 prompt tokens and CSA windows of 4: step 3
+    // closes a window, step 1 does not. Layers 4 and 6 are CSA layers.
+    let plan = FaultPlan::new(vec![
+        Fault::at(1, 4, FaultKind::IndexerBufferLowPrecision { mantissa_bits: 3 }),
+        Fault::at(3, 6, FaultKind::CompressorOverlapGateWithoutBias),
+    ]);
+    let p = trace(
+        &m,
+        dir.path(),
+        "state.bin",
+        &CombineChoice::default(),
+        Some(&plan),
+    );
+    let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
+    assert_eq!(
+        origins(&r),
+        vec![unit(1, 4, Part::Attention), unit(3, 6, Part::Attention)],
+        "{}",
+        r.render_text(false)
+    );
+    // Only the state written at the boundary differs: the state record is
+    // the first difference and an output; the step that later reads the
+    // buffer (step 3, layer 4) is reproduced on the candidate's state.
+    let firsts: Vec<(String, bool)> = r
+        .origins()
+        .map(|u| {
+            let d = u.first_difference.as_ref().unwrap();
+            (d.record.clone(), d.output)
+        })
+        .collect();
+    assert_eq!(
+        firsts,
+        vec![
+            ("state.indexer.buffer_kv".to_string(), true),
+            ("state.compressor.overlap_gate".to_string(), true)
+        ]
+    );
+    let read = r
+        .units
+        .iter()
+        .find(|u| u.unit == unit(3, 4, Part::Attention))
+        .unwrap();
+    assert_eq!(read.status, Status::Reproduced);
+    assert_eq!(read.downstream_of, Some(unit(1, 4, Part::Attention)));
+}
+
+#[test]
+fn an_f32_run_reproduces_in_the_f32_profile() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("f32.bin");
+    let choice = CombineChoice::default();
+    let spec = RunSpec {
+        prompt: PROMPT,
+        max_new_tokens: 3,
+        precision: Precision::F32,
+        combine: &choice,
+        capture: CaptureSpec::REPLAY,
+        algorithm: Algorithm::Sha256,
+        canon: CanonPolicy::default(),
+        allow_non_finite: false,
+    };
+    let prepared = prepare_run(&m, &spec).unwrap();
+    run_prepared_with_faults(&m, &spec, prepared, None, &p).unwrap();
+    let t = Trace::open(&p).unwrap();
+    let r = replay_layers(&t, &m, &LayerOptions::default()).unwrap();
+    assert_eq!(r.precision, "f32");
+    assert_eq!(
+        r.count(Status::Reproduced),
+        r.units.len(),
+        "{}",
+        r.render_text(false)
+    );
+    // Replayed in the other profile, every half-layer and head computes
+    // differently; the embedding (a row of the BF16 table) is the same.
+    let bf16 = LayerOptions {
+        precision: Some(Precision::Bf16),
+    };
+    let r = replay_layers(&t, &m, &bf16).unwrap();
+    for u in &r.units {
+        let want = if u.unit.part == Part::Embed {
+            Status::Reproduced
+        } else {
+            Status::Origin
+        };
+        assert_eq!(u.status, want, "{}", u.unit);
+    }
+}
