@@ -58,6 +58,11 @@ fn replay_exit_codes_and_json() {
     assert_eq!(v["origins"][0]["layer"], 3);
     assert_eq!(v["origins"][0]["part"], "ffn");
     assert_eq!(v["origins"][0]["first_difference"]["record"], "moe.combine");
+    assert_eq!(v["origins"][0]["reproduced_under"], "b");
+    // 4 steps × 20 units; after the origin: 10 halves and the head of step
+    // 1, and all 40 units of steps 2 and 3, every one downstream of it.
+    assert_eq!(v["summary"]["units"], 80);
+    assert_eq!(v["summary"]["propagated"], 51, "{v:#}");
 
     // -o writes the same document; teacher forcing measures the fork.
     let out = dir.path().join("r.json");

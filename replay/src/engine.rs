@@ -328,6 +328,7 @@ impl Engine<'_> {
         let mut max_abs = None;
         let mut missing = Vec::new();
         let mut compared = 0;
+        let mut combine_diffs = Vec::new();
         for r in records {
             let output = is_output(r);
             let cmp = self.cand.compare(r)?;
@@ -346,6 +347,9 @@ impl Engine<'_> {
                 }
                 Cmp::Same => {}
                 Cmp::Differs => {
+                    if Component::MoeCombine.matches(&r.coord.path) {
+                        combine_diffs.push(r.coord.position);
+                    }
                     if first.is_none() {
                         first = Some(Difference {
                             position: r.coord.position,
@@ -369,6 +373,14 @@ impl Engine<'_> {
         } else {
             Status::Reproduced
         };
+        let at_combine = first
+            .as_ref()
+            .is_some_and(|d| Component::MoeCombine.matches(&d.record));
+        let reproduced_under = if status == Status::Origin && at_combine {
+            crate::explain::combine_contract(self.cand, records, &combine_diffs)?
+        } else {
+            None
+        };
         Ok(UnitResult {
             unit: u,
             status,
@@ -382,7 +394,7 @@ impl Engine<'_> {
             },
             compared,
             downstream_of: None,
-            reproduced_under: None,
+            reproduced_under,
         })
     }
 

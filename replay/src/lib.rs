@@ -24,6 +24,7 @@ pub mod bench;
 mod candidate;
 mod engine;
 pub mod error;
+mod explain;
 mod propagate;
 pub mod report;
 mod state;

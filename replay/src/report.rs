@@ -86,8 +86,10 @@ pub struct UnitResult {
     /// the nearest such origin: the unit only propagates its difference.
     pub downstream_of: Option<UnitId>,
     /// Hook for contract inference (Part 4): the contract under which the
-    /// candidate's output of an origin is reproduced, once a contract
-    /// explainer fills it ([`crate::LayerReport::explain_origins`]).
+    /// candidate's output of an origin is reproduced. Filled for an FFN
+    /// origin that parts at `moe.combine` by trying the preset contracts
+    /// and B classes on the matching terms (`explain.rs`); other explainers
+    /// plug in through [`crate::LayerReport::explain_origins`].
     pub reproduced_under: Option<String>,
 }
 

@@ -158,6 +158,8 @@ fn a_b_fork_is_one_origin_and_the_rest_propagates() {
     );
     let o = r.origins().next().unwrap();
     assert_eq!(o.first_difference.as_ref().unwrap().record, "moe.combine");
+    // The fork's combine is reproduced under B from the (matching) terms.
+    assert_eq!(o.reproduced_under.as_deref(), Some("b"));
     // Everything after the fork in execution order is reproduced on the
     // candidate's inputs and reported as propagation.
     let fork_key = unit(1, 5, Part::Ffn).exec_key();
