@@ -130,3 +130,18 @@ fn another_model_is_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("n.bin") && err.contains("other weights"), "{err}");
 }
+
+#[test]
+fn the_report_may_not_overwrite_the_candidate() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.bin");
+    run(&p, &["--capture", "replay"]);
+    let before = std::fs::read(&p).unwrap();
+    let o = moeconf(&["replay", s(&p), "-o", s(&p)]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!String::from_utf8_lossy(&o.stderr).is_empty());
+    assert_eq!(std::fs::read(&p).unwrap(), before);
+    let missing_dir = dir.path().join("no/such/dir/r.txt");
+    let o = moeconf(&["replay", s(&p), "-o", s(&missing_dir)]);
+    assert_eq!(o.status.code(), Some(2));
+}
