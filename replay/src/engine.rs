@@ -143,6 +143,7 @@ impl Engine<'_> {
                 missing,
                 compared: 0,
                 downstream_of: None,
+                inputs_differ: None,
                 reproduced_under: None,
             }),
             Ok(records) => self.judge(u, &records),
@@ -298,7 +299,7 @@ impl Engine<'_> {
     }
 
     fn head(&self, st: &StepInfo, u: UnitId) -> Result<Gathered<Vec<Record>>> {
-        let last_layer = self.model.config().num_layers() as u32 - 1;
+        let last_layer = (self.model.config().num_layers() as u32).saturating_sub(1);
         let x = match self.floats(Component::LayerPostFfnMhc, st.step, st.last(), Some(last_layer))? {
             Ok(x) => x,
             Err(m) => return Ok(Err(m)),
@@ -394,6 +395,7 @@ impl Engine<'_> {
             },
             compared,
             downstream_of: None,
+            inputs_differ: None,
             reproduced_under,
         })
     }

@@ -25,6 +25,7 @@ mod candidate;
 mod engine;
 pub mod error;
 mod explain;
+mod measure;
 mod propagate;
 pub mod report;
 mod state;
@@ -51,6 +52,10 @@ pub struct LayerOptions {
     /// The reference's precision profile instead of the binding's (for
     /// traces of runtimes whose profile names differ, e.g. `hf-bf16`).
     pub precision: Option<moeconf_reference_runtime::precision::Precision>,
+    /// Measure propagation against a clean reference teacher-forced on the
+    /// candidate's tokens (one more reference run; fills
+    /// [`UnitResult::inputs_differ`]).
+    pub measure_propagation: bool,
 }
 
 /// Replays every unit of `trace` (embedding, each layer's attention and
@@ -77,6 +82,9 @@ pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Res
         .map(|&u| engine.run(u))
         .collect::<Result<Vec<_>>>()?;
     propagate::mark(&mut results, layers);
+    if opts.measure_propagation {
+        measure::mark(&cand, &m.model, &reference, &steps, &mut results)?;
+    }
     Ok(LayerReport {
         candidate: trace.path().display().to_string(),
         model: m.name.clone(),
@@ -86,5 +94,6 @@ pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Res
         fork_ignored: reference.fork_ignored.clone(),
         layers,
         units: results,
+        measured_propagation: opts.measure_propagation,
     })
 }

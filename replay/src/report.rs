@@ -85,12 +85,25 @@ pub struct UnitResult {
     /// (data flow through residual streams, persistent state and tokens),
     /// the nearest such origin: the unit only propagates its difference.
     pub downstream_of: Option<UnitId>,
+    /// Measured propagation (`--measure-propagation`): whether the unit's
+    /// input records differ from a clean reference teacher-forced on the
+    /// candidate's tokens (`None`: not measured, or an input not comparable).
+    pub inputs_differ: Option<bool>,
     /// Hook for contract inference (Part 4): the contract under which the
     /// candidate's output of an origin is reproduced. Filled for an FFN
     /// origin that parts at `moe.combine` by trying the preset contracts
     /// and B classes on the matching terms (`explain.rs`); other explainers
     /// plug in through [`crate::LayerReport::explain_origins`].
     pub reproduced_under: Option<String>,
+}
+
+impl UnitResult {
+    /// A reproduced unit that propagates an earlier difference: its inputs
+    /// differ from the clean reference where measured, else it is
+    /// downstream of an origin.
+    pub fn propagates(&self) -> bool {
+        self.status == Status::Reproduced && self.inputs_differ.unwrap_or(self.downstream_of.is_some())
+    }
 }
 
 /// The whole layer replay.
@@ -112,6 +125,8 @@ pub struct LayerReport {
     pub layers: u32,
     /// Every unit, in execution order.
     pub units: Vec<UnitResult>,
+    /// Whether propagation was measured against a clean reference.
+    pub measured_propagation: bool,
 }
 
 impl LayerReport {
@@ -125,12 +140,10 @@ impl LayerReport {
         self.units.iter().filter(|u| u.status == Status::Origin)
     }
 
-    /// Reproduced units downstream of an origin.
+    /// Reproduced units that propagate an earlier difference
+    /// ([`UnitResult::propagates`]).
     pub fn propagated(&self) -> usize {
-        self.units
-            .iter()
-            .filter(|u| u.status == Status::Reproduced && u.downstream_of.is_some())
-            .count()
+        self.units.iter().filter(|u| u.propagates()).count()
     }
 
     /// Every missing record, grouped by (record, payload_only): the steps
@@ -200,6 +213,7 @@ impl LayerReport {
                 "fork_ignored": self.fork_ignored,
             },
             "layers": self.layers,
+            "measured_propagation": self.measured_propagation,
             "summary": {
                 "units": self.units.len(),
                 "reproduced": self.count(Status::Reproduced),
@@ -232,6 +246,7 @@ fn unit_json(u: &UnitResult) -> Value {
         "max_abs_diff": u.max_abs_diff,
         "compared": u.compared,
         "downstream_of": u.downstream_of.as_ref().map(unit_id_json),
+        "inputs_differ": u.inputs_differ,
         "reproduced_under": u.reproduced_under,
         "missing": u.missing.iter().map(|m| json!({
             "record": m.record, "step": m.step, "position": m.position,

@@ -10,7 +10,7 @@ use crate::units::Part;
 
 /// One character per unit in the origin map.
 fn mark(u: &UnitResult) -> char {
-    match (u.status, u.downstream_of.is_some()) {
+    match (u.status, u.propagates()) {
         (Status::Origin, _) if u.absorbed => 'o',
         (Status::Origin, _) => 'O',
         (Status::NotReplayable, _) => '?',
@@ -42,7 +42,7 @@ fn origin_line(u: &UnitResult) -> String {
 fn origin_map(r: &LayerReport, out: &mut String) {
     let mut steps: Vec<u32> = r.units.iter().map(|u| u.unit.step).collect();
     steps.dedup();
-    let _ = write!(out, "\norigin map (O origin, o origin absorbed inside the unit, . reproduced, p reproduced downstream of an origin, ? not replayable;\n            per layer: attention, ffn)\n  step  E ");
+    let _ = write!(out, "\norigin map (O origin, o origin absorbed inside the unit, . reproduced, p reproduced, propagating an earlier difference, ? not replayable;\n            per layer: attention, ffn)\n  step  E ");
     for l in 0..r.layers {
         let _ = write!(out, " L{l:<2}");
     }
@@ -81,10 +81,15 @@ impl LayerReport {
         }
         let _ = writeln!(
             out,
-            "{} units replayed: {} reproduced ({} downstream of an origin), {} origins, {} not replayable",
+            "{} units replayed: {} reproduced ({} propagating an earlier difference, {}), {} origins, {} not replayable",
             self.units.len(),
             self.count(Status::Reproduced),
             self.propagated(),
+            if self.measured_propagation {
+                "measured against a clean teacher-forced reference"
+            } else {
+                "by data flow from an origin"
+            },
             self.count(Status::Origin),
             self.count(Status::NotReplayable),
         );

@@ -371,6 +371,7 @@ fn an_f32_run_reproduces_in_the_f32_profile() {
     // differently; the embedding (a row of the BF16 table) is the same.
     let bf16 = LayerOptions {
         precision: Some(Precision::Bf16),
+        ..LayerOptions::default()
     };
     let r = replay_layers(&t, &m, &bf16).unwrap();
     for u in &r.units {
@@ -381,4 +382,46 @@ fn an_f32_run_reproduces_in_the_f32_profile() {
         };
         assert_eq!(u.status, want, "{}", u.unit);
     }
+}
+
+#[test]
+fn measured_propagation_tells_carried_differences_from_reachability() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let choice = CombineChoice {
+        fork_layer: Some(5),
+        fork_step: Some(1),
+        fork_contract: Some("b".into()),
+        ..CombineChoice::default()
+    };
+    let p = trace(&m, dir.path(), "fork.bin", &choice, None);
+    let t = Trace::open(&p).unwrap();
+    let opts = LayerOptions {
+        measure_propagation: true,
+        ..LayerOptions::default()
+    };
+    let r = replay_layers(&t, &m, &opts).unwrap();
+    assert!(r.measured_propagation);
+    assert_eq!(origins(&r), vec![unit(1, 5, Part::Ffn)]);
+    let get = |u: UnitId| r.units.iter().find(|x| x.unit == u).unwrap();
+    // Before the fork every input is the clean reference's.
+    assert_eq!(get(unit(1, 5, Part::Attention)).inputs_differ, Some(false));
+    assert_eq!(get(unit(1, 5, Part::Ffn)).inputs_differ, Some(false));
+    // The next half reads the fork's output: measured propagation.
+    let next = get(unit(1, 6, Part::Attention));
+    assert_eq!(next.inputs_differ, Some(true));
+    assert!(next.propagates());
+    // The tokens are teacher-forced, so layer 0 at the next step reads the
+    // clean embedding; its state was written before the fork: clean inputs,
+    // although it is downstream of the fork by data flow.
+    let l0 = get(unit(2, 0, Part::Attention));
+    assert_eq!(l0.downstream_of, Some(unit(1, 5, Part::Ffn)));
+    assert_eq!(l0.inputs_differ, Some(false));
+    assert!(!l0.propagates());
+    // Layer 5's attention at step 2 reads the state its step-1 attention
+    // wrote before the fork (clean) and layer 4's output (clean): also clean.
+    assert_eq!(get(unit(2, 5, Part::Attention)).inputs_differ, Some(false));
+    // Layer 6's attention at step 2 reads state written from a forked input.
+    assert_eq!(get(unit(2, 6, Part::Attention)).inputs_differ, Some(true));
+    assert!(r.propagated() < r.units.iter().filter(|u| u.downstream_of.is_some()).count());
 }

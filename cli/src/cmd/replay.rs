@@ -44,6 +44,12 @@ pub struct ReplayArgs {
     /// k of the top-k overlap (teacher forcing).
     #[arg(long, default_value_t = 8)]
     pub top_k: usize,
+    /// Measure propagation: run the reference teacher-forced on the
+    /// candidate's tokens and mark the reproduced units whose inputs really
+    /// differ from it (one more reference run; without it, propagation is
+    /// data-flow reachability from an origin).
+    #[arg(long)]
+    pub measure_propagation: bool,
     /// Exit 0 even when some units could not be replayed (inputs missing),
     /// provided no origin was found. Without it, a replay that could not
     /// check everything exits 2.
@@ -102,7 +108,14 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
         )?;
         (r.render_text(), r.to_json(), r.exit_code())
     } else {
-        let r = replay_layers(&trace, &m, &LayerOptions { precision })?;
+        let r = replay_layers(
+            &trace,
+            &m,
+            &LayerOptions {
+                precision,
+                measure_propagation: a.measure_propagation,
+            },
+        )?;
         let code = r.exit_code(a.allow_incomplete);
         if code == 2 {
             eprintln!(
