@@ -13,15 +13,15 @@
 //! sets (ties to the lower id, as `lm.topk_ids`), and argmax agreement
 //! compares the two top-1 ids.
 
-use moeconf_fingerprint::Component;
-use moeconf_reference_runtime::capture::NullSink;
+use moeconf_fingerprint::{Component, Level};
+use moeconf_reference_runtime::capture::{CaptureSink, MemorySink, NullSink, Record};
 use moeconf_reference_runtime::head::{argmax, topk_logits};
 use moeconf_reference_runtime::model::StepOptions;
 use moeconf_runner::LoadedModel;
 use moeconf_schema::Trace;
 use serde_json::{json, Value};
 
-use crate::candidate::Candidate;
+use crate::candidate::{Candidate, Cmp};
 use crate::error::{ReplayError, Result};
 use crate::report::REPLAY_SCHEMA_VERSION;
 use crate::setup::reference_for;
@@ -34,6 +34,8 @@ pub struct TeacherOptions {
     pub top_k: usize,
     /// The reference's precision profile instead of the binding's.
     pub precision: Option<moeconf_reference_runtime::precision::Precision>,
+    /// Also compare every layer's `layer.post_ffn_mhc` (L3) per step.
+    pub l3: bool,
 }
 
 impl Default for TeacherOptions {
@@ -41,8 +43,22 @@ impl Default for TeacherOptions {
         TeacherOptions {
             top_k: 8,
             precision: None,
+            l3: false,
         }
     }
+}
+
+/// The L3 comparison of one layer at one step: the layer's output streams
+/// (`layer.post_ffn_mhc`) at every position of the step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerMetrics {
+    /// The layer.
+    pub layer: u32,
+    /// Bitwise equal at every position.
+    pub identical: bool,
+    /// max |reference − candidate| over the positions (f64, NaN-propagating);
+    /// `None` when the candidate kept no payload.
+    pub max_abs_diff: Option<f64>,
 }
 
 /// The comparison of one step's logits.
@@ -63,6 +79,8 @@ pub struct StepMetrics {
     pub argmax_candidate: u32,
     /// The two logit vectors are bitwise equal.
     pub identical: bool,
+    /// With [`TeacherOptions::l3`]: every layer, ascending.
+    pub layers: Vec<LayerMetrics>,
 }
 
 /// The teacher-forced comparison of every step.
@@ -82,6 +100,8 @@ pub struct TeacherReport {
     pub top_k: usize,
     /// One row per step, ascending.
     pub steps: Vec<StepMetrics>,
+    /// Whether L3 was compared.
+    pub l3: bool,
 }
 
 /// ln p_i of a logit vector in f64, in ascending index order; `None` with
@@ -130,7 +150,47 @@ fn metrics(step: u32, position: u32, r: &[f32], c: &[f32], k: usize) -> StepMetr
         argmax_reference: argmax(r),
         argmax_candidate: argmax(c),
         identical: r.len() == c.len() && r.iter().zip(c).all(|(a, b)| a.to_bits() == b.to_bits()),
+        layers: Vec::new(),
     }
+}
+
+/// The L3 comparison of one step: the reference's `layer.post_ffn_mhc`
+/// records against the candidate's, per layer.
+fn layer_metrics(cand: &Candidate<'_>, records: &[Record], layers: u32) -> Result<Vec<LayerMetrics>> {
+    let mut out: Vec<LayerMetrics> = (0..layers)
+        .map(|layer| LayerMetrics {
+            layer,
+            identical: true,
+            max_abs_diff: Some(0.0),
+        })
+        .collect();
+    for r in records
+        .iter()
+        .filter(|r| Component::LayerPostFfnMhc.matches(&r.coord.path))
+    {
+        let Some(lm) = r.coord.layer.and_then(|l| out.get_mut(l as usize)) else {
+            continue;
+        };
+        lm.identical &= cand.compare(r)? == Cmp::Same;
+        let c = &r.coord;
+        let values = match cand.find(c.step, c.position, c.layer, &c.path) {
+            Some(i) => cand.floats(i)?,
+            None => None,
+        };
+        lm.max_abs_diff = match (lm.max_abs_diff, values) {
+            (Some(m), Some(v)) if v.len() == r.shape.iter().product::<u64>() as usize => {
+                let d = r
+                    .f32s()
+                    .iter()
+                    .zip(&v)
+                    .map(|(a, b)| (f64::from(*a) - f64::from(*b)).abs())
+                    .fold(m, |m, d| if d > m || d.is_nan() { d } else { m });
+                Some(d)
+            }
+            _ => None,
+        };
+    }
+    Ok(out)
 }
 
 /// Runs the reference on the candidate's tokens and compares the logits at
@@ -184,15 +244,22 @@ pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Re
     };
     let mut state = m.model.new_state();
     let mut rows = Vec::with_capacity(plan.len());
+    let layers = m.model.config().num_layers() as u32;
     for (st, ids, cand_logits) in plan {
+        let mut l3 = MemorySink::with_levels(&[Level::L3]);
+        let sink: &mut dyn CaptureSink = if opts.l3 { &mut l3 } else { &mut NullSink };
         let out = m
             .model
-            .step(&mut state, &ids, &sopts, &mut NullSink)
+            .step(&mut state, &ids, &sopts, sink)
             .map_err(|source| ReplayError::Runtime {
                 unit: format!("step {} (teacher forcing)", st.step),
                 source,
             })?;
-        rows.push(metrics(st.step, st.last(), &out.logits, &cand_logits, opts.top_k));
+        let mut row = metrics(st.step, st.last(), &out.logits, &cand_logits, opts.top_k);
+        if opts.l3 {
+            row.layers = layer_metrics(&cand, &l3.records, layers)?;
+        }
+        rows.push(row);
     }
     Ok(TeacherReport {
         candidate: trace.path().display().to_string(),
@@ -202,6 +269,7 @@ pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Re
         schedule: reference.schedule,
         top_k: opts.top_k,
         steps: rows,
+        l3: opts.l3,
     })
 }
 
@@ -257,6 +325,7 @@ impl TeacherReport {
             "reference": {"precision": self.precision, "contract": self.contract, "schedule": self.schedule},
             "kl": {"direction": "KL(P_reference || P_candidate)", "log_base": "e (nats)"},
             "top_k": self.top_k,
+            "l3": self.l3,
             "summary": {
                 "steps": n,
                 "identical_steps": self.steps.iter().filter(|s| s.identical).count(),
@@ -272,6 +341,9 @@ impl TeacherReport {
                 "step": s.step, "position": s.position, "kl": s.kl,
                 "topk_overlap": s.topk_overlap, "argmax_reference": s.argmax_reference,
                 "argmax_candidate": s.argmax_candidate, "identical": s.identical,
+                "layers": s.layers.iter().map(|l| json!({
+                    "layer": l.layer, "identical": l.identical, "max_abs_diff": l.max_abs_diff,
+                })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         })
     }

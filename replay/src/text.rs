@@ -158,6 +158,9 @@ impl TeacherReport {
                 if s.identical { "bitwise" } else { "" }
             );
         }
+        if self.l3 {
+            l3_table(self, &mut out);
+        }
         let n = self.steps.len();
         let _ = writeln!(out, "\n====== KL divergence statistics ======");
         match self.mean_kl() {
@@ -192,5 +195,27 @@ impl TeacherReport {
             }
         );
         out
+    }
+}
+
+/// The L3 table of teacher forcing: per step, one character per layer
+/// (`.` bitwise equal, `x` different) and the largest |Δ| over the layers.
+fn l3_table(r: &TeacherReport, out: &mut String) {
+    out.push_str(
+        "\nL3 (layer.post_ffn_mhc) against the teacher-forced reference: . identical, x different\n",
+    );
+    for s in &r.steps {
+        let marks: String = s
+            .layers
+            .iter()
+            .map(|l| if l.identical { '.' } else { 'x' })
+            .collect();
+        let worst = s
+            .layers
+            .iter()
+            .map(|l| l.max_abs_diff)
+            .try_fold(0f64, |m, d| d.map(|d| if d > m || d.is_nan() { d } else { m }));
+        let worst = worst.map_or_else(|| "n/a (no payload)".to_string(), |w| format!("{w:e}"));
+        let _ = writeln!(out, "  step {:>4}  {marks}  max |Δ| {worst}", s.step);
     }
 }

@@ -248,8 +248,20 @@ fn teacher_forcing_matches_a_native_run_and_measures_a_fork() {
     assert_eq!(r.exit_code(), 0);
     let plan = FaultPlan::new(vec![Fault::at(1, 2, FaultKind::AttentionOutputTruncate)]);
     let f = trace(&m, dir.path(), "f.bin", &CombineChoice::default(), Some(&plan));
-    let r = teacher_force(&Trace::open(&f).unwrap(), &m, TeacherOptions::default()).unwrap();
+    let l3 = TeacherOptions {
+        l3: true,
+        ..TeacherOptions::default()
+    };
+    let r = teacher_force(&Trace::open(&f).unwrap(), &m, l3).unwrap();
     assert!(r.steps[0].identical, "the prefill is unfaulted");
+    // L3: at step 1 the layers before the faulted layer 2 are identical, layer 2 is not.
+    let same: Vec<bool> = r.steps[1].layers.iter().map(|l| l.identical).collect();
+    assert_eq!(&same[..3], &[true, true, false]);
+    assert!(r.steps[0]
+        .layers
+        .iter()
+        .all(|l| l.identical && l.max_abs_diff == Some(0.0)));
+    assert!(r.steps[1].layers[2].max_abs_diff.unwrap() > 0.0);
     assert!(!r.steps[1].identical);
     assert!(r.steps[1].kl.unwrap() > 0.0);
     assert_eq!(r.exit_code(), 1);

@@ -41,6 +41,10 @@ pub struct ReplayArgs {
     /// profile (e.g. hf-bf16 from the Python capture).
     #[arg(long)]
     pub precision: Option<String>,
+    /// With --teacher-force: also compare every layer's output streams
+    /// (layer.post_ffn_mhc, L3) per step.
+    #[arg(long, requires = "teacher_force")]
+    pub l3: bool,
     /// k of the top-k overlap (teacher forcing).
     #[arg(long, default_value_t = 8)]
     pub top_k: usize,
@@ -104,6 +108,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
             TeacherOptions {
                 top_k: a.top_k,
                 precision,
+                l3: a.l3,
             },
         )?;
         (r.render_text(), r.to_json(), r.exit_code())
