@@ -437,3 +437,31 @@ fn measured_propagation_tells_carried_differences_from_reachability() {
     assert_eq!(get(unit(2, 6, Part::Attention)).inputs_differ, Some(true));
     assert!(r.propagated() < r.units.iter().filter(|u| u.downstream_of.is_some()).count());
 }
+
+#[test]
+fn a_faulted_run_that_allows_non_finite_values_still_writes_a_valid_binding() {
+    // The fault plan is recorded in the binding's extra next to
+    // `non_finite = allowed`, sorted by key as the format requires.
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("nf.bin");
+    let choice = CombineChoice::default();
+    let spec = RunSpec {
+        prompt: PROMPT,
+        max_new_tokens: 2,
+        precision: Precision::Bf16,
+        combine: &choice,
+        capture: CaptureSpec::REPLAY,
+        algorithm: Algorithm::Blake3,
+        canon: CanonPolicy::default(),
+        allow_non_finite: true,
+    };
+    let plan = FaultPlan::new(vec![Fault::at(1, 0, FaultKind::AttentionOutputTruncate)]);
+    let prepared = prepare_run(&m, &spec).unwrap();
+    run_prepared_with_faults(&m, &spec, prepared, Some(&plan), &p).unwrap();
+    let t = Trace::open(&p).unwrap();
+    let keys: Vec<&str> = t.binding().extra.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, vec!["faults", "non_finite"]);
+    let r = replay_layers(&t, &m, &LayerOptions::default()).unwrap();
+    assert_eq!(origins(&r), vec![unit(1, 0, Part::Attention)]);
+}

@@ -540,6 +540,8 @@ pub fn run_prepared_with_faults(
     if let Some(plan) = faults {
         let names: Vec<String> = plan.faults.iter().map(|f| f.kind.name()).collect();
         binding.extra.push(("faults".to_string(), names.join(";")));
+        // The format requires `extra` sorted by key (stable: equal keys keep their order).
+        binding.extra.sort_by(|a, b| a.0.cmp(&b.0));
     }
     let header = Header {
         binding,
