@@ -4,7 +4,8 @@
 //! On the same model, prompt and length: (a) the reference run with the
 //! replay capture into a trace file (`run`), (b) the bare greedy forward
 //! without capture, (c) layer replay of that trace on one thread and (d)
-//! on the current pool, (e) teacher forcing. Each is the best of `repeat`
+//! on the current pool, (e) teacher forcing, (f) layer replay with measured
+//! propagation on one thread. Each is the best of `repeat`
 //! wall-clock measurements; the headline is c / a.
 
 use std::path::Path;
@@ -59,6 +60,8 @@ pub struct ReplayBench {
     pub replay_pool: f64,
     /// (e) teacher forcing, the current pool.
     pub teacher: f64,
+    /// (f) layer replay with measured propagation, one thread.
+    pub replay_measured_1thread: f64,
     /// Threads of the current pool.
     pub threads: usize,
 }
@@ -127,6 +130,15 @@ pub fn bench_replay(
         return Err(BenchError::NotReproduced(bad));
     }
     let (replay_pool, _) = best(repeat, replay)?;
+    let measured = || {
+        let t = Trace::open(&path).map_err(BenchError::Open)?;
+        let opts = crate::LayerOptions {
+            measure_propagation: true,
+            ..crate::LayerOptions::default()
+        };
+        replay_layers(&t, m, &opts).map_err(BenchError::Replay)
+    };
+    let (replay_measured_1thread, _) = pool.install(|| best(repeat, measured))?;
     let (teacher, _) = best(repeat, || {
         let t = Trace::open(&path).map_err(BenchError::Open)?;
         teacher_force(&t, m, TeacherOptions::default()).map_err(BenchError::Replay)
@@ -140,6 +152,7 @@ pub fn bench_replay(
         replay_1thread,
         replay_pool,
         teacher,
+        replay_measured_1thread,
         threads: rayon::current_num_threads(),
     })
 }

@@ -138,6 +138,7 @@ fn replay(a: &BenchReplayArgs) -> anyhow::Result<ExitCode> {
             "replay_1thread_seconds": b.replay_1thread,
             "replay_pool_seconds": b.replay_pool,
             "teacher_force_seconds": b.teacher,
+            "replay_measured_propagation_1thread_seconds": b.replay_measured_1thread,
             "ratio_replay_1thread_over_run": b.replay_1thread / b.run,
             "ratio_replay_pool_over_run": b.replay_pool / b.run,
         }))?,
@@ -168,6 +169,11 @@ fn replay(a: &BenchReplayArgs) -> anyhow::Result<ExitCode> {
             println!(
                 "  (e) teacher forcing                            {:>8.3} s",
                 b.teacher
+            );
+            println!(
+                "  (f) layer replay + measured propagation, 1 t.  {:>8.3} s   ratio f/a = {:.2}",
+                b.replay_measured_1thread,
+                b.replay_measured_1thread / b.run
             );
         }
     }
