@@ -77,6 +77,25 @@ fn replay_exit_codes_and_json() {
     assert_eq!(t["steps"][0]["identical"], true);
     assert_eq!(t["steps"][1]["identical"], false);
     assert!(t["steps"][1]["kl"].as_f64().unwrap() > 0.0);
+    assert_eq!(t["l3"], false);
+
+    // Measured propagation marks fewer units than reachability; --l3 adds
+    // the per-layer comparison (layers before the fork identical).
+    let o = moeconf(&["replay", s(&fork), "--format", "json", "--measure-propagation"]);
+    assert_eq!(o.status.code(), Some(1));
+    let mv = json(&o);
+    assert_eq!(mv["measured_propagation"], true);
+    let measured = mv["summary"]["propagated"].as_u64().unwrap();
+    assert!(measured > 0 && measured < 51, "{measured}");
+    let o = moeconf(&["replay", "--teacher-force", "--l3", s(&fork), "--format", "json"]);
+    let t = json(&o);
+    let layers = t["steps"][1]["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 9);
+    assert_eq!(layers[2]["identical"], true);
+    assert_eq!(layers[3]["identical"], false);
+    // --l3 only with --teacher-force.
+    let o = moeconf(&["replay", "--l3", s(&fork)]);
+    assert_eq!(o.status.code(), Some(2));
 }
 
 #[test]
