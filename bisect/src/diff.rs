@@ -3,13 +3,18 @@
 //! contract.
 
 use crate::comparability::{compare_bindings, Comparability};
+use crate::divergence::{Divergences, Event};
 use crate::error::BisectError;
 use crate::inference::infer;
-use crate::numeric::{f32_values, i32_values, summarize, NumericSummary};
-use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint};
+use crate::layerkind;
+use crate::numeric::{
+    compare_ids, compare_values, f32_values, i32_values, summarize, NumericSummary, ValueComparison,
+};
+use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint, producer};
 use crate::report::*;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
+use moeconf_fingerprint::catalogue::{Presence, ValueKind};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Trace, TraceError};
 use std::path::Path;
@@ -45,9 +50,13 @@ const EXPLAIN_L2: &str = "Persistent state: what each layer carries from one tok
 const EXPLAIN_L3: &str = "Layer state: the residual streams after each half-layer (attention, then FFN) and each token's routed experts. The first mismatch brackets where the difference starts.";
 const EXPLAIN_L4: &str = "Operator outputs inside a layer. The first operator whose output differs while its inputs match is where the two executions part.";
 
-struct Ctx<'a> {
-    s: Sides<'a>,
-    opts: DiffOptions,
+/// Both traces, the options and the compared levels: what every part of
+/// the walk reads.
+pub(crate) struct Ctx<'a> {
+    pub(crate) s: Sides<'a>,
+    pub(crate) opts: DiffOptions,
+    /// The levels both traces capture.
+    pub(crate) compared: LevelSet,
 }
 
 fn trace_summary(t: &Trace) -> TraceSummary {
@@ -106,14 +115,15 @@ fn has_level(t: &Trace, level: Level) -> bool {
 /// does).
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport, BisectError> {
     let comparability = comparability(reference, candidate, opts)?;
+    let compared = compared_levels(reference, candidate);
     let cx = Ctx {
         s: Sides {
             r: reference,
             c: candidate,
         },
         opts: *opts,
+        compared,
     };
-    let compared = compared_levels(reference, candidate);
     if reference.records().is_empty() && candidate.records().is_empty() {
         return Err(BisectError::NoRecords);
     }
@@ -133,11 +143,12 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
             .filter(|s| rsteps.binary_search(s).is_err() || csteps.binary_search(s).is_err())
             .collect();
 
+    let found = cx.divergences()?;
     let l0 = cx.l0(compared.contains(Level::L0))?;
     let l1 = cx.l1(compared.contains(Level::L1))?;
     let l2 = cx.l2(compared.contains(Level::L2))?;
-    let (l3, l3_first) = cx.l3(compared.contains(Level::L3))?;
-    let (l4, l4_local) = cx.l4(compared.contains(Level::L4), &l3, l3_first)?;
+    let l3 = cx.l3(compared.contains(Level::L3))?;
+    let l4 = cx.l4(compared.contains(Level::L4), &found)?;
     let levels = Levels { l0, l1, l2, l3, l4 };
 
     let statuses = [
@@ -155,11 +166,15 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     } else {
         Verdict::Equivalent
     };
-    let first_divergence = cx.first_divergence(&levels, compared, l3_first, l4_local);
+    let mut divergences = Vec::with_capacity(found.events.len());
+    for e in &found.events {
+        divergences.extend(cx.divergence_report(e)?);
+    }
+    let first_divergence = cx.first_divergence(&divergences, &levels.l4);
     let compared_levels: Vec<Level> = compared.iter().collect();
     let summary = summary_line(
         verdict,
-        &first_divergence,
+        (&first_divergence, &divergences, found.rest),
         &levels.l0,
         reference,
         (&unmatched_steps, &uncompared_levels),
@@ -176,6 +191,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         unmatched_steps,
         uncompared_levels,
         first_divergence,
+        divergences,
+        rest: found.rest.name().into(),
         levels,
         summary,
     })
@@ -241,9 +258,26 @@ fn compared_levels(reference: &Trace, candidate: &Trace) -> LevelSet {
         .collect()
 }
 
+/// `L4 step 1 position 5 layer 5 operator moe.combine`: where a record
+/// sits, with the level first (noun `operator` for L3/L4 records, `record`
+/// otherwise).
+fn place(level: &str, step: u32, position: u32, layer: Option<u32>, path: &str) -> String {
+    let mut s = format!("{level} step {step} position {position}");
+    if let Some(l) = layer {
+        s.push_str(&format!(" layer {l}"));
+    }
+    let noun = if level == "L3" || level == "L4" {
+        "operator"
+    } else {
+        "record"
+    };
+    s.push_str(&format!(" {noun} {path}"));
+    s
+}
+
 fn summary_line(
     verdict: Verdict,
-    fd: &Option<FirstDivergence>,
+    (fd, divergences, rest): (&Option<FirstDivergence>, &[Divergence], crate::divergence::Rest),
     l0: &L0Report,
     reference: &Trace,
     (unmatched, uncompared): (&[u32], &[UncomparedLevel]),
@@ -262,20 +296,20 @@ fn summary_line(
         ),
         (Verdict::Divergent, Some(f)) => {
             let mut s = format!(
-                "first divergence: {} step {} position {}",
-                f.level, f.step, f.position
+                "first divergence: {}",
+                place(&f.level, f.step, f.position, f.layer, &f.operator)
             );
-            if let Some(l) = f.layer {
-                s.push_str(&format!(" layer {l}"));
+            if f.present_in != "both" {
+                s.push_str(&format!(" (only in the {})", f.present_in));
             }
-            let noun = if f.level == "L3" || f.level == "L4" {
-                "operator"
-            } else {
-                "record"
-            };
-            s.push_str(&format!(" {noun} {}", f.operator));
+            if f.kind == Some(DivergenceKind::Absorbed) {
+                s.push_str(", absorbed before the next checkpoint");
+            }
             if let Some(c) = &f.contract {
                 s.push_str(&format!("; candidate contract: {c}"));
+            }
+            if f.kind == Some(DivergenceKind::Absorbed) {
+                s.push_str(&later_divergences(divergences, rest));
             }
             match l0.ordinal {
                 Some(n) => s.push_str(&format!("; visible at generated token {n}")),
@@ -287,6 +321,33 @@ fn summary_line(
             s
         }
         (Verdict::Divergent, None) => coverage_summary(unmatched, uncompared),
+    }
+}
+
+/// After an absorbed first divergence: the next one that propagates, or
+/// that every divergence is absorbed.
+fn later_divergences(divergences: &[Divergence], rest: crate::divergence::Rest) -> String {
+    use crate::divergence::Rest;
+    let later = divergences.get(1..).unwrap_or_default();
+    if let Some(d) = later.iter().find(|d| d.kind != Some(DivergenceKind::Absorbed)) {
+        let a = &d.at;
+        let how = d.kind.map_or("not classified", |k| k.name());
+        return format!(
+            "; then {}, {how}",
+            place(&a.level, a.step, a.position, a.layer, &a.path)
+        );
+    }
+    match (later.len(), rest) {
+        (0, Rest::None) => "; no other divergence".into(),
+        (n, Rest::None) => format!(
+            "; {n} more divergence{}, all absorbed",
+            if n == 1 { "" } else { "s" }
+        ),
+        (_, Rest::Propagates) => {
+            "; its consequences reach a later checkpoint through the persistent state".into()
+        }
+        (_, Rest::Limit) => "; more divergences follow than the report lists".into(),
+        (_, Rest::Unclassified) => String::new(),
     }
 }
 
@@ -311,6 +372,10 @@ fn coverage_summary(unmatched: &[u32], uncompared: &[UncomparedLevel]) -> String
     if !unmatched.is_empty() {
         parts.push(format!("steps {unmatched:?} are present in only one trace"));
     }
+    if parts.is_empty() {
+        // Not reached: a differing compared record is a first divergence.
+        parts.push("records differ".into());
+    }
     format!("divergent: {}", parts.join("; "))
 }
 
@@ -330,63 +395,53 @@ fn decode_i32_first2(dtype: DType, bytes: &[u8]) -> Option<[i64; 2]> {
 }
 
 impl Ctx<'_> {
-    /// The localization: the earliest divergent record in execution order;
-    /// on the same record the finer level wins (lists are finest first).
-    fn first_divergence(
-        &self,
-        levels: &Levels,
-        compared: LevelSet,
-        l3_first: Option<Pair>,
-        l4_local: Option<Pair>,
-    ) -> Option<FirstDivergence> {
-        let l4 = &levels.l4;
-        let contract = l4.contract.as_ref().and_then(|c| c.candidate.clone());
-        let mut cands: Vec<(Pair, &RecordRef, Option<String>)> = Vec::new();
-        if let (Some(p), Some(loc)) = (l4_local, l4.localized.as_ref()) {
-            let c = if Component::MoeCombine.matches(&loc.at.path) {
-                contract.clone()
-            } else {
-                None
-            };
-            cands.push((p, &loc.at, c));
-        }
-        if let (Some(p), Some(r)) = (l3_first, levels.l3.first.as_ref()) {
-            cands.push((p, r, None));
-        }
-        for (level, r) in [
-            (Level::L2, levels.l2.first.as_ref()),
-            (Level::L1, levels.l1.first.as_ref()),
-            (Level::L0, levels.l0.first.as_ref()),
-        ] {
-            if let (Some(p), Some(r)) = (self.first_pair(level, compared.contains(level)), r) {
-                cands.push((p, r, None));
-            }
-        }
-        // No operator was localized and no checkpoint differs (e.g. a
-        // differing L4 record without a layer): the first differing record
-        // of L4, then L3, is the divergence.
-        if cands.is_empty() {
-            for (level, r) in [
-                (Level::L4, levels.l4.first.as_ref()),
-                (Level::L3, levels.l3.first_record.as_ref()),
-            ] {
-                if let (Some(p), Some(r)) = (self.first_pair(level, compared.contains(level)), r) {
-                    cands.push((p, r, None));
-                }
-            }
-        }
-        cands
-            .iter()
-            .enumerate()
-            .min_by_key(|(i, (p, _, _))| (p.order_key(), *i))
-            .map(|(_, (_, r, c))| FirstDivergence {
-                level: r.level.clone(),
-                step: r.step,
-                position: r.position,
-                layer: r.layer,
-                operator: r.path.clone(),
-                contract: c.clone(),
-            })
+    /// The headline: the first divergence's record, with its kind and, at
+    /// `moe.combine`, the candidate's inferred contract.
+    fn first_divergence(&self, reports: &[Divergence], l4: &L4Report) -> Option<FirstDivergence> {
+        let d = reports.first()?;
+        let contract = match (&l4.contract, Component::MoeCombine.matches(&d.at.path)) {
+            (Some(c), true) if c.at == d.at => c.candidate.clone(),
+            _ => None,
+        };
+        Some(FirstDivergence {
+            level: d.at.level.clone(),
+            step: d.at.step,
+            position: d.at.position,
+            layer: d.at.layer,
+            operator: d.at.path.clone(),
+            contract,
+            kind: d.kind,
+            present_in: d.at.present_in.clone(),
+        })
+    }
+
+    /// The report form of one divergence.
+    fn divergence_report(&self, e: &Event) -> Result<Option<Divergence>, BisectError> {
+        let Some(at) = self.rec_ref_any(e.pair) else {
+            return Ok(None);
+        };
+        Ok(Some(Divergence {
+            kind: e.kind,
+            checkpoint: e.checkpoint.and_then(|p| self.rec_ref_any(p)),
+            inputs: e.inputs.clone(),
+            inputs_match: e.inputs_match,
+            layer_kind: self.layer_kind_of(e.pair),
+            comparison: self.comparison(e.pair)?,
+            at,
+        }))
+    }
+
+    /// The kind of the layer a record sits in (`None` for model-global records).
+    fn layer_kind_of(&self, p: Pair) -> Option<LayerKind> {
+        let e = self.s.entry(p)?;
+        let layer = e.coord.layer?;
+        layerkind::infer(&self.s, e.coord.step, layer, self.compared).report()
+    }
+
+    /// The record reference of a pair at its own level.
+    fn rec_ref_any(&self, p: Pair) -> Option<RecordRef> {
+        let e = self.s.entry(p)?;
+        self.rec_ref(e.level, p)
     }
 
     fn rec_ref(&self, level: Level, p: Pair) -> Option<RecordRef> {
@@ -397,14 +452,6 @@ impl Ctx<'_> {
             _ => "candidate",
         };
         Some(RecordRef::new(level, &e.coord, present))
-    }
-
-    fn first_pair(&self, level: Level, compared: bool) -> Option<Pair> {
-        if !compared {
-            return None;
-        }
-        let s = *self.s.differing_steps(level).first()?;
-        self.s.differing_records(s, level).first().copied()
     }
 
     /// Verified payloads of both sides (`None` on a side without one).
@@ -659,7 +706,7 @@ impl Ctx<'_> {
         Ok(rep)
     }
 
-    fn l3(&self, compared: bool) -> Result<(L3Report, Option<Pair>), BisectError> {
+    fn l3(&self, compared: bool) -> Result<L3Report, BisectError> {
         let steps = if compared {
             self.s.differing_steps(Level::L3)
         } else {
@@ -722,7 +769,7 @@ impl Ctx<'_> {
                 break;
             }
         }
-        Ok((rep, first_pair))
+        Ok(rep)
     }
 
     fn route(&self, p: Pair) -> Result<Option<RouteDivergence>, BisectError> {
@@ -741,10 +788,12 @@ impl Ctx<'_> {
         };
         let re = ids(p.r, self.s.r, rb);
         let ce = ids(p.c, self.s.c, cb);
-        let entering = ce.iter().copied().filter(|x| !re.contains(x)).collect();
-        let leaving = re.iter().copied().filter(|x| !ce.contains(x)).collect();
+        let cmp = compare_ids(&re, &ce);
         let (mut rm, mut cm) = (None, None);
         let c = &e.coord;
+        let hash_routed = c
+            .layer
+            .and_then(|l| layerkind::infer(&self.s, c.step, l, self.compared).hash_routed());
         if let Some(&mp) = self
             .s
             .lookup_component(c.step, c.layer, Some(c.position), Component::RouterMargin)
@@ -762,19 +811,16 @@ impl Ctx<'_> {
             at,
             reference_experts: re,
             candidate_experts: ce,
-            entering,
-            leaving,
+            entering: cmp.entering,
+            leaving: cmp.leaving,
+            reordered: cmp.reordered,
+            hash_routed,
             reference_margin: rm,
             candidate_margin: cm,
         }))
     }
 
-    fn l4(
-        &self,
-        compared: bool,
-        l3: &L3Report,
-        l3_first: Option<Pair>,
-    ) -> Result<(L4Report, Option<Pair>), BisectError> {
+    fn l4(&self, compared: bool, found: &Divergences) -> Result<L4Report, BisectError> {
         let steps = if compared {
             self.s.differing_steps(Level::L4)
         } else {
@@ -792,76 +838,57 @@ impl Ctx<'_> {
             .first()
             .and_then(|&s| self.s.differing_records(s, Level::L4).first().copied());
         rep.first = first_l4.and_then(|p| self.rec_ref(Level::L4, p));
-        // The interval: the half closed by the first differing L3 checkpoint,
-        // else the half of the first differing L4 record.
-        let anchor = match (l3_first, &l3.first) {
-            (Some(p), Some(_)) => Some(p),
-            _ => first_l4,
+        // The localized operator: a layer operator or the embedding.
+        let Some((p, inputs, inputs_match)) = found.localized.clone() else {
+            return Ok(rep);
         };
-        let Some(anchor) = anchor else {
-            return Ok((rep, None));
+        let Some(e) = self.s.entry(p) else {
+            return Ok(rep);
         };
-        let Some(ae) = self.s.entry(anchor) else {
-            return Ok((rep, None));
-        };
-        let (step, layer, position) = (ae.coord.step, ae.coord.layer, ae.coord.position);
-        let half = half_of(&ae.coord.path);
-        let Some(layer_idx) = layer else {
-            return Ok((rep, None));
-        };
-        let mut inside: Vec<(Level, Pair)> = Vec::new();
-        for level in [Level::L3, Level::L4] {
-            if level == Level::L4 && !compared {
-                continue;
-            }
-            for p in self.s.differing_records(step, level) {
-                if let Some(e) = self.s.entry(p) {
-                    if e.coord.layer == layer
-                        && e.coord.position == position
-                        && half_of(&e.coord.path) == half
-                    {
-                        inside.push((level, p));
-                    }
-                }
-            }
+        let operator = Component::parse(&e.coord.path)
+            .map_or(e.coord.layer.is_some() && e.level != Level::L2, |(c, _)| {
+                !c.spec().inputs.is_empty()
+            });
+        if !operator || !matches!(e.level, Level::L3 | Level::L4) {
+            return Ok(rep);
         }
-        inside.sort_by_key(|(_, p)| p.order_key());
-        let mut chosen: Option<(Level, Pair, Vec<InputCheck>, bool)> = None;
-        for &(level, p) in &inside {
-            let Some(e) = self.s.entry(p) else { continue };
-            let checks = self.check_inputs(step, layer_idx, position, &e.coord.path);
-            let ok = !checks.iter().any(|c| c.status == "differ");
-            if ok {
-                chosen = Some((level, p, checks, true));
-                break;
-            }
-            if chosen.is_none() {
-                chosen = Some((level, p, checks, false));
-            }
-        }
-        let Some((level, p, inputs, inputs_match)) = chosen else {
-            return Ok((rep, None));
+        let Some(at) = self.rec_ref(e.level, p) else {
+            return Ok(rep);
         };
-        let Some(at) = self.rec_ref(level, p) else {
-            return Ok((rep, None));
-        };
-        let numeric = self.numeric(p)?;
-        if Component::MoeCombine.matches(&at.path) && self.opts.contract_inference {
-            rep.contract = Some(self.contract(step, layer_idx, position, at.clone())?);
+        let (step, layer, position) = (e.coord.step, e.coord.layer, e.coord.position);
+        if let (Some(layer), true) = (
+            layer,
+            Component::MoeCombine.matches(&at.path) && self.opts.contract_inference,
+        ) {
+            rep.contract = Some(self.contract(step, layer, position, at.clone())?);
         }
         rep.localized = Some(Localized {
-            at,
-            half,
+            half: half_of(&at.path),
             inputs,
             inputs_match,
-            numeric,
+            layer_kind: self.layer_kind_of(p),
+            comparison: self.comparison(p)?,
+            at,
         });
-        Ok((rep, Some(p)))
+        Ok(rep)
     }
 
-    fn check_inputs(&self, step: u32, layer: u32, position: u32, path: &str) -> Vec<InputCheck> {
+    /// The inputs of the operator that produces `path` at (`step`,
+    /// `layer`, `position`) and whether each matches. A missing input is
+    /// `not_captured` when its level is not compared or the trace lacks it,
+    /// `not_applicable` when the layer's kind (inferred from the records,
+    /// [`layerkind`]) has no such record, and `not_emitted` when its
+    /// operator emits only at some positions.
+    pub(crate) fn check_inputs(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: u32,
+        path: &str,
+    ) -> Vec<InputCheck> {
         let mut out = Vec::new();
-        for spec in inputs_of(path, layer) {
+        let mut kinds: Option<layerkind::Kinds> = None;
+        for spec in inputs_of(path, layer.unwrap_or(0)) {
             let Some(s) = step.checked_sub(spec.steps_back) else {
                 continue;
             };
@@ -869,12 +896,27 @@ impl Ctx<'_> {
             let pairs = self
                 .s
                 .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
-            let status = if pairs.is_empty() {
+            let status = if !pairs.is_empty() {
+                if pairs.iter().all(|&p| self.s.pair_equal(p)) {
+                    "match"
+                } else {
+                    "differ"
+                }
+            } else if !self.compared.contains(spec.level) {
                 "not_captured"
-            } else if pairs.iter().all(|&p| self.s.pair_equal(p)) {
-                "match"
             } else {
-                "differ"
+                let component = producer(&spec.path);
+                let applies = match (component, spec.layer) {
+                    (Some(c), Some(l)) => kinds
+                        .get_or_insert_with(|| layerkind::infer(&self.s, s, l, self.compared))
+                        .has(c),
+                    _ => None,
+                };
+                match (applies, component.map(|c| c.spec().presence)) {
+                    (Some(false), _) => "not_applicable",
+                    (_, Some(Presence::OnEmit)) => "not_emitted",
+                    _ => "not_captured",
+                }
             };
             out.push(InputCheck {
                 input: describe_input(&spec),
@@ -883,6 +925,28 @@ impl Ctx<'_> {
             });
         }
         out
+    }
+
+    /// How the two payloads of `p` compare, by the record's value kind
+    /// (catalogue `ValueKind`; paths outside the catalogue by dtype).
+    fn comparison(&self, p: Pair) -> Result<Option<ValueComparison>, BisectError> {
+        let (Some(ri), Some(ci)) = (p.r, p.c) else {
+            return Ok(None);
+        };
+        let (Some(rb), Some(cb)) = self.payloads(p)? else {
+            return Ok(None);
+        };
+        let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+        let kind = match Component::parse(&re.coord.path) {
+            Some((c, _)) => c.kind(),
+            None if re.dtype.is_float() => ValueKind::Float,
+            None => ValueKind::Count,
+        };
+        Ok(compare_values(
+            kind,
+            (re.dtype, &re.shape, rb),
+            (ce.dtype, &ce.shape, cb),
+        ))
     }
 
     /// The routed terms, shared output and combine output of one side, if

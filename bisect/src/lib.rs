@@ -46,8 +46,10 @@ mod bench;
 pub mod certify;
 mod comparability;
 mod diff;
+mod divergence;
 mod error;
 mod inference;
+mod layerkind;
 mod numeric;
 mod operators;
 mod pairing;
@@ -60,16 +62,21 @@ pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
+pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
 pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
 pub use moeconf_fingerprint::Half;
-pub use numeric::{element_ordinal, element_value, summarize, unravel, NumericSummary, WorstElement};
+pub use numeric::{
+    compare_ids, compare_values, element_ordinal, element_value, int_values, summarize, unravel,
+    IdComparison, NumericSummary, ValueComparison, WorstElement, MAX_LISTED_IDS,
+};
 pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
-    ContractReport, DiffReport, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report,
-    L4Report, LevelStatus, Levels, Localized, RecordRef, RouteDivergence, StateComponent, StateLayer, TextOp,
-    TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
+    ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck, L0Report, L1Report,
+    L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, RecordRef, RouteDivergence,
+    StateComponent, StateLayer, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,
+    DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,

@@ -7,7 +7,16 @@
 //! with `atol = 0`. An element whose two sides differ in NaN-ness can pass no
 //! tolerance (both minima are then infinite). Equality is bitwise on the
 //! canonical bytes, so `-0` vs `+0` counts as differing with `|Δ| = 0`.
+//!
+//! Values of opposite sign are counted as sign changes
+//! ([`NumericSummary::sign_changes`]) and left out of the ULP distance: on
+//! the line of representable floats −1 and +1 are about 2·10⁹ apart, a
+//! number that says nothing a sign change does not.
+//!
+//! Identifier records (token, expert and entry ids) are compared as
+//! sequences and sets ([`compare_ids`]), never by magnitude.
 
+use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::DType;
 use serde::Serialize;
 
@@ -56,8 +65,12 @@ pub struct NumericSummary {
     /// Largest `|cand − ref|` over elements where neither side is NaN.
     #[serde(serialize_with = "ser_f64")]
     pub max_abs_delta: f64,
+    /// Differing elements whose two values have opposite signs (both
+    /// non-zero): sign changes, left out of `max_ulp`.
+    pub sign_changes: u64,
     /// Largest distance in units in the last place of the dtype (integer
-    /// distance for integer dtypes); NaN elements excluded.
+    /// distance for integer dtypes) over the differing elements that keep
+    /// their sign; NaN elements and sign changes excluded.
     pub max_ulp: u64,
     /// Smallest `atol` (with `rtol = 0`) under which every element passes.
     #[serde(serialize_with = "ser_f64")]
@@ -144,6 +157,7 @@ pub fn summarize(
         elements: n as u64,
         differing: 0,
         nan_mismatches: 0,
+        sign_changes: 0,
         max_abs_delta: 0.0,
         max_ulp: 0,
         min_atol: 0.0,
@@ -174,7 +188,9 @@ pub fn summarize(
             continue;
         }
         let delta = (c - r).abs();
-        if let (Some(a), Some(b)) = (
+        if r != 0.0 && c != 0.0 && r.is_sign_negative() != c.is_sign_negative() {
+            s.sign_changes += 1;
+        } else if let (Some(a), Some(b)) = (
             element_ordinal(dtype, reference, i),
             element_ordinal(dtype, candidate, i),
         ) {
@@ -212,6 +228,175 @@ pub fn summarize(
         })
     });
     Some(s)
+}
+
+/// At most this many ids of a sequence (and of its entering and leaving
+/// sets) are listed in an [`IdComparison`]; the counts are always complete.
+pub const MAX_LISTED_IDS: usize = 32;
+
+/// Two identifier records compared as sequences and sets (token ids,
+/// expert ids, selected entries): which ids enter, which leave, and whether
+/// the same ids only changed order. Never by magnitude: expert 15 is not
+/// "15 ulp" away from expert 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IdComparison {
+    /// The reference's ids in record order (at most [`MAX_LISTED_IDS`]).
+    pub reference: Vec<i64>,
+    /// The candidate's ids in record order (at most [`MAX_LISTED_IDS`]).
+    pub candidate: Vec<i64>,
+    /// How many ids the reference holds.
+    pub reference_len: u64,
+    /// How many ids the candidate holds.
+    pub candidate_len: u64,
+    /// Ids the candidate holds more often than the reference (a multiset
+    /// difference), in candidate order (at most [`MAX_LISTED_IDS`]).
+    pub entering: Vec<i64>,
+    /// Ids the reference holds more often than the candidate, in reference
+    /// order (at most [`MAX_LISTED_IDS`]).
+    pub leaving: Vec<i64>,
+    /// How many ids enter.
+    pub entering_count: u64,
+    /// How many ids leave.
+    pub leaving_count: u64,
+    /// The same ids (as a multiset) in another order.
+    pub reordered: bool,
+    /// The first index at which the sequences differ.
+    pub first_difference: Option<u64>,
+}
+
+/// Compares two id sequences ([`IdComparison`]).
+pub fn compare_ids(reference: &[i64], candidate: &[i64]) -> IdComparison {
+    use std::collections::HashMap;
+    let mut counts: HashMap<i64, i64> = HashMap::new();
+    for &x in reference {
+        *counts.entry(x).or_default() += 1;
+    }
+    for &x in candidate {
+        *counts.entry(x).or_default() -= 1;
+    }
+    // Walk each side in order, taking an id while the multiset difference
+    // says it is in excess on that side.
+    let excess = |side: &[i64], sign: i64| -> Vec<i64> {
+        let mut left: HashMap<i64, i64> = counts
+            .iter()
+            .filter(|(_, &n)| n * sign > 0)
+            .map(|(&k, &n)| (k, n * sign))
+            .collect();
+        side.iter()
+            .copied()
+            .filter(|x| match left.get_mut(x) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    true
+                }
+                _ => false,
+            })
+            .collect()
+    };
+    let entering = excess(candidate, -1);
+    let leaving = excess(reference, 1);
+    let first_difference = reference
+        .iter()
+        .zip(candidate)
+        .position(|(a, b)| a != b)
+        .or_else(|| (reference.len() != candidate.len()).then(|| reference.len().min(candidate.len())))
+        .map(|i| i as u64);
+    let listed = |v: &[i64]| v.iter().copied().take(MAX_LISTED_IDS).collect::<Vec<_>>();
+    IdComparison {
+        reference: listed(reference),
+        candidate: listed(candidate),
+        reference_len: reference.len() as u64,
+        candidate_len: candidate.len() as u64,
+        entering_count: entering.len() as u64,
+        leaving_count: leaving.len() as u64,
+        reordered: entering.is_empty() && leaving.is_empty() && first_difference.is_some(),
+        entering: listed(&entering),
+        leaving: listed(&leaving),
+        first_difference,
+    }
+}
+
+/// The payload decoded as integers (`None` unless it is an integer tensor).
+pub fn int_values(dtype: DType, bytes: &[u8]) -> Option<Vec<i64>> {
+    if dtype.is_float() || !bytes.len().is_multiple_of(dtype.size()) {
+        return None;
+    }
+    (0..bytes.len() / dtype.size())
+        .map(|i| element_ordinal(dtype, bytes, i).and_then(|v| i64::try_from(v).ok()))
+        .collect()
+}
+
+/// How two payloads of one record compare, worded by what the record's
+/// values mean (the catalogue's `ValueKind`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ValueComparison {
+    /// Real values: counts, largest difference, ULPs, sign changes and the
+    /// tolerances that would pass.
+    Float(NumericSummary),
+    /// Identifiers and indices: entering, leaving, reordered.
+    Ids(IdComparison),
+    /// Counters (lengths, entry counts): both values.
+    Counts {
+        /// The reference's values (at most [`MAX_LISTED_IDS`]).
+        reference: Vec<i64>,
+        /// The candidate's values (at most [`MAX_LISTED_IDS`]).
+        candidate: Vec<i64>,
+    },
+    /// UTF-8 text: both lengths and the first differing byte.
+    Text {
+        /// Bytes of the reference's text.
+        reference_bytes: u64,
+        /// Bytes of the candidate's text.
+        candidate_bytes: u64,
+        /// The first byte offset at which they differ.
+        first_difference: Option<u64>,
+    },
+}
+
+/// Compares two payloads of a record whose values are of `kind`: ids as
+/// sequences and sets, counters and text by value, anything else (and ids
+/// or counters stored in a float dtype) element-wise ([`summarize`]).
+/// `None` when nothing can be said (float payloads of different dtype or
+/// shape).
+pub fn compare_values(
+    kind: ValueKind,
+    (dtype, shape, reference): (DType, &[u64], &[u8]),
+    (cand_dtype, cand_shape, candidate): (DType, &[u64], &[u8]),
+) -> Option<ValueComparison> {
+    let ints = || Some((int_values(dtype, reference)?, int_values(cand_dtype, candidate)?));
+    match kind {
+        ValueKind::Ids => {
+            if let Some((r, c)) = ints() {
+                return Some(ValueComparison::Ids(compare_ids(&r, &c)));
+            }
+        }
+        ValueKind::Count => {
+            if let Some((r, c)) = ints() {
+                let listed = |v: Vec<i64>| v.into_iter().take(MAX_LISTED_IDS).collect();
+                return Some(ValueComparison::Counts {
+                    reference: listed(r),
+                    candidate: listed(c),
+                });
+            }
+        }
+        ValueKind::Text => {
+            return Some(ValueComparison::Text {
+                reference_bytes: reference.len() as u64,
+                candidate_bytes: candidate.len() as u64,
+                first_difference: reference
+                    .iter()
+                    .zip(candidate)
+                    .position(|(a, b)| a != b)
+                    .or_else(|| {
+                        (reference.len() != candidate.len()).then(|| reference.len().min(candidate.len()))
+                    })
+                    .map(|i| i as u64),
+            });
+        }
+        ValueKind::Float => {}
+    }
+    summarize(dtype, shape, reference, cand_dtype, cand_shape, candidate).map(ValueComparison::Float)
 }
 
 /// The payload decoded as `f32` values (`None` unless it is an f32 tensor).
@@ -262,6 +447,57 @@ mod tests {
         let w = s.worst.unwrap();
         assert_eq!((w.flat_index, w.index.clone()), (2, vec![1, 0]));
         assert_eq!((w.reference, w.candidate), (2.0, 2.5));
+    }
+
+    #[test]
+    fn sign_changes_are_counted_and_left_out_of_the_ulp_distance() {
+        // Element 0 changes sign (-1 -> +1: about 2.1e9 ulp on the float line);
+        // element 1 moves 3 ulp; element 2 goes from +0 to a tiny negative (no sign change).
+        let tiny = f32::from_bits(0x8000_0001);
+        let r = f32_bytes(&[-1.0, 1.0, 0.0]);
+        let c = f32_bytes(&[1.0, f32::from_bits(1.0f32.to_bits() + 3), tiny]);
+        let s = summarize(DType::F32, &[3], &r, DType::F32, &[3], &c).unwrap();
+        assert_eq!((s.differing, s.sign_changes), (3, 1));
+        assert_eq!(s.max_ulp, 3);
+        assert_eq!(s.max_abs_delta, 2.0);
+    }
+
+    #[test]
+    fn ids_are_compared_as_sets_and_sequences() {
+        let c = compare_ids(&[30, 15, 10, 3, 4, 28], &[30, 15, 10, 3, 4, 19]);
+        assert_eq!((c.entering, c.leaving, c.reordered), (vec![19], vec![28], false));
+        assert_eq!(c.first_difference, Some(5));
+        let c = compare_ids(&[1, 2, 3], &[2, 1, 3]);
+        assert!(c.reordered && c.entering.is_empty() && c.leaving.is_empty());
+        assert_eq!(c.first_difference, Some(0));
+        // A dropped entry: nothing enters, the last leaves.
+        let c = compare_ids(&[7, 5, 9], &[7, 5]);
+        assert_eq!((c.entering_count, c.leaving, c.reordered), (0, vec![9], false));
+        // Duplicates count as a multiset.
+        let c = compare_ids(&[4, 4, 2], &[4, 2, 2]);
+        assert_eq!((c.entering, c.leaving), (vec![2], vec![4]));
+        let i = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let v = compare_values(
+            ValueKind::Ids,
+            (DType::I32, &[2], &i(&[0, 15])),
+            (DType::I32, &[2], &i(&[15, 0])),
+        );
+        assert!(matches!(
+            v,
+            Some(ValueComparison::Ids(IdComparison { reordered: true, .. }))
+        ));
+        let v = compare_values(
+            ValueKind::Count,
+            (DType::I64, &[1], &3i64.to_le_bytes()),
+            (DType::I64, &[1], &4i64.to_le_bytes()),
+        );
+        assert_eq!(
+            v,
+            Some(ValueComparison::Counts {
+                reference: vec![3],
+                candidate: vec![4]
+            })
+        );
     }
 
     #[test]

@@ -101,7 +101,7 @@ fn carried_state(layer: u32) -> InputSpec {
 
 /// The catalogue component whose operator produces `path`: a catalogue
 /// path, or any path under a family's prefix (`moe.term.*`).
-fn producer(path: &str) -> Option<Component> {
+pub(crate) fn producer(path: &str) -> Option<Component> {
     Component::parse(path).map(|(c, _)| c).or_else(|| {
         Component::ALL
             .iter()

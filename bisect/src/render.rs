@@ -2,7 +2,7 @@
 //! compact section per level (each opened by one line of plain explanation),
 //! and the summary line last.
 
-use crate::numeric::NumericSummary;
+use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
 use moeconf_fingerprint::Component;
@@ -66,13 +66,24 @@ fn opt_num(v: Option<f64>) -> String {
 }
 
 fn numeric_lines(out: &mut String, n: &NumericSummary) {
+    let signs = match n.sign_changes {
+        0 => String::new(),
+        k if k == n.differing => format!(" (all {k} change sign)"),
+        k => format!(" ({k} change sign)"),
+    };
+    let ulps = if n.sign_changes == n.differing {
+        String::new()
+    } else if n.sign_changes > 0 {
+        format!(", max {} ulp among those that keep their sign", n.max_ulp)
+    } else {
+        format!(", max {} ulp", n.max_ulp)
+    };
     let _ = writeln!(
         out,
-        "      {} of {} values differ; max |Δ| {}, max {} ulp; would pass with atol ≥ {} (rtol 0) or rtol ≥ {} (atol 0)",
+        "      {} of {} values differ{signs}; max |Δ| {}{ulps}; would pass with atol ≥ {} (rtol 0) or rtol ≥ {} (atol 0)",
         n.differing,
         n.elements,
         num(n.max_abs_delta),
-        n.max_ulp,
         num(n.min_atol),
         num(n.min_rtol)
     );
@@ -80,14 +91,110 @@ fn numeric_lines(out: &mut String, n: &NumericSummary) {
         let _ = writeln!(out, "      {} values are NaN on one side only", n.nan_mismatches);
     }
     if let Some(w) = &n.worst {
+        let sign = if w.reference != 0.0
+            && w.candidate != 0.0
+            && w.reference.is_sign_negative() != w.candidate.is_sign_negative()
+        {
+            " (sign change)"
+        } else {
+            ""
+        };
         let _ = writeln!(
             out,
-            "      worst element {:?}: reference {} vs candidate {}",
+            "      worst element {:?}: reference {} vs candidate {}{sign}",
             w.index,
             num(w.reference),
             num(w.candidate)
         );
     }
+}
+
+/// `[1, 2, 3]`, or `[1, 2, …] (40 ids)` when the list was cut.
+fn id_list(v: &[i64], len: u64) -> String {
+    let body = v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+    if (v.len() as u64) < len {
+        format!("[{body}, …] ({len} ids)")
+    } else {
+        format!("[{body}]")
+    }
+}
+
+fn ids_line(out: &mut String, c: &IdComparison) {
+    let seq = format!(
+        "{} -> {}",
+        id_list(&c.reference, c.reference_len),
+        id_list(&c.candidate, c.candidate_len)
+    );
+    if c.reordered {
+        let _ = writeln!(
+            out,
+            "      the same {} ids in another order: {seq}",
+            c.reference_len
+        );
+        return;
+    }
+    let set = |v: &[i64], n: u64| if n == 0 { "none".to_string() } else { id_list(v, n) };
+    let _ = writeln!(
+        out,
+        "      ids {seq}: entering {}, leaving {}",
+        set(&c.entering, c.entering_count),
+        set(&c.leaving, c.leaving_count)
+    );
+}
+
+/// How one record's two payloads compare, worded by what the values mean.
+fn comparison_lines(out: &mut String, c: &ValueComparison) {
+    match c {
+        ValueComparison::Float(n) => numeric_lines(out, n),
+        ValueComparison::Ids(i) => ids_line(out, i),
+        ValueComparison::Counts { reference, candidate } => {
+            let _ = match (reference.as_slice(), candidate.as_slice()) {
+                ([r], [c]) => writeln!(out, "      value {r} -> {c}"),
+                _ => writeln!(out, "      values {reference:?} -> {candidate:?}"),
+            };
+        }
+        ValueComparison::Text {
+            reference_bytes,
+            candidate_bytes,
+            first_difference,
+        } => {
+            let at = first_difference
+                .map(|b| format!(", first difference at byte {b}"))
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "      text of {reference_bytes} vs {candidate_bytes} bytes{at}"
+            );
+        }
+    }
+}
+
+/// An input's status in words.
+fn input_status(status: &str) -> &str {
+    match status {
+        "not_captured" => "not captured",
+        "not_applicable" => "not applicable on this layer kind",
+        "not_emitted" => "none emitted at this position",
+        s => s,
+    }
+}
+
+/// `sliding-window attention, hash-routed MoE`.
+fn layer_kind_words(k: &LayerKind) -> String {
+    let a = k.attention.as_deref().map(|a| match a {
+        "sliding" => "sliding-window attention",
+        "csa" => "compressed sparse attention (CSA)",
+        "hca" => "heavily compressed attention (HCA)",
+        other => other,
+    });
+    let f = k.ffn.as_deref().map(|f| match f {
+        "score_routed" => "score-routed MoE",
+        "hash_routed" => {
+            "hash-routed MoE (experts are the token id's row of a fixed table: no selection margin)"
+        }
+        other => other,
+    });
+    [a, f].into_iter().flatten().collect::<Vec<_>>().join(", ")
 }
 
 fn header(out: &mut String, st: &Style, name: &str, what: &str, status: LevelStatus, explains: &str) {
@@ -104,6 +211,7 @@ impl DiffReport {
         let mut o = String::new();
         self.render_verdict(&mut o, &st);
         self.render_traces(&mut o, &st);
+        self.render_divergences(&mut o, &st);
         let l = &self.levels;
         render_l0(&mut o, &st, &l.l0);
         render_l1(&mut o, &st, &l.l1);
@@ -131,9 +239,18 @@ impl DiffReport {
                 if let Some(l) = f.layer {
                     at.push_str(&format!(" layer {l}"));
                 }
+                let only = if f.present_in == "both" {
+                    String::new()
+                } else {
+                    format!(", held only by the {}", f.present_in)
+                };
+                let how = match f.kind {
+                    Some(DivergenceKind::Absorbed) => ", absorbed before the next checkpoint",
+                    _ => "",
+                };
                 let _ = writeln!(
                     o,
-                    "{} the candidate departs from the reference at {at}, in {} ({})",
+                    "{} the candidate departs from the reference at {at}, in {} ({}){only}{how}",
                     st.red("DIVERGENT:"),
                     f.operator,
                     f.level
@@ -185,6 +302,94 @@ impl DiffReport {
                 "  level {} captured only by the {} (not compared)",
                 u.level, u.present_in
             );
+        }
+    }
+}
+
+impl DiffReport {
+    /// Every divergence in execution order, each with its kind and the
+    /// checkpoint that decides it.
+    fn render_divergences(&self, o: &mut String, st: &Style) {
+        if self.divergences.is_empty() {
+            return;
+        }
+        let _ = writeln!(o);
+        let _ = writeln!(
+            o,
+            "{} in execution order: {}",
+            st.bold("Divergences"),
+            self.divergences.len()
+        );
+        let _ = writeln!(
+            o,
+            "   {}",
+            st.dim("Each is a record that differs while its inputs match. Propagating: a later checkpoint (post-mHC layer state, the step's token, or for persistent state a later step's layer state) differs. Absorbed: rounding erased it before the next checkpoint.")
+        );
+        for (i, d) in self.divergences.iter().enumerate() {
+            let how = match (d.kind, &d.checkpoint) {
+                (Some(DivergenceKind::Propagating), Some(c)) if c.path == d.at.path && c.step == d.at.step => {
+                    "propagating: it is a checkpoint".to_string()
+                }
+                (Some(DivergenceKind::Propagating), Some(c)) => {
+                    format!("propagating: the first later checkpoint that differs is {}", c.describe())
+                }
+                (Some(DivergenceKind::Propagating), None) => "propagating".to_string(),
+                (Some(DivergenceKind::Absorbed), Some(c)) => format!(
+                    "absorbed: the next checkpoint, {}, matches, and no later one differs",
+                    c.describe_location()
+                ),
+                (Some(DivergenceKind::Absorbed), None) if d.at.level == "L2" => {
+                    "absorbed: no layer checkpoint of a later traced step differs (the state may still be read later)"
+                        .to_string()
+                }
+                (Some(DivergenceKind::Absorbed), None) => "absorbed: no later checkpoint differs".to_string(),
+                (None, _) => "not classified (the layer-state checkpoints are not compared)".to_string(),
+            };
+            let _ = writeln!(
+                o,
+                "   {}. {} ({}): {}",
+                i + 1,
+                st.bold(&d.at.describe()),
+                d.at.level,
+                how
+            );
+            if !d.inputs_match {
+                let _ = writeln!(o, "      (some of its inputs differ too)");
+            }
+            let in_l4 = self.levels.l4.localized.as_ref().is_some_and(|l| l.at == d.at);
+            match &d.comparison {
+                Some(_) if in_l4 => {
+                    let _ = writeln!(o, "      (its values: see L4 below)");
+                }
+                Some(c) => comparison_lines(o, c),
+                None => {}
+            }
+            if d.layer_kind
+                .as_ref()
+                .is_some_and(|k| k.ffn.as_deref() == Some("hash_routed"))
+                && !in_l4
+                && moeconf_fingerprint::Component::RouterTopk.matches(&d.at.path)
+            {
+                let _ = writeln!(
+                    o,
+                    "      hash-routed layer: the experts are the token id's row of a fixed table (no selection margin)"
+                );
+            }
+        }
+        let rest = match self.rest.as_str() {
+            "none" if self.divergences.len() == 1 => {
+                "   it is the only divergence: every other differing record follows from it without reaching a checkpoint"
+            }
+            "none" => "   every other differing record follows from these without reaching a checkpoint",
+            "propagates" if self.divergences.last().is_some_and(|d| d.kind == Some(DivergenceKind::Absorbed)) => {
+                "   later differences reach a checkpoint through the persistent state carried from these; they are not separated further"
+            }
+            "propagates" => "   every later difference can follow from the last one; they are not separated further",
+            "limit" => "   more divergences follow than the report lists",
+            _ => "",
+        };
+        if !rest.is_empty() {
+            let _ = writeln!(o, "{rest}");
         }
     }
 }
@@ -339,22 +544,45 @@ fn render_l3(o: &mut String, st: &Style, l3: &L3Report) {
         return;
     }
     match &l3.route {
-        Some(r) => {
-            let _ = writeln!(
-                o,
-                "   first route change: {}: experts {:?} -> {:?} (entering {:?}, leaving {:?}; margins {} vs {})",
-                r.at.describe(),
-                r.reference_experts,
-                r.candidate_experts,
-                r.entering,
-                r.leaving,
-                opt_num(r.reference_margin),
-                opt_num(r.candidate_margin)
-            );
-        }
+        Some(r) => render_route(o, r),
         None => {
             let _ = writeln!(o, "   routes: identical everywhere");
         }
+    }
+}
+
+/// The first route difference: experts entering and leaving (or the same
+/// experts reordered), with the selection margins of a score-routed layer.
+fn render_route(o: &mut String, r: &RouteDivergence) {
+    let margins = match r.hash_routed {
+        Some(true) => {
+            "hash-routed layer: the experts are the token id's row of a fixed table, no selection margin"
+                .to_string()
+        }
+        _ => format!(
+            "margins {} vs {}",
+            opt_num(r.reference_margin),
+            opt_num(r.candidate_margin)
+        ),
+    };
+    if r.reordered {
+        let _ = writeln!(
+            o,
+            "   first route difference: {}: the same experts in another order {:?} -> {:?} ({margins})",
+            r.at.describe(),
+            r.reference_experts,
+            r.candidate_experts
+        );
+    } else {
+        let _ = writeln!(
+            o,
+            "   first route change: {}: experts {:?} -> {:?} (entering {:?}, leaving {:?}; {margins})",
+            r.at.describe(),
+            r.reference_experts,
+            r.candidate_experts,
+            r.entering,
+            r.leaving
+        );
     }
 }
 
@@ -375,13 +603,16 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
         let ins: Vec<String> = loc
             .inputs
             .iter()
-            .map(|i| format!("{} {}", i.input, i.status))
+            .map(|i| format!("{} {}", i.input, input_status(&i.status)))
             .collect();
         if !ins.is_empty() {
             let _ = writeln!(o, "   inputs: {}", ins.join("; "));
         }
-        if let Some(n) = &loc.numeric {
-            numeric_lines(o, n);
+        if let Some(k) = &loc.layer_kind {
+            let _ = writeln!(o, "   layer kind: {}", layer_kind_words(k));
+        }
+        if let Some(c) = &loc.comparison {
+            comparison_lines(o, c);
         }
     } else if let Some(f) = &l4.first {
         let _ = writeln!(o, "   first differing record: {}", f.describe());

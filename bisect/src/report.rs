@@ -2,12 +2,12 @@
 
 use crate::comparability::Comparability;
 use crate::inference::Inference;
-use crate::numeric::NumericSummary;
+use crate::numeric::{NumericSummary, ValueComparison};
 use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 1;
+pub const DIFF_SCHEMA_VERSION: u32 = 2;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -86,11 +86,34 @@ impl RecordRef {
     }
 }
 
-/// The localization: the earliest divergence in execution order, at the
-/// finest level that sees it.
+/// How a divergence continues after the record where it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DivergenceKind {
+    /// A later checkpoint differs: of the same step for a record inside a
+    /// step (the post-mHC layer states, then the step's token), of a later
+    /// step for persistent state carried out of a step.
+    Propagating,
+    /// No later checkpoint differs: rounding (or the argmax) erased the
+    /// difference before the next checkpoint.
+    Absorbed,
+}
+
+impl DivergenceKind {
+    /// `propagating` / `absorbed`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DivergenceKind::Propagating => "propagating",
+            DivergenceKind::Absorbed => "absorbed",
+        }
+    }
+}
+
+/// The headline: the first differing record in the catalogue's execution
+/// order, whatever its level.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FirstDivergence {
-    /// The level that localizes it.
+    /// The record's level.
     pub level: String,
     /// Forward step.
     pub step: u32,
@@ -103,6 +126,45 @@ pub struct FirstDivergence {
     /// The candidate's inferred aggregation contract, when the operator is
     /// `moe.combine` and payloads allowed inference.
     pub contract: Option<String>,
+    /// Propagating or absorbed (`null` when the checkpoints that decide it
+    /// are not compared).
+    pub kind: Option<DivergenceKind>,
+    /// Which side holds the record: `both`, `reference` or `candidate`.
+    pub present_in: String,
+}
+
+/// The kind of a decoder layer as the traces show it (inferred from which
+/// catalogue records exist there: `router.margin` only on score-routed
+/// layers, `attn.compressed_read` only with a compressor, the indexer's
+/// records only on CSA layers). `null` where the records do not tell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LayerKind {
+    /// `sliding`, `csa` or `hca`.
+    pub attention: Option<String>,
+    /// `score_routed` or `hash_routed`.
+    pub ffn: Option<String>,
+}
+
+/// One divergence: a differing record whose inputs all match (its operator
+/// computed something different from the same inputs), and how it continues.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Divergence {
+    /// The record.
+    pub at: RecordRef,
+    /// Propagating or absorbed (`null` when the checkpoints that decide it
+    /// are not compared).
+    pub kind: Option<DivergenceKind>,
+    /// Propagating: the first later checkpoint that differs. Absorbed: the
+    /// next checkpoint, which matches (`null` when there is none).
+    pub checkpoint: Option<RecordRef>,
+    /// Its inputs and whether they match.
+    pub inputs: Vec<InputCheck>,
+    /// Whether every captured input matches.
+    pub inputs_match: bool,
+    /// The layer's kind, for a layer record.
+    pub layer_kind: Option<LayerKind>,
+    /// How the two records compare, worded by what their values mean.
+    pub comparison: Option<ValueComparison>,
 }
 
 /// One inline text-diff segment.
@@ -260,6 +322,12 @@ pub struct RouteDivergence {
     pub entering: Vec<i64>,
     /// Experts the reference selects that the candidate does not.
     pub leaving: Vec<i64>,
+    /// The same experts in another (combine) order.
+    pub reordered: bool,
+    /// The layer is hash-routed (experts are the token id's row of a fixed
+    /// table, so there is no selection margin); `null` when the records do
+    /// not tell.
+    pub hash_routed: Option<bool>,
     /// Reference rank-k minus rank-(k+1) selection score.
     pub reference_margin: Option<f64>,
     /// Candidate margin.
@@ -296,7 +364,11 @@ pub struct L3Report {
 pub struct InputCheck {
     /// The input, e.g. `moe.term.* (layer 5)`.
     pub input: String,
-    /// `match`, `differ` or `not_captured`.
+    /// `match`, `differ`, `not_captured` (its level is not compared, or the
+    /// trace lacks it), `not_applicable` (the layer's kind has no such
+    /// record, e.g. `attn.compressed_read` on a sliding-window layer) or
+    /// `not_emitted` (an operator that emits only at some positions, e.g. a
+    /// compressor entry, emitted nothing here).
     pub status: String,
     /// Records compared.
     pub records: u64,
@@ -313,8 +385,10 @@ pub struct Localized {
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches (the operator itself departs).
     pub inputs_match: bool,
-    /// Element-wise comparison of the output.
-    pub numeric: Option<NumericSummary>,
+    /// The layer's kind.
+    pub layer_kind: Option<LayerKind>,
+    /// How the output compares, worded by what its values mean.
+    pub comparison: Option<ValueComparison>,
 }
 
 /// Contract inference at the localized `moe.combine`.
@@ -347,8 +421,9 @@ pub struct L4Report {
     pub differing_steps: u64,
     /// The first differing L4 record in execution order.
     pub first: Option<RecordRef>,
-    /// The first differing operator whose inputs match, inside the first
-    /// divergent (step, layer, half).
+    /// The localized operator: the first differing record (of the step of
+    /// the first divergence, in execution order) whose inputs all match,
+    /// when it is a layer operator or the embedding.
     pub localized: Option<Localized>,
     /// Contract inference, when the localized operator is `moe.combine`.
     pub contract: Option<ContractReport>,
@@ -417,8 +492,20 @@ pub struct DiffReport {
     /// Levels held by one trace only and therefore not compared (the other
     /// neither captured nor holds them): the traces are not equivalent.
     pub uncompared_levels: Vec<UncomparedLevel>,
-    /// The localization (`null` when equivalent).
+    /// The headline: the first differing record in execution order (`null`
+    /// when equivalent or when the traces differ only in coverage).
     pub first_divergence: Option<FirstDivergence>,
+    /// Every divergence in execution order, each a differing record whose
+    /// inputs match, until the first that propagates (what follows it is
+    /// not separated into further divergences).
+    pub divergences: Vec<Divergence>,
+    /// What lies after the listed divergences: `none` (every other
+    /// differing record follows from them without reaching a checkpoint),
+    /// `propagates` (the last one reaches later checkpoints: the
+    /// differences after it are not separated), `unclassified` (the
+    /// checkpoints that would tell are not compared) or `limit` (more
+    /// divergences than the report lists).
+    pub rest: String,
     /// One object per level.
     pub levels: Levels,
     /// The one-line summary printed last.

@@ -2,6 +2,7 @@
 //! entered, so an unchanged step costs one 32-byte comparison and no record,
 //! payload or tensor byte is touched.
 
+use moeconf_fingerprint::catalogue::ExecKey;
 use moeconf_fingerprint::{Component, Level, LevelNode, StepNode};
 use moeconf_schema::{IndexEntry, Trace};
 use std::cmp::Ordering;
@@ -17,7 +18,7 @@ pub(crate) struct Pair {
 }
 
 impl Pair {
-    /// Execution-order key: the reference's record index (its write order),
+    /// Write-order key: the reference's record index (its write order),
     /// records only the candidate has last, in the candidate's order.
     pub fn order_key(&self) -> (usize, usize) {
         (self.r.unwrap_or(usize::MAX), self.c.unwrap_or(usize::MAX))
@@ -59,6 +60,16 @@ impl<'a> Sides<'a> {
         (rs.and_then(|s| s.level(level)), cs.and_then(|s| s.level(level)))
     }
 
+    /// Whether anything differs at `step`: the step digests differ, or only
+    /// one trace holds the step.
+    pub fn step_differs(&self, step: u32) -> bool {
+        match self.step_nodes(step) {
+            (Some(a), Some(b)) => a.digest != b.digest,
+            (None, None) => false,
+            _ => true,
+        }
+    }
+
     /// Whether `level` differs at `step` (a level present on one side only differs).
     pub fn level_differs(&self, step: u32, level: Level) -> bool {
         let (rs, cs) = self.step_nodes(step);
@@ -82,8 +93,15 @@ impl<'a> Sides<'a> {
             .collect()
     }
 
-    /// The differing records of `level` at `step`, in execution order. Descends
-    /// only into layer groups whose digests differ.
+    /// The catalogue's execution-order key of a pair ([`ExecKey`], from the
+    /// side that holds the record), then its write order.
+    pub fn exec_key(&self, p: Pair) -> (Option<ExecKey>, (usize, usize)) {
+        (self.entry(p).map(|e| ExecKey::of(&e.coord)), p.order_key())
+    }
+
+    /// The differing records of `level` at `step`, in the catalogue's
+    /// execution order ([`Sides::exec_key`]). Descends only into layer
+    /// groups whose digests differ.
     pub fn differing_records(&self, step: u32, level: Level) -> Vec<Pair> {
         let (rl, cl) = self.level_nodes(step, level);
         let rg = rl.map(|l| l.groups.as_slice()).unwrap_or(&[]);
@@ -114,7 +132,7 @@ impl<'a> Sides<'a> {
                 }
             }
         }
-        out.sort_by_key(|p| p.order_key());
+        out.sort_by_cached_key(|&p| self.exec_key(p));
         out
     }
 

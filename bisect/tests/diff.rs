@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use moeconf_bisect::{diff, BisectError, DiffOptions, LevelStatus, OrderKind, Verdict};
+use moeconf_bisect::{diff, BisectError, DiffOptions, LevelStatus, OrderKind, ValueComparison, Verdict};
 use moeconf_contract::{b_class_representative, AggregationContract, Order};
 
 fn pair(
@@ -99,7 +99,9 @@ fn check_b_fork(step: u32, layer: u32, position: u32, class: u64) {
         .inputs
         .iter()
         .any(|i| i.input.starts_with("moe.term.*") && i.status == "match" && i.records == 6));
-    let num = loc.numeric.as_ref().unwrap();
+    let Some(ValueComparison::Float(num)) = loc.comparison.as_ref() else {
+        panic!("a float comparison: {:?}", loc.comparison)
+    };
     assert!(num.differing > 0 && num.differing <= num.elements);
     // Contract inference names the injected contract and class.
     let con = rep.levels.l4.contract.as_ref().unwrap();
@@ -326,7 +328,7 @@ fn fingerprints_without_payloads_still_localize() {
     assert!(fd.contract.is_none());
     let con = rep.levels.l4.contract.as_ref().unwrap();
     assert!(con.candidate.is_none() && con.note.as_ref().unwrap().contains("payloads"));
-    assert!(rep.levels.l4.localized.as_ref().unwrap().numeric.is_none());
+    assert!(rep.levels.l4.localized.as_ref().unwrap().comparison.is_none());
 }
 
 #[test]
@@ -384,13 +386,36 @@ fn json_has_the_documented_keys() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
-    assert_eq!(j["schema_version"], 1);
+    assert_eq!(j["schema_version"], 2);
     assert_eq!(j["kind"], "moeconf.diff");
     assert_eq!(j["verdict"], "divergent");
     let fd = &j["first_divergence"];
-    for key in ["level", "step", "position", "layer", "operator", "contract"] {
+    for key in [
+        "level",
+        "step",
+        "position",
+        "layer",
+        "operator",
+        "contract",
+        "kind",
+        "present_in",
+    ] {
         assert!(fd.get(key).is_some(), "first_divergence.{key}");
     }
+    assert_eq!(fd["kind"], "propagating");
+    let d = &j["divergences"][0];
+    for key in [
+        "at",
+        "kind",
+        "checkpoint",
+        "inputs",
+        "inputs_match",
+        "layer_kind",
+        "comparison",
+    ] {
+        assert!(d.get(key).is_some(), "divergences[0].{key}");
+    }
+    assert_eq!(j["rest"], "propagates");
     assert_eq!(fd["operator"], "moe.combine");
     assert_eq!(fd["contract"], "scheme B, class 135");
     for level in ["L0", "L1", "L2", "L3", "L4"] {
@@ -401,8 +426,10 @@ fn json_has_the_documented_keys() {
             "{level}"
         );
     }
-    let num = &j["levels"]["L4"]["localized"]["numeric"];
+    let num = &j["levels"]["L4"]["localized"]["comparison"];
+    assert_eq!(num["kind"], "float");
     for key in [
+        "sign_changes",
         "differing",
         "elements",
         "max_abs_delta",

@@ -1155,6 +1155,72 @@ pub fn exec_rank(path: &str) -> (u16, u64) {
     }
 }
 
+/// A record's place in the catalogue's execution order of a whole run
+/// (docs/operators.md §3 and §5): by step; within a step the step's input
+/// and embeddings, then the layers in order (layer-major, position-minor,
+/// the operators of one layer and position by rank, attention half before
+/// FFN half), then the step's outputs, then the persistent state at the
+/// decode boundary (layer by layer). Records of the same key (which a valid
+/// trace does not hold) are ordered by the caller.
+///
+/// A path outside the catalogue is placed by its namespace: a layer record
+/// of a known half (`attn.`, `ffn.`, `router.`, `moe.`) just before the
+/// checkpoint that closes that half, any other layer record after the
+/// layer's last checkpoint, `state.` records after the catalogue's state,
+/// `embed.` records with the step's input and other model-global records
+/// after the step's outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ExecKey {
+    /// Forward step.
+    pub step: u32,
+    /// The group within the step.
+    pub group: ExecGroup,
+    /// Decoder layer (0 for model-global records).
+    pub layer: u32,
+    /// Absolute position (0 for persistent state, which is per layer).
+    pub position: u32,
+    /// Twice the catalogue rank plus one for catalogue components (so that
+    /// a backend's own record of a half sorts just before the half's
+    /// closing checkpoint), `u32::MAX` for unplaced records.
+    pub slot: u32,
+    /// Family index (`moe.term.J`: J).
+    pub index: u64,
+}
+
+impl ExecKey {
+    /// The key of the record at `c`.
+    pub fn of(c: &crate::Coord) -> ExecKey {
+        let parsed = Component::parse(&c.path);
+        let group = match parsed {
+            Some((comp, _)) => comp.exec_group(),
+            None => match (level_of_path(&c.path), c.layer) {
+                (Some(Level::L2), _) => ExecGroup::State,
+                (_, Some(_)) => ExecGroup::Layer,
+                _ if c.path.starts_with("embed.") => ExecGroup::StepInput,
+                _ => ExecGroup::StepOutput,
+            },
+        };
+        let slot = match parsed {
+            Some((comp, _)) => 2 * u32::from(comp.spec().rank) + 1,
+            None => match (group, half_of_path(&c.path)) {
+                (ExecGroup::Layer, Some(Half::Attention)) => {
+                    2 * u32::from(Component::LayerPostAttnMhc.spec().rank)
+                }
+                (ExecGroup::Layer, Some(Half::Ffn)) => 2 * u32::from(Component::LayerPostFfnMhc.spec().rank),
+                _ => u32::MAX,
+            },
+        };
+        ExecKey {
+            step: c.step,
+            group,
+            layer: c.layer.unwrap_or(0),
+            position: if group == ExecGroup::State { 0 } else { c.position },
+            slot,
+            index: parsed.and_then(|(_, i)| i).map_or(0, u64::from),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1241,6 +1307,48 @@ mod tests {
                 format!("`{}`", s.path)
             };
             assert!(section.contains(&path), "docs/format.md §6 does not list {path}");
+        }
+    }
+
+    #[test]
+    fn exec_key_follows_the_runtime_order_of_a_step() {
+        let at = |step: u32, position: u32, layer: Option<u32>, path: &str| {
+            ExecKey::of(&crate::Coord {
+                step,
+                position,
+                phase: crate::Phase::Decode,
+                layer,
+                path: path.into(),
+            })
+        };
+        // One step of two positions and two layers, in the runtime's order.
+        let order = [
+            at(1, 4, None, "token.input"),
+            at(1, 4, None, "embed.output"),
+            at(1, 5, None, "embed.output"),
+            at(1, 4, Some(0), "attn.hc_pre_weights"),
+            at(1, 4, Some(0), "attn.custom"),
+            at(1, 4, Some(0), "layer.post_attn_mhc"),
+            at(1, 4, Some(0), "moe.term.0"),
+            at(1, 4, Some(0), "moe.term.5"),
+            at(1, 4, Some(0), "moe.extra"),
+            at(1, 4, Some(0), "layer.post_ffn_mhc"),
+            at(1, 4, Some(0), "layer.custom"),
+            at(1, 5, Some(0), "attn.hc_pre_weights"),
+            at(1, 4, Some(1), "attn.hc_pre_weights"),
+            at(1, 5, None, "lm.logits"),
+            at(1, 5, None, "lm.topk_ids"),
+            at(1, 5, None, "token.output"),
+            at(1, 5, None, "text.continuation"),
+            at(1, 5, None, "custom.global"),
+            at(1, 5, Some(0), "state.cumulative_length"),
+            at(1, 5, Some(0), "state.window_kv"),
+            at(1, 5, Some(0), "state.custom"),
+            at(1, 5, Some(1), "state.cumulative_length"),
+            at(2, 6, None, "token.input"),
+        ];
+        for w in order.windows(2) {
+            assert!(w[0] < w[1], "{:?} must precede {:?}", w[0], w[1]);
         }
     }
 

@@ -1,0 +1,374 @@
+//! The divergences of two traces in the catalogue's execution order
+//! (`moeconf_fingerprint::catalogue::ExecKey`), across every compared level:
+//! the first differing record is the headline; each divergence is a
+//! differing record whose inputs all match (its operator computed something
+//! different from the same inputs), classified as *propagating* (a later
+//! checkpoint differs) or *absorbed* (none does: rounding erased it before
+//! the next checkpoint). After an absorbed divergence the walk goes on to
+//! the next one; it stops at the first that propagates, since what follows
+//! it cannot be told apart from its consequences.
+//!
+//! The walk enters only steps, levels and layer groups whose digests differ
+//! (`Sides::differing_records`), and reads no payload.
+
+use crate::diff::Ctx;
+use crate::error::BisectError;
+use crate::operators::is_checkpoint;
+use crate::report::{DivergenceKind, InputCheck};
+use crate::walk::Pair;
+use moeconf_fingerprint::catalogue::{ExecGroup, ExecKey};
+use moeconf_fingerprint::{Component, Level};
+use std::collections::HashSet;
+
+/// At most this many divergences are listed.
+pub const MAX_DIVERGENCES: usize = 16;
+/// At most this many differing records are examined while looking for the
+/// next divergence after an absorbed one.
+const MAX_EXAMINED: usize = 100_000;
+
+/// One divergence, before rendering into the report.
+#[derive(Debug, Clone)]
+pub(crate) struct Event {
+    /// The record.
+    pub pair: Pair,
+    /// Propagating or absorbed (`None`: the deciding checkpoints are not compared).
+    pub kind: Option<DivergenceKind>,
+    /// The first later checkpoint that differs (propagating), or the next
+    /// checkpoint, which matches (absorbed).
+    pub checkpoint: Option<Pair>,
+    /// Its inputs.
+    pub inputs: Vec<InputCheck>,
+    /// Whether every captured input matches.
+    pub inputs_match: bool,
+}
+
+/// What lies after the listed divergences (`DiffReport::rest`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rest {
+    /// Every other differing record follows from a listed divergence
+    /// without reaching a checkpoint.
+    None,
+    /// The last divergence reaches later checkpoints.
+    Propagates,
+    /// The checkpoints that would classify the last divergence are not compared.
+    Unclassified,
+    /// More divergences than [`MAX_DIVERGENCES`] (or records than the walk examines).
+    Limit,
+}
+
+impl Rest {
+    /// The report's word.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rest::None => "none",
+            Rest::Propagates => "propagates",
+            Rest::Unclassified => "unclassified",
+            Rest::Limit => "limit",
+        }
+    }
+}
+
+/// The divergences found, and the localized operator of the first one.
+pub(crate) struct Divergences {
+    /// In execution order; the first is the first differing record.
+    pub events: Vec<Event>,
+    /// What lies after them.
+    pub rest: Rest,
+    /// The first differing record of the first divergent step whose inputs
+    /// all match (normally the first event's record), with its inputs.
+    pub localized: Option<(Pair, Vec<InputCheck>, bool)>,
+}
+
+/// What the walk has seen differ so far, for records whose relation to
+/// earlier records the catalogue does not list (persistent state, the
+/// step's outputs, the step's input ids, paths outside the catalogue).
+#[derive(Default)]
+struct Seen {
+    /// Layers with a differing record in the current step.
+    layers: HashSet<u32>,
+    /// (layer, position) with a differing record in the current step.
+    sites: HashSet<(u32, u32)>,
+    /// Layers whose persistent state differs at the previous / this boundary.
+    state_before: HashSet<u32>,
+    state_now: HashSet<u32>,
+    /// A step-output record (logits, top-k, token, text) differs in this step.
+    output: bool,
+    /// The token (`token.output`) of the previous / this step differs.
+    token_before: bool,
+    token_now: bool,
+    /// The continuation text of the previous / this step differs.
+    text_before: bool,
+    text_now: bool,
+}
+
+impl Seen {
+    /// Moves on to the next step (`contiguous`: it directly follows the last one walked).
+    fn next_step(&mut self, contiguous: bool) {
+        self.layers.clear();
+        self.sites.clear();
+        self.state_before = if contiguous {
+            std::mem::take(&mut self.state_now)
+        } else {
+            HashSet::new()
+        };
+        self.state_now.clear();
+        self.output = false;
+        self.token_before = contiguous && self.token_now;
+        self.text_before = contiguous && self.text_now;
+        self.token_now = false;
+        self.text_now = false;
+    }
+
+    fn note(&mut self, key: &ExecKey, component: Option<Component>) {
+        match key.group {
+            ExecGroup::Layer => {
+                self.layers.insert(key.layer);
+                self.sites.insert((key.layer, key.position));
+            }
+            ExecGroup::State => {
+                self.state_now.insert(key.layer);
+            }
+            ExecGroup::StepOutput => self.output = true,
+            ExecGroup::StepInput => {}
+        }
+        match component {
+            Some(Component::TokenOutput) => self.token_now = true,
+            Some(Component::TextContinuation) => self.text_now = true,
+            _ => {}
+        }
+    }
+
+    /// Whether a record without catalogue inputs follows from what differed
+    /// before it.
+    fn explains(&self, key: &ExecKey, component: Option<Component>) -> bool {
+        match (key.group, component) {
+            (ExecGroup::State, _) => {
+                self.layers.contains(&key.layer) || self.state_before.contains(&key.layer)
+            }
+            (ExecGroup::StepInput, Some(Component::TokenInput)) => self.token_before,
+            (ExecGroup::StepOutput, Some(Component::TextContinuation)) => self.output || self.text_before,
+            (ExecGroup::StepOutput, _) => self.output,
+            (ExecGroup::Layer, None) => self.sites.contains(&(key.layer, key.position)),
+            _ => false,
+        }
+    }
+}
+
+impl Ctx<'_> {
+    /// Every differing record of `step` at the compared levels, in
+    /// execution order.
+    fn step_differences(&self, step: u32) -> Vec<Pair> {
+        let mut out = Vec::new();
+        for level in self.compared.iter() {
+            if self.s.level_differs(step, level) {
+                out.extend(self.s.differing_records(step, level));
+            }
+        }
+        out.sort_by_cached_key(|&p| self.s.exec_key(p));
+        out
+    }
+
+    /// The inputs of the record `p` and whether they all match; records
+    /// without catalogue inputs match unless `seen` explains them.
+    fn origin(&self, p: Pair, seen: &Seen) -> Option<(Vec<InputCheck>, bool, ExecKey, Option<Component>)> {
+        let e = self.s.entry(p)?;
+        let key = ExecKey::of(&e.coord);
+        let component = Component::parse(&e.coord.path).map(|(c, _)| c);
+        let catalogue_inputs = component.is_some_and(|c| !c.spec().inputs.is_empty());
+        let (inputs, ok) = match (catalogue_inputs, e.coord.layer) {
+            (true, layer) => {
+                let checks = self.check_inputs(e.coord.step, layer, e.coord.position, &e.coord.path);
+                let ok = !checks.iter().any(|c| c.status == "differ");
+                (checks, ok)
+            }
+            (false, _) => (Vec::new(), !seen.explains(&key, component)),
+        };
+        Some((inputs, ok, key, component))
+    }
+
+    /// Whether `p` propagates: the first checkpoint at or after position
+    /// `i` of `recs` (the differing records of its step) for a record
+    /// inside the step, the step's token for a step output, a checkpoint of
+    /// a later step for persistent state. Returns the kind and the
+    /// checkpoint that decides it.
+    fn classify(
+        &self,
+        recs: &[Pair],
+        i: usize,
+        key: &ExecKey,
+    ) -> Result<(Option<DivergenceKind>, Option<Pair>), BisectError> {
+        let p = recs[i];
+        let Some(e) = self.s.entry(p) else {
+            return Ok((None, None));
+        };
+        let step = e.coord.step;
+        match key.group {
+            ExecGroup::Layer | ExecGroup::StepInput => {
+                if !self.compared.contains(Level::L3) {
+                    return Ok((None, None));
+                }
+                if let Some(&cp) = recs[i..]
+                    .iter()
+                    .find(|&&q| self.s.entry(q).is_some_and(|e| is_checkpoint(&e.coord.path)))
+                {
+                    return Ok((Some(DivergenceKind::Propagating), Some(cp)));
+                }
+                Ok((Some(DivergenceKind::Absorbed), self.next_checkpoint(e)))
+            }
+            ExecGroup::StepOutput => {
+                if !self.compared.contains(Level::L0) {
+                    return Ok((None, None));
+                }
+                let token = self
+                    .s
+                    .lookup_component(step, None, None, Component::TokenOutput)
+                    .first()
+                    .copied();
+                let visible = Component::TextContinuation.matches(&e.coord.path);
+                match token {
+                    Some(t) if visible || !self.s.pair_equal(t) => {
+                        Ok((Some(DivergenceKind::Propagating), Some(t)))
+                    }
+                    Some(t) => Ok((Some(DivergenceKind::Absorbed), Some(t))),
+                    None if visible => Ok((Some(DivergenceKind::Propagating), None)),
+                    None => Ok((None, None)),
+                }
+            }
+            ExecGroup::State => {
+                if !self.compared.contains(Level::L3) {
+                    return Ok((None, None));
+                }
+                for later in self.s.steps().into_iter().filter(|&s| s > step) {
+                    if !self.s.level_differs(later, Level::L3) {
+                        continue;
+                    }
+                    if let Some(&cp) = self
+                        .s
+                        .differing_records(later, Level::L3)
+                        .iter()
+                        .find(|&&q| self.s.entry(q).is_some_and(|e| is_checkpoint(&e.coord.path)))
+                    {
+                        return Ok((Some(DivergenceKind::Propagating), Some(cp)));
+                    }
+                }
+                Ok((Some(DivergenceKind::Absorbed), None))
+            }
+        }
+    }
+
+    /// The checkpoint that closes the half-layer of a layer record (for the
+    /// embedding: layer 0's first), which matches when the record is absorbed.
+    fn next_checkpoint(&self, e: &moeconf_schema::IndexEntry) -> Option<Pair> {
+        let c = &e.coord;
+        let (layer, component) = match (c.layer, crate::operators::half_of(&c.path)) {
+            (Some(l), Some(moeconf_fingerprint::Half::Attention)) => (l, Component::LayerPostAttnMhc),
+            (Some(l), Some(moeconf_fingerprint::Half::Ffn)) => (l, Component::LayerPostFfnMhc),
+            (None, _) => (0, Component::LayerPostAttnMhc),
+            (Some(_), None) => return None,
+        };
+        self.s
+            .lookup_component(c.step, Some(layer), Some(c.position), component)
+            .first()
+            .copied()
+    }
+
+    /// The divergences of the two traces ([`Divergences`]).
+    pub(crate) fn divergences(&self) -> Result<Divergences, BisectError> {
+        let mut out = Divergences {
+            events: Vec::new(),
+            rest: Rest::None,
+            localized: None,
+        };
+        let mut seen = Seen::default();
+        let mut examined = 0usize;
+        let mut last_step: Option<u32> = None;
+        for step in self.s.steps() {
+            if !self.s.step_differs(step) {
+                continue;
+            }
+            seen.next_step(last_step.is_some_and(|l| l + 1 == step));
+            last_step = Some(step);
+            let recs = self.step_differences(step);
+            if out.localized.is_none() {
+                out.localized = self.localize(&recs);
+            }
+            for (i, &p) in recs.iter().enumerate() {
+                examined += 1;
+                if examined > MAX_EXAMINED || out.events.len() >= MAX_DIVERGENCES {
+                    out.rest = Rest::Limit;
+                    return Ok(out);
+                }
+                let Some((inputs, inputs_match, key, component)) = self.origin(p, &seen) else {
+                    continue;
+                };
+                seen.note(&key, component);
+                // The first differing record is the headline whatever its inputs.
+                if !inputs_match && !out.events.is_empty() {
+                    if component.is_some_and(|c| c.is_checkpoint()) {
+                        // A consequence of an earlier divergence reached the
+                        // residual stream (through the carried state).
+                        out.rest = Rest::Propagates;
+                        return Ok(out);
+                    }
+                    continue;
+                }
+                if self.same_operator(out.events.last(), p, component) {
+                    // Another member of a family (`moe.term.J`) at the same
+                    // site: the same operator, one divergence.
+                    continue;
+                }
+                let (kind, checkpoint) = self.classify(&recs, i, &key)?;
+                out.events.push(Event {
+                    pair: p,
+                    kind,
+                    checkpoint,
+                    inputs,
+                    inputs_match,
+                });
+                match kind {
+                    Some(DivergenceKind::Absorbed) => {}
+                    Some(DivergenceKind::Propagating) => {
+                        out.rest = Rest::Propagates;
+                        return Ok(out);
+                    }
+                    None => {
+                        out.rest = Rest::Unclassified;
+                        return Ok(out);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether `p` is another member of the family of `last`'s record at
+    /// the same step, layer and position.
+    fn same_operator(&self, last: Option<&Event>, p: Pair, component: Option<Component>) -> bool {
+        let (Some(last), Some(c)) = (last, component) else {
+            return false;
+        };
+        let (Some(a), Some(b)) = (self.s.entry(last.pair), self.s.entry(p)) else {
+            return false;
+        };
+        c.is_family()
+            && c.matches(&a.coord.path)
+            && (a.coord.step, a.coord.layer, a.coord.position)
+                == (b.coord.step, b.coord.layer, b.coord.position)
+    }
+
+    /// The first record of `recs` (one step's differing records) whose
+    /// inputs all match, else the first record.
+    fn localize(&self, recs: &[Pair]) -> Option<(Pair, Vec<InputCheck>, bool)> {
+        let mut first = None;
+        for &p in recs {
+            let Some(e) = self.s.entry(p) else { continue };
+            let checks = self.check_inputs(e.coord.step, e.coord.layer, e.coord.position, &e.coord.path);
+            let ok = !checks.iter().any(|c| c.status == "differ");
+            if ok {
+                return Some((p, checks, true));
+            }
+            first.get_or_insert((p, checks, false));
+        }
+        first
+    }
+}

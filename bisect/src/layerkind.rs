@@ -1,0 +1,153 @@
+//! The kind of a decoder layer (attention: sliding window, CSA or HCA; MLP:
+//! score-routed or hash-routed), inferred from which catalogue records the
+//! traces hold at that layer: a record that exists rules out the kinds that
+//! lack it, and a record that is emitted at every position
+//! ([`Presence::Always`]) of a compared level and is absent rules out the
+//! kinds that have it. Traces do not bind the model's configuration, so
+//! this is how the report tells "not applicable on this layer kind" from
+//! "not captured", and names hash-routed layers.
+
+use crate::report::LayerKind;
+use crate::walk::Sides;
+use moeconf_fingerprint::catalogue::{AttentionKind, FfnKind, Presence};
+use moeconf_fingerprint::{Component, Level, LevelSet};
+use std::collections::HashSet;
+
+const ATTENTION: [AttentionKind; 3] = [AttentionKind::Sliding, AttentionKind::Csa, AttentionKind::Hca];
+const FFN: [FfnKind; 2] = [FfnKind::Moe, FfnKind::HashMoe];
+
+/// The layer kinds consistent with what the traces hold at one layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Kinds {
+    possible: Vec<(AttentionKind, FfnKind)>,
+}
+
+impl Kinds {
+    /// Whether `component` exists on this layer: `Some(false)` when no
+    /// consistent kind has it, `Some(true)` when every one does, `None`
+    /// when the kinds disagree or nothing is consistent.
+    pub fn has(&self, component: Component) -> Option<bool> {
+        if self.possible.is_empty() {
+            return None;
+        }
+        let layers = component.spec().layers;
+        let n = self
+            .possible
+            .iter()
+            .filter(|&&(a, f)| layers.contains(a, f))
+            .count();
+        match n {
+            0 => Some(false),
+            n if n == self.possible.len() => Some(true),
+            _ => None,
+        }
+    }
+
+    /// Whether the layer is hash-routed, when the records tell.
+    pub fn hash_routed(&self) -> Option<bool> {
+        self.ffn().map(|f| f == FfnKind::HashMoe)
+    }
+
+    fn attention(&self) -> Option<AttentionKind> {
+        let first = self.possible.first()?.0;
+        self.possible.iter().all(|p| p.0 == first).then_some(first)
+    }
+
+    fn ffn(&self) -> Option<FfnKind> {
+        let first = self.possible.first()?.1;
+        self.possible.iter().all(|p| p.1 == first).then_some(first)
+    }
+
+    /// The report's form (`None` when neither half is known).
+    pub fn report(&self) -> Option<LayerKind> {
+        let attention = self.attention().map(|a| {
+            match a {
+                AttentionKind::Sliding => "sliding",
+                AttentionKind::Csa => "csa",
+                AttentionKind::Hca => "hca",
+            }
+            .to_string()
+        });
+        let ffn = self.ffn().map(|f| {
+            match f {
+                FfnKind::Moe => "score_routed",
+                FfnKind::HashMoe => "hash_routed",
+            }
+            .to_string()
+        });
+        (attention.is_some() || ffn.is_some()).then_some(LayerKind { attention, ffn })
+    }
+}
+
+/// The kinds of `layer` consistent with the records both traces hold at
+/// `step` (levels in `compared` only).
+pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) -> Kinds {
+    let mut present: HashSet<Component> = HashSet::new();
+    for t in [s.r, s.c] {
+        let Some(node) = t.tree().step(step) else { continue };
+        for level in [Level::L2, Level::L3, Level::L4] {
+            if !compared.contains(level) {
+                continue;
+            }
+            let Some(g) = node.level(level).and_then(|l| l.group(Some(layer))) else {
+                continue;
+            };
+            present.extend(
+                g.records
+                    .iter()
+                    .filter_map(|&i| Component::parse(&t.records()[i].coord.path).map(|(c, _)| c)),
+            );
+        }
+    }
+    if present.is_empty() {
+        return Kinds { possible: Vec::new() };
+    }
+    let levels_seen: HashSet<Level> = present.iter().map(|c| c.level()).collect();
+    let mut possible = Vec::new();
+    for a in ATTENTION {
+        for f in FFN {
+            let holds_every_present = present.iter().all(|c| c.spec().layers.contains(a, f));
+            // Every record this kind would hold at every position, at a level
+            // the traces hold here, is present.
+            let lacks_none = Component::ALL.iter().all(|c| {
+                let spec = c.spec();
+                spec.half.is_none() && spec.level != Level::L2
+                    || spec.presence != Presence::Always
+                    || !levels_seen.contains(&spec.level)
+                    || !spec.layers.contains(a, f)
+                    || present.contains(c)
+            });
+            if holds_every_present && lacks_none {
+                possible.push((a, f));
+            }
+        }
+    }
+    Kinds { possible }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absent_records_rule_kinds_out_and_present_ones_rule_kinds_in() {
+        let k = Kinds {
+            possible: vec![(AttentionKind::Sliding, FfnKind::HashMoe)],
+        };
+        assert_eq!(k.has(Component::AttnCompressedRead), Some(false));
+        assert_eq!(k.has(Component::AttnWindowRead), Some(true));
+        assert_eq!(k.has(Component::RouterMargin), Some(false));
+        assert_eq!(k.hash_routed(), Some(true));
+        let both = Kinds {
+            possible: vec![
+                (AttentionKind::Csa, FfnKind::Moe),
+                (AttentionKind::Hca, FfnKind::Moe),
+            ],
+        };
+        assert_eq!(both.has(Component::AttnIndexerTopk), None);
+        assert_eq!(both.has(Component::AttnCompressedRead), Some(true));
+        let r = both.report().unwrap();
+        assert_eq!((r.attention, r.ffn.as_deref()), (None, Some("score_routed")));
+        assert_eq!(Kinds { possible: vec![] }.has(Component::AttnQ), None);
+    }
+}
