@@ -48,6 +48,8 @@ mod comparability;
 mod diff;
 mod divergence;
 mod error;
+mod explain;
+mod explanation;
 mod inference;
 mod layerkind;
 mod numeric;
@@ -64,6 +66,14 @@ pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
+pub use explain::{
+    explain_trace, EventReport, ExplainError, FixedPermutationReport, RuleReport, TraceExplanation,
+    TraceRule, EXPLAIN_SCHEMA_VERSION, MAX_LISTED_RULES,
+};
+pub use explanation::{
+    order_words, CombineExplanation, EquivalentReport, ExplanationStatus, NearMissReport, PermutationReport,
+    ReasonReport, MAX_LISTED_EQUIVALENTS,
+};
 pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
 pub use moeconf_fingerprint::Half;
 pub use numeric::{

@@ -55,7 +55,7 @@ use super::certificate::partial_sums_exact;
 use super::error::ContractError;
 use super::kernel::{leaves, operand, Plan, PlanRef, Scratch};
 use super::named::{order_groups, EventContext, OrderGroup, NAMED_ORDERS, NAMED_SHAPES};
-use super::order::{all_permutations, b_canonical, index_of_permutation};
+use super::order::{all_permutations, b_canonical, b_class_of, index_of_permutation, permutation_from_index};
 use super::spec::{
     Accumulator, AggregationContract, OperandPrecision, Order, OutputRounding, RoutedRounding, Shape,
     SharedMerge, Start,
@@ -123,8 +123,9 @@ pub enum Reason {
     /// On every input: the shared expert added last into a sequential FP32
     /// chain (or a BF16 chain with BF16 output) is the separate merge.
     SharedLastIsSeparate,
-    /// On every input: the sum of a BF16 accumulator is BF16-valued, so
-    /// rounding it to BF16 changes nothing.
+    /// On every input: the result of a BF16 accumulator is BF16-valued, so
+    /// rounding it to BF16 again (`routed=bf16`, or the output rounding when
+    /// the shared expert is in the accumulator) changes nothing.
     RoutedRoundingIsIdentity,
     /// On every input: the exact accumulator ignores order, shape and start.
     ExactIgnoresOrder,
@@ -164,14 +165,32 @@ impl Reason {
         )
     }
 
+    /// A stable snake_case identifier for reports (`terms_bf16_valued`, …).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Reason::SharedLastIsSeparate => "shared_last_is_separate",
+            Reason::RoutedRoundingIsIdentity => "routed_rounding_is_identity",
+            Reason::ExactIgnoresOrder => "exact_ignores_order",
+            Reason::FirstPairCommutes => "first_pair_commutes",
+            Reason::TermsBf16Valued => "terms_bf16_valued",
+            Reason::NoZeroOperands => "no_zero_operands",
+            Reason::PartialSumsExact { precision_bits: 8 } => "partial_sums_exact_bf16",
+            Reason::PartialSumsExact { precision_bits: 24 } => "partial_sums_exact_f32",
+            Reason::PartialSumsExact { .. } => "partial_sums_exact_f64",
+            Reason::OutputBf16Valued => "output_bf16_valued",
+            Reason::SameOrder => "same_order",
+            Reason::AgreeOnData => "agree_on_data",
+        }
+    }
+
     /// The reason in words.
     pub fn text(&self) -> String {
         match self {
             Reason::SharedLastIsSeparate => {
-                "the shared expert added last into the sequential chain is the separate FP32 merge (identical on every input)".into()
+                "the shared expert added last into the sequential chain is the separate merge (identical on every input)".into()
             }
             Reason::RoutedRoundingIsIdentity => {
-                "a BF16 accumulator's sum is already BF16, so routed=bf16 changes nothing (identical on every input)".into()
+                "a BF16 accumulator's result is already BF16-valued, so a further R_BF16 (routed=bf16, or the output rounding when the shared expert is in the accumulator) changes nothing (identical on every input)".into()
             }
             Reason::ExactIgnoresOrder => "the exact accumulator ignores order, shape and start (identical on every input)".into(),
             Reason::FirstPairCommutes => {
@@ -296,6 +315,8 @@ pub struct OrderMatch {
 /// The sequential permutations of one variant that reproduce the output.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PermutationMatches {
+    /// Number of routed terms k.
+    pub k: usize,
     /// k!: permutations tried.
     pub tried: u64,
     /// How many reproduce the output.
@@ -344,14 +365,40 @@ pub struct VariantMatch {
 
 impl VariantMatch {
     /// The simplest reproducing member of this variant (its first named
-    /// order, else its lowest permutation index).
+    /// order, else its lowest permutation index, written as its B class for
+    /// a sequential B-like family: [`AggregationContract::is_b_like`]).
     pub fn best(&self) -> AggregationContract {
         let order = match (self.named.first(), &self.permutations) {
             (Some(m), _) => m.order.clone(),
-            (None, Some(p)) => Order::PermutationIndex(p.listed.first().copied().unwrap_or(0)),
+            (None, Some(p)) => self.explicit_order(p.k, p.listed.first().copied().unwrap_or(0)),
             (None, None) => Order::Identity,
         };
         self.family.clone().with_order(order)
+    }
+
+    /// The permutation with lexicographic index `i` as this variant's
+    /// reports write it: a B class for a sequential B-like family (both
+    /// members of a class give the same bits, [`Reason::FirstPairCommutes`]),
+    /// else the index.
+    pub fn explicit_order(&self, k: usize, i: u64) -> Order {
+        explicit_order(&self.family, k, i)
+    }
+
+    /// The reproducing explicit orders listed (at most
+    /// [`MAX_LISTED_PERMUTATIONS`] permutations), as [`VariantMatch::explicit_order`]
+    /// writes them, without repeats (the two members of a B class are one entry).
+    pub fn listed_orders(&self) -> Vec<Order> {
+        let Some(p) = &self.permutations else {
+            return Vec::new();
+        };
+        let mut out: Vec<Order> = Vec::new();
+        for &i in &p.listed {
+            let o = self.explicit_order(p.k, i);
+            if !out.contains(&o) {
+                out.push(o);
+            }
+        }
+        out
     }
 
     /// Every reproducing member with a named order.
@@ -425,6 +472,17 @@ impl EventExplanation {
             } else {
                 vec![m.best()]
             };
+            let mut members: Vec<AggregationContract> = members;
+            let order = if i == 0 {
+                best.order.clone()
+            } else {
+                m.best().order
+            };
+            for (alias, reason) in &m.aliases {
+                if *reason != Reason::ExactIgnoresOrder {
+                    members.push(alias.clone().with_order(order.clone()));
+                }
+            }
             for c in members {
                 let rel = match (self.resolve(&best.order), self.resolve(&c.order)) {
                     (Some(p), Some(q)) => OrderRelation::of(&p, &q),
@@ -482,12 +540,37 @@ impl EventExplanation {
 
     /// Every reproducing member with a named order (and, for the exact
     /// accumulator, its single order): the rules a trace tallies.
+    /// Structural aliases (other spellings of a variant, except the exact
+    /// accumulator's shapes and starts) are included with the same orders.
     pub fn rules(&self) -> Vec<AggregationContract> {
-        self.matches
-            .iter()
-            .flat_map(VariantMatch::named_contracts)
-            .collect()
+        let mut out = Vec::new();
+        for m in &self.matches {
+            let named = m.named_contracts();
+            for (alias, reason) in &m.aliases {
+                if *reason != Reason::ExactIgnoresOrder {
+                    out.extend(named.iter().map(|c| alias.clone().with_order(c.order.clone())));
+                }
+            }
+            out.extend(named);
+        }
+        out
     }
+}
+
+/// The permutation of k slots with lexicographic index `i` as reports write
+/// it for `family`: its B class for a sequential B-like family (both members
+/// of a class give the same bits, [`Reason::FirstPairCommutes`]), else
+/// `index:i`.
+pub fn explicit_order(family: &AggregationContract, k: usize, i: u64) -> Order {
+    if family.is_b_like() && family.shape == Shape::Sequential {
+        if let Some(c) = permutation_from_index(k, i)
+            .ok()
+            .and_then(|p| b_class_of(&p).ok())
+        {
+            return Order::BClass(c);
+        }
+    }
+    Order::PermutationIndex(i)
 }
 
 /// The simplicity key of a grammar member (smaller is simpler; see the module docs).
@@ -537,7 +620,8 @@ pub fn simplicity(c: &AggregationContract) -> (u8, u8, [u8; 7], u64) {
 /// identical bits on every input with k ≥ 1 routed terms and is tried by
 /// inference. Rules: the exact accumulator ignores shape, order and start
 /// (`shared=first` becomes `last`); a BF16 accumulator makes `routed=bf16`
-/// the identity; in the sequential shape, `shared=last` is `separate` for
+/// the identity, and with the shared expert in it the output rounding
+/// (`output=f32` becomes `bf16`); in the sequential shape, `shared=last` is `separate` for
 /// the FP32 accumulator and for the BF16 accumulator with BF16 output.
 pub fn normalized(c: &AggregationContract) -> AggregationContract {
     let mut n = c.clone();
@@ -551,6 +635,9 @@ pub fn normalized(c: &AggregationContract) -> AggregationContract {
     }
     if n.accumulator == Accumulator::Bf16 {
         n.routed = RoutedRounding::F32;
+        if n.shared != SharedMerge::Separate {
+            n.output = OutputRounding::Bf16;
+        }
     }
     let last_is_separate = n.accumulator == Accumulator::F32
         || (n.accumulator == Accumulator::Bf16 && n.output == OutputRounding::Bf16);
@@ -568,7 +655,7 @@ fn normalization_reason(c: &AggregationContract) -> Option<Reason> {
     }
     Some(if c.accumulator == Accumulator::Exact {
         Reason::ExactIgnoresOrder
-    } else if c.routed != n.routed {
+    } else if c.routed != n.routed || c.output != n.output {
         Reason::RoutedRoundingIsIdentity
     } else {
         Reason::SharedLastIsSeparate
@@ -1095,6 +1182,7 @@ fn variant_match(
                 bits[i / 64] |= 1 << (i % 64);
             }
             let pm = PermutationMatches {
+                k: p.k,
                 tried: n,
                 matching: o.alive.len() as u64,
                 listed: o
@@ -1232,7 +1320,8 @@ pub struct TraceVerdict {
     /// told apart from the simplest on this trace.
     pub equivalents: Vec<Equivalent>,
     /// Sequential variants with explicit permutations reproducing every
-    /// event: the variant, how many of the k! permutations, and the first
+    /// event: the variant with its simplest such order ([`explicit_order`]
+    /// of the lowest index), how many of the k! permutations, and the first
     /// few lexicographic indices.
     pub fixed_permutations: Vec<(AggregationContract, u64, Vec<u64>)>,
     /// The facts that held on every event.
@@ -1331,7 +1420,7 @@ impl TraceInference {
             None => Vec::new(),
         };
         let mut fixed_permutations = Vec::new();
-        for ((family, _k), t) in &self.perms {
+        for ((family, k), t) in &self.perms {
             if t.events != self.events {
                 continue;
             }
@@ -1340,6 +1429,8 @@ impl TraceInference {
                 .collect();
             if !listed.is_empty() {
                 if let Ok(c) = AggregationContract::parse(family) {
+                    let order = explicit_order(&c, *k, listed[0]);
+                    let c = c.with_order(order);
                     let count = listed.len() as u64;
                     fixed_permutations.push((
                         c,
