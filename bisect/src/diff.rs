@@ -5,7 +5,6 @@
 use crate::comparability::{compare_bindings, Comparability};
 use crate::divergence::{Divergences, Event};
 use crate::error::BisectError;
-use crate::inference::infer;
 use crate::layerkind;
 use crate::numeric::{
     compare_ids, compare_values, f32_values, i32_values, summarize, NumericSummary, ValueComparison,
@@ -40,9 +39,6 @@ impl Default for DiffOptions {
 
 /// Both sides' payloads of one record pair.
 type PayloadPair<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
-
-/// Routed terms, shared-expert output and combine output of one event.
-type CombineEvent = (Vec<Vec<f32>>, Vec<f32>, Vec<f32>);
 
 const EXPLAIN_L0: &str = "Tokens and text: what a user sees. Shows the first generated token that differs and how the continuations differ.";
 const EXPLAIN_L1: &str = "Logits: the score of every possible next token before one is chosen. A change here can precede (or never reach) a token change.";
@@ -947,95 +943,5 @@ impl Ctx<'_> {
             (re.dtype, &re.shape, rb),
             (ce.dtype, &ce.shape, cb),
         ))
-    }
-
-    /// The routed terms, shared output and combine output of one side, if
-    /// all have f32 payloads.
-    fn combine_event(
-        &self,
-        t: &Trace,
-        pick: impl Fn(Pair) -> Option<usize>,
-        step: u32,
-        layer: u32,
-        position: u32,
-    ) -> Result<Option<CombineEvent>, BisectError> {
-        let get = |i: usize| -> Result<Option<Vec<f32>>, BisectError> {
-            let e = &t.records()[i];
-            Ok(t.payload_verified(i)?.and_then(|b| f32_values(e.dtype, b)))
-        };
-        let mut terms: Vec<(usize, usize)> = Vec::new();
-        for p in self
-            .s
-            .lookup_component(step, Some(layer), Some(position), Component::MoeTerm)
-        {
-            let Some(i) = pick(p) else { continue };
-            let path = &t.records()[i].coord.path;
-            let Some(j) = path
-                .strip_prefix(Component::MoeTerm.path())
-                .and_then(|j| j.parse::<usize>().ok())
-            else {
-                continue;
-            };
-            terms.push((j, i));
-        }
-        terms.sort_unstable();
-        if terms.is_empty() || terms.iter().enumerate().any(|(n, &(j, _))| n != j) {
-            return Ok(None);
-        }
-        let one = |component: Component| -> Result<Option<Vec<f32>>, BisectError> {
-            match self
-                .s
-                .lookup_component(step, Some(layer), Some(position), component)
-                .first()
-                .and_then(|&p| pick(p))
-            {
-                Some(i) => get(i),
-                None => Ok(None),
-            }
-        };
-        let (Some(shared), Some(combine)) = (one(Component::MoeShared)?, one(Component::MoeCombine)?) else {
-            return Ok(None);
-        };
-        let mut tv = Vec::with_capacity(terms.len());
-        for (_, i) in terms {
-            match get(i)? {
-                Some(v) => tv.push(v),
-                None => return Ok(None),
-            }
-        }
-        Ok(Some((tv, shared, combine)))
-    }
-
-    fn contract(
-        &self,
-        step: u32,
-        layer: u32,
-        position: u32,
-        at: RecordRef,
-    ) -> Result<ContractReport, BisectError> {
-        let cand = self.combine_event(self.s.c, |p| p.c, step, layer, position)?;
-        let refe = self.combine_event(self.s.r, |p| p.r, step, layer, position)?;
-        let ci = cand
-            .as_ref()
-            .and_then(|(t, s, y)| infer(t, s, y, self.s.c.binding().canon));
-        let ri = refe
-            .as_ref()
-            .and_then(|(t, s, y)| infer(t, s, y, self.s.r.binding().canon));
-        let note = if cand.is_none() {
-            Some("no f32 payloads of moe.term.*, moe.shared and moe.combine in the candidate at this event (capture L4 with payloads)".to_string())
-        } else if ci.as_ref().is_none_or(|i| i.matches.is_empty()) {
-            Some("no known contract (P32/C/A/B under any order, tree, exact, f64) reproduces the candidate's output bitwise".to_string())
-        } else {
-            None
-        };
-        Ok(ContractReport {
-            at,
-            candidate: ci.as_ref().and_then(|i| i.explain()),
-            reference: ri.as_ref().and_then(|i| i.explain()),
-            reference_is_native: ri.as_ref().map(|i| i.native),
-            candidate_inference: ci,
-            reference_inference: ri,
-            note,
-        })
     }
 }

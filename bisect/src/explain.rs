@@ -14,7 +14,9 @@
 
 use std::collections::BTreeMap;
 
-use moeconf_contract::{explain_event, ContractError, InferOptions, Observation, TraceInference};
+use moeconf_contract::{
+    explain_event, ContractError, EventExplanation, InferOptions, Observation, TraceInference,
+};
 use moeconf_fingerprint::{bf16_to_f32, canonical_f32_bits, Component, DType};
 use moeconf_schema::{Trace, TraceError};
 use serde::Serialize;
@@ -360,6 +362,61 @@ impl Notes {
         say(self.no_gates_payload, "have router.gates without payload", "gate");
         out
     }
+}
+
+/// Explains the MoE combine event of `t` at (step, layer, position) (the
+/// diff's localized `moe.combine`): `Ok(None)` when `t` has no `moe.combine`
+/// record there; router records missing or without payload only narrow the
+/// orders tried.
+pub(crate) fn explain_one(
+    t: &Trace,
+    name: &str,
+    key: (u32, u32, u32),
+) -> Result<Option<(EventExplanation, EventContextOwned)>, ExplainError> {
+    let reader = Reader {
+        t,
+        name: name.to_string(),
+    };
+    let (_, records) = index_events(t);
+    let Some(r) = records.get(&key) else {
+        return Ok(None);
+    };
+    let d = reader.read(key, r, &mut Notes::default())?;
+    let canon = t.binding().canon;
+    let canonicalize = move |bits: u32| canonical_f32_bits(bits, canon);
+    let opts = InferOptions {
+        canonicalize: Some(&canonicalize),
+        ..InferOptions::default()
+    };
+    let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
+    let obs = Observation {
+        terms: &refs,
+        shared: &d.shared,
+        output: &d.combine,
+        experts: &d.experts,
+        gates: &d.gates,
+    };
+    let e = explain_event(&obs, &opts).map_err(|source| ExplainError::Inconsistent {
+        trace: name.into(),
+        step: key.0,
+        layer: key.1,
+        position: key.2,
+        source,
+    })?;
+    Ok(Some((
+        e,
+        EventContextOwned {
+            experts: d.experts,
+            gates: d.gates,
+        },
+    )))
+}
+
+/// An event's router choice (expert ids and gates in slot order), owned.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EventContextOwned {
+    pub(crate) experts: Vec<u32>,
+    pub(crate) gates: Vec<f32>,
 }
 
 /// Explains every MoE combine event of `t` (named `name` in messages).

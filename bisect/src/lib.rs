@@ -11,8 +11,11 @@
 //!   when the bindings are not comparable.
 //! * [`DiffReport`] serializes to the JSON document of docs/diff.md
 //!   ([`DiffReport::to_json`]) and renders to text ([`DiffReport::render_text`]).
-//! * [`infer`] finds which aggregation contract and order reproduce a
-//!   recorded `moe.combine` from its routed terms ([`Inference`]).
+//! * At a localized `moe.combine`, both sides are explained against the
+//!   whole combine grammar ([`CombineExplanation`]: the simplest reproducing
+//!   member, the indistinguishable others and why, or the closest members);
+//!   [`explain_trace`] does the same for every event of one trace
+//!   (`moeconf explain`).
 //! * [`summarize`] is the element-wise comparison behind every numeric
 //!   summary (count, max |Δ|, ULPs, minimum passing tolerances, worst element).
 //!
@@ -45,12 +48,12 @@
 mod bench;
 pub mod certify;
 mod comparability;
+mod contract_report;
 mod diff;
 mod divergence;
 mod error;
 mod explain;
 mod explanation;
-mod inference;
 mod layerkind;
 mod numeric;
 mod operators;
@@ -74,7 +77,6 @@ pub use explanation::{
     order_words, CombineExplanation, EquivalentReport, ExplanationStatus, NearMissReport, PermutationReport,
     ReasonReport, MAX_LISTED_EQUIVALENTS,
 };
-pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
 pub use moeconf_fingerprint::Half;
 pub use numeric::{
     compare_ids, compare_values, element_ordinal, element_value, int_values, summarize, unravel,

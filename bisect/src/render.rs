@@ -2,6 +2,7 @@
 //! compact section per level (each opened by one line of plain explanation),
 //! and the summary line last.
 
+use crate::explanation::CombineExplanation;
 use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
@@ -622,33 +623,74 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
     }
 }
 
-/// Which contract reproduces the candidate's (and the reference's) combine.
+/// Which grammar members reproduce the candidate's and the reference's combine.
 fn render_contract(o: &mut String, st: &Style, c: &ContractReport) {
     let combine = Component::MoeCombine.path();
-    match &c.candidate {
-        Some(e) => {
-            let _ = writeln!(
-                o,
-                "   contract: candidate's {combine} at layer {} step {} equals {}",
-                c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
-                c.at.step,
-                st.bold(e)
-            );
-        }
-        None => {
-            let _ = writeln!(o, "   contract: {}", c.note.clone().unwrap_or_default());
+    let place = format!(
+        "{combine} at layer {} step {}",
+        c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
+        c.at.step
+    );
+    for (label, e, note) in [
+        ("candidate", &c.candidate_explanation, &c.candidate_note),
+        ("reference", &c.reference_explanation, &c.reference_note),
+    ] {
+        match e {
+            Some(e) if e.simplest.is_some() => {
+                let simplest = e.simplest.clone().unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "   contract: {label}'s {place} equals {} ({})",
+                    st.bold(&simplest),
+                    e.order.clone().unwrap_or_default()
+                );
+                equivalent_lines(o, e);
+            }
+            Some(e) => {
+                let _ = writeln!(o, "   contract: {label}'s {place}: {}", e.summary());
+            }
+            None => {
+                let _ = writeln!(
+                    o,
+                    "   contract: {label}'s {place} not explained: {}",
+                    note.clone().unwrap_or_default()
+                );
+            }
         }
     }
-    if let Some(r) = &c.reference {
+    if c.reference_is_native == Some(false) {
+        let _ = writeln!(o, "   (the reference is not the native contract c at this event)");
+    }
+}
+
+/// Equivalent members rendered per side in the text report (JSON lists up
+/// to `MAX_LISTED_EQUIVALENTS`).
+const RENDERED_EQUIVALENTS: usize = 4;
+
+/// The indistinguishable members of one explanation, with their reasons.
+fn equivalent_lines(o: &mut String, e: &CombineExplanation) {
+    for q in e.equivalents.iter().take(RENDERED_EQUIVALENTS) {
+        let why: Vec<&str> = q.reasons.iter().map(|r| r.text.as_str()).collect();
+        let _ = writeln!(o, "     indistinguishable: {} — {}", q.contract, why.join("; "));
+    }
+    if e.equivalent_count > RENDERED_EQUIVALENTS {
         let _ = writeln!(
             o,
-            "   reference's {combine} equals {r}{}",
-            if c.reference_is_native == Some(false) {
-                " (not the native contract)"
-            } else {
-                ""
-            }
+            "     … and {} more equivalent members (--format json lists them)",
+            e.equivalent_count - RENDERED_EQUIVALENTS
         );
+    }
+    for p in &e.permutations {
+        if p.matching > 1 && p.matching < p.tried {
+            let _ = writeln!(
+                o,
+                "     {}: {} of {} permutations reproduce it ({})",
+                p.family,
+                p.matching,
+                p.tried,
+                p.listed.join(", ")
+            );
+        }
     }
 }
 

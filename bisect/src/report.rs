@@ -1,13 +1,13 @@
 //! The diff report: one serializable document (docs/diff.md is its schema).
 
 use crate::comparability::Comparability;
-use crate::inference::Inference;
+use crate::explanation::CombineExplanation;
 use crate::numeric::{NumericSummary, ValueComparison};
 use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 2;
+pub const DIFF_SCHEMA_VERSION: u32 = 3;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -396,18 +396,24 @@ pub struct Localized {
 pub struct ContractReport {
     /// The combine event.
     pub at: RecordRef,
-    /// The candidate's explanation, e.g. `scheme B, class 135`.
+    /// The candidate's simplest reproducing grammar member in the contract
+    /// notation (docs/contracts.md), e.g. `b+order=class:135`.
     pub candidate: Option<String>,
-    /// What reproduces the candidate's output.
-    pub candidate_inference: Option<Inference>,
-    /// The reference's explanation.
+    /// The candidate's explanation: the reproducing set (simplest member,
+    /// equivalents with reasons, explicit permutations) or, when nothing
+    /// reproduces it, the closest members.
+    pub candidate_explanation: Option<CombineExplanation>,
+    /// Why the candidate was not explained (missing records or payloads).
+    pub candidate_note: Option<String>,
+    /// The reference's simplest reproducing member.
     pub reference: Option<String>,
-    /// What reproduces the reference's output.
-    pub reference_inference: Option<Inference>,
-    /// Whether the reference matches the native contract (C, identity order).
+    /// The reference's explanation.
+    pub reference_explanation: Option<CombineExplanation>,
+    /// Why the reference was not explained.
+    pub reference_note: Option<String>,
+    /// Whether the native contract (`c`, router slot order) is among the
+    /// members reproducing the reference's output.
     pub reference_is_native: Option<bool>,
-    /// Why inference was not run or found nothing.
-    pub note: Option<String>,
 }
 
 /// L4: operator intermediates.
