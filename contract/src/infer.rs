@@ -458,21 +458,22 @@ impl EventExplanation {
         self.matches.first().map(VariantMatch::best)
     }
 
-    /// Every other reproducing variant's best member, and the simplest
-    /// variant's other named orders, each with why it is indistinguishable
-    /// from the simplest on this event.
+    /// Every other reproducing member with a named order (every variant's
+    /// named orders; a variant reproduced only by explicit permutations
+    /// contributes its best one) and the structural aliases of every variant
+    /// (with its best order), each with why it is indistinguishable from the
+    /// simplest on this event.
     pub fn equivalents(&self) -> Vec<Equivalent> {
         let Some(best) = self.simplest() else {
             return Vec::new();
         };
         let mut out = Vec::new();
         for (i, m) in self.matches.iter().enumerate() {
-            let members = if i == 0 {
-                m.named_contracts().into_iter().skip(1).collect()
-            } else {
-                vec![m.best()]
-            };
-            let mut members: Vec<AggregationContract> = members;
+            let named = m.named_contracts();
+            let mut members: Vec<AggregationContract> = if named.is_empty() { vec![m.best()] } else { named };
+            if i == 0 {
+                members.retain(|c| *c != best);
+            }
             let order = if i == 0 {
                 best.order.clone()
             } else {
