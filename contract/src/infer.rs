@@ -650,17 +650,27 @@ pub fn normalized(c: &AggregationContract) -> AggregationContract {
 
 /// The structural reason `c` and [`normalized`]`(c)` agree (`None` if equal).
 fn normalization_reason(c: &AggregationContract) -> Option<Reason> {
+    normalization_reasons(c).into_iter().next()
+}
+
+/// Every structural reason `c` and [`normalized`]`(c)` differ by (empty if equal).
+fn normalization_reasons(c: &AggregationContract) -> Vec<Reason> {
     let n = normalized(c);
+    let mut r = Vec::new();
     if n == *c {
-        return None;
+        return r;
     }
-    Some(if c.accumulator == Accumulator::Exact {
-        Reason::ExactIgnoresOrder
-    } else if c.routed != n.routed || c.output != n.output {
-        Reason::RoutedRoundingIsIdentity
-    } else {
-        Reason::SharedLastIsSeparate
-    })
+    if c.accumulator == Accumulator::Exact {
+        r.push(Reason::ExactIgnoresOrder);
+        return r;
+    }
+    if c.routed != n.routed || c.output != n.output {
+        r.push(Reason::RoutedRoundingIsIdentity);
+    }
+    if c.shared != n.shared {
+        r.push(Reason::SharedLastIsSeparate);
+    }
+    r
 }
 
 /// One grammar variant tried by inference, with its structural aliases.
@@ -781,13 +791,19 @@ pub fn why(
     rel: OrderRelation,
 ) -> Vec<Reason> {
     let mut r = BTreeSet::new();
-    if normalized(&a.clone().with_order(Order::Identity))
-        == normalized(&b.clone().with_order(Order::Identity))
-        && (a.clone().with_order(Order::Identity) != b.clone().with_order(Order::Identity))
-    {
-        r.extend(normalization_reason(b).or(normalization_reason(a)));
-    } else {
-        family_reasons(a, b, facts, &mut r);
+    let (fa, fb) = (
+        a.clone().with_order(Order::Identity),
+        b.clone().with_order(Order::Identity),
+    );
+    if fa != fb {
+        // Structural differences first (each side against its representative),
+        // then the per-field reasons between the representatives.
+        r.extend(normalization_reasons(&fa));
+        r.extend(normalization_reasons(&fb));
+        let (na, nb) = (normalized(&fa), normalized(&fb));
+        if na != nb {
+            family_reasons(&na, &nb, facts, &mut r);
+        }
     }
     if a.order != b.order || a.shape != b.shape {
         let exact_acc = a.accumulator == Accumulator::Exact && b.accumulator == Accumulator::Exact;
