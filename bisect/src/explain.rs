@@ -193,15 +193,12 @@ fn index_events(t: &Trace) -> (Vec<Key>, BTreeMap<Key, EventRecords>) {
         let key = (r.coord.step, layer, r.coord.position);
         match c {
             Component::MoeCombine => {
-                if !found.contains_key(&key) {
+                if let std::collections::btree_map::Entry::Vacant(v) = found.entry(key) {
                     order.push(key);
-                    found.insert(
-                        key,
-                        EventRecords {
-                            combine: i,
-                            ..EventRecords::default()
-                        },
-                    );
+                    v.insert(EventRecords {
+                        combine: i,
+                        ..EventRecords::default()
+                    });
                 }
             }
             Component::MoeShared | Component::MoeTerm | Component::RouterTopk | Component::RouterGates => {
