@@ -578,34 +578,7 @@ impl AggregationContract {
             }
         }
         for (key, value) in later {
-            let bad = |reason: &str| ContractError::InvalidOverride {
-                given: format!("{key}={value}"),
-                reason: reason.to_string(),
-            };
-            match key {
-                "shared" => {
-                    contract.shared = match value.as_str() {
-                        "separate" => SharedMerge::Separate,
-                        "last" => SharedMerge::Last,
-                        "first" => SharedMerge::First,
-                        _ => return Err(bad("shared must be separate, last or first")),
-                    }
-                }
-                "routed" => {
-                    contract.routed = match value.as_str() {
-                        "f32" => RoutedRounding::F32,
-                        "bf16" => RoutedRounding::Bf16,
-                        _ => return Err(bad("routed must be f32 or bf16")),
-                    }
-                }
-                _ => {
-                    contract.start = match value.as_str() {
-                        "zero" => Start::Zero,
-                        "first" => Start::First,
-                        _ => return Err(bad("start must be zero or first")),
-                    }
-                }
-            }
+            contract.apply_late(key, &value)?;
         }
         if contract.routed == RoutedRounding::Bf16 && contract.shared != SharedMerge::Separate {
             return Err(ContractError::InvalidOverride {
@@ -618,6 +591,40 @@ impl AggregationContract {
             contract.order = Order::parse(&text, contract.bare_integer_is_class())?;
         }
         Ok(contract)
+    }
+
+    /// Applies a `shared=`, `routed=` or `start=` override (after the
+    /// others, so an explicit `shared=` wins over an `accumulator=` reset).
+    fn apply_late(&mut self, key: &str, value: &str) -> Result<(), ContractError> {
+        let bad = |reason: &str| ContractError::InvalidOverride {
+            given: format!("{key}={value}"),
+            reason: reason.to_string(),
+        };
+        match key {
+            "shared" => {
+                self.shared = match value {
+                    "separate" => SharedMerge::Separate,
+                    "last" => SharedMerge::Last,
+                    "first" => SharedMerge::First,
+                    _ => return Err(bad("shared must be separate, last or first")),
+                }
+            }
+            "routed" => {
+                self.routed = match value {
+                    "f32" => RoutedRounding::F32,
+                    "bf16" => RoutedRounding::Bf16,
+                    _ => return Err(bad("routed must be f32 or bf16")),
+                }
+            }
+            _ => {
+                self.start = match value {
+                    "zero" => Start::Zero,
+                    "first" => Start::First,
+                    _ => return Err(bad("start must be zero or first")),
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether a bare order integer denotes a B class: operand and
