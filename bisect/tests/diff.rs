@@ -206,6 +206,46 @@ fn other_contracts_are_inferred() {
     assert_eq!(b_class_representative(6, 0).unwrap(), vec![0, 1, 2, 3, 4, 5]);
 }
 
+/// A combine outside what inference tries (a tree under an explicit
+/// permutation, tried only under the named orders) is said to match nothing,
+/// with the closest members and how many values they get wrong, while the
+/// reference is still explained.
+#[test]
+fn unexplained_candidate_reports_the_closest_members() {
+    let contract = AggregationContract::parse("a+shape=tree+order=index:451").unwrap();
+    let cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 1,
+        position: PROMPT,
+        contract,
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let fd = rep.first_divergence.as_ref().unwrap();
+    assert_eq!(fd.operator, "moe.combine");
+    assert!(fd.contract.is_none(), "{fd:?}");
+    let con = rep.levels.l4.contract.as_ref().unwrap();
+    let e = con.candidate_explanation.as_ref().unwrap();
+    assert_eq!(e.status, ExplanationStatus::Unexplained, "{e:?}");
+    assert!(e.simplest.is_none() && con.candidate.is_none());
+    assert!(!e.closest.is_empty());
+    for n in &e.closest {
+        assert!(n.differing >= 1 && n.differing <= n.elements, "{n:?}");
+    }
+    assert!(e.closest.windows(2).all(|w| w[0].differing <= w[1].differing));
+    // The reference is explained on its own.
+    let re = con.reference_explanation.as_ref().unwrap();
+    assert_eq!(re.status, ExplanationStatus::Explained);
+    let text = rep.render_text(false);
+    assert!(
+        text.contains(
+            "candidate's moe.combine at layer 1 step 1: no grammar member reproduces it; closest: "
+        ),
+        "{text}"
+    );
+    assert!(text.contains("values differ)"), "{text}");
+}
+
 #[test]
 fn attention_divergence_is_localized_at_attn_output() {
     let cand = Synth::candidate(Inject::Attention {
