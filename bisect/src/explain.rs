@@ -30,6 +30,9 @@ pub const EXPLAIN_SCHEMA_VERSION: u32 = 1;
 /// Most rules listed in [`TraceRule::rules`].
 pub const MAX_LISTED_RULES: usize = 8;
 
+/// Most events listed in [`TraceRule::outside_best_rule`].
+pub const MAX_LISTED_OUTLIERS: usize = 16;
+
 /// Why a trace could not be explained.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -149,6 +152,20 @@ pub struct TraceRule {
     pub fixed_permutations: Vec<FixedPermutationReport>,
     /// One line: the rule and its count, or what is unexplained.
     pub headline: String,
+    /// When no rule explains every event: the events the best rule (the
+    /// first of `rules`) does not reproduce (at most [`MAX_LISTED_OUTLIERS`]).
+    pub outside_best_rule: Vec<EventRef>,
+}
+
+/// Where an event is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct EventRef {
+    /// Forward step.
+    pub step: u32,
+    /// Decoder layer.
+    pub layer: u32,
+    /// Token position.
+    pub position: u32,
 }
 
 /// The explanation of every MoE combine event of one trace.
@@ -435,6 +452,7 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
     let mut notes = Notes::default();
     let mut agg = TraceInference::new();
     let mut events = Vec::with_capacity(order.len());
+    let mut rules_of: Vec<Vec<String>> = Vec::with_capacity(order.len());
     for key in &order {
         let Some(r) = records.get(key) else { continue };
         let d = reader.read(*key, r, &mut notes)?;
@@ -454,6 +472,7 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
             source,
         })?;
         agg.add(&e);
+        rules_of.push(e.rules().iter().map(|c| c.describe()).collect());
         events.push(EventReport {
             step: key.0,
             layer: key.1,
@@ -462,7 +481,22 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
             explanation: CombineExplanation::of(&e),
         });
     }
-    let verdict = trace_rule(&agg, &events);
+    let mut verdict = trace_rule(&agg, &events);
+    if verdict.rule.is_none() {
+        if let Some(best) = verdict.rules.first().map(|r| r.contract.clone()) {
+            verdict.outside_best_rule = events
+                .iter()
+                .zip(&rules_of)
+                .filter(|(_, rules)| !rules.contains(&best))
+                .take(MAX_LISTED_OUTLIERS)
+                .map(|(e, _)| EventRef {
+                    step: e.step,
+                    layer: e.layer,
+                    position: e.position,
+                })
+                .collect();
+        }
+    }
     Ok(TraceExplanation {
         schema_version: EXPLAIN_SCHEMA_VERSION,
         trace: name.into(),
@@ -554,6 +588,7 @@ fn trace_rule(agg: &TraceInference, events: &[EventReport]) -> TraceRule {
             })
             .collect(),
         headline,
+        outside_best_rule: Vec::new(),
     }
 }
 
@@ -589,6 +624,19 @@ impl TraceExplanation {
                     o,
                     "  {} — {}: {}/{} events",
                     r.contract, r.order, r.events, v.events
+                );
+            }
+            for e in &v.outside_best_rule {
+                let why = self
+                    .events
+                    .iter()
+                    .find(|x| (x.step, x.layer, x.position) == (e.step, e.layer, e.position))
+                    .map(|x| x.explanation.summary())
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "  not explained by the best rule: step {} layer {} position {}: {why}",
+                    e.step, e.layer, e.position
                 );
             }
         }

@@ -129,3 +129,49 @@ fn missing_payloads_and_missing_events_are_errors() {
     std::fs::write(&junk, b"not a trace").unwrap();
     assert_eq!(moeconf(&["explain", s(&junk)]).status.code(), Some(2));
 }
+
+#[test]
+fn a_single_forked_event_is_named_outside_the_trace_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("fork.bin");
+    run_trace(
+        &trace,
+        &[
+            "--capture",
+            "all",
+            "--fork-layer",
+            "5",
+            "--fork-contract",
+            "b",
+            "--fork-order",
+            "135",
+        ],
+    );
+    let j = explain_json(&trace);
+    let v = &j["verdict"];
+    assert!(v["rule"].is_null(), "{v}");
+    let events = v["events"].as_u64().unwrap();
+    assert_eq!(v["rules"][0]["contract"], "c", "{v}");
+    assert_eq!(v["rules"][0]["events"].as_u64(), Some(events - 1), "{v}");
+    let out = v["outside_best_rule"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{v}");
+    assert_eq!(
+        (out[0]["step"].as_u64(), out[0]["layer"].as_u64()),
+        (Some(1), Some(5))
+    );
+    let fork = j["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["step"] == 1 && e["layer"] == 5)
+        .unwrap();
+    assert_eq!(fork["explanation"]["simplest"], "b+order=class:135", "{fork}");
+    let headline = v["headline"].as_str().unwrap();
+    assert!(
+        headline.starts_with(&format!(
+            "no single rule explains every event; best: c — router slot order: {}/{events} events",
+            events - 1
+        )),
+        "{headline}"
+    );
+}
