@@ -43,6 +43,7 @@ pub mod import;
 pub mod inspect;
 pub mod layout;
 mod reader;
+pub mod recomputed;
 mod writer;
 
 pub use binding::{
@@ -54,6 +55,7 @@ pub use error::{InputError, TraceError};
 pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
 pub use reader::{Trace, VerifySummary};
+pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{TraceWriter, WriteSummary};
 
 /// Records of at most this many bytes keep their payload whatever the
