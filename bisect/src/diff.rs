@@ -11,12 +11,16 @@ use crate::numeric::{
     compare_ids, compare_values, f32_values, i32_values, summarize, NumericSummary, ValueComparison,
 };
 use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint, producer};
+use crate::passed::inputs_note;
 use crate::report::*;
+use crate::storage::Rounding;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::catalogue::{Presence, ValueKind};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
-use moeconf_schema::{Trace, TraceError};
+use moeconf_schema::{Recomputed, Trace, TraceError};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// Options of [`diff`].
@@ -57,6 +61,11 @@ pub(crate) struct Ctx<'a> {
     pub(crate) opts: DiffOptions,
     /// The levels both traces capture.
     pub(crate) compared: LevelSet,
+    /// Storage-precision classification of the pairs looked at so far
+    /// (`crate::storage`).
+    pub(crate) storage: RefCell<HashMap<Pair, Option<Rounding>>>,
+    /// The records each side's capture recomputed (reference, candidate).
+    pub(crate) recomputed: (Recomputed, Recomputed),
 }
 
 fn trace_summary(t: &Trace) -> TraceSummary {
@@ -123,6 +132,11 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         },
         opts: *opts,
         compared,
+        storage: RefCell::new(HashMap::new()),
+        recomputed: (
+            reference.provenance().recomputed(),
+            candidate.provenance().recomputed(),
+        ),
     };
     if reference.records().is_empty() && candidate.records().is_empty() {
         return Err(BisectError::NoRecords);
@@ -171,10 +185,13 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         divergences.extend(cx.divergence_report(e)?);
     }
     let first_divergence = cx.first_divergence(&divergences, &levels.l4);
+    let storage_precision = cx.storage_groups(&found.storage);
+    let one_side_only = cx.one_sided_groups();
     let compared_levels: Vec<Level> = compared.iter().collect();
     let summary = summary_line(
         verdict,
         (&first_divergence, &divergences, found.rest),
+        (&storage_precision, &one_side_only),
         &levels.l0,
         reference,
         (&unmatched_steps, &uncompared_levels),
@@ -193,6 +210,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         first_divergence,
         divergences,
         rest: found.rest.name().into(),
+        storage_precision,
+        one_side_only,
         levels,
         summary,
     })
@@ -278,6 +297,7 @@ fn place(level: &str, step: u32, position: u32, layer: Option<u32>, path: &str) 
 fn summary_line(
     verdict: Verdict,
     (fd, divergences, rest): (&Option<FirstDivergence>, &[Divergence], crate::divergence::Rest),
+    (storage, one_sided): (&[StoragePrecision], &[OneSided]),
     l0: &L0Report,
     reference: &Trace,
     (unmatched, uncompared): (&[u32], &[UncomparedLevel]),
@@ -302,6 +322,13 @@ fn summary_line(
             if f.present_in != "both" {
                 s.push_str(&format!(" (only in the {})", f.present_in));
             }
+            if let Some(d) = divergences.first() {
+                match (&d.inputs_note, d.inputs_match) {
+                    (Some(n), true) => s.push_str(&format!(", inputs match ({n})")),
+                    (None, true) => s.push_str(", inputs match"),
+                    _ => {}
+                }
+            }
             if f.kind == Some(DivergenceKind::Absorbed) {
                 s.push_str(", absorbed before the next checkpoint");
             }
@@ -318,10 +345,67 @@ fn summary_line(
                 }
                 None => {}
             }
+            s.push_str(&passed_words(storage, one_sided));
             s
         }
-        (Verdict::Divergent, None) => coverage_summary(unmatched, uncompared),
+        (Verdict::Divergent, None) => {
+            let mut s = coverage_summary(unmatched, uncompared, storage, one_sided);
+            if !storage.is_empty() || !one_sided.is_empty() {
+                s.push_str("; no other difference");
+            }
+            s
+        }
     }
+}
+
+/// `; passed: storage precision in 4992 values of moe.term.* (…); held by
+/// one side only: …`: what the walk passed on its way to the headline.
+fn passed_words(storage: &[StoragePrecision], one_sided: &[OneSided]) -> String {
+    let mut s = String::new();
+    if !storage.is_empty() {
+        s.push_str(&format!("; passed storage precision: {}", storage_words(storage)));
+    }
+    if !one_sided.is_empty() {
+        s.push_str(&format!(
+            "; held by one side only: {}",
+            one_sided_words(one_sided)
+        ));
+    }
+    s
+}
+
+/// `moe.term.* (candidate bf16 values in f32, R_BF16 …: 4992 of 4992 values rounded, 24 records)`.
+fn storage_words(storage: &[StoragePrecision]) -> String {
+    storage
+        .iter()
+        .map(|g| {
+            format!(
+                "{} ({} stores {}: {} of {} values are {} of the {}'s, {} records)",
+                g.component,
+                g.coarser,
+                g.coarse_storage,
+                g.values,
+                g.values,
+                g.rounding,
+                if g.coarser == "candidate" {
+                    "reference"
+                } else {
+                    "candidate"
+                },
+                g.records
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `embed.output (reference, 30 records), moe.routed (candidate, 144 records)`.
+fn one_sided_words(one_sided: &[OneSided]) -> String {
+    one_sided
+        .iter()
+        .map(|g| format!("{} ({}, {} records)", g.component, g.present_in, g.records))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// After an absorbed first divergence: the next one that propagates, or
@@ -353,8 +437,25 @@ fn later_divergences(divergences: &[Divergence], rest: crate::divergence::Rest) 
 
 /// The summary of traces that differ only in what they cover: the levels
 /// one trace holds alone, then the steps one trace holds alone.
-fn coverage_summary(unmatched: &[u32], uncompared: &[UncomparedLevel]) -> String {
+fn coverage_summary(
+    unmatched: &[u32],
+    uncompared: &[UncomparedLevel],
+    storage: &[StoragePrecision],
+    one_sided: &[OneSided],
+) -> String {
     let mut parts = Vec::new();
+    if !storage.is_empty() {
+        parts.push(format!(
+            "the records differ only by storage precision: {}",
+            storage_words(storage)
+        ));
+    }
+    if !one_sided.is_empty() {
+        parts.push(format!(
+            "records held by one side only: {}",
+            one_sided_words(one_sided)
+        ));
+    }
     for side in ["reference", "candidate"] {
         let names: Vec<&str> = uncompared
             .iter()
@@ -399,7 +500,8 @@ impl Ctx<'_> {
     /// `moe.combine`, the candidate's inferred contract.
     fn first_divergence(&self, reports: &[Divergence], l4: &L4Report) -> Option<FirstDivergence> {
         let d = reports.first()?;
-        let contract = match (&l4.contract, Component::MoeCombine.matches(&d.at.path)) {
+        let moe_sum = Component::MoeCombine.matches(&d.at.path) || Component::MoeRouted.matches(&d.at.path);
+        let contract = match (&l4.contract, moe_sum) {
             (Some(c), true) if c.at == d.at => c.candidate.clone(),
             _ => None,
         };
@@ -425,6 +527,7 @@ impl Ctx<'_> {
             checkpoint: e.checkpoint.and_then(|p| self.rec_ref_any(p)),
             inputs: e.inputs.clone(),
             inputs_match: e.inputs_match,
+            inputs_note: inputs_note(&e.inputs),
             layer_kind: self.layer_kind_of(e.pair),
             comparison: self.comparison(e.pair)?,
             at,
@@ -858,12 +961,14 @@ impl Ctx<'_> {
         let (step, layer, position) = (e.coord.step, e.coord.layer, e.coord.position);
         if let (Some(layer), true) = (
             layer,
-            Component::MoeCombine.matches(&at.path) && self.opts.contract_inference,
+            (Component::MoeCombine.matches(&at.path) || Component::MoeRouted.matches(&at.path))
+                && self.opts.contract_inference,
         ) {
             rep.contract = Some(self.contract(step, layer, position, at.clone())?);
         }
         rep.localized = Some(Localized {
             half: half_of(&at.path),
+            inputs_note: inputs_note(&inputs),
             inputs,
             inputs_match,
             layer_kind: self.layer_kind_of(p),
@@ -897,11 +1002,7 @@ impl Ctx<'_> {
                 .s
                 .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
             let status = if !pairs.is_empty() {
-                if pairs.iter().all(|&p| self.s.pair_equal(p)) {
-                    "match"
-                } else {
-                    "differ"
-                }
+                self.pairs_status(&pairs)
             } else if !self.compared.contains(spec.level) {
                 "not_captured"
             } else {
@@ -922,6 +1023,7 @@ impl Ctx<'_> {
                 input: describe_input(&spec),
                 status: status.into(),
                 records: pairs.len() as u64,
+                recomputed: self.recomputed_side(&pairs),
             });
         }
         out

@@ -53,8 +53,10 @@ mod layerkind;
 mod numeric;
 mod operators;
 mod pairing;
+mod passed;
 mod render;
 mod report;
+mod storage;
 mod textdiff;
 mod walk;
 
@@ -74,9 +76,9 @@ pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck, L0Report, L1Report,
-    L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, RecordRef, RouteDivergence,
-    StateComponent, StateLayer, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,
-    DIFF_SCHEMA_VERSION,
+    L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, OneSided, RecordRef,
+    RouteDivergence, StateComponent, StateLayer, StoragePrecision, TextOp, TextPosition, TextSummary,
+    TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,
