@@ -7,7 +7,7 @@ use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 2;
+pub const DIFF_SCHEMA_VERSION: u32 = 3;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -386,7 +386,7 @@ fn json_has_the_documented_keys() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
-    assert_eq!(j["schema_version"], 2);
+    assert_eq!(j["schema_version"], 3);
     assert_eq!(j["kind"], "moeconf.diff");
     assert_eq!(j["verdict"], "divergent");
     let fd = &j["first_divergence"];
@@ -410,10 +410,18 @@ fn json_has_the_documented_keys() {
         "checkpoint",
         "inputs",
         "inputs_match",
+        "inputs_note",
         "layer_kind",
         "comparison",
     ] {
         assert!(d.get(key).is_some(), "divergences[0].{key}");
+    }
+    assert!(
+        d["inputs_note"].is_null(),
+        "every input matches bitwise and is observed"
+    );
+    for i in d["inputs"].as_array().unwrap() {
+        assert!(i.get("recomputed").is_some_and(|r| r.is_null()), "{i}");
     }
     assert_eq!(j["rest"], "propagates");
     assert_eq!(fd["operator"], "moe.combine");
@@ -450,6 +458,8 @@ fn json_has_the_documented_keys() {
         "comparability",
         "compared_levels",
         "unmatched_steps",
+        "storage_precision",
+        "one_side_only",
         "summary",
     ] {
         assert!(j.get(key).is_some(), "{key}");
