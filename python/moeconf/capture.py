@@ -22,15 +22,31 @@ on the HF modules and thin wrappers around the per-layer cache methods expose:
   entries passed to ``update_compressor_states``, at the position that closes
   their window), ``attn.indexer_topk`` (indexer output, ``-1`` sentinels
   dropped), ``attn.core`` (the attention-interface output, before de-rotation),
-  ``attn.output``, ``ffn.hc_pre``, ``ffn.norm``, ``moe.term.j`` (recomputed per
-  slot, see below), ``moe.shared`` and ``moe.combine`` (the MoE block output).
+  ``attn.output``, ``ffn.hc_pre``, ``ffn.norm``, ``moe.term.j`` (recomputed, see
+  below), ``moe.routed`` (the ``mlp.experts`` output: the routed sum **before**
+  the shared-expert merge, as the experts implementation stored it),
+  ``moe.shared`` and ``moe.combine`` (the MoE block output, routed + shared).
 
-``moe.term.j`` is not a tensor HF materializes under a module boundary (the
-grouped-mm experts path computes all slots in one sorted batch); the capture
-recomputes ``g_j * down(gate(gate_up(x)))`` per slot with the module's own
-weights and ``_apply_gate`` and checks that their slot-order sum equals the
-experts output; the number of (position, layer) events where it does not is
-returned as ``CaptureResult.moe_terms_recombine_mismatches``.
+What the capture recomputes rather than observes is marked in the trace's
+provenance (``moeconf.recomputed``, docs/format.md 5.2.1): ``moe.term.*``,
+``router.scores``, ``router.margin`` (HF's ``score_fn`` and selection scores,
+not returned by the gate) and ``attn.q`` (the rotation HF applies next, applied
+by the capture). ``moeconf diff`` says so whenever it calls such inputs
+matching.
+
+``moe.term.j`` is not a tensor HF materializes under a module boundary (every
+experts implementation is one fused module). The capture recomputes
+``g_j * down(gate(gate_up(x)))`` the way the eager implementation does: per
+expert in ascending id, one ``F.linear`` over that expert's (slot, token) rows
+in ``torch.where`` order, in the model dtype (bit-identical to eager's and
+grouped_mm's products on CPU; batched_mm computes them per row and can differ
+in fp32). As a diagnostic it then checks whether the recomputed terms
+reproduce the observed ``moe.routed`` under any of the summations in
+:data:`ROUTED_SUMS` (FP32 or model-dtype accumulation; router slot order or
+ascending expert id). ``CaptureResult.moe_routed_reproduced`` counts, per
+summation, the (position, layer) events it reproduces bitwise;
+``moe_terms_unexplained`` counts the events none reproduces (the recomputed
+terms then differ from the kernel's, or the kernel sums another way).
 
 Everything is recorded as f32 (bf16 values are exact in f32), ids as i32,
 counters as i64, as the reference runtime does. Requires torch and
@@ -40,7 +56,7 @@ transformers (imported lazily; the rest of the package does not need them).
 import os
 import sys
 import types
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import numpy as np
 
@@ -49,7 +65,8 @@ from .binding import Provenance
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
-__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "parse_levels", "original_name", "save_original"]
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "RECOMPUTED", "ROUTED_SUMS", "parse_levels", "original_name",
+           "save_original"]
 
 #: Level name -> bit of the binding capture masks.
 LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
@@ -57,14 +74,28 @@ LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
 LM_TOPK = 8
 
 
+#: The records the capture recomputes (the trace's ``moeconf.recomputed`` note).
+RECOMPUTED = ["attn.q", "router.scores", "router.margin", "moe.term.*"]
+
+#: The summations of the recomputed terms checked against the observed routed sum, by name.
+ROUTED_SUMS = (
+    "fp32 accumulation in router slot order, one rounding",
+    "fp32 accumulation in ascending expert id, one rounding",
+    "model-dtype accumulation in ascending expert id (one rounding per expert, as index_add_)",
+)
+
+
 class CaptureResult(NamedTuple):
     """What :func:`capture` returns: the generated ids, the writer's summary (root,
-    record counts), and how many (position, MoE layer) events had recomputed
-    ``moe.term.*`` whose slot-order sum differs from the experts output."""
+    record counts), the number of (position, MoE layer) events, per summation of
+    :data:`ROUTED_SUMS` how many events it reproduces the observed ``moe.routed``
+    from the recomputed terms bitwise, and how many events no summation reproduces."""
 
     generated: List[int]
     summary: WriteSummary
-    moe_terms_recombine_mismatches: int
+    moe_events: int
+    moe_routed_reproduced: Dict[str, int]
+    moe_terms_unexplained: int
 
 
 def parse_levels(levels):
@@ -187,6 +218,48 @@ def _state_records(cfg, cache):
     return out
 
 
+def _recompute_terms(m, x, idx, w):
+    """``[T, k, D]`` gate-weighted terms in the model dtype, computed as the eager experts
+    implementation does (modeling_deepseek_v4 ``DeepseekV4Experts.forward``): per expert in
+    ascending id, ``F.linear`` over its (slot, token) rows in ``torch.where`` order."""
+    import torch
+    import torch.nn.functional as F
+
+    T, k = idx.shape
+    terms = torch.zeros((T, k, x.shape[-1]), dtype=x.dtype)
+    for e in sorted({int(v) for v in idx.flatten().tolist()}):
+        if e >= m.num_experts:  # the eager loop skips the sentinel expert
+            continue
+        top_k_pos, token_idx = torch.where((idx == e).T)
+        cur = m._apply_gate(F.linear(x[token_idx], m.gate_up_proj[e]))
+        cur = F.linear(cur, m.down_proj[e]) * w[token_idx, top_k_pos, None]
+        terms[token_idx, top_k_pos] = cur.to(x.dtype)
+    return terms
+
+
+def _routed_sums(v, ids, dtype):
+    """The summations of :data:`ROUTED_SUMS` of one token's terms ``v`` ``[k, D]`` (model dtype)
+    with expert ids ``ids``, each rounded to ``dtype`` as the experts output is."""
+    import torch
+
+    f = v.float()
+    k = f.shape[0]
+    slot = torch.zeros_like(f[0])
+    for j in range(k):
+        slot = slot + f[j]
+    asc = torch.zeros_like(f[0])
+    for j in sorted(range(k), key=lambda j: (ids[j], j)):
+        asc = asc + f[j]
+    acc = torch.zeros_like(v[0])
+    for e in sorted(set(ids)):  # one index_add_ per expert: an fp32 buffer seeded with acc, one rounding
+        buf = acc.float()
+        for j in range(k):
+            if ids[j] == e:
+                buf = buf + f[j]
+        acc = buf.to(dtype)
+    return [slot.to(dtype), asc.to(dtype), acc]
+
+
 def _lm_records(logits):
     """``lm.logits``, ``lm.topk_ids``, ``lm.topk_logits``, ``lm.margin`` and the greedy id
     (ties to the lowest id) from one f32 logits row."""
@@ -251,13 +324,14 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     prov = Provenance("transformers", transformers.__version__, torch.get_num_threads(),
                       [("torch", torch.__version__),
                        ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))])
+    prov.with_recomputed(RECOMPUTED)
     writer = TraceWriter(out_path, binding, prov, algorithm)
     rec = _Recorder(writer, mask, payload_mask)
     cache = DynamicCache(config=cfg)
     base = model.model
     k = cfg.num_experts_per_tok
     handles, restore = [], []
-    ctx = {"mismatch": 0, "cos_sin": {}}
+    ctx = {"events": 0, "unexplained": 0, "reproduced": [0] * len(ROUTED_SUMS), "cos_sin": {}}
 
     def hook(module, fn, pre=False, kwargs=False):
         if pre:
@@ -319,16 +393,17 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
             if not rec.wants("L4"):
                 return
             x, idx, w = args[0], args[1], args[2]
+            terms = _recompute_terms(m, x, idx, w)
             for s in range(x.shape[0]):
-                terms = []
                 for j in range(idx.shape[1]):
-                    e = int(idx[s, j])
-                    h = m._apply_gate(torch.nn.functional.linear(x[s:s + 1], m.gate_up_proj[e]))
-                    terms.append(torch.nn.functional.linear(h, m.down_proj[e]) * w[s, j])
-                    rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[-1][0]))
-                total = torch.stack(terms, dim=1).sum(dim=1).to(out.dtype)
-                if not torch.equal(total[0], out[s]):
-                    ctx["mismatch"] += 1
+                    rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[s, j]))
+                rec.add(i, rec.start + s, "L4", "moe.routed", _f32(out[s]))  # observed
+                ids = [int(e) for e in idx[s].tolist()]
+                hits = [torch.equal(y, out[s]) for y in _routed_sums(terms[s], ids, out.dtype)]
+                ctx["events"] += 1
+                ctx["unexplained"] += not any(hits)
+                for n, h in enumerate(hits):
+                    ctx["reproduced"][n] += h
 
         def on_shared(m, args, out, i=i):
             rec.add_rows(i, "L4", "moe.shared", _f32(out[0]))
@@ -425,7 +500,8 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
             h.remove()
         for r in restore:
             r()
-    return CaptureResult(generated, summary, ctx["mismatch"])
+    return CaptureResult(generated, summary, ctx["events"], dict(zip(ROUTED_SUMS, ctx["reproduced"])),
+                         ctx["unexplained"])
 
 
 def original_name(name):
