@@ -42,6 +42,10 @@ def describe(j):
         ins = ", ".join(f"{i['input']}={i['status']}" + (f" [recomputed: {i['recomputed']}]" if i["recomputed"]
                                                          else "") for i in d["inputs"])
         out.append(f"    headline inputs: {ins}")
+        b = d.get("beyond_storage_precision")
+        if b:
+            out.append(f"    beyond storage precision: {b['coarser']} holds bf16 values; after R_BF16 of the other "
+                       f"side {b['differing_values']}/{b['values']} values still differ")
         c = d.get("comparison") or {}
         if c.get("kind") == "float":
             out.append(f"    headline values: {c['differing']}/{c['elements']} differ, max |d| {c['max_abs_delta']}")

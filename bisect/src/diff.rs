@@ -530,6 +530,7 @@ impl Ctx<'_> {
             inputs_note: inputs_note(&e.inputs),
             layer_kind: self.layer_kind_of(e.pair),
             comparison: self.comparison(e.pair)?,
+            beyond_storage_precision: self.beyond_storage(e.pair)?,
             at,
         }))
     }

@@ -5,7 +5,7 @@
 //! `moeconf.recomputed` provenance note, docs/format.md §5.2.1).
 
 use crate::diff::Ctx;
-use crate::report::{InputCheck, OneSided, RecordRef, StoragePrecision};
+use crate::report::{BeyondStorage, InputCheck, OneSided, RecordRef, StoragePrecision};
 use crate::storage::Rounding;
 use crate::walk::Pair;
 use moeconf_fingerprint::Component;
@@ -60,6 +60,34 @@ pub(crate) fn inputs_note(inputs: &[InputCheck]) -> Option<String> {
 }
 
 impl Ctx<'_> {
+    /// How far a real difference goes beyond storage precision
+    /// ([`crate::storage::residual`]; `None` unless exactly one side holds
+    /// only bf16 values).
+    pub(crate) fn beyond_storage(&self, p: Pair) -> Result<Option<BeyondStorage>, crate::BisectError> {
+        let (Some(ri), Some(ci)) = (p.r, p.c) else {
+            return Ok(None);
+        };
+        let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+        let (Some(rb), Some(cb)) = (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) else {
+            return Ok(None);
+        };
+        let fold = self.s.r.binding().canon.fold_negative_zero;
+        Ok(
+            crate::storage::residual((re.dtype, &re.shape, rb), (ce.dtype, &ce.shape, cb), fold).map(
+                |(candidate_coarser, differing_values, values)| BeyondStorage {
+                    coarser: if candidate_coarser {
+                        "candidate"
+                    } else {
+                        "reference"
+                    }
+                    .into(),
+                    differing_values,
+                    values,
+                },
+            ),
+        )
+    }
+
     /// The status of one input's records: `differ` if any differs beyond
     /// storage precision, else `one_side` if one trace alone holds any,
     /// else `storage_precision` if any differs only by storage precision,

@@ -450,6 +450,18 @@ impl DiffReport {
             } else if let Some(n) = &d.inputs_note {
                 let _ = writeln!(o, "      inputs match ({n})");
             }
+            if let Some(b) = &d.beyond_storage_precision {
+                let finer = if b.coarser == "candidate" {
+                    "reference"
+                } else {
+                    "candidate"
+                };
+                let _ = writeln!(
+                    o,
+                    "      beyond storage precision: the {} holds bf16 values; after R_BF16 of the {}'s, {} of {} values still differ",
+                    b.coarser, finer, b.differing_values, b.values
+                );
+            }
             let in_l4 = self.levels.l4.localized.as_ref().is_some_and(|l| l.at == d.at);
             match &d.comparison {
                 Some(_) if in_l4 => {

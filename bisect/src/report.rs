@@ -169,6 +169,21 @@ pub struct Divergence {
     pub layer_kind: Option<LayerKind>,
     /// How the two records compare, worded by what their values mean.
     pub comparison: Option<ValueComparison>,
+    /// When one side holds only bf16 values and the other does not: how
+    /// many values still differ after rounding the finer side with R_BF16
+    /// (the part of the difference storage precision does not explain).
+    pub beyond_storage_precision: Option<BeyondStorage>,
+}
+
+/// The part of a difference that storage precision does not explain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BeyondStorage {
+    /// `reference` or `candidate`: the side holding only bf16 values.
+    pub coarser: String,
+    /// Values that differ after R_BF16 of the finer side.
+    pub differing_values: u64,
+    /// Values compared.
+    pub values: u64,
 }
 
 /// One inline text-diff segment.

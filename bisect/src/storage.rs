@@ -106,6 +106,37 @@ pub(crate) fn classify(
     })
 }
 
+/// For a real difference where one side holds only bf16 values and the
+/// other does not: how many values still differ after R_BF16 of the finer
+/// side (`(candidate_coarser, differing, values)`), so the report can say
+/// how far beyond storage precision the difference goes.
+pub(crate) fn residual(
+    (rd, rshape, rb): (DType, &[u64], &[u8]),
+    (cd, cshape, cb): (DType, &[u64], &[u8]),
+    fold_zero: bool,
+) -> Option<(bool, u64, u64)> {
+    if rshape != cshape {
+        return None;
+    }
+    let (r, c) = (f32_bits(rd, rb)?, f32_bits(cd, cb)?);
+    if r.len() != c.len() {
+        return None;
+    }
+    let coarse = |v: &[u32]| v.iter().all(|&b| r_bf16_bits(b) == b);
+    let (fine, coarse_side, candidate_coarser) = match (coarse(&r), coarse(&c)) {
+        (false, true) => (&r, &c, true),
+        (true, false) => (&c, &r, false),
+        _ => return None,
+    };
+    let fold = |b: u32| if fold_zero && b == 0x8000_0000 { 0 } else { b };
+    let differing = fine
+        .iter()
+        .zip(coarse_side.iter())
+        .filter(|&(&f, &k)| fold(r_bf16_bits(f)) != k)
+        .count() as u64;
+    Some((candidate_coarser, differing, r.len() as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +184,17 @@ mod tests {
         assert!(classify((DType::F32, &[2], &a), (DType::F32, &[1, 2], &a), false).is_none());
         // Integers are never storage precision.
         assert!(classify((DType::I32, &[2], &a), (DType::I32, &[2], &b), false).is_none());
+        // How far beyond: one of two values still differs after rounding.
+        let fine = f32b(&[1.0 + f32::EPSILON, 3.0 + 4.0 * f32::EPSILON]);
+        let coarse = f32b(&[1.0, 3.015625]);
+        assert_eq!(
+            residual((DType::F32, &[2], &fine), (DType::F32, &[2], &coarse), false),
+            Some((true, 1, 2))
+        );
+        assert_eq!(
+            residual((DType::F32, &[2], &a), (DType::F32, &[2], &b), false),
+            None
+        );
     }
 }
 
