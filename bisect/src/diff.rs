@@ -322,6 +322,10 @@ fn summary_line(
             if f.present_in != "both" {
                 s.push_str(&format!(" (only in the {})", f.present_in));
             }
+            if let Some(side) = divergences.first().and_then(|d| d.recomputed.as_deref()) {
+                let by = if side == "both" { "both sides" } else { side };
+                s.push_str(&format!(" (recomputed by the capture on {by})"));
+            }
             if let Some(d) = divergences.first() {
                 match (&d.inputs_note, d.inputs_match) {
                     (Some(n), true) => s.push_str(&format!(", inputs match ({n})")),
@@ -531,6 +535,7 @@ impl Ctx<'_> {
             layer_kind: self.layer_kind_of(e.pair),
             comparison: self.comparison(e.pair)?,
             beyond_storage_precision: self.beyond_storage(e.pair)?,
+            recomputed: self.recomputed_side(&[e.pair]),
             at,
         }))
     }

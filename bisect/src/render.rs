@@ -450,6 +450,12 @@ impl DiffReport {
             } else if let Some(n) = &d.inputs_note {
                 let _ = writeln!(o, "      inputs match ({n})");
             }
+            if let Some(side) = &d.recomputed {
+                let _ = writeln!(
+                    o,
+                    "      this record was recomputed by the capture on the {side} side(s), not observed from the backend"
+                );
+            }
             if let Some(b) = &d.beyond_storage_precision {
                 let finer = if b.coarser == "candidate" {
                     "reference"

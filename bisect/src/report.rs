@@ -169,6 +169,9 @@ pub struct Divergence {
     pub layer_kind: Option<LayerKind>,
     /// How the two records compare, worded by what their values mean.
     pub comparison: Option<ValueComparison>,
+    /// Which side's capture recomputed this record itself (`reference`,
+    /// `candidate`, `both`; `null`: observed on both sides).
+    pub recomputed: Option<String>,
     /// When one side holds only bf16 values and the other does not: how
     /// many values still differ after rounding the finer side with R_BF16
     /// (the part of the difference storage precision does not explain).

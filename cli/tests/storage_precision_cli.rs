@@ -303,6 +303,7 @@ fn one_sided_records_are_listed_and_recomputed_inputs_named() {
         (term["status"].as_str(), term["recomputed"].as_str()),
         (Some("match"), Some("candidate"))
     );
+    assert!(d0["recomputed"].is_null(), "moe.combine itself is observed: {d0}");
     let note = d0["inputs_note"].as_str().unwrap();
     assert!(note.contains("recomputed by the capture: moe.term."), "{note}");
     let summary = j["summary"].as_str().unwrap();
