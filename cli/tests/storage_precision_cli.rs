@@ -224,13 +224,17 @@ fn storage_precision_alone_is_divergent_and_said_plainly() {
     // Truncation is not R_BF16: the first term it changes differently is a
     // real divergence (a record whose dropped bits all lie below the half
     // rounds the same both ways and is still storage precision).
+    // The truncating capture also marks its terms recomputed.
+    let mark = |pv: &mut moeconf_schema::Provenance| {
+        pv.set_recomputed(&Recomputed::from_patterns(&["moe.term.*"]).unwrap())
+    };
     let trunc = rewrite(
         &reference,
         &p("trunc.bin"),
         is_term,
         |b| b & 0xffff_0000,
         keep_all,
-        |_| {},
+        mark,
     );
     let (code, j) = diff_json(&reference, &trunc);
     assert_eq!(code, 1);
@@ -239,6 +243,23 @@ fn storage_precision_alone_is_divergent_and_said_plainly() {
     assert_eq!(
         (fd["step"].as_u64(), fd["layer"].as_u64(), fd["position"].as_u64()),
         (Some(0), Some(0), Some(0))
+    );
+    let d0 = &j["divergences"][0];
+    assert_eq!(d0["recomputed"], "candidate", "{d0}");
+    let b = &d0["beyond_storage_precision"];
+    assert_eq!(b["coarser"], "candidate", "{d0}");
+    let (n, of) = (
+        b["differing_values"].as_u64().unwrap(),
+        b["values"].as_u64().unwrap(),
+    );
+    assert!(
+        n > 0 && n < of,
+        "truncation and R_BF16 agree where the dropped bits are below half: {b}"
+    );
+    let summary = j["summary"].as_str().unwrap();
+    assert!(
+        summary.contains("(recomputed by the capture on candidate)"),
+        "{summary}"
     );
 }
 
