@@ -3,7 +3,7 @@
 built-in tiny fixture, then ``moeconf diff`` of the reference runtime against each capture and
 of each implementation against the others (docs/interop.md section 5).
 
-    python3 python/interop_experts.py [--moeconf target/release/moeconf] [--out DIR] [--steps 4]
+    python3 python/interop_experts.py [--moeconf target/release/moeconf] [--out DIR] [--steps 3]
 
 Prints, per capture, the capture's own diagnostic (which summation of the recomputed terms
 reproduces the observed ``moe.routed``), and per diff the exit code, the summary line, what the
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--moeconf", default=os.environ.get("MOECONF_BIN") or
                     os.path.join(REPO, "target", "release", "moeconf"))
     ap.add_argument("--out", default=os.path.join(REPO, "target", "interop", "experts"))
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 
     import torch

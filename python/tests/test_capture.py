@@ -214,8 +214,8 @@ def test_every_feature_is_captured_over_40_tokens(env):
 
 # What each experts implementation computes (notes: transformers-experts.md section 3.2), as the
 # capture's diagnostic sees it: which summation of the recomputed terms reproduces the observed
-# routed sum (moe.routed), per implementation and dtype, on 3 new tokens (7 positions x 6 layers
-# x 1.5 ... = 63 events here). Measured 2026-12-01 with python/interop_experts.py.
+# routed sum (moe.routed), per implementation and dtype, on 3 new tokens (7 positions x 9 layers
+# = 63 events). Measured 2026-12-01 with python/interop_experts.py.
 ROUTED = {
     ("eager", "f32"): (0, 63, 63),        # FP32 in ascending expert id (index_add_ in fp32: the same)
     ("grouped_mm", "f32"): (63, 0, 0),    # FP32 in router slot order
