@@ -30,13 +30,13 @@ pub(crate) struct Rounding {
 /// length that is not whole elements).
 fn f32_bits(dtype: DType, bytes: &[u8]) -> Option<Vec<u32>> {
     match dtype {
-        DType::F32 if bytes.len() % 4 == 0 => Some(
+        DType::F32 if bytes.len().is_multiple_of(4) => Some(
             bytes
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
         ),
-        DType::BF16 if bytes.len() % 2 == 0 => Some(
+        DType::BF16 if bytes.len().is_multiple_of(2) => Some(
             bytes
                 .chunks_exact(2)
                 .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)
@@ -137,6 +137,43 @@ pub(crate) fn residual(
     Some((candidate_coarser, differing, r.len() as u64))
 }
 
+impl crate::diff::Ctx<'_> {
+    /// The storage-precision classification of a differing pair held by
+    /// both sides (`None`: equal, one-sided, or a real difference),
+    /// remembered per pair. Reads both payloads (verified before use).
+    pub(crate) fn storage_checked(
+        &self,
+        p: crate::walk::Pair,
+    ) -> Result<Option<Rounding>, crate::BisectError> {
+        if let Some(&known) = self.storage.borrow().get(&p) {
+            return Ok(known);
+        }
+        let found = match (p.r, p.c) {
+            (Some(ri), Some(ci)) if !self.s.pair_equal(p) => {
+                let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+                match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
+                    (Some(rb), Some(cb)) => classify(
+                        (re.dtype, &re.shape, rb),
+                        (ce.dtype, &ce.shape, cb),
+                        self.s.r.binding().canon.fold_negative_zero,
+                    ),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        self.storage.borrow_mut().insert(p, found);
+        Ok(found)
+    }
+
+    /// [`Self::storage_checked`] for input checks, which cannot fail: a
+    /// payload that fails verification is never storage precision (the
+    /// input then differs; the walk itself reports the error).
+    pub(crate) fn storage_of(&self, p: crate::walk::Pair) -> Option<Rounding> {
+        self.storage_checked(p).ok().flatten()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,42 +232,5 @@ mod tests {
             residual((DType::F32, &[2], &a), (DType::F32, &[2], &b), false),
             None
         );
-    }
-}
-
-impl crate::diff::Ctx<'_> {
-    /// The storage-precision classification of a differing pair held by
-    /// both sides (`None`: equal, one-sided, or a real difference),
-    /// remembered per pair. Reads both payloads (verified before use).
-    pub(crate) fn storage_checked(
-        &self,
-        p: crate::walk::Pair,
-    ) -> Result<Option<Rounding>, crate::BisectError> {
-        if let Some(&known) = self.storage.borrow().get(&p) {
-            return Ok(known);
-        }
-        let found = match (p.r, p.c) {
-            (Some(ri), Some(ci)) if !self.s.pair_equal(p) => {
-                let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
-                match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
-                    (Some(rb), Some(cb)) => classify(
-                        (re.dtype, &re.shape, rb),
-                        (ce.dtype, &ce.shape, cb),
-                        self.s.r.binding().canon.fold_negative_zero,
-                    ),
-                    _ => None,
-                }
-            }
-            _ => None,
-        };
-        self.storage.borrow_mut().insert(p, found);
-        Ok(found)
-    }
-
-    /// [`Self::storage_checked`] for input checks, which cannot fail: a
-    /// payload that fails verification is never storage precision (the
-    /// input then differs; the walk itself reports the error).
-    pub(crate) fn storage_of(&self, p: crate::walk::Pair) -> Option<Rounding> {
-        self.storage_checked(p).ok().flatten()
     }
 }
