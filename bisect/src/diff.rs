@@ -64,6 +64,9 @@ pub(crate) struct Ctx<'a> {
     /// Storage-precision classification of the pairs looked at so far
     /// (`crate::storage`).
     pub(crate) storage: RefCell<HashMap<Pair, Option<Rounding>>>,
+    /// Whether a side stores a component coarser by convention
+    /// ((component, candidate is the coarser side) → answer; `crate::storage`).
+    pub(crate) storage_convention: RefCell<HashMap<(String, bool), bool>>,
     /// The records each side's capture recomputed (reference, candidate).
     pub(crate) recomputed: (Recomputed, Recomputed),
 }
@@ -133,6 +136,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         opts: *opts,
         compared,
         storage: RefCell::new(HashMap::new()),
+        storage_convention: RefCell::new(HashMap::new()),
         recomputed: (
             reference.provenance().recomputed(),
             candidate.provenance().recomputed(),

@@ -7,6 +7,12 @@
 //! ("inputs match up to storage precision") and the walk goes on to the
 //! first difference that storage precision does not explain.
 //!
+//! It must also be how the coarser side stores that component: every record
+//! of the component on the coarser side holds only bf16 values, and at most
+//! half of the finer side's do (`Ctx::is_storage_convention`). A single
+//! record rounded to bf16 by a computation fault, or a one-ulp change to a
+//! value that is a bf16 value by contract, is therefore a divergence.
+//!
 //! Only R_BF16 is checked; a side that stored f16 or f32-from-f64 values is
 //! not recognised (its differences stay divergences).
 
@@ -151,12 +157,16 @@ impl crate::diff::Ctx<'_> {
         let found = match (p.r, p.c) {
             (Some(ri), Some(ci)) if !self.s.pair_equal(p) => {
                 let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
-                match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
+                let rounding = match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
                     (Some(rb), Some(cb)) => classify(
                         (re.dtype, &re.shape, rb),
                         (ce.dtype, &ce.shape, cb),
                         self.s.r.binding().canon.fold_negative_zero,
                     ),
+                    _ => None,
+                };
+                match rounding {
+                    Some(r) if self.is_storage_convention(&re.coord.path, r.candidate_coarser)? => Some(r),
                     _ => None,
                 }
             }
@@ -166,12 +176,63 @@ impl crate::diff::Ctx<'_> {
         Ok(found)
     }
 
+    /// Whether storing the component of `path` coarser is a convention of
+    /// the side that is coarser here (`candidate_coarser`), not an accident
+    /// of one record: every record of the component on the coarser side
+    /// holds only bf16 values, and at most half of them do on the finer
+    /// side. Without this, a computation fault that rounds one event's
+    /// values to bf16, or a one-ulp change to an f32 value that is a bf16
+    /// value by contract, would pass as storage precision. Remembered per
+    /// (component, side); reads every payload of the component once.
+    fn is_storage_convention(&self, path: &str, candidate_coarser: bool) -> Result<bool, crate::BisectError> {
+        let component = component_key(path);
+        let key = (component.clone(), candidate_coarser);
+        if let Some(&known) = self.storage_convention.borrow().get(&key) {
+            return Ok(known);
+        }
+        let (coarse, fine) = if candidate_coarser {
+            (self.s.c, self.s.r)
+        } else {
+            (self.s.r, self.s.c)
+        };
+        let (coarse_bf16, coarse_total) = bf16_valued_records(coarse, &component)?;
+        let (fine_bf16, fine_total) = bf16_valued_records(fine, &component)?;
+        let ok = coarse_total > 0 && coarse_bf16 == coarse_total && fine_bf16 * 2 <= fine_total;
+        self.storage_convention.borrow_mut().insert(key, ok);
+        Ok(ok)
+    }
+
     /// [`Self::storage_checked`] for input checks, which cannot fail: a
     /// payload that fails verification is never storage precision (the
     /// input then differs; the walk itself reports the error).
     pub(crate) fn storage_of(&self, p: crate::walk::Pair) -> Option<Rounding> {
         self.storage_checked(p).ok().flatten()
     }
+}
+
+/// The component a record belongs to (a family member's prefix, `moe.term.`), or its path.
+fn component_key(path: &str) -> String {
+    match moeconf_fingerprint::Component::parse(path) {
+        Some((c, _)) => c.path().to_string(),
+        None => path.to_string(),
+    }
+}
+
+/// How many records of `component` in `t` (with a float payload) hold only
+/// bf16 values, and how many have a float payload at all.
+fn bf16_valued_records(t: &moeconf_schema::Trace, component: &str) -> Result<(u64, u64), crate::BisectError> {
+    let (mut bf16, mut total) = (0u64, 0u64);
+    for (i, e) in t.records().iter().enumerate() {
+        if component_key(&e.coord.path) != component {
+            continue;
+        }
+        let Some(bits) = t.payload_verified(i)?.and_then(|b| f32_bits(e.dtype, b)) else {
+            continue;
+        };
+        total += 1;
+        bf16 += u64::from(bits.iter().all(|&b| r_bf16_bits(b) == b));
+    }
+    Ok((bf16, total))
 }
 
 #[cfg(test)]

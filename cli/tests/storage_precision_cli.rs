@@ -221,6 +221,25 @@ fn storage_precision_alone_is_divergent_and_said_plainly() {
         "{text}"
     );
 
+    // One record rounded, the rest of the component kept in FP32: rounding is
+    // not how the candidate stores moe.term.*, so it is a real divergence.
+    let one = |e: &IndexEntry| e.coord.path == "moe.term.2" && e.coord.step == 1 && e.coord.layer == Some(4);
+    let once = rewrite(&reference, &p("once.bin"), one, r_bf16_bits, keep_all, |_| {});
+    let (code, j) = diff_json(&reference, &once);
+    assert_eq!(code, 1);
+    assert_eq!(
+        j["storage_precision"],
+        serde_json::json!([]),
+        "{}",
+        j["storage_precision"]
+    );
+    let fd = &j["first_divergence"];
+    assert_eq!(
+        (fd["operator"].as_str(), fd["step"].as_u64(), fd["layer"].as_u64()),
+        (Some("moe.term.2"), Some(1), Some(4)),
+        "{fd}"
+    );
+
     // Truncation is not R_BF16: the first term it changes differently is a
     // real divergence (a record whose dropped bits all lie below the half
     // rounds the same both ways and is still storage precision).
