@@ -331,10 +331,10 @@ fn summary_line(
                 s.push_str(&format!(" (recomputed by the capture on {by})"));
             }
             if let Some(d) = divergences.first() {
-                match (&d.inputs_note, d.inputs_match) {
-                    (Some(n), true) => s.push_str(&format!(", inputs match ({n})")),
-                    (None, true) => s.push_str(", inputs match"),
-                    _ => {}
+                // Said only when the match rests on more than bitwise
+                // equality of observed values.
+                if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                    s.push_str(&format!(", inputs match ({n})"));
                 }
             }
             if f.kind == Some(DivergenceKind::Absorbed) {
