@@ -388,7 +388,7 @@ fn storage_words(storage: &[StoragePrecision]) -> String {
         .iter()
         .map(|g| {
             format!(
-                "{} ({} stores {}: {} of {} values are {} of the {}'s, {} records)",
+                "{} ({} stores {}: {} of {} values are {} of the {}'s, {})",
                 g.component,
                 g.coarser,
                 g.coarse_storage,
@@ -400,18 +400,23 @@ fn storage_words(storage: &[StoragePrecision]) -> String {
                 } else {
                     "candidate"
                 },
-                g.records
+                records_words(g.records)
             )
         })
         .collect::<Vec<_>>()
         .join(", ")
 }
 
+/// `1 record`, `7 records`.
+fn records_words(n: u64) -> String {
+    format!("{n} record{}", if n == 1 { "" } else { "s" })
+}
+
 /// `embed.output (reference, 30 records), moe.routed (candidate, 144 records)`.
 fn one_sided_words(one_sided: &[OneSided]) -> String {
     one_sided
         .iter()
-        .map(|g| format!("{} ({}, {} records)", g.component, g.present_in, g.records))
+        .map(|g| format!("{} ({}, {})", g.component, g.present_in, records_words(g.records)))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -508,8 +513,7 @@ impl Ctx<'_> {
     /// `moe.combine`, the candidate's inferred contract.
     fn first_divergence(&self, reports: &[Divergence], l4: &L4Report) -> Option<FirstDivergence> {
         let d = reports.first()?;
-        let moe_sum = Component::MoeCombine.matches(&d.at.path) || Component::MoeRouted.matches(&d.at.path);
-        let contract = match (&l4.contract, moe_sum) {
+        let contract = match (&l4.contract, Component::MoeCombine.matches(&d.at.path)) {
             (Some(c), true) if c.at == d.at => c.candidate.clone(),
             _ => None,
         };
@@ -971,8 +975,7 @@ impl Ctx<'_> {
         let (step, layer, position) = (e.coord.step, e.coord.layer, e.coord.position);
         if let (Some(layer), true) = (
             layer,
-            (Component::MoeCombine.matches(&at.path) || Component::MoeRouted.matches(&at.path))
-                && self.opts.contract_inference,
+            Component::MoeCombine.matches(&at.path) && self.opts.contract_inference,
         ) {
             rep.contract = Some(self.contract(step, layer, position, at.clone())?);
         }
