@@ -287,12 +287,11 @@ impl DiffReport {
                     line.push_str(&format!("the traces cover different {what}"));
                 }
                 if !self.storage_precision.is_empty() {
-                    if !line.is_empty() {
-                        line.push_str("; ");
-                    }
-                    line.push_str(
-                        "every other difference is storage precision (one side stored coarser values), not a difference in execution that the walk could localize",
-                    );
+                    line.push_str(if line.is_empty() {
+                        "the traces differ only by storage precision (one side stored coarser values): no difference in execution for the walk to localize"
+                    } else {
+                        "; every other difference is storage precision (one side stored coarser values), not a difference in execution that the walk could localize"
+                    });
                 }
                 let _ = writeln!(o, "{} {line}", st.red("DIVERGENT:"));
             }
