@@ -217,7 +217,7 @@ fn storage_precision_alone_is_divergent_and_said_plainly() {
     assert!(summary.contains("differ only by storage precision"), "{summary}");
     let text = diff_text(&reference, &cand);
     assert!(
-        text.contains("every other difference is storage precision"),
+        text.starts_with("DIVERGENT: the traces differ only by storage precision"),
         "{text}"
     );
 
