@@ -132,6 +132,13 @@ def test_recomputed_marker_is_read_by_rust_and_leaves_the_root(run_moeconf, tmp_
     assert doc["root"] == s0.root.hex()
     assert _inspect(run_moeconf, plain)["provenance"]["recomputed"] == []
     assert read_trace(marked).provenance.is_recomputed("moe.term.3")
+    from moeconf.__main__ import main as py_main
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert py_main(["inspect", str(marked)]) == 0
+    assert json.loads(buf.getvalue())["provenance"]["recomputed"] == ["moe.term.*"]
     assert not read_trace(marked).provenance.is_recomputed("moe.shared")
     p = run_moeconf("inspect", bad, check=False)
     assert p.returncode == 2 and RECOMPUTED_NOTE in p.stderr, p.stderr
