@@ -22,7 +22,8 @@ use moeconf_reference_runtime::fork::{sweep, SweepOptions, SweepReport};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
-use crate::output::{check_output, print_json, print_text};
+use crate::output::{print_json, print_text};
+use moeconf_report::{SweepBranch, SweepView};
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
 use moeconf_schema::output::write_checked;
@@ -87,6 +88,10 @@ pub struct SweepArgs {
     /// sweep (its directory exists; not a directory, FIFO, device, socket, symbolic link or input).
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Also write a self-contained HTML report: the basin rank-frequency and
+    /// where each distinct continuation parts from the native one.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Basins listed per scheme in the text report.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -147,13 +152,50 @@ fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<
     Ok(write_checked(out, &bytes)?)
 }
 
+/// What the sweep's HTML page shows: the header, the native branch and
+/// every forked branch with its tokens' texts.
+fn sweep_view(h: &SweepHeader<'_>, r: &SweepReport, detok: &dyn Detokenize) -> anyhow::Result<SweepView> {
+    let branch = |b: &moeconf_reference_runtime::fork::BranchResult| -> anyhow::Result<SweepBranch> {
+        Ok(SweepBranch {
+            label: b.label.clone(),
+            tokens: b.tokens.clone(),
+            pieces: b
+                .tokens
+                .iter()
+                .map(|&t| detok.decode(&[t]))
+                .collect::<Result<_, _>>()?,
+        })
+    };
+    let p = &r.point;
+    let fork = match p.position {
+        Some(pos) => format!("layer {} step {} position {pos}", p.layer, p.step),
+        None => format!("layer {} step {}", p.layer, p.step),
+    };
+    Ok(SweepView {
+        header: vec![
+            ("model".into(), h.model.into()),
+            ("prompt".into(), h.prompt.into()),
+            ("precision".into(), h.precision.into()),
+            ("base contract".into(), h.base_contract.into()),
+            ("fork".into(), fork),
+            ("generated tokens per branch".into(), r.max_new_tokens.to_string()),
+        ],
+        reference: branch(&r.reference)?,
+        branches: r
+            .branches
+            .iter()
+            .flatten()
+            .map(branch)
+            .collect::<anyhow::Result<_>>()?,
+    })
+}
+
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
     let mut inputs = a.input.inputs();
-    if let Some(o) = &a.output {
-        check_output(o, &inputs)?;
-    }
+    let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
+    crate::output::check_outputs(&outs, &inputs)?;
     let prompt = a.input.prompt()?;
     let precision = super::precision(&a.precision)?;
     let algorithm = super::algorithm(&a.digest)?;
@@ -168,6 +210,11 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     inputs.dir_files(&m.dir, "model file");
     let output = a
         .output
+        .as_ref()
+        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .transpose()?;
+    let html = a
+        .html
         .as_ref()
         .map(|o| moeconf_schema::check_output(o, &inputs))
         .transpose()?;
@@ -233,6 +280,10 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let doc = report_json(&header, &report);
     if let Some(out) = &output {
         write_output(out, &doc)?;
+    }
+    if let Some(out) = &html {
+        let view = sweep_view(&header, &report, &m.tokenizer)?;
+        write_checked(out, moeconf_report::render_sweep(&view).as_bytes())?;
     }
     match a.format {
         Format::Json => print_json(&doc)?,
