@@ -230,7 +230,10 @@ fn layer_state(p: &mut Page, g: &Grid) {
         .take(64)
         .collect();
     if !routes.is_empty() {
-        p.details_start(&format!("Route changes (router.topk): {} listed", routes.len()));
+        p.details_start(&format!(
+            "Route changes (router.topk), the first {}",
+            routes.len()
+        ));
         p.table("", &["step", "layer", "change"], &routes);
         p.details_end();
     }
@@ -285,7 +288,7 @@ fn persistent(p: &mut Page, g: &Grid) {
         p.note("No persistent-state records in these traces.");
         return;
     }
-    let a = g.aggregated(MAX_ROWS, MAX_COLUMNS);
+    let a = g.aggregated(MAX_ROWS / 2, MAX_COLUMNS);
     let st = HeatmapStyle {
         label: "fraction of persistent-state values that differ, by component and layer over boundaries",
         x_title: "boundary after step",

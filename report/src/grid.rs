@@ -5,9 +5,11 @@ use crate::scale::{LogScale, DIFFERS_UNKNOWN, IDENTICAL, NOT_CAPTURED};
 use crate::svg::Svg;
 
 /// Most columns drawn; more are merged into equal buckets.
-pub const MAX_COLUMNS: usize = 160;
+pub const MAX_COLUMNS: usize = 120;
 /// Most rows drawn; more are merged into equal buckets.
 pub const MAX_ROWS: usize = 96;
+/// Most tooltip lines kept per cell (the tables list the rest).
+pub const MAX_NOTES: usize = 4;
 
 /// What is known about the records of one cell.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -57,7 +59,7 @@ impl Cell {
             }
         }
         for n in &o.notes {
-            if self.notes.len() < 12 {
+            if self.notes.len() < MAX_NOTES {
                 self.notes.push(n.clone());
             }
         }
@@ -202,7 +204,7 @@ pub fn heatmap(g: &Grid, st: &HeatmapStyle<'_>) -> String {
             draw_cell(&mut svg, (x, y, cw, ch), g.get(ri, ci), (r, &g.cols[ci]), st);
         }
     }
-    let step = (g.cols.len() / 16).max(1);
+    let step = (g.cols.len() / 10).max(1);
     let by = top + ch * g.rows.len() as f64;
     for (ci, c) in g.cols.iter().enumerate().step_by(step) {
         svg.text(left + (ci as f64 + 0.5) * cw, by + 12.0, c, "middle", 10.0, "");

@@ -117,7 +117,9 @@ impl DiffMaps {
                         if !cell.marks.contains('R') {
                             cell.marks.push('R');
                         }
-                        cell.notes.push(note);
+                        if cell.notes.len() < crate::grid::MAX_NOTES {
+                            cell.notes.push(note);
+                        }
                     }
                 }
             }
