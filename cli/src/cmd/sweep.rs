@@ -12,18 +12,18 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::bail;
-use moeconf_calibrate::sweep::{build_schemes, render_text, report_json, SchemeRequest, SweepHeader};
+use moeconf_calibrate::sweep::{
+    build_schemes, html_view, render_text, report_json, SchemeRequest, SweepHeader, SweepProgress,
+};
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{sweep, SweepOptions, SweepReport};
+use moeconf_reference_runtime::fork::{sweep, SweepOptions};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
 use crate::output::{print_json, print_text};
-use moeconf_report::{SweepBranch, SweepView};
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
 use moeconf_schema::output::write_checked;
@@ -103,91 +103,11 @@ pub struct SweepArgs {
     pub threads: Option<usize>,
 }
 
-/// A progress counter on stderr: on a terminal a line rewritten in place,
-/// otherwise one line per 10 %.
-struct Progress {
-    quiet: bool,
-    tty: bool,
-    shown: AtomicUsize,
-}
-
-impl Progress {
-    fn report(&self, done: usize, total: usize) {
-        if self.quiet {
-            return;
-        }
-        let step = if self.tty { 1 } else { total.div_ceil(10).max(1) };
-        if done == total || done.is_multiple_of(step) {
-            let prev = self.shown.fetch_max(done, Ordering::Relaxed);
-            if prev < done {
-                if self.tty {
-                    eprint!("\rsweep: {done}/{total} branches");
-                } else {
-                    eprintln!("sweep: {done}/{total} branches");
-                }
-            }
-        }
-    }
-
-    /// Ends the counter line and reports the sweep's size and time.
-    fn finish(&self, report: &SweepReport, secs: f64) {
-        if self.quiet {
-            return;
-        }
-        let n: usize = report.branches.iter().map(|b| b.len()).sum::<usize>() + 1;
-        if self.tty {
-            eprintln!();
-        }
-        eprintln!(
-            "moeconf sweep: {n} branches (incl. the native reference) in {secs:.2} s on {} threads",
-            rayon::current_num_threads()
-        );
-    }
-}
-
 /// Writes the JSON report to `-o FILE` (checked before the sweep).
 fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(doc)?;
     bytes.push(b'\n');
     Ok(write_checked(out, &bytes)?)
-}
-
-/// What the sweep's HTML page shows: the header, the native branch and
-/// every forked branch with its tokens' texts.
-fn sweep_view(h: &SweepHeader<'_>, r: &SweepReport, detok: &dyn Detokenize) -> anyhow::Result<SweepView> {
-    let branch = |b: &moeconf_reference_runtime::fork::BranchResult| -> anyhow::Result<SweepBranch> {
-        Ok(SweepBranch {
-            label: b.label.clone(),
-            tokens: b.tokens.clone(),
-            pieces: b
-                .tokens
-                .iter()
-                .map(|&t| detok.decode(&[t]))
-                .collect::<Result<_, _>>()?,
-        })
-    };
-    let p = &r.point;
-    let fork = match p.position {
-        Some(pos) => format!("layer {} step {} position {pos}", p.layer, p.step),
-        None => format!("layer {} step {}", p.layer, p.step),
-    };
-    Ok(SweepView {
-        header: vec![
-            ("model".into(), h.model.into()),
-            ("prompt".into(), h.prompt.into()),
-            ("precision".into(), h.precision.into()),
-            ("base contract".into(), h.base_contract.into()),
-            ("fork".into(), fork),
-            ("generated tokens per branch".into(), r.max_new_tokens.to_string()),
-        ],
-        reference: branch(&r.reference)?,
-        branches: r
-            .branches
-            .iter()
-            .flatten()
-            .map(branch)
-            .collect::<anyhow::Result<_>>()?,
-    })
 }
 
 /// Runs `moeconf sweep`.
@@ -253,11 +173,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         algorithm,
         canon: CanonPolicy::default(),
     };
-    let progress = Progress {
-        quiet: a.quiet,
-        tty: std::io::stderr().is_terminal(),
-        shown: AtomicUsize::new(0),
-    };
+    let progress = SweepProgress::new(a.quiet, std::io::stderr().is_terminal());
     let t = std::time::Instant::now();
     let report = sweep(
         &m.model,
@@ -282,7 +198,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         write_output(out, &doc)?;
     }
     if let Some(out) = &html {
-        let view = sweep_view(&header, &report, &m.tokenizer)?;
+        let view = html_view(&header, &report, &m.tokenizer)?;
         write_checked(out, moeconf_report::render_sweep(&view).as_bytes())?;
     }
     match a.format {
