@@ -218,7 +218,12 @@ impl Ctx<'_> {
                 {
                     return Ok((Some(DivergenceKind::Propagating), Some(cp)));
                 }
-                Ok((Some(DivergenceKind::Absorbed), self.next_checkpoint(e)))
+                // Absorbed only when the checkpoint that would show it is
+                // there (and matches): without it nothing is known.
+                match self.next_checkpoint(e) {
+                    Some(cp) => Ok((Some(DivergenceKind::Absorbed), Some(cp))),
+                    None => Ok((None, None)),
+                }
             }
             ExecGroup::StepOutput => {
                 if !self.compared.contains(Level::L0) {

@@ -27,7 +27,9 @@
 //! let dir = tempfile::tempdir().unwrap();
 //! let write = |name: &str, token: i32| {
 //!     let path = dir.path().join(name);
-//!     let mut w = TraceWriter::create(&path, Algorithm::Blake3, Header::default()).unwrap();
+//!     let mut header = Header::default();
+//!     header.binding.decoding.max_new_tokens = 1;
+//!     let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
 //!     let coord = Coord { step: 0, position: 0, phase: Phase::Prefill, layer: None, path: "token.output".into() };
 //!     let bytes = token.to_le_bytes();
 //!     w.append(coord, Level::L0, TensorView { dtype: DType::I32, shape: &[1], bytes: &bytes }, true).unwrap();
@@ -60,7 +62,7 @@ mod storage;
 mod textdiff;
 mod walk;
 
-pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
+pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};

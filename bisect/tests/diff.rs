@@ -473,7 +473,9 @@ fn different_algorithms_and_disjoint_levels_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, alg: Algorithm, level: Level, path: &str| {
         let p = dir.path().join(name);
-        let mut w = TraceWriter::create(&p, alg, Header::default()).unwrap();
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = 1;
+        let mut w = TraceWriter::create(&p, alg, header).unwrap();
         let c = Coord {
             step: 0,
             position: 0,

@@ -506,7 +506,9 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
                       [("torch", torch.__version__),
                        ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))])
     prov.with_recomputed(RECOMPUTED)
-    writer = TraceWriter(out_path, binding, prov, algorithm)
+    # The checkpoint's files are inputs: the trace may never overwrite one of them.
+    inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
+    writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
     rec = _Recorder(writer, mask, payload_mask)
     cache = DynamicCache(config=cfg)
     base = model.model
