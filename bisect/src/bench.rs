@@ -13,7 +13,7 @@ use crate::diff::{diff, open_both, DiffOptions};
 use crate::error::BisectError;
 use crate::report::FirstDivergence;
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Phase, TensorView};
-use moeconf_schema::{Binding, CaptureSpec, Header, Trace, TraceError, TraceWriter};
+use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, Trace, TraceError, TraceWriter};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -49,6 +49,38 @@ pub struct DiffBench {
     pub localized: Option<FirstDivergence>,
 }
 
+impl DiffBench {
+    /// The text report of `moeconf bench diff`: the localization against
+    /// the byte comparison measured in the same run.
+    pub fn render_text(&self) -> String {
+        let mut t = format!(
+            "diff of two {:.2} GiB traces ({} records of {} bytes each), differing in one record\n\
+             \x20 byte comparison of the files   {:>9.4} s\n\
+             \x20 localization (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)\n\
+             \x20   of which opening both traces {:>9.4} s\n\
+             \x20   of which the walk            {:>9.4} s   ({:.3}% of the byte comparison)\n\
+             \x20 payload verification (both)    {:>9.4} s   (moeconf diff re-hashes every payload)\n",
+            self.file_bytes as f64 / (1u64 << 30) as f64,
+            self.records,
+            self.record_bytes,
+            self.byte_compare_seconds,
+            self.diff_seconds,
+            100.0 * self.ratio,
+            self.open_seconds,
+            self.walk_seconds,
+            100.0 * self.walk_seconds / self.byte_compare_seconds,
+            self.verify_seconds
+        );
+        if let Some(f) = &self.localized {
+            t.push_str(&format!(
+                "  localized: step {} layer {:?} {}\n",
+                f.step, f.layer, f.operator
+            ));
+        }
+        t
+    }
+}
+
 /// The components of one synthetic layer, in execution order.
 const COMPONENTS: [Component; 4] = [
     Component::AttnOutput,
@@ -70,6 +102,11 @@ fn write_trace(
         capture: CaptureSpec {
             levels: 0b11111,
             payload_levels: 0b11111,
+        },
+        // Steps 0..steps-1 (the writer refuses steps beyond max_new_tokens).
+        decoding: Decoding {
+            strategy: "greedy".into(),
+            max_new_tokens: steps,
         },
         ..Binding::default()
     };
@@ -154,6 +191,9 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
+/// The file names [`bench_diff`] writes into its directory (and removes afterwards).
+pub const BENCH_TRACE_NAMES: [&str; 2] = ["bench-ref.bin", "bench-cand.bin"];
+
 /// Writes two traces of about `total_bytes` each into `dir` (records of
 /// `record_bytes` payload bytes, [`BENCH_LAYERS`] layers × 4 components per
 /// step) that differ in one `moe.combine` value in the second-to-last
@@ -171,7 +211,8 @@ pub fn bench_diff(
     let per_step = record_bytes * u64::from(BENCH_LAYERS) * COMPONENTS.len() as u64;
     let steps = u32::try_from(total_bytes.div_ceil(per_step).max(2)).unwrap_or(u32::MAX);
     let changed = (steps - 2, BENCH_LAYERS / 2);
-    let (a, b): (PathBuf, PathBuf) = (dir.join("bench-ref.bin"), dir.join("bench-cand.bin"));
+    let [ra, rb] = BENCH_TRACE_NAMES;
+    let (a, b): (PathBuf, PathBuf) = (dir.join(ra), dir.join(rb));
     let result = (|| {
         write_trace(&a, steps, record_bytes as usize, None)?;
         write_trace(&b, steps, record_bytes as usize, Some(changed))?;

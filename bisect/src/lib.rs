@@ -30,7 +30,9 @@
 //! let dir = tempfile::tempdir().unwrap();
 //! let write = |name: &str, token: i32| {
 //!     let path = dir.path().join(name);
-//!     let mut w = TraceWriter::create(&path, Algorithm::Blake3, Header::default()).unwrap();
+//!     let mut header = Header::default();
+//!     header.binding.decoding.max_new_tokens = 1;
+//!     let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
 //!     let coord = Coord { step: 0, position: 0, phase: Phase::Prefill, layer: None, path: "token.output".into() };
 //!     let bytes = token.to_le_bytes();
 //!     w.append(coord, Level::L0, TensorView { dtype: DType::I32, shape: &[1], bytes: &bytes }, true).unwrap();
@@ -58,12 +60,14 @@ mod layerkind;
 mod numeric;
 mod operators;
 mod pairing;
+mod passed;
 mod render;
 mod report;
+mod storage;
 mod textdiff;
 mod walk;
 
-pub use bench::{bench_diff, DiffBench, BENCH_LAYERS};
+pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
@@ -85,10 +89,10 @@ pub use numeric::{
 pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
-    ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck, L0Report, L1Report,
-    L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, RecordRef, RouteDivergence,
-    StateComponent, StateLayer, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,
-    DIFF_SCHEMA_VERSION,
+    BeyondStorage, ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck,
+    L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, OneSided,
+    RecordRef, RouteDivergence, StateComponent, StateLayer, StoragePrecision, TextOp, TextPosition,
+    TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,

@@ -467,10 +467,18 @@ fn json_has_the_documented_keys() {
         "checkpoint",
         "inputs",
         "inputs_match",
+        "inputs_note",
         "layer_kind",
         "comparison",
     ] {
         assert!(d.get(key).is_some(), "divergences[0].{key}");
+    }
+    assert!(
+        d["inputs_note"].is_null(),
+        "every input matches bitwise and is observed"
+    );
+    for i in d["inputs"].as_array().unwrap() {
+        assert!(i.get("recomputed").is_some_and(|r| r.is_null()), "{i}");
     }
     assert_eq!(j["rest"], "propagates");
     assert_eq!(fd["operator"], "moe.combine");
@@ -508,6 +516,8 @@ fn json_has_the_documented_keys() {
         "comparability",
         "compared_levels",
         "unmatched_steps",
+        "storage_precision",
+        "one_side_only",
         "summary",
     ] {
         assert!(j.get(key).is_some(), "{key}");
@@ -521,7 +531,9 @@ fn different_algorithms_and_disjoint_levels_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, alg: Algorithm, level: Level, path: &str| {
         let p = dir.path().join(name);
-        let mut w = TraceWriter::create(&p, alg, Header::default()).unwrap();
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = 1;
+        let mut w = TraceWriter::create(&p, alg, header).unwrap();
         let c = Coord {
             step: 0,
             position: 0,

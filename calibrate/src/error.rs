@@ -67,6 +67,10 @@ pub enum CalibrateError {
     /// Reading or writing a trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// An output file (a table, `calibration.json`, a sweep report) cannot
+    /// be written; the error names the file.
+    #[error(transparent)]
+    Output(#[from] moeconf_schema::OutputError),
     /// The model directory could not be identified.
     #[error(transparent)]
     Input(#[from] InputError),

@@ -1,12 +1,11 @@
 //! What a protocol produces: tables in the paper's layout, structural
 //! claims and the protocol's JSON object, and the files they are written to.
 
-use std::io::Write;
 use std::path::Path;
 
 use serde_json::Value;
 
-use crate::{CalibrateError, Result};
+use crate::Result;
 
 /// A table in the paper's layout.
 #[derive(Debug, Clone)]
@@ -90,9 +89,7 @@ impl Table {
 
     /// Writes the table as `NAME.tsv` into `dir`, atomically.
     pub fn write_tsv(&self, dir: &Path) -> Result<()> {
-        let path = dir.join(format!("{}.tsv", self.name));
-        write_atomic(&path, self.tsv().as_bytes())
-            .map_err(CalibrateError::io(format!("writing {}", path.display())))
+        write_atomic(&dir.join(format!("{}.tsv", self.name)), self.tsv().as_bytes())
     }
 
     /// Tab-separated values with a header line (tabs and newlines in cells become spaces).
@@ -143,19 +140,13 @@ pub struct Section {
     pub claims: Vec<Claim>,
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same
-/// directory, synced, then renamed over `path`. The caller names the file in
-/// its error.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
+/// Writes `bytes` to `path` through `moeconf_schema::output`: the path is
+/// checked (a regular file or nothing; no symbolic link; its directory
+/// exists), the bytes go to a temporary sibling `.NAME.moeconf-tmp.PID.RAND`
+/// (mode 0666 & !umask) that is synced and renamed over `path`, and any
+/// error removes the temporary file. The error names the file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    Ok(moeconf_schema::output::write_file(path, bytes)?)
 }
 
 /// `n/d` formatting of a count.

@@ -200,7 +200,7 @@ impl Suite {
 pub fn write_json(path: &Path, doc: &Value) -> Result<()> {
     let mut bytes = serde_json::to_vec_pretty(doc)?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes).map_err(CalibrateError::io(format!("writing {}", path.display())))
+    write_atomic(path, &bytes)
 }
 
 #[cfg(test)]

@@ -107,6 +107,17 @@ impl ModelPromptArgs {
             _ => bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
         }
     }
+
+    /// The files these options read (a model directory's files, the prompt
+    /// file), which no output of the command may be.
+    pub fn inputs(&self) -> moeconf_schema::Inputs {
+        let mut inputs = moeconf_schema::Inputs::new();
+        crate::output::add_model_inputs(&self.model, &mut inputs);
+        if let Some(f) = &self.prompt_file {
+            inputs.file(f, "prompt file");
+        }
+        inputs
+    }
 }
 
 /// Parses the process arguments (exits with code 2 on a usage error, 0 on

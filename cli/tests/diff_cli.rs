@@ -17,6 +17,10 @@ fn write(path: &Path, prompt: &str, bump: bool) {
             text: prompt.into(),
             ids: vec![1, 2],
         },
+        decoding: moeconf_schema::Decoding {
+            strategy: "greedy".into(),
+            max_new_tokens: 2,
+        },
         capture: CaptureSpec {
             levels: 0b11111,
             payload_levels: 0b11111,

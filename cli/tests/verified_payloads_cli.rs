@@ -63,6 +63,10 @@ impl Repo {
     fn synthetic(&self, name: &str, token: i32, margin: f32) -> PathBuf {
         let path = self.path(name);
         let binding = Binding {
+            decoding: moeconf_schema::Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 1,
+            },
             capture: CaptureSpec {
                 levels: 0b11111,
                 payload_levels: 0b11111,

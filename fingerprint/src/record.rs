@@ -77,9 +77,21 @@ pub struct TensorView<'a> {
 }
 
 impl<'a> TensorView<'a> {
-    /// Number of elements implied by the shape, if it does not overflow.
+    /// Number of elements implied by the shape, if it fits in a u64: the
+    /// exact product of the dimensions, so a shape with a zero dimension has
+    /// 0 elements whatever the other dimensions (docs/format.md §3.2).
     pub fn element_count(shape: &[u64]) -> Option<u64> {
+        if shape.contains(&0) {
+            return Some(0);
+        }
         shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// Bytes implied by `shape` of `dtype` (elements × element size), if
+    /// that fits in a u64. Readers and writers refuse every record, with or
+    /// without a payload, whose byte length does not.
+    pub fn byte_len(dtype: DType, shape: &[u64]) -> Option<u64> {
+        TensorView::element_count(shape).and_then(|n| n.checked_mul(dtype.size() as u64))
     }
 
     /// Checks rank and that the byte length matches shape × element size.
@@ -94,8 +106,7 @@ impl<'a> TensorView<'a> {
                 self.shape.len()
             )));
         }
-        let want = TensorView::element_count(self.shape)
-            .and_then(|n| n.checked_mul(self.dtype.size() as u64))
+        let want = TensorView::byte_len(self.dtype, self.shape)
             .ok_or_else(|| bad(format!("shape {:?} overflows", self.shape)))?;
         if want != self.bytes.len() as u64 {
             return Err(bad(format!(

@@ -261,13 +261,22 @@ impl Baseline {
 
     /// Writes the file atomically (temporary file in the same directory, then rename).
     pub fn write(&self, path: &Path) -> Result<(), GateError> {
-        let mut text = serde_json::to_string_pretty(self).map_err(|e| GateError::Write {
+        write_atomic(path, self.text(path)?.as_bytes(), FileKind::Baseline)
+    }
+
+    /// The file's text (pretty JSON and a final newline); `path` names the
+    /// file in an error.
+    pub fn text(&self, path: &Path) -> Result<String, GateError> {
+        let mut text = serde_json::to_string_pretty(self).map_err(|e| GateError::Output {
             file: FileKind::Baseline,
-            path: path.to_path_buf(),
-            source: e.into(),
+            source: Box::new(moeconf_schema::OutputError::Io {
+                path: path.to_path_buf(),
+                what: "encoding the baseline",
+                source: e.into(),
+            }),
         })?;
         text.push('\n');
-        write_atomic(path, text.as_bytes(), FileKind::Baseline)
+        Ok(text)
     }
 
     /// Reads and validates a baseline file.

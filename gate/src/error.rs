@@ -116,35 +116,16 @@ pub enum GateError {
         /// The diff engine's reason.
         source: BisectError,
     },
-    /// The temporary file next to a report or baseline cannot be created.
-    #[error("{}{}: cannot create a temporary file", file.prefix(), path.display())]
-    CreateTemporary {
+    /// A report or baseline cannot be written: its path is refused before
+    /// any work (not a regular file, a symbolic link, an input of the
+    /// command, a missing directory) or a step of the atomic write failed
+    /// (the temporary file is then removed). The source names the file.
+    #[error("writing the {}", if matches!(file, FileKind::Baseline) { "baseline" } else { "report" })]
+    Output {
         /// What is being written.
         file: FileKind,
-        /// The destination.
-        path: PathBuf,
-        /// The operating system's refusal.
-        source: std::io::Error,
-    },
-    /// A report or baseline cannot be written into its temporary file.
-    #[error("{}{}: cannot write", file.prefix(), path.display())]
-    Write {
-        /// What is being written.
-        file: FileKind,
-        /// The destination.
-        path: PathBuf,
-        /// The operating system's refusal.
-        source: std::io::Error,
-    },
-    /// The written temporary file cannot be renamed over the destination.
-    #[error("{}{}: cannot write", file.prefix(), path.display())]
-    Persist {
-        /// What is being written.
-        file: FileKind,
-        /// The destination.
-        path: PathBuf,
-        /// The failed rename.
-        source: tempfile::PersistError,
+        /// What went wrong, naming the file (boxed: it is large and rare).
+        source: Box<moeconf_schema::OutputError>,
     },
 }
 
@@ -163,16 +144,6 @@ pub enum FileKind {
     Report,
     /// A baseline (`--bless`): messages say `baseline FILE`.
     Baseline,
-}
-
-impl FileKind {
-    /// The words before the file name in a message.
-    fn prefix(self) -> &'static str {
-        match self {
-            FileKind::Report => "",
-            FileKind::Baseline => "baseline ",
-        }
-    }
 }
 
 /// An invalid policy setting, from the file, the environment or the command

@@ -42,7 +42,7 @@ pub use evaluate::evaluate;
 pub use report::{
     Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status, Verdict, GATE_SCHEMA_VERSION,
 };
-pub use write::write_atomic;
+pub use write::{write_atomic, write_checked};
 
 use moeconf_bisect::{diff, BisectError, DiffOptions};
 use moeconf_schema::Trace;
@@ -131,6 +131,10 @@ mod tests {
         let path = dir.join(name);
         let binding = Binding {
             precision: precision.into(),
+            decoding: moeconf_schema::Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 1,
+            },
             capture: CaptureSpec {
                 levels: 0b11111,
                 payload_levels: 0b11111,

@@ -1,34 +1,29 @@
-//! Atomic file writes for reports and baselines: the text goes to a
-//! temporary file in the destination's directory, is flushed to disk and
-//! renamed over the destination, so a reader (a CI step, `git diff`) never
-//! sees a half-written file.
+//! Report and baseline files, written through `moeconf_schema::output`: the
+//! path is checked (a regular file or nothing, no symbolic link, no input
+//! of the command), the text goes to a temporary sibling
+//! (`.NAME.moeconf-tmp.PID.RAND`, mode 0666 & !umask) that is flushed,
+//! synced and renamed over the destination, so a reader (a CI step,
+//! `git diff`) never sees a half-written file, and every error removes the
+//! temporary file.
 
 use crate::error::{FileKind, GateError};
-use std::io::Write;
+use moeconf_schema::output::{self, CheckedOutput};
 use std::path::Path;
 
 /// Writes `bytes` to `path` atomically; errors name the file as `file` says.
+/// The path is checked with no known inputs: commands check their outputs
+/// against their inputs first and then use [`write_checked`].
 pub fn write_atomic(path: &Path, bytes: &[u8], file: FileKind) -> Result<(), GateError> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|source| GateError::CreateTemporary {
+    output::write_file(path, bytes).map_err(|source| GateError::Output {
         file,
-        path: path.to_path_buf(),
-        source,
-    })?;
-    tmp.write_all(bytes)
-        .and_then(|()| tmp.as_file().sync_all())
-        .map_err(|source| GateError::Write {
-            file,
-            path: path.to_path_buf(),
-            source,
-        })?;
-    tmp.persist(path).map_err(|source| GateError::Persist {
+        source: Box::new(source),
+    })
+}
+
+/// Writes `bytes` to an output already checked against the command's inputs.
+pub fn write_checked(out: &CheckedOutput, bytes: &[u8], file: FileKind) -> Result<(), GateError> {
+    output::write_checked(out, bytes).map_err(|source| GateError::Output {
         file,
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok(())
+        source: Box::new(source),
+    })
 }

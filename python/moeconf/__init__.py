@@ -12,7 +12,9 @@ from .fingerprint import (
     Coord, binding_digest, canonicalize, record_digest, record_prefix, tree_root,
 )
 from .identity import model_identity, read_safetensors_header, tokenizer_digest
-from .trace import Record, Trace, TraceFormatError, TraceWriter, WriteSummary, read_trace
+from .trace import (
+    OutputError, Record, StaleTemporaryWarning, Trace, TraceFormatError, TraceWriter, WriteSummary, read_trace,
+)
 
 __version__ = "0.1.0"
 
@@ -20,7 +22,7 @@ __all__ = [
     "ZERO_DIGEST", "Binding", "Provenance", "TensorDigest", "weights_digest", "Coord", "binding_digest",
     "canonicalize", "record_digest", "record_prefix", "tree_root", "model_identity",
     "read_safetensors_header", "tokenizer_digest", "Record", "Trace", "TraceFormatError", "TraceWriter",
-    "WriteSummary", "read_trace", "binding_from_model",
+    "WriteSummary", "read_trace", "binding_from_model", "OutputError", "StaleTemporaryWarning",
 ]
 
 

@@ -10,12 +10,31 @@ Reading::
 
     t = read_trace("out.bin")     # full verification; TraceFormatError names file and offset
     t.root.hex(), len(t.records), t.payload(i)
+
+Writer guarantees (docs/format.md section 10), the same as the Rust writer's:
+
+* the writer refuses anything its reader would refuse: the encoded header is
+  decoded with the reader's own decoder before any file is created (every
+  string, count and rank cap), and every record passes :func:`check_record`
+  (byte length within a u64; step 0 is the prefill forward and only step 0;
+  step < ``max_new_tokens``), besides path, shape and duplicate checks;
+* the output path is checked first (:func:`check_output`): its directory
+  exists, nothing but a regular file is replaced, a symbolic link is
+  refused (never written through or replaced), and it is no file of
+  ``inputs``; the file is written to ``.NAME.moeconf-tmp.PID.RAND`` (mode
+  0666 & ~umask) and renamed into place; every error removes it; stale
+  temporary files of dead processes next to the output raise a
+  :class:`StaleTemporaryWarning`.
 """
 
 import math
 import mmap
 import os
+import re
+import secrets
+import stat
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -29,8 +48,9 @@ from .fingerprint import (
 from .wire import Decoder, Encoder, WireError
 
 __all__ = [
-    "MAGIC", "END_MAGIC", "FORMAT_VERSION", "PREAMBLE_LEN", "TRAILER_LEN", "TraceFormatError",
-    "Record", "Trace", "WriteSummary", "TraceWriter", "read_trace", "to_canonical_bytes",
+    "MAGIC", "END_MAGIC", "FORMAT_VERSION", "PREAMBLE_LEN", "TRAILER_LEN", "TEMP_MARKER", "TraceFormatError",
+    "OutputError", "StaleTemporaryWarning", "Record", "Trace", "WriteSummary", "TraceWriter", "read_trace",
+    "to_canonical_bytes", "check_record", "check_step", "check_header", "check_output", "stale_temporaries",
 ]
 
 #: Preamble magic.
@@ -52,8 +72,166 @@ MIN_ENTRY_LEN = 4 + 4 + 4 + 1 + 8 + 1 + 4 + 4 + 8 + 32 + 1
 _ALG_BY_CODE = {v: k for k, v in ALGORITHMS.items()}
 
 
+#: Marker between the output's name and the process id in a temporary file's
+#: name: ``.NAME.moeconf-tmp.PID.RAND`` (RAND: 16 hex digits).
+TEMP_MARKER = ".moeconf-tmp."
+_TEMP_NAME_MAX = 200
+
+
 def _align(x):
     return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written (see :func:`check_output`); the message names it."""
+
+
+class StaleTemporaryWarning(UserWarning):
+    """A temporary file left next to an output by a process that no longer runs."""
+
+
+def _dir_of(path):
+    return os.path.dirname(path) or "."
+
+
+def _kind(mode):
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "not a regular file"
+
+
+def _check_existing(path, inputs):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputError(f"{path}: is a symbolic link (to {os.readlink(path)}): moeconf neither writes through "
+                          "nor replaces a symbolic link; give the target's path, or remove the link")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{path}: is {_kind(st.st_mode)}, not a regular file: moeconf writes outputs only as "
+                          "regular files and never replaces anything else")
+    for inp in inputs:
+        try:
+            i = os.stat(inp)
+        except OSError:
+            continue
+        if (i.st_dev, i.st_ino) == (st.st_dev, st.st_ino):
+            raise OutputError(f"{path}: is the same file as the input {os.fspath(inp)} (same device and inode): "
+                              "refusing to overwrite an input")
+
+
+def check_output(path, inputs=()):
+    """Checks that ``path`` can be written as an output of a producer that reads
+    ``inputs`` (paths): its directory exists and is a directory; nothing but a
+    regular file exists there; it is not a symbolic link; it is not the same
+    file (device and inode) as any input. Raises :class:`OutputError`."""
+    path = os.fspath(path)
+    if not os.path.basename(path):
+        raise OutputError(f"{path}: is a directory name, not a file path")
+    d = _dir_of(path)
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        raise OutputError(f"{path}: the directory {d} does not exist") from None
+    except NotADirectoryError:
+        raise OutputError(f"{path}: {d} is not a directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{path}: {d} is not a directory")
+    _check_existing(path, [os.fspath(i) for i in inputs])
+
+
+def _temp_stem(path):
+    name = os.path.basename(path)
+    b = name.encode("utf-8", "surrogateescape")
+    if len(b) <= _TEMP_NAME_MAX:
+        return name
+    return b[:_TEMP_NAME_MAX].decode("utf-8", "ignore")
+
+
+def stale_temporaries(path):
+    """Temporary files of ``path``'s name in its directory (both the
+    ``.NAME.moeconf-tmp.PID.RAND`` pattern and the older ``.NAME.tmp-PID-N``)
+    whose writing process no longer runs (Linux: no ``/proc/PID``; elsewhere
+    none are reported). Returns ``[(path, pid)]`` sorted by path."""
+    path = os.fspath(path)
+    stem = re.escape(_temp_stem(path))
+    pattern = re.compile(r"\." + stem + r"(?:\.moeconf-tmp\.(\d+)\.[0-9a-fA-F]{16}|\.tmp-(\d+)-\d+)")
+    if not os.path.exists("/proc/self"):
+        return []
+    out = []
+    d = _dir_of(path)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    for n in names:
+        m = pattern.fullmatch(n)
+        if not m:
+            continue
+        pid = int(m.group(1) or m.group(2))
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            out.append((os.path.join(d, n), pid))
+    return sorted(out)
+
+
+def check_step(max_new_tokens, coord):
+    """Step and phase consistency (section 3.1): step 0 is the prefill forward and
+    every later step a decode forward; ``max_new_tokens`` = N allows steps
+    0..N-1. Returns None or what is wrong."""
+    if coord.step == 0 and coord.phase == 1:
+        return "step 0 is the prefill forward, but the record's phase is decode"
+    if coord.step > 0 and coord.phase == 0:
+        return f"step {coord.step} is a decode forward, but the record's phase is prefill (only step 0 is)"
+    if coord.step >= max_new_tokens:
+        if max_new_tokens == 0:
+            return f"step {coord.step} is beyond the run: the binding's max_new_tokens = 0 allows no step"
+        return (f"step {coord.step} is beyond the run: the binding's max_new_tokens = {max_new_tokens} "
+                f"allows steps 0..{max_new_tokens - 1}")
+    return None
+
+
+def check_record(binding, coord, dtype, shape):
+    """What a reader checks of one record beyond its encoding: the byte length
+    (product of the shape times the element size) fits in a u64, with or without
+    a payload, and :func:`check_step`. Returns None or what is wrong."""
+    if _byte_len(dtype, shape) >= 2**64:
+        return f"shape {list(shape)} of {dtype} is more than 2^64 - 1 bytes"
+    return check_step(binding.max_new_tokens, coord)
+
+
+def check_header(binding, provenance):
+    """The wire-encoded header after checking that a reader accepts it: it
+    encodes (every integer in range, every string valid UTF-8), the binding's
+    tensors and extras are sorted, it fits in 256 MiB and it decodes with the
+    reader's own decoder (every cap of section 7). Raises ValueError naming the
+    field and the limit."""
+    binding.validate()
+    e = Encoder()
+    try:
+        binding.encode(e)
+        provenance.encode(e)
+    except (struct.error, OverflowError, TypeError, UnicodeEncodeError, AttributeError) as err:
+        raise ValueError(f"header cannot be encoded: {err}") from None
+    header = e.bytes()
+    if len(header) > MAX_HEADER_LEN:
+        raise ValueError(f"the header is {len(header)} bytes, more than the {MAX_HEADER_LEN} a reader accepts")
+    try:
+        d = Decoder(header, PREAMBLE_LEN)
+        Binding.decode(d)
+        Provenance.decode(d)
+        d.finish("header")
+    except WireError as err:
+        raise ValueError(f"header field refused by the reader: {err.what}") from None
+    return header
 
 
 class TraceFormatError(ValueError):
@@ -203,31 +381,46 @@ class TraceWriter:
     exception) removes the temporary file.
     """
 
-    def __init__(self, path, binding, provenance=None, algorithm="blake3"):
+    def __init__(self, path, binding, provenance=None, algorithm="blake3", inputs=()):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest algorithm {algorithm!r} (use blake3 or sha256)")
-        binding.validate()
         self.path = os.fspath(path)
+        self._f = None
         self.algorithm = algorithm
         self.binding = binding
         self.provenance = provenance if provenance is not None else Provenance()
-        e = Encoder()
-        binding.encode(e)
-        self.provenance.encode(e)
-        header = e.bytes()
-        if len(header) > MAX_HEADER_LEN:
-            raise ValueError(f"header is {len(header)} bytes, more than {MAX_HEADER_LEN}")
+        try:
+            header = check_header(binding, self.provenance)
+        except ValueError as err:
+            raise ValueError(f"{self.path}: {err}") from None
+        self._inputs = [os.fspath(i) for i in inputs]
+        check_output(self.path, self._inputs)
+        for tmp, pid in stale_temporaries(self.path):
+            warnings.warn(f"stale temporary file {tmp} next to {self.path}: left by process {pid}, which no "
+                          "longer runs (a write that was killed); delete it", StaleTemporaryWarning, stacklevel=2)
         pre = (MAGIC + struct.pack("<IIII", FORMAT_VERSION, 0, ALGORITHMS[algorithm], 0)
                + struct.pack("<Q", len(header)))
         self._preamble_header = pre + header
         self.records = []
-        d, base = os.path.split(os.path.abspath(self.path))
-        self._tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}-{id(self)}")
-        self._f = open(self._tmp, "wb")
+        d = _dir_of(self.path)
+        for _ in range(16):
+            self._tmp = os.path.join(d, f".{_temp_stem(self.path)}{TEMP_MARKER}{os.getpid()}.{secrets.token_hex(8)}")
+            try:
+                fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise OutputError(f"{self.path}: cannot create a temporary file (16 names taken)")
+        self._f = os.fdopen(fd, "wb")
         self._pos = 0
         self._keys = set()
-        self._write(self._preamble_header)
-        self._pad()
+        try:
+            self._write(self._preamble_header)
+            self._pad()
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, b):
         self._f.write(b)
@@ -254,13 +447,24 @@ class TraceWriter:
         key = (coord.step, lv, coord.layer, coord.position, coord.phase, coord.path)
         if key in self._keys:
             raise ValueError(f"{self.path}: a record at L{lv} {coord} was already appended")
+        step_error = check_step(self.binding.max_new_tokens, coord)
+        if step_error:
+            raise ValueError(f"{self.path}: record {coord}: {step_error}")
         canon, dtype, shape = to_canonical_bytes(data, dtype, shape, self.binding.fold_negative_zero)
+        wrong = check_record(self.binding, coord, dtype, shape)
+        if wrong:
+            raise ValueError(f"{self.path}: record {coord}: {wrong}")
         digest = record_digest(self.algorithm, coord, lv, dtype, shape, canon)
         payload = None
         if keep_payload:
             payload = (self._pos, len(canon))
-            self._write(canon)
-            self._pad()
+            try:
+                self._write(canon)
+                self._pad()
+            except BaseException:
+                # A failed write leaves the file unusable: discard it.
+                self.abort()
+                raise
         self._keys.add(key)
         self.records.append(Record(coord, lv, dtype, shape, digest, payload))
         return digest
@@ -289,7 +493,20 @@ class TraceWriter:
             os.fsync(self._f.fileno())
             self._f.close()
             self._f = None
+            _check_existing(self.path, self._inputs)
             os.replace(self._tmp, self.path)
+            self._tmp = None
+            try:
+                dfd = os.open(_dir_of(self.path), os.O_RDONLY)
+            except OSError:
+                dfd = None
+            if dfd is not None:
+                try:
+                    os.fsync(dfd)
+                except OSError:
+                    pass
+                finally:
+                    os.close(dfd)
         except BaseException:
             self.abort()
             raise
@@ -299,10 +516,17 @@ class TraceWriter:
     def abort(self):
         """Discards the temporary file (no trace is written)."""
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass
             self._f = None
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        tmp, self._tmp = getattr(self, "_tmp", None), None
+        if tmp is not None:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self):
         return self
@@ -311,6 +535,11 @@ class TraceWriter:
         if self._f is not None:
             self.abort()
         return False
+
+    def __del__(self):
+        # A writer dropped unfinished (no ``with``, no ``finish``) leaves nothing behind.
+        if getattr(self, "_f", None) is not None:
+            self.abort()
 
 
 class Trace:
@@ -434,8 +663,9 @@ def read_trace(path, verify=True):
             except WireError as e:
                 raise WireError(e.offset, f"record {i}: {e.what}") from None
             want = _byte_len(r.dtype, r.shape)
-            if want >= 2**64:
-                raise WireError(at, f"record {i} ({r.coord}): shape {r.shape} overflows a u64 byte length")
+            wrong = check_record(binding, r.coord, r.dtype, r.shape)
+            if wrong:
+                raise WireError(at, f"record {i} ({r.coord}): {wrong}")
             if r.payload is not None:
                 off, ln = r.payload
                 if off % ALIGN or off < next_payload or off + ln > index_offset:

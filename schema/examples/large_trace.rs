@@ -26,15 +26,18 @@ const COMPONENTS: [Component; 4] = [
 /// Layers per step.
 const LAYERS: usize = 61;
 
+/// `n` tensor digests, sorted by name as a binding lists them (docs/format.md §5.2).
 fn tensors(n: usize) -> Vec<TensorDigest> {
-    (0..n)
+    let mut v: Vec<TensorDigest> = (0..n)
         .map(|i| TensorDigest {
             name: format!("layers.{}.experts.{}.w{}", i / 768, (i / 3) % 256, i % 3),
             dtype: "bf16".into(),
             shape: vec![2048, 7168],
             digest: Algorithm::Blake3.hash(&(i as u64).to_le_bytes()),
         })
-        .collect()
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -59,12 +62,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => return Err(format!("unknown kind {kind:?} (records or tensors)").into()),
     };
+    let per_step = LAYERS * COMPONENTS.len();
+    // Steps 0..records/per_step: the writer refuses steps beyond max_new_tokens.
+    binding.decoding.max_new_tokens = u32::try_from(records / per_step + 1)?;
     let header = Header {
         binding,
         ..Header::default()
     };
     let mut w = TraceWriter::create(Path::new(out), Algorithm::Blake3, header)?;
-    let per_step = LAYERS * COMPONENTS.len();
     for i in 0..records {
         let step = (i / per_step) as u32;
         let coord = Coord {

@@ -47,7 +47,7 @@ pub enum TraceError {
         supported: u32,
     },
     /// The writer was given something it cannot store (bad shape, duplicate
-    /// coordinate, invalid path).
+    /// coordinate, invalid path, a header or record its reader would refuse).
     #[error("{}: {what}", path.display())]
     Invalid {
         /// The trace being written.
@@ -55,6 +55,18 @@ pub enum TraceError {
         /// What was rejected.
         what: String,
     },
+    /// The output path cannot be written (see [`crate::output`]): not a
+    /// regular file, a symbolic link, an input of the command, or the write,
+    /// flush, sync or rename failed (the temporary file is removed).
+    /// (Boxed: it is large and rare, and keeps every `Result<_, TraceError>` small.)
+    #[error(transparent)]
+    Output(Box<crate::output::OutputError>),
+}
+
+impl From<crate::output::OutputError> for TraceError {
+    fn from(e: crate::output::OutputError) -> TraceError {
+        TraceError::Output(Box::new(e))
+    }
 }
 
 impl TraceError {

@@ -23,6 +23,8 @@
 
 use crate::error::InputError;
 use crate::identity::model_identity;
+use crate::output::{check_output, Inputs};
+use crate::TraceError;
 use crate::{
     Binding, CaptureSpec, Decoding, Header, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity,
     TraceWriter, WriteSummary, SMALL_RECORD_BYTES,
@@ -525,15 +527,10 @@ pub fn import(a: &ImportOptions) -> Result<WriteSummary, InputError> {
         })?;
         overrides.push((prefix.clone(), l));
     }
-    let items = read_dump(&a.input, &overrides, m.max_new_tokens)?;
-    let levels = items.iter().fold(0u32, |acc, it| acc | (1 << it.level.code()));
-    let capture = CaptureSpec {
-        levels,
-        payload_levels: payload_levels & levels,
-    };
+    let out = check_output(&a.output, &import_inputs(a, &m, &manifest_path)).map_err(TraceError::from)?;
     let canon = a.canon;
-    let header = Header {
-        binding: binding_from(&m, &manifest_path, alg, capture, canon)?,
+    let mut header = Header {
+        binding: binding_from(&m, &manifest_path, alg, CaptureSpec::default(), canon)?,
         provenance: Provenance {
             runtime: m.runtime.name.clone(),
             version: m.runtime.version.clone(),
@@ -546,7 +543,19 @@ pub fn import(a: &ImportOptions) -> Result<WriteSummary, InputError> {
                 .collect(),
         },
     };
-    let mut w = TraceWriter::create(&a.output, alg, header)?;
+    // A manifest whose facts a reader would refuse (a string over its cap,
+    // too many extras, ...) is an error before the dumps are read.
+    header
+        .to_checked_bytes()
+        .map_err(|m| invalid(format!("{}: {m}", manifest_path.display())))?;
+    let items = read_dump(&a.input, &overrides, m.max_new_tokens)?;
+    let levels = items.iter().fold(0u32, |acc, it| acc | (1 << it.level.code()));
+    let capture = CaptureSpec {
+        levels,
+        payload_levels: payload_levels & levels,
+    };
+    header.binding.capture = capture;
+    let mut w = TraceWriter::create_checked(&out, alg, header)?;
     for it in &items {
         let coord = Coord {
             step: it.name.step,
@@ -568,6 +577,22 @@ pub fn import(a: &ImportOptions) -> Result<WriteSummary, InputError> {
         w.append(coord, it.level, view, keep)?;
     }
     Ok(w.finish()?)
+}
+
+/// Every file `import` reads, which its output must not be: the dump
+/// directory's files, the manifest, and the model directory's files and the
+/// tokenizer file the manifest names.
+fn import_inputs(a: &ImportOptions, m: &Manifest, manifest: &Path) -> Inputs {
+    let base = manifest.parent().unwrap_or(Path::new("."));
+    let mut inputs = Inputs::new();
+    inputs.dir_files(&a.input, "dump file").file(manifest, "manifest");
+    if let Some(dir) = &m.model.dir {
+        inputs.dir_files(&resolve(base, dir), "model file");
+    }
+    if let Some(f) = &m.tokenizer.file {
+        inputs.file(&resolve(base, f), "tokenizer file");
+    }
+    inputs
 }
 
 /// An invalid-input error.

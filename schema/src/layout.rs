@@ -5,7 +5,7 @@ use crate::binding::{Binding, Provenance};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
 use moeconf_fingerprint::{
     binding_digest, Algorithm, Coord, DType, Digest, FingerprintError, HashTree, Interner, Leaf, Level,
-    TensorView, MAX_RANK,
+    Phase, TensorView, MAX_RANK,
 };
 use std::sync::Arc;
 
@@ -76,6 +76,34 @@ impl Header {
         self.binding.encode(&mut e);
         self.provenance.encode(&mut e);
         e.into_bytes()
+    }
+
+    /// The wire encoding, after checking that a reader accepts it: the
+    /// header fits in [`MAX_HEADER_LEN`] and decodes with the reader's own
+    /// decoder (every cap of docs/format.md §7: string lengths, the
+    /// decoding strategy's and tensor dtypes' 64 bytes, tensor, prompt-id,
+    /// extra and note counts, ranks, capture bits). Also the writer rule of
+    /// §5.2 that the Python writer enforces too: tensors sorted by name and
+    /// extras by key (bytewise; readers do not check it). The error names
+    /// the field and the limit.
+    pub fn to_checked_bytes(&self) -> Result<Vec<u8>, String> {
+        let b = &self.binding;
+        if !b.model.tensors.windows(2).all(|w| w[0].name <= w[1].name) {
+            return Err("the binding's tensors must be sorted by name".into());
+        }
+        if !b.extra.windows(2).all(|w| w[0].0 <= w[1].0) {
+            return Err("the binding's extra must be sorted by key".into());
+        }
+        let bytes = self.to_bytes();
+        if bytes.len() as u64 > MAX_HEADER_LEN {
+            return Err(format!(
+                "the header is {} bytes, more than the {MAX_HEADER_LEN} a reader accepts",
+                bytes.len()
+            ));
+        }
+        Header::decode(&bytes, PREAMBLE_LEN)
+            .map_err(|e| format!("header field refused by the reader: {}", e.what))?;
+        Ok(bytes)
     }
 
     /// Decodes a header, rejecting trailing bytes.
@@ -172,7 +200,7 @@ impl IndexEntry {
         let payload = if d.option_tag("record payload")? {
             let offset = d.u64("payload offset")?;
             let len = d.u64("payload length")?;
-            let want = TensorView::element_count(&shape).and_then(|n| n.checked_mul(dtype.size() as u64));
+            let want = TensorView::byte_len(dtype, &shape);
             if want != Some(len) {
                 return Err(d.error_at(
                     at,
@@ -191,6 +219,39 @@ impl IndexEntry {
             digest,
             payload,
         })
+    }
+}
+
+/// Checks what a reader checks of one record beyond its wire encoding
+/// (docs/format.md §3): its byte length (product of the shape times the
+/// element size) fits in a u64, with or without a payload, and its step and
+/// phase agree with each other and with the binding ([`check_step`]).
+/// Writers call it before they append a record, readers for every record of
+/// the index.
+pub fn check_record(binding: &Binding, coord: &Coord, dtype: DType, shape: &[u64]) -> Result<(), String> {
+    if TensorView::byte_len(dtype, shape).is_none() {
+        return Err(format!("shape {shape:?} of {dtype} is more than 2^64 - 1 bytes"));
+    }
+    check_step(binding.decoding.max_new_tokens, coord)
+}
+
+/// Step and phase consistency (docs/format.md §3.1): step 0 is the prefill
+/// forward and every later step a decode forward; a run of
+/// `max_new_tokens` = N has steps 0..N-1, so no record has step ≥ N.
+pub fn check_step(max_new_tokens: u32, coord: &Coord) -> Result<(), String> {
+    match (coord.step, coord.phase) {
+        (0, Phase::Decode) => Err("step 0 is the prefill forward, but the record's phase is decode".into()),
+        (s, Phase::Prefill) if s > 0 => Err(format!(
+            "step {s} is a decode forward, but the record's phase is prefill (only step 0 is)"
+        )),
+        (s, _) if s >= max_new_tokens => Err(match max_new_tokens {
+            0 => format!("step {s} is beyond the run: the binding's max_new_tokens = 0 allows no step"),
+            n => format!(
+                "step {s} is beyond the run: the binding's max_new_tokens = {n} allows steps 0..{}",
+                n - 1
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 

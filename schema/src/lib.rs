@@ -8,7 +8,10 @@
 //!   decoding, precision, contract, schedule, capture, canonicalization);
 //!   [`Provenance`] says who produced it.
 //! * [`TraceWriter`] appends records as a runtime produces them and writes the
-//!   file atomically.
+//!   file atomically, refusing anything its reader would refuse.
+//! * [`output`] is the one way any moeconf command writes a file: outputs
+//!   checked before work starts, temporary files that never outlive an
+//!   error, normal file modes.
 //! * [`Trace`] opens a file, validates every field of it and exposes the
 //!   records, payloads and fingerprint [`HashTree`](moeconf_fingerprint::HashTree).
 //!
@@ -23,7 +26,9 @@
 //! use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
 //! let dir = tempfile::tempdir().unwrap();
 //! let path = dir.path().join("t.bin");
-//! let mut w = TraceWriter::create(&path, Algorithm::Blake3, Header::default()).unwrap();
+//! let mut header = Header::default();
+//! header.binding.decoding.max_new_tokens = 1; // steps 0..1
+//! let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
 //! let ids = 42i32.to_le_bytes();
 //! let coord = Coord { step: 0, position: 0, phase: Phase::Prefill, layer: None, path: "token.output".into() };
 //! w.append(coord, Level::L0, TensorView { dtype: DType::I32, shape: &[1], bytes: &ids }, true).unwrap();
@@ -42,7 +47,9 @@ mod identity;
 pub mod import;
 pub mod inspect;
 pub mod layout;
+pub mod output;
 mod reader;
+pub mod recomputed;
 mod writer;
 
 pub use binding::{
@@ -53,7 +60,9 @@ pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
+pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
 pub use reader::{Trace, VerifySummary};
+pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{TraceWriter, WriteSummary};
 
 /// Records of at most this many bytes keep their payload whatever the

@@ -17,8 +17,9 @@
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, checksum, fingerprint_tree_encoded, Header, IndexEntry, PayloadRef, Trailer, END_MAGIC,
-    FORMAT_VERSION, MAGIC, MAX_HEADER_LEN, MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN, TRAILER_LEN,
+    align_up, check_record, checksum, fingerprint_tree_encoded, Header, IndexEntry, PayloadRef, Trailer,
+    END_MAGIC, FORMAT_VERSION, MAGIC, MAX_HEADER_LEN, MIN_ENTRY_LEN, PAYLOAD_ALIGN, PREAMBLE_LEN,
+    TRAILER_LEN,
 };
 use moeconf_fingerprint::wire::Decoder;
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, HashTree, Interner, TensorView};
@@ -219,7 +220,13 @@ fn index_bytes<'b>(b: &'b [u8], t: &Trailer) -> &'b [u8] {
 
 /// Decodes the index and checks that payloads lie inside the payload
 /// section in order, aligned and non-overlapping.
-fn decode_index(path: &Path, b: &[u8], pre: &Preambled, t: &Trailer) -> Result<Vec<IndexEntry>, TraceError> {
+fn decode_index(
+    path: &Path,
+    b: &[u8],
+    pre: &Preambled,
+    t: &Trailer,
+    binding: &Binding,
+) -> Result<Vec<IndexEntry>, TraceError> {
     let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
     let (index_offset, record_count) = (t.index_offset, t.record_count);
     let mut d = Decoder::new(index_bytes(b, t), index_offset);
@@ -239,6 +246,8 @@ fn decode_index(path: &Path, b: &[u8], pre: &Preambled, t: &Trailer) -> Result<V
         let at = d.offset();
         let e = IndexEntry::decode_interned(&mut d, &mut interner)
             .map_err(|e| fail(e.offset, format!("record {i}: {}", e.what)))?;
+        check_record(binding, &e.coord, e.dtype, &e.shape)
+            .map_err(|m| fail(at, format!("record {i} ({}): {m}", e.coord)))?;
         if let Some(p) = e.payload {
             let end = p.offset.checked_add(p.len);
             if p.offset % PAYLOAD_ALIGN != 0
@@ -311,7 +320,7 @@ impl Trace {
         let header_bytes = &b[PREAMBLE_LEN as usize..pre.header_end as usize];
         let (header, binding_len) = Header::decode_split(header_bytes, PREAMBLE_LEN)
             .map_err(|e| fail(e.offset, format!("header: {}", e.what)))?;
-        let entries = decode_index(path, b, &pre, &trailer)?;
+        let entries = decode_index(path, b, &pre, &trailer, &header.binding)?;
         let (bd, tree) = fingerprint_tree_encoded(pre.alg, &header_bytes[..binding_len], &entries)
             .map_err(|e| fail(trailer.index_offset, e.to_string()))?;
         if tree.root != trailer.root {

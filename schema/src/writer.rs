@@ -1,26 +1,36 @@
-//! Streaming, atomic trace writer.
+//! Streaming, atomic trace writer that writes only what its reader accepts.
 //!
 //! Records are appended as the runtime produces them: each tensor is
 //! canonicalized and hashed in one pass and, when its payload is kept, the
 //! same canonical bytes go to the file. Nothing is visible at the final path
 //! until [`TraceWriter::finish`] has written index and trailer, flushed and
 //! synced: the file is written under a temporary name in the same directory
-//! and renamed into place, so a crash never leaves a half-written trace.
+//! (`.NAME.moeconf-tmp.PID.RAND`, see [`crate::output`]) and renamed into
+//! place, so a crash never leaves a half-written trace, and every error
+//! (including a failed flush, sync or rename in `finish`) removes the
+//! temporary file.
+//!
+//! The writer enforces every check of the reader at write time: the header
+//! must decode with the reader's decoder ([`Header::to_checked_bytes`]),
+//! every record must pass [`check_record`] (byte length within a u64, step
+//! and phase consistent with each other and with `max_new_tokens`), paths
+//! and shapes must be valid, and no coordinate may repeat. Whatever
+//! `finish` accepts, [`crate::Trace::open_verified`] accepts.
 
 use crate::binding::Binding;
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Preamble, Trailer, PAYLOAD_ALIGN,
-    PREAMBLE_LEN,
+    align_up, check_record, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Preamble, Trailer,
+    PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
+use crate::output::{check_output, AtomicFile, CheckedOutput, Inputs};
 use moeconf_fingerprint::wire::Encoder;
 use moeconf_fingerprint::{record_digest_with_sink, Algorithm, Coord, Digest, Interner, Level, TensorView};
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
-static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+/// Write buffer of a trace file.
+const BUFFER: usize = 1 << 20;
 
 /// What [`TraceWriter::finish`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,8 +48,9 @@ pub struct WriteSummary {
 /// Appends records to a new trace file.
 pub struct TraceWriter {
     path: PathBuf,
-    tmp: PathBuf,
-    out: Option<BufWriter<File>>,
+    /// The temporary file; `None` once finished or after a failed write
+    /// (the temporary file is then already removed).
+    out: Option<AtomicFile>,
     alg: Algorithm,
     header: Header,
     preamble_and_header: Vec<u8>,
@@ -50,25 +61,31 @@ pub struct TraceWriter {
     parallel: bool,
 }
 
-fn tmp_path_for(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "trace".into());
-    let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    path.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()))
-}
-
 impl TraceWriter {
-    /// Starts a trace at `path` (written to a temporary sibling until finished).
+    /// Starts a trace at `path` (written to a temporary sibling until
+    /// finished). The path is checked as an output with no known inputs
+    /// ([`check_output`]); commands that read files use
+    /// [`TraceWriter::create_checked`] with their inputs. A header that a
+    /// reader would refuse is an error before any file is created.
     pub fn create(path: &Path, alg: Algorithm, header: Header) -> Result<TraceWriter, TraceError> {
-        let tmp = tmp_path_for(path);
-        let file =
-            File::create(&tmp).map_err(|e| TraceError::io(&tmp, "creating temporary trace file", e))?;
+        let out = check_output(path, &Inputs::new())?;
+        TraceWriter::create_checked(&out, alg, header)
+    }
+
+    /// Starts a trace at an output already checked against the command's inputs.
+    pub fn create_checked(
+        out: &CheckedOutput,
+        alg: Algorithm,
+        header: Header,
+    ) -> Result<TraceWriter, TraceError> {
+        let path = out.path();
+        let header_bytes = header
+            .to_checked_bytes()
+            .map_err(|m| TraceError::invalid(path, m))?;
+        let file = AtomicFile::with_buffer(out, BUFFER)?;
         let mut w = TraceWriter {
             path: path.to_path_buf(),
-            tmp,
-            out: Some(BufWriter::with_capacity(1 << 20, file)),
+            out: Some(file),
             alg,
             preamble_and_header: Vec::new(),
             header,
@@ -77,7 +94,6 @@ impl TraceWriter {
             interner: Interner::new(),
             parallel: true,
         };
-        let header_bytes = w.header.to_bytes();
         let pre = Preamble {
             algorithm: alg,
             header_len: header_bytes.len() as u64,
@@ -112,12 +128,25 @@ impl TraceWriter {
         self.entries.len()
     }
 
+    /// The open temporary file, or the error of a writer that finished or failed.
+    fn file(&mut self) -> Result<&mut AtomicFile, TraceError> {
+        let path = &self.path;
+        self.out
+            .as_mut()
+            .ok_or_else(|| TraceError::invalid(path, "trace writer already finished or failed"))
+    }
+
+    /// A failed write leaves the file unusable: drop it (removing the
+    /// temporary file) so that nothing more is written.
+    fn failed(&mut self, what: &'static str, e: std::io::Error) -> TraceError {
+        self.out = None;
+        TraceError::io(&self.path, what, e)
+    }
+
     fn write_all(&mut self, bytes: &[u8]) -> Result<(), TraceError> {
-        let Some(out) = self.out.as_mut() else {
-            return Err(TraceError::invalid(&self.path, "trace writer already finished"));
-        };
-        out.write_all(bytes)
-            .map_err(|e| TraceError::io(&self.tmp, "writing trace", e))?;
+        if let Err(e) = self.file()?.write_all(bytes) {
+            return Err(self.failed("writing trace", e));
+        }
         self.pos += bytes.len() as u64;
         Ok(())
     }
@@ -130,7 +159,10 @@ impl TraceWriter {
     }
 
     /// Appends one record; keeps its canonical bytes when `keep_payload`.
-    /// Returns the record digest.
+    /// Returns the record digest. A record its reader would refuse (invalid
+    /// path, shape that does not fit the bytes or a u64, step and phase
+    /// inconsistent with each other or with the binding's `max_new_tokens`)
+    /// is an error and leaves the writer as it was.
     pub fn append(
         &mut self,
         coord: Coord,
@@ -139,6 +171,11 @@ impl TraceWriter {
         keep_payload: bool,
     ) -> Result<Digest, TraceError> {
         Coord::validate_path(&coord.path).map_err(|m| TraceError::invalid(&self.path, m))?;
+        check_record(&self.header.binding, &coord, tensor.dtype, tensor.shape)
+            .map_err(|m| TraceError::invalid(&self.path, format!("record {coord}: {m}")))?;
+        tensor
+            .validate(&coord.path)
+            .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?;
         let canon = self.header.binding.canon;
         let (alg, parallel) = (self.alg, self.parallel);
         let payload = if keep_payload {
@@ -150,20 +187,16 @@ impl TraceWriter {
             None
         };
         let digest = if keep_payload {
-            let path = self.path.clone();
-            let tmp = self.tmp.clone();
-            let out = self
-                .out
-                .as_mut()
-                .ok_or_else(|| TraceError::invalid(&path, "trace writer already finished"))?;
+            let out = self.file()?;
             let d =
-                record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |b| out.write_all(b))
-                    .map_err(|e| match e {
-                        moeconf_fingerprint::FingerprintError::Sink(io) => {
-                            TraceError::io(&tmp, "writing trace payload", io)
-                        }
-                        other => TraceError::invalid(&path, other.to_string()),
-                    })?;
+                record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |b| out.write_all(b));
+            let d = match d {
+                Ok(d) => d,
+                Err(moeconf_fingerprint::FingerprintError::Sink(io)) => {
+                    return Err(self.failed("writing trace payload", io))
+                }
+                Err(other) => return Err(self.failed("writing trace payload", std::io::Error::other(other))),
+            };
             self.pos += tensor.bytes.len() as u64;
             self.pad_to_alignment()?;
             d
@@ -212,32 +245,18 @@ impl TraceWriter {
         );
         self.write_all(&index)?;
         self.write_all(&trailer.to_bytes())?;
-        let out = self
+        // On any failure of the flush, sync, re-check or rename the
+        // temporary file is removed (AtomicFile::commit).
+        let file = self
             .out
             .take()
-            .ok_or_else(|| TraceError::invalid(&self.path, "trace writer already finished"))?;
-        let file = out
-            .into_inner()
-            .map_err(|e| TraceError::io(&self.tmp, "flushing trace", e.into_error()))?;
-        file.sync_all()
-            .map_err(|e| TraceError::io(&self.tmp, "syncing trace", e))?;
-        drop(file);
-        std::fs::rename(&self.tmp, &self.path)
-            .map_err(|e| TraceError::io(&self.path, "renaming temporary trace into place", e))?;
+            .ok_or_else(|| TraceError::invalid(&self.path, "trace writer already finished or failed"))?;
+        file.commit()?;
         Ok(WriteSummary {
             root: tree.root,
             records: self.entries.len() as u64,
             payloads: self.entries.iter().filter(|e| e.payload.is_some()).count() as u64,
             bytes: self.pos,
         })
-    }
-}
-
-impl Drop for TraceWriter {
-    fn drop(&mut self) {
-        if self.out.take().is_some() {
-            // Not finished: remove the partial temporary file.
-            let _ = std::fs::remove_file(&self.tmp);
-        }
     }
 }

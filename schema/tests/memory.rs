@@ -65,6 +65,7 @@ fn binding(tensors: Vec<TensorDigest>) -> Binding {
         },
         ..Binding::default()
     };
+    b.decoding.max_new_tokens = u32::MAX;
     b.model.weights_digest = weights_digest(Algorithm::Blake3, &tensors);
     b.model.tensors = tensors;
     b
@@ -82,7 +83,7 @@ fn write(path: &std::path::Path, records: usize, tensors: Vec<TensorDigest>) {
         let coord = Coord {
             step: group / 61,
             position: group / 61,
-            phase: Phase::Decode,
+            phase: if group < 61 { Phase::Prefill } else { Phase::Decode },
             layer: Some(group % 61),
             path: PATHS[i % PATHS.len()].into(),
         };
@@ -119,7 +120,7 @@ fn index_and_inspect_memory_stay_compact() {
     drop(t);
 
     let p = dir.path().join("tensors.bin");
-    let tensors = (0..TENSORS)
+    let mut tensors: Vec<TensorDigest> = (0..TENSORS)
         .map(|i| TensorDigest {
             name: format!("layers.{}.experts.{}.w{}", i / 768, (i / 3) % 256, i % 3),
             dtype: "bf16".into(),
@@ -127,6 +128,8 @@ fn index_and_inspect_memory_stay_compact() {
             digest: Algorithm::Blake3.hash(&(i as u64).to_le_bytes()),
         })
         .collect();
+    // A binding lists its tensors sorted by name (docs/format.md §5.2; writers refuse otherwise).
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
     write(&p, 16, tensors);
     let t = Trace::open(&p).unwrap();
     let opts = InspectOptions {

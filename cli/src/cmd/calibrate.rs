@@ -4,15 +4,17 @@
 //! `calibration.json` and one TSV per table into `--out`, and exit 1 when a
 //! structural claim fails.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use crate::output::{add_model_inputs, check_output, check_output_dir, output_dir};
+use anyhow::bail;
 use moeconf_calibrate::suite::{self, write_json, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
+use moeconf_schema::Inputs;
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
@@ -32,7 +34,9 @@ pub struct CalibrateArgs {
     /// Model: `builtin:tiny-v4` or a directory with config.json, *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
-    /// Output directory for calibration.json, the TSV tables and the fault-matrix traces.
+    /// Output directory for calibration.json, the TSV tables and the traces (created if missing).
+    /// Before any work, every existing file there that the suite may replace is checked: no
+    /// directory, FIFO, device, socket, symbolic link or input is replaced.
     #[arg(long, default_value = "moeconf-calibration")]
     pub out: PathBuf,
     /// Reduced version of every protocol (fewer seeds, classes, prompts, shorter continuations).
@@ -84,6 +88,24 @@ impl CalibrateArgs {
     }
 }
 
+/// Checks, before any work, every file `calibrate` may write into `out`:
+/// `calibration.json`, the `*.tsv` tables and the `traces/*.bin` traces
+/// (those that exist must be regular files that are no input, no symbolic
+/// links); `out` and `out/traces` must be directories if they exist.
+fn check_out_dir(out: &Path, inputs: &Inputs) -> anyhow::Result<()> {
+    let traces = out.join("traces");
+    for dir in [out, traces.as_path()] {
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            bail!("--out {}: {} is not a directory", out.display(), dir.display());
+        }
+    }
+    if std::fs::metadata(out).is_ok() {
+        check_output(&out.join("calibration.json"), inputs)?;
+    }
+    check_output_dir(out, &|n| n.ends_with(".tsv"), inputs)?;
+    check_output_dir(&traces, &|n| n.ends_with(".bin"), inputs)
+}
+
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
@@ -91,7 +113,11 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let precision = super::precision(&a.precision)?;
     suite::check_selection(&a.only)?;
     let sizes = a.sizes()?;
+    let mut inputs = Inputs::new();
+    add_model_inputs(&a.model, &mut inputs);
+    check_out_dir(&a.out, &inputs)?;
     let m = load_model(&a.model)?;
+    inputs.dir_files(&m.dir, "model file");
     // Every fork of the suite is at step 1 with at least 2 generated tokens,
     // so only the layer can miss; refuse it before creating --out.
     let layers = m.model.config().num_layers();
@@ -102,8 +128,9 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
             layers.saturating_sub(1)
         );
     }
-    std::fs::create_dir_all(a.out.join("traces"))
-        .with_context(|| format!("--out {}: cannot create the directory", a.out.display()))?;
+    output_dir("--out", &a.out)?;
+    output_dir("--out", &a.out.join("traces"))?;
+    check_out_dir(&a.out, &inputs)?;
     let opts = CtxOptions {
         precision,
         fork_layer: a.fork_layer,

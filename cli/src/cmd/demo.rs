@@ -3,11 +3,12 @@
 
 use crate::cli::Format;
 use crate::cmd::diff::{self, DiffArgs};
-use anyhow::Context;
+use crate::output::{check_outputs, output_dir};
 use clap::Args;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{load_model, parse_capture, prepare_run, run_prepared, CombineChoice, RunSpec};
+use moeconf_schema::Inputs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -17,7 +18,8 @@ use std::process::ExitCode;
     after_help = "Examples:\n  moeconf demo\n  moeconf demo --fork-contract a --fork-order 17\n  moeconf demo --format json --out-dir /tmp/demo"
 )]
 pub struct DemoArgs {
-    /// Where to write the two traces.
+    /// Where to write the two traces (`ref.bin`, `cand.bin`; created if missing). Both are checked
+    /// before the runs: no directory, FIFO, device, socket or symbolic link is replaced.
     #[arg(long, default_value = "moeconf-demo")]
     pub out_dir: PathBuf,
     /// Prompt of both runs.
@@ -43,13 +45,18 @@ pub struct DemoArgs {
 /// Runs `moeconf demo`.
 pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let text = a.format == Format::Text;
-    std::fs::create_dir_all(&a.out_dir).with_context(|| format!("creating {}", a.out_dir.display()))?;
+    output_dir("--out-dir", &a.out_dir)?;
     let reference = a.out_dir.join("ref.bin");
     let candidate = a.out_dir.join("cand.bin");
+    let html = a.out_dir.join("report.html");
+    check_outputs(&[&reference, &candidate, &html], &Inputs::new())?;
     if text {
         eprintln!("moeconf demo: loading the built-in tiny DeepSeek-V4 fixture (generated on first use) ...");
     }
     let m = load_model("builtin:tiny-v4")?;
+    let mut inputs = Inputs::new();
+    inputs.dir_files(&m.dir, "model file");
+    moeconf_schema::check_outputs(&[&reference, &candidate, &html], &inputs)?;
     let capture = parse_capture("all")?;
     let native = CombineChoice::default();
     let fork = CombineChoice {
@@ -90,15 +97,26 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         );
         println!("           generated {:?}", c.text);
         println!();
-        println!("$ moeconf diff {} {}", reference.display(), candidate.display());
+        println!(
+            "$ moeconf diff {} {} --html {}",
+            reference.display(),
+            candidate.display(),
+            html.display()
+        );
         println!();
     }
-    let code = diff::run(&DiffArgs::new(reference, candidate, a.format))?;
+    let args = DiffArgs {
+        html: Some(html.clone()),
+        ..DiffArgs::new(reference, candidate, a.format)
+    };
+    let code = diff::run(&args)?;
     if text {
         println!();
         println!(
-            "The demo worked: the diff found the one changed reduction. (`moeconf diff` itself exits 1 on a \
-             divergence, 0 when equivalent, 2 on error; the demo exits 0 once the report is printed.)"
+            "The demo worked: the diff found the one changed reduction; the picture is {} (open it in a browser: \
+             layers x steps, where the fork happened and how it spread). (`moeconf diff` itself exits 1 on a \
+             divergence, 0 when equivalent, 2 on error; the demo exits 0 once the report is printed.)",
+            html.display()
         );
     }
     let _ = code;

@@ -17,12 +17,14 @@ use anyhow::Context;
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{self, Overrides};
 use moeconf_gate::{
-    against_baseline, against_reference, report_junit, report_md, write_atomic, FileKind, GateError,
+    against_baseline, against_reference, report_junit, report_md, write_checked, FileKind, GateError,
     GateReport,
 };
-use moeconf_schema::Trace;
+use moeconf_schema::{CheckedOutput, Inputs, Trace};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use crate::output::check_outputs;
 use std::process::ExitCode;
 
 /// Report format of `moeconf gate`.
@@ -53,12 +55,20 @@ pub struct GateArgs {
     /// Report format on stdout (env MOECONF_FORMAT).
     #[arg(long, value_enum)]
     pub format: Option<GateFormat>,
-    /// Also write the report (in --format) to this file.
+    /// Also write the report (in --format) to this file. Every output file (--output, --junit, the
+    /// --bless baseline) is checked before the traces are read: its directory must exist, and it
+    /// must not be a directory, FIFO, device, socket, symbolic link, an input (a trace, the policy,
+    /// a baseline being read) or another output; it is written atomically with mode 0666 & !umask.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Also write a JUnit XML report to this file.
     #[arg(long, value_name = "FILE")]
     pub junit: Option<PathBuf>,
+    /// Also write a self-contained HTML report: the gate verdict above the diff's pictures
+    /// (layer x step heatmaps, margins, the localized operator). Against a baseline (digests
+    /// only) the page holds the verdict without pictures.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Override a level's mode, e.g. --level L2=info (repeatable; env MOECONF_LEVELS=L2=info,L4=info).
     #[arg(long, value_name = "LEVEL=MODE")]
     pub level: Vec<String>,
@@ -174,11 +184,59 @@ fn traces(a: &GateArgs) -> anyhow::Result<(Option<&PathBuf>, &PathBuf)> {
     }
 }
 
-/// `--bless`: records the candidate's fingerprints in `file` and says what changed.
-fn bless(candidate: &Trace, file: &std::path::Path) -> Result<(), GateError> {
+/// Checks every output (`--output`, `--junit`, the baseline `--bless`
+/// writes) before any work: see `moeconf_schema::output`. The inputs are the
+/// traces, the policy file and a baseline being read.
+fn check_gate_outputs(
+    a: &GateArgs,
+    traces: (Option<&PathBuf>, &PathBuf),
+    policy: &policy::Source,
+) -> anyhow::Result<GateOutputs> {
+    let mut inputs = Inputs::new();
+    if let Some(r) = traces.0 {
+        inputs.file(r, "reference trace");
+    }
+    inputs.file(traces.1, "candidate trace");
+    if let policy::Source::File(p) = policy {
+        inputs.file(p, "policy file");
+    }
+    let baseline = a.baseline.as_ref().filter(|_| a.bless);
+    if let (Some(b), false) = (&a.baseline, a.bless) {
+        inputs.file(b, "baseline");
+    }
+    let paths: Vec<&Path> = [
+        a.output.as_deref(),
+        a.junit.as_deref(),
+        a.html.as_deref(),
+        baseline.map(|b| b.as_path()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let mut checked = check_outputs(&paths, &inputs)?.into_iter();
+    let mut next = |given: bool| if given { checked.next() } else { None };
+    Ok(GateOutputs {
+        output: next(a.output.is_some()),
+        junit: next(a.junit.is_some()),
+        html: next(a.html.is_some()),
+        baseline: next(baseline.is_some()),
+    })
+}
+
+/// The checked output files of one gate run.
+struct GateOutputs {
+    output: Option<CheckedOutput>,
+    junit: Option<CheckedOutput>,
+    html: Option<CheckedOutput>,
+    baseline: Option<CheckedOutput>,
+}
+
+/// `--bless`: records the candidate's fingerprints in `out` and says what changed.
+fn bless(candidate: &Trace, out: &CheckedOutput) -> Result<(), GateError> {
+    let file = out.path();
     let previous = Baseline::blessed_root(file);
     let b = Baseline::of(candidate)?;
-    b.write(file)?;
+    write_checked(out, b.text(file)?.as_bytes(), FileKind::Baseline)?;
     println!(
         "blessed {} into {}: {} steps, root {}{}\nreview the change with `git diff {}` and commit it",
         candidate.path().display(),
@@ -211,11 +269,17 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             "--bless records one candidate: give only CANDIDATE"
         )));
     }
+    let outputs = check_gate_outputs(a, (reference, candidate), &source).map_err(setup)?;
     // Every payload is re-hashed before anything is judged or blessed.
     let cand = Trace::open_verified(candidate).map_err(GateError::Candidate)?;
     let mut report = match (reference, &a.baseline) {
-        (_, Some(file)) if a.bless => {
-            bless(&cand, file)?;
+        (_, Some(_)) if a.bless => {
+            let out = outputs
+                .baseline
+                .as_ref()
+                .context("--bless needs --baseline")
+                .map_err(setup)?;
+            bless(&cand, out)?;
             return Ok(0);
         }
         (None, Some(file)) => against_baseline(file, &cand, &profile, a.force)?,
@@ -230,13 +294,45 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             .and_then(|_| out.flush())
             .map_err(setup)?;
     }
-    if let Some(p) = &a.output {
-        write_atomic(p, text.as_bytes(), FileKind::Report)?;
+    if let Some(out) = &outputs.output {
+        write_checked(out, text.as_bytes(), FileKind::Report)?;
     }
-    if let Some(p) = &a.junit {
-        write_atomic(p, report_junit::render(&report).as_bytes(), FileKind::Report)?;
+    if let Some(out) = &outputs.junit {
+        write_checked(out, report_junit::render(&report).as_bytes(), FileKind::Report)?;
+    }
+    if let Some(out) = &outputs.html {
+        let page = html_page(&report, reference, &cand, a.force).map_err(setup)?;
+        write_checked(out, page.as_bytes(), FileKind::Report)?;
     }
     Ok(report.exit_code())
+}
+
+/// The HTML page of a gate run: the verdict and, against a reference
+/// trace, the diff's pictures.
+fn html_page(
+    report: &GateReport,
+    reference: Option<&PathBuf>,
+    cand: &Trace,
+    force: bool,
+) -> anyhow::Result<String> {
+    let summary = moeconf_report::GateSummary {
+        verdict: report.verdict.label().into(),
+        policy: report.policy_source.clone(),
+        lines: render(report, GateFormat::Text)?
+            .lines()
+            .map(String::from)
+            .collect(),
+    };
+    let Some(rp) = reference else {
+        return Ok(moeconf_report::render_gate_only(&summary));
+    };
+    let r = Trace::open_verified(rp).map_err(GateError::Reference)?;
+    let opts = moeconf_bisect::DiffOptions {
+        force,
+        contract_inference: true,
+    };
+    let d = moeconf_bisect::diff(&r, cand, &opts)?;
+    Ok(moeconf_report::render_diff(&r, cand, &d, Some(&summary))?)
 }
 
 /// Runs `moeconf gate`.

@@ -1,9 +1,11 @@
 //! `moeconf import DIR -o TRACE`: a canonical trace from a backend's tensor
 //! dumps (the library side is `moeconf_schema::import`; docs/import.md).
 
+use crate::output::check_output;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_schema::import::{import, parse_payloads, ImportOptions};
 use moeconf_schema::inspect::human_bytes;
+use moeconf_schema::Inputs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -16,7 +18,10 @@ pub struct ImportArgs {
     /// Dump directory: `manifest.json` and `*.safetensors` files with tensors
     /// named `step.{t}.pos.{p}[.layer.{i}].{component}` (docs/import.md).
     pub input: PathBuf,
-    /// Output trace file (written atomically).
+    /// Output trace file, written atomically. Checked before anything is read: its directory must
+    /// exist, and it must not be a directory, FIFO, device, socket, symbolic link, or the same file
+    /// as an input (a dump file, the manifest, the model directory's files or tokenizer file the
+    /// manifest names).
     #[arg(short, long)]
     pub output: PathBuf,
     /// Manifest file (default: DIR/manifest.json); relative paths inside it
@@ -38,6 +43,16 @@ pub struct ImportArgs {
 /// Runs `moeconf import`.
 pub fn run(a: &ImportArgs) -> anyhow::Result<ExitCode> {
     let algorithm = super::algorithm(&a.digest)?;
+    // The dump and the manifest now; the import adds the files the manifest names.
+    let mut inputs = Inputs::new();
+    inputs.dir_files(&a.input, "dump file");
+    inputs.file(
+        &a.manifest
+            .clone()
+            .unwrap_or_else(|| a.input.join("manifest.json")),
+        "manifest",
+    );
+    check_output(&a.output, &inputs)?;
     let payload_levels = parse_payloads(&a.payloads).map_err(|m| anyhow::anyhow!("--payloads: {m}"))?;
     let s = import(&ImportOptions {
         input: a.input.clone(),

@@ -1,6 +1,7 @@
 //! `moeconf run`: trace the reference runtime.
 
 use crate::cli::ModelPromptArgs;
+use crate::output::check_output;
 use clap::Args;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
@@ -46,7 +47,10 @@ pub struct RunArgs {
     /// Number of tokens to generate (= number of forward steps).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
     pub max_new_tokens: u32,
-    /// Output trace file (written atomically).
+    /// Output trace file, written atomically (a temporary `.NAME.moeconf-tmp.PID.RAND` renamed into
+    /// place). Checked before the run: its directory must exist, and it must not be a directory,
+    /// FIFO, device, socket, symbolic link, or the same file as an input (a model file, the prompt
+    /// file).
     #[arg(short = 'o', long)]
     pub output: PathBuf,
     /// Precision profile: bf16 (BF16 weights and activations at HF's rounding points, FP32
@@ -97,6 +101,8 @@ pub struct RunArgs {
 /// Runs `moeconf run`.
 pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
+    let mut inputs = a.input.inputs();
+    check_output(&a.output, &inputs)?;
     let prompt = a.input.prompt()?;
     let precision = super::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
@@ -111,6 +117,9 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         fork_order: a.fork_order.clone(),
     };
     let m = load_model(&a.input.model)?;
+    // A built-in model's files are known once it is materialized.
+    inputs.dir_files(&m.dir, "model file");
+    moeconf_schema::check_output(&a.output, &inputs)?;
     let spec = RunSpec {
         prompt: &prompt,
         max_new_tokens: a.max_new_tokens,

@@ -10,22 +10,24 @@
 //! routes and tokens.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{bail, Context};
-use moeconf_calibrate::sweep::{build_schemes, render_text, report_json, SchemeRequest, SweepHeader};
-use moeconf_calibrate::write_atomic;
+use anyhow::bail;
+use moeconf_calibrate::sweep::{
+    build_schemes, html_view, render_text, report_json, SchemeRequest, SweepHeader, SweepProgress,
+};
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{sweep, SweepOptions, SweepReport};
+use moeconf_reference_runtime::fork::{sweep, SweepOptions};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
 use crate::output::{print_json, print_text};
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
+use moeconf_schema::output::write_checked;
+use moeconf_schema::CheckedOutput;
 
 const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 8
@@ -82,9 +84,14 @@ pub struct SweepArgs {
     /// Report format on stdout.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
-    /// Also write the JSON report (every branch) to FILE, atomically.
+    /// Also write the JSON report (every branch) to FILE, atomically; FILE is checked before the
+    /// sweep (its directory exists; not a directory, FIFO, device, socket, symbolic link or input).
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Also write a self-contained HTML report: the basin rank-frequency and
+    /// where each distinct continuation parts from the native one.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Basins listed per scheme in the text report.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -96,61 +103,19 @@ pub struct SweepArgs {
     pub threads: Option<usize>,
 }
 
-/// A progress counter on stderr: on a terminal a line rewritten in place,
-/// otherwise one line per 10 %.
-struct Progress {
-    quiet: bool,
-    tty: bool,
-    shown: AtomicUsize,
-}
-
-impl Progress {
-    fn report(&self, done: usize, total: usize) {
-        if self.quiet {
-            return;
-        }
-        let step = if self.tty { 1 } else { total.div_ceil(10).max(1) };
-        if done == total || done.is_multiple_of(step) {
-            let prev = self.shown.fetch_max(done, Ordering::Relaxed);
-            if prev < done {
-                if self.tty {
-                    eprint!("\rsweep: {done}/{total} branches");
-                } else {
-                    eprintln!("sweep: {done}/{total} branches");
-                }
-            }
-        }
-    }
-
-    /// Ends the counter line and reports the sweep's size and time.
-    fn finish(&self, report: &SweepReport, secs: f64) {
-        if self.quiet {
-            return;
-        }
-        let n: usize = report.branches.iter().map(|b| b.len()).sum::<usize>() + 1;
-        if self.tty {
-            eprintln!();
-        }
-        eprintln!(
-            "moeconf sweep: {n} branches (incl. the native reference) in {secs:.2} s on {} threads",
-            rayon::current_num_threads()
-        );
-    }
-}
-
-/// Writes the JSON report to `-o FILE`.
-fn write_output(path: &Path, doc: &serde_json::Value) -> anyhow::Result<()> {
-    if path.file_name().is_none() {
-        bail!("-o {}: not a file path", path.display());
-    }
+/// Writes the JSON report to `-o FILE` (checked before the sweep).
+fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(doc)?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes).with_context(|| format!("-o {}: cannot write", path.display()))
+    Ok(write_checked(out, &bytes)?)
 }
 
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
+    let mut inputs = a.input.inputs();
+    let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
+    crate::output::check_outputs(&outs, &inputs)?;
     let prompt = a.input.prompt()?;
     let precision = super::precision(&a.precision)?;
     let algorithm = super::algorithm(&a.digest)?;
@@ -162,6 +127,17 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let m = load_model(&a.input.model)?;
+    inputs.dir_files(&m.dir, "model file");
+    let output = a
+        .output
+        .as_ref()
+        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .transpose()?;
+    let html = a
+        .html
+        .as_ref()
+        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .transpose()?;
     let cfg = m.model.config();
     let k = cfg.experts_per_tok;
     let layers = cfg.layer_types.len();
@@ -197,11 +173,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         algorithm,
         canon: CanonPolicy::default(),
     };
-    let progress = Progress {
-        quiet: a.quiet,
-        tty: std::io::stderr().is_terminal(),
-        shown: AtomicUsize::new(0),
-    };
+    let progress = SweepProgress::new(a.quiet, std::io::stderr().is_terminal());
     let t = std::time::Instant::now();
     let report = sweep(
         &m.model,
@@ -222,8 +194,12 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         k,
     };
     let doc = report_json(&header, &report);
-    if let Some(path) = &a.output {
-        write_output(path, &doc)?;
+    if let Some(out) = &output {
+        write_output(out, &doc)?;
+    }
+    if let Some(out) = &html {
+        let view = html_view(&header, &report, &m.tokenizer)?;
+        write_checked(out, moeconf_report::render_sweep(&view).as_bytes())?;
     }
     match a.format {
         Format::Json => print_json(&doc)?,

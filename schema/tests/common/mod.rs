@@ -1,7 +1,9 @@
 //! A small trace with every kind of record, shared by the schema tests.
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
-use moeconf_schema::{Binding, CaptureSpec, Header, PromptBinding, Provenance, TraceWriter, WriteSummary};
+use moeconf_schema::{
+    Binding, CaptureSpec, Decoding, Header, PromptBinding, Provenance, TraceWriter, WriteSummary,
+};
 use std::path::Path;
 
 pub fn coord(step: u32, layer: Option<u32>, path: &str) -> Coord {
@@ -24,6 +26,10 @@ pub fn header() -> Header {
             precision: "bf16".into(),
             contract: "native".into(),
             schedule: "identity".into(),
+            decoding: Decoding {
+                strategy: "greedy".into(),
+                max_new_tokens: 2,
+            },
             capture: CaptureSpec {
                 levels: 0b11111,
                 payload_levels: 0b01010,
@@ -45,6 +51,7 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// Writes a trace of two steps with payload and fingerprint-only records,
 /// including a NaN and a negative zero.
+#[allow(dead_code)] // not every test binary that includes this module writes the small trace
 pub fn write_small(path: &Path, alg: Algorithm) -> WriteSummary {
     let mut w = TraceWriter::create(path, alg, header()).unwrap();
     for step in 0..2u32 {

@@ -1,0 +1,754 @@
+//! Safe outputs: the one way moeconf writes a file (traces, reports,
+//! baselines, tables), with the guarantees of docs/format.md §10.
+//!
+//! * **Checked before work starts.** [`check_output`] (and
+//!   [`check_outputs`] for a command's whole set) refuses an output whose
+//!   directory does not exist or is not a directory, an existing output that
+//!   is not a regular file (a directory, FIFO, socket or device is never
+//!   replaced), a symbolic link (moeconf neither writes through nor replaces
+//!   one: the caller gives the target's path), an output that is the same
+//!   file (same device and inode, by the same path or through a hard link)
+//!   as any input of the command ([`Inputs`]), and one path given as two
+//!   outputs. Commands call it before they load a model or read a trace.
+//! * **Atomic.** [`AtomicFile`] writes a temporary sibling named
+//!   `.NAME.moeconf-tmp.PID.RAND` (PID the writer's process id, RAND 16 hex
+//!   digits), created exclusively with mode `0666 & !umask` (0644 under the
+//!   usual umask 022), then flushes, syncs, re-checks the destination and
+//!   renames the temporary file over it. The temporary file is removed on
+//!   every error path (a failed write, flush, sync or rename, or a writer
+//!   dropped unfinished); only `kill -9` or a crash can leave one.
+//! * **Stale temporaries are reported.** [`check_output`] lists temporary
+//!   files of the output's name left next to it by processes that no longer
+//!   run ([`CheckedOutput::stale_temporaries`]), including those of the
+//!   older `.NAME.tmp-PID-N` pattern; `moeconf` warns about them and leaves
+//!   them alone.
+
+use std::fs::{File, Metadata, OpenOptions};
+use std::hash::{BuildHasher, Hasher};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// The marker between the output's name and the process id in a temporary
+/// file's name: `.NAME.moeconf-tmp.PID.RAND`.
+pub const TEMP_MARKER: &str = ".moeconf-tmp.";
+
+/// Longest output name kept whole in a temporary file's name (the rest of
+/// the name needs about 40 bytes of the usual 255-byte limit).
+const TEMP_NAME_MAX: usize = 200;
+
+/// Buffer of an [`AtomicFile`] unless the caller chooses one.
+const DEFAULT_BUFFER: usize = 64 << 10;
+
+/// Why an output cannot be written. Every variant names the output path.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum OutputError {
+    /// The output's directory does not exist (moeconf creates no parents).
+    #[error("{}: the directory {} does not exist", path.display(), dir.display())]
+    MissingDirectory {
+        /// The output.
+        path: PathBuf,
+        /// Its directory.
+        dir: PathBuf,
+    },
+    /// The output's directory is not a directory.
+    #[error("{}: {} is not a directory", path.display(), dir.display())]
+    NotADirectory {
+        /// The output.
+        path: PathBuf,
+        /// What should have been its directory.
+        dir: PathBuf,
+    },
+    /// Something other than a regular file exists at the output path.
+    #[error(
+        "{}: is {kind}, not a regular file: moeconf writes outputs only as regular files and never \
+         replaces anything else",
+        path.display()
+    )]
+    NotRegular {
+        /// The output.
+        path: PathBuf,
+        /// What is there (`a directory`, `a FIFO (named pipe)`, ...).
+        kind: &'static str,
+    },
+    /// The output path is a symbolic link.
+    #[error(
+        "{}: is a symbolic link (to {}): moeconf neither writes through nor replaces a symbolic link; \
+         give the target's path, or remove the link",
+        path.display(),
+        target.display()
+    )]
+    Symlink {
+        /// The output.
+        path: PathBuf,
+        /// Where the link points.
+        target: PathBuf,
+    },
+    /// The output is the same file as one of the command's inputs.
+    #[error(
+        "{}: is the same file as the {role} {} (same device and inode): refusing to overwrite an input",
+        path.display(),
+        input.display()
+    )]
+    SameAsInput {
+        /// The output.
+        path: PathBuf,
+        /// The input it would destroy.
+        input: PathBuf,
+        /// What the input is (`model file`, `reference trace`, ...).
+        role: String,
+    },
+    /// One file given as more than one output of a command.
+    #[error("{}: given as more than one output of the same command", path.display())]
+    Duplicate {
+        /// The output.
+        path: PathBuf,
+    },
+    /// The operating system refused a step of the write. The message names
+    /// the output and the step; the I/O error is the source.
+    #[error("{}: {what}", path.display())]
+    Io {
+        /// The output.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl OutputError {
+    fn io(path: &Path, what: &'static str) -> impl FnOnce(std::io::Error) -> OutputError {
+        let path = path.to_path_buf();
+        move |source| OutputError::Io { path, what, source }
+    }
+}
+
+/// The identity of a file: device and inode on Unix, the canonical path
+/// elsewhere.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum FileId {
+    #[cfg(unix)]
+    Inode(u64, u64),
+    #[cfg(not(unix))]
+    Canonical(PathBuf),
+}
+
+impl FileId {
+    #[cfg(unix)]
+    fn of(_path: &Path, meta: &Metadata) -> Option<FileId> {
+        use std::os::unix::fs::MetadataExt;
+        Some(FileId::Inode(meta.dev(), meta.ino()))
+    }
+
+    #[cfg(not(unix))]
+    fn of(path: &Path, _meta: &Metadata) -> Option<FileId> {
+        std::fs::canonicalize(path).ok().map(FileId::Canonical)
+    }
+}
+
+/// One input file of a command.
+#[derive(Debug, Clone)]
+struct InputFile {
+    id: FileId,
+    path: PathBuf,
+    role: String,
+}
+
+/// The files a command reads, which none of its outputs may be.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs {
+    files: Vec<InputFile>,
+}
+
+impl Inputs {
+    /// No inputs.
+    pub fn new() -> Inputs {
+        Inputs::default()
+    }
+
+    /// Adds a file the command reads (symbolic links followed), described
+    /// by `role` in messages (`reference trace`, `prompt file`, ...). A path
+    /// that does not exist is skipped: the command's own read reports it.
+    pub fn file(&mut self, path: &Path, role: &str) -> &mut Inputs {
+        if let Ok(meta) = std::fs::metadata(path) {
+            if let Some(id) = FileId::of(path, &meta) {
+                self.files.push(InputFile {
+                    id,
+                    path: path.to_path_buf(),
+                    role: role.to_string(),
+                });
+            }
+        }
+        self
+    }
+
+    /// Adds every file directly inside `dir` (a model directory, a dump
+    /// directory); an unreadable directory adds nothing.
+    pub fn dir_files(&mut self, dir: &Path, role: &str) -> &mut Inputs {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for e in entries.filter_map(Result::ok) {
+                let p = e.path();
+                if p.is_file() {
+                    self.file(&p, role);
+                }
+            }
+        }
+        self
+    }
+
+    /// Adds every input of `other`.
+    pub fn extend(&mut self, other: &Inputs) -> &mut Inputs {
+        self.files.extend(other.files.iter().cloned());
+        self
+    }
+
+    /// Number of input files known.
+    pub fn len(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Whether no input is known.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    fn same_as(&self, id: &FileId) -> Option<&InputFile> {
+        self.files.iter().find(|f| &f.id == id)
+    }
+}
+
+/// A temporary file left next to an output by a process that no longer runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleTemporary {
+    /// The file.
+    pub path: PathBuf,
+    /// The process id in its name.
+    pub pid: u32,
+}
+
+/// An output path that passed [`check_output`].
+#[derive(Debug, Clone)]
+pub struct CheckedOutput {
+    path: PathBuf,
+    inputs: Inputs,
+    stale: Vec<StaleTemporary>,
+}
+
+impl CheckedOutput {
+    /// The output path, as given.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Temporary files of this output's name that processes no longer
+    /// running left in its directory (for the caller to warn about; they are
+    /// never removed automatically).
+    pub fn stale_temporaries(&self) -> &[StaleTemporary] {
+        &self.stale
+    }
+}
+
+/// The directory an output is written in (`.` for a bare file name).
+fn dir_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// What a non-regular file is, for messages.
+fn kind_of(meta: &Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_dir() {
+        return "a directory";
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+    }
+    "not a regular file"
+}
+
+/// Checks the output's directory: it exists and is a directory.
+fn check_dir(path: &Path) -> Result<(), OutputError> {
+    let dir = dir_of(path);
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(OutputError::NotADirectory {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(OutputError::MissingDirectory {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => Err(OutputError::NotADirectory {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+        }),
+        Err(e) => Err(OutputError::io(path, "checking the output's directory")(e)),
+    }
+}
+
+/// Checks what exists at the output path now: nothing, or a regular file
+/// that is no input.
+fn check_existing(path: &Path, inputs: &Inputs) -> Result<(), OutputError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(OutputError::io(path, "checking the output path")(e)),
+    };
+    if meta.file_type().is_symlink() {
+        return Err(OutputError::Symlink {
+            path: path.to_path_buf(),
+            target: std::fs::read_link(path).unwrap_or_default(),
+        });
+    }
+    if !meta.is_file() {
+        return Err(OutputError::NotRegular {
+            path: path.to_path_buf(),
+            kind: kind_of(&meta),
+        });
+    }
+    if let Some(input) = FileId::of(path, &meta).and_then(|id| inputs.same_as(&id)) {
+        return Err(OutputError::SameAsInput {
+            path: path.to_path_buf(),
+            input: input.path.clone(),
+            role: input.role.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `path` can be written as an output of a command that reads
+/// `inputs` (see the module documentation), and lists stale temporary files
+/// next to it. Call it before any work starts.
+pub fn check_output(path: &Path, inputs: &Inputs) -> Result<CheckedOutput, OutputError> {
+    if path.file_name().is_none() || path.as_os_str().to_string_lossy().ends_with('/') {
+        return Err(OutputError::NotRegular {
+            path: path.to_path_buf(),
+            kind: "a directory name",
+        });
+    }
+    check_dir(path)?;
+    check_existing(path, inputs)?;
+    Ok(CheckedOutput {
+        path: path.to_path_buf(),
+        inputs: inputs.clone(),
+        stale: stale_temporaries(path),
+    })
+}
+
+/// [`check_output`] for every output of one command, also refusing a file
+/// given as two of its outputs (by path or, for existing files, by inode).
+pub fn check_outputs(paths: &[&Path], inputs: &Inputs) -> Result<Vec<CheckedOutput>, OutputError> {
+    let mut seen: Vec<(PathBuf, Option<FileId>)> = Vec::new();
+    let mut out = Vec::with_capacity(paths.len());
+    for &p in paths {
+        let checked = check_output(p, inputs)?;
+        let dir = std::fs::canonicalize(dir_of(p)).unwrap_or_else(|_| dir_of(p).to_path_buf());
+        let key = dir.join(p.file_name().unwrap_or_default());
+        let id = std::fs::symlink_metadata(p).ok().and_then(|m| FileId::of(p, &m));
+        if seen.iter().any(|(k, i)| *k == key || (id.is_some() && *i == id)) {
+            return Err(OutputError::Duplicate {
+                path: p.to_path_buf(),
+            });
+        }
+        seen.push((key, id));
+        out.push(checked);
+    }
+    Ok(out)
+}
+
+/// The output's file name as it appears in its temporary files' names.
+fn temp_stem(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    if name.len() <= TEMP_NAME_MAX {
+        return name;
+    }
+    let mut end = TEMP_NAME_MAX;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name[..end].to_string()
+}
+
+/// A random 64-bit value (std's per-process random hash keys, mixed with
+/// the time and a counter), so concurrent writers never pick one name.
+fn random_u64() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(now);
+    h.finish()
+}
+
+/// The name of a new temporary file for `path`: `.NAME.moeconf-tmp.PID.RAND`.
+pub fn temp_name(path: &Path) -> String {
+    format!(
+        ".{}{TEMP_MARKER}{}.{:016x}",
+        temp_stem(path),
+        std::process::id(),
+        random_u64()
+    )
+}
+
+/// The process id of a temporary file of `stem` named `name`, for both
+/// patterns (`.NAME.moeconf-tmp.PID.RAND`, and the older `.NAME.tmp-PID-N`).
+fn temp_pid(stem: &str, name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?.strip_prefix(stem)?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if let Some(r) = rest.strip_prefix(TEMP_MARKER) {
+        let (pid, rand) = r.split_once('.')?;
+        let hex = rand.len() == 16 && rand.bytes().all(|b| b.is_ascii_hexdigit());
+        return (digits(pid) && hex).then(|| pid.parse().ok()).flatten();
+    }
+    let (pid, n) = rest.strip_prefix(".tmp-")?.split_once('-')?;
+    (digits(pid) && digits(n)).then(|| pid.parse().ok()).flatten()
+}
+
+/// Whether process `pid` may still be running (always true where that
+/// cannot be told, i.e. without `/proc`: no false warnings).
+fn may_be_running(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return true;
+    }
+    let proc = Path::new("/proc");
+    if !proc.join("self").exists() {
+        return true;
+    }
+    proc.join(pid.to_string()).exists()
+}
+
+/// Temporary files of `path`'s name in its directory whose writer no longer
+/// runs.
+pub fn stale_temporaries(path: &Path) -> Vec<StaleTemporary> {
+    let stem = temp_stem(path);
+    let Ok(entries) = std::fs::read_dir(dir_of(path)) else {
+        return Vec::new();
+    };
+    let mut stale: Vec<StaleTemporary> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name();
+            let pid = temp_pid(&stem, &name.to_string_lossy())?;
+            (!may_be_running(pid)).then(|| StaleTemporary { path: e.path(), pid })
+        })
+        .collect();
+    stale.sort_by(|a, b| a.path.cmp(&b.path));
+    stale
+}
+
+/// A file being written under a temporary name next to its destination,
+/// renamed over it by [`AtomicFile::commit`]. Dropped without a commit (or
+/// after a failed one), it removes its temporary file.
+pub struct AtomicFile {
+    dest: PathBuf,
+    tmp: PathBuf,
+    inputs: Inputs,
+    out: Option<BufWriter<File>>,
+    committed: bool,
+}
+
+impl std::fmt::Debug for AtomicFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AtomicFile")
+            .field("dest", &self.dest)
+            .field("tmp", &self.tmp)
+            .field("committed", &self.committed)
+            .finish()
+    }
+}
+
+impl AtomicFile {
+    /// Starts writing the checked output `out` (64 KiB buffer).
+    pub fn create(out: &CheckedOutput) -> Result<AtomicFile, OutputError> {
+        AtomicFile::with_buffer(out, DEFAULT_BUFFER)
+    }
+
+    /// Starts writing the checked output `out` through a buffer of `capacity` bytes.
+    pub fn with_buffer(out: &CheckedOutput, capacity: usize) -> Result<AtomicFile, OutputError> {
+        let dir = dir_of(&out.path);
+        let mut attempts = 0;
+        loop {
+            let tmp = dir.join(temp_name(&out.path));
+            // create_new: O_CREAT|O_EXCL with mode 0666, so the umask gives
+            // the usual 0644; never follows or reuses an existing entry.
+            match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+                Ok(file) => {
+                    return Ok(AtomicFile {
+                        dest: out.path.clone(),
+                        tmp,
+                        inputs: out.inputs.clone(),
+                        out: Some(BufWriter::with_capacity(capacity, file)),
+                        committed: false,
+                    })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempts < 16 => attempts += 1,
+                Err(e) => return Err(OutputError::io(&out.path, "creating the temporary file")(e)),
+            }
+        }
+    }
+
+    /// The destination path.
+    pub fn path(&self) -> &Path {
+        &self.dest
+    }
+
+    /// The temporary file being written.
+    pub fn temp_path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Flushes and syncs the temporary file, checks the destination again
+    /// (it must still be absent or a regular file that is no input), renames
+    /// the temporary file over it and syncs the directory. On any error the
+    /// temporary file is removed and the destination is untouched.
+    pub fn commit(mut self) -> Result<(), OutputError> {
+        let dest = self.dest.clone();
+        let out = self
+            .out
+            .take()
+            .ok_or_else(|| OutputError::io(&dest, "writing")(std::io::ErrorKind::Other.into()))?;
+        let file = out
+            .into_inner()
+            .map_err(|e| OutputError::io(&dest, "flushing the temporary file")(e.into_error()))?;
+        file.sync_all()
+            .map_err(OutputError::io(&dest, "syncing the temporary file"))?;
+        drop(file);
+        check_existing(&dest, &self.inputs)?;
+        std::fs::rename(&self.tmp, &dest)
+            .map_err(OutputError::io(&dest, "renaming the temporary file into place"))?;
+        self.committed = true;
+        // Make the rename durable; a directory that cannot be synced (some
+        // file systems refuse) leaves the file written all the same.
+        if let Ok(d) = File::open(dir_of(&dest)) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self.out.as_mut() {
+            Some(o) => o.write(buf),
+            None => Err(std::io::ErrorKind::Other.into()),
+        }
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self.out.as_mut() {
+            Some(o) => o.write_all(buf),
+            None => Err(std::io::ErrorKind::Other.into()),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self.out.as_mut() {
+            Some(o) => o.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Close before removing (required on some platforms).
+            drop(self.out.take());
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Writes `bytes` to the checked output `out` atomically.
+pub fn write_checked(out: &CheckedOutput, bytes: &[u8]) -> Result<(), OutputError> {
+    let mut f = AtomicFile::create(out)?;
+    f.write_all(bytes)
+        .map_err(OutputError::io(&out.path, "writing the temporary file"))?;
+    f.commit()
+}
+
+/// Checks `path` as an output with no known inputs ([`check_output`]) and
+/// writes `bytes` to it atomically.
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
+    write_checked(&check_output(path, &Inputs::new())?, bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temps(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(TEMP_MARKER))
+            .collect()
+    }
+
+    #[test]
+    fn temporary_names_follow_the_documented_pattern() {
+        let n = temp_name(Path::new("dir/out.bin"));
+        let pid = std::process::id();
+        assert!(n.starts_with(&format!(".out.bin.moeconf-tmp.{pid}.")), "{n}");
+        assert_eq!(temp_pid("out.bin", &n), Some(pid));
+        assert_eq!(temp_pid("out.bin", ".out.bin.tmp-42-7"), Some(42));
+        for not in [
+            ".out.bin.moeconf-tmp.12.xyz",
+            ".out.bin.moeconf-tmp..0123456789abcdef",
+            ".other.moeconf-tmp.1.0123456789abcdef",
+            "out.bin.moeconf-tmp.1.0123456789abcdef",
+            ".out.bin.tmp-1-",
+        ] {
+            assert_eq!(temp_pid("out.bin", not), None, "{not}");
+        }
+        let long = "x".repeat(300);
+        assert!(temp_name(Path::new(&long)).len() < 255);
+        assert_ne!(temp_name(Path::new("a")), temp_name(Path::new("a")));
+    }
+
+    #[test]
+    fn commit_onto_a_directory_fails_and_removes_the_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("out.txt");
+        let checked = check_output(&p, &Inputs::new()).unwrap();
+        let mut f = AtomicFile::create(&checked).unwrap();
+        f.write_all(b"report").unwrap();
+        assert_eq!(temps(dir.path()).len(), 1);
+        std::fs::create_dir(&p).unwrap();
+        let e = f.commit().unwrap_err();
+        assert!(e.to_string().contains("is a directory"), "{e}");
+        assert!(temps(dir.path()).is_empty());
+        assert!(p.is_dir());
+    }
+
+    #[test]
+    fn dropped_unfinished_files_leave_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("out.txt");
+        let mut f = AtomicFile::create(&check_output(&p, &Inputs::new()).unwrap()).unwrap();
+        f.write_all(&[7u8; 100_000]).unwrap();
+        drop(f);
+        assert!(temps(dir.path()).is_empty());
+        assert!(!p.exists());
+    }
+
+    #[test]
+    fn checks_refuse_what_must_not_be_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let none = Inputs::new();
+        let d = dir.path().join("d");
+        std::fs::create_dir(&d).unwrap();
+        let e = check_output(&d, &none).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OutputError::NotRegular {
+                    kind: "a directory",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = check_output(&dir.path().join("no/x"), &none).unwrap_err();
+        assert!(matches!(e, OutputError::MissingDirectory { .. }), "{e}");
+        let f = dir.path().join("f");
+        std::fs::write(&f, "input").unwrap();
+        let e = check_output(&f.join("x"), &none).unwrap_err();
+        assert!(matches!(e, OutputError::NotADirectory { .. }), "{e}");
+        let mut inputs = Inputs::new();
+        inputs.file(&f, "trace");
+        let e = check_output(&f, &inputs).unwrap_err();
+        assert!(e.to_string().contains("same file as the trace"), "{e}");
+        let h = dir.path().join("h");
+        std::fs::hard_link(&f, &h).unwrap();
+        assert!(matches!(
+            check_output(&h, &inputs).unwrap_err(),
+            OutputError::SameAsInput { .. }
+        ));
+        assert!(
+            check_output(&h, &none).is_ok(),
+            "an existing regular file may be replaced"
+        );
+        let e = check_outputs(&[&dir.path().join("a"), &dir.path().join("./a")], &none).unwrap_err();
+        assert!(matches!(e, OutputError::Duplicate { .. }), "{e}");
+        #[cfg(unix)]
+        {
+            let l = dir.path().join("l");
+            std::os::unix::fs::symlink(&f, &l).unwrap();
+            assert!(matches!(
+                check_output(&l, &none).unwrap_err(),
+                OutputError::Symlink { .. }
+            ));
+        }
+    }
+
+    #[test]
+    fn stale_temporaries_of_dead_processes_are_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("out.bin");
+        let dead = dir.path().join(".out.bin.moeconf-tmp.99999999.0123456789abcdef");
+        let mine = dir.path().join(format!(
+            ".out.bin.moeconf-tmp.{}.0123456789abcdef",
+            std::process::id()
+        ));
+        let other = dir
+            .path()
+            .join(".other.bin.moeconf-tmp.99999999.0123456789abcdef");
+        for f in [&dead, &mine, &other] {
+            std::fs::write(f, "").unwrap();
+        }
+        let stale = check_output(&p, &Inputs::new()).unwrap().stale;
+        assert_eq!(
+            stale,
+            vec![StaleTemporary {
+                path: dead,
+                pid: 99999999
+            }]
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn files_get_the_umask_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.xml");
+        write_file(&p, b"<x/>").unwrap();
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        // Whatever the umask, group/other read bits are not stripped by the
+        // writer itself: 0600 would mean a private temporary-file mode.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        if let Some(u) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Umask:"))
+            .and_then(|u| u32::from_str_radix(u.trim(), 8).ok())
+        {
+            assert_eq!(mode, 0o666 & !u);
+        }
+    }
+}
