@@ -33,7 +33,10 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 /// A trace of `events` combine events computed with `contract`, terms and
 /// outputs stored as bf16 (the values are BF16-valued by construction).
 fn write(path: &Path, contract: &AggregationContract, events: u32, shape: Shape) {
-    let mut w = TraceWriter::create(path, Algorithm::Blake3, Header::default()).unwrap();
+    // One prefill step (the writer refuses steps beyond max_new_tokens).
+    let mut header = Header::default();
+    header.binding.decoding.max_new_tokens = 1;
+    let mut w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
     let mut x = 7u64;
     let mut next = || {
         x = x.wrapping_add(1);
