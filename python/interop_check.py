@@ -160,9 +160,9 @@ def main():
         T["hf", prec] = os.path.join(out, f"hf_{prec}.bin")
         res = capture(model, tok, PROMPT, steps, T["hf", prec], model_name="builtin:tiny-v4")
         print(f"transformers {prec}: generated {res.generated}; experts implementation "
-              f"{getattr(model.config, '_experts_implementation', None)}; recomputed moe.term.* whose slot-order "
-              f"sum differs from the experts output: {res.moe_terms_recombine_mismatches} of "
-              f"{model.config.num_hidden_layers * (4 + steps)} events")
+              f"{getattr(model.config, '_experts_implementation', None)}; recomputed moe.term.* reproduce the "
+              f"observed moe.routed: " + "; ".join(f"{n}: {c}" for n, c in res.moe_routed_reproduced.items())
+              + f"; by no checked summation: {res.moe_terms_unexplained} of {res.moe_events} events")
 
     # transformers -> original names -> reference runtime
     saved = os.path.join(out, "hf_saved_b")

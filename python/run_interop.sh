@@ -3,7 +3,8 @@
 # (docs/interop.md). Installs the pinned heavy stack from PyPI (torch 2.15.0 CPU+CUDA wheels,
 # transformers 5.23.0, safetensors 0.8.0: about 5.6 GB), builds the Rust binary if it is
 # missing, runs the `transformers`-marked tests (MOECONF_TRANSFORMERS_TESTS=1), then
-# python/interop_check.py (8 and 40 new tokens), which prints every number of docs/interop.md
+# python/interop_check.py (8 and 40 new tokens) and python/interop_experts.py (every experts
+# implementation in fp32 and bf16), which print every number of docs/interop.md
 # and leaves the traces in $INTEROP_OUT (default target/interop). Not part of the default CI run (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,3 +21,4 @@ MOECONF_TRANSFORMERS_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m trans
 OUT="${INTEROP_OUT:-../target/interop}"
 "$PYTHON" interop_check.py --out "$OUT/steps8"                 # docs/interop.md sections 2-4.3
 "$PYTHON" interop_check.py --out "$OUT/steps40" --steps 40     # section 4.4 (every feature active)
+"$PYTHON" interop_experts.py --out "$OUT/experts"               # section 5: eager / grouped_mm / batched_mm x fp32 / bf16

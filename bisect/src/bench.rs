@@ -49,6 +49,38 @@ pub struct DiffBench {
     pub localized: Option<FirstDivergence>,
 }
 
+impl DiffBench {
+    /// The text report of `moeconf bench diff`: the localization against
+    /// the byte comparison measured in the same run.
+    pub fn render_text(&self) -> String {
+        let mut t = format!(
+            "diff of two {:.2} GiB traces ({} records of {} bytes each), differing in one record\n\
+             \x20 byte comparison of the files   {:>9.4} s\n\
+             \x20 localization (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)\n\
+             \x20   of which opening both traces {:>9.4} s\n\
+             \x20   of which the walk            {:>9.4} s   ({:.3}% of the byte comparison)\n\
+             \x20 payload verification (both)    {:>9.4} s   (moeconf diff re-hashes every payload)\n",
+            self.file_bytes as f64 / (1u64 << 30) as f64,
+            self.records,
+            self.record_bytes,
+            self.byte_compare_seconds,
+            self.diff_seconds,
+            100.0 * self.ratio,
+            self.open_seconds,
+            self.walk_seconds,
+            100.0 * self.walk_seconds / self.byte_compare_seconds,
+            self.verify_seconds
+        );
+        if let Some(f) = &self.localized {
+            t.push_str(&format!(
+                "  localized: step {} layer {:?} {}\n",
+                f.step, f.layer, f.operator
+            ));
+        }
+        t
+    }
+}
+
 /// The components of one synthetic layer, in execution order.
 const COMPONENTS: [Component; 4] = [
     Component::AttnOutput,

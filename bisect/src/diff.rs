@@ -5,18 +5,21 @@
 use crate::comparability::{compare_bindings, Comparability};
 use crate::divergence::{Divergences, Event};
 use crate::error::BisectError;
-use crate::inference::infer;
 use crate::layerkind;
 use crate::numeric::{
     compare_ids, compare_values, f32_values, i32_values, summarize, NumericSummary, ValueComparison,
 };
 use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint, producer};
+use crate::passed::inputs_note;
 use crate::report::*;
+use crate::storage::Rounding;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::catalogue::{Presence, ValueKind};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
-use moeconf_schema::{Trace, TraceError};
+use moeconf_schema::{Recomputed, Trace, TraceError};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// Options of [`diff`].
@@ -41,9 +44,6 @@ impl Default for DiffOptions {
 /// Both sides' payloads of one record pair.
 type PayloadPair<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
 
-/// Routed terms, shared-expert output and combine output of one event.
-type CombineEvent = (Vec<Vec<f32>>, Vec<f32>, Vec<f32>);
-
 const EXPLAIN_L0: &str = "Tokens and text: what a user sees. Shows the first generated token that differs and how the continuations differ.";
 const EXPLAIN_L1: &str = "Logits: the score of every possible next token before one is chosen. A change here can precede (or never reach) a token change.";
 const EXPLAIN_L2: &str = "Persistent state: what each layer carries from one token to the next (KV window, compressor and indexer buffers), compared after every step.";
@@ -57,6 +57,14 @@ pub(crate) struct Ctx<'a> {
     pub(crate) opts: DiffOptions,
     /// The levels both traces capture.
     pub(crate) compared: LevelSet,
+    /// Storage-precision classification of the pairs looked at so far
+    /// (`crate::storage`).
+    pub(crate) storage: RefCell<HashMap<Pair, Option<Rounding>>>,
+    /// Whether a side stores a component coarser by convention
+    /// ((component, candidate is the coarser side) → answer; `crate::storage`).
+    pub(crate) storage_convention: RefCell<HashMap<(String, bool), bool>>,
+    /// The records each side's capture recomputed (reference, candidate).
+    pub(crate) recomputed: (Recomputed, Recomputed),
 }
 
 fn trace_summary(t: &Trace) -> TraceSummary {
@@ -123,6 +131,12 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         },
         opts: *opts,
         compared,
+        storage: RefCell::new(HashMap::new()),
+        storage_convention: RefCell::new(HashMap::new()),
+        recomputed: (
+            reference.provenance().recomputed(),
+            candidate.provenance().recomputed(),
+        ),
     };
     if reference.records().is_empty() && candidate.records().is_empty() {
         return Err(BisectError::NoRecords);
@@ -171,10 +185,13 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         divergences.extend(cx.divergence_report(e)?);
     }
     let first_divergence = cx.first_divergence(&divergences, &levels.l4);
+    let storage_precision = cx.storage_groups(&found.storage);
+    let one_side_only = cx.one_sided_groups();
     let compared_levels: Vec<Level> = compared.iter().collect();
     let summary = summary_line(
         verdict,
         (&first_divergence, &divergences, found.rest),
+        (&storage_precision, &one_side_only),
         &levels.l0,
         reference,
         (&unmatched_steps, &uncompared_levels),
@@ -193,6 +210,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         first_divergence,
         divergences,
         rest: found.rest.name().into(),
+        storage_precision,
+        one_side_only,
         levels,
         summary,
     })
@@ -278,6 +297,7 @@ fn place(level: &str, step: u32, position: u32, layer: Option<u32>, path: &str) 
 fn summary_line(
     verdict: Verdict,
     (fd, divergences, rest): (&Option<FirstDivergence>, &[Divergence], crate::divergence::Rest),
+    (storage, one_sided): (&[StoragePrecision], &[OneSided]),
     l0: &L0Report,
     reference: &Trace,
     (unmatched, uncompared): (&[u32], &[UncomparedLevel]),
@@ -302,6 +322,17 @@ fn summary_line(
             if f.present_in != "both" {
                 s.push_str(&format!(" (only in the {})", f.present_in));
             }
+            if let Some(side) = divergences.first().and_then(|d| d.recomputed.as_deref()) {
+                let by = if side == "both" { "both sides" } else { side };
+                s.push_str(&format!(" (recomputed by the capture on {by})"));
+            }
+            if let Some(d) = divergences.first() {
+                // Said only when the match rests on more than bitwise
+                // equality of observed values.
+                if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                    s.push_str(&format!(", inputs match ({n})"));
+                }
+            }
             if f.kind == Some(DivergenceKind::Absorbed) {
                 s.push_str(", absorbed before the next checkpoint");
             }
@@ -318,10 +349,72 @@ fn summary_line(
                 }
                 None => {}
             }
+            s.push_str(&passed_words(storage, one_sided));
             s
         }
-        (Verdict::Divergent, None) => coverage_summary(unmatched, uncompared),
+        (Verdict::Divergent, None) => {
+            let mut s = coverage_summary(unmatched, uncompared, storage, one_sided);
+            if !storage.is_empty() || !one_sided.is_empty() {
+                s.push_str("; no other difference");
+            }
+            s
+        }
     }
+}
+
+/// `; passed: storage precision in 4992 values of moe.term.* (…); held by
+/// one side only: …`: what the walk passed on its way to the headline.
+fn passed_words(storage: &[StoragePrecision], one_sided: &[OneSided]) -> String {
+    let mut s = String::new();
+    if !storage.is_empty() {
+        s.push_str(&format!("; passed storage precision: {}", storage_words(storage)));
+    }
+    if !one_sided.is_empty() {
+        s.push_str(&format!(
+            "; held by one side only: {}",
+            one_sided_words(one_sided)
+        ));
+    }
+    s
+}
+
+/// `moe.term.* (candidate bf16 values in f32, R_BF16 …: 4992 of 4992 values rounded, 24 records)`.
+fn storage_words(storage: &[StoragePrecision]) -> String {
+    storage
+        .iter()
+        .map(|g| {
+            format!(
+                "{} ({} stores {}: {} of {} values are {} of the {}'s, {})",
+                g.component,
+                g.coarser,
+                g.coarse_storage,
+                g.values,
+                g.values,
+                g.rounding,
+                if g.coarser == "candidate" {
+                    "reference"
+                } else {
+                    "candidate"
+                },
+                records_words(g.records)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `1 record`, `7 records`.
+fn records_words(n: u64) -> String {
+    format!("{n} record{}", if n == 1 { "" } else { "s" })
+}
+
+/// `embed.output (reference, 30 records), moe.routed (candidate, 144 records)`.
+fn one_sided_words(one_sided: &[OneSided]) -> String {
+    one_sided
+        .iter()
+        .map(|g| format!("{} ({}, {})", g.component, g.present_in, records_words(g.records)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// After an absorbed first divergence: the next one that propagates, or
@@ -353,8 +446,25 @@ fn later_divergences(divergences: &[Divergence], rest: crate::divergence::Rest) 
 
 /// The summary of traces that differ only in what they cover: the levels
 /// one trace holds alone, then the steps one trace holds alone.
-fn coverage_summary(unmatched: &[u32], uncompared: &[UncomparedLevel]) -> String {
+fn coverage_summary(
+    unmatched: &[u32],
+    uncompared: &[UncomparedLevel],
+    storage: &[StoragePrecision],
+    one_sided: &[OneSided],
+) -> String {
     let mut parts = Vec::new();
+    if !storage.is_empty() {
+        parts.push(format!(
+            "the records differ only by storage precision: {}",
+            storage_words(storage)
+        ));
+    }
+    if !one_sided.is_empty() {
+        parts.push(format!(
+            "records held by one side only: {}",
+            one_sided_words(one_sided)
+        ));
+    }
     for side in ["reference", "candidate"] {
         let names: Vec<&str> = uncompared
             .iter()
@@ -425,8 +535,11 @@ impl Ctx<'_> {
             checkpoint: e.checkpoint.and_then(|p| self.rec_ref_any(p)),
             inputs: e.inputs.clone(),
             inputs_match: e.inputs_match,
+            inputs_note: inputs_note(&e.inputs),
             layer_kind: self.layer_kind_of(e.pair),
             comparison: self.comparison(e.pair)?,
+            beyond_storage_precision: self.beyond_storage(e.pair)?,
+            recomputed: self.recomputed_side(&[e.pair]),
             at,
         }))
     }
@@ -864,6 +977,7 @@ impl Ctx<'_> {
         }
         rep.localized = Some(Localized {
             half: half_of(&at.path),
+            inputs_note: inputs_note(&inputs),
             inputs,
             inputs_match,
             layer_kind: self.layer_kind_of(p),
@@ -897,11 +1011,7 @@ impl Ctx<'_> {
                 .s
                 .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
             let status = if !pairs.is_empty() {
-                if pairs.iter().all(|&p| self.s.pair_equal(p)) {
-                    "match"
-                } else {
-                    "differ"
-                }
+                self.pairs_status(&pairs)
             } else if !self.compared.contains(spec.level) {
                 "not_captured"
             } else {
@@ -922,6 +1032,7 @@ impl Ctx<'_> {
                 input: describe_input(&spec),
                 status: status.into(),
                 records: pairs.len() as u64,
+                recomputed: self.recomputed_side(&pairs),
             });
         }
         out
@@ -947,95 +1058,5 @@ impl Ctx<'_> {
             (re.dtype, &re.shape, rb),
             (ce.dtype, &ce.shape, cb),
         ))
-    }
-
-    /// The routed terms, shared output and combine output of one side, if
-    /// all have f32 payloads.
-    fn combine_event(
-        &self,
-        t: &Trace,
-        pick: impl Fn(Pair) -> Option<usize>,
-        step: u32,
-        layer: u32,
-        position: u32,
-    ) -> Result<Option<CombineEvent>, BisectError> {
-        let get = |i: usize| -> Result<Option<Vec<f32>>, BisectError> {
-            let e = &t.records()[i];
-            Ok(t.payload_verified(i)?.and_then(|b| f32_values(e.dtype, b)))
-        };
-        let mut terms: Vec<(usize, usize)> = Vec::new();
-        for p in self
-            .s
-            .lookup_component(step, Some(layer), Some(position), Component::MoeTerm)
-        {
-            let Some(i) = pick(p) else { continue };
-            let path = &t.records()[i].coord.path;
-            let Some(j) = path
-                .strip_prefix(Component::MoeTerm.path())
-                .and_then(|j| j.parse::<usize>().ok())
-            else {
-                continue;
-            };
-            terms.push((j, i));
-        }
-        terms.sort_unstable();
-        if terms.is_empty() || terms.iter().enumerate().any(|(n, &(j, _))| n != j) {
-            return Ok(None);
-        }
-        let one = |component: Component| -> Result<Option<Vec<f32>>, BisectError> {
-            match self
-                .s
-                .lookup_component(step, Some(layer), Some(position), component)
-                .first()
-                .and_then(|&p| pick(p))
-            {
-                Some(i) => get(i),
-                None => Ok(None),
-            }
-        };
-        let (Some(shared), Some(combine)) = (one(Component::MoeShared)?, one(Component::MoeCombine)?) else {
-            return Ok(None);
-        };
-        let mut tv = Vec::with_capacity(terms.len());
-        for (_, i) in terms {
-            match get(i)? {
-                Some(v) => tv.push(v),
-                None => return Ok(None),
-            }
-        }
-        Ok(Some((tv, shared, combine)))
-    }
-
-    fn contract(
-        &self,
-        step: u32,
-        layer: u32,
-        position: u32,
-        at: RecordRef,
-    ) -> Result<ContractReport, BisectError> {
-        let cand = self.combine_event(self.s.c, |p| p.c, step, layer, position)?;
-        let refe = self.combine_event(self.s.r, |p| p.r, step, layer, position)?;
-        let ci = cand
-            .as_ref()
-            .and_then(|(t, s, y)| infer(t, s, y, self.s.c.binding().canon));
-        let ri = refe
-            .as_ref()
-            .and_then(|(t, s, y)| infer(t, s, y, self.s.r.binding().canon));
-        let note = if cand.is_none() {
-            Some("no f32 payloads of moe.term.*, moe.shared and moe.combine in the candidate at this event (capture L4 with payloads)".to_string())
-        } else if ci.as_ref().is_none_or(|i| i.matches.is_empty()) {
-            Some("no known contract (P32/C/A/B under any order, tree, exact, f64) reproduces the candidate's output bitwise".to_string())
-        } else {
-            None
-        };
-        Ok(ContractReport {
-            at,
-            candidate: ci.as_ref().and_then(|i| i.explain()),
-            reference: ri.as_ref().and_then(|i| i.explain()),
-            reference_is_native: ri.as_ref().map(|i| i.native),
-            candidate_inference: ci,
-            reference_inference: ri,
-            note,
-        })
     }
 }

@@ -15,6 +15,7 @@ use crate::diff::Ctx;
 use crate::error::BisectError;
 use crate::operators::is_checkpoint;
 use crate::report::{DivergenceKind, InputCheck};
+use crate::storage::Rounding;
 use crate::walk::Pair;
 use moeconf_fingerprint::catalogue::{ExecGroup, ExecKey};
 use moeconf_fingerprint::{Component, Level};
@@ -70,8 +71,12 @@ impl Rest {
 
 /// The divergences found, and the localized operator of the first one.
 pub(crate) struct Divergences {
-    /// In execution order; the first is the first differing record.
+    /// In execution order; the first is the first differing record that
+    /// neither storage precision nor coverage explains.
     pub events: Vec<Event>,
+    /// Records the walk passed because they differ only by storage
+    /// precision ([`crate::storage`]), in execution order, with the rounding.
+    pub storage: Vec<(Pair, Rounding)>,
     /// What lies after them.
     pub rest: Rest,
     /// The first differing record of the first divergent step whose inputs
@@ -281,6 +286,7 @@ impl Ctx<'_> {
     pub(crate) fn divergences(&self) -> Result<Divergences, BisectError> {
         let mut out = Divergences {
             events: Vec::new(),
+            storage: Vec::new(),
             rest: Rest::None,
             localized: None,
         };
@@ -295,13 +301,24 @@ impl Ctx<'_> {
             last_step = Some(step);
             let recs = self.step_differences(step);
             if out.localized.is_none() {
-                out.localized = self.localize(&recs);
+                out.localized = self.localize(&recs)?;
             }
             for (i, &p) in recs.iter().enumerate() {
                 examined += 1;
                 if examined > MAX_EXAMINED || out.events.len() >= MAX_DIVERGENCES {
                     out.rest = Rest::Limit;
                     return Ok(out);
+                }
+                if p.r.is_none() || p.c.is_none() {
+                    // Held by one side only: a coverage difference, listed
+                    // in the report's `one_side_only`, not a divergence.
+                    continue;
+                }
+                if let Some(r) = self.storage_checked(p)? {
+                    // Differs only by storage precision: its consumers
+                    // count it as matching (and say so).
+                    out.storage.push((p, r));
+                    continue;
                 }
                 let Some((inputs, inputs_match, key, component)) = self.origin(p, &seen) else {
                     continue;
@@ -361,19 +378,50 @@ impl Ctx<'_> {
                 == (b.coord.step, b.coord.layer, b.coord.position)
     }
 
-    /// The first record of `recs` (one step's differing records) whose
-    /// inputs all match, else the first record.
-    fn localize(&self, recs: &[Pair]) -> Option<(Pair, Vec<InputCheck>, bool)> {
+    /// The first record of `recs` (one step's differing records, held by
+    /// both sides and not explained by storage precision) whose inputs all
+    /// match, else the first such record.
+    #[allow(clippy::type_complexity)]
+    fn localize(&self, recs: &[Pair]) -> Result<Option<(Pair, Vec<InputCheck>, bool)>, BisectError> {
         let mut first = None;
         for &p in recs {
+            if p.r.is_none() || p.c.is_none() || self.storage_checked(p)?.is_some() {
+                continue;
+            }
             let Some(e) = self.s.entry(p) else { continue };
             let checks = self.check_inputs(e.coord.step, e.coord.layer, e.coord.position, &e.coord.path);
             let ok = !checks.iter().any(|c| c.status == "differ");
             if ok {
-                return Some((p, checks, true));
+                return Ok(Some((p, checks, true)));
             }
             first.get_or_insert((p, checks, false));
         }
-        first
+        Ok(first)
+    }
+
+    /// Every record held by one trace only at a step both traces hold, at
+    /// the compared levels, in execution order (steps one trace holds alone
+    /// are reported as `unmatched_steps`).
+    pub(crate) fn one_sided(&self) -> Vec<Pair> {
+        let mut out = Vec::new();
+        for step in self.s.steps() {
+            if !self.s.step_differs(step)
+                || self.s.r.tree().step(step).is_none()
+                || self.s.c.tree().step(step).is_none()
+            {
+                continue;
+            }
+            for level in self.compared.iter() {
+                if self.s.level_differs(step, level) {
+                    out.extend(
+                        self.s
+                            .differing_records(step, level)
+                            .into_iter()
+                            .filter(|p| p.r.is_none() || p.c.is_none()),
+                    );
+                }
+            }
+        }
+        out
     }
 }

@@ -11,8 +11,11 @@
 //!   when the bindings are not comparable.
 //! * [`DiffReport`] serializes to the JSON document of docs/diff.md
 //!   ([`DiffReport::to_json`]) and renders to text ([`DiffReport::render_text`]).
-//! * [`infer`] finds which aggregation contract and order reproduce a
-//!   recorded `moe.combine` from its routed terms ([`Inference`]).
+//! * At a localized `moe.combine`, both sides are explained against the
+//!   whole combine grammar ([`CombineExplanation`]: the simplest reproducing
+//!   member, the indistinguishable others and why, or the closest members);
+//!   [`explain_trace`] does the same for every event of one trace
+//!   (`moeconf explain`).
 //! * [`summarize`] is the element-wise comparison behind every numeric
 //!   summary (count, max |Δ|, ULPs, minimum passing tolerances, worst element).
 //!
@@ -47,16 +50,20 @@
 mod bench;
 pub mod certify;
 mod comparability;
+mod contract_report;
 mod diff;
 mod divergence;
 mod error;
-mod inference;
+mod explain;
+mod explanation;
 mod layerkind;
 mod numeric;
 mod operators;
 mod pairing;
+mod passed;
 mod render;
 mod report;
+mod storage;
 mod textdiff;
 mod walk;
 
@@ -66,7 +73,14 @@ pub use comparability::{compare_bindings, Comparability};
 pub use diff::{diff, open_pair, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
-pub use inference::{infer, Inference, OrderKind, SchemeMatch, MAX_INFERENCE_K, MAX_LISTED_ORDERS};
+pub use explain::{
+    explain_trace, EventReport, ExplainError, FixedPermutationReport, RuleReport, TraceExplanation,
+    TraceRule, EXPLAIN_SCHEMA_VERSION, MAX_LISTED_RULES,
+};
+pub use explanation::{
+    order_words, CombineExplanation, EquivalentReport, ExplanationStatus, NearMissReport, PermutationReport,
+    ReasonReport, MAX_LISTED_EQUIVALENTS,
+};
 pub use moeconf_fingerprint::Half;
 pub use numeric::{
     compare_ids, compare_values, element_ordinal, element_value, int_values, summarize, unravel,
@@ -75,10 +89,10 @@ pub use numeric::{
 pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
-    ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck, L0Report, L1Report,
-    L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, RecordRef, RouteDivergence,
-    StateComponent, StateLayer, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,
-    DIFF_SCHEMA_VERSION,
+    BeyondStorage, ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck,
+    L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, OneSided,
+    RecordRef, RouteDivergence, StateComponent, StateLayer, StoragePrecision, TextOp, TextPosition,
+    TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,

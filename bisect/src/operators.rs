@@ -260,8 +260,13 @@ mod tests {
         );
         assert_eq!(
             inputs_of("moe.combine", 5),
-            vec![s(L4, "moe.term.", 5), s(L4, "moe.shared", 5)]
+            vec![
+                s(L4, "moe.term.", 5),
+                s(L4, "moe.routed", 5),
+                s(L4, "moe.shared", 5)
+            ]
         );
+        assert_eq!(inputs_of("moe.routed", 5), vec![s(L4, "moe.term.", 5)]);
         assert_eq!(
             inputs_of("moe.term.3", 5),
             vec![

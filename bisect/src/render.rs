@@ -2,6 +2,7 @@
 //! compact section per level (each opened by one line of plain explanation),
 //! and the summary line last.
 
+use crate::explanation::CombineExplanation;
 use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
@@ -175,8 +176,24 @@ fn input_status(status: &str) -> &str {
         "not_captured" => "not captured",
         "not_applicable" => "not applicable on this layer kind",
         "not_emitted" => "none emitted at this position",
+        "storage_precision" => "match up to storage precision",
+        "one_side" => "held by one side only (not compared)",
         s => s,
     }
+}
+
+/// One input in words, with who recomputed it.
+fn input_words(i: &InputCheck) -> String {
+    let mut s = format!("{} {}", i.input, input_status(&i.status));
+    if let Some(side) = &i.recomputed {
+        let by = if side == "both" {
+            "both sides".to_string()
+        } else {
+            format!("the {side}")
+        };
+        s.push_str(&format!(" (recomputed by the capture on {by})"));
+    }
+    s
 }
 
 /// `sliding-window attention, hash-routed MoE`.
@@ -212,6 +229,7 @@ impl DiffReport {
         self.render_verdict(&mut o, &st);
         self.render_traces(&mut o, &st);
         self.render_divergences(&mut o, &st);
+        self.render_passed(&mut o, &st);
         let l = &self.levels;
         render_l0(&mut o, &st, &l.l0);
         render_l1(&mut o, &st, &l.l1);
@@ -257,12 +275,26 @@ impl DiffReport {
                 );
             }
             (Verdict::Divergent, None) => {
+                let coverage = !self.uncompared_levels.is_empty() || !self.unmatched_steps.is_empty();
                 let what = match (self.uncompared_levels.is_empty(), self.unmatched_steps.is_empty()) {
+                    _ if !coverage && !self.one_side_only.is_empty() => "records",
+                    _ if !coverage => "",
                     (false, false) => "levels and steps",
                     (false, true) => "levels",
                     _ => "steps",
                 };
-                let _ = writeln!(o, "{} the traces cover different {what}", st.red("DIVERGENT:"));
+                let mut line = String::new();
+                if !what.is_empty() {
+                    line.push_str(&format!("the traces cover different {what}"));
+                }
+                if !self.storage_precision.is_empty() {
+                    line.push_str(if line.is_empty() {
+                        "the traces differ only by storage precision (one side stored coarser values): no difference in execution for the walk to localize"
+                    } else {
+                        "; every other difference is storage precision (one side stored coarser values), not a difference in execution that the walk could localize"
+                    });
+                }
+                let _ = writeln!(o, "{} {line}", st.red("DIVERGENT:"));
             }
         }
     }
@@ -302,6 +334,66 @@ impl DiffReport {
                 "  level {} captured only by the {} (not compared)",
                 u.level, u.present_in
             );
+        }
+    }
+}
+
+impl DiffReport {
+    /// What the walk passed: storage precision and one-sided records.
+    fn render_passed(&self, o: &mut String, st: &Style) {
+        if !self.storage_precision.is_empty() {
+            let _ = writeln!(o);
+            let _ = writeln!(
+                o,
+                "{}: {} group(s) of records differ only because one side stored coarser values",
+                st.bold("Storage precision"),
+                self.storage_precision.len()
+            );
+            let _ = writeln!(
+                o,
+                "   {}",
+                st.dim("Their consumers count them as matching inputs (\"inputs match up to storage precision\"); the traces are still not equivalent.")
+            );
+            for g in &self.storage_precision {
+                let finer = if g.coarser == "candidate" {
+                    "reference"
+                } else {
+                    "candidate"
+                };
+                let _ = writeln!(
+                    o,
+                    "   {}: the {} stores {}; its values are {} of the {}'s in {} of {} values ({} changed by the rounding), {} records, first {}",
+                    st.bold(&g.component),
+                    g.coarser,
+                    g.coarse_storage,
+                    g.rounding,
+                    finer,
+                    g.values,
+                    g.values,
+                    g.rounded_values,
+                    g.records,
+                    g.first.describe()
+                );
+            }
+        }
+        if !self.one_side_only.is_empty() {
+            let _ = writeln!(o);
+            let _ = writeln!(
+                o,
+                "{}: {} component(s) (a coverage difference; not compared, not counted as divergences)",
+                st.bold("Held by one side only"),
+                self.one_side_only.len()
+            );
+            for g in &self.one_side_only {
+                let _ = writeln!(
+                    o,
+                    "   {} only in the {}: {} records, first {}",
+                    st.bold(&g.component),
+                    g.present_in,
+                    g.records,
+                    g.first.describe()
+                );
+            }
         }
     }
 }
@@ -355,6 +447,26 @@ impl DiffReport {
             );
             if !d.inputs_match {
                 let _ = writeln!(o, "      (some of its inputs differ too)");
+            } else if let Some(n) = &d.inputs_note {
+                let _ = writeln!(o, "      inputs match ({n})");
+            }
+            if let Some(side) = &d.recomputed {
+                let _ = writeln!(
+                    o,
+                    "      this record was recomputed by the capture on the {side} side(s), not observed from the backend"
+                );
+            }
+            if let Some(b) = &d.beyond_storage_precision {
+                let finer = if b.coarser == "candidate" {
+                    "reference"
+                } else {
+                    "candidate"
+                };
+                let _ = writeln!(
+                    o,
+                    "      beyond storage precision: the {} holds bf16 values; after R_BF16 of the {}'s, {} of {} values still differ",
+                    b.coarser, finer, b.differing_values, b.values
+                );
             }
             let in_l4 = self.levels.l4.localized.as_ref().is_some_and(|l| l.at == d.at);
             match &d.comparison {
@@ -594,17 +706,13 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
             o,
             "   localized operator: {} — {}",
             st.bold(&loc.at.describe()),
-            if loc.inputs_match {
-                "its output differs while its inputs match"
-            } else {
-                "first differing operator (some inputs differ too)"
+            match (loc.inputs_match, &loc.inputs_note) {
+                (true, None) => "its output differs while its inputs match".to_string(),
+                (true, Some(n)) => format!("its output differs while its inputs match ({n})"),
+                (false, _) => "first differing operator (some inputs differ too)".to_string(),
             }
         );
-        let ins: Vec<String> = loc
-            .inputs
-            .iter()
-            .map(|i| format!("{} {}", i.input, input_status(&i.status)))
-            .collect();
+        let ins: Vec<String> = loc.inputs.iter().map(input_words).collect();
         if !ins.is_empty() {
             let _ = writeln!(o, "   inputs: {}", ins.join("; "));
         }
@@ -622,33 +730,74 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
     }
 }
 
-/// Which contract reproduces the candidate's (and the reference's) combine.
+/// Which grammar members reproduce the candidate's and the reference's combine.
 fn render_contract(o: &mut String, st: &Style, c: &ContractReport) {
     let combine = Component::MoeCombine.path();
-    match &c.candidate {
-        Some(e) => {
-            let _ = writeln!(
-                o,
-                "   contract: candidate's {combine} at layer {} step {} equals {}",
-                c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
-                c.at.step,
-                st.bold(e)
-            );
-        }
-        None => {
-            let _ = writeln!(o, "   contract: {}", c.note.clone().unwrap_or_default());
+    let place = format!(
+        "{combine} at layer {} step {}",
+        c.at.layer.map(|l| l.to_string()).unwrap_or_default(),
+        c.at.step
+    );
+    for (label, e, note) in [
+        ("candidate", &c.candidate_explanation, &c.candidate_note),
+        ("reference", &c.reference_explanation, &c.reference_note),
+    ] {
+        match e {
+            Some(e) if e.simplest.is_some() => {
+                let simplest = e.simplest.clone().unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "   contract: {label}'s {place} equals {} ({})",
+                    st.bold(&simplest),
+                    e.order.clone().unwrap_or_default()
+                );
+                equivalent_lines(o, e);
+            }
+            Some(e) => {
+                let _ = writeln!(o, "   contract: {label}'s {place}: {}", e.summary());
+            }
+            None => {
+                let _ = writeln!(
+                    o,
+                    "   contract: {label}'s {place} not explained: {}",
+                    note.clone().unwrap_or_default()
+                );
+            }
         }
     }
-    if let Some(r) = &c.reference {
+    if c.reference_is_native == Some(false) {
+        let _ = writeln!(o, "   (the reference is not the native contract c at this event)");
+    }
+}
+
+/// Equivalent members rendered per side in the text report (JSON lists up
+/// to `MAX_LISTED_EQUIVALENTS`).
+const RENDERED_EQUIVALENTS: usize = 4;
+
+/// The indistinguishable members of one explanation, with their reasons.
+fn equivalent_lines(o: &mut String, e: &CombineExplanation) {
+    for q in e.equivalents.iter().take(RENDERED_EQUIVALENTS) {
+        let why: Vec<&str> = q.reasons.iter().map(|r| r.text.as_str()).collect();
+        let _ = writeln!(o, "     indistinguishable: {} — {}", q.contract, why.join("; "));
+    }
+    if e.equivalent_count > RENDERED_EQUIVALENTS {
         let _ = writeln!(
             o,
-            "   reference's {combine} equals {r}{}",
-            if c.reference_is_native == Some(false) {
-                " (not the native contract)"
-            } else {
-                ""
-            }
+            "     … and {} more equivalent members (--format json lists them)",
+            e.equivalent_count - RENDERED_EQUIVALENTS
         );
+    }
+    for p in &e.permutations {
+        if p.matching > 1 && p.matching < p.tried {
+            let _ = writeln!(
+                o,
+                "     {}: {} of {} permutations reproduce it ({})",
+                p.family,
+                p.matching,
+                p.tried,
+                p.listed.join(", ")
+            );
+        }
     }
 }
 

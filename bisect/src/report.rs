@@ -1,13 +1,13 @@
 //! The diff report: one serializable document (docs/diff.md is its schema).
 
 use crate::comparability::Comparability;
-use crate::inference::Inference;
+use crate::explanation::CombineExplanation;
 use crate::numeric::{NumericSummary, ValueComparison};
 use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 2;
+pub const DIFF_SCHEMA_VERSION: u32 = 3;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -161,10 +161,32 @@ pub struct Divergence {
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches.
     pub inputs_match: bool,
+    /// What "inputs match" rests on besides bitwise equality: inputs that
+    /// match only up to storage precision, that a capture recomputed, or
+    /// that one trace alone holds (`null`: plain bitwise match).
+    pub inputs_note: Option<String>,
     /// The layer's kind, for a layer record.
     pub layer_kind: Option<LayerKind>,
     /// How the two records compare, worded by what their values mean.
     pub comparison: Option<ValueComparison>,
+    /// Which side's capture recomputed this record itself (`reference`,
+    /// `candidate`, `both`; `null`: observed on both sides).
+    pub recomputed: Option<String>,
+    /// When one side holds only bf16 values and the other does not: how
+    /// many values still differ after rounding the finer side with R_BF16
+    /// (the part of the difference storage precision does not explain).
+    pub beyond_storage_precision: Option<BeyondStorage>,
+}
+
+/// The part of a difference that storage precision does not explain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BeyondStorage {
+    /// `reference` or `candidate`: the side holding only bf16 values.
+    pub coarser: String,
+    /// Values that differ after R_BF16 of the finer side.
+    pub differing_values: u64,
+    /// Values compared.
+    pub values: u64,
 }
 
 /// One inline text-diff segment.
@@ -372,6 +394,49 @@ pub struct InputCheck {
     pub status: String,
     /// Records compared.
     pub records: u64,
+    /// Which side's capture recomputed this input rather than observing
+    /// the backend's value (`reference`, `candidate` or `both`; `null`:
+    /// observed on both sides). A match of recomputed inputs says nothing
+    /// about the backend, and the report says so.
+    pub recomputed: Option<String>,
+}
+
+/// Records that differ only because one side stored a coarser precision
+/// (its values are the other side's rounded), grouped by component and
+/// coarser side. The walk counts them as matching inputs of their
+/// consumers and goes on; the traces are still not equivalent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StoragePrecision {
+    /// The component, e.g. `moe.term.*`.
+    pub component: String,
+    /// `reference` or `candidate`: the side that stored the coarser values.
+    pub coarser: String,
+    /// How the coarser side stores them: `bf16` (dtype) or `bf16 values in f32`.
+    pub coarse_storage: String,
+    /// The rounding that maps the finer side onto the coarser:
+    /// `R_BF16 (round to nearest, ties to even)`.
+    pub rounding: String,
+    /// Records of this group.
+    pub records: u64,
+    /// Values compared.
+    pub values: u64,
+    /// Values the rounding changed (the others are already bf16 values on both sides).
+    pub rounded_values: u64,
+    /// The first record, in execution order.
+    pub first: RecordRef,
+}
+
+/// Records of one component held by one trace only, at steps both traces hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OneSided {
+    /// The component, e.g. `attn.window_read` or `moe.term.*`.
+    pub component: String,
+    /// `reference` or `candidate`: the trace that holds them.
+    pub present_in: String,
+    /// How many records.
+    pub records: u64,
+    /// The first, in execution order.
+    pub first: RecordRef,
 }
 
 /// The localized operator.
@@ -385,6 +450,9 @@ pub struct Localized {
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches (the operator itself departs).
     pub inputs_match: bool,
+    /// What "inputs match" rests on besides bitwise equality (see
+    /// [`Divergence::inputs_note`]).
+    pub inputs_note: Option<String>,
     /// The layer's kind.
     pub layer_kind: Option<LayerKind>,
     /// How the output compares, worded by what its values mean.
@@ -396,18 +464,24 @@ pub struct Localized {
 pub struct ContractReport {
     /// The combine event.
     pub at: RecordRef,
-    /// The candidate's explanation, e.g. `scheme B, class 135`.
+    /// The candidate's simplest reproducing grammar member in the contract
+    /// notation (docs/contracts.md), e.g. `b+order=class:135`.
     pub candidate: Option<String>,
-    /// What reproduces the candidate's output.
-    pub candidate_inference: Option<Inference>,
-    /// The reference's explanation.
+    /// The candidate's explanation: the reproducing set (simplest member,
+    /// equivalents with reasons, explicit permutations) or, when nothing
+    /// reproduces it, the closest members.
+    pub candidate_explanation: Option<CombineExplanation>,
+    /// Why the candidate was not explained (missing records or payloads).
+    pub candidate_note: Option<String>,
+    /// The reference's simplest reproducing member.
     pub reference: Option<String>,
-    /// What reproduces the reference's output.
-    pub reference_inference: Option<Inference>,
-    /// Whether the reference matches the native contract (C, identity order).
+    /// The reference's explanation.
+    pub reference_explanation: Option<CombineExplanation>,
+    /// Why the reference was not explained.
+    pub reference_note: Option<String>,
+    /// Whether the native contract (`c`, router slot order) is among the
+    /// members reproducing the reference's output.
     pub reference_is_native: Option<bool>,
-    /// Why inference was not run or found nothing.
-    pub note: Option<String>,
 }
 
 /// L4: operator intermediates.
@@ -506,6 +580,13 @@ pub struct DiffReport {
     /// checkpoints that would tell are not compared) or `limit` (more
     /// divergences than the report lists).
     pub rest: String,
+    /// Records the walk passed because they differ only by storage
+    /// precision, grouped by component (empty when none).
+    pub storage_precision: Vec<StoragePrecision>,
+    /// Records held by one trace only at steps both hold, by component
+    /// (a coverage difference: the traces are not equivalent; the walk does
+    /// not count them as divergences).
+    pub one_side_only: Vec<OneSided>,
     /// One object per level.
     pub levels: Levels,
     /// The one-line summary printed last.

@@ -9,7 +9,7 @@ use std::cmp::Ordering;
 
 /// One record position in the comparison: the index of the record in the
 /// reference and in the candidate (`None` when that side lacks it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Pair {
     /// Index into the reference's records.
     pub r: Option<usize>,

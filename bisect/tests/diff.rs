@@ -4,8 +4,10 @@
 mod common;
 
 use common::*;
-use moeconf_bisect::{diff, BisectError, DiffOptions, LevelStatus, OrderKind, ValueComparison, Verdict};
-use moeconf_contract::{b_class_representative, AggregationContract, Order};
+use moeconf_bisect::{
+    diff, BisectError, DiffOptions, ExplanationStatus, LevelStatus, ValueComparison, Verdict,
+};
+use moeconf_contract::{b_class_of, b_class_representative, AggregationContract, Order};
 
 fn pair(
     reference: &Synth,
@@ -103,22 +105,35 @@ fn check_b_fork(step: u32, layer: u32, position: u32, class: u64) {
         panic!("a float comparison: {:?}", loc.comparison)
     };
     assert!(num.differing > 0 && num.differing <= num.elements);
-    // Contract inference names the injected contract and class.
+    // Both sides are explained: the candidate as the injected B class (the
+    // two permutations of the class, one entry), the reference as native.
     let con = rep.levels.l4.contract.as_ref().unwrap();
-    let inf = con.candidate_inference.as_ref().unwrap();
-    let b = inf
-        .matches
+    let e = con.candidate_explanation.as_ref().unwrap();
+    assert_eq!(e.status, ExplanationStatus::Explained);
+    let b = e
+        .permutations
         .iter()
-        .find(|m| m.scheme == "b")
+        .find(|p| p.family == "b")
         .expect("B reproduces the candidate");
-    assert_eq!(b.order_kind, OrderKind::BClass);
-    assert_eq!(b.orders, vec![class], "exactly the injected class");
     assert_eq!(
-        con.candidate.as_deref(),
-        Some(format!("scheme B, class {class}").as_str())
+        b.listed,
+        vec![format!("class:{class}")],
+        "exactly the injected class"
     );
+    assert_eq!((b.matching, b.tried), (2, 720));
+    // A class that contains a named order is reported by that name.
+    let (member, words) = if class == b_class_of(&[0, 1, 2, 3, 4, 5]).unwrap() {
+        ("b".to_string(), "router slot order".to_string())
+    } else if class == b_class_of(&[5, 4, 3, 2, 1, 0]).unwrap() {
+        ("b+order=reversed".to_string(), "reversed slot order".to_string())
+    } else {
+        (format!("b+order=class:{class}"), format!("B class {class}"))
+    };
+    assert_eq!(con.candidate.as_deref(), Some(member.as_str()));
+    assert_eq!(e.order.as_deref(), Some(words.as_str()));
     assert_eq!(fd.contract, con.candidate);
-    assert!(!inf.native);
+    let re = con.reference_explanation.as_ref().unwrap();
+    assert_eq!(re.simplest.as_deref(), Some("c"), "{re:?}");
     assert_eq!(con.reference_is_native, Some(true));
     // The state of layers up to the fork layer stays identical at that boundary.
     // (A fork in the last layer leaves every layer's state identical.)
@@ -131,7 +146,11 @@ fn check_b_fork(step: u32, layer: u32, position: u32, class: u64) {
     }
     let text = rep.render_text(false);
     assert!(
-        text.contains(&format!("equals scheme B, class {class}")),
+        text.contains(&format!(
+            "candidate's moe.combine at layer {layer} step {step} equals {member}"
+        )) && text.contains(&format!(
+            "reference's moe.combine at layer {layer} step {step} equals c"
+        )),
         "{text}"
     );
     assert!(
@@ -170,26 +189,61 @@ fn other_contracts_are_inferred() {
         });
         let (_d, r, c) = pair(&Synth::reference(), &cand);
         let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
-        let inf = rep
-            .levels
-            .l4
-            .contract
-            .as_ref()
-            .unwrap()
-            .candidate_inference
-            .clone()
-            .unwrap();
-        let m = inf
-            .matches
+        let con = rep.levels.l4.contract.clone().unwrap();
+        let e = con.candidate_explanation.clone().unwrap();
+        let m = e
+            .permutations
             .iter()
-            .find(|m| m.scheme == scheme)
-            .unwrap_or_else(|| panic!("{scheme}: {inf:?}"));
-        assert_eq!(m.order_kind, OrderKind::PermutationIndex);
+            .find(|m| m.family == scheme)
+            .unwrap_or_else(|| panic!("{scheme}: {e:?}"));
         let expect = if scheme == "a" { 451 } else { 3 };
-        assert!(m.orders.contains(&expect), "{m:?}");
+        assert!(
+            m.listed.contains(&format!("index:{expect}")) || m.matching == m.tried,
+            "{m:?}"
+        );
     }
     // Sanity of the class numbering used above.
     assert_eq!(b_class_representative(6, 0).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+}
+
+/// A combine outside what inference tries (a tree under an explicit
+/// permutation, tried only under the named orders) is said to match nothing,
+/// with the closest members and how many values they get wrong, while the
+/// reference is still explained.
+#[test]
+fn unexplained_candidate_reports_the_closest_members() {
+    let contract = AggregationContract::parse("a+shape=tree+order=index:451").unwrap();
+    let cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 1,
+        position: PROMPT,
+        contract,
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let fd = rep.first_divergence.as_ref().unwrap();
+    assert_eq!(fd.operator, "moe.combine");
+    assert!(fd.contract.is_none(), "{fd:?}");
+    let con = rep.levels.l4.contract.as_ref().unwrap();
+    let e = con.candidate_explanation.as_ref().unwrap();
+    assert_eq!(e.status, ExplanationStatus::Unexplained, "{e:?}");
+    assert!(e.simplest.is_none() && con.candidate.is_none());
+    assert!(!e.closest.is_empty());
+    for n in &e.closest {
+        assert!(n.differing >= 1 && n.differing <= n.elements, "{n:?}");
+    }
+    assert!(e.closest.windows(2).all(|w| w[0].differing <= w[1].differing));
+    // The reference is explained on its own.
+    let re = con.reference_explanation.as_ref().unwrap();
+    assert_eq!(re.status, ExplanationStatus::Explained);
+    let text = rep.render_text(false);
+    assert!(
+        text.contains(
+            "candidate's moe.combine at layer 1 step 1: no grammar member reproduces it; closest: "
+        ),
+        "{text}"
+    );
+    assert!(text.contains("values differ)"), "{text}");
 }
 
 #[test]
@@ -327,7 +381,10 @@ fn fingerprints_without_payloads_still_localize() {
     );
     assert!(fd.contract.is_none());
     let con = rep.levels.l4.contract.as_ref().unwrap();
-    assert!(con.candidate.is_none() && con.note.as_ref().unwrap().contains("payloads"));
+    assert!(
+        con.candidate.is_none() && con.candidate_note.as_ref().unwrap().contains("payload"),
+        "{con:?}"
+    );
     assert!(rep.levels.l4.localized.as_ref().unwrap().comparison.is_none());
 }
 
@@ -386,7 +443,7 @@ fn json_has_the_documented_keys() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
-    assert_eq!(j["schema_version"], 2);
+    assert_eq!(j["schema_version"], 3);
     assert_eq!(j["kind"], "moeconf.diff");
     assert_eq!(j["verdict"], "divergent");
     let fd = &j["first_divergence"];
@@ -410,14 +467,22 @@ fn json_has_the_documented_keys() {
         "checkpoint",
         "inputs",
         "inputs_match",
+        "inputs_note",
         "layer_kind",
         "comparison",
     ] {
         assert!(d.get(key).is_some(), "divergences[0].{key}");
     }
+    assert!(
+        d["inputs_note"].is_null(),
+        "every input matches bitwise and is observed"
+    );
+    for i in d["inputs"].as_array().unwrap() {
+        assert!(i.get("recomputed").is_some_and(|r| r.is_null()), "{i}");
+    }
     assert_eq!(j["rest"], "propagates");
     assert_eq!(fd["operator"], "moe.combine");
-    assert_eq!(fd["contract"], "scheme B, class 135");
+    assert_eq!(fd["contract"], "b+order=class:135");
     for level in ["L0", "L1", "L2", "L3", "L4"] {
         let l = &j["levels"][level];
         assert!(l["status"].is_string() && l["explains"].is_string(), "{level}");
@@ -440,16 +505,19 @@ fn json_has_the_documented_keys() {
     ] {
         assert!(num.get(key).is_some(), "numeric.{key}");
     }
-    assert_eq!(
-        j["levels"]["L4"]["contract"]["candidate_inference"]["matches"][0]["scheme"],
-        "b"
-    );
+    let con = &j["levels"]["L4"]["contract"];
+    assert_eq!(con["candidate_explanation"]["simplest"], "b+order=class:135");
+    assert_eq!(con["candidate_explanation"]["status"], "explained");
+    assert_eq!(con["reference_explanation"]["simplest"], "c");
+    assert_eq!(con["reference_is_native"], true);
     for key in [
         "reference",
         "candidate",
         "comparability",
         "compared_levels",
         "unmatched_steps",
+        "storage_precision",
+        "one_side_only",
         "summary",
     ] {
         assert!(j.get(key).is_some(), "{key}");

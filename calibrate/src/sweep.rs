@@ -6,10 +6,13 @@
 //! ([`moeconf_reference_runtime::fork::sweep`]).
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use moeconf_contract::AggregationContract;
 use moeconf_fingerprint::Algorithm;
 use moeconf_reference_runtime::fork::{Branch, BranchResult, SchemeSummary, SweepReport};
+use moeconf_reference_runtime::tokenizer::Detokenize;
+use moeconf_report::{SweepBranch, SweepView};
 use serde_json::{json, Value};
 
 pub use moeconf_reference_runtime::fork::Scheme;
@@ -261,4 +264,90 @@ fn render_basins(o: &mut String, s: &SchemeSummary, bs: &[BranchResult], top: us
             s.basin_rank_frequency.len() - top
         );
     }
+}
+
+/// A progress counter on stderr: on a terminal a line rewritten in place,
+/// otherwise one line per 10 %.
+pub struct SweepProgress {
+    quiet: bool,
+    tty: bool,
+    shown: AtomicUsize,
+}
+
+impl SweepProgress {
+    /// A counter that prints nothing when `quiet`, and rewrites one line in
+    /// place when stderr is a terminal (`tty`).
+    pub fn new(quiet: bool, tty: bool) -> SweepProgress {
+        SweepProgress {
+            quiet,
+            tty,
+            shown: AtomicUsize::new(0),
+        }
+    }
+
+    /// Reports `done` of `total` branches (callable from worker threads).
+    pub fn report(&self, done: usize, total: usize) {
+        if self.quiet {
+            return;
+        }
+        let step = if self.tty { 1 } else { total.div_ceil(10).max(1) };
+        if done == total || done.is_multiple_of(step) {
+            let prev = self.shown.fetch_max(done, Ordering::Relaxed);
+            if prev < done {
+                if self.tty {
+                    eprint!("\rsweep: {done}/{total} branches");
+                } else {
+                    eprintln!("sweep: {done}/{total} branches");
+                }
+            }
+        }
+    }
+
+    /// Ends the counter line and reports the sweep's size and time.
+    pub fn finish(&self, report: &SweepReport, secs: f64) {
+        if self.quiet {
+            return;
+        }
+        let n: usize = report.branches.iter().map(|b| b.len()).sum::<usize>() + 1;
+        if self.tty {
+            eprintln!();
+        }
+        eprintln!(
+            "moeconf sweep: {n} branches (incl. the native reference) in {secs:.2} s on {} threads",
+            rayon::current_num_threads()
+        );
+    }
+}
+
+/// What the sweep's HTML page shows ([`moeconf_report::render_sweep`]): the
+/// header, the native branch and every forked branch with its tokens' texts.
+pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, detok: &dyn Detokenize) -> Result<SweepView> {
+    let branch = |b: &BranchResult| -> Result<SweepBranch> {
+        Ok(SweepBranch {
+            label: b.label.clone(),
+            tokens: b.tokens.clone(),
+            pieces: b
+                .tokens
+                .iter()
+                .map(|&t| detok.decode(&[t]))
+                .collect::<std::result::Result<_, _>>()?,
+        })
+    };
+    let p = &r.point;
+    let fork = match p.position {
+        Some(pos) => format!("layer {} step {} position {pos}", p.layer, p.step),
+        None => format!("layer {} step {}", p.layer, p.step),
+    };
+    Ok(SweepView {
+        header: vec![
+            ("model".into(), h.model.into()),
+            ("prompt".into(), h.prompt.into()),
+            ("precision".into(), h.precision.into()),
+            ("base contract".into(), h.base_contract.into()),
+            ("fork".into(), fork),
+            ("generated tokens per branch".into(), r.max_new_tokens.to_string()),
+        ],
+        reference: branch(&r.reference)?,
+        branches: r.branches.iter().flatten().map(branch).collect::<Result<_>>()?,
+    })
 }

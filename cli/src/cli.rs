@@ -45,6 +45,11 @@ pub enum Command {
     /// and if not, where (step, layer, operator) does the candidate first
     /// depart from the reference, and which numerical contract explains it.
     Diff(cmd::diff::DiffArgs),
+    /// Which MoE combine contract does one trace's backend implement? Explains
+    /// every moe.combine event against the whole combine grammar (no reference
+    /// needed): the simplest reproducing member, the indistinguishable others
+    /// and why, and the rule that explains every event (docs/contracts.md).
+    Explain(cmd::explain::ExplainArgs),
     /// Trace-freeze-fork sweep: snapshot the run at a fork point and evaluate
     /// every order of a contract there (e.g. all 720 A orders, all 360 B classes).
     Sweep(cmd::sweep::SweepArgs),

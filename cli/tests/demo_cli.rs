@@ -27,7 +27,7 @@ fn demo_localizes_the_injected_reduction() {
         last.contains("step 1") && last.contains("layer 5") && last.contains("moe.combine"),
         "{last}"
     );
-    assert!(last.contains("scheme B, class 135"), "{last}");
+    assert!(last.contains("candidate contract: b+order=class:135"), "{last}");
     assert!(dir.path().join("ref.bin").exists() && dir.path().join("cand.bin").exists());
 
     // JSON form of the same report.

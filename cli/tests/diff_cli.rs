@@ -155,7 +155,7 @@ fn json_output_is_one_versioned_document() {
     let out = moeconf(&["diff", "--format", "json", s(&f.reference), s(&f.divergent)]);
     assert_eq!(out.status.code(), Some(1));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(j["schema_version"], 2);
+    assert_eq!(j["schema_version"], 3);
     assert_eq!(j["verdict"], "divergent");
     assert_eq!(j["first_divergence"]["level"], "L3");
     assert_eq!(j["first_divergence"]["operator"], "layer.post_ffn_mhc");
@@ -244,8 +244,21 @@ fn runtime_b_forks_are_localized_and_their_class_inferred() {
             ),
             "fork layer {layer} class {class} step {step}: {fd}"
         );
-        assert_eq!(fd["contract"], format!("scheme B, class {class}"));
-        assert_eq!(j["levels"]["L4"]["contract"]["reference_is_native"], true);
+        // The candidate is explained as exactly the injected B class (named
+        // by what determines it when the class holds a named order).
+        let con = &j["levels"]["L4"]["contract"];
+        let e = &con["candidate_explanation"];
+        let b = e["permutations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["family"] == "b")
+            .unwrap_or_else(|| panic!("B not among {e}"));
+        assert_eq!(b["listed"], serde_json::json!([format!("class:{class}")]), "{b}");
+        assert_eq!(fd["contract"], e["simplest"]);
+        assert_eq!(fd["contract"], format!("b+order=class:{class}"), "{e}");
+        assert_eq!(con["reference_explanation"]["simplest"], "c");
+        assert_eq!(con["reference_is_native"], true);
         assert_eq!(j["levels"]["L4"]["localized"]["inputs_match"], true);
     }
 }
@@ -284,24 +297,23 @@ fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
         } else {
             index
         };
-        let matches = j["levels"]["L4"]["contract"]["candidate_inference"]["matches"]
+        let perms = j["levels"]["L4"]["contract"]["candidate_explanation"]["permutations"]
             .as_array()
             .unwrap()
             .clone();
-        let m = matches
+        let m = perms
             .iter()
-            .find(|m| m["scheme"] == scheme)
-            .unwrap_or_else(|| panic!("{scheme} not inferred: {matches:?}"));
-        let orders: Vec<u64> = m["orders"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|o| o.as_u64().unwrap())
-            .collect();
+            .find(|m| m["family"] == scheme)
+            .unwrap_or_else(|| panic!("{scheme} not inferred: {perms:?}"));
+        let want = if scheme == "b" {
+            format!("class:{expect}")
+        } else {
+            format!("index:{expect}")
+        };
         let everything = m["matching"] == m["tried"];
         assert!(
-            orders.contains(&expect) || everything,
-            "{scheme}: expected order {expect}, got {m}"
+            m["listed"].as_array().unwrap().iter().any(|o| *o == *want) || everything,
+            "{scheme}: expected order {want}, got {m}"
         );
     }
     // C under any layer-static order reproduces the native result bitwise here.

@@ -5,11 +5,10 @@
 //! counts the bitwise-distinct outputs. Independently it tries to **prove**
 //! order invariance from the exact sum ([`InvarianceProof`]):
 //!
-//! * the [`Accumulator::Exact`] and [`Accumulator::ExactFused`] accumulators are
-//!   order-invariant by construction;
-//! * otherwise, for each element, let `u_j` be the operand-rounded terms and
-//!   `q` the smallest power of two dividing all nonzero `u_j` (their common
-//!   quantum). Every partial sum of every order and tree shape is a subset sum,
+//! * the [`Accumulator::Exact`] accumulator is order-invariant by construction;
+//! * otherwise, for each element, let `u_j` be the operand-rounded terms (and
+//!   `s`, when the shared expert is summed in the accumulator) and `q` the
+//!   smallest power of two dividing all nonzero `u_j` (their common quantum). Every partial sum of every order and tree shape is a subset sum,
 //!   an integer multiple of `q` of magnitude at most `S = Σ|u_j|`. If
 //!   `S/q ≤ 2^p` (p = 24 for FP32, 8 for BF16, 53 for FP64), `S < 2^128`, and
 //!   (BF16 only) `q ≥ 2^−133`, every partial sum is exactly representable in
@@ -28,8 +27,7 @@ use rayon::prelude::*;
 
 use super::error::ContractError;
 use super::order::{factorial, permutation_from_index};
-use super::spec::{Accumulator, AggregationContract, OperandPrecision};
-use crate::bf16::r_bf16;
+use super::spec::{Accumulator, AggregationContract, SharedMerge};
 
 /// The largest k [`order_sensitivity`] enumerates (8! = 40 320 orders).
 pub const MAX_CERTIFIED_K: usize = 8;
@@ -116,68 +114,112 @@ pub fn order_sensitivity(
         orders: orders as usize,
         distinct_outputs: distinct.len(),
         sensitive_elements: sensitive.iter().filter(|&&s| s).count(),
-        proof: prove_invariance(family, terms, d),
+        proof: prove_invariance_with_shared(family, terms, Some(shared), d),
     })
 }
 
 /// The static order-invariance proof of the module docs, if it applies to
-/// every element.
+/// every element. A family that sums the shared expert in its accumulator
+/// needs `shared` ([`prove_invariance_with_shared`]); without it no proof is
+/// given for such a family (except the exact accumulator).
 pub fn prove_invariance(family: &AggregationContract, terms: &[&[f32]], d: usize) -> Option<InvarianceProof> {
-    let (precision_bits, min_quantum_exp) = match family.accumulator {
-        Accumulator::Exact | Accumulator::ExactFused => return Some(InvarianceProof::ExactAccumulator),
-        Accumulator::F32 => (24u32, -149i32),
-        Accumulator::Bf16 => (8, -133),
-        Accumulator::F64 => (53, -1074),
+    prove_invariance_with_shared(family, terms, None, d)
+}
+
+/// [`prove_invariance`] with the shared expert output, which is one more
+/// operand of the subset sums when the family sums it in the accumulator.
+pub fn prove_invariance_with_shared(
+    family: &AggregationContract,
+    terms: &[&[f32]],
+    shared: Option<&[f32]>,
+    d: usize,
+) -> Option<InvarianceProof> {
+    let precision_bits = match family.accumulator {
+        Accumulator::Exact => return Some(InvarianceProof::ExactAccumulator),
+        Accumulator::F32 => 24u32,
+        Accumulator::Bf16 => 8,
+        Accumulator::F64 => 53,
     };
+    let in_acc = family.shared != SharedMerge::Separate;
+    if in_acc && shared.is_none() {
+        return None;
+    }
+    let mut ops: Vec<f32> = Vec::with_capacity(terms.len() + 1);
     for e in 0..d {
-        // (significand, exponent of its least significant set bit) per nonzero operand.
-        let mut parts: Vec<(u64, i32)> = Vec::with_capacity(terms.len());
+        ops.clear();
         for t in terms {
-            let v = *t.get(e)?;
-            let u = match family.operand {
-                OperandPrecision::F32 => v,
-                OperandPrecision::Bf16 => r_bf16(v),
-            };
-            if !u.is_finite() {
-                return None;
-            }
-            let bits = u.to_bits();
-            let exp_field = ((bits >> 23) & 0xff) as i32;
-            let frac = u64::from(bits & 0x007f_ffff);
-            let (sig, exp) = if exp_field == 0 {
-                (frac, -149)
-            } else {
-                (frac | 0x0080_0000, exp_field - 150)
-            };
-            if sig == 0 {
-                continue;
-            }
-            let tz = sig.trailing_zeros();
-            parts.push((sig >> tz, exp + tz as i32));
+            ops.push(crate::kernel::operand(family.operand, *t.get(e)?));
         }
-        let Some(q) = parts.iter().map(|&(_, x)| x).min() else {
-            continue; // all zeros: every order gives +0
-        };
-        if q < min_quantum_exp {
-            return None;
+        if in_acc {
+            ops.push(*shared?.get(e)?);
         }
-        // S/q = Σ sig · 2^(exp − q); each must stay ≤ 2^p, so shifts ≤ p.
-        let mut units: u128 = 0;
-        for &(sig, exp) in &parts {
-            let shift = (exp - q) as u32;
-            if shift > precision_bits {
-                return None;
-            }
-            units += u128::from(sig) << shift;
-        }
-        if units > 1u128 << precision_bits {
-            return None;
-        }
-        // S = units · 2^q < 2^128  ⇔  log2(units) + q < 128.
-        let log2_ceil = 128 - (units - 1).leading_zeros() as i32; // ceil(log2 units) for units ≥ 1
-        if log2_ceil + q > 127 {
+        if !partial_sums_exact(&ops, precision_bits) {
             return None;
         }
     }
     Some(InvarianceProof::AllPartialSumsExact { precision_bits })
+}
+
+/// Whether every subset sum of `ops` is exactly representable in a binary
+/// floating-point format with `precision_bits` significand bits and the
+/// exponent range of its container (24: FP32, 8: BF16 in FP32's range with
+/// the subnormal quantum 2^−133, 53: FP64): the module docs' proof for one
+/// element. Then every order, association and zero start gives the exact sum.
+pub fn partial_sums_exact(ops: &[f32], precision_bits: u32) -> bool {
+    let min_quantum_exp = match precision_bits {
+        8 => -133,
+        24 => -149,
+        _ => -1074,
+    };
+    // (significand, exponent of its least significant set bit) per nonzero operand.
+    let mut q = i32::MAX;
+    let mut n = 0usize;
+    let mut parts = [(0u64, 0i32); 16];
+    let mut spill: Vec<(u64, i32)> = Vec::new();
+    for &u in ops {
+        if !u.is_finite() {
+            return false;
+        }
+        let bits = u.to_bits();
+        let exp_field = ((bits >> 23) & 0xff) as i32;
+        let frac = u64::from(bits & 0x007f_ffff);
+        let (sig, exp) = if exp_field == 0 {
+            (frac, -149)
+        } else {
+            (frac | 0x0080_0000, exp_field - 150)
+        };
+        if sig == 0 {
+            continue;
+        }
+        let tz = sig.trailing_zeros();
+        let part = (sig >> tz, exp + tz as i32);
+        q = q.min(part.1);
+        if n < parts.len() {
+            parts[n] = part;
+        } else {
+            spill.push(part);
+        }
+        n += 1;
+    }
+    if n == 0 {
+        return true; // all zeros: every order gives the same zero
+    }
+    if q < min_quantum_exp {
+        return false;
+    }
+    // S/q = Σ sig · 2^(exp − q); each must stay ≤ 2^p, so shifts ≤ p.
+    let mut units: u128 = 0;
+    for &(sig, exp) in parts[..n.min(parts.len())].iter().chain(&spill) {
+        let shift = (exp - q) as u32;
+        if shift > precision_bits {
+            return false;
+        }
+        units += u128::from(sig) << shift;
+    }
+    if units > 1u128 << precision_bits {
+        return false;
+    }
+    // S = units · 2^q < 2^128  ⇔  log2(units) + q < 128.
+    let log2_ceil = 128 - (units - 1).leading_zeros() as i32; // ceil(log2 units) for units ≥ 1
+    log2_ceil + q <= 127
 }

@@ -74,6 +74,25 @@ pub enum ContractError {
         /// The largest supported k.
         max: usize,
     },
+    /// An order determined by the event (expert ids, gates) was resolved
+    /// without the event's router choice.
+    #[error("order {order} is determined by the event's expert ids or gates, which were not given")]
+    NeedsEventContext {
+        /// The order.
+        order: String,
+    },
+    /// The event's expert ids or gates do not cover its k routed terms.
+    #[error("order {order} needs {k} {what}, the event has {got}")]
+    ContextMismatch {
+        /// The order.
+        order: String,
+        /// `expert ids` or `gate weights`.
+        what: &'static str,
+        /// How many the event has.
+        got: usize,
+        /// The number of routed terms.
+        k: usize,
+    },
     /// The term, shared or output slices do not have the same length.
     #[error("length mismatch: {what} has length {got}, expected {expected}")]
     LengthMismatch {

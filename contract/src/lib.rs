@@ -27,17 +27,26 @@
 
 #![deny(missing_docs)]
 
+mod backends;
 pub mod bf16;
 mod certificate;
 mod error;
 mod exact;
+mod infer;
+mod kernel;
+mod named;
 mod order;
 mod schedule;
 mod spec;
 
+pub use backends::{KnownBackend, KNOWN_BACKENDS};
 pub use certificate::{order_sensitivity, prove_invariance, Certificate, InvarianceProof, MAX_CERTIFIED_K};
 pub use error::ContractError;
 pub use exact::ExactSum;
+pub use infer::*;
+pub use named::{
+    order_groups, orders_for, EventContext, OrderGroup, ResolvedOrder, NAMED_ORDERS, NAMED_SHAPES,
+};
 pub use order::{
     all_permutations, b_canonical, b_class_count, b_class_of, b_class_representative,
     b_class_representatives, factorial, identity_permutation, index_of_permutation, permutation_from_index,
@@ -49,8 +58,8 @@ pub use schedule::{
     GOLDEN_GAMMA,
 };
 pub use spec::{
-    Accumulator, AggregationContract, OperandPrecision, Order, OutputRounding, Shape, CANONICAL_NAN_BITS,
-    PRESET_NAMES,
+    Accumulator, AggregationContract, LaneFold, OperandPrecision, Order, OutputRounding, RoutedRounding,
+    Shape, SharedMerge, Start, CANONICAL_NAN_BITS, PRESET_NAMES,
 };
 
 use crate::bf16::r_bf16;
@@ -66,8 +75,21 @@ pub struct CombineEvent<'a> {
     pub step: u32,
     /// Absolute token position being processed.
     pub position: u32,
-    /// Selected routed experts, in the order their terms are passed.
+    /// Selected routed experts, in the order their terms are passed (router slot order).
     pub experts: &'a [u32],
+    /// Gate weights of the selected experts, in slot order (empty when
+    /// unknown: the gate orders then cannot be resolved).
+    pub gates: &'a [f32],
+}
+
+impl<'a> CombineEvent<'a> {
+    /// The router choice the named orders are determined by.
+    pub fn context(&self) -> EventContext<'a> {
+        EventContext {
+            experts: self.experts,
+            gates: self.gates,
+        }
+    }
 }
 
 /// A pluggable MoE combine: turns k FP32 gate-weighted routed terms

@@ -243,7 +243,7 @@ impl ScheduledCombine {
             .schedule
             .permutation_index(self.prompt_hash, event.layer, event.position, k)
         {
-            None => self.contract.order.resolve(k),
+            None => self.contract.order.resolve_in(k, Some(&event.context())),
             Some(i) => permutation_from_index(k, i),
         }
     }

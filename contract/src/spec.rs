@@ -1,57 +1,61 @@
-//! The parameterized [`AggregationContract`] and its presets.
+//! The combine grammar: the parameterized [`AggregationContract`], its
+//! presets, and its textual notation.
 //!
-//! A contract is operand precision × accumulator × shape × order × output
-//! rounding. For k gate-weighted FP32 routed terms `v_0 … v_{k−1}` (length D,
-//! selection order), a permutation `π` (from the [`Order`]) and the shared
-//! expert output `s`, each output element is computed independently:
+//! A contract is terms × accumulator × start × shape × order × shared merge ×
+//! routed rounding × output. For k gate-weighted FP32 routed terms
+//! `v_0 … v_{k−1}` (length D, router slot order), the shared expert output
+//! `s`, and the event's expert ids and gate weights (for the named orders that
+//! need them, [`EventContext`]), each output element is computed
+//! independently:
 //!
-//! 1. operands: `u_j = O(v_{π_j})`, with `O` = identity ([`OperandPrecision::F32`])
+//! 1. **terms**: `u_j = T(v_j)`, with `T` = identity ([`OperandPrecision::F32`])
 //!    or R_BF16 ([`OperandPrecision::Bf16`], exact promotion back to FP32);
-//! 2. routed reduction from a zero accumulator, [`Shape::Sequential`]:
-//!    `a_0 = +0`, `a_{j+1} = Acc(a_j, u_j)`; or [`Shape::PairwiseTree`] (see there);
-//! 3. merge: `y = Out(FP32(a_k) + s)` with one FP32 addition, `Out` = R_BF16
-//!    ([`OutputRounding::Bf16`], the paper's common merge) or identity
-//!    ([`OutputRounding::F32`]); a NaN result is replaced by the canonical
-//!    quiet NaN `0x7fc0_0000`.
+//! 2. **operand list**: the terms in the [`Order`]'s permutation `π`,
+//!    `u_{π_0} … u_{π_{k−1}}`, with `s` prepended ([`SharedMerge::First`]) or
+//!    appended ([`SharedMerge::Last`]) when the shared expert is summed in the
+//!    same accumulator;
+//! 3. **reduction** of the operand list in the [`Accumulator`] by the
+//!    [`Shape`] (sequential chain, pairwise tree or SIMD lane fold), each
+//!    chain starting from `+0` or, with [`Start::First`], from its first
+//!    operand alone;
+//! 4. **merge**: with [`SharedMerge::Separate`], `r = FP32(a)` (optionally
+//!    rounded with R_BF16, [`RoutedRounding::Bf16`]) and `y = Out(fl32(r + s))`;
+//!    otherwise `y = Out(FP32(a))`; `Out` = R_BF16 ([`OutputRounding::Bf16`])
+//!    or identity ([`OutputRounding::F32`]). A NaN result is replaced by the
+//!    canonical quiet NaN `0x7fc0_0000`.
 //!
-//! `Acc` by [`Accumulator`]: `F32`: `fl32(a + u)`; `Bf16`: `R_BF16(fl32(a + u))`
-//! (the paper's "BF16 round after every addition", computed as an FP32
-//! addition followed by R_BF16); `F64`: `fl64(a + u)` with `a` in f64 and
-//! `FP32(a_k)` the IEEE round-to-nearest-even conversion (Rust `as f32`);
-//! `Exact`: the exact real sum of all `u_j` in a superaccumulator, rounded once
-//! to FP32 (round to nearest, ties to even) to form `FP32(a_k)`: order and
-//! shape do not change it; `ExactFused`: the exact real sum of all `u_j` and
-//! `s`, rounded once directly to the output precision (this replaces step 3).
-//! The paper's presets (section 2.5):
+//! docs/contracts.md states every equation (including the exact and FP64
+//! accumulators' conversions) and the notation; `crate::kernel` evaluates it.
+//! The paper's presets (section 2.5) and the notation's other names:
 //!
-//! | preset | operand | accumulator | shape | output |
-//! |---|---|---|---|---|
-//! | `p32` | F32 | F32 | sequential | BF16 |
-//! | `c` (= `native` with the identity order) | BF16 | F32 | sequential | BF16 |
-//! | `a` | F32 | BF16 | sequential | BF16 |
-//! | `b` | BF16 | BF16 | sequential | BF16 |
-//! | `exact` | BF16 | exact | sequential | BF16 |
-//! | `f64` | BF16 | F64 | sequential | BF16 |
-//! | `tree` | BF16 | F32 | pairwise tree | BF16 |
-//! | `exact-fused` | BF16 | exact, `s` included | — | BF16, one rounding |
+//! | preset | terms | accumulator | shape | shared | output |
+//! |---|---|---|---|---|---|
+//! | `p32` | f32 | f32 | sequential | separate | bf16 |
+//! | `c` (= `native`) | bf16 | f32 | sequential | separate | bf16 |
+//! | `a` | f32 | bf16 | sequential | separate | bf16 |
+//! | `b` | bf16 | bf16 | sequential | separate | bf16 |
+//! | `exact` | bf16 | exact | sequential | separate | bf16 |
+//! | `f64` | bf16 | f64 | sequential | separate | bf16 |
+//! | `tree` | bf16 | f32 | pairwise tree | separate | bf16 |
+//! | `exact-fused` | bf16 | exact | sequential | last (one rounding) | bf16 |
 
 use std::fmt;
 
 use super::error::ContractError;
-use super::exact::ExactSum;
+use super::named::EventContext;
 use super::order::{
     b_class_representative, identity_permutation, permutation_from_index, validate_permutation,
 };
 use super::{CombineEvent, MoeCombine};
-use crate::bf16::r_bf16;
 
 /// The canonical quiet NaN every contract writes in place of a NaN result
 /// (NaN sign and payload after IEEE arithmetic are not specified by Rust and
 /// differ between machines; this keeps the output bits machine-independent).
 pub const CANONICAL_NAN_BITS: u32 = 0x7fc0_0000;
 
-/// Representation of each routed term before it enters the accumulator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Representation of each routed term before it enters the accumulator
+/// (notation key `operand`, alias `terms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OperandPrecision {
     /// The FP32 term `v_j` itself.
     F32,
@@ -60,50 +64,120 @@ pub enum OperandPrecision {
 }
 
 /// Precision of the cross-expert accumulator and the rounding after each addition.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Accumulator {
     /// FP32 container, `fl32(a + u)` after every addition.
     F32,
     /// BF16 container: `R_BF16(fl32(a + u))` after every addition.
     Bf16,
-    /// FP64 container, `fl64(a + u)`; converted to FP32 once (`as f32`, ties to even) before the merge.
+    /// FP64 container, `fl64(a + u)`; leaves the accumulator through one
+    /// f64 → f32 conversion (`as f32`, ties to even).
     F64,
-    /// The exact real sum, rounded once to FP32 (ties to even) before the merge; order-invariant.
+    /// The exact real sum, rounded once, directly to the precision of the
+    /// stage it goes to (FP32 for the merge, BF16 for `routed=bf16` or a BF16
+    /// output when the shared expert is in the accumulator). Order, shape and
+    /// start do not change it. `exact-fused` is this accumulator with the
+    /// shared expert in it ([`SharedMerge::Last`]): the correctly rounded
+    /// MoE output.
     Exact,
-    /// The exact real sum of the k operands **and** the shared output `s`,
-    /// rounded once, directly to the output precision (ties to even): the
-    /// correctly rounded MoE output. Replaces the separate merge; order-invariant.
-    ExactFused,
 }
 
-/// Association of the routed reduction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// How the k routed operands (and `s`, when in the accumulator) are
+/// associated. The leaves are the operand list in the [`Order`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Shape {
-    /// Left-to-right chain from `+0`: `(((+0 ⊕ u_0) ⊕ u_1) ⊕ …) ⊕ u_{k−1}` (paper section 2.4.1).
+    /// Left-to-right chain: `(((a_0 ⊕ x_0) ⊕ x_1) ⊕ …) ⊕ x_{n−1}` (paper section 2.4.1).
     Sequential,
-    /// Fixed pairwise tree: each level adds neighbours `(x_0 ⊕ x_1), (x_2 ⊕ x_3), …`,
+    /// Balanced pairwise tree: each level adds neighbours `(x_0 ⊕ x_1), (x_2 ⊕ x_3), …`,
     /// an odd last element moves up unchanged, until one value remains; then
-    /// `a_k = +0 ⊕ root` (zero initial accumulator: only maps a −0 root to +0).
-    /// For k = 6: `((u0⊕u1) ⊕ (u2⊕u3)) ⊕ (u4⊕u5)`.
+    /// `a = +0 ⊕ root` (with [`Start::Zero`]). For k = 6:
+    /// `((x0⊕x1) ⊕ (x2⊕x3)) ⊕ (x4⊕x5)`.
     PairwiseTree,
+    /// SIMD lanes: lane `l < width` accumulates the operands at positions
+    /// `l, l + width, l + 2·width, …` as a chain (from `+0`, or from its first
+    /// operand with [`Start::First`]; an empty lane is `+0`), then the lanes
+    /// are folded by `fold`.
+    Lanes {
+        /// Number of lanes: a power of two, 2 ..= 64.
+        width: u8,
+        /// How the lane partial sums are folded.
+        fold: LaneFold,
+    },
 }
 
-/// Final rounding of the merged output `a_k + s`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OutputRounding {
-    /// `y = R_BF16(FP32(a_k) + FP32(s))`: the paper's common shared-expert merge.
+/// How SIMD lane partial sums are folded into one value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LaneFold {
+    /// Repeated halving (a horizontal reduction): with w lanes left,
+    /// `p_i ← p_i ⊕ p_{i + w/2}` for `i < w/2`, until one lane remains.
+    Halving,
+    /// Left to right: `((p_0 ⊕ p_1) ⊕ p_2) ⊕ … ⊕ p_{w−1}`.
+    Sequential,
+}
+
+/// Where the shared expert output `s` is merged (notation key `shared`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SharedMerge {
+    /// The routed sum is completed first, then `y = Out(fl32(r + s))` with
+    /// one FP32 addition (the paper's common merge).
+    Separate,
+    /// `s` is the last operand of the routed accumulator.
+    Last,
+    /// `s` is the first operand of the routed accumulator (with
+    /// [`Start::First`], the accumulator's initial value).
+    First,
+}
+
+/// Rounding of the routed sum before a [`SharedMerge::Separate`] merge
+/// (notation key `routed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RoutedRounding {
+    /// The routed sum enters the merge as FP32 (`FP32(a)`).
+    F32,
+    /// The routed sum is rounded to BF16 first: `r = R_BF16(FP32(a))` (the
+    /// exact accumulator rounds once, directly to BF16).
     Bf16,
-    /// `y = FP32(a_k) + FP32(s)` with no further rounding (for the FP32 profile).
+}
+
+/// How every accumulation chain begins (notation key `start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Start {
+    /// From `+0`: the first operand is added to `+0` (the paper's `a_0 = +0`).
+    Zero,
+    /// From the first operand alone, converted to the accumulator
+    /// (`R_BF16(x)` for BF16, `x` otherwise). Differs from [`Start::Zero`]
+    /// only in the sign of a zero: a chain whose operands are all `−0` ends at
+    /// `−0` instead of `+0`.
+    First,
+}
+
+/// Final rounding of the MoE output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OutputRounding {
+    /// `y = R_BF16(…)`: the paper's common shared-expert merge.
+    Bf16,
+    /// No further rounding (FP32 output).
     F32,
 }
 
-/// Which permutation of the routed terms a contract applies (see
-/// [`super::order`] for the conventions and enumeration orders).
+/// Which permutation of the routed terms (the leaves of the [`Shape`]) a
+/// contract applies (see [`super::order`] for the permutation conventions
+/// and `crate::named` for the orders determined by the event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Order {
-    /// Selection order `[0, 1, …, k−1]`.
+    /// Router slot order `[0, 1, …, k−1]` (notation `identity` or `slot`).
     Identity,
-    /// An explicit permutation: `perm[j]` is the term consumed at step j.
+    /// Reversed slot order `[k−1, …, 1, 0]` (`reversed`).
+    Reversed,
+    /// Ascending expert id; equal ids in slot order (`asc-id`).
+    AscendingId,
+    /// Descending expert id; equal ids in slot order (`desc-id`).
+    DescendingId,
+    /// Descending gate weight (IEEE total order); bitwise-equal gates in slot order (`desc-gate`).
+    DescendingGate,
+    /// Ascending gate weight (IEEE total order); bitwise-equal gates in slot order (`asc-gate`).
+    AscendingGate,
+    /// An explicit permutation: `perm[j]` is the slot of the term at position j.
     Permutation(Vec<usize>),
     /// The permutation with this lexicographic index in `0..k!` (0 = identity).
     PermutationIndex(u64),
@@ -112,10 +186,25 @@ pub enum Order {
 }
 
 impl Order {
-    /// The permutation of `0..k` this order denotes.
+    /// The permutation of `0..k` this order denotes, for the orders that do
+    /// not depend on the event (every order but the expert-id and gate
+    /// orders, which need [`Order::resolve_in`]).
     pub fn resolve(&self, k: usize) -> Result<Vec<usize>, ContractError> {
+        self.resolve_in(k, None)
+    }
+
+    /// The permutation of `0..k` this order denotes at an event with this
+    /// context (required by the expert-id and gate orders).
+    pub fn resolve_in(&self, k: usize, ctx: Option<&EventContext<'_>>) -> Result<Vec<usize>, ContractError> {
         match self {
             Order::Identity => Ok(identity_permutation(k)),
+            Order::Reversed => Ok((0..k).rev().collect()),
+            Order::AscendingId | Order::DescendingId | Order::DescendingGate | Order::AscendingGate => {
+                let ctx = ctx.ok_or_else(|| ContractError::NeedsEventContext {
+                    order: self.to_string(),
+                })?;
+                ctx.permutation(self, k)
+            }
             Order::Permutation(p) => {
                 validate_permutation(k, p)?;
                 Ok(p.clone())
@@ -125,11 +214,36 @@ impl Order {
         }
     }
 
-    /// Parses an order: `identity`, `index:N` (lexicographic permutation
-    /// index), `class:N` (B class representative), `perm:3,1,0,2,4,5` or a bare
-    /// comma-separated permutation `3,1,0,2,4,5`. A bare integer `N` is a
-    /// B class when `bare_integer_is_class` (the `b` contract), otherwise a
-    /// permutation index. Case-insensitive; whitespace around items is ignored.
+    /// Whether this order is named by what determines it (slot, reversed,
+    /// expert id or gate), rather than an explicit permutation.
+    pub fn is_named(&self) -> bool {
+        !matches!(
+            self,
+            Order::Permutation(_) | Order::PermutationIndex(_) | Order::BClass(_)
+        )
+    }
+
+    /// What determines the order, in words (`ascending expert id`, …; an
+    /// explicit permutation is `permutation perm:…`).
+    pub fn name(&self) -> String {
+        match self {
+            Order::Identity => "router slot order".into(),
+            Order::Reversed => "reversed slot order".into(),
+            Order::AscendingId => "ascending expert id".into(),
+            Order::DescendingId => "descending expert id".into(),
+            Order::DescendingGate => "descending gate weight".into(),
+            Order::AscendingGate => "ascending gate weight".into(),
+            other => format!("permutation {other}"),
+        }
+    }
+
+    /// Parses an order: `identity` (alias `slot`), `reversed`, `asc-id`,
+    /// `desc-id`, `desc-gate`, `asc-gate`, `index:N` (lexicographic
+    /// permutation index), `class:N` (B class representative),
+    /// `perm:3,1,0,2,4,5` or a bare comma-separated permutation `3,1,0,2,4,5`.
+    /// A bare integer `N` is a B class when `bare_integer_is_class` (the `b`
+    /// contract), otherwise a permutation index. Case-insensitive; whitespace
+    /// around items is ignored.
     pub fn parse(s: &str, bare_integer_is_class: bool) -> Result<Order, ContractError> {
         let err = |reason: &str| ContractError::InvalidOrder {
             given: s.to_string(),
@@ -141,8 +255,14 @@ impl Order {
                 .parse::<u64>()
                 .map_err(|_| err("expected a non-negative integer after the colon"))
         };
-        if t == "identity" || t == "id" {
-            return Ok(Order::Identity);
+        match t.as_str() {
+            "identity" | "id" | "slot" => return Ok(Order::Identity),
+            "reversed" | "reverse" => return Ok(Order::Reversed),
+            "asc-id" => return Ok(Order::AscendingId),
+            "desc-id" => return Ok(Order::DescendingId),
+            "desc-gate" => return Ok(Order::DescendingGate),
+            "asc-gate" => return Ok(Order::AscendingGate),
+            _ => {}
         }
         if let Some(v) = t.strip_prefix("index:") {
             return Ok(Order::PermutationIndex(number(v)?));
@@ -167,7 +287,7 @@ impl Order {
             });
         }
         Err(err(
-            "expected identity, index:N, class:N, perm:I,J,… or a comma-separated permutation",
+            "expected identity (slot), reversed, asc-id, desc-id, desc-gate, asc-gate, index:N, class:N, perm:I,J,… or a comma-separated permutation",
         ))
     }
 }
@@ -177,6 +297,11 @@ impl fmt::Display for Order {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Order::Identity => write!(f, "identity"),
+            Order::Reversed => write!(f, "reversed"),
+            Order::AscendingId => write!(f, "asc-id"),
+            Order::DescendingId => write!(f, "desc-id"),
+            Order::DescendingGate => write!(f, "desc-gate"),
+            Order::AscendingGate => write!(f, "asc-gate"),
             Order::Permutation(p) => {
                 write!(f, "perm:")?;
                 for (i, x) in p.iter().enumerate() {
@@ -190,19 +315,87 @@ impl fmt::Display for Order {
     }
 }
 
-/// One MoE aggregation contract: operand precision × accumulator × shape ×
-/// order × output rounding (see the module docs for the exact equations).
+impl Shape {
+    /// Parses `sequential` (alias `seq`), `tree`, `lanes:W` (halving fold)
+    /// or `lanes:W:seq` (sequential fold), W a power of two in 2 ..= 64.
+    /// `lanes:2:seq` is `lanes:2` (both folds are one addition).
+    pub fn parse(s: &str) -> Result<Shape, String> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "sequential" | "seq" => return Ok(Shape::Sequential),
+            "tree" => return Ok(Shape::PairwiseTree),
+            _ => {}
+        }
+        let bad = || {
+            "shape must be sequential, tree, lanes:W or lanes:W:seq (W a power of two, 2..=64)".to_string()
+        };
+        let rest = t.strip_prefix("lanes:").ok_or_else(bad)?;
+        let (w, fold) = match rest.split_once(':') {
+            None => (rest, LaneFold::Halving),
+            Some((w, "seq")) => (w, LaneFold::Sequential),
+            Some(_) => return Err(bad()),
+        };
+        let width: u8 = w.trim().parse().map_err(|_| bad())?;
+        if !(2..=64).contains(&width) || !width.is_power_of_two() {
+            return Err(bad());
+        }
+        let fold = if width == 2 { LaneFold::Halving } else { fold };
+        Ok(Shape::Lanes { width, fold })
+    }
+
+    /// What the shape is, in words (`sequential`, `pairwise tree`, `4-lane fold (halving)`).
+    pub fn name(&self) -> String {
+        match self {
+            Shape::Sequential => "sequential".into(),
+            Shape::PairwiseTree => "balanced pairwise tree".into(),
+            Shape::Lanes { width, fold } => format!(
+                "{width}-lane partial sums, {} fold",
+                match fold {
+                    LaneFold::Halving => "halving",
+                    LaneFold::Sequential => "left-to-right",
+                }
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Shape {
+    /// The form accepted by [`Shape::parse`].
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Shape::Sequential => write!(f, "sequential"),
+            Shape::PairwiseTree => write!(f, "tree"),
+            Shape::Lanes {
+                width,
+                fold: LaneFold::Halving,
+            } => write!(f, "lanes:{width}"),
+            Shape::Lanes {
+                width,
+                fold: LaneFold::Sequential,
+            } => write!(f, "lanes:{width}:seq"),
+        }
+    }
+}
+
+/// One MoE aggregation contract: a member of the combine grammar (see the
+/// module docs for the equations and docs/contracts.md for the notation).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AggregationContract {
     /// Representation of each routed term.
     pub operand: OperandPrecision,
     /// Cross-expert accumulator and its per-addition rounding.
     pub accumulator: Accumulator,
-    /// Association of the routed reduction.
+    /// Association of the reduction.
     pub shape: Shape,
     /// Permutation applied to the routed terms.
     pub order: Order,
-    /// Final rounding after the shared-expert merge.
+    /// How each accumulation chain begins.
+    pub start: Start,
+    /// Where the shared expert is merged.
+    pub shared: SharedMerge,
+    /// Rounding of the routed sum before a separate merge.
+    pub routed: RoutedRounding,
+    /// Final rounding of the output.
     pub output: OutputRounding,
 }
 
@@ -226,6 +419,9 @@ impl AggregationContract {
             accumulator,
             shape,
             order: Order::Identity,
+            start: Start::Zero,
+            shared: SharedMerge::Separate,
+            routed: RoutedRounding::F32,
             output: OutputRounding::Bf16,
         }
     }
@@ -262,9 +458,12 @@ impl AggregationContract {
     }
 
     /// BF16-rounded terms and the shared output summed exactly and rounded
-    /// once to BF16: the correctly rounded MoE output.
+    /// once to BF16: the correctly rounded MoE output (the exact accumulator
+    /// with the shared expert in it).
     pub const fn exact_fused() -> Self {
-        Self::preset(OperandPrecision::Bf16, Accumulator::ExactFused, Shape::Sequential)
+        let mut c = Self::exact();
+        c.shared = SharedMerge::Last;
+        c
     }
 
     /// BF16-rounded terms, FP32 accumulator, fixed pairwise tree.
@@ -299,14 +498,26 @@ impl AggregationContract {
         self
     }
 
-    /// Parses a contract: a preset name (`native|p32|c|a|b|exact|tree|f64|exact-fused`,
-    /// case-insensitive), optionally followed by `+key=value` overrides with
-    /// keys `operand` (`f32|bf16`), `accumulator`/`acc` (`f32|bf16|f64|exact|exact-fused`),
-    /// `shape` (`sequential|tree`), `output` (`bf16|f32`) and `order` (see
-    /// [`Order::parse`]; a bare integer is a B class for the B operand and
-    /// accumulator, otherwise a permutation index). A string that starts with
-    /// an override starts from `c`. Examples: `b`, `b+order=class:135`,
-    /// `c+shape=tree`, `exact+operand=f32`, `p32+output=f32`.
+    /// This contract with another shape.
+    pub fn with_shape(mut self, shape: Shape) -> Self {
+        self.shape = shape;
+        self
+    }
+
+    /// Parses a contract in the notation of docs/contracts.md: a preset name
+    /// (`native|p32|c|a|b|exact|tree|f64|exact-fused`, case-insensitive),
+    /// optionally followed by `+key=value` overrides with keys
+    /// `operand` (alias `terms`: `f32|bf16`), `accumulator` (alias `acc`:
+    /// `f32|bf16|f64|exact|exact-fused`), `shape` (`sequential|tree|lanes:W|lanes:W:seq`),
+    /// `order` (see [`Order::parse`]; a bare integer is a B class for the B
+    /// operand and accumulator, otherwise a permutation index), `start`
+    /// (`zero|first`), `shared` (`separate|last|first`), `routed`
+    /// (`f32|bf16`) and `output` (`bf16|f32`). A string that starts with an
+    /// override starts from `c`. `accumulator=exact-fused` means
+    /// `accumulator=exact+shared=last`; any other `accumulator=` resets
+    /// `shared` to `separate` (an explicit `shared=` wins). Examples: `b`,
+    /// `b+order=class:135`, `b+order=asc-id`, `c+routed=bf16`,
+    /// `p32+start=first+output=f32`, `c+shape=lanes:8`.
     pub fn parse(s: &str) -> Result<Self, ContractError> {
         let mut parts = s.split('+');
         let first = parts.next().unwrap_or("").trim();
@@ -321,6 +532,7 @@ impl AggregationContract {
         }
         overrides.extend(parts);
         let mut order_text = None;
+        let mut later: Vec<(&'static str, String)> = Vec::new();
         for token in overrides {
             let bad = |reason: &str| ContractError::InvalidOverride {
                 given: token.to_string(),
@@ -329,7 +541,7 @@ impl AggregationContract {
             let (key, value) = token.split_once('=').ok_or_else(|| bad("expected key=value"))?;
             let value = value.trim().to_ascii_lowercase();
             match key.trim().to_ascii_lowercase().as_str() {
-                "operand" => {
+                "operand" | "terms" => {
                     contract.operand = match value.as_str() {
                         "f32" => OperandPrecision::F32,
                         "bf16" => OperandPrecision::Bf16,
@@ -337,22 +549,18 @@ impl AggregationContract {
                     }
                 }
                 "accumulator" | "acc" => {
-                    contract.accumulator = match value.as_str() {
-                        "f32" => Accumulator::F32,
-                        "bf16" => Accumulator::Bf16,
-                        "f64" => Accumulator::F64,
-                        "exact" => Accumulator::Exact,
-                        "exact-fused" => Accumulator::ExactFused,
+                    let (acc, shared) = match value.as_str() {
+                        "f32" => (Accumulator::F32, SharedMerge::Separate),
+                        "bf16" => (Accumulator::Bf16, SharedMerge::Separate),
+                        "f64" => (Accumulator::F64, SharedMerge::Separate),
+                        "exact" => (Accumulator::Exact, SharedMerge::Separate),
+                        "exact-fused" => (Accumulator::Exact, SharedMerge::Last),
                         _ => return Err(bad("accumulator must be f32, bf16, f64, exact or exact-fused")),
-                    }
+                    };
+                    contract.accumulator = acc;
+                    contract.shared = shared;
                 }
-                "shape" => {
-                    contract.shape = match value.as_str() {
-                        "sequential" | "seq" => Shape::Sequential,
-                        "tree" => Shape::PairwiseTree,
-                        _ => return Err(bad("shape must be sequential or tree")),
-                    }
-                }
+                "shape" => contract.shape = Shape::parse(&value).map_err(|r| bad(&r))?,
                 "output" => {
                     contract.output = match value.as_str() {
                         "bf16" => OutputRounding::Bf16,
@@ -361,57 +569,130 @@ impl AggregationContract {
                     }
                 }
                 "order" => order_text = Some(value),
-                _ => return Err(bad("unknown key (operand, accumulator, shape, output, order)")),
+                "shared" => later.push(("shared", value)),
+                "routed" => later.push(("routed", value)),
+                "start" => later.push(("start", value)),
+                _ => return Err(bad(
+                    "unknown key (operand/terms, accumulator, shape, order, start, shared, routed, output)",
+                )),
             }
         }
+        for (key, value) in later {
+            contract.apply_late(key, &value)?;
+        }
+        if contract.routed == RoutedRounding::Bf16 && contract.shared != SharedMerge::Separate {
+            return Err(ContractError::InvalidOverride {
+                given: s.to_string(),
+                reason: "routed=bf16 rounds the routed sum before a separate merge: it needs shared=separate"
+                    .into(),
+            });
+        }
         if let Some(text) = order_text {
-            contract.order = Order::parse(&text, contract.is_b_like())?;
+            contract.order = Order::parse(&text, contract.bare_integer_is_class())?;
         }
         Ok(contract)
     }
 
-    /// Whether operand and accumulator are both BF16 (the B scheme, where the
-    /// first-pair symmetry holds and bare order integers denote classes).
-    pub fn is_b_like(&self) -> bool {
+    /// Applies a `shared=`, `routed=` or `start=` override (after the
+    /// others, so an explicit `shared=` wins over an `accumulator=` reset).
+    fn apply_late(&mut self, key: &str, value: &str) -> Result<(), ContractError> {
+        let bad = |reason: &str| ContractError::InvalidOverride {
+            given: format!("{key}={value}"),
+            reason: reason.to_string(),
+        };
+        match key {
+            "shared" => {
+                self.shared = match value {
+                    "separate" => SharedMerge::Separate,
+                    "last" => SharedMerge::Last,
+                    "first" => SharedMerge::First,
+                    _ => return Err(bad("shared must be separate, last or first")),
+                }
+            }
+            "routed" => {
+                self.routed = match value {
+                    "f32" => RoutedRounding::F32,
+                    "bf16" => RoutedRounding::Bf16,
+                    _ => return Err(bad("routed must be f32 or bf16")),
+                }
+            }
+            _ => {
+                self.start = match value {
+                    "zero" => Start::Zero,
+                    "first" => Start::First,
+                    _ => return Err(bad("start must be zero or first")),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a bare order integer denotes a B class: operand and
+    /// accumulator both BF16 (the notation's rule, kept from the paper's `b`).
+    fn bare_integer_is_class(&self) -> bool {
         self.operand == OperandPrecision::Bf16 && self.accumulator == Accumulator::Bf16
     }
 
-    /// A canonical description that [`AggregationContract::parse`] reads back:
-    /// the first preset (in `p32, c, a, b, exact, tree, f64, exact-fused` order) whose
-    /// operand, accumulator and shape match, then `+output=f32` and
-    /// `+order=…` when they differ from the preset's. C with the identity
-    /// order is described as `c` (the runtime's [`super::NativeCombine`]
-    /// describes itself as `native`).
+    /// Whether this is a B-like family whose orders fall into the paper's
+    /// B structural classes: BF16 operand and accumulator, sequential or tree
+    /// shape, and the first two leaves are routed terms (`shared` is not
+    /// `first`). Bare order integers denote B classes when operand and
+    /// accumulator are BF16.
+    pub fn is_b_like(&self) -> bool {
+        self.bare_integer_is_class()
+            && matches!(self.shape, Shape::Sequential | Shape::PairwiseTree)
+            && self.shared != SharedMerge::First
+    }
+
+    /// The canonical notation, which [`AggregationContract::parse`] reads
+    /// back to an equal contract. The base is the first preset (in `p32, c,
+    /// a, b, exact, tree, f64, exact-fused` order) whose terms, accumulator,
+    /// shape and shared merge match; else the first whose terms, accumulator
+    /// and shape match; else, for a lane shape, the first whose terms and
+    /// accumulator match (followed by `+shape=…`); else the spelled-out
+    /// `operand=…+accumulator=…+shape=…`. Then, for each field that differs
+    /// from the base, in this order: `+shared=`, `+routed=`, `+start=`,
+    /// `+output=`, `+order=`. C with the identity order is described as `c`
+    /// (the runtime's [`super::NativeCombine`] describes itself as `native`).
+    /// Contracts of the notation before the grammar print as they did.
     pub fn describe(&self) -> String {
-        let base = PRESET_NAMES[1..]
+        let presets: Vec<(&str, Self)> = PRESET_NAMES[1..]
             .iter()
             .filter_map(|n| Self::from_preset_name(n).map(|p| (*n, p)))
-            .find(|(_, p)| {
-                p.operand == self.operand && p.accumulator == self.accumulator && p.shape == self.shape
+            .collect();
+        let same_core = |p: &Self| p.operand == self.operand && p.accumulator == self.accumulator;
+        let found = presets
+            .iter()
+            .find(|(_, p)| same_core(p) && p.shape == self.shape && p.shared == self.shared)
+            .or_else(|| {
+                presets
+                    .iter()
+                    .find(|(_, p)| same_core(p) && p.shape == self.shape)
             });
-        let mut s = match base {
-            Some((name, _)) => name.to_string(),
-            None => {
-                // No preset has this operand/accumulator/shape combination:
-                // spell out all three.
-                let op = match self.operand {
-                    OperandPrecision::F32 => "f32",
-                    OperandPrecision::Bf16 => "bf16",
-                };
-                let acc = match self.accumulator {
-                    Accumulator::F32 => "f32",
-                    Accumulator::Bf16 => "bf16",
-                    Accumulator::F64 => "f64",
-                    Accumulator::Exact => "exact",
-                    Accumulator::ExactFused => "exact-fused",
-                };
-                let shape = match self.shape {
-                    Shape::Sequential => "sequential",
-                    Shape::PairwiseTree => "tree",
-                };
-                format!("operand={op}+accumulator={acc}+shape={shape}")
-            }
+        let lanes = matches!(self.shape, Shape::Lanes { .. });
+        let (mut s, base) = match found {
+            Some((name, p)) => (name.to_string(), p.clone()),
+            None => match presets.iter().find(|(_, p)| lanes && same_core(p)) {
+                Some((name, p)) => (
+                    format!("{name}+shape={}", self.shape),
+                    p.clone().with_shape(self.shape),
+                ),
+                None => self.spelled_out(),
+            },
         };
+        if self.shared != base.shared {
+            s.push_str(match self.shared {
+                SharedMerge::Separate => "+shared=separate",
+                SharedMerge::Last => "+shared=last",
+                SharedMerge::First => "+shared=first",
+            });
+        }
+        if self.routed == RoutedRounding::Bf16 {
+            s.push_str("+routed=bf16");
+        }
+        if self.start == Start::First {
+            s.push_str("+start=first");
+        }
         if self.output == OutputRounding::F32 {
             s.push_str("+output=f32");
         }
@@ -421,25 +702,72 @@ impl AggregationContract {
         s
     }
 
-    /// Checks that the order is valid for k terms.
+    /// `operand=…+accumulator=…+shape=…` (no preset has this combination),
+    /// and the contract that text parses to.
+    fn spelled_out(&self) -> (String, Self) {
+        let op = match self.operand {
+            OperandPrecision::F32 => "f32",
+            OperandPrecision::Bf16 => "bf16",
+        };
+        let fused = self.accumulator == Accumulator::Exact && self.shared != SharedMerge::Separate;
+        let acc = match self.accumulator {
+            Accumulator::F32 => "f32",
+            Accumulator::Bf16 => "bf16",
+            Accumulator::F64 => "f64",
+            Accumulator::Exact if fused => "exact-fused",
+            Accumulator::Exact => "exact",
+        };
+        let mut base = Self::c();
+        base.operand = self.operand;
+        base.accumulator = self.accumulator;
+        base.shape = self.shape;
+        base.shared = if fused {
+            SharedMerge::Last
+        } else {
+            SharedMerge::Separate
+        };
+        (
+            format!("operand={op}+accumulator={acc}+shape={}", self.shape),
+            base,
+        )
+    }
+
+    /// Checks that the order is valid for k terms (the expert-id and gate
+    /// orders are valid for every k; they are resolved per event).
     pub fn validate_for_k(&self, k: usize) -> Result<(), ContractError> {
+        if self.order.is_named() {
+            return Ok(());
+        }
         self.order.resolve(k).map(|_| ())
     }
 
     /// Combines with the contract's own order, checking every length and the
-    /// order against k = `terms.len()`.
+    /// order against k = `terms.len()`. The expert-id and gate orders need
+    /// [`AggregationContract::try_combine_in`].
     pub fn try_combine(
         &self,
         terms: &[&[f32]],
         shared: &[f32],
         out: &mut [f32],
     ) -> Result<(), ContractError> {
-        let perm = self.order.resolve(terms.len())?;
+        self.try_combine_in(None, terms, shared, out)
+    }
+
+    /// Combines with the contract's own order resolved at an event with this
+    /// context (expert ids and gates in slot order).
+    pub fn try_combine_in(
+        &self,
+        ctx: Option<&EventContext<'_>>,
+        terms: &[&[f32]],
+        shared: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ContractError> {
+        let perm = self.order.resolve_in(terms.len(), ctx)?;
         self.try_combine_with_permutation(&perm, terms, shared, out)
     }
 
     /// Combines with an explicit permutation instead of the contract's order
-    /// (schedules and the certificate use this).
+    /// (schedules, inference and the certificate use this).
     pub fn try_combine_with_permutation(
         &self,
         perm: &[usize],
@@ -471,92 +799,15 @@ impl AggregationContract {
 
     /// The kernel: lengths and permutation already validated.
     fn combine_unchecked(&self, perm: &[usize], terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
-        let mut ops = vec![0.0f32; perm.len()];
-        let mut scratch = Vec::with_capacity(perm.len());
+        let plan = crate::kernel::Plan::new(self, perm);
+        let mut ops = vec![0.0f32; terms.len() + 1];
+        let mut scratch = crate::kernel::Scratch::default();
         for (d, y) in out.iter_mut().enumerate() {
-            for (op, &p) in ops.iter_mut().zip(perm) {
-                let v = terms[p][d];
-                *op = match self.operand {
-                    OperandPrecision::F32 => v,
-                    OperandPrecision::Bf16 => r_bf16(v),
-                };
+            for (op, t) in ops.iter_mut().zip(terms) {
+                *op = crate::kernel::operand(self.operand, t[d]);
             }
-            let r = if self.accumulator == Accumulator::ExactFused {
-                let mut s = ExactSum::new();
-                for &x in &ops {
-                    s.add(x);
-                }
-                s.add(shared[d]);
-                match self.output {
-                    OutputRounding::Bf16 => s.to_bf16(),
-                    OutputRounding::F32 => s.to_f32(),
-                }
-            } else {
-                let merged = self.reduce(&ops, &mut scratch) + shared[d];
-                match self.output {
-                    OutputRounding::Bf16 => r_bf16(merged),
-                    OutputRounding::F32 => merged,
-                }
-            };
-            *y = if r.is_nan() {
-                f32::from_bits(CANONICAL_NAN_BITS)
-            } else {
-                r
-            };
-        }
-    }
-
-    /// The routed reduction of one element's operands (already permuted and
-    /// operand-rounded), returned as `FP32(a_k)` (for `ExactFused`, the
-    /// routed part alone, rounded once to FP32).
-    pub(crate) fn reduce(&self, ops: &[f32], scratch: &mut Vec<f32>) -> f32 {
-        match self.accumulator {
-            Accumulator::Exact | Accumulator::ExactFused => {
-                let mut s = ExactSum::new();
-                for &x in ops {
-                    s.add(x);
-                }
-                s.to_f32()
-            }
-            Accumulator::F64 => {
-                let add = |a: f64, b: f64| a + b;
-                let mut wide: Vec<f64> = ops.iter().map(|&x| f64::from(x)).collect();
-                (reduce_shape(self.shape, &mut wide, 0.0f64, add)) as f32
-            }
-            Accumulator::F32 => {
-                scratch.clear();
-                scratch.extend_from_slice(ops);
-                reduce_shape(self.shape, scratch, 0.0f32, |a, b| a + b)
-            }
-            Accumulator::Bf16 => {
-                scratch.clear();
-                scratch.extend_from_slice(ops);
-                reduce_shape(self.shape, scratch, 0.0f32, |a, b| r_bf16(a + b))
-            }
-        }
-    }
-}
-
-/// Reduces `xs` with `add` in the given shape from the zero accumulator `zero`
-/// (+0). `xs` is used as scratch.
-fn reduce_shape<T: Copy>(shape: Shape, xs: &mut Vec<T>, zero: T, add: impl Fn(T, T) -> T) -> T {
-    match shape {
-        Shape::Sequential => xs.iter().fold(zero, |a, &x| add(a, x)),
-        Shape::PairwiseTree => {
-            if xs.is_empty() {
-                return zero;
-            }
-            while xs.len() > 1 {
-                let n = xs.len();
-                for i in 0..n / 2 {
-                    xs[i] = add(xs[2 * i], xs[2 * i + 1]);
-                }
-                if n % 2 == 1 {
-                    xs[n / 2] = xs[n - 1];
-                }
-                xs.truncate(n.div_ceil(2));
-            }
-            add(zero, xs[0])
+            ops[terms.len()] = shared[d];
+            *y = plan.eval(self, &ops, &mut scratch);
         }
     }
 }
@@ -577,15 +828,18 @@ impl fmt::Display for AggregationContract {
 }
 
 impl MoeCombine for AggregationContract {
-    /// Applies the contract's own order to every event (the event is ignored).
+    /// Applies the contract's own order, resolved at `event` (its expert ids
+    /// and gates; the other fields are ignored).
     ///
     /// # Panics
     ///
-    /// If the order is not valid for k = `terms.len()` or the slice lengths
-    /// differ; call [`AggregationContract::validate_for_k`] once at setup (the
-    /// runtime does, with the config's `num_experts_per_tok`).
-    fn combine(&self, _event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
-        if let Err(e) = self.try_combine(terms, shared, out) {
+    /// If the order is not valid for k = `terms.len()` (or needs expert ids
+    /// or gates the event does not have) or the slice lengths differ; call
+    /// [`AggregationContract::validate_for_k`] once at setup (the runtime
+    /// does, with the config's `num_experts_per_tok`).
+    fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
+        let ctx = event.context();
+        if let Err(e) = self.try_combine_in(Some(&ctx), terms, shared, out) {
             panic!("MoE combine with contract {}: {e}", self.describe());
         }
     }

@@ -103,6 +103,7 @@ const EVENT: CombineEvent<'static> = CombineEvent {
     step: 0,
     position: 0,
     experts: &[],
+    gates: &[],
 };
 
 fn run(c: &dyn MoeCombine, terms: &[Vec<f32>], shared: &[f32]) -> Vec<u32> {
@@ -903,6 +904,7 @@ fn event(layer: u32, step: u32, position: u32) -> CombineEvent<'static> {
         step,
         position,
         experts: &[],
+        gates: &[],
     }
 }
 

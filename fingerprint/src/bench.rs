@@ -55,6 +55,32 @@ impl FingerprintBench {
     pub fn gbps(&self, seconds: f64) -> f64 {
         self.bytes as f64 / seconds / 1e9
     }
+
+    /// The text report of `moeconf bench fingerprint` (`threads`: the rayon
+    /// pool's size), with the ratios against the raw-BLAKE3 baseline.
+    pub fn render_text(&self, threads: usize) -> String {
+        let g = |s: f64| self.gbps(s);
+        let (r1, rn) = (
+            self.raw_1thread / self.canonical_1thread,
+            self.raw_rayon / self.canonical_rayon,
+        );
+        let scaling = self.canonical_1thread / self.canonical_rayon;
+        format!(
+            "fingerprint throughput over {} MiB of f32 ({threads} rayon threads)\n\
+             \x20 (a) raw BLAKE3, 1 thread          {:>7.2} GB/s\n\
+             \x20 (b) canonical record, 1 thread    {:>7.2} GB/s   ratio b/a = {r1:.3}  (target >= 0.90)\n\
+             \x20 (c) raw BLAKE3, rayon             {:>7.2} GB/s\n\
+             \x20 (d) canonical record, rayon       {:>7.2} GB/s   ratio d/c = {rn:.3}\n\
+             \x20 canonical scaling 1 -> {threads} threads: {scaling:.2}x\n\
+             \x20 (e) canonical record, SHA-256     {:>7.2} GB/s\n",
+            self.bytes >> 20,
+            g(self.raw_1thread),
+            g(self.canonical_1thread),
+            g(self.raw_rayon),
+            g(self.canonical_rayon),
+            g(self.canonical_sha256_1thread)
+        )
+    }
 }
 
 /// Measures `data` (f32 values) `repeat` times each way. The raw and

@@ -147,6 +147,11 @@ pub enum Presence {
     /// Only at the positions where the operator emits something: a
     /// compressor's entry exists only at the token that closes its window.
     OnEmit,
+    /// Never by the reference runtime: a value some backends materialize
+    /// and a capture records where it can observe it (the routed sum of a
+    /// MoE block before its shared-expert merge). Where present, it has the
+    /// coordinates of an [`Presence::Always`] record.
+    CaptureOnly,
 }
 
 /// Where an operator's input record lives, relative to the operator's own
@@ -325,6 +330,9 @@ components! {
     RouterMargin,
     /// L4 gate-weighted routed term J (`moe.term.J`).
     MoeTerm,
+    /// L4 routed sum before the shared-expert merge, as the backend stores it
+    /// (captures only; the reference runtime keeps it inside the combine).
+    MoeRouted,
     /// L4 shared-expert output.
     MoeShared,
     /// L4 MoE output (the aggregation contract's result).
@@ -379,6 +387,12 @@ const fn spec(
         inputs,
         meaning,
     }
+}
+
+/// A row the reference runtime never emits ([`Presence::CaptureOnly`]).
+const fn capture_only(mut row: ComponentSpec) -> ComponentSpec {
+    row.presence = Presence::CaptureOnly;
+    row
 }
 
 /// A row whose records exist only where the operator emits ([`Presence::OnEmit`]).
@@ -947,13 +961,24 @@ pub const SPECS: &[ComponentSpec] = &[
         &[same(C::FfnNorm), same(C::RouterTopk), same(C::RouterGates)],
         "gate-weighted routed term J, v_J = g_J · E_J(x)",
     ),
+    capture_only(spec(
+        C::MoeRouted,
+        "moe.routed",
+        L4,
+        Float,
+        Some(FFN),
+        27,
+        ALL,
+        &[same(C::MoeTerm)],
+        "routed sum before the shared-expert merge, as the backend stores it (captures only)",
+    )),
     spec(
         C::MoeShared,
         "moe.shared",
         L4,
         Float,
         Some(FFN),
-        27,
+        28,
         ALL,
         &[same(C::FfnNorm)],
         "shared-expert output",
@@ -964,9 +989,9 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        28,
+        29,
         ALL,
-        &[same(C::MoeTerm), same(C::MoeShared)],
+        &[same(C::MoeTerm), same(C::MoeRouted), same(C::MoeShared)],
         "MoE output: the aggregation contract's result",
     ),
     spec(
@@ -975,7 +1000,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        29,
+        30,
         ALL,
         &[
             same(C::LayerPostAttnMhc),

@@ -74,7 +74,8 @@ def _summary(t):
         "by_level": {f"L{lv}": sum(1 for r in t.records if r.level == lv) for lv in range(5)},
         "model": {"name": t.binding.model_name, "config_digest": t.binding.config_digest.hex(),
                   "weights_digest": t.binding.weights_digest.hex(), "tensor_count": len(t.binding.tensors)},
-        "provenance": {"runtime": t.provenance.runtime, "version": t.provenance.version},
+        "provenance": {"runtime": t.provenance.runtime, "version": t.provenance.version,
+                       "recomputed": t.provenance.recomputed()},
     }
 
 

@@ -6,10 +6,34 @@ produced it), with their wire encodings.
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
-from .fingerprint import MAX_RANK, hash_bytes
+from .fingerprint import MAX_RANK, hash_bytes, validate_path
 from .wire import Encoder
 
-__all__ = ["ZERO_DIGEST", "TensorDigest", "Binding", "Provenance", "weights_digest"]
+__all__ = ["ZERO_DIGEST", "TensorDigest", "Binding", "Provenance", "weights_digest", "RECOMPUTED_NOTE",
+           "parse_recomputed"]
+
+#: Provenance note key listing the records a capture recomputed (docs/format.md section 5.2.1).
+RECOMPUTED_NOTE = "moeconf.recomputed"
+#: At most this many patterns in the note.
+MAX_RECOMPUTED_PATTERNS = 256
+
+
+def parse_recomputed(value):
+    """The patterns of a ``moeconf.recomputed`` note value (comma-separated record paths, each
+    optionally ending in ``*`` for a prefix; no spaces, no duplicates); raises ValueError."""
+    patterns = []
+    for p in value.split(","):
+        stem = p[:-1] if p.endswith("*") else p
+        try:
+            validate_path(stem)
+        except ValueError as e:
+            raise ValueError(f"{RECOMPUTED_NOTE}: pattern {p!r} is not a record path (optionally ending in *): {e}")
+        if p in patterns:
+            raise ValueError(f"{RECOMPUTED_NOTE}: pattern {p!r} is listed twice")
+        if len(patterns) == MAX_RECOMPUTED_PATTERNS:
+            raise ValueError(f"{RECOMPUTED_NOTE}: more than {MAX_RECOMPUTED_PATTERNS} patterns")
+        patterns.append(p)
+    return patterns
 
 #: 32 zero bytes: the digest a producer writes when it knows no model/tokenizer digest.
 ZERO_DIGEST = b"\x00" * 32
@@ -163,8 +187,40 @@ class Provenance:
         """Appends the wire encoding (runtime, version, threads, notes)."""
         e.str(self.runtime).str(self.version).u32(self.threads).pairs(self.notes)
 
+    def with_recomputed(self, patterns):
+        """Marks the records ``patterns`` match (record paths, ``prefix*``) as recomputed by the
+        capture rather than observed from the backend (docs/format.md section 5.2.1), replacing
+        any earlier mark; an empty list removes it. Returns self."""
+        patterns = list(patterns)
+        self.notes = [(k, v) for k, v in self.notes if k != RECOMPUTED_NOTE]
+        if patterns:
+            self.notes.append((RECOMPUTED_NOTE, ",".join(parse_recomputed(",".join(patterns)))))
+        return self
+
+    def recomputed(self):
+        """The patterns of the records the capture recomputed (``[]``: every record observed)."""
+        for k, v in self.notes:
+            if k == RECOMPUTED_NOTE:
+                return parse_recomputed(v)
+        return []
+
+    def is_recomputed(self, path):
+        """Whether the record ``path`` was recomputed by the capture."""
+        return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in self.recomputed())
+
     @staticmethod
     def decode(d):
-        """Decodes a provenance from a :class:`moeconf.wire.Decoder`."""
-        return Provenance(d.str("runtime"), d.str("runtime version"), d.u32("threads"),
-                          d.pairs("provenance notes"))
+        """Decodes a provenance from a :class:`moeconf.wire.Decoder`, refusing a malformed or
+        repeated ``moeconf.recomputed`` note."""
+        runtime, version, threads = d.str("runtime"), d.str("runtime version"), d.u32("threads")
+        at = d.offset()
+        notes = d.pairs("provenance notes")
+        marks = [v for k, v in notes if k == RECOMPUTED_NOTE]
+        if len(marks) > 1:
+            raise d.error(f"provenance notes: {RECOMPUTED_NOTE} is given more than once", at)
+        for v in marks:
+            try:
+                parse_recomputed(v)
+            except ValueError as e:
+                raise d.error(str(e), at)
+        return Provenance(runtime, version, threads, notes)

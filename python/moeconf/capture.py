@@ -22,15 +22,31 @@ on the HF modules and thin wrappers around the per-layer cache methods expose:
   entries passed to ``update_compressor_states``, at the position that closes
   their window), ``attn.indexer_topk`` (indexer output, ``-1`` sentinels
   dropped), ``attn.core`` (the attention-interface output, before de-rotation),
-  ``attn.output``, ``ffn.hc_pre``, ``ffn.norm``, ``moe.term.j`` (recomputed per
-  slot, see below), ``moe.shared`` and ``moe.combine`` (the MoE block output).
+  ``attn.output``, ``ffn.hc_pre``, ``ffn.norm``, ``moe.term.j`` (recomputed, see
+  below), ``moe.routed`` (the ``mlp.experts`` output: the routed sum **before**
+  the shared-expert merge, as the experts implementation stored it),
+  ``moe.shared`` and ``moe.combine`` (the MoE block output, routed + shared).
 
-``moe.term.j`` is not a tensor HF materializes under a module boundary (the
-grouped-mm experts path computes all slots in one sorted batch); the capture
-recomputes ``g_j * down(gate(gate_up(x)))`` per slot with the module's own
-weights and ``_apply_gate`` and checks that their slot-order sum equals the
-experts output; the number of (position, layer) events where it does not is
-returned as ``CaptureResult.moe_terms_recombine_mismatches``.
+What the capture recomputes rather than observes is marked in the trace's
+provenance (``moeconf.recomputed``, docs/format.md 5.2.1): ``moe.term.*``,
+``router.scores``, ``router.margin`` (HF's ``score_fn`` and selection scores,
+not returned by the gate) and ``attn.q`` (the rotation HF applies next, applied
+by the capture). ``moeconf diff`` says so whenever it calls such inputs
+matching.
+
+``moe.term.j`` is not a tensor HF materializes under a module boundary (every
+experts implementation is one fused module). The capture recomputes
+``g_j * down(gate(gate_up(x)))`` the way the eager implementation does: per
+expert in ascending id, one ``F.linear`` over that expert's (slot, token) rows
+in ``torch.where`` order, in the model dtype (bit-identical to eager's and
+grouped_mm's products on CPU; batched_mm computes them per row and can differ
+in fp32). As a diagnostic it then checks whether the recomputed terms
+reproduce the observed ``moe.routed`` under any of the summations in
+:data:`ROUTED_SUMS` (FP32 or model-dtype accumulation; router slot order or
+ascending expert id). ``CaptureResult.moe_routed_reproduced`` counts, per
+summation, the (position, layer) events it reproduces bitwise;
+``moe_terms_unexplained`` counts the events none reproduces (the recomputed
+terms then differ from the kernel's, or the kernel sums another way).
 
 Everything is recorded as f32 (bf16 values are exact in f32), ids as i32,
 counters as i64, as the reference runtime does. Requires torch and
@@ -40,7 +56,7 @@ transformers (imported lazily; the rest of the package does not need them).
 import os
 import sys
 import types
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import numpy as np
 
@@ -49,7 +65,8 @@ from .binding import Provenance
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
-__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "REPLAY_PAYLOAD_LEVELS", "parse_levels", "original_name",
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "RECOMPUTED", "REPLAY_PAYLOAD_LEVELS", "ROUTED_SUMS", "parse_levels",
+           "original_name",
            "save_original"]
 
 #: Level name -> bit of the binding capture masks.
@@ -64,14 +81,28 @@ REPLAY_PAYLOAD_LEVELS = ("L0", "L1", "L2", "L3")
 LM_TOPK = 8
 
 
+#: The records the capture recomputes (the trace's ``moeconf.recomputed`` note).
+RECOMPUTED = ["attn.q", "router.scores", "router.margin", "moe.term.*"]
+
+#: The summations of the recomputed terms checked against the observed routed sum, by name.
+ROUTED_SUMS = (
+    "fp32 accumulation in router slot order, one rounding",
+    "fp32 accumulation in ascending expert id, one rounding",
+    "model-dtype accumulation in ascending expert id (one rounding per expert, as index_add_)",
+)
+
+
 class CaptureResult(NamedTuple):
     """What :func:`capture` returns: the generated ids, the writer's summary (root,
-    record counts), and how many (position, MoE layer) events had recomputed
-    ``moe.term.*`` whose slot-order sum differs from the experts output."""
+    record counts), the number of (position, MoE layer) events, per summation of
+    :data:`ROUTED_SUMS` how many events it reproduces the observed ``moe.routed``
+    from the recomputed terms bitwise, and how many events no summation reproduces."""
 
     generated: List[int]
     summary: WriteSummary
-    moe_terms_recombine_mismatches: int
+    moe_events: int
+    moe_routed_reproduced: Dict[str, int]
+    moe_terms_unexplained: int
 
 
 def parse_levels(levels):
@@ -194,6 +225,48 @@ def _state_records(cfg, cache):
     return out
 
 
+def _recompute_terms(m, x, idx, w):
+    """``[T, k, D]`` gate-weighted terms in the model dtype, computed as the eager experts
+    implementation does (modeling_deepseek_v4 ``DeepseekV4Experts.forward``): per expert in
+    ascending id, ``F.linear`` over its (slot, token) rows in ``torch.where`` order."""
+    import torch
+    import torch.nn.functional as F
+
+    T, k = idx.shape
+    terms = torch.zeros((T, k, x.shape[-1]), dtype=x.dtype)
+    for e in sorted({int(v) for v in idx.flatten().tolist()}):
+        if e >= m.num_experts:  # the eager loop skips the sentinel expert
+            continue
+        top_k_pos, token_idx = torch.where((idx == e).T)
+        cur = m._apply_gate(F.linear(x[token_idx], m.gate_up_proj[e]))
+        cur = F.linear(cur, m.down_proj[e]) * w[token_idx, top_k_pos, None]
+        terms[token_idx, top_k_pos] = cur.to(x.dtype)
+    return terms
+
+
+def _routed_sums(v, ids, dtype):
+    """The summations of :data:`ROUTED_SUMS` of one token's terms ``v`` ``[k, D]`` (model dtype)
+    with expert ids ``ids``, each rounded to ``dtype`` as the experts output is."""
+    import torch
+
+    f = v.float()
+    k = f.shape[0]
+    slot = torch.zeros_like(f[0])
+    for j in range(k):
+        slot = slot + f[j]
+    asc = torch.zeros_like(f[0])
+    for j in sorted(range(k), key=lambda j: (ids[j], j)):
+        asc = asc + f[j]
+    acc = torch.zeros_like(v[0])
+    for e in sorted(set(ids)):  # one index_add_ per expert: an fp32 buffer seeded with acc, one rounding
+        buf = acc.float()
+        for j in range(k):
+            if ids[j] == e:
+                buf = buf + f[j]
+        acc = buf.to(dtype)
+    return [slot.to(dtype), asc.to(dtype), acc]
+
+
 def _lm_records(logits):
     """``lm.logits``, ``lm.topk_ids``, ``lm.topk_logits``, ``lm.margin`` and the greedy id
     (ties to the lowest id) from one f32 logits row."""
@@ -205,6 +278,188 @@ def _lm_records(logits):
             ("lm.topk_logits", logits[top].astype(np.float32)),
             ("lm.margin", np.array([margin], dtype=np.float32))]
     return recs, int(order[0])
+
+
+def _attention_hooks(i, layer, rec, ctx, hook):
+    """Registers (through ``hook``) the hooks that record layer ``i``'s attention half, its
+    post-FFN state (the layer output, which also flushes the layer's records) and indexer."""
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
+
+    attn = layer.self_attn
+
+    def on_layer(m, args, out, i=i):
+        rec.add_rows(i, "L3", "layer.post_ffn_mhc", _f32(out[0]))
+        rec.flush(i)
+
+    def on_attn_hc(m, args, out, i=i):
+        rec.add_rows(i, "L4", "attn.hc_pre", _f32(out[2][0]))
+
+    def on_attn_norm(m, args, out, i=i):
+        rec.add_rows(i, "L4", "attn.norm", _f32(out[0]))
+
+    def on_attn_pre(m, args, kw, i=i, attn=attn):
+        ctx["cos_sin"][i] = kw["position_embeddings"][attn.rope_layer_type]
+
+    def on_q(m, args, out, i=i):
+        if rec.wants("L4"):
+            cos, sin = ctx["cos_sin"][i]
+            q = mdv4.apply_rotary_pos_emb(out, cos, sin)  # the call HF makes next, same inputs
+            rec.add_rows(i, "L4", "attn.q", _f32(q[0].transpose(0, 1)))
+
+    def on_attn(m, args, out, i=i):
+        rec.add_rows(i, "L4", "attn.output", _f32(out[0][0]))
+
+    hook(layer, on_layer)
+    hook(layer.attn_hc, on_attn_hc)
+    hook(layer.input_layernorm, on_attn_norm)
+    hook(attn, on_attn_pre, pre=True, kwargs=True)
+    hook(attn.q_b_norm, on_q)
+    hook(attn, on_attn)
+    comp = attn.compressor
+    if comp is not None and getattr(comp, "indexer", None) is not None:
+        def on_indexer(m, args, out, i=i):
+            for s in range(out.shape[1]):
+                ids = out[0, s]
+                rec.add(i, rec.start + s, "L4", "attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy())
+
+        hook(comp.indexer, on_indexer)
+
+
+def _ffn_hooks(i, layer, rec, ctx, k, hook):
+    """Registers (through ``hook``) the hooks that record layer ``i``'s FFN half: mHC, norm,
+    router, the recomputed terms, the observed routed sum, the shared expert and the MoE output."""
+    import torch
+
+    mlp = layer.mlp
+
+    def on_ffn_hc_pre(m, args, i=i):
+        rec.add_rows(i, "L3", "layer.post_attn_mhc", _f32(args[0][0]))
+
+    def on_ffn_hc(m, args, out, i=i):
+        rec.add_rows(i, "L4", "ffn.hc_pre", _f32(out[2][0]))
+
+    def on_ffn_norm(m, args, out, i=i):
+        rec.add_rows(i, "L4", "ffn.norm", _f32(out[0]))
+
+    def on_gate(m, args, out, i=i, is_hash=mlp.is_hash):
+        logits, weights, indices = out
+        scores = m.score_fn(logits)
+        rows = []
+        if not is_hash:
+            sel = (scores + m.e_score_correction_bias).float()  # the selection scores HF ranks
+            top = torch.sort(sel, dim=-1, descending=True, stable=True).values
+            rows = (top[:, k - 1] - top[:, k]).reshape(-1, 1) if sel.shape[-1] > k else None
+        for s in range(scores.shape[0]):
+            pos = rec.start + s
+            rec.add(i, pos, "L3", "router.scores", _f32(scores[s]))
+            rec.add(i, pos, "L3", "router.topk", indices[s].to(torch.int32).numpy())
+            rec.add(i, pos, "L3", "router.gates", _f32(weights[s]))
+            if not is_hash and rows is not None:
+                rec.add(i, pos, "L3", "router.margin", _f32(rows[s]))
+
+    def on_experts(m, args, out, i=i):
+        if not rec.wants("L4"):
+            return
+        x, idx, w = args[0], args[1], args[2]
+        terms = _recompute_terms(m, x, idx, w)
+        for s in range(x.shape[0]):
+            for j in range(idx.shape[1]):
+                rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[s, j]))
+            rec.add(i, rec.start + s, "L4", "moe.routed", _f32(out[s]))  # observed
+            ids = [int(e) for e in idx[s].tolist()]
+            hits = [torch.equal(y, out[s]) for y in _routed_sums(terms[s], ids, out.dtype)]
+            ctx["events"] += 1
+            ctx["unexplained"] += not any(hits)
+            for n, h in enumerate(hits):
+                ctx["reproduced"][n] += h
+
+    def on_shared(m, args, out, i=i):
+        rec.add_rows(i, "L4", "moe.shared", _f32(out[0]))
+
+    def on_mlp(m, args, out, i=i):
+        rec.add_rows(i, "L4", "moe.combine", _f32(out[0]))
+
+    hook(layer.ffn_hc, on_ffn_hc_pre, pre=True)
+    hook(layer.ffn_hc, on_ffn_hc)
+    hook(layer.post_attention_layernorm, on_ffn_norm)
+    hook(mlp.gate, on_gate)
+    hook(mlp.experts, on_experts)
+    hook(mlp.shared_experts, on_shared)
+    hook(mlp, on_mlp)
+
+
+def _wrap_cache(cache, rec):
+    """Wraps the per-layer cache methods: the current kv (argument of ``update``) and emitted
+    compressed entries (argument of ``update_compressor_states``)."""
+    for i, cl in enumerate(cache.layers):
+        orig_update = cl.update
+
+        def update(key_states, value_states, *a, _orig=orig_update, _i=i, **kw):
+            rec.add_rows(_i, "L4", "attn.kv", _f32(key_states[0, 0]))
+            return _orig(key_states, value_states, *a, **kw)
+
+        cl.update = update
+        if hasattr(cl, "update_compressor_states"):
+            orig_ucs = cl.update_compressor_states
+
+            def ucs(name, compressed, _orig=orig_ucs, _i=i, _cl=cl):
+                first = _cl.entry_count[name]
+                path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
+                rows = _f32(compressed[0])
+                for j in range(rows.shape[0]):
+                    rec.add(_i, (first + j + 1) * _cl.compress_rate - 1, "L4", path, rows[j:j + 1])
+                return _orig(name, compressed)
+
+            cl.update_compressor_states = ucs
+
+
+def _wrap_attention(rec, restore):
+    """Wraps the module-global attention interface to record ``attn.core`` (its output before
+    de-rotation); appends the undo to ``restore``."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
+
+    orig_eager = mdv4.eager_attention_forward
+
+    def eager(module, *a, **kw):
+        out, weights = orig_eager(module, *a, **kw)
+        rec.add_rows(module.layer_idx, "L4", "attn.core", _f32(out[0]))
+        return out, weights
+
+    mdv4.eager_attention_forward = eager
+    restore.append(lambda: setattr(mdv4, "eager_attention_forward", orig_eager))
+
+
+def _generate(model, cfg, cache, rec, tok, prompt_ids, max_new_tokens):
+    """The greedy loop: one forward per step with the capture's own cache, the step's L0/L1
+    records and the L2 state after it. Returns the generated ids."""
+    import torch
+
+    generated = []
+    with torch.no_grad():
+        feed = list(prompt_ids)
+        for step in range(max_new_tokens):
+            rec.step = step
+            rec.start = 0 if step == 0 else len(prompt_ids) + step - 1
+            rec.phase = "prefill" if step == 0 else "decode"
+            last = rec.start + len(feed) - 1
+            rec.emit(rec.start, None, "L0", "token.input", np.array(feed, dtype=np.int32))
+            ids = torch.tensor([feed], dtype=torch.long)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            logits = _f32(out.logits[0, -1])
+            lm, nxt = _lm_records(logits)
+            for path, arr in lm:
+                rec.emit(last, None, "L1", path, arr)
+            generated.append(nxt)
+            rec.emit(last, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
+            text = tok.decode(generated)
+            if text is not None:
+                rec.emit(last, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
+            if rec.wants("L2"):
+                for layer, path, arr in _state_records(cfg, cache):
+                    rec.emit(last, layer, "L2", path, arr)
+            feed = [nxt]
+    return generated
 
 
 def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_dir=None, model_name=None,
@@ -227,7 +482,6 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     import torch
     import transformers
     from transformers.cache_utils import DynamicCache
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
 
     cfg = model.config
     if getattr(cfg, "model_type", None) != "deepseek_v4":
@@ -258,6 +512,7 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     prov = Provenance("transformers", transformers.__version__, torch.get_num_threads(),
                       [("torch", torch.__version__),
                        ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))])
+    prov.with_recomputed(RECOMPUTED)
     # The checkpoint's files are inputs: the trace may never overwrite one of them.
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
     writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
@@ -266,7 +521,7 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     base = model.model
     k = cfg.num_experts_per_tok
     handles, restore = [], []
-    ctx = {"mismatch": 0, "cos_sin": {}}
+    ctx = {"events": 0, "unexplained": 0, "reproduced": [0] * len(ROUTED_SUMS), "cos_sin": {}}
 
     def hook(module, fn, pre=False, kwargs=False):
         if pre:
@@ -275,156 +530,12 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
             handles.append(module.register_forward_hook(fn, with_kwargs=kwargs))
 
     for i, layer in enumerate(base.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-
-        def on_layer(m, args, out, i=i):
-            rec.add_rows(i, "L3", "layer.post_ffn_mhc", _f32(out[0]))
-            rec.flush(i)
-
-        def on_attn_hc(m, args, out, i=i):
-            rec.add_rows(i, "L4", "attn.hc_pre", _f32(out[2][0]))
-
-        def on_attn_norm(m, args, out, i=i):
-            rec.add_rows(i, "L4", "attn.norm", _f32(out[0]))
-
-        def on_attn_pre(m, args, kw, i=i, attn=attn):
-            ctx["cos_sin"][i] = kw["position_embeddings"][attn.rope_layer_type]
-
-        def on_q(m, args, out, i=i):
-            if rec.wants("L4"):
-                cos, sin = ctx["cos_sin"][i]
-                q = mdv4.apply_rotary_pos_emb(out, cos, sin)  # the call HF makes next, same inputs
-                rec.add_rows(i, "L4", "attn.q", _f32(q[0].transpose(0, 1)))
-
-        def on_attn(m, args, out, i=i):
-            rec.add_rows(i, "L4", "attn.output", _f32(out[0][0]))
-
-        def on_ffn_hc_pre(m, args, i=i):
-            rec.add_rows(i, "L3", "layer.post_attn_mhc", _f32(args[0][0]))
-
-        def on_ffn_hc(m, args, out, i=i):
-            rec.add_rows(i, "L4", "ffn.hc_pre", _f32(out[2][0]))
-
-        def on_ffn_norm(m, args, out, i=i):
-            rec.add_rows(i, "L4", "ffn.norm", _f32(out[0]))
-
-        def on_gate(m, args, out, i=i, is_hash=mlp.is_hash):
-            logits, weights, indices = out
-            scores = m.score_fn(logits)
-            rows = []
-            if not is_hash:
-                sel = (scores + m.e_score_correction_bias).float()  # the selection scores HF ranks
-                top = torch.sort(sel, dim=-1, descending=True, stable=True).values
-                rows = (top[:, k - 1] - top[:, k]).reshape(-1, 1) if sel.shape[-1] > k else None
-            for s in range(scores.shape[0]):
-                pos = rec.start + s
-                rec.add(i, pos, "L3", "router.scores", _f32(scores[s]))
-                rec.add(i, pos, "L3", "router.topk", indices[s].to(torch.int32).numpy())
-                rec.add(i, pos, "L3", "router.gates", _f32(weights[s]))
-                if not is_hash and rows is not None:
-                    rec.add(i, pos, "L3", "router.margin", _f32(rows[s]))
-
-        def on_experts(m, args, out, i=i):
-            if not rec.wants("L4"):
-                return
-            x, idx, w = args[0], args[1], args[2]
-            for s in range(x.shape[0]):
-                terms = []
-                for j in range(idx.shape[1]):
-                    e = int(idx[s, j])
-                    h = m._apply_gate(torch.nn.functional.linear(x[s:s + 1], m.gate_up_proj[e]))
-                    terms.append(torch.nn.functional.linear(h, m.down_proj[e]) * w[s, j])
-                    rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[-1][0]))
-                total = torch.stack(terms, dim=1).sum(dim=1).to(out.dtype)
-                if not torch.equal(total[0], out[s]):
-                    ctx["mismatch"] += 1
-
-        def on_shared(m, args, out, i=i):
-            rec.add_rows(i, "L4", "moe.shared", _f32(out[0]))
-
-        def on_mlp(m, args, out, i=i):
-            rec.add_rows(i, "L4", "moe.combine", _f32(out[0]))
-
-        hook(layer, on_layer)
-        hook(layer.attn_hc, on_attn_hc)
-        hook(layer.input_layernorm, on_attn_norm)
-        hook(attn, on_attn_pre, pre=True, kwargs=True)
-        hook(attn.q_b_norm, on_q)
-        hook(attn, on_attn)
-        hook(layer.ffn_hc, on_ffn_hc_pre, pre=True)
-        hook(layer.ffn_hc, on_ffn_hc)
-        hook(layer.post_attention_layernorm, on_ffn_norm)
-        hook(mlp.gate, on_gate)
-        hook(mlp.experts, on_experts)
-        hook(mlp.shared_experts, on_shared)
-        hook(mlp, on_mlp)
-        comp = attn.compressor
-        if comp is not None and getattr(comp, "indexer", None) is not None:
-            def on_indexer(m, args, out, i=i):
-                for s in range(out.shape[1]):
-                    ids = out[0, s]
-                    rec.add(i, rec.start + s, "L4", "attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy())
-
-            hook(comp.indexer, on_indexer)
-
-    # Cache-layer wrappers: the current kv (argument of update) and emitted compressed entries.
-    for i, cl in enumerate(cache.layers):
-        orig_update = cl.update
-
-        def update(key_states, value_states, *a, _orig=orig_update, _i=i, **kw):
-            rec.add_rows(_i, "L4", "attn.kv", _f32(key_states[0, 0]))
-            return _orig(key_states, value_states, *a, **kw)
-
-        cl.update = update
-        if hasattr(cl, "update_compressor_states"):
-            orig_ucs = cl.update_compressor_states
-
-            def ucs(name, compressed, _orig=orig_ucs, _i=i, _cl=cl):
-                first = _cl.entry_count[name]
-                path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
-                rows = _f32(compressed[0])
-                for j in range(rows.shape[0]):
-                    rec.add(_i, (first + j + 1) * _cl.compress_rate - 1, "L4", path, rows[j:j + 1])
-                return _orig(name, compressed)
-
-            cl.update_compressor_states = ucs
-
-    # attn.core: the attention-interface output before de-rotation (module global looked up per call).
-    orig_eager = mdv4.eager_attention_forward
-
-    def eager(module, *a, **kw):
-        out, weights = orig_eager(module, *a, **kw)
-        rec.add_rows(module.layer_idx, "L4", "attn.core", _f32(out[0]))
-        return out, weights
-
-    mdv4.eager_attention_forward = eager
-    restore.append(lambda: setattr(mdv4, "eager_attention_forward", orig_eager))
-
-    generated = []
+        _attention_hooks(i, layer, rec, ctx, hook)
+        _ffn_hooks(i, layer, rec, ctx, k, hook)
+    _wrap_cache(cache, rec)
+    _wrap_attention(rec, restore)
     try:
-        with torch.no_grad():
-            feed = list(prompt_ids)
-            for step in range(max_new_tokens):
-                rec.step = step
-                rec.start = 0 if step == 0 else len(prompt_ids) + step - 1
-                rec.phase = "prefill" if step == 0 else "decode"
-                last = rec.start + len(feed) - 1
-                rec.emit(rec.start, None, "L0", "token.input", np.array(feed, dtype=np.int32))
-                ids = torch.tensor([feed], dtype=torch.long)
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-                logits = _f32(out.logits[0, -1])
-                lm, nxt = _lm_records(logits)
-                for path, arr in lm:
-                    rec.emit(last, None, "L1", path, arr)
-                generated.append(nxt)
-                rec.emit(last, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
-                text = tok.decode(generated)
-                if text is not None:
-                    rec.emit(last, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
-                if rec.wants("L2"):
-                    for layer, path, arr in _state_records(cfg, cache):
-                        rec.emit(last, layer, "L2", path, arr)
-                feed = [nxt]
+        generated = _generate(model, cfg, cache, rec, tok, prompt_ids, max_new_tokens)
         summary = writer.finish()
     except BaseException:
         writer.abort()
@@ -434,7 +545,8 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
             h.remove()
         for r in restore:
             r()
-    return CaptureResult(generated, summary, ctx["mismatch"])
+    return CaptureResult(generated, summary, ctx["events"], dict(zip(ROUTED_SUMS, ctx["reproduced"])),
+                         ctx["unexplained"])
 
 
 def original_name(name):

@@ -107,3 +107,60 @@ def test_python_rewrite_of_rust_trace_has_the_same_root(run_moeconf, tmp_path):
         assert s.root == t.root, alg
         assert _inspect(run_moeconf, y)["root"] == t.root.hex()
         assert run_moeconf("diff", x, y, check=False).returncode == 0
+
+
+def test_recomputed_marker_is_read_by_rust_and_leaves_the_root(run_moeconf, tmp_path):
+    """The Python writer's ``moeconf.recomputed`` note (docs/format.md 5.2.1): Rust inspect
+    reports it, the root is that of the unmarked trace, and a malformed note is refused by both
+    readers (exit 2 from Rust)."""
+    from moeconf.binding import RECOMPUTED_NOTE
+    from moeconf.trace import TraceFormatError
+    import pytest
+
+    plain, marked, bad = tmp_path / "plain.bin", tmp_path / "marked.bin", tmp_path / "bad.bin"
+    items, s0 = _write_sample(plain)
+    t = read_trace(plain)
+    bad_prov = Provenance("pytest", "1", 1, [(RECOMPUTED_NOTE, "moe term")])
+    # The Python writer itself refuses the malformed note (writers obey the reader) ...
+    with pytest.raises(ValueError, match=RECOMPUTED_NOTE):
+        TraceWriter(bad, t.binding, bad_prov)
+    assert not bad.exists()
+    # ... so a foreign writer is simulated by switching that check off for one write.
+    import moeconf.trace as trace_mod
+
+    def unchecked_header(binding, provenance):
+        e = trace_mod.Encoder()
+        binding.encode(e)
+        provenance.encode(e)
+        return e.bytes()
+
+    for path, prov in ((marked, Provenance("pytest", "1", 1).with_recomputed(["moe.term.*"])),
+                       (bad, bad_prov)):
+        check = trace_mod.check_header
+        if path == bad:
+            trace_mod.check_header = unchecked_header
+        try:
+            w = TraceWriter(path, t.binding, prov)
+        finally:
+            trace_mod.check_header = check
+        for coord, lv, arr in items:
+            w.append(coord, lv, arr, keep_payload=True)
+        s = w.finish()
+        assert s.root == s0.root
+    doc = _inspect(run_moeconf, marked)
+    assert doc["provenance"]["recomputed"] == ["moe.term.*"]
+    assert doc["root"] == s0.root.hex()
+    assert _inspect(run_moeconf, plain)["provenance"]["recomputed"] == []
+    assert read_trace(marked).provenance.is_recomputed("moe.term.3")
+    from moeconf.__main__ import main as py_main
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert py_main(["inspect", str(marked)]) == 0
+    assert json.loads(buf.getvalue())["provenance"]["recomputed"] == ["moe.term.*"]
+    assert not read_trace(marked).provenance.is_recomputed("moe.shared")
+    p = run_moeconf("inspect", bad, check=False)
+    assert p.returncode == 2 and RECOMPUTED_NOTE in p.stderr, p.stderr
+    with pytest.raises(TraceFormatError, match=RECOMPUTED_NOTE):
+        read_trace(bad)

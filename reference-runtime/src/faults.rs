@@ -846,6 +846,7 @@ mod tests {
             step: 0,
             position: 0,
             experts: &[0, 1],
+            gates: &[],
         };
         let mut y = [0.0f32];
         SharedFirstCombine.combine(&ev, &[&t0, &t1], &s, &mut y);

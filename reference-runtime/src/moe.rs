@@ -132,6 +132,7 @@ pub(crate) fn moe_forward(
         step: cx.step,
         position: cx.position,
         experts: &r.topk,
+        gates: &r.gates,
     };
     let mut y = vec![0.0f32; cfg.hidden_size];
     cx.fx

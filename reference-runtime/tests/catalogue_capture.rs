@@ -112,6 +112,12 @@ fn check(sink: &MemorySink) {
                     if spec.presence == Presence::Always {
                         assert!(here, "{comp} missing at step {step} pos {t} layer {layer}");
                     }
+                    if spec.presence == Presence::CaptureOnly {
+                        assert!(
+                            !here,
+                            "{comp} is capture-only, yet emitted at step {step} pos {t} layer {layer}"
+                        );
+                    }
                     if !here {
                         continue;
                     }
@@ -132,6 +138,10 @@ fn check(sink: &MemorySink) {
                                     Presence::OnEmit => {
                                         *on_emit_inputs_seen.entry(ic).or_default() += found as usize
                                     }
+                                    Presence::CaptureOnly => assert!(
+                                        !found,
+                                        "{ic} is capture-only, yet the runtime emitted it at step {step} pos {t} layer {layer}"
+                                    ),
                                 }
                             }
                             InputSource::LayerInput => {

@@ -129,3 +129,45 @@ fn generate(
         }
     }
 }
+
+/// The text report of `moeconf bench runtime`: one row per (model,
+/// precision, capture) with decode speed relative to the same model and
+/// precision without capture; `rss` is the anonymous RSS after the tiny and
+/// after the large model.
+pub fn render_runtime_text(opts: &RuntimeBenchOptions, rows: &[RuntimeRow], rss: [Option<u64>; 2]) -> String {
+    let mut t = format!(
+        "reference runtime throughput ({} threads, prompt {} tokens, {} decode steps, best of {})\n  {:<34} {:<5} {:<8} {:>12} {:>12} {:>16}\n",
+        rayon::current_num_threads(),
+        opts.prompt_tokens,
+        opts.decode_tokens,
+        opts.repeat,
+        "model",
+        "prec",
+        "capture",
+        "prefill t/s",
+        "decode t/s",
+        "decode vs none"
+    );
+    for r in rows {
+        let base = rows
+            .iter()
+            .find(|b| b.model == r.model && b.precision == r.precision && b.capture == BenchCapture::None)
+            .map_or(r.decode, |b| b.decode);
+        t.push_str(&format!(
+            "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x\n",
+            r.model,
+            r.precision.name(),
+            r.capture.name(),
+            r.prefill,
+            r.decode,
+            r.decode / base
+        ));
+    }
+    let mib = |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
+    t.push_str(&format!(
+        "  anonymous RSS: {} after tiny, {} after large (weights are memory-mapped, not copied)\n",
+        mib(rss[0]),
+        mib(rss[1])
+    ));
+    t
+}

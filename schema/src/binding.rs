@@ -10,6 +10,7 @@
 //! count) is stored beside it but kept out of the root digest: a
 //! deterministic runtime produces the same root with 1 or 16 threads.
 
+use crate::recomputed::{Recomputed, RECOMPUTED_NOTE};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
 use moeconf_fingerprint::{CanonPolicy, Digest, Level};
 use serde_json::{json, Value};
@@ -392,14 +393,50 @@ impl Provenance {
         enc_pairs(e, &self.notes);
     }
 
-    /// Decodes a provenance block.
+    /// Decodes a provenance block, refusing a malformed or repeated
+    /// [`RECOMPUTED_NOTE`] (which would otherwise pass recomputed records
+    /// off as observed).
     pub fn decode(d: &mut Decoder<'_>) -> Result<Provenance, WireError> {
+        let runtime = d.str("runtime name", MAX_STRING)?.to_string();
+        let version = d.str("runtime version", MAX_STRING)?.to_string();
+        let threads = d.u32("thread count")?;
+        let at = d.offset();
+        let notes = dec_pairs(d, "provenance notes")?;
+        let marks = notes.iter().filter(|(k, _)| k == RECOMPUTED_NOTE);
+        if marks.clone().count() > 1 {
+            return Err(WireError {
+                offset: at,
+                what: format!("provenance notes: {RECOMPUTED_NOTE} is given more than once"),
+            });
+        }
+        for (_, v) in marks {
+            Recomputed::parse(v).map_err(|what| WireError { offset: at, what })?;
+        }
         Ok(Provenance {
-            runtime: d.str("runtime name", MAX_STRING)?.to_string(),
-            version: d.str("runtime version", MAX_STRING)?.to_string(),
-            threads: d.u32("thread count")?,
-            notes: dec_pairs(d, "provenance notes")?,
+            runtime,
+            version,
+            threads,
+            notes,
         })
+    }
+
+    /// The records the capture recomputed (the [`RECOMPUTED_NOTE`];
+    /// docs/format.md §5.2.1). A trace without the note recomputed nothing.
+    pub fn recomputed(&self) -> Recomputed {
+        self.notes
+            .iter()
+            .find(|(k, _)| k == RECOMPUTED_NOTE)
+            .and_then(|(_, v)| Recomputed::parse(v).ok())
+            .unwrap_or_default()
+    }
+
+    /// Marks the records `r` covers as recomputed by the capture (replacing
+    /// any earlier mark; an empty `r` removes it).
+    pub fn set_recomputed(&mut self, r: &Recomputed) {
+        self.notes.retain(|(k, _)| k != RECOMPUTED_NOTE);
+        if let Some(v) = r.to_note() {
+            self.notes.push((RECOMPUTED_NOTE.to_string(), v));
+        }
     }
 
     /// JSON form.
@@ -409,6 +446,7 @@ impl Provenance {
             "version": self.version,
             "threads": self.threads,
             "notes": self.notes.iter().map(|(k, v)| json!([k, v])).collect::<Vec<_>>(),
+            "recomputed": self.recomputed().patterns(),
         })
     }
 }

@@ -260,7 +260,17 @@ impl<'a> Inspection<'a> {
             o,
             "runtime    {} {}, {} threads (provenance, not hashed)",
             p.runtime, p.version, p.threads
-        )
+        )?;
+        let r = p.recomputed();
+        if r.is_empty() {
+            writeln!(o, "values     observed: the capture recomputed no record")
+        } else {
+            writeln!(
+                o,
+                "values     recomputed by the capture (not the backend's own): {}; every other record observed",
+                r.patterns().join(", ")
+            )
+        }
     }
 
     fn render_records(&self, o: &mut dyn Write) -> io::Result<()> {

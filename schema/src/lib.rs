@@ -49,6 +49,7 @@ pub mod inspect;
 pub mod layout;
 pub mod output;
 mod reader;
+pub mod recomputed;
 mod writer;
 
 pub use binding::{
@@ -61,6 +62,7 @@ pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
 pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
 pub use reader::{Trace, VerifySummary};
+pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{TraceWriter, WriteSummary};
 
 /// Records of at most this many bytes keep their payload whatever the

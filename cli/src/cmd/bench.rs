@@ -4,10 +4,10 @@
 //! `moeconf_runner::bench`); this module prints them.
 
 use crate::cli::Format;
-use crate::output::print_json;
+use crate::output::{print_json, print_text};
 use clap::{Args, Subcommand};
 use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
-use moeconf_runner::bench::{bench_runtime, BenchCapture, RuntimeBenchOptions, RuntimeRow};
+use moeconf_runner::bench::{bench_runtime, render_runtime_text, RuntimeBenchOptions};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -212,30 +212,7 @@ fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
             "ratio_canonical_over_raw_rayon": ratio_n,
             "canonical_thread_scaling": scaling,
         }))?,
-        Format::Text => {
-            println!(
-                "fingerprint throughput over {} MiB of f32 ({threads} rayon threads)",
-                a.mib
-            );
-            println!(
-                "  (a) raw BLAKE3, 1 thread          {:>7.2} GB/s",
-                gbps(b.raw_1thread)
-            );
-            println!("  (b) canonical record, 1 thread    {:>7.2} GB/s   ratio b/a = {ratio_1:.3}  (target >= 0.90)", gbps(b.canonical_1thread));
-            println!(
-                "  (c) raw BLAKE3, rayon             {:>7.2} GB/s",
-                gbps(b.raw_rayon)
-            );
-            println!(
-                "  (d) canonical record, rayon       {:>7.2} GB/s   ratio d/c = {ratio_n:.3}",
-                gbps(b.canonical_rayon)
-            );
-            println!("  canonical scaling 1 -> {threads} threads: {scaling:.2}x");
-            println!(
-                "  (e) canonical record, SHA-256     {:>7.2} GB/s",
-                gbps(b.canonical_sha256_1thread)
-            );
-        }
+        Format::Text => print_text(&b.render_text(threads))?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -294,36 +271,7 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
             "ratio": b.ratio,
             "localized": b.localized.as_ref().map(|f| json!({"step": f.step, "layer": f.layer, "operator": f.operator})),
         }))?,
-        Format::Text => {
-            println!(
-                "diff of two {:.2} GiB traces ({} records of {} bytes each), differing in one record",
-                b.file_bytes as f64 / (1u64 << 30) as f64,
-                b.records,
-                b.record_bytes
-            );
-            println!(
-                "  byte comparison of the files   {:>9.4} s",
-                b.byte_compare_seconds
-            );
-            println!(
-                "  localization (open + walk)     {:>9.4} s   ratio {:.3}%  (target < 1%)",
-                b.diff_seconds,
-                100.0 * b.ratio
-            );
-            println!("    of which opening both traces {:>9.4} s", b.open_seconds);
-            println!(
-                "    of which the walk            {:>9.4} s   ({:.3}% of the byte comparison)",
-                b.walk_seconds,
-                100.0 * b.walk_seconds / b.byte_compare_seconds
-            );
-            println!(
-                "  payload verification (both)    {:>9.4} s   (moeconf diff re-hashes every payload)",
-                b.verify_seconds
-            );
-            if let Some(f) = &b.localized {
-                println!("  localized: step {} layer {:?} {}", f.step, f.layer, f.operator);
-            }
-        }
+        Format::Text => print_text(&b.render_text())?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -373,48 +321,7 @@ fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
             "anon_rss_bytes_after_tiny": rss_tiny,
             "anon_rss_bytes_after_large": rss_large,
         }))?,
-        Format::Text => print_runtime_text(a, &rows, [rss_tiny, rss_large]),
+        Format::Text => print_text(&render_runtime_text(&opts, &rows, [rss_tiny, rss_large]))?,
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The text report of `bench runtime`; `rss` is the anonymous RSS after the
-/// tiny and after the large model.
-fn print_runtime_text(a: &BenchRuntimeArgs, rows: &[RuntimeRow], rss: [Option<u64>; 2]) {
-    println!(
-        "reference runtime throughput ({} threads, prompt {} tokens, {} decode steps, best of {})",
-        rayon::current_num_threads(),
-        a.prompt_tokens,
-        a.decode_tokens,
-        a.repeat
-    );
-    println!(
-        "  {:<34} {:<5} {:<8} {:>12} {:>12} {:>16}",
-        "model", "prec", "capture", "prefill t/s", "decode t/s", "decode vs none"
-    );
-    for r in rows {
-        let base = rows
-            .iter()
-            .find(|b| b.model == r.model && b.precision == r.precision && b.capture == BenchCapture::None)
-            .map(|b| b.decode)
-            .unwrap_or(r.decode);
-        println!(
-            "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x",
-            r.model,
-            r.precision.name(),
-            r.capture.name(),
-            r.prefill,
-            r.decode,
-            r.decode / base
-        );
-    }
-    let mib = |b: Option<u64>| {
-        b.map(|b| format!("{:.1} MiB", b as f64 / 1048576.0))
-            .unwrap_or("n/a".into())
-    };
-    println!(
-        "  anonymous RSS: {} after tiny, {} after large (weights are memory-mapped, not copied)",
-        mib(rss[0]),
-        mib(rss[1])
-    );
 }

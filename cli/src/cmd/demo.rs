@@ -48,14 +48,15 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     output_dir("--out-dir", &a.out_dir)?;
     let reference = a.out_dir.join("ref.bin");
     let candidate = a.out_dir.join("cand.bin");
-    check_outputs(&[&reference, &candidate], &Inputs::new())?;
+    let html = a.out_dir.join("report.html");
+    check_outputs(&[&reference, &candidate, &html], &Inputs::new())?;
     if text {
         eprintln!("moeconf demo: loading the built-in tiny DeepSeek-V4 fixture (generated on first use) ...");
     }
     let m = load_model("builtin:tiny-v4")?;
     let mut inputs = Inputs::new();
     inputs.dir_files(&m.dir, "model file");
-    moeconf_schema::check_outputs(&[&reference, &candidate], &inputs)?;
+    moeconf_schema::check_outputs(&[&reference, &candidate, &html], &inputs)?;
     let capture = parse_capture("all")?;
     let native = CombineChoice::default();
     let fork = CombineChoice {
@@ -96,15 +97,26 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         );
         println!("           generated {:?}", c.text);
         println!();
-        println!("$ moeconf diff {} {}", reference.display(), candidate.display());
+        println!(
+            "$ moeconf diff {} {} --html {}",
+            reference.display(),
+            candidate.display(),
+            html.display()
+        );
         println!();
     }
-    let code = diff::run(&DiffArgs::new(reference, candidate, a.format))?;
+    let args = DiffArgs {
+        html: Some(html.clone()),
+        ..DiffArgs::new(reference, candidate, a.format)
+    };
+    let code = diff::run(&args)?;
     if text {
         println!();
         println!(
-            "The demo worked: the diff found the one changed reduction. (`moeconf diff` itself exits 1 on a \
-             divergence, 0 when equivalent, 2 on error; the demo exits 0 once the report is printed.)"
+            "The demo worked: the diff found the one changed reduction; the picture is {} (open it in a browser: \
+             layers x steps, where the fork happened and how it spread). (`moeconf diff` itself exits 1 on a \
+             divergence, 0 when equivalent, 2 on error; the demo exits 0 once the report is printed.)",
+            html.display()
         );
     }
     let _ = code;

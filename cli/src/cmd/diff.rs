@@ -4,9 +4,11 @@
 //! not comparable, reported with every differing binding field).
 
 use crate::cli::Format;
+use crate::output::check_output;
 use crate::output::print_json;
 use anyhow::Context;
 use moeconf_bisect::{diff, open_pair, DiffOptions};
+use moeconf_schema::Inputs;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,7 +27,7 @@ pub enum ColorChoice {
 /// Arguments of `moeconf diff`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json"
+    after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json\n  moeconf diff ref.bin cand.bin --html report.html   # layers x steps heatmaps, margins, |delta| histogram"
 )]
 pub struct DiffArgs {
     /// The reference trace.
@@ -45,6 +47,13 @@ pub struct DiffArgs {
     /// Colors in the text report.
     #[arg(long, value_enum, default_value_t = ColorChoice::Auto)]
     pub color: ColorChoice,
+    /// Also write a self-contained HTML report (no scripts, no network):
+    /// the verdict, the L3 layer × step heatmaps with route changes and
+    /// absorbed/propagating divergences, L2 state, both sides' margins and
+    /// the localized operator's |Δ| histogram. Written atomically; refused
+    /// when it names an input or a non-regular file.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
 }
 
 impl DiffArgs {
@@ -57,6 +66,7 @@ impl DiffArgs {
             force: false,
             no_contract_inference: false,
             color: ColorChoice::Auto,
+            html: None,
         }
     }
 }
@@ -73,6 +83,15 @@ fn use_color(choice: ColorChoice, is_tty: bool, no_color: Option<std::ffi::OsStr
 
 /// Runs `moeconf diff`.
 pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
+    let html = match &a.html {
+        Some(p) => {
+            let mut inputs = Inputs::new();
+            inputs.file(&a.reference, "reference trace");
+            inputs.file(&a.candidate, "candidate trace");
+            Some(check_output(p, &inputs)?)
+        }
+        None => None,
+    };
     let (reference, candidate) = open_pair(&a.reference, &a.candidate)?;
     let opts = DiffOptions {
         force: a.force,
@@ -92,6 +111,11 @@ pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
             out.write_all(report.render_text(color).as_bytes())?;
             out.flush()?;
         }
+    }
+    if let Some(out) = &html {
+        let page = moeconf_report::render_diff(&reference, &candidate, &report, None)?;
+        moeconf_schema::output::write_checked(out, page.as_bytes())
+            .with_context(|| format!("writing the HTML report {}", out.path().display()))?;
     }
     Ok(ExitCode::from(report.exit_code()))
 }

@@ -64,6 +64,11 @@ pub struct GateArgs {
     /// Also write a JUnit XML report to this file.
     #[arg(long, value_name = "FILE")]
     pub junit: Option<PathBuf>,
+    /// Also write a self-contained HTML report: the gate verdict above the diff's pictures
+    /// (layer x step heatmaps, margins, the localized operator). Against a baseline (digests
+    /// only) the page holds the verdict without pictures.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Override a level's mode, e.g. --level L2=info (repeatable; env MOECONF_LEVELS=L2=info,L4=info).
     #[arg(long, value_name = "LEVEL=MODE")]
     pub level: Vec<String>,
@@ -202,6 +207,7 @@ fn check_gate_outputs(
     let paths: Vec<&Path> = [
         a.output.as_deref(),
         a.junit.as_deref(),
+        a.html.as_deref(),
         baseline.map(|b| b.as_path()),
     ]
     .into_iter()
@@ -212,6 +218,7 @@ fn check_gate_outputs(
     Ok(GateOutputs {
         output: next(a.output.is_some()),
         junit: next(a.junit.is_some()),
+        html: next(a.html.is_some()),
         baseline: next(baseline.is_some()),
     })
 }
@@ -220,6 +227,7 @@ fn check_gate_outputs(
 struct GateOutputs {
     output: Option<CheckedOutput>,
     junit: Option<CheckedOutput>,
+    html: Option<CheckedOutput>,
     baseline: Option<CheckedOutput>,
 }
 
@@ -292,7 +300,39 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
     if let Some(out) = &outputs.junit {
         write_checked(out, report_junit::render(&report).as_bytes(), FileKind::Report)?;
     }
+    if let Some(out) = &outputs.html {
+        let page = html_page(&report, reference, &cand, a.force).map_err(setup)?;
+        write_checked(out, page.as_bytes(), FileKind::Report)?;
+    }
     Ok(report.exit_code())
+}
+
+/// The HTML page of a gate run: the verdict and, against a reference
+/// trace, the diff's pictures.
+fn html_page(
+    report: &GateReport,
+    reference: Option<&PathBuf>,
+    cand: &Trace,
+    force: bool,
+) -> anyhow::Result<String> {
+    let summary = moeconf_report::GateSummary {
+        verdict: report.verdict.label().into(),
+        policy: report.policy_source.clone(),
+        lines: render(report, GateFormat::Text)?
+            .lines()
+            .map(String::from)
+            .collect(),
+    };
+    let Some(rp) = reference else {
+        return Ok(moeconf_report::render_gate_only(&summary));
+    };
+    let r = Trace::open_verified(rp).map_err(GateError::Reference)?;
+    let opts = moeconf_bisect::DiffOptions {
+        force,
+        contract_inference: true,
+    };
+    let d = moeconf_bisect::diff(&r, cand, &opts)?;
+    Ok(moeconf_report::render_diff(&r, cand, &d, Some(&summary))?)
 }
 
 /// Runs `moeconf gate`.

@@ -6,6 +6,7 @@ pub mod calibrate;
 pub mod certify;
 pub mod demo;
 pub mod diff;
+pub mod explain;
 pub mod gate;
 pub mod import;
 pub mod inspect;
@@ -26,6 +27,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(a) => run::run(&a),
         Command::Demo(a) => demo::run(&a),
         Command::Diff(a) => diff::run(&a),
+        Command::Explain(a) => explain::run(&a),
         Command::Sweep(a) => sweep::run(&a),
         Command::Certify(a) => certify::run(&a),
         Command::Import(a) => import::run(&a),

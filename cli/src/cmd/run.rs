@@ -16,8 +16,14 @@ const RUN_EXAMPLES: &str = "Examples:
   moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --fork-contract b --fork-order 135 -o fork.bin
   moeconf run --model ./my-checkpoint --prompt-file prompt.txt --precision f32 --capture all -o full.bin
 
-Contracts (--contract, --fork-contract): native (= c with identity order), p32, c, a, b (the paper's
-schemes), exact (correctly rounded sum), tree (fixed pairwise tree), f64 (FP64 accumulation).
+Contracts (--contract, --fork-contract): any member of the combine grammar in the notation of
+docs/contracts.md: a preset native (= c with identity order), p32, c, a, b (the paper's schemes),
+exact (correctly rounded sum), tree (fixed pairwise tree), f64 (FP64 accumulation), exact-fused,
+followed by +key=value overrides: operand=f32|bf16, accumulator=f32|bf16|f64|exact,
+shape=sequential|tree|lanes:W|lanes:W:seq, order=identity|reversed|asc-id|desc-id|desc-gate|
+asc-gate|index:N|class:N|perm:..., start=zero|first, shared=separate|last|first,
+routed=f32|bf16, output=bf16|f32. Examples: b+order=asc-id (transformers eager bf16),
+c+routed=bf16 (transformers grouped_mm bf16), p32+start=first+output=f32 (llama.cpp).
 Schedules (--schedule): identity, layer-static:SEED (one permutation per MoE layer for the whole
 request), token-dynamic:SEED (a fresh permutation per layer and position).
 Fork (--fork-layer L): only the MoE aggregation of layer L at one event uses --fork-contract
@@ -62,7 +68,8 @@ pub struct RunArgs {
     /// Fold -0.0 to +0.0 before hashing (recorded in the binding).
     #[arg(long)]
     pub fold_negative_zero: bool,
-    /// MoE aggregation contract applied at every MoE layer.
+    /// MoE aggregation contract applied at every MoE layer: a preset or any
+    /// grammar member in the notation of docs/contracts.md (e.g. b+order=asc-id).
     #[arg(long, default_value = "native")]
     pub contract: String,
     /// Order schedule of the contract: identity, layer-static:SEED or token-dynamic:SEED.
@@ -71,7 +78,7 @@ pub struct RunArgs {
     /// Single-layer fork: the MoE layer whose aggregation changes at one event.
     #[arg(long)]
     pub fork_layer: Option<u32>,
-    /// Contract at the fork (default b).
+    /// Contract at the fork (default b), in the same notation.
     #[arg(long)]
     pub fork_contract: Option<String>,
     /// Order at the fork: B class (b), permutation index (others), or p:i,j,...

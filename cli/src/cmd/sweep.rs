@@ -12,17 +12,18 @@
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::bail;
-use moeconf_calibrate::sweep::{build_schemes, render_text, report_json, SchemeRequest, SweepHeader};
+use moeconf_calibrate::sweep::{
+    build_schemes, html_view, render_text, report_json, SchemeRequest, SweepHeader, SweepProgress,
+};
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{sweep, SweepOptions, SweepReport};
+use moeconf_reference_runtime::fork::{sweep, SweepOptions};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 
 use crate::cli::{Format, ModelPromptArgs};
-use crate::output::{check_output, print_json, print_text};
+use crate::output::{print_json, print_text};
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
 use moeconf_schema::output::write_checked;
@@ -87,6 +88,10 @@ pub struct SweepArgs {
     /// sweep (its directory exists; not a directory, FIFO, device, socket, symbolic link or input).
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Also write a self-contained HTML report: the basin rank-frequency and
+    /// where each distinct continuation parts from the native one.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
     /// Basins listed per scheme in the text report.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
@@ -96,48 +101,6 @@ pub struct SweepArgs {
     /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
     #[arg(long)]
     pub threads: Option<usize>,
-}
-
-/// A progress counter on stderr: on a terminal a line rewritten in place,
-/// otherwise one line per 10 %.
-struct Progress {
-    quiet: bool,
-    tty: bool,
-    shown: AtomicUsize,
-}
-
-impl Progress {
-    fn report(&self, done: usize, total: usize) {
-        if self.quiet {
-            return;
-        }
-        let step = if self.tty { 1 } else { total.div_ceil(10).max(1) };
-        if done == total || done.is_multiple_of(step) {
-            let prev = self.shown.fetch_max(done, Ordering::Relaxed);
-            if prev < done {
-                if self.tty {
-                    eprint!("\rsweep: {done}/{total} branches");
-                } else {
-                    eprintln!("sweep: {done}/{total} branches");
-                }
-            }
-        }
-    }
-
-    /// Ends the counter line and reports the sweep's size and time.
-    fn finish(&self, report: &SweepReport, secs: f64) {
-        if self.quiet {
-            return;
-        }
-        let n: usize = report.branches.iter().map(|b| b.len()).sum::<usize>() + 1;
-        if self.tty {
-            eprintln!();
-        }
-        eprintln!(
-            "moeconf sweep: {n} branches (incl. the native reference) in {secs:.2} s on {} threads",
-            rayon::current_num_threads()
-        );
-    }
 }
 
 /// Writes the JSON report to `-o FILE` (checked before the sweep).
@@ -151,9 +114,8 @@ fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
     let mut inputs = a.input.inputs();
-    if let Some(o) = &a.output {
-        check_output(o, &inputs)?;
-    }
+    let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
+    crate::output::check_outputs(&outs, &inputs)?;
     let prompt = a.input.prompt()?;
     let precision = super::precision(&a.precision)?;
     let algorithm = super::algorithm(&a.digest)?;
@@ -168,6 +130,11 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     inputs.dir_files(&m.dir, "model file");
     let output = a
         .output
+        .as_ref()
+        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .transpose()?;
+    let html = a
+        .html
         .as_ref()
         .map(|o| moeconf_schema::check_output(o, &inputs))
         .transpose()?;
@@ -206,11 +173,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         algorithm,
         canon: CanonPolicy::default(),
     };
-    let progress = Progress {
-        quiet: a.quiet,
-        tty: std::io::stderr().is_terminal(),
-        shown: AtomicUsize::new(0),
-    };
+    let progress = SweepProgress::new(a.quiet, std::io::stderr().is_terminal());
     let t = std::time::Instant::now();
     let report = sweep(
         &m.model,
@@ -233,6 +196,10 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let doc = report_json(&header, &report);
     if let Some(out) = &output {
         write_output(out, &doc)?;
+    }
+    if let Some(out) = &html {
+        let view = html_view(&header, &report, &m.tokenizer)?;
+        write_checked(out, moeconf_report::render_sweep(&view).as_bytes())?;
     }
     match a.format {
         Format::Json => print_json(&doc)?,

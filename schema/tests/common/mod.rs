@@ -51,6 +51,7 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 /// Writes a trace of two steps with payload and fingerprint-only records,
 /// including a NaN and a negative zero.
+#[allow(dead_code)] // not every test binary that includes this module writes the small trace
 pub fn write_small(path: &Path, alg: Algorithm) -> WriteSummary {
     let mut w = TraceWriter::create(path, alg, header()).unwrap();
     for step in 0..2u32 {

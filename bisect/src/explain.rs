@@ -1,0 +1,667 @@
+//! `moeconf explain`: which combine contract does one trace's backend
+//! implement? Every MoE combine event of the trace (its recorded
+//! `moe.term.*`, `moe.shared` and `moe.combine` payloads, and the router's
+//! `router.topk` / `router.gates` where recorded) is explained against the
+//! whole grammar ([`moeconf_contract::explain_event`]), with no reference
+//! trace, and the events are aggregated into a trace-level rule
+//! ("b+order=asc-id — ascending expert id: 81/81 events").
+//!
+//! Missing data is an error naming the record, never a silent pass: a trace
+//! without `moe.combine` records, a combine event without its shared output
+//! or with a gap in its terms, or any of them without a payload. Without
+//! router payloads the expert-id and gate orders are not tried, and the
+//! report says so.
+
+use std::collections::BTreeMap;
+
+use moeconf_contract::{
+    explain_event, ContractError, EventExplanation, InferOptions, Observation, TraceInference,
+};
+use moeconf_fingerprint::{bf16_to_f32, canonical_f32_bits, Component, DType};
+use moeconf_schema::{Trace, TraceError};
+use serde::Serialize;
+
+use crate::explanation::{order_words, CombineExplanation, EquivalentReport, ReasonReport};
+use crate::numeric::{f32_values, int_values};
+
+/// Version of the JSON document of [`TraceExplanation`] (docs/contracts.md).
+pub const EXPLAIN_SCHEMA_VERSION: u32 = 1;
+
+/// Most rules listed in [`TraceRule::rules`].
+pub const MAX_LISTED_RULES: usize = 8;
+
+/// Most events listed in [`TraceRule::outside_best_rule`].
+pub const MAX_LISTED_OUTLIERS: usize = 16;
+
+/// Why a trace could not be explained.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExplainError {
+    /// The trace holds no `moe.combine` record.
+    #[error("{trace}: no moe.combine records (capture L4 with payloads: moeconf run --capture all)")]
+    NoCombineEvents {
+        /// The trace file.
+        trace: String,
+    },
+    /// A record the explanation needs is absent.
+    #[error("{trace}: step {step} layer {layer} position {position} has a moe.combine record but no {what}")]
+    MissingRecord {
+        /// The trace file.
+        trace: String,
+        /// Forward step.
+        step: u32,
+        /// Decoder layer.
+        layer: u32,
+        /// Token position.
+        position: u32,
+        /// What is missing (`moe.shared`, `moe.term.2`, `moe.term.* records`).
+        what: String,
+    },
+    /// A record holds no payload or one that is not f32/bf16 (i32 for `router.topk`).
+    #[error("{trace}: {record} at step {step} layer {layer} position {position}: {problem}")]
+    BadPayload {
+        /// The trace file.
+        trace: String,
+        /// Its path.
+        record: String,
+        /// Forward step.
+        step: u32,
+        /// Decoder layer.
+        layer: u32,
+        /// Token position.
+        position: u32,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The recorded values are inconsistent (lengths).
+    #[error("{trace}: step {step} layer {layer} position {position}: inconsistent combine event")]
+    Inconsistent {
+        /// The trace file.
+        trace: String,
+        /// Forward step.
+        step: u32,
+        /// Decoder layer.
+        layer: u32,
+        /// Token position.
+        position: u32,
+        /// What the inference engine refused.
+        #[source]
+        source: ContractError,
+    },
+    /// A payload failed verification or could not be read.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+}
+
+/// One explained event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EventReport {
+    /// Forward step.
+    pub step: u32,
+    /// Decoder layer.
+    pub layer: u32,
+    /// Token position.
+    pub position: u32,
+    /// Selected expert ids in slot order (empty when `router.topk` was not recorded).
+    pub experts: Vec<u32>,
+    /// The explanation.
+    pub explanation: CombineExplanation,
+}
+
+/// A rule (a member with a named order) and the events it reproduces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RuleReport {
+    /// The member in the notation.
+    pub contract: String,
+    /// What determines its order, in words.
+    pub order: String,
+    /// Events it reproduces.
+    pub events: usize,
+}
+
+/// An explicit permutation set that reproduces every event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FixedPermutationReport {
+    /// The variant (order `identity`) in the notation.
+    pub family: String,
+    /// How many of the k! permutations reproduce every event.
+    pub matching: u64,
+    /// The first few lexicographic permutation indices.
+    pub listed: Vec<u64>,
+}
+
+/// The trace-level verdict.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TraceRule {
+    /// MoE combine events explained.
+    pub events: usize,
+    /// Events some grammar member reproduces.
+    pub explained_events: usize,
+    /// Events no grammar member reproduces.
+    pub unexplained_events: usize,
+    /// The simplest rule reproducing every event, in the notation: a member
+    /// with a named order, else one with a fixed explicit permutation.
+    pub rule: Option<String>,
+    /// What determines its order, in words.
+    pub rule_order: Option<String>,
+    /// Other rules reproducing every event, with why they are indistinguishable on this trace.
+    pub equivalents: Vec<EquivalentReport>,
+    /// The rules reproducing the most events (at most [`MAX_LISTED_RULES`]).
+    pub rules: Vec<RuleReport>,
+    /// Explicit permutations reproducing every event (sequential variants).
+    pub fixed_permutations: Vec<FixedPermutationReport>,
+    /// One line: the rule and its count, or what is unexplained.
+    pub headline: String,
+    /// When no rule explains every event: the events the best rule (the
+    /// first of `rules`) does not reproduce (at most [`MAX_LISTED_OUTLIERS`]).
+    pub outside_best_rule: Vec<EventRef>,
+}
+
+/// Where an event is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct EventRef {
+    /// Forward step.
+    pub step: u32,
+    /// Decoder layer.
+    pub layer: u32,
+    /// Token position.
+    pub position: u32,
+}
+
+/// The explanation of every MoE combine event of one trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TraceExplanation {
+    /// [`EXPLAIN_SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// The trace file.
+    pub trace: String,
+    /// The contract the trace's binding declares (as the writer described it).
+    pub declared_contract: String,
+    /// The trace-level verdict.
+    pub verdict: TraceRule,
+    /// Limits of what was tried (e.g. no router payloads: no expert-id orders).
+    pub notes: Vec<String>,
+    /// Every event, in the trace's write order of `moe.combine`.
+    pub events: Vec<EventReport>,
+}
+
+/// Record indices of one combine event.
+#[derive(Debug, Default)]
+struct EventRecords {
+    combine: usize,
+    shared: Option<usize>,
+    terms: BTreeMap<u32, usize>,
+    topk: Option<usize>,
+    gates: Option<usize>,
+}
+
+/// Key of an event: (step, layer, position).
+type Key = (u32, u32, u32);
+
+fn index_events(t: &Trace) -> (Vec<Key>, BTreeMap<Key, EventRecords>) {
+    let mut order: Vec<Key> = Vec::new();
+    let mut found: BTreeMap<Key, EventRecords> = BTreeMap::new();
+    let mut side: Vec<(Key, Component, Option<u32>, usize)> = Vec::new();
+    for (i, r) in t.records().iter().enumerate() {
+        let Some(layer) = r.coord.layer else { continue };
+        let Some((c, j)) = Component::parse(&r.coord.path) else {
+            continue;
+        };
+        let key = (r.coord.step, layer, r.coord.position);
+        match c {
+            Component::MoeCombine => {
+                if let std::collections::btree_map::Entry::Vacant(v) = found.entry(key) {
+                    order.push(key);
+                    v.insert(EventRecords {
+                        combine: i,
+                        ..EventRecords::default()
+                    });
+                }
+            }
+            Component::MoeShared | Component::MoeTerm | Component::RouterTopk | Component::RouterGates => {
+                side.push((key, c, j, i))
+            }
+            _ => {}
+        }
+    }
+    for (key, c, j, i) in side {
+        let Some(e) = found.get_mut(&key) else { continue };
+        match (c, j) {
+            (Component::MoeShared, _) => e.shared = e.shared.or(Some(i)),
+            (Component::MoeTerm, Some(j)) => {
+                e.terms.entry(j).or_insert(i);
+            }
+            (Component::RouterTopk, _) => e.topk = e.topk.or(Some(i)),
+            (Component::RouterGates, _) => e.gates = e.gates.or(Some(i)),
+            _ => {}
+        }
+    }
+    (order, found)
+}
+
+/// One event's values, read and checked.
+struct EventData {
+    terms: Vec<Vec<f32>>,
+    shared: Vec<f32>,
+    combine: Vec<f32>,
+    experts: Vec<u32>,
+    gates: Vec<f32>,
+}
+
+struct Reader<'a> {
+    t: &'a Trace,
+    name: String,
+}
+
+impl Reader<'_> {
+    fn bad(&self, i: usize, problem: &str) -> ExplainError {
+        let c = &self.t.records()[i].coord;
+        ExplainError::BadPayload {
+            trace: self.name.clone(),
+            record: c.path.to_string(),
+            step: c.step,
+            layer: c.layer.unwrap_or(0),
+            position: c.position,
+            problem: problem.to_string(),
+        }
+    }
+
+    /// Real values of record `i` (f32, or bf16 widened exactly).
+    fn reals(&self, i: usize) -> Result<Vec<f32>, ExplainError> {
+        let e = &self.t.records()[i];
+        let bytes = self
+            .t
+            .payload_verified(i)?
+            .ok_or_else(|| self.bad(i, "no payload (capture L4 with payloads: --capture all)"))?;
+        let v = match e.dtype {
+            DType::BF16 if bytes.len().is_multiple_of(2) => Some(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+            ),
+            _ => f32_values(e.dtype, bytes),
+        };
+        v.ok_or_else(|| self.bad(i, &format!("payload is {}, expected f32 or bf16", e.dtype)))
+    }
+
+    fn read(&self, key: Key, r: &EventRecords, notes: &mut Notes) -> Result<EventData, ExplainError> {
+        let (step, layer, position) = key;
+        let missing = |what: String| ExplainError::MissingRecord {
+            trace: self.name.clone(),
+            step,
+            layer,
+            position,
+            what,
+        };
+        let shared_i = r
+            .shared
+            .ok_or_else(|| missing(Component::MoeShared.path().to_string()))?;
+        if r.terms.is_empty() {
+            return Err(missing(format!("{}* records", Component::MoeTerm.path())));
+        }
+        let mut terms = Vec::with_capacity(r.terms.len());
+        for (n, (&j, &i)) in r.terms.iter().enumerate() {
+            if j as usize != n {
+                return Err(missing(Component::MoeTerm.indexed_path(n as u32)));
+            }
+            terms.push(self.reals(i)?);
+        }
+        let experts = match r.topk {
+            Some(i) => match self.t.payload_verified(i)? {
+                Some(bytes) => int_values(self.t.records()[i].dtype, bytes)
+                    .and_then(|v| {
+                        v.into_iter()
+                            .map(|x| u32::try_from(x).ok())
+                            .collect::<Option<Vec<u32>>>()
+                    })
+                    .ok_or_else(|| self.bad(i, "expected non-negative integer expert ids"))?,
+                None => {
+                    notes.no_topk_payload += 1;
+                    Vec::new()
+                }
+            },
+            None => {
+                notes.no_topk += 1;
+                Vec::new()
+            }
+        };
+        let gates = match r.gates {
+            Some(i) if self.t.payload_verified(i)?.is_some() => self.reals(i)?,
+            Some(_) => {
+                notes.no_gates_payload += 1;
+                Vec::new()
+            }
+            None => {
+                notes.no_gates += 1;
+                Vec::new()
+            }
+        };
+        Ok(EventData {
+            terms,
+            shared: self.reals(shared_i)?,
+            combine: self.reals(r.combine)?,
+            experts,
+            gates,
+        })
+    }
+}
+
+/// Counts of events whose router records were absent or payload-less.
+#[derive(Debug, Default)]
+struct Notes {
+    no_topk: usize,
+    no_topk_payload: usize,
+    no_gates: usize,
+    no_gates_payload: usize,
+}
+
+impl Notes {
+    fn lines(&self, events: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut say = |n: usize, what: &str, tried: &str| {
+            if n > 0 {
+                out.push(format!(
+                    "{n} of {events} events {what}: the {tried} orders were not tried there"
+                ));
+            }
+        };
+        say(self.no_topk, "have no router.topk record", "expert-id");
+        say(
+            self.no_topk_payload,
+            "have router.topk without payload",
+            "expert-id",
+        );
+        say(self.no_gates, "have no router.gates record", "gate");
+        say(self.no_gates_payload, "have router.gates without payload", "gate");
+        out
+    }
+}
+
+/// Explains the MoE combine event of `t` at (step, layer, position) (the
+/// diff's localized `moe.combine`): `Ok(None)` when `t` has no `moe.combine`
+/// record there; router records missing or without payload only narrow the
+/// orders tried.
+pub(crate) fn explain_one(
+    t: &Trace,
+    name: &str,
+    key: (u32, u32, u32),
+) -> Result<Option<(EventExplanation, EventContextOwned)>, ExplainError> {
+    let reader = Reader {
+        t,
+        name: name.to_string(),
+    };
+    let (_, records) = index_events(t);
+    let Some(r) = records.get(&key) else {
+        return Ok(None);
+    };
+    let d = reader.read(key, r, &mut Notes::default())?;
+    let canon = t.binding().canon;
+    let canonicalize = move |bits: u32| canonical_f32_bits(bits, canon);
+    let opts = InferOptions {
+        canonicalize: Some(&canonicalize),
+        ..InferOptions::default()
+    };
+    let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
+    let obs = Observation {
+        terms: &refs,
+        shared: &d.shared,
+        output: &d.combine,
+        experts: &d.experts,
+        gates: &d.gates,
+    };
+    let e = explain_event(&obs, &opts).map_err(|source| ExplainError::Inconsistent {
+        trace: name.into(),
+        step: key.0,
+        layer: key.1,
+        position: key.2,
+        source,
+    })?;
+    Ok(Some((
+        e,
+        EventContextOwned {
+            experts: d.experts,
+            gates: d.gates,
+        },
+    )))
+}
+
+/// An event's router choice (expert ids and gates in slot order), owned.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EventContextOwned {
+    pub(crate) experts: Vec<u32>,
+    pub(crate) gates: Vec<f32>,
+}
+
+/// Explains every MoE combine event of `t` (named `name` in messages).
+pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainError> {
+    let reader = Reader {
+        t,
+        name: name.to_string(),
+    };
+    let (order, records) = index_events(t);
+    if order.is_empty() {
+        return Err(ExplainError::NoCombineEvents { trace: name.into() });
+    }
+    let canon = t.binding().canon;
+    let canonicalize = move |bits: u32| canonical_f32_bits(bits, canon);
+    let opts = InferOptions {
+        canonicalize: Some(&canonicalize),
+        ..InferOptions::default()
+    };
+    let mut notes = Notes::default();
+    let mut agg = TraceInference::new();
+    let mut events = Vec::with_capacity(order.len());
+    let mut rules_of: Vec<Vec<String>> = Vec::with_capacity(order.len());
+    for key in &order {
+        let Some(r) = records.get(key) else { continue };
+        let d = reader.read(*key, r, &mut notes)?;
+        let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
+        let obs = Observation {
+            terms: &refs,
+            shared: &d.shared,
+            output: &d.combine,
+            experts: &d.experts,
+            gates: &d.gates,
+        };
+        let e = explain_event(&obs, &opts).map_err(|source| ExplainError::Inconsistent {
+            trace: name.into(),
+            step: key.0,
+            layer: key.1,
+            position: key.2,
+            source,
+        })?;
+        agg.add(&e);
+        rules_of.push(e.rules().iter().map(|c| c.describe()).collect());
+        events.push(EventReport {
+            step: key.0,
+            layer: key.1,
+            position: key.2,
+            experts: d.experts,
+            explanation: CombineExplanation::of(&e),
+        });
+    }
+    let mut verdict = trace_rule(&agg, &events);
+    if verdict.rule.is_none() {
+        if let Some(best) = verdict.rules.first().map(|r| r.contract.clone()) {
+            verdict.outside_best_rule = events
+                .iter()
+                .zip(&rules_of)
+                .filter(|(_, rules)| !rules.contains(&best))
+                .take(MAX_LISTED_OUTLIERS)
+                .map(|(e, _)| EventRef {
+                    step: e.step,
+                    layer: e.layer,
+                    position: e.position,
+                })
+                .collect();
+        }
+    }
+    Ok(TraceExplanation {
+        schema_version: EXPLAIN_SCHEMA_VERSION,
+        trace: name.into(),
+        declared_contract: t.binding().contract.clone(),
+        verdict,
+        notes: notes.lines(order.len()),
+        events,
+    })
+}
+
+fn trace_rule(agg: &TraceInference, events: &[EventReport]) -> TraceRule {
+    let v = agg.verdict();
+    let rules: Vec<RuleReport> = v
+        .rules
+        .iter()
+        .take(MAX_LISTED_RULES)
+        .map(|r| RuleReport {
+            contract: r.contract.describe(),
+            order: order_words(&r.contract.order),
+            events: r.events,
+        })
+        .collect();
+    let explained = v.events - v.unexplained;
+    let fixed = v.fixed_permutations.first().map(|(c, _, _)| c.clone());
+    let rule = v.simplest.clone().or(fixed);
+    let headline = match (&rule, rules.first()) {
+        (Some(s), _) => format!(
+            "{} — {}: {}/{} events",
+            s.describe(),
+            order_words(&s.order),
+            v.events,
+            v.events
+        ),
+        _ if v.unexplained == v.events => {
+            let closest = events
+                .iter()
+                .find_map(|e| e.explanation.closest.first())
+                .map(|n| {
+                    format!(
+                        "; closest: {} ({} of {} values differ)",
+                        n.contract, n.differing, n.elements
+                    )
+                })
+                .unwrap_or_default();
+            format!(
+                "no grammar member reproduces {} of {} events{closest}",
+                v.unexplained, v.events
+            )
+        }
+        (None, best) => {
+            let mut s = String::from("no single rule explains every event");
+            if let Some(b) = best {
+                s.push_str(&format!(
+                    "; best: {} — {}: {}/{} events",
+                    b.contract, b.order, b.events, v.events
+                ));
+            }
+            if v.unexplained > 0 {
+                s.push_str(&format!(
+                    "; no grammar member reproduces {} events",
+                    v.unexplained
+                ));
+            }
+            s
+        }
+    };
+    TraceRule {
+        events: v.events,
+        explained_events: explained,
+        unexplained_events: v.unexplained,
+        rule: rule.as_ref().map(|c| c.describe()),
+        rule_order: rule.as_ref().map(|c| order_words(&c.order)),
+        equivalents: v
+            .equivalents
+            .iter()
+            .map(|q| EquivalentReport {
+                contract: q.contract.describe(),
+                reasons: q.reasons.iter().map(ReasonReport::of).collect(),
+            })
+            .collect(),
+        rules,
+        fixed_permutations: v
+            .fixed_permutations
+            .iter()
+            .map(|(c, n, listed)| FixedPermutationReport {
+                family: c.describe(),
+                matching: *n,
+                listed: listed.clone(),
+            })
+            .collect(),
+        headline,
+        outside_best_rule: Vec::new(),
+    }
+}
+
+impl TraceExplanation {
+    /// The JSON document (docs/contracts.md, "moeconf explain").
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The text report: the verdict, its equivalents, then one line per event.
+    pub fn render_text(&self) -> String {
+        use std::fmt::Write;
+        let v = &self.verdict;
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "trace {} (declared contract {}; {} MoE combine events)",
+            self.trace, self.declared_contract, v.events
+        );
+        let _ = writeln!(o, "rule: {}", v.headline);
+        for q in &v.equivalents {
+            let why: Vec<&str> = q.reasons.iter().map(|r| r.text.as_str()).collect();
+            let _ = writeln!(
+                o,
+                "  equivalent on this trace: {} — {}",
+                q.contract,
+                why.join("; ")
+            );
+        }
+        if v.rule.is_none() {
+            for r in &v.rules {
+                let _ = writeln!(
+                    o,
+                    "  {} — {}: {}/{} events",
+                    r.contract, r.order, r.events, v.events
+                );
+            }
+            for e in &v.outside_best_rule {
+                let why = self
+                    .events
+                    .iter()
+                    .find(|x| (x.step, x.layer, x.position) == (e.step, e.layer, e.position))
+                    .map(|x| x.explanation.summary())
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "  not explained by the best rule: step {} layer {} position {}: {why}",
+                    e.step, e.layer, e.position
+                );
+            }
+        }
+        for f in &v.fixed_permutations {
+            let _ = writeln!(
+                o,
+                "  fixed permutation: {} with {} of the k! permutations on every event (indices {:?})",
+                f.family, f.matching, f.listed
+            );
+        }
+        for n in &self.notes {
+            let _ = writeln!(o, "note: {n}");
+        }
+        let _ = writeln!(o, "events:");
+        for e in &self.events {
+            let _ = writeln!(
+                o,
+                "  step {} layer {} position {} experts {:?}: {}",
+                e.step,
+                e.layer,
+                e.position,
+                e.experts,
+                e.explanation.summary()
+            );
+        }
+        o
+    }
+}

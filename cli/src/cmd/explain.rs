@@ -1,0 +1,38 @@
+//! `moeconf explain`: which combine contract one trace's backend implements
+//! (the logic is `moeconf_bisect::explain_trace`).
+//!
+//! Exit codes: 0 explained or reported (including events no grammar member
+//! reproduces, which the report names), 2 error (missing records or
+//! payloads, named in the message).
+
+use crate::cli::Format;
+use crate::output::{print_json, print_text};
+use clap::Args;
+use moeconf_bisect::explain_trace;
+use moeconf_schema::Trace;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// `moeconf explain`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Needs f32 (or bf16) payloads of moe.term.*, moe.shared and moe.combine (moeconf run --capture all); router.topk and router.gates payloads, where recorded, let it name expert-id and gate orders.\n\nExit codes: 0 explained or reported, 2 error.\n\nExamples:\n  moeconf explain trace.bin\n  moeconf explain trace.bin --format json > explain.json"
+)]
+pub struct ExplainArgs {
+    /// The trace file.
+    pub trace: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// Runs `moeconf explain`.
+pub fn run(a: &ExplainArgs) -> anyhow::Result<ExitCode> {
+    let t = Trace::open(&a.trace)?;
+    let report = explain_trace(&t, &a.trace.display().to_string())?;
+    match a.format {
+        Format::Json => print_json(&report.to_json())?,
+        Format::Text => print_text(&report.render_text())?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
