@@ -164,3 +164,36 @@ fn the_report_may_not_overwrite_the_candidate() {
     let o = moeconf(&["replay", s(&p), "-o", s(&missing_dir)]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn the_html_origin_map_marks_the_fork_and_its_propagation() {
+    let dir = tempfile::tempdir().unwrap();
+    let fork = dir.path().join("fork.bin");
+    run(
+        &fork,
+        &[
+            "--capture",
+            "replay",
+            "--fork-layer",
+            "5",
+            "--fork-contract",
+            "b",
+            "--fork-order",
+            "class:135",
+        ],
+    );
+    let page = dir.path().join("replay.html");
+    let o = moeconf(&["replay", s(&fork), "--html", s(&page)]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(!html.contains("http://") && !html.contains("<script"));
+    // The fork's cell: an origin reproduced under the B class; the same
+    // layer one step later and the layers below it only propagate.
+    assert!(html.contains("<title>layer 5, step 1: ffn: origin at moe.combine (position 5), reproduced under b+order=class:135"), "{html}");
+    assert!(html.contains("<title>layer 6, step 1: attention: reproduced (propagation)"));
+    assert!(html.contains("<title>layer 4, step 1: attention: reproduced; ffn: reproduced</title>"));
+    assert_eq!(html.matches(": origin at ").count(), 1, "exactly one origin");
+    // The page is an output like any other: never the candidate.
+    let o = moeconf(&["replay", s(&fork), "--html", s(&fork)]);
+    assert_eq!(o.status.code(), Some(2));
+}

@@ -25,6 +25,7 @@ mod candidate;
 mod engine;
 pub mod error;
 mod explain;
+mod html;
 mod measure;
 mod propagate;
 pub mod report;
@@ -39,6 +40,7 @@ use moeconf_schema::Trace;
 use rayon::prelude::*;
 
 pub use error::{ReplayError, Result};
+pub use html::html_view;
 pub use report::{Difference, LayerReport, Missing, Status, UnitResult, REPLAY_SCHEMA_VERSION};
 pub use setup::{reference_for, Reference};
 pub use teacher::{teacher_force, TeacherOptions, TeacherReport};

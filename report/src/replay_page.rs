@@ -11,6 +11,9 @@ use crate::svg::Svg;
 pub enum OriginKind {
     /// Every replayed record reproduced bitwise.
     Reproduced,
+    /// Reproduced bitwise on the candidate's own inputs, which carry an
+    /// earlier origin forward (propagation, not a new origin).
+    Propagated,
     /// Reproduced once a named contract is applied (e.g. another combine order).
     UnderContract,
     /// Inputs or outputs missing from the trace.
@@ -27,6 +30,7 @@ impl OriginKind {
     fn fill(self) -> &'static str {
         match self {
             OriginKind::Reproduced => "#ffffff",
+            OriginKind::Propagated => "#fddbc7",
             OriginKind::UnderContract => "#fdb863",
             OriginKind::NotReplayable => "#e6e6e6",
             OriginKind::AbsorbedOrigin => "#b2abd2",
@@ -38,6 +42,7 @@ impl OriginKind {
     fn mark(self) -> &'static str {
         match self {
             OriginKind::Reproduced => "",
+            OriginKind::Propagated => "p",
             OriginKind::UnderContract => "C",
             OriginKind::NotReplayable => "–",
             OriginKind::AbsorbedOrigin => "a",
@@ -48,8 +53,11 @@ impl OriginKind {
     /// Legend text.
     fn legend(self) -> &'static str {
         match self {
-            OriginKind::Reproduced => "reproduced (identical, or propagation of an earlier origin)",
-            OriginKind::UnderContract => "C: reproduced under a named contract",
+            OriginKind::Reproduced => "reproduced bitwise",
+            OriginKind::Propagated => "p: propagation (reproduced on inputs that carry an earlier origin)",
+            OriginKind::UnderContract => {
+                "C: origin reproduced under a named contract (e.g. another combine order)"
+            }
             OriginKind::NotReplayable => "not replayable (inputs missing)",
             OriginKind::AbsorbedOrigin => "a: origin absorbed before the next checkpoint",
             OriginKind::Origin => "O: origin (computes differently on identical inputs)",
@@ -121,6 +129,7 @@ fn origin_map(v: &ReplayView) -> String {
         OriginKind::Origin,
         OriginKind::AbsorbedOrigin,
         OriginKind::UnderContract,
+        OriginKind::Propagated,
         OriginKind::Reproduced,
         OriginKind::NotReplayable,
     ];

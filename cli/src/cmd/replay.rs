@@ -8,7 +8,7 @@
 //! reference's at every step, 1 they differ, 2 error.
 
 use crate::cli::Format;
-use crate::output::{check_output, print_json, print_text};
+use crate::output::{print_json, print_text};
 use anyhow::Context;
 use moeconf_replay::{replay_layers, teacher_force, LayerOptions, TeacherOptions};
 use moeconf_runner::load_model;
@@ -65,6 +65,10 @@ pub struct ReplayArgs {
     /// Write the report to this file instead of stdout.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
+    /// Also write a self-contained HTML origin map (layers x steps: origins,
+    /// propagation, reproduced, not replayable); layer replay only.
+    #[arg(long, value_name = "FILE", conflicts_with = "teacher_force")]
+    pub html: Option<PathBuf>,
     /// Worker threads (results never depend on it).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -97,7 +101,10 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     if let Some(m) = &a.model {
         crate::output::add_model_inputs(m, &mut inputs);
     }
-    let out = a.output.as_ref().map(|o| check_output(o, &inputs)).transpose()?;
+    let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
+    let mut checked = crate::output::check_outputs(&outs, &inputs)?.into_iter();
+    let out = a.output.as_ref().and_then(|_| checked.next());
+    let html = a.html.as_ref().and_then(|_| checked.next());
     let trace = Trace::open(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
     let m = load_model(&model_spec(a, &trace)?)?;
     let precision = a.precision.as_deref().map(super::precision).transpose()?;
@@ -122,6 +129,12 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
             },
         )?;
         let code = r.exit_code(a.allow_incomplete);
+        if let Some(h) = &html {
+            write_checked(
+                h,
+                moeconf_report::render_replay(&moeconf_replay::html_view(&r)).as_bytes(),
+            )?;
+        }
         if code == 2 {
             eprintln!(
                 "moeconf: {}: some units could not be replayed (the report lists the missing records and steps); \
