@@ -402,6 +402,23 @@ pub(crate) fn explain_one(
         canonicalize: Some(&canonicalize),
         ..InferOptions::default()
     };
+    let e = explain_data(&d, &opts, name, key)?;
+    Ok(Some((
+        e,
+        EventContextOwned {
+            experts: d.experts,
+            gates: d.gates,
+        },
+    )))
+}
+
+/// Explains one event's data (`name` and `key` name it in errors).
+fn explain_data(
+    d: &EventData,
+    opts: &InferOptions<'_>,
+    name: &str,
+    key: Key,
+) -> Result<EventExplanation, ExplainError> {
     let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
     let obs = Observation {
         terms: &refs,
@@ -410,20 +427,13 @@ pub(crate) fn explain_one(
         experts: &d.experts,
         gates: &d.gates,
     };
-    let e = explain_event(&obs, &opts).map_err(|source| ExplainError::Inconsistent {
+    explain_event(&obs, opts).map_err(|source| ExplainError::Inconsistent {
         trace: name.into(),
         step: key.0,
         layer: key.1,
         position: key.2,
         source,
-    })?;
-    Ok(Some((
-        e,
-        EventContextOwned {
-            experts: d.experts,
-            gates: d.gates,
-        },
-    )))
+    })
 }
 
 /// An event's router choice (expert ids and gates in slot order), owned.
@@ -456,21 +466,7 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
     for key in &order {
         let Some(r) = records.get(key) else { continue };
         let d = reader.read(*key, r, &mut notes)?;
-        let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
-        let obs = Observation {
-            terms: &refs,
-            shared: &d.shared,
-            output: &d.combine,
-            experts: &d.experts,
-            gates: &d.gates,
-        };
-        let e = explain_event(&obs, &opts).map_err(|source| ExplainError::Inconsistent {
-            trace: name.into(),
-            step: key.0,
-            layer: key.1,
-            position: key.2,
-            source,
-        })?;
+        let e = explain_data(&d, &opts, name, *key)?;
         agg.add(&e);
         rules_of.push(e.rules().iter().map(|c| c.describe()).collect());
         events.push(EventReport {
