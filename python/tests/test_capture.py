@@ -351,9 +351,12 @@ def test_diff_between_implementations_explains_both_sides_at_the_combine(env, pr
     j = json.loads(p.stdout)
     fd = j["first_divergence"]
     assert (fd["operator"], fd["step"], fd["layer"], fd["position"]) == ("moe.combine", 0, 0, 0), fd
-    c = j["divergences"][0]["localized"]["contract"]
+    c = j["levels"]["L4"]["contract"]
+    assert c["at"]["path"] == "moe.combine" and (c["at"]["step"], c["at"]["layer"]) == (0, 0), c["at"]
     ref, cand = c["reference_explanation"], c["candidate_explanation"]
     assert ref["status"] == cand["status"] == "explained", c
+    assert fd["contract"] == c["candidate"] == cand["simplest"] == TRUTH["grouped_mm", prec], fd
+    assert f"candidate contract: {cand['simplest']}" in j["summary"], j["summary"]
     ref_set = {ref["simplest"], *(e["contract"] for e in ref["equivalents"])}
     cand_set = {cand["simplest"], *(e["contract"] for e in cand["equivalents"])}
     assert TRUTH["eager", prec] in ref_set, ref["simplest"]
