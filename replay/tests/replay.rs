@@ -505,8 +505,8 @@ fn the_contract_override_replaces_the_bindings_contract() {
         contract: Some("hf-native".into()),
         ..LayerOptions::default()
     };
-    let e = replay_layers(&t, &m, &bad)
-        .err()
-        .expect("an unknown contract is refused");
+    let Err(e) = replay_layers(&t, &m, &bad) else {
+        panic!("an unknown contract is refused")
+    };
     assert!(e.to_string().contains("cannot be run"), "{e}");
 }
