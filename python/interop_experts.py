@@ -1,7 +1,8 @@
 """Opt-in: every experts implementation transformers 5.23.0 runs on CPU for DeepSeek-V4
 (eager, grouped_mm, batched_mm), in fp32 and bf16, captured with ``moeconf.capture`` on the
 built-in tiny fixture, then ``moeconf diff`` of the reference runtime against each capture and
-of each implementation against the others (docs/interop.md section 5).
+of each implementation against the others, explain and replay of each capture (docs/interop.md
+sections 4.5-4.6).
 
     python3 python/interop_experts.py [--moeconf target/release/moeconf] [--out DIR] [--steps 3]
 
