@@ -1,13 +1,16 @@
 """Opt-in: every experts implementation transformers 5.23.0 runs on CPU for DeepSeek-V4
 (eager, grouped_mm, batched_mm), in fp32 and bf16, captured with ``moeconf.capture`` on the
 built-in tiny fixture, then ``moeconf diff`` of the reference runtime against each capture and
-of each implementation against the others (docs/interop.md section 5).
+of each implementation against the others, explain and replay of each capture (docs/interop.md
+sections 4.5-4.6).
 
     python3 python/interop_experts.py [--moeconf target/release/moeconf] [--out DIR] [--steps 3]
 
 Prints, per capture, the capture's own diagnostic (which summation of the recomputed terms
 reproduces the observed ``moe.routed``), and per diff the exit code, the summary line, what the
-walk passed (storage precision, one-sided records) and the headline's inputs. Needs torch and
+walk passed (storage precision, one-sided records) and the headline's inputs; then per capture
+``moeconf explain`` (the trace's rule) and ``moeconf replay --precision P --contract X`` under that
+rule and under ``c`` (per-layer origins; FFN halves whose output is still reproduced). Needs torch and
 transformers; not part of the default CI run (python/run_interop.sh runs it).
 """
 
@@ -113,6 +116,34 @@ def main():
         for line in describe(j):
             print(line)
     with open(os.path.join(out, "diffs.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for prec in PRECS:
+        for impl in IMPLS:
+            e = json.loads(mc("explain", "--format", "json", T[impl, prec]).stdout)["verdict"]
+            print(f"explain {impl} {prec}: {e['headline']}; {len(e['equivalents'])} equivalents on this trace")
+            report[f"explain {impl} {prec}"] = e
+            member = e["rule"] or "c"
+            for contract in dict.fromkeys((member, "c")):
+                r = mc("replay", T[impl, prec], "--precision", prec, "--contract", contract, "--model", model_dir,
+                       "--allow-incomplete", "--format", "json", check=False)
+                if r.returncode not in (0, 1):
+                    sys.exit(f"replay {impl} {prec}: exit {r.returncode}: {r.stderr}")
+                j = json.loads(r.stdout)
+                ffn = [u for u in j["origins"] if u["part"] == "ffn"]
+                firsts = {}
+                for u in j["origins"]:
+                    k = f"{u['part']}:{u['first_difference']['record']}"
+                    firsts[k] = firsts.get(k, 0) + 1
+                per_layer = {}
+                for u in ffn:
+                    a, b = per_layer.get(u["layer"], (0, 0))
+                    per_layer[u["layer"]] = (a + u["absorbed"], b + 1)
+                print(f"replay {impl} {prec} --contract {contract}: exit {r.returncode}; {j['summary']}; "
+                      f"FFN outputs reproduced (origin absorbed) {sum(u['absorbed'] for u in ffn)}/{len(ffn)}; "
+                      f"first differing records {firsts}; per layer absorbed/FFN origins "
+                      + " ".join(f"L{k}:{a}/{b}" for k, (a, b) in sorted(per_layer.items())))
+                report[f"replay {impl} {prec} {contract}"] = j["summary"]
+    with open(os.path.join(out, "explain_replay.json"), "w") as f:
         json.dump(report, f, indent=1)
 
 

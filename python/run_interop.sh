@@ -21,4 +21,4 @@ MOECONF_TRANSFORMERS_TESTS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m trans
 OUT="${INTEROP_OUT:-../target/interop}"
 "$PYTHON" interop_check.py --out "$OUT/steps8"                 # docs/interop.md sections 2-4.3
 "$PYTHON" interop_check.py --out "$OUT/steps40" --steps 40     # section 4.4 (every feature active)
-"$PYTHON" interop_experts.py --out "$OUT/experts"               # section 5: eager / grouped_mm / batched_mm x fp32 / bf16
+"$PYTHON" interop_experts.py --out "$OUT/experts"               # sections 4.5-4.6: eager / grouped_mm / batched_mm x fp32 / bf16 (diff, explain, replay)

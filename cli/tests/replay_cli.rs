@@ -197,3 +197,29 @@ fn the_html_origin_map_marks_the_fork_and_its_propagation() {
     let o = moeconf(&["replay", s(&fork), "--html", s(&fork)]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn the_contract_flag_names_the_references_contract() {
+    // A run under B in ascending expert id: replayed under its own binding
+    // it reproduces (exit 0); `--contract c` makes FFN halves origins at the
+    // combine (exit 1) and the report names the contract run; a notation
+    // that names no grammar member is an error naming the trace (exit 2).
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("b-asc.bin");
+    run(&t, &["--capture", "replay", "--contract", "b+order=asc-id"]);
+    assert_eq!(moeconf(&["replay", s(&t)]).status.code(), Some(0));
+    let o = moeconf(&["replay", s(&t), "--contract", "c", "--format", "json"]);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = json(&o);
+    assert_eq!(v["reference"]["contract"], "c");
+    let origins = v["origins"].as_array().unwrap();
+    assert!(!origins.is_empty());
+    for u in origins {
+        assert_eq!(u["part"], "ffn", "{u:#}");
+        assert_eq!(u["first_difference"]["record"], "moe.combine", "{u:#}");
+    }
+    let o = moeconf(&["replay", s(&t), "--contract", "hf-native"]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("b-asc.bin") && err.contains("hf-native"), "{err}");
+}

@@ -36,11 +36,11 @@ matching.
 
 ``moe.term.j`` is not a tensor HF materializes under a module boundary (every
 experts implementation is one fused module). The capture recomputes
-``g_j * down(gate(gate_up(x)))`` the way the eager implementation does: per
-expert in ascending id, one ``F.linear`` over that expert's (slot, token) rows
-in ``torch.where`` order, in the model dtype (bit-identical to eager's and
-grouped_mm's products on CPU; batched_mm computes them per row and can differ
-in fp32). As a diagnostic it then checks whether the recomputed terms
+``g_j * down(gate(gate_up(x)))`` with the experts module's own forward (the
+active implementation), once per slot with the other slots' gate weights set
+to zero: every implementation applies the gate after the down projection, so
+the GEMMs are those of the real call (an eager-style per-expert recompute
+differs from ``batched_mm``'s per-row products in fp32). As a diagnostic it then checks whether the recomputed terms
 reproduce the observed ``moe.routed`` under any of the summations in
 :data:`ROUTED_SUMS` (FP32 or model-dtype accumulation; router slot order or
 ascending expert id). ``CaptureResult.moe_routed_reproduced`` counts, per
@@ -226,22 +226,27 @@ def _state_records(cfg, cache):
 
 
 def _recompute_terms(m, x, idx, w):
-    """``[T, k, D]`` gate-weighted terms in the model dtype, computed as the eager experts
-    implementation does (modeling_deepseek_v4 ``DeepseekV4Experts.forward``): per expert in
-    ascending id, ``F.linear`` over its (slot, token) rows in ``torch.where`` order."""
-    import torch
-    import torch.nn.functional as F
+    """``[T, k, D]`` gate-weighted terms in the model dtype, computed by the experts module's own
+    forward (whichever implementation is active: transformers reads
+    ``config._experts_implementation`` at every call), once per slot ``j`` with the gate weights
+    of every other slot set to zero.
 
-    T, k = idx.shape
-    terms = torch.zeros((T, k, x.shape[-1]), dtype=x.dtype)
-    for e in sorted({int(v) for v in idx.flatten().tolist()}):
-        if e >= m.num_experts:  # the eager loop skips the sentinel expert
-            continue
-        top_k_pos, token_idx = torch.where((idx == e).T)
-        cur = m._apply_gate(F.linear(x[token_idx], m.gate_up_proj[e]))
-        cur = F.linear(cur, m.down_proj[e]) * w[token_idx, top_k_pos, None]
-        terms[token_idx, top_k_pos] = cur.to(x.dtype)
-    return terms
+    Why this gives the implementation's own products: every implementation multiplies by the
+    gate *after* the down projection (modeling_deepseek_v4 ``DeepseekV4Experts.forward``
+    L1065; integrations/moe.py L175 ``batched_mm``, L524 ``grouped_mm``), so the GEMMs see the
+    same rows, in the same batch, as in the real call (``batched_mm``'s per-row products depend
+    on the batch: a one-slot call differs in fp32 at decode). The other slots' products become
+    ``±0``, and a routed sum of one term and zeros from ``+0`` is that term. Limits: a ``-0``
+    term reads as ``+0``; an infinite product times a zero gate would read as NaN."""
+    import torch
+
+    k = idx.shape[1]
+    cols = []
+    for j in range(k):
+        wj = torch.zeros_like(w)
+        wj[:, j] = w[:, j]
+        cols.append(m.forward(x, idx, wj))
+    return torch.stack(cols, dim=1)
 
 
 def _routed_sums(v, ids, dtype):

@@ -219,50 +219,148 @@ def test_every_feature_is_captured_over_40_tokens(env):
 ROUTED = {
     ("eager", "f32"): (0, 63, 63),        # FP32 in ascending expert id (index_add_ in fp32: the same)
     ("grouped_mm", "f32"): (63, 0, 0),    # FP32 in router slot order
+    ("batched_mm", "f32"): (63, 0, 0),    # FP32 in router slot order (its own per-row products)
     ("eager", "bf16"): (0, 0, 63),        # BF16 accumulation per expert, ascending id (scheme B)
     ("grouped_mm", "bf16"): (63, 63, 0),  # FP32 sum, one rounding (exact for these terms in any order)
+    ("batched_mm", "bf16"): (63, 63, 0),
 }
+
+# The member of the combine grammar each implementation computes, established from transformers'
+# source and checked bitwise (/work/notes/transformers-experts.md section 3.2; contract/src/
+# backends.rs KNOWN_BACKENDS cites the lines): `moeconf explain` must report it as the trace's rule
+# or list it among the rule's equivalents on that trace.
+TRUTH = {
+    ("eager", "bf16"): "b+order=asc-id",            # BF16 index_add_ per expert, ascending id; R(a + s)
+    ("grouped_mm", "bf16"): "c+routed=bf16",        # FP32 sum in slot order, R(R(a) + s)
+    ("batched_mm", "bf16"): "c+routed=bf16",
+    ("eager", "f32"): "p32+output=f32+order=asc-id",  # FP32 in ascending id, a + s unrounded
+    ("grouped_mm", "f32"): "p32+output=f32",        # FP32 in slot order, a + s unrounded
+    ("batched_mm", "f32"): "p32+output=f32",
+}
+# The rule `moeconf explain` reports (measured 2026-12-01; equal to TRUTH on every capture).
+EXPLAIN_RULE = dict(TRUTH)
+
+
+def _impl_capture(env, impl, prec, steps=3):
+    from tokenizers import Tokenizer
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.set_num_threads(1)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[prec]
+    out = env["root"] / f"hf_{impl}_{prec}_{steps}.bin"
+    if out.exists():
+        return out, None
+    tok = Tokenizer.from_file(os.path.join(env["model"], "tokenizer.json"))
+    model = DeepseekV4ForCausalLM.from_pretrained(env["model"], dtype=dtype, experts_implementation=impl).eval()
+    assert model.config._experts_implementation == impl
+    res = moeconf.capture(model, tok, PROMPT, steps, out, model_name="builtin:tiny-v4")
+    return out, res
+
+
+def _explain(env, path):
+    p = env["run"]("explain", "--format", "json", path, check=False)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def _members(verdict):
+    return {verdict["rule"], *(e["contract"] for e in verdict["equivalents"])}
+
+
+def _without(src, dst, path):
+    """A copy of trace ``src`` without the records of component ``path`` (Python writer)."""
+    from moeconf import Provenance, TraceWriter
+
+    t = read_trace(src)
+    prov = Provenance("pytest-strip", "1", 1).with_recomputed(["moe.term.*"])
+    w = TraceWriter(dst, t.binding, prov)
+    for i, r in enumerate(t.records):
+        if r.coord.path != path:
+            w.append(r.coord, r.level, t.payload(i), r.dtype, r.shape, keep_payload=True)
+    w.finish()
+    return dst
 
 
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("prec", ["f32", "bf16"])
 def test_each_experts_implementation_is_captured_and_diffed(env, impl, prec):
-    from tokenizers import Tokenizer
-    from transformers import DeepseekV4ForCausalLM
-
     from moeconf.capture import ROUTED_SUMS
 
-    torch.set_num_threads(1)
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[prec]
-    tok = Tokenizer.from_file(os.path.join(env["model"], "tokenizer.json"))
     outs = {}
     for name in ("eager", impl):
-        model = DeepseekV4ForCausalLM.from_pretrained(env["model"], dtype=dtype, experts_implementation=name).eval()
-        assert model.config._experts_implementation == name
-        outs[name] = env["root"] / f"hf_{name}_{prec}_3.bin"
-        res = moeconf.capture(model, tok, PROMPT, 3, outs[name], model_name="builtin:tiny-v4")
+        outs[name], res = _impl_capture(env, name, prec)
+        if res is None:
+            continue
         got = tuple(res.moe_routed_reproduced[n] for n in ROUTED_SUMS)
         assert res.moe_events == 63
-        if (name, prec) in ROUTED:
-            assert got == ROUTED[name, prec], (name, prec, got)
-            assert res.moe_terms_unexplained == 0
-        else:
-            # batched_mm computes each (token, slot) product on its own: in fp32 its terms differ
-            # from the eager-style recompute, in bf16 only rarely
-            assert res.moe_terms_unexplained == (63 if prec == "f32" else 1), (name, prec, got)
+        # the recomputed terms are the implementation's own products: some summation of them
+        # reproduces the observed routed sum at every event
+        assert got == ROUTED[name, prec], (name, prec, got)
+        assert res.moe_terms_unexplained == 0
     if impl == "eager":
         return
     p = env["run"]("diff", "--format", "json", outs["eager"], outs[impl], check=False)
     assert p.returncode == 1, p.stderr
     j = json.loads(p.stdout)
     fd, d0 = j["first_divergence"], j["divergences"][0]
-    # the routed reduction is where the implementations part; its terms match only because both
-    # captures recomputed them the same way, and the report says so
-    assert fd["operator"] == "moe.routed", fd
     assert (fd["step"], fd["layer"], fd["position"]) == (0, 0, 0), fd
-    assert [(i["status"], i["recomputed"]) for i in d0["inputs"]] == [("match", "both")], d0
-    assert "recomputed by the capture: moe.term.*" in j["summary"], j["summary"]
+    if (impl, prec) == ("batched_mm", "f32"):
+        # batched_mm's per-row fp32 products differ from eager's per-expert GEMM: the walk stops
+        # at the first term, which both captures recomputed (and the report says so)
+        assert fd["operator"] == "moe.term.0", fd
+        assert d0["recomputed"] == "both", d0
+    else:
+        # the routed reduction is where the implementations part; its terms match only because
+        # both captures recomputed them the same way, and the report says so
+        assert fd["operator"] == "moe.routed", fd
+        assert [(i["status"], i["recomputed"]) for i in d0["inputs"]] == [("match", "both")], d0
+        assert "recomputed by the capture: moe.term.*" in j["summary"], j["summary"]
     assert j["one_side_only"] == [] and j["storage_precision"] == []
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_explain_names_what_each_experts_implementation_computes(env, impl, prec):
+    """``moeconf explain`` on each implementation's capture: one rule reproduces all 63 combine
+    events, and the source-established member is that rule or one of its equivalents."""
+    out, _ = _impl_capture(env, impl, prec)
+    v = _explain(env, out)["verdict"]
+    assert (v["events"], v["explained_events"], v["unexplained_events"]) == (63, 63, 0), v["headline"]
+    assert v["rule"] == EXPLAIN_RULE[impl, prec], v["headline"]
+    assert TRUTH[impl, prec] in _members(v), (TRUTH[impl, prec], v["headline"])
+    # the members the source rules out are not in the set: the other order family, and (bf16)
+    # the other accumulator / merge
+    wrong = {"b+order=asc-id": "c+routed=bf16", "c+routed=bf16": "b+order=asc-id",
+             "p32+output=f32+order=asc-id": "p32+output=f32", "p32+output=f32": "p32+output=f32+order=asc-id"}
+    assert wrong[TRUTH[impl, prec]] not in _members(v), v["headline"]
+    if prec == "bf16":
+        assert "c" not in _members(v)  # the paper's one-rounding C merge is not what any of them does
+
+
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_diff_between_implementations_explains_both_sides_at_the_combine(env, prec, tmp_path):
+    """Without the capture-only ``moe.routed`` the walk reaches ``moe.combine`` (its inputs, the
+    recomputed terms and the shared expert, match): ``moeconf diff`` then explains each side with
+    its own implementation's member."""
+    eager, _ = _impl_capture(env, "eager", prec)
+    grouped, _ = _impl_capture(env, "grouped_mm", prec)
+    a = _without(eager, tmp_path / "eager.bin", "moe.routed")
+    b = _without(grouped, tmp_path / "grouped.bin", "moe.routed")
+    p = env["run"]("diff", "--format", "json", a, b, check=False)
+    assert p.returncode == 1, p.stderr
+    j = json.loads(p.stdout)
+    fd = j["first_divergence"]
+    assert (fd["operator"], fd["step"], fd["layer"], fd["position"]) == ("moe.combine", 0, 0, 0), fd
+    c = j["levels"]["L4"]["contract"]
+    assert c["at"]["path"] == "moe.combine" and (c["at"]["step"], c["at"]["layer"]) == (0, 0), c["at"]
+    ref, cand = c["reference_explanation"], c["candidate_explanation"]
+    assert ref["status"] == cand["status"] == "explained", c
+    assert fd["contract"] == c["candidate"] == cand["simplest"] == TRUTH["grouped_mm", prec], fd
+    assert f"candidate contract: {cand['simplest']}" in j["summary"], j["summary"]
+    ref_set = {ref["simplest"], *(e["contract"] for e in ref["equivalents"])}
+    cand_set = {cand["simplest"], *(e["contract"] for e in cand["equivalents"])}
+    assert TRUTH["eager", prec] in ref_set, ref["simplest"]
+    assert TRUTH["grouped_mm", prec] in cand_set, cand["simplest"]
 
 
 def test_reference_vs_transformers_bf16_walks_past_storage_precision(env):
@@ -291,3 +389,54 @@ def test_reference_vs_transformers_bf16_walks_past_storage_precision(env):
     assert (fd["operator"], fd["step"], fd["layer"], fd["position"]) == ("moe.term.1", 0, 0, 0), fd
     assert d0["recomputed"] == "candidate"
     assert d0["beyond_storage_precision"] == {"coarser": "candidate", "differing_values": 1, "values": 256}
+
+
+# `moeconf replay --precision P --contract X` on each 3-token capture (9 layers x 3 steps = 27 FFN
+# halves), measured 2026-12-01: how many FFN halves are origins whose output the reference still
+# reproduces bitwise (`absorbed`: only intermediate records differ; in bf16 the FP32-recorded terms
+# against HF's bf16 terms, and on score-routed layers the selection order of topk(sorted=False))
+# under the implementation's own member and under the paper's C.
+REPLAY_FFN_ABSORBED = {
+    ("eager", "bf16"): 25, ("grouped_mm", "bf16"): 25, ("batched_mm", "bf16"): 27,
+    ("eager", "f32"): 0, ("grouped_mm", "f32"): 0, ("batched_mm", "f32"): 0,
+}
+
+
+def _replay(env, path, prec, contract):
+    p = env["run"]("replay", path, "--precision", prec, "--contract", contract, "--model", env["model"],
+                   "--allow-incomplete", "--format", "json", check=False)
+    assert p.returncode == 1, p.stderr   # origins exist in every case (exit 1, not 0 or 2)
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("prec", ["f32", "bf16"])
+def test_replay_reports_per_layer_origins_for_each_experts_implementation(env, impl, prec):
+    out, _ = _impl_capture(env, impl, prec)
+    own = _replay(env, out, prec, TRUTH[impl, prec])
+    assert own["reference"]["contract"] == TRUTH[impl, prec]
+    s = own["summary"]
+    # 3 steps x (embed + 9 x 2 halves + head); the capture has no embed.output (layer-0 attention
+    # and the embedding are not replayable), everything else is replayed
+    assert (s["units"], s["not_replayable"]) == (60, 6), s
+    assert {m["record"] for m in own["missing"]} == {"embed.output"}
+    ffn = [u for u in own["origins"] if u["part"] == "ffn"]
+    assert sum(u["absorbed"] for u in ffn) == REPLAY_FFN_ABSORBED[impl, prec], [
+        (u["step"], u["layer"], u["first_difference"], u["absorbed"]) for u in ffn]
+    if prec == "f32":
+        # every half parts at its first operator: the mHC collapse (torch's BLAS against the
+        # reference's fixed 8-lane dot product, a few ulp), whatever the contract
+        assert s["origins"] == 54 and s["reproduced"] == 0, s
+        firsts = {u["first_difference"]["record"] for u in own["origins"] if u["part"] != "head"}
+        assert firsts <= {"attn.hc_pre", "ffn.hc_pre", "ffn.norm", "router.scores"}, firsts
+    else:
+        # every FFN half is an origin (bf16 terms against the reference's FP32 terms; the
+        # selection order on score layers), but under the implementation's own member its output
+        # is bitwise the reference's at most of them, and under the paper's C at none
+        assert len(ffn) == 27
+        assert {u["first_difference"]["record"] for u in ffn} <= {"moe.term.0", "moe.term.1", "router.topk"}
+        under_c = _replay(env, out, prec, "c")
+        assert sum(u["absorbed"] for u in under_c["origins"] if u["part"] == "ffn") == 0
+        other = {"b+order=asc-id": "c+routed=bf16", "c+routed=bf16": "b+order=asc-id"}[TRUTH[impl, prec]]
+        under_other = _replay(env, out, prec, other)
+        assert sum(u["absorbed"] for u in under_other["origins"] if u["part"] == "ffn") == 0

@@ -49,11 +49,16 @@ pub use units::{Part, UnitId};
 mod setup;
 
 /// Options of a layer replay.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct LayerOptions {
     /// The reference's precision profile instead of the binding's (for
     /// traces of runtimes whose profile names differ, e.g. `hf-bf16`).
     pub precision: Option<moeconf_reference_runtime::precision::Precision>,
+    /// The reference's aggregation contract (docs/contracts.md notation)
+    /// instead of the binding's (for traces of runtimes whose contract names
+    /// no grammar member, e.g. the Python capture's `hf-native`, or to
+    /// replay under the member `moeconf explain` found).
+    pub contract: Option<String>,
     /// Measure propagation against a clean reference teacher-forced on the
     /// candidate's tokens (one more reference run; fills
     /// [`UnitResult::inputs_differ`]).
@@ -65,7 +70,7 @@ pub struct LayerOptions {
 /// the model the trace's binding names. Units run in parallel on the
 /// current rayon pool; the report is the same on any number of threads.
 pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Result<LayerReport> {
-    let reference = reference_for(trace, m, opts.precision)?;
+    let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
     let cand = candidate::Candidate::new(trace);
     let steps = units::steps(&cand)?;
     let levels = LevelSet::from_bits(trace.binding().capture.levels).unwrap_or(LevelSet::ALL);

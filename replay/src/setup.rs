@@ -20,7 +20,8 @@ pub struct Reference {
     pub precision: Precision,
     /// The combine (the binding's contract and schedule, without a fork).
     pub combine: Box<dyn MoeCombine>,
-    /// The binding's contract string.
+    /// The contract string the reference runs (the binding's, or the
+    /// override given).
     pub contract: String,
     /// The schedule the reference runs (the binding's, without a fork).
     pub schedule: String,
@@ -32,8 +33,15 @@ pub struct Reference {
 /// digests under the trace's digest algorithm), and builds the reference's
 /// precision and combine from the binding. A mismatch is an error naming
 /// the trace and the differing part. `precision` overrides the binding's
-/// profile (traces of other runtimes name their own, e.g. `hf-bf16`).
-pub fn reference_for(trace: &Trace, m: &LoadedModel, precision: Option<Precision>) -> Result<Reference> {
+/// profile (traces of other runtimes name their own, e.g. `hf-bf16`);
+/// `contract` overrides the binding's aggregation contract the same way
+/// (the Python capture binds `hf-native`, which names no grammar member).
+pub fn reference_for(
+    trace: &Trace,
+    m: &LoadedModel,
+    precision: Option<Precision>,
+    contract: Option<&str>,
+) -> Result<Reference> {
     let b = trace.binding();
     let err = |what: String| ReplayError::Binding {
         path: trace.path().to_path_buf(),
@@ -67,18 +75,19 @@ pub fn reference_for(trace: &Trace, m: &LoadedModel, precision: Option<Precision
         Some((base, fork)) => (base.trim().to_string(), Some(fork.trim().to_string())),
         None => (b.schedule.trim().to_string(), None),
     };
+    let contract = contract.map_or_else(|| b.contract.clone(), str::to_string);
     let choice = CombineChoice {
-        contract: b.contract.clone(),
+        contract: contract.clone(),
         schedule: base.clone(),
         ..CombineChoice::default()
     };
     let cfg = m.model.config();
     let built = build_combine(&choice, cfg.experts_per_tok, &b.prompt.text, cfg.num_layers())
-        .map_err(|e| err(format!("the binding's contract/schedule cannot be run: {e}")))?;
+        .map_err(|e| err(format!("the contract/schedule cannot be run: {e}")))?;
     Ok(Reference {
         precision,
         combine: built.combine,
-        contract: b.contract.clone(),
+        contract,
         schedule: base,
         fork_ignored: fork,
     })

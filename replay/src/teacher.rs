@@ -28,7 +28,7 @@ use crate::setup::reference_for;
 use crate::units::steps;
 
 /// Options of teacher forcing.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct TeacherOptions {
     /// k of the top-k overlap.
     pub top_k: usize,
@@ -36,6 +36,8 @@ pub struct TeacherOptions {
     pub precision: Option<moeconf_reference_runtime::precision::Precision>,
     /// Also compare every layer's `layer.post_ffn_mhc` (L3) per step.
     pub l3: bool,
+    /// The reference's aggregation contract instead of the binding's.
+    pub contract: Option<String>,
 }
 
 impl Default for TeacherOptions {
@@ -44,6 +46,7 @@ impl Default for TeacherOptions {
             top_k: 8,
             precision: None,
             l3: false,
+            contract: None,
         }
     }
 }
@@ -197,7 +200,7 @@ fn layer_metrics(cand: &Candidate<'_>, records: &[Record], layers: u32) -> Resul
 /// every step. The trace needs `token.input` and `lm.logits` with payloads
 /// at every step; what is missing is an error naming records and steps.
 pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Result<TeacherReport> {
-    let reference = reference_for(trace, m, opts.precision)?;
+    let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
     let cand = Candidate::new(trace);
     let steps = steps(&cand)?;
     let mut missing = Vec::new();

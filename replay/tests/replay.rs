@@ -465,3 +465,48 @@ fn a_faulted_run_that_allows_non_finite_values_still_writes_a_valid_binding() {
     let r = replay_layers(&t, &m, &LayerOptions::default()).unwrap();
     assert_eq!(origins(&r), vec![unit(1, 0, Part::Attention)]);
 }
+
+#[test]
+fn the_contract_override_replaces_the_bindings_contract() {
+    // A run under B in ascending expert id: replayed under its own binding it
+    // reproduces everywhere; under `--contract c` every FFN half whose combine
+    // the two contracts round differently is an origin at `moe.combine`, and
+    // no attention half or head is (their inputs are the candidate's own).
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let choice = CombineChoice {
+        contract: "b+order=asc-id".into(),
+        ..CombineChoice::default()
+    };
+    let p = trace(&m, dir.path(), "b-asc.bin", &choice, None);
+    let t = Trace::open(&p).unwrap();
+    let own = replay_layers(&t, &m, &LayerOptions::default()).unwrap();
+    assert_eq!(own.contract, "b+order=asc-id");
+    assert_eq!(own.count(Status::Origin), 0, "{}", own.render_text(false));
+    let under_c = LayerOptions {
+        contract: Some("c".into()),
+        ..LayerOptions::default()
+    };
+    let r = replay_layers(&t, &m, &under_c).unwrap();
+    assert_eq!(r.contract, "c");
+    assert!(r.count(Status::Origin) > 0, "{}", r.render_text(false));
+    for u in r.origins() {
+        assert_eq!(u.unit.part, Part::Ffn, "{}", u.unit);
+        let d = u.first_difference.as_ref().unwrap();
+        assert_eq!(d.record, "moe.combine", "{}", u.unit);
+    }
+    // The same under its own notation given explicitly; an unknown one is an error.
+    let same = LayerOptions {
+        contract: Some("b+order=asc-id".into()),
+        ..LayerOptions::default()
+    };
+    assert_eq!(replay_layers(&t, &m, &same).unwrap().count(Status::Origin), 0);
+    let bad = LayerOptions {
+        contract: Some("hf-native".into()),
+        ..LayerOptions::default()
+    };
+    let Err(e) = replay_layers(&t, &m, &bad) else {
+        panic!("an unknown contract is refused")
+    };
+    assert!(e.to_string().contains("cannot be run"), "{e}");
+}

@@ -41,6 +41,12 @@ pub struct ReplayArgs {
     /// profile (e.g. hf-bf16 from the Python capture).
     #[arg(long)]
     pub precision: Option<String>,
+    /// The reference's aggregation contract (docs/contracts.md notation,
+    /// e.g. `b+order=asc-id`) instead of the binding's; needed for traces
+    /// whose binding names no grammar member (the Python capture's
+    /// hf-native), and to replay under what `moeconf explain` found.
+    #[arg(long)]
+    pub contract: Option<String>,
     /// With --teacher-force: also compare every layer's output streams
     /// (layer.post_ffn_mhc, L3) per step.
     #[arg(long, requires = "teacher_force")]
@@ -116,6 +122,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
                 top_k: a.top_k,
                 precision,
                 l3: a.l3,
+                contract: a.contract.clone(),
             },
         )?;
         (r.render_text(), r.to_json(), r.exit_code())
@@ -125,6 +132,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
             &m,
             &LayerOptions {
                 precision,
+                contract: a.contract.clone(),
                 measure_propagation: a.measure_propagation,
             },
         )?;
