@@ -1,15 +1,11 @@
 //! `moeconf bench`: throughput measured against a baseline in the same run.
-//! The measurements live with what they measure
-//! (`moeconf_fingerprint::bench`, `moeconf_bisect::bench_diff`,
-//! `moeconf_runner::bench`); this module prints them.
+//! The measurements and their reports live in `moeconf-bench`; this module
+//! holds the arguments.
 
 use crate::cli::Format;
 use crate::output::{print_json, print_text};
 use clap::{Args, Subcommand};
-use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
-use moeconf_runner::bench::{bench_runtime, render_runtime_text, RuntimeBenchOptions};
-use serde_json::json;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 /// `moeconf bench ...`.
@@ -114,214 +110,33 @@ pub fn run(cmd: &BenchCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-fn replay(a: &BenchReplayArgs) -> anyhow::Result<ExitCode> {
-    let m = moeconf_runner::load_model(&a.model)?;
-    let tmp = tempfile::Builder::new()
-        .prefix("moeconf-bench-replay")
-        .tempdir()?;
-    eprintln!(
-        "moeconf bench replay: {} tokens on {} (best of {}) ...",
-        a.tokens, a.model, a.repeat
-    );
-    let b = moeconf_replay::bench::bench_replay(&m, "why the sheep", a.tokens, a.repeat, tmp.path())?;
-    match a.format {
-        Format::Json => print_json(&json!({
-            "schema_version": 1,
-            "kind": "moeconf.bench.replay",
-            "model": a.model,
-            "tokens": b.tokens,
-            "prompt_tokens": b.prompt_tokens,
-            "units": b.units,
-            "threads": b.threads,
-            "run_seconds": b.run,
-            "bare_forward_seconds": b.bare,
-            "replay_1thread_seconds": b.replay_1thread,
-            "replay_pool_seconds": b.replay_pool,
-            "teacher_force_seconds": b.teacher,
-            "replay_measured_propagation_1thread_seconds": b.replay_measured_1thread,
-            "ratio_replay_1thread_over_run": b.replay_1thread / b.run,
-            "ratio_replay_pool_over_run": b.replay_pool / b.run,
-        }))?,
-        Format::Text => {
-            println!(
-                "replay of a whole trace vs the run that wrote it: {} ({} prompt + {} generated tokens, {} units)",
-                a.model, b.prompt_tokens, b.tokens, b.units
-            );
-            println!(
-                "  (a) reference run, --capture replay, to a trace  {:>8.3} s",
-                b.run
-            );
-            println!(
-                "  (b) bare forward, no capture                   {:>8.3} s",
-                b.bare
-            );
-            println!(
-                "  (c) layer replay, 1 thread                     {:>8.3} s   ratio c/a = {:.2}",
-                b.replay_1thread,
-                b.replay_1thread / b.run
-            );
-            println!(
-                "  (d) layer replay, {} threads                    {:>8.3} s   ratio d/a = {:.2}",
-                b.threads,
-                b.replay_pool,
-                b.replay_pool / b.run
-            );
-            println!(
-                "  (e) teacher forcing                            {:>8.3} s",
-                b.teacher
-            );
-            println!(
-                "  (f) layer replay + measured propagation, 1 t.  {:>8.3} s   ratio f/a = {:.2}",
-                b.replay_measured_1thread,
-                b.replay_measured_1thread / b.run
-            );
-        }
+/// Prints a benchmark's report in `format`.
+fn print(r: moeconf_bench::BenchReport, format: Format) -> anyhow::Result<ExitCode> {
+    match format {
+        Format::Json => print_json(&r.json)?,
+        Format::Text => print_text(&r.text)?,
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn replay(a: &BenchReplayArgs) -> anyhow::Result<ExitCode> {
+    print(moeconf_bench::replay(&a.model, a.tokens, a.repeat)?, a.format)
 }
 
 fn fingerprint(a: &BenchFingerprintArgs) -> anyhow::Result<ExitCode> {
-    let bytes = (a.mib as usize) << 20;
-    eprintln!(
-        "moeconf bench fingerprint: preparing {} MiB of f32 values ...",
-        a.mib
-    );
-    let data = f32_buffer(bytes);
-    let threads = rayon::current_num_threads();
-    eprintln!("measuring (best of {}, measurements interleaved) ...", a.repeat);
-    let b = bench_fingerprint(&data, a.repeat);
-    if !b.digests_agree {
-        anyhow::bail!("canonical digests differ between single- and multi-threaded hashing");
-    }
-    let gbps = |s: f64| b.gbps(s);
-    let ratio_1 = b.raw_1thread / b.canonical_1thread;
-    let ratio_n = b.raw_rayon / b.canonical_rayon;
-    let scaling = b.canonical_1thread / b.canonical_rayon;
-    match a.format {
-        Format::Json => print_json(&json!({
-            "schema_version": 1,
-            "kind": "moeconf.bench.fingerprint",
-            "bytes": bytes,
-            "threads": threads,
-            "raw_blake3_1thread_gbps": gbps(b.raw_1thread),
-            "canonical_1thread_gbps": gbps(b.canonical_1thread),
-            "raw_blake3_rayon_gbps": gbps(b.raw_rayon),
-            "canonical_rayon_gbps": gbps(b.canonical_rayon),
-            "canonical_sha256_1thread_gbps": gbps(b.canonical_sha256_1thread),
-            "ratio_canonical_over_raw_1thread": ratio_1,
-            "ratio_canonical_over_raw_rayon": ratio_n,
-            "canonical_thread_scaling": scaling,
-        }))?,
-        Format::Text => print_text(&b.render_text(threads))?,
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `bench diff --dir D`: D must be a directory, and the two traces the
-/// benchmark writes there and removes afterwards must not exist yet (the
-/// benchmark never takes over, and then deletes, a file it did not create).
-fn check_bench_dir(dir: &Path) -> anyhow::Result<()> {
-    if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir()) {
-        anyhow::bail!("--dir {}: not a directory", dir.display());
-    }
-    for name in moeconf_bisect::BENCH_TRACE_NAMES {
-        let p = dir.join(name);
-        if std::fs::symlink_metadata(&p).is_ok() {
-            anyhow::bail!(
-                "--dir {}: {} already exists; bench diff writes and then removes its own traces there, \
-                 so it refuses to take over an existing file",
-                dir.display(),
-                p.display()
-            );
-        }
-    }
-    Ok(())
+    print(moeconf_bench::fingerprint(a.mib, a.repeat)?, a.format)
 }
 
 fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
-    let tmp;
-    let dir = match &a.dir {
-        Some(d) => {
-            check_bench_dir(d)?;
-            d.clone()
-        }
-        None => {
-            tmp = tempfile::Builder::new().prefix("moeconf-bench-diff").tempdir()?;
-            tmp.path().to_path_buf()
-        }
-    };
-    eprintln!(
-        "moeconf bench diff: writing two {} MiB traces into {} ...",
-        a.mib,
-        dir.display()
-    );
-    let b = moeconf_bisect::bench_diff(&dir, a.mib << 20, a.record_bytes, a.repeat)?;
-    match a.format {
-        Format::Json => print_json(&json!({
-            "schema_version": 1,
-            "kind": "moeconf.bench.diff",
-            "file_bytes": b.file_bytes,
-            "records": b.records,
-            "record_bytes": b.record_bytes,
-            "byte_compare_seconds": b.byte_compare_seconds,
-            "diff_seconds": b.diff_seconds,
-            "open_seconds": b.open_seconds,
-            "walk_seconds": b.walk_seconds,
-            "verify_seconds": b.verify_seconds,
-            "ratio": b.ratio,
-            "localized": b.localized.as_ref().map(|f| json!({"step": f.step, "layer": f.layer, "operator": f.operator})),
-        }))?,
-        Format::Text => print_text(&b.render_text())?,
-    }
-    Ok(ExitCode::SUCCESS)
+    let r = moeconf_bench::diff(a.mib, a.record_bytes, a.repeat, a.dir.as_ref())?;
+    print(r, a.format)
 }
 
 fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
-    let opts = RuntimeBenchOptions {
+    let opts = moeconf_runner::bench::RuntimeBenchOptions {
         prompt_tokens: a.prompt_tokens,
         decode_tokens: a.decode_tokens,
         repeat: a.repeat,
     };
-    let scratch = tempfile::Builder::new().prefix("moeconf-bench-rt").tempdir()?;
-    eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
-    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4")?;
-    let mut rows = bench_runtime("tiny-v4", &tiny, &opts, scratch.path())?;
-    let rss_tiny = moeconf_reference_runtime::bench::anon_rss_bytes();
-    let mut rss_large = None;
-    if a.large {
-        let dir = tempfile::Builder::new().prefix("moeconf-bench-large").tempdir()?;
-        eprintln!(
-            "generating the large configuration in {} ...",
-            dir.path().display()
-        );
-        moeconf_fixtures::checkpoint::write_v4(
-            dir.path(),
-            &moeconf_fixtures::checkpoint::V4Spec::bench_large(),
-        )?;
-        rows.extend(bench_runtime(
-            "large (hidden 1024, 64 experts)",
-            dir.path(),
-            &opts,
-            scratch.path(),
-        )?);
-        rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
-    }
-    let threads = rayon::current_num_threads();
-    match a.format {
-        Format::Json => print_json(&json!({
-            "schema_version": 1,
-            "kind": "moeconf.bench.runtime",
-            "threads": threads,
-            "prompt_tokens": a.prompt_tokens,
-            "decode_tokens": a.decode_tokens,
-            "rows": rows.iter().map(|r| json!({
-                "model": r.model, "precision": r.precision.name(), "capture": r.capture.name(),
-                "prefill_tokens_per_second": r.prefill, "decode_tokens_per_second": r.decode,
-            })).collect::<Vec<_>>(),
-            "anon_rss_bytes_after_tiny": rss_tiny,
-            "anon_rss_bytes_after_large": rss_large,
-        }))?,
-        Format::Text => print_text(&render_runtime_text(&opts, &rows, [rss_tiny, rss_large]))?,
-    }
-    Ok(ExitCode::SUCCESS)
+    print(moeconf_bench::runtime(&opts, a.large)?, a.format)
 }

@@ -1,0 +1,255 @@
+//! The `moeconf bench` measurements. Each measures its subject against a
+//! baseline measured in the same run (raw BLAKE3, a byte comparison, a run
+//! without capture, the run that wrote the trace) and reports the ratio, as
+//! text for people and JSON for machines. The measuring code lives with
+//! what it measures (`moeconf_fingerprint::bench`,
+//! `moeconf_bisect::bench_diff`, `moeconf_runner::bench`,
+//! `moeconf_replay::bench`); this crate runs and reports it, so the binary
+//! only parses arguments.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+/// A benchmark's report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    /// For people.
+    pub text: String,
+    /// For machines (`schema_version`, `kind: moeconf.bench.*`).
+    pub json: Value,
+}
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A step failed (`what` says which).
+    #[error("{what}")]
+    Step {
+        /// The step.
+        what: String,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A precondition does not hold (message says which).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Wraps an error of step `what`.
+fn step<E: std::error::Error + Send + Sync + 'static>(what: &str) -> impl FnOnce(E) -> BenchError + '_ {
+    move |e| BenchError::Step {
+        what: what.into(),
+        source: Box::new(e),
+    }
+}
+
+/// A scratch directory named after the benchmark.
+fn scratch(prefix: &str) -> Result<tempfile::TempDir, BenchError> {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .map_err(step("creating a scratch directory"))
+}
+
+/// `bench fingerprint`: canonical record hashing against raw BLAKE3 over
+/// `mib` MiB of f32, best of `repeat`, single- and multi-threaded.
+pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
+    use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
+    let bytes = (mib as usize) << 20;
+    eprintln!("moeconf bench fingerprint: preparing {mib} MiB of f32 values ...");
+    let data = f32_buffer(bytes);
+    let threads = rayon::current_num_threads();
+    eprintln!("measuring (best of {repeat}, measurements interleaved) ...");
+    let b = bench_fingerprint(&data, repeat);
+    if !b.digests_agree {
+        return Err(BenchError::Invalid(
+            "canonical digests differ between single- and multi-threaded hashing".into(),
+        ));
+    }
+    let g = |s: f64| b.gbps(s);
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.fingerprint",
+        "bytes": bytes,
+        "threads": threads,
+        "raw_blake3_1thread_gbps": g(b.raw_1thread),
+        "canonical_1thread_gbps": g(b.canonical_1thread),
+        "raw_blake3_rayon_gbps": g(b.raw_rayon),
+        "canonical_rayon_gbps": g(b.canonical_rayon),
+        "canonical_sha256_1thread_gbps": g(b.canonical_sha256_1thread),
+        "ratio_canonical_over_raw_1thread": b.raw_1thread / b.canonical_1thread,
+        "ratio_canonical_over_raw_rayon": b.raw_rayon / b.canonical_rayon,
+        "canonical_thread_scaling": b.canonical_1thread / b.canonical_rayon,
+    });
+    Ok(BenchReport {
+        text: b.render_text(threads),
+        json,
+    })
+}
+
+/// `bench diff --dir D`: D must be a directory, and the two traces the
+/// benchmark writes there and removes afterwards must not exist yet (the
+/// benchmark never takes over, and then deletes, a file it did not create).
+fn check_bench_dir(dir: &Path) -> Result<(), BenchError> {
+    if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return Err(BenchError::Invalid(format!(
+            "--dir {}: not a directory",
+            dir.display()
+        )));
+    }
+    for name in moeconf_bisect::BENCH_TRACE_NAMES {
+        let p = dir.join(name);
+        if std::fs::symlink_metadata(&p).is_ok() {
+            return Err(BenchError::Invalid(format!(
+                "--dir {}: {} already exists; bench diff writes and then removes its own traces there, \
+                 so it refuses to take over an existing file",
+                dir.display(),
+                p.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `bench diff`: two traces of `mib` MiB differing in one record, the
+/// localization against a byte comparison of the files.
+pub fn diff(
+    mib: u64,
+    record_bytes: u64,
+    repeat: u32,
+    dir: Option<&PathBuf>,
+) -> Result<BenchReport, BenchError> {
+    let tmp;
+    let dir = match dir {
+        Some(d) => {
+            check_bench_dir(d)?;
+            d.clone()
+        }
+        None => {
+            tmp = scratch("moeconf-bench-diff")?;
+            tmp.path().to_path_buf()
+        }
+    };
+    eprintln!(
+        "moeconf bench diff: writing two {mib} MiB traces into {} ...",
+        dir.display()
+    );
+    let b = moeconf_bisect::bench_diff(&dir, mib << 20, record_bytes, repeat).map_err(step("bench diff"))?;
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.diff",
+        "file_bytes": b.file_bytes,
+        "records": b.records,
+        "record_bytes": b.record_bytes,
+        "byte_compare_seconds": b.byte_compare_seconds,
+        "diff_seconds": b.diff_seconds,
+        "open_seconds": b.open_seconds,
+        "walk_seconds": b.walk_seconds,
+        "verify_seconds": b.verify_seconds,
+        "ratio": b.ratio,
+        "localized": b.localized.as_ref().map(|f| json!({"step": f.step, "layer": f.layer, "operator": f.operator})),
+    });
+    Ok(BenchReport {
+        text: b.render_text(),
+        json,
+    })
+}
+
+/// `bench runtime`: decode and prefill tokens/s with and without capture on
+/// the fixture (and, with `large`, a generated hidden-1024 / 64-expert
+/// model), and the anonymous RSS.
+pub fn runtime(
+    opts: &moeconf_runner::bench::RuntimeBenchOptions,
+    large: bool,
+) -> Result<BenchReport, BenchError> {
+    use moeconf_runner::bench::{bench_runtime, render_runtime_text};
+    let work = scratch("moeconf-bench-rt")?;
+    eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
+    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
+    let mut rows = bench_runtime("tiny-v4", &tiny, opts, work.path()).map_err(step("bench runtime"))?;
+    let rss_tiny = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let mut rss_large = None;
+    if large {
+        let dir = scratch("moeconf-bench-large")?;
+        eprintln!(
+            "generating the large configuration in {} ...",
+            dir.path().display()
+        );
+        moeconf_fixtures::checkpoint::write_v4(
+            dir.path(),
+            &moeconf_fixtures::checkpoint::V4Spec::bench_large(),
+        )
+        .map_err(step("generating the large configuration"))?;
+        let name = "large (hidden 1024, 64 experts)";
+        rows.extend(bench_runtime(name, dir.path(), opts, work.path()).map_err(step("bench runtime"))?);
+        rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
+    }
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.runtime",
+        "threads": rayon::current_num_threads(),
+        "prompt_tokens": opts.prompt_tokens,
+        "decode_tokens": opts.decode_tokens,
+        "rows": rows.iter().map(|r| json!({
+            "model": r.model, "precision": r.precision.name(), "capture": r.capture.name(),
+            "prefill_tokens_per_second": r.prefill, "decode_tokens_per_second": r.decode,
+        })).collect::<Vec<_>>(),
+        "anon_rss_bytes_after_tiny": rss_tiny,
+        "anon_rss_bytes_after_large": rss_large,
+    });
+    Ok(BenchReport {
+        text: render_runtime_text(opts, &rows, [rss_tiny, rss_large]),
+        json,
+    })
+}
+
+/// `bench replay`: replay of a whole trace of `tokens` tokens against the
+/// reference run that wrote it (best of `repeat`).
+pub fn replay(model: &str, tokens: u32, repeat: u32) -> Result<BenchReport, BenchError> {
+    let m = moeconf_runner::load_model(model).map_err(step("loading the model"))?;
+    let tmp = scratch("moeconf-bench-replay")?;
+    eprintln!("moeconf bench replay: {tokens} tokens on {model} (best of {repeat}) ...");
+    let b = moeconf_replay::bench::bench_replay(&m, "why the sheep", tokens, repeat, tmp.path())
+        .map_err(step("bench replay"))?;
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.replay",
+        "model": model,
+        "tokens": b.tokens,
+        "prompt_tokens": b.prompt_tokens,
+        "units": b.units,
+        "threads": b.threads,
+        "run_seconds": b.run,
+        "bare_forward_seconds": b.bare,
+        "replay_1thread_seconds": b.replay_1thread,
+        "replay_pool_seconds": b.replay_pool,
+        "teacher_force_seconds": b.teacher,
+        "replay_measured_propagation_1thread_seconds": b.replay_measured_1thread,
+        "ratio_replay_1thread_over_run": b.replay_1thread / b.run,
+        "ratio_replay_pool_over_run": b.replay_pool / b.run,
+    });
+    let text = format!(
+        "replay of a whole trace vs the run that wrote it: {model} ({} prompt + {} generated tokens, {} units)\n\
+         \x20 (a) reference run, --capture replay, to a trace  {:>8.3} s\n\
+         \x20 (b) bare forward, no capture                   {:>8.3} s\n\
+         \x20 (c) layer replay, 1 thread                     {:>8.3} s   ratio c/a = {:.2}\n\
+         \x20 (d) layer replay, {} threads                    {:>8.3} s   ratio d/a = {:.2}\n\
+         \x20 (e) teacher forcing                            {:>8.3} s\n\
+         \x20 (f) layer replay + measured propagation, 1 t.  {:>8.3} s   ratio f/a = {:.2}\n",
+        b.prompt_tokens,
+        b.tokens,
+        b.units,
+        b.run,
+        b.bare,
+        b.replay_1thread,
+        b.replay_1thread / b.run,
+        b.threads,
+        b.replay_pool,
+        b.replay_pool / b.run,
+        b.teacher,
+        b.replay_measured_1thread,
+        b.replay_measured_1thread / b.run
+    );
+    Ok(BenchReport { text, json })
+}
