@@ -20,6 +20,7 @@ const CRATES: &[&str] = &[
     "calibrate",
     "cli",
     "fixtures",
+    "testkit",
 ];
 
 /// The one file allowed to spell paths.
