@@ -35,3 +35,18 @@ pub fn scratch_root() -> PathBuf {
         std::env::temp_dir()
     }
 }
+
+/// The scratch directory of a fuzzing process: `moeconf-fuzz-PID` under
+/// [`scratch_root`], created on first use (one per process, so parallel
+/// fuzzing jobs never share files). Left behind on exit: remove
+/// `/dev/shm/moeconf-fuzz-*` after a campaign.
+pub fn fuzz_dir() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = scratch_root().join(format!("moeconf-fuzz-{}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(&d) {
+            panic!("cannot create the fuzz scratch directory {}: {e}", d.display());
+        }
+        d
+    })
+}
