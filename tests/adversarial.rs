@@ -281,7 +281,7 @@ fn dump(dir: &Path, decoding: &str) -> PathBuf {
     let name = format!("step.0.pos.0.{}", Component::TokenOutput.path());
     let mut header =
         serde_json::json!({ name: {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]} }).to_string();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
     let mut st = (header.len() as u64).to_le_bytes().to_vec();

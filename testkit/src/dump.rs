@@ -11,6 +11,9 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::path::Path;
 
+/// One tensor of a dump file: name, dtype, shape, bytes.
+type DumpTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
 /// The dump name of a record.
 pub fn dump_name(r: &Record) -> String {
     let c = &r.coord;
@@ -52,7 +55,7 @@ fn encode(u: &mut Unstructured<'_>, r: &Record) -> Result<(Dtype, Vec<u8>)> {
 /// `manifest.json`).
 pub fn write_dump(u: &mut Unstructured<'_>, spec: &TraceSpec, dir: &Path) -> Result<()> {
     let split = u.int_in_range(0..=spec.records.len())?;
-    let mut files: [Vec<(String, Dtype, Vec<usize>, Vec<u8>)>; 2] = [Vec::new(), Vec::new()];
+    let mut files: [Vec<DumpTensor>; 2] = [Vec::new(), Vec::new()];
     for (i, r) in spec.records.iter().enumerate() {
         let (dtype, bytes) = encode(u, r)?;
         let shape = r.shape.iter().map(|&d| d as usize).collect();

@@ -336,10 +336,13 @@ fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result
     Ok(())
 }
 
+/// A MoE event's (step, position, layer).
+type EventKey = (u32, u32, Option<u32>);
+
 /// The MoE events of a trace (step, position, layer) and whether every
 /// routed term and shared output of each keeps its payload.
-fn moe_events(t: &Trace) -> Vec<((u32, u32, Option<u32>), bool)> {
-    let mut out: Vec<((u32, u32, Option<u32>), bool)> = Vec::new();
+fn moe_events(t: &Trace) -> Vec<(EventKey, bool)> {
+    let mut out: Vec<(EventKey, bool)> = Vec::new();
     for e in t.records() {
         let Some((c, _)) = Component::parse(&e.coord.path) else {
             continue;
