@@ -180,7 +180,8 @@ fn check_self(name: &str, t: &Trace, p: &Profile, got: &std::result::Result<Gate
 
 /// `gate`: a drawn policy, the reference against itself (trace and blessed
 /// baseline), the mutated candidate against both, and flipped payload bits.
-/// Oracles: against itself the gate passes exactly when the trace is
+/// Oracles: against itself (and a candidate with the same generated
+/// content, in another file) the gate passes exactly when the trace is
 /// non-empty and holds every required level; when every level the
 /// reference holds is judged bitwise (trace) or not `info` (baseline), a
 /// candidate whose records at those levels differ never passes; one flipped
@@ -222,6 +223,10 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     let differs = record_keys_at(&rt, held) != record_keys_at(&ct, held);
     let got = against_reference(&rp, &ct, &p, force);
     render(&got);
+    if c == r {
+        // The same generated content in another file: judged as the trace itself.
+        check_self("an identical candidate", &rt, &p, &got);
+    }
     let all = |ok: &dyn Fn(Mode) -> bool| (0..5).all(|l| held & (1 << l) == 0 || ok(p.levels[l]));
     if differs && all(&|m| m == Mode::Bitwise) {
         assert!(!passes(&got), "a differing candidate passed a bitwise gate");
@@ -231,6 +236,9 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     if blessed {
         let got = against_baseline(&bp, &ct, &p, force);
         render(&got);
+        if c == r {
+            check_self("an identical candidate against the baseline", &rt, &p, &got);
+        }
         if differs && all(&|m| m != Mode::Info) {
             assert!(!passes(&got), "a differing candidate passed a baseline gate");
         }
