@@ -274,6 +274,29 @@ fn model_copy(dir: &Path, own_weights: bool, edit: impl FnOnce(&mut serde_json::
     dir.to_path_buf()
 }
 
+/// Overwrites every element of tensor `name` of `model/model.safetensors`
+/// (an owned copy) with NaN, reading the safetensors header by hand.
+fn poison_tensor(model: &Path, name: &str) {
+    let path = model.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let t = &header[name];
+    let (a, b) = (
+        t["data_offsets"][0].as_u64().unwrap() as usize,
+        t["data_offsets"][1].as_u64().unwrap() as usize,
+    );
+    let nan: &[u8] = match t["dtype"].as_str().unwrap() {
+        "BF16" => &[0xc0, 0x7f],
+        "F32" => &[0, 0, 0xc0, 0x7f],
+        other => panic!("unexpected dtype {other}"),
+    };
+    for chunk in bytes[8 + n + a..8 + n + b].chunks_exact_mut(nan.len()) {
+        chunk.copy_from_slice(nan);
+    }
+    std::fs::write(&path, bytes).unwrap();
+}
+
 /// A dump directory (docs/import.md) with one token and a manifest whose
 /// `decoding` is `decoding`.
 fn dump(dir: &Path, decoding: &str) -> PathBuf {
@@ -672,6 +695,8 @@ fn limit_cases(d: &Path) -> Vec<Case> {
     let sink = model_copy(&d.join("model-sinkhorn"), false, |v| {
         v["hc_sinkhorn_iters"] = (1u64 << 24).into()
     });
+    let nan = model_copy(&d.join("model-nan"), true, |_| {});
+    poison_tensor(&nan, "layers.0.ffn_norm.weight");
     let with_dir = model_copy(&d.join("model-dir"), false, |_| {});
     std::fs::create_dir(with_dir.join("x.safetensors")).unwrap();
     let run = |model: &str, out: &str, extra: &[&str]| {
@@ -712,6 +737,7 @@ fn limit_cases(d: &Path) -> Vec<Case> {
         Case::new("run-sinkhorn-2-pow-24", 5, 2, "hc_sinkhorn_iters", &[]).absent(&out("sink.bin")),
         Case::new("run-rope-theta-zero", 6, 2, "rope_theta", &[]).absent(&out("rope.bin")),
         Case::new("run-fork-step-beyond-the-run", 6, 2, "--fork-step 99", &[]).absent(&out("fork.bin")),
+        Case::new("run-nan-weights", 6, 2, "non-finite", &[]).absent(&out("nan.bin")),
         Case::new("run-directory-named-safetensors", 7, 2, "x.safetensors", &[]).absent(&out("dir.bin")),
     ];
     cases[1].args = vec![
@@ -740,7 +766,8 @@ fn limit_cases(d: &Path) -> Vec<Case> {
         &p("fork.bin"),
         &["--fork-layer", "3", "--fork-step", "99"],
     );
-    cases[8].args = run(&s(&with_dir), &p("dir.bin"), &[]);
+    cases[8].args = run(&s(&nan), &p("nan.bin"), &[]);
+    cases[9].args = run(&s(&with_dir), &p("dir.bin"), &[]);
     cases
 }
 
