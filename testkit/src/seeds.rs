@@ -40,9 +40,22 @@ pub fn scratch_root() -> PathBuf {
 /// [`scratch_root`], created on first use (one per process, so parallel
 /// fuzzing jobs never share files). Left behind on exit: remove
 /// `/dev/shm/moeconf-fuzz-*` after a campaign.
+///
+/// The first call also makes the calling thread the only thread of
+/// rayon's global pool, so that the payload verification and hashing a
+/// target triggers run inline on the fuzzing thread instead of being handed
+/// to pool threads: on a loaded machine every hand-off waits for a CPU, and
+/// the fuzzing process otherwise spent most of its time waiting. Results
+/// never depend on the number of threads (a project rule, tested
+/// elsewhere), so this changes speed only.
 pub fn fuzz_dir() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
+        // Fails only when the global pool already exists; then it stays as it is.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .use_current_thread()
+            .build_global();
         let d = scratch_root().join(format!("moeconf-fuzz-{}", std::process::id()));
         if let Err(e) = std::fs::create_dir_all(&d) {
             panic!("cannot create the fuzz scratch directory {}: {e}", d.display());
