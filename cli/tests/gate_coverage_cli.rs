@@ -452,8 +452,11 @@ fn a_differing_record_without_a_layer_is_named_in_the_summary() {
     let out = stdout(&o);
     let summary = out.trim_end().lines().last().unwrap();
     assert!(!out.contains("steps []"), "{out}");
-    assert_eq!(
-        summary, "first divergence: L4 step 0 position 0 operator attn.norm",
+    // Since the headline rule (#13) the summary goes on to classify the
+    // divergence ("absorbed before the next checkpoint; ..."): the record
+    // itself is what this test is about.
+    assert!(
+        summary.starts_with("first divergence: L4 step 0 position 0 operator attn.norm,"),
         "{out}"
     );
     assert!(
