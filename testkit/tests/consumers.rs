@@ -32,7 +32,7 @@ fn reached(counts: [usize; 6], want: Seen, min: usize) {
     }
 }
 
-const N: usize = 1500;
+const N: usize = 2000;
 
 #[test]
 fn diff_oracles_hold_on_seeded_inputs() {
