@@ -21,6 +21,9 @@ const CRATES: &[&str] = &[
     "cli",
     "fixtures",
     "replay",
+    "testkit",
+    "report",
+    "bench",
 ];
 
 /// The one file allowed to spell paths.

@@ -1,0 +1,26 @@
+//! Test-only generators and oracles for moeconf (never a dependency of a
+//! shipped crate; `publish = false`).
+//!
+//! Fuzzing only the trace reader leaves the commands that give verdicts
+//! untested against hostile but internally consistent input. This crate
+//! generates such input with the project's own writer and drives the
+//! consumers with it:
+//!
+//! * [`gen`]: root-consistent traces of a small made-up MoE run, drawn
+//!   from an [`arbitrary::Unstructured`] byte source;
+//! * [`mutate`]: candidates that differ from their reference in drawn ways,
+//!   and one flipped payload bit behind valid checksums;
+//! * [`policy`]: gate policies from the documented grammar (docs/ci.md §2);
+//! * [`dump`]: import dumps (docs/import.md) of a generated trace;
+//! * [`targets`]: the bodies of the cargo-fuzz targets `diff`, `gate`,
+//!   `certify` and `import` (fuzz/), with their oracles asserted inside;
+//! * [`seeds`]: deterministic inputs, so that the default test suite runs
+//!   every body on a few thousand of them (`testkit/tests/consumers.rs`).
+#![deny(missing_docs)]
+
+pub mod dump;
+pub mod gen;
+pub mod mutate;
+pub mod policy;
+pub mod seeds;
+pub mod targets;

@@ -1,0 +1,65 @@
+//! Deterministic fuzz inputs for the default test suite, and the scratch
+//! directory the target bodies write into.
+
+use std::path::PathBuf;
+
+/// `n` deterministic inputs of 16–2048 bytes from a SplitMix64 stream
+/// seeded with `seed` (the same bytes on every machine).
+pub fn inputs(seed: u64, n: usize) -> impl Iterator<Item = Vec<u8>> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    (0..n).map(move |_| {
+        let len = 16 + (next() % 2033) as usize;
+        (0..len.div_ceil(8))
+            .flat_map(|_| next().to_le_bytes())
+            .take(len)
+            .collect()
+    })
+}
+
+/// Where scratch files go: `/dev/shm` when it is a writable directory (the
+/// writers sync every file; on a RAM file system that costs nothing),
+/// otherwise the system temporary directory.
+pub fn scratch_root() -> PathBuf {
+    let shm = PathBuf::from("/dev/shm");
+    let writable = std::fs::metadata(&shm).is_ok_and(|m| m.is_dir() && !m.permissions().readonly());
+    if writable {
+        shm
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// The scratch directory of a fuzzing process: `moeconf-fuzz-PID` under
+/// [`scratch_root`], created on first use (one per process, so parallel
+/// fuzzing jobs never share files). Left behind on exit: remove
+/// `/dev/shm/moeconf-fuzz-*` after a campaign.
+///
+/// The first call also makes the calling thread the only thread of
+/// rayon's global pool, so that the payload verification and hashing a
+/// target triggers run inline on the fuzzing thread instead of being handed
+/// to pool threads: on a loaded machine every hand-off waits for a CPU, and
+/// the fuzzing process otherwise spent most of its time waiting. Results
+/// never depend on the number of threads (a project rule, tested
+/// elsewhere), so this changes speed only.
+pub fn fuzz_dir() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        // Fails only when the global pool already exists; then it stays as it is.
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .use_current_thread()
+            .build_global();
+        let d = scratch_root().join(format!("moeconf-fuzz-{}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(&d) {
+            panic!("cannot create the fuzz scratch directory {}: {e}", d.display());
+        }
+        d
+    })
+}

@@ -1,0 +1,428 @@
+//! The bodies of the consumer fuzz targets (`fuzz/fuzz_targets/*.rs`), also
+//! run on deterministic seeds by the default test suite
+//! (`testkit/tests/consumers.rs`). Each draws its inputs from `data`, runs
+//! one consumer, and asserts the oracles of docs/performance.md ("Fuzzing
+//! the consumers"); a failed oracle panics, which libFuzzer reports as a
+//! crash. `dir` is a scratch directory the body may overwrite.
+
+use crate::gen::{GenOptions, TraceSpec};
+use crate::mutate::{flip_payload_bit, held_levels, mutate, record_keys, record_keys_at};
+use arbitrary::{Result, Unstructured};
+use moeconf_bisect::{diff, open_pair, DiffOptions, Verdict};
+use moeconf_fingerprint::{Component, LevelSet};
+use moeconf_gate::baseline::Baseline;
+use moeconf_gate::policy::{resolve, Mode, Profile};
+use moeconf_gate::{against_baseline, against_reference, GateError, GateReport};
+use moeconf_schema::Trace;
+use std::path::{Path, PathBuf};
+
+/// What one execution of a target body reached (bits), so that the
+/// seeded tests can check that the oracles are exercised, not skipped.
+pub type Seen = u32;
+/// A verdict (or report) was produced for the candidate.
+pub const VERDICT: Seen = 1;
+/// The candidate held the same records as the reference and the oracle ran.
+pub const SAME: Seen = 2;
+/// The candidate held different records and the oracle ran.
+pub const DIFFERENT: Seen = 4;
+/// A flipped payload bit was checked.
+pub const FLIP: Seen = 8;
+/// A passing (or equivalent, or certified, or imported) result was seen.
+pub const PASSED: Seen = 16;
+/// A failing (divergent) result or an error was seen.
+pub const REFUSED: Seen = 32;
+
+/// Writes `spec` to `dir/name`; `None` when the writer refuses it.
+fn write(spec: &TraceSpec, dir: &Path, name: &str) -> Option<PathBuf> {
+    let p = dir.join(name);
+    spec.write(&p).ok().map(|_| p)
+}
+
+/// Writes a generated (never mutated) spec: the writer must accept it and
+/// its reader must accept what it wrote, payloads included.
+fn write_valid(spec: &TraceSpec, dir: &Path, name: &str) -> (PathBuf, Trace) {
+    let p = dir.join(name);
+    if let Err(e) = spec.write(&p) {
+        panic!("the writer refused a generated trace: {e}");
+    }
+    match Trace::open_verified(&p) {
+        Ok(t) => (p, t),
+        Err(e) => panic!("the reader refused what the writer wrote: {e}"),
+    }
+}
+
+/// The trace at `path` with one payload bit flipped, written to
+/// `dir/flipped.bin`; `None` when it keeps no payload byte.
+fn flipped(u: &mut Unstructured<'_>, path: &Path, dir: &Path) -> Result<Option<(PathBuf, Trace, usize)>> {
+    let (Ok(mut bytes), Ok(t)) = (std::fs::read(path), Trace::open(path)) else {
+        return Ok(None);
+    };
+    let Some(i) = flip_payload_bit(u, &t, &mut bytes)? else {
+        return Ok(None);
+    };
+    let out = dir.join("flipped.bin");
+    if std::fs::write(&out, &bytes).is_err() {
+        return Ok(None);
+    }
+    let Ok(ft) = Trace::from_bytes(&out, bytes) else {
+        panic!("a flipped payload bit made the index or trailer invalid: payloads must only be covered by their digests")
+    };
+    Ok(Some((out, ft, i)))
+}
+
+/// `diff`: the candidate is the reference's content, mutated 0–3 times.
+/// Oracles: both files open verified; the same records are equivalent
+/// (an error only when a refusing binding field differs and no `--force`);
+/// different records are never equivalent; a trace against itself is
+/// equivalent; one flipped payload bit of either side is an error of
+/// [`open_pair`].
+pub fn diff_case(data: &[u8], dir: &Path) -> Seen {
+    let mut seen = 0;
+    let _ = diff_body(&mut Unstructured::new(data), dir, &mut seen);
+    seen
+}
+
+fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
+    let r = TraceSpec::generate(u, GenOptions::default())?;
+    let c = mutate(u, &r)?;
+    let (rp, rt) = write_valid(&r, dir, "ref.bin");
+    let Some(cp) = write(&c, dir, "cand.bin") else {
+        return Ok(());
+    };
+    let (rt2, ct) = match open_pair(&rp, &cp) {
+        Ok(p) => p,
+        Err(e) => panic!("open_pair refused what the writer wrote: {e}"),
+    };
+    let opts = DiffOptions {
+        force: u.arbitrary()?,
+        contract_inference: u.arbitrary()?,
+    };
+    if !rt.records().is_empty() {
+        let own = diff(&rt, &rt2, &opts).map(|d| d.verdict);
+        assert!(
+            matches!(own, Ok(Verdict::Equivalent)),
+            "a trace against itself: {own:?}"
+        );
+    }
+    let same = record_keys(&rt) == record_keys(&ct);
+    match diff(&rt, &ct, &opts) {
+        Ok(rep) => {
+            *seen |= VERDICT | if same { SAME | PASSED } else { DIFFERENT | REFUSED };
+            let _ = (rep.to_json(), rep.render_text(false), rep.render_text(true));
+            assert_eq!(
+                rep.verdict == Verdict::Equivalent,
+                same,
+                "verdict {:?} but the traces hold {} records\n{}",
+                rep.verdict,
+                if same { "the same" } else { "different" },
+                rep.render_text(true)
+            );
+        }
+        Err(e) => {
+            *seen |= REFUSED;
+            let refusing = r.header.binding.prompt != c.header.binding.prompt && !opts.force;
+            assert!(
+                !same || refusing || rt.records().is_empty(),
+                "the same records, no refusing difference, yet an error: {e}"
+            );
+        }
+    }
+    if u.arbitrary()? {
+        if let Some((fp, _, _)) = flipped(u, &rp, dir)? {
+            assert!(open_pair(&fp, &cp).is_err(), "flipped reference payload accepted");
+            *seen |= FLIP;
+        }
+    } else if let Some((fp, _, _)) = flipped(u, &cp, dir)? {
+        assert!(open_pair(&rp, &fp).is_err(), "flipped candidate payload accepted");
+        *seen |= FLIP;
+    }
+    Ok(())
+}
+
+/// Whether a gate result passes.
+fn passes(r: &std::result::Result<GateReport, GateError>) -> bool {
+    r.as_ref().is_ok_and(|rep| rep.verdict.passes())
+}
+
+/// Renders every report format (none may panic).
+fn render(r: &std::result::Result<GateReport, GateError>) {
+    match r {
+        Ok(rep) => {
+            let _ = (
+                rep.to_json(),
+                rep.render_text(),
+                moeconf_gate::report_junit::render(rep),
+                moeconf_gate::report_md::render(rep),
+            );
+        }
+        Err(e) => {
+            let _ = e.to_string();
+        }
+    }
+}
+
+/// The expectation of a gate of a trace (or its baseline) against itself
+/// under `p`: it passes exactly when the trace holds records and every
+/// level the profile requires.
+fn check_self(name: &str, t: &Trace, p: &Profile, got: &std::result::Result<GateReport, GateError>) {
+    let held = held_levels(t);
+    let required = p
+        .required_levels(LevelSet::from_bits(held).unwrap_or(LevelSet::EMPTY))
+        .bits();
+    let should_pass = held != 0 && required & !held == 0;
+    assert_eq!(
+        passes(got),
+        should_pass,
+        "{name} against itself under {p:?}: {:?}",
+        got.as_ref().map(|r| r.render_text())
+    );
+}
+
+/// `gate`: a drawn policy, the reference against itself (trace and blessed
+/// baseline), the mutated candidate against both, and flipped payload bits.
+/// Oracles: against itself (and a candidate with the same generated
+/// content, in another file) the gate passes exactly when the trace is
+/// non-empty and holds every required level; when every level the
+/// reference holds is judged bitwise (trace) or not `info` (baseline), a
+/// candidate whose records at those levels differ never passes; one flipped
+/// payload bit of either side is an error.
+pub fn gate_case(data: &[u8], dir: &Path) -> Seen {
+    let mut seen = 0;
+    let _ = gate_body(&mut Unstructured::new(data), dir, &mut seen);
+    seen
+}
+
+fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
+    let r = TraceSpec::generate(u, GenOptions::default())?;
+    let c = mutate(u, &r)?;
+    let (rp, rt) = write_valid(&r, dir, "ref.bin");
+    let o = crate::policy::overrides(u, dir)?;
+    let Ok((p, _)) = resolve(&o, dir) else {
+        return Ok(());
+    };
+    let own = against_reference(&rp, &rt, &p, false);
+    render(&own);
+    check_self("trace", &rt, &p, &own);
+    *seen |= SAME | if passes(&own) { PASSED } else { REFUSED };
+    let bp = dir.join("baseline.json");
+    let blessed = !rt.records().is_empty() && Baseline::of(&rt).and_then(|b| b.write(&bp)).is_ok();
+    if blessed {
+        let own = against_baseline(&bp, &rt, &p, false);
+        render(&own);
+        check_self("baseline", &rt, &p, &own);
+    }
+    let Some(cp) = write(&c, dir, "cand.bin") else {
+        return Ok(());
+    };
+    let ct = match Trace::open(&cp) {
+        Ok(t) => t,
+        Err(e) => panic!("the reader refused what the writer wrote: {e}"),
+    };
+    let force = u.arbitrary()?;
+    let held = held_levels(&rt);
+    let differs = record_keys_at(&rt, held) != record_keys_at(&ct, held);
+    let got = against_reference(&rp, &ct, &p, force);
+    render(&got);
+    if c == r {
+        // The same generated content in another file: judged as the trace itself.
+        check_self("an identical candidate", &rt, &p, &got);
+    }
+    let all = |ok: &dyn Fn(Mode) -> bool| (0..5).all(|l| held & (1 << l) == 0 || ok(p.levels[l]));
+    if differs && all(&|m| m == Mode::Bitwise) {
+        assert!(!passes(&got), "a differing candidate passed a bitwise gate");
+        *seen |= DIFFERENT;
+    }
+    *seen |= VERDICT;
+    if blessed {
+        let got = against_baseline(&bp, &ct, &p, force);
+        render(&got);
+        if c == r {
+            check_self("an identical candidate against the baseline", &rt, &p, &got);
+        }
+        if differs && all(&|m| m != Mode::Info) {
+            assert!(!passes(&got), "a differing candidate passed a baseline gate");
+        }
+    }
+    if u.arbitrary()? {
+        if let Some((fp, _, _)) = flipped(u, &rp, dir)? {
+            assert!(
+                against_reference(&fp, &ct, &p, force).is_err(),
+                "flipped reference payload accepted"
+            );
+            *seen |= FLIP;
+        }
+    } else if let Some((_, ft, _)) = flipped(u, &cp, dir)? {
+        assert!(
+            against_reference(&rp, &ft, &p, force).is_err(),
+            "flipped candidate payload accepted"
+        );
+        *seen |= FLIP;
+        if blessed {
+            assert!(
+                against_baseline(&bp, &ft, &p, force).is_err(),
+                "flipped candidate accepted by a baseline"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `certify`: a trace that always captures L4 with payloads, 1–3 drawn
+/// contract families and small work limits. Oracles: every event is
+/// certified or counted as skipped; one flipped payload bit is an error of
+/// the verified open, and of `certify` itself when it lies in a routed
+/// term or shared output of an event that keeps all its payloads.
+pub fn certify_case(data: &[u8], dir: &Path) -> Seen {
+    let mut seen = 0;
+    let _ = certify_body(&mut Unstructured::new(data), dir, &mut seen);
+    seen
+}
+
+const FAMILIES: [&str; 8] = [
+    "c",
+    "a",
+    "b",
+    "p32",
+    "native",
+    "c+shape=tree",
+    "exact+operand=f32",
+    "b+order=class:1",
+];
+
+fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
+    use moeconf_bisect::{certify_within, CertifyLimits, Family};
+    let spec = TraceSpec::generate(u, GenOptions { levels: 1 << 4 })?;
+    let spec = if u.ratio(1, 4)? { mutate(u, &spec)? } else { spec };
+    let Some(path) = write(&spec, dir, "full.bin") else {
+        return Ok(());
+    };
+    let t = match Trace::open_verified(&path) {
+        Ok(t) => t,
+        Err(e) => panic!("the reader refused what the writer wrote: {e}"),
+    };
+    let mut families = Vec::new();
+    for _ in 0..u.int_in_range(1..=3)? {
+        let name = *u.choose(&FAMILIES)?;
+        if let Ok(contract) = moeconf_contract::AggregationContract::parse(name) {
+            families.push(Family {
+                name: name.into(),
+                contract,
+            });
+        }
+    }
+    let limits = CertifyLimits {
+        max_event_work: *u.choose(&[1 << 6, 1 << 10, 1 << 14])?,
+        max_total_work: *u.choose(&[1 << 8, 1 << 12, 1 << 16])?,
+    };
+    let events = moe_events(&t);
+    match certify_within(&t, &families, limits) {
+        Ok(rep) => {
+            let _ = (rep.to_json(), rep.render_text(false), rep.render_text(true));
+            assert_eq!(rep.rows.len() + rep.without_payload, events.len(), "events lost");
+            *seen |= VERDICT | PASSED;
+        }
+        Err(e) => {
+            let _ = e.to_string();
+            *seen |= REFUSED;
+        }
+    }
+    if let Some((_, ft, i)) = flipped(u, &path, dir)? {
+        assert!(ft.verify_payloads().is_err(), "flipped payload verified");
+        let e = &ft.records()[i];
+        let key = (e.coord.step, e.coord.position, e.coord.layer);
+        let in_event = Component::parse(&e.coord.path)
+            .is_some_and(|(c, _)| matches!(c, Component::MoeTerm | Component::MoeShared));
+        let complete = events.iter().any(|(k, all)| *k == key && *all);
+        if in_event && complete {
+            assert!(
+                certify_within(&ft, &families, limits).is_err(),
+                "certify used a flipped payload"
+            );
+            *seen |= FLIP;
+        }
+    }
+    Ok(())
+}
+
+/// A MoE event's (step, position, layer).
+type EventKey = (u32, u32, Option<u32>);
+
+/// The MoE events of a trace (step, position, layer) and whether every
+/// routed term and shared output of each keeps its payload.
+fn moe_events(t: &Trace) -> Vec<(EventKey, bool)> {
+    let mut out: Vec<(EventKey, bool)> = Vec::new();
+    for e in t.records() {
+        let Some((c, _)) = Component::parse(&e.coord.path) else {
+            continue;
+        };
+        if !matches!(c, Component::MoeTerm | Component::MoeShared) || e.coord.layer.is_none() {
+            continue;
+        }
+        let key = (e.coord.step, e.coord.position, e.coord.layer);
+        let has = e.payload.is_some();
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, all)) => *all &= has,
+            None => out.push((key, has)),
+        }
+    }
+    out
+}
+
+/// `import`: the generated records dumped as safetensors files by the
+/// naming convention of docs/import.md, with a manifest, sometimes with one
+/// drawn byte of a dump file or the manifest changed. Oracles: an unchanged
+/// dump imports, and the imported trace holds exactly the records (same
+/// coordinates, levels and digests) the writer wrote directly; whatever
+/// `import` accepts, the reader accepts with every payload verified.
+pub fn import_case(data: &[u8], dir: &Path) -> Seen {
+    let mut seen = 0;
+    let _ = import_body(&mut Unstructured::new(data), dir, &mut seen);
+    seen
+}
+
+fn import_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
+    let spec = TraceSpec::generate(u, GenOptions::default())?;
+    let (_, direct) = write_valid(&spec, dir, "direct.bin");
+    let dump = dir.join("dump");
+    let _ = std::fs::remove_dir_all(&dump);
+    if std::fs::create_dir_all(&dump).is_err() {
+        return Ok(());
+    }
+    crate::dump::write_dump(u, &spec, &dump)?;
+    let changed = u.ratio(1, 3)? && crate::dump::corrupt(u, &dump)?;
+    let out = dir.join("imported.bin");
+    let opts = moeconf_schema::import::ImportOptions {
+        input: dump,
+        output: out.clone(),
+        manifest: None,
+        algorithm: spec.alg,
+        canon: spec.header.binding.canon,
+        payload_levels: u.int_in_range(0..=31)?,
+    };
+    match moeconf_schema::import::import(&opts) {
+        Ok(_) => {
+            let t = match Trace::open_verified(&out) {
+                Ok(t) => t,
+                Err(e) => panic!("import wrote a trace its reader refuses: {e}"),
+            };
+            *seen |= VERDICT | PASSED;
+            if !changed {
+                assert_eq!(
+                    record_keys(&t),
+                    record_keys(&direct),
+                    "import changed the records"
+                );
+                *seen |= SAME;
+            }
+            if let Some((_, ft, _)) = flipped(u, &out, dir)? {
+                assert!(ft.verify_payloads().is_err(), "flipped imported payload verified");
+                *seen |= FLIP;
+            }
+        }
+        Err(e) => {
+            assert!(changed, "an unchanged dump was refused: {e}");
+            *seen |= REFUSED;
+        }
+    }
+    Ok(())
+}
