@@ -223,3 +223,31 @@ fn the_contract_flag_names_the_references_contract() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("b-asc.bin") && err.contains("hf-native"), "{err}");
 }
+
+#[test]
+fn a_corrupted_payload_is_an_error_even_where_replay_does_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = dir.path().join("all.bin");
+    run(&t, &["--capture", "all"]);
+    let mut bytes = std::fs::read(&t).unwrap();
+    // The middle of the file lies in the payloads (L4 operator records,
+    // which layer replay compares by digest and does not read).
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    let bad = dir.path().join("bad.bin");
+    std::fs::write(&bad, &bytes).unwrap();
+    for cmd in [
+        vec!["replay", s(&bad)],
+        vec!["replay", "--teacher-force", s(&bad)],
+        vec!["explain", s(&bad)],
+    ] {
+        let o = moeconf(&cmd);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        assert!(String::from_utf8_lossy(&o.stderr).contains("bad.bin"), "{cmd:?}");
+    }
+}

@@ -28,7 +28,8 @@ pub struct ExplainArgs {
 
 /// Runs `moeconf explain`.
 pub fn run(a: &ExplainArgs) -> anyhow::Result<ExitCode> {
-    let t = Trace::open(&a.trace)?;
+    // Every payload is re-hashed first (as for diff and gate).
+    let t = Trace::open_verified(&a.trace)?;
     let report = explain_trace(&t, &a.trace.display().to_string())?;
     match a.format {
         Format::Json => print_json(&report.to_json())?,

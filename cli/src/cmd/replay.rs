@@ -111,7 +111,10 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let mut checked = crate::output::check_outputs(&outs, &inputs)?.into_iter();
     let out = a.output.as_ref().and_then(|_| checked.next());
     let html = a.html.as_ref().and_then(|_| checked.next());
-    let trace = Trace::open(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
+    // Every payload is re-hashed first: a verdict never rests on a trace
+    // whose bytes disagree with its digests, whether replay reads them or not.
+    let trace =
+        Trace::open_verified(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
     let m = load_model(&model_spec(a, &trace)?)?;
     let precision = a.precision.as_deref().map(super::precision).transpose()?;
     let (text, json, code) = if a.teacher_force {
