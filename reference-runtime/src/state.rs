@@ -104,13 +104,20 @@ pub enum CompressorRole {
 }
 
 /// The six L2 components of one compressor, in serialization order.
-struct CompressorComponents {
-    buffer_kv: Component,
-    buffer_gate: Component,
-    compressed_kv: Component,
-    entry_count: Component,
-    overlap_kv: Component,
-    overlap_gate: Component,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompressorComponents {
+    /// Open-window kv buffer.
+    pub buffer_kv: Component,
+    /// Open-window gate buffer.
+    pub buffer_gate: Component,
+    /// Closed compressed entries.
+    pub compressed_kv: Component,
+    /// Number of closed entries.
+    pub entry_count: Component,
+    /// Overlap kv carried into the next window.
+    pub overlap_kv: Component,
+    /// Overlap gate carried into the next window.
+    pub overlap_gate: Component,
 }
 
 impl CompressorRole {
@@ -120,7 +127,9 @@ impl CompressorRole {
         (c.buffer_kv, c.buffer_gate)
     }
 
-    fn components(self) -> CompressorComponents {
+    /// This compressor's L2 components (the one table writers and readers
+    /// of the persistent state share).
+    pub fn components(self) -> CompressorComponents {
         use Component as C;
         match self {
             CompressorRole::Attention => CompressorComponents {

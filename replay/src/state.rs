@@ -4,7 +4,7 @@
 //! shapes the reference's attention relies on.
 
 use moeconf_fingerprint::Component;
-use moeconf_reference_runtime::state::{CompressorState, LayerState};
+use moeconf_reference_runtime::state::{CompressorComponents, CompressorRole, CompressorState, LayerState};
 
 use crate::candidate::Candidate;
 use crate::error::{ReplayError, Result};
@@ -90,36 +90,12 @@ impl Reader<'_, '_> {
     }
 }
 
-/// The compressor components of one role.
-struct Roles {
-    buffer_kv: Component,
-    buffer_gate: Component,
-    compressed_kv: Component,
-    entry_count: Component,
-    overlap_kv: Component,
-    overlap_gate: Component,
-}
-
-const MAIN: Roles = Roles {
-    buffer_kv: Component::StateCompressorBufferKv,
-    buffer_gate: Component::StateCompressorBufferGate,
-    compressed_kv: Component::StateCompressorCompressedKv,
-    entry_count: Component::StateCompressorEntryCount,
-    overlap_kv: Component::StateCompressorOverlapKv,
-    overlap_gate: Component::StateCompressorOverlapGate,
-};
-
-const INDEXER: Roles = Roles {
-    buffer_kv: Component::StateIndexerBufferKv,
-    buffer_gate: Component::StateIndexerBufferGate,
-    compressed_kv: Component::StateIndexerCompressedKv,
-    entry_count: Component::StateIndexerEntryCount,
-    overlap_kv: Component::StateIndexerOverlapKv,
-    overlap_gate: Component::StateIndexerOverlapGate,
-};
-
 /// Fills `cs` from the records of `roles`; `Ok(false)` when something is missing.
-fn compressor(r: &mut Reader<'_, '_>, roles: &Roles, cs: &mut CompressorState) -> Result<bool> {
+fn compressor(
+    r: &mut Reader<'_, '_>,
+    roles: &CompressorComponents,
+    cs: &mut CompressorState,
+) -> Result<bool> {
     let kv = r.floats(roles.buffer_kv)?;
     let gate = r.floats(roles.buffer_gate)?;
     let comp = r.floats(roles.compressed_kv)?;
@@ -172,10 +148,10 @@ pub(crate) fn carried(
     let win = r.floats(Component::StateWindowKv)?;
     let mut complete = len.is_some() && win.is_some();
     if let Some(c) = ls.compressor.as_mut() {
-        complete &= compressor(&mut r, &MAIN, c)?;
+        complete &= compressor(&mut r, &CompressorRole::Attention.components(), c)?;
     }
     if let Some(c) = ls.indexer.as_mut() {
-        complete &= compressor(&mut r, &INDEXER, c)?;
+        complete &= compressor(&mut r, &CompressorRole::Indexer.components(), c)?;
     }
     let (Some(len), Some(win), true) = (len, win, complete) else {
         return Ok(None);
