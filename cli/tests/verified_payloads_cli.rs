@@ -189,6 +189,24 @@ fn corrupted_reference_margin_never_turns_a_gate_fail_into_a_pass() {
 }
 
 #[test]
+fn a_token_flip_above_the_near_tie_threshold_fails_showing_the_reference_margin() {
+    // docs/ci.md §4: "A flip above the threshold fails, and the failure
+    // message shows the reference margin."
+    let repo = Repo::new();
+    let clean = repo.synthetic("clean.bin", 5, MARGIN);
+    let cand = repo.synthetic("cand.bin", 7, MARGIN);
+    let o = repo.moeconf(&["gate", s(&clean), s(&cand)]);
+    assert_eq!(code(&o), 1, "{}", stdout(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("argmax flip [5] -> [7] (reference margin 9.375e-2, near-tie threshold 5e-2)"),
+        "{out}"
+    );
+    let o = repo.moeconf(&["gate", s(&clean), s(&cand), "--format", "json"]);
+    assert!(stdout(&o).contains("reference margin 9.375e-2"), "{}", stdout(&o));
+}
+
+#[test]
 fn diff_of_a_corrupted_trace_is_an_error() {
     let repo = Repo::new();
     let cand = repo.synthetic("cand.bin", 7, MARGIN);

@@ -258,6 +258,49 @@ impl<'a> Gate<'a> {
         Ok(())
     }
 
+    /// A failing `token.output` or `router.topk` is a decision flip that was
+    /// not accepted as a near-tie: its failure message says which flip it
+    /// is, the reference margin at that decision and the near-tie threshold
+    /// (docs/ci.md §4), so a reviewer sees how far from a tie it was.
+    fn with_flip_margin(&self, p: RecordPair, outcome: Outcome) -> Result<Outcome, GateError> {
+        let Outcome::Fail(reason, minimal) = outcome else {
+            return Ok(outcome);
+        };
+        let (Some(i), Some(j)) = (p.reference, p.candidate) else {
+            return Ok(Outcome::Fail(reason, minimal));
+        };
+        let Some(re) = self.reference.records().get(i) else {
+            return Ok(Outcome::Fail(reason, minimal));
+        };
+        let path = re.coord.path.as_str();
+        let (kind, margin, threshold) = if Component::TokenOutput.matches(path) {
+            (
+                "argmax flip",
+                self.margins.lm.get(&re.coord.step).copied(),
+                self.profile.argmax_near_tie_margin,
+            )
+        } else if Component::RouterTopk.matches(path) {
+            (
+                "route flip",
+                self.margins.router.get(&RouteSite::of(re)).copied(),
+                self.profile.route_near_tie_margin,
+            )
+        } else {
+            return Ok(Outcome::Fail(reason, minimal));
+        };
+        let (a, b) = self.ids(i, j)?;
+        let margin = margin.map_or_else(|| "not recorded".to_string(), |m| format!("{m:.3e}"));
+        let tie = if threshold > 0.0 {
+            format!("near-tie threshold {threshold:e}")
+        } else {
+            "near-tie rule off".to_string()
+        };
+        Ok(Outcome::Fail(
+            format!("{kind} {a:?} -> {b:?} (reference margin {margin}, {tie}): {reason}"),
+            minimal,
+        ))
+    }
+
     /// Both payloads of a pair (verified), `None` on a side without one;
     /// one-sided pairs have none. A payload that does not match its record
     /// digest is an error of its side, never a judged difference.
@@ -517,6 +560,7 @@ pub fn evaluate(
         la.first_difference.get_or_insert_with(|| at.clone());
         merge_minimal(&mut la.minimal, gate.bitwise_minimal(p, payloads));
         if let Some((decider, outcome)) = gate.decide(p, payloads, &flips) {
+            let outcome = gate.with_flip_margin(p, outcome)?;
             tally.add(e.level, decider, at, outcome);
         }
     }
