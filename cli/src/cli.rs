@@ -74,6 +74,10 @@ pub enum Command {
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),
+    /// Export a model for another backend: `moeconf export gguf` writes the GGUF llama.cpp's
+    /// deepseek4 loads, with the same weights the reference runs (verified bit for bit).
+    #[command(subcommand)]
+    Export(cmd::export::ExportCommand),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]

@@ -7,6 +7,7 @@ pub mod certify;
 pub mod demo;
 pub mod diff;
 pub mod explain;
+pub mod export;
 pub mod gate;
 pub mod import;
 pub mod inspect;
@@ -35,6 +36,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Calibrate(a) => calibrate::run(&a),
         Command::Replay(a) => replay::run(&a),
         Command::Bench(b) => bench::run(&b),
+        Command::Export(e) => export::run(&e),
     }
 }
 
