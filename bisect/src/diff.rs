@@ -327,9 +327,17 @@ fn summary_line(
                 s.push_str(&format!(" (recomputed by the capture on {by})"));
             }
             if let Some(d) = divergences.first() {
-                // Said only when the match rests on more than bitwise
-                // equality of observed values.
-                if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                if let Some(c) = &d.coverage {
+                    // Partial coverage: the operator cannot be separated
+                    // from inputs one trace did not capture.
+                    s.push_str(&format!(
+                        ", localization ends here at {} ({})",
+                        c.finest_level,
+                        crate::coverage::needed_words(c)
+                    ));
+                } else if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                    // Said only when the match rests on more than bitwise
+                    // equality of observed values.
                     s.push_str(&format!(", inputs match ({n})"));
                 }
             }
@@ -540,6 +548,15 @@ impl Ctx<'_> {
             comparison: self.comparison(e.pair)?,
             beyond_storage_precision: self.beyond_storage(e.pair)?,
             recomputed: self.recomputed_side(&[e.pair]),
+            coverage: self.s.entry(e.pair).and_then(|en| {
+                self.coverage_limit(
+                    en.coord.step,
+                    en.coord.layer,
+                    en.coord.position,
+                    &en.coord.path,
+                    en.level,
+                )
+            }),
             at,
         }))
     }
@@ -982,6 +999,7 @@ impl Ctx<'_> {
             inputs_match,
             layer_kind: self.layer_kind_of(p),
             comparison: self.comparison(p)?,
+            coverage: self.coverage_limit(step, layer, position, &at.path, e.level),
             at,
         });
         Ok(rep)

@@ -445,7 +445,14 @@ impl DiffReport {
                 d.at.level,
                 how
             );
-            if !d.inputs_match {
+            if let Some(c) = &d.coverage {
+                let _ = writeln!(
+                    o,
+                    "      localization ends at this record ({}, the finest level both traces captured here): {}; its operator cannot be separated from these inputs",
+                    c.finest_level,
+                    crate::coverage::needed_words(c)
+                );
+            } else if !d.inputs_match {
                 let _ = writeln!(o, "      (some of its inputs differ too)");
             } else if let Some(n) = &d.inputs_note {
                 let _ = writeln!(o, "      inputs match ({n})");
@@ -706,15 +713,34 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
             o,
             "   localized operator: {} — {}",
             st.bold(&loc.at.describe()),
-            match (loc.inputs_match, &loc.inputs_note) {
-                (true, None) => "its output differs while its inputs match".to_string(),
-                (true, Some(n)) => format!("its output differs while its inputs match ({n})"),
-                (false, _) => "first differing operator (some inputs differ too)".to_string(),
+            match (&loc.coverage, loc.inputs_match, &loc.inputs_note) {
+                (Some(c), true, _) => format!(
+                    "localization ends here, at {} (the finest level both traces captured): its output differs, the inputs both traces hold match, and {}",
+                    c.finest_level,
+                    crate::coverage::needed_words(c)
+                ),
+                (None, true, None) => "its output differs while its inputs match".to_string(),
+                (None, true, Some(n)) => format!("its output differs while its inputs match ({n})"),
+                (_, false, _) => "first differing operator (some inputs differ too)".to_string(),
             }
         );
         let ins: Vec<String> = loc.inputs.iter().map(input_words).collect();
         if !ins.is_empty() {
             let _ = writeln!(o, "   inputs: {}", ins.join("; "));
+        }
+        if let Some(c) = &loc.coverage {
+            for n in &c.needed {
+                let why = n
+                    .reason
+                    .as_deref()
+                    .map(|r| format!(" (its capture says: {r})"))
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "   to localize further, the {} must capture {} ({} record(s) on the other side){why}",
+                    n.missing_in, n.record, n.held_by_other
+                );
+            }
         }
         if let Some(k) = &loc.layer_kind {
             let _ = writeln!(o, "   layer kind: {}", layer_kind_words(k));
