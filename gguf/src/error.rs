@@ -47,6 +47,10 @@ pub enum GgufError {
     /// Loading the checkpoint's config through the reference runtime failed.
     #[error(transparent)]
     Runtime(#[from] moeconf_reference_runtime::error::RuntimeError),
+    /// The output file is refused (an input of the command, a directory, a symbolic link, a
+    /// missing directory) or could not be committed.
+    #[error("{0}")]
+    Output(String),
     /// Computing the checkpoint's identity failed.
     #[error("{0}")]
     Identity(String),

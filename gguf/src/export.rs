@@ -21,7 +21,7 @@ use crate::read::GgufFile;
 use crate::source::Checkpoint;
 use crate::tokenizer::read_tokenizer;
 use crate::value::Value;
-use crate::write::write_gguf;
+use crate::write::write_gguf_checked;
 use crate::GgufError;
 
 /// Metadata key of the checkpoint's config digest (hex BLAKE3).
@@ -215,9 +215,12 @@ fn summary(path: &Path, bytes: u64, e: &Export, values_verified: u64) -> ExportS
 /// a `deepseek4` GGUF of type `ty`, `general.name` = `name`, then verifies it
 /// ([`verify`]). `out` is written atomically.
 pub fn export(dir: &Path, out: &Path, ty: ExportType, name: &str) -> Result<ExportSummary, GgufError> {
+    let mut inputs = moeconf_schema::Inputs::new();
+    inputs.dir_files(dir, "model file");
+    let checked = moeconf_schema::check_output(out, &inputs).map_err(|e| GgufError::Output(e.to_string()))?;
     let e = Export::prepare(dir, ty, name)?;
     let infos: Vec<_> = e.tensors.iter().map(|p| p.info.clone()).collect();
-    write_gguf(out, &e.metadata, &infos, |i, w| e.produce(&e.tensors[i], w))?;
+    write_gguf_checked(&checked, &e.metadata, &infos, |i, w| e.produce(&e.tensors[i], w))?;
     verify_against(&e, out)
 }
 

@@ -10,12 +10,14 @@
 //!
 //! `ne` is ggml's dimension order: `ne[0]` is the innermost (contiguous) dimension, so a
 //! row-major `[rows, cols]` matrix has `ne = [cols, rows]`. The file is written to a temporary
-//! sibling and renamed into place; the data of every tensor is produced by a callback, so a
+//! sibling and renamed into place ([`write_gguf_checked`]); the data of every tensor is produced by a callback, so a
 //! large checkpoint is streamed, never held in memory as a whole.
 
-use std::fs;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
+
+use moeconf_schema::output::AtomicFile;
+use moeconf_schema::CheckedOutput;
 
 use crate::ggml::GgmlType;
 use crate::value::{encode_str, Value};
@@ -126,12 +128,13 @@ pub fn encode_header(
     Ok((h, offsets))
 }
 
-/// Writes a GGUF file at `path` atomically: the metadata `kvs` (in this order), the tensor
-/// infos `tensors`, and for each tensor `i` the bytes `fill(i, sink)` writes, which must be
-/// exactly [`TensorInfo::bytes`] long. On any error the temporary file is removed and `path`
-/// is left untouched.
-pub fn write_gguf<F>(
-    path: &Path,
+/// Writes a GGUF file to the checked output `out` atomically (`moeconf_schema`'s
+/// `AtomicFile`: a temporary sibling renamed into place, never an input of the command): the
+/// metadata `kvs` (in this order), the tensor infos `tensors`, and for each tensor `i` the
+/// bytes `fill(i, sink)` writes, which must be exactly [`TensorInfo::bytes`] long. On any error
+/// the temporary file is removed and the destination is left untouched. Returns the file size.
+pub fn write_gguf_checked<F>(
+    out: &CheckedOutput,
     kvs: &[(String, Value)],
     tensors: &[TensorInfo],
     mut fill: F,
@@ -140,44 +143,50 @@ where
     F: FnMut(usize, &mut dyn Write) -> Result<(), GgufError>,
 {
     let (header, _) = encode_header(kvs, tensors)?;
-    let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out.gguf");
-    let tmp = path.with_file_name(format!(".{file_name}.moeconf-tmp.{}", std::process::id()));
+    let path = out.path().to_path_buf();
     let io = |e: std::io::Error| GgufError::Io {
-        path: path.to_path_buf(),
+        path: path.clone(),
         source: e,
     };
-    let result = (|| -> Result<u64, GgufError> {
-        let f = fs::File::create(&tmp).map_err(io)?;
-        let mut w = BufWriter::with_capacity(1 << 20, f);
-        w.write_all(&header).map_err(io)?;
-        let mut total = header.len() as u64;
-        for (i, t) in tensors.iter().enumerate() {
-            let want = t.bytes().unwrap_or(0);
-            let mut c = Counting {
-                inner: &mut w,
-                count: 0,
-            };
-            fill(i, &mut c)?;
-            if c.count != want {
-                return Err(GgufError::Invalid(format!(
-                    "tensor {}: produced {} bytes, its {} ne {:?} need {want}",
-                    t.name,
-                    c.count,
-                    t.ty.name(),
-                    t.ne
-                )));
-            }
-            let padded = pad_to(want, GGUF_DEFAULT_ALIGNMENT);
-            w.write_all(&vec![0u8; (padded - want) as usize]).map_err(io)?;
-            total += padded;
+    let mut w = AtomicFile::with_buffer(out, 1 << 20).map_err(|e| GgufError::Output(e.to_string()))?;
+    w.write_all(&header).map_err(io)?;
+    let mut total = header.len() as u64;
+    for (i, t) in tensors.iter().enumerate() {
+        let want = t.bytes().unwrap_or(0);
+        let mut c = Counting {
+            inner: &mut w,
+            count: 0,
+        };
+        fill(i, &mut c)?;
+        if c.count != want {
+            return Err(GgufError::Invalid(format!(
+                "tensor {}: produced {} bytes, its {} ne {:?} need {want}",
+                t.name,
+                c.count,
+                t.ty.name(),
+                t.ne
+            )));
         }
-        let f = w.into_inner().map_err(|e| io(e.into_error()))?;
-        f.sync_all().map_err(io)?;
-        fs::rename(&tmp, path).map_err(io)?;
-        Ok(total)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let padded = pad_to(want, GGUF_DEFAULT_ALIGNMENT);
+        w.write_all(&vec![0u8; (padded - want) as usize]).map_err(io)?;
+        total += padded;
     }
-    result
+    w.commit().map_err(|e| GgufError::Output(e.to_string()))?;
+    Ok(total)
+}
+
+/// [`write_gguf_checked`] to `path`, checked against no inputs (for tools and tests; commands
+/// check their outputs against their inputs first).
+pub fn write_gguf<F>(
+    path: &Path,
+    kvs: &[(String, Value)],
+    tensors: &[TensorInfo],
+    fill: F,
+) -> Result<u64, GgufError>
+where
+    F: FnMut(usize, &mut dyn Write) -> Result<(), GgufError>,
+{
+    let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new())
+        .map_err(|e| GgufError::Output(e.to_string()))?;
+    write_gguf_checked(&out, kvs, tensors, fill)
 }
