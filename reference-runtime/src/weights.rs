@@ -429,7 +429,7 @@ impl WeightLoader {
                 ) {
                     return Err(mismatch(
                         self,
-                        " (config.json declares no quantization for this tensor: no `quantization_config`, or no `expert_dtype: \"fp4\"` for routed experts)",
+                        " (config.json declares no quantization for this tensor: FP8 dense projections need a `quantization_config`, packed FP4 routed experts `expert_dtype: \"fp4\"`)",
                     ));
                 }
                 self.mat(name, rows, cols)
