@@ -524,9 +524,11 @@ impl Keys<'_> {
         }
         match text(m, "activation_scheme")?.as_deref() {
             None | Some("dynamic") => {}
-            Some(other) => return Err(self.err(format!(
+            Some(other) => {
+                return Err(self.err(format!(
                 "key `quantization_config.activation_scheme` = {other:?} is unsupported (only \"dynamic\")"
-            ))),
+            )))
+            }
         }
         if let Some(v) = m.get("expert_dtype").filter(|v| !v.is_null()) {
             let inner = expert_key(v, "quantization_config.expert_dtype")?;

@@ -445,7 +445,7 @@ impl Model {
     }
 
     /// The weights of layer `i`, if the model has it.
-    pub(crate) fn layer_weights(&self, i: usize) -> Option<&LayerWeights> {
+    pub fn layer_weights(&self, i: usize) -> Option<&LayerWeights> {
         self.layers.get(i)
     }
 
