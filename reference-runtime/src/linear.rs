@@ -215,7 +215,11 @@ pub fn dot8_fp8(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     // Each block is decoded into a buffer first (the table gather), then accumulated by the
     // same lane loop as `dot8`; the order of every product and sum is unchanged.
     let mut w = [0.0f32; FP8_BLOCK];
-    for (b, (cb, xb)) in codes[..n].chunks(FP8_BLOCK).zip(x[..n].chunks(FP8_BLOCK)).enumerate() {
+    for (b, (cb, xb)) in codes[..n]
+        .chunks(FP8_BLOCK)
+        .zip(x[..n].chunks(FP8_BLOCK))
+        .enumerate()
+    {
         let s = scales.get(b).map_or(f32::NAN, |&e| scale_value(e));
         for (wj, &c) in w.iter_mut().zip(cb) {
             *wj = quant::E4M3[usize::from(c)] * s;
@@ -250,7 +254,9 @@ pub fn dot8_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     let n = (2 * packed.len()).min(x.len()) & !1;
     let mut l = [0.0f32; LANES];
     let mut w = [0.0f32; MXFP4_GROUP];
-    let groups = packed[..n / 2].chunks(MXFP4_GROUP / 2).zip(x[..n].chunks(MXFP4_GROUP));
+    let groups = packed[..n / 2]
+        .chunks(MXFP4_GROUP / 2)
+        .zip(x[..n].chunks(MXFP4_GROUP));
     for (g, (pg, xg)) in groups.enumerate() {
         let s = scales.get(g).map_or(f32::NAN, |&e| scale_value(e));
         for (k, byte) in pg.iter().enumerate() {
