@@ -16,6 +16,7 @@
 use std::path::Path;
 
 use moeconf_reference_runtime::config::{AttentionKind, MlpKind, ModelConfig};
+use moeconf_reference_runtime::weights::LinearFormat;
 
 use crate::ggml::GgmlType;
 use crate::source::Checkpoint;
@@ -68,15 +69,29 @@ impl ExportType {
     }
 }
 
+/// How the reference runtime reads a checkpoint tensor (and so how the export reads its values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// A small BF16/F32 tensor copied out (`WeightLoader::vec_f32`): norms, biases, sinks,
+    /// mHC bases and scales, position biases.
+    Vector,
+    /// A matrix in the given format (`WeightLoader::linear`; `LinearFormat::Plain` for the
+    /// matrices the runtime always reads as BF16/F32: embedding, head, router, mHC, compressors,
+    /// indexer weights projection).
+    Matrix(LinearFormat),
+}
+
 /// How one GGUF tensor is made from the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recipe {
-    /// One real tensor of row-major `shape`.
+    /// One real tensor of row-major (logical) `shape`.
     Single {
         /// Checkpoint name.
         src: String,
-        /// Row-major shape.
+        /// Row-major logical shape (unpacked for MXFP4).
         shape: Vec<usize>,
+        /// How the runtime reads it.
+        class: Class,
     },
     /// Per-expert `[rows, cols]` matrices stacked into `[E, rows, cols]`.
     Stack {
@@ -86,6 +101,8 @@ pub enum Recipe {
         rows: usize,
         /// See `rows`.
         cols: usize,
+        /// The experts' format.
+        format: LinearFormat,
     },
     /// An index tensor of row-major `shape`, converted to I32, values below `bound`.
     Ids {
@@ -98,12 +115,31 @@ pub enum Recipe {
     },
 }
 
+fn scale_of(name: &str) -> String {
+    format!("{}.scale", name.strip_suffix(".weight").unwrap_or(name))
+}
+
 impl Recipe {
-    /// The checkpoint tensors the recipe reads.
-    pub fn sources(&self) -> Vec<&str> {
+    /// The checkpoint tensors the recipe reads (quantized weights with their `.scale`).
+    pub fn sources(&self) -> Vec<String> {
+        let quantized = |f: LinearFormat| f != LinearFormat::Plain;
         match self {
-            Recipe::Single { src, .. } | Recipe::Ids { src, .. } => vec![src.as_str()],
-            Recipe::Stack { srcs, .. } => srcs.iter().map(String::as_str).collect(),
+            Recipe::Single {
+                src,
+                class: Class::Matrix(f),
+                ..
+            } if quantized(*f) => vec![src.clone(), scale_of(src)],
+            Recipe::Single { src, .. } | Recipe::Ids { src, .. } => vec![src.clone()],
+            Recipe::Stack { srcs, format, .. } => {
+                let mut v = Vec::new();
+                for s in srcs {
+                    v.push(s.clone());
+                    if quantized(*format) {
+                        v.push(scale_of(s));
+                    }
+                }
+                v
+            }
         }
     }
 }
@@ -289,59 +325,84 @@ fn reversed(shape: &[usize]) -> Vec<u64> {
 }
 
 /// The export plan of `cfg` on checkpoint `ckpt`: every tensor llama.cpp's loader creates,
-/// in its order, with the checkpoint tensor(s) it is made of. Fails if a checkpoint tensor
-/// is missing or mis-shaped, or if the checkpoint holds a tensor llama.cpp has no place for
-/// (the GGUF would then not run the weights the reference runs).
+/// in its order, with the checkpoint tensor(s) it is made of and how the reference runtime
+/// reads them. Every tensor is checked as the runtime's loader checks it (shape, dtype, the
+/// format config.json declares, NaN codes, scale ranges). Fails if one is missing or bad, or if
+/// the checkpoint holds a tensor llama.cpp has no place for (the GGUF would then not run the
+/// weights the reference runs; `mtp.*` blocks excepted, which neither runs).
 pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<PlannedTensor>, GgufError> {
     let (d, hc, v) = (cfg.hidden_size, cfg.hc_mult, cfg.vocab_size);
+    let dense = cfg.weights.dense;
+    let plain = Class::Matrix(LinearFormat::Plain);
     let mut out: Vec<PlannedTensor> = Vec::new();
     let single = |out: &mut Vec<PlannedTensor>,
                   gguf: String,
                   src: String,
-                  shape: Vec<usize>|
+                  shape: Vec<usize>,
+                  class: Class|
      -> Result<(), GgufError> {
-        ckpt.expect(&src, &shape)?;
-        let t = float_type(ty, ckpt.is_f32(&src), shape.len(), false);
+        match class {
+            Class::Vector => {
+                ckpt.vector_values(&src, &shape)?;
+            }
+            Class::Matrix(f) => {
+                ckpt.matrix(&src, shape[0], shape[1], f)?;
+            }
+        }
+        let stored_f32 = class == Class::Vector && ckpt.is_f32(&src) || class == plain && ckpt.is_f32(&src);
+        let t = float_type(ty, stored_f32, shape.len(), false);
         out.push(PlannedTensor {
             info: TensorInfo {
                 name: gguf,
                 ne: reversed(&shape),
                 ty: t,
             },
-            recipe: Recipe::Single { src, shape },
+            recipe: Recipe::Single { src, shape, class },
         });
         Ok(())
     };
+    let vec1 = Class::Vector;
     single(
         &mut out,
         "token_embd.weight".into(),
         "embed.weight".into(),
         vec![v, d],
+        plain,
     )?;
     single(
         &mut out,
         "output_norm.weight".into(),
         "norm.weight".into(),
         vec![d],
+        vec1,
     )?;
-    single(&mut out, "output.weight".into(), "head.weight".into(), vec![v, d])?;
+    single(
+        &mut out,
+        "output.weight".into(),
+        "head.weight".into(),
+        vec![v, d],
+        plain,
+    )?;
     single(
         &mut out,
         "output_hc_fn.weight".into(),
         "hc_head_fn".into(),
         vec![hc, hc * d],
+        plain,
     )?;
     single(
         &mut out,
         "output_hc_base.weight".into(),
         "hc_head_base".into(),
         vec![hc],
+        vec1,
     )?;
     single(
         &mut out,
         "output_hc_scale.weight".into(),
         "hc_head_scale".into(),
         vec![1],
+        vec1,
     )?;
     let (h, hd, q, i_w, e, k) = (
         cfg.num_heads,
@@ -352,42 +413,72 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
         cfg.experts_per_tok,
     );
     let hc_rows = (2 + hc) * hc;
+    let dm = Class::Matrix(dense);
     for (il, (&kind, &mlp)) in cfg.layer_types.iter().zip(&cfg.mlp_layer_types).enumerate() {
         let b = |s: &str| format!("blk.{il}.{s}");
         let l = |s: &str| format!("layers.{il}.{s}");
-        single(&mut out, b("attn_norm.weight"), l("attn_norm.weight"), vec![d])?;
-        single(&mut out, b("attn_sinks.weight"), l("attn.attn_sink"), vec![h])?;
-        single(&mut out, b("attn_q_a.weight"), l("attn.wq_a.weight"), vec![q, d])?;
+        single(
+            &mut out,
+            b("attn_norm.weight"),
+            l("attn_norm.weight"),
+            vec![d],
+            vec1,
+        )?;
+        single(
+            &mut out,
+            b("attn_sinks.weight"),
+            l("attn.attn_sink"),
+            vec![h],
+            vec1,
+        )?;
+        single(
+            &mut out,
+            b("attn_q_a.weight"),
+            l("attn.wq_a.weight"),
+            vec![q, d],
+            dm,
+        )?;
         single(
             &mut out,
             b("attn_q_a_norm.weight"),
             l("attn.q_norm.weight"),
             vec![q],
+            vec1,
         )?;
         single(
             &mut out,
             b("attn_q_b.weight"),
             l("attn.wq_b.weight"),
             vec![h * hd, q],
+            dm,
         )?;
-        single(&mut out, b("attn_kv.weight"), l("attn.wkv.weight"), vec![hd, d])?;
+        single(
+            &mut out,
+            b("attn_kv.weight"),
+            l("attn.wkv.weight"),
+            vec![hd, d],
+            dm,
+        )?;
         single(
             &mut out,
             b("attn_kv_a_norm.weight"),
             l("attn.kv_norm.weight"),
             vec![hd],
+            vec1,
         )?;
         single(
             &mut out,
             b("attn_output_a.weight"),
             l("attn.wo_a.weight"),
             vec![cfg.o_groups * cfg.o_lora_rank, h * hd / cfg.o_groups],
+            dm,
         )?;
         single(
             &mut out,
             b("attn_output_b.weight"),
             l("attn.wo_b.weight"),
             vec![d, cfg.o_groups * cfg.o_lora_rank],
+            dm,
         )?;
         for site in ["attn", "ffn"] {
             single(
@@ -395,18 +486,21 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                 b(&format!("hc_{site}_fn.weight")),
                 l(&format!("hc_{site}_fn")),
                 vec![hc_rows, hc * d],
+                plain,
             )?;
             single(
                 &mut out,
                 b(&format!("hc_{site}_base.weight")),
                 l(&format!("hc_{site}_base")),
                 vec![hc_rows],
+                vec1,
             )?;
             single(
                 &mut out,
                 b(&format!("hc_{site}_scale.weight")),
                 l(&format!("hc_{site}_scale")),
                 vec![3],
+                vec1,
             )?;
         }
         let rate = cfg.compress_rate(kind);
@@ -417,24 +511,28 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                 b("attn_compressor_kv.weight"),
                 l("attn.compressor.wkv.weight"),
                 vec![width, d],
+                plain,
             )?;
             single(
                 &mut out,
                 b("attn_compressor_gate.weight"),
                 l("attn.compressor.wgate.weight"),
                 vec![width, d],
+                plain,
             )?;
             single(
                 &mut out,
                 b("attn_compressor_ape.weight"),
                 l("attn.compressor.ape"),
                 vec![rate, width],
+                vec1,
             )?;
             single(
                 &mut out,
                 b("attn_compressor_norm.weight"),
                 l("attn.compressor.norm.weight"),
                 vec![hd],
+                vec1,
             )?;
             if kind == AttentionKind::Csa {
                 let (hi, di) = (cfg.index_n_heads, cfg.index_head_dim);
@@ -443,12 +541,14 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                     b("indexer.proj.weight"),
                     l("attn.indexer.weights_proj.weight"),
                     vec![hi, d],
+                    plain,
                 )?;
                 single(
                     &mut out,
                     b("indexer.attn_q_b.weight"),
                     l("attn.indexer.wq_b.weight"),
                     vec![hi * di, q],
+                    dm,
                 )?;
                 let c = "attn.indexer.compressor.";
                 single(
@@ -456,24 +556,28 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                     b("indexer_compressor_kv.weight"),
                     l(&format!("{c}wkv.weight")),
                     vec![2 * di, d],
+                    plain,
                 )?;
                 single(
                     &mut out,
                     b("indexer_compressor_gate.weight"),
                     l(&format!("{c}wgate.weight")),
                     vec![2 * di, d],
+                    plain,
                 )?;
                 single(
                     &mut out,
                     b("indexer_compressor_ape.weight"),
                     l(&format!("{c}ape")),
                     vec![rate, 2 * di],
+                    vec1,
                 )?;
                 single(
                     &mut out,
                     b("indexer_compressor_norm.weight"),
                     l(&format!("{c}norm.weight")),
                     vec![di],
+                    vec1,
                 )?;
             }
         }
@@ -482,11 +586,12 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
             b("ffn_gate_inp.weight"),
             l("ffn.gate.weight"),
             vec![e, d],
+            plain,
         )?;
         match mlp {
             MlpKind::HashMoe => {
                 let src = l("ffn.gate.tid2eid");
-                ckpt.expect(&src, &[v, k])?;
+                ckpt.ids(&src, &[v, k], e)?;
                 out.push(PlannedTensor {
                     info: TensorInfo {
                         name: b("ffn_gate_tid2eid.weight"),
@@ -500,9 +605,16 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                     },
                 });
             }
-            MlpKind::Moe => single(&mut out, b("exp_probs_b.bias"), l("ffn.gate.bias"), vec![e])?,
+            MlpKind::Moe => single(&mut out, b("exp_probs_b.bias"), l("ffn.gate.bias"), vec![e], vec1)?,
         }
-        single(&mut out, b("ffn_norm.weight"), l("ffn_norm.weight"), vec![d])?;
+        single(
+            &mut out,
+            b("ffn_norm.weight"),
+            l("ffn_norm.weight"),
+            vec![d],
+            vec1,
+        )?;
+        let xf = cfg.weights.experts;
         for (gguf, w, rows, cols) in [
             ("ffn_gate_exps.weight", "w1", i_w, d),
             ("ffn_down_exps.weight", "w2", d, i_w),
@@ -513,16 +625,21 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
                 .collect();
             let mut f32_stored = false;
             for s in &srcs {
-                ckpt.expect(s, &[rows, cols])?;
-                f32_stored |= ckpt.is_f32(s);
+                ckpt.matrix(s, rows, cols, xf)?;
+                f32_stored |= xf == LinearFormat::Plain && ckpt.is_f32(s);
             }
             out.push(PlannedTensor {
                 info: TensorInfo {
                     name: b(gguf),
                     ne: vec![cols as u64, rows as u64, e as u64],
-                    ty: float_type(ty, f32_stored, 2, false),
+                    ty: float_type(ty, f32_stored, 2, xf == LinearFormat::Mxfp4),
                 },
-                recipe: Recipe::Stack { srcs, rows, cols },
+                recipe: Recipe::Stack {
+                    srcs,
+                    rows,
+                    cols,
+                    format: xf,
+                },
             });
         }
         single(
@@ -530,27 +647,30 @@ pub fn plan(cfg: &ModelConfig, ckpt: &Checkpoint, ty: ExportType) -> Result<Vec<
             b("ffn_gate_shexp.weight"),
             l("ffn.shared_experts.w1.weight"),
             vec![i_w, d],
+            dm,
         )?;
         single(
             &mut out,
             b("ffn_down_shexp.weight"),
             l("ffn.shared_experts.w2.weight"),
             vec![d, i_w],
+            dm,
         )?;
         single(
             &mut out,
             b("ffn_up_shexp.weight"),
             l("ffn.shared_experts.w3.weight"),
             vec![i_w, d],
+            dm,
         )?;
     }
     // Every checkpoint tensor must have a place: the GGUF then holds all the weights the
-    // reference runs (multi-token-prediction `mtp.*` tensors excepted: neither runs them).
-    let used: std::collections::BTreeSet<&str> = out.iter().flat_map(|p| p.recipe.sources()).collect();
+    // reference runs (multi-token-prediction `mtp.*` blocks excepted: neither runs them).
+    let used: std::collections::BTreeSet<String> = out.iter().flat_map(|p| p.recipe.sources()).collect();
     if let Some(extra) = ckpt
         .names()
         .into_iter()
-        .find(|n| !used.contains(n) && !n.starts_with("mtp."))
+        .find(|n| !used.contains(*n) && !n.starts_with("mtp."))
     {
         return Err(GgufError::Tensor {
             path: ckpt.dir().to_path_buf(),

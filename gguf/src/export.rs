@@ -15,8 +15,8 @@ use moeconf_contract::bf16::to_bf16_bits;
 use moeconf_fingerprint::{Algorithm, Digest};
 use moeconf_reference_runtime::config::ModelConfig;
 
-use crate::deepseek4::{self, ExportType, PlannedTensor, Recipe};
-use crate::ggml::GgmlType;
+use crate::deepseek4::{self, Class, ExportType, PlannedTensor, Recipe};
+use crate::ggml::{repack_mxfp4_row, GgmlType};
 use crate::read::GgufFile;
 use crate::source::Checkpoint;
 use crate::tokenizer::read_tokenizer;
@@ -50,6 +50,9 @@ pub struct ExportSummary {
     pub weights_digest: String,
     /// Metadata entries.
     pub metadata: usize,
+    /// MXFP4 elements whose checkpoint value is −0 (E2M1 code 0b1000) and which ggml
+    /// dequantizes to +0 (`kvalues_mxfp4[8] = 0`): equal values, different sign bits.
+    pub mxfp4_negative_zeros: u64,
 }
 
 /// Everything the export of one checkpoint writes, before any byte is written.
@@ -129,11 +132,25 @@ impl Export {
     /// The reference's values of a planned tensor, in GGUF element order.
     fn reference_values(&self, p: &PlannedTensor) -> Result<Vec<f32>, GgufError> {
         match &p.recipe {
-            Recipe::Single { src, shape } => self.ckpt.values(src, shape),
-            Recipe::Stack { srcs, rows, cols } => {
+            Recipe::Single {
+                src,
+                shape,
+                class: Class::Vector,
+            } => self.ckpt.vector_values(src, shape),
+            Recipe::Single {
+                src,
+                shape,
+                class: Class::Matrix(f),
+            } => self.ckpt.matrix_values(src, shape[0], shape[1], *f),
+            Recipe::Stack {
+                srcs,
+                rows,
+                cols,
+                format,
+            } => {
                 let mut v = Vec::with_capacity(srcs.len() * rows * cols);
                 for s in srcs {
-                    v.extend(self.ckpt.values(s, &[*rows, *cols])?);
+                    v.extend(self.ckpt.matrix_values(s, *rows, *cols, *format)?);
                 }
                 Ok(v)
             }
@@ -154,13 +171,38 @@ impl Export {
             let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
             return w.write_all(&bytes).map_err(io);
         }
+        if p.info.ty == GgmlType::Mxfp4 {
+            // The packed codes and scales move bit for bit (docs/interop-llamacpp.md §2).
+            let Recipe::Stack {
+                srcs,
+                rows,
+                cols,
+                format,
+            } = &p.recipe
+            else {
+                return Err(GgufError::Invalid(format!(
+                    "{}: MXFP4 only for stacked routed experts",
+                    p.info.name
+                )));
+            };
+            for s in srcs {
+                let m = self.ckpt.matrix(s, *rows, *cols, *format)?;
+                let mut bytes = Vec::with_capacity(rows * (cols / 32) * 17);
+                for r in 0..*rows {
+                    repack_mxfp4_row(m.row_bytes(r), m.row_scales(r), &mut bytes).map_err(|msg| {
+                        GgufError::Tensor {
+                            path: self.ckpt.dir().to_path_buf(),
+                            tensor: s.clone(),
+                            message: format!("row {r}: {msg}"),
+                        }
+                    })?;
+                }
+                w.write_all(&bytes).map_err(io)?;
+            }
+            return Ok(());
+        }
         let values = self.reference_values(p)?;
-        let src = p
-            .recipe
-            .sources()
-            .first()
-            .map(|s| s.to_string())
-            .unwrap_or_default();
+        let src = p.recipe.sources().first().cloned().unwrap_or_default();
         let bytes: Vec<u8> = match p.info.ty {
             GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             GgmlType::Bf16 => {
@@ -208,6 +250,7 @@ fn summary(path: &Path, bytes: u64, e: &Export, values_verified: u64) -> ExportS
         values_verified,
         weights_digest: e.weights_digest.clone(),
         metadata: e.metadata.len(),
+        mxfp4_negative_zeros: 0,
     }
 }
 
@@ -228,7 +271,9 @@ pub fn export(dir: &Path, out: &Path, ty: ExportType, name: &str) -> Result<Expo
 /// type it records (`moeconf.export.type`): the same metadata (same keys, same values, same
 /// order), the same tensors (names, dimensions, types, order), and every real value, read
 /// back and dequantized with ggml's formulas, bit-identical to the value the reference runtime
-/// computes with. A GGUF of another architecture, or one lacking a tensor, fails naming it.
+/// computes with (one exception, counted in [`ExportSummary::mxfp4_negative_zeros`]: ggml
+/// dequantizes the MXFP4 code for −0 to +0). A GGUF of another architecture, or one lacking a
+/// tensor, fails naming it.
 pub fn verify(dir: &Path, gguf: &Path, name: &str) -> Result<ExportSummary, GgufError> {
     let file = GgufFile::open(gguf)?;
     check_architecture(&file)?;
@@ -333,6 +378,7 @@ fn verify_against(e: &Export, gguf: &Path) -> Result<ExportSummary, GgufError> {
         )));
     }
     let mut verified = 0u64;
+    let mut negative_zeros = 0u64;
     for (i, p) in e.tensors.iter().enumerate() {
         let t = &file.tensors[i];
         if t.name != p.info.name {
@@ -363,19 +409,48 @@ fn verify_against(e: &Export, gguf: &Path) -> Result<ExportSummary, GgufError> {
         }
         let got = file.tensor_f32(&t.name)?;
         let want = e.reference_values(p)?;
-        if let Some(j) = (0..want.len()).find(|&j| got.get(j).map(|g| g.to_bits()) != Some(want[j].to_bits()))
-        {
+        if got.len() != want.len() {
             return Err(GgufError::Mismatch(format!(
-                "{path}: tensor {} element {j}: {:e} in the GGUF, {:e} in the checkpoint ({})",
+                "{path}: tensor {}: {} values, the checkpoint has {}",
                 t.name,
-                got.get(j).copied().unwrap_or(f32::NAN),
-                want[j],
-                p.recipe.sources().join(", ")
+                got.len(),
+                want.len()
+            )));
+        }
+        let mxfp4 = p.info.ty == GgmlType::Mxfp4;
+        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+            if g.to_bits() == w.to_bits() {
+                continue;
+            }
+            // ggml's kvalues_mxfp4[8] is 0: the E2M1 code 0b1000 (−0) dequantizes to +0. The
+            // values are equal (every product and sum is unchanged but for the sign of an
+            // all-zero sum); counted and reported, not hidden.
+            if mxfp4 && *g == 0.0 && *w == 0.0 {
+                negative_zeros += 1;
+                continue;
+            }
+            let (src, at) = source_element(&p.recipe, j);
+            return Err(GgufError::Mismatch(format!(
+                "{path}: tensor {} element {j}: {g:e} in the GGUF, {w:e} in the checkpoint ({src} element {at})",
+                t.name
             )));
         }
         verified += want.len() as u64;
     }
     let bytes = std::fs::metadata(gguf).map(|m| m.len()).unwrap_or(0);
     let _ = &e.cfg;
-    Ok(summary(gguf, bytes, e, verified))
+    let mut s = summary(gguf, bytes, e, verified);
+    s.mxfp4_negative_zeros = negative_zeros;
+    Ok(s)
+}
+
+/// The checkpoint tensor and its element index behind element `j` of a planned tensor.
+fn source_element(r: &Recipe, j: usize) -> (String, usize) {
+    match r {
+        Recipe::Stack { srcs, rows, cols, .. } => {
+            let per = (rows * cols).max(1);
+            (srcs.get(j / per).cloned().unwrap_or_default(), j % per)
+        }
+        Recipe::Single { src, .. } | Recipe::Ids { src, .. } => (src.clone(), j),
+    }
 }

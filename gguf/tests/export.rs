@@ -9,9 +9,17 @@ use moeconf_gguf::read::GgufFile;
 use moeconf_gguf::value::Value;
 use moeconf_gguf::write::{write_gguf, TensorInfo};
 use moeconf_gguf::{export, verify, GgmlType, GgufError};
+use moeconf_reference_runtime::weights::LinearFormat;
 
+/// The quantized fixture (FP8 dense, MXFP4 experts; CSA 4 / HCA 128, index_head_dim 128: within
+/// llama.cpp's deepseek4 constraints).
 fn fixture() -> PathBuf {
-    moeconf_fixtures::ensure_builtin(moeconf_fixtures::BUILTIN_TINY_V4_LLAMACPP).expect("fixture")
+    moeconf_fixtures::ensure_builtin(moeconf_fixtures::BUILTIN_TINY_V4_FP8).expect("fixture")
+}
+
+/// Its exact BF16 dequantization.
+fn twin() -> PathBuf {
+    moeconf_fixtures::ensure_builtin(moeconf_fixtures::BUILTIN_TINY_V4_FP8_BF16).expect("fixture")
 }
 
 fn u(file: &GgufFile, k: &str) -> u64 {
@@ -29,7 +37,7 @@ fn f32_and_bf16_exports_hold_the_deepseek4_metadata_and_verify_bit_for_bit() {
         (ExportType::Bf16, GgmlType::Bf16),
     ] {
         let out = tmp.path().join(format!("m-{}.gguf", ty.name()));
-        let s = export(&dir, &out, ty, "builtin:tiny-v4-llamacpp").expect("export");
+        let s = export(&dir, &out, ty, "builtin:tiny-v4-fp8").expect("export");
         let f = GgufFile::open(&out).expect("open");
         assert_eq!(f.architecture(), Some("deepseek4"));
         assert_eq!(u(&f, "deepseek4.block_count"), 9);
@@ -56,9 +64,14 @@ fn f32_and_bf16_exports_hold_the_deepseek4_metadata_and_verify_bit_for_bit() {
         );
         // Stacked experts: ne = [cols, rows, E], in the export type; vectors stay F32; tid2eid I32.
         let g = f.tensor("blk.3.ffn_gate_exps.weight").expect("gate exps");
-        assert_eq!((g.ne.clone(), g.ty), (vec![256, 64, 32], Some(want_matrix)));
+        assert_eq!((g.ne.clone(), g.ty), (vec![256, 128, 32], Some(want_matrix)));
         let dn = f.tensor("blk.3.ffn_down_exps.weight").expect("down exps");
-        assert_eq!(dn.ne, vec![64, 256, 32]);
+        assert_eq!(dn.ne, vec![128, 256, 32]);
+        // FP8 dense projections: their exact values in the export type.
+        assert_eq!(
+            f.tensor("blk.3.attn_q_b.weight").map(|t| (t.ne.clone(), t.ty)),
+            Some((vec![128, 1536], Some(want_matrix)))
+        );
         assert_eq!(
             f.tensor("blk.3.attn_norm.weight").and_then(|t| t.ty),
             Some(GgmlType::F32)
@@ -76,20 +89,63 @@ fn f32_and_bf16_exports_hold_the_deepseek4_metadata_and_verify_bit_for_bit() {
         assert!(f.tensor("blk.3.indexer_compressor_kv.weight").is_none());
         assert_eq!(
             f.tensor("blk.3.attn_compressor_ape.weight").map(|t| t.ne.clone()),
-            Some(vec![64, 128])
+            Some(vec![192, 128])
         );
         assert!(f.tensor("blk.0.attn_compressor_kv.weight").is_none());
         // Expert 5 of layer 3 is the 6th slice of the stack, equal to its checkpoint tensor.
         let stack = f.tensor_f32("blk.3.ffn_up_exps.weight").expect("up exps");
         let ckpt = moeconf_gguf::source::Checkpoint::open(&dir).expect("ckpt");
+        // (read through the runtime's loader from the MXFP4 checkpoint; compared as values:
+        // ggml dequantizes the -0 code to +0).
         let e5 = ckpt
-            .values("layers.3.ffn.experts.5.w3.weight", &[64, 256])
+            .matrix_values("layers.3.ffn.experts.5.w3.weight", 128, 256, LinearFormat::Mxfp4)
             .expect("w3");
-        assert_eq!(&stack[5 * 64 * 256..6 * 64 * 256], &e5[..]);
+        assert_eq!(&stack[5 * 128 * 256..6 * 128 * 256], &e5[..]);
         // Every value was compared, and verifying the file again from disk agrees.
         assert_eq!(s.tensors, f.tensors.len());
         assert!(s.values_verified > 10_000_000, "{}", s.values_verified);
         assert_eq!(verify(&dir, &out, "x").expect("verify"), s);
+    }
+}
+
+#[test]
+fn native_export_keeps_mxfp4_experts_bit_for_bit_and_equals_the_bf16_twin() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let native = tmp.path().join("n.gguf");
+    let s = export(&fixture(), &native, ExportType::Native, "n").expect("export");
+    let f = GgufFile::open(&native).expect("open");
+    let g = f.tensor("blk.4.ffn_down_exps.weight").expect("down exps");
+    assert_eq!(
+        (g.ne.clone(), g.ty, g.bytes),
+        (
+            vec![128, 256, 32],
+            Some(GgmlType::Mxfp4),
+            128 / 32 * 17 * 256 * 32
+        )
+    );
+    // Dense projections (FP8 in the checkpoint) are BF16: this ggml has no block-scaled FP8 type.
+    assert_eq!(
+        f.tensor("blk.4.attn_wkv.weight")
+            .or(f.tensor("blk.4.attn_kv.weight"))
+            .and_then(|t| t.ty),
+        Some(GgmlType::Bf16)
+    );
+    assert!(
+        s.mxfp4_negative_zeros > 0,
+        "the fixture's MXFP4 experts hold -0 codes"
+    );
+    // The BF16 twin's bf16 export holds the same values, bit for bit (up to ggml's +0 for -0).
+    let b = tmp.path().join("b.gguf");
+    export(&twin(), &b, ExportType::Bf16, "b").expect("export twin");
+    let fb = GgufFile::open(&b).expect("open");
+    for t in [
+        "blk.4.ffn_down_exps.weight",
+        "blk.2.attn_q_b.weight",
+        "output.weight",
+    ] {
+        let (x, y) = (f.tensor_f32(t).expect("native"), fb.tensor_f32(t).expect("twin"));
+        assert_eq!(x.len(), y.len());
+        assert!(x.iter().zip(&y).all(|(a, b)| a == b), "{t}");
     }
 }
 
@@ -128,7 +184,7 @@ fn rewrite(
 
 #[test]
 fn verification_names_what_differs() {
-    let dir = fixture();
+    let dir = twin();
     let tmp = tempfile::tempdir().expect("tempdir");
     let good = tmp.path().join("good.gguf");
     export(&dir, &good, ExportType::Bf16, "m").expect("export");
@@ -208,7 +264,7 @@ fn checkpoints_outside_the_loader_constraints_are_refused() {
 
 #[test]
 fn a_checkpoint_missing_a_tensor_is_refused_by_name() {
-    let src = fixture();
+    let src = twin();
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path().join("m");
     std::fs::create_dir(&dir).expect("mkdir");
@@ -223,7 +279,7 @@ fn a_checkpoint_missing_a_tensor_is_refused_by_name() {
         .into_iter()
         .filter(|(n, _)| n != "layers.5.attn.compressor.norm.weight")
         .collect();
-    safetensors::serialize_to_file(keep, &None, &dir.join("model.safetensors")).expect("write");
+    safetensors::serialize_to_file(keep, None, &dir.join("model.safetensors")).expect("write");
     let e = export(&dir, &tmp.path().join("x.gguf"), ExportType::F32, "m")
         .unwrap_err()
         .to_string();

@@ -66,8 +66,16 @@ fn gguf(a: &GgufArgs) -> anyhow::Result<ExitCode> {
         _ => bail!("give -o FILE to write a GGUF or --verify FILE to check one"),
     };
     let types: Vec<String> = s.by_type.iter().map(|(t, n)| format!("{n} {t}")).collect();
+    let zeros = if s.mxfp4_negative_zeros > 0 {
+        format!(
+            " except {} MXFP4 values that are -0 in the checkpoint and +0 in ggml (kvalues_mxfp4[8] = 0: equal values, other sign bit)",
+            s.mxfp4_negative_zeros
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "{} {} ({} bytes): {} tensors ({}), {} metadata entries; {} values bit-identical to the checkpoint's (weights {})",
+        "{} {} ({} bytes): {} tensors ({}), {} metadata entries; {} values bit-identical to the checkpoint's (weights {}){zeros}",
         if a.verify.is_some() { "verified" } else { "wrote" },
         s.path.display(),
         s.bytes,
