@@ -104,8 +104,10 @@ def main(argv=None):
     g.add_argument("--prompt-file")
     a.add_argument("--max-new-tokens", type=int, required=True)
     a.add_argument("-o", "--output", required=True)
-    a.add_argument("--reference", default=None, help="reference trace whose prompt ids llama.cpp's tokenization must equal")
-    a.add_argument("--threads", type=int, default=2)
+    g2 = a.add_mutually_exclusive_group()
+    g2.add_argument("--reference", default=None, help="reference trace whose prompt ids llama.cpp's tokenization must equal")
+    g2.add_argument("--reference-ids", default=None, help="the reference's prompt ids, comma-separated (as --reference)")
+    a.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: its decode attention is thread-count dependent with flash attention)")
     a.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     a.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     a.add_argument("--levels", default="all")
@@ -130,6 +132,8 @@ def main(argv=None):
                 else:
                     prompt = args.prompt
                 ref_ids = list(read_trace(args.reference).binding.prompt_ids) if args.reference else None
+                if args.reference_ids is not None:
+                    ref_ids = [int(x) for x in args.reference_ids.split(",") if x.strip()]
                 levels = "all" if args.levels == "all" else args.levels.split(",")
                 r = llama_capture(args.gguf, prompt, args.max_new_tokens, args.output, model_dir=args.model_dir,
                                   model_name=args.name, reference_ids=ref_ids, n_threads=args.threads,

@@ -127,7 +127,6 @@ NOT_CAPTURED = {
                             "cache (no gathered read tensor)",
     "attn.indexer_read": "indexer keys are stored Hadamard-rotated (lid_state_compress_rot), "
                          "not in the reference's basis",
-    "state.window_kv": "the sliding-window cache cells are not exposed in position order",
     "state.compressor.buffer_gate": "the compressor state stores gate + ape, not the raw gate",
     "state.indexer.buffer_gate": "the indexer compressor state stores gate + ape, not the raw gate",
     "state.indexer.compressed_kv": "indexer entries are stored Hadamard-rotated",
@@ -169,7 +168,7 @@ GgmlTensor._fields_ = [
 GGML_OBJECT_SIZE = 32
 
 #: ggml types the capture reads: id -> numpy dtype.
-GGML_DTYPES = {0: np.float32, 1: np.float16, 26: np.int32}
+GGML_DTYPES = {0: np.float32, 1: np.float16, 26: np.int32, 27: np.int64}
 
 
 def check_tensor_struct(overhead):
@@ -209,6 +208,7 @@ class GgufModel(NamedTuple):
     n_hash: int
     index_head_dim: int
     index_topk: int
+    window: int
     export_type: Optional[str]
     source_weights_digest: Optional[str]
     source_config_digest: Optional[str]
@@ -286,7 +286,7 @@ def check_gguf(path):
         n_expert=int(need("expert_count")), k=int(need("expert_used_count")),
         n_vocab=len(_field(reader, "tokenizer.ggml.tokens") or []), ratios=ratios[:n_layer],
         n_hash=int(need("hash_layer_count")), index_head_dim=int(need("attention.indexer.key_length")),
-        index_topk=int(need("attention.indexer.top_k")),
+        index_topk=int(need("attention.indexer.top_k")), window=int(need("attention.sliding_window")),
         export_type=_field(reader, "moeconf.export.type"),
         source_weights_digest=_field(reader, "moeconf.source.weights_digest"),
         source_config_digest=_field(reader, "moeconf.source.config_digest"),
@@ -445,14 +445,26 @@ def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
     return result
 
 
-def layer_state_records(nodes, cfg, layer, c):
+def layer_state_records(nodes, cfg, layer, c, cells=None):
     """The L2 records of ``layer`` after ``c`` tokens, from the observed state tensors: the
-    compressor rings (``dsv4_{csa,hca,lid}_state_{kv,score}_l<i>``, row ``p mod state_size`` for
-    position p; the score ring holds gate + ape) and the compressed cache (``cache_k_l<i>``, the
-    SET_ROWS whose rows come from the compressor). ``[(path, array)]`` in docs/operators.md §4
-    order, without the records :data:`NOT_CAPTURED` lists."""
+    window cache (``cache_k_l<i>``, the SET_ROWS whose rows are the layer's ``kv``: the cell of
+    each position is the index tensor the write used, collected in ``cells`` {position: cell}),
+    the compressor rings (``dsv4_{csa,hca,lid}_state_{kv,score}_l<i>``, row ``p mod state_size``
+    for position p; the score ring holds gate + ape) and the compressed cache (the SET_ROWS of
+    ``cache_k_l<i>`` whose rows come from the compressor). ``[(path, array)]`` in
+    docs/operators.md §4 order, without the records :data:`NOT_CAPTURED` lists."""
     ratio = cfg.ratios[layer]
     recs = [("state.cumulative_length", np.array([c], dtype=np.int64))]
+    raw = nodes.get(None, f"raw_cache_l{layer}", "SET_ROWS")
+    if raw is None or cells is None:
+        raise LlamaCppError(f"layer {layer}: the window cache write was not observed")
+    rows = np.ascontiguousarray(raw).reshape(-1, cfg.head_dim)
+    keep = range(max(0, c - (cfg.window - 1)), c)
+    missing = [p for p in keep if p not in cells or cells[p] >= rows.shape[0]]
+    if missing:
+        raise LlamaCppError(f"layer {layer}: no window cache cell known for position {missing[0]}")
+    recs.append(("state.window_kv", np.stack([rows[cells[p]] for p in keep]).astype(np.float32) if keep
+                 else np.zeros((0, cfg.head_dim), np.float32)))
     if ratio == 0:
         return recs
     d, di = cfg.head_dim, cfg.index_head_dim
@@ -568,12 +580,24 @@ class _Ggml:
         return np.array(view)
 
 
+def _cache_kind(t):
+    """``compressed`` / ``raw`` for a cache write (SET_ROWS of ``cache_k_l<i>``) by the name of the
+    rows it writes (``src[0]``), ``None`` for the indexer cache."""
+    src = t.src[0]
+    name = src.contents.name.decode("utf-8", errors="replace") if src else ""
+    if name.startswith(("csa_state_compress", "hca_state_compress")):
+        return "compressed"
+    if re.match(r"kv-\d+", name):
+        return "raw"
+    return None
+
+
 _WANTED_L2 = re.compile(r"dsv4_(csa|hca|lid)_state_(kv|score)_l(\d+) \(view\) \(view\)")
 _CACHE = re.compile(r"cache_k_l(\d+) \(view\)")
 
 
 def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_name=None, reference_ids=None,
-            levels="all", payload_levels="all", algorithm="blake3", n_threads=2, kv_type="f16",
+            levels="all", payload_levels="all", algorithm="blake3", n_threads=1, kv_type="f16",
             flash_attn="auto", n_ctx=None, check_identity=True, check_unobserved=True):
     """Runs the GGUF ``gguf_path`` greedily for ``max_new_tokens`` steps on ``prompt`` and writes a
     canonical trace to ``out_path`` (atomically).
@@ -673,11 +697,9 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
             if op == "SET_ROWS" and _WANTED_L2.fullmatch(name):
                 return bool(mask & LEVEL_BITS["L2"])
             if op == "SET_ROWS" and _CACHE.fullmatch(name):
-                # Only the compressed caches (rows from the compressor), not the raw window cache
-                # or the rotated indexer cache.
-                src = t.src[0]
-                src_name = src.contents.name.decode("utf-8", errors="replace") if src else ""
-                return bool(mask & LEVEL_BITS["L2"]) and src_name.startswith(("csa_state_compress", "hca_state_compress"))
+                # The compressed caches (rows from the compressor) and the window cache (rows from
+                # the layer's kv), not the rotated indexer cache.
+                return bool(mask & LEVEL_BITS["L2"]) and _cache_kind(t) is not None
             base, layer = split_name(name)
             if layer is None:
                 return name == "embd" and op == "GET_ROWS"
@@ -700,7 +722,11 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                 return True
             mc = _CACHE.fullmatch(name)
             if mc:
-                step_nodes[0].add(None, f"compressed_cache_l{mc.group(1)}", op, arr)
+                kind = _cache_kind(t)
+                step_nodes[0].add(None, f"{kind}_cache_l{mc.group(1)}", op, arr)
+                if kind == "raw":
+                    idx = ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)
+                    step_nodes[0].add(None, f"raw_cache_idx_l{mc.group(1)}", op, idx)
                 return True
             base, layer = split_name(name)
             step_nodes[0].add(layer, base, op, arr)
@@ -761,6 +787,7 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                           keep_payload=keep)
 
         generated = []
+        cells = {layer: {} for layer in range(cfg.n_layer)}
         pieces = b""
         feed = list(prompt_ids)
         start = 0
@@ -804,7 +831,12 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                  np.frombuffer(text_so_far.encode("utf-8"), np.uint8))
             if mask & LEVEL_BITS["L2"]:
                 for layer in range(cfg.n_layer):
-                    for path, a in layer_state_records(nodes, cfg, layer, last + 1):
+                    idx = nodes.get(None, f"raw_cache_idx_l{layer}", "SET_ROWS")
+                    if idx is None or np.asarray(idx).size != len(positions):
+                        raise LlamaCppError(f"layer {layer}: the window cache write indices were not observed")
+                    for p, cell in zip(positions, np.asarray(idx).reshape(-1).tolist()):
+                        cells[layer][p] = int(cell)
+                    for path, a in layer_state_records(nodes, cfg, layer, last + 1, cells[layer]):
                         emit(step, last, phase, layer, "L2", path, a)
             start += len(feed)
             feed = [nxt]

@@ -59,7 +59,7 @@ def test_the_rule_table_names_every_record_once_per_half():
 
 def _cfg(**kw):
     base = dict(path="m.gguf", n_layer=4, hidden=8, hc_mult=4, n_head=2, head_dim=4, n_expert=8, k=2, n_vocab=16,
-                ratios=[0, 4, 128, 0], n_hash=1, index_head_dim=4, index_topk=2, export_type="bf16",
+                ratios=[0, 4, 128, 0], n_hash=1, index_head_dim=4, index_topk=2, window=3, export_type="bf16",
                 source_weights_digest=None, source_config_digest=None, source_tokenizer_digest=None)
     base.update(kw)
     return lc.GgufModel(**base)
@@ -178,16 +178,24 @@ def test_state_rings_give_the_open_window_the_overlap_and_the_stored_entries():
     n.add(None, "dsv4_lid_state_score_l1", "SET_ROWS", score)
     cache = np.arange(256 * 4, dtype=np.float16).reshape(256, 4)
     n.add(None, "compressed_cache_l1", "SET_ROWS", cache)
-    recs = dict(lc.layer_state_records(n, cfg, 1, 6))
+    window = (np.arange(16 * 4, dtype=np.float16) / 4).reshape(16, 4)
+    for layer in (0, 1):
+        n.add(None, f"raw_cache_l{layer}", "SET_ROWS", window)
+    cells = {p: 10 - p for p in range(6)}          # any cell of the window cache, as the write indices say
+    recs = dict(lc.layer_state_records(n, cfg, 1, 6, cells))
     assert recs["state.cumulative_length"].tolist() == [6]
+    # The last window - 1 = 2 kv vectors, oldest first, read from their cells (F16 storage).
+    assert recs["state.window_kv"].tolist() == window[[6, 5]].astype(np.float32).tolist()
     assert recs["state.compressor.buffer_kv"].tolist() == kv[4:6].tolist()       # positions 4, 5
     assert recs["state.compressor.entry_count"].tolist() == [1]
     assert recs["state.compressor.compressed_kv"].tolist() == cache[:1].astype(np.float32).tolist()
     assert recs["state.compressor.overlap_kv"].tolist() == kv[0:4, :4].tolist()  # window 0, Ca half
     assert recs["state.compressor.overlap_gate"].tolist() == score[0:4, :4].tolist()
     assert "state.indexer.compressed_kv" not in recs and "state.compressor.buffer_gate" not in recs
-    # A sliding layer has only the counter.
-    assert [p for p, _ in lc.layer_state_records(n, cfg, 0, 6)] == ["state.cumulative_length"]
+    # A sliding layer has the counter and the window; an unknown cell is an error.
+    assert [p for p, _ in lc.layer_state_records(n, cfg, 0, 6, cells)] == ["state.cumulative_length", "state.window_kv"]
+    with pytest.raises(lc.LlamaCppError, match="position 5"):
+        lc.layer_state_records(n, cfg, 0, 6, {4: 0})
 
 
 # --------------------------------------------------------------------------- GGUF checks
@@ -199,7 +207,7 @@ def _write_gguf(path, arch="deepseek4", ratios=(0, 4), drop=(), n_hash=1):
         for key, val in (("block_count", n), ("embedding_length", 8), ("hyper_connection.count", 4),
                          ("attention.head_count", 2), ("attention.key_length", 4), ("expert_count", 8),
                          ("expert_used_count", 2), ("hash_layer_count", n_hash), ("attention.indexer.key_length", 64),
-                         ("attention.indexer.top_k", 2)):
+                         ("attention.indexer.top_k", 2), ("attention.sliding_window", 8)):
             w.add_uint32(f"deepseek4.{key}", val)
         w.add_array("deepseek4.attention.compress_ratios", list(ratios))
     w.add_token_list(["a", "b", "c"])
