@@ -54,7 +54,6 @@ def main():
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, MOECONF_CACHE_DIR=os.path.join(out, "cache"), NO_COLOR="1")
     import llama_cpp
-    import gguf
 
     def mc(*a, ok=(0,)):
         p = subprocess.run([args.moeconf, *map(str, a)], capture_output=True, text=True, env=env)
@@ -69,7 +68,9 @@ def main():
             sys.exit(f"python -m moeconf {' '.join(map(str, a))} exited {p.returncode}:\n{p.stderr}")
         return json.loads(p.stdout)
 
-    print(f"versions: llama-cpp-python {llama_cpp.__version__}, gguf {getattr(gguf, '__version__', '?')}; "
+    from importlib.metadata import version
+
+    print(f"versions: llama-cpp-python {llama_cpp.__version__}, gguf {version('gguf')}; "
           f"model {MODEL}; prompt fixtures/prompts/llamacpp.txt")
     report = {}
 
@@ -122,11 +123,15 @@ def main():
                   f"logits equal to an unobserved run: yes)")
 
     # 4. Pairs.
-    policy = os.path.join(out, "interop.toml")
-    doc = open(os.path.join(REPO, "docs", "interop.md"), encoding="utf-8").read()
-    m = re.search(r"<!-- interop-policy:begin -->\s*```toml\n(.*?)```", doc, re.S)
-    with open(policy, "w", encoding="utf-8") as f:
-        f.write(m.group(1))
+    policies = {}
+    for prof, doc_name in (("interop", "interop.md"), ("llamacpp", "interop-llamacpp.md")):
+        doc = open(os.path.join(REPO, "docs", doc_name), encoding="utf-8").read()
+        m = re.search(rf"<!-- {prof}-policy:begin -->\s*```toml\n(.*?)```", doc, re.S)
+        if not m:
+            sys.exit(f"docs/{doc_name}: no {prof}-policy block")
+        policies[prof] = os.path.join(out, f"{prof}.toml")
+        with open(policies[prof], "w", encoding="utf-8") as f:
+            f.write(m.group(1))
     for ty, prof in PAIRS:
         if prof not in profiles:
             print(f"\n== llama.cpp {ty} vs reference {prof}: n/a (no {prof} profile in this build)")
@@ -159,11 +164,14 @@ def main():
             first = next((i for i, (a, b) in enumerate(zip(rt, ct)) if a != b), None)
             print(f"  tokens: {agree}/{n} equal; first different generated token: "
                   f"{'none' if first is None else first + 1} (reference {rt}, llama.cpp {ct})")
-            g = mc("gate", "--policy", policy, "--profile", "interop", "--format", "json", R[prof, n], C[ty, n],
-                   ok=(0, 1))
-            gj = json.loads(g.stdout)
-            print(f"  gate --profile interop: exit {g.returncode} ({gate_words(gj)})")
-            report[name] = {"diff": j["summary"], "first": fd, "tokens_equal": agree, "gate": g.returncode}
+            report[name] = {"diff": j["summary"], "first": fd, "tokens_equal": agree}
+            for gp, gpath in policies.items():
+                g = mc("gate", "--policy", gpath, "--profile", gp, "--format", "json", R[prof, n], C[ty, n],
+                       ok=(0, 1))
+                gj = json.loads(g.stdout)
+                levels = ", ".join(f"{lv['level']} {lv['status']} ({lv['failed']} failed)" for lv in gj["levels"])
+                print(f"  gate --profile {gp}: exit {g.returncode} ({gate_words(gj)}); levels: {levels}")
+                report[name][f"gate {gp}"] = g.returncode
             if n != steps_list[0]:
                 continue
             e = json.loads(mc("explain", "--format", "json", C[ty, n]).stdout)["verdict"]
@@ -190,6 +198,14 @@ def main():
                   f"max KL {s['max_kl']:.3e} at step {s['max_kl_step']}")
 
     # 5. llama.cpp against itself.
+    n = steps_list[0]
+    for a, b in (("f32", "bf16"), ("bf16", "native")):
+        d = mc("diff", C[a, n], C[b, n], ok=(0, 1))
+        last = [x for x in d.stdout.splitlines() if x.startswith(("first divergence", "equivalent"))]
+        loc = [x.strip() for x in d.stdout.splitlines() if x.strip().startswith(("localized operator", "inputs:"))]
+        print(f"\n== llama.cpp {a} GGUF vs llama.cpp {b} GGUF, {n} tokens: exit {d.returncode}; {last[-1] if last else ''}")
+        for x in loc[:2]:
+            print(f"  {x}")
     print("\n== llama.cpp against itself (native GGUF, 3 tokens)")
     T = {}
     for fa in ("auto", "off"):
