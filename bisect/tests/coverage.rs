@@ -26,7 +26,6 @@ fn write(path: &Path, perturb: bool, drop: &[&str], notes: Vec<(String, String)>
             threads: 1,
             notes,
         },
-        ..Header::default()
     };
     let mut w = TraceWriter::create(path, Algorithm::Blake3, header).expect("create");
     let mut put = |layer: Option<u32>, p: &str, level: Level, dtype: DType, shape: &[u64], bytes: Vec<u8>| {

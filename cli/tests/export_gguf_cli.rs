@@ -8,7 +8,10 @@ use std::process::{Command, Output};
 fn moeconf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moeconf"))
         .args(args)
-        .env("MOECONF_CACHE_DIR", Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures"))
+        .env(
+            "MOECONF_CACHE_DIR",
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures"),
+        )
         .output()
         .expect("spawn moeconf")
 }
@@ -18,7 +21,11 @@ fn s(p: &Path) -> &str {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn twin() -> PathBuf {
@@ -30,7 +37,16 @@ fn twin() -> PathBuf {
 fn export_verify_and_tampering() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("m.gguf");
-    let o = moeconf(&["export", "gguf", "--model", "builtin:tiny-v4-fp8-bf16", "--type", "bf16", "-o", s(&out)]);
+    let o = moeconf(&[
+        "export",
+        "gguf",
+        "--model",
+        "builtin:tiny-v4-fp8-bf16",
+        "--type",
+        "bf16",
+        "-o",
+        s(&out),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
     let t = text(&o);
     assert!(t.contains("264 tensors") && t.contains("bit-identical"), "{t}");
@@ -42,9 +58,20 @@ fn export_verify_and_tampering() {
     let n = bytes.len();
     bytes[n - 100] ^= 0x40;
     std::fs::write(&out, &bytes).expect("write");
-    let o = moeconf(&["export", "gguf", "--model", "builtin:tiny-v4-fp8-bf16", "--verify", s(&out)]);
+    let o = moeconf(&[
+        "export",
+        "gguf",
+        "--model",
+        "builtin:tiny-v4-fp8-bf16",
+        "--verify",
+        s(&out),
+    ]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("blk.8.ffn_up_shexp.weight element"), "{}", text(&o));
+    assert!(
+        text(&o).contains("blk.8.ffn_up_shexp.weight element"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
@@ -56,9 +83,20 @@ fn bad_inputs_exit_2_with_a_reason() {
     assert!(text(&o).contains("HCA compress rate is 16"), "{}", text(&o));
     assert!(!out.exists());
     std::fs::write(&out, b"not a gguf").expect("write");
-    let o = moeconf(&["export", "gguf", "--model", "builtin:tiny-v4-fp8-bf16", "--verify", s(&out)]);
+    let o = moeconf(&[
+        "export",
+        "gguf",
+        "--model",
+        "builtin:tiny-v4-fp8-bf16",
+        "--verify",
+        s(&out),
+    ]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("x.gguf") && text(&o).contains("not a GGUF file"), "{}", text(&o));
+    assert!(
+        text(&o).contains("x.gguf") && text(&o).contains("not a GGUF file"),
+        "{}",
+        text(&o)
+    );
     // The output may never be a model file.
     let model = twin();
     let target = model.join("config.json");

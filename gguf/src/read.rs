@@ -282,7 +282,10 @@ impl GgufFile {
     }
 }
 
-fn parse(path: &Path, buf: &[u8]) -> Result<(Vec<(String, Value)>, Vec<TensorEntry>), GgufError> {
+/// The metadata and tensor entries of a parsed file.
+type Parsed = (Vec<(String, Value)>, Vec<TensorEntry>);
+
+fn parse(path: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
     let mut c = Cursor { path, buf, pos: 0 };
     let magic = c.take(4, "magic")?;
     if magic != GGUF_MAGIC {
