@@ -495,7 +495,14 @@ fn validate(path: &Path, m: &Manifest, data: u64) -> Result<(Shard, Vec<u64>)> {
             m.format_version
         )));
     }
-    let shard = Shard::new(m.shard.index, m.shard.count).map_err(|e| invalid(format!("shard {e}")))?;
+    let shard = Shard::new(m.shard.index, m.shard.count).map_err(|_| {
+        invalid(format!(
+            "shard {}/{} is not a shard (0-based index below a count of 1..{})",
+            m.shard.index,
+            m.shard.count,
+            crate::MAX_SHARDS
+        ))
+    })?;
     if m.run_digest != m.run.digest() {
         return Err(ShardError::Corrupt {
             path: path.to_path_buf(),
