@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 
 use crate::jobs::{JobOut, Jobs, Params, Single};
 use crate::{
-    breadth, fault_matrix, fork_sweep, persistent, propagation, replay, substitution, write_atomic,
-    CalibrateError, Claim, Ctx, Result, Section, Sizes, Table,
+    breadth, fault_matrix, fork_sweep, persistent, propagation, replay, substitution, CalibrateError, Claim,
+    Ctx, Result, Section, Sizes, Table,
 };
 
 /// Version of `calibration.json` (2: no timings, so that reruns and merged
@@ -437,13 +437,6 @@ impl Suite {
             "all_claims_hold": self.all_hold(),
         })
     }
-}
-
-/// Writes a JSON document (pretty, trailing newline) to `path`, atomically.
-pub fn write_json(path: &Path, doc: &Value) -> Result<()> {
-    let mut bytes = serde_json::to_vec_pretty(doc)?;
-    bytes.push(b'\n');
-    write_atomic(path, &bytes)
 }
 
 #[cfg(test)]

@@ -76,9 +76,10 @@ pub struct RunIdentity {
 }
 
 impl RunIdentity {
-    /// The number of jobs of the run.
+    /// The number of jobs of the run (saturating: a forged job list cannot
+    /// overflow; no shard's results then match it).
     pub fn total_jobs(&self) -> usize {
-        self.jobs.iter().map(|g| g.jobs).sum()
+        self.jobs.iter().fold(0usize, |a, g| a.saturating_add(g.jobs))
     }
 
     /// The job indices of group `name` in the run's job list.
@@ -86,9 +87,9 @@ impl RunIdentity {
         let mut start = 0;
         for g in &self.jobs {
             if g.name == name {
-                return Some(start..start + g.jobs);
+                return Some(start..start.saturating_add(g.jobs));
             }
-            start += g.jobs;
+            start = start.saturating_add(g.jobs);
         }
         None
     }
@@ -518,8 +519,8 @@ fn validate(path: &Path, m: &Manifest, data: u64) -> Result<(Shard, Vec<u64>)> {
     if m.results.iter().map(|r| r.job).ne(shard.jobs(total)) {
         return Err(invalid(format!(
             "shard {shard} of a run of {total} jobs must hold the results of jobs {}, it holds {}",
-            job_list(shard.jobs(total)),
-            job_list(m.results.iter().map(|r| r.job))
+            job_list(shard.jobs(total), shard.job_count(total)),
+            job_list(m.results.iter().map(|r| r.job), m.results.len())
         )));
     }
     let mut offsets = Vec::with_capacity(m.files.len());
@@ -557,20 +558,18 @@ fn validate(path: &Path, m: &Manifest, data: u64) -> Result<(Shard, Vec<u64>)> {
     Ok((shard, offsets))
 }
 
-/// `0, 3, 6` (at most 12 listed).
-fn job_list(jobs: impl Iterator<Item = usize>) -> String {
-    let v: Vec<usize> = jobs.collect();
-    if v.is_empty() {
+/// `0, 3, 6` (at most 12 listed) of `count` jobs; never collects the iterator.
+fn job_list(jobs: impl Iterator<Item = usize>, count: usize) -> String {
+    if count == 0 {
         return "none".into();
     }
-    let mut s = v
-        .iter()
+    let mut s = jobs
         .take(12)
         .map(|j| j.to_string())
         .collect::<Vec<_>>()
         .join(", ");
-    if v.len() > 12 {
-        s.push_str(&format!(", ... ({} in all)", v.len()));
+    if count > 12 {
+        s.push_str(&format!(", ... ({count} in all)"));
     }
     s
 }

@@ -171,6 +171,12 @@ fn forged(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
     f
 }
 
+/// Recomputes the manifest's run digest after an edit of its run.
+fn redigest(m: &mut serde_json::Value) {
+    let run: RunIdentity = serde_json::from_value(m["run"].clone()).unwrap();
+    m["run_digest"] = json!(run.digest());
+}
+
 #[test]
 fn intact_bytes_with_a_broken_manifest_are_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -196,6 +202,22 @@ fn intact_bytes_with_a_broken_manifest_are_refused() {
         ),
         ("attached files", Box::new(|m| m["files"][0]["bytes"] = json!(1))),
         ("manifest", Box::new(|m| m["extra"] = json!(1))),
+        // A job list that overflows, with a matching run digest: no shard's results match it.
+        (
+            "must hold the results of jobs",
+            Box::new(|m| {
+                m["run"]["jobs"][0]["jobs"] = json!(u64::MAX);
+                redigest(m);
+            }),
+        ),
+        (
+            "names job 6, not one of shard 0/2",
+            Box::new(|m| {
+                m["run"]["jobs"][1]["jobs"] = json!(2);
+                m["results"].as_array_mut().unwrap().truncate(3);
+                redigest(m);
+            }),
+        ),
     ];
     for (needle, edit) in cases {
         let f = forged(dir.path(), edit);
