@@ -31,7 +31,7 @@ fn ok(o: &Output) -> &Output {
     o
 }
 
-fn refused<'a>(o: &'a Output, needles: &[&str]) -> String {
+fn refused(o: &Output, needles: &[&str]) -> String {
     let e = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(2), "stderr: {e}");
     for n in needles {

@@ -171,6 +171,9 @@ fn forged(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
     f
 }
 
+/// An edit of a manifest.
+type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+
 /// Recomputes the manifest's run digest after an edit of its run.
 fn redigest(m: &mut serde_json::Value) {
     let run: RunIdentity = serde_json::from_value(m["run"].clone()).unwrap();
@@ -180,7 +183,7 @@ fn redigest(m: &mut serde_json::Value) {
 #[test]
 fn intact_bytes_with_a_broken_manifest_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let cases: Vec<(&str, Edit)> = vec![
         (
             "run digest",
             Box::new(|m| m["run"]["arguments"]["model"] = json!("other")),
