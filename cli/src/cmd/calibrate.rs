@@ -24,7 +24,8 @@ const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
   moeconf calibrate --out cal-full                 # the paper's sizes (720 A, 360 B, 64 seeds, 50 prompts)
   moeconf calibrate --only 2,10 --out cal          # only the fork sweep and the fault matrix
-  moeconf calibrate --shard 0/8 --out part-0.part  # one of 8 shards; then: moeconf merge part-*.part -o cal
+  moeconf calibrate --shard 0/8 --out part-0.part  # one of 8 shards (docs/scale.md)
+  moeconf merge part-*.part -o cal                 # after every shard: the unsharded outputs
 
 Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static ablation,
 4 same-mode canonical reference, 5 C intermediate check, 6 post-mHC substitution control,

@@ -35,7 +35,8 @@ const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --format json
   moeconf sweep --prompt \"why the sheep\" --scheme a,b -o sweep.json
   moeconf sweep --prompt \"why the sheep\" --branch b+order=class:135 --branch a+order=index:17
-  moeconf sweep --prompt \"why the sheep\" --scheme a,b --shard 0/4 -o part-0.part   # then: moeconf merge part-*.part -o sweep.json
+  moeconf sweep --prompt \"why the sheep\" --scheme a,b --shard 0/4 -o part-0.part
+  moeconf merge part-*.part -o sweep.json          # after the shards 0/4 .. 3/4 (docs/scale.md)
 
 A scheme is a contract family (native, p32, c, a, b, exact, tree, f64, exact-fused, or
 operand=..+accumulator=..); it is swept over its structural classes: the k!/2 B classes for
