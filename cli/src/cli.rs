@@ -74,6 +74,10 @@ pub enum Command {
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),
+    /// Combine the partial results of every shard of a `sweep --shard I/N` or
+    /// `calibrate --shard I/N` run into exactly the unsharded outputs
+    /// (docs/scale.md: Slurm, Kubernetes and GitHub Actions recipes).
+    Merge(cmd::merge::MergeArgs),
     /// Export a model for another backend: `moeconf export gguf` writes the GGUF llama.cpp's
     /// deepseek4 loads, with the same weights the reference runs (verified bit for bit).
     #[command(subcommand)]
