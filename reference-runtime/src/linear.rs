@@ -218,6 +218,31 @@ impl Mat {
     pub fn matvec_rows(&self, row0: usize, x: &[f32], out: &mut [f32]) {
         debug_assert_eq!(x.len(), self.cols());
         let cols = self.cols();
+        if crate::kernels::simd_available() {
+            // Several rows at a time on the SIMD kernel (same bits, crate::kernels).
+            let dtype = match self.dtype() {
+                WeightDType::Bf16 => crate::kernels::RowDType::Bf16,
+                WeightDType::F32 => crate::kernels::RowDType::F32,
+            };
+            let rows = |r0: usize, o: &mut [f32]| {
+                let block = crate::kernels::RowBlock {
+                    bytes: self.rows_bytes(r0, o.len()),
+                    stride: cols * self.dtype().size(),
+                    cols,
+                    dtype,
+                };
+                crate::kernels::dot8_rows(&block, x, o);
+            };
+            if out.len() * cols >= PAR_MIN_WORK {
+                let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
+                out.par_chunks_mut(chunk)
+                    .enumerate()
+                    .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
+            } else {
+                rows(row0, out);
+            }
+            return;
+        }
         // BF16 rows whose storage is 4-byte aligned are read as 32-bit words.
         let split = (self.dtype() == WeightDType::Bf16 && self.words_aligned()).then(|| SplitInput::new(x));
         let row = |r: usize| -> f32 {

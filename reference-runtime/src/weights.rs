@@ -75,6 +75,13 @@ impl Mat {
         let start = self.offset + r * rb;
         &self.map[start..start + rb]
     }
+    /// Little-endian bytes of rows `r0..r0 + n` (bounds were validated at load).
+    #[inline]
+    pub fn rows_bytes(&self, r0: usize, n: usize) -> &[u8] {
+        let rb = self.cols * self.dtype.size();
+        let start = self.offset + r0 * rb;
+        &self.map[start..start + n * rb]
+    }
     /// Whether every row starts on a 4-byte boundary (rows can be read as 32-bit words).
     pub fn words_aligned(&self) -> bool {
         let base = self.map.as_ptr() as usize + self.offset;

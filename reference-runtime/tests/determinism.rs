@@ -74,6 +74,29 @@ fn f32_profile_is_identical_across_thread_counts_and_runs() {
     assert_eq!(d, PINNED_F32, "f32 fixture trace digest changed");
 }
 
+#[test]
+fn portable_and_simd_kernels_give_the_pinned_digests() {
+    // The SIMD kernels (crate::kernels, chosen from the CPU's features) and
+    // the portable ones must agree bit for bit: the same pinned digests with
+    // SIMD switched off. (Other tests of this binary may run meanwhile on
+    // either kernel; their results cannot change either.)
+    use moeconf_reference_runtime::kernels::{kernel_name, set_portable_only};
+    let simd = kernel_name();
+    set_portable_only(true);
+    assert_eq!(kernel_name(), "portable");
+    let bf16 = trace_digest(&run(1, Precision::Bf16, &NativeCombine).1);
+    let f32 = trace_digest(&run(2, Precision::F32, &F32Combine).1);
+    set_portable_only(false);
+    assert_eq!(
+        bf16, PINNED_BF16,
+        "bf16 digest with portable kernels (SIMD kernel here: {simd})"
+    );
+    assert_eq!(
+        f32, PINNED_F32,
+        "f32 digest with portable kernels (SIMD kernel here: {simd})"
+    );
+}
+
 const PINNED_BF16: &str = "ac0779057e0a8b206e7fcd9ce5b3bb7874523d4c0fc994eef45e6acef516c412";
 const PINNED_F32: &str = "73166bf2902fe208bfb0dc21dced39b8ebd6328ffefaf734a57d80286c1e47a8";
 
