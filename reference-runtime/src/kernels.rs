@@ -177,9 +177,51 @@ pub fn dot8_f32_many(rows: &[&[f32]], x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// A quantized weight format served by [`dot8_quant_rows`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantRows {
+    /// FP8 E4M3 codes, one UE8M0 scale per 128 columns (the row's block-row scales).
+    Fp8,
+    /// MXFP4 (two E2M1 codes per byte, low nibble = even element), one UE8M0 scale per 32 columns.
+    Mxfp4,
+}
+
+/// Most rows one [`dot8_quant_rows`] call takes.
+pub const QUANT_ROWS: usize = ROWS;
+
+/// `out[i] = dot8` of row `rows[i] = (codes, scale codes)` of format `kind`
+/// with `x`, each weight decoded exactly as `decode(code) · 2^(e−127)` and
+/// then multiplied with its input and added in the dot8 order: bit for bit
+/// [`crate::linear::dot8_fp8`] / [`crate::linear::dot8_mxfp4`]. Returns
+/// `false` (and computes nothing) when no SIMD kernel serves the call: no
+/// SIMD on this machine, more than [`QUANT_ROWS`] rows, or an MXFP4 row
+/// length that is not a multiple of 8 (callers then use the scalar kernels).
+pub fn dot8_quant_rows(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32], out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() && rows.len() <= QUANT_ROWS && out.len() >= rows.len() {
+        let n = x.len();
+        let ok = rows.iter().all(|(codes, scales)| match kind {
+            QuantRows::Fp8 => codes.len() >= n && scales.len() >= n.div_ceil(crate::quant::FP8_BLOCK),
+            QuantRows::Mxfp4 => {
+                n.is_multiple_of(8)
+                    && codes.len() >= n / 2
+                    && scales.len() >= n.div_ceil(crate::quant::MXFP4_GROUP)
+            }
+        });
+        if ok {
+            // SAFETY: AVX2 is available (checked above) and every row holds
+            // the codes and scales of `n` elements (checked just now).
+            unsafe { x86::dot8_quant_avx2(kind, rows, x, out) };
+            return true;
+        }
+    }
+    let _ = (kind, rows, x, out);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{RowBlock, RowDType, LANES, ROWS};
+    use super::{QuantRows, RowBlock, RowDType, LANES, ROWS};
     use std::arch::x86_64::*;
 
     #[inline(always)]
@@ -272,6 +314,148 @@ mod x86 {
         let d = pf_dist();
         let pf = (d > 0).then(|| p[0].wrapping_add(d));
         rows_r::<R>(p, rows.dtype, n, x, pf)
+    }
+
+    /// 8 E4M3 codes decoded exactly to FP32 (`quant::E4M3` bit for bit on
+    /// every code but the two NaN codes, which give some NaN): normal codes
+    /// rebias the exponent (`+120`); subnormal codes (exponent 0) are built
+    /// as `(1 + m/8)·2^-6 − 2^-6 = m·2^-9` (exact, Sterbenz); the sign is
+    /// copied last (so 0x80 is −0).
+    #[inline(always)]
+    unsafe fn decode_e4m3(codes: *const u8) -> __m256 {
+        let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes as *const __m128i));
+        let m7 = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+        let sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), m7);
+        let t = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_slli_epi32::<20>(m7), _mm256_set1_epi32(120 << 23)),
+            _mm256_and_si256(sub, _mm256_set1_epi32(1 << 23)),
+        );
+        let v = _mm256_sub_ps(
+            _mm256_castsi256_ps(t),
+            _mm256_castsi256_ps(_mm256_and_si256(sub, _mm256_set1_epi32(0x3c80_0000))), // 2^-6
+        );
+        let nan = _mm256_cmpeq_epi32(m7, _mm256_set1_epi32(0x7f));
+        let sign = _mm256_and_si256(_mm256_slli_epi32::<24>(c), _mm256_set1_epi32(i32::MIN));
+        _mm256_castsi256_ps(_mm256_or_si256(
+            _mm256_or_si256(_mm256_castps_si256(v), sign),
+            _mm256_and_si256(nan, _mm256_set1_epi32(0x7fc0_0000)),
+        ))
+    }
+
+    /// The E2M1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (index = code & 7).
+    const E2M1_MAGNITUDES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+    /// 8 MXFP4 elements from the 4 bytes at `p` (nibble j of the
+    /// little-endian word = element j), each `±magnitude · s` with `table` =
+    /// the magnitudes times `s` (exact: s is a power of two and positive, so
+    /// the sign can be applied after scaling, −0 included).
+    #[inline(always)]
+    unsafe fn decode_mxfp4(p: *const u8, table: __m256) -> __m256 {
+        let word = std::ptr::read_unaligned(p as *const i32);
+        let nib = _mm256_srlv_epi32(
+            _mm256_set1_epi32(word),
+            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+        );
+        let mag = _mm256_permutevar8x32_ps(table, nib);
+        let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(nib), _mm256_set1_epi32(i32::MIN));
+        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign))
+    }
+
+    /// `R` quantized rows with the same input.
+    #[inline(always)]
+    unsafe fn quant_r<const R: usize>(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32]) -> [f32; R] {
+        use crate::quant::{E2M1_PAIRS, E4M3, FP8_BLOCK, MXFP4_GROUP};
+        use crate::weights::scale_value;
+        let n = x.len();
+        let blocks = n / LANES;
+        let xp = x.as_ptr();
+        let codes: [*const u8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); R];
+        let group = match kind {
+            QuantRows::Fp8 => FP8_BLOCK,
+            QuantRows::Mxfp4 => MXFP4_GROUP,
+        } / LANES;
+        let mags = _mm256_loadu_ps(E2M1_MAGNITUDES.as_ptr());
+        let mut b = 0;
+        while b < blocks {
+            let g = b / group;
+            let end = ((g + 1) * group).min(blocks);
+            let s: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scale_value(rows[r].1[g])));
+            match kind {
+                QuantRows::Fp8 => {
+                    for bb in b..end {
+                        let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                        for r in 0..R {
+                            let w = _mm256_mul_ps(decode_e4m3(codes[r].add(LANES * bb)), s[r]);
+                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                        }
+                    }
+                }
+                QuantRows::Mxfp4 => {
+                    let table: [__m256; R] = std::array::from_fn(|r| _mm256_mul_ps(mags, s[r]));
+                    for bb in b..end {
+                        let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                        for r in 0..R {
+                            let w = decode_mxfp4(codes[r].add(4 * bb), table[r]);
+                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                        }
+                    }
+                }
+            }
+            b = end;
+        }
+        let mut out = [0.0f32; R];
+        for r in 0..R {
+            let (c, sc) = rows[r];
+            out[r] = match kind {
+                QuantRows::Fp8 => finish(
+                    acc[r],
+                    blocks * LANES,
+                    n,
+                    |i| E4M3[usize::from(c[i])] * scale_value(sc[i / FP8_BLOCK]),
+                    x,
+                ),
+                // Row lengths are multiples of 8: no tail.
+                QuantRows::Mxfp4 => finish(
+                    acc[r],
+                    blocks * LANES,
+                    n,
+                    |i| E2M1_PAIRS[usize::from(c[i / 2])][i % 2] * scale_value(sc[i / MXFP4_GROUP]),
+                    x,
+                ),
+            };
+        }
+        out
+    }
+
+    /// # Safety
+    /// AVX2 must be available; `rows.len() ≤ QUANT_ROWS ≤ out.len()`, and
+    /// every row holds the codes and scales of `x.len()` elements (MXFP4:
+    /// `x.len()` a multiple of 8).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dot8_quant_avx2(
+        kind: QuantRows,
+        rows: &[(&[u8], &[u8])],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        let mut i = 0;
+        while i < rows.len() {
+            let left = rows.len() - i;
+            if left >= 8 {
+                out[i..i + 8].copy_from_slice(&quant_r::<8>(kind, &rows[i..], x));
+                i += 8;
+            } else if left >= 4 {
+                out[i..i + 4].copy_from_slice(&quant_r::<4>(kind, &rows[i..], x));
+                i += 4;
+            } else if left >= 2 {
+                out[i..i + 2].copy_from_slice(&quant_r::<2>(kind, &rows[i..], x));
+                i += 2;
+            } else {
+                out[i] = quant_r::<1>(kind, &rows[i..], x)[0];
+                i += 1;
+            }
+        }
     }
 
     /// # Safety
@@ -506,5 +690,111 @@ mod tests {
         dot8_rows(&block, &[1.0; 8], &mut out);
         assert_eq!(&out[..3], &[0.0, 0.0, 0.0]);
         assert!(out[3].is_nan() && out[4].is_nan());
+    }
+
+    #[test]
+    fn quantized_simd_kernels_equal_the_scalar_kernels_bitwise() {
+        use crate::linear::{dot8_fp8, dot8_mxfp4};
+        use crate::quant::{FP8_BLOCK, MXFP4_GROUP};
+        let _g = FLAG.lock().unwrap_or_else(|e| e.into_inner());
+        set_portable_only(false);
+        let mut rng = Rng(0x51ed_2701);
+        let mut checked = 0;
+        for n in [
+            0usize, 8, 16, 24, 32, 64, 120, 128, 136, 256, 264, 384, 1000, 1024,
+        ] {
+            for rows in [1usize, 2, 3, 5, 8] {
+                let x: Vec<f32> = (0..n).map(|_| rng.special()).collect();
+                // Every code but the two NaN codes (the loader refuses those),
+                // subnormal and zero codes included; scales over the whole
+                // accepted range, 2^-127 (subnormal) included.
+                let fp8: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| {
+                        (0..n)
+                            .map(|_| match (rng.next() & 0xff) as u8 {
+                                c if c & 0x7f == 0x7f => c & 0x87,
+                                c => c,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let fp8_scales: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| {
+                        (0..n.div_ceil(FP8_BLOCK))
+                            .map(|_| match rng.next() % 4 {
+                                0 => 0,
+                                1 => (rng.next() % 247) as u8,
+                                _ => 110 + (rng.next() % 30) as u8,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let m = n / 32 * 32;
+                let fp4: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| (0..m / 2).map(|_| (rng.next() & 0xff) as u8).collect())
+                    .collect();
+                let fp4_scales: Vec<Vec<u8>> = (0..rows)
+                    .map(|_| {
+                        (0..m / MXFP4_GROUP)
+                            .map(|_| match rng.next() % 4 {
+                                0 => 0,
+                                1 => (rng.next() % 253) as u8,
+                                _ => 115 + (rng.next() % 20) as u8,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let pairs: Vec<(&[u8], &[u8])> = fp8
+                    .iter()
+                    .zip(&fp8_scales)
+                    .map(|(c, s)| (c.as_slice(), s.as_slice()))
+                    .collect();
+                let mut got = vec![0.0f32; rows];
+                if dot8_quant_rows(QuantRows::Fp8, &pairs, &x, &mut got) {
+                    for r in 0..rows {
+                        let want = dot8_fp8(&fp8[r], &fp8_scales[r], &x);
+                        assert!(
+                            same(got[r], want),
+                            "fp8 n {n} rows {rows} row {r}: {} vs {}",
+                            got[r],
+                            want
+                        );
+                    }
+                    checked += 1;
+                }
+                let pairs: Vec<(&[u8], &[u8])> = fp4
+                    .iter()
+                    .zip(&fp4_scales)
+                    .map(|(c, s)| (c.as_slice(), s.as_slice()))
+                    .collect();
+                if dot8_quant_rows(QuantRows::Mxfp4, &pairs, &x[..m], &mut got) {
+                    for r in 0..rows {
+                        let want = dot8_mxfp4(&fp4[r], &fp4_scales[r], &x[..m]);
+                        assert!(
+                            same(got[r], want),
+                            "mxfp4 n {m} rows {rows} row {r}: {} vs {}",
+                            got[r],
+                            want
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        // On a machine without AVX2 the calls decline and the scalar kernels serve.
+        assert!(checked > 0 || !simd_available());
+        // Finite inputs only: the kernels also agree on ordinary values.
+        for n in [128usize, 256] {
+            let x: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+            let c: Vec<u8> = (0..n)
+                .map(|i| (i * 37 % 126) as u8 | ((i as u8 & 1) << 7))
+                .collect();
+            let sc = vec![127u8; n.div_ceil(FP8_BLOCK)];
+            let mut got = [0.0f32];
+            if dot8_quant_rows(QuantRows::Fp8, &[(&c, &sc)], &x, &mut got) {
+                assert_eq!(got[0].to_bits(), dot8_fp8(&c, &sc, &x).to_bits());
+                assert!(got[0].is_finite());
+            }
+        }
     }
 }
