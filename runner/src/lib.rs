@@ -76,7 +76,9 @@ impl RunError {
     }
 }
 
-fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -> impl FnOnce(E) -> RunError {
+pub(crate) fn context<E: std::error::Error + Send + Sync + 'static>(
+    c: impl Into<String>,
+) -> impl FnOnce(E) -> RunError {
     let context = c.into();
     move |e| RunError::Context {
         context,
