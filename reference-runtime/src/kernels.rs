@@ -299,19 +299,35 @@ mod x86 {
         out
     }
 
-    /// How far ahead of the rows being read the kernel prefetches (bytes;
-    /// 0 = no software prefetch).
-    const PREFETCH_BYTES: usize = 0;
+    /// How far ahead of the rows being read the kernel prefetches (bytes).
+    /// Measured on the fixture (rows of 128 B to 2 KiB, matrices of 32 KiB
+    /// and up read once per token from the last-level cache): decode
+    /// tokens per CPU-second 380–420 without software prefetch, 560–615
+    /// with 4 KiB, 575–600 with 8 KiB, 460–530 with 16 KiB.
+    const PREFETCH_BYTES: usize = 8192;
 
-    fn pf_dist() -> usize {
-        PREFETCH_BYTES
+    /// Rows of a group are read as one stream and prefetched ahead only
+    /// while the group spans at most this many bytes (short rows: the
+    /// group's rows are contiguous, the hardware prefetcher sees 8 short
+    /// streams and does not ramp up). Longer rows are 8 long sequential
+    /// streams, which the hardware prefetcher follows by itself.
+    const PREFETCH_MAX_GROUP_BYTES: usize = 32 * 1024;
+
+    /// The prefetch distance for `rows` (0 = none).
+    fn pf_dist(rows: &RowBlock<'_>) -> usize {
+        let row = rows.cols * rows.dtype.size();
+        if rows.stride == row && ROWS * row <= PREFETCH_MAX_GROUP_BYTES {
+            PREFETCH_BYTES
+        } else {
+            0
+        }
     }
 
     #[inline(always)]
     unsafe fn block_rows<const R: usize>(rows: &RowBlock<'_>, first: usize, n: usize, x: &[f32]) -> [f32; R] {
         let base = rows.bytes.as_ptr();
         let p: [*const u8; R] = std::array::from_fn(|r| base.add((first + r) * rows.stride));
-        let d = pf_dist();
+        let d = pf_dist(rows);
         let pf = (d > 0).then(|| p[0].wrapping_add(d));
         rows_r::<R>(p, rows.dtype, n, x, pf)
     }
@@ -465,12 +481,12 @@ mod x86 {
     pub(super) unsafe fn dot8_rows_avx2(rows: &RowBlock<'_>, x: &[f32], out: &mut [f32]) {
         let n = x.len();
         let mut i = 0;
-        let d = pf_dist();
+        let d = pf_dist(rows);
         if d > 0 {
             // The first bytes of the matrix, which no iteration prefetches.
             let base = rows.bytes.as_ptr();
             let mut off = 0;
-            while off < d {
+            while off < d.min(rows.bytes.len()) {
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off) as *const i8);
                 off += 64;
             }
