@@ -57,6 +57,29 @@ pub fn simd_available() -> bool {
     avx2()
 }
 
+/// When set, the AVX-512VL kernels are not used (tests of the AVX2 ones).
+#[cfg(test)]
+static NO_AVX512: AtomicBool = AtomicBool::new(false);
+
+/// Whether AVX-512F and AVX-512VL are available (and SIMD is not switched off).
+#[inline]
+fn avx512vl() -> bool {
+    #[cfg(test)]
+    if NO_AVX512.load(Ordering::Relaxed) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 #[inline]
 fn avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -186,6 +209,10 @@ pub enum QuantRows {
     Mxfp4,
 }
 
+/// The largest FP8 scale code the SIMD kernel takes (the loader's maximum,
+/// `quant::max_scale_code`); rows with larger codes go to the scalar kernel.
+const FP8_MAX_SCALE_CODE: u8 = 246;
+
 /// Most rows one [`dot8_quant_rows`] call takes.
 pub const QUANT_ROWS: usize = ROWS;
 
@@ -198,10 +225,22 @@ pub const QUANT_ROWS: usize = ROWS;
 /// length that is not a multiple of 8 (callers then use the scalar kernels).
 pub fn dot8_quant_rows(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32], out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if avx2() && rows.len() <= QUANT_ROWS && out.len() >= rows.len() {
+    if avx2()
+        && std::arch::is_x86_feature_detected!("f16c")
+        && rows.len() <= QUANT_ROWS
+        && out.len() >= rows.len()
+    {
         let n = x.len();
         let ok = rows.iter().all(|(codes, scales)| match kind {
-            QuantRows::Fp8 => codes.len() >= n && scales.len() >= n.div_ceil(crate::quant::FP8_BLOCK),
+            // Scale codes up to the loader's maximum (246) or NaN: 2^8 · scale stays finite.
+            QuantRows::Fp8 => {
+                let blocks = n.div_ceil(crate::quant::FP8_BLOCK);
+                codes.len() >= n
+                    && scales.len() >= blocks
+                    && scales[..blocks]
+                        .iter()
+                        .all(|&e| e <= FP8_MAX_SCALE_CODE || e == 0xff)
+            }
             QuantRows::Mxfp4 => {
                 n.is_multiple_of(8)
                     && codes.len() >= n / 2
@@ -209,9 +248,15 @@ pub fn dot8_quant_rows(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32], out:
             }
         });
         if ok {
-            // SAFETY: AVX2 is available (checked above) and every row holds
-            // the codes and scales of `n` elements (checked just now).
-            unsafe { x86::dot8_quant_avx2(kind, rows, x, out) };
+            if avx512vl() {
+                // SAFETY: AVX2 and AVX-512F/VL are available (checked) and every row
+                // holds the codes and scales of `n` elements (checked just now).
+                unsafe { x86::dot8_quant_avx512vl(kind, rows, x, out) };
+            } else {
+                // SAFETY: AVX2 is available (checked above) and every row holds
+                // the codes and scales of `n` elements (checked just now).
+                unsafe { x86::dot8_quant_avx2(kind, rows, x, out) };
+            }
             return true;
         }
     }
@@ -332,30 +377,20 @@ mod x86 {
         rows_r::<R>(p, rows.dtype, n, x, pf)
     }
 
-    /// 8 E4M3 codes decoded exactly to FP32 (`quant::E4M3` bit for bit on
-    /// every code but the two NaN codes, which give some NaN): normal codes
-    /// rebias the exponent (`+120`); subnormal codes (exponent 0) are built
-    /// as `(1 + m/8)·2^-6 − 2^-6 = m·2^-9` (exact, Sterbenz); the sign is
-    /// copied last (so 0x80 is −0).
+    /// 8 E4M3 codes decoded exactly, divided by 2^8: each code becomes the
+    /// binary16 value with the same sign, the code's 7 low bits as the low 4
+    /// exponent bits and 3 mantissa bits (`sext(code) << 7`, bit 14 cleared),
+    /// which is `E4M3[code] · 2^-8` exactly for normal and subnormal codes
+    /// alike; the two NaN codes get an all-ones exponent (binary16 NaN);
+    /// `vcvtph2ps` widens exactly. The caller multiplies by `2^8 · scale`.
     #[inline(always)]
-    unsafe fn decode_e4m3(codes: *const u8) -> __m256 {
-        let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes as *const __m128i));
-        let m7 = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
-        let sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), m7);
-        let t = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_slli_epi32::<20>(m7), _mm256_set1_epi32(120 << 23)),
-            _mm256_and_si256(sub, _mm256_set1_epi32(1 << 23)),
-        );
-        let v = _mm256_sub_ps(
-            _mm256_castsi256_ps(t),
-            _mm256_castsi256_ps(_mm256_and_si256(sub, _mm256_set1_epi32(0x3c80_0000))), // 2^-6
-        );
-        let nan = _mm256_cmpeq_epi32(m7, _mm256_set1_epi32(0x7f));
-        let sign = _mm256_and_si256(_mm256_slli_epi32::<24>(c), _mm256_set1_epi32(i32::MIN));
-        _mm256_castsi256_ps(_mm256_or_si256(
-            _mm256_or_si256(_mm256_castps_si256(v), sign),
-            _mm256_and_si256(nan, _mm256_set1_epi32(0x7fc0_0000)),
-        ))
+    unsafe fn decode_e4m3_over_256(codes: *const u8) -> __m256 {
+        let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
+        let h = _mm_and_si128(_mm_slli_epi16::<7>(c), _mm_set1_epi16(0xbfffu16 as i16));
+        let body = _mm_and_si128(h, _mm_set1_epi16(0x3f80));
+        let nan = _mm_cmpeq_epi16(body, _mm_set1_epi16(0x3f80));
+        let h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x4000)));
+        _mm256_cvtph_ps(h)
     }
 
     /// The E2M1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (index = code & 7).
@@ -377,9 +412,26 @@ mod x86 {
         _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign))
     }
 
-    /// `R` quantized rows with the same input.
+    /// 8 MXFP4 elements from the 4 bytes at `p` with AVX-512VL's two-table
+    /// permute: `lo` = the 8 magnitudes times `s`, `hi` = their negations
+    /// (exact), so nibble bit 3 (the sign) selects the table.
     #[inline(always)]
-    unsafe fn quant_r<const R: usize>(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32]) -> [f32; R] {
+    unsafe fn decode_mxfp4_signed(p: *const u8, lo: __m256, hi: __m256) -> __m256 {
+        let word = std::ptr::read_unaligned(p as *const i32);
+        let nib = _mm256_srlv_epi32(
+            _mm256_set1_epi32(word),
+            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+        );
+        _mm256_permutex2var_ps(lo, nib, hi)
+    }
+
+    /// `R` quantized rows with the same input (`VL`: AVX-512VL is available).
+    #[inline(always)]
+    unsafe fn quant_r<const R: usize, const VL: bool>(
+        kind: QuantRows,
+        rows: &[(&[u8], &[u8])],
+        x: &[f32],
+    ) -> [f32; R] {
         use crate::quant::{E2M1_PAIRS, E4M3, FP8_BLOCK, MXFP4_GROUP};
         use crate::weights::scale_value;
         let n = x.len();
@@ -399,21 +451,37 @@ mod x86 {
             let s: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scale_value(rows[r].1[g])));
             match kind {
                 QuantRows::Fp8 => {
+                    // 2^8 · scale: exact (scale codes ≤ 246, so at most 2^127);
+                    // (E4M3[c] · 2^-8) · (2^8 · s) is the same exact product as E4M3[c] · s.
+                    let s256: [__m256; R] =
+                        std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
                     for bb in b..end {
                         let xv = _mm256_loadu_ps(xp.add(LANES * bb));
                         for r in 0..R {
-                            let w = _mm256_mul_ps(decode_e4m3(codes[r].add(LANES * bb)), s[r]);
+                            let w = _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r]);
                             acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
                         }
                     }
                 }
                 QuantRows::Mxfp4 => {
                     let table: [__m256; R] = std::array::from_fn(|r| _mm256_mul_ps(mags, s[r]));
-                    for bb in b..end {
-                        let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                        for r in 0..R {
-                            let w = decode_mxfp4(codes[r].add(4 * bb), table[r]);
-                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                    if VL {
+                        let neg: [__m256; R] =
+                            std::array::from_fn(|r| _mm256_xor_ps(table[r], _mm256_set1_ps(-0.0)));
+                        for bb in b..end {
+                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                            for r in 0..R {
+                                let w = decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r]);
+                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                            }
+                        }
+                    } else {
+                        for bb in b..end {
+                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                            for r in 0..R {
+                                let w = decode_mxfp4(codes[r].add(4 * bb), table[r]);
+                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                            }
                         }
                     }
                 }
@@ -444,12 +512,9 @@ mod x86 {
         out
     }
 
-    /// # Safety
-    /// AVX2 must be available; `rows.len() ≤ QUANT_ROWS ≤ out.len()`, and
-    /// every row holds the codes and scales of `x.len()` elements (MXFP4:
-    /// `x.len()` a multiple of 8).
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn dot8_quant_avx2(
+    /// The rows of `rows` in groups of up to `MAXR` (`VL`: AVX-512VL is available).
+    #[inline(always)]
+    unsafe fn quant_groups<const MAXR: usize, const VL: bool>(
         kind: QuantRows,
         rows: &[(&[u8], &[u8])],
         x: &[f32],
@@ -458,20 +523,51 @@ mod x86 {
         let mut i = 0;
         while i < rows.len() {
             let left = rows.len() - i;
-            if left >= 8 {
-                out[i..i + 8].copy_from_slice(&quant_r::<8>(kind, &rows[i..], x));
+            if MAXR >= 8 && left >= 8 {
+                out[i..i + 8].copy_from_slice(&quant_r::<8, VL>(kind, &rows[i..], x));
                 i += 8;
             } else if left >= 4 {
-                out[i..i + 4].copy_from_slice(&quant_r::<4>(kind, &rows[i..], x));
+                out[i..i + 4].copy_from_slice(&quant_r::<4, VL>(kind, &rows[i..], x));
                 i += 4;
             } else if left >= 2 {
-                out[i..i + 2].copy_from_slice(&quant_r::<2>(kind, &rows[i..], x));
+                out[i..i + 2].copy_from_slice(&quant_r::<2, VL>(kind, &rows[i..], x));
                 i += 2;
             } else {
-                out[i] = quant_r::<1>(kind, &rows[i..], x)[0];
+                out[i] = quant_r::<1, VL>(kind, &rows[i..], x)[0];
                 i += 1;
             }
         }
+    }
+
+    /// # Safety
+    /// AVX2 and F16C must be available; `rows.len() ≤ QUANT_ROWS ≤ out.len()`, and
+    /// every row holds the codes and scales of `x.len()` elements (MXFP4:
+    /// `x.len()` a multiple of 8). Groups of 4 rows: with 16 vector
+    /// registers, 8 rows' accumulators and scales would spill.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn dot8_quant_avx2(
+        kind: QuantRows,
+        rows: &[(&[u8], &[u8])],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        quant_groups::<4, false>(kind, rows, x, out)
+    }
+
+    /// [`dot8_quant_avx2`] compiled with AVX-512VL's 32 vector registers, 8
+    /// rows at once, MXFP4 decoded with the two-table permute (sign included);
+    /// the same 256-bit separate multiplies and adds.
+    ///
+    /// # Safety
+    /// As [`dot8_quant_avx2`], and AVX-512F/VL must be available.
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl")]
+    pub(super) unsafe fn dot8_quant_avx512vl(
+        kind: QuantRows,
+        rows: &[(&[u8], &[u8])],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        quant_groups::<8, true>(kind, rows, x, out)
     }
 
     /// # Safety
@@ -710,10 +806,19 @@ mod tests {
 
     #[test]
     fn quantized_simd_kernels_equal_the_scalar_kernels_bitwise() {
-        use crate::linear::{dot8_fp8, dot8_mxfp4};
-        use crate::quant::{FP8_BLOCK, MXFP4_GROUP};
         let _g = FLAG.lock().unwrap_or_else(|e| e.into_inner());
         set_portable_only(false);
+        // The AVX-512VL kernels (where available), then the AVX2 ones.
+        for no_avx512 in [false, true] {
+            NO_AVX512.store(no_avx512, Ordering::Relaxed);
+            quantized_sweep();
+        }
+        NO_AVX512.store(false, Ordering::Relaxed);
+    }
+
+    fn quantized_sweep() {
+        use crate::linear::{dot8_fp8, dot8_mxfp4};
+        use crate::quant::{FP8_BLOCK, MXFP4_GROUP};
         let mut rng = Rng(0x51ed_2701);
         let mut checked = 0;
         for n in [
@@ -721,25 +826,20 @@ mod tests {
         ] {
             for rows in [1usize, 2, 3, 5, 8] {
                 let x: Vec<f32> = (0..n).map(|_| rng.special()).collect();
-                // Every code but the two NaN codes (the loader refuses those),
-                // subnormal and zero codes included; scales over the whole
-                // accepted range, 2^-127 (subnormal) included.
+                // Every code, subnormal, zero and NaN codes included; scales
+                // over the whole accepted range, 2^-127 (subnormal) included,
+                // and (3-row cases) any code, which the SIMD kernel declines
+                // above 246.
                 let fp8: Vec<Vec<u8>> = (0..rows)
-                    .map(|_| {
-                        (0..n)
-                            .map(|_| match (rng.next() & 0xff) as u8 {
-                                c if c & 0x7f == 0x7f => c & 0x87,
-                                c => c,
-                            })
-                            .collect()
-                    })
+                    .map(|_| (0..n).map(|_| (rng.next() & 0xff) as u8).collect())
                     .collect();
                 let fp8_scales: Vec<Vec<u8>> = (0..rows)
                     .map(|_| {
                         (0..n.div_ceil(FP8_BLOCK))
-                            .map(|_| match rng.next() % 4 {
+                            .map(|_| match rng.next() % 5 {
                                 0 => 0,
                                 1 => (rng.next() % 247) as u8,
+                                2 if rows == 3 => (rng.next() & 0xff) as u8,
                                 _ => 110 + (rng.next() % 30) as u8,
                             })
                             .collect()
@@ -794,6 +894,26 @@ mod tests {
                         );
                     }
                     checked += 1;
+                }
+            }
+        }
+        // Every E4M3 code and every E2M1 nibble alone, at every scale code:
+        // x = (1, 0, ..., 0) makes the dot product the decoded weight itself.
+        let mut x = vec![0.0f32; 32];
+        x[0] = 1.0;
+        for e in 0..=255u8 {
+            for c in 0..=255u8 {
+                let (codes, sc) = ([c; 32], [e]);
+                let mut got = [0.0f32];
+                if dot8_quant_rows(QuantRows::Fp8, &[(&codes, &sc)], &x, &mut got) {
+                    assert!(same(got[0], dot8_fp8(&codes, &sc, &x)), "E4M3 {c:#04x} scale {e}");
+                }
+                let packed = [c; 16];
+                if dot8_quant_rows(QuantRows::Mxfp4, &[(&packed, &sc)], &x, &mut got) {
+                    assert!(
+                        same(got[0], dot8_mxfp4(&packed, &sc, &x)),
+                        "E2M1 pair {c:#04x} scale {e}"
+                    );
                 }
             }
         }
