@@ -210,6 +210,7 @@ pub fn runtime(
 /// in a temporary directory under `dir` (or the system's) and removed.
 pub fn real_width(
     layers: usize,
+    shrink: moeconf_runner::bench::RealWidthShrink,
     decode_tokens: u32,
     repeat: u32,
     dir: Option<&PathBuf>,
@@ -223,13 +224,15 @@ pub fn real_width(
         None => scratch("moeconf-bench-real-width")?,
     };
     let work = scratch("moeconf-bench-rt")?;
-    let r = bench_real_width(layers, decode_tokens, repeat, ckpt.path(), work.path())
+    let r = bench_real_width(layers, shrink, decode_tokens, repeat, ckpt.path(), work.path())
         .map_err(step("bench runtime --real-width"))?;
     let s = &r.step;
     let json = json!({
         "schema_version": 1,
         "kind": "moeconf.bench.runtime.real_width",
         "layers": r.layers,
+        "n_routed_experts": r.n_routed_experts,
+        "vocab_size": r.vocab_size,
         "layer_types": r.layer_kinds,
         "threads": r.threads,
         "checkpoint_bytes": r.checkpoint_bytes,

@@ -172,6 +172,18 @@ pub fn render_runtime_text(opts: &RuntimeBenchOptions, rows: &[RuntimeRow], rss:
     t
 }
 
+/// Optional reductions of the real-width checkpoint for quicker runs: fewer
+/// routed experts per layer (a decode step still reads k of them, each of
+/// the real size) and a smaller vocabulary (a smaller head). `None` keeps
+/// V4-Flash's 256 experts and 129280 tokens.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RealWidthShrink {
+    /// Routed experts per layer.
+    pub experts: Option<usize>,
+    /// Vocabulary size.
+    pub vocab: Option<usize>,
+}
+
 /// What `moeconf bench runtime --real-width` measured.
 #[derive(Debug, Clone)]
 pub struct RealWidthReport {
@@ -187,6 +199,10 @@ pub struct RealWidthReport {
     pub step: moeconf_reference_runtime::bench::StepBytes,
     /// Routed experts per token (k).
     pub experts_per_tok: usize,
+    /// Routed experts per layer.
+    pub n_routed_experts: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
     /// Read bandwidth, 1 thread (bytes/s).
     pub bandwidth_1thread: f64,
     /// Read bandwidth with the decode's thread count (bytes/s).
@@ -263,6 +279,7 @@ fn warm_page_cache(dir: &Path) -> Result<u64, RunError> {
 /// [`V4Spec::flash_width`]: moeconf_fixtures::checkpoint::V4Spec::flash_width
 pub fn bench_real_width(
     layers: usize,
+    shrink: RealWidthShrink,
     decode_tokens: u32,
     repeat: u32,
     dir: &Path,
@@ -270,7 +287,13 @@ pub fn bench_real_width(
 ) -> Result<RealWidthReport, RunError> {
     use moeconf_fixtures::checkpoint::{write_v4, V4Spec};
     use moeconf_reference_runtime::bench::{anon_rss_bytes, decode_step_bytes, read_bandwidth};
-    let spec = V4Spec::flash_width(layers);
+    let mut spec = V4Spec::flash_width(layers);
+    if let Some(e) = shrink.experts {
+        spec.n_routed_experts = e.max(spec.experts_per_tok);
+    }
+    if let Some(v) = shrink.vocab {
+        spec.vocab_size = v.max(16);
+    }
     let layer_kinds = spec
         .layer_types
         .iter()
@@ -323,6 +346,8 @@ pub fn bench_real_width(
         generate_seconds,
         step,
         experts_per_tok: model.config().experts_per_tok,
+        n_routed_experts: model.config().n_routed_experts,
+        vocab_size: model.config().vocab_size,
         bandwidth_1thread,
         bandwidth_threads,
         threads,
@@ -339,7 +364,7 @@ pub fn render_real_width_text(r: &RealWidthReport) -> String {
     let mib = |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
     let s = &r.step;
     format!(
-        "real-width decode (V4-Flash per-layer dimensions, {} layers: {}; FP8 dense, MXFP4 experts; {} threads)\n\
+        "real-width decode (V4-Flash per-layer dimensions, {} layers: {}; FP8 dense, {} MXFP4 experts per layer; vocabulary {}; {} threads)\n\
          \x20 checkpoint: {:.2} GB, generated in {:.1} s\n\
          \x20 weights read per decode step: {:.3} GB (layers without routed experts {:.3}, {} routed experts per layer {:.3}, head + embedding row {:.3})\n\
          \x20 memory read bandwidth: {:.2} GB/s (1 thread), {:.2} GB/s ({} threads)\n\
@@ -348,6 +373,8 @@ pub fn render_real_width_text(r: &RealWidthReport) -> String {
          \x20 anonymous RSS: {} after loading, {} after decoding ({:.2} GB of routed experts stay in the memory map)\n",
         r.layers,
         r.layer_kinds.join(", "),
+        r.n_routed_experts,
+        r.vocab_size,
         r.threads,
         gb(r.checkpoint_bytes as f64),
         r.generate_seconds,

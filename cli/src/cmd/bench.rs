@@ -63,6 +63,13 @@ pub struct BenchRuntimeArgs {
     /// 4: sliding, CSA, HCA, CSA).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=4))]
     pub layers: u32,
+    /// --real-width with fewer routed experts per layer than V4-Flash's 256 (quicker to
+    /// generate; a decode step still reads 6 experts of the real size per layer).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(6..=256))]
+    pub experts: Option<u32>,
+    /// --real-width with a smaller vocabulary than V4-Flash's 129280 (a smaller head).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(16..=129280))]
+    pub vocab: Option<u32>,
     /// Directory for the --real-width checkpoint (default: the system temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -150,7 +157,11 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
 fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
     if a.real_width {
         let tokens = a.decode_tokens.unwrap_or(8);
-        let r = moeconf_bench::real_width(a.layers as usize, tokens, a.repeat, a.dir.as_ref())?;
+        let shrink = moeconf_runner::bench::RealWidthShrink {
+            experts: a.experts.map(|e| e as usize),
+            vocab: a.vocab.map(|v| v as usize),
+        };
+        let r = moeconf_bench::real_width(a.layers as usize, shrink, tokens, a.repeat, a.dir.as_ref())?;
         return print(r, a.format);
     }
     let opts = moeconf_runner::bench::RuntimeBenchOptions {
