@@ -51,6 +51,10 @@ pub struct BenchRuntimeArgs {
     /// experts; about 500 MB of weights written to a temporary directory).
     #[arg(long)]
     pub large: bool,
+    /// Also measure the quantized fixture `builtin:tiny-v4-fp8` (FP8 dense, MXFP4 experts)
+    /// against its exact BF16 dequantization `builtin:tiny-v4-fp8-bf16`, with their ratio.
+    #[arg(long)]
+    pub quantized: bool,
     /// Instead of the fixture: generate (in a temporary directory, removed
     /// afterwards) a checkpoint of DeepSeek-V4-Flash's per-layer dimensions
     /// with FP8 dense projections and MXFP4 routed experts, and report decode
@@ -169,5 +173,5 @@ fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
         decode_tokens: a.decode_tokens.unwrap_or(200),
         repeat: a.repeat,
     };
-    print(moeconf_bench::runtime(&opts, a.large)?, a.format)
+    print(moeconf_bench::runtime(&opts, a.large, a.quantized)?, a.format)
 }
