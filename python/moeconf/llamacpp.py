@@ -256,7 +256,10 @@ def check_gguf(path):
     ``deepseek4`` model llama.cpp can load and the capture can map: the architecture, the keys the
     loader reads, compress ratios 0/4/128, and every tensor the loader requires. Returns a
     :class:`GgufModel`; raises :class:`LlamaCppError` naming the file and the problem."""
-    import gguf
+    try:
+        import gguf
+    except ImportError as e:
+        raise LlamaCppError(f"the gguf package is not importable ({e}); pip install gguf==0.19.0") from None
 
     path = os.fspath(path)
     try:
@@ -613,20 +616,24 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
     :class:`LlamaCppError`: observing would have changed what llama.cpp computes). Returns a
     :class:`CaptureResult`.
     """
-    import llama_cpp
-    from llama_cpp import llama_cpp as LL
-
     from . import binding_from_model
     from .capture import parse_levels as _parse_levels
     from .identity import model_identity
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
+    # The file first: what is wrong with it is said even where llama.cpp is not installed.
+    cfg = check_gguf(gguf_path)
+    try:
+        import llama_cpp
+        from llama_cpp import llama_cpp as LL
+    except ImportError as e:
+        raise LlamaCppError(f"llama-cpp-python is not importable ({e}); python/run_llamacpp.sh installs the pinned "
+                            "llama-cpp-python==0.3.36") from None
     lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     if not llama_supports_deepseek4(lib_dir):
         raise LlamaCppError(f"llama-cpp-python {llama_cpp.__version__} ({lib_dir}): this llama.cpp build has no "
                             "'deepseek4' architecture (pin llama-cpp-python==0.3.36)")
-    cfg = check_gguf(gguf_path)
     model_dir = os.fspath(model_dir)
     ident = model_identity(model_name or model_dir, model_dir, algorithm)
     if check_identity:

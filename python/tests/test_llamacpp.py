@@ -2,7 +2,9 @@
 mapping from observed ggml nodes to moeconf records (per-token slicing, the hc_pre/hc_post/hc_comb
 occurrences of the two halves, compressor entries only where a window closes, the indexer's
 masked entries), the persistent-state rings, the GGUF checks (another architecture, a missing
-tensor, an unsupported compress ratio), the build check, and — with the Rust binary — the
+tensor, an unsupported compress ratio, a non-GGUF file: exit 2 from ``python3 -m moeconf llamacpp``),
+the build checks (a libllama without ``deepseek4``, llama.cpp's own load failure, no llama-cpp-python:
+with a stand-in ``llama_cpp`` module), and — with the Rust binary — the
 exported GGUF read back by the ``gguf`` package: its own reader and dequantizers give exactly
 the checkpoint's values (FP8 and MXFP4 decoded here independently), and its MXFP4 blocks have
 ggml's layout.
@@ -13,6 +15,9 @@ The opt-in run against a real llama.cpp is ``python/run_llamacpp.sh``.
 import ctypes
 import json
 import os
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -249,6 +254,105 @@ def test_a_llama_cpp_build_without_deepseek4_is_recognized(tmp_path):
     assert lc.llama_supports_deepseek4(str(tmp_path))
     with pytest.raises(lc.LlamaCppError, match="no libllama"):
         lc.llama_supports_deepseek4(str(tmp_path / "nowhere"))
+
+
+def _py_capture(gguf_path, tmp_path):
+    """``python3 -m moeconf llamacpp GGUF ...`` as a user runs it."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, "-m", "moeconf", "llamacpp", str(gguf_path), "--model-dir", str(model_dir),
+                           "--prompt", "hi", "--max-new-tokens", "1", "-o", str(tmp_path / "out.bin")],
+                          capture_output=True, text=True, env=env)
+
+
+def test_the_capture_command_refuses_bad_gguf_files_with_exit_2_naming_the_file(tmp_path):
+    # Checked with the gguf package before llama.cpp is touched, so the same errors come with or
+    # without llama-cpp-python installed.
+    cases = [
+        (_write_gguf(tmp_path / "llama.gguf", arch="llama"), "general.architecture is 'llama', not 'deepseek4'"),
+        (_write_gguf(tmp_path / "miss.gguf", drop=("blk.0.ffn_down_exps.weight",)),
+         "tensor blk.0.ffn_down_exps.weight is missing"),
+        (_write_gguf(tmp_path / "r16.gguf", ratios=(0, 16)), "only 0, 4 and 128"),
+    ]
+    st = tmp_path / "model.safetensors"
+    st.write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
+    cases.append((st, "not a readable GGUF file"))
+    cases.append((tmp_path / "absent.gguf", "not a readable GGUF file"))
+    for path, why in cases:
+        r = _py_capture(path, tmp_path)
+        assert r.returncode == 2, (path, r.returncode, r.stderr)
+        assert str(path) in r.stderr and why in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "out.bin").exists()
+
+
+def _fake_llama_cpp(monkeypatch, tmp_path, lib_bytes, load_log=None):
+    """Installs a stand-in ``llama_cpp`` package (no llama.cpp): its lib directory holds a
+    ``libllama.so`` of ``lib_bytes``; model loading fails after logging ``load_log``, as
+    llama.cpp's loader does for an architecture it does not know."""
+    pkg = tmp_path / "fake_llama_cpp"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "lib" / "libllama.so").write_bytes(lib_bytes)
+    mod = types.ModuleType("llama_cpp")
+    mod.__file__ = str(pkg / "__init__.py")
+    mod.__version__ = "0.0.0-fake"
+    ll = types.ModuleType("llama_cpp.llama_cpp")
+    logger = []
+    ll.llama_log_callback = lambda f: f
+    ll.llama_log_set = lambda cb, ud: logger.append(cb)
+    ll.llama_backend_init = lambda: None
+    ll.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+
+    def load(path, params):
+        assert params.use_extra_bufts is False
+        for cb in logger:
+            cb(2, (load_log or "").encode(), None)
+        return None
+
+    ll.llama_model_load_from_file = load
+    mod.llama_cpp = ll
+    monkeypatch.setitem(sys.modules, "llama_cpp", mod)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", ll)
+
+    class NoGgml:
+        def __init__(self, lib_dir):
+            pass
+
+    monkeypatch.setattr(lc, "_Ggml", NoGgml)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text("{}")
+    return model_dir
+
+
+def test_capture_refuses_a_llama_cpp_build_without_deepseek4_before_loading(monkeypatch, tmp_path):
+    g = _write_gguf(tmp_path / "ok.gguf")
+    model_dir = _fake_llama_cpp(monkeypatch, tmp_path, b"\x7fELF...llama\0qwen3\0deepseek2\0")
+    with pytest.raises(lc.LlamaCppError, match=r"0.0.0-fake .*no 'deepseek4' architecture .*0.3.36"):
+        lc.capture(g, "hi", 1, tmp_path / "out.bin", model_dir=model_dir, check_identity=False)
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_capture_reports_llama_cpps_own_load_failure_naming_the_file(monkeypatch, tmp_path):
+    # A build that names deepseek4 but cannot load this file (another llama.cpp's graph, a
+    # tensor of the wrong shape): llama.cpp's own log lines are the reason given.
+    g = _write_gguf(tmp_path / "ok.gguf")
+    model_dir = _fake_llama_cpp(monkeypatch, tmp_path, b"\x7fELF...deepseek4\0",
+                                load_log="llama_model_load: error loading model: check_tensor_dims: tensor "
+                                         "'blk.0.attn_q_a.weight' has wrong shape\n")
+    with pytest.raises(lc.LlamaCppError) as e:
+        lc.capture(g, "hi", 1, tmp_path / "out.bin", model_dir=model_dir, check_identity=False)
+    msg = str(e.value)
+    assert str(g) in msg and "llama.cpp could not load the model" in msg and "has wrong shape" in msg, msg
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_capture_without_llama_cpp_installed_says_how_to_get_it(monkeypatch, tmp_path):
+    g = _write_gguf(tmp_path / "ok.gguf")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)     # import llama_cpp raises ImportError
+    with pytest.raises(lc.LlamaCppError, match=r"llama-cpp-python is not importable .*run_llamacpp.sh"):
+        lc.capture(g, "hi", 1, tmp_path / "out.bin", model_dir=tmp_path, check_identity=False)
 
 
 # --------------------------------------------------------------------------- the exported GGUF
