@@ -4,6 +4,7 @@
 //! capture of L0–L4 state.
 #![deny(missing_docs)]
 
+pub mod actquant;
 pub mod attention;
 pub mod bench;
 pub mod capture;
