@@ -39,7 +39,9 @@ fn run(precision: Precision, combine: &dyn MoeCombine) -> MemorySink {
 /// (step, position, layer, component) of a record.
 type Key = (u32, u32, Option<u32>, Component);
 
-fn check(sink: &MemorySink) {
+/// `quantizes`: the profile records the quantization sites (catalogue
+/// presence `Quantized`/`QuantizedOnEmit`); otherwise none may appear.
+fn check(sink: &MemorySink, quantizes: bool) {
     let cfg = fixture_model().config();
     let kinds = |layer: u32| cfg.catalogue_kinds(layer as usize).expect("layer of the model");
     let mut present: HashSet<Key> = HashSet::new();
@@ -112,6 +114,12 @@ fn check(sink: &MemorySink) {
                     if spec.presence == Presence::Always {
                         assert!(here, "{comp} missing at step {step} pos {t} layer {layer}");
                     }
+                    if spec.presence.is_quantized() && !quantizes {
+                        assert!(
+                            !here,
+                            "{comp} is a quantization site, yet emitted by a profile without any at step {step} pos {t} layer {layer}"
+                        );
+                    }
                     if spec.presence == Presence::CaptureOnly {
                         assert!(
                             !here,
@@ -135,9 +143,13 @@ fn check(sink: &MemorySink) {
                                         found,
                                         "{comp} reads {ic}, not captured at step {step} pos {t} layer {layer}"
                                     ),
-                                    Presence::OnEmit => {
+                                    Presence::OnEmit | Presence::QuantizedOnEmit => {
                                         *on_emit_inputs_seen.entry(ic).or_default() += found as usize
                                     }
+                                    Presence::Quantized => assert!(
+                                        found || !quantizes,
+                                        "{comp} reads the site {ic}, not captured at step {step} pos {t} layer {layer}"
+                                    ),
                                     Presence::CaptureOnly => assert!(
                                         !found,
                                         "{ic} is capture-only, yet the runtime emitted it at step {step} pos {t} layer {layer}"
@@ -195,8 +207,8 @@ fn check(sink: &MemorySink) {
 
 #[test]
 fn catalogue_inputs_are_captured() {
-    check(&run(Precision::Bf16, &NativeCombine));
-    check(&run(Precision::F32, &F32Combine));
+    check(&run(Precision::Bf16, &NativeCombine), false);
+    check(&run(Precision::F32, &F32Combine), false);
 }
 
 #[test]
