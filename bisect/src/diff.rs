@@ -990,7 +990,10 @@ impl Ctx<'_> {
             inputs,
             inputs_match,
             layer_kind: self.layer_kind_of(p),
-            comparison: self.comparison(p)?,
+            comparison: match self.identity_pair(p) {
+                Some(q) => self.comparison(q)?,
+                None => self.comparison(p)?,
+            },
             at,
         });
         Ok(rep)

@@ -22,14 +22,14 @@ use std::borrow::Cow;
 use moeconf_fingerprint::Component;
 
 use crate::capture::Recorder;
-use crate::compressor::{compressor_step_with, CompressorWeights};
+use crate::compressor::{compressor_step_with, CompressorWeights, StoreQuant};
 use crate::config::{AttentionKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder};
-use crate::indexer::{indexer_scores_with, topk_desc, IndexerWeights};
+use crate::indexer::{indexer_queries, indexer_scores_from, topk_desc, IndexerWeights};
 use crate::linear::dot8;
-use crate::precision::Precision;
+use crate::official;
 use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
 use crate::rope::{apply_rope, CosSin, RopeFreqs};
 use crate::state::{CompressorRole, CompressorState, LayerState};
@@ -158,14 +158,33 @@ pub(crate) fn attention_forward(
     } else {
         &cs
     };
-    let (q_lat, q) = queries(aw, a, q_cs, cx);
-    rec.f32(Component::AttnQ, at, &[h as u64, d as u64], &q)?;
-    let kv = new_kv(aw, a, &cs, cx);
+    // Site Q1 (official profile): the input of the FP8 GEMMs wq_a and wkv.
+    let skip = cx.fx.skip_quantization;
+    let a_q = (p.quantizes() && official::any_quantized([&aw.wq_a, &aw.wkv]))
+        .then(|| official::gemm_input(a, skip.contains(Component::AttnNormFp8)));
+    if let Some(v) = &a_q {
+        rec.f32(Component::AttnNormFp8, at, &[a.len() as u64], v)?;
+    }
+    let lat = queries(aw, a, a_q.as_deref(), q_cs, cx);
+    if let Some(v) = &lat.quantized {
+        rec.f32(Component::AttnQLatFp8, at, &[v.len() as u64], v)?;
+    }
+    rec.f32(Component::AttnQ, at, &[h as u64, d as u64], &lat.q)?;
+    let kv = new_kv(aw, a, a_q.as_deref(), &cs, cx);
     rec.f32(Component::AttnKv, at, &[d as u64], &kv)?;
-    store_kv(ls, &kv, cx);
+    // Site Q3: the stored kv has its non-rope channels FP8 fake-quantized.
+    let stored = p.quantizes().then(|| {
+        let mut v = kv.clone();
+        official::kv_fake_quant(&mut v, cfg.rope_dim, skip.contains(Component::AttnKvFp8));
+        v
+    });
+    if let Some(v) = &stored {
+        rec.f32(Component::AttnKvFp8, at, &[d as u64], v)?;
+    }
+    store_kv(ls, stored.as_deref().unwrap_or(&kv), cx);
 
     compress(aw, ls, a, ropes, cx, rec)?;
-    let selected = select(aw, ls, a, &q_lat, ropes, cx, rec)?;
+    let selected = select(aw, ls, a, &lat, ropes, cx, rec)?;
     let mut core = {
         let window = window_read(ls, cx);
         rec.f32(
@@ -185,10 +204,10 @@ pub(crate) fn attention_forward(
         }
         let mut keys: Vec<&[f32]> = window.chunks_exact(d).collect();
         keys.extend(compressed.as_deref().unwrap_or(&[]).chunks_exact(d));
-        attend(&q, &keys, &aw.sinks, cx)
+        attend(&lat.q, &keys, &aw.sinks, cx)
     };
     rec.f32(Component::AttnCore, at, &[h as u64, d as u64], &core)?;
-    let out = output_projection(aw, &mut core, &cs, cx);
+    let out = output_projection(aw, &mut core, &cs, cx, rec)?;
     rec.f32(Component::AttnOutput, at, &[cfg.hidden_size as u64], &out)?;
 
     // Keep the last w−1 kvs (HF DynamicSlidingWindowLayer).
@@ -244,22 +263,41 @@ fn compressed_read<'s>(
     })
 }
 
-/// The query latent and the per-head queries after norm and RoPE.
-fn queries(aw: &AttnWeights, a: &[f32], cs: &CosSin, cx: &TokenCtx<'_>) -> (Vec<f32>, Vec<f32>) {
+/// The query latent (and, in the official profile, its quantization, site
+/// Q2) and the per-head queries after norm and RoPE.
+pub(crate) struct Queries {
+    /// `q_lat = rmsnorm_w(W_qa·a)`.
+    pub lat: Vec<f32>,
+    /// Site Q2: `q_lat` FP8-quantized for the GEMMs that read it (`None`
+    /// outside the official profile or when neither `wq_b` is quantized).
+    pub quantized: Option<Vec<f32>>,
+    /// The queries `[H·d]`.
+    pub q: Vec<f32>,
+}
+
+/// The query latent and the per-head queries after norm and RoPE; `a_q` is
+/// site Q1 (the quantized `a`) in the official profile.
+fn queries(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &TokenCtx<'_>) -> Queries {
     let (p, eps) = (cx.p, cx.cfg.rms_norm_eps);
-    let q_lat = rmsnorm_weighted(&aw.wq_a.linear(a, p), &aw.q_norm, eps, p);
-    let mut q = aw.wq_b.linear(&q_lat, p);
+    let lat = rmsnorm_weighted(&official::linear(&aw.wq_a, a, a_q, p), &aw.q_norm, eps, p);
+    let readers = std::iter::once(&aw.wq_b).chain(aw.indexer.as_ref().map(|ix| &ix.wq_b));
+    let quantized = (p.quantizes() && official::any_quantized(readers)).then(|| {
+        let skip = cx.fx.skip_quantization.contains(Component::AttnQLatFp8);
+        official::gemm_input(&lat, skip)
+    });
+    let mut q = official::linear(&aw.wq_b, &lat, quantized.as_deref(), p);
     for hq in q.chunks_exact_mut(cx.cfg.head_dim) {
         rmsnorm_unweighted_in_place(hq, eps, p);
         apply_rope(hq, cs, false, p);
     }
-    (q_lat, q)
+    Queries { lat, quantized, q }
 }
 
 /// The position's new kv vector (norm, RoPE, and the kv precision fault).
-fn new_kv(aw: &AttnWeights, a: &[f32], cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
+fn new_kv(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
     let p = cx.p;
-    let mut kv = rmsnorm_weighted(&aw.wkv.linear(a, p), &aw.kv_norm, cx.cfg.rms_norm_eps, p);
+    let projected = official::linear(&aw.wkv, a, a_q, p);
+    let mut kv = rmsnorm_weighted(&projected, &aw.kv_norm, cx.cfg.rms_norm_eps, p);
     apply_rope(&mut kv, cs, false, p);
     if let Some(bits) = cx.fx.kv_mantissa_bits {
         keep_mantissa_bits(&mut kv, bits);
@@ -281,10 +319,21 @@ fn compress(
     };
     let eps = cx.cfg.rms_norm_eps;
     let rows = cst.buffered();
-    match compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor) {
-        Some(entry) => {
+    // Site Q4 (official profile): the stored entry's non-rope channels FP8-quantized.
+    let store = match cx.p.quantizes() {
+        true => StoreQuant::KvFp8 {
+            rope: cx.cfg.rope_dim,
+            skip: cx.fx.skip_quantization.contains(Component::AttnCompressedFp8),
+        },
+        false => StoreQuant::None,
+    };
+    match compressor_step_with(cw, cst, a, &ropes.compress, eps, cx.p, cx.fx.compressor, store) {
+        Some(emitted) => {
             let d = cx.cfg.head_dim as u64;
-            rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &entry)?;
+            rec.f32(Component::AttnCompressed, cx.at(), &[1, d], &emitted.entry)?;
+            if let Some(v) = &emitted.stored {
+                rec.f32(Component::AttnCompressedFp8, cx.at(), &[1, d], v)?;
+            }
         }
         None => check_buffered(rec, cst, rows, cx, CompressorRole::Attention)?,
     }
@@ -313,7 +362,7 @@ fn select(
     aw: &AttnWeights,
     ls: &mut LayerState,
     a: &[f32],
-    q_lat: &[f32],
+    lat: &Queries,
     ropes: &Ropes,
     cx: &TokenCtx<'_>,
     rec: &mut Recorder<'_>,
@@ -323,7 +372,15 @@ fn select(
     };
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
     let fx = cx.fx.indexer;
+    let skip = cx.fx.skip_quantization;
     let rows = ist.buffered();
+    // Site Q5 (official profile): the stored key Hadamard-rotated and FP4-quantized.
+    let store = match p.quantizes() {
+        true => StoreQuant::RotatedFp4 {
+            skip: skip.contains(Component::AttnIndexerCompressedFp4),
+        },
+        false => StoreQuant::None,
+    };
     match compressor_step_with(
         &iw.compressor,
         ist,
@@ -332,14 +389,28 @@ fn select(
         cfg.rms_norm_eps,
         p,
         fx.compressor,
+        store,
     ) {
-        Some(entry) => rec.f32(Component::AttnIndexerCompressed, at, &[1, ist.dim as u64], &entry)?,
+        Some(emitted) => {
+            let d_i = ist.dim as u64;
+            rec.f32(Component::AttnIndexerCompressed, at, &[1, d_i], &emitted.entry)?;
+            if let Some(v) = &emitted.stored {
+                rec.f32(Component::AttnIndexerCompressedFp4, at, &[1, d_i], v)?;
+            }
+        }
         None => check_buffered(rec, ist, rows, cx, CompressorRole::Indexer)?,
     }
     let (t, d_i) = (ist.entry_count, ist.dim as u64);
     rec.f32(Component::AttnIndexerRead, at, &[t, d_i], &ist.compressed_kv)?;
     let ccs = ropes.compress.cos_sin(cx.position, p);
-    let scores = indexer_scores_with(iw, ist, q_lat, a, &ccs, cfg.index_n_heads, p, fx.scale_after_sum);
+    let heads = cfg.index_n_heads;
+    let mut q = indexer_queries(iw, &lat.lat, lat.quantized.as_deref(), &ccs, heads, ist.dim, p);
+    if p.quantizes() {
+        // Site Q6: the queries Hadamard-rotated and FP4-quantized per head.
+        official::rotate_fake_quant_fp4(&mut q, ist.dim, skip.contains(Component::AttnIndexerQFp4));
+        rec.f32(Component::AttnIndexerQFp4, at, &[heads as u64, d_i], &q)?;
+    }
+    let scores = indexer_scores_from(iw, ist, &q, a, heads, p, fx.scale_after_sum);
     rec.f32(Component::AttnIndexerScores, at, &[scores.len() as u64], &scores)?;
     let mut k = cfg.index_topk.min(scores.len());
     if fx.topk_drops_last {
@@ -422,7 +493,13 @@ fn split_k_exponentials(e: &mut [f32], m: f32) -> f32 {
 }
 
 /// De-rotation of each head's output, then the grouped output projection.
-fn output_projection(aw: &AttnWeights, core: &mut [f32], cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
+fn output_projection(
+    aw: &AttnWeights,
+    core: &mut [f32],
+    cs: &CosSin,
+    cx: &TokenCtx<'_>,
+    rec: &mut Recorder<'_>,
+) -> Result<Vec<f32>, RuntimeError> {
     let (cfg, p) = (cx.cfg, cx.p);
     let (h, d) = (cfg.num_heads, cfg.head_dim);
     if !cx.fx.attention.derotation_skipped {
@@ -433,6 +510,7 @@ fn output_projection(aw: &AttnWeights, core: &mut [f32], cs: &CosSin, cx: &Token
     let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
     let per_group = h * d / g;
     let mut u = vec![0.0f32; g * r];
+    // wo_a is a BF16 GEMM in every profile (DeepSeek dequantizes it, M L536–541).
     for gi in 0..g {
         aw.wo_a.matvec_rows(
             gi * r,
@@ -441,11 +519,26 @@ fn output_projection(aw: &AttnWeights, core: &mut [f32], cs: &CosSin, cx: &Token
         );
     }
     p.round_slice(&mut u);
-    if cx.fx.attn_output_truncate {
-        let mut o = aw.wo_b.linear(&u, Precision::F32);
-        o.iter_mut().for_each(|v| *v = truncate_bf16(*v));
-        o
-    } else {
-        aw.wo_b.linear(&u, p)
+    // Site Q7 (official profile): the input of the FP8 GEMM wo_b.
+    let u_q = (p.quantizes() && aw.wo_b.quantizes_input()).then(|| {
+        let skip = cx.fx.skip_quantization.contains(Component::AttnOLatFp8);
+        official::gemm_input(&u, skip)
+    });
+    if let Some(v) = &u_q {
+        rec.f32(Component::AttnOLatFp8, cx.at(), &[v.len() as u64], v)?;
     }
+    Ok(if cx.fx.attn_output_truncate {
+        let x = u_q.as_deref().unwrap_or(&u);
+        (0..aw.wo_b.rows())
+            .map(|row| {
+                let v = match p.quantizes() {
+                    true => aw.wo_b.dot_row_official(row, x),
+                    false => aw.wo_b.dot_row(row, x),
+                };
+                truncate_bf16(v)
+            })
+            .collect()
+    } else {
+        official::linear(&aw.wo_b, &u, u_q.as_deref(), p)
+    })
 }

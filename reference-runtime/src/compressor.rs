@@ -65,14 +65,56 @@ pub fn compressor_step(
     eps: f32,
     p: Precision,
 ) -> Option<Vec<f32>> {
-    compressor_step_with(cw, st, a, rope, eps, p, CompressorFaults::default())
+    compressor_step_with(
+        cw,
+        st,
+        a,
+        rope,
+        eps,
+        p,
+        CompressorFaults::default(),
+        StoreQuant::None,
+    )
+    .map(|e| e.entry)
+}
+
+/// How an emitted entry is quantized before it is stored (the official
+/// profile's sites Q4 and Q5, crate::official; `None` elsewhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreQuant {
+    /// Stored as computed.
+    None,
+    /// The attention compressor (Q4): the non-rope channels (all but the
+    /// trailing `rope`) FP8 fake-quantized in 1×64 blocks.
+    KvFp8 {
+        /// Rotary channels, left as they are.
+        rope: usize,
+        /// Skip the quantize-dequantize (calibration fault).
+        skip: bool,
+    },
+    /// The indexer compressor (Q5): Hadamard rotation, BF16 rounding, FP4
+    /// fake quantization in 1×32 blocks.
+    RotatedFp4 {
+        /// Skip the quantize-dequantize (calibration fault; the rotation stays).
+        skip: bool,
+    },
+}
+
+/// An entry a closing window emitted.
+pub(crate) struct Emitted {
+    /// The entry as computed (after norm and RoPE).
+    pub entry: Vec<f32>,
+    /// What the cache stores instead, when [`StoreQuant`] quantizes it.
+    pub stored: Option<Vec<f32>>,
 }
 
 /// [`compressor_step`] with the calibration faults of `fx` (none by
 /// default): the pooling sums' order and accumulator, the carried overlap
 /// ignored or saved without its position bias, buffered rows or the stored
 /// entry kept with fewer mantissa bits. The returned entry is the one
-/// computed; the state stores it (with `fx.store_bits`, truncated).
+/// computed; the state stores it, or its quantization by `store` (with
+/// `fx.store_bits`, truncated).
+#[allow(clippy::too_many_arguments)] // the operator's inputs plus its faults and storage format
 pub(crate) fn compressor_step_with(
     cw: &CompressorWeights,
     st: &mut CompressorState,
@@ -81,7 +123,8 @@ pub(crate) fn compressor_step_with(
     eps: f32,
     p: Precision,
     fx: CompressorFaults,
-) -> Option<Vec<f32>> {
+    store: StoreQuant,
+) -> Option<Emitted> {
     let mut c = cw.wkv.linear(a, p);
     if let Some(bits) = fx.buffer_bits {
         keep_mantissa_bits(&mut c, bits);
@@ -100,13 +143,27 @@ pub(crate) fn compressor_step_with(
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();
     st.buffer_gate.clear();
+    let stored = match store {
+        StoreQuant::None => None,
+        StoreQuant::KvFp8 { rope, skip } => {
+            let mut v = entry.clone();
+            crate::official::kv_fake_quant(&mut v, rope, skip);
+            Some(v)
+        }
+        StoreQuant::RotatedFp4 { skip } => {
+            let mut v = entry.clone();
+            crate::official::rotate_fake_quant_fp4(&mut v, st.dim, skip);
+            Some(v)
+        }
+    };
     let start = st.compressed_kv.len();
-    st.compressed_kv.extend_from_slice(&entry);
+    st.compressed_kv
+        .extend_from_slice(stored.as_deref().unwrap_or(&entry));
     if let Some(bits) = fx.store_bits {
         keep_mantissa_bits(&mut st.compressed_kv[start..], bits);
     }
     st.entry_count += 1;
-    Some(entry)
+    Some(Emitted { entry, stored })
 }
 
 /// The pooling slots of a closing window, `[slots][dim]` row-major.

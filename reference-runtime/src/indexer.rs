@@ -69,28 +69,43 @@ pub fn indexer_scores(
     heads: usize,
     p: Precision,
 ) -> Vec<f32> {
-    indexer_scores_with(iw, st, q_lat, a, cs, heads, p, false)
+    let q = indexer_queries(iw, q_lat, None, cs, heads, st.dim, p);
+    indexer_scores_from(iw, st, &q, a, heads, p, false)
 }
 
-/// [`indexer_scores`], with the d_I^(−1/2) scale applied to each score's
-/// head sum instead of to every head's term when `scale_after_sum` (the
+/// The indexer queries `q^I = rope(round(W^I_qb · q_lat))`, per head (`[H_I·d_I]`);
+/// in the official profile `q_lat_q` is site Q2 (the quantized `q_lat`), read
+/// by a quantized `W^I_qb`.
+pub(crate) fn indexer_queries(
+    iw: &IndexerWeights,
+    q_lat: &[f32],
+    q_lat_q: Option<&[f32]>,
+    cs: &CosSin,
+    heads: usize,
+    dim: usize,
+    p: Precision,
+) -> Vec<f32> {
+    let mut q = crate::official::linear(&iw.wq_b, q_lat, q_lat_q, p);
+    for h in 0..heads {
+        apply_rope(&mut q[h * dim..(h + 1) * dim], cs, false, p);
+    }
+    q
+}
+
+/// The scores of every emitted entry for the queries `q` (`[H_I·d_I]`), with
+/// the d_I^(−1/2) scale applied to each score's head sum instead of to every
+/// head's term when `scale_after_sum` (the
 /// [`crate::faults::FaultKind::IndexerScoreScaleAfterSum`] fault).
-#[allow(clippy::too_many_arguments)] // the operator's inputs plus one fault switch
-pub(crate) fn indexer_scores_with(
+pub(crate) fn indexer_scores_from(
     iw: &IndexerWeights,
     st: &CompressorState,
-    q_lat: &[f32],
+    q: &[f32],
     a: &[f32],
-    cs: &CosSin,
     heads: usize,
     p: Precision,
     scale_after_sum: bool,
 ) -> Vec<f32> {
     let dim = st.dim;
-    let mut q = iw.wq_b.linear(q_lat, p);
-    for h in 0..heads {
-        apply_rope(&mut q[h * dim..(h + 1) * dim], cs, false, p);
-    }
     let w_scale = 1.0 / (heads as f32).sqrt();
     let omega: Vec<f32> = iw.weights_proj.linear(a, p).iter().map(|v| v * w_scale).collect();
     let s_scale = 1.0 / (dim as f32).sqrt();

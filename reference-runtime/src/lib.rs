@@ -22,6 +22,7 @@ pub mod linear;
 pub mod mhc;
 pub mod model;
 pub mod moe;
+pub mod official;
 pub mod precision;
 pub mod quant;
 pub mod replay;
