@@ -438,8 +438,9 @@ pub struct PreparedRun {
 }
 
 /// Validates `spec` against the loaded model before anything runs or is
-/// written: token count, prompt, contract, schedule and fork point (a fork
-/// that can never take effect is refused, [`check_fork_point`]).
+/// written: token count, prompt, precision profile (the official profile's
+/// dimensions), contract, schedule and fork point (a fork that can never
+/// take effect is refused, [`check_fork_point`]).
 pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, RunError> {
     if spec.max_new_tokens == 0 || spec.max_new_tokens > limits::MAX_NEW_TOKENS {
         bail!(
@@ -453,6 +454,7 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
         bail!("the prompt {:?} tokenizes to no tokens", spec.prompt);
     }
     limits::check_prompt_tokens(prompt_ids.len())?;
+    m.model.check_precision(spec.precision)?;
     let cfg = m.model.config();
     let built = build_combine(
         spec.combine,
