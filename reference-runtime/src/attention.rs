@@ -149,11 +149,11 @@ pub(crate) fn attention_forward(
     } else {
         &ropes.compress
     };
-    let cs = rope.cos_sin(t, p);
+    let cs = rope.cos_sin(t, p.rope_tables());
 
     let shifted;
     let q_cs = if cx.fx.attention.query_rope_off_by_one {
-        shifted = rope.cos_sin(t + 1, p);
+        shifted = rope.cos_sin(t + 1, p.rope_tables());
         &shifted
     } else {
         &cs
@@ -402,7 +402,7 @@ fn select(
     }
     let (t, d_i) = (ist.entry_count, ist.dim as u64);
     rec.f32(Component::AttnIndexerRead, at, &[t, d_i], &ist.compressed_kv)?;
-    let ccs = ropes.compress.cos_sin(cx.position, p);
+    let ccs = ropes.compress.cos_sin(cx.position, p.rope_tables());
     let heads = cfg.index_n_heads;
     let mut q = indexer_queries(iw, &lat.lat, lat.quantized.as_deref(), &ccs, heads, ist.dim, p);
     if p.quantizes() {

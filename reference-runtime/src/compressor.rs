@@ -139,7 +139,7 @@ pub(crate) fn compressor_step_with(
     let slots = close_window(cw, st, fx);
     let pooled = pool(&slots, st.dim, p, fx.pooling);
     let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
-    let cs = rope.cos_sin((i as usize * st.rate) as u32, p);
+    let cs = rope.cos_sin((i as usize * st.rate) as u32, p.rope_tables());
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();
     st.buffer_gate.clear();

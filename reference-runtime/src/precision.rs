@@ -52,6 +52,32 @@ impl Precision {
         self == Precision::Official
     }
 
+    /// The profile of the RoPE tables (cos, sin): DeepSeek's are FP32
+    /// (`torch.polar` of FP32 angles, M L226–228), so the official profile does
+    /// not round them; the rotation's result keeps its rounding point.
+    #[inline]
+    pub fn rope_tables(self) -> Precision {
+        match self {
+            Precision::Official => Precision::F32,
+            p => p,
+        }
+    }
+
+    /// The profile of the router: DeepSeek's gate is FP32 throughout (FP32
+    /// logits, scores and gates, M L564–583), so the official profile rounds
+    /// none of them.
+    #[inline]
+    pub fn router(self) -> Precision {
+        self.rope_tables()
+    }
+
+    /// The profile of the LM head's logits: FP32 in DeepSeek's code
+    /// (`F.linear(x.float(), weight)` with an FP32 weight, M L713–716).
+    #[inline]
+    pub fn logits(self) -> Precision {
+        self.rope_tables()
+    }
+
     /// An activation rounding point: `R_BF16(x)` in the bf16 and official
     /// profiles, `x` in f32.
     #[inline]
