@@ -92,7 +92,9 @@ pub enum Format {
 /// The model and prompt of a run (`moeconf run`, `moeconf sweep`).
 #[derive(Debug, Args)]
 pub struct ModelPromptArgs {
-    /// Model: `builtin:tiny-v4` or a directory with config.json, *.safetensors and tokenizer.json.
+    /// Model: `builtin:tiny-v4`, `builtin:tiny-v4-fp8` (the released FP8 / MXFP4 format),
+    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization) or a directory with config.json,
+    /// *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
     /// Prompt text (raw UTF-8, no chat template).

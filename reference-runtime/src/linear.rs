@@ -212,24 +212,37 @@ fn dot8_bf16_pairs(w: &[u32], x: &SplitInput, tail: Option<u16>) -> f32 {
 pub fn dot8_fp8(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     let n = codes.len().min(x.len());
     let mut l = [0.0f32; LANES];
+    // Each block is decoded into a buffer first (the table gather), then accumulated by the
+    // same lane loop as `dot8`; the order of every product and sum is unchanged.
+    let mut w = [0.0f32; FP8_BLOCK];
     for (b, (cb, xb)) in codes[..n]
         .chunks(FP8_BLOCK)
         .zip(x[..n].chunks(FP8_BLOCK))
         .enumerate()
     {
         let s = scales.get(b).map_or(f32::NAN, |&e| scale_value(e));
-        let mut cc = cb.chunks_exact(LANES);
-        let mut cx = xb.chunks_exact(LANES);
-        for (c8, x8) in (&mut cc).zip(&mut cx) {
-            for j in 0..LANES {
-                l[j] += (quant::E4M3[usize::from(c8[j])] * s) * x8[j];
-            }
+        for (wj, &c) in w.iter_mut().zip(cb) {
+            *wj = quant::E4M3[usize::from(c)] * s;
         }
-        for (j, (c, xv)) in cc.remainder().iter().zip(cx.remainder()).enumerate() {
-            l[j] += (quant::E4M3[usize::from(*c)] * s) * xv;
-        }
+        accumulate_lanes(&mut l, &w[..cb.len()], xb);
     }
     fold8(l)
+}
+
+/// `l[i mod 8] += w[i] · x[i]` in increasing i (`w.len()` = `x.len()`, starting at a
+/// multiple of 8 of the whole row): the inner loop of [`dot8`].
+#[inline]
+fn accumulate_lanes(l: &mut [f32; LANES], w: &[f32], x: &[f32]) {
+    let mut cw = w.chunks_exact(LANES);
+    let mut cx = x.chunks_exact(LANES);
+    for (w8, x8) in (&mut cw).zip(&mut cx) {
+        for j in 0..LANES {
+            l[j] += w8[j] * x8[j];
+        }
+    }
+    for (j, (wv, xv)) in cw.remainder().iter().zip(cx.remainder()).enumerate() {
+        l[j] += wv * xv;
+    }
 }
 
 /// `dot8` of an MXFP4 row (`n/2` bytes, byte k holding elements 2k (low nibble)
@@ -240,17 +253,18 @@ pub fn dot8_fp8(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 pub fn dot8_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     let n = (2 * packed.len()).min(x.len()) & !1;
     let mut l = [0.0f32; LANES];
+    let mut w = [0.0f32; MXFP4_GROUP];
     let groups = packed[..n / 2]
         .chunks(MXFP4_GROUP / 2)
         .zip(x[..n].chunks(MXFP4_GROUP));
     for (g, (pg, xg)) in groups.enumerate() {
         let s = scales.get(g).map_or(f32::NAN, |&e| scale_value(e));
-        for (k, (byte, x2)) in pg.iter().zip(xg.chunks_exact(2)).enumerate() {
+        for (k, byte) in pg.iter().enumerate() {
             let [lo, hi] = quant::E2M1_PAIRS[usize::from(*byte)];
-            let j = (2 * k) % LANES;
-            l[j] += (lo * s) * x2[0];
-            l[j + 1] += (hi * s) * x2[1];
+            w[2 * k] = lo * s;
+            w[2 * k + 1] = hi * s;
         }
+        accumulate_lanes(&mut l, &w[..2 * pg.len()], xg);
     }
     fold8(l)
 }

@@ -130,3 +130,80 @@ fn quantized_and_dequantized_checkpoints_trace_identically_in_both_profiles() {
         }
     }
 }
+
+#[test]
+fn flash_width_spec_has_the_released_flash_sizes() {
+    use moeconf_fixtures::checkpoint::V4Spec;
+    for layers in 2..=4 {
+        let spec = V4Spec::flash_width(layers);
+        let cfg = moeconf_reference_runtime::config::ModelConfig::from_json(
+            std::path::Path::new("flash/config.json"),
+            &spec.config_json(),
+        )
+        .expect("flash config parses");
+        assert_eq!(cfg.num_layers(), layers);
+        assert_eq!(
+            (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rope_dim),
+            (4096, 64, 512, 64)
+        );
+        assert_eq!((cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank), (1024, 8, 1024));
+        assert_eq!(
+            (
+                cfg.n_routed_experts,
+                cfg.experts_per_tok,
+                cfg.moe_intermediate_size
+            ),
+            (256, 6, 2048)
+        );
+        assert_eq!(
+            (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk),
+            (64, 128, 512)
+        );
+        assert_eq!((cfg.csa_rate, cfg.hca_rate, cfg.sliding_window), (4, 128, 128));
+        assert_eq!(cfg.weights.experts, LinearFormat::Mxfp4);
+        assert_eq!(cfg.weights.dense, LinearFormat::Fp8Block128);
+        assert!(cfg
+            .layer_types
+            .contains(&moeconf_reference_runtime::config::AttentionKind::Csa));
+        assert!(cfg
+            .layer_types
+            .contains(&moeconf_reference_runtime::config::AttentionKind::Hca));
+    }
+}
+
+/// Generates V4-Flash per-layer sizes with 8 experts and a 1024-token vocabulary (about
+/// 450 MB), loads it and decodes two tokens; the anonymous RSS must stay far below the
+/// checkpoint size (weights are mapped, the generator streams). Slow (about a minute):
+/// `cargo test --release -p moeconf-reference-runtime --test quantized -- --ignored`.
+#[test]
+#[ignore = "writes ~450 MB; run with --ignored"]
+fn flash_width_checkpoint_generates_streaming_and_loads_mapped() {
+    use moeconf_fixtures::checkpoint::{write_v4, V4Spec};
+    let spec = V4Spec {
+        n_routed_experts: 8,
+        vocab_size: 1024,
+        ..V4Spec::flash_width(2)
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let files = write_v4(dir.path(), &spec).expect("generate");
+    let size = std::fs::metadata(&files.weights).expect("meta").len();
+    let rss_after_write = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let m = Model::load(dir.path()).expect("load");
+    let mut sink = MemorySink::with_levels(&[]);
+    let opts = GenerateOptions {
+        max_new_tokens: 2,
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+        allow_non_finite: false,
+    };
+    let g = m.generate(&[5, 9, 11], &opts, &mut sink).expect("generate");
+    assert_eq!(g.tokens.len(), 2);
+    let rss = moeconf_reference_runtime::bench::anon_rss_bytes();
+    println!(
+        "checkpoint {size} bytes; anonymous RSS after writing {rss_after_write:?}, after decoding {rss:?}"
+    );
+    if let Some(rss) = rss {
+        assert!(rss < size / 4, "anonymous RSS {rss} vs checkpoint {size}");
+    }
+}
