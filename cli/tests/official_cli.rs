@@ -12,8 +12,10 @@ use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output};
 
-mod common;
-use common::s;
+/// The path as UTF-8 (test paths always are).
+fn s(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 test path")
+}
 
 const BIN: &str = env!("CARGO_BIN_EXE_moeconf");
 

@@ -149,7 +149,7 @@ pub(crate) fn check_dimensions(
             ),
         ));
     }
-    let has_csa = cfg.layer_types.iter().any(|k| *k == AttentionKind::Csa);
+    let has_csa = cfg.layer_types.contains(&AttentionKind::Csa);
     let di = cfg.index_head_dim;
     if has_csa && (!di.is_power_of_two() || !di.is_multiple_of(FP4_BLOCK)) {
         return Err(bad(
