@@ -74,6 +74,10 @@ pub enum Command {
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),
+    /// Combine the partial results of every shard of a `sweep --shard I/N` or
+    /// `calibrate --shard I/N` run into exactly the unsharded outputs
+    /// (docs/scale.md: Slurm, Kubernetes and GitHub Actions recipes).
+    Merge(cmd::merge::MergeArgs),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]
