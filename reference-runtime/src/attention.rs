@@ -19,6 +19,7 @@
 
 use std::borrow::Cow;
 
+use moeconf_contract::bf16::r_bf16;
 use moeconf_fingerprint::Component;
 
 use crate::capture::Recorder;
@@ -27,10 +28,11 @@ use crate::config::{AttentionKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder};
-use crate::indexer::{indexer_queries, indexer_scores_from, topk_desc, IndexerWeights};
+use crate::indexer::{indexer_queries, indexer_scores_bf16, indexer_scores_from, topk_desc, IndexerWeights};
 use crate::kernels::dot8_f32_many;
 use crate::official;
-use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
+use crate::precision::Precision;
+use crate::rmsnorm::{rmsnorm_unweighted_bf16_tensors, rmsnorm_unweighted_in_place, rmsnorm_weighted};
 use crate::rope::{apply_rope, CosSin, RopeFreqs};
 use crate::state::{CompressorRole, CompressorState, LayerState};
 use crate::weights::{Mat, WeightLoader};
@@ -193,7 +195,9 @@ pub(crate) fn attention_forward(
             &[(window.len() / d) as u64, d as u64],
             window,
         )?;
-        let compressed = compressed_read(aw.kind, ls, &selected);
+        // DeepSeek's kernel reads the selection in the indexer's top-k order
+        // (score descending); the other profiles in ascending entry order.
+        let compressed = compressed_read(aw.kind, ls, &selected, !p.quantizes());
         if let Some(c) = &compressed {
             rec.f32(
                 Component::AttnCompressedRead,
@@ -203,8 +207,18 @@ pub(crate) fn attention_forward(
             )?;
         }
         let mut keys: Vec<&[f32]> = window.chunks_exact(d).collect();
+        let n_window = keys.len();
         keys.extend(compressed.as_deref().unwrap_or(&[]).chunks_exact(d));
-        attend(&lat.q, &keys, &aw.sinks, cx)
+        match p {
+            Precision::Official => {
+                let layout = KeyLayout {
+                    n_window,
+                    compressed_slot: cfg.sliding_window,
+                };
+                attend_online_blocks(&lat.q, &keys, layout, &aw.sinks, h, d)
+            }
+            Precision::Bf16 | Precision::F32 => attend(&lat.q, &keys, &aw.sinks, cx),
+        }
     };
     rec.f32(Component::AttnCore, at, &[h as u64, d as u64], &core)?;
     let out = output_projection(aw, &mut core, &cs, cx, rec)?;
@@ -246,17 +260,21 @@ fn window_read<'s>(ls: &'s LayerState, cx: &TokenCtx<'_>) -> &'s [f32] {
 }
 
 /// The compressed entries attention reads from the cache (HCA: all; CSA: the
-/// indexer's selection in ascending entry order), `None` on sliding layers.
+/// indexer's selection, in ascending entry order when `ascending`, else in
+/// the selection's order), `None` on sliding layers.
 fn compressed_read<'s>(
     kind: AttentionKind,
     ls: &'s LayerState,
     selected: &[usize],
+    ascending: bool,
 ) -> Option<Cow<'s, [f32]>> {
     let cst = ls.compressor.as_ref()?;
     Some(match kind {
         AttentionKind::Csa => {
             let mut sel = selected.to_vec();
-            sel.sort_unstable();
+            if ascending {
+                sel.sort_unstable();
+            }
             Cow::Owned(sel.iter().flat_map(|&i| cst.entry(i).iter().copied()).collect())
         }
         _ => Cow::Borrowed(&cst.compressed_kv),
@@ -287,7 +305,11 @@ fn queries(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &T
     });
     let mut q = official::linear(&aw.wq_b, &lat, quantized.as_deref(), p);
     for hq in q.chunks_exact_mut(cx.cfg.head_dim) {
-        rmsnorm_unweighted_in_place(hq, eps, p);
+        match p {
+            // DeepSeek's norm on the BF16 tensor (M L498).
+            Precision::Official => rmsnorm_unweighted_bf16_tensors(hq, eps),
+            Precision::Bf16 | Precision::F32 => rmsnorm_unweighted_in_place(hq, eps, p),
+        }
         apply_rope(hq, cs, false, p);
     }
     Queries { lat, quantized, q }
@@ -410,7 +432,11 @@ fn select(
         official::rotate_fake_quant_fp4(&mut q, ist.dim, skip.contains(Component::AttnIndexerQFp4));
         rec.f32(Component::AttnIndexerQFp4, at, &[heads as u64, d_i], &q)?;
     }
-    let scores = indexer_scores_from(iw, ist, &q, a, heads, p, fx.scale_after_sum);
+    let scores = match p {
+        // BF16 scores as DeepSeek's indexer computes them (M L417–421).
+        Precision::Official => indexer_scores_bf16(iw, ist, &q, a, heads),
+        Precision::Bf16 | Precision::F32 => indexer_scores_from(iw, ist, &q, a, heads, p, fx.scale_after_sum),
+    };
     rec.f32(Component::AttnIndexerScores, at, &[scores.len() as u64], &scores)?;
     let mut k = cfg.index_topk.min(scores.len());
     if fx.topk_drops_last {
@@ -468,6 +494,95 @@ fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], cx: &TokenCtx<'_>) -> Vec<f
             e.iter().zip(keys).for_each(|(ej, v)| weighted(ej, v));
         }
         p.round_slice(oh);
+    }
+    core
+}
+
+/// Where the keys of one query sit in DeepSeek's index list (`topk_idxs` of
+/// `Attention.forward`, M L508–515, decode layout): the window takes `win`
+/// slots (its rows oldest first, then unused slots marked −1 until the
+/// window fills), the compressed keys follow from slot `win`. Only the
+/// partition into [`ATTN_BLOCK`]-key blocks depends on it: a −1 slot adds
+/// `exp(−∞) = 0` to every sum and nothing to the maximum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyLayout {
+    /// Window keys at the front of `keys` (slots 0..n_window).
+    pub n_window: usize,
+    /// Slot of the first compressed key (`sliding_window`).
+    pub compressed_slot: usize,
+}
+
+impl KeyLayout {
+    /// The slot of key `j` in the index list.
+    fn slot(self, j: usize) -> usize {
+        match j < self.n_window {
+            true => j,
+            false => self.compressed_slot.max(self.n_window) + (j - self.n_window),
+        }
+    }
+}
+
+/// Keys per block of DeepSeek's sparse-attention kernel (`block = 64`, K L288).
+pub(crate) const ATTN_BLOCK: usize = 64;
+
+/// The official profile's attention, DeepSeek's `sparse_attn_kernel`
+/// (`inference/kernel.py` L276–368) for one query position: per head,
+/// `s_j = dot8(q_h, k_j) ⊗ fp32(d^(−1/2))` (FP32 scores from BF16 q and k),
+/// then an online softmax over the blocks of [`ATTN_BLOCK`] slots of
+/// `layout` in increasing order, from `m = −∞`, `l = 0`, `acc = 0`: `m' =
+/// max(m, max_{j∈b} s_j)`, `α = exp(m − m')`, `e_j = exp(s_j − m')`, `l ←
+/// l ⊗ α ⊕ Σ_{j∈b} e_j`, `acc_c ← acc_c ⊗ α ⊕ Σ_{j∈b} R(e_j) ⊗ v_jc` (each
+/// block sum in FP32 from +0 in key order: the MMA's order is not in the
+/// source); after the last block `l ← l ⊕ exp(sink_h − m)` (the sink only in
+/// the denominator, not in the maximum) and `o_hc = R(acc_c / l)`. V = K;
+/// R = R_BF16; exp is libm's expf.
+pub(crate) fn attend_online_blocks(
+    q: &[f32],
+    keys: &[&[f32]],
+    layout: KeyLayout,
+    sinks: &[f32],
+    h: usize,
+    d: usize,
+) -> Vec<f32> {
+    let scale = libm::pow(d as f64, -0.5) as f32;
+    let mut core = vec![0.0f32; h * d];
+    let mut s = vec![0.0f32; keys.len()];
+    let mut partial = vec![0.0f32; d];
+    for hh in 0..h {
+        let qh = &q[hh * d..(hh + 1) * d];
+        dot8_f32_many(keys, qh, &mut s);
+        s.iter_mut().for_each(|v| *v *= scale);
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+        let acc = &mut core[hh * d..(hh + 1) * d];
+        let mut j0 = 0;
+        while j0 < keys.len() {
+            let block = layout.slot(j0) / ATTN_BLOCK;
+            let j1 = (j0..keys.len())
+                .find(|&j| layout.slot(j) / ATTN_BLOCK != block)
+                .unwrap_or(keys.len());
+            let m_new = s[j0..j1].iter().copied().fold(m, f32::max);
+            let alpha = libm::expf(m - m_new);
+            let mut block_sum = 0.0f32;
+            partial.iter_mut().for_each(|v| *v = 0.0);
+            for j in j0..j1 {
+                let e = libm::expf(s[j] - m_new);
+                block_sum += e;
+                let pj = r_bf16(e);
+                for (o, v) in partial.iter_mut().zip(keys[j]) {
+                    *o += pj * v;
+                }
+            }
+            l = l * alpha + block_sum;
+            for (a, pb) in acc.iter_mut().zip(&partial) {
+                *a = *a * alpha + pb;
+            }
+            m = m_new;
+            j0 = j1;
+        }
+        l += libm::expf(sinks[hh] - m);
+        for a in acc.iter_mut() {
+            *a = r_bf16(*a / l);
+        }
     }
     core
 }
@@ -543,4 +658,139 @@ fn output_projection(
     } else {
         official::linear(&aw.wo_b, &u, u_q.as_deref(), p)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::dot8;
+
+    /// DeepSeek's `sparse_attn_kernel` written out literally for one head:
+    /// the index list padded with −1 slots (window `win` slots, then the
+    /// compressed keys), blocks of 64 slots with masked scores −∞ and masked
+    /// values 0, every masked term included, the kernel's statements in
+    /// order.
+    fn kernel_literal(
+        q: &[f32],
+        window: &[Vec<f32>],
+        compressed: &[Vec<f32>],
+        win: usize,
+        sink: f32,
+    ) -> Vec<f32> {
+        let d = q.len();
+        let mut slots: Vec<Option<&Vec<f32>>> = window.iter().map(Some).collect();
+        slots.resize(win.max(window.len()), None);
+        slots.extend(compressed.iter().map(Some));
+        let scale = (1.0f64 / d as f64).sqrt() as f32;
+        let (mut scores_max, mut sum_exp) = (f32::NEG_INFINITY, 0.0f32);
+        let mut acc_o = vec![0.0f32; d];
+        let zero = vec![0.0f32; d];
+        for block in slots.chunks(ATTN_BLOCK) {
+            let kv: Vec<&Vec<f32>> = block.iter().map(|k| k.unwrap_or(&zero)).collect();
+            let mut acc_s: Vec<f32> = block
+                .iter()
+                .zip(&kv)
+                .map(|(k, v)| match k {
+                    Some(_) => dot8(q, v),
+                    None => f32::NEG_INFINITY,
+                })
+                .collect();
+            acc_s.iter_mut().for_each(|v| *v *= scale);
+            let prev = scores_max;
+            scores_max = acc_s.iter().copied().fold(prev, f32::max);
+            let scores_scale = libm::expf(prev - scores_max);
+            acc_s.iter_mut().for_each(|v| *v = libm::expf(*v - scores_max));
+            let scores_sum = acc_s.iter().fold(0.0f32, |a, b| a + b);
+            sum_exp = sum_exp * scores_scale + scores_sum;
+            let cast: Vec<f32> = acc_s.iter().map(|v| r_bf16(*v)).collect();
+            let mut gemm = vec![0.0f32; d];
+            for (p, v) in cast.iter().zip(&kv) {
+                for c in 0..d {
+                    gemm[c] += p * v[c];
+                }
+            }
+            for c in 0..d {
+                acc_o[c] = acc_o[c] * scores_scale + gemm[c];
+            }
+        }
+        sum_exp += libm::expf(sink - scores_max);
+        acc_o.iter().map(|v| r_bf16(v / sum_exp)).collect()
+    }
+
+    fn bf16_vec(n: usize, seed: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| r_bf16(((i as f32 + seed) * 0.731 * seed).sin() * 1.7))
+            .collect()
+    }
+
+    /// The block-by-block online softmax equals the kernel's literal
+    /// statements, masked slots included, bit for bit: a window not yet full
+    /// (padding between window and compressed keys), a full window, key sets
+    /// spanning several 64-slot blocks, and a sink larger than every score.
+    #[test]
+    fn online_blocks_equal_the_kernel_literally() {
+        let (h, d) = (2usize, 16usize);
+        let q: Vec<f32> = bf16_vec(h * d, 1.3);
+        for &(n_window, win, n_comp, sink) in &[
+            (1usize, 8usize, 0usize, 0.5f32),
+            (5, 8, 3, -1.0),
+            (8, 8, 70, 2.0),
+            (40, 128, 30, 0.0),
+            (128, 128, 150, 30.0),
+        ] {
+            let window: Vec<Vec<f32>> = (0..n_window).map(|j| bf16_vec(d, 2.0 + j as f32)).collect();
+            let compressed: Vec<Vec<f32>> = (0..n_comp).map(|j| bf16_vec(d, 0.3 + j as f32 * 0.1)).collect();
+            let keys: Vec<&[f32]> = window.iter().chain(&compressed).map(|v| v.as_slice()).collect();
+            let layout = KeyLayout {
+                n_window,
+                compressed_slot: win,
+            };
+            let sinks = vec![sink, -sink];
+            let got = attend_online_blocks(&q, &keys, layout, &sinks, h, d);
+            for hh in 0..h {
+                let want = kernel_literal(&q[hh * d..(hh + 1) * d], &window, &compressed, win, sinks[hh]);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got[hh * d..(hh + 1) * d]),
+                    bits(&want),
+                    "{n_window} {win} {n_comp} head {hh}"
+                );
+            }
+        }
+    }
+
+    /// The result is the sink softmax of the scores (sink in the
+    /// denominator only) within BF16 rounding.
+    #[test]
+    fn online_blocks_compute_the_sink_softmax() {
+        let d = 8usize;
+        let q = bf16_vec(d, 0.7);
+        let keys_v: Vec<Vec<f32>> = (0..100).map(|j| bf16_vec(d, 1.0 + j as f32 * 0.01)).collect();
+        let keys: Vec<&[f32]> = keys_v.iter().map(|v| v.as_slice()).collect();
+        let layout = KeyLayout {
+            n_window: 100,
+            compressed_slot: 100,
+        };
+        let got = attend_online_blocks(&q, &keys, layout, &[0.25], 1, d);
+        let scale = 1.0 / (d as f64).sqrt();
+        let s: Vec<f64> = keys_v
+            .iter()
+            .map(|k| k.iter().zip(&q).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+            .collect();
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = s.iter().map(|v| (v - m).exp()).sum::<f64>() + (0.25 - m).exp();
+        for c in 0..d {
+            let o: f64 = s
+                .iter()
+                .zip(&keys_v)
+                .map(|(v, k)| (v - m).exp() * k[c] as f64)
+                .sum::<f64>()
+                / z;
+            assert!(
+                (got[c] as f64 - o).abs() <= 1e-2 * o.abs().max(0.1),
+                "{c}: {} vs {o}",
+                got[c]
+            );
+        }
+    }
 }

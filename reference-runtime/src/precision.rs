@@ -78,6 +78,16 @@ impl Precision {
         self.rope_tables()
     }
 
+    /// The profile of the KV compressors' projections and pooling:
+    /// DeepSeek's `Compressor` runs in FP32 (FP32 weights and input, FP32
+    /// softmax, products and sum, M L322–362) and rounds once to BF16
+    /// before its norm; the official profile computes them unrounded and the
+    /// caller rounds the pooled entry with [`Precision::round`].
+    #[inline]
+    pub fn compressor(self) -> Precision {
+        self.rope_tables()
+    }
+
     /// An activation rounding point: `R_BF16(x)` in the bf16 and official
     /// profiles, `x` in f32.
     #[inline]
