@@ -313,6 +313,15 @@ impl DiffReport {
                 t.path, t.runtime, t.precision, t.contract, t.schedule, t.records, t.steps
             );
         }
+        if self.reference.precision != self.candidate.precision {
+            let _ = writeln!(
+                o,
+                "  {} the reference ran precision profile {}, the candidate {}: their numerics differ by design (docs/operators.md §1), so the traces part where the two profiles first compute differently",
+                st.bold("different precision profiles:"),
+                self.reference.precision,
+                self.candidate.precision
+            );
+        }
         for d in &self.comparability.expected_differences {
             let _ = writeln!(
                 o,

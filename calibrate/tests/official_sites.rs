@@ -39,7 +39,7 @@ fn skipping_a_site_is_localized_to_that_site() {
             fork_layer: 5,
             sizes: Sizes::QUICK,
             out: dir.path().to_path_buf(),
-            progress: false,
+            progress: moeconf_shard::ProgressMode::Off,
         },
     )
     .expect("context");

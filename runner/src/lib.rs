@@ -204,6 +204,19 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The MoE combine a run of `precision` uses when the user names none:
+/// `native` for the bf16 and f32 profiles; for the official profile
+/// DeepSeek's own (`inference/model.py` L629–644: an FP32 buffer, the
+/// experts' BF16 outputs added in ascending expert id, the shared expert
+/// last, one BF16 rounding), `c+shared=last+order=asc-id` in
+/// docs/contracts.md's notation.
+pub fn default_contract(precision: Precision) -> &'static str {
+    match precision {
+        Precision::Official => "c+shared=last+order=asc-id",
+        Precision::Bf16 | Precision::F32 => "native",
+    }
+}
+
 /// How the MoE combine is chosen for a run.
 #[derive(Debug, Clone)]
 pub struct CombineChoice {

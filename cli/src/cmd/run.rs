@@ -5,7 +5,7 @@ use crate::output::check_output;
 use clap::Args;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
-use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use moeconf_runner::{default_contract, load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -72,8 +72,10 @@ pub struct RunArgs {
     pub fold_negative_zero: bool,
     /// MoE aggregation contract applied at every MoE layer: a preset or any
     /// grammar member in the notation of docs/contracts.md (e.g. b+order=asc-id).
-    #[arg(long, default_value = "native")]
-    pub contract: String,
+    /// Default: the profile's own, `native` for bf16 and f32, DeepSeek's
+    /// `c+shared=last+order=asc-id` for official; the binding records the one used.
+    #[arg(long)]
+    pub contract: Option<String>,
     /// Order schedule of the contract: identity, layer-static:SEED or token-dynamic:SEED.
     #[arg(long, default_value = "identity")]
     pub schedule: String,
@@ -111,7 +113,10 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     let capture = parse_capture(&a.capture)?;
     let algorithm = super::algorithm(&a.digest)?;
     let choice = CombineChoice {
-        contract: a.contract.clone(),
+        contract: a
+            .contract
+            .clone()
+            .unwrap_or_else(|| default_contract(precision).to_string()),
         schedule: a.schedule.clone(),
         fork_layer: a.fork_layer,
         fork_step: a.fork_step,
