@@ -294,3 +294,61 @@ fn dimensions_the_official_kernels_reject_are_refused() {
     assert!(sink.records.is_empty(), "a refused step records nothing");
     assert!(fp8_model().check_precision(Precision::Official).is_ok());
 }
+
+/// The official mHC pre on a layer of the quantized fixture equals DeepSeek's
+/// `hc_pre` written out independently (M L674–680): `mixes = F.linear(x,
+/// hc_fn) * rsqrt(mean(x²) + ε)` — each row's dot product on the unscaled
+/// streams, then the factor — then the pre and post weights of
+/// `hc_split_sinkhorn` (K L391–394) and the FP32 collapse with one BF16
+/// cast; bit for bit. The bf16 profile (`Φ·(x·r)`) gives other mixes here.
+#[test]
+fn official_mhc_pre_scales_the_mixes_after_the_dot_products() {
+    use moeconf_reference_runtime::linear::dot8;
+    use moeconf_reference_runtime::mhc::{hc_pre, sigmoid};
+    let m = fp8_model();
+    let cfg = m.config();
+    let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+    let site = &m.layer_weights(1).expect("layer 1").hc_attn;
+    let streams: Vec<f32> = (0..n * d)
+        .map(|i| r_bf16(((i as f32) * 0.0137).sin() * 2.0 + 0.01))
+        .collect();
+    let got = hc_pre(
+        site,
+        &streams,
+        n,
+        cfg.rms_norm_eps,
+        cfg.hc_eps,
+        cfg.hc_sinkhorn_iters,
+        Precision::Official,
+    );
+    let ss = dot8(&streams, &streams);
+    let rsqrt = 1.0 / (ss / (n * d) as f32 + cfg.rms_norm_eps).sqrt();
+    let row = |r: usize| -> Vec<f32> { (0..n * d).map(|c| site.fn_.get(r, c)).collect() };
+    let mixes: Vec<f32> = (0..(2 + n) * n)
+        .map(|r| dot8(&row(r), &streams) * rsqrt)
+        .collect();
+    let (a, b) = (&site.scale, &site.base);
+    for j in 0..n {
+        let pre = sigmoid(mixes[j] * a[0] + b[j]) + cfg.hc_eps;
+        let post = 2.0 * sigmoid(mixes[j + n] * a[1] + b[j + n]);
+        assert_eq!(got.pre[j].to_bits(), pre.to_bits(), "pre {j}");
+        assert_eq!(got.post[j].to_bits(), post.to_bits(), "post {j}");
+    }
+    for i in 0..d {
+        let mut y = 0.0f32;
+        for j in 0..n {
+            y += got.pre[j] * streams[j * d + i];
+        }
+        assert_eq!(got.x[i].to_bits(), r_bf16(y).to_bits(), "x {i}");
+    }
+    let bf16 = hc_pre(
+        site,
+        &streams,
+        n,
+        cfg.rms_norm_eps,
+        cfg.hc_eps,
+        cfg.hc_sinkhorn_iters,
+        Precision::Bf16,
+    );
+    assert_ne!((got.pre, got.post, got.comb), (bf16.pre, bf16.post, bf16.comb));
+}
