@@ -252,6 +252,9 @@ fn a_skipped_quantization_site_is_the_first_divergence() {
     assert!(v["quantization_one_side"].as_array().unwrap().is_empty(), "{v}");
     let o = moeconf(&["diff", s(&reference), s(&candidate)]);
     let text = String::from_utf8_lossy(&o.stdout);
+    if std::env::var_os("MOECONF_TEST_PRINT").is_some() {
+        eprintln!("{text}");
+    }
     assert!(
         text.contains(&format!("first divergence: L4 step {step} position"))
             && text.contains(&format!("layer {layer} operator attn.kv_fp8")),
