@@ -352,3 +352,48 @@ fn official_mhc_pre_scales_the_mixes_after_the_dot_products() {
     );
     assert_ne!((got.pre, got.post, got.comb), (bf16.pre, bf16.post, bf16.comb));
 }
+
+/// DeepSeek's kernel reads a CSA layer's compressed keys in the order of the
+/// indexer's top-k (`topk_idxs`, score descending, M L427, L514), not sorted:
+/// in the official profile `attn.compressed_read` holds the stored entries
+/// in exactly the order of `attn.indexer_topk`; the bf16 profile keeps
+/// ascending entry order.
+#[test]
+fn official_csa_reads_the_selection_in_top_k_order() {
+    let m = fp8_model();
+    let d = m.config().head_dim;
+    for (precision, sorted) in [(Precision::Official, false), (Precision::Bf16, true)] {
+        let sink = run(m, precision, &prompt(3, 21), 8, None);
+        let ix = index(&sink);
+        // The stored entries of each layer in emission order.
+        let mut stored: HashMap<Option<u32>, Vec<Vec<u32>>> = HashMap::new();
+        let entry = match precision {
+            Precision::Official => Component::AttnCompressedFp8,
+            _ => Component::AttnCompressed,
+        };
+        for r in sink.by_path(entry.path()) {
+            stored.entry(r.coord.layer).or_default().push(bits(&r.f32s()));
+        }
+        let mut unsorted = 0;
+        let mut checked = 0;
+        for rec in sink.by_path(Component::AttnIndexerTopk.path()) {
+            let mut ids: Vec<usize> = rec.i32s().iter().map(|&i| i as usize).collect();
+            if ids.windows(2).any(|w| w[0] > w[1]) {
+                unsorted += 1;
+            }
+            if sorted {
+                ids.sort_unstable();
+            }
+            let read = at(&ix, rec, Component::AttnCompressedRead).f32s();
+            let entries = &stored[&rec.coord.layer];
+            let want: Vec<Vec<u32>> = ids.iter().map(|&i| entries[i].clone()).collect();
+            let got: Vec<Vec<u32>> = read.chunks(d).map(bits).collect();
+            assert_eq!(got, want, "{precision:?} at {}", rec.coord);
+            checked += 1;
+        }
+        assert!(
+            checked > 0 && unsorted > 0,
+            "{precision:?}: {checked} reads, {unsorted} unsorted selections"
+        );
+    }
+}
