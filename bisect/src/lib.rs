@@ -62,6 +62,7 @@ mod numeric;
 mod operators;
 mod pairing;
 mod passed;
+mod quantization;
 mod render;
 mod report;
 mod storage;

@@ -621,6 +621,12 @@ pub struct DiffReport {
     /// (a coverage difference: the traces are not equivalent; the walk does
     /// not count them as divergences).
     pub one_side_only: Vec<OneSided>,
+    /// Activation-quantization sites held by one trace only whose other
+    /// trace's precision profile has no quantization sites, by component: a
+    /// difference of execution (the other side computes the identity there),
+    /// localized to the first such site whose inputs match; not listed in
+    /// `one_side_only`.
+    pub quantization_one_side: Vec<OneSided>,
     /// One object per level.
     pub levels: Levels,
     /// The one-line summary printed last.

@@ -57,7 +57,8 @@ pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 
 /// Parses `--precision`.
 pub fn precision(name: &str) -> anyhow::Result<Precision> {
-    Precision::from_name(name).with_context(|| format!("--precision {name:?}: expected bf16 or f32"))
+    Precision::from_name(name)
+        .with_context(|| format!("--precision {name:?}: expected bf16, f32 or official"))
 }
 
 /// Parses `--digest`.
