@@ -7,7 +7,8 @@ docs/interop-llamacpp.md section 4.
 
 1. ``moeconf export gguf`` in f32, bf16 and native (MXFP4 experts) types, each verified bit for
    bit against the checkpoint (the reference's values);
-2. ``moeconf run`` in the f32 and bf16 profiles (and ``official`` when this build has it), 8 and
+2. ``moeconf run`` in the f32, bf16 and official profiles (official skipped, and said so, on a
+   build without it; ``--types``/``--profiles`` restrict the run), 8 and
    40 new tokens, ``--capture all``, on fixtures/prompts/llamacpp.txt (124 tokens: an HCA window
    of 128 closes at decode step 4);
 3. ``python -m moeconf llamacpp`` (``moeconf.llamacpp.capture``, 1 thread, llama.cpp's default
@@ -48,7 +49,13 @@ def main():
                     os.path.join(REPO, "target", "release", "moeconf"))
     ap.add_argument("--out", default=os.path.join(REPO, "target", "llamacpp"))
     ap.add_argument("--steps", default="8,40")
+    ap.add_argument("--types", default=",".join(TYPES),
+                    help="GGUF types to export and capture (default all; pairs and section 5 need both sides)")
+    ap.add_argument("--profiles", default="f32,bf16,official",
+                    help="reference profiles to run (default all this build has; bf16 is always run)")
     args = ap.parse_args()
+    types = [t for t in TYPES if t in args.types.split(",")]
+    wanted = set(args.profiles.split(",")) | {"bf16"}
     steps_list = [int(s) for s in args.steps.split(",")]
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -76,7 +83,7 @@ def main():
 
     # 1. Exports.
     G = {}
-    for ty in TYPES:
+    for ty in types:
         G[ty] = os.path.join(out, f"tiny-v4-fp8_{ty}.gguf")
         line = mc("export", "gguf", "--model", MODEL, "--type", ty, "-o", G[ty]).stdout.strip()
         print(f"export {ty}: {line}")
@@ -84,11 +91,13 @@ def main():
     model_dir = os.path.dirname(glob.glob(os.path.join(out, "cache", "tiny-v4-fp8-[0-9]*", "config.json"))[0])
 
     # 2. References.
-    profiles = ["f32", "bf16"]
+    profiles = [p for p in ("f32", "bf16") if p in wanted]
     probe = subprocess.run([args.moeconf, "run", "--model", MODEL, "--prompt", "a", "--max-new-tokens", "1",
                             "--precision", "official", "--capture", "L0", "-o", os.path.join(out, "probe.bin")],
                            capture_output=True, text=True, env=env)
-    if probe.returncode == 0:
+    if probe.returncode == 0 and "official" not in wanted:
+        print("reference profile official: available, not requested (--profiles)")
+    elif probe.returncode == 0:
         profiles.append("official")
         print("reference profile official: available")
     else:
@@ -112,7 +121,7 @@ def main():
     # 3. Captures.
     C, cap = {}, {}
     for n in steps_list:
-        for ty in TYPES:
+        for ty in types:
             C[ty, n] = os.path.join(out, f"llamacpp_{ty}_{n}.bin")
             t0 = time.time()
             r = py("llamacpp", G[ty], "--model-dir", model_dir, "--name", MODEL, "--prompt-file", PROMPT_FILE,
@@ -133,6 +142,8 @@ def main():
         with open(policies[prof], "w", encoding="utf-8") as f:
             f.write(m.group(1))
     for ty, prof in PAIRS:
+        if ty not in types or (prof != "official" and prof not in profiles):
+            continue
         if prof not in profiles:
             print(f"\n== llama.cpp {ty} vs reference {prof}: n/a (no {prof} profile in this build)")
             continue
@@ -177,8 +188,10 @@ def main():
             e = json.loads(mc("explain", "--format", "json", C[ty, n]).stdout)["verdict"]
             print(f"  explain (candidate): {e['headline']}")
             member = e["rule"] or "c"
-            for contract in dict.fromkeys((member, "c")):
-                rp = mc("replay", C[ty, n], "--precision", "bf16" if prof == "official" else prof, "--contract",
+            # The official profile's own combine is DeepSeek's (docs/operators.md section 10.5).
+            contracts = (member, "c") + (("c+shared=last+order=asc-id",) if prof == "official" else ())
+            for contract in dict.fromkeys(contracts):
+                rp = mc("replay", C[ty, n], "--precision", prof, "--contract",
                         contract, "--model", model_dir, "--allow-incomplete", "--format", "json", ok=(0, 1))
                 rj = json.loads(rp.stdout)
                 firsts = {}
@@ -189,26 +202,31 @@ def main():
                 ffn = sum(1 for u in rj["origins"] if u["part"] == "ffn")
                 print(f"  replay --contract {contract}: {summary_words(rj['summary'])}; first differing records "
                       f"{firsts}; FFN outputs reproduced (origin absorbed) {absorbed}/{ffn}")
-            tf = json.loads(mc("replay", "--teacher-force", C[ty, n], "--precision",
-                               "bf16" if prof == "official" else prof, "--contract", member, "--model", model_dir,
-                               "--format", "json", ok=(0, 1)).stdout)
-            kl = " ".join(f"{s['kl']:.2e}" for s in tf["steps"])
-            s = tf["summary"]
-            print(f"  teacher-forced KL per step: {kl}; argmax agree {s['argmax_agree']}/{s['steps']}, "
-                  f"max KL {s['max_kl']:.3e} at step {s['max_kl_step']}")
+            # Under the candidate's combine rule; the official profile also under its own (DeepSeek's).
+            for contract in dict.fromkeys((member,) + (("c+shared=last+order=asc-id",) if prof == "official" else ())):
+                tf = json.loads(mc("replay", "--teacher-force", C[ty, n], "--precision",
+                                   prof, "--contract", contract, "--model", model_dir,
+                                   "--format", "json", ok=(0, 1)).stdout)
+                kl = " ".join(f"{s['kl']:.2e}" for s in tf["steps"])
+                s = tf["summary"]
+                print(f"  teacher-forced KL per step (--contract {contract}): {kl}; argmax agree "
+                      f"{s['argmax_agree']}/{s['steps']}, max KL {s['max_kl']:.3e} at step {s['max_kl_step']}")
 
     # 5. llama.cpp against itself.
     n = steps_list[0]
     for a, b in (("f32", "bf16"), ("bf16", "native")):
+        if a not in types or b not in types:
+            continue
         d = mc("diff", C[a, n], C[b, n], ok=(0, 1))
         last = [x for x in d.stdout.splitlines() if x.startswith(("first divergence", "equivalent"))]
         loc = [x.strip() for x in d.stdout.splitlines() if x.strip().startswith(("localized operator", "inputs:"))]
         print(f"\n== llama.cpp {a} GGUF vs llama.cpp {b} GGUF, {n} tokens: exit {d.returncode}; {last[-1] if last else ''}")
         for x in loc[:2]:
             print(f"  {x}")
-    print("\n== llama.cpp against itself (native GGUF, 3 tokens)")
     T = {}
-    for fa in ("auto", "off"):
+    for fa in ("auto", "off") if "native" in types else ():
+        if fa == "auto":
+            print("\n== llama.cpp against itself (native GGUF, 3 tokens)")
         for th in (1, 2):
             T[fa, th] = os.path.join(out, f"self_{fa}_{th}.bin")
             py("llamacpp", G["native"], "--model-dir", model_dir, "--name", MODEL, "--prompt-file", PROMPT_FILE,
