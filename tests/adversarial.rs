@@ -202,6 +202,7 @@ fn corrupt(src: &Path, dst: &Path, pick: Component, k: u64, mask: u8) -> PathBuf
     let t = Trace::open_verified(src).unwrap();
     let e = t
         .records()
+        .unwrap()
         .iter()
         .find(|e| Component::parse(&e.coord.path).is_some_and(|(c, _)| c == pick))
         .expect("record to corrupt");

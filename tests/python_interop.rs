@@ -397,7 +397,7 @@ fn python_and_rust_writers_agree_on_known_tensors() {
     assert_eq!(tp.root(), summary.root);
     assert_eq!(tp.binding(), tr.binding());
     assert_eq!(tp.provenance(), tr.provenance());
-    assert_eq!(tp.records(), tr.records());
+    assert_eq!(tp.records().unwrap(), tr.records().unwrap());
     for i in 0..records.len() {
         assert_eq!(
             tp.payload_verified(i).unwrap(),
@@ -457,7 +457,7 @@ fn python_rejects_a_corrupted_rust_trace_with_file_and_offset() {
     write_rust(&path, header(), &known());
     let mut bytes = std::fs::read(&path).unwrap();
     let t = Trace::open(&path).unwrap();
-    let off = t.records()[2].payload.unwrap().offset as usize;
+    let off = t.records().unwrap()[2].payload.unwrap().offset as usize;
     bytes[off] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
     let out = py.args(["-m", "moeconf", "inspect"]).arg(&path).output().unwrap();

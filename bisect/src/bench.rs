@@ -246,7 +246,7 @@ pub fn bench_diff(
             best_verify = best_verify.min(v.elapsed().as_secs_f64());
             localized = report.first_divergence;
             file_bytes = ra.file_len();
-            records = ra.records().len() as u64;
+            records = ra.record_count();
         }
         Ok(DiffBench {
             file_bytes,

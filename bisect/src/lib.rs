@@ -70,7 +70,7 @@ mod walk;
 pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
-pub use diff::{diff, open_pair, DiffOptions};
+pub use diff::{diff, open_pair, open_pair_with, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
 pub use explain::{
@@ -97,3 +97,4 @@ pub use report::{
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,
 };
+pub use walk::{Side, SideError};

@@ -132,10 +132,11 @@ fn corrupt(path: &Path, pick: impl Fn(&Coord) -> bool, k: usize, mask: u8) -> (u
     let t = Trace::open(path).unwrap();
     let i = t
         .records()
+        .unwrap()
         .iter()
         .position(|e| e.payload.is_some() && pick(&e.coord))
         .expect("a record with a payload");
-    let off = t.records()[i].payload.unwrap().offset;
+    let off = t.records().unwrap()[i].payload.unwrap().offset;
     drop(t);
     let mut bytes = std::fs::read(path).unwrap();
     bytes[off as usize + k] ^= mask;

@@ -5,7 +5,16 @@
 use crate::gen::{Record, TraceSpec};
 use arbitrary::{Result, Unstructured};
 use moeconf_fingerprint::{Coord, DType, Level};
-use moeconf_schema::Trace;
+use moeconf_schema::{IndexEntry, Trace};
+
+/// Every record of a trace the project's writer wrote (its whole index): a
+/// trace that opened must give it, so a failure is an oracle failure.
+pub fn all_records(t: &Trace) -> &[IndexEntry] {
+    match t.records() {
+        Ok(r) => r,
+        Err(e) => panic!("the index of an opened trace is unreadable: {e}"),
+    }
+}
 
 /// Applies 0–3 drawn mutations to a copy of `spec`: change a byte of a
 /// record, drop a record, a step or a level, drop every record, shorten a
@@ -74,14 +83,14 @@ fn shorten(r: &mut Record) {
 /// `None` when the trace keeps no payload byte. Checksums and the root stay
 /// valid: payloads are covered only by their record digests.
 pub fn flip_payload_bit(u: &mut Unstructured<'_>, trace: &Trace, bytes: &mut [u8]) -> Result<Option<usize>> {
-    let with: Vec<usize> = (0..trace.records().len())
-        .filter(|&i| trace.records()[i].payload.is_some_and(|p| p.len > 0))
+    let with: Vec<usize> = (0..all_records(trace).len())
+        .filter(|&i| all_records(trace)[i].payload.is_some_and(|p| p.len > 0))
         .collect();
     if with.is_empty() {
         return Ok(None);
     }
     let i = with[u.choose_index(with.len())?];
-    let Some(p) = trace.records()[i].payload else {
+    let Some(p) = all_records(trace)[i].payload else {
         return Ok(None);
     };
     let at = p.offset as usize + u.choose_index(p.len as usize)?;
@@ -97,13 +106,14 @@ pub fn record_keys(t: &Trace) -> Vec<String> {
 
 /// The levels a trace holds records of, as bits.
 pub fn held_levels(t: &Trace) -> u32 {
-    t.records().iter().fold(0, |acc, e| acc | (1 << e.level.code()))
+    all_records(t)
+        .iter()
+        .fold(0, |acc, e| acc | (1 << e.level.code()))
 }
 
 /// The records of `t` at the levels `levels` (bits), as [`record_keys`].
 pub fn record_keys_at(t: &Trace, levels: u32) -> Vec<String> {
-    let mut v: Vec<String> = t
-        .records()
+    let mut v: Vec<String> = all_records(t)
         .iter()
         .filter(|e| levels & (1 << e.level.code()) != 0)
         .map(|e| format!("{} {} {}", e.coord, e.level.name(), e.digest.to_hex()))

@@ -6,7 +6,7 @@
 //! crash. `dir` is a scratch directory the body may overwrite.
 
 use crate::gen::{GenOptions, TraceSpec};
-use crate::mutate::{flip_payload_bit, held_levels, mutate, record_keys, record_keys_at};
+use crate::mutate::{all_records, flip_payload_bit, held_levels, mutate, record_keys, record_keys_at};
 use arbitrary::{Result, Unstructured};
 use moeconf_bisect::{diff, open_pair, DiffOptions, Verdict};
 use moeconf_fingerprint::{Component, LevelSet};
@@ -97,7 +97,7 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         force: u.arbitrary()?,
         contract_inference: u.arbitrary()?,
     };
-    if !rt.records().is_empty() {
+    if !rt.is_empty() {
         let own = diff(&rt, &rt2, &opts).map(|d| d.verdict);
         assert!(
             matches!(own, Ok(Verdict::Equivalent)),
@@ -122,7 +122,7 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
             *seen |= REFUSED;
             let refusing = r.header.binding.prompt != c.header.binding.prompt && !opts.force;
             assert!(
-                !same || refusing || rt.records().is_empty(),
+                !same || refusing || rt.is_empty(),
                 "the same records, no refusing difference, yet an error: {e}"
             );
         }
@@ -205,7 +205,7 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     check_self("trace", &rt, &p, &own);
     *seen |= SAME | if passes(&own) { PASSED } else { REFUSED };
     let bp = dir.join("baseline.json");
-    let blessed = !rt.records().is_empty() && Baseline::of(&rt).and_then(|b| b.write(&bp)).is_ok();
+    let blessed = !rt.is_empty() && Baseline::of(&rt).and_then(|b| b.write(&bp)).is_ok();
     if blessed {
         let own = against_baseline(&bp, &rt, &p, false);
         render(&own);
@@ -328,7 +328,7 @@ fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result
     }
     if let Some((_, ft, i)) = flipped(u, &path, dir)? {
         assert!(ft.verify_payloads().is_err(), "flipped payload verified");
-        let e = &ft.records()[i];
+        let e = ft.record(i);
         let key = (e.coord.step, e.coord.position, e.coord.layer);
         let in_event = Component::parse(&e.coord.path)
             .is_some_and(|(c, _)| matches!(c, Component::MoeTerm | Component::MoeShared));
@@ -351,7 +351,7 @@ type EventKey = (u32, u32, Option<u32>);
 /// routed term and shared output of each keeps its payload.
 fn moe_events(t: &Trace) -> Vec<(EventKey, bool)> {
     let mut out: Vec<(EventKey, bool)> = Vec::new();
-    for e in t.records() {
+    for e in all_records(t) {
         let Some((c, _)) = Component::parse(&e.coord.path) else {
             continue;
         };
