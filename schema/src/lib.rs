@@ -48,6 +48,7 @@
 #![deny(missing_docs)]
 
 mod binding;
+pub mod convert;
 mod error;
 #[cfg(feature = "checkpoint")]
 mod identity;
