@@ -625,21 +625,24 @@ impl Ctx<'_> {
         Ok((self.text_of(self.s.r, r)?, self.text_of(self.s.c, c)?))
     }
 
+    /// The generated text: the `text.continuation` of the last step that
+    /// holds L0 records (which holds every generated token so far). Only
+    /// that step's L0 group is read, so a trace without text costs one
+    /// group, not one per step.
     fn last_text(&self, t: &Trace) -> Result<Option<String>, BisectError> {
-        for step in t.steps().iter().rev().filter(|s| s.has(Level::L0)) {
-            let Some(g) = self.s.group(t, step.step, Level::L0, None) else {
-                continue;
-            };
-            if let Some(&i) = self
-                .s
-                .group_ids(t, g)
-                .iter()
-                .find(|&&i| Component::TextContinuation.matches(&t.record(i).coord.path))
-            {
-                return self.text_of(t, Some(i));
-            }
-        }
-        Ok(None)
+        let Some(step) = t.steps().iter().rev().find(|s| s.has(Level::L0)) else {
+            return Ok(None);
+        };
+        let Some(g) = self.s.group(t, step.step, Level::L0, None) else {
+            return Ok(None);
+        };
+        let found = self
+            .s
+            .group_ids(t, g)
+            .iter()
+            .find(|&&i| Component::TextContinuation.matches(&t.record(i).coord.path))
+            .copied();
+        self.text_of(t, found)
     }
 
     fn l0(&self, compared: bool) -> Result<L0Report, BisectError> {

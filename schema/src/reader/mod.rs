@@ -82,7 +82,7 @@ pub struct Trace {
     nodes: Box<[OnceLock<Result<StepNode, Fault>>]>,
     store: Store,
     /// One bit per record: its payload has been re-hashed and matched.
-    verified: Box<[AtomicU64]>,
+    verified: Bits,
     /// Set once [`Trace::verify_payloads`] has succeeded.
     fully_verified: AtomicBool,
 }
@@ -198,9 +198,54 @@ fn check_preamble(path: &Path, b: &[u8]) -> Result<Preambled, TraceError> {
     })
 }
 
-/// A zeroed bitset of `n` bits.
-fn bitset(n: u64) -> Box<[AtomicU64]> {
-    (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+/// A bitset whose 32 KiB chunks are allocated when first written, so that
+/// opening a trace of 10^7 records touches no memory for it (a diff marks
+/// a handful of bits).
+struct Bits {
+    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    words: usize,
+}
+
+/// Words (of 64 bits) per chunk of [`Bits`].
+const CHUNK_WORDS: usize = 4096;
+
+impl Bits {
+    /// `n` zero bits.
+    fn new(n: u64) -> Bits {
+        let words = n.div_ceil(64) as usize;
+        Bits {
+            chunks: (0..words.div_ceil(CHUNK_WORDS))
+                .map(|_| OnceLock::new())
+                .collect(),
+            words,
+        }
+    }
+
+    /// The number of 64-bit words.
+    fn len(&self) -> usize {
+        self.words
+    }
+
+    /// Word `w` (allocating its chunk), `None` past the end.
+    fn word(&self, w: usize) -> Option<&AtomicU64> {
+        if w >= self.words {
+            return None;
+        }
+        let chunk = self.chunks.get(w / CHUNK_WORDS)?.get_or_init(|| {
+            let n = CHUNK_WORDS.min(self.words - w / CHUNK_WORDS * CHUNK_WORDS);
+            (0..n).map(|_| AtomicU64::new(0)).collect()
+        });
+        chunk.get(w % CHUNK_WORDS)
+    }
+
+    /// Word `w`'s bits, without allocating (0 when its chunk is absent).
+    fn peek(&self, w: usize) -> u64 {
+        self.chunks
+            .get(w / CHUNK_WORDS)
+            .and_then(|c| c.get())
+            .and_then(|c| c.get(w % CHUNK_WORDS))
+            .map_or(0, |x| x.load(Ordering::Relaxed))
+    }
 }
 
 impl Trace {
@@ -285,7 +330,7 @@ impl Trace {
             record_count: opened.record_count,
             summaries: opened.summaries,
             nodes,
-            verified: bitset(opened.record_count),
+            verified: Bits::new(opened.record_count),
             fully_verified: AtomicBool::new(false),
             store: opened.store,
             data,
@@ -466,16 +511,14 @@ impl Trace {
 
     /// Whether record `i`'s payload has already been re-hashed and matched.
     fn is_verified(&self, i: usize) -> bool {
-        self.verified
-            .get(i / 64)
-            .is_some_and(|w| w.load(Ordering::Relaxed) & (1 << (i % 64)) != 0)
+        self.verified.peek(i / 64) & (1 << (i % 64)) != 0
     }
 
     /// Remembers that record `i`'s payload matched its digest. The bytes are
     /// immutable (a read-only map or an owned buffer), so a matched payload
     /// stays matched; `Relaxed` suffices because the bit only saves work.
     fn mark_verified(&self, i: usize) {
-        if let Some(w) = self.verified.get(i / 64) {
+        if let Some(w) = self.verified.word(i / 64) {
             w.fetch_or(1 << (i % 64), Ordering::Relaxed);
         }
     }
@@ -618,8 +661,8 @@ impl Trace {
     #[doc(hidden)]
     pub fn payloads_read(&self) -> Vec<usize> {
         let mut out = Vec::new();
-        for (w, word) in self.verified.iter().enumerate() {
-            let mut bits = word.load(Ordering::Relaxed);
+        for w in 0..self.verified.len() {
+            let mut bits = self.verified.peek(w);
             while bits != 0 {
                 let b = bits.trailing_zeros() as usize;
                 out.push(w * 64 + b);

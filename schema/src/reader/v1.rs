@@ -261,7 +261,8 @@ impl Store {
     fn verify_task(&self, t: &Trace, task: &VerifyTask) -> (Option<TraceError>, u64) {
         let mut cursor = task.gap_from;
         for w in task.words.clone() {
-            let mut done = t.verified[w].load(Ordering::Relaxed);
+            let Some(word) = t.verified.word(w) else { break };
+            let mut done = word.load(Ordering::Relaxed);
             let records = w * 64..((w + 1) * 64).min(self.entries.len());
             for (i, e) in self.entries[records.clone()]
                 .iter()
@@ -270,19 +271,19 @@ impl Store {
             {
                 let Some(p) = e.payload else { continue };
                 if let Some(at) = t.first_nonzero(cursor, p.offset) {
-                    t.verified[w].fetch_or(done, Ordering::Relaxed);
+                    word.fetch_or(done, Ordering::Relaxed);
                     return (Some(t.padding_error(at)), cursor);
                 }
                 if done & (1 << (i % 64)) == 0 {
                     if let Err(err) = t.check_payload(i, e, p) {
-                        t.verified[w].fetch_or(done, Ordering::Relaxed);
+                        word.fetch_or(done, Ordering::Relaxed);
                         return (Some(err), cursor);
                     }
                     done |= 1 << (i % 64);
                 }
                 cursor = p.offset + p.len;
             }
-            t.verified[w].fetch_or(done, Ordering::Relaxed);
+            word.fetch_or(done, Ordering::Relaxed);
         }
         (None, cursor)
     }
