@@ -47,13 +47,16 @@ pub fn mutate(u: &mut Unstructured<'_>, spec: &TraceSpec) -> Result<TraceSpec> {
             6 if u.ratio(1, 4)? => c.records.clear(),
             7 if n > 0 => shorten(&mut c.records[u.choose_index(n)?]),
             8 if n > 0 => {
-                let mut r = c.records[u.choose_index(n)?].clone();
+                // Right after its source, in the same step (format version 2
+                // takes records step by step).
+                let at = u.choose_index(n)?;
+                let mut r = c.records[at].clone();
                 if let Some(l) = r.coord.layer {
                     r.coord = Coord {
                         layer: Some(l + 2),
                         ..r.coord
                     };
-                    c.records.push(r);
+                    c.records.insert(at + 1, r);
                 }
             }
             9 => {
@@ -120,4 +123,43 @@ pub fn record_keys_at(t: &Trace, levels: u32) -> Vec<String> {
         .collect();
     v.sort();
     v
+}
+
+/// What a trace opened on use has read so far, as byte ranges `(offset,
+/// length)`: its blocks (root, step and group blocks; none for version 1)
+/// and the payloads it verified.
+pub fn read_ranges(t: &Trace) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+    let payloads = t
+        .payloads_read()
+        .into_iter()
+        .filter_map(|i| t.get_record(i).and_then(|e| e.payload))
+        .map(|p| (p.offset, p.len))
+        .collect();
+    (t.blocks_read(), payloads)
+}
+
+/// The payload ranges of `all` (every record of the trace) that are not
+/// among `read`.
+pub fn unread_payloads(all: &[IndexEntry], read: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    all.iter()
+        .filter_map(|e| e.payload)
+        .map(|p| (p.offset, p.len))
+        .filter(|r| !read.contains(r))
+        .collect()
+}
+
+/// Flips one drawn bit of one drawn byte inside one drawn non-empty range
+/// of `ranges`; returns its offset, `None` when every range is empty.
+pub fn flip_bit_in(u: &mut Unstructured<'_>, bytes: &mut [u8], ranges: &[(u64, u64)]) -> Result<Option<u64>> {
+    let ranges: Vec<(u64, u64)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    if ranges.is_empty() {
+        return Ok(None);
+    }
+    let (offset, len) = ranges[u.choose_index(ranges.len())?];
+    let at = offset + u.choose_index(len as usize)? as u64;
+    let Some(b) = bytes.get_mut(at as usize) else {
+        return Ok(None);
+    };
+    *b ^= 1 << u.int_in_range(0..=7u8)?;
+    Ok(Some(at))
 }

@@ -451,8 +451,22 @@ impl Trace {
         }
     }
 
+    /// The record with id `i` (its position in write order), read from the
+    /// file if it is not in memory yet (version 2: the groups of its step,
+    /// verified as [`Trace::group_records`] verifies them); `Ok(None)` when
+    /// the trace holds fewer records.
+    pub fn load_record(&self, i: usize) -> Result<Option<&IndexEntry>, TraceError> {
+        if let Some(e) = self.get_record(i) {
+            return Ok(Some(e));
+        }
+        match &self.store {
+            Store::V1(_) => Ok(None),
+            Store::V2(s) => s.resolve(self, i),
+        }
+    }
+
     /// The record with id `i`, which must be an id this trace handed out
-    /// ([`Trace::group_records`], [`Trace::records`]).
+    /// ([`Trace::group_records`], [`Trace::records`], [`Trace::load_record`]).
     ///
     /// # Panics
     ///
@@ -564,7 +578,7 @@ impl Trace {
 
     /// The payload of record `i`, re-hashed against its record digest: the
     /// one way to read payload bytes. `Ok(None)` when the record kept no
-    /// payload (or `i` is no record id this trace handed out); a payload
+    /// payload (or the trace holds fewer records); a payload
     /// that does not match its digest, is not canonical or does not fit the
     /// record's shape is an error naming the file, the record and the
     /// payload's byte offset. A payload is hashed once: later reads of the
@@ -579,7 +593,7 @@ impl Trace {
     /// # }
     /// ```
     pub fn payload_verified(&self, i: usize) -> Result<Option<&[u8]>, TraceError> {
-        let Some(e) = self.get_record(i) else {
+        let Some(e) = self.load_record(i)? else {
             return Ok(None);
         };
         let Some(p) = e.payload else {

@@ -499,6 +499,28 @@ impl Store {
         g.content.get()?.as_ref().ok()?.entries.get(loc.k as usize)
     }
 
+    /// Reads the groups of the step holding record `i` until it is in memory.
+    pub fn resolve<'t>(&'t self, t: &'t Trace, i: usize) -> Result<Option<&'t IndexEntry>, TraceError> {
+        if i as u64 >= t.record_count {
+            return Ok(None);
+        }
+        let k = self.bases.partition_point(|&b| b <= i as u64).saturating_sub(1);
+        let node = t.step_at(k)?;
+        for g in node.levels.iter().flat_map(|l| &l.groups) {
+            if t.group_records(g)?.contains(&i) {
+                return Ok(self.record(t, i));
+            }
+        }
+        Err(TraceError::format(
+            &t.path,
+            self.steps[k].block.offset,
+            format!(
+                "step {}: no record has write-order number {i} (the numbers are not a permutation)",
+                self.steps[k].step
+            ),
+        ))
+    }
+
     /// The checked entries of every group of step `k`, from memory where
     /// loaded, else read without keeping them.
     fn step_entries(
