@@ -414,7 +414,7 @@ pub fn scale(o: &ScaleOptions) -> Result<BenchReport, BenchError> {
             eprintln!(
                 "moeconf bench scale: 10^{e} records ({steps} steps of {}; two traces of about {} MiB in {}) ...",
                 records_per_step(),
-                records_per_step() * u64::from(steps) * 92 >> 20,
+                (records_per_step() * u64::from(steps) * 85) >> 20,
                 dir.display()
             );
             let mut write_seconds = 0.0f64;

@@ -34,7 +34,7 @@ fn raw_trace_v2(header: &Header, entries: &[IndexEntry]) -> Vec<u8> {
     .to_vec();
     file.extend_from_slice(&hb);
     let ph = file.clone();
-    let mut block = |file: &mut Vec<u8>, bytes: Vec<u8>| {
+    let block = |file: &mut Vec<u8>, bytes: Vec<u8>| {
         file.resize(align_up(file.len() as u64).unwrap() as usize, 0);
         let b = BlockRef {
             offset: file.len() as u64,

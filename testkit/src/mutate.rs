@@ -125,10 +125,13 @@ pub fn record_keys_at(t: &Trace, levels: u32) -> Vec<String> {
     v
 }
 
-/// What a trace opened on use has read so far, as byte ranges `(offset,
-/// length)`: its blocks (root, step and group blocks; none for version 1)
-/// and the payloads it verified.
-pub fn read_ranges(t: &Trace) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
+/// Byte ranges of a file: `(offset, length)`.
+pub type Ranges = Vec<(u64, u64)>;
+
+/// What a trace opened on use has read so far, as byte ranges: its blocks
+/// (root, step and group blocks; none for version 1) and the payloads it
+/// verified.
+pub fn read_ranges(t: &Trace) -> (Ranges, Ranges) {
     let payloads = t
         .payloads_read()
         .into_iter()
@@ -140,7 +143,7 @@ pub fn read_ranges(t: &Trace) -> (Vec<(u64, u64)>, Vec<(u64, u64)>) {
 
 /// The payload ranges of `all` (every record of the trace) that are not
 /// among `read`.
-pub fn unread_payloads(all: &[IndexEntry], read: &[(u64, u64)]) -> Vec<(u64, u64)> {
+pub fn unread_payloads(all: &[IndexEntry], read: &[(u64, u64)]) -> Ranges {
     all.iter()
         .filter_map(|e| e.payload)
         .map(|p| (p.offset, p.len))

@@ -89,7 +89,7 @@ pub struct Trace {
 
 enum Store {
     V1(v1::Store),
-    V2(v2::Store),
+    V2(Box<v2::Store>),
 }
 
 /// What [`Trace::verify_payloads`] checked.

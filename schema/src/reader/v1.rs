@@ -132,7 +132,7 @@ fn decode_index(
             .map_err(|m| fail(at, format!("record {i} ({}): {m}", e.coord)))?;
         if let Some(p) = e.payload {
             let end = p.offset.checked_add(p.len);
-            if p.offset % PAYLOAD_ALIGN != 0
+            if !p.offset.is_multiple_of(PAYLOAD_ALIGN)
                 || p.offset < next_payload
                 || end.is_none_or(|end| end > index_offset)
             {

@@ -80,7 +80,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
     word.copy_from_slice(&b[tu + 96..tu + 128]);
     let stored_sum = Digest(word);
     if root_offset < pre.payload_start
-        || root_offset % PAYLOAD_ALIGN != 0
+        || !root_offset.is_multiple_of(PAYLOAD_ALIGN)
         || root_offset.checked_add(root_len) != Some(t0)
     {
         return Err(fail(
@@ -158,7 +158,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             .filter(|&n| n > 0)
             .ok_or_else(|| what("its record counts are zero or overflow".into()))?;
         let end = s.block.end().filter(|&e| e <= root_offset);
-        if s.block.offset % PAYLOAD_ALIGN != 0 || s.block.offset < region || end.is_none() {
+        if !s.block.offset.is_multiple_of(PAYLOAD_ALIGN) || s.block.offset < region || end.is_none() {
             return Err(what(format!(
                 "step block at {} (+{}) is misaligned, overlaps the step before or does not lie before the \
                  root block",
@@ -201,7 +201,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
         record_count,
         summaries,
         nodes: None,
-        store: AnyStore::V2(Store {
+        store: AnyStore::V2(Box::new(Store {
             root_block: trailer.root_block,
             steps,
             bases,
@@ -210,7 +210,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             interner: Mutex::new(Interner::new()),
             flat: OnceLock::new(),
             touched: Mutex::new(vec![(root_offset, root_len)]),
-        }),
+        })),
     })
 }
 
@@ -277,7 +277,7 @@ impl Store {
                 previous_layer = Some(g.layer);
                 let end = g.block.end();
                 if g.records == 0
-                    || g.block.offset % PAYLOAD_ALIGN != 0
+                    || !g.block.offset.is_multiple_of(PAYLOAD_ALIGN)
                     || g.block.offset < cursor
                     || end.is_none_or(|e| e > s.block.offset)
                 {
@@ -451,7 +451,7 @@ impl Store {
                 }
             }
             if let Some(p) = e.payload {
-                if p.offset % PAYLOAD_ALIGN != 0
+                if !p.offset.is_multiple_of(PAYLOAD_ALIGN)
                     || p.offset < self.regions[k]
                     || p.offset
                         .checked_add(p.len)
