@@ -298,6 +298,25 @@ fn poison_tensor(model: &Path, name: &str) {
     std::fs::write(&path, bytes).unwrap();
 }
 
+/// A copy of the built-in quantized model `builtin:tiny-v4-fp8` in `dir` whose UE8M0 scale
+/// tensor `name` starts with the NaN code 0xFF (the header read by hand).
+fn quantized_with_nan_scale(dir: &Path, name: &str) -> PathBuf {
+    let src =
+        moeconf_fixtures::ensure_builtin(moeconf_fixtures::BUILTIN_TINY_V4_FP8).expect("built-in fixture");
+    std::fs::create_dir_all(dir).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let mut bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(header[name]["dtype"], "F8_E8M0");
+    let a = header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    bytes[8 + n + a] = 0xFF;
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    dir.to_path_buf()
+}
+
 /// A dump directory (docs/import.md) with one token and a manifest whose
 /// `decoding` is `decoding`.
 fn dump(dir: &Path, decoding: &str) -> PathBuf {
@@ -764,6 +783,7 @@ fn limit_cases(d: &Path) -> Vec<Case> {
     poison_tensor(&nan, "layers.0.ffn_norm.weight");
     let with_dir = model_copy(&d.join("model-dir"), false, |_| {});
     std::fs::create_dir(with_dir.join("x.safetensors")).unwrap();
+    let nan_scale = quantized_with_nan_scale(&d.join("model-nan-scale"), "layers.3.attn.wq_b.scale");
     let run = |model: &str, out: &str, extra: &[&str]| {
         let mut a = vec![
             "run",
@@ -804,6 +824,9 @@ fn limit_cases(d: &Path) -> Vec<Case> {
         Case::new("run-fork-step-beyond-the-run", 6, 2, "--fork-step 99", &[]).absent(&out("fork.bin")),
         Case::new("run-nan-weights", 6, 2, "non-finite", &[]).absent(&out("nan.bin")),
         Case::new("run-directory-named-safetensors", 7, 2, "x.safetensors", &[]).absent(&out("dir.bin")),
+        Case::new("run-ue8m0-nan-scale", 6, 2, "layers.3.attn.wq_b.scale", &[])
+            .absent(&out("nan-scale.bin"))
+            .intact(&nan_scale.join("model.safetensors"), Kind::File),
     ];
     cases[1].args = vec![
         "run".into(),
@@ -833,6 +856,7 @@ fn limit_cases(d: &Path) -> Vec<Case> {
     );
     cases[8].args = run(&s(&nan), &p("nan.bin"), &[]);
     cases[9].args = run(&s(&with_dir), &p("dir.bin"), &[]);
+    cases[10].args = run(&s(&nan_scale), &p("nan-scale.bin"), &[]);
     cases
 }
 

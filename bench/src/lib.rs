@@ -164,6 +164,7 @@ pub fn diff(
 pub fn runtime(
     opts: &moeconf_runner::bench::RuntimeBenchOptions,
     large: bool,
+    quantized: bool,
 ) -> Result<BenchReport, BenchError> {
     use moeconf_runner::bench::{bench_runtime, render_runtime_text};
     let work = scratch("moeconf-bench-rt")?;
@@ -187,6 +188,40 @@ pub fn runtime(
         rows.extend(bench_runtime(name, dir.path(), opts, work.path()).map_err(step("bench runtime"))?);
         rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
     }
+    let mut rss_quantized = None;
+    let mut quantized_text = String::new();
+    if quantized {
+        let mut pair = Vec::new();
+        for (label, name) in [
+            ("tiny-v4-fp8 (FP8 + MXFP4)", moeconf_fixtures::BUILTIN_TINY_V4_FP8),
+            (
+                "tiny-v4-fp8-bf16 (dequantized)",
+                moeconf_fixtures::BUILTIN_TINY_V4_FP8_BF16,
+            ),
+        ] {
+            eprintln!("moeconf bench runtime: {name} ...");
+            let dir = moeconf_fixtures::ensure_builtin(name).map_err(step("the quantized fixture"))?;
+            let r = bench_runtime(label, &dir, opts, work.path()).map_err(step("bench runtime"))?;
+            pair.push(r.clone());
+            rows.extend(r);
+        }
+        rss_quantized = moeconf_reference_runtime::bench::anon_rss_bytes();
+        quantized_text.push_str("  quantized fixture, decode tokens/s FP8+MXFP4 / its BF16 dequantization (same weights, same bits):\n");
+        for (q, b) in pair[0].iter().zip(&pair[1]) {
+            quantized_text.push_str(&format!(
+                "    {:<5} {:<8} {:>8.1} / {:>8.1} = {:.2}x\n",
+                q.precision.name(),
+                q.capture.name(),
+                q.decode,
+                b.decode,
+                q.decode / b.decode
+            ));
+        }
+        quantized_text.push_str(&format!(
+            "  anonymous RSS after the quantized fixtures: {}\n",
+            rss_quantized.map_or("n/a".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0))
+        ));
+    }
     let json = json!({
         "schema_version": 1,
         "kind": "moeconf.bench.runtime",
@@ -199,9 +234,10 @@ pub fn runtime(
         })).collect::<Vec<_>>(),
         "anon_rss_bytes_after_tiny": rss_tiny,
         "anon_rss_bytes_after_large": rss_large,
+        "anon_rss_bytes_after_quantized": rss_quantized,
     });
     Ok(BenchReport {
-        text: render_runtime_text(opts, &rows, [rss_tiny, rss_large]),
+        text: render_runtime_text(opts, &rows, [rss_tiny, rss_large]) + &quantized_text,
         json,
     })
 }

@@ -5,7 +5,8 @@
 //! experiments): model config and weights digests, tokenizer digest, prompt
 //! text and ids, decoding strategy and length, canonicalization policy.
 //! Shown fields (differences expected between backends under test): model and
-//! tokenizer display names, precision profile, aggregation contract,
+//! tokenizer display names, the weight formats read from the tensor list (FP8/MXFP4
+//! vs bf16: a difference the weights digest refuses anyway, named for the reader), precision profile, aggregation contract,
 //! schedule, capture spec, extra binding facts, and the whole provenance
 //! (runtime, version, threads, notes).
 
@@ -119,6 +120,12 @@ fn shown(r: &Binding, c: &Binding, rp: &Provenance, cp: &Provenance) -> Vec<Fiel
         "model.name",
         r.model.name.clone(),
         c.model.name.clone(),
+    );
+    push(
+        &mut shown,
+        "model.weight_formats",
+        r.model.weight_formats(),
+        c.model.weight_formats(),
     );
     push(
         &mut shown,

@@ -13,13 +13,15 @@ use std::collections::{BTreeSet, HashSet};
 use moeconf_contract::{b_class_count, AggregationContract, ForkCombine, ForkPoint, NativeCombine, Order};
 use moeconf_fixtures::{Language, Prompt, PromptKind};
 use moeconf_reference_runtime::capture::NullSink;
-use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::fork_sweep::capture_event;
-use crate::{frac, max_abs_diff, Ctx, Result, Section, Table};
+use crate::jobs::{decode, JobOut, Jobs, Params};
+use crate::{frac, max_abs_diff, CalibrateError, Ctx, Result, Section, Table};
 
 /// The B branch injected for one prompt, and what the class scan saw.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Pick {
     class: u64,
     linf: f64,
@@ -61,13 +63,54 @@ fn pick_branch(ctx: &Ctx, ids: &[u32], point: ForkPoint) -> Result<Pick> {
     })
 }
 
-/// Runs protocol 9.
-pub fn run(ctx: &Ctx) -> Result<Section> {
-    let prompts: Vec<Prompt> = moeconf_fixtures::breadth_prompts()
+/// One prompt's job: the branch scan, then the continuations at each
+/// horizon until they separate (the staged horizons of one prompt depend on
+/// nothing but that prompt).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct PromptRun {
+    pick: Pick,
+    /// The continuations at each horizon run, in horizon order; only the
+    /// last may differ.
+    stages: Vec<Texts>,
+}
+
+/// Protocol 9's jobs: one per breadth prompt.
+struct Breadth {
+    ids: Vec<Vec<u32>>,
+    point: ForkPoint,
+}
+
+impl Jobs for Breadth {
+    fn count(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
+        let ids = &self.ids[job];
+        let pick = pick_branch(ctx, ids, self.point)?;
+        let mut stages: Vec<Texts> = Vec::new();
+        for &h in &ctx.sizes.horizons {
+            let texts = stage_run(ctx, self.point, ids, pick.class, h)?;
+            let differs = texts.native != texts.branch;
+            stages.push(texts);
+            if differs {
+                break;
+            }
+        }
+        JobOut::of(&PromptRun { pick, stages })
+    }
+}
+
+fn prompts(sizes: &crate::Sizes) -> Vec<Prompt> {
+    moeconf_fixtures::breadth_prompts()
         .into_iter()
-        .take(ctx.sizes.breadth_prompts)
-        .collect();
-    let point = ForkPoint::first_decode(ctx.fork_layer);
+        .take(sizes.breadth_prompts)
+        .collect()
+}
+
+/// Plans protocol 9.
+pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    let prompts = prompts(&ctx.sizes);
     ctx.note(&format!(
         "[9] breadth: {} prompts, horizons {:?}",
         prompts.len(),
@@ -77,15 +120,30 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         .iter()
         .map(|p| ctx.encode(&p.text))
         .collect::<Result<_>>()?;
-    let picks: Vec<Pick> = ids
-        .par_iter()
-        .map(|i| pick_branch(ctx, i, point))
-        .collect::<Result<_>>()?;
-    let stages = Stages::run(ctx, point, &ids, &picks)?;
-    let b = breakdown(ctx, &prompts, &picks, &stages.first_stage);
+    Ok(Box::new(Breadth {
+        ids,
+        point: ForkPoint::first_decode(ctx.fork_layer),
+    }))
+}
+
+/// Assembles protocol 9 from its job results.
+pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
+    let prompts = prompts(&params.sizes);
+    let point = ForkPoint::first_decode(params.fork_layer);
+    let runs: Vec<PromptRun> = decode("breadth", results)?;
+    if runs.len() != prompts.len() {
+        return Err(CalibrateError::Merge(format!(
+            "breadth: {} job results for {} prompts",
+            runs.len(),
+            prompts.len()
+        )));
+    }
+    let picks: Vec<Pick> = runs.iter().map(|r| r.pick.clone()).collect();
+    let stages = Stages::assemble(params, &runs)?;
+    let b = breakdown(params, &prompts, &picks, &stages.first_stage);
     let json = json!({
         "prompts": prompts.len(), "fork_layer": point.layer, "fork_step": point.step,
-        "horizons": ctx.sizes.horizons, "stages": stages.json(&prompts),
+        "horizons": params.sizes.horizons, "stages": stages.json(&prompts),
         "first_horizon": b.json,
         "per_prompt": prompts.iter().enumerate().map(|(i, p)| {
             let text = stages.texts[i].as_ref();
@@ -99,16 +157,16 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             })
         }).collect::<Vec<_>>(),
     });
-    Ok(Section {
+    Ok(vec![Section {
         key: "breadth".into(),
         tables: vec![stages.table, b.table],
         json,
         claims: vec![],
-    })
+    }])
 }
 
-/// Both continuations of one prompt at the last horizon it was run to.
-#[derive(Clone)]
+/// Both continuations of one prompt at one horizon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Texts {
     native: String,
     branch: String,
@@ -160,9 +218,11 @@ fn stage_run(ctx: &Ctx, point: ForkPoint, ids: &[u32], class: u64, h: usize) -> 
 }
 
 impl Stages {
-    /// Runs every horizon; only prompts not yet separated are carried on.
-    fn run(ctx: &Ctx, point: ForkPoint, ids: &[Vec<u32>], picks: &[Pick]) -> Result<Stages> {
-        let total = ids.len();
+    /// The accounting of every horizon from each prompt's runs: a prompt is
+    /// at risk at a stage when it did not separate before it (then it was
+    /// run at that horizon: its `stages[si]`).
+    fn assemble(params: &Params, runs: &[PromptRun]) -> Result<Stages> {
+        let total = runs.len();
         let mut s = Stages {
             table: Table::new(
                 "breadth_summary",
@@ -181,17 +241,18 @@ impl Stages {
             first_stage: Vec::new(),
             texts: vec![None; total],
         };
-        for (si, &h) in ctx.sizes.horizons.iter().enumerate() {
+        for (si, &h) in params.sizes.horizons.iter().enumerate() {
             let at_risk: Vec<usize> = (0..total).filter(|i| !s.separated.contains(i)).collect();
-            let rows: Vec<StageRun> = at_risk
-                .par_iter()
-                .map(|&i| {
-                    Ok(StageRun {
-                        prompt: i,
-                        texts: stage_run(ctx, point, &ids[i], picks[i].class, h)?,
-                    })
-                })
-                .collect::<Result<_>>()?;
+            let mut rows = Vec::with_capacity(at_risk.len());
+            for &i in &at_risk {
+                let texts = runs[i].stages.get(si).filter(|t| t.horizon == h).ok_or_else(|| {
+                    CalibrateError::Merge(format!("breadth: prompt {i} has no run at horizon {h}"))
+                })?;
+                rows.push(StageRun {
+                    prompt: i,
+                    texts: texts.clone(),
+                });
+            }
             let diffs: Vec<usize> = rows.iter().filter(|r| r.differs()).map(|r| r.prompt).collect();
             let repeated = diffs.iter().filter(|i| s.separated.contains(i)).count();
             let new: Vec<usize> = diffs
@@ -246,7 +307,7 @@ struct Breakdown {
     json: Value,
 }
 
-fn breakdown(ctx: &Ctx, prompts: &[Prompt], picks: &[Pick], first_stage: &[usize]) -> Breakdown {
+fn breakdown(params: &Params, prompts: &[Prompt], picks: &[Pick], first_stage: &[usize]) -> Breakdown {
     let total = prompts.len();
     let count = |f: &dyn Fn(&Prompt) -> bool| {
         (
@@ -262,7 +323,7 @@ fn breakdown(ctx: &Ctx, prompts: &[Prompt], picks: &[Pick], first_stage: &[usize
         "breadth_breakdown",
         &format!(
             "Breadth at {} tokens by language and prompt type; MoE-state separation",
-            ctx.sizes.horizons[0]
+            params.sizes.horizons[0]
         ),
         &[
             "Group",

@@ -18,12 +18,27 @@ use moeconf_schema::{
 };
 
 use crate::error::{CalibrateError, Result};
+use crate::jobs::Params;
+use moeconf_shard::ProgressMode;
+
+/// The `inputs` of a partial result (docs/scale.md): the model's name,
+/// configuration and weights digests, and the tokenizer's digest.
+pub fn inputs_json(model: &ModelIdentity, tokenizer: &Digest) -> serde_json::Value {
+    serde_json::json!({
+        "model": {
+            "name": model.name,
+            "config_digest": model.config_digest.to_hex(),
+            "weights_digest": model.weights_digest.to_hex(),
+        },
+        "tokenizer_digest": tokenizer.to_hex(),
+    })
+}
 
 /// Digest algorithm of every trace and digest the suite writes.
 pub const ALGORITHM: Algorithm = Algorithm::Blake3;
 
 /// Sizes of one calibration run (full or `--quick`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Sizes {
     /// Replay prompts used (protocol 1); `usize::MAX` = all.
     pub replay_prompts: usize,
@@ -78,10 +93,11 @@ pub struct CtxOptions {
     pub fork_layer: u32,
     /// Run sizes.
     pub sizes: Sizes,
-    /// Output directory (traces go to its `traces/` folder).
+    /// Output directory (traces go to its `traces/` folder); for a shard, a
+    /// scratch directory whose output files are attached to the partial.
     pub out: PathBuf,
-    /// Whether to print progress lines on stderr.
-    pub progress: bool,
+    /// How progress is shown on stderr.
+    pub progress: ProgressMode,
 }
 
 /// Everything the protocols share.
@@ -100,8 +116,8 @@ pub struct Ctx {
     pub sizes: Sizes,
     /// Output directory.
     pub out: PathBuf,
-    /// Progress on stderr.
-    pub progress: bool,
+    /// How progress is shown on stderr.
+    pub progress: ProgressMode,
 }
 
 /// One greedy run written to a full trace by [`Ctx::write_trace`].
@@ -156,6 +172,21 @@ impl Ctx {
         self.m.model.config().experts_per_tok
     }
 
+    /// What assembling the protocols' sections needs besides job results.
+    pub fn params(&self) -> Params {
+        Params {
+            sizes: self.sizes,
+            fork_layer: self.fork_layer,
+            k: self.k(),
+        }
+    }
+
+    /// The digests of what a run reads, recorded in partial results
+    /// (docs/scale.md): the model's configuration and weights, the tokenizer.
+    pub fn inputs_json(&self) -> serde_json::Value {
+        inputs_json(&self.identity, &self.tokenizer_digest)
+    }
+
     /// Tokenizes a prompt (must give at least one token).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let ids = self.m.tokenizer.encode(text)?;
@@ -174,7 +205,7 @@ impl Ctx {
 
     /// A progress line on stderr (when enabled).
     pub fn note(&self, msg: &str) {
-        if self.progress {
+        if self.progress.enabled() {
             eprintln!("calibrate: {msg}");
         }
     }

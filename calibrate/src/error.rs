@@ -83,6 +83,14 @@ pub enum CalibrateError {
     /// A contract, order or class could not be built or applied.
     #[error(transparent)]
     Contract(#[from] ContractError),
+    /// A shard specification, partial result file or merge was refused.
+    #[error(transparent)]
+    Shard(#[from] moeconf_shard::ShardError),
+    /// Verified partial results whose contents this moeconf cannot rebuild
+    /// outputs from (a result of the wrong form, a job list that does not
+    /// match the arguments).
+    #[error("merging partial results: {0}")]
+    Merge(String),
 }
 
 impl CalibrateError {

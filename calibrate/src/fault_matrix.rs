@@ -32,8 +32,10 @@ use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::state::DecodeState;
 use moeconf_schema::Trace;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::jobs::{decode, JobOut, Jobs, Params};
 use crate::{frac, CalibrateError, Claim, Ctx, Result, Section, Table, TraceRequest};
 
 const PROMPT: &str = "why the sheep";
@@ -380,7 +382,7 @@ fn nudge_elements(
 }
 
 /// A record location: step, layer, path, position.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Found {
     step: u32,
     layer: Option<u32>,
@@ -399,10 +401,26 @@ impl Found {
     }
 }
 
-/// What the diff made of one case in one profile.
+/// Where a case had to be localized, in its reported form.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Expected {
+    step: u32,
+    layer: Option<u32>,
+    /// The record (`moe.term.*` for the family).
+    operator: String,
+}
+
+/// What the diff made of one case in one profile: the result of one job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Outcome {
-    precision: Precision,
-    case: Case,
+    /// The profile's name.
+    profile: String,
+    /// The case's name ([`Case::name`]).
+    fault: String,
+    note: String,
+    /// The plan's faults, as reported.
+    faults: Value,
+    expected: Expected,
     /// The candidate trace differs from the reference (root digests differ).
     effective: bool,
     /// The diff called the pair equivalent.
@@ -411,8 +429,10 @@ struct Outcome {
     found: Option<Found>,
     /// The first differing record of the two traces in execution order.
     truth: Option<Found>,
+    /// Whether the truth is the expected step, layer and record.
+    truth_is_expected: Option<bool>,
     /// Whether a layer checkpoint of the truth's step differs after it.
-    divergence: Option<&'static str>,
+    divergence: Option<String>,
     /// How many records differ (by digest, records at the same index).
     differing_records: usize,
     contract: Option<String>,
@@ -432,17 +452,14 @@ impl Outcome {
     }
 
     fn json(&self) -> Value {
-        let e = &self.case.expect;
-        let truth_is_expected = self.truth.as_ref().map(|t| t.is(e));
+        let e = &self.expected;
         json!({
-            "profile": self.precision.name(), "fault": self.case.name(), "note": self.case.note,
-            "faults": self.case.faults.iter().map(|f| json!({
-                "kind": f.kind.name(), "step": f.step, "layer": f.layer, "position": f.position,
-            })).collect::<Vec<_>>(),
-            "expected": {"step": e.step, "layer": e.layer, "operator": e.component.to_string()},
+            "profile": self.profile, "fault": self.fault, "note": self.note,
+            "faults": self.faults,
+            "expected": {"step": e.step, "layer": e.layer, "operator": e.operator},
             "found": self.found.as_ref().map(Found::json),
             "first_differing_record": self.truth.as_ref().map(Found::json),
-            "first_differing_record_is_expected": truth_is_expected,
+            "first_differing_record_is_expected": self.truth_is_expected,
             "divergence": self.divergence, "differing_records": self.differing_records,
             "inferred_contract": self.contract, "effective": self.effective, "localized": self.localized,
             "diff_equivalent": self.equivalent, "diff_summary": self.summary, "result": self.result(),
@@ -491,11 +508,14 @@ fn first_differing_record(r: &Trace, c: &Trace) -> Result<(Option<Found>, Option
     Ok((Some(at(&rr[i])), Some(kind)))
 }
 
+/// The name of a trace of one profile, relative to the output directory.
+fn trace_name(precision: Precision, name: &str) -> String {
+    format!("traces/fault-{}-{name}.bin", precision.name())
+}
+
 /// The trace paths of one profile.
 fn trace_path(ctx: &Ctx, precision: Precision, name: &str) -> PathBuf {
-    ctx.out
-        .join("traces")
-        .join(format!("fault-{}-{name}.bin", precision.name()))
+    ctx.out.join(trace_name(precision, name))
 }
 
 /// Writes the candidate trace of case `i` and diffs it against the reference.
@@ -538,14 +558,27 @@ fn run_case(
         .zip(c.records()?)
         .filter(|(a, b)| a.digest != b.digest)
         .count();
+    let e = &case.expect;
     Ok(Outcome {
-        precision,
-        case: case.clone(),
+        profile: precision.name().into(),
+        fault: case.name(),
+        note: case.note.into(),
+        faults: case
+            .faults
+            .iter()
+            .map(|f| json!({"kind": f.kind.name(), "step": f.step, "layer": f.layer, "position": f.position}))
+            .collect(),
+        expected: Expected {
+            step: e.step,
+            layer: e.layer,
+            operator: e.component.to_string(),
+        },
         effective: r.root() != c.root(),
         equivalent: report.verdict == Verdict::Equivalent,
         contract: first.and_then(|d| d.contract.clone()),
+        truth_is_expected: truth.as_ref().map(|t| t.is(e)),
         truth,
-        divergence,
+        divergence: divergence.map(String::from),
         differing_records,
         found,
         localized,
@@ -553,15 +586,8 @@ fn run_case(
     })
 }
 
-/// The matrix of one profile: its reference trace, then every case.
-fn run_profile(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<Vec<Outcome>> {
-    let n = ctx.sizes.tokens;
-    let cases = matrix(ctx, precision, ids, n)?;
-    ctx.note(&format!(
-        "[10] fault-injection localization matrix ({}): {} cases, {n} tokens",
-        precision.name(),
-        cases.len()
-    ));
+/// Writes the native reference trace of one profile.
+fn write_reference(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<()> {
     let ref_path = trace_path(ctx, precision, "reference");
     if let Some(dir) = ref_path.parent() {
         std::fs::create_dir_all(dir).map_err(CalibrateError::io(format!("creating {}", dir.display())))?;
@@ -570,7 +596,7 @@ fn run_profile(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<Vec<Outco
         TraceRequest {
             prompt: PROMPT,
             prompt_ids: ids,
-            tokens: n,
+            tokens: ctx.sizes.tokens,
             combine: &NativeCombine,
             faults: None,
             notes: vec![],
@@ -578,11 +604,94 @@ fn run_profile(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<Vec<Outco
         },
         precision,
     )?;
-    cases
-        .par_iter()
-        .enumerate()
-        .map(|(i, c)| run_case(ctx, precision, ids, &ref_path, i, c))
-        .collect()
+    Ok(())
+}
+
+/// One job of the matrix: a profile's reference trace, or one case.
+#[derive(Clone, Copy)]
+enum MatrixJob {
+    Reference { profile: usize },
+    Case { profile: usize, case: usize },
+}
+
+impl MatrixJob {
+    fn profile(self) -> usize {
+        match self {
+            MatrixJob::Reference { profile } | MatrixJob::Case { profile, .. } => profile,
+        }
+    }
+}
+
+/// Protocol 10's jobs: per profile, the reference trace, then every case
+/// (its candidate trace and the diff against the reference).
+struct Matrix {
+    ids: Vec<u32>,
+    cases: Vec<Vec<Case>>,
+    jobs: Vec<MatrixJob>,
+}
+
+impl Jobs for Matrix {
+    fn count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Writes the reference trace of every profile an owned job needs (it is
+    /// an output only of the job that owns it).
+    fn prepare(&mut self, ctx: &Ctx, owned: &[usize]) -> Result<()> {
+        let need: Vec<usize> = (0..PROFILES.len())
+            .filter(|&p| owned.iter().any(|&j| self.jobs[j].profile() == p))
+            .collect();
+        need.par_iter()
+            .map(|&p| write_reference(ctx, PROFILES[p], &self.ids))
+            .collect::<Result<Vec<()>>>()?;
+        Ok(())
+    }
+
+    fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
+        match self.jobs[job] {
+            MatrixJob::Reference { profile } => Ok(JobOut {
+                result: Value::Null,
+                files: vec![trace_name(PROFILES[profile], "reference")],
+            }),
+            MatrixJob::Case { profile, case } => {
+                let precision = PROFILES[profile];
+                let ref_path = trace_path(ctx, precision, "reference");
+                let outcome = run_case(
+                    ctx,
+                    precision,
+                    &self.ids,
+                    &ref_path,
+                    case,
+                    &self.cases[profile][case],
+                )?;
+                Ok(JobOut {
+                    result: serde_json::to_value(&outcome)?,
+                    files: vec![trace_name(precision, &format!("{:02}", case + 1))],
+                })
+            }
+        }
+    }
+}
+
+/// Plans protocol 10: the matrix of each profile (its nudge elements are
+/// searched on the runtime here, in every shard: the job list depends on them).
+pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    let ids = ctx.encode(PROMPT)?;
+    let n = ctx.sizes.tokens;
+    let mut cases = Vec::new();
+    let mut jobs = Vec::new();
+    for (p, &precision) in PROFILES.iter().enumerate() {
+        let m = matrix(ctx, precision, &ids, n)?;
+        ctx.note(&format!(
+            "[10] fault-injection localization matrix ({}): {} cases, {n} tokens",
+            precision.name(),
+            m.len()
+        ));
+        jobs.push(MatrixJob::Reference { profile: p });
+        jobs.extend((0..m.len()).map(|case| MatrixJob::Case { profile: p, case }));
+        cases.push(m);
+    }
+    Ok(Box::new(Matrix { ids, cases, jobs }))
 }
 
 /// Counts of one profile (or of both).
@@ -616,18 +725,16 @@ impl Counts {
     }
 }
 
-/// Runs protocol 10 in both profiles.
-pub fn run(ctx: &Ctx) -> Result<Section> {
-    let ids = ctx.encode(PROMPT)?;
-    let n = ctx.sizes.tokens;
-    let mut outcomes = Vec::new();
-    for precision in PROFILES {
-        outcomes.extend(run_profile(ctx, precision, &ids)?);
-    }
+/// Assembles protocol 10 from its job results (the reference jobs' results
+/// are empty; every other is an [`Outcome`]).
+pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
+    let n = params.sizes.tokens;
+    let cases: Vec<Value> = results.iter().filter(|v| !v.is_null()).cloned().collect();
+    let outcomes: Vec<Outcome> = decode("fault_matrix", &cases)?;
     let all = Counts::of(outcomes.iter());
     let per: Vec<(Precision, Counts)> = PROFILES
         .iter()
-        .map(|&p| (p, Counts::of(outcomes.iter().filter(|o| o.precision == p))))
+        .map(|&p| (p, Counts::of(outcomes.iter().filter(|o| o.profile == p.name()))))
         .collect();
     let each_enough = per.iter().all(|(_, c)| c.effective >= 8);
     let detail = per
@@ -636,7 +743,9 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         .collect::<Vec<_>>()
         .join(", ");
     let mut json = all.json();
-    let obj = json.as_object_mut().expect("an object");
+    let obj = json
+        .as_object_mut()
+        .ok_or_else(|| CalibrateError::Invalid("the matrix counts are not a JSON object".into()))?;
     obj.insert("prompt".into(), json!(PROMPT));
     obj.insert("tokens".into(), json!(n));
     obj.insert(
@@ -650,7 +759,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             .collect(),
     );
     obj.insert("rows".into(), outcomes.iter().map(Outcome::json).collect());
-    Ok(Section {
+    Ok(vec![Section {
         key: "fault_matrix".into(),
         tables: vec![table(n, &outcomes)],
         json,
@@ -672,7 +781,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 ),
             ),
         ],
-    })
+    }])
 }
 
 fn table(n: usize, outcomes: &[Outcome]) -> Table {
@@ -697,10 +806,10 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
     );
     let opt = |x: Option<u32>| x.map_or("-".to_string(), |v| v.to_string());
     let mut index = 0;
-    let mut profile = None;
+    let mut profile: Option<&str> = None;
     for o in outcomes {
-        if profile != Some(o.precision) {
-            profile = Some(o.precision);
+        if profile != Some(o.profile.as_str()) {
+            profile = Some(o.profile.as_str());
             index = 0;
         }
         index += 1;
@@ -708,18 +817,18 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
             Some(f) => (f.step.to_string(), opt(f.layer), f.operator.clone()),
             None => ("-".into(), "-".into(), "(equivalent)".into()),
         };
-        let e = &o.case.expect;
+        let e = &o.expected;
         t.row(vec![
-            o.precision.name().into(),
+            o.profile.clone(),
             index.to_string(),
-            o.case.name(),
+            o.fault.clone(),
             e.step.to_string(),
             opt(e.layer),
-            e.component.to_string(),
+            e.operator.clone(),
             fs,
             fl,
             fo,
-            o.divergence.unwrap_or("-").into(),
+            o.divergence.clone().unwrap_or_else(|| "-".into()),
             o.result().into(),
         ]);
     }

@@ -9,13 +9,17 @@
 //! output of its class (the first-pair symmetry), with k!/2 classes observed.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use moeconf_contract::{all_permutations, b_class_of, AggregationContract, ForkPoint, NativeCombine};
 use moeconf_fingerprint::{CanonPolicy, Component};
-use moeconf_reference_runtime::fork::{sweep, Scheme, SchemeSummary, SweepOptions, SweepReport};
+use moeconf_reference_runtime::fork::{
+    assemble_sweep, sweep_job_count, Scheme, SchemeSummary, SweepJobs, SweepOptions,
+};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::jobs::{decode, JobOut, Jobs, Params};
+use crate::sweep::BranchRecord;
 use crate::{frac, CalibrateError, Claim, Collect, Ctx, Result, Section, Table, ALGORITHM};
 
 const PROMPT: &str = "why the sheep";
@@ -61,6 +65,7 @@ pub fn capture_event(ctx: &Ctx, prompt_ids: &[u32], layer: u32, step: u32) -> Re
 }
 
 /// The result of combining one event under every raw order of a contract.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OrderCheck {
     /// Raw orders evaluated (k!).
     pub raw: usize,
@@ -101,7 +106,8 @@ pub fn check_orders(ev: &ForkEvent, contract: &AggregationContract) -> Result<Or
     })
 }
 
-/// The order checks of the fork event under B and A.
+/// The order checks of the fork event under B and A: the result of job 0.
+#[derive(Serialize, Deserialize)]
 struct Checks {
     b: OrderCheck,
     a: OrderCheck,
@@ -119,22 +125,103 @@ impl Checks {
     }
 }
 
-/// Runs protocol 2.
-pub fn run(ctx: &Ctx) -> Result<Section> {
-    let ids = ctx.encode(PROMPT)?;
-    let k = ctx.k();
-    let point = ForkPoint::first_decode(ctx.fork_layer);
-    let ev = capture_event(ctx, &ids, point.layer, point.step)?;
-    let checks = Checks {
-        b: check_orders(&ev, &AggregationContract::b())?,
-        a: check_orders(&ev, &AggregationContract::a())?,
-    };
-    let mut schemes = vec![Scheme::enumerate("a", k)?, Scheme::enumerate("b", k)?];
+/// The schemes of the sweep: every A order and every B class, truncated to
+/// `fork_branches` each.
+fn schemes(params: &Params) -> Result<Vec<Scheme>> {
+    let mut schemes = vec![
+        Scheme::enumerate("a", params.k)?,
+        Scheme::enumerate("b", params.k)?,
+    ];
     for s in &mut schemes {
-        s.truncate(ctx.sizes.fork_branches);
+        s.truncate(params.sizes.fork_branches);
     }
-    let report = run_sweep(ctx, &ids, point, &schemes)?;
-    let mut tables = Tables::new(ctx, point);
+    Ok(schemes)
+}
+
+/// Protocol 2's jobs: the order checks of the captured fork event (job 0),
+/// then the sweep's jobs (the native reference, every branch).
+struct ForkSweep<'a> {
+    ctx: &'a Ctx,
+    ids: Vec<u32>,
+    point: ForkPoint,
+    schemes: Vec<Scheme>,
+    sweep: Option<SweepJobs<'a>>,
+}
+
+impl Jobs for ForkSweep<'_> {
+    fn count(&self) -> usize {
+        1 + sweep_job_count(&self.schemes)
+    }
+
+    fn prepare(&mut self, _ctx: &Ctx, owned: &[usize]) -> Result<()> {
+        if owned.iter().any(|&j| j >= 1) {
+            let ctx = self.ctx;
+            let opts = SweepOptions {
+                point: self.point,
+                max_new_tokens: ctx.sizes.fork_tokens,
+                precision: ctx.precision,
+                base: &NativeCombine,
+                detokenizer: Some(&ctx.m.tokenizer),
+                algorithm: ALGORITHM,
+                canon: CanonPolicy::default(),
+            };
+            self.sweep = Some(SweepJobs::prepare(&ctx.m.model, &self.ids, &self.schemes, &opts)?);
+        }
+        Ok(())
+    }
+
+    fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
+        if job == 0 {
+            let ev = capture_event(ctx, &self.ids, self.point.layer, self.point.step)?;
+            return JobOut::of(&Checks {
+                b: check_orders(&ev, &AggregationContract::b())?,
+                a: check_orders(&ev, &AggregationContract::a())?,
+            });
+        }
+        let sweep = self
+            .sweep
+            .as_ref()
+            .ok_or_else(|| CalibrateError::Invalid("the fork sweep was not prepared".into()))?;
+        JobOut::of(&BranchRecord::from(&sweep.run(job - 1)?))
+    }
+}
+
+/// Plans protocol 2.
+pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    let ids = ctx.encode(PROMPT)?;
+    let point = ForkPoint::first_decode(ctx.fork_layer);
+    let schemes = schemes(&ctx.params())?;
+    let total: usize = schemes.iter().map(|s| s.branches.len()).sum();
+    ctx.note(&format!(
+        "[2] single-layer A/B fork at layer {}, step {}: {total} branches × {} tokens",
+        point.layer, point.step, ctx.sizes.fork_tokens
+    ));
+    Ok(Box::new(ForkSweep {
+        ctx,
+        ids,
+        point,
+        schemes,
+        sweep: None,
+    }))
+}
+
+/// Assembles protocol 2 from its job results.
+pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
+    let (first, rest) = results
+        .split_first()
+        .ok_or_else(|| CalibrateError::Merge("fork_sweep: no job results".into()))?;
+    let checks: Checks = decode("fork_sweep", std::slice::from_ref(first))?
+        .pop()
+        .ok_or_else(|| CalibrateError::Merge("fork_sweep: no order checks".into()))?;
+    let branches = decode::<BranchRecord>("fork_sweep", rest)?
+        .into_iter()
+        .map(BranchRecord::into_result)
+        .collect::<Result<Vec<_>>>()?;
+    let point = ForkPoint::first_decode(params.fork_layer);
+    let schemes = schemes(params)?;
+    let report = assemble_sweep(point, params.sizes.fork_tokens, &schemes, branches)?;
+    let k = params.k;
+    let mut tables = Tables::new(params, point);
     let schemes_json: Vec<Value> = report
         .summaries
         .iter()
@@ -148,7 +235,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         "prompt": PROMPT,
         "fork_layer": point.layer,
         "fork_step": point.step,
-        "tokens": ctx.sizes.fork_tokens,
+        "tokens": params.sizes.fork_tokens,
         "native_text": report.reference.text,
         "b_raw_orders": b.raw,
         "b_classes_observed": b.classes,
@@ -157,7 +244,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
         "a_distinct_outputs_over_raw_orders": checks.a.distinct_outputs,
         "schemes": schemes_json,
     });
-    Ok(Section {
+    Ok(vec![Section {
         key: "fork_sweep".into(),
         tables: vec![tables.counts, tables.rank_frequency],
         json,
@@ -169,34 +256,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
                 b.raw, b.classes, b.classes_consistent
             ),
         )],
-    })
-}
-
-/// The runtime's trace-freeze-fork sweep of `schemes` at `point`, with
-/// progress every 10 %.
-fn run_sweep(ctx: &Ctx, ids: &[u32], point: ForkPoint, schemes: &[Scheme]) -> Result<SweepReport> {
-    let total: usize = schemes.iter().map(|s| s.branches.len()).sum();
-    ctx.note(&format!(
-        "[2] single-layer A/B fork at layer {}, step {}: {total} branches × {} tokens",
-        point.layer, point.step, ctx.sizes.fork_tokens
-    ));
-    let opts = SweepOptions {
-        point,
-        max_new_tokens: ctx.sizes.fork_tokens,
-        precision: ctx.precision,
-        base: &NativeCombine,
-        detokenizer: Some(&ctx.m.tokenizer),
-        algorithm: ALGORITHM,
-        canon: CanonPolicy::default(),
-    };
-    let last = AtomicUsize::new(0);
-    let progress = |done: usize, total: usize| {
-        let pct = done * 10 / total.max(1);
-        if ctx.progress && last.fetch_max(pct, Ordering::Relaxed) < pct {
-            eprintln!("calibrate:     fork sweep {done}/{total}");
-        }
-    };
-    Ok(sweep(&ctx.m.model, ids, schemes, &opts, Some(&progress))?)
+    }])
 }
 
 /// The two tables of protocol 2, filled one scheme at a time.
@@ -206,12 +266,12 @@ struct Tables {
 }
 
 impl Tables {
-    fn new(ctx: &Ctx, point: ForkPoint) -> Tables {
+    fn new(params: &Params, point: ForkPoint) -> Tables {
         let counts = Table::new(
             "basin_counts",
             &format!(
                 "Single-layer fork (section 3.2): \"{PROMPT}\", layer {}, step {} (first decode), {} tokens",
-                point.layer, point.step, ctx.sizes.fork_tokens
+                point.layer, point.step, params.sizes.fork_tokens
             ),
             &[
                 "Scheme",

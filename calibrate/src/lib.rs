@@ -19,6 +19,7 @@ mod ctx;
 mod error;
 pub mod fault_matrix;
 pub mod fork_sweep;
+pub mod jobs;
 pub mod persistent;
 pub mod propagation;
 pub mod replay;
@@ -28,6 +29,6 @@ pub mod suite;
 pub mod sweep;
 
 pub use collect::{bitwise_eq, compare_records, max_abs_diff, Collect, Kept, Tally};
-pub use ctx::{Ctx, CtxOptions, Sizes, TraceRequest, ALGORITHM};
+pub use ctx::{inputs_json, Ctx, CtxOptions, Sizes, TraceRequest, ALGORITHM};
 pub use error::{CalibrateError, Result};
 pub use report::{frac, write_atomic, Claim, Section, Table};

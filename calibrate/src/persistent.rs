@@ -22,9 +22,11 @@ use moeconf_contract::{
 use moeconf_fingerprint::Component;
 use moeconf_fixtures::Prompt;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::{frac, max_abs_diff, Claim, Collect, Ctx, Kept, Result, Section, Table};
+use crate::jobs::{decode, JobOut, Jobs, Params};
+use crate::{frac, max_abs_diff, CalibrateError, Claim, Collect, Ctx, Kept, Result, Section, Table};
 
 /// One of the paper's four aggregation schemes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +110,7 @@ fn run_one(ctx: &Ctx, ids: &[u32], combine: &dyn MoeCombine, keep: Keep) -> Resu
 }
 
 /// The C check of one run against native.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 struct CCheck {
     /// Records missing on one side or at another coordinate.
     missing: usize,
@@ -142,7 +145,7 @@ fn compare_intermediates(native: &[Kept], run: &[Kept]) -> CCheck {
 }
 
 /// One run of the protocols (indices into the prompts and [`SCHEMES`]).
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Job {
     Native { prompt: usize },
     Canonical { prompt: usize, scheme: usize },
@@ -164,6 +167,16 @@ impl Job {
             }
         }
         jobs
+    }
+
+    /// The prompt, and whether the run is of scheme C (checked against native).
+    fn prompt_and_c(self) -> (usize, bool) {
+        match self {
+            Job::Native { prompt } => (prompt, false),
+            Job::Canonical { prompt, scheme } | Job::Random { prompt, scheme, .. } => {
+                (prompt, SCHEMES[scheme] == PaperScheme::C)
+            }
+        }
     }
 
     fn run(self, ctx: &Ctx, prompts: &[Prompt], ids: &[Vec<u32>]) -> Result<RunOut> {
@@ -192,15 +205,49 @@ impl Job {
     }
 }
 
+/// What a job keeps of its run (its result): the generated ids, a digest
+/// of the routes, the number of C-check intermediates, and for a C run the
+/// check of its intermediates against the native run of its prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct RunSummary {
+    tokens: Vec<u32>,
+    /// BLAKE3 (hex) of every `router.topk` record in order (each one's length, then its bytes):
+    /// equal digests stand for equal routes.
+    routes: String,
+    intermediates: usize,
+    c_check: Option<CCheck>,
+}
+
+fn routes_digest(routes: &[Vec<u8>]) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(&(routes.len() as u64).to_le_bytes());
+    for r in routes {
+        h.update(&(r.len() as u64).to_le_bytes());
+        h.update(r);
+    }
+    h.finalize().to_hex().to_string()
+}
+
+impl RunSummary {
+    fn of(out: &RunOut, c_check: Option<CCheck>) -> RunSummary {
+        RunSummary {
+            tokens: out.tokens.clone(),
+            routes: routes_digest(&out.routes),
+            intermediates: out.intermediates.len(),
+            c_check,
+        }
+    }
+}
+
 /// The runs indexed by prompt and scheme.
 struct Runs<'a> {
-    native: Vec<Option<&'a RunOut>>,
-    canonical: Vec<Vec<Option<&'a RunOut>>>,
-    random: Vec<Vec<Vec<&'a RunOut>>>,
+    native: Vec<Option<&'a RunSummary>>,
+    canonical: Vec<Vec<Option<&'a RunSummary>>>,
+    random: Vec<Vec<Vec<&'a RunSummary>>>,
 }
 
 impl<'a> Runs<'a> {
-    fn index(prompts: usize, jobs: &[Job], outs: &'a [RunOut]) -> Runs<'a> {
+    fn index(prompts: usize, jobs: &[Job], outs: &'a [RunSummary]) -> Runs<'a> {
         let mut r = Runs {
             native: vec![None; prompts],
             canonical: vec![vec![None; SCHEMES.len()]; prompts],
@@ -217,8 +264,65 @@ impl<'a> Runs<'a> {
     }
 }
 
-/// Runs protocols 3, 4 and 5; returns their three sections.
-pub fn run(ctx: &Ctx) -> Result<Vec<Section>> {
+/// Protocols 3–5's jobs: every run of [`Job::all`].
+struct Persistent {
+    prompts: Vec<Prompt>,
+    ids: Vec<Vec<u32>>,
+    jobs: Vec<Job>,
+    /// The native run of each prompt that an owned job needs (its own job, or a C check).
+    natives: Vec<Option<RunOut>>,
+}
+
+impl Jobs for Persistent {
+    fn count(&self) -> usize {
+        self.jobs.len()
+    }
+
+    fn prepare(&mut self, ctx: &Ctx, owned: &[usize]) -> Result<()> {
+        let mut need = vec![false; self.prompts.len()];
+        for &j in owned {
+            let job = self.jobs[j];
+            let (p, c) = job.prompt_and_c();
+            need[p] |= c || matches!(job, Job::Native { .. });
+        }
+        let (prompts, ids) = (&self.prompts, &self.ids);
+        self.natives = need
+            .par_iter()
+            .enumerate()
+            .map(|(p, &n)| {
+                n.then(|| Job::Native { prompt: p }.run(ctx, prompts, ids))
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
+        let j = self.jobs[job];
+        let (p, c) = j.prompt_and_c();
+        let native = || {
+            self.natives[p].as_ref().ok_or_else(|| {
+                CalibrateError::Invalid(format!("the native run of prompt {p} was not prepared"))
+            })
+        };
+        if let Job::Native { .. } = j {
+            return JobOut::of(&RunSummary::of(native()?, None));
+        }
+        let out = j.run(ctx, &self.prompts, &self.ids)?;
+        let check = if c {
+            Some(compare_intermediates(
+                &native()?.intermediates,
+                &out.intermediates,
+            ))
+        } else {
+            None
+        };
+        JobOut::of(&RunSummary::of(&out, check))
+    }
+}
+
+/// Plans protocols 3, 4 and 5.
+pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
     let prompts = moeconf_fixtures::depth_prompts();
     let ids: Vec<Vec<u32>> = prompts
         .iter()
@@ -230,13 +334,29 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Section>> {
         jobs.len(),
         ctx.sizes.tokens
     ));
-    let outs: Vec<RunOut> = jobs
-        .par_iter()
-        .map(|job| job.run(ctx, &prompts, &ids))
-        .collect::<Result<_>>()?;
+    Ok(Box::new(Persistent {
+        natives: Vec::new(),
+        prompts,
+        ids,
+        jobs,
+    }))
+}
+
+/// Assembles protocols 3, 4 and 5 (three sections) from their job results.
+pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
+    let prompts = moeconf_fixtures::depth_prompts();
+    let jobs = Job::all(prompts.len(), params.sizes.seeds);
+    let outs: Vec<RunSummary> = decode("persistent", results)?;
+    if outs.len() != jobs.len() {
+        return Err(CalibrateError::Merge(format!(
+            "persistent: {} job results for {} runs",
+            outs.len(),
+            jobs.len()
+        )));
+    }
     let runs = Runs::index(prompts.len(), &jobs, &outs);
-    let (persistent, canonical) = ablation(ctx, &prompts, &runs);
-    Ok(vec![persistent, canonical, c_intermediate(&prompts, &runs)])
+    let (persistent, canonical) = ablation(params, &prompts, &runs);
+    Ok(vec![persistent, canonical, c_intermediate(&prompts, &runs)?])
 }
 
 /// Protocol 3 and 4 counts of one (prompt, scheme) cell, or summed over prompts.
@@ -259,8 +379,8 @@ struct Counts {
 }
 
 impl Counts {
-    fn of(nat: &RunOut, can: &RunOut, runs: &[&RunOut]) -> Counts {
-        let count = |f: &dyn Fn(&RunOut) -> bool| runs.iter().filter(|r| f(r)).count();
+    fn of(nat: &RunSummary, can: &RunSummary, runs: &[&RunSummary]) -> Counts {
+        let count = |f: &dyn Fn(&RunSummary) -> bool| runs.iter().filter(|r| f(r)).count();
         Counts {
             runs: runs.len(),
             native_route: count(&|r| r.routes != nat.routes),
@@ -291,7 +411,7 @@ struct Cell {
 }
 
 impl Cell {
-    fn of(nat: &RunOut, can: &RunOut, random: &[&RunOut]) -> Cell {
+    fn of(nat: &RunSummary, can: &RunSummary, random: &[&RunSummary]) -> Cell {
         Cell {
             counts: Counts::of(nat, can, random),
             unique: random
@@ -327,12 +447,12 @@ impl Cell {
 }
 
 /// The three tables of protocols 3 and 4: B.4 (first part), 3.6 and B.4 (second part).
-fn ablation_tables(ctx: &Ctx) -> [Table; 3] {
+fn ablation_tables(params: &Params) -> [Table; 3] {
     let per_prompt = Table::new(
         "persistent_ablation",
         &format!(
             "Persistent layer-static ablation (table B.4): {} seeds per prompt and scheme, {} tokens",
-            ctx.sizes.seeds, ctx.sizes.tokens
+            params.sizes.seeds, params.sizes.tokens
         ),
         &[
             "Prompt",
@@ -369,8 +489,8 @@ fn ablation_tables(ctx: &Ctx) -> [Table; 3] {
 
 /// Protocols 3 and 4: the persistent ablation (table B.4, first part, and
 /// the aggregated table 3.6) and the canonical reference (table B.4, second part).
-fn ablation(ctx: &Ctx, prompts: &[Prompt], runs: &Runs<'_>) -> (Section, Section) {
-    let [mut per_prompt, mut agg, mut canon_t] = ablation_tables(ctx);
+fn ablation(params: &Params, prompts: &[Prompt], runs: &Runs<'_>) -> (Section, Section) {
+    let [mut per_prompt, mut agg, mut canon_t] = ablation_tables(params);
     let np = prompts.len();
     let mut json_rows = Vec::new();
     // Rows of table B.4 by (prompt, scheme), printed prompt-major as in the paper.
@@ -416,7 +536,7 @@ fn ablation(ctx: &Ctx, prompts: &[Prompt], runs: &Runs<'_>) -> (Section, Section
     let persistent = Section {
         key: "persistent".into(),
         tables: vec![per_prompt, agg],
-        json: json!({ "seeds": ctx.sizes.seeds, "tokens": ctx.sizes.tokens, "experiment_seed": DEFAULT_EXPERIMENT_SEED,
+        json: json!({ "seeds": params.sizes.seeds, "tokens": params.sizes.tokens, "experiment_seed": DEFAULT_EXPERIMENT_SEED,
             "per_prompt": json_rows, "per_scheme": json_schemes }),
         claims: vec![],
     };
@@ -430,7 +550,7 @@ fn ablation(ctx: &Ctx, prompts: &[Prompt], runs: &Runs<'_>) -> (Section, Section
 }
 
 /// Protocol 5: the C intermediate check (table B.5).
-fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
+fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Result<Section> {
     let ci = SCHEMES.iter().position(|x| *x == PaperScheme::C).unwrap_or(1);
     let mut b5 = Table::new(
         "c_intermediate_summary",
@@ -452,7 +572,7 @@ fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
     let mut b5_json = Vec::new();
     for (pi, prompt) in prompts.iter().enumerate() {
         let Some(nat) = runs.native[pi] else { continue };
-        let mut c_runs_here: Vec<&RunOut> = runs.random[pi][ci].clone();
+        let mut c_runs_here: Vec<&RunSummary> = runs.random[pi][ci].clone();
         if let Some(c) = runs.canonical[pi][ci] {
             c_runs_here.push(c);
         }
@@ -462,16 +582,21 @@ fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
             bitwise: true,
         };
         for r in &c_runs_here {
-            let c = compare_intermediates(&nat.intermediates, &r.intermediates);
+            let c = r.c_check.ok_or_else(|| {
+                CalibrateError::Merge(format!(
+                    "persistent: a C run of prompt {} has no C check",
+                    prompt.id
+                ))
+            })?;
             sum.missing += c.missing;
             for (m, x) in sum.max.iter_mut().zip(c.max) {
                 *m = m.max(x);
             }
             sum.bitwise &= c.bitwise && r.routes == nat.routes && r.tokens == nat.tokens;
-            c_records += r.intermediates.len();
+            c_records += r.intermediates;
         }
         c_runs += c_runs_here.len();
-        c_all &= sum.bitwise && !nat.intermediates.is_empty();
+        c_all &= sum.bitwise && nat.intermediates > 0;
         b5.row(vec![
             format!("\"{}\"", prompt.text),
             c_runs_here.len().to_string(),
@@ -484,7 +609,7 @@ fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
         ]);
         b5_json.push(b5_json_row(prompt, c_runs_here.len(), &sum));
     }
-    Section {
+    Ok(Section {
         key: "c_intermediate".into(),
         tables: vec![b5],
         json: json!({ "runs": c_runs, "records_compared": c_records, "all_bitwise": c_all, "per_prompt": b5_json }),
@@ -495,7 +620,7 @@ fn c_intermediate(prompts: &[Prompt], runs: &Runs<'_>) -> Section {
                 "{c_runs} C runs ({c_records} MoE/post-mHC/router/LM records): bitwise equal to native, same routes and tokens: {c_all}"
             ),
         )],
-    }
+    })
 }
 
 fn b5_json_row(prompt: &Prompt, schedules: usize, c: &CCheck) -> Value {

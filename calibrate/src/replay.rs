@@ -8,12 +8,16 @@ use std::path::Path;
 use moeconf_bisect::{diff, DiffOptions, Verdict};
 use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::Component;
+use moeconf_fixtures::Prompt;
 use moeconf_schema::Trace;
-use rayon::prelude::*;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 
+use crate::jobs::{decode, JobOut, Jobs, Params};
 use crate::{frac, CalibrateError, Claim, Ctx, Result, Section, Table, TraceRequest};
 
+/// One replayed prompt: the result of one job.
+#[derive(Serialize, Deserialize)]
 struct Row {
     id: String,
     tokens: usize,
@@ -83,17 +87,35 @@ fn one(ctx: &Ctx, id: &str, text: &str) -> Result<Row> {
     Ok(row)
 }
 
-/// Runs protocol 1.
-pub fn run(ctx: &Ctx) -> Result<Section> {
+/// Protocol 1's jobs: one per replay prompt.
+struct Replay {
+    prompts: Vec<Prompt>,
+}
+
+impl Jobs for Replay {
+    fn count(&self) -> usize {
+        self.prompts.len()
+    }
+
+    fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
+        let p = &self.prompts[job];
+        JobOut::of(&one(ctx, &p.id, &p.text)?)
+    }
+}
+
+/// Plans protocol 1.
+pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
     let prompts: Vec<_> = moeconf_fixtures::replay_prompts()
         .into_iter()
         .take(ctx.sizes.replay_prompts)
         .collect();
     ctx.note(&format!("[1] native replay: {} prompts × 2 runs", prompts.len()));
-    let rows: Vec<Row> = prompts
-        .par_iter()
-        .map(|p| one(ctx, &p.id, &p.text))
-        .collect::<Result<_>>()?;
+    Ok(Box::new(Replay { prompts }))
+}
+
+/// Assembles protocol 1 from its job results.
+pub fn assemble(_params: &Params, results: &[Value]) -> Result<Vec<Section>> {
+    let rows: Vec<Row> = decode("replay", results)?;
     let mut t = Table::new(
         "replay",
         "Native-reference replay (section 3.1): each prompt run twice",
@@ -139,7 +161,7 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             "diff_equivalent": r.verdict_equivalent,
         })).collect::<Vec<_>>(),
     });
-    Ok(Section {
+    Ok(vec![Section {
         key: "replay".into(),
         tables: vec![t],
         json,
@@ -148,5 +170,5 @@ pub fn run(ctx: &Ctx) -> Result<Section> {
             ok == rows.len() && !rows.is_empty(),
             format!("{} prompts replayed bitwise identically", frac(ok, rows.len())),
         )],
-    })
+    }])
 }

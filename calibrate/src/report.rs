@@ -8,7 +8,7 @@ use serde_json::Value;
 use crate::Result;
 
 /// A table in the paper's layout.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Table {
     /// File stem of the TSV (e.g. `basin_counts`).
     pub name: String,
@@ -106,7 +106,7 @@ impl Table {
 }
 
 /// A structural claim: must hold on any model, or the suite exits 1.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Claim {
     /// Stable identifier (e.g. `b_720_to_360`).
     pub id: String,
@@ -128,7 +128,7 @@ impl Claim {
 }
 
 /// What one protocol produced.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Section {
     /// Protocol key (e.g. `fork_sweep`).
     pub key: String,

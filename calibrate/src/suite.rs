@@ -1,31 +1,60 @@
-//! The whole suite: runs the selected protocols in the paper's order, times
-//! them, and assembles `calibration.json` (docs/calibration.md).
+//! The whole suite: runs the selected protocols in the paper's order, as
+//! independent jobs (all of them, or one shard's: docs/scale.md), and
+//! assembles `calibration.json`, the TSV tables and the printed report
+//! (docs/calibration.md); or writes one shard's partial result, and rebuilds
+//! the same outputs from the partials of every shard ([`merged`]).
 
 use std::path::Path;
 use std::time::Instant;
 
-use moeconf_reference_runtime::precision::Precision;
+use moeconf_shard::jobs::{owned, run_jobs};
+use moeconf_shard::{Attachment, JobGroup, JobResult, Merged, Progress, RunIdentity, Shard};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::jobs::{JobOut, Jobs, Params, Single};
 use crate::{
-    breadth, fault_matrix, fork_sweep, persistent, propagation, replay, substitution, write_atomic,
-    CalibrateError, Claim, Ctx, Result, Section, Sizes, Table,
+    breadth, fault_matrix, fork_sweep, persistent, propagation, replay, substitution, CalibrateError, Claim,
+    Ctx, Result, Section, Sizes, Table,
 };
 
-/// Version of `calibration.json`.
-pub const CALIBRATION_SCHEMA_VERSION: u32 = 1;
+/// Version of `calibration.json` (2: no timings, so that reruns and merged
+/// shards are byte-identical; the times go to stderr).
+pub const CALIBRATION_SCHEMA_VERSION: u32 = 2;
 
 /// The highest protocol number (protocols are numbered 1..=`PROTOCOL_COUNT`).
 pub const PROTOCOL_COUNT: u32 = 10;
 
-/// One entry of the suite: a protocol function and the numbers that select it.
+/// The command name recorded in partial results of the suite.
+pub const COMMAND: &str = "calibrate";
+
+/// One entry of the suite: how its jobs are planned and its sections assembled.
 struct Protocol {
-    /// Key of its progress line, timing and error context.
+    /// Key of its progress line, timing, job group and error context.
     name: &'static str,
     /// Protocol numbers (`--only`) that select it (3, 4 and 5 run together).
     numbers: &'static [u32],
-    /// Runs it.
-    run: fn(&Ctx) -> Result<Vec<Section>>,
+    /// Plans its jobs.
+    plan: for<'a> fn(&'a Ctx) -> Result<Box<dyn Jobs + 'a>>,
+    /// Assembles its sections from all its job results.
+    assemble: fn(&Params, &[Value]) -> Result<Vec<Section>>,
+}
+
+/// Protocol 6: one job.
+fn post_mhc(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    Ok(Box::new(Single::new(|c| Ok(vec![substitution::post_mhc(c)?]))))
+}
+
+/// Protocol 7: one job.
+fn persistent_state(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    Ok(Box::new(Single::new(|c| {
+        Ok(vec![substitution::persistent_state(c)?])
+    })))
+}
+
+/// Protocol 8: one job.
+fn propagation(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    Ok(Box::new(Single::new(|c| Ok(vec![propagation::run(c)?]))))
 }
 
 /// The suite, in the paper's order.
@@ -33,75 +62,90 @@ const PROTOCOLS: [Protocol; 8] = [
     Protocol {
         name: "replay",
         numbers: &[1],
-        run: |ctx| Ok(vec![replay::run(ctx)?]),
+        plan: replay::plan,
+        assemble: replay::assemble,
     },
     Protocol {
         name: "fork_sweep",
         numbers: &[2],
-        run: |ctx| Ok(vec![fork_sweep::run(ctx)?]),
+        plan: fork_sweep::plan,
+        assemble: fork_sweep::assemble,
     },
     Protocol {
         name: "persistent",
         numbers: &[3, 4, 5],
-        run: persistent::run,
+        plan: persistent::plan,
+        assemble: persistent::assemble,
     },
     Protocol {
         name: "post_mhc_substitution",
         numbers: &[6],
-        run: |ctx| Ok(vec![substitution::post_mhc(ctx)?]),
+        plan: post_mhc,
+        assemble: |_, r| Single::assemble("post_mhc_substitution", r),
     },
     Protocol {
         name: "persistent_state_substitution",
         numbers: &[7],
-        run: |ctx| Ok(vec![substitution::persistent_state(ctx)?]),
+        plan: persistent_state,
+        assemble: |_, r| Single::assemble("persistent_state_substitution", r),
     },
     Protocol {
         name: "propagation",
         numbers: &[8],
-        run: |ctx| Ok(vec![propagation::run(ctx)?]),
+        plan: propagation,
+        assemble: |_, r| Single::assemble("propagation", r),
     },
     Protocol {
         name: "breadth",
         numbers: &[9],
-        run: |ctx| Ok(vec![breadth::run(ctx)?]),
+        plan: breadth::plan,
+        assemble: breadth::assemble,
     },
     Protocol {
         name: "fault_matrix",
         numbers: &[10],
-        run: |ctx| Ok(vec![fault_matrix::run(ctx)?]),
+        plan: fault_matrix::plan,
+        assemble: fault_matrix::assemble,
     },
 ];
-
-/// How long one protocol took.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct Timing {
-    /// The protocol's key.
-    pub protocol: &'static str,
-    /// Wall-clock seconds.
-    pub seconds: f64,
-}
 
 /// What the suite produced.
 #[derive(Debug, Clone)]
 pub struct Suite {
     /// Every protocol's sections, in the paper's order.
     pub sections: Vec<Section>,
-    /// Per-protocol wall-clock times.
-    pub timings: Vec<Timing>,
 }
 
-/// The run description recorded at the top of `calibration.json`.
-pub struct RunInfo<'a> {
+/// The run description recorded at the top of `calibration.json`, and in
+/// every partial result as the run's arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunInfo {
     /// The model as given (`builtin:tiny-v4` or a directory).
-    pub model: &'a str,
-    /// Precision profile.
-    pub precision: Precision,
+    pub model: String,
+    /// Precision profile name.
+    pub precision: String,
     /// Whether the reduced sizes were asked for.
     pub quick: bool,
     /// Layer of the single-layer fork.
     pub fork_layer: u32,
     /// The sizes used.
     pub sizes: Sizes,
+    /// The protocols selected (`--only`, sorted; empty = all).
+    pub only: Vec<u32>,
+    /// Routed experts per token of the model (what assembling needs of it).
+    pub experts_per_tok: usize,
+}
+
+impl RunInfo {
+    /// What assembling the sections needs.
+    pub fn params(&self) -> Params {
+        Params {
+            sizes: self.sizes,
+            fork_layer: self.fork_layer,
+            k: self.experts_per_tok,
+        }
+    }
 }
 
 /// Checks a `--only` list: every number must name a protocol.
@@ -114,29 +158,230 @@ pub fn check_selection(only: &[u32]) -> Result<()> {
     }
 }
 
-/// Runs the protocols `only` selects (all when empty), in the paper's
-/// order; a failing protocol stops the suite with its name in the error.
-pub fn run(ctx: &Ctx, only: &[u32]) -> Result<Suite> {
-    let want = |p: &Protocol| only.is_empty() || p.numbers.iter().any(|n| only.contains(n));
-    let mut suite = Suite {
-        sections: Vec::new(),
-        timings: Vec::new(),
+/// A `--only` list sorted and without repeats (the same selection, however written).
+pub fn normalize_selection(only: &[u32]) -> Vec<u32> {
+    let mut v = only.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The protocols `only` selects (all when empty), in the paper's order.
+fn selected(only: &[u32]) -> impl Iterator<Item = &'static Protocol> + '_ {
+    PROTOCOLS
+        .iter()
+        .filter(move |p| only.is_empty() || p.numbers.iter().any(|n| only.contains(n)))
+}
+
+/// The jobs one shard of the suite ran.
+pub struct ShardRun {
+    /// The run's job list: every selected protocol's job count.
+    pub groups: Vec<JobGroup>,
+    /// The shard's job results, ascending by job.
+    pub results: Vec<JobResult>,
+    /// Output files its jobs left in the context's output directory: (job, relative path).
+    pub files: Vec<(usize, String)>,
+}
+
+/// Runs the jobs of `shard` of the protocols `only` selects (all when
+/// empty), in the paper's order, each protocol's jobs in parallel; a failing
+/// protocol stops the suite with its name in the error.
+pub fn run_shard(ctx: &Ctx, only: &[u32], shard: Shard) -> Result<ShardRun> {
+    let mut run = ShardRun {
+        groups: Vec::new(),
+        results: Vec::new(),
+        files: Vec::new(),
     };
-    for p in PROTOCOLS.iter().filter(|p| want(p)) {
+    let mut offset = 0;
+    for p in selected(only) {
         let t = Instant::now();
-        let sections = (p.run)(ctx).map_err(|e| CalibrateError::Protocol {
+        let err = |e| CalibrateError::Protocol {
+            name: p.name,
+            source: Box::new(e),
+        };
+        let mut jobs = (p.plan)(ctx).map_err(err)?;
+        let count = jobs.count();
+        let mine = owned(shard, offset..offset + count);
+        if !mine.is_empty() {
+            jobs.prepare(ctx, &mine).map_err(err)?;
+        }
+        let progress = Progress::new(
+            ctx.progress,
+            &format!("calibrate: {}", p.name),
+            "jobs",
+            mine.len(),
+        );
+        let outs: Vec<JobOut> = run_jobs(&mine, &progress, |j| jobs.run(ctx, j)).map_err(err)?;
+        progress.finish();
+        for (&j, out) in mine.iter().zip(outs) {
+            run.files.extend(out.files.into_iter().map(|f| (offset + j, f)));
+            run.results.push(JobResult {
+                job: offset + j,
+                result: out.result,
+            });
+        }
+        ctx.note(&format!(
+            "    {} done in {:.1} s ({} of {count} jobs)",
+            p.name,
+            t.elapsed().as_secs_f64(),
+            mine.len()
+        ));
+        run.groups.push(JobGroup {
+            name: p.name.into(),
+            jobs: count,
+        });
+        offset += count;
+    }
+    Ok(run)
+}
+
+/// Assembles the sections of every protocol of `groups` (the run's job list,
+/// in the paper's order) from `results`, every job's result in job order.
+pub fn assemble(params: &Params, groups: &[JobGroup], results: &[Value]) -> Result<Suite> {
+    let mut sections = Vec::new();
+    let mut offset = 0;
+    for g in groups {
+        let p = PROTOCOLS
+            .iter()
+            .find(|p| p.name == g.name)
+            .ok_or_else(|| CalibrateError::Merge(format!("unknown protocol {:?}", g.name)))?;
+        let r = results
+            .get(offset..offset + g.jobs)
+            .ok_or_else(|| CalibrateError::Merge(format!("{}: missing job results", g.name)))?;
+        let s = (p.assemble)(params, r).map_err(|e| CalibrateError::Protocol {
             name: p.name,
             source: Box::new(e),
         })?;
-        let seconds = t.elapsed().as_secs_f64();
-        ctx.note(&format!("    {} done in {seconds:.1} s", p.name));
-        suite.timings.push(Timing {
-            protocol: p.name,
-            seconds,
-        });
-        suite.sections.extend(sections);
+        sections.extend(s);
+        offset += g.jobs;
     }
-    Ok(suite)
+    Ok(Suite { sections })
+}
+
+/// Runs every job of the protocols `only` selects and assembles them.
+pub fn run(ctx: &Ctx, only: &[u32]) -> Result<Suite> {
+    let r = run_shard(ctx, only, Shard::WHOLE)?;
+    let results: Vec<Value> = r.results.into_iter().map(|j| j.result).collect();
+    assemble(&ctx.params(), &r.groups, &results)
+}
+
+/// The identity of a suite run (partial results of its shards record it).
+pub fn identity(ctx: &Ctx, info: &RunInfo, groups: Vec<JobGroup>) -> Result<RunIdentity> {
+    Ok(RunIdentity {
+        moeconf_version: moeconf_shard::MOECONF_VERSION.into(),
+        command: COMMAND.into(),
+        arguments: serde_json::to_value(info)?,
+        inputs: ctx.inputs_json(),
+        jobs: groups,
+    })
+}
+
+/// Writes the partial result of one shard's run to `out`: its job results
+/// and the output files its jobs left in the context's output directory.
+pub fn write_partial(
+    ctx: &Ctx,
+    info: &RunInfo,
+    shard: Shard,
+    run: ShardRun,
+    out: &moeconf_schema::CheckedOutput,
+) -> Result<()> {
+    let identity = identity(ctx, info, run.groups)?;
+    let files: Vec<Attachment> = run
+        .files
+        .into_iter()
+        .map(|(job, name)| Attachment {
+            source: ctx.out.join(&name),
+            name,
+            job,
+        })
+        .collect();
+    moeconf_shard::write_partial(out, &identity, shard, run.results, &files)?;
+    Ok(())
+}
+
+/// A scratch directory next to the partial result `partial`, for the files
+/// a shard's jobs write before they are attached (removed when dropped).
+pub fn scratch_dir(partial: &Path) -> Result<tempfile::TempDir> {
+    let dir = partial
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    tempfile::Builder::new()
+        .prefix(".moeconf-shard.")
+        .tempdir_in(dir)
+        .map_err(CalibrateError::io(format!(
+            "creating a scratch directory in {}",
+            dir.display()
+        )))
+}
+
+/// Whether `name` is a file the suite may write into its output directory
+/// from a partial: a trace, `traces/NAME.bin`.
+pub fn is_trace_name(name: &str) -> bool {
+    name.strip_prefix("traces/")
+        .is_some_and(|n| !n.contains('/') && n.ends_with(".bin"))
+}
+
+/// The run and its suite, rebuilt from the partials of every shard.
+pub fn merged(m: &Merged) -> Result<(RunInfo, Suite)> {
+    let run = m.run();
+    if run.command != COMMAND {
+        return Err(CalibrateError::Merge(format!(
+            "the partials are of `moeconf {}`, not of `moeconf {COMMAND}`",
+            run.command
+        )));
+    }
+    let info: RunInfo = serde_json::from_value(run.arguments.clone())
+        .map_err(|e| CalibrateError::Merge(format!("the recorded arguments: {e}")))?;
+    let want: Vec<&str> = selected(&info.only).map(|p| p.name).collect();
+    let have: Vec<&str> = run.jobs.iter().map(|g| g.name.as_str()).collect();
+    if want != have {
+        return Err(CalibrateError::Merge(format!(
+            "the job list names protocols {have:?}, the selection {:?} runs {want:?}",
+            info.only
+        )));
+    }
+    if let Some(f) = m.files().iter().find(|f| !is_trace_name(f.name)) {
+        return Err(CalibrateError::Merge(format!(
+            "attached file {:?} is not a trace (traces/NAME.bin)",
+            f.name
+        )));
+    }
+    let suite = assemble(&info.params(), &run.jobs, m.results())?;
+    Ok((info, suite))
+}
+
+/// Everything the suite writes, as bytes: what it prints, and the files of
+/// its output directory (besides the traces the jobs wrote).
+pub struct Outputs {
+    /// Printed on stdout: every table, the claims, where the results are.
+    pub stdout: String,
+    /// (name in the output directory, bytes), in writing order.
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Whether every structural claim holds (exit 0, else 1).
+    pub all_hold: bool,
+}
+
+/// The outputs of a suite run described by `info`, whose output directory
+/// is shown as `out`.
+pub fn outputs(suite: &Suite, info: &RunInfo, out: &Path) -> Result<Outputs> {
+    let mut stdout = String::new();
+    let mut files = Vec::new();
+    for t in suite.tables() {
+        stdout.push_str(&t.render());
+        stdout.push('\n');
+        files.push((format!("{}.tsv", t.name), t.tsv().into_bytes()));
+    }
+    stdout.push_str(&suite.render_claims());
+    stdout.push_str(&format!("results in {}\n", out.display()));
+    let mut json = serde_json::to_vec_pretty(&suite.to_json(info))?;
+    json.push(b'\n');
+    files.push(("calibration.json".into(), json));
+    Ok(Outputs {
+        stdout,
+        files,
+        all_hold: suite.all_hold(),
+    })
 }
 
 impl Suite {
@@ -168,8 +413,8 @@ impl Suite {
         o
     }
 
-    /// The `calibration.json` document; `wall_seconds` is the whole command's time.
-    pub fn to_json(&self, info: &RunInfo<'_>, wall_seconds: f64) -> Value {
+    /// The `calibration.json` document (deterministic: no timings).
+    pub fn to_json(&self, info: &RunInfo) -> Value {
         let mut protocols = serde_json::Map::new();
         for s in &self.sections {
             protocols.insert(s.key.clone(), s.json.clone());
@@ -179,7 +424,7 @@ impl Suite {
             "schema_version": CALIBRATION_SCHEMA_VERSION,
             "kind": "moeconf.calibration",
             "model": info.model,
-            "precision": info.precision.name(),
+            "precision": info.precision,
             "quick": info.quick,
             "fork_layer": info.fork_layer,
             "sizes": {
@@ -190,17 +435,8 @@ impl Suite {
             "protocols": protocols,
             "claims": self.claims(),
             "all_claims_hold": self.all_hold(),
-            "timings": self.timings,
-            "wall_seconds": wall_seconds,
         })
     }
-}
-
-/// Writes a JSON document (pretty, trailing newline) to `path`, atomically.
-pub fn write_json(path: &Path, doc: &Value) -> Result<()> {
-    let mut bytes = serde_json::to_vec_pretty(doc)?;
-    bytes.push(b'\n');
-    write_atomic(path, &bytes)
 }
 
 #[cfg(test)]
@@ -231,7 +467,6 @@ mod tests {
         };
         let mut s = Suite {
             sections: vec![section(true)],
-            timings: vec![],
         };
         assert!(s.all_hold());
         assert_eq!(s.render_claims(), "Structural claims:\n  [ok] c: detail\n");

@@ -6,13 +6,18 @@
 //! ([`moeconf_reference_runtime::fork::sweep`]).
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-use moeconf_contract::AggregationContract;
+use moeconf_contract::{AggregationContract, ForkPoint};
 use moeconf_fingerprint::Algorithm;
-use moeconf_reference_runtime::fork::{Branch, BranchResult, SchemeSummary, SweepReport};
+use moeconf_fingerprint::Digest;
+use moeconf_reference_runtime::fork::{
+    assemble_sweep, sweep_job_count, Branch, BranchResult, SchemeSummary, StepRoutes, SweepJobs, SweepReport,
+};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_report::{SweepBranch, SweepView};
+use moeconf_runner::LoadedModel;
+use moeconf_shard::{JobGroup, Merged, Progress, RunIdentity, Shard};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 pub use moeconf_reference_runtime::fork::Scheme;
@@ -83,6 +88,91 @@ pub struct SweepHeader<'a> {
     pub algorithm: Algorithm,
     /// Routed experts per token.
     pub k: usize,
+}
+
+/// The JSON form of a [`BranchResult`] in partial results: every field, digests in hex.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct BranchRecord {
+    label: String,
+    contract: String,
+    weight: u64,
+    fork_moe: String,
+    fork_post_mhc: String,
+    steps: Vec<StepRecord>,
+    tokens: Vec<u32>,
+    text: Option<String>,
+    records: u64,
+    digest: String,
+}
+
+/// The JSON form of [`StepRoutes`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct StepRecord {
+    step: u32,
+    input: Vec<u32>,
+    output: u32,
+    topk: Vec<Vec<u32>>,
+}
+
+impl From<&BranchResult> for BranchRecord {
+    fn from(r: &BranchResult) -> BranchRecord {
+        BranchRecord {
+            label: r.label.clone(),
+            contract: r.contract.clone(),
+            weight: r.weight,
+            fork_moe: r.fork_moe.to_hex(),
+            fork_post_mhc: r.fork_post_mhc.to_hex(),
+            steps: r
+                .steps
+                .iter()
+                .map(|s| StepRecord {
+                    step: s.step,
+                    input: s.input.clone(),
+                    output: s.output,
+                    topk: s.topk.clone(),
+                })
+                .collect(),
+            tokens: r.tokens.clone(),
+            text: r.text.clone(),
+            records: r.records,
+            digest: r.digest.to_hex(),
+        }
+    }
+}
+
+impl BranchRecord {
+    /// The branch result back.
+    pub(crate) fn into_result(self) -> Result<BranchResult> {
+        let hex = |what: &str, s: &str| {
+            Digest::from_hex(s).ok_or_else(|| {
+                CalibrateError::Merge(format!(
+                    "branch {}: {what} {s:?} is not a 64-digit hex digest",
+                    self.label
+                ))
+            })
+        };
+        Ok(BranchResult {
+            fork_moe: hex("fork_moe", &self.fork_moe)?,
+            fork_post_mhc: hex("fork_post_mhc", &self.fork_post_mhc)?,
+            digest: hex("digest", &self.digest)?,
+            steps: self
+                .steps
+                .iter()
+                .map(|s| StepRoutes {
+                    step: s.step,
+                    input: s.input.clone(),
+                    output: s.output,
+                    topk: s.topk.clone(),
+                })
+                .collect(),
+            label: self.label,
+            contract: self.contract,
+            weight: self.weight,
+            tokens: self.tokens,
+            text: self.text,
+            records: self.records,
+        })
+    }
 }
 
 fn branch_json(r: &BranchResult) -> Value {
@@ -266,79 +356,247 @@ fn render_basins(o: &mut String, s: &SchemeSummary, bs: &[BranchResult], top: us
     }
 }
 
-/// A progress counter on stderr: on a terminal a line rewritten in place,
-/// otherwise one line per 10 %.
-pub struct SweepProgress {
-    quiet: bool,
-    tty: bool,
-    shown: AtomicUsize,
+/// The summary line of a finished sweep on stderr (not with `--quiet`):
+/// how many jobs ran, how long they took, on how many threads.
+pub fn finish_message(jobs: usize, of: usize, shard: Shard, secs: f64) -> String {
+    let what = if shard.is_whole() {
+        format!("{jobs} branches (incl. the native reference)")
+    } else {
+        format!("shard {shard}: {jobs} of {of} jobs (branches incl. the native reference)")
+    };
+    format!(
+        "moeconf sweep: {what} in {secs:.2} s on {} threads",
+        rayon::current_num_threads()
+    )
 }
 
-impl SweepProgress {
-    /// A counter that prints nothing when `quiet`, and rewrites one line in
-    /// place when stderr is a terminal (`tty`).
-    pub fn new(quiet: bool, tty: bool) -> SweepProgress {
-        SweepProgress {
-            quiet,
-            tty,
-            shown: AtomicUsize::new(0),
-        }
+/// The command name recorded in partial results of `moeconf sweep`.
+pub const COMMAND: &str = "sweep";
+
+/// The name of the sweep's one job group (the native reference, then every branch).
+pub const JOB_GROUP: &str = "branches";
+
+/// Everything of a sweep's request that shapes its outputs (recorded as
+/// the arguments of its partial results), and the values derived from it
+/// that rendering the outputs needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SweepArguments {
+    /// The model's name.
+    pub model: String,
+    /// Prompt text.
+    pub prompt: String,
+    /// Its token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The fork point.
+    pub fork_layer: u32,
+    /// Forward step of the fork.
+    pub fork_step: u32,
+    /// Absolute position the fork is restricted to, if any.
+    pub fork_position: Option<u32>,
+    /// `--scheme` values.
+    pub schemes: Vec<String>,
+    /// `--branch` values.
+    pub branches: Vec<String>,
+    /// `--limit`.
+    pub limit: Option<usize>,
+    /// Tokens generated per branch.
+    pub max_new_tokens: usize,
+    /// Precision profile name.
+    pub precision: String,
+    /// Contract of every other MoE event, described.
+    pub base_contract: String,
+    /// Its order schedule, described.
+    pub base_schedule: String,
+    /// Digest algorithm name.
+    pub algorithm: String,
+    /// Routed experts per token.
+    pub experts_per_tok: usize,
+    /// Report format on stdout (`text` or `json`).
+    pub format: String,
+    /// Basins listed per scheme in the text report.
+    pub top: usize,
+}
+
+impl SweepArguments {
+    /// The schemes the arguments sweep.
+    pub fn schemes(&self) -> Result<Vec<Scheme>> {
+        build_schemes(
+            &SchemeRequest {
+                schemes: &self.schemes,
+                branches: &self.branches,
+                limit: self.limit,
+            },
+            self.experts_per_tok,
+        )
     }
 
-    /// Reports `done` of `total` branches (callable from worker threads).
-    pub fn report(&self, done: usize, total: usize) {
-        if self.quiet {
-            return;
-        }
-        let step = if self.tty { 1 } else { total.div_ceil(10).max(1) };
-        if done == total || done.is_multiple_of(step) {
-            let prev = self.shown.fetch_max(done, Ordering::Relaxed);
-            if prev < done {
-                if self.tty {
-                    eprint!("\rsweep: {done}/{total} branches");
-                } else {
-                    eprintln!("sweep: {done}/{total} branches");
-                }
-            }
+    /// The fork point.
+    pub fn point(&self) -> ForkPoint {
+        ForkPoint {
+            layer: self.fork_layer,
+            step: self.fork_step,
+            position: self.fork_position,
         }
     }
+}
 
-    /// Ends the counter line and reports the sweep's size and time.
-    pub fn finish(&self, report: &SweepReport, secs: f64) {
-        if self.quiet {
-            return;
+/// One job's result: the branch, and the text of each of its tokens (for the HTML page).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct SweepJob {
+    branch: BranchRecord,
+    pieces: Vec<String>,
+}
+
+/// Runs the jobs `jobs` (indices of [`SweepJobs`]) in parallel, counting
+/// them on `progress`; returns their results in the order of `jobs`.
+pub fn run_jobs(
+    sweep: &SweepJobs<'_>,
+    jobs: &[usize],
+    detok: &dyn Detokenize,
+    progress: &Progress,
+) -> Result<Vec<Value>> {
+    moeconf_shard::jobs::run_jobs(jobs, progress, |j| {
+        let b = sweep.run(j)?;
+        let pieces = b
+            .tokens
+            .iter()
+            .map(|&t| detok.decode(&[t]))
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(serde_json::to_value(SweepJob {
+            branch: BranchRecord::from(&b),
+            pieces,
+        })?)
+    })
+}
+
+/// What a sweep prints and writes.
+pub struct SweepOutputs {
+    /// The JSON report (`--format json`, `-o FILE`).
+    pub doc: Value,
+    /// What goes to stdout (the text report, or the JSON document).
+    pub stdout: String,
+    /// The HTML page, when asked for.
+    pub html: Option<String>,
+}
+
+/// The sweep's outputs from the results of all its jobs, in job order.
+pub fn outputs(args: &SweepArguments, results: &[Value], html: bool) -> Result<SweepOutputs> {
+    let jobs: Vec<SweepJob> = results
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            SweepJob::deserialize(v)
+                .map_err(|e| CalibrateError::Merge(format!("sweep job {i}: result of the wrong form: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    let schemes = args.schemes()?;
+    let mut pieces = Vec::with_capacity(jobs.len());
+    let mut branches = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        if j.pieces.len() != j.branch.tokens.len() {
+            return Err(CalibrateError::Merge(format!(
+                "sweep branch {}: {} token texts for {} tokens",
+                j.branch.label,
+                j.pieces.len(),
+                j.branch.tokens.len()
+            )));
         }
-        let n: usize = report.branches.iter().map(|b| b.len()).sum::<usize>() + 1;
-        if self.tty {
-            eprintln!();
-        }
-        eprintln!(
-            "moeconf sweep: {n} branches (incl. the native reference) in {secs:.2} s on {} threads",
-            rayon::current_num_threads()
-        );
+        pieces.push(j.pieces);
+        branches.push(j.branch.into_result()?);
     }
+    let report = assemble_sweep(args.point(), args.max_new_tokens, &schemes, branches)?;
+    let algorithm = Algorithm::from_name(&args.algorithm)
+        .ok_or_else(|| CalibrateError::Merge(format!("unknown digest algorithm {:?}", args.algorithm)))?;
+    let header = SweepHeader {
+        model: &args.model,
+        prompt: &args.prompt,
+        prompt_ids: &args.prompt_ids,
+        precision: &args.precision,
+        base_contract: &args.base_contract,
+        base_schedule: &args.base_schedule,
+        algorithm,
+        k: args.experts_per_tok,
+    };
+    let doc = report_json(&header, &report);
+    let stdout = match args.format.as_str() {
+        "json" => {
+            let mut s = serde_json::to_string_pretty(&doc)?;
+            s.push('\n');
+            s
+        }
+        _ => render_text(&header, &report, args.top),
+    };
+    let html = html.then(|| moeconf_report::render_sweep(&html_view(&header, &report, &pieces)));
+    Ok(SweepOutputs { doc, stdout, html })
+}
+
+/// The identity of a sweep run, recorded in its partial results.
+pub fn identity(args: &SweepArguments, inputs: Value, jobs: usize) -> Result<RunIdentity> {
+    Ok(RunIdentity {
+        moeconf_version: moeconf_shard::MOECONF_VERSION.into(),
+        command: COMMAND.into(),
+        arguments: serde_json::to_value(args)?,
+        inputs,
+        jobs: vec![JobGroup {
+            name: JOB_GROUP.into(),
+            jobs,
+        }],
+    })
+}
+
+/// The digests of what a sweep reads (the model's configuration and weights,
+/// the tokenizer), for its partial results.
+pub fn inputs(m: &LoadedModel) -> Result<Value> {
+    let identity = moeconf_runner::model_identity(&m.name, &m.dir, crate::ALGORITHM)?;
+    let tok_path = m.dir.join("tokenizer.json");
+    let tok =
+        std::fs::read(&tok_path).map_err(CalibrateError::io(format!("reading {}", tok_path.display())))?;
+    Ok(crate::inputs_json(&identity, &crate::ALGORITHM.hash(&tok)))
+}
+
+/// The arguments of a sweep rebuilt from the partials of every shard, checked
+/// against the job list.
+pub fn merged(m: &Merged) -> Result<SweepArguments> {
+    let run = m.run();
+    if run.command != COMMAND {
+        return Err(CalibrateError::Merge(format!(
+            "the partials are of `moeconf {}`, not of `moeconf {COMMAND}`",
+            run.command
+        )));
+    }
+    let args: SweepArguments = serde_json::from_value(run.arguments.clone())
+        .map_err(|e| CalibrateError::Merge(format!("the recorded arguments: {e}")))?;
+    let want = sweep_job_count(&args.schemes()?);
+    if run.jobs.len() != 1 || run.jobs[0].name != JOB_GROUP || run.jobs[0].jobs != want {
+        return Err(CalibrateError::Merge(format!(
+            "the job list does not match the arguments ({want} branch jobs expected)"
+        )));
+    }
+    if let Some(f) = m.files().first() {
+        return Err(CalibrateError::Merge(format!(
+            "a sweep writes no files, but {:?} is attached",
+            f.name
+        )));
+    }
+    Ok(args)
 }
 
 /// What the sweep's HTML page shows ([`moeconf_report::render_sweep`]): the
-/// header, the native branch and every forked branch with its tokens' texts.
-pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, detok: &dyn Detokenize) -> Result<SweepView> {
-    let branch = |b: &BranchResult| -> Result<SweepBranch> {
-        Ok(SweepBranch {
-            label: b.label.clone(),
-            tokens: b.tokens.clone(),
-            pieces: b
-                .tokens
-                .iter()
-                .map(|&t| detok.decode(&[t]))
-                .collect::<std::result::Result<_, _>>()?,
-        })
+/// header, the native branch and every forked branch with its tokens' texts
+/// (`pieces`, per job: the reference's, then each branch's).
+pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, pieces: &[Vec<String>]) -> SweepView {
+    let branch = |b: &BranchResult, p: Option<&Vec<String>>| SweepBranch {
+        label: b.label.clone(),
+        tokens: b.tokens.clone(),
+        pieces: p.cloned().unwrap_or_default(),
     };
     let p = &r.point;
     let fork = match p.position {
         Some(pos) => format!("layer {} step {} position {pos}", p.layer, p.step),
         None => format!("layer {} step {}", p.layer, p.step),
     };
-    Ok(SweepView {
+    SweepView {
         header: vec![
             ("model".into(), h.model.into()),
             ("prompt".into(), h.prompt.into()),
@@ -347,7 +605,13 @@ pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, detok: &dyn Detokenize) -
             ("fork".into(), fork),
             ("generated tokens per branch".into(), r.max_new_tokens.to_string()),
         ],
-        reference: branch(&r.reference)?,
-        branches: r.branches.iter().flatten().map(branch).collect::<Result<_>>()?,
-    })
+        reference: branch(&r.reference, pieces.first()),
+        branches: r
+            .branches
+            .iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, b)| branch(b, pieces.get(i + 1)))
+            .collect(),
+    }
 }

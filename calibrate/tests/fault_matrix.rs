@@ -21,7 +21,7 @@ fn ctx(out: &std::path::Path) -> Ctx {
         fork_layer: 5,
         sizes: Sizes::QUICK,
         out: out.to_path_buf(),
-        progress: false,
+        progress: moeconf_shard::ProgressMode::Off,
     };
     Ctx::new(m, opts).expect("context")
 }
@@ -86,7 +86,8 @@ fn the_matrix_covers_every_operator_with_enough_kinds() {
 fn every_expectation_is_the_first_differing_record_in_both_profiles() {
     let dir = tempfile::tempdir().unwrap();
     let ctx = ctx(dir.path());
-    let section = moeconf_calibrate::fault_matrix::run(&ctx).unwrap();
+    let suite = moeconf_calibrate::suite::run(&ctx, &[10]).unwrap();
+    let section = &suite.sections[0];
     let rows = section.json["rows"].as_array().unwrap();
     let mut effective = [0usize; 2];
     for r in rows {

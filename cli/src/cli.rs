@@ -77,6 +77,10 @@ pub enum Command {
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),
+    /// Combine the partial results of every shard of a `sweep --shard I/N` or
+    /// `calibrate --shard I/N` run into exactly the unsharded outputs
+    /// (docs/scale.md: Slurm, Kubernetes and GitHub Actions recipes).
+    Merge(cmd::merge::MergeArgs),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]
@@ -95,7 +99,9 @@ pub enum Format {
 /// The model and prompt of a run (`moeconf run`, `moeconf sweep`).
 #[derive(Debug, Args)]
 pub struct ModelPromptArgs {
-    /// Model: `builtin:tiny-v4` or a directory with config.json, *.safetensors and tokenizer.json.
+    /// Model: `builtin:tiny-v4`, `builtin:tiny-v4-fp8` (the released FP8 / MXFP4 format),
+    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization) or a directory with config.json,
+    /// *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
     /// Prompt text (raw UTF-8, no chat template).

@@ -29,7 +29,8 @@ fn quick_calibration_passes_every_structural_claim() {
         "stdout:\n{stdout}\nstderr:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(j["schema_version"], 1);
+    assert_eq!(j["schema_version"], 2);
+    assert!(j.get("timings").is_none() && j.get("wall_seconds").is_none());
     assert_eq!(j["quick"], true);
     assert_eq!(j["all_claims_hold"], true);
     let p = &j["protocols"];

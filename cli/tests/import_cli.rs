@@ -32,7 +32,7 @@ fn write_st(path: &Path, tensors: &[Dumped]) {
         .iter()
         .map(|(n, d, sh, b)| (n.clone(), StView::new(*d, sh.clone(), b).unwrap()))
         .collect();
-    safetensors::serialize_to_file(views, &None, path).unwrap();
+    safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {
@@ -366,7 +366,7 @@ fn malformed_dumps_exit_2_with_clear_messages() {
         d
     };
     let one = |d: &Path, name: &str, dtype: Dtype, bytes: Vec<u8>| {
-        let n = bytes.len() / dtype.size();
+        let n = bytes.len() / (dtype.bitsize() / 8);
         write_st(
             &d.join("x.safetensors"),
             &[(name.to_string(), dtype, vec![n], bytes)],

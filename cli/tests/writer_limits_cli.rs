@@ -38,7 +38,7 @@ fn dump(dir: &Path, decoding: &str, extra_fields: &str) -> PathBuf {
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I32, vec![1], &ids).unwrap();
     safetensors::serialize_to_file(
         vec![("step.0.pos.0.token.output", view)],
-        &None,
+        None,
         &d.join("a.safetensors"),
     )
     .unwrap();

@@ -65,9 +65,19 @@ pub struct AttnWeights {
 impl AttnWeights {
     /// Loads `layers.{i}.attn.*`.
     pub fn load(w: &mut WeightLoader, cfg: &ModelConfig, i: usize) -> Result<AttnWeights, RuntimeError> {
-        let p = format!("layers.{i}.attn");
+        Self::load_at(w, cfg, &format!("layers.{i}.attn"), cfg.layer_types[i])
+    }
+
+    /// Loads the attention block under `p` (`layers.{i}.attn`, `mtp.{j}.attn`) of kind `kind`;
+    /// the projections in the config's dense format.
+    pub fn load_at(
+        w: &mut WeightLoader,
+        cfg: &ModelConfig,
+        p: &str,
+        kind: AttentionKind,
+    ) -> Result<AttnWeights, RuntimeError> {
         let (dm, h, d, qr) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank);
-        let kind = cfg.layer_types[i];
+        let f = cfg.weights.dense;
         let compressor = match kind {
             AttentionKind::Sliding => None,
             AttentionKind::Csa => Some(CompressorWeights::load(
@@ -93,17 +103,18 @@ impl AttnWeights {
         };
         Ok(AttnWeights {
             kind,
-            wq_a: w.mat(&format!("{p}.wq_a.weight"), qr, dm)?,
+            wq_a: w.linear(&format!("{p}.wq_a.weight"), qr, dm, f)?,
             q_norm: w.vec_f32(&format!("{p}.q_norm.weight"), &[qr])?,
-            wq_b: w.mat(&format!("{p}.wq_b.weight"), h * d, qr)?,
-            wkv: w.mat(&format!("{p}.wkv.weight"), d, dm)?,
+            wq_b: w.linear(&format!("{p}.wq_b.weight"), h * d, qr, f)?,
+            wkv: w.linear(&format!("{p}.wkv.weight"), d, dm, f)?,
             kv_norm: w.vec_f32(&format!("{p}.kv_norm.weight"), &[d])?,
-            wo_a: w.mat(
+            wo_a: w.linear(
                 &format!("{p}.wo_a.weight"),
                 cfg.o_groups * cfg.o_lora_rank,
                 h * d / cfg.o_groups,
+                f,
             )?,
-            wo_b: w.mat(&format!("{p}.wo_b.weight"), dm, cfg.o_groups * cfg.o_lora_rank)?,
+            wo_b: w.linear(&format!("{p}.wo_b.weight"), dm, cfg.o_groups * cfg.o_lora_rank, f)?,
             sinks: w.vec_f32(&format!("{p}.attn_sink"), &[h])?,
             compressor,
             indexer,

@@ -13,6 +13,40 @@ use serde::Deserialize;
 
 use crate::error::RuntimeError;
 use crate::files::{read_capped, MAX_CONFIG_BYTES};
+use crate::weights::LinearFormat;
+
+/// On-disk formats of the linears a release may quantize, as config.json declares them.
+///
+/// `quantization_config` (`quant_method: fp8`, `fmt: e4m3`, `scale_fmt: ue8m0`,
+/// `weight_block_size: [128, 128]`, `activation_scheme: dynamic`) makes the dense
+/// projections (attention `wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`, the indexer's `wq_b`,
+/// the shared expert, the MTP `e_proj`/`h_proj`) FP8 block-scaled; `expert_dtype`
+/// (top level or inside `quantization_config`) chooses the routed experts' format:
+/// `"fp4"` for MXFP4, `"fp8"` (the default under a `quantization_config`, as in
+/// DeepSeek's inference code) for FP8 block-scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WeightScheme {
+    /// Dense projections.
+    pub dense: LinearFormat,
+    /// Routed experts.
+    pub experts: LinearFormat,
+}
+
+impl WeightScheme {
+    /// Whether any class is quantized.
+    pub fn is_quantized(&self) -> bool {
+        *self != WeightScheme::default()
+    }
+
+    /// `dense <format>, experts <format>` for reports and bindings, e.g.
+    /// `dense fp8-e4m3-b128, experts mxfp4` or `bf16/f32`.
+    pub fn describe(&self) -> String {
+        if !self.is_quantized() {
+            return LinearFormat::Plain.name().to_string();
+        }
+        format!("dense {}, experts {}", self.dense.name(), self.experts.name())
+    }
+}
 
 /// Attention kind of a decoder layer (`layer_types`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +140,13 @@ pub struct ModelConfig {
     pub index_topk: usize,
     /// rms_norm_eps ε.
     pub rms_norm_eps: f32,
+    /// On-disk formats of the quantizable linears.
+    pub weights: WeightScheme,
+    /// Attention kind of each multi-token-prediction block `mtp.{j}`
+    /// (`num_nextn_predict_layers` entries; from `compress_ratios[num_hidden_layers + j]`,
+    /// sliding when the config has no such entry). MTP blocks are loaded and
+    /// shape-checked, never run (the reference does no speculative decoding).
+    pub mtp_layer_types: Vec<AttentionKind>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -166,6 +207,8 @@ struct RawConfig {
     rms_norm_eps: Option<f64>,
     hidden_act: Option<String>,
     quantization_config: Option<serde_json::Value>,
+    expert_dtype: Option<serde_json::Value>,
+    num_nextn_predict_layers: Option<usize>,
 }
 
 /// Upper bound on any single dimension, so a hostile config cannot make the
@@ -359,7 +402,7 @@ impl Keys<'_> {
     }
 
     /// Refuses what the runtime does not implement: more than one shared
-    /// expert, other scoring functions and activations, quantized weights.
+    /// expert, other scoring functions and activations.
     fn check_supported(&self, raw: &RawConfig) -> Result<(), RuntimeError> {
         if let Some(s) = raw.n_shared_experts {
             if s != 1 {
@@ -384,12 +427,149 @@ impl Keys<'_> {
                 )))
             }
         }
-        if raw.quantization_config.is_some() {
-            return Err(self.err(
-                "key `quantization_config`: quantized checkpoints (FP8 block-scaled, FP4 experts) are not supported yet; use a bf16 or f32 checkpoint".into(),
-            ));
-        }
         Ok(())
+    }
+
+    /// The weight formats declared by `quantization_config` and `expert_dtype`;
+    /// anything but the released FP8 scheme is refused naming the key.
+    fn weight_scheme(&self, raw: &RawConfig) -> Result<WeightScheme, RuntimeError> {
+        let q = match &raw.quantization_config {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::Object(m)) => Some(m),
+            Some(other) => {
+                return Err(self.err(format!("key `quantization_config` = {other} is not an object")))
+            }
+        };
+        let text = |m: &serde_json::Map<String, serde_json::Value>,
+                    key: &str|
+         -> Result<Option<String>, RuntimeError> {
+            match m.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(v)) => Ok(Some(v.clone())),
+                Some(other) => Err(self.err(format!(
+                    "key `quantization_config.{key}` = {other} is not a string"
+                ))),
+            }
+        };
+        let expert_key = |v: &serde_json::Value, key: &str| -> Result<LinearFormat, RuntimeError> {
+            match v.as_str() {
+                Some("fp4") => Ok(LinearFormat::Mxfp4),
+                Some("fp8") => Ok(LinearFormat::Fp8Block128),
+                _ => Err(self.err(format!(
+                    "key `{key}` = {v} is unsupported (only \"fp4\" for MXFP4 experts or \"fp8\")"
+                ))),
+            }
+        };
+        let mut experts = None;
+        if let Some(v) = raw.expert_dtype.as_ref().filter(|v| !v.is_null()) {
+            experts = Some(expert_key(v, "expert_dtype")?);
+        }
+        let Some(m) = q else {
+            return Ok(WeightScheme {
+                dense: LinearFormat::Plain,
+                experts: match experts {
+                    Some(LinearFormat::Fp8Block128) => {
+                        return Err(self.err(
+                            "key `expert_dtype` = \"fp8\" needs a `quantization_config` (FP8 block size and scale format)".into(),
+                        ))
+                    }
+                    Some(f) => f,
+                    None => LinearFormat::Plain,
+                },
+            });
+        };
+        match text(m, "quant_method")?.as_deref() {
+            Some("fp8") => {}
+            Some(other) => {
+                return Err(self.err(format!(
+                    "key `quantization_config.quant_method` = {other:?} is unsupported (only \"fp8\", the released DeepSeek-V4 scheme)"
+                )))
+            }
+            None => return Err(self.err("key `quantization_config.quant_method` missing (expected \"fp8\")".into())),
+        }
+        match text(m, "fmt")?.as_deref() {
+            None | Some("e4m3") => {}
+            Some(other) => {
+                return Err(self.err(format!(
+                    "key `quantization_config.fmt` = {other:?} is unsupported (only \"e4m3\")"
+                )))
+            }
+        }
+        match text(m, "scale_fmt")?.as_deref() {
+            Some("ue8m0") => {}
+            Some(other) => {
+                return Err(self.err(format!(
+                    "key `quantization_config.scale_fmt` = {other:?} is unsupported (only \"ue8m0\": power-of-two scales in `<name>.scale`)"
+                )))
+            }
+            None => {
+                return Err(self.err(
+                    "key `quantization_config.scale_fmt` missing: only \"ue8m0\" block scales (`<name>.scale`) are supported".into(),
+                ))
+            }
+        }
+        match m.get("weight_block_size") {
+            Some(v)
+                if v.as_array()
+                    .is_some_and(|a| a.len() == 2 && a.iter().all(|x| x.as_u64() == Some(128))) => {}
+            Some(v) => {
+                return Err(self.err(format!(
+                    "key `quantization_config.weight_block_size` = {v} is unsupported (only [128, 128])"
+                )))
+            }
+            None => {
+                return Err(self
+                    .err("key `quantization_config.weight_block_size` missing (expected [128, 128])".into()))
+            }
+        }
+        match text(m, "activation_scheme")?.as_deref() {
+            None | Some("dynamic") => {}
+            Some(other) => {
+                return Err(self.err(format!(
+                "key `quantization_config.activation_scheme` = {other:?} is unsupported (only \"dynamic\")"
+            )))
+            }
+        }
+        if let Some(v) = m.get("expert_dtype").filter(|v| !v.is_null()) {
+            let inner = expert_key(v, "quantization_config.expert_dtype")?;
+            if experts.is_some_and(|top| top != inner) {
+                return Err(self.err(format!(
+                    "key `quantization_config.expert_dtype` = {v} contradicts the top-level `expert_dtype`"
+                )));
+            }
+            experts = Some(inner);
+        }
+        Ok(WeightScheme {
+            dense: LinearFormat::Fp8Block128,
+            experts: experts.unwrap_or(LinearFormat::Fp8Block128),
+        })
+    }
+
+    /// Attention kinds of the `num_nextn_predict_layers` MTP blocks.
+    fn mtp_layer_types(
+        &self,
+        raw: &RawConfig,
+        num_layers: usize,
+    ) -> Result<Vec<AttentionKind>, RuntimeError> {
+        let n = raw.num_nextn_predict_layers.unwrap_or(0);
+        if n > MAX_LAYERS {
+            return Err(self.err(format!(
+                "key `num_nextn_predict_layers` = {n} is out of range: expected an integer in 0..={MAX_LAYERS}"
+            )));
+        }
+        (0..n)
+            .map(|j| {
+                let i = num_layers + j;
+                match raw.compress_ratios.as_ref().and_then(|cr| cr.get(i)) {
+                    None | Some(0) => Ok(AttentionKind::Sliding),
+                    Some(4) => Ok(AttentionKind::Csa),
+                    Some(128) => Ok(AttentionKind::Hca),
+                    Some(other) => Err(self.err(format!(
+                        "key `compress_ratios[{i}]` = {other} (only 0, 4, 128 map to a layer type)"
+                    ))),
+                }
+            })
+            .collect()
     }
 
     fn rope<'r>(&self, raw: &'r RawConfig) -> Result<RopeKeys<'r>, RuntimeError> {
@@ -598,10 +778,12 @@ impl ModelConfig {
         let raw: RawConfig = serde_json::from_str(text).map_err(|e| k.err(format!("invalid JSON: {e}")))?;
         let dims = k.dims(&raw)?;
         k.check_supported(&raw)?;
+        let weights = k.weight_scheme(&raw)?;
         let rope = k.rope(&raw)?;
         let (csa_rate, hca_rate) = k.compress_rates(&raw)?;
         let layer_types = k.layer_types(&raw, dims.num_layers)?;
         let mlp_layer_types = k.mlp_layer_types(&raw, dims.num_layers)?;
+        let mtp_layer_types = k.mtp_layer_types(&raw, dims.num_layers)?;
         let cfg = ModelConfig {
             vocab_size: dims.vocab_size,
             hidden_size: dims.hidden_size,
@@ -653,6 +835,8 @@ impl ModelConfig {
             index_head_dim: k.or(raw.index_head_dim, 128, "index_head_dim")?,
             index_topk: k.or(raw.index_topk, 512, "index_topk")?,
             rms_norm_eps: k.float(raw.rms_norm_eps, 1e-6, "rms_norm_eps", Range::EPSILON)?,
+            weights,
+            mtp_layer_types,
         };
         k.check_consistency(&cfg)?;
         Ok(cfg)
@@ -751,15 +935,106 @@ mod tests {
         assert!(e.to_string().contains("rope_parameters.main.rope_type"), "{e}");
     }
 
+    fn released_quantization() -> serde_json::Value {
+        serde_json::json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+    }
+
     #[test]
-    fn quantized_config_is_refused_with_the_key() {
+    fn released_quantization_config_selects_fp8_dense_and_the_expert_format() {
         let mut v = base();
-        v["layer_types"] = serde_json::json!(["sliding_attention", "sliding_attention", "sliding_attention"]);
-        v["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
-        let e = ModelConfig::from_json(Path::new("x/config.json"), &v.to_string())
-            .unwrap_err()
-            .to_string();
-        assert!(e.starts_with("x/config.json: key `quantization_config`"), "{e}");
+        v["compress_ratios"] = serde_json::json!([0, 4, 128, 0]);
+        v["num_nextn_predict_layers"] = serde_json::json!(1);
+        let plain = ModelConfig::from_json(Path::new("c.json"), &v.to_string()).unwrap();
+        assert_eq!(plain.weights, WeightScheme::default());
+        assert_eq!(plain.weights.describe(), "bf16/f32");
+        assert_eq!(plain.mtp_layer_types, vec![AttentionKind::Sliding]);
+        v["quantization_config"] = released_quantization();
+        let fp8 = ModelConfig::from_json(Path::new("c.json"), &v.to_string()).unwrap();
+        assert_eq!(
+            fp8.weights,
+            WeightScheme {
+                dense: LinearFormat::Fp8Block128,
+                experts: LinearFormat::Fp8Block128
+            }
+        );
+        v["expert_dtype"] = serde_json::json!("fp4");
+        let fp4 = ModelConfig::from_json(Path::new("c.json"), &v.to_string()).unwrap();
+        assert_eq!(fp4.weights.experts, LinearFormat::Mxfp4);
+        assert_eq!(fp4.weights.describe(), "dense fp8-e4m3-b128, experts mxfp4");
+        // transformers folds expert_dtype into quantization_config: same meaning.
+        let mut folded = v.clone();
+        folded.as_object_mut().unwrap().remove("expert_dtype");
+        folded["quantization_config"]["expert_dtype"] = serde_json::json!("fp4");
+        let f = ModelConfig::from_json(Path::new("c.json"), &folded.to_string()).unwrap();
+        assert_eq!(f.weights, fp4.weights);
+        // The MTP block's kind comes from compress_ratios[num_hidden_layers].
+        v["compress_ratios"] = serde_json::json!([0, 4, 128, 4]);
+        let c = ModelConfig::from_json(Path::new("c.json"), &v.to_string()).unwrap();
+        assert_eq!(c.mtp_layer_types, vec![AttentionKind::Csa]);
+    }
+
+    #[test]
+    fn unsupported_quantization_keys_are_refused_by_name() {
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(Edit, &str); 9] = [
+            (
+                |v| v["quantization_config"]["quant_method"] = "awq".into(),
+                "key `quantization_config.quant_method` = \"awq\" is unsupported",
+            ),
+            (
+                |v| v["quantization_config"]["fmt"] = "e5m2".into(),
+                "key `quantization_config.fmt` = \"e5m2\" is unsupported",
+            ),
+            (
+                |v| v["quantization_config"]["scale_fmt"] = "fp32".into(),
+                "key `quantization_config.scale_fmt` = \"fp32\" is unsupported",
+            ),
+            (
+                |v| {
+                    v["quantization_config"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("scale_fmt");
+                },
+                "key `quantization_config.scale_fmt` missing",
+            ),
+            (
+                |v| v["quantization_config"]["weight_block_size"] = serde_json::json!([64, 64]),
+                "key `quantization_config.weight_block_size` = [64,64] is unsupported (only [128, 128])",
+            ),
+            (
+                |v| v["quantization_config"]["activation_scheme"] = "static".into(),
+                "key `quantization_config.activation_scheme` = \"static\" is unsupported",
+            ),
+            (
+                |v| v["expert_dtype"] = "int4".into(),
+                "key `expert_dtype` = \"int4\" is unsupported",
+            ),
+            (
+                |v| {
+                    v["expert_dtype"] = "fp4".into();
+                    v["quantization_config"]["expert_dtype"] = "fp8".into();
+                },
+                "contradicts the top-level `expert_dtype`",
+            ),
+            (
+                |v| v["quantization_config"] = serde_json::json!("fp8"),
+                "key `quantization_config` = \"fp8\" is not an object",
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut v = base();
+            v["layer_types"] =
+                serde_json::json!(["sliding_attention", "sliding_attention", "sliding_attention"]);
+            v["quantization_config"] = released_quantization();
+            edit(&mut v);
+            let e = ModelConfig::from_json(Path::new("x/config.json"), &v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("x/config.json: key `"), "{e}");
+            assert!(e.contains(want), "{e}\nwanted: {want}");
+        }
     }
 
     #[test]

@@ -595,18 +595,15 @@ pub fn summarize(scheme: &Scheme, results: &[BranchResult], reference: &BranchRe
     }
 }
 
-/// Freezes the request at `opts.point.step` (running the steps before it with
-/// the base combine), then runs the native reference and every branch of every
-/// scheme from the snapshot in parallel (rayon, one task per branch), and
-/// summarizes. `progress(done, total)` is called after each finished branch
-/// (from worker threads, in completion order; it never affects results).
-pub fn sweep(
-    model: &Model,
-    prompt_ids: &[u32],
-    schemes: &[Scheme],
-    opts: &SweepOptions<'_>,
-    progress: Option<&(dyn Fn(usize, usize) + Sync)>,
-) -> Result<SweepReport, RuntimeError> {
+/// The number of jobs of a sweep of `schemes`: the native reference, then
+/// every branch of every scheme in order ([`SweepJobs::run`]).
+pub fn sweep_job_count(schemes: &[Scheme]) -> usize {
+    1 + schemes.iter().map(|s| s.branches.len()).sum::<usize>()
+}
+
+/// Checks a sweep's request: the fork layer exists, the fork step runs, every
+/// branch contract fits k.
+fn check_sweep(model: &Model, schemes: &[Scheme], opts: &SweepOptions<'_>) -> Result<(), RuntimeError> {
     let cfg = model.config();
     if opts.point.layer as usize >= cfg.num_layers() {
         return Err(RuntimeError::Input(format!(
@@ -629,45 +626,85 @@ pub fn sweep(
                 .map_err(|e| RuntimeError::Input(format!("scheme {:?}, branch {}: {e}", s.name, b.label)))?;
         }
     }
-    let base = BaseRef(opts.base);
-    let freeze_opts = StepOptions {
-        precision: opts.precision,
-        combine: &base,
-        detokenizer: opts.detokenizer,
-        allow_non_finite: false,
-    };
-    let mut null = crate::capture::NullSink;
-    let snap = Snapshot::freeze(model, prompt_ids, opts.point.step, &freeze_opts, &mut null)?;
+    Ok(())
+}
 
-    // Flatten (scheme, branch) so one parallel loop balances all branches;
-    // index usize::MAX = the reference branch.
-    let jobs: Vec<(usize, usize)> = std::iter::once((usize::MAX, 0))
-        .chain(
-            schemes
-                .iter()
-                .enumerate()
-                .flat_map(|(si, s)| (0..s.branches.len()).map(move |bi| (si, bi))),
-        )
-        .collect();
-    let total = jobs.len();
-    let done = AtomicUsize::new(0);
-    let results: Vec<BranchResult> = jobs
-        .par_iter()
-        .map(|&(si, bi)| {
-            let r = if si == usize::MAX {
-                run_branch(model, &snap, opts, &base, "reference", 1)
-            } else {
-                let b = &schemes[si].branches[bi];
-                let fork = ForkCombine::with_base(base, opts.point, b.contract.clone());
-                run_branch(model, &snap, opts, &fork, &b.label, b.weight)
-            };
-            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-            if let Some(p) = progress {
-                p(n, total);
-            }
-            r
+/// A sweep cut into its independent jobs, so that any subset can run (one
+/// shard of a sweep spread over machines, docs/scale.md): job 0 is the
+/// native reference, job 1 + i the i-th branch of the schemes' branches
+/// flattened in order. Every job runs from the same frozen snapshot, and its
+/// [`BranchResult`] does not depend on which other jobs run, or where.
+pub struct SweepJobs<'a> {
+    model: &'a Model,
+    opts: SweepOptions<'a>,
+    snap: Snapshot,
+    /// The branch of job 1 + i.
+    branches: Vec<Branch>,
+}
+
+impl<'a> SweepJobs<'a> {
+    /// Checks the request and freezes the request at `opts.point.step`
+    /// (running the steps before it with the base combine).
+    pub fn prepare(
+        model: &'a Model,
+        prompt_ids: &[u32],
+        schemes: &[Scheme],
+        opts: &SweepOptions<'a>,
+    ) -> Result<SweepJobs<'a>, RuntimeError> {
+        check_sweep(model, schemes, opts)?;
+        let base = BaseRef(opts.base);
+        let freeze_opts = StepOptions {
+            precision: opts.precision,
+            combine: &base,
+            detokenizer: opts.detokenizer,
+            allow_non_finite: false,
+        };
+        let mut null = crate::capture::NullSink;
+        let snap = Snapshot::freeze(model, prompt_ids, opts.point.step, &freeze_opts, &mut null)?;
+        Ok(SweepJobs {
+            model,
+            opts: *opts,
+            snap,
+            branches: schemes.iter().flat_map(|s| s.branches.iter().cloned()).collect(),
         })
-        .collect::<Result<_, _>>()?;
+    }
+
+    /// The number of jobs ([`sweep_job_count`]).
+    pub fn count(&self) -> usize {
+        1 + self.branches.len()
+    }
+
+    /// Runs job `job`: the native reference (0) or a branch.
+    pub fn run(&self, job: usize) -> Result<BranchResult, RuntimeError> {
+        let base = BaseRef(self.opts.base);
+        if job == 0 {
+            return run_branch(self.model, &self.snap, &self.opts, &base, "reference", 1);
+        }
+        let b = self
+            .branches
+            .get(job - 1)
+            .ok_or_else(|| RuntimeError::Input(format!("the sweep has no job {job}")))?;
+        let fork = ForkCombine::with_base(base, self.opts.point, b.contract.clone());
+        run_branch(self.model, &self.snap, &self.opts, &fork, &b.label, b.weight)
+    }
+}
+
+/// Builds the [`SweepReport`] of a sweep of `schemes` from the results of
+/// all its jobs in job order ([`SweepJobs`]): the reference, then each
+/// scheme's branches, summarized.
+pub fn assemble_sweep(
+    point: ForkPoint,
+    max_new_tokens: usize,
+    schemes: &[Scheme],
+    results: Vec<BranchResult>,
+) -> Result<SweepReport, RuntimeError> {
+    if results.len() != sweep_job_count(schemes) {
+        return Err(RuntimeError::Input(format!(
+            "a sweep of these schemes has {} jobs, {} results were given",
+            sweep_job_count(schemes),
+            results.len()
+        )));
+    }
     let mut it = results.into_iter();
     let reference = it
         .next()
@@ -680,10 +717,39 @@ pub fn sweep(
         branches.push(rs);
     }
     Ok(SweepReport {
-        point: opts.point,
-        max_new_tokens: opts.max_new_tokens,
+        point,
+        max_new_tokens,
         reference,
         branches,
         summaries,
     })
+}
+
+/// Freezes the request at `opts.point.step` (running the steps before it with
+/// the base combine), then runs the native reference and every branch of every
+/// scheme from the snapshot in parallel (rayon, one task per branch), and
+/// summarizes. `progress(done, total)` is called after each finished branch
+/// (from worker threads, in completion order; it never affects results).
+pub fn sweep(
+    model: &Model,
+    prompt_ids: &[u32],
+    schemes: &[Scheme],
+    opts: &SweepOptions<'_>,
+    progress: Option<&(dyn Fn(usize, usize) + Sync)>,
+) -> Result<SweepReport, RuntimeError> {
+    let jobs = SweepJobs::prepare(model, prompt_ids, schemes, opts)?;
+    let total = jobs.count();
+    let done = AtomicUsize::new(0);
+    let results: Vec<BranchResult> = (0..total)
+        .into_par_iter()
+        .map(|j| {
+            let r = jobs.run(j);
+            let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(p) = progress {
+                p(n, total);
+            }
+            r
+        })
+        .collect::<Result<_, _>>()?;
+    assemble_sweep(opts.point, opts.max_new_tokens, schemes, results)
 }

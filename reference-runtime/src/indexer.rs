@@ -48,7 +48,12 @@ impl IndexerWeights {
                 cfg.csa_rate,
                 true,
             )?,
-            wq_b: w.mat(&format!("{prefix}.wq_b.weight"), heads * dim, cfg.q_lora_rank)?,
+            wq_b: w.linear(
+                &format!("{prefix}.wq_b.weight"),
+                heads * dim,
+                cfg.q_lora_rank,
+                cfg.weights.dense,
+            )?,
             weights_proj: w.mat(&format!("{prefix}.weights_proj.weight"), heads, d_model)?,
         })
     }

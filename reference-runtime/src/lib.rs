@@ -22,6 +22,7 @@ pub mod mhc;
 pub mod model;
 pub mod moe;
 pub mod precision;
+pub mod quant;
 pub mod replay;
 pub mod rmsnorm;
 pub mod rope;

@@ -15,7 +15,8 @@
 use moeconf_fingerprint::bf16_to_f32;
 use rayon::prelude::*;
 
-use crate::weights::{Mat, WeightDType};
+use crate::quant::{self, FP8_BLOCK, MXFP4_GROUP};
+use crate::weights::{scale_value, Mat, WeightDType};
 
 /// Number of accumulator lanes of [`dot8`].
 pub const LANES: usize = 8;
@@ -202,6 +203,72 @@ fn dot8_bf16_pairs(w: &[u32], x: &SplitInput, tail: Option<u16>) -> f32 {
     fold8([ae[0], ao[0], ae[1], ao[1], ae[2], ao[2], ae[3], ao[3]])
 }
 
+/// `dot8` of an FP8 E4M3 row (one code per element) with an FP32 vector, the
+/// weights dequantized exactly on the fly: element i is `E4M3[code_i] · 2^(e_b − 127)`
+/// with `e_b = scales[i / 128]` (the row's block-row scale codes, validated at load),
+/// then multiplied with `x[i]` and added to lane `i mod 8` exactly as [`dot8`] does
+/// on the dequantized row (block starts are multiples of 8, so lanes never shift).
+#[inline]
+pub fn dot8_fp8(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let n = codes.len().min(x.len());
+    let mut l = [0.0f32; LANES];
+    // Each block is decoded into a buffer first (the table gather), then accumulated by the
+    // same lane loop as `dot8`; the order of every product and sum is unchanged.
+    let mut w = [0.0f32; FP8_BLOCK];
+    for (b, (cb, xb)) in codes[..n]
+        .chunks(FP8_BLOCK)
+        .zip(x[..n].chunks(FP8_BLOCK))
+        .enumerate()
+    {
+        let s = scales.get(b).map_or(f32::NAN, |&e| scale_value(e));
+        for (wj, &c) in w.iter_mut().zip(cb) {
+            *wj = quant::E4M3[usize::from(c)] * s;
+        }
+        accumulate_lanes(&mut l, &w[..cb.len()], xb);
+    }
+    fold8(l)
+}
+
+/// `l[i mod 8] += w[i] · x[i]` in increasing i (`w.len()` = `x.len()`, starting at a
+/// multiple of 8 of the whole row): the inner loop of [`dot8`].
+#[inline]
+fn accumulate_lanes(l: &mut [f32; LANES], w: &[f32], x: &[f32]) {
+    let mut cw = w.chunks_exact(LANES);
+    let mut cx = x.chunks_exact(LANES);
+    for (w8, x8) in (&mut cw).zip(&mut cx) {
+        for j in 0..LANES {
+            l[j] += w8[j] * x8[j];
+        }
+    }
+    for (j, (wv, xv)) in cw.remainder().iter().zip(cx.remainder()).enumerate() {
+        l[j] += wv * xv;
+    }
+}
+
+/// `dot8` of an MXFP4 row (`n/2` bytes, byte k holding elements 2k (low nibble)
+/// and 2k+1 (high nibble)) with an FP32 vector: element i is
+/// `E2M1[nibble_i] · 2^(e_g − 127)` with `e_g = scales[i / 32]`, then the [`dot8`]
+/// order on the dequantized row (each 32-element group covers whole lanes).
+#[inline]
+pub fn dot8_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let n = (2 * packed.len()).min(x.len()) & !1;
+    let mut l = [0.0f32; LANES];
+    let mut w = [0.0f32; MXFP4_GROUP];
+    let groups = packed[..n / 2]
+        .chunks(MXFP4_GROUP / 2)
+        .zip(x[..n].chunks(MXFP4_GROUP));
+    for (g, (pg, xg)) in groups.enumerate() {
+        let s = scales.get(g).map_or(f32::NAN, |&e| scale_value(e));
+        for (k, byte) in pg.iter().enumerate() {
+            let [lo, hi] = quant::E2M1_PAIRS[usize::from(*byte)];
+            w[2 * k] = lo * s;
+            w[2 * k + 1] = hi * s;
+        }
+        accumulate_lanes(&mut l, &w[..2 * pg.len()], xg);
+    }
+    fold8(l)
+}
+
 impl Mat {
     /// `dot8` of row `r` with `x` (`x.len()` must be `cols`).
     #[inline]
@@ -210,6 +277,8 @@ impl Mat {
         match self.dtype() {
             WeightDType::Bf16 => dot8_bf16(bytes, x),
             WeightDType::F32 => dot8_f32_bytes(bytes, x),
+            WeightDType::Fp8E4m3 => dot8_fp8(bytes, self.row_scales(r), x),
+            WeightDType::Mxfp4 => dot8_mxfp4(bytes, self.row_scales(r), x),
         }
     }
 
@@ -325,6 +394,64 @@ mod tests {
             }
             let fold = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
             assert_eq!(want.to_bits(), fold.to_bits(), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn quantized_kernels_equal_dot8_on_the_dequantized_row_bitwise() {
+        let mut state = 0x9e37_79b9u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        // FP8: lengths across block and lane boundaries, ragged last blocks included.
+        for n in [0usize, 1, 7, 8, 9, 127, 128, 129, 200, 256, 300] {
+            let codes: Vec<u8> = (0..n)
+                .map(|_| {
+                    let c = (next() & 0xFF) as u8;
+                    if quant::e4m3_is_nan(c) {
+                        0x38
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+            let scales: Vec<u8> = (0..n.div_ceil(FP8_BLOCK))
+                .map(|_| 120 + (next() % 12) as u8)
+                .collect();
+            let x: Vec<f32> = (0..n)
+                .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 4.0)
+                .collect();
+            let w: Vec<f32> = (0..n)
+                .map(|i| quant::e4m3_to_f32(codes[i]) * 2f32.powi(i32::from(scales[i / FP8_BLOCK]) - 127))
+                .collect();
+            assert_eq!(
+                dot8_fp8(&codes, &scales, &x).to_bits(),
+                dot8(&w, &x).to_bits(),
+                "fp8 n = {n}"
+            );
+        }
+        // MXFP4: whole groups of 32 (the loader requires it), several groups.
+        for n in [0usize, 32, 64, 96, 256] {
+            let packed: Vec<u8> = (0..n / 2).map(|_| (next() & 0xFF) as u8).collect();
+            let scales: Vec<u8> = (0..n / MXFP4_GROUP).map(|_| 118 + (next() % 16) as u8).collect();
+            let x: Vec<f32> = (0..n)
+                .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 4.0)
+                .collect();
+            let w: Vec<f32> = (0..n)
+                .map(|i| {
+                    let b = packed[i / 2];
+                    let nib = if i % 2 == 0 { b & 0xF } else { b >> 4 };
+                    quant::e2m1_to_f32(nib) * 2f32.powi(i32::from(scales[i / MXFP4_GROUP]) - 127)
+                })
+                .collect();
+            assert_eq!(
+                dot8_mxfp4(&packed, &scales, &x).to_bits(),
+                dot8(&w, &x).to_bits(),
+                "mxfp4 n = {n}"
+            );
         }
     }
 }

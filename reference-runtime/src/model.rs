@@ -14,19 +14,19 @@ use moeconf_fingerprint::{Component, Half, Level, Phase};
 
 use crate::attention::{attention_forward, AttnWeights, Ropes};
 use crate::capture::{At, CaptureSink, Recorder};
-use crate::config::ModelConfig;
+use crate::config::{AttentionKind, MlpKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::faults::{Active, FaultPlan, GlobalActive};
 use crate::head::{argmax, head_forward_with, topk_logits, HeadWeights};
-use crate::mhc::{hc_post_with, hc_pre_with, HcParams, HcPre, HcSite};
+use crate::mhc::{hc_post_with, hc_pre_with, HcHead, HcParams, HcPre, HcSite};
 use crate::moe::{moe_forward, MoeWeights};
 use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
 use crate::rope::RopeFreqs;
 use crate::state::{DecodeState, LayerState};
 use crate::tokenizer::Detokenize;
-use crate::weights::{Mat, WeightLoader};
+use crate::weights::{Mat, WeightDType, WeightLoader};
 use moeconf_contract::MoeCombine;
 
 /// Weights of one decoder layer.
@@ -46,6 +46,99 @@ pub struct LayerWeights {
     pub moe: MoeWeights,
 }
 
+impl LayerWeights {
+    /// Calls `f` on every matrix of the block.
+    pub fn for_each_mat(&self, f: &mut impl FnMut(&Mat)) {
+        f(&self.hc_attn.fn_);
+        f(&self.hc_ffn.fn_);
+        let a = &self.attn;
+        for m in [&a.wq_a, &a.wq_b, &a.wkv, &a.wo_a, &a.wo_b] {
+            f(m);
+        }
+        if let Some(c) = &a.compressor {
+            f(&c.wkv);
+            f(&c.wgate);
+        }
+        if let Some(ix) = &a.indexer {
+            f(&ix.compressor.wkv);
+            f(&ix.compressor.wgate);
+            f(&ix.wq_b);
+            f(&ix.weights_proj);
+        }
+        f(&self.moe.router.gate);
+        for e in self.moe.experts.iter().chain(std::iter::once(&self.moe.shared)) {
+            f(&e.w1);
+            f(&e.w3);
+            f(&e.w2);
+        }
+    }
+
+    /// Loads the decoder block under `p` (`layers.{i}`, `mtp.{j}`).
+    fn load_at(
+        w: &mut WeightLoader,
+        cfg: &ModelConfig,
+        p: &str,
+        attention: AttentionKind,
+        mlp: MlpKind,
+    ) -> Result<LayerWeights, RuntimeError> {
+        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+        Ok(LayerWeights {
+            attn_norm: w.vec_f32(&format!("{p}.attn_norm.weight"), &[d])?,
+            ffn_norm: w.vec_f32(&format!("{p}.ffn_norm.weight"), &[d])?,
+            hc_attn: HcSite::load(w, &format!("{p}.hc_attn"), n, d)?,
+            hc_ffn: HcSite::load(w, &format!("{p}.hc_ffn"), n, d)?,
+            attn: AttnWeights::load_at(w, cfg, &format!("{p}.attn"), attention)?,
+            moe: MoeWeights::load_at(w, cfg, &format!("{p}.ffn"), mlp)?,
+        })
+    }
+}
+
+/// One multi-token-prediction block `mtp.{j}` (DeepSeek's `MTPBlock`): a decoder
+/// block plus the projections that fuse the next token's embedding with the
+/// main model's last hidden streams, and its own head collapse. Loaded and
+/// shape-checked so a released checkpoint is verified whole; the reference
+/// runtime does not run speculative decoding, so these weights are never used
+/// in a step (docs/operators.md §8.6).
+#[derive(Debug, Clone)]
+pub struct MtpWeights {
+    /// `e_proj` `[D, D]` (dense format): projects the normalised embedding.
+    pub e_proj: Mat,
+    /// `h_proj` `[D, D]` (dense format): projects the normalised hidden state.
+    pub h_proj: Mat,
+    /// `enorm` weight `[D]`.
+    pub enorm: Vec<f32>,
+    /// `hnorm` weight `[D]`.
+    pub hnorm: Vec<f32>,
+    /// Final `norm` weight `[D]`.
+    pub norm: Vec<f32>,
+    /// The block's own mHC head collapse (`hc_head_fn/base/scale`).
+    pub hc_head: HcHead,
+    /// The decoder block.
+    pub block: LayerWeights,
+}
+
+impl MtpWeights {
+    fn load(w: &mut WeightLoader, cfg: &ModelConfig, j: usize) -> Result<MtpWeights, RuntimeError> {
+        let p = format!("mtp.{j}");
+        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+        let attention = cfg.mtp_layer_types[j];
+        Ok(MtpWeights {
+            e_proj: w.linear(&format!("{p}.e_proj.weight"), d, d, cfg.weights.dense)?,
+            h_proj: w.linear(&format!("{p}.h_proj.weight"), d, d, cfg.weights.dense)?,
+            enorm: w.vec_f32(&format!("{p}.enorm.weight"), &[d])?,
+            hnorm: w.vec_f32(&format!("{p}.hnorm.weight"), &[d])?,
+            norm: w.vec_f32(&format!("{p}.norm.weight"), &[d])?,
+            hc_head: HcHead {
+                fn_: w.mat(&format!("{p}.hc_head_fn"), n, n * d)?,
+                base: w.vec_f32(&format!("{p}.hc_head_base"), &[n])?,
+                scale: w.vec_f32(&format!("{p}.hc_head_scale"), &[1])?,
+            },
+            // An MTP block sits after the last layer, past the hash-routed ones.
+            block: LayerWeights::load_at(w, cfg, &p, attention, MlpKind::Moe)?,
+        })
+    }
+}
+
 /// A loaded model (weights memory-mapped).
 #[derive(Debug)]
 pub struct Model {
@@ -55,6 +148,7 @@ pub struct Model {
     embed: Mat,
     layers: Vec<LayerWeights>,
     head: HeadWeights,
+    mtp: Vec<MtpWeights>,
 }
 
 /// Options of one forward step.
@@ -87,21 +181,24 @@ impl Model {
     pub fn load(dir: &Path) -> Result<Model, RuntimeError> {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let mut w = WeightLoader::open_dir(dir)?;
-        let (n, d) = (cfg.hc_mult, cfg.hidden_size);
+        let d = cfg.hidden_size;
         let embed = w.mat("embed.weight", cfg.vocab_size, d)?;
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for i in 0..cfg.num_layers() {
-            layers.push(LayerWeights {
-                attn_norm: w.vec_f32(&format!("layers.{i}.attn_norm.weight"), &[d])?,
-                ffn_norm: w.vec_f32(&format!("layers.{i}.ffn_norm.weight"), &[d])?,
-                hc_attn: HcSite::load(&mut w, &format!("layers.{i}.hc_attn"), n, d)?,
-                hc_ffn: HcSite::load(&mut w, &format!("layers.{i}.hc_ffn"), n, d)?,
-                attn: AttnWeights::load(&mut w, &cfg, i)?,
-                moe: MoeWeights::load(&mut w, &cfg, i)?,
-            });
+            let p = format!("layers.{i}");
+            layers.push(LayerWeights::load_at(
+                &mut w,
+                &cfg,
+                &p,
+                cfg.layer_types[i],
+                cfg.mlp_layer_types[i],
+            )?);
         }
         let head = HeadWeights::load(&mut w, &cfg)?;
-        w.finish()?;
+        let mtp = (0..cfg.mtp_layer_types.len())
+            .map(|j| MtpWeights::load(&mut w, &cfg, j))
+            .collect::<Result<Vec<_>, _>>()?;
+        w.finish(mtp.len())?;
         let ropes = Ropes {
             main: RopeFreqs::main(&cfg),
             compress: RopeFreqs::compress(&cfg),
@@ -113,6 +210,7 @@ impl Model {
             embed,
             layers,
             head,
+            mtp,
         })
     }
 
@@ -124,6 +222,37 @@ impl Model {
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The multi-token-prediction blocks (loaded and shape-checked, never run).
+    pub fn mtp(&self) -> &[MtpWeights] {
+        &self.mtp
+    }
+
+    /// Every matrix of the model with its name-free role, for weight accounting:
+    /// `(dtype, body bytes, scale bytes)` summed per dtype, in a fixed order.
+    pub fn weight_bytes(&self) -> Vec<(WeightDType, usize, usize)> {
+        let mut acc: Vec<(WeightDType, usize, usize)> = Vec::new();
+        let mut add = |m: &Mat| match acc.iter_mut().find(|(d, _, _)| *d == m.dtype()) {
+            Some(e) => {
+                e.1 += m.body_bytes();
+                e.2 += m.scale_bytes();
+            }
+            None => acc.push((m.dtype(), m.body_bytes(), m.scale_bytes())),
+        };
+        add(&self.embed);
+        for l in self.layers.iter().chain(self.mtp.iter().map(|m| &m.block)) {
+            l.for_each_mat(&mut add);
+        }
+        for m in &self.mtp {
+            add(&m.e_proj);
+            add(&m.h_proj);
+            add(&m.hc_head.fn_);
+        }
+        add(&self.head.hc.fn_);
+        add(&self.head.lm_head);
+        acc.sort_by_key(|(d, _, _)| d.name());
+        acc
     }
 
     /// A fresh, empty decode state for this model.
@@ -316,7 +445,7 @@ impl Model {
     }
 
     /// The weights of layer `i`, if the model has it.
-    pub(crate) fn layer_weights(&self, i: usize) -> Option<&LayerWeights> {
+    pub fn layer_weights(&self, i: usize) -> Option<&LayerWeights> {
         self.layers.get(i)
     }
 

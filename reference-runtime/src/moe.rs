@@ -12,14 +12,14 @@ use moeconf_fingerprint::Component;
 use rayon::prelude::*;
 
 use crate::capture::{Name, Recorder};
-use crate::config::ModelConfig;
+use crate::config::{MlpKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::faults::{nudge_one_ulp, ExpertFaults};
 use crate::linear::PAR_MIN_EXPERT_WORK;
 use crate::precision::Precision;
 use crate::router::{route_with, RouterWeights, Routing};
-use crate::weights::{Mat, WeightLoader};
+use crate::weights::{LinearFormat, Mat, WeightLoader};
 use moeconf_contract::bf16::r_bf16;
 use moeconf_contract::CombineEvent;
 
@@ -35,17 +35,18 @@ pub struct ExpertWeights {
 }
 
 impl ExpertWeights {
-    /// Loads `{prefix}.w1.weight`, `.w3.weight`, `.w2.weight`.
+    /// Loads `{prefix}.w1.weight`, `.w3.weight`, `.w2.weight` in format `f`.
     pub fn load(
         w: &mut WeightLoader,
         prefix: &str,
         d: usize,
         i: usize,
+        f: LinearFormat,
     ) -> Result<ExpertWeights, RuntimeError> {
         Ok(ExpertWeights {
-            w1: w.mat(&format!("{prefix}.w1.weight"), i, d)?,
-            w3: w.mat(&format!("{prefix}.w3.weight"), i, d)?,
-            w2: w.mat(&format!("{prefix}.w2.weight"), d, i)?,
+            w1: w.linear(&format!("{prefix}.w1.weight"), i, d, f)?,
+            w3: w.linear(&format!("{prefix}.w3.weight"), i, d, f)?,
+            w2: w.linear(&format!("{prefix}.w2.weight"), d, i, f)?,
         })
     }
 }
@@ -86,12 +87,23 @@ pub struct MoeWeights {
 impl MoeWeights {
     /// Loads `layers.{i}.ffn.*`.
     pub fn load(w: &mut WeightLoader, cfg: &ModelConfig, i: usize) -> Result<MoeWeights, RuntimeError> {
+        Self::load_at(w, cfg, &format!("layers.{i}.ffn"), cfg.mlp_layer_types[i])
+    }
+
+    /// Loads the MoE block under `p` (`layers.{i}.ffn`, `mtp.{j}.ffn`) with routing `kind`:
+    /// routed experts in the config's expert format, the shared expert in its dense format.
+    pub fn load_at(
+        w: &mut WeightLoader,
+        cfg: &ModelConfig,
+        p: &str,
+        kind: MlpKind,
+    ) -> Result<MoeWeights, RuntimeError> {
         let (d, iw) = (cfg.hidden_size, cfg.moe_intermediate_size);
-        let router = RouterWeights::load(w, cfg, i)?;
+        let router = RouterWeights::load_at(w, cfg, &format!("{p}.gate"), kind)?;
         let experts = (0..cfg.n_routed_experts)
-            .map(|e| ExpertWeights::load(w, &format!("layers.{i}.ffn.experts.{e}"), d, iw))
+            .map(|e| ExpertWeights::load(w, &format!("{p}.experts.{e}"), d, iw, cfg.weights.experts))
             .collect::<Result<Vec<_>, _>>()?;
-        let shared = ExpertWeights::load(w, &format!("layers.{i}.ffn.shared_experts"), d, iw)?;
+        let shared = ExpertWeights::load(w, &format!("{p}.shared_experts"), d, iw, cfg.weights.dense)?;
         Ok(MoeWeights {
             router,
             experts,

@@ -31,10 +31,19 @@ pub struct RouterWeights {
 impl RouterWeights {
     /// Loads `layers.{i}.ffn.gate.*`.
     pub fn load(w: &mut WeightLoader, cfg: &ModelConfig, i: usize) -> Result<RouterWeights, RuntimeError> {
-        let p = format!("layers.{i}.ffn.gate");
+        Self::load_at(w, cfg, &format!("layers.{i}.ffn.gate"), cfg.mlp_layer_types[i])
+    }
+
+    /// Loads the router under `p` (`layers.{i}.ffn.gate`, `mtp.{j}.ffn.gate`) of routing `kind`.
+    pub fn load_at(
+        w: &mut WeightLoader,
+        cfg: &ModelConfig,
+        p: &str,
+        kind: MlpKind,
+    ) -> Result<RouterWeights, RuntimeError> {
         let e = cfg.n_routed_experts;
         let gate = w.mat(&format!("{p}.weight"), e, cfg.hidden_size)?;
-        Ok(match cfg.mlp_layer_types[i] {
+        Ok(match kind {
             MlpKind::Moe => RouterWeights {
                 gate,
                 bias: Some(w.vec_f32(&format!("{p}.bias"), &[e])?),

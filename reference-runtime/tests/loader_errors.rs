@@ -27,7 +27,7 @@ fn variant(dst: &Path, edit: impl FnOnce(&mut Vec<(String, Dtype, Vec<usize>, Ve
         .iter()
         .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
         .collect();
-    safetensors::serialize_to_file(views, &None, &dst.join("model.safetensors")).unwrap();
+    safetensors::serialize_to_file(views, None, &dst.join("model.safetensors")).unwrap();
 }
 
 fn load_err(dir: &Path) -> String {

@@ -106,7 +106,7 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
     } else {
         let d = PathBuf::from(spec);
         if !d.is_dir() {
-            bail!("--model {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or builtin:tiny-v4)");
+            bail!("--model {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or builtin:tiny-v4, builtin:tiny-v4-fp8, builtin:tiny-v4-fp8-bf16)");
         }
         d
     };

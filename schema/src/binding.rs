@@ -50,6 +50,43 @@ pub struct ModelIdentity {
     pub tensors: Vec<TensorDigest>,
 }
 
+impl ModelIdentity {
+    /// The weight formats of the checkpoint, read from its tensor list, for reports:
+    /// `dense <format>, experts <format>` where the dense format is that of the attention's
+    /// `wq_a` and the expert format that of a routed expert's `w1` (DeepSeek's original
+    /// names), e.g. `dense fp8-e4m3 (UE8M0 128x128 scales), experts mxfp4 (E2M1, UE8M0 per 32)`
+    /// for the released checkpoints and `dense bf16, experts bf16` for a bf16 one; for other
+    /// names, the distinct dtypes (`bf16, f32, i64`); `unknown` without a tensor list.
+    pub fn weight_formats(&self) -> String {
+        fn format_of(dtype: &str) -> String {
+            match dtype {
+                "f8_e4m3" => "fp8-e4m3 (UE8M0 128x128 scales)".into(),
+                "i8" | "u8" | "f4" => "mxfp4 (E2M1, UE8M0 per 32)".into(),
+                other => other.to_string(),
+            }
+        }
+        let find = |pred: &dyn Fn(&str) -> bool| {
+            self.tensors
+                .iter()
+                .find(|t| pred(&t.name))
+                .map(|t| format_of(&t.dtype))
+        };
+        let dense = find(&|n| n.starts_with("layers.") && n.ends_with(".attn.wq_a.weight"));
+        let experts =
+            find(&|n| n.starts_with("layers.") && n.contains(".ffn.experts.") && n.ends_with(".w1.weight"));
+        match (dense, experts) {
+            (Some(d), Some(e)) => format!("dense {d}, experts {e}"),
+            _ if self.tensors.is_empty() => "unknown".into(),
+            _ => {
+                let mut dtypes: Vec<&str> = self.tensors.iter().map(|t| t.dtype.as_str()).collect();
+                dtypes.sort_unstable();
+                dtypes.dedup();
+                dtypes.join(", ")
+            }
+        }
+    }
+}
+
 /// Identity of the tokenizer.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TokenizerIdentity {
@@ -528,5 +565,45 @@ mod tests {
         assert_eq!(Binding::decode(&mut d).unwrap(), b);
         d.finish("binding").unwrap();
         assert_eq!(b.capture.describe(), "L0,L1+payload,L2,L3+payload,L4");
+    }
+
+    #[test]
+    fn weight_formats_name_fp8_and_mxfp4_from_the_tensor_list() {
+        let t = |name: &str, dtype: &str| TensorDigest {
+            name: name.into(),
+            dtype: dtype.into(),
+            shape: vec![1],
+            digest: Algorithm::Blake3.hash(name.as_bytes()),
+        };
+        let q = ModelIdentity {
+            tensors: vec![
+                t("layers.0.attn.wq_a.weight", "f8_e4m3"),
+                t("layers.0.attn.wq_a.scale", "f8_e8m0"),
+                t("layers.0.ffn.experts.0.w1.weight", "i8"),
+            ],
+            ..ModelIdentity::default()
+        };
+        assert_eq!(
+            q.weight_formats(),
+            "dense fp8-e4m3 (UE8M0 128x128 scales), experts mxfp4 (E2M1, UE8M0 per 32)"
+        );
+        let b = ModelIdentity {
+            tensors: vec![
+                t("layers.0.attn.wq_a.weight", "bf16"),
+                t("layers.0.ffn.experts.0.w1.weight", "bf16"),
+            ],
+            ..ModelIdentity::default()
+        };
+        assert_eq!(b.weight_formats(), "dense bf16, experts bf16");
+        let hf = ModelIdentity {
+            tensors: vec![
+                t("model.embed_tokens.weight", "bf16"),
+                t("x", "f32"),
+                t("y", "bf16"),
+            ],
+            ..ModelIdentity::default()
+        };
+        assert_eq!(hf.weight_formats(), "bf16, f32");
+        assert_eq!(ModelIdentity::default().weight_formats(), "unknown");
     }
 }

@@ -1,5 +1,7 @@
 //! Identity of a checkpoint directory for a trace binding: the digest of
-//! `config.json` and of every tensor's raw bytes in its safetensors files.
+//! `config.json` and of every tensor's raw bytes in its safetensors files (each
+//! tensor with its on-disk dtype, so FP8 codes, their `.scale` tensors and packed
+//! MXFP4 experts are part of the identity; `ModelIdentity::weight_formats` names them).
 
 use crate::binding::{weights_digest, ModelIdentity, TensorDigest};
 use crate::error::InputError;
@@ -23,7 +25,13 @@ pub fn model_identity(name: &str, dir: &Path, alg: Algorithm) -> Result<ModelIde
     files.sort();
     let mut tensors = Vec::new();
     for f in &files {
-        let bytes = read(f)?;
+        // Memory-mapped, not read: a real checkpoint is tens to hundreds of GB, and the
+        // identity must not add that much anonymous memory (pages are file-backed).
+        let file = std::fs::File::open(f).map_err(InputError::io(format!("opening {}", f.display())))?;
+        // SAFETY: read-only mapping; the identity is computed while the model directory is
+        // not being rewritten (the same assumption as the runtime's loader).
+        let bytes = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(InputError::io(format!("memory-mapping {}", f.display())))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
             InputError::Invalid(format!("{}: not a valid safetensors file: {e}", f.display()))
         })?;

@@ -73,7 +73,7 @@ pub fn write_dump(u: &mut Unstructured<'_>, spec: &TraceSpec, dir: &Path) -> Res
                     .map(|v| (name.clone(), v))
             })
             .collect();
-        let Ok(bytes) = safetensors::serialize(views, &None) else {
+        let Ok(bytes) = safetensors::serialize(views, None) else {
             return Err(arbitrary::Error::IncorrectFormat);
         };
         if std::fs::write(dir.join(format!("part{n}.safetensors")), bytes).is_err() {

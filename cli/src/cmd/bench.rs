@@ -97,6 +97,10 @@ pub struct BenchRuntimeArgs {
     /// experts; about 500 MB of weights written to a temporary directory).
     #[arg(long)]
     pub large: bool,
+    /// Also measure the quantized fixture `builtin:tiny-v4-fp8` (FP8 dense, MXFP4 experts)
+    /// against its exact BF16 dequantization `builtin:tiny-v4-fp8-bf16`, with their ratio.
+    #[arg(long)]
+    pub quantized: bool,
     /// Decode steps per measurement.
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100000))]
     pub decode_tokens: u32,
@@ -216,5 +220,5 @@ fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
         decode_tokens: a.decode_tokens,
         repeat: a.repeat,
     };
-    print(moeconf_bench::runtime(&opts, a.large)?, a.format)
+    print(moeconf_bench::runtime(&opts, a.large, a.quantized)?, a.format)
 }

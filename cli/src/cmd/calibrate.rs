@@ -2,7 +2,9 @@
 //! localization matrix on the reference runtime (see `moeconf_calibrate` and
 //! docs/calibration.md), print every table in the paper's layout, write
 //! `calibration.json` and one TSV per table into `--out`, and exit 1 when a
-//! structural claim fails.
+//! structural claim fails. With `--shard I/N` only that shard's jobs run and
+//! `--out` names the partial result that `moeconf merge` combines
+//! (docs/scale.md).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,16 +12,20 @@ use std::time::Instant;
 
 use crate::output::{add_model_inputs, check_output, check_output_dir, output_dir};
 use anyhow::bail;
-use moeconf_calibrate::suite::{self, write_json, RunInfo};
+use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
+use moeconf_schema::output::write_checked;
 use moeconf_schema::Inputs;
+use moeconf_shard::{ProgressMode, Shard};
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
   moeconf calibrate --out cal-full                 # the paper's sizes (720 A, 360 B, 64 seeds, 50 prompts)
   moeconf calibrate --only 2,10 --out cal          # only the fork sweep and the fault matrix
+  moeconf calibrate --shard 0/8 --out part-0.part  # one of 8 shards (docs/scale.md)
+  moeconf merge part-*.part -o cal                 # after every shard: the unsharded outputs
 
 Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static ablation,
 4 same-mode canonical reference, 5 C intermediate check, 6 post-mHC substitution control,
@@ -34,11 +40,12 @@ pub struct CalibrateArgs {
     /// Model: `builtin:tiny-v4` or a directory with config.json, *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
-    /// Output directory for calibration.json, the TSV tables and the traces (created if missing).
-    /// Before any work, every existing file there that the suite may replace is checked: no
-    /// directory, FIFO, device, socket, symbolic link or input is replaced.
-    #[arg(long, default_value = "moeconf-calibration")]
-    pub out: PathBuf,
+    /// Output directory for calibration.json, the TSV tables and the traces (created if missing;
+    /// default moeconf-calibration). Before any work, every existing file there that the suite may
+    /// replace is checked: no directory, FIFO, device, socket, symbolic link or input is replaced.
+    /// With --shard: the partial result file to write (required).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Reduced version of every protocol (fewer seeds, classes, prompts, shorter continuations).
     #[arg(long)]
     pub quick: bool,
@@ -60,7 +67,13 @@ pub struct CalibrateArgs {
     /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
     #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_NEW_TOKENS as i64))]
     pub tokens: Option<u32>,
-    /// No progress on stderr.
+    /// Run only shard I of N (0-based: 0/N .. N-1/N) of the suite's independent jobs (every
+    /// protocol's runs, in order; job j belongs to shard j mod N) and write their partial result
+    /// to --out FILE; `moeconf merge` combines the partials of every shard into exactly the
+    /// unsharded outputs (docs/scale.md).
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<Shard>,
+    /// No progress on stderr (a bar when stderr and stdout are terminals, else lines).
     #[arg(long, short = 'q')]
     pub quiet: bool,
     /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
@@ -92,7 +105,7 @@ impl CalibrateArgs {
 /// `calibration.json`, the `*.tsv` tables and the `traces/*.bin` traces
 /// (those that exist must be regular files that are no input, no symbolic
 /// links); `out` and `out/traces` must be directories if they exist.
-fn check_out_dir(out: &Path, inputs: &Inputs) -> anyhow::Result<()> {
+pub(crate) fn check_out_dir(out: &Path, inputs: &Inputs) -> anyhow::Result<()> {
     let traces = out.join("traces");
     for dir in [out, traces.as_path()] {
         if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
@@ -106,6 +119,9 @@ fn check_out_dir(out: &Path, inputs: &Inputs) -> anyhow::Result<()> {
     check_output_dir(&traces, &|n| n.ends_with(".bin"), inputs)
 }
 
+/// The default output directory.
+const DEFAULT_OUT: &str = "moeconf-calibration";
+
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
@@ -115,7 +131,18 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let sizes = a.sizes()?;
     let mut inputs = Inputs::new();
     add_model_inputs(&a.model, &mut inputs);
-    check_out_dir(&a.out, &inputs)?;
+    let out = match (&a.out, a.shard) {
+        (Some(o), _) => o.clone(),
+        (None, None) => PathBuf::from(DEFAULT_OUT),
+        (None, Some(_)) => {
+            bail!("--shard needs --out FILE: the partial result file that `moeconf merge` reads")
+        }
+    };
+    if a.shard.is_some() {
+        check_output(&out, &inputs)?;
+    } else {
+        check_out_dir(&out, &inputs)?;
+    }
     let m = load_model(&a.model)?;
     inputs.dir_files(&m.dir, "model file");
     // Every fork of the suite is at step 1 with at least 2 generated tokens,
@@ -128,36 +155,81 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
             layers.saturating_sub(1)
         );
     }
-    output_dir("--out", &a.out)?;
-    output_dir("--out", &a.out.join("traces"))?;
-    check_out_dir(&a.out, &inputs)?;
+    let progress = ProgressMode::detect(a.quiet);
+    let info = |k: usize| RunInfo {
+        model: a.model.clone(),
+        precision: precision.name().into(),
+        quick: a.quick,
+        fork_layer: a.fork_layer,
+        sizes,
+        only: suite::normalize_selection(&a.only),
+        experts_per_tok: k,
+    };
+    if let Some(shard) = a.shard {
+        let partial = check_output(&out, &inputs)?;
+        // The traces of this shard's jobs go to a scratch directory next to
+        // the partial, attached to it, and removed.
+        let scratch = suite::scratch_dir(&out)?;
+        output_dir("--out", &scratch.path().join("traces"))?;
+        let opts = CtxOptions {
+            precision,
+            fork_layer: a.fork_layer,
+            sizes,
+            out: scratch.path().to_path_buf(),
+            progress,
+        };
+        let ctx = Ctx::new(m, opts)?;
+        let info = info(ctx.k());
+        let run = suite::run_shard(&ctx, &info.only, shard)?;
+        let jobs = run.results.len();
+        let total: usize = run.groups.iter().map(|g| g.jobs).sum();
+        suite::write_partial(&ctx, &info, shard, run, &partial)?;
+        if progress.enabled() {
+            eprintln!(
+                "moeconf calibrate: shard {shard}: {jobs} of {total} jobs in {:.1} s; partial result in {}",
+                start.elapsed().as_secs_f64(),
+                out.display()
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    output_dir("--out", &out)?;
+    output_dir("--out", &out.join("traces"))?;
+    check_out_dir(&out, &inputs)?;
     let opts = CtxOptions {
         precision,
         fork_layer: a.fork_layer,
         sizes,
-        out: a.out.clone(),
-        progress: !a.quiet,
+        out: out.clone(),
+        progress,
     };
     let ctx = Ctx::new(m, opts)?;
-    let results = suite::run(&ctx, &a.only)?;
-    for t in results.tables() {
-        println!("{}", t.render());
-        t.write_tsv(&a.out)?;
+    let info = info(ctx.k());
+    let results = suite::run(&ctx, &info.only)?;
+    let o = suite::outputs(&results, &info, &out)?;
+    write_outputs(&out, &o, &inputs)?;
+    if progress.enabled() {
+        eprintln!(
+            "moeconf calibrate: wall time {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
     }
-    print!("{}", results.render_claims());
-    let wall = start.elapsed().as_secs_f64();
-    let info = RunInfo {
-        model: &a.model,
-        precision,
-        quick: a.quick,
-        fork_layer: a.fork_layer,
-        sizes,
-    };
-    write_json(&a.out.join("calibration.json"), &results.to_json(&info, wall))?;
-    println!("wall time: {wall:.1} s; results in {}", a.out.display());
-    Ok(if results.all_hold() {
+    Ok(exit(&o))
+}
+
+/// Writes the suite's files into `out` (each checked again) and prints its report.
+pub(crate) fn write_outputs(out: &Path, o: &suite::Outputs, inputs: &Inputs) -> anyhow::Result<()> {
+    for (name, bytes) in &o.files {
+        write_checked(&check_output(&out.join(name), inputs)?, bytes)?;
+    }
+    crate::output::print_text(&o.stdout)
+}
+
+/// Exit 0 when every structural claim holds, else 1.
+pub(crate) fn exit(o: &suite::Outputs) -> ExitCode {
+    if o.all_hold {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    })
+    }
 }

@@ -11,6 +11,7 @@ pub mod explain;
 pub mod gate;
 pub mod import;
 pub mod inspect;
+pub mod merge;
 pub mod replay;
 pub mod run;
 pub mod sweep;
@@ -35,6 +36,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Import(a) => import::run(&a),
         Command::Gate(a) => gate::run(&a),
         Command::Calibrate(a) => calibrate::run(&a),
+        Command::Merge(a) => merge::run(&a),
         Command::Replay(a) => replay::run(&a),
         Command::Bench(b) => bench::run(&b),
     }

@@ -7,23 +7,24 @@
 //! paper's table per scheme (raw permutations, structural classes, distinct
 //! MoE outputs, distinct post-mHC states, basins) and the basin
 //! rank-frequency; `--format json` / `-o FILE` give every branch's digests,
-//! routes and tokens.
+//! routes and tokens. With `--shard I/N` only that shard's jobs run and `-o`
+//! names the partial result that `moeconf merge` combines (docs/scale.md).
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::bail;
 use moeconf_calibrate::sweep::{
-    build_schemes, html_view, render_text, report_json, SchemeRequest, SweepHeader, SweepProgress,
+    build_schemes, finish_message, identity, outputs, run_jobs, SchemeRequest, SweepArguments,
 };
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{sweep, SweepOptions};
+use moeconf_reference_runtime::fork::{SweepJobs, SweepOptions};
 use moeconf_reference_runtime::tokenizer::Detokenize;
+use moeconf_shard::{JobResult, Progress, ProgressMode, Shard};
 
 use crate::cli::{Format, ModelPromptArgs};
-use crate::output::{print_json, print_text};
+use crate::output::print_text;
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
 use moeconf_schema::output::write_checked;
@@ -34,6 +35,8 @@ const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --format json
   moeconf sweep --prompt \"why the sheep\" --scheme a,b -o sweep.json
   moeconf sweep --prompt \"why the sheep\" --branch b+order=class:135 --branch a+order=index:17
+  moeconf sweep --prompt \"why the sheep\" --scheme a,b --shard 0/4 -o part-0.part
+  moeconf merge part-*.part -o sweep.json          # after the shards 0/4 .. 3/4 (docs/scale.md)
 
 A scheme is a contract family (native, p32, c, a, b, exact, tree, f64, exact-fused, or
 operand=..+accumulator=..); it is swept over its structural classes: the k!/2 B classes for
@@ -95,7 +98,13 @@ pub struct SweepArgs {
     /// Basins listed per scheme in the text report.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
-    /// No progress counter on stderr.
+    /// Run only shard I of N (0-based: 0/N .. N-1/N) of the sweep's jobs (the native reference,
+    /// then every branch; job j belongs to shard j mod N) and write their partial result to -o
+    /// FILE; `moeconf merge` combines the partials of every shard into exactly the unsharded
+    /// outputs (docs/scale.md).
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<Shard>,
+    /// No progress on stderr (a bar when stderr and stdout are terminals, else a line per 10 %).
     #[arg(long, short = 'q')]
     pub quiet: bool,
     /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
@@ -104,7 +113,7 @@ pub struct SweepArgs {
 }
 
 /// Writes the JSON report to `-o FILE` (checked before the sweep).
-fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
+pub(crate) fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
     let mut bytes = serde_json::to_vec_pretty(doc)?;
     bytes.push(b'\n');
     Ok(write_checked(out, &bytes)?)
@@ -113,6 +122,16 @@ fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     super::set_threads(a.threads)?;
+    if a.shard.is_some() {
+        if a.html.is_some() {
+            bail!(
+                "--html with --shard: the HTML report is written by `moeconf merge PARTIAL... --html FILE`"
+            );
+        }
+        if a.output.is_none() {
+            bail!("--shard needs -o FILE: the partial result file that `moeconf merge` reads");
+        }
+    }
     let mut inputs = a.input.inputs();
     let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
     crate::output::check_outputs(&outs, &inputs)?;
@@ -164,6 +183,35 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         ..CombineChoice::default()
     };
     let base = build_combine(&choice, k, &prompt, layers)?;
+    let args = SweepArguments {
+        model: m.name.clone(),
+        prompt: prompt.clone(),
+        prompt_ids: prompt_ids.clone(),
+        fork_layer: a.fork_layer,
+        fork_step: a.fork_step,
+        fork_position: a.fork_position,
+        schemes: a.scheme.clone(),
+        branches: a.branch.clone(),
+        limit: a.limit,
+        max_new_tokens: a.max_new_tokens as usize,
+        precision: precision.name().into(),
+        base_contract: base.contract.clone(),
+        base_schedule: base.schedule.clone(),
+        algorithm: algorithm.name().into(),
+        experts_per_tok: k,
+        format: match a.format {
+            Format::Text => "text".into(),
+            Format::Json => "json".into(),
+        },
+        top: a.top,
+    };
+    let shard = a.shard.unwrap_or(Shard::WHOLE);
+    // The inputs' digests (every weight hashed) only for a partial result.
+    let run_inputs = a
+        .shard
+        .is_some()
+        .then(|| moeconf_calibrate::sweep::inputs(&m))
+        .transpose()?;
     let opts = SweepOptions {
         point,
         max_new_tokens: a.max_new_tokens as usize,
@@ -173,37 +221,35 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         algorithm,
         canon: CanonPolicy::default(),
     };
-    let progress = SweepProgress::new(a.quiet, std::io::stderr().is_terminal());
     let t = std::time::Instant::now();
-    let report = sweep(
-        &m.model,
-        &prompt_ids,
-        &schemes,
-        &opts,
-        Some(&|done, total| progress.report(done, total)),
-    )?;
-    progress.finish(&report, t.elapsed().as_secs_f64());
-    let header = SweepHeader {
-        model: &m.name,
-        prompt: &prompt,
-        prompt_ids: &prompt_ids,
-        precision: precision.name(),
-        base_contract: &base.contract,
-        base_schedule: &base.schedule,
-        algorithm,
-        k,
-    };
-    let doc = report_json(&header, &report);
+    let jobs = SweepJobs::prepare(&m.model, &prompt_ids, &schemes, &opts)?;
+    let mine: Vec<usize> = shard.jobs(jobs.count()).collect();
+    let progress = Progress::new(ProgressMode::detect(a.quiet), "sweep", "branches", mine.len());
+    let results = run_jobs(&jobs, &mine, &m.tokenizer, &progress)?;
+    progress.finish();
+    if !a.quiet {
+        eprintln!(
+            "{}",
+            finish_message(mine.len(), jobs.count(), shard, t.elapsed().as_secs_f64())
+        );
+    }
+    if let (Some(inputs), Some(out)) = (run_inputs, &output) {
+        let id = identity(&args, inputs, jobs.count())?;
+        let results = mine
+            .iter()
+            .zip(results)
+            .map(|(&job, result)| JobResult { job, result })
+            .collect();
+        moeconf_shard::write_partial(out, &id, shard, results, &[])?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let o = outputs(&args, &results, html.is_some())?;
     if let Some(out) = &output {
-        write_output(out, &doc)?;
+        write_output(out, &o.doc)?;
     }
-    if let Some(out) = &html {
-        let view = html_view(&header, &report, &m.tokenizer)?;
-        write_checked(out, moeconf_report::render_sweep(&view).as_bytes())?;
+    if let (Some(out), Some(page)) = (&html, &o.html) {
+        write_checked(out, page.as_bytes())?;
     }
-    match a.format {
-        Format::Json => print_json(&doc)?,
-        Format::Text => print_text(&render_text(&header, &report, a.top))?,
-    }
+    print_text(&o.stdout)?;
     Ok(ExitCode::SUCCESS)
 }
