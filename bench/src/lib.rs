@@ -242,6 +242,61 @@ pub fn runtime(
     })
 }
 
+/// `bench runtime --real-width`: decode of a generated checkpoint of
+/// V4-Flash's per-layer dimensions (`layers` layers) against the memory
+/// bandwidth bound, all measured in one run; the checkpoint is generated
+/// in a temporary directory under `dir` (or the system's) and removed.
+pub fn real_width(
+    layers: usize,
+    shrink: moeconf_runner::bench::RealWidthShrink,
+    decode_tokens: u32,
+    repeat: u32,
+    dir: Option<&PathBuf>,
+) -> Result<BenchReport, BenchError> {
+    use moeconf_runner::bench::{bench_real_width, render_real_width_text};
+    let ckpt = match dir {
+        Some(d) => tempfile::Builder::new()
+            .prefix("moeconf-bench-real-width")
+            .tempdir_in(d)
+            .map_err(step("creating a scratch directory"))?,
+        None => scratch("moeconf-bench-real-width")?,
+    };
+    let work = scratch("moeconf-bench-rt")?;
+    let r = bench_real_width(layers, shrink, decode_tokens, repeat, ckpt.path(), work.path())
+        .map_err(step("bench runtime --real-width"))?;
+    let s = &r.step;
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.runtime.real_width",
+        "layers": r.layers,
+        "n_routed_experts": r.n_routed_experts,
+        "vocab_size": r.vocab_size,
+        "layer_types": r.layer_kinds,
+        "threads": r.threads,
+        "checkpoint_bytes": r.checkpoint_bytes,
+        "generate_seconds": r.generate_seconds,
+        "step_weight_bytes": s.total(),
+        "step_weight_bytes_layers_dense": s.layers_dense,
+        "step_weight_bytes_routed_experts": s.routed_experts,
+        "step_weight_bytes_head_and_embedding": s.head_and_embedding,
+        "all_routed_expert_bytes": s.all_routed_experts,
+        "read_bandwidth_1thread_bytes_per_second": r.bandwidth_1thread,
+        "read_bandwidth_bytes_per_second": r.bandwidth_threads,
+        "decode_tokens": r.decode_tokens,
+        "decode_tokens_per_second_no_capture": r.decode_none,
+        "decode_tokens_per_second_default_capture": r.decode_default,
+        "bound_tokens_per_second": r.bound_tokens_per_second(),
+        "achieved_bytes_per_second": r.achieved_bytes_per_second(),
+        "fraction_of_bandwidth_bound": r.fraction_of_bound(),
+        "anon_rss_bytes_after_load": r.anon_rss[0],
+        "anon_rss_bytes_after_decode": r.anon_rss[1],
+    });
+    Ok(BenchReport {
+        text: render_real_width_text(&r),
+        json,
+    })
+}
+
 /// `bench replay`: replay of a whole trace of `tokens` tokens against the
 /// reference run that wrote it (best of `repeat`).
 pub fn replay(model: &str, tokens: u32, repeat: u32) -> Result<BenchReport, BenchError> {

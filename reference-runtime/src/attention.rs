@@ -28,7 +28,7 @@ use crate::context::TokenCtx;
 use crate::error::RuntimeError;
 use crate::faults::{keep_mantissa_bits, truncate_bf16, SumOrder};
 use crate::indexer::{indexer_scores_with, topk_desc, IndexerWeights};
-use crate::linear::dot8;
+use crate::kernels::dot8_f32_many;
 use crate::precision::Precision;
 use crate::rmsnorm::{rmsnorm_unweighted_in_place, rmsnorm_weighted};
 use crate::rope::{apply_rope, CosSin, RopeFreqs};
@@ -364,8 +364,10 @@ fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], cx: &TokenCtx<'_>) -> Vec<f
         let qh = &q[hh * d..(hh + 1) * d];
         let sink = sinks[hh];
         let mut m = sink;
-        for (lj, k) in e.iter_mut().zip(keys) {
-            *lj = p.round(p.round(dot8(qh, k)) * scale);
+        // dot8(q_h, k_j) for every key (several keys at a time, same bits).
+        dot8_f32_many(keys, qh, &mut e);
+        for lj in e.iter_mut() {
+            *lj = p.round(p.round(*lj) * scale);
             m = m.max(*lj);
         }
         let add = |z: f32, ej: &f32| softmax.accumulator.add(z, *ej);

@@ -69,13 +69,23 @@ fn key(v: f32) -> f32 {
 /// The `k` best ids by logit, descending, ties to the lower id.
 pub fn topk_logits(logits: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    idx.sort_by(|&a, &b| {
-        key(logits[b as usize])
-            .partial_cmp(&key(logits[a as usize]))
+    // (key, id) is a strict total order (keys are never NaN), so the k first
+    // ids are unique: partition around the k-th, then sort only those
+    // (not the whole vocabulary).
+    let order = |a: &u32, b: &u32| {
+        key(logits[*b as usize])
+            .partial_cmp(&key(logits[*a as usize]))
             .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(&b))
-    });
-    idx.truncate(k);
+            .then(a.cmp(b))
+    };
+    if k == 0 {
+        return Vec::new();
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_by(order);
     idx
 }
 
@@ -101,5 +111,41 @@ mod tests {
         assert_eq!(topk_logits(&l, 7), vec![1, 3, 6, 0, 4, 5, 2]);
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(argmax(&[f32::NAN, -1.0]), 1);
+        for k in 0..=8 {
+            assert_eq!(
+                topk_logits(&l, k),
+                [1, 3, 6, 0, 4, 5, 2][..k.min(7)].to_vec(),
+                "k = {k}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_equals_the_first_k_of_a_full_sort() {
+        // Many ties (values on a coarse grid), signed zeros and NaNs.
+        let mut s = 0x2545_f491_4f6c_dd1du64;
+        let l: Vec<f32> = (0..5000)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                match s % 50 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    v => (v % 17) as f32 - 8.0,
+                }
+            })
+            .collect();
+        let mut full: Vec<u32> = (0..l.len() as u32).collect();
+        full.sort_by(|&a, &b| {
+            key(l[b as usize])
+                .partial_cmp(&key(l[a as usize]))
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(a.cmp(&b))
+        });
+        for k in [1usize, 2, 8, 100, 4999, 5000, 6000] {
+            assert_eq!(topk_logits(&l, k), full[..k.min(l.len())].to_vec(), "k = {k}");
+        }
     }
 }

@@ -10,6 +10,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::RuntimeError;
+use crate::kernels::dot8_f32_many;
 use crate::linear::dot8;
 use crate::precision::Precision;
 use crate::rope::{apply_rope, CosSin};
@@ -94,12 +95,19 @@ pub(crate) fn indexer_scores_with(
     let w_scale = 1.0 / (heads as f32).sqrt();
     let omega: Vec<f32> = iw.weights_proj.linear(a, p).iter().map(|v| v * w_scale).collect();
     let s_scale = 1.0 / (dim as f32).sqrt();
+    let q_heads: Vec<&[f32]> = q.chunks_exact(dim.max(1)).take(heads).collect();
+    let mut dots = vec![0.0f32; q_heads.len()];
     (0..st.entry_count as usize)
         .map(|i| {
             let k = st.entry(i);
+            // dot8(q_h, k_i) for every head at once (same bits: the product is commutative).
+            dot8_f32_many(&q_heads, k, &mut dots);
             let mut acc = 0.0f32;
             for h in 0..heads {
-                let dot = dot8(&q[h * dim..(h + 1) * dim], k);
+                let dot = dots
+                    .get(h)
+                    .copied()
+                    .unwrap_or_else(|| dot8(&q[h * dim..(h + 1) * dim], k));
                 acc += match scale_after_sum {
                     false => (dot.max(0.0) * s_scale) * omega[h],
                     true => dot.max(0.0) * omega[h],

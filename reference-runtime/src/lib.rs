@@ -17,6 +17,7 @@ pub mod fork;
 pub mod generate;
 pub mod head;
 pub mod indexer;
+pub mod kernels;
 pub mod linear;
 pub mod mhc;
 pub mod model;

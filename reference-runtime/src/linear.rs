@@ -287,6 +287,63 @@ impl Mat {
     pub fn matvec_rows(&self, row0: usize, x: &[f32], out: &mut [f32]) {
         debug_assert_eq!(x.len(), self.cols());
         let cols = self.cols();
+        let simd_dtype = match self.dtype() {
+            WeightDType::Bf16 => Some(crate::kernels::RowDType::Bf16),
+            WeightDType::F32 => Some(crate::kernels::RowDType::F32),
+            WeightDType::Fp8E4m3 | WeightDType::Mxfp4 => None,
+        };
+        if let (true, Some(dtype)) = (crate::kernels::simd_available(), simd_dtype) {
+            // Several rows at a time on the SIMD kernel (same bits, crate::kernels).
+            let rows = |r0: usize, o: &mut [f32]| {
+                let block = crate::kernels::RowBlock {
+                    bytes: self.rows_bytes(r0, o.len()),
+                    stride: self.dtype().row_len(cols),
+                    cols,
+                    dtype,
+                };
+                crate::kernels::dot8_rows(&block, x, o);
+            };
+            if out.len() * cols >= PAR_MIN_WORK {
+                let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
+                out.par_chunks_mut(chunk)
+                    .enumerate()
+                    .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
+            } else {
+                rows(row0, out);
+            }
+            return;
+        }
+        let quant_kind = match self.dtype() {
+            WeightDType::Fp8E4m3 => Some(crate::kernels::QuantRows::Fp8),
+            WeightDType::Mxfp4 => Some(crate::kernels::QuantRows::Mxfp4),
+            WeightDType::Bf16 | WeightDType::F32 => None,
+        };
+        if let (true, Some(kind)) = (crate::kernels::simd_available(), quant_kind) {
+            // Up to QUANT_ROWS rows at a time on the SIMD kernel (same bits), else row by row.
+            let rows = |r0: usize, o: &mut [f32]| {
+                for (ci, oc) in o.chunks_mut(crate::kernels::QUANT_ROWS).enumerate() {
+                    let first = r0 + ci * crate::kernels::QUANT_ROWS;
+                    let mut rs = [(&[][..], &[][..]); crate::kernels::QUANT_ROWS];
+                    for (k, slot) in rs.iter_mut().take(oc.len()).enumerate() {
+                        *slot = (self.row_bytes(first + k), self.row_scales(first + k));
+                    }
+                    if !crate::kernels::dot8_quant_rows(kind, &rs[..oc.len()], x, oc) {
+                        for (k, v) in oc.iter_mut().enumerate() {
+                            *v = self.dot_row(first + k, x);
+                        }
+                    }
+                }
+            };
+            if out.len() * cols >= PAR_MIN_WORK {
+                let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
+                out.par_chunks_mut(chunk)
+                    .enumerate()
+                    .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
+            } else {
+                rows(row0, out);
+            }
+            return;
+        }
         // BF16 rows whose storage is 4-byte aligned are read as 32-bit words.
         let split = (self.dtype() == WeightDType::Bf16 && self.words_aligned()).then(|| SplitInput::new(x));
         let row = |r: usize| -> f32 {

@@ -454,6 +454,11 @@ impl Model {
         &self.head
     }
 
+    /// The embedding matrix `[V, D]`.
+    pub(crate) fn embedding_matrix(&self) -> &Mat {
+        &self.embed
+    }
+
     /// The embedding row of `id` (the reference's `embed.output`), `None`
     /// for an id outside the vocabulary.
     pub fn embed(&self, id: u32) -> Option<Vec<f32>> {

@@ -163,6 +163,13 @@ impl Mat {
         let start = self.offset + r * rb;
         &self.map[start..start + rb]
     }
+    /// Little-endian bytes of rows `r0..r0 + n` (bounds were validated at load).
+    #[inline]
+    pub fn rows_bytes(&self, r0: usize, n: usize) -> &[u8] {
+        let rb = self.dtype.row_len(self.cols);
+        let start = self.offset + r0 * rb;
+        &self.map[start..start + n * rb]
+    }
     /// The UE8M0 scale codes that apply to row `r`: for FP8 the scale row of
     /// block row `r / 128` (one code per 128 columns), for MXFP4 row `r`'s
     /// codes (one per 32 columns); empty for BF16/F32.

@@ -74,6 +74,64 @@ fn f32_profile_is_identical_across_thread_counts_and_runs() {
     assert_eq!(d, PINNED_F32, "f32 fixture trace digest changed");
 }
 
+#[test]
+fn portable_and_simd_kernels_give_the_pinned_digests() {
+    // The SIMD kernels (crate::kernels, chosen from the CPU's features) and
+    // the portable ones must agree bit for bit: the same pinned digests with
+    // SIMD switched off. (Other tests of this binary may run meanwhile on
+    // either kernel; their results cannot change either.)
+    use moeconf_reference_runtime::kernels::{kernel_name, set_portable_only};
+    let simd = kernel_name();
+    set_portable_only(true);
+    assert_eq!(kernel_name(), "portable");
+    let bf16 = trace_digest(&run(1, Precision::Bf16, &NativeCombine).1);
+    let f32 = trace_digest(&run(2, Precision::F32, &F32Combine).1);
+    set_portable_only(false);
+    assert_eq!(
+        bf16, PINNED_BF16,
+        "bf16 digest with portable kernels (SIMD kernel here: {simd})"
+    );
+    assert_eq!(
+        f32, PINNED_F32,
+        "f32 digest with portable kernels (SIMD kernel here: {simd})"
+    );
+}
+
+#[test]
+fn quantized_fixture_traces_identically_on_portable_and_simd_kernels() {
+    // The FP8 / MXFP4 SIMD kernels against the scalar ones, end to end on the
+    // quantized fixture (1 and 2 threads).
+    use moeconf_reference_runtime::kernels::set_portable_only;
+    use moeconf_reference_runtime::model::Model;
+    let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures");
+    let dir = moeconf_fixtures::ensure_builtin_in(moeconf_fixtures::BUILTIN_TINY_V4_FP8, &root).unwrap();
+    let model = Model::load(&dir).unwrap();
+    let run = |threads: usize, portable: bool| {
+        set_portable_only(portable);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let r = pool.install(|| {
+            let mut sink = MemorySink::all();
+            let opts = GenerateOptions {
+                max_new_tokens: 8,
+                precision: Precision::Bf16,
+                combine: &NativeCombine,
+                detokenizer: None,
+                allow_non_finite: false,
+            };
+            let g = model.generate(&prompt(5, 13), &opts, &mut sink).unwrap();
+            (g.tokens, trace_digest(&sink))
+        });
+        set_portable_only(false);
+        r
+    };
+    let simd = run(1, false);
+    assert_eq!(run(1, true), simd, "portable kernels differ");
+    assert_eq!(run(2, false), simd, "2 threads differ");
+}
+
 const PINNED_BF16: &str = "ac0779057e0a8b206e7fcd9ce5b3bb7874523d4c0fc994eef45e6acef516c412";
 const PINNED_F32: &str = "73166bf2902fe208bfb0dc21dced39b8ebd6328ffefaf734a57d80286c1e47a8";
 

@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod capture_thread;
 pub mod limits;
 
 use moeconf_contract::prompt_hash;
@@ -75,7 +76,9 @@ impl RunError {
     }
 }
 
-fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -> impl FnOnce(E) -> RunError {
+pub(crate) fn context<E: std::error::Error + Send + Sync + 'static>(
+    c: impl Into<String>,
+) -> impl FnOnce(E) -> RunError {
     let context = c.into();
     move |e| RunError::Context {
         context,
@@ -126,21 +129,48 @@ pub fn parse_capture(s: &str) -> Result<CaptureSpec, RunError> {
     CaptureSpec::parse(s).map_err(|m| RunError::Invalid(format!("--capture: {m}")))
 }
 
-/// A capture sink that appends to a trace.
+/// A capture sink that appends to a trace. By default the writer runs on
+/// a thread of its own ([`capture_thread`]): the trace's bytes are the same
+/// as with the writer on the runtime's thread ([`TraceSink::on_this_thread`]),
+/// only the hashing and writing overlap the forward pass.
 pub struct TraceSink {
-    writer: TraceWriter,
+    out: SinkWriter,
     spec: CaptureSpec,
 }
 
+/// Where a [`TraceSink`]'s writer runs.
+enum SinkWriter {
+    /// On the thread that records.
+    Here(Box<TraceWriter>),
+    /// On its own thread.
+    Thread(capture_thread::CaptureThread),
+}
+
 impl TraceSink {
-    /// Wraps a writer.
+    /// Wraps a writer, moving it to a writer thread (or keeping it on this
+    /// thread if no thread can be started).
     pub fn new(writer: TraceWriter, spec: CaptureSpec) -> Self {
-        TraceSink { writer, spec }
+        let out = match capture_thread::CaptureThread::spawn_or_return(writer) {
+            Ok(t) => SinkWriter::Thread(t),
+            Err(w) => SinkWriter::Here(w),
+        };
+        TraceSink { out, spec }
+    }
+
+    /// Wraps a writer that stays on the recording thread.
+    pub fn on_this_thread(writer: TraceWriter, spec: CaptureSpec) -> Self {
+        TraceSink {
+            out: SinkWriter::Here(Box::new(writer)),
+            spec,
+        }
     }
 
     /// Finishes the trace file.
     pub fn finish(self) -> Result<WriteSummary, RunError> {
-        Ok(self.writer.finish()?)
+        Ok(match self.out {
+            SinkWriter::Here(w) => w.finish()?,
+            SinkWriter::Thread(t) => t.finish()?,
+        })
     }
 }
 
@@ -151,10 +181,13 @@ impl CaptureSink for TraceSink {
 
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
         let keep = self.spec.keeps_payload(level) || tensor.bytes.len() <= SMALL_RECORD_BYTES;
-        self.writer
-            .append(coord, level, tensor, keep)
-            .map(|_| ())
-            .map_err(|e| CaptureError::new(error_chain(&e)))
+        match &mut self.out {
+            SinkWriter::Here(w) => w
+                .append(coord, level, tensor, keep)
+                .map(|_| ())
+                .map_err(|e| CaptureError::new(error_chain(&e))),
+            SinkWriter::Thread(t) => t.append(coord, level, tensor, keep).map_err(CaptureError::new),
+        }
     }
 }
 

@@ -101,9 +101,31 @@ pub struct BenchRuntimeArgs {
     /// against its exact BF16 dequantization `builtin:tiny-v4-fp8-bf16`, with their ratio.
     #[arg(long)]
     pub quantized: bool,
-    /// Decode steps per measurement.
-    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100000))]
-    pub decode_tokens: u32,
+    /// Instead of the fixture: generate (in a temporary directory, removed
+    /// afterwards) a checkpoint of DeepSeek-V4-Flash's per-layer dimensions
+    /// with FP8 dense projections and MXFP4 routed experts, and report decode
+    /// tokens/s, the weight bytes of one decode step, the measured memory
+    /// read bandwidth and the achieved fraction of the bandwidth bound. About
+    /// 2.3 GB of disk per layer plus 2.1 GB for embedding and head.
+    #[arg(long)]
+    pub real_width: bool,
+    /// Decoder layers of the --real-width checkpoint (2: CSA, HCA; 3: sliding, CSA, HCA;
+    /// 4: sliding, CSA, HCA, CSA).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=4))]
+    pub layers: u32,
+    /// --real-width with fewer routed experts per layer than V4-Flash's 256 (quicker to
+    /// generate; a decode step still reads 6 experts of the real size per layer).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(6..=256))]
+    pub experts: Option<u32>,
+    /// --real-width with a smaller vocabulary than V4-Flash's 129280 (a smaller head).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(16..=129280))]
+    pub vocab: Option<u32>,
+    /// Directory for the --real-width checkpoint (default: the system temporary directory).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Decode steps per measurement (default: 200 on the fixture, 8 with --real-width).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100000))]
+    pub decode_tokens: Option<u32>,
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub prompt_tokens: u32,
@@ -215,9 +237,18 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
+    if a.real_width {
+        let tokens = a.decode_tokens.unwrap_or(8);
+        let shrink = moeconf_runner::bench::RealWidthShrink {
+            experts: a.experts.map(|e| e as usize),
+            vocab: a.vocab.map(|v| v as usize),
+        };
+        let r = moeconf_bench::real_width(a.layers as usize, shrink, tokens, a.repeat, a.dir.as_ref())?;
+        return print(r, a.format);
+    }
     let opts = moeconf_runner::bench::RuntimeBenchOptions {
         prompt_tokens: a.prompt_tokens,
-        decode_tokens: a.decode_tokens,
+        decode_tokens: a.decode_tokens.unwrap_or(200),
         repeat: a.repeat,
     };
     print(moeconf_bench::runtime(&opts, a.large, a.quantized)?, a.format)

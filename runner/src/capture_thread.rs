@@ -1,0 +1,351 @@
+//! The trace writer on a thread of its own, so that canonicalizing, hashing
+//! and writing records overlap the forward pass instead of lengthening it.
+//!
+//! The runtime's thread copies each record (coordinate, level, dtype, shape
+//! and bytes) into a batch and hands full batches to the writer thread over
+//! a bounded channel; the writer thread appends them to the
+//! [`TraceWriter`] one by one, in the order they were emitted. The channel
+//! is first-in first-out and has one producer and one consumer, so the
+//! writer sees exactly the sequence of `append` calls a writer on the
+//! runtime's thread would see: the trace's bytes do not depend on how the
+//! two threads are scheduled (tests compare the files byte for byte).
+//!
+//! Errors: the writer thread stops at the first failed `append` (the
+//! writer then removes its temporary file) and keeps the error; the
+//! runtime's next record, or [`CaptureThread::finish`], reports it. A
+//! failed record is therefore reported up to one batch after it was
+//! emitted, with the writer's own message; nothing is ever written after
+//! it. Dropping an unfinished `CaptureThread` waits for the writer thread,
+//! so the temporary file is gone when the drop returns.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use moeconf_fingerprint::{Coord, DType, Level, TensorView};
+use moeconf_schema::{TraceError, TraceWriter, WriteSummary};
+
+/// Batches in flight between the threads (the runtime blocks when the
+/// writer falls this far behind).
+const IN_FLIGHT: usize = 4;
+/// A batch is handed over once it holds this many payload bytes ...
+const BATCH_BYTES: usize = 256 * 1024;
+/// ... or this many records.
+const BATCH_RECORDS: usize = 512;
+/// Payloads start at multiples of this in a batch's buffer (the
+/// canonicalization scan reads aligned words).
+const ALIGN: usize = 64;
+
+/// One record of a batch: everything `TraceWriter::append` takes, with the
+/// shape and bytes as ranges of the batch's buffers.
+struct Item {
+    coord: Coord,
+    level: Level,
+    dtype: DType,
+    shape: (usize, usize),
+    bytes: (usize, usize),
+    keep: bool,
+}
+
+/// Records in emission order and the buffers their shapes and bytes live in.
+#[derive(Default)]
+struct Batch {
+    items: Vec<Item>,
+    shapes: Vec<u64>,
+    data: Vec<u8>,
+}
+
+impl Batch {
+    fn clear(&mut self) {
+        self.items.clear();
+        self.shapes.clear();
+        self.data.clear();
+    }
+
+    fn push(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>, keep: bool) {
+        let s0 = self.shapes.len();
+        self.shapes.extend_from_slice(tensor.shape);
+        let b0 = self.data.len().next_multiple_of(ALIGN);
+        self.data.resize(b0, 0);
+        self.data.extend_from_slice(tensor.bytes);
+        self.items.push(Item {
+            coord,
+            level,
+            dtype: tensor.dtype,
+            shape: (s0, self.shapes.len()),
+            bytes: (b0, self.data.len()),
+            keep,
+        });
+    }
+
+    fn full(&self) -> bool {
+        self.data.len() >= BATCH_BYTES || self.items.len() >= BATCH_RECORDS
+    }
+}
+
+/// The first error of the writer thread, as the writer reported it, and
+/// a flag the runtime's thread checks on every record.
+#[derive(Default)]
+struct FailureState {
+    set: AtomicBool,
+    message: Mutex<Option<String>>,
+}
+
+type Failure = Arc<FailureState>;
+
+/// A [`TraceWriter`] running on its own thread, fed in emission order.
+pub struct CaptureThread {
+    batch: Batch,
+    tx: Option<SyncSender<Batch>>,
+    spare: Receiver<Batch>,
+    worker: Option<JoinHandle<Result<TraceWriter, TraceError>>>,
+    failure: Failure,
+}
+
+impl CaptureThread {
+    /// Moves `writer` to a new thread; gives it back if the operating
+    /// system refuses a thread.
+    pub fn spawn_or_return(writer: TraceWriter) -> Result<CaptureThread, Box<TraceWriter>> {
+        let (tx, rx) = sync_channel::<Batch>(IN_FLIGHT);
+        let (back, spare) = sync_channel::<Batch>(IN_FLIGHT + 2);
+        let failure: Failure = Arc::default();
+        let f = failure.clone();
+        // The writer goes to the thread through a slot it can be taken back from.
+        let slot = Arc::new(Mutex::new(Some(writer)));
+        let theirs = slot.clone();
+        let spawned = std::thread::Builder::new()
+            .name("moeconf-trace-writer".into())
+            .spawn(move || {
+                let w = match theirs.lock() {
+                    Ok(mut s) => s.take(),
+                    Err(p) => p.into_inner().take(),
+                };
+                match w {
+                    Some(w) => write_batches(w, rx, back, f),
+                    None => unreachable_writer(),
+                }
+            });
+        let worker = match spawned {
+            Ok(h) => Some(h),
+            Err(e) => {
+                let w = match slot.lock() {
+                    Ok(mut s) => s.take(),
+                    Err(p) => p.into_inner().take(),
+                };
+                // The closure never ran, so the writer is still in the slot;
+                // should it not be, every record reports why.
+                if let Some(w) = w {
+                    return Err(Box::new(w));
+                }
+                if let Ok(mut m) = failure.message.lock() {
+                    *m = Some(format!("could not start the trace writer thread: {e}"));
+                }
+                failure.set.store(true, Ordering::Release);
+                None
+            }
+        };
+        Ok(CaptureThread {
+            batch: Batch::default(),
+            tx: Some(tx),
+            spare,
+            worker,
+            failure,
+        })
+    }
+
+    /// The writer thread's first error, if it failed.
+    fn failed(&self) -> Option<String> {
+        if !self.failure.set.load(Ordering::Acquire) {
+            return None;
+        }
+        let m = match self.failure.message.lock() {
+            Ok(m) => m.clone(),
+            Err(p) => p.into_inner().clone(),
+        };
+        Some(m.unwrap_or_else(|| "the trace writer thread failed".to_string()))
+    }
+
+    /// Queues one record (copying its bytes). Fails with the writer's
+    /// message once the writer thread has failed.
+    pub fn append(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        keep: bool,
+    ) -> Result<(), String> {
+        if let Some(m) = self.failed() {
+            return Err(m);
+        }
+        self.batch.push(coord, level, tensor, keep);
+        if self.batch.full() {
+            self.hand_over()?;
+        }
+        Ok(())
+    }
+
+    /// Sends the current batch to the writer thread and starts a new one
+    /// (reusing a batch the writer has emptied, if there is one).
+    fn hand_over(&mut self) -> Result<(), String> {
+        let next = self.spare.try_recv().unwrap_or_default();
+        let full = std::mem::replace(&mut self.batch, next);
+        let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok()).unwrap_or(false);
+        if sent {
+            Ok(())
+        } else {
+            // The writer thread stopped: it failed (its error says why).
+            Err(self
+                .failed()
+                .unwrap_or_else(|| "the trace writer thread stopped".to_string()))
+        }
+    }
+
+    /// Hands over the last records, waits for the writer thread and
+    /// finishes the trace.
+    pub fn finish(mut self) -> Result<WriteSummary, TraceError> {
+        let pending = !self.batch.items.is_empty();
+        if pending {
+            // A failure is reported by the join below.
+            let _ = self.hand_over();
+        }
+        self.tx = None;
+        let writer = match self.worker.take().map(|w| w.join()) {
+            Some(Ok(r)) => r?,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => unreachable_writer()?,
+        };
+        writer.finish()
+    }
+}
+
+/// A `CaptureThread` always has its worker until `finish` or drop takes it.
+fn unreachable_writer() -> Result<TraceWriter, TraceError> {
+    Err(TraceError::Io {
+        path: std::path::PathBuf::new(),
+        what: "finishing the trace",
+        source: std::io::Error::other("the trace writer thread was already joined"),
+    })
+}
+
+impl Drop for CaptureThread {
+    fn drop(&mut self) {
+        // Unfinished: close the channel and wait, so the writer (and its
+        // temporary file) is gone when the drop returns.
+        self.tx = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The writer thread: appends every record of every batch in order, and
+/// returns the emptied batches for reuse. Stops at the first error.
+fn write_batches(
+    mut writer: TraceWriter,
+    rx: Receiver<Batch>,
+    back: SyncSender<Batch>,
+    failure: Failure,
+) -> Result<TraceWriter, TraceError> {
+    for mut batch in rx {
+        for item in batch.items.drain(..) {
+            let tensor = TensorView {
+                dtype: item.dtype,
+                shape: &batch.shapes[item.shape.0..item.shape.1],
+                bytes: &batch.data[item.bytes.0..item.bytes.1],
+            };
+            if let Err(e) = writer.append(item.coord, item.level, tensor, item.keep) {
+                let message = crate::error_chain(&e);
+                match failure.message.lock() {
+                    Ok(mut f) => *f = Some(message),
+                    Err(p) => *p.into_inner() = Some(message),
+                }
+                failure.set.store(true, Ordering::Release);
+                return Err(e);
+            }
+        }
+        batch.clear();
+        let _ = back.try_send(batch);
+    }
+    Ok(writer)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{parse_capture, TraceSink};
+    use moeconf_contract::NativeCombine;
+    use moeconf_fingerprint::Algorithm;
+    use moeconf_reference_runtime::capture::CaptureSink;
+    use moeconf_reference_runtime::generate::GenerateOptions;
+    use moeconf_reference_runtime::model::Model;
+    use moeconf_reference_runtime::precision::Precision;
+    use moeconf_schema::{Header, TraceWriter};
+    use std::path::Path;
+
+    /// A greedy run of `tokens` tokens into `path`, through the writer
+    /// thread or on this thread; `header_tokens` is the binding's
+    /// `max_new_tokens` (a smaller value makes the writer refuse a record).
+    fn run(
+        model: &Model,
+        path: &Path,
+        threaded: bool,
+        tokens: u32,
+        header_tokens: u32,
+    ) -> Result<(), String> {
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = header_tokens;
+        let w = TraceWriter::create(path, Algorithm::Blake3, header).map_err(|e| e.to_string())?;
+        let spec = parse_capture("all").map_err(|e| e.to_string())?;
+        let mut sink = if threaded {
+            TraceSink::new(w, spec)
+        } else {
+            TraceSink::on_this_thread(w, spec)
+        };
+        let opts = GenerateOptions {
+            max_new_tokens: tokens as usize,
+            precision: Precision::Bf16,
+            combine: &NativeCombine,
+            detokenizer: None,
+            allow_non_finite: false,
+        };
+        model
+            .generate(&[1, 2, 3, 4, 5], &opts, &mut sink as &mut dyn CaptureSink)
+            .map_err(|e| crate::error_chain(&e))?;
+        sink.finish().map(|_| ()).map_err(|e| crate::error_chain(&e))
+    }
+
+    #[test]
+    fn the_writer_thread_writes_the_same_bytes_as_the_recording_thread() {
+        let dir = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").unwrap();
+        let model = Model::load(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("here.bin"), tmp.path().join("thread.bin"));
+        run(&model, &a, false, 6, 6).unwrap();
+        run(&model, &b, true, 6, 6).unwrap();
+        let (x, y) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        assert!(x.len() > 1 << 20, "a trace with payloads ({} bytes)", x.len());
+        assert!(x == y, "the two traces differ");
+    }
+
+    #[test]
+    fn a_record_the_writer_refuses_fails_the_run_and_leaves_no_file() {
+        let dir = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").unwrap();
+        let model = Model::load(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let mut messages = Vec::new();
+        for threaded in [false, true] {
+            let out = tmp.path().join("refused.bin");
+            // The binding allows steps 0..2; step 2's first record is refused.
+            let e = run(&model, &out, threaded, 5, 2).unwrap_err();
+            assert!(e.contains("max_new_tokens"), "{e}");
+            let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+            assert!(left.is_empty(), "files left behind: {left:?}");
+            messages.push(e);
+        }
+        // The same writer message, whichever thread the writer ran on.
+        assert!(
+            messages[1].ends_with(&messages[0]) || messages[0].ends_with(&messages[1]),
+            "{messages:?}"
+        );
+    }
+}
