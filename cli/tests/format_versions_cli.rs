@@ -235,3 +235,81 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
     let o = moeconf(d, &["diff", s(&r1), s(&r2)]);
     assert_eq!(code(&o), 0, "{}", stdout(&o));
 }
+
+/// Every `.bin` under `dir` (recursively), sorted.
+fn bins_under(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            bins_under(&p, out);
+        } else if p.extension().is_some_and(|e| e == "bin") {
+            out.push(p);
+        }
+    }
+}
+
+/// The shipped version 1 traces (every `.bin` of `fixtures/` that opens as
+/// version 1) read and diff exactly as their `moeconf convert` to version 2:
+/// `diff`, `gate` and `inspect` print the same JSON of the same records for
+/// a version 1 pair, a version 2 pair and both mixed pairs.
+#[test]
+fn every_version_1_fixture_diffs_the_same_as_its_conversion() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join(".git")).unwrap();
+    let mut bins = Vec::new();
+    bins_under(&repo_root().join("fixtures"), &mut bins);
+    let v1s: Vec<PathBuf> = bins
+        .into_iter()
+        .filter(|p| Trace::open_verified(p).is_ok_and(|t| t.format_version() == 1))
+        .collect();
+    assert!(
+        v1s.iter().any(|p| p.ends_with("test-vectors/minimal-trace.bin")),
+        "the version 1 test vector is among the fixtures: {v1s:?}"
+    );
+    for (n, fixture) in v1s.iter().enumerate() {
+        // A copy, so that both sides of a pair are distinct paths.
+        let (a1, b1) = (d.join(format!("a1-{n}.bin")), d.join(format!("b1-{n}.bin")));
+        std::fs::copy(fixture, &a1).unwrap();
+        std::fs::copy(fixture, &b1).unwrap();
+        let (a2, b2) = (d.join(format!("a2-{n}.bin")), d.join(format!("b2-{n}.bin")));
+        convert(d, fixture, &a2, "2");
+        convert(d, fixture, &b2, "2");
+        assert_eq!(Trace::open_verified(&a2).unwrap().format_version(), 2);
+        let v2: [&Path; 2] = [&a2, &b2];
+        for (r, c) in [(&a1, &b1), (&a1, &b2), (&a2, &b1)] {
+            let names: [&Path; 2] = [r, c];
+            for args in [
+                vec!["diff", "--format", "json"],
+                vec!["diff"],
+                vec!["gate", "--format", "json"],
+            ] {
+                let mut a = args.clone();
+                a.extend([s(r), s(c)]);
+                let got = moeconf(d, &a);
+                let mut b = args.clone();
+                b.extend([s(&a2), s(&b2)]);
+                let want = moeconf(d, &b);
+                assert_eq!(code(&want), 0, "{} {b:?}: {}", fixture.display(), stderr(&want));
+                assert_eq!(code(&got), 0, "{} {a:?}: {}", fixture.display(), stderr(&got));
+                assert_eq!(
+                    renamed(&stdout(&got), &names, &v2),
+                    stdout(&want),
+                    "{} {a:?}",
+                    fixture.display()
+                );
+            }
+        }
+        let j = |p: &Path| -> serde_json::Value {
+            let o = moeconf(d, &["inspect", s(p), "--format", "json"]);
+            assert_eq!(code(&o), 0, "{}", stderr(&o));
+            let mut v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+            for k in ["file", "file_bytes", "format_version"] {
+                v.as_object_mut().unwrap().remove(k);
+            }
+            v
+        };
+        assert_eq!(j(&a1), j(&a2), "{}", fixture.display());
+    }
+}
