@@ -13,7 +13,7 @@
 
 use moeconf_fingerprint::catalogue::ExecKey;
 use moeconf_fingerprint::{Component, Level};
-use moeconf_schema::{GroupNode, IndexEntry, LevelNode, StepNode, Trace, TraceError};
+use moeconf_schema::{GroupNode, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError};
 use std::cell::RefCell;
 use std::cmp::Ordering;
 
@@ -141,16 +141,25 @@ impl<'a> Sides<'a> {
 
     /// The union of step numbers of both trees, ascending.
     pub fn steps(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = self
-            .r
-            .steps()
-            .iter()
-            .chain(self.c.steps())
-            .map(|s| s.step)
-            .collect();
-        v.sort_unstable();
-        v.dedup();
-        v
+        self.paired_steps().map(|(step, _, _)| step).collect()
+    }
+
+    /// The union of the steps of both trees, ascending, with each side's
+    /// summary of the step (`None` on a side without it): a merge of the
+    /// two ascending step lists, no search.
+    fn paired_steps(&self) -> impl Iterator<Item = (u32, Option<&'a StepSummary>, Option<&'a StepSummary>)> {
+        let (mut rs, mut cs) = (self.r.steps().iter().peekable(), self.c.steps().iter().peekable());
+        std::iter::from_fn(move || {
+            let step = match (rs.peek(), cs.peek()) {
+                (Some(a), Some(b)) => a.step.min(b.step),
+                (Some(a), None) => a.step,
+                (None, Some(b)) => b.step,
+                (None, None) => return None,
+            };
+            let a = rs.next_if(|s| s.step == step);
+            let b = cs.next_if(|s| s.step == step);
+            Some((step, a, b))
+        })
     }
 
     /// Both sides' level nodes of `level` at `step`.
@@ -190,11 +199,15 @@ impl<'a> Sides<'a> {
         }
     }
 
-    /// Steps (ascending) at which `level` differs.
+    /// Steps (ascending) at which `level` differs. Steps whose digests are
+    /// equal on both sides are passed over from the roots' summaries.
     pub fn differing_steps(&self, level: Level) -> Vec<u32> {
-        self.steps()
-            .into_iter()
-            .filter(|&s| self.level_differs(s, level))
+        self.paired_steps()
+            .filter(|&(step, a, b)| match (a, b) {
+                (Some(a), Some(b)) if a.digest == b.digest => false,
+                _ => self.level_differs(step, level),
+            })
+            .map(|(step, _, _)| step)
             .collect()
     }
 
