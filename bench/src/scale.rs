@@ -322,6 +322,8 @@ struct Row {
     steps: u32,
     file_bytes: u64,
     write_seconds: f64,
+    /// User + system CPU seconds of the slower of the two writers.
+    write_cpu_seconds: Option<f64>,
     write_peak_rss: Option<u64>,
     compare_seconds: f64,
     compare_cpu_seconds: Option<f64>,
@@ -340,6 +342,14 @@ struct Row {
 fn min_opt(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) | (None, x) => x,
+    }
+}
+
+/// The larger of two optional values.
+fn max_opt(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.max(y)),
         (x, None) | (None, x) => x,
     }
 }
@@ -418,6 +428,7 @@ pub fn scale(o: &ScaleOptions) -> Result<BenchReport, BenchError> {
                 dir.display()
             );
             let mut write_seconds = 0.0f64;
+            let mut write_cpu_seconds: Option<f64> = None;
             let mut write_peak_rss = None;
             for (p, changed) in [(&rp, false), (&cp, true)] {
                 let mut cmd = Command::new(&o.exe);
@@ -428,6 +439,7 @@ pub fn scale(o: &ScaleOptions) -> Result<BenchReport, BenchError> {
                 }
                 let c = measure(&mut cmd, "writing a synthetic trace")?;
                 write_seconds = write_seconds.max(c.seconds);
+                write_cpu_seconds = max_opt(write_cpu_seconds, c.cpu_seconds);
                 write_peak_rss = write_peak_rss.max(c.peak_rss);
             }
             let file_bytes = std::fs::metadata(&rp)
@@ -497,6 +509,7 @@ pub fn scale(o: &ScaleOptions) -> Result<BenchReport, BenchError> {
                 steps,
                 file_bytes,
                 write_seconds,
+                write_cpu_seconds,
                 write_peak_rss,
                 compare_seconds,
                 compare_cpu_seconds,
@@ -565,7 +578,7 @@ fn report(
          CPUs, load average {} before, {} after\n\
          wall: elapsed seconds; cpu: user + system seconds (what the scheduler gave, whatever the load); \
          starting the binary (`moeconf --version`) takes {} s wall / {} s cpu of every `moeconf diff`\n\n\
-         \x20   records  steps  file MiB  write s  write RSS MiB   memcmp wall/cpu s     cmp -l wall/cpu s       \
+         \x20   records  steps  file MiB  write wall/cpu s  write RSS MiB   memcmp wall/cpu s     cmp -l wall/cpu s       \
          diff wall/cpu s   diff/cmp wall/cpu   diff RSS MiB   in-process diff wall/cpu s  /cmp wall/cpu\n",
         load.0.map_or("-".into(), |l| format!("{l:.2}")),
         load.1.map_or("-".into(), |l| format!("{l:.2}")),
@@ -580,12 +593,13 @@ fn report(
     for r in rows {
         let (cw, cc) = (r.cmp.map(|c| c.0), r.cmp.and_then(|c| c.1));
         text.push_str(&format!(
-            "{:>11} {:>6} {:>9.1} {:>8.2} {:>14} {:>9.4} / {:<8} {:>9} / {:<8} {:>9.4} / {:<8} {:>8} / {:<7} {:>12} \
+            "{:>11} {:>6} {:>9.1} {:>8.2} / {:<6} {:>14} {:>9.4} / {:<8} {:>9} / {:<8} {:>9.4} / {:<8} {:>8} / {:<7} {:>12} \
              {:>9.4} / {:<8}  {:>7} / {:<7}\n",
             r.records,
             r.steps,
             r.file_bytes as f64 / f64::from(1 << 20),
             r.write_seconds,
+            r.write_cpu_seconds.map_or("-".into(), |c| format!("{c:.2}")),
             mib_text(r.write_peak_rss),
             r.compare_seconds,
             sec(r.compare_cpu_seconds),
@@ -633,6 +647,7 @@ fn report(
             "steps": r.steps,
             "file_bytes": r.file_bytes,
             "write_seconds": r.write_seconds,
+            "write_cpu_seconds": r.write_cpu_seconds,
             "write_peak_rss_mib": mib(r.write_peak_rss),
             "byte_compare_seconds": r.compare_seconds,
             "byte_compare_cpu_seconds": r.compare_cpu_seconds,
