@@ -238,7 +238,10 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
 
 /// Every `.bin` under `dir` (recursively), sorted.
 fn bins_under(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     entries.sort();
     for p in entries {
         if p.is_dir() {
