@@ -462,6 +462,10 @@ impl TraceWriter {
         let step = *step;
         let entries = std::mem::take(pending);
         keys.clear();
+        // Only this step's entries share the interned paths and shapes; a
+        // shape that grows with the position (a cache's length) would
+        // otherwise keep one allocation per step for the whole run.
+        self.interner = Interner::new();
         if entries.is_empty() {
             return Ok(());
         }
