@@ -15,7 +15,7 @@ use crate::report::*;
 use crate::storage::Rounding;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
-use moeconf_fingerprint::catalogue::{Presence, ValueKind};
+use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Recomputed, Trace, TraceError, Verification};
 use std::cell::RefCell;
@@ -196,6 +196,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     let first_divergence = cx.first_divergence(&divergences, &levels.l4);
     let storage_precision = cx.storage_groups(&found.storage);
     let one_side_only = cx.one_sided_groups();
+    let quantization_one_side = cx.quantized_one_sided_groups();
     let compared_levels: Vec<Level> = compared.iter().collect();
     let summary = summary_line(
         verdict,
@@ -226,6 +227,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         rest: found.rest.name().into(),
         storage_precision,
         one_side_only,
+        quantization_one_side,
         levels,
         summary,
     })
@@ -333,7 +335,9 @@ fn summary_line(
                 "first divergence: {}",
                 place(&f.level, f.step, f.position, f.layer, &f.operator)
             );
-            if f.present_in != "both" {
+            if f.present_in != "both" && crate::quantization::is_site(&f.operator) {
+                s.push_str(&format!(" (quantized by the {} only)", f.present_in));
+            } else if f.present_in != "both" {
                 s.push_str(&format!(" (only in the {})", f.present_in));
             }
             if let Some(side) = divergences.first().and_then(|d| d.recomputed.as_deref()) {
@@ -341,9 +345,17 @@ fn summary_line(
                 s.push_str(&format!(" (recomputed by the capture on {by})"));
             }
             if let Some(d) = divergences.first() {
-                // Said only when the match rests on more than bitwise
-                // equality of observed values.
-                if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                if let Some(c) = &d.coverage {
+                    // Partial coverage: the operator cannot be separated
+                    // from inputs one trace did not capture.
+                    s.push_str(&format!(
+                        ", localization ends here at {} ({})",
+                        c.finest_level,
+                        crate::coverage::needed_words(c)
+                    ));
+                } else if let (Some(n), true) = (&d.inputs_note, d.inputs_match) {
+                    // Said only when the match rests on more than bitwise
+                    // equality of observed values.
                     s.push_str(&format!(", inputs match ({n})"));
                 }
             }
@@ -551,9 +563,23 @@ impl Ctx<'_> {
             inputs_match: e.inputs_match,
             inputs_note: inputs_note(&e.inputs),
             layer_kind: self.layer_kind_of(e.pair),
-            comparison: self.comparison(e.pair)?,
+            comparison: match self.identity_pair(e.pair) {
+                // A site one side alone quantizes: against what the other
+                // side reads instead.
+                Some(q) => self.comparison(q)?,
+                None => self.comparison(e.pair)?,
+            },
             beyond_storage_precision: self.beyond_storage(e.pair)?,
             recomputed: self.recomputed_side(&[e.pair]),
+            coverage: self.s.entry(e.pair).and_then(|en| {
+                self.coverage_limit(
+                    en.coord.step,
+                    en.coord.layer,
+                    en.coord.position,
+                    &en.coord.path,
+                    en.level,
+                )
+            }),
             at,
         }))
     }
@@ -996,7 +1022,11 @@ impl Ctx<'_> {
             inputs,
             inputs_match,
             layer_kind: self.layer_kind_of(p),
-            comparison: self.comparison(p)?,
+            comparison: match self.identity_pair(p) {
+                Some(q) => self.comparison(q)?,
+                None => self.comparison(p)?,
+            },
+            coverage: self.coverage_limit(step, layer, position, &at.path, e.level),
             at,
         });
         Ok(rep)
@@ -1027,6 +1057,10 @@ impl Ctx<'_> {
                 .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
             let status = if !pairs.is_empty() {
                 self.pairs_status(&pairs)
+            } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
+                // A quantization site neither execution has (both profiles
+                // are known): not an input of this operator here.
+                continue;
             } else if !self.compared.contains(spec.level) {
                 "not_captured"
             } else {
@@ -1039,7 +1073,7 @@ impl Ctx<'_> {
                 };
                 match (applies, component.map(|c| c.spec().presence)) {
                     (Some(false), _) => "not_applicable",
-                    (_, Some(Presence::OnEmit)) => "not_emitted",
+                    (_, Some(p)) if p.is_on_emit() => "not_emitted",
                     _ => "not_captured",
                 }
             };

@@ -14,6 +14,7 @@
 use crate::diff::Ctx;
 use crate::error::BisectError;
 use crate::operators::is_checkpoint;
+use crate::quantization::status_differs;
 use crate::report::{DivergenceKind, InputCheck};
 use crate::storage::Rounding;
 use crate::walk::Pair;
@@ -183,7 +184,7 @@ impl Ctx<'_> {
         let (inputs, ok) = match (catalogue_inputs, e.coord.layer) {
             (true, layer) => {
                 let checks = self.check_inputs(e.coord.step, layer, e.coord.position, &e.coord.path);
-                let ok = !checks.iter().any(|c| c.status == "differ");
+                let ok = !checks.iter().any(|c| status_differs(&c.status));
                 (checks, ok)
             }
             (false, _) => (Vec::new(), !seen.explains(&key, component)),
@@ -309,9 +310,11 @@ impl Ctx<'_> {
                     out.rest = Rest::Limit;
                     return Ok(out);
                 }
-                if p.r.is_none() || p.c.is_none() {
+                if (p.r.is_none() || p.c.is_none()) && self.quantized_by(p).is_none() {
                     // Held by one side only: a coverage difference, listed
-                    // in the report's `one_side_only`, not a divergence.
+                    // in the report's `one_side_only`, not a divergence
+                    // (unless it is a quantization site the other side's
+                    // profile does not have: `crate::quantization`).
                     continue;
                 }
                 if let Some(r) = self.storage_checked(p)? {
@@ -385,12 +388,13 @@ impl Ctx<'_> {
     fn localize(&self, recs: &[Pair]) -> Result<Option<(Pair, Vec<InputCheck>, bool)>, BisectError> {
         let mut first = None;
         for &p in recs {
-            if p.r.is_none() || p.c.is_none() || self.storage_checked(p)?.is_some() {
+            let one_sided = p.r.is_none() || p.c.is_none();
+            if (one_sided && self.quantized_by(p).is_none()) || self.storage_checked(p)?.is_some() {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
             let checks = self.check_inputs(e.coord.step, e.coord.layer, e.coord.position, &e.coord.path);
-            let ok = !checks.iter().any(|c| c.status == "differ");
+            let ok = !checks.iter().any(|c| status_differs(&c.status));
             if ok {
                 return Ok(Some((p, checks, true)));
             }

@@ -51,6 +51,7 @@ mod bench;
 pub mod certify;
 mod comparability;
 mod contract_report;
+mod coverage;
 mod diff;
 mod divergence;
 mod error;
@@ -61,6 +62,7 @@ mod numeric;
 mod operators;
 mod pairing;
 mod passed;
+mod quantization;
 mod render;
 mod report;
 mod storage;
@@ -70,6 +72,7 @@ mod walk;
 pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
+pub use coverage::{not_captured_reason, NOT_CAPTURED_NOTE};
 pub use diff::{diff, open_pair, open_pair_with, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
@@ -89,10 +92,10 @@ pub use numeric::{
 pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
-    BeyondStorage, ContractReport, DiffReport, Divergence, DivergenceKind, FirstDivergence, InputCheck,
-    L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized, OneSided,
-    RecordRef, RouteDivergence, StateComponent, StateLayer, StoragePrecision, TextOp, TextPosition,
-    TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
+    BeyondStorage, ContractReport, CoverageLimit, DiffReport, Divergence, DivergenceKind, FirstDivergence,
+    InputCheck, L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus, Levels, Localized,
+    NeededRecord, OneSided, RecordRef, RouteDivergence, StateComponent, StateLayer, StoragePrecision, TextOp,
+    TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,

@@ -208,19 +208,45 @@ mod tests {
                 s(L4, "attn.hc_comb", 0)
             ]
         );
-        for p in ["attn.q", "attn.kv"] {
-            assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4)], "{p}");
-        }
+        assert_eq!(
+            inputs_of("attn.q", 4),
+            vec![
+                s(L4, "attn.norm", 4),
+                s(L4, "attn.norm_fp8", 4),
+                s(L4, "attn.q_lat_fp8", 4)
+            ]
+        );
+        assert_eq!(
+            inputs_of("attn.kv", 4),
+            vec![s(L4, "attn.norm", 4), s(L4, "attn.norm_fp8", 4)]
+        );
+        // The quantization sites read the tensor they quantize.
+        assert_eq!(inputs_of("attn.norm_fp8", 4), vec![s(L4, "attn.norm", 4)]);
+        assert_eq!(inputs_of("attn.kv_fp8", 4), vec![s(L4, "attn.kv", 4)]);
+        assert_eq!(inputs_of("attn.o_lat_fp8", 4), vec![s(L4, "attn.core", 4)]);
+        assert_eq!(inputs_of("ffn.norm_fp8", 4), vec![s(L4, "ffn.norm", 4)]);
+        assert_eq!(
+            inputs_of("moe.shared_h_fp8", 4),
+            vec![s(L4, "ffn.norm", 4), s(L4, "ffn.norm_fp8", 4)]
+        );
         for p in ["attn.compressed", "attn.indexer_compressed"] {
             assert_eq!(inputs_of(p, 4), vec![s(L4, "attn.norm", 4), carried(4)], "{p}");
         }
         assert_eq!(
             inputs_of("attn.indexer_read", 2),
-            vec![s(L4, "attn.indexer_compressed", 2), carried(2)]
+            vec![
+                s(L4, "attn.indexer_compressed", 2),
+                s(L4, "attn.indexer_compressed_fp4", 2),
+                carried(2)
+            ]
         );
         assert_eq!(
             inputs_of("attn.indexer_scores", 2),
-            vec![s(L4, "attn.norm", 2), s(L4, "attn.indexer_read", 2)]
+            vec![
+                s(L4, "attn.norm", 2),
+                s(L4, "attn.indexer_read", 2),
+                s(L4, "attn.indexer_q_fp4", 2)
+            ]
         );
         assert_eq!(
             inputs_of("attn.indexer_topk", 2),
@@ -228,12 +254,13 @@ mod tests {
         );
         assert_eq!(
             inputs_of("attn.window_read", 2),
-            vec![s(L4, "attn.kv", 2), carried(2)]
+            vec![s(L4, "attn.kv", 2), s(L4, "attn.kv_fp8", 2), carried(2)]
         );
         assert_eq!(
             inputs_of("attn.compressed_read", 2),
             vec![
                 s(L4, "attn.compressed", 2),
+                s(L4, "attn.compressed_fp8", 2),
                 s(L4, "attn.indexer_topk", 2),
                 carried(2)
             ]
@@ -271,8 +298,10 @@ mod tests {
             inputs_of("moe.term.3", 5),
             vec![
                 s(L4, "ffn.norm", 5),
+                s(L4, "ffn.norm_fp8", 5),
                 s(L3, "router.topk", 5),
-                s(L3, "router.gates", 5)
+                s(L3, "router.gates", 5),
+                s(L4, "moe.term_h_fp8.", 5)
             ]
         );
         assert_eq!(
@@ -287,7 +316,7 @@ mod tests {
         assert!(inputs_of("lm.logits", 0).is_empty());
         assert!(inputs_of("state.window_kv", 0).is_empty());
         assert!(inputs_of("attn.custom", 0).is_empty());
-        assert_eq!(inputs_of("moe.term.x", 1).len(), 3);
+        assert_eq!(inputs_of("moe.term.x", 1).len(), 5);
         assert_eq!(
             describe_input(&carried(4)),
             "state.* (layer 4, previous decode boundary)"

@@ -35,7 +35,7 @@ pub(crate) fn inputs_note(inputs: &[InputCheck]) -> Option<String> {
     }
     let recomputed: Vec<String> = inputs
         .iter()
-        .filter(|i| i.status != "differ")
+        .filter(|i| !crate::quantization::status_differs(&i.status))
         .filter_map(|i| {
             let side = i.recomputed.as_deref()?;
             let by = if side == "both" {
@@ -99,6 +99,9 @@ impl Ctx<'_> {
                 continue;
             }
             if p.r.is_none() || p.c.is_none() {
+                if self.quantized_by(p).is_some() {
+                    return crate::quantization::QUANTIZED_ONE_SIDE;
+                }
                 one_side = true;
             } else if self.storage_of(p).is_some() {
                 storage = true;
@@ -179,6 +182,11 @@ impl Ctx<'_> {
     pub(crate) fn one_sided_groups(&self) -> Vec<OneSided> {
         let mut out: Vec<OneSided> = Vec::new();
         for p in self.one_sided() {
+            if self.quantized_by(p).is_some() {
+                // A quantization site the other side does not have: a
+                // difference of execution, reported apart.
+                continue;
+            }
             let Some(e) = self.s.entry(p) else { continue };
             let component = component_name(&e.coord.path);
             let side = if p.r.is_some() { "reference" } else { "candidate" };

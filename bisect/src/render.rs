@@ -178,6 +178,9 @@ fn input_status(status: &str) -> &str {
         "not_emitted" => "none emitted at this position",
         "storage_precision" => "match up to storage precision",
         "one_side" => "held by one side only (not compared)",
+        "quantized_one_side" => {
+            "quantized by one side only (the other side's precision profile has no quantization sites)"
+        }
         s => s,
     }
 }
@@ -259,6 +262,8 @@ impl DiffReport {
                 }
                 let only = if f.present_in == "both" {
                     String::new()
+                } else if crate::quantization::is_site(&f.operator) {
+                    format!(", {}", self.quantized_only_words(&f.present_in))
                 } else {
                     format!(", held only by the {}", f.present_in)
                 };
@@ -306,6 +311,15 @@ impl DiffReport {
                 o,
                 "  {label}  {}  (runtime {}, precision {}, contract {}, schedule {}; {} records, {} steps)",
                 t.path, t.runtime, t.precision, t.contract, t.schedule, t.records, t.steps
+            );
+        }
+        if self.reference.precision != self.candidate.precision {
+            let _ = writeln!(
+                o,
+                "  {} the reference ran precision profile {}, the candidate {}: their numerics differ by design (docs/operators.md §1), so the traces part where the two profiles first compute differently",
+                st.bold("different precision profiles:"),
+                self.reference.precision,
+                self.candidate.precision
             );
         }
         for d in &self.comparability.expected_differences {
@@ -376,6 +390,27 @@ impl DiffReport {
                 );
             }
         }
+        if !self.quantization_one_side.is_empty() {
+            let _ = writeln!(o);
+            let _ = writeln!(
+                o,
+                "{}: {} component(s) (reference precision {}, candidate precision {}; the side without them computes the identity there)",
+                st.bold("Quantization sites held by one side only"),
+                self.quantization_one_side.len(),
+                self.reference.precision,
+                self.candidate.precision
+            );
+            for g in &self.quantization_one_side {
+                let _ = writeln!(
+                    o,
+                    "   {} only in the {}: {} records, first {}",
+                    st.bold(&g.component),
+                    g.present_in,
+                    g.records,
+                    g.first.describe()
+                );
+            }
+        }
         if !self.one_side_only.is_empty() {
             let _ = writeln!(o);
             let _ = writeln!(
@@ -399,6 +434,18 @@ impl DiffReport {
 }
 
 impl DiffReport {
+    /// `quantized by the reference only (the candidate's precision profile
+    /// bf16 has no quantization sites)`: a headline at a quantization site
+    /// one side alone holds.
+    pub(crate) fn quantized_only_words(&self, present_in: &str) -> String {
+        let (other, precision) = if present_in == "reference" {
+            ("candidate", &self.candidate.precision)
+        } else {
+            ("reference", &self.reference.precision)
+        };
+        format!("quantized by the {present_in} only (the {other}'s precision profile {precision} has no quantization sites)")
+    }
+
     /// Every divergence in execution order, each with its kind and the
     /// checkpoint that decides it.
     fn render_divergences(&self, o: &mut String, st: &Style) {
@@ -445,7 +492,14 @@ impl DiffReport {
                 d.at.level,
                 how
             );
-            if !d.inputs_match {
+            if let Some(c) = &d.coverage {
+                let _ = writeln!(
+                    o,
+                    "      localization ends at this record ({}, the finest level both traces captured here): {}; its operator cannot be separated from these inputs",
+                    c.finest_level,
+                    crate::coverage::needed_words(c)
+                );
+            } else if !d.inputs_match {
                 let _ = writeln!(o, "      (some of its inputs differ too)");
             } else if let Some(n) = &d.inputs_note {
                 let _ = writeln!(o, "      inputs match ({n})");
@@ -706,15 +760,34 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
             o,
             "   localized operator: {} — {}",
             st.bold(&loc.at.describe()),
-            match (loc.inputs_match, &loc.inputs_note) {
-                (true, None) => "its output differs while its inputs match".to_string(),
-                (true, Some(n)) => format!("its output differs while its inputs match ({n})"),
-                (false, _) => "first differing operator (some inputs differ too)".to_string(),
+            match (&loc.coverage, loc.inputs_match, &loc.inputs_note) {
+                (Some(c), true, _) => format!(
+                    "localization ends here, at {} (the finest level both traces captured): its output differs, the inputs both traces hold match, and {}",
+                    c.finest_level,
+                    crate::coverage::needed_words(c)
+                ),
+                (None, true, None) => "its output differs while its inputs match".to_string(),
+                (None, true, Some(n)) => format!("its output differs while its inputs match ({n})"),
+                (_, false, _) => "first differing operator (some inputs differ too)".to_string(),
             }
         );
         let ins: Vec<String> = loc.inputs.iter().map(input_words).collect();
         if !ins.is_empty() {
             let _ = writeln!(o, "   inputs: {}", ins.join("; "));
+        }
+        if let Some(c) = &loc.coverage {
+            for n in &c.needed {
+                let why = n
+                    .reason
+                    .as_deref()
+                    .map(|r| format!(" (its capture says: {r})"))
+                    .unwrap_or_default();
+                let _ = writeln!(
+                    o,
+                    "   to localize further, the {} must capture {} ({} record(s) on the other side){why}",
+                    n.missing_in, n.record, n.held_by_other
+                );
+            }
         }
         if let Some(k) = &loc.layer_kind {
             let _ = writeln!(o, "   layer kind: {}", layer_kind_words(k));

@@ -176,6 +176,36 @@ pub struct Divergence {
     /// many values still differ after rounding the finer side with R_BF16
     /// (the part of the difference storage precision does not explain).
     pub beyond_storage_precision: Option<BeyondStorage>,
+    /// When one trace did not capture some of its inputs: localization ends
+    /// here, and these records would be needed to go further (`null`: both
+    /// traces hold every input).
+    pub coverage: Option<CoverageLimit>,
+}
+
+/// Where localization ends because one trace did not capture some inputs of
+/// the localized record (a backend that computes them inside a fused kernel,
+/// a capture that cannot observe them): the record's operator cannot be
+/// separated from those inputs (docs/diff.md "Partial coverage").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CoverageLimit {
+    /// The record's level (`L4`, `L3`): the finest level both traces captured at this site.
+    pub finest_level: String,
+    /// The records that would be needed to localize further.
+    pub needed: Vec<NeededRecord>,
+}
+
+/// One record a trace lacks that localization needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NeededRecord {
+    /// The input, e.g. `attn.window_read (layer 0)`.
+    pub record: String,
+    /// `candidate` or `reference`: the trace that lacks it.
+    pub missing_in: String,
+    /// How many of its records the other trace holds here.
+    pub held_by_other: u64,
+    /// Why the lacking trace's capture did not record it (its
+    /// `moeconf.not_captured` provenance note), if it says.
+    pub reason: Option<String>,
 }
 
 /// The part of a difference that storage precision does not explain.
@@ -457,6 +487,10 @@ pub struct Localized {
     pub layer_kind: Option<LayerKind>,
     /// How the output compares, worded by what its values mean.
     pub comparison: Option<ValueComparison>,
+    /// When one trace did not capture some of its inputs: localization ends
+    /// at this record (the finest level both captured) and these records
+    /// would be needed to go further (`null`: both traces hold every input).
+    pub coverage: Option<CoverageLimit>,
 }
 
 /// Contract inference at the localized `moe.combine`.
@@ -587,6 +621,12 @@ pub struct DiffReport {
     /// (a coverage difference: the traces are not equivalent; the walk does
     /// not count them as divergences).
     pub one_side_only: Vec<OneSided>,
+    /// Activation-quantization sites held by one trace only whose other
+    /// trace's precision profile has no quantization sites, by component: a
+    /// difference of execution (the other side computes the identity there),
+    /// localized to the first such site whose inputs match; not listed in
+    /// `one_side_only`.
+    pub quantization_one_side: Vec<OneSided>,
     /// One object per level.
     pub levels: Levels,
     /// The one-line summary printed last.

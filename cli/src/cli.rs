@@ -81,6 +81,10 @@ pub enum Command {
     /// `calibrate --shard I/N` run into exactly the unsharded outputs
     /// (docs/scale.md: Slurm, Kubernetes and GitHub Actions recipes).
     Merge(cmd::merge::MergeArgs),
+    /// Export a model for another backend: `moeconf export gguf` writes the GGUF llama.cpp's
+    /// deepseek4 loads, with the same weights the reference runs (verified bit for bit).
+    #[command(subcommand)]
+    Export(cmd::export::ExportCommand),
     /// Measure throughput (fingerprinting against raw BLAKE3, ...). Prints
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]

@@ -152,6 +152,42 @@ pub enum Presence {
     /// MoE block before its shared-expert merge). Where present, it has the
     /// coordinates of an [`Presence::Always`] record.
     CaptureOnly,
+    /// Only in precision profiles that quantize activations at this site
+    /// (the reference runtime's `official` profile; docs/operators.md §9.6),
+    /// then at every coordinate of its group, and for the input of a GEMM
+    /// only where that GEMM's weight is quantized (FP8 or FP4). A profile
+    /// known to have no quantization sites ([`profile_quantizes`]) never
+    /// holds it.
+    Quantized,
+    /// A quantization site on the output of an operator that emits only at
+    /// some positions ([`Presence::OnEmit`]): a compressed entry.
+    QuantizedOnEmit,
+}
+
+impl Presence {
+    /// Whether records of this presence are activation-quantization sites.
+    pub fn is_quantized(self) -> bool {
+        matches!(self, Presence::Quantized | Presence::QuantizedOnEmit)
+    }
+
+    /// Whether the operator emits only at some positions.
+    pub fn is_on_emit(self) -> bool {
+        matches!(self, Presence::OnEmit | Presence::QuantizedOnEmit)
+    }
+}
+
+/// Whether the precision profile named in a trace's binding quantizes
+/// activations: `Some(false)` for the reference runtime's `bf16` and `f32`
+/// profiles (and any backend that names its run so: no quantization sites),
+/// `Some(true)` for `official` (DeepSeek's sites, docs/operators.md §9.6),
+/// `None` for any other name (a backend's own profile: whether it quantizes
+/// is not known, and a missing quantization record is a coverage difference).
+pub fn profile_quantizes(precision: &str) -> Option<bool> {
+    match precision {
+        "bf16" | "f32" => Some(false),
+        "official" => Some(true),
+        _ => None,
+    }
 }
 
 /// Where an operator's input record lives, relative to the operator's own
@@ -286,16 +322,28 @@ components! {
     AttnHcPre,
     /// L4 attention RMSNorm output.
     AttnNorm,
+    /// L4 quantization site Q1: the attention input as the FP8 GEMMs `wq_a`, `wkv` read it.
+    AttnNormFp8,
+    /// L4 quantization site Q2: the query latent as the FP8 GEMMs `wq_b` read it.
+    AttnQLatFp8,
     /// L4 queries after norm and RoPE.
     AttnQ,
     /// L4 the new KV vector of this position, as computed (before it is stored).
     AttnKv,
+    /// L4 quantization site Q3: the new KV vector after FP8 fake quantization of its non-rope channels.
+    AttnKvFp8,
     /// L4 an entry the attention compressor emitted at this position (before it is stored).
     AttnCompressed,
+    /// L4 quantization site Q4: the emitted entry after FP8 fake quantization of its non-rope channels.
+    AttnCompressedFp8,
     /// L4 an entry the indexer compressor emitted at this position (before it is stored).
     AttnIndexerCompressed,
+    /// L4 quantization site Q5: the emitted indexer entry after the Hadamard rotation and FP4 fake quantization.
+    AttnIndexerCompressedFp4,
     /// L4 the indexer keys as the indexer reads them from its cache (every entry).
     AttnIndexerRead,
+    /// L4 quantization site Q6: the indexer queries after RoPE, the Hadamard rotation and FP4 fake quantization.
+    AttnIndexerQFp4,
     /// L4 lightning-indexer score of every compressed entry.
     AttnIndexerScores,
     /// L4 compressed entries the lightning indexer selected.
@@ -306,6 +354,8 @@ components! {
     AttnCompressedRead,
     /// L4 attention output per head, before de-rotation.
     AttnCore,
+    /// L4 quantization site Q7: the grouped output latent as the FP8 GEMM `wo_b` reads it.
+    AttnOLatFp8,
     /// L4 attention output projection.
     AttnOutput,
     /// L3 residual streams after the attention-half mHC post.
@@ -320,6 +370,8 @@ components! {
     FfnHcPre,
     /// L4 FFN RMSNorm output.
     FfnNorm,
+    /// L4 quantization site Q8: the FFN input as the experts' `w1`, `w3` GEMMs read it.
+    FfnNormFp8,
     /// L3 router scores before the correction bias.
     RouterScores,
     /// L3 selected experts, in combine order.
@@ -328,11 +380,15 @@ components! {
     RouterGates,
     /// L3 rank-k minus rank-(k+1) selection score.
     RouterMargin,
+    /// L4 quantization site Q9: routed expert J's hidden activation as its `w2` GEMM reads it (`moe.term_h_fp8.J`).
+    MoeTermHFp8,
     /// L4 gate-weighted routed term J (`moe.term.J`).
     MoeTerm,
     /// L4 routed sum before the shared-expert merge, as the backend stores it
     /// (captures only; the reference runtime keeps it inside the combine).
     MoeRouted,
+    /// L4 quantization site Q10: the shared expert's hidden activation as its `w2` GEMM reads it.
+    MoeSharedHFp8,
     /// L4 shared-expert output.
     MoeShared,
     /// L4 MoE output (the aggregation contract's result).
@@ -392,6 +448,19 @@ const fn spec(
 /// A row the reference runtime never emits ([`Presence::CaptureOnly`]).
 const fn capture_only(mut row: ComponentSpec) -> ComponentSpec {
     row.presence = Presence::CaptureOnly;
+    row
+}
+
+/// A quantization site ([`Presence::Quantized`]).
+const fn quantized(mut row: ComponentSpec) -> ComponentSpec {
+    row.presence = Presence::Quantized;
+    row
+}
+
+/// A quantization site on an operator that emits only at some positions
+/// ([`Presence::QuantizedOnEmit`]).
+const fn quantized_on_emit(mut row: ComponentSpec) -> ComponentSpec {
+    row.presence = Presence::QuantizedOnEmit;
     row
 }
 
@@ -710,15 +779,37 @@ pub const SPECS: &[ComponentSpec] = &[
         &[same(C::AttnHcPre)],
         "attention RMSNorm output",
     ),
-    spec(
-        C::AttnQ,
-        "attn.q",
+    quantized(spec(
+        C::AttnNormFp8,
+        "attn.norm_fp8",
         L4,
         Float,
         Some(ATT),
         5,
         ALL,
         &[same(C::AttnNorm)],
+        "quantization site Q1: the attention input FP8-quantized in 1x128 blocks (UE8M0 scales), as wq_a and wkv read it",
+    )),
+    quantized(spec(
+        C::AttnQLatFp8,
+        "attn.q_lat_fp8",
+        L4,
+        Float,
+        Some(ATT),
+        6,
+        ALL,
+        &[same(C::AttnNorm), same(C::AttnNormFp8)],
+        "quantization site Q2: the query latent q_norm(wq_a a) FP8-quantized in 1x128 blocks, as wq_b reads it",
+    )),
+    spec(
+        C::AttnQ,
+        "attn.q",
+        L4,
+        Float,
+        Some(ATT),
+        7,
+        ALL,
+        &[same(C::AttnNorm), same(C::AttnNormFp8), same(C::AttnQLatFp8)],
         "queries after norm and RoPE",
     ),
     spec(
@@ -727,21 +818,43 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        6,
+        8,
         ALL,
-        &[same(C::AttnNorm)],
+        &[same(C::AttnNorm), same(C::AttnNormFp8)],
         "the position's new KV vector, before it is stored",
     ),
+    quantized(spec(
+        C::AttnKvFp8,
+        "attn.kv_fp8",
+        L4,
+        Float,
+        Some(ATT),
+        9,
+        ALL,
+        &[same(C::AttnKv)],
+        "quantization site Q3: the new KV vector with its non-rope channels FP8 fake-quantized in 1x64 blocks, as stored",
+    )),
     on_emit(spec(
         C::AttnCompressed,
         "attn.compressed",
         L4,
         Float,
         Some(ATT),
-        7,
+        10,
         CMP,
         &[same(C::AttnNorm), CARRIED_STATE],
         "entry emitted by the attention compressor, before it is stored",
+    )),
+    quantized_on_emit(spec(
+        C::AttnCompressedFp8,
+        "attn.compressed_fp8",
+        L4,
+        Float,
+        Some(ATT),
+        11,
+        CMP,
+        &[same(C::AttnCompressed)],
+        "quantization site Q4: the emitted entry with its non-rope channels FP8 fake-quantized in 1x64 blocks, as stored",
     )),
     on_emit(spec(
         C::AttnIndexerCompressed,
@@ -749,10 +862,21 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        8,
+        12,
         CSA,
         &[same(C::AttnNorm), CARRIED_STATE],
         "entry emitted by the indexer compressor, before it is stored",
+    )),
+    quantized_on_emit(spec(
+        C::AttnIndexerCompressedFp4,
+        "attn.indexer_compressed_fp4",
+        L4,
+        Float,
+        Some(ATT),
+        13,
+        CSA,
+        &[same(C::AttnIndexerCompressed)],
+        "quantization site Q5: the emitted indexer entry Hadamard-rotated and FP4 fake-quantized in 1x32 blocks, as stored",
     )),
     spec(
         C::AttnIndexerRead,
@@ -760,20 +884,31 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        9,
+        14,
         CSA,
-        &[same(C::AttnIndexerCompressed), CARRIED_STATE],
+        &[same(C::AttnIndexerCompressed), same(C::AttnIndexerCompressedFp4), CARRIED_STATE],
         "indexer keys as read from the indexer cache (every entry)",
     ),
+    quantized(spec(
+        C::AttnIndexerQFp4,
+        "attn.indexer_q_fp4",
+        L4,
+        Float,
+        Some(ATT),
+        15,
+        CSA,
+        &[same(C::AttnNorm), same(C::AttnNormFp8), same(C::AttnQLatFp8)],
+        "quantization site Q6: the indexer queries after RoPE, Hadamard-rotated and FP4 fake-quantized in 1x32 blocks",
+    )),
     spec(
         C::AttnIndexerScores,
         "attn.indexer_scores",
         L4,
         Float,
         Some(ATT),
-        10,
+        16,
         CSA,
-        &[same(C::AttnNorm), same(C::AttnIndexerRead)],
+        &[same(C::AttnNorm), same(C::AttnIndexerRead), same(C::AttnIndexerQFp4)],
         "lightning-indexer score of every compressed entry",
     ),
     spec(
@@ -782,7 +917,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Ids,
         Some(ATT),
-        11,
+        17,
         CSA,
         &[same(C::AttnIndexerScores)],
         "compressed entries selected by the lightning indexer",
@@ -793,9 +928,9 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        12,
+        18,
         ALL,
-        &[same(C::AttnKv), CARRIED_STATE],
+        &[same(C::AttnKv), same(C::AttnKvFp8), CARRIED_STATE],
         "window KV as attention reads it from the cache",
     ),
     spec(
@@ -804,9 +939,14 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        13,
+        19,
         CMP,
-        &[same(C::AttnCompressed), same(C::AttnIndexerTopk), CARRIED_STATE],
+        &[
+            same(C::AttnCompressed),
+            same(C::AttnCompressedFp8),
+            same(C::AttnIndexerTopk),
+            CARRIED_STATE,
+        ],
         "compressed entries as attention reads them from the cache",
     ),
     spec(
@@ -815,7 +955,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(ATT),
-        14,
+        20,
         ALL,
         &[
             same(C::AttnQ),
@@ -824,15 +964,26 @@ pub const SPECS: &[ComponentSpec] = &[
         ],
         "attention output per head, before de-rotation",
     ),
+    quantized(spec(
+        C::AttnOLatFp8,
+        "attn.o_lat_fp8",
+        L4,
+        Float,
+        Some(ATT),
+        21,
+        ALL,
+        &[same(C::AttnCore)],
+        "quantization site Q7: the de-rotated grouped output latent FP8-quantized in 1x128 blocks, as wo_b reads it",
+    )),
     spec(
         C::AttnOutput,
         "attn.output",
         L4,
         Float,
         Some(ATT),
-        15,
+        22,
         ALL,
-        &[same(C::AttnCore)],
+        &[same(C::AttnCore), same(C::AttnOLatFp8)],
         "de-rotated grouped output projection",
     ),
     spec(
@@ -841,7 +992,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(ATT),
-        16,
+        23,
         ALL,
         &[
             LAYER_INPUT,
@@ -857,7 +1008,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        17,
+        24,
         ALL,
         &[same(C::LayerPostAttnMhc)],
         "FFN-half mHC pre weights pre_j (FP32)",
@@ -868,7 +1019,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        18,
+        25,
         ALL,
         &[same(C::LayerPostAttnMhc)],
         "FFN-half mHC post weights post_j (FP32)",
@@ -879,7 +1030,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        19,
+        26,
         ALL,
         &[same(C::LayerPostAttnMhc)],
         "FFN-half Sinkhorn-normalised combination matrix C (FP32)",
@@ -890,7 +1041,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        20,
+        27,
         ALL,
         &[same(C::LayerPostAttnMhc), same(C::FfnHcPreWeights)],
         "FFN-half mHC collapse of the residual streams",
@@ -901,18 +1052,29 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        21,
+        28,
         ALL,
         &[same(C::FfnHcPre)],
         "FFN RMSNorm output",
     ),
+    quantized(spec(
+        C::FfnNormFp8,
+        "ffn.norm_fp8",
+        L4,
+        Float,
+        Some(FFN),
+        29,
+        ALL,
+        &[same(C::FfnNorm)],
+        "quantization site Q8: the FFN input FP8-quantized in 1x128 blocks, as the experts' w1 and w3 read it",
+    )),
     spec(
         C::RouterScores,
         "router.scores",
         L3,
         Float,
         Some(FFN),
-        22,
+        30,
         ALL,
         &[same(C::FfnNorm)],
         "router scores before the correction bias",
@@ -923,7 +1085,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Ids,
         Some(FFN),
-        23,
+        31,
         ALL,
         &[same(C::RouterScores)],
         "selected experts, in combine order",
@@ -934,7 +1096,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        24,
+        32,
         ALL,
         &[same(C::RouterScores), same(C::RouterTopk)],
         "gate weights of the selected experts",
@@ -945,20 +1107,37 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        25,
+        33,
         LayerKinds::SCORE_ROUTED,
         &[same(C::RouterScores)],
         "rank-k minus rank-(k+1) selection score",
     ),
+    quantized(spec(
+        C::MoeTermHFp8,
+        "moe.term_h_fp8.",
+        L4,
+        Float,
+        Some(FFN),
+        34,
+        ALL,
+        &[same(C::FfnNorm), same(C::FfnNormFp8), same(C::RouterTopk), same(C::RouterGates)],
+        "quantization site Q9: routed expert J's gate-weighted hidden activation FP8-quantized in 1x128 blocks, as its w2 reads it",
+    )),
     spec(
         C::MoeTerm,
         "moe.term.",
         L4,
         Float,
         Some(FFN),
-        26,
+        35,
         ALL,
-        &[same(C::FfnNorm), same(C::RouterTopk), same(C::RouterGates)],
+        &[
+            same(C::FfnNorm),
+            same(C::FfnNormFp8),
+            same(C::RouterTopk),
+            same(C::RouterGates),
+            same(C::MoeTermHFp8),
+        ],
         "gate-weighted routed term J, v_J = g_J · E_J(x)",
     ),
     capture_only(spec(
@@ -967,10 +1146,21 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        27,
+        36,
         ALL,
         &[same(C::MoeTerm)],
         "routed sum before the shared-expert merge, as the backend stores it (captures only)",
+    )),
+    quantized(spec(
+        C::MoeSharedHFp8,
+        "moe.shared_h_fp8",
+        L4,
+        Float,
+        Some(FFN),
+        37,
+        ALL,
+        &[same(C::FfnNorm), same(C::FfnNormFp8)],
+        "quantization site Q10: the shared expert's hidden activation FP8-quantized in 1x128 blocks, as its w2 reads it",
     )),
     spec(
         C::MoeShared,
@@ -978,9 +1168,9 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        28,
+        38,
         ALL,
-        &[same(C::FfnNorm)],
+        &[same(C::FfnNorm), same(C::FfnNormFp8), same(C::MoeSharedHFp8)],
         "shared-expert output",
     ),
     spec(
@@ -989,7 +1179,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L4,
         Float,
         Some(FFN),
-        29,
+        39,
         ALL,
         &[same(C::MoeTerm), same(C::MoeRouted), same(C::MoeShared)],
         "MoE output: the aggregation contract's result",
@@ -1000,7 +1190,7 @@ pub const SPECS: &[ComponentSpec] = &[
         L3,
         Float,
         Some(FFN),
-        30,
+        40,
         ALL,
         &[
             same(C::LayerPostAttnMhc),
@@ -1052,9 +1242,10 @@ impl Component {
         self.spec().half
     }
 
-    /// Whether the component is a family of indexed paths (`moe.term.J`).
+    /// Whether the component is a family of indexed paths (`moe.term.J`,
+    /// `moe.term_h_fp8.J`): its catalogue path is the prefix, ending in `.`.
     pub fn is_family(self) -> bool {
-        self == Component::MoeTerm
+        self.spec().path.ends_with('.')
     }
 
     /// The path of family member `index` (`moe.term.3`); for a single-path
@@ -1076,10 +1267,13 @@ impl Component {
         }
     }
 
-    /// The component a path names, with the family index for `moe.term.J`.
+    /// The component a path names, with the family index for a family
+    /// member (`moe.term.J`, `moe.term_h_fp8.J`).
     pub fn parse(path: &str) -> Option<(Component, Option<u32>)> {
-        if let Some(j) = path.strip_prefix(Component::MoeTerm.path()) {
-            return is_index(j).then(|| (Component::MoeTerm, j.parse().ok()));
+        for f in SPECS.iter().filter(|s| s.component.is_family()) {
+            if let Some(j) = path.strip_prefix(f.path) {
+                return is_index(j).then(|| (f.component, j.parse().ok()));
+            }
         }
         SPECS
             .iter()
@@ -1257,9 +1451,10 @@ mod tests {
             assert_eq!(s.component as usize, i, "{}", s.path);
             crate::Coord::validate_path(s.path).unwrap();
             if s.component.is_family() {
-                assert_eq!(Component::parse("moe.term.3"), Some((s.component, Some(3))));
-                assert_eq!(Component::parse("moe.term.03"), None);
-                assert_eq!(Component::parse("moe.term."), None);
+                let member = format!("{}3", s.path);
+                assert_eq!(Component::parse(&member), Some((s.component, Some(3))));
+                assert_eq!(Component::parse(&format!("{}03", s.path)), None);
+                assert_eq!(Component::parse(s.path), None);
             } else {
                 assert_eq!(Component::parse(s.path), Some((s.component, None)));
             }
@@ -1375,6 +1570,59 @@ mod tests {
         for w in order.windows(2) {
             assert!(w[0] < w[1], "{:?} must precede {:?}", w[0], w[1]);
         }
+    }
+
+    #[test]
+    fn quantization_sites_are_read_by_a_later_operator() {
+        let sites: Vec<Component> = Component::ALL
+            .iter()
+            .copied()
+            .filter(|c| c.spec().presence.is_quantized())
+            .collect();
+        assert_eq!(sites.len(), 10, "Q1..Q10 of docs/operators.md §9.6");
+        for q in &sites {
+            let spec = q.spec();
+            assert_eq!((spec.level, spec.kind), (Level::L4, ValueKind::Float), "{q}");
+            assert!(spec.path.contains("_fp8") || spec.path.contains("_fp4"), "{q}");
+            // Some operator of the same layer kinds reads it, so a site a backend
+            // skips is the first differing record, not its consumer.
+            let readers: Vec<Component> = Component::ALL
+                .iter()
+                .copied()
+                .filter(|c| {
+                    c.spec()
+                        .inputs
+                        .iter()
+                        .any(|i| i.source == InputSource::SameLayer && i.component == *q)
+                })
+                .collect();
+            assert!(!readers.is_empty(), "nothing reads {q}");
+            for r in readers {
+                assert!(
+                    !r.spec().presence.is_quantized() || r.spec().inputs.len() > 1,
+                    "{r} reads only {q}"
+                );
+                assert!(r.spec().layers.intersects(spec.layers), "{r} / {q}");
+            }
+        }
+        assert_eq!(
+            Component::AttnCompressedFp8.spec().presence,
+            Presence::QuantizedOnEmit
+        );
+        assert!(Component::AttnCompressedFp8.spec().presence.is_on_emit());
+        assert!(Component::MoeTermHFp8.is_family());
+        assert_eq!(
+            Component::parse("moe.term_h_fp8.5"),
+            Some((Component::MoeTermHFp8, Some(5)))
+        );
+        assert_eq!(
+            Component::parse("moe.term.5"),
+            Some((Component::MoeTerm, Some(5)))
+        );
+        assert_eq!(profile_quantizes("bf16"), Some(false));
+        assert_eq!(profile_quantizes("f32"), Some(false));
+        assert_eq!(profile_quantizes("official"), Some(true));
+        assert_eq!(profile_quantizes("vllm-fp8"), None);
     }
 
     #[test]

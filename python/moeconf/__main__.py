@@ -4,7 +4,9 @@
 * ``write SPEC.json -o OUT`` writes a trace from a JSON description of the binding,
   provenance and records (hex-encoded tensor bytes); used by the cross-language
   tests, whose Rust side writes the same records with ``moeconf_schema``;
-* ``identity DIR`` prints the model identity of a model directory.
+* ``identity DIR`` prints the model identity of a model directory;
+* ``llamacpp GGUF --model-dir DIR ...`` captures a trace of llama.cpp running a GGUF written by
+  ``moeconf export gguf`` (``moeconf.llamacpp``; needs llama-cpp-python and gguf).
 
 Exit codes: 0 success, 2 error (the message names the file and byte offset).
 """
@@ -97,6 +99,23 @@ def main(argv=None):
     a.add_argument("dir")
     a.add_argument("--name", default=None, help="display name bound into traces (default: DIR)")
     a.add_argument("--algorithm", default="blake3", choices=["blake3", "sha256"])
+    a = sub.add_parser("llamacpp", help="capture a trace of llama.cpp running a deepseek4 GGUF")
+    a.add_argument("gguf")
+    a.add_argument("--model-dir", required=True, help="the checkpoint the GGUF was exported from (bound identity)")
+    a.add_argument("--name", default=None, help="bound model name (default: the directory)")
+    g = a.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    a.add_argument("--max-new-tokens", type=int, required=True)
+    a.add_argument("-o", "--output", required=True)
+    g2 = a.add_mutually_exclusive_group()
+    g2.add_argument("--reference", default=None, help="reference trace whose prompt ids llama.cpp's tokenization must equal")
+    g2.add_argument("--reference-ids", default=None, help="the reference's prompt ids, comma-separated (as --reference)")
+    a.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: its decode attention is thread-count dependent with flash attention)")
+    a.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    a.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
+    a.add_argument("--levels", default="all")
+    a.add_argument("--no-unobserved-check", action="store_true")
     args = p.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -107,6 +126,29 @@ def main(argv=None):
             s = write_from_spec(spec, args.output, args.format_version)
             doc = {"file": args.output, "root": s.root.hex(), "records": s.records, "payloads": s.payloads,
                    "bytes": s.bytes}
+        elif args.cmd == "llamacpp":
+            from .llamacpp import LlamaCppError, capture as llama_capture
+
+            try:
+                if args.prompt_file:
+                    with open(args.prompt_file, encoding="utf-8") as f:
+                        prompt = f.read()
+                else:
+                    prompt = args.prompt
+                ref_ids = list(read_trace(args.reference).binding.prompt_ids) if args.reference else None
+                if args.reference_ids is not None:
+                    ref_ids = [int(x) for x in args.reference_ids.split(",") if x.strip()]
+                levels = "all" if args.levels == "all" else args.levels.split(",")
+                r = llama_capture(args.gguf, prompt, args.max_new_tokens, args.output, model_dir=args.model_dir,
+                                  model_name=args.name, reference_ids=ref_ids, n_threads=args.threads,
+                                  kv_type=args.kv_type, flash_attn=args.flash_attn, levels=levels,
+                                  check_unobserved=not args.no_unobserved_check)
+            except LlamaCppError as e:
+                print(f"moeconf (python): {e}", file=sys.stderr)
+                return 2
+            doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
+                   "generated": r.generated, "prompt_tokens": len(r.prompt_ids), "nodes_read": r.nodes_read,
+                   "tokenization_checked": r.tokenization_checked}
         else:
             ident = model_identity(args.name or args.dir, args.dir, args.algorithm)
             doc = {"name": ident.name, "config_digest": ident.config_digest.hex(),

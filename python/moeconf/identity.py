@@ -25,8 +25,9 @@ from .fingerprint import hash_bytes, hasher
 __all__ = ["SAFETENSORS_DTYPE_SIZES", "SafetensorsEntry", "SafetensorsError", "read_safetensors_header",
            "tensor_digests", "ModelIdentity", "model_identity", "tokenizer_digest"]
 
-#: Element size of every dtype the Rust safetensors 0.4 crate accepts.
-SAFETENSORS_DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+#: Element size of the whole-byte dtypes the Rust safetensors crate accepts (0.7: with F8_E8M0,
+#: the UE8M0 block scales of the released DeepSeek-V4 checkpoints).
+SAFETENSORS_DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
 #: Largest safetensors JSON header accepted (the Rust crate's limit is 100 MB).
 MAX_SAFETENSORS_HEADER = 100_000_000

@@ -13,6 +13,12 @@
 //! `e = round(Σ_s round(p_s · c_s))` (slot order, FP32 sum). Then the weighted
 //! RMSNorm over dim, then "compress" RoPE at position i·rate on the trailing r
 //! channels.
+//!
+//! The official profile follows DeepSeek's FP32 `Compressor` (`inference/
+//! model.py` L322–362; [`Precision::compressor`]): `c = W_kv·a`, `z =
+//! W_gate·a` unrounded (dot8), buffered in FP32; `p_s = e_s / S` and the
+//! terms `p_s · c_s` unrounded, `entry = R_BF16(Σ_s p_s · c_s)` (slot order,
+//! FP32): the one rounding before the norm.
 
 use crate::error::RuntimeError;
 use crate::faults::{keep_mantissa_bits, CompressorFaults, SumOrder, Summation};
@@ -65,14 +71,56 @@ pub fn compressor_step(
     eps: f32,
     p: Precision,
 ) -> Option<Vec<f32>> {
-    compressor_step_with(cw, st, a, rope, eps, p, CompressorFaults::default())
+    compressor_step_with(
+        cw,
+        st,
+        a,
+        rope,
+        eps,
+        p,
+        CompressorFaults::default(),
+        StoreQuant::None,
+    )
+    .map(|e| e.entry)
+}
+
+/// How an emitted entry is quantized before it is stored (the official
+/// profile's sites Q4 and Q5, crate::official; `None` elsewhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreQuant {
+    /// Stored as computed.
+    None,
+    /// The attention compressor (Q4): the non-rope channels (all but the
+    /// trailing `rope`) FP8 fake-quantized in 1×64 blocks.
+    KvFp8 {
+        /// Rotary channels, left as they are.
+        rope: usize,
+        /// Skip the quantize-dequantize (calibration fault).
+        skip: bool,
+    },
+    /// The indexer compressor (Q5): Hadamard rotation, BF16 rounding, FP4
+    /// fake quantization in 1×32 blocks.
+    RotatedFp4 {
+        /// Skip the quantize-dequantize (calibration fault; the rotation stays).
+        skip: bool,
+    },
+}
+
+/// An entry a closing window emitted.
+pub(crate) struct Emitted {
+    /// The entry as computed (after norm and RoPE).
+    pub entry: Vec<f32>,
+    /// What the cache stores instead, when [`StoreQuant`] quantizes it.
+    pub stored: Option<Vec<f32>>,
 }
 
 /// [`compressor_step`] with the calibration faults of `fx` (none by
 /// default): the pooling sums' order and accumulator, the carried overlap
 /// ignored or saved without its position bias, buffered rows or the stored
 /// entry kept with fewer mantissa bits. The returned entry is the one
-/// computed; the state stores it (with `fx.store_bits`, truncated).
+/// computed; the state stores it, or its quantization by `store` (with
+/// `fx.store_bits`, truncated).
+#[allow(clippy::too_many_arguments)] // the operator's inputs plus its faults and storage format
 pub(crate) fn compressor_step_with(
     cw: &CompressorWeights,
     st: &mut CompressorState,
@@ -81,12 +129,15 @@ pub(crate) fn compressor_step_with(
     eps: f32,
     p: Precision,
     fx: CompressorFaults,
-) -> Option<Vec<f32>> {
-    let mut c = cw.wkv.linear(a, p);
+    store: StoreQuant,
+) -> Option<Emitted> {
+    // FP32 projections in the official profile, the profile's rounding elsewhere.
+    let pc = p.compressor();
+    let mut c = cw.wkv.linear(a, pc);
     if let Some(bits) = fx.buffer_bits {
         keep_mantissa_bits(&mut c, bits);
     }
-    let z = cw.wgate.linear(a, p);
+    let z = cw.wgate.linear(a, pc);
     st.buffer_kv.extend_from_slice(&c);
     st.buffer_gate.extend_from_slice(&z);
     if st.buffered() < st.rate {
@@ -94,19 +145,36 @@ pub(crate) fn compressor_step_with(
     }
     let i = st.entry_count;
     let slots = close_window(cw, st, fx);
-    let pooled = pool(&slots, st.dim, p, fx.pooling);
+    let mut pooled = pool(&slots, st.dim, pc, fx.pooling);
+    // The official profile's one rounding (`kv.to(dtype)`, M L360); in the
+    // other profiles the pooled entry is already rounded (R_BF16 is idempotent).
+    p.round_slice(&mut pooled);
     let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
-    let cs = rope.cos_sin((i as usize * st.rate) as u32, p);
+    let cs = rope.cos_sin((i as usize * st.rate) as u32, p.rope_tables());
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();
     st.buffer_gate.clear();
+    let stored = match store {
+        StoreQuant::None => None,
+        StoreQuant::KvFp8 { rope, skip } => {
+            let mut v = entry.clone();
+            crate::official::kv_fake_quant(&mut v, rope, skip);
+            Some(v)
+        }
+        StoreQuant::RotatedFp4 { skip } => {
+            let mut v = entry.clone();
+            crate::official::rotate_fake_quant_fp4(&mut v, st.dim, skip);
+            Some(v)
+        }
+    };
     let start = st.compressed_kv.len();
-    st.compressed_kv.extend_from_slice(&entry);
+    st.compressed_kv
+        .extend_from_slice(stored.as_deref().unwrap_or(&entry));
     if let Some(bits) = fx.store_bits {
         keep_mantissa_bits(&mut st.compressed_kv[start..], bits);
     }
     st.entry_count += 1;
-    Some(entry)
+    Some(Emitted { entry, stored })
 }
 
 /// The pooling slots of a closing window, `[slots][dim]` row-major.
@@ -193,4 +261,54 @@ fn pool(slots: &Slots, dim: usize, p: Precision, pooling: Summation) -> Vec<f32>
         pooled[ch] = p.round(acc);
     }
     pooled
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::faults::Summation;
+    use moeconf_contract::bf16::r_bf16;
+
+    /// DeepSeek's `(kv * score.softmax(dim)).sum(dim)` then `.to(bfloat16)`
+    /// written out per channel: FP32 softmax (max, `exp(g − max)`, sum in
+    /// slot order, one division), FP32 products and sum from +0 in slot
+    /// order, one BF16 rounding. The official pooling (FP32, then the
+    /// caller's rounding) gives the same bits.
+    #[test]
+    fn official_pooling_is_fp32_with_one_rounding() {
+        let (count, dim) = (8usize, 24usize);
+        let kv: Vec<f32> = (0..count * dim)
+            .map(|i| ((i as f32) * 0.731).sin() * 2.5)
+            .collect();
+        let mut gate: Vec<f32> = (0..count * dim)
+            .map(|i| ((i as f32) * 0.177).cos() * 4.0)
+            .collect();
+        gate[3 * dim + 5] = f32::NEG_INFINITY; // a slot before the first window
+        let slots = Slots {
+            kv: kv.clone(),
+            gate: gate.clone(),
+            count,
+        };
+        let mut got = pool(
+            &slots,
+            dim,
+            Precision::Official.compressor(),
+            Summation::default(),
+        );
+        Precision::Official.round_slice(&mut got);
+        for ch in 0..dim {
+            let g: Vec<f32> = (0..count).map(|s| gate[s * dim + ch]).collect();
+            let m = g.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = g.iter().map(|v| libm::expf(v - m)).collect();
+            let sum = e.iter().fold(0.0f32, |a, b| a + b);
+            let mut acc = 0.0f32;
+            for s in 0..count {
+                acc += (e[s] / sum) * kv[s * dim + ch];
+            }
+            assert_eq!(got[ch].to_bits(), r_bf16(acc).to_bits(), "channel {ch}");
+        }
+        // The bf16 profile rounds each probability and term: different bits here.
+        let bf16 = pool(&slots, dim, Precision::Bf16, Summation::default());
+        assert_ne!(got, bf16);
+    }
 }

@@ -178,6 +178,14 @@ pub enum FaultKind {
     /// Intervention (not a fault): `H += ΔH` elementwise in FP32, once, on
     /// the residual streams after the FFN-half hc_post (length hc_mult·D).
     AddPostFfnMhc(Vec<f32>),
+    /// Official profile only: this activation-quantization site (a catalogue
+    /// component of presence `Quantized`/`QuantizedOnEmit`,
+    /// [`crate::official::SITES`]) skips its quantize-dequantize, as a
+    /// backend that does not quantize there; the Hadamard rotation of the
+    /// indexer sites stays. The site's record holds the unquantized values and
+    /// its consumers read them. In the bf16 and f32 profiles, which have no
+    /// sites, it changes nothing.
+    QuantizationSiteSkipped(Component),
 }
 
 impl FaultKind {
@@ -229,6 +237,7 @@ impl FaultKind {
             | K::CombineElementNudge { .. } => C::MoeCombine,
             K::HeadNormEpsilon(_) => C::LmLogits,
             K::AddPostFfnMhc(_) => C::LayerPostFfnMhc,
+            K::QuantizationSiteSkipped(site) => *site,
         }
     }
 
@@ -299,6 +308,7 @@ impl FaultKind {
             K::CombineElementNudge { element } => format!("combine-element-{element}-nudged-one-ulp"),
             K::HeadNormEpsilon(e) => format!("head-norm-eps={e:e}"),
             K::AddPostFfnMhc(_) => "add-post-ffn-mhc".into(),
+            K::QuantizationSiteSkipped(site) => format!("quantization-site-skipped:{site}"),
         }
     }
 }
@@ -409,6 +419,9 @@ impl FaultPlan {
                 K::CombineContract(c) => a.combine = Some(c),
                 K::CombineElementNudge { element } => a.combine_nudge = Some(*element),
                 K::AddPostFfnMhc(d) => a.add_post_ffn_mhc = Some(d),
+                K::QuantizationSiteSkipped(site) => {
+                    a.skip_quantization.insert(*site);
+                }
                 K::EmbeddingWrongRow | K::HeadNormEpsilon(_) => {}
             }
         }
@@ -625,6 +638,8 @@ pub struct Active<'a> {
     pub combine_nudge: Option<usize>,
     /// See [`FaultKind::AddPostFfnMhc`].
     pub add_post_ffn_mhc: Option<&'a [f32]>,
+    /// See [`FaultKind::QuantizationSiteSkipped`].
+    pub skip_quantization: crate::official::SiteSet,
 }
 
 impl<'a> Active<'a> {
@@ -655,11 +670,11 @@ impl<'a> Active<'a> {
 }
 
 /// Moves `x` one unit in the last place of the profile's activation format
-/// away from zero: the BF16 ulp (bit 16) in the bf16 profile, the FP32 ulp
+/// away from zero: the BF16 ulp (bit 16) in the bf16 and official profiles, the FP32 ulp
 /// in f32. ±0 becomes the smallest positive subnormal of the format.
 pub fn nudge_one_ulp(x: f32, p: Precision) -> f32 {
     let unit = match p {
-        Precision::Bf16 => 1u32 << 16,
+        Precision::Bf16 | Precision::Official => 1u32 << 16,
         Precision::F32 => 1,
     };
     let bits = if x == 0.0 { 0 } else { x.to_bits() };

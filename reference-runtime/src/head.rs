@@ -1,7 +1,8 @@
 //! The output head: mHC head collapse, final RMSNorm, LM head, and the greedy
 //! choice (`modeling_deepseek_v4.py` L1001-1017, L1381, L1527; notes §2.7).
 //!
-//! `y = hc_head(X)` (crate::mhc), `h = rmsnorm_w(y, norm)`, `logits = round(W_lm·h)`.
+//! `y = hc_head(X)` (crate::mhc), `h = rmsnorm_w(y, norm)`, `logits = round(W_lm·h)`
+//! (not rounded in the official profile: FP32 logits, as DeepSeek's head).
 //! Greedy: the highest logit, ties to the lowest id (NaN never wins: IEEE
 //! total order with NaN treated as below everything).
 
@@ -55,7 +56,7 @@ pub(crate) fn head_forward_with(
 ) -> Vec<f32> {
     let y = hc_head(&hw.hc, streams, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, p);
     let h = rmsnorm_weighted(&y, &hw.norm, norm_eps, p);
-    hw.lm_head.linear(&h, p)
+    hw.lm_head.linear(&h, p.logits())
 }
 
 fn key(v: f32) -> f32 {

@@ -4,6 +4,7 @@
 //! capture of L0–L4 state.
 #![deny(missing_docs)]
 
+pub mod actquant;
 pub mod attention;
 pub mod bench;
 pub mod capture;
@@ -22,6 +23,7 @@ pub mod linear;
 pub mod mhc;
 pub mod model;
 pub mod moe;
+pub mod official;
 pub mod precision;
 pub mod quant;
 pub mod replay;

@@ -269,6 +269,68 @@ pub fn dot8_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     fold8(l)
 }
 
+/// The official profile's block-promoted dot product: for each block of
+/// `block` consecutive elements, the partial `Σ w_i · x_i` in [`dot8`]'s lane
+/// order (the lanes restart at +0 in every block), then the partials added in
+/// increasing block order from +0 in FP32 — the per-K-tile promotion of
+/// DeepSeek's `fp8_gemm` (block 128) and `fp4_gemm` (block 32)
+/// (docs/operators.md §10.2). The reference form of [`blocked_dot_fp8`] and
+/// [`blocked_dot_mxfp4`], which must give the same bits.
+pub fn blocked_dot8(w: &[f32], x: &[f32], block: usize) -> f32 {
+    let n = w.len().min(x.len());
+    let block = block.max(1);
+    w[..n]
+        .chunks(block)
+        .zip(x[..n].chunks(block))
+        .fold(0.0f32, |acc, (wb, xb)| acc + dot8(wb, xb))
+}
+
+/// [`blocked_dot8`] with block 128 of an FP8 E4M3 row (one code per element,
+/// `scales[b]` the UE8M0 code of 128-column block b) and the FP8-quantized
+/// input `x`: the weights are dequantized exactly block by block. With
+/// power-of-two scales, `Σ (c_i s_w)(q_i s_a)` rounds exactly as the kernel's
+/// `(Σ c_i q_i) · (s_w s_a)` (no product is subnormal at these scales).
+pub fn blocked_dot_fp8(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let n = codes.len().min(x.len());
+    let mut buf = [0.0f32; FP8_BLOCK];
+    let mut acc = 0.0f32;
+    for (b, (cb, xb)) in codes[..n]
+        .chunks(FP8_BLOCK)
+        .zip(x[..n].chunks(FP8_BLOCK))
+        .enumerate()
+    {
+        let s = scales.get(b).map_or(f32::NAN, |&e| scale_value(e));
+        for (v, &c) in buf.iter_mut().zip(cb) {
+            *v = quant::E4M3[usize::from(c)] * s;
+        }
+        acc += dot8(&buf[..cb.len()], xb);
+    }
+    acc
+}
+
+/// [`blocked_dot8`] with block 32 of an MXFP4 row (`n/2` bytes, low nibble
+/// the even element; `scales[g]` the UE8M0 code of 32-column group g) and the
+/// FP8-quantized input `x` (`fp4_gemm`'s 32-wide K tiles).
+pub fn blocked_dot_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let n = (2 * packed.len()).min(x.len()) & !1;
+    let mut buf = [0.0f32; MXFP4_GROUP];
+    let mut acc = 0.0f32;
+    for (g, (pg, xg)) in packed[..n / 2]
+        .chunks(MXFP4_GROUP / 2)
+        .zip(x[..n].chunks(MXFP4_GROUP))
+        .enumerate()
+    {
+        let s = scales.get(g).map_or(f32::NAN, |&e| scale_value(e));
+        for (k, byte) in pg.iter().enumerate() {
+            let [lo, hi] = quant::E2M1_PAIRS[usize::from(*byte)];
+            buf[2 * k] = lo * s;
+            buf[2 * k + 1] = hi * s;
+        }
+        acc += dot8(&buf[..2 * pg.len()], xg);
+    }
+    acc
+}
+
 impl Mat {
     /// `dot8` of row `r` with `x` (`x.len()` must be `cols`).
     #[inline]
@@ -377,6 +439,50 @@ impl Mat {
         self.matvec_rows(0, x, &mut out[..self.rows()]);
     }
 
+    /// Whether DeepSeek's code quantizes this matrix's input before its GEMM
+    /// (`linear`, M L108–120): FP8 and FP4 weights.
+    pub fn quantizes_input(&self) -> bool {
+        matches!(self.dtype(), WeightDType::Fp8E4m3 | WeightDType::Mxfp4)
+    }
+
+    /// Row `r` of the official profile's GEMM with the already quantized
+    /// input `xq`: [`blocked_dot_fp8`] / [`blocked_dot_mxfp4`] for FP8 / FP4
+    /// weights, plain [`dot8`] for BF16/F32 weights (a BF16 GEMM without
+    /// activation quantization, like DeepSeek's `F.linear`).
+    #[inline]
+    pub fn dot_row_official(&self, r: usize, xq: &[f32]) -> f32 {
+        let bytes = self.row_bytes(r);
+        match self.dtype() {
+            WeightDType::Fp8E4m3 => blocked_dot_fp8(bytes, self.row_scales(r), xq),
+            WeightDType::Mxfp4 => blocked_dot_mxfp4(bytes, self.row_scales(r), xq),
+            WeightDType::Bf16 | WeightDType::F32 => self.dot_row(r, xq),
+        }
+    }
+
+    /// The official profile's linear: `R_BF16` of [`Mat::dot_row_official`]
+    /// for every row (the GEMM's BF16 output), rows in parallel as
+    /// [`Mat::matvec_rows`] splits them. `xq` must already be the GEMM input
+    /// site's quantized values when [`Mat::quantizes_input`].
+    pub fn linear_official(&self, xq: &[f32]) -> Vec<f32> {
+        debug_assert_eq!(xq.len(), self.cols());
+        let mut out = vec![0.0f32; self.rows()];
+        let cols = self.cols();
+        let row = |r: usize| moeconf_contract::bf16::r_bf16(self.dot_row_official(r, xq));
+        if out.len() * cols >= PAR_MIN_WORK {
+            let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
+            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = row(ci * chunk + i);
+                }
+            });
+        } else {
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = row(i);
+            }
+        }
+        out
+    }
+
     /// `W·x` as a new vector, each output rounded with the profile's rounding point.
     pub fn linear(&self, x: &[f32], p: crate::precision::Precision) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows()];
@@ -452,6 +558,65 @@ mod tests {
             let fold = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
             assert_eq!(want.to_bits(), fold.to_bits(), "n = {n}");
         }
+    }
+
+    #[test]
+    fn blocked_kernels_equal_the_blocked_reference_bitwise() {
+        // Random codes and scales; lengths covering whole and ragged blocks.
+        let mut state = 0x2545_f491u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        for n in [32usize, 64, 128, 256, 384, 96] {
+            let x: Vec<f32> = (0..n)
+                .map(|_| moeconf_contract::bf16::r_bf16((next() as f32 / u32::MAX as f32 - 0.5) * 4.0))
+                .collect();
+            let codes: Vec<u8> = (0..n).map(|_| (next() % 256) as u8 & 0xf7).collect(); // no NaN codes
+            let scales: Vec<u8> = (0..n.div_ceil(FP8_BLOCK))
+                .map(|_| 120 + (next() % 10) as u8)
+                .collect();
+            let w: Vec<f32> = (0..n)
+                .map(|i| quant::e4m3_to_f32(codes[i]) * 2f32.powi(i32::from(scales[i / FP8_BLOCK]) - 127))
+                .collect();
+            let want = blocked_dot8(&w, &x, FP8_BLOCK);
+            assert_eq!(
+                blocked_dot_fp8(&codes, &scales, &x).to_bits(),
+                want.to_bits(),
+                "fp8 n {n}"
+            );
+            // The block partials are summed in order: same as summing dot8 of each slice.
+            let manual = w
+                .chunks(128)
+                .zip(x.chunks(128))
+                .fold(0.0f32, |a, (wb, xb)| a + dot8(wb, xb));
+            assert_eq!(want.to_bits(), manual.to_bits());
+            let packed: Vec<u8> = (0..n / 2).map(|_| (next() % 256) as u8).collect();
+            let gscales: Vec<u8> = (0..n / MXFP4_GROUP).map(|_| 122 + (next() % 8) as u8).collect();
+            let w4: Vec<f32> = (0..n)
+                .map(|i| {
+                    quant::E2M1_PAIRS[usize::from(packed[i / 2])][i % 2]
+                        * 2f32.powi(i32::from(gscales[i / MXFP4_GROUP]) - 127)
+                })
+                .collect();
+            let want4 = blocked_dot8(&w4, &x, MXFP4_GROUP);
+            assert_eq!(
+                blocked_dot_mxfp4(&packed, &gscales, &x).to_bits(),
+                want4.to_bits(),
+                "mxfp4 n {n}"
+            );
+        }
+        // The block order is the contract: 1e8 and −1e8 in lane 0 of two blocks
+        // cancel inside dot8's lane, but block 0's partial absorbs the 1 of lane 1.
+        let mut w = vec![0.0f32; 256];
+        let x = vec![1.0f32; 256];
+        w[0] = 1e8;
+        w[1] = 1.0;
+        w[128] = -1e8;
+        assert_eq!(dot8(&w, &x), 1.0);
+        assert_eq!(blocked_dot8(&w, &x, 128), 0.0);
     }
 
     #[test]

@@ -14,6 +14,12 @@
 //!
 //! Post: `X'_k = round(round(post_k · y) + round(Σ_j C_jk · X_j))` with post and
 //! C rounded to the activation dtype first (HF casts them), j summed in order.
+//!
+//! The official profile follows DeepSeek's `hc_pre`/`hc_post`/`hc_head`
+//! instead (`inference/model.py` L676–686, L726–735; docs/operators.md §10.5):
+//! the mixes are `μ = (Φ · x̂) · rms_factor(x̂)` (dot8 on the unscaled streams,
+//! then one FP32 multiply), and the post is `X'_k,i = round(post_k · y_i ⊕
+//! Σ_j C_jk · X_j,i)` with FP32 post and C and one rounding.
 
 use crate::error::RuntimeError;
 use crate::faults::{truncate_bf16, MhcFaults};
@@ -82,6 +88,32 @@ fn mix_logits(fn_: &Mat, streams: &[f32], eps: f32) -> Vec<f32> {
     let mut mu = vec![0.0f32; fn_.rows()];
     fn_.matvec(&u, &mut mu);
     mu
+}
+
+/// The official profile's mixing logits, DeepSeek's `F.linear(x, hc_fn) *
+/// rsqrt` (M L677–678, L731–732): `μ_r = dot8(Φ_r, x̂) ⊗ rms_factor(x̂)`, the
+/// dot products on the unscaled FP32 streams, then one FP32 multiply each.
+fn mix_logits_scaled_after(fn_: &Mat, streams: &[f32], eps: f32) -> Vec<f32> {
+    let r = rms_factor(streams, eps);
+    let mut mu = vec![0.0f32; fn_.rows()];
+    fn_.matvec(streams, &mut mu);
+    scale_mixes(&mut mu, r);
+    mu
+}
+
+/// `μ_r ← μ_r ⊗ r` (FP32), the factor applied after the dot products.
+fn scale_mixes(mu: &mut [f32], r: f32) {
+    for m in mu {
+        *m *= r;
+    }
+}
+
+/// The mixing logits of profile `p` (see the module docs).
+fn mixes_for(fn_: &Mat, streams: &[f32], eps: f32, p: Precision) -> Vec<f32> {
+    match p {
+        Precision::Official => mix_logits_scaled_after(fn_, streams, eps),
+        Precision::Bf16 | Precision::F32 => mix_logits(fn_, streams, eps),
+    }
 }
 
 /// `Σ_j w_j · X_j` (j ascending, FP32), rounded once. With `bf16_weights`
@@ -174,7 +206,7 @@ pub(crate) fn hc_pre_with(
         iters,
     } = hp;
     let d = streams.len() / n;
-    let mu = mix_logits(&site.fn_, streams, rms_eps);
+    let mu = mixes_for(&site.fn_, streams, rms_eps, p);
     let (a0, a1, a2) = (site.scale[0], site.scale[1], site.scale[2]);
     let pre_eps = if fx.pre_without_eps { 0.0 } else { hc_eps };
     let pre: Vec<f32> = (0..n)
@@ -223,6 +255,9 @@ pub(crate) fn hc_post_with(
     p: Precision,
     mix_bf16: bool,
 ) -> Vec<f32> {
+    if p == Precision::Official {
+        return hc_post_fp32_one_rounding(streams, y, post, comb, n, mix_bf16);
+    }
     let d = y.len();
     let post: Vec<f32> = post.iter().map(|v| p.round(*v)).collect();
     let comb: Vec<f32> = comb.iter().map(|v| p.round(*v)).collect();
@@ -245,6 +280,35 @@ pub(crate) fn hc_post_with(
     out
 }
 
+/// The official profile's mHC post, DeepSeek's `hc_post` (M L683–686):
+/// `X'_k,i = R_BF16(post_k ⊗ y_i ⊕ mix_k,i)` with `mix_k,i = Σ_j C_jk ⊗ X_j,i`
+/// (FP32, from +0, j ascending), post and C in FP32 (not rounded), one
+/// rounding at the end. `mix_bf16` (a calibration fault) rounds the mixing
+/// sum after every addition, as in the other profiles.
+pub(crate) fn hc_post_fp32_one_rounding(
+    streams: &[f32],
+    y: &[f32],
+    post: &[f32],
+    comb: &[f32],
+    n: usize,
+    mix_bf16: bool,
+) -> Vec<f32> {
+    let d = y.len();
+    let mut out = vec![0.0f32; n * d];
+    for k in 0..n {
+        let o = &mut out[k * d..(k + 1) * d];
+        for (i, oi) in o.iter_mut().enumerate() {
+            let mut m = 0.0f32;
+            for j in 0..n {
+                let t = m + comb[j * n + k] * streams[j * d + i];
+                m = if mix_bf16 { r_bf16(t) } else { t };
+            }
+            *oi = r_bf16(post[k] * y[i] + m);
+        }
+    }
+    out
+}
+
 /// The head's collapse: `pre_j = σ(α·μ_j + b_j) + ε_hc`, no Sinkhorn; returns
 /// the rounded `Σ_j pre_j X_j`.
 pub fn hc_head(
@@ -256,7 +320,7 @@ pub fn hc_head(
     p: Precision,
 ) -> Vec<f32> {
     let d = streams.len() / n;
-    let mu = mix_logits(&head.fn_, streams, rms_eps);
+    let mu = mixes_for(&head.fn_, streams, rms_eps, p);
     let pre: Vec<f32> = (0..n)
         .map(|j| sigmoid(mu[j] * head.scale[0] + head.base[j]) + hc_eps)
         .collect();
@@ -279,5 +343,39 @@ mod tests {
             let s: f32 = (0..4).map(|k| c[j * 4 + k]).sum();
             assert!((s - 1.0).abs() < 1e-2, "row {j} sums to {s}");
         }
+    }
+
+    /// DeepSeek's `hc_post` written as torch evaluates it
+    /// (`post.unsqueeze(-1) * x.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) *
+    /// residual.unsqueeze(-2), dim=2)`, then `type_as`): every product and the
+    /// sum over j in FP32, one BF16 cast. Compared bit for bit.
+    #[test]
+    fn official_post_is_fp32_with_one_rounding() {
+        let (n, d) = (4usize, 40usize);
+        let v = |i: usize, a: f32| r_bf16(((i as f32 * a).sin() * 3.0) + 0.01);
+        let streams: Vec<f32> = (0..n * d).map(|i| v(i, 0.37)).collect();
+        let y: Vec<f32> = (0..d).map(|i| v(i, 1.3)).collect();
+        // Unrounded FP32 post and C (far from BF16 values).
+        let post: Vec<f32> = (0..n).map(|k| 0.3 + k as f32 * 0.123_456_7).collect();
+        let comb: Vec<f32> = (0..n * n).map(|i| 0.01 + (i as f32 * 0.071_3) % 0.5).collect();
+        let got = hc_post_with(&streams, &y, &post, &comb, n, Precision::Official, false);
+        for k in 0..n {
+            for i in 0..d {
+                let products: Vec<f32> = (0..n).map(|j| comb[j * n + k] * streams[j * d + i]).collect();
+                let sum = products.iter().fold(0.0f32, |a, b| a + b);
+                let want = r_bf16(post[k] * y[i] + sum);
+                assert_eq!(got[k * d + i].to_bits(), want.to_bits(), "k {k} i {i}");
+            }
+        }
+        // The bf16 profile rounds post and C first, so the two differ here.
+        let bf16 = hc_post_with(&streams, &y, &post, &comb, n, Precision::Bf16, false);
+        assert_ne!(got, bf16);
+    }
+
+    #[test]
+    fn official_mixes_scale_after_the_dot_products() {
+        let mut mu = vec![1.5f32, -3.25, 7.0];
+        scale_mixes(&mut mu, 0.3);
+        assert_eq!(mu, vec![1.5f32 * 0.3, -3.25 * 0.3, 7.0 * 0.3]);
     }
 }

@@ -255,6 +255,55 @@ impl Model {
         acc
     }
 
+    /// Whether this model can run in `precision`: the official profile needs
+    /// the dimensions DeepSeek's quantization kernels assert (non-rope KV
+    /// channels a multiple of 64, the indexer head width a power of two and
+    /// a multiple of 32, the input width of every quantized GEMM a multiple
+    /// of 128; docs/operators.md §10.4). The bf16 and f32 profiles run any
+    /// model that loaded.
+    pub fn check_precision(&self, precision: Precision) -> Result<(), RuntimeError> {
+        if !precision.quantizes() {
+            return Ok(());
+        }
+        let cfg = &self.cfg;
+        let mut sites: Vec<(Component, usize)> = Vec::new();
+        let mut add = |site: Component, width: usize, quantized: bool| {
+            if quantized && !sites.iter().any(|(s, _)| *s == site) {
+                sites.push((site, width));
+            }
+        };
+        for lw in &self.layers {
+            let a = &lw.attn;
+            add(
+                Component::AttnNormFp8,
+                cfg.hidden_size,
+                a.wq_a.quantizes_input() || a.wkv.quantizes_input(),
+            );
+            let idx_q = a.indexer.as_ref().is_some_and(|ix| ix.wq_b.quantizes_input());
+            add(
+                Component::AttnQLatFp8,
+                cfg.q_lora_rank,
+                a.wq_b.quantizes_input() || idx_q,
+            );
+            add(
+                Component::AttnOLatFp8,
+                cfg.o_groups * cfg.o_lora_rank,
+                a.wo_b.quantizes_input(),
+            );
+            let experts = || lw.moe.experts.iter().chain(std::iter::once(&lw.moe.shared));
+            let up = experts().any(|e| e.w1.quantizes_input() || e.w3.quantizes_input());
+            add(Component::FfnNormFp8, cfg.hidden_size, up);
+            let down = lw.moe.experts.iter().any(|e| e.w2.quantizes_input());
+            add(Component::MoeTermHFp8, cfg.moe_intermediate_size, down);
+            add(
+                Component::MoeSharedHFp8,
+                cfg.moe_intermediate_size,
+                lw.moe.shared.w2.quantizes_input(),
+            );
+        }
+        crate::official::check_dimensions(cfg, &self.dir.join("config.json"), &sites)
+    }
+
     /// A fresh, empty decode state for this model.
     pub fn new_state(&self) -> DecodeState {
         DecodeState::new(&self.cfg)
@@ -291,6 +340,7 @@ impl Model {
                 "a forward step needs at least one token".into(),
             ));
         }
+        self.check_precision(opts.precision)?;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
             return Err(RuntimeError::Input(format!(
                 "token id {bad} is outside the vocabulary 0..{}",

@@ -73,6 +73,40 @@ pub fn expert_forward(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision) -
     ew.w2.linear(&h, p)
 }
 
+/// The official profile's expert (docs/operators.md §10; DeepSeek's
+/// `Expert.forward`, M L596–606): `γ`, `υ` from the block-scaled GEMMs of the
+/// FP8-quantized input `f_q` (site Q8; `f` itself for BF16 weights), the
+/// SwiGLU in FP32, the gate `g` (routed experts) applied **before** `w2`,
+/// one BF16 rounding: `h = R_BF16(g · (silu(min(γ, L)) · clamp(υ, −L, L)))`;
+/// `h_q` = h FP8-quantized (site Q9 routed, Q10 shared; `None` when `w2` is
+/// not quantized); `y = R_BF16(W2 · h_q)`. Returns `(h_q, y)`.
+pub(crate) fn expert_forward_official(
+    ew: &ExpertWeights,
+    f: &[f32],
+    f_q: Option<&[f32]>,
+    gate: Option<f32>,
+    limit: f32,
+    skip_h: bool,
+) -> (Option<Vec<f32>>, Vec<f32>) {
+    let p = Precision::Official;
+    let gamma = crate::official::linear(&ew.w1, f, f_q, p);
+    let up = crate::official::linear(&ew.w3, f, f_q, p);
+    let h: Vec<f32> = gamma
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| {
+            let v = silu(g.min(limit)) * u.clamp(-limit, limit);
+            r_bf16(gate.map_or(v, |w| w * v))
+        })
+        .collect();
+    let h_q = ew
+        .w2
+        .quantizes_input()
+        .then(|| crate::official::gemm_input(&h, skip_h));
+    let y = crate::official::linear(&ew.w2, &h, h_q.as_deref(), p);
+    (h_q, y)
+}
+
 /// MoE weights of one layer.
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
@@ -121,6 +155,18 @@ pub(crate) fn moe_forward(
     rec: &mut Recorder<'_>,
 ) -> Result<Vec<f32>, RuntimeError> {
     let (cfg, p, at) = (cx.cfg, cx.p, cx.at());
+    // Site Q8 (official profile): the input of every expert's w1 and w3.
+    let skip = cx.fx.skip_quantization;
+    let up_projections = mw
+        .experts
+        .iter()
+        .chain(std::iter::once(&mw.shared))
+        .flat_map(|e| [&e.w1, &e.w3]);
+    let f_q = (p.quantizes() && crate::official::any_quantized(up_projections))
+        .then(|| crate::official::gemm_input(f, skip.contains(Component::FfnNormFp8)));
+    if let Some(v) = &f_q {
+        rec.f32(Component::FfnNormFp8, at, &[f.len() as u64], v)?;
+    }
     let r = route_with(&mw.router, f, cx.token, cfg, p, cx.fx.router_flip, cx.fx.router);
     let k = r.topk.len() as u64;
     rec.f32(Component::RouterScores, at, &[r.scores.len() as u64], &r.scores)?;
@@ -130,14 +176,31 @@ pub(crate) fn moe_forward(
     if let Some(m) = r.margin {
         rec.f32(Component::RouterMargin, at, &[1], &[m])?;
     }
-    let (terms, shared) = experts(mw, f, &r, cfg, p, cx.fx.experts);
+    let ex = match p.quantizes() {
+        true => experts_official(mw, f, f_q.as_deref(), &r, cfg, cx.fx.experts, skip),
+        false => experts(mw, f, &r, cfg, p, cx.fx.experts),
+    };
+    let (terms, shared) = (&ex.terms, &ex.shared);
     let dm = cfg.hidden_size as u64;
     // Recorded (and so checked for non-finite values) even when L4 is not
     // captured: the expert outputs are operator outputs.
+    for (j, v) in ex.terms_h.iter().enumerate() {
+        if let Some(v) = v {
+            rec.f32(
+                Name::member(Component::MoeTermHFp8, j as u32),
+                at,
+                &[v.len() as u64],
+                v,
+            )?;
+        }
+    }
     for (j, v) in terms.iter().enumerate() {
         rec.f32(Name::member(Component::MoeTerm, j as u32), at, &[dm], v)?;
     }
-    rec.f32(Component::MoeShared, at, &[dm], &shared)?;
+    if let Some(v) = &ex.shared_h {
+        rec.f32(Component::MoeSharedHFp8, at, &[v.len() as u64], v)?;
+    }
+    rec.f32(Component::MoeShared, at, &[dm], shared)?;
     let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
     let event = CombineEvent {
         layer: cx.layer,
@@ -149,12 +212,76 @@ pub(crate) fn moe_forward(
     let mut y = vec![0.0f32; cfg.hidden_size];
     cx.fx
         .combine_or(cx.combine)
-        .combine(&event, &term_refs, &shared, &mut y);
+        .combine(&event, &term_refs, shared, &mut y);
     if let Some(v) = cx.fx.combine_nudge.and_then(|i| y.get_mut(i)) {
         *v = nudge_one_ulp(*v, p);
     }
     rec.f32(Component::MoeCombine, at, &[dm], &y)?;
     Ok(y)
+}
+
+/// What the experts of one token computed.
+struct ExpertOutputs {
+    /// The gate-weighted routed terms, selection order.
+    terms: Vec<Vec<f32>>,
+    /// The shared expert's output.
+    shared: Vec<f32>,
+    /// Official profile: each routed expert's quantized hidden activation
+    /// (site Q9), selection order (`None` where `w2` is not quantized).
+    terms_h: Vec<Option<Vec<f32>>>,
+    /// Official profile: the shared expert's (site Q10).
+    shared_h: Option<Vec<f32>>,
+}
+
+/// The official profile's experts: each selected expert with its gate
+/// applied before `w2` ([`expert_forward_official`]), so its term is its
+/// output; then the shared expert. Parallel as [`experts`].
+fn experts_official(
+    mw: &MoeWeights,
+    f: &[f32],
+    f_q: Option<&[f32]>,
+    r: &Routing,
+    cfg: &ModelConfig,
+    fx: ExpertFaults,
+    skip: crate::official::SiteSet,
+) -> ExpertOutputs {
+    let routed_limit = fx.routed_limit.unwrap_or(cfg.swiglu_limit);
+    let shared_limit = fx.shared_limit.unwrap_or(cfg.swiglu_limit);
+    let (skip_routed, skip_shared) = (
+        skip.contains(Component::MoeTermHFp8),
+        skip.contains(Component::MoeSharedHFp8),
+    );
+    let one = |j: usize| match (r.topk.get(j), r.gates.get(j)) {
+        (Some(&e), Some(&g)) => expert_forward_official(
+            &mw.experts[e as usize],
+            f,
+            f_q,
+            Some(g),
+            routed_limit,
+            skip_routed,
+        ),
+        _ => expert_forward_official(&mw.shared, f, f_q, None, shared_limit, skip_shared),
+    };
+    let mut outs: Vec<(Option<Vec<f32>>, Vec<f32>)> =
+        if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
+            (0..=r.topk.len()).into_par_iter().map(one).collect()
+        } else {
+            (0..=r.topk.len()).map(one).collect()
+        };
+    let (shared_h, shared) = outs.pop().unwrap_or_default();
+    let (terms_h, mut terms): (Vec<_>, Vec<_>) = outs.into_iter().unzip();
+    if fx.term_rounded {
+        // The terms are already BF16 values (the GEMM's output): a no-op.
+        terms
+            .iter_mut()
+            .for_each(|t: &mut Vec<f32>| t.iter_mut().for_each(|v| *v = r_bf16(*v)));
+    }
+    ExpertOutputs {
+        terms,
+        shared,
+        terms_h,
+        shared_h,
+    }
 }
 
 /// The gate-weighted routed terms (selection order) and the shared
@@ -166,7 +293,7 @@ fn experts(
     cfg: &ModelConfig,
     p: Precision,
     fx: ExpertFaults,
-) -> (Vec<Vec<f32>>, Vec<f32>) {
+) -> ExpertOutputs {
     // Experts 0..k-1 in selection order, then the shared expert (index k).
     // Each expert output is independent; run them on rayon only when an expert
     // is big enough to pay for the scheduling (results are identical either way).
@@ -191,5 +318,10 @@ fn experts(
             false => y.iter().map(|v| g * v).collect(),
         })
         .collect();
-    (terms, shared)
+    ExpertOutputs {
+        terms,
+        shared,
+        terms_h: Vec::new(),
+        shared_h: None,
+    }
 }

@@ -28,3 +28,66 @@ pub fn rmsnorm_unweighted_in_place(x: &mut [f32], eps: f32, p: Precision) {
         *v = p.round(*v * r);
     }
 }
+
+/// The official profile's per-head query norm, DeepSeek's
+/// `q *= torch.rsqrt(q.square().mean(-1, keepdim=True) + eps)` on a BF16
+/// tensor (`inference/model.py` L498), with every rounding torch makes
+/// there: `s_i = R(q_i²)` (the BF16 square), `m = R((Σ_i s_i) / n)` (the BF16
+/// mean: an FP32 sum from +0 in increasing i, then one division), `v = R(m ⊕
+/// ε)` (a BF16 tensor plus a scalar), `r = R(1 / sqrt(v))` (the BF16
+/// `rsqrt`, correctly rounded in FP32 first), then `q_i ← R(q_i ⊗ r)`. `R`
+/// is R_BF16; `q` holds BF16 values. The order of the sum is this runtime's
+/// (a GPU reduction's is not in the source).
+pub fn rmsnorm_unweighted_bf16_tensors(q: &mut [f32], eps: f32) {
+    use moeconf_contract::bf16::r_bf16;
+    let sum = q.iter().fold(0.0f32, |acc, v| acc + r_bf16(v * v));
+    let mean = r_bf16(sum / q.len() as f32);
+    let var = r_bf16(mean + eps);
+    let r = r_bf16(1.0 / var.sqrt());
+    for v in q {
+        *v = r_bf16(*v * r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_contract::bf16::r_bf16;
+
+    /// An independent formulation in f64 of the torch expression with its
+    /// BF16 tensors: each intermediate tensor is exactly the BF16 value,
+    /// so rounding every f64 operation result to FP32 and then to BF16 gives
+    /// the same bits wherever the FP32 operations are exact or correctly
+    /// rounded (squares of BF16 values are exact in FP32; the sum is checked
+    /// on values whose partial sums are exact).
+    #[test]
+    fn bf16_query_norm_rounds_where_torch_does() {
+        let bf = |x: f64| r_bf16(x as f32);
+        // Multiples of 2^-4 with few bits: squares and partial sums are exact in FP32.
+        let q0: Vec<f32> = (0..64)
+            .map(|i| ((i % 13) as f32 - 6.0) * 0.0625 + 0.125)
+            .collect();
+        let mut q = q0.clone();
+        rmsnorm_unweighted_bf16_tensors(&mut q, 1e-6);
+        let squares: Vec<f64> = q0.iter().map(|v| bf(*v as f64 * *v as f64) as f64).collect();
+        let mean = bf(squares.iter().sum::<f64>() / 64.0);
+        let var = bf(mean as f64 + 1e-6f32 as f64);
+        let r = bf((1.0f64 / (var as f64).sqrt()) as f32 as f64);
+        for (got, x) in q.iter().zip(&q0) {
+            assert_eq!(got.to_bits(), bf(*x as f64 * r as f64).to_bits());
+        }
+    }
+
+    #[test]
+    fn bf16_query_norm_rounds_the_squares() {
+        // 1 + 2^-7 is a BF16 value whose square 1 + 2^-6 + 2^-14 is not:
+        // torch's BF16 square drops the 2^-14.
+        let x = 1.0f32 + 2.0f32.powi(-7);
+        let mut q = vec![x; 8];
+        rmsnorm_unweighted_bf16_tensors(&mut q, 0.0);
+        let mean = r_bf16(x * x); // the BF16 square, = 1 + 2^-6
+        assert_eq!(mean, 1.0 + 2.0f32.powi(-6));
+        let r = r_bf16(1.0 / mean.sqrt());
+        assert!(q.iter().all(|v| *v == r_bf16(x * r)));
+    }
+}

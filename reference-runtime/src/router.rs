@@ -8,7 +8,9 @@
 //! descending, ties to the lower id (IEEE total order); the first k are the
 //! selection, in that order. hash_moe layers: the k ids of `tid2eid[token]` in
 //! row order. Gates: `S = round(Σ_j s_{idx_j} + 1e−20)` (selection order, FP32),
-//! `g_j = round(round(s_{idx_j} / S) · routed_scaling_factor)`.
+//! `g_j = round(round(s_{idx_j} / S) · routed_scaling_factor)`. The official
+//! profile has no rounding point here (DeepSeek's gate is FP32 throughout);
+//! its `+ 1e−20` (HF's) is kept, and changes no FP32 sum of positive scores.
 
 use crate::config::{MlpKind, ModelConfig};
 use crate::error::RuntimeError;
@@ -98,6 +100,8 @@ pub(crate) fn route_with(
     near_tie_flip: bool,
     fx: RouterFaults,
 ) -> Routing {
+    // The official profile's router is FP32 throughout (no rounding point).
+    let p = p.router();
     let logits = rw.gate.linear(f, p);
     let sp = |x: f32| match fx.softplus_bf16_exp {
         true if x <= 20.0 => libm::log1pf(r_bf16(libm::expf(x))),

@@ -16,12 +16,18 @@ use moeconf_fingerprint::catalogue::{ExecGroup, InputSource, Presence};
 use moeconf_fingerprint::{Component, Level};
 use moeconf_reference_runtime::capture::MemorySink;
 use moeconf_reference_runtime::generate::GenerateOptions;
+use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::precision::Precision;
 
 /// 21 prompt tokens + 20 decode steps (`--capture all`): the window wraps,
 /// CSA and HCA windows close in prefill and in decode, the indexer selection
 /// is sparse (T > K_I).
 fn run(precision: Precision, combine: &dyn MoeCombine) -> MemorySink {
+    run_on(fixture_model(), precision, combine)
+}
+
+/// [`run`] on `model`.
+fn run_on(model: &Model, precision: Precision, combine: &dyn MoeCombine) -> MemorySink {
     let mut sink = MemorySink::all();
     let opts = GenerateOptions {
         max_new_tokens: 20,
@@ -30,7 +36,7 @@ fn run(precision: Precision, combine: &dyn MoeCombine) -> MemorySink {
         detokenizer: None,
         allow_non_finite: false,
     };
-    fixture_model()
+    model
         .generate(&prompt(3, 21), &opts, &mut sink)
         .expect("fixture run");
     sink
@@ -39,8 +45,15 @@ fn run(precision: Precision, combine: &dyn MoeCombine) -> MemorySink {
 /// (step, position, layer, component) of a record.
 type Key = (u32, u32, Option<u32>, Component);
 
-fn check(sink: &MemorySink) {
-    let cfg = fixture_model().config();
+/// `quantizes`: the profile records the quantization sites (catalogue
+/// presence `Quantized`/`QuantizedOnEmit`); otherwise none may appear.
+fn check(sink: &MemorySink, quantizes: bool) {
+    check_on(fixture_model(), sink, quantizes)
+}
+
+/// [`check`] of a run of `model`.
+fn check_on(model: &Model, sink: &MemorySink, quantizes: bool) {
+    let cfg = model.config();
     let kinds = |layer: u32| cfg.catalogue_kinds(layer as usize).expect("layer of the model");
     let mut present: HashSet<Key> = HashSet::new();
     let mut state: HashSet<(u32, u32, Component)> = HashSet::new();
@@ -112,6 +125,16 @@ fn check(sink: &MemorySink) {
                     if spec.presence == Presence::Always {
                         assert!(here, "{comp} missing at step {step} pos {t} layer {layer}");
                     }
+                    if spec.presence == Presence::Quantized && quantizes {
+                        // Every GEMM of the quantized fixture is quantized: each site exists.
+                        assert!(here, "site {comp} missing at step {step} pos {t} layer {layer}");
+                    }
+                    if spec.presence.is_quantized() && !quantizes {
+                        assert!(
+                            !here,
+                            "{comp} is a quantization site, yet emitted by a profile without any at step {step} pos {t} layer {layer}"
+                        );
+                    }
                     if spec.presence == Presence::CaptureOnly {
                         assert!(
                             !here,
@@ -135,9 +158,13 @@ fn check(sink: &MemorySink) {
                                         found,
                                         "{comp} reads {ic}, not captured at step {step} pos {t} layer {layer}"
                                     ),
-                                    Presence::OnEmit => {
+                                    Presence::OnEmit | Presence::QuantizedOnEmit => {
                                         *on_emit_inputs_seen.entry(ic).or_default() += found as usize
                                     }
+                                    Presence::Quantized => assert!(
+                                        found || !quantizes,
+                                        "{comp} reads the site {ic}, not captured at step {step} pos {t} layer {layer}"
+                                    ),
                                     Presence::CaptureOnly => assert!(
                                         !found,
                                         "{ic} is capture-only, yet the runtime emitted it at step {step} pos {t} layer {layer}"
@@ -186,7 +213,16 @@ fn check(sink: &MemorySink) {
             .layer
             .is_some_and(|l| kinds(l).0 == moeconf_fingerprint::catalogue::AttentionKind::Hca)
     });
-    assert!(hca_entry, "no HCA window closed: lengthen the run");
+    let tokens = positions
+        .values()
+        .flat_map(|p| p.iter())
+        .max()
+        .map_or(0, |&t| t as usize + 1);
+    // (The quantized fixture's HCA rate, 128, is longer than the run.)
+    assert!(
+        hca_entry || tokens < cfg.hca_rate,
+        "no HCA window closed: lengthen the run"
+    );
     let sparse = sink
         .by_path(Component::AttnIndexerScores.path())
         .any(|r| r.shape[0] as usize > cfg.index_topk);
@@ -195,8 +231,27 @@ fn check(sink: &MemorySink) {
 
 #[test]
 fn catalogue_inputs_are_captured() {
-    check(&run(Precision::Bf16, &NativeCombine));
-    check(&run(Precision::F32, &F32Combine));
+    check(&run(Precision::Bf16, &NativeCombine), false);
+    check(&run(Precision::F32, &F32Combine), false);
+}
+
+/// The official profile on the quantized fixture (every GEMM quantized): every
+/// quantization site is captured wherever it exists, and read where the
+/// catalogue says.
+#[test]
+fn catalogue_inputs_are_captured_in_the_official_profile() {
+    let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures");
+    let dir =
+        moeconf_fixtures::ensure_builtin_in(moeconf_fixtures::BUILTIN_TINY_V4_FP8, &root).expect("fixture");
+    let model = Model::load(&dir).expect("load");
+    let sink = run_on(&model, Precision::Official, &NativeCombine);
+    check_on(&model, &sink, true);
+    for site in moeconf_reference_runtime::official::SITES {
+        assert!(
+            sink.records.iter().any(|r| site.matches(&r.coord.path)),
+            "{site} never captured"
+        );
+    }
 }
 
 #[test]

@@ -65,7 +65,7 @@ pub fn reference_for(
         Some(p) => p,
         None => Precision::from_name(&b.precision).ok_or_else(|| {
             err(format!(
-                "the binding's precision profile {:?} is not one the reference runtime has (bf16, f32); \
+                "the binding's precision profile {:?} is not one the reference runtime has (bf16, f32, official); \
                  name the reference's profile with --precision",
                 b.precision
             ))

@@ -204,6 +204,19 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// The MoE combine a run of `precision` uses when the user names none:
+/// `native` for the bf16 and f32 profiles; for the official profile
+/// DeepSeek's own (`inference/model.py` L629–644: an FP32 buffer, the
+/// experts' BF16 outputs added in ascending expert id, the shared expert
+/// last, one BF16 rounding), `c+shared=last+order=asc-id` in
+/// docs/contracts.md's notation.
+pub fn default_contract(precision: Precision) -> &'static str {
+    match precision {
+        Precision::Official => "c+shared=last+order=asc-id",
+        Precision::Bf16 | Precision::F32 => "native",
+    }
+}
+
 /// How the MoE combine is chosen for a run.
 #[derive(Debug, Clone)]
 pub struct CombineChoice {
@@ -471,8 +484,9 @@ pub struct PreparedRun {
 }
 
 /// Validates `spec` against the loaded model before anything runs or is
-/// written: token count, prompt, contract, schedule and fork point (a fork
-/// that can never take effect is refused, [`check_fork_point`]).
+/// written: token count, prompt, precision profile (the official profile's
+/// dimensions), contract, schedule and fork point (a fork that can never
+/// take effect is refused, [`check_fork_point`]).
 pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, RunError> {
     if spec.max_new_tokens == 0 || spec.max_new_tokens > limits::MAX_NEW_TOKENS {
         bail!(
@@ -486,6 +500,7 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
         bail!("the prompt {:?} tokenizes to no tokens", spec.prompt);
     }
     limits::check_prompt_tokens(prompt_ids.len())?;
+    m.model.check_precision(spec.precision)?;
     let cfg = m.model.config();
     let built = build_combine(
         spec.combine,

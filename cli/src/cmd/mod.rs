@@ -8,6 +8,7 @@ pub mod convert;
 pub mod demo;
 pub mod diff;
 pub mod explain;
+pub mod export;
 pub mod gate;
 pub mod import;
 pub mod inspect;
@@ -39,6 +40,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Merge(a) => merge::run(&a),
         Command::Replay(a) => replay::run(&a),
         Command::Bench(b) => bench::run(&b),
+        Command::Export(e) => export::run(&e),
     }
 }
 
@@ -57,7 +59,8 @@ pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 
 /// Parses `--precision`.
 pub fn precision(name: &str) -> anyhow::Result<Precision> {
-    Precision::from_name(name).with_context(|| format!("--precision {name:?}: expected bf16 or f32"))
+    Precision::from_name(name)
+        .with_context(|| format!("--precision {name:?}: expected bf16, f32 or official"))
 }
 
 /// Parses `--digest`.

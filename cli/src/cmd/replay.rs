@@ -36,7 +36,7 @@ pub struct ReplayArgs {
     /// step (KL divergence, top-k overlap, argmax agreement).
     #[arg(long)]
     pub teacher_force: bool,
-    /// The reference's precision profile (bf16, f32) instead of the
+    /// The reference's precision profile (bf16, f32, official) instead of the
     /// binding's; needed for traces whose binding names another runtime's
     /// profile (e.g. hf-bf16 from the Python capture).
     #[arg(long)]

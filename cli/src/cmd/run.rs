@@ -5,7 +5,7 @@ use crate::output::check_output;
 use clap::Args;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
-use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use moeconf_runner::{default_contract, load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
 use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,7 +54,9 @@ pub struct RunArgs {
     #[arg(short = 'o', long)]
     pub output: PathBuf,
     /// Precision profile: bf16 (BF16 weights and activations at HF's rounding points, FP32
-    /// accumulation) or f32.
+    /// accumulation), f32, or official (DeepSeek's inference numerics: the bf16 rounding points
+    /// plus FP8/FP4 activation quantization at every site of DeepSeek's code and block-scaled
+    /// FP8/FP4 GEMMs; needs a quantized checkpoint's dimensions, docs/operators.md §10).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// What to capture: default (fingerprints for all levels, payloads for L1 and L3), all
@@ -70,8 +72,10 @@ pub struct RunArgs {
     pub fold_negative_zero: bool,
     /// MoE aggregation contract applied at every MoE layer: a preset or any
     /// grammar member in the notation of docs/contracts.md (e.g. b+order=asc-id).
-    #[arg(long, default_value = "native")]
-    pub contract: String,
+    /// Default: the profile's own, `native` for bf16 and f32, DeepSeek's
+    /// `c+shared=last+order=asc-id` for official; the binding records the one used.
+    #[arg(long)]
+    pub contract: Option<String>,
     /// Order schedule of the contract: identity, layer-static:SEED or token-dynamic:SEED.
     #[arg(long, default_value = "identity")]
     pub schedule: String,
@@ -109,7 +113,10 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     let capture = parse_capture(&a.capture)?;
     let algorithm = super::algorithm(&a.digest)?;
     let choice = CombineChoice {
-        contract: a.contract.clone(),
+        contract: a
+            .contract
+            .clone()
+            .unwrap_or_else(|| default_contract(precision).to_string()),
         schedule: a.schedule.clone(),
         fork_layer: a.fork_layer,
         fork_step: a.fork_step,

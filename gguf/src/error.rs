@@ -1,0 +1,57 @@
+//! Every failure of the crate; each names the file (and the tensor or key) it concerns.
+
+use std::path::PathBuf;
+
+/// Errors of GGUF writing, reading, export and verification.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GgufError {
+    /// Reading or writing a file failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file concerned.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A GGUF file is not well-formed.
+    #[error("{}: byte {offset}: {message}", path.display())]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset where the problem was found.
+        offset: u64,
+        /// What is wrong.
+        message: String,
+    },
+    /// A checkpoint tensor is missing, mis-shaped, of an unsupported dtype, or not exactly
+    /// representable in the requested GGUF type.
+    #[error("{}: tensor {tensor}: {message}", path.display())]
+    Tensor {
+        /// The checkpoint file or directory.
+        path: PathBuf,
+        /// The tensor's checkpoint name.
+        tensor: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The checkpoint's config or tokenizer cannot be exported to llama.cpp's `deepseek4`.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A GGUF does not hold what the export of the checkpoint would hold (verification).
+    #[error("{0}")]
+    Mismatch(String),
+    /// Any other inconsistency (with its own context in the message).
+    #[error("{0}")]
+    Invalid(String),
+    /// Loading the checkpoint's config through the reference runtime failed.
+    #[error(transparent)]
+    Runtime(#[from] moeconf_reference_runtime::error::RuntimeError),
+    /// The output file is refused (an input of the command, a directory, a symbolic link, a
+    /// missing directory) or could not be committed.
+    #[error("{0}")]
+    Output(String),
+    /// Computing the checkpoint's identity failed.
+    #[error("{0}")]
+    Identity(String),
+}

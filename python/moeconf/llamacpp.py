@@ -1,0 +1,891 @@
+"""Capture a canonical moeconf trace from llama.cpp's DeepSeek-V4 (architecture ``deepseek4``)
+through ``llama-cpp-python`` (docs/interop-llamacpp.md).
+
+:func:`capture` loads a GGUF written by ``moeconf export gguf`` (the checkpoint the reference
+runtime runs, verified bit for bit), tokenizes the prompt with llama.cpp's own tokenizer, decodes
+greedily (step 0 = one ``llama_decode`` of the whole prompt, step s >= 1 = one decode of the
+generated token g_s) and records what llama.cpp's graph evaluation callback (``cb_eval``) shows:
+every named ggml node as it is computed, read with ``ggml_backend_tensor_get`` through a ctypes
+definition of ``struct ggml_tensor`` whose size is checked against ``ggml_tensor_overhead()``.
+
+Mapping (:data:`NODE_RULES`): a node name is ``<base>-<layer>`` (``cb(t, name, il)``); names
+collide (the attention and FFN halves of a layer share ``hc_pre``, ``hc_post``, ``hc_comb``;
+several internal nodes are called ``norm``), so a rule keys on ``(base, op, occurrence)``, the
+occurrence counted in graph order among the layer's nodes of that base and op. Only the nodes a
+rule names are observed (the callback answers ``ask`` with False for every other node), so the
+scheduler's graph splits never separate llama.cpp's CPU fusion (RMS_NORM + MUL is fused; no
+observed node is an RMS_NORM).
+
+Records are observed unless :data:`RECOMPUTED` lists them (the trace's ``moeconf.recomputed``
+note, docs/format.md section 5.2.1). Components llama.cpp computes inside fused kernels or stores
+in another basis are not captured, and the trace says so (:data:`NOT_CAPTURED`, provenance note
+``moeconf.not_captured``): they are never guessed.
+
+Requires ``llama-cpp-python`` (imported lazily) and ``gguf``; the mapping, the GGUF checks and the
+struct layout are testable without llama.cpp (python/tests/test_llamacpp.py).
+"""
+
+import ctypes
+import os
+import re
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .binding import Provenance
+from .fingerprint import Coord
+from .trace import TraceWriter, WriteSummary
+
+__all__ = ["capture", "CaptureResult", "NodeRule", "NODE_RULES", "RECOMPUTED", "NOT_CAPTURED",
+           "NOT_CAPTURED_NOTE", "LlamaCppError", "GgmlTensor", "check_gguf", "GgufModel",
+           "split_name", "StepNodes", "assemble_layer", "layer_state_records", "check_tensor_struct",
+           "LEVEL_BITS"]
+
+#: Level name -> bit of the binding capture masks (as moeconf.capture).
+LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
+#: Entries of ``lm.topk_ids`` / ``lm.topk_logits``.
+LM_TOPK = 8
+#: The provenance note listing what the capture could not observe: ``path: reason`` items
+#: separated by ``; `` (docs/format.md section 5.2.2).
+NOT_CAPTURED_NOTE = "moeconf.not_captured"
+
+
+class LlamaCppError(ValueError):
+    """A GGUF, a llama.cpp build or a capture that cannot give a faithful trace; the message names
+    the file or node and what is wrong."""
+
+
+class NodeRule(NamedTuple):
+    """One ggml node -> one moeconf record: the node's base name, ggml op and occurrence among
+    the layer's nodes of that (base, op) in graph order, the record path (``moe.term.*`` for the
+    k slots of ``ffn_moe_weighted``), its level and the per-token record shape (``None``: the
+    rule has its own assembly)."""
+
+    base: str
+    op: str
+    occurrence: int
+    path: str
+    level: str
+    shape: Optional[Tuple[int, ...]]
+
+
+def _rules(cfg):
+    """The rules of a model (shapes from its dimensions)."""
+    d, n, h, hd, e, k = cfg.hidden, cfg.hc_mult, cfg.n_head, cfg.head_dim, cfg.n_expert, cfg.k
+    return [
+        NodeRule("hc_pre", "SCALE", 0, "attn.hc_pre_weights", "L4", (n,)),
+        NodeRule("hc_post", "SCALE", 0, "attn.hc_post_weights", "L4", (n,)),
+        NodeRule("hc_comb", "DSV4_HC_COMB", 0, "attn.hc_comb", "L4", (n, n)),
+        NodeRule("hc_attn_pre", "DSV4_HC_PRE", 0, "attn.hc_pre", "L4", (d,)),
+        NodeRule("attn_norm", "MUL", 0, "attn.norm", "L4", (d,)),
+        NodeRule("q", "ROPE", 0, "attn.q", "L4", (h, hd)),
+        NodeRule("kv", "ROPE", 0, "attn.kv", "L4", (hd,)),
+        NodeRule("csa_state_compress", "ROPE", 0, "attn.compressed", "L4", None),
+        NodeRule("hca_state_compress", "ROPE", 0, "attn.compressed", "L4", None),
+        NodeRule("lid_state_compress", "ROPE", 0, "attn.indexer_compressed", "L4", None),
+        NodeRule("lid_score_masked", "LIGHTNING_INDEXER", 0, "attn.indexer_scores", "L4", None),
+        NodeRule("lid_top_k", "CONT", 0, "attn.indexer_topk", "L4", None),
+        NodeRule("attn_raw", "*", 0, "attn.core", "L4", (h, hd)),
+        NodeRule("attn_csa_lid", "*", 0, "attn.core", "L4", (h, hd)),
+        NodeRule("attn_hca", "*", 0, "attn.core", "L4", (h, hd)),
+        NodeRule("attn_out", "MUL_MAT", 0, "attn.output", "L4", (d,)),
+        NodeRule("hc_attn_post", "DSV4_HC_POST", 0, "layer.post_attn_mhc", "L3", (n, d)),
+        NodeRule("hc_pre", "SCALE", 1, "ffn.hc_pre_weights", "L4", (n,)),
+        NodeRule("hc_post", "SCALE", 1, "ffn.hc_post_weights", "L4", (n,)),
+        NodeRule("hc_comb", "DSV4_HC_COMB", 1, "ffn.hc_comb", "L4", (n, n)),
+        NodeRule("hc_ffn_pre", "DSV4_HC_PRE", 0, "ffn.hc_pre", "L4", (d,)),
+        NodeRule("ffn_norm", "MUL", 0, "ffn.norm", "L4", (d,)),
+        NodeRule("ffn_moe_probs", "SQRT", 0, "router.scores", "L3", (e,)),
+        NodeRule("ffn_moe_topk", "*", 0, "router.topk", "L3", (k,)),
+        NodeRule("ffn_moe_weights_scaled", "SCALE", 0, "router.gates", "L3", (k,)),
+        NodeRule("ffn_moe_probs_biased", "ADD", 0, "router.margin", "L3", None),
+        NodeRule("ffn_moe_weighted", "MUL", 0, "moe.term.*", "L4", (k, d)),
+        NodeRule("ffn_moe_out", "ADD", 0, "moe.routed", "L4", (d,)),
+        NodeRule("ffn_shexp", "MUL_MAT", 0, "moe.shared", "L4", (d,)),
+        NodeRule("ffn_out", "ADD", 0, "moe.combine", "L4", (d,)),
+        NodeRule("l_last", "DSV4_HC_POST", 0, "layer.post_ffn_mhc", "L3", (n, d)),
+    ]
+
+
+#: The rules' node bases (without shapes), for the documentation table and tests.
+NODE_RULES = [(r.base, r.op, r.occurrence, r.path) for r in _rules(
+    type("Dims", (), dict(hidden=1, hc_mult=1, n_head=1, head_dim=1, n_expert=1, k=1)))]
+
+#: Records the capture derives from observed nodes rather than reads (docs/format.md 5.2.1):
+#: ``router.margin`` (rank k minus rank k+1 of the observed selection scores
+#: ``ffn_moe_probs_biased``), ``attn.indexer_topk`` (the observed selection set, ordered by the
+#: observed scores: ggml's top_k returns an unspecified order, its first two swapped on purpose,
+#: ggml-cpu/ops.cpp ``ggml_compute_forward_top_k_f32``), and the L2 counters.
+RECOMPUTED = ["router.margin", "attn.indexer_topk", "state.cumulative_length",
+              "state.compressor.entry_count", "state.indexer.entry_count"]
+
+#: What the capture cannot observe, with the reason (the ``moeconf.not_captured`` note).
+NOT_CAPTURED = {
+    "attn.window_read": "the sliding-window cache is read inside the attention graph from an F16 "
+                        "cache whose cell order the callback does not expose",
+    "attn.compressed_read": "compressed entries are read through a mask over the whole compressed "
+                            "cache (no gathered read tensor)",
+    "attn.indexer_read": "indexer keys are stored Hadamard-rotated (lid_state_compress_rot), "
+                         "not in the reference's basis",
+    "state.compressor.buffer_gate": "the compressor state stores gate + ape, not the raw gate",
+    "state.indexer.buffer_gate": "the indexer compressor state stores gate + ape, not the raw gate",
+    "state.indexer.compressed_kv": "indexer entries are stored Hadamard-rotated",
+}
+
+#: Inside llama.cpp's fused kernels (not records of the catalogue, listed in the report): the
+#: mHC collapse sum and the Sinkhorn iterations (DSV4_HC_PRE, DSV4_HC_COMB), the post mixing
+#: (DSV4_HC_POST), per-head indexer scores (LIGHTNING_INDEXER), SWIGLU_CLAMP.
+FUSED_OPS = ("DSV4_HC_PRE", "DSV4_HC_COMB", "DSV4_HC_POST", "LIGHTNING_INDEXER", "SWIGLU_CLAMP")
+
+#: Per (layer, position), the records in the reference runtime's execution order
+#: (docs/operators.md section 5).
+LAYER_ORDER = ["attn.hc_pre_weights", "attn.hc_post_weights", "attn.hc_comb", "attn.hc_pre", "attn.norm",
+               "attn.q", "attn.kv", "attn.compressed", "attn.indexer_compressed", "attn.indexer_scores",
+               "attn.indexer_topk", "attn.core", "attn.output", "layer.post_attn_mhc",
+               "ffn.hc_pre_weights", "ffn.hc_post_weights", "ffn.hc_comb", "ffn.hc_pre", "ffn.norm",
+               "router.scores", "router.topk", "router.gates", "router.margin", "moe.term.*",
+               "moe.routed", "moe.shared", "moe.combine", "layer.post_ffn_mhc"]
+
+
+# --------------------------------------------------------------------------- ggml structures
+
+class GgmlTensor(ctypes.Structure):
+    """``struct ggml_tensor`` of the vendored ggml (ggml/include/ggml.h; GGML_MAX_DIMS 4,
+    GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64). :func:`check_tensor_struct`
+    compares its size with the library's ``ggml_tensor_overhead()``."""
+
+
+GgmlTensor._fields_ = [
+    ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+    ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+    ("src", ctypes.POINTER(GgmlTensor) * 10), ("view_src", ctypes.POINTER(GgmlTensor)),
+    ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+    ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
+]
+
+#: ``sizeof(struct ggml_object)`` (offs, size, next, type, padding[4]): ggml_tensor_overhead() is
+#: GGML_OBJECT_SIZE + GGML_TENSOR_SIZE.
+GGML_OBJECT_SIZE = 32
+
+#: ggml types the capture reads: id -> numpy dtype.
+GGML_DTYPES = {0: np.float32, 1: np.float16, 26: np.int32, 27: np.int64}
+
+
+def check_tensor_struct(overhead):
+    """Fails unless ``sizeof(GgmlTensor) + GGML_OBJECT_SIZE`` equals the library's
+    ``ggml_tensor_overhead()`` (a ggml whose tensor struct changed would be read wrongly)."""
+    size = ctypes.sizeof(GgmlTensor)
+    if size + GGML_OBJECT_SIZE != overhead:
+        raise LlamaCppError(f"ggml_tensor_overhead() is {overhead} but the ctypes struct ggml_tensor is {size} "
+                            f"bytes (+{GGML_OBJECT_SIZE} for ggml_object): this ggml's tensor layout is not the "
+                            f"one the capture was written for")
+
+
+def split_name(name):
+    """``(base, layer)`` of a node name: ``"hc_pre-3"`` -> ``("hc_pre", 3)``; names without a
+    layer suffix give ``(name, None)``."""
+    m = re.fullmatch(r"(.+)-(\d+)", name)
+    if m:
+        return m.group(1), int(m.group(2))
+    return name, None
+
+
+# --------------------------------------------------------------------------- GGUF checks
+
+class GgufModel(NamedTuple):
+    """The dimensions of a ``deepseek4`` GGUF the capture needs."""
+
+    path: str
+    n_layer: int
+    hidden: int
+    hc_mult: int
+    n_head: int
+    head_dim: int
+    n_expert: int
+    k: int
+    n_vocab: int
+    ratios: List[int]
+    n_hash: int
+    index_head_dim: int
+    index_topk: int
+    window: int
+    export_type: Optional[str]
+    source_weights_digest: Optional[str]
+    source_config_digest: Optional[str]
+    source_tokenizer_digest: Optional[str]
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    import gguf
+
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        return [f.parts[i].tolist()[0] if f.types[-1] != gguf.GGUFValueType.STRING else bytes(f.parts[i]).decode()
+                for i in f.data]
+    if f.types and f.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    return f.parts[f.data[0]].tolist()[0]
+
+
+def _layer_tensors(il, ratio, hashed):
+    """The tensor names llama.cpp's deepseek4 loader requires for layer ``il``
+    (src/models/deepseek4.cpp load_arch_tensors)."""
+    b = f"blk.{il}."
+    names = [b + s for s in ("attn_norm.weight", "attn_sinks.weight", "attn_q_a.weight", "attn_q_a_norm.weight",
+                             "attn_q_b.weight", "attn_kv.weight", "attn_kv_a_norm.weight", "attn_output_a.weight",
+                             "attn_output_b.weight", "hc_attn_fn.weight", "hc_attn_base.weight",
+                             "hc_attn_scale.weight", "hc_ffn_fn.weight", "hc_ffn_base.weight", "hc_ffn_scale.weight",
+                             "ffn_gate_inp.weight", "ffn_norm.weight", "ffn_gate_exps.weight", "ffn_down_exps.weight",
+                             "ffn_up_exps.weight", "ffn_gate_shexp.weight", "ffn_down_shexp.weight",
+                             "ffn_up_shexp.weight")]
+    names.append(b + ("ffn_gate_tid2eid.weight" if hashed else "exp_probs_b.bias"))
+    if ratio:
+        names += [b + s for s in ("attn_compressor_kv.weight", "attn_compressor_gate.weight",
+                                  "attn_compressor_ape.weight", "attn_compressor_norm.weight")]
+    if ratio == 4:
+        names += [b + s for s in ("indexer.proj.weight", "indexer.attn_q_b.weight", "indexer_compressor_kv.weight",
+                                  "indexer_compressor_gate.weight", "indexer_compressor_ape.weight",
+                                  "indexer_compressor_norm.weight")]
+    return names
+
+
+def check_gguf(path):
+    """Reads the metadata of ``path`` with the ``gguf`` package and checks that it is a
+    ``deepseek4`` model llama.cpp can load and the capture can map: the architecture, the keys the
+    loader reads, compress ratios 0/4/128, and every tensor the loader requires. Returns a
+    :class:`GgufModel`; raises :class:`LlamaCppError` naming the file and the problem."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise LlamaCppError(f"the gguf package is not importable ({e}); pip install gguf==0.19.0") from None
+
+    path = os.fspath(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/struct.error on bad files
+        raise LlamaCppError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "deepseek4":
+        raise LlamaCppError(f"{path}: general.architecture is {arch!r}, not 'deepseek4' (a GGUF of another model)")
+
+    def need(key):
+        v = _field(reader, "deepseek4." + key)
+        if v is None:
+            raise LlamaCppError(f"{path}: metadata key deepseek4.{key} is missing (llama.cpp's deepseek4 loader reads it)")
+        return v
+
+    ratios = [int(r) for r in need("attention.compress_ratios")]
+    n_layer = int(need("block_count"))
+    if len(ratios) < n_layer:
+        raise LlamaCppError(f"{path}: deepseek4.attention.compress_ratios has {len(ratios)} entries for {n_layer} layers")
+    bad = sorted({r for r in ratios if r not in (0, 4, 128)})
+    if bad:
+        raise LlamaCppError(f"{path}: compress ratios {bad}: llama.cpp's deepseek4 loader accepts only 0, 4 and 128")
+    m = GgufModel(
+        path=path, n_layer=n_layer, hidden=int(need("embedding_length")), hc_mult=int(need("hyper_connection.count")),
+        n_head=int(need("attention.head_count")), head_dim=int(need("attention.key_length")),
+        n_expert=int(need("expert_count")), k=int(need("expert_used_count")),
+        n_vocab=len(_field(reader, "tokenizer.ggml.tokens") or []), ratios=ratios[:n_layer],
+        n_hash=int(need("hash_layer_count")), index_head_dim=int(need("attention.indexer.key_length")),
+        index_topk=int(need("attention.indexer.top_k")), window=int(need("attention.sliding_window")),
+        export_type=_field(reader, "moeconf.export.type"),
+        source_weights_digest=_field(reader, "moeconf.source.weights_digest"),
+        source_config_digest=_field(reader, "moeconf.source.config_digest"),
+        source_tokenizer_digest=_field(reader, "moeconf.source.tokenizer_digest"))
+    if m.hc_mult != 4:
+        raise LlamaCppError(f"{path}: deepseek4.hyper_connection.count is {m.hc_mult}; llama.cpp's graph asserts 4")
+    if 4 in m.ratios and m.index_head_dim % 64:
+        raise LlamaCppError(f"{path}: deepseek4.attention.indexer.key_length {m.index_head_dim} is not a multiple of 64 "
+                            "(llama.cpp's indexer Hadamard rotation aborts)")
+    if m.n_vocab == 0:
+        raise LlamaCppError(f"{path}: no tokenizer.ggml.tokens: llama.cpp cannot tokenize the prompt")
+    names = {t.name for t in reader.tensors}
+    required = ["token_embd.weight", "output_norm.weight", "output.weight", "output_hc_fn.weight",
+                "output_hc_base.weight", "output_hc_scale.weight"]
+    for il in range(n_layer):
+        required += _layer_tensors(il, m.ratios[il], il < m.n_hash)
+    missing = [n for n in required if n not in names]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise LlamaCppError(f"{path}: tensor {missing[0]} is missing{more}; llama.cpp's deepseek4 loader requires it")
+    return m
+
+
+def llama_supports_deepseek4(lib_dir):
+    """Whether the libllama in ``lib_dir`` knows the ``deepseek4`` architecture (its name table
+    holds the string; llama.cpp's own error would be 'unknown model architecture')."""
+    for name in ("libllama.so", "libllama.dylib", "llama.dll"):
+        p = os.path.join(lib_dir, name)
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                return b"deepseek4\0" in f.read()
+    raise LlamaCppError(f"{lib_dir}: no libllama shared library")
+
+
+# --------------------------------------------------------------------------- mapping
+
+class StepNodes:
+    """The observed nodes of one ``llama_decode``: per (layer, base, op) the arrays in graph
+    order (numpy, dimensions reversed from ggml's ``ne``)."""
+
+    def __init__(self):
+        self.nodes: Dict[Tuple[Optional[int], str, str], List[np.ndarray]] = {}
+
+    def add(self, layer, base, op, arr):
+        self.nodes.setdefault((layer, base, op), []).append(arr)
+
+    def get(self, layer, base, op, occurrence=0):
+        if op == "*":
+            hits = [v for (l, b, _), v in self.nodes.items() if l == layer and b == base]
+            seq = hits[0] if hits else []
+        else:
+            seq = self.nodes.get((layer, base, op), [])
+        return seq[occurrence] if occurrence < len(seq) else None
+
+
+def _rows(arr, n_rows, shape, what):
+    """``arr`` as ``n_rows`` records of ``shape`` (the token dimension is ggml's outermost)."""
+    per = int(np.prod(shape)) if shape else 1
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if flat.size != n_rows * per:
+        raise LlamaCppError(f"node {what}: {flat.size} values, expected {n_rows} rows of {tuple(shape)}")
+    return flat.reshape((n_rows,) + tuple(shape))
+
+
+def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
+    """The L3/L4 records of ``layer`` for the tokens at ``positions`` (one decode):
+    ``{position: [(level, path, array)]}`` in :data:`LAYER_ORDER`. Nodes a rule names but the
+    graph did not show are errors (a llama.cpp build whose graph differs), except the
+    alternatives of a rule (``attn_raw`` / ``attn_csa_lid`` / ``attn_hca``; the compressors)."""
+    ratio = cfg.ratios[layer]
+    hashed = layer < cfg.n_hash
+    nt = len(positions)
+    out = {p: {} for p in positions}
+    rules = _rules(cfg)
+
+    def put(p, level, path, arr):
+        if level in wanted:
+            out[p][path] = (level, path, arr)
+
+    core_seen = False
+    for r in rules:
+        arr = nodes.get(layer, r.base, r.op, r.occurrence)
+        optional = r.base in ("attn_raw", "attn_csa_lid", "attn_hca", "csa_state_compress", "hca_state_compress",
+                              "lid_state_compress", "lid_score_masked", "lid_top_k", "ffn_moe_probs_biased")
+        if arr is None:
+            if optional:
+                continue
+            raise LlamaCppError(f"layer {layer}: node {r.base}-{layer} ({r.op}, occurrence {r.occurrence}) was not "
+                                f"computed: this llama.cpp's deepseek4 graph is not the one the mapping was written for")
+        what = f"{r.base}-{layer}"
+        if r.path == "attn.core":
+            core_seen = True
+        if r.shape is not None and r.path != "moe.term.*":
+            rows = _rows(arr, nt, r.shape, what)
+            dtype = np.int32 if r.path == "router.topk" else np.float32
+            for j, p in enumerate(positions):
+                put(p, r.level, r.path, rows[j].astype(dtype))
+        elif r.path == "moe.term.*":
+            rows = _rows(arr, nt, r.shape, what)
+            for j, p in enumerate(positions):
+                for s in range(cfg.k):
+                    put(p, r.level, f"moe.term.{s}", rows[j, s].astype(np.float32))
+        elif r.path == "router.margin":
+            if hashed:
+                continue
+            rows = _rows(arr, nt, (cfg.n_expert,), what)
+            for j, p in enumerate(positions):
+                top = np.sort(rows[j].astype(np.float32))[::-1]
+                if top.size > cfg.k:
+                    put(p, r.level, r.path, np.array([top[cfg.k - 1] - top[cfg.k]], dtype=np.float32))
+        elif r.path in ("attn.compressed", "attn.indexer_compressed"):
+            if ratio == 0 or (r.path == "attn.indexer_compressed" and ratio != 4):
+                continue
+            width = cfg.index_head_dim if r.path == "attn.indexer_compressed" else cfg.head_dim
+            closing = [p for p in positions if (p + 1) % ratio == 0]
+            flat = np.ascontiguousarray(arr).reshape(-1)
+            n_blocks = flat.size // width
+            if flat.size % width or n_blocks < len(closing):
+                raise LlamaCppError(f"node {what}: {flat.size} values for {len(closing)} closing windows of {width}")
+            rows = flat.reshape(n_blocks, width)
+            # Real blocks first, in position order; a padding ("dummy") block may follow
+            # (llama-kv-cache-dsv4.cpp: the graph keeps its topology when no window closes).
+            for j, p in enumerate(closing):
+                put(p, r.level, r.path, rows[j:j + 1].astype(np.float32))
+        elif r.path in ("attn.indexer_scores", "attn.indexer_topk"):
+            if ratio != 4:
+                continue
+            scores_arr = nodes.get(layer, "lid_score_masked", "LIGHTNING_INDEXER", 0)
+            if scores_arr is None:
+                raise LlamaCppError(f"layer {layer}: lid_score_masked-{layer} was not computed")
+            flat = np.ascontiguousarray(scores_arr).reshape(-1)
+            n_lid = flat.size // nt
+            srows = flat.reshape(nt, n_lid)
+            if r.path == "attn.indexer_scores":
+                for j, p in enumerate(positions):
+                    t = (p + 1) // ratio
+                    put(p, r.level, r.path, srows[j, :t].astype(np.float32))
+            else:
+                kk = np.ascontiguousarray(arr).reshape(nt, -1)
+                for j, p in enumerate(positions):
+                    t = (p + 1) // ratio
+                    sel = [int(i) for i in kk[j] if 0 <= int(i) < t]  # masked (not yet visible) entries dropped
+                    sel.sort(key=lambda i: (-float(srows[j, i]), i))
+                    put(p, r.level, r.path, np.array(sel, dtype=np.int32))
+    if not core_seen:
+        raise LlamaCppError(f"layer {layer}: no attention output node (attn_raw/attn_csa_lid/attn_hca-{layer})")
+    result = {}
+    for p in positions:
+        recs = []
+        for path in LAYER_ORDER:
+            if path == "moe.term.*":
+                recs += [out[p][f"moe.term.{s}"] for s in range(cfg.k) if f"moe.term.{s}" in out[p]]
+            elif path in out[p]:
+                recs.append(out[p][path])
+        result[p] = recs
+    return result
+
+
+def layer_state_records(nodes, cfg, layer, c, cells=None):
+    """The L2 records of ``layer`` after ``c`` tokens, from the observed state tensors: the
+    window cache (``cache_k_l<i>``, the SET_ROWS whose rows are the layer's ``kv``: the cell of
+    each position is the index tensor the write used, collected in ``cells`` {position: cell}),
+    the compressor rings (``dsv4_{csa,hca,lid}_state_{kv,score}_l<i>``, row ``p mod state_size``
+    for position p; the score ring holds gate + ape) and the compressed cache (the SET_ROWS of
+    ``cache_k_l<i>`` whose rows come from the compressor). ``[(path, array)]`` in
+    docs/operators.md §4 order, without the records :data:`NOT_CAPTURED` lists."""
+    ratio = cfg.ratios[layer]
+    recs = [("state.cumulative_length", np.array([c], dtype=np.int64))]
+    raw = nodes.get(None, f"raw_cache_l{layer}", "SET_ROWS")
+    if raw is None or cells is None:
+        raise LlamaCppError(f"layer {layer}: the window cache write was not observed")
+    rows = np.ascontiguousarray(raw).reshape(-1, cfg.head_dim)
+    keep = range(max(0, c - (cfg.window - 1)), c)
+    missing = [p for p in keep if p not in cells or cells[p] >= rows.shape[0]]
+    if missing:
+        raise LlamaCppError(f"layer {layer}: no window cache cell known for position {missing[0]}")
+    recs.append(("state.window_kv", np.stack([rows[cells[p]] for p in keep]).astype(np.float32) if keep
+                 else np.zeros((0, cfg.head_dim), np.float32)))
+    if ratio == 0:
+        return recs
+    d, di = cfg.head_dim, cfg.index_head_dim
+    groups = [("compressor", "csa" if ratio == 4 else "hca", d)]
+    if ratio == 4:
+        groups.append(("indexer", "lid", di))
+    for name, tag, dim in groups:
+        overlap = ratio == 4
+        width = 2 * dim if overlap else dim
+        size = 2 * ratio if overlap else ratio
+        kv = nodes.get(None, f"dsv4_{tag}_state_kv_l{layer}", "SET_ROWS")
+        score = nodes.get(None, f"dsv4_{tag}_state_score_l{layer}", "SET_ROWS")
+        if kv is None or score is None:
+            raise LlamaCppError(f"layer {layer}: the {tag} compressor state was not observed")
+        kv = np.ascontiguousarray(kv).reshape(-1, width)[:size]
+        score = np.ascontiguousarray(score).reshape(-1, width)[:size]
+        t = c // ratio
+        open_start = t * ratio
+        pre = f"state.{name}."
+        recs.append((pre + "buffer_kv", np.stack([kv[p % size] for p in range(open_start, c)]).astype(np.float32)
+                     if c > open_start else np.zeros((0, width), np.float32)))
+        if name == "compressor":
+            cache = nodes.get(None, f"compressed_cache_l{layer}", "SET_ROWS")
+            if cache is None:
+                raise LlamaCppError(f"layer {layer}: the compressed cache write was not observed")
+            rows = np.ascontiguousarray(cache).reshape(-1, dim)
+            recs.append((pre + "compressed_kv", rows[:t].astype(np.float32)))
+        recs.append((pre + "entry_count", np.array([t], dtype=np.int64)))
+        if overlap:
+            if t == 0:
+                ok = np.zeros((0, dim), np.float32)
+                og = np.zeros((0, dim), np.float32)
+            else:
+                prev = range(open_start - ratio, open_start)
+                ok = np.stack([kv[p % size, :dim] for p in prev]).astype(np.float32)
+                og = np.stack([score[p % size, :dim] for p in prev]).astype(np.float32)
+            recs.append((pre + "overlap_kv", ok))
+            recs.append((pre + "overlap_gate", og))
+    return recs
+
+
+def _lm_records(logits):
+    """``lm.*`` records and the greedy id (ties to the lowest id), as moeconf.capture."""
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    top = order[:LM_TOPK]
+    margin = np.float32(logits[order[0]]) - np.float32(logits[order[1]]) if logits.size > 1 else np.float32(0)
+    return ([("lm.logits", logits.astype(np.float32)), ("lm.topk_ids", top.astype(np.int32)),
+             ("lm.topk_logits", logits[top].astype(np.float32)), ("lm.margin", np.array([margin], dtype=np.float32))],
+            int(order[0]))
+
+
+# --------------------------------------------------------------------------- the run
+
+class CaptureResult(NamedTuple):
+    """What :func:`capture` returns: the generated ids, llama.cpp's prompt ids, the writer's
+    summary, the number of callback reads and whether the tokenization was checked."""
+
+    generated: List[int]
+    prompt_ids: List[int]
+    summary: WriteSummary
+    nodes_read: int
+    tokenization_checked: bool
+
+
+def parse_levels(levels):
+    """A level mask from ``"all"``, an int mask or level names."""
+    from .capture import parse_levels as p
+
+    return p(levels)
+
+
+class _Ggml:
+    """The ggml functions the capture calls, from the llama_cpp package's libggml-base."""
+
+    def __init__(self, lib_dir):
+        path = None
+        for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+            if os.path.exists(os.path.join(lib_dir, name)):
+                path = os.path.join(lib_dir, name)
+        if path is None:
+            raise LlamaCppError(f"{lib_dir}: no libggml-base shared library")
+        lib = ctypes.CDLL(path)
+        lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+        lib.ggml_nbytes.restype = ctypes.c_size_t
+        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        lib.ggml_op_name.restype = ctypes.c_char_p
+        lib.ggml_op_name.argtypes = [ctypes.c_int]
+        lib.ggml_backend_tensor_get.restype = None
+        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.lib = lib
+        check_tensor_struct(lib.ggml_tensor_overhead())
+        self._ops = {}
+
+    def op_name(self, op):
+        n = self._ops.get(op)
+        if n is None:
+            n = self._ops[op] = self.lib.ggml_op_name(op).decode()
+        return n
+
+    def read(self, ptr, t):
+        """The tensor's values as a numpy array of shape reversed(ne), honouring its strides."""
+        dtype = GGML_DTYPES.get(t.type)
+        if dtype is None:
+            raise LlamaCppError(f"node {t.name.decode(errors='replace')}: ggml type {t.type} is not read by the capture")
+        nbytes = self.lib.ggml_nbytes(ptr)
+        buf = (ctypes.c_uint8 * nbytes)()
+        self.lib.ggml_backend_tensor_get(ptr, buf, 0, nbytes)
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        ne = [int(x) for x in t.ne]
+        nb = [int(x) for x in t.nb]
+        view = np.lib.stride_tricks.as_strided(raw.view(dtype) if nb[0] == np.dtype(dtype).itemsize else raw,
+                                               shape=tuple(reversed(ne)), strides=tuple(reversed(nb)))
+        return np.array(view)
+
+
+def _cache_kind(t):
+    """``compressed`` / ``raw`` for a cache write (SET_ROWS of ``cache_k_l<i>``) by the name of the
+    rows it writes (``src[0]``), ``None`` for the indexer cache."""
+    src = t.src[0]
+    name = src.contents.name.decode("utf-8", errors="replace") if src else ""
+    if name.startswith(("csa_state_compress", "hca_state_compress")):
+        return "compressed"
+    if re.match(r"kv-\d+", name):
+        return "raw"
+    return None
+
+
+_WANTED_L2 = re.compile(r"dsv4_(csa|hca|lid)_state_(kv|score)_l(\d+) \(view\) \(view\)")
+_CACHE = re.compile(r"cache_k_l(\d+) \(view\)")
+
+
+def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_name=None, reference_ids=None,
+            levels="all", payload_levels="all", algorithm="blake3", n_threads=1, kv_type="f16",
+            flash_attn="auto", n_ctx=None, check_identity=True, check_unobserved=True):
+    """Runs the GGUF ``gguf_path`` greedily for ``max_new_tokens`` steps on ``prompt`` and writes a
+    canonical trace to ``out_path`` (atomically).
+
+    ``model_dir`` is the checkpoint the GGUF was exported from: its identity is bound (as
+    ``moeconf run`` binds it), and with ``check_identity`` the GGUF's ``moeconf.source.*``
+    digests must equal it. ``reference_ids``: the reference's token ids of the prompt; llama.cpp's
+    tokenization must equal them (a mismatch raises :class:`LlamaCppError` instead of a silent
+    divergence). ``kv_type`` (``f16``, llama.cpp's default, or ``f32``), ``flash_attn`` (``auto``,
+    ``on``, ``off``) and ``n_threads`` are llama.cpp's context parameters, recorded in the
+    provenance. With ``check_unobserved`` the same greedy run is first made in a context without
+    the callback, and the captured run's logits must be bit-identical to it at every step (else
+    :class:`LlamaCppError`: observing would have changed what llama.cpp computes). Returns a
+    :class:`CaptureResult`.
+    """
+    from . import binding_from_model
+    from .capture import parse_levels as _parse_levels
+    from .identity import model_identity
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    # The file first: what is wrong with it is said even where llama.cpp is not installed.
+    cfg = check_gguf(gguf_path)
+    try:
+        import llama_cpp
+        from llama_cpp import llama_cpp as LL
+    except ImportError as e:
+        raise LlamaCppError(f"llama-cpp-python is not importable ({e}); python/run_llamacpp.sh installs the pinned "
+                            "llama-cpp-python==0.3.36") from None
+    lib_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    if not llama_supports_deepseek4(lib_dir):
+        raise LlamaCppError(f"llama-cpp-python {llama_cpp.__version__} ({lib_dir}): this llama.cpp build has no "
+                            "'deepseek4' architecture (pin llama-cpp-python==0.3.36)")
+    model_dir = os.fspath(model_dir)
+    ident = model_identity(model_name or model_dir, model_dir, algorithm)
+    if check_identity:
+        if cfg.source_weights_digest is None:
+            raise LlamaCppError(f"{gguf_path}: no moeconf.source.weights_digest: not written by `moeconf export gguf`, "
+                                "so the weights cannot be bound to the checkpoint (pass check_identity=False to bind "
+                                "them anyway)")
+        if algorithm == "blake3" and cfg.source_weights_digest != ident.weights_digest.hex():
+            raise LlamaCppError(f"{gguf_path}: exported from weights {cfg.source_weights_digest[:12]}, but {model_dir} "
+                                f"holds weights {ident.weights_digest.hex()[:12]}: not the checkpoint the reference runs")
+    mask, payload_mask = _parse_levels(levels), _parse_levels(payload_levels)
+    ggml = _Ggml(lib_dir)
+
+    kv_types = {"f16": 1, "f32": 0}
+    if kv_type not in kv_types:
+        raise ValueError(f"kv_type {kv_type!r}: f16 or f32")
+    fa = {"auto": -1, "off": 0, "on": 1}
+    if flash_attn not in fa:
+        raise ValueError(f"flash_attn {flash_attn!r}: auto, on or off")
+
+    messages = []
+
+    @LL.llama_log_callback
+    def on_log(level, text, user):
+        if text:
+            messages.append(text.decode("utf-8", errors="replace"))
+
+    _KEEP_ALIVE.append(on_log)  # llama.cpp may log after this call returns
+    LL.llama_log_set(on_log, ctypes.c_void_p(0))
+    LL.llama_backend_init()
+    mp = LL.llama_model_default_params()
+    # Extra (AMX / repack) buffer types abort quantized DeepSeek-V4 models at context creation on
+    # CPUs with AMX (GGML_ASSERT(*cur_backend_id != -1)); off, every weight stays in its file type.
+    mp.use_extra_bufts = False
+    model = LL.llama_model_load_from_file(os.fspath(gguf_path).encode(), mp)
+    if not model:
+        tail = "".join(messages[-6:]).strip()
+        raise LlamaCppError(f"{gguf_path}: llama.cpp could not load the model: {tail}")
+    ctx = None
+    writer = None
+    try:
+        vocab = LL.llama_model_get_vocab(model)
+        text = prompt.encode("utf-8")
+        cap = len(text) + 16
+        buf = (LL.llama_token * cap)()
+        n = LL.llama_tokenize(vocab, text, len(text), buf, cap, False, False)
+        if n < 0:
+            raise LlamaCppError(f"llama_tokenize needs {-n} tokens")
+        prompt_ids = [int(i) for i in buf[:n]]
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        checked = reference_ids is not None
+        if checked and list(reference_ids) != prompt_ids:
+            first = next((i for i, (a, b) in enumerate(zip(prompt_ids, reference_ids)) if a != b),
+                         min(len(prompt_ids), len(reference_ids)))
+            raise LlamaCppError(f"llama.cpp tokenizes the prompt into {len(prompt_ids)} ids, the reference into "
+                                f"{len(reference_ids)}; first difference at index {first}: "
+                                f"{prompt_ids[first:first + 4]} vs {list(reference_ids)[first:first + 4]}")
+        total = len(prompt_ids) + max_new_tokens
+        n_ctx = n_ctx or max(512, -(-total // 256) * 256)
+        if total > n_ctx:
+            raise ValueError(f"n_ctx {n_ctx} is smaller than the {total} positions of the run")
+
+        step_nodes = [StepNodes()]
+        reads = [0]
+
+        def wanted(name, op, t):
+            if op == "SET_ROWS" and _WANTED_L2.fullmatch(name):
+                return bool(mask & LEVEL_BITS["L2"])
+            if op == "SET_ROWS" and _CACHE.fullmatch(name):
+                # The compressed caches (rows from the compressor) and the window cache (rows from
+                # the layer's kv), not the rotated indexer cache.
+                return bool(mask & LEVEL_BITS["L2"]) and _cache_kind(t) is not None
+            base, layer = split_name(name)
+            if layer is None:
+                return name == "embd" and op == "GET_ROWS"
+            return base in _RULE_BASES
+
+        @LL.ggml_backend_sched_eval_callback
+        def on_eval(ptr, ask, user):
+            t = ctypes.cast(ptr, ctypes.POINTER(GgmlTensor)).contents
+            name = t.name.decode("utf-8", errors="replace")
+            op = ggml.op_name(t.op)
+            if ask:
+                return wanted(name, op, t)
+            if not wanted(name, op, t):
+                return True
+            arr = ggml.read(ptr, t)
+            reads[0] += 1
+            m2 = _WANTED_L2.fullmatch(name)
+            if m2:
+                step_nodes[0].add(None, f"dsv4_{m2.group(1)}_state_{m2.group(2)}_l{m2.group(3)}", op, arr)
+                return True
+            mc = _CACHE.fullmatch(name)
+            if mc:
+                kind = _cache_kind(t)
+                step_nodes[0].add(None, f"{kind}_cache_l{mc.group(1)}", op, arr)
+                if kind == "raw":
+                    idx = ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)
+                    step_nodes[0].add(None, f"raw_cache_idx_l{mc.group(1)}", op, idx)
+                return True
+            base, layer = split_name(name)
+            step_nodes[0].add(layer, base, op, arr)
+            return True
+
+        def context(callback):
+            cp = LL.llama_context_default_params()
+            cp.n_ctx = n_ctx
+            cp.n_batch = n_ctx
+            cp.n_ubatch = n_ctx
+            cp.n_threads = n_threads
+            cp.n_threads_batch = n_threads
+            cp.type_k = kv_types[kv_type]
+            cp.type_v = kv_types[kv_type]
+            cp.flash_attn_type = fa[flash_attn]
+            if callback is not None:
+                _KEEP_ALIVE.append(callback)
+                cp.cb_eval = callback
+                cp.cb_eval_user_data = None
+            c = LL.llama_init_from_model(model, cp)
+            if not c:
+                tail = "".join(messages[-6:]).strip()
+                raise LlamaCppError(f"{gguf_path}: llama.cpp could not create a context: {tail}")
+            return c
+
+        n_vocab = LL.llama_vocab_n_tokens(vocab)
+        unobserved = None
+        if check_unobserved:
+            plain = context(None)
+            try:
+                unobserved = _greedy_logits(LL, plain, prompt_ids, max_new_tokens, n_vocab)
+            finally:
+                LL.llama_free(plain)
+        ctx = context(on_eval)
+
+        binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt, prompt_ids=prompt_ids,
+                                     max_new_tokens=int(max_new_tokens), precision=f"llamacpp-{cfg.export_type or 'gguf'}",
+                                     contract="llamacpp-native", schedule="identity", capture_levels=mask,
+                                     capture_payload_levels=payload_mask, algorithm=algorithm)
+        notes = [("llama-cpp-python", llama_cpp.__version__), ("gguf", os.path.basename(os.fspath(gguf_path))),
+                 ("gguf.digest", _file_digest(os.fspath(gguf_path), algorithm)),
+                 ("gguf.export_type", str(cfg.export_type)), ("kv_type", kv_type), ("flash_attn", flash_attn),
+                 ("n_ctx", str(n_ctx)), ("llamacpp.prompt_ids", ",".join(map(str, prompt_ids))),
+                 ("observation", "logits bit-identical to a run without the callback" if check_unobserved
+                  else "not checked against a run without the callback"),
+                 ("tokenization", "checked against the reference" if checked else "not checked (no reference ids)"),
+                 (NOT_CAPTURED_NOTE, "; ".join(f"{k}: {v}" for k, v in NOT_CAPTURED.items()))]
+        prov = Provenance("llama.cpp", llama_cpp.__version__, n_threads, notes)
+        prov.with_recomputed(RECOMPUTED)
+        inputs = [os.fspath(gguf_path)] + [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
+        writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
+
+        def emit(step, pos, phase, layer, level, path, arr):
+            if not mask & LEVEL_BITS[level]:
+                return
+            keep = bool(payload_mask & LEVEL_BITS[level])
+            writer.append(Coord.make(step, int(pos), phase, layer, path), level, np.ascontiguousarray(arr),
+                          keep_payload=keep)
+
+        generated = []
+        cells = {layer: {} for layer in range(cfg.n_layer)}
+        pieces = b""
+        feed = list(prompt_ids)
+        start = 0
+        for step in range(max_new_tokens):
+            phase = "prefill" if step == 0 else "decode"
+            positions = list(range(start, start + len(feed)))
+            step_nodes[0] = StepNodes()
+            arr = (LL.llama_token * len(feed))(*feed)
+            rc = LL.llama_decode(ctx, LL.llama_batch_get_one(arr, len(feed)))
+            if rc != 0:
+                raise LlamaCppError(f"llama_decode returned {rc} at step {step}")
+            nodes = step_nodes[0]
+            emit(step, start, phase, None, "L0", "token.input", np.array(feed, dtype=np.int32))
+            embd = nodes.get(None, "embd", "GET_ROWS")
+            if embd is None:
+                raise LlamaCppError("node embd was not computed")
+            erows = _rows(embd, len(feed), (cfg.hidden,), "embd")
+            for j, p in enumerate(positions):
+                emit(step, p, phase, None, "L4", "embed.output", erows[j].astype(np.float32))
+            for layer in range(cfg.n_layer):
+                recs = assemble_layer(nodes, cfg, layer, positions)
+                for p in positions:
+                    for level, path, a in recs[p]:
+                        emit(step, p, phase, layer, level, path, a)
+            last = positions[-1]
+            lg = LL.llama_get_logits_ith(ctx, -1)
+            logits = np.ctypeslib.as_array(lg, shape=(n_vocab,)).astype(np.float32).copy()
+            if unobserved is not None and not np.array_equal(unobserved[step].view(np.uint32), logits.view(np.uint32)):
+                raise LlamaCppError(f"step {step}: the logits with the evaluation callback differ from the run without "
+                                    "it: observing changed llama.cpp's computation, the trace would not be faithful")
+            lm, nxt = _lm_records(logits)
+            for path, a in lm:
+                emit(step, last, phase, None, "L1", path, a)
+            generated.append(nxt)
+            emit(step, last, phase, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
+            pbuf = ctypes.create_string_buffer(256)
+            k = LL.llama_token_to_piece(vocab, nxt, pbuf, 256, 0, False)
+            pieces += pbuf.raw[:max(k, 0)]
+            text_so_far = pieces.decode("utf-8", errors="replace")
+            emit(step, last, phase, None, "L0", "text.continuation",
+                 np.frombuffer(text_so_far.encode("utf-8"), np.uint8))
+            if mask & LEVEL_BITS["L2"]:
+                for layer in range(cfg.n_layer):
+                    idx = nodes.get(None, f"raw_cache_idx_l{layer}", "SET_ROWS")
+                    if idx is None or np.asarray(idx).size != len(positions):
+                        raise LlamaCppError(f"layer {layer}: the window cache write indices were not observed")
+                    for p, cell in zip(positions, np.asarray(idx).reshape(-1).tolist()):
+                        cells[layer][p] = int(cell)
+                    for path, a in layer_state_records(nodes, cfg, layer, last + 1, cells[layer]):
+                        emit(step, last, phase, layer, "L2", path, a)
+            start += len(feed)
+            feed = [nxt]
+        summary = writer.finish()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if ctx:
+            LL.llama_free(ctx)
+        LL.llama_model_free(model)
+    return CaptureResult(generated, prompt_ids, summary, reads[0], checked)
+
+
+def _greedy_logits(LL, ctx, prompt_ids, steps, n_vocab):
+    """The logits of every step of a greedy run in ``ctx`` (no observation)."""
+    out = []
+    feed = list(prompt_ids)
+    for step in range(steps):
+        arr = (LL.llama_token * len(feed))(*feed)
+        rc = LL.llama_decode(ctx, LL.llama_batch_get_one(arr, len(feed)))
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode returned {rc} at step {step} (run without the callback)")
+        lg = LL.llama_get_logits_ith(ctx, -1)
+        logits = np.ctypeslib.as_array(lg, shape=(n_vocab,)).astype(np.float32).copy()
+        out.append(logits)
+        feed = [_lm_records(logits)[1]]
+    return out
+
+
+_RULE_BASES = {r[0] for r in NODE_RULES}
+#: ctypes callbacks handed to llama.cpp, kept alive for the life of the process.
+_KEEP_ALIVE = []
+
+
+def _file_digest(path, algorithm):
+    """Hex digest of a file's bytes, streamed."""
+    from .fingerprint import hasher
+
+    h = hasher(algorithm)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest() if hasattr(h, "hexdigest") else h.digest().hex()

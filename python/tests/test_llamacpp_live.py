@@ -1,0 +1,102 @@
+"""``moeconf.llamacpp`` against a real llama.cpp (llama-cpp-python 0.3.36): a capture of the
+quantized fixture's native GGUF (MXFP4 experts) with its tokenization checked against the
+reference and its logits against a run without the callback, diffed against the reference
+(the first divergence is an L4 operator of step 0), ``moeconf explain`` naming llama.cpp's MoE
+combine as read in its source (FP32 products, FP32 sequential sum in router slot order, the
+shared expert added last: ``p32+output=f32``), and the bad inputs (another architecture, a
+tokenization that differs, a GGUF of another checkpoint) refused with clear errors.
+
+Marked ``llamacpp`` and skipped unless llama_cpp imports AND ``MOECONF_LLAMACPP_TESTS=1``;
+``python/run_llamacpp.sh`` installs the pinned stack and runs them.
+"""
+
+import glob
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.llamacpp
+
+if os.environ.get("MOECONF_LLAMACPP_TESTS") != "1":
+    pytest.skip("llama.cpp tests are opt-in: MOECONF_LLAMACPP_TESTS=1 (python/run_llamacpp.sh)",
+                allow_module_level=True)
+llama_cpp = pytest.importorskip("llama_cpp")
+gguf = pytest.importorskip("gguf")
+
+from moeconf import llamacpp as lc  # noqa: E402
+from moeconf.trace import read_trace  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT = open(os.path.join(HERE, "..", "..", "fixtures", "prompts", "llamacpp.txt"), encoding="utf-8").read()
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def setup(moeconf_bin, tmp_path_factory):
+    d = tmp_path_factory.mktemp("llamacpp")
+    env = dict(os.environ, MOECONF_CACHE_DIR=str(d / "cache"), NO_COLOR="1")
+
+    def mc(*a, ok=(0,)):
+        p = subprocess.run([moeconf_bin, *map(str, a)], capture_output=True, text=True, env=env)
+        assert p.returncode in ok, p.stderr
+        return p
+
+    g = d / "native.gguf"
+    mc("export", "gguf", "--model", "builtin:tiny-v4-fp8", "--type", "native", "-o", g)
+    ref = d / "ref.bin"
+    mc("run", "--model", "builtin:tiny-v4-fp8", "--prompt", PROMPT, "--max-new-tokens", STEPS, "--precision", "bf16",
+       "--capture", "all", "-o", ref)
+    model_dir = glob.glob(str(d / "cache" / "tiny-v4-fp8-[0-9]*"))[0]
+    ids = json.loads(mc("inspect", "--format", "json", ref).stdout)["binding"]["prompt"]["ids"]
+    return dict(dir=d, mc=mc, gguf=g, ref=ref, model_dir=model_dir, ids=ids, env=env)
+
+
+def test_capture_checks_tokens_and_observation_and_localizes_the_first_divergence(setup):
+    s = setup
+    out = s["dir"] / "lc.bin"
+    r = lc.capture(s["gguf"], PROMPT, STEPS, out, model_dir=s["model_dir"], model_name="builtin:tiny-v4-fp8",
+                   reference_ids=s["ids"])
+    assert r.tokenization_checked and r.prompt_ids == s["ids"] and len(r.generated) == STEPS
+    t = read_trace(out)
+    notes = dict(t.provenance.notes)
+    assert notes["observation"] == "logits bit-identical to a run without the callback"
+    assert notes["tokenization"] == "checked against the reference"
+    assert t.provenance.recomputed() == lc.RECOMPUTED
+    assert t.binding.weights_digest == read_trace(s["ref"]).binding.weights_digest
+    paths = {rec.coord.path for rec in t.records}
+    assert {"attn.compressed", "attn.indexer_topk", "moe.routed", "state.window_kv"} <= paths
+    assert not paths & set(lc.NOT_CAPTURED)
+    d = json.loads(s["mc"]("diff", "--format", "json", s["ref"], out, ok=(1,)).stdout)
+    fd = d["first_divergence"]
+    assert (fd["level"], fd["step"]) == ("L4", 0), fd
+    e = json.loads(s["mc"]("explain", "--format", "json", out).stdout)["verdict"]
+    assert e["rule"] == "p32+output=f32", e["headline"]
+
+
+def test_bad_inputs_are_refused_with_clear_errors(setup, tmp_path):
+    s = setup
+    with pytest.raises(lc.LlamaCppError, match="tokenizes the prompt"):
+        lc.capture(s["gguf"], PROMPT, 1, tmp_path / "x.bin", model_dir=s["model_dir"],
+                   reference_ids=s["ids"][:-1] + [s["ids"][-1] + 1])
+    tiny = subprocess.run([os.environ.get("MOECONF_BIN", "moeconf"), "run", "--model", "builtin:tiny-v4", "--prompt",
+                           "a", "--max-new-tokens", "1", "-o", str(tmp_path / "t.bin")], env=s["env"],
+                          capture_output=True)
+    other = glob.glob(str(s["dir"] / "cache" / "tiny-v4-1-*"))
+    if tiny.returncode == 0 and other:
+        with pytest.raises(lc.LlamaCppError, match="not the checkpoint the reference runs"):
+            lc.capture(s["gguf"], PROMPT, 1, tmp_path / "y.bin", model_dir=other[0])
+    # Another architecture: the GGUF rewritten with general.architecture = llama.
+    r = gguf.GGUFReader(str(s["gguf"]))
+    w = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
+    w.add_token_list(["a"])
+    for t in r.tensors[:3]:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(lc.LlamaCppError, match="'llama', not 'deepseek4'"):
+        lc.capture(tmp_path / "llama.gguf", PROMPT, 1, tmp_path / "z.bin", model_dir=s["model_dir"])
