@@ -202,6 +202,7 @@ fn corrupt(src: &Path, dst: &Path, pick: Component, k: u64, mask: u8) -> PathBuf
     let t = Trace::open_verified(src).unwrap();
     let e = t
         .records()
+        .unwrap()
         .iter()
         .find(|e| Component::parse(&e.coord.path).is_some_and(|(c, _)| c == pick))
         .expect("record to corrupt");
@@ -446,6 +447,33 @@ fn trust_cases(bin: &Path, d: &Path) -> Vec<Case> {
     // 0.09375 = 0x3dc00000 -> 0x3cc00000 = 0.0234375 (below the 0.05 threshold).
     corrupt(&r, &d.join("ref-bad-margin.bin"), Component::LmMargin, 3, 0x01);
     corrupt(&r, &d.join("ref-bad-token.bin"), Component::TokenOutput, 0, 0x40);
+    // The same trace in format version 1, which every command verifies in full.
+    let r1 = d.join("ref-v1.bin");
+    let o = moeconf(
+        bin,
+        d,
+        &["convert", &s(&r), "-o", &s(&r1), "--to", "1"].map(String::from),
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "convert: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    corrupt(
+        &r1,
+        &d.join("ref-v1-bad-margin.bin"),
+        Component::LmMargin,
+        3,
+        0x01,
+    );
+    corrupt(
+        &r1,
+        &d.join("ref-v1-bad-token.bin"),
+        Component::TokenOutput,
+        0,
+        0x40,
+    );
     let moe = moe_trace(&d.join("moe.bin"), 3, 4);
     corrupt(&moe, &d.join("moe-bad-term.bin"), Component::MoeTerm, 5, 0x10);
     moe_trace(&d.join("moe-oversized.bin"), 8, 1000);
@@ -505,15 +533,52 @@ fn trust_cases(bin: &Path, d: &Path) -> Vec<Case> {
             "gate-baseline-corrupted-candidate",
             1,
             2,
+            "ref-v1-bad-token.bin",
+            &["gate", "--baseline", &p("base.json"), &p("ref-v1-bad-token.bin")],
+        ),
+        // Version 2 reads what the verdict uses: the step digests are the
+        // blessed ones, so no record of the candidate is read, and the
+        // corrupted byte cannot change the verdict (docs/ci.md §12).
+        Case::new(
+            "gate-baseline-corrupted-candidate-v2-unread",
+            1,
+            0,
             "ref-bad-token.bin",
             &["gate", "--baseline", &p("base.json"), &p("ref-bad-token.bin")],
+        ),
+        Case::new(
+            "gate-baseline-corrupted-candidate-verify-all",
+            1,
+            2,
+            "ref-bad-token.bin",
+            &[
+                "gate",
+                "--verify-all",
+                "--baseline",
+                &p("base.json"),
+                &p("ref-bad-token.bin"),
+            ],
         ),
         Case::new(
             "diff-corrupted-candidate",
             1,
             2,
+            "ref-v1-bad-margin.bin",
+            &["diff", &p("ref.bin"), &p("ref-v1-bad-margin.bin")],
+        ),
+        Case::new(
+            "diff-corrupted-candidate-v2-unread",
+            1,
+            0,
             "ref-bad-margin.bin",
             &["diff", &p("ref.bin"), &p("ref-bad-margin.bin")],
+        ),
+        Case::new(
+            "diff-corrupted-candidate-verify-all",
+            1,
+            2,
+            "ref-bad-margin.bin",
+            &["diff", "--verify-all", &p("ref.bin"), &p("ref-bad-margin.bin")],
         ),
         Case::new(
             "inspect-corrupted-payload",

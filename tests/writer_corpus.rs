@@ -2,7 +2,9 @@
 //! the Rust writer accepts exactly the cases marked `accept`, every trace it
 //! accepts is accepted (fully verified) by the reader, a refused case leaves
 //! no file at all, and the Python writer (`python/tests/writer_corpus.py`)
-//! accepts and refuses the same cases and writes byte-identical files.
+//! accepts and refuses the same cases and writes byte-identical files — in
+//! both container versions (`expect_v1`, where given, is a case's answer for
+//! version 1: version 2 takes records step by step, version 1 in any order).
 //!
 //! A value the Rust writer's types cannot hold (a u32 field beyond 2^32 - 1,
 //! an unknown level, dtype or phase, bytes that are not UTF-8) counts as
@@ -173,13 +175,26 @@ fn record(r: &Value) -> Result<Rec, String> {
     ))
 }
 
-/// Writes one case with the Rust writer: `Ok(root)` or why it was refused.
-fn write_case(case: &Value, out: &Path) -> Result<Digest, String> {
+/// Whether a case must be accepted by a writer of container `version`.
+fn accepts(case: &Value, version: u32) -> bool {
+    let expect = match (version, case.get("expect_v1")) {
+        (1, Some(e)) => e,
+        _ => &case["expect"],
+    };
+    expect == "accept"
+}
+
+/// Writes one case with the Rust writer in container `version`: `Ok(root)`
+/// or why it was refused.
+fn write_case(case: &Value, out: &Path, version: u32) -> Result<Digest, String> {
     let header = header(case)?;
     let records = case["records"].as_array().map_or(Ok(vec![]), |rs| {
         rs.iter().map(record).collect::<Result<Vec<_>, _>>()
     })?;
-    let mut w = TraceWriter::create(out, Algorithm::Blake3, header).map_err(|e| e.to_string())?;
+    let checked =
+        moeconf_schema::check_output(out, &moeconf_schema::Inputs::new()).map_err(|e| e.to_string())?;
+    let mut w = TraceWriter::create_version(&checked, Algorithm::Blake3, header, version)
+        .map_err(|e| e.to_string())?;
     for (coord, level, dtype, shape, bytes, keep) in records {
         let view = TensorView {
             dtype,
@@ -203,20 +218,35 @@ fn rust_writer_matches_the_corpus_and_its_reader_accepts_what_it_writes() {
     let cases = corpus();
     assert!(cases.len() >= 40);
     let mut wrong = vec![];
-    for (i, case) in cases.iter().enumerate() {
-        let out = dir.path().join(format!("case{i:03}.bin"));
-        let name = case["name"].as_str().unwrap();
-        let got = write_case(case, &out);
-        if got.is_ok() != (case["expect"] == "accept") {
-            wrong.push(format!("{name}: expected {}, got {got:?}", case["expect"]));
-        }
-        match got {
-            Ok(root) => {
-                let t =
-                    Trace::open_verified(&out).unwrap_or_else(|e| panic!("{name}: the reader refuses: {e}"));
-                assert_eq!(t.root(), root, "{name}");
+    for version in [1, 2] {
+        let mut roots = Vec::new();
+        for (i, case) in cases.iter().enumerate() {
+            let out = dir.path().join(format!("v{version}-case{i:03}.bin"));
+            let name = case["name"].as_str().unwrap();
+            let got = write_case(case, &out, version);
+            if got.is_ok() != accepts(case, version) {
+                wrong.push(format!(
+                    "v{version} {name}: expected accept {}, got {got:?}",
+                    accepts(case, version)
+                ));
             }
-            Err(_) => assert!(!out.exists(), "{name}: a refused case left a file"),
+            match got {
+                Ok(root) => {
+                    let t = Trace::open_verified(&out)
+                        .unwrap_or_else(|e| panic!("{name}: the reader refuses: {e}"));
+                    assert_eq!(t.root(), root, "{name}");
+                    assert_eq!(t.format_version(), version, "{name}");
+                    roots.push((i, root));
+                }
+                Err(_) => assert!(!out.exists(), "{name}: a refused case left a file"),
+            }
+        }
+        // What both versions accept has the same root in both.
+        if version == 2 {
+            for (i, root) in roots {
+                let v1 = Trace::open_verified(&dir.path().join(format!("v1-case{i:03}.bin"))).unwrap();
+                assert_eq!(v1.root(), root, "{}: version 1 and 2 roots", cases[i]["name"]);
+            }
         }
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
@@ -240,33 +270,36 @@ fn python_and_rust_writers_accept_and_refuse_the_same_cases() {
         eprintln!("note: {python} with numpy and blake3 not available; skipping the Python half");
         return;
     }
-    let (rust_dir, py_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let out = Command::new(&python)
-        .arg(repo().join("python/tests/writer_corpus.py"))
-        .arg(repo().join("tests/writer_corpus.json"))
-        .arg(py_dir.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let py: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
-    let cases = corpus();
-    assert_eq!(py.len(), cases.len());
-    for (i, (case, p)) in cases.iter().zip(&py).enumerate() {
-        let name = case["name"].as_str().unwrap();
-        let file = format!("case{i:03}.bin");
-        let rust = write_case(case, &rust_dir.path().join(&file));
-        assert_eq!(
-            rust.is_ok(),
-            p["accepted"].as_bool().unwrap(),
-            "{name}: Rust {rust:?}, Python {p}"
-        );
-        if let Ok(root) = rust {
-            assert_eq!(p["root"].as_str(), Some(root.to_hex().as_str()), "{name}");
-            let (a, b) = (
-                std::fs::read(rust_dir.path().join(&file)).unwrap(),
-                std::fs::read(py_dir.path().join(&file)).unwrap(),
+    for version in [1, 2] {
+        let (rust_dir, py_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let out = Command::new(&python)
+            .arg(repo().join("python/tests/writer_corpus.py"))
+            .arg(repo().join("tests/writer_corpus.json"))
+            .arg(py_dir.path())
+            .arg(version.to_string())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let py: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+        let cases = corpus();
+        assert_eq!(py.len(), cases.len());
+        for (i, (case, p)) in cases.iter().zip(&py).enumerate() {
+            let name = case["name"].as_str().unwrap();
+            let file = format!("case{i:03}.bin");
+            let rust = write_case(case, &rust_dir.path().join(&file), version);
+            assert_eq!(
+                rust.is_ok(),
+                p["accepted"].as_bool().unwrap(),
+                "v{version} {name}: Rust {rust:?}, Python {p}"
             );
-            assert!(a == b, "{name}: the two writers' files differ");
+            if let Ok(root) = rust {
+                assert_eq!(p["root"].as_str(), Some(root.to_hex().as_str()), "{name}");
+                let (a, b) = (
+                    std::fs::read(rust_dir.path().join(&file)).unwrap(),
+                    std::fs::read(py_dir.path().join(&file)).unwrap(),
+                );
+                assert!(a == b, "v{version} {name}: the two writers' files differ");
+            }
         }
     }
 }

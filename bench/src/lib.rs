@@ -10,6 +10,8 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
+pub mod scale;
+
 /// A benchmark's report.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchReport {

@@ -257,7 +257,7 @@ pub struct CertifyReport {
 
 /// The FP32 values of a record's payload, checked against dtype and length.
 fn f32_payload(trace: &Trace, i: usize, what: &str) -> Result<Option<Vec<f32>>, CertifyError> {
-    let e = &trace.records()[i];
+    let e = trace.record(i);
     if e.dtype != DType::F32 {
         return Err(CertifyError::NotF32 {
             path: trace.path().to_path_buf(),
@@ -287,10 +287,10 @@ fn f32_payload(trace: &Trace, i: usize, what: &str) -> Result<Option<Vec<f32>>, 
 
 /// Groups the trace's routed-term and shared-expert records by (step,
 /// position, layer), in first-seen order.
-fn collect_events(trace: &Trace) -> Vec<MoeEvent> {
+fn collect_events(trace: &Trace) -> Result<Vec<MoeEvent>, CertifyError> {
     let mut index: HashMap<(u32, u32, u32), usize> = HashMap::new();
     let mut events: Vec<MoeEvent> = Vec::new();
-    for (i, e) in trace.records().iter().enumerate() {
+    for (i, e) in trace.records()?.iter().enumerate() {
         let path = e.coord.path.as_str();
         let term = path
             .strip_prefix(Component::MoeTerm.path())
@@ -316,7 +316,7 @@ fn collect_events(trace: &Trace) -> Vec<MoeEvent> {
             None => events[at].shared = Some(i),
         }
     }
-    events
+    Ok(events)
 }
 
 /// The FP32 values of one event.
@@ -374,7 +374,7 @@ fn event_values(trace: &Trace, ev: &MoeEvent) -> Result<Option<EventValues>, Cer
 
 /// Whether every record of an event keeps its payload.
 fn has_payloads(trace: &Trace, ev: &MoeEvent) -> bool {
-    let kept = |i: usize| trace.records().get(i).is_some_and(|e| e.payload.is_some());
+    let kept = |i: usize| trace.get_record(i).is_some_and(|e| e.payload.is_some());
     ev.shared.is_some_and(kept) && ev.terms.iter().all(|&(_, i)| kept(i))
 }
 
@@ -398,7 +398,7 @@ fn check_limits(
                 max: MAX_CERTIFIED_K,
             });
         }
-        let d = ev.shared.and_then(|i| trace.records().get(i)).map_or(0, |e| {
+        let d = ev.shared.and_then(|i| trace.get_record(i)).map_or(0, |e| {
             e.shape
                 .iter()
                 .try_fold(1u64, |a, &x| a.checked_mul(x))
@@ -445,7 +445,7 @@ pub fn certify_within(
     limits: CertifyLimits,
 ) -> Result<CertifyReport, CertifyError> {
     let path = || trace.path().to_path_buf();
-    let events = collect_events(trace);
+    let events = collect_events(trace)?;
     if events.is_empty() {
         return Err(CertifyError::NoEvents { path: path() });
     }

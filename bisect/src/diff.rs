@@ -17,7 +17,7 @@ use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
-use moeconf_schema::{Recomputed, Trace, TraceError};
+use moeconf_schema::{Recomputed, Trace, TraceError, Verification};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::Path;
@@ -76,30 +76,43 @@ fn trace_summary(t: &Trace) -> TraceSummary {
         precision: b.precision.clone(),
         contract: b.contract.clone(),
         schedule: b.schedule.clone(),
-        records: t.records().len() as u64,
-        steps: t.tree().steps.len() as u64,
+        records: t.record_count(),
+        steps: t.steps().len() as u64,
     }
 }
 
 /// Opens (and validates) the reference and the candidate concurrently, one
-/// thread each, and re-hashes every payload of both
-/// ([`Trace::open_verified`]): what `moeconf diff` compares, so that a
-/// corrupted byte anywhere in either file is an error, never a verdict.
-/// Opening parses and checks both indexes and rebuilds both hash trees;
-/// verification hashes every payload byte. The result does not depend on
-/// the threads.
+/// thread each, and verifies every byte of both ([`Trace::open_verified`]),
+/// so that a corrupted byte anywhere in either file is an error, never a
+/// verdict (`moeconf diff --verify-all`). The result does not depend on the
+/// threads.
 pub fn open_pair(reference: &Path, candidate: &Path) -> Result<(Trace, Trace), BisectError> {
-    open_both(reference, candidate, Trace::open_verified)
+    open_pair_with(reference, candidate, Verification::Full)
+}
+
+/// [`open_pair`] under `verification`: what `moeconf diff` uses, with
+/// [`Verification::OnUse`] by default. A version 2 trace is then verified
+/// as the comparison reads it (each node against its parent up to the
+/// trailer, each payload against its record digest), so a corrupted byte
+/// the comparison uses is an error and bytes it never reads cannot
+/// influence the report; a version 1 trace is verified in full.
+pub fn open_pair_with(
+    reference: &Path,
+    candidate: &Path,
+    verification: Verification,
+) -> Result<(Trace, Trace), BisectError> {
+    open_both(reference, candidate, |p| Trace::open_for(p, verification))
 }
 
 /// Opens both traces concurrently with `open` (one thread each).
 pub(crate) fn open_both(
     reference: &Path,
     candidate: &Path,
-    open: fn(&Path) -> Result<Trace, TraceError>,
+    open: impl Fn(&Path) -> Result<Trace, TraceError> + Sync,
 ) -> Result<(Trace, Trace), BisectError> {
     let (r, c) = std::thread::scope(|s| {
-        let h = s.spawn(|| open(candidate));
+        let open = &open;
+        let h = s.spawn(move || open(candidate));
         let r = open(reference);
         // A panic in the reader is a bug; re-raise it on this thread.
         let c = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -109,26 +122,22 @@ pub(crate) fn open_both(
 }
 
 fn has_level(t: &Trace, level: Level) -> bool {
-    t.tree().steps.iter().any(|s| s.level(level).is_some())
+    t.has_level(level)
 }
 
 /// Compares two traces and localizes the first divergence through L0–L4.
 ///
 /// Fails when the traces are not comparable (different model, tokenizer,
 /// prompt or decoding; see [`DiffOptions::force`]), use different digest
-/// algorithms, or a payload read on the divergent path is corrupt. Only the
-/// payloads of the records on the divergent path are read, each re-hashed
-/// against its record digest before use; to refuse a corrupted byte
-/// anywhere in either file, open them with [`open_pair`] (as `moeconf diff`
-/// does).
+/// algorithms, or a node or payload read on the divergent path is corrupt.
+/// Only the nodes and payloads on the divergent path are read, each
+/// verified before use; to refuse a corrupted byte anywhere in either file,
+/// open them with [`open_pair`] (as `moeconf diff --verify-all` does).
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport, BisectError> {
     let comparability = comparability(reference, candidate, opts)?;
     let compared = compared_levels(reference, candidate);
     let cx = Ctx {
-        s: Sides {
-            r: reference,
-            c: candidate,
-        },
+        s: Sides::new(reference, candidate),
         opts: *opts,
         compared,
         storage: RefCell::new(HashMap::new()),
@@ -138,7 +147,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
             candidate.provenance().recomputed(),
         ),
     };
-    if reference.records().is_empty() && candidate.records().is_empty() {
+    if reference.is_empty() && candidate.is_empty() {
         return Err(BisectError::NoRecords);
     }
     if compared.is_empty() {
@@ -149,8 +158,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     }
     let uncompared_levels = uncompared_levels(reference, candidate, compared);
 
-    let rsteps: Vec<u32> = reference.tree().steps.iter().map(|s| s.step).collect();
-    let csteps: Vec<u32> = candidate.tree().steps.iter().map(|s| s.step).collect();
+    let rsteps: Vec<u32> = reference.steps().iter().map(|s| s.step).collect();
+    let csteps: Vec<u32> = candidate.steps().iter().map(|s| s.step).collect();
     let unmatched_steps: Vec<u32> =
         cx.s.steps()
             .into_iter()
@@ -198,6 +207,11 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         (&unmatched_steps, &uncompared_levels),
         &compared_levels,
     );
+    // A node of either trace that failed to read or verify on the way: the
+    // report would rest on it.
+    if let Some(f) = cx.s.take_failure() {
+        return Err(BisectError::Trace(f.error));
+    }
     Ok(DiffReport {
         schema_version: DIFF_SCHEMA_VERSION,
         kind: "moeconf.diff".into(),
@@ -313,8 +327,8 @@ fn summary_line(
     match (verdict, fd) {
         (Verdict::Equivalent, _) => format!(
             "equivalent: {} records in {} steps match bitwise at {levels}",
-            reference.records().len(),
-            reference.tree().steps.len()
+            reference.record_count(),
+            reference.steps().len()
         ),
         (Verdict::Divergent, Some(f)) => {
             let mut s = format!(
@@ -613,7 +627,7 @@ impl Ctx<'_> {
         let (Some(rb), Some(cb)) = self.payloads(p)? else {
             return Ok(None);
         };
-        let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+        let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
         Ok(summarize(re.dtype, &re.shape, rb, ce.dtype, &ce.shape, cb))
     }
 
@@ -637,20 +651,24 @@ impl Ctx<'_> {
         Ok((self.text_of(self.s.r, r)?, self.text_of(self.s.c, c)?))
     }
 
+    /// The generated text: the `text.continuation` of the last step that
+    /// holds L0 records (which holds every generated token so far). Only
+    /// that step's L0 group is read, so a trace without text costs one
+    /// group, not one per step.
     fn last_text(&self, t: &Trace) -> Result<Option<String>, BisectError> {
-        for step in t.tree().steps.iter().rev() {
-            let Some(g) = step.level(Level::L0).and_then(|l| l.group(None)) else {
-                continue;
-            };
-            if let Some(&i) = g
-                .records
-                .iter()
-                .find(|&&i| Component::TextContinuation.matches(&t.records()[i].coord.path))
-            {
-                return self.text_of(t, Some(i));
-            }
-        }
-        Ok(None)
+        let Some(step) = t.steps().iter().rev().find(|s| s.has(Level::L0)) else {
+            return Ok(None);
+        };
+        let Some(g) = self.s.group(t, step.step, Level::L0, None) else {
+            return Ok(None);
+        };
+        let found = self
+            .s
+            .group_ids(t, g)
+            .iter()
+            .find(|&&i| Component::TextContinuation.matches(&t.record(i).coord.path))
+            .copied();
+        self.text_of(t, found)
     }
 
     fn l0(&self, compared: bool) -> Result<L0Report, BisectError> {
@@ -693,7 +711,7 @@ impl Ctx<'_> {
             rep.ordinal = s.checked_add(1);
             let (rb, cb) = self.payloads(p)?;
             let tok = |e: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Option<i64> {
-                let e = &t.records()[e?];
+                let e = t.record(e?);
                 i32_values(e.dtype, b?)?.first().map(|&v| i64::from(v))
             };
             rep.reference_token = tok(p.r, self.s.r, rb);
@@ -762,10 +780,10 @@ impl Ctx<'_> {
             let (rb, cb) = self.payloads(p)?;
             rep.reference_top2 =
                 p.r.zip(rb)
-                    .and_then(|(i, b)| decode_i32_first2(self.s.r.records()[i].dtype, b));
+                    .and_then(|(i, b)| decode_i32_first2(self.s.r.record(i).dtype, b));
             rep.candidate_top2 =
                 p.c.zip(cb)
-                    .and_then(|(i, b)| decode_i32_first2(self.s.c.records()[i].dtype, b));
+                    .and_then(|(i, b)| decode_i32_first2(self.s.c.record(i).dtype, b));
         }
         rep.argmax_changed = match (rep.reference_top2, rep.candidate_top2) {
             (Some(a), Some(b)) => Some(a[0] != b[0]),
@@ -776,7 +794,7 @@ impl Ctx<'_> {
         if let Some(p) = self.global(s, Component::LmMargin) {
             let (rb, cb) = self.payloads(p)?;
             let first = |i: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Option<f64> {
-                let e = &t.records()[i?];
+                let e = t.record(i?);
                 f32_values(e.dtype, b?)?.first().map(|&v| f64::from(v))
             };
             rep.reference_margin = first(p.r, self.s.r, rb);
@@ -829,11 +847,7 @@ impl Ctx<'_> {
                 }),
             }
         }
-        let (rl, cl) = (
-            self.s.r.tree().step(s).and_then(|n| n.level(Level::L2)),
-            self.s.c.tree().step(s).and_then(|n| n.level(Level::L2)),
-        );
-        if let (Some(rl), Some(cl)) = (rl, cl) {
+        if let (Some(rl), Some(cl)) = self.s.level_nodes(s, Level::L2) {
             for g in &rl.groups {
                 if let (Some(layer), Some(cg)) = (g.layer, cl.group(g.layer)) {
                     if cg.digest == g.digest {
@@ -881,10 +895,11 @@ impl Ctx<'_> {
                     // Earlier checkpoints of this step (reference execution order).
                     let bound = p.r.unwrap_or(usize::MAX);
                     let mut last: Option<usize> = None;
-                    if let Some(level) = self.s.r.tree().step(s).and_then(|n| n.level(Level::L3)) {
+                    let r = self.s.r;
+                    if let Some(level) = self.s.step_node(r, s).and_then(|n| n.level(Level::L3)) {
                         for g in &level.groups {
-                            for &i in &g.records {
-                                if i < bound && is_checkpoint(&self.s.r.records()[i].coord.path) {
+                            for &i in self.s.group_ids(r, g) {
+                                if i < bound && is_checkpoint(&r.record(i).coord.path) {
                                     rep.earlier_checkpoints_matched += 1;
                                     last = last.max(Some(i));
                                 }
@@ -892,7 +907,7 @@ impl Ctx<'_> {
                         }
                     }
                     rep.last_matched_checkpoint =
-                        last.map(|i| RecordRef::new(Level::L3, &self.s.r.records()[i].coord, "both"));
+                        last.map(|i| RecordRef::new(Level::L3, &self.s.r.record(i).coord, "both"));
                 }
             }
             if rep.route.is_none() {
@@ -921,7 +936,7 @@ impl Ctx<'_> {
         let (rb, cb) = self.payloads(p)?;
         let ids = |i: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Vec<i64> {
             i.zip(b)
-                .and_then(|(i, b)| i32_values(t.records()[i].dtype, b))
+                .and_then(|(i, b)| i32_values(t.record(i).dtype, b))
                 .map(|v| v.into_iter().map(i64::from).collect())
                 .unwrap_or_default()
         };
@@ -940,7 +955,7 @@ impl Ctx<'_> {
         {
             let (rb, cb) = self.payloads(mp)?;
             let first = |i: Option<usize>, t: &Trace, b: Option<&[u8]>| -> Option<f64> {
-                let e = &t.records()[i?];
+                let e = t.record(i?);
                 f32_values(e.dtype, b?)?.first().map(|&v| f64::from(v))
             };
             rm = first(mp.r, self.s.r, rb);
@@ -1081,7 +1096,7 @@ impl Ctx<'_> {
         let (Some(rb), Some(cb)) = self.payloads(p)? else {
             return Ok(None);
         };
-        let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+        let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
         let kind = match Component::parse(&re.coord.path) {
             Some((c, _)) => c.kind(),
             None if re.dtype.is_float() => ValueKind::Float,

@@ -410,8 +410,8 @@ impl Ctx<'_> {
         let mut out = Vec::new();
         for step in self.s.steps() {
             if !self.s.step_differs(step)
-                || self.s.r.tree().step(step).is_none()
-                || self.s.c.tree().step(step).is_none()
+                || self.s.r.step_summary(step).is_none()
+                || self.s.c.step_summary(step).is_none()
             {
                 continue;
             }

@@ -198,11 +198,13 @@ struct EventRecords {
 /// Key of an event: (step, layer, position).
 type Key = (u32, u32, u32);
 
-fn index_events(t: &Trace) -> (Vec<Key>, BTreeMap<Key, EventRecords>) {
+/// The events of the records `ids` (in write order) of `t`.
+fn index_events(t: &Trace, ids: impl Iterator<Item = usize>) -> (Vec<Key>, BTreeMap<Key, EventRecords>) {
     let mut order: Vec<Key> = Vec::new();
     let mut found: BTreeMap<Key, EventRecords> = BTreeMap::new();
     let mut side: Vec<(Key, Component, Option<u32>, usize)> = Vec::new();
-    for (i, r) in t.records().iter().enumerate() {
+    for i in ids {
+        let r = t.record(i);
         let Some(layer) = r.coord.layer else { continue };
         let Some((c, j)) = Component::parse(&r.coord.path) else {
             continue;
@@ -255,7 +257,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn bad(&self, i: usize, problem: &str) -> ExplainError {
-        let c = &self.t.records()[i].coord;
+        let c = &self.t.record(i).coord;
         ExplainError::BadPayload {
             trace: self.name.clone(),
             record: c.path.to_string(),
@@ -268,7 +270,7 @@ impl Reader<'_> {
 
     /// Real values of record `i` (f32, or bf16 widened exactly).
     fn reals(&self, i: usize) -> Result<Vec<f32>, ExplainError> {
-        let e = &self.t.records()[i];
+        let e = self.t.record(i);
         let bytes = self
             .t
             .payload_verified(i)?
@@ -309,7 +311,7 @@ impl Reader<'_> {
         }
         let experts = match r.topk {
             Some(i) => match self.t.payload_verified(i)? {
-                Some(bytes) => int_values(self.t.records()[i].dtype, bytes)
+                Some(bytes) => int_values(self.t.record(i).dtype, bytes)
                     .and_then(|v| {
                         v.into_iter()
                             .map(|x| u32::try_from(x).ok())
@@ -382,6 +384,28 @@ impl Notes {
 /// diff's localized `moe.combine`): `Ok(None)` when `t` has no `moe.combine`
 /// record there; router records missing or without payload only narrow the
 /// orders tried.
+/// The records of one event's step, layer and position (every level), in
+/// write order: read through the tree, so explaining one event of a
+/// version 2 trace reads that step's groups of that layer only.
+fn event_records(t: &Trace, (step, layer, position): Key) -> Result<Vec<usize>, TraceError> {
+    let mut ids = Vec::new();
+    let Some(node) = t.step(step)? else {
+        return Ok(ids);
+    };
+    for l in &node.levels {
+        if let Some(g) = l.group(Some(layer)) {
+            ids.extend(
+                t.group_records(g)?
+                    .iter()
+                    .copied()
+                    .filter(|&i| t.record(i).coord.position == position),
+            );
+        }
+    }
+    ids.sort_unstable();
+    Ok(ids)
+}
+
 pub(crate) fn explain_one(
     t: &Trace,
     name: &str,
@@ -391,7 +415,7 @@ pub(crate) fn explain_one(
         t,
         name: name.to_string(),
     };
-    let (_, records) = index_events(t);
+    let (_, records) = index_events(t, event_records(t, key)?.into_iter());
     let Some(r) = records.get(&key) else {
         return Ok(None);
     };
@@ -449,7 +473,7 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
         t,
         name: name.to_string(),
     };
-    let (order, records) = index_events(t);
+    let (order, records) = index_events(t, 0..t.records()?.len());
     if order.is_empty() {
         return Err(ExplainError::NoCombineEvents { trace: name.into() });
     }

@@ -84,7 +84,9 @@ impl Kinds {
 pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) -> Kinds {
     let mut present: HashSet<Component> = HashSet::new();
     for t in [s.r, s.c] {
-        let Some(node) = t.tree().step(step) else { continue };
+        let Some(node) = s.step_node(t, step) else {
+            continue;
+        };
         for level in [Level::L2, Level::L3, Level::L4] {
             if !compared.contains(level) {
                 continue;
@@ -93,9 +95,9 @@ pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) ->
                 continue;
             };
             present.extend(
-                g.records
+                s.group_ids(t, g)
                     .iter()
-                    .filter_map(|&i| Component::parse(&t.records()[i].coord.path).map(|(c, _)| c)),
+                    .filter_map(|&i| Component::parse(&t.record(i).coord.path).map(|(c, _)| c)),
             );
         }
     }

@@ -73,7 +73,7 @@ pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use coverage::{not_captured_reason, NOT_CAPTURED_NOTE};
-pub use diff::{diff, open_pair, DiffOptions};
+pub use diff::{diff, open_pair, open_pair_with, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
 pub use explain::{
@@ -100,3 +100,4 @@ pub use report::{
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,
 };
+pub use walk::{Side, SideError};

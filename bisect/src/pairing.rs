@@ -4,12 +4,12 @@
 //! only subtrees whose digests differ are entered and equal records cost
 //! nothing.
 
-use crate::walk::{Pair, Sides};
+use crate::walk::{Pair, SideError, Sides};
 use moeconf_fingerprint::Level;
 use moeconf_schema::Trace;
 
-/// One differing record position of two traces: the index of the record in
-/// each trace's [`records`](Trace::records), `None` on the side that lacks it.
+/// One differing record position of two traces: the id of the record in
+/// each trace ([`Trace::record`]), `None` on the side that lacks it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecordPair {
     /// Index into the reference's records.
@@ -21,12 +21,11 @@ pub struct RecordPair {
 /// Every record pair of every step and level whose digests differ, and
 /// every record present on one side only, in execution order: records of
 /// the reference in its write order, then records only the candidate holds,
-/// in the candidate's write order.
-pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Vec<RecordPair> {
-    let sides = Sides {
-        r: reference,
-        c: candidate,
-    };
+/// in the candidate's write order. The records named are in memory
+/// afterwards ([`Trace::record`]). A node on the descent that fails to read
+/// or verify (version 2 reads them on use) is an error of its side.
+pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Result<Vec<RecordPair>, SideError> {
+    let sides = Sides::new(reference, candidate);
     let mut pairs: Vec<Pair> = Vec::new();
     for step in sides.steps() {
         for level in Level::ALL {
@@ -35,12 +34,15 @@ pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Vec<RecordPair> 
             }
         }
     }
+    if let Some(f) = sides.take_failure() {
+        return Err(f);
+    }
     pairs.sort_by_key(Pair::order_key);
-    pairs
+    Ok(pairs
         .into_iter()
         .map(|p| RecordPair {
             reference: p.r,
             candidate: p.c,
         })
-        .collect()
+        .collect())
 }

@@ -67,7 +67,7 @@ impl Ctx<'_> {
         let (Some(ri), Some(ci)) = (p.r, p.c) else {
             return Ok(None);
         };
-        let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+        let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
         let (Some(rb), Some(cb)) = (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) else {
             return Ok(None);
         };
@@ -123,11 +123,11 @@ impl Ctx<'_> {
         let r = pairs
             .iter()
             .filter_map(|p| p.r)
-            .any(|i| rm.covers(&self.s.r.records()[i].coord.path));
+            .any(|i| rm.covers(&self.s.r.record(i).coord.path));
         let c = pairs
             .iter()
             .filter_map(|p| p.c)
-            .any(|i| cm.covers(&self.s.c.records()[i].coord.path));
+            .any(|i| cm.covers(&self.s.c.record(i).coord.path));
         match (r, c) {
             (true, true) => Some("both".into()),
             (true, false) => Some("reference".into()),

@@ -156,7 +156,7 @@ impl crate::diff::Ctx<'_> {
         }
         let found = match (p.r, p.c) {
             (Some(ri), Some(ci)) if !self.s.pair_equal(p) => {
-                let (re, ce) = (&self.s.r.records()[ri], &self.s.c.records()[ci]);
+                let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
                 let rounding = match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
                     (Some(rb), Some(cb)) => classify(
                         (re.dtype, &re.shape, rb),
@@ -222,7 +222,9 @@ fn component_key(path: &str) -> String {
 /// bf16 values, and how many have a float payload at all.
 fn bf16_valued_records(t: &moeconf_schema::Trace, component: &str) -> Result<(u64, u64), crate::BisectError> {
     let (mut bf16, mut total) = (0u64, 0u64);
-    for (i, e) in t.records().iter().enumerate() {
+    // Every record of the component: the whole index (a version 2 trace
+    // reads every group block once for it).
+    for (i, e) in t.records()?.iter().enumerate() {
         if component_key(&e.coord.path) != component {
             continue;
         }

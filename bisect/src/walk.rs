@@ -1,10 +1,20 @@
 //! Descent of the two hash trees: only subtrees whose digests differ are
 //! entered, so an unchanged step costs one 32-byte comparison and no record,
 //! payload or tensor byte is touched.
+//!
+//! A version 2 trace reads a step's node and a group's records from its
+//! file the first time the walk enters them, verifying each against its
+//! parent ([`Trace::step`], [`Trace::group_records`]). A read that fails
+//! does not interrupt the walk: [`Sides`] remembers the first failure (and
+//! treats the node as empty), and every entry point that walks
+//! ([`crate::diff`], [`crate::differing_pairs`]) returns that failure
+//! instead of its result, so no answer ever rests on a node that failed
+//! verification.
 
 use moeconf_fingerprint::catalogue::ExecKey;
-use moeconf_fingerprint::{Component, Level, LevelNode, StepNode};
-use moeconf_schema::{IndexEntry, Trace};
+use moeconf_fingerprint::{Component, Level};
+use moeconf_schema::{GroupNode, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError};
+use std::cell::RefCell;
 use std::cmp::Ordering;
 
 /// One record position in the comparison: the index of the record in the
@@ -25,10 +35,42 @@ impl Pair {
     }
 }
 
-/// Both traces, side by side.
+/// Which trace of a comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The reference.
+    Reference,
+    /// The candidate.
+    Candidate,
+}
+
+/// A node of one trace of a comparison failed to read or verify.
+/// Its text and source are the trace error's own (it names the file).
+#[derive(Debug)]
+pub struct SideError {
+    /// The trace that failed.
+    pub side: Side,
+    /// What failed (names the file and the byte offset).
+    pub error: TraceError,
+}
+
+impl std::fmt::Display for SideError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for SideError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+/// Both traces, side by side, and the first failure to read either's nodes.
 pub(crate) struct Sides<'a> {
     pub r: &'a Trace,
     pub c: &'a Trace,
+    failure: RefCell<Option<SideError>>,
 }
 
 fn tree_key(e: &IndexEntry) -> (u32, moeconf_fingerprint::Phase, &str) {
@@ -36,47 +78,119 @@ fn tree_key(e: &IndexEntry) -> (u32, moeconf_fingerprint::Phase, &str) {
 }
 
 impl<'a> Sides<'a> {
+    /// The two traces, no failure yet.
+    pub fn new(r: &'a Trace, c: &'a Trace) -> Sides<'a> {
+        Sides {
+            r,
+            c,
+            failure: RefCell::new(None),
+        }
+    }
+
+    /// The first failure to read a node during the walk, if any: the caller
+    /// must return it instead of its result.
+    pub fn take_failure(&self) -> Option<SideError> {
+        self.failure.borrow_mut().take()
+    }
+
+    fn side_of(&self, t: &Trace) -> Side {
+        if std::ptr::eq(t, self.r) {
+            Side::Reference
+        } else {
+            Side::Candidate
+        }
+    }
+
+    /// `r`'s value, or `fallback` after remembering its error.
+    fn latch<T>(&self, t: &Trace, r: Result<T, TraceError>, fallback: T) -> T {
+        match r {
+            Ok(v) => v,
+            Err(source) => {
+                let mut f = self.failure.borrow_mut();
+                if f.is_none() {
+                    *f = Some(SideError {
+                        side: self.side_of(t),
+                        error: source,
+                    });
+                }
+                fallback
+            }
+        }
+    }
+
+    /// The node of `step` in `t` (read on first use; `None` when absent or
+    /// unreadable, the failure remembered).
+    pub fn step_node(&self, t: &'a Trace, step: u32) -> Option<&'a StepNode> {
+        let r = t.step(step);
+        self.latch(t, r, None)
+    }
+
+    /// The record ids of a group of `t` (empty when unreadable, the failure
+    /// remembered).
+    pub fn group_ids(&self, t: &'a Trace, g: &'a GroupNode) -> &'a [usize] {
+        let r = t.group_records(g);
+        self.latch(t, r, &[])
+    }
+
+    /// The group of (`step`, `level`, `layer`) in `t`.
+    pub fn group(&self, t: &'a Trace, step: u32, level: Level, layer: Option<u32>) -> Option<&'a GroupNode> {
+        self.step_node(t, step)
+            .and_then(|s| s.level(level))
+            .and_then(|l| l.group(layer))
+    }
+
     /// The union of step numbers of both trees, ascending.
     pub fn steps(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = self
-            .r
-            .tree()
-            .steps
-            .iter()
-            .chain(&self.c.tree().steps)
-            .map(|s| s.step)
-            .collect();
-        v.sort_unstable();
-        v.dedup();
-        v
+        self.paired_steps().map(|(step, _, _)| step).collect()
     }
 
-    fn step_nodes(&self, step: u32) -> (Option<&'a StepNode>, Option<&'a StepNode>) {
-        (self.r.tree().step(step), self.c.tree().step(step))
+    /// The union of the steps of both trees, ascending, with each side's
+    /// summary of the step (`None` on a side without it): a merge of the
+    /// two ascending step lists, no search.
+    fn paired_steps(&self) -> impl Iterator<Item = (u32, Option<&'a StepSummary>, Option<&'a StepSummary>)> {
+        let (mut rs, mut cs) = (self.r.steps().iter().peekable(), self.c.steps().iter().peekable());
+        std::iter::from_fn(move || {
+            let step = match (rs.peek(), cs.peek()) {
+                (Some(a), Some(b)) => a.step.min(b.step),
+                (Some(a), None) => a.step,
+                (None, Some(b)) => b.step,
+                (None, None) => return None,
+            };
+            let a = rs.next_if(|s| s.step == step);
+            let b = cs.next_if(|s| s.step == step);
+            Some((step, a, b))
+        })
     }
 
-    fn level_nodes(&self, step: u32, level: Level) -> (Option<&'a LevelNode>, Option<&'a LevelNode>) {
-        let (rs, cs) = self.step_nodes(step);
-        (rs.and_then(|s| s.level(level)), cs.and_then(|s| s.level(level)))
+    /// Both sides' level nodes of `level` at `step`.
+    pub fn level_nodes(&self, step: u32, level: Level) -> (Option<&'a LevelNode>, Option<&'a LevelNode>) {
+        let rs = self.step_node(self.r, step).and_then(|s| s.level(level));
+        let cs = self.step_node(self.c, step).and_then(|s| s.level(level));
+        (rs, cs)
     }
 
     /// Whether anything differs at `step`: the step digests differ, or only
-    /// one trace holds the step.
+    /// one trace holds the step (from the roots: no node is read).
     pub fn step_differs(&self, step: u32) -> bool {
-        match self.step_nodes(step) {
+        match (self.r.step_summary(step), self.c.step_summary(step)) {
             (Some(a), Some(b)) => a.digest != b.digest,
             (None, None) => false,
             _ => true,
         }
     }
 
-    /// Whether `level` differs at `step` (a level present on one side only differs).
+    /// Whether `level` differs at `step` (a level present on one side only
+    /// differs). Reads the step nodes only where the step digests differ.
     pub fn level_differs(&self, step: u32, level: Level) -> bool {
-        let (rs, cs) = self.step_nodes(step);
-        if let (Some(a), Some(b)) = (rs, cs) {
-            if a.digest == b.digest {
-                return false;
-            }
+        let (rs, cs) = (self.r.step_summary(step), self.c.step_summary(step));
+        match (rs, cs) {
+            (Some(a), Some(b)) if a.digest == b.digest => return false,
+            (None, None) => return false,
+            _ => {}
+        }
+        let (ra, ca) = (rs.is_some_and(|s| s.has(level)), cs.is_some_and(|s| s.has(level)));
+        if !(ra && ca) {
+            return ra || ca;
         }
         match self.level_nodes(step, level) {
             (None, None) => false,
@@ -85,11 +199,15 @@ impl<'a> Sides<'a> {
         }
     }
 
-    /// Steps (ascending) at which `level` differs.
+    /// Steps (ascending) at which `level` differs. Steps whose digests are
+    /// equal on both sides are passed over from the roots' summaries.
     pub fn differing_steps(&self, level: Level) -> Vec<u32> {
-        self.steps()
-            .into_iter()
-            .filter(|&s| self.level_differs(s, level))
+        self.paired_steps()
+            .filter(|&(step, a, b)| match (a, b) {
+                (Some(a), Some(b)) if a.digest == b.digest => false,
+                _ => self.level_differs(step, level),
+            })
+            .map(|(step, _, _)| step)
             .collect()
     }
 
@@ -116,16 +234,19 @@ impl<'a> Sides<'a> {
             };
             match ord {
                 Ordering::Less => {
-                    out.extend(rg[i].records.iter().map(|&r| Pair { r: Some(r), c: None }));
+                    let ids = self.group_ids(self.r, &rg[i]);
+                    out.extend(ids.iter().map(|&r| Pair { r: Some(r), c: None }));
                     i += 1;
                 }
                 Ordering::Greater => {
-                    out.extend(cg[j].records.iter().map(|&c| Pair { r: None, c: Some(c) }));
+                    let ids = self.group_ids(self.c, &cg[j]);
+                    out.extend(ids.iter().map(|&c| Pair { r: None, c: Some(c) }));
                     j += 1;
                 }
                 Ordering::Equal => {
                     if rg[i].digest != cg[j].digest {
-                        self.merge_records(&rg[i].records, &cg[j].records, &mut out);
+                        let (ra, ca) = (self.group_ids(self.r, &rg[i]), self.group_ids(self.c, &cg[j]));
+                        self.merge_records(ra, ca, &mut out);
                     }
                     i += 1;
                     j += 1;
@@ -137,9 +258,10 @@ impl<'a> Sides<'a> {
     }
 
     fn merge_records(&self, ra: &[usize], ca: &[usize], out: &mut Vec<Pair>) {
-        let (re, ce) = (self.r.records(), self.c.records());
+        let (rt, ct) = (self.r, self.c);
         self.merge_join(ra, ca, out, |a, b| {
-            re[a].digest != ce[b].digest || re[a].dtype != ce[b].dtype || re[a].shape != ce[b].shape
+            let (x, y) = (rt.record(a), ct.record(b));
+            x.digest != y.digest || x.dtype != y.dtype || x.shape != y.shape
         });
     }
 
@@ -153,11 +275,11 @@ impl<'a> Sides<'a> {
         out: &mut Vec<Pair>,
         keep_pair: impl Fn(usize, usize) -> bool,
     ) {
-        let (re, ce) = (self.r.records(), self.c.records());
+        let (rt, ct) = (self.r, self.c);
         let (mut i, mut j) = (0, 0);
         while i < ra.len() || j < ca.len() {
             let ord = match (ra.get(i), ca.get(j)) {
-                (Some(&a), Some(&b)) => tree_key(&re[a]).cmp(&tree_key(&ce[b])),
+                (Some(&a), Some(&b)) => tree_key(rt.record(a)).cmp(&tree_key(ct.record(b))),
                 (Some(_), None) => Ordering::Less,
                 _ => Ordering::Greater,
             };
@@ -204,19 +326,17 @@ impl<'a> Sides<'a> {
         prefix: bool,
     ) -> Vec<Pair> {
         let pick = |t: &'a Trace| -> Vec<usize> {
-            let Some(g) = t
-                .tree()
-                .step(step)
-                .and_then(|s| s.level(level))
-                .and_then(|l| l.group(layer))
-            else {
+            if !t.step_summary(step).is_some_and(|s| s.has(level)) {
+                return Vec::new();
+            }
+            let Some(g) = self.group(t, step, level, layer) else {
                 return Vec::new();
             };
-            g.records
+            self.group_ids(t, g)
                 .iter()
                 .copied()
                 .filter(|&i| {
-                    let e = &t.records()[i];
+                    let e = t.record(i);
                     position.is_none_or(|p| e.coord.position == p)
                         && if prefix {
                             e.coord.path.starts_with(path)
@@ -254,14 +374,14 @@ impl<'a> Sides<'a> {
     /// Whether both sides hold the record and their digests are equal.
     pub fn pair_equal(&self, p: Pair) -> bool {
         match (p.r, p.c) {
-            (Some(a), Some(b)) => self.r.records()[a].digest == self.c.records()[b].digest,
+            (Some(a), Some(b)) => self.r.record(a).digest == self.c.record(b).digest,
             _ => false,
         }
     }
 
     /// The entry of a pair on whichever side has it (reference first).
     pub fn entry(&self, p: Pair) -> Option<&'a IndexEntry> {
-        p.r.map(|i| &self.r.records()[i])
-            .or_else(|| p.c.map(|i| &self.c.records()[i]))
+        p.r.map(|i| self.r.record(i))
+            .or_else(|| p.c.map(|i| self.c.record(i)))
     }
 }

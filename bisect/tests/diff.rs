@@ -630,10 +630,11 @@ fn corrupt_payload_on_the_divergent_path_is_an_error() {
     let (dir, r, c) = pair(&Synth::reference(), &cand);
     let i = c
         .records()
+        .unwrap()
         .iter()
         .position(|e| e.coord.step == 1 && e.coord.layer == Some(2) && e.coord.path == "moe.combine")
         .unwrap();
-    let off = c.records()[i].payload.unwrap().offset as usize;
+    let off = c.records().unwrap()[i].payload.unwrap().offset as usize;
     drop(c);
     let path = dir.path().join("cand.bin");
     let mut bytes = std::fs::read(&path).unwrap();

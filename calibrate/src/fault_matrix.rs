@@ -474,14 +474,14 @@ impl Outcome {
 /// erased it before the next checkpoint), *state* (the first difference is
 /// persistent state at a decode boundary) or *output* (the step's logits or
 /// token, after every layer).
-fn first_differing_record(r: &Trace, c: &Trace) -> (Option<Found>, Option<&'static str>) {
+fn first_differing_record(r: &Trace, c: &Trace) -> Result<(Option<Found>, Option<&'static str>)> {
     let at = |e: &moeconf_schema::IndexEntry| Found {
         step: e.coord.step,
         layer: e.coord.layer,
         operator: e.coord.path.to_string(),
         position: e.coord.position,
     };
-    let (rr, cr) = (r.records(), c.records());
+    let (rr, cr) = (r.records()?, c.records()?);
     let differs = |(a, b): &(&moeconf_schema::IndexEntry, &moeconf_schema::IndexEntry)| {
         a.digest != b.digest || a.coord != b.coord
     };
@@ -491,7 +491,7 @@ fn first_differing_record(r: &Trace, c: &Trace) -> (Option<Found>, Option<&'stat
             std::cmp::Ordering::Greater => rr.get(cr.len()).map(at),
             std::cmp::Ordering::Equal => None,
         };
-        return (only, None);
+        return Ok((only, None));
     };
     let step = rr[i].coord.step;
     let propagates = rr[i..].iter().zip(&cr[i..]).any(|p| {
@@ -505,7 +505,7 @@ fn first_differing_record(r: &Trace, c: &Trace) -> (Option<Found>, Option<&'stat
         _ if propagates => "propagating",
         _ => "absorbed",
     };
-    (Some(at(&rr[i])), Some(kind))
+    Ok((Some(at(&rr[i])), Some(kind)))
 }
 
 /// The name of a trace of one profile, relative to the output directory.
@@ -551,11 +551,11 @@ fn run_case(
         position: d.position,
     });
     let localized = found.as_ref().is_some_and(|d| d.is(&case.expect));
-    let (truth, divergence) = first_differing_record(&r, &c);
+    let (truth, divergence) = first_differing_record(&r, &c)?;
     let differing_records = r
-        .records()
+        .records()?
         .iter()
-        .zip(c.records())
+        .zip(c.records()?)
         .filter(|(a, b)| a.digest != b.digest)
         .count();
     let e = &case.expect;

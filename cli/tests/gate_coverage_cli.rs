@@ -75,7 +75,7 @@ fn filtered(src: &Path, dst: &Path, keep: impl Fn(&IndexEntry) -> bool) -> PathB
         provenance: t.provenance().clone(),
     };
     let mut w = TraceWriter::create(dst, t.algorithm(), header).unwrap();
-    for (i, e) in t.records().iter().enumerate() {
+    for (i, e) in t.records().unwrap().iter().enumerate() {
         if !keep(e) {
             continue;
         }

@@ -164,9 +164,14 @@ fn small_dump_imports_and_inspects() {
 
     let trace = Trace::open(&out).unwrap();
     let rec = |path: &str| {
-        let i = trace.records().iter().position(|r| r.coord.path == path).unwrap();
+        let i = trace
+            .records()
+            .unwrap()
+            .iter()
+            .position(|r| r.coord.path == path)
+            .unwrap();
         (
-            trace.records()[i].clone(),
+            trace.records().unwrap()[i].clone(),
             trace.payload_verified(i).unwrap().unwrap().to_vec(),
         )
     };
@@ -195,7 +200,12 @@ fn small_dump_imports_and_inspects() {
     let (r, _) = rec("text.continuation");
     assert_eq!((r.coord.step, r.coord.phase.name()), (1, "decode"));
     // Execution order: token.input first, layer records before the step's outputs.
-    let order: Vec<&str> = trace.records().iter().map(|r| r.coord.path.as_str()).collect();
+    let order: Vec<&str> = trace
+        .records()
+        .unwrap()
+        .iter()
+        .map(|r| r.coord.path.as_str())
+        .collect();
     assert_eq!(
         &order[..4],
         &["token.input", "attn.output", "moe.combine", "layer.post_ffn_mhc"]
@@ -269,7 +279,7 @@ fn dump_of_a_reference_run_reimports_to_the_same_root() {
     std::fs::create_dir_all(&dump).unwrap();
     let mut per_step: Vec<Vec<Dumped>> = vec![vec![]; 2];
     let (mut bf16_count, mut i64_count) = (0, 0);
-    for (i, r) in trace.records().iter().enumerate() {
+    for (i, r) in trace.records().unwrap().iter().enumerate() {
         let c = &r.coord;
         let name = match c.layer {
             Some(l) => format!("step.{}.pos.{}.layer.{l}.{}", c.step, c.position, c.path),
@@ -324,7 +334,7 @@ fn dump_of_a_reference_run_reimports_to_the_same_root() {
     t2.verify_payloads().unwrap();
     assert_eq!(t2.binding(), trace.binding());
     assert_eq!(t2.root(), trace.root());
-    assert_eq!(t2.records().len(), trace.records().len());
+    assert_eq!(t2.records().unwrap().len(), trace.records().unwrap().len());
     assert_eq!(t2.provenance().runtime, "dumped-reference");
     let o = moeconf(&["diff", s(&run), s(&imported)], tmp.path());
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));

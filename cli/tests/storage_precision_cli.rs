@@ -55,7 +55,7 @@ fn rewrite(
     };
     prov(&mut header.provenance);
     let mut w = TraceWriter::create(dst, t.algorithm(), header).unwrap();
-    for (i, e) in t.records().iter().enumerate() {
+    for (i, e) in t.records().unwrap().iter().enumerate() {
         if drop(e) {
             continue;
         }
@@ -173,6 +173,7 @@ fn the_walk_passes_bf16_stored_terms_and_localizes_the_later_combine() {
     let terms_before = Trace::open(&reference)
         .unwrap()
         .records()
+        .unwrap()
         .iter()
         .filter(|e| {
             is_term(e) && (e.coord.step == 0 || (e.coord.step == 1 && e.coord.layer.unwrap_or(0) < 3))

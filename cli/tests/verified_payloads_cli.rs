@@ -4,6 +4,14 @@
 //! every command that reads it must exit 2 naming the file, the record and
 //! the byte offset, where it used to give a verdict from the corrupted
 //! bytes (a gate FAIL turned into PASS, a changed certify count with exit 0).
+//!
+//! Version 1 traces are verified in full by every command, so any corrupted
+//! payload byte is an error. Version 2 traces are verified as `diff` and
+//! `gate` read them (docs/ci.md §12): a corrupted byte they read is an
+//! error, and a corrupted byte they do not read cannot change what they
+//! say (the report is the clean file's, byte for byte) — and with
+//! `--verify-all` it is an error too. `inspect`, `certify` and `--bless`
+//! verify every byte of both versions.
 
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Level, Phase, TensorView};
 use moeconf_schema::{Binding, CaptureSpec, Header, Trace, TraceWriter};
@@ -30,17 +38,23 @@ required = ["judged"]
 /// The reference's step-0 `lm.margin`.
 const MARGIN: f32 = 0.09375;
 
-/// A scratch repository with the policy above.
+/// A scratch repository with the policy above, whose synthetic traces are
+/// written in container format `version`.
 struct Repo {
     dir: tempfile::TempDir,
+    version: u32,
 }
 
 impl Repo {
     fn new() -> Repo {
+        Repo::version(2)
+    }
+
+    fn version(version: u32) -> Repo {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join(".git")).unwrap();
         std::fs::write(dir.path().join("moeconf.toml"), POLICY).unwrap();
-        Repo { dir }
+        Repo { dir, version }
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -77,7 +91,8 @@ impl Repo {
             binding,
             ..Header::default()
         };
-        let mut w = TraceWriter::create(&path, Algorithm::Blake3, header).unwrap();
+        let out = moeconf_schema::check_output(&path, &moeconf_schema::Inputs::new()).unwrap();
+        let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, self.version).unwrap();
         let coord = |c: Component| Coord {
             step: 0,
             position: 0,
@@ -132,10 +147,11 @@ fn corrupt(path: &Path, pick: impl Fn(&Coord) -> bool, k: usize, mask: u8) -> (u
     let t = Trace::open(path).unwrap();
     let i = t
         .records()
+        .unwrap()
         .iter()
         .position(|e| e.payload.is_some() && pick(&e.coord))
         .expect("a record with a payload");
-    let off = t.records()[i].payload.unwrap().offset;
+    let off = t.records().unwrap()[i].payload.unwrap().offset;
     drop(t);
     let mut bytes = std::fs::read(path).unwrap();
     bytes[off as usize + k] ^= mask;
@@ -169,23 +185,47 @@ fn corrupted_margin_reference(repo: &Repo) -> (PathBuf, (usize, u64)) {
     (r, at)
 }
 
+/// `got` says exactly what `want` says, but of `corrupted` where `want`
+/// names `clean`: a corrupted byte the command did not read changed nothing.
+fn assert_same_answer(got: &Output, want: &Output, corrupted: &Path, clean: &Path) {
+    let name = |p: &Path| p.to_str().unwrap().to_string();
+    assert_eq!(code(got), code(want), "{}\n{}", stdout(got), stderr(got));
+    assert_eq!(
+        stdout(got).replace(&name(corrupted), &name(clean)),
+        stdout(want),
+        "the corrupted file's answer differs from the clean file's"
+    );
+}
+
 #[test]
 fn corrupted_reference_margin_never_turns_a_gate_fail_into_a_pass() {
-    let repo = Repo::new();
-    let clean = repo.synthetic("clean.bin", 5, MARGIN);
-    let cand = repo.synthetic("cand.bin", 7, MARGIN);
-    let o = repo.moeconf(&["gate", s(&clean), s(&cand)]);
-    assert_eq!(code(&o), 1, "the clean margin is no near-tie: {}", stdout(&o));
+    for version in [1, 2] {
+        let repo = Repo::version(version);
+        let clean = repo.synthetic("clean.bin", 5, MARGIN);
+        let cand = repo.synthetic("cand.bin", 7, MARGIN);
+        let o = repo.moeconf(&["gate", s(&clean), s(&cand)]);
+        assert_eq!(code(&o), 1, "the clean margin is no near-tie: {}", stdout(&o));
 
-    let (r, at) = corrupted_margin_reference(&repo);
-    let o = repo.moeconf(&["gate", s(&r), s(&cand)]);
-    assert_corruption_error(&o, &r, at);
-    // Under git bisect a broken reference is a broken setup, not a skip.
-    let o = repo.moeconf(&["gate", "--bisect-exit-codes", s(&r), s(&cand)]);
-    assert_eq!(code(&o), 128, "{}", stderr(&o));
-    // The corrupted file as the candidate.
-    let o = repo.moeconf(&["gate", s(&cand), s(&r)]);
-    assert_corruption_error(&o, &r, at);
+        // The margin decides whether the token flip is a near-tie: it is read,
+        // and its corruption is an error in both versions.
+        let (r, at) = corrupted_margin_reference(&repo);
+        let o = repo.moeconf(&["gate", s(&r), s(&cand)]);
+        assert_corruption_error(&o, &r, at);
+        // Under git bisect a broken reference is a broken setup, not a skip.
+        let o = repo.moeconf(&["gate", "--bisect-exit-codes", s(&r), s(&cand)]);
+        assert_eq!(code(&o), 128, "{}", stderr(&o));
+        // The corrupted file as the candidate: its margin decides nothing (the
+        // reference's does, and the two margins' digests are equal).
+        let o = repo.moeconf(&["gate", s(&cand), s(&r)]);
+        if version == 1 {
+            assert_corruption_error(&o, &r, at);
+        } else {
+            let want = repo.moeconf(&["gate", s(&cand), s(&clean)]);
+            assert_same_answer(&o, &want, &r, &clean);
+        }
+        let o = repo.moeconf(&["gate", "--verify-all", s(&cand), s(&r)]);
+        assert_corruption_error(&o, &r, at);
+    }
 }
 
 #[test]
@@ -208,32 +248,114 @@ fn a_token_flip_above_the_near_tie_threshold_fails_showing_the_reference_margin(
 
 #[test]
 fn diff_of_a_corrupted_trace_is_an_error() {
+    for version in [1, 2] {
+        let repo = Repo::version(version);
+        let cand = repo.synthetic("cand.bin", 7, MARGIN);
+        let same = repo.synthetic("same.bin", 5, MARGIN);
+        let clean = repo.synthetic("clean.bin", 5, MARGIN);
+        let (r, at) = corrupted_margin_reference(&repo);
+        for (a, b) in [(&r, &cand), (&cand, &r), (&r, &same), (&same, &r)] {
+            let o = repo.moeconf(&["diff", s(a), s(b)]);
+            if version == 1 {
+                assert_corruption_error(&o, &r, at);
+            } else {
+                // The margins' digests are equal: the diff never reads them.
+                let swap = |p: &PathBuf| if *p == r { clean.clone() } else { p.clone() };
+                let want = repo.moeconf(&["diff", s(&swap(a)), s(&swap(b))]);
+                assert_same_answer(&o, &want, &r, &clean);
+            }
+            let o = repo.moeconf(&["diff", "--verify-all", s(a), s(b)]);
+            assert_corruption_error(&o, &r, at);
+        }
+    }
+}
+
+/// A version 2 diff reads the payloads of the records that differ: their
+/// corruption is an error, whichever side holds it.
+#[test]
+fn diff_of_a_corrupted_payload_it_reads_is_an_error() {
     let repo = Repo::new();
     let cand = repo.synthetic("cand.bin", 7, MARGIN);
-    let same = repo.synthetic("same.bin", 5, MARGIN);
-    let (r, at) = corrupted_margin_reference(&repo);
-    for (a, b) in [(&r, &cand), (&cand, &r), (&r, &same), (&same, &r)] {
-        let o = repo.moeconf(&["diff", s(a), s(b)]);
-        assert_corruption_error(&o, &r, at);
+    let r = repo.synthetic("ref.bin", 5, MARGIN);
+    let at = corrupt(&r, |c| Component::TokenOutput.matches(&c.path), 0, 0x01);
+    for (a, b) in [(&r, &cand), (&cand, &r)] {
+        assert_corruption_error(&repo.moeconf(&["diff", s(a), s(b)]), &r, at);
+        assert_corruption_error(&repo.moeconf(&["gate", s(a), s(b)]), &r, at);
+    }
+}
+
+/// A version 2 diff and gate read the step and group blocks on the path they
+/// descend, each checked against its parent: a flipped byte in any of them
+/// is an error naming the block, where a block the descent does not enter
+/// changes nothing.
+#[test]
+fn corrupted_tree_nodes_on_the_path_are_errors() {
+    let repo = Repo::new();
+    let cand = repo.synthetic("cand.bin", 7, MARGIN);
+    let clean = repo.synthetic("clean.bin", 5, MARGIN);
+    let t = Trace::open(&clean).unwrap();
+    let node = t.step(0).unwrap().unwrap();
+    t.group_records(&node.levels[0].groups[0]).unwrap();
+    // The root block, step 0's block and its L0 group block: all on the
+    // path of the token difference.
+    let blocks = t.blocks_read();
+    assert_eq!(blocks.len(), 3, "{blocks:?}");
+    drop(t);
+    let bytes = std::fs::read(&clean).unwrap();
+    for (k, &(offset, len)) in blocks.iter().enumerate() {
+        for at in [offset, offset + len / 2, offset + len - 1] {
+            let bad = repo.path("bad.bin");
+            let mut b = bytes.clone();
+            b[at as usize] ^= 0x10;
+            std::fs::write(&bad, &b).unwrap();
+            for args in [
+                vec!["diff", s(&bad), s(&cand)],
+                vec!["diff", s(&cand), s(&bad)],
+                vec!["gate", s(&bad), s(&cand)],
+            ] {
+                let o = repo.moeconf(&args);
+                let err = stderr(&o);
+                assert_eq!(code(&o), 2, "block {k} byte {at}: {args:?}: {}", stdout(&o));
+                assert!(err.contains("bad.bin: byte "), "names file and offset: {err}");
+                assert!(
+                    err.contains("does not match its digest") || err.contains("root block"),
+                    "block {k} byte {at}: {err}"
+                );
+            }
+            // The candidate's blocks are checked alike (gate: exit 125 under
+            // git bisect, the candidate cannot be tested).
+            let o = repo.moeconf(&["gate", "--bisect-exit-codes", s(&cand), s(&bad)]);
+            assert_eq!(code(&o), 125, "{}", stderr(&o));
+        }
     }
 }
 
 #[test]
 fn gate_baseline_modes_refuse_a_corrupted_candidate() {
-    let repo = Repo::new();
-    let clean = repo.synthetic("clean.bin", 5, MARGIN);
-    let base = repo.path("base.json");
-    let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&base), s(&clean)]);
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-    let (r, at) = corrupted_margin_reference(&repo);
-    // Same record digests as the blessed trace, but a corrupted payload.
-    let o = repo.moeconf(&["gate", "--baseline", s(&base), s(&r)]);
-    assert_corruption_error(&o, &r, at);
-    // Nor is a corrupted trace blessed.
-    let base2 = repo.path("base2.json");
-    let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&base2), s(&r)]);
-    assert_corruption_error(&o, &r, at);
-    assert!(!base2.exists(), "no baseline written from a corrupted trace");
+    for version in [1, 2] {
+        let repo = Repo::version(version);
+        let clean = repo.synthetic("clean.bin", 5, MARGIN);
+        let base = repo.path("base.json");
+        let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&base), s(&clean)]);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        let (r, at) = corrupted_margin_reference(&repo);
+        // Same record digests as the blessed trace, but a corrupted payload.
+        let o = repo.moeconf(&["gate", "--baseline", s(&base), s(&r)]);
+        if version == 1 {
+            assert_corruption_error(&o, &r, at);
+        } else {
+            // Its step digests are the blessed ones: nothing of it is read.
+            let want = repo.moeconf(&["gate", "--baseline", s(&base), s(&clean)]);
+            assert_same_answer(&o, &want, &r, &clean);
+        }
+        let o = repo.moeconf(&["gate", "--verify-all", "--baseline", s(&base), s(&r)]);
+        assert_corruption_error(&o, &r, at);
+        // Nor is a corrupted trace blessed.
+        let base2 = repo.path("base2.json");
+        let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&base2), s(&r)]);
+        assert_corruption_error(&o, &r, at);
+        assert!(!base2.exists(), "no baseline written from a corrupted trace");
+    }
 }
 
 #[test]
@@ -250,10 +372,12 @@ fn certify_of_a_corrupted_term_is_an_error() {
 
 #[test]
 fn inspect_refuses_a_corrupted_payload_unless_told_not_to_verify() {
-    let repo = Repo::new();
-    let (r, at) = corrupted_margin_reference(&repo);
-    assert_corruption_error(&repo.moeconf(&["inspect", s(&r)]), &r, at);
-    let o = repo.moeconf(&["inspect", s(&r), "--no-verify"]);
-    assert_eq!(code(&o), 0);
-    assert!(stdout(&o).contains("payloads not re-hashed"), "{}", stdout(&o));
+    for version in [1, 2] {
+        let repo = Repo::version(version);
+        let (r, at) = corrupted_margin_reference(&repo);
+        assert_corruption_error(&repo.moeconf(&["inspect", s(&r)]), &r, at);
+        let o = repo.moeconf(&["inspect", s(&r), "--no-verify"]);
+        assert_eq!(code(&o), 0);
+        assert!(stdout(&o).contains("payloads not re-hashed"), "{}", stdout(&o));
+    }
 }

@@ -48,6 +48,6 @@ pub use record::{
     DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,
 };
 pub use tree::{
-    binding_digest, GroupNode, HashTree, Leaf, LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP,
-    DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
+    binding_digest, group_digest, level_digest, root_digest, step_digest, GroupNode, HashTree, Leaf,
+    LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
 };

@@ -111,6 +111,58 @@ fn hash_list(
     alg.hash(e.as_bytes())
 }
 
+/// Digest of a layer group: the records of one (step, level, layer), given
+/// as their record digests in canonical order. The one definition of the
+/// group preimage: [`HashTree::build`] and the readers of persisted nodes
+/// (trace format version 2) both use it.
+pub fn group_digest(
+    alg: Algorithm,
+    step: u32,
+    level: Level,
+    layer: Option<u32>,
+    records: impl ExactSizeIterator<Item = Digest>,
+) -> Digest {
+    let mut e = Encoder::with_capacity(64 + 32 * records.len());
+    e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
+    hash_list(alg, &mut e, records.map(|d| (None, d)))
+}
+
+/// Digest of a level node: its group digests in canonical order (layer
+/// `None` first, then ascending).
+pub fn level_digest(
+    alg: Algorithm,
+    step: u32,
+    level: Level,
+    groups: impl ExactSizeIterator<Item = Digest>,
+) -> Digest {
+    let mut e = Encoder::with_capacity(64 + 32 * groups.len());
+    e.str(DOMAIN_LEVEL).u32(step).u32(level.code());
+    hash_list(alg, &mut e, groups.map(|d| (None, d)))
+}
+
+/// Digest of a step node: its levels (ascending) with their digests.
+pub fn step_digest(
+    alg: Algorithm,
+    step: u32,
+    levels: impl ExactSizeIterator<Item = (Level, Digest)>,
+) -> Digest {
+    let mut e = Encoder::with_capacity(64 + 36 * levels.len());
+    e.str(DOMAIN_STEP).u32(step);
+    hash_list(alg, &mut e, levels.map(|(l, d)| (Some(l.code()), d)))
+}
+
+/// The root: the algorithm, the binding digest and the steps (ascending)
+/// with their digests.
+pub fn root_digest(
+    alg: Algorithm,
+    binding: Digest,
+    steps: impl ExactSizeIterator<Item = (u32, Digest)>,
+) -> Digest {
+    let mut e = Encoder::with_capacity(96 + 36 * steps.len());
+    e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0);
+    hash_list(alg, &mut e, steps.map(|(s, d)| (Some(s), d)))
+}
+
 impl HashTree {
     /// Builds the tree over `leaves`. Fails on two records with the same
     /// level and coordinate.
@@ -156,8 +208,6 @@ impl HashTree {
                 });
             }
         }
-        let mut e = Encoder::new();
-
         let mut steps: Vec<StepNode> = Vec::new();
         let mut i = 0;
         while i < order.len() {
@@ -178,36 +228,25 @@ impl HashTree {
                     }
                     // Exactly sized: one index per record, no growth slack.
                     let records = order[start..i].to_vec();
-                    e.clear();
-                    e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
-                    let digest = hash_list(alg, &mut e, records.iter().map(|&r| (None, leaf(r).digest)));
+                    let digest =
+                        group_digest(alg, step, level, layer, records.iter().map(|&r| leaf(r).digest));
                     groups.push(GroupNode {
                         layer,
                         digest,
                         records,
                     });
                 }
-                e.clear();
-                e.str(DOMAIN_LEVEL).u32(step).u32(level.code());
-                let digest = hash_list(alg, &mut e, groups.iter().map(|g| (None, g.digest)));
+                let digest = level_digest(alg, step, level, groups.iter().map(|g| g.digest));
                 levels.push(LevelNode {
                     level,
                     digest,
                     groups,
                 });
             }
-            e.clear();
-            e.str(DOMAIN_STEP).u32(step);
-            let digest = hash_list(
-                alg,
-                &mut e,
-                levels.iter().map(|l| (Some(l.level.code()), l.digest)),
-            );
+            let digest = step_digest(alg, step, levels.iter().map(|l| (l.level, l.digest)));
             steps.push(StepNode { step, digest, levels });
         }
-        e.clear();
-        e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0);
-        let root = hash_list(alg, &mut e, steps.iter().map(|s| (Some(s.step), s.digest)));
+        let root = root_digest(alg, binding, steps.iter().map(|s| (s.step, s.digest)));
         Ok(HashTree { root, steps })
     }
 

@@ -15,7 +15,7 @@ use crate::policy::{Mode, Profile};
 use crate::report::{Failure, GateReport, LevelResult, Status};
 use crate::write::write_atomic;
 use moeconf_bisect::{compare_bindings, RecordRef};
-use moeconf_fingerprint::{CanonPolicy, Coord, Digest, Level, Phase, StepNode};
+use moeconf_fingerprint::{CanonPolicy, Coord, Digest, Level, Phase};
 use moeconf_schema::{
     Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity, Trace,
 };
@@ -229,9 +229,25 @@ impl Baseline {
     /// The fingerprints of `t`; a trace without records is refused (its
     /// baseline could gate nothing).
     pub fn of(t: &Trace) -> Result<Baseline, GateError> {
-        if t.records().is_empty() {
+        if t.is_empty() {
             return Err(GateError::BlessEmpty {
                 path: t.path().to_path_buf(),
+            });
+        }
+        let mut steps = Vec::with_capacity(t.steps().len());
+        for s in t.steps() {
+            let node = t
+                .step(s.step)
+                .map_err(GateError::Candidate)?
+                .ok_or_else(|| GateError::Candidate(missing_step(t, s.step)))?;
+            steps.push(StepDigests {
+                step: s.step,
+                digest: s.digest.to_hex(),
+                levels: node
+                    .levels
+                    .iter()
+                    .map(|l| (l.level.name().to_string(), l.digest.to_hex()))
+                    .collect(),
             });
         }
         Ok(Baseline {
@@ -241,21 +257,8 @@ impl Baseline {
             root: t.root().to_hex(),
             binding_digest: t.binding_digest().to_hex(),
             binding: BlessedBinding::of(t.binding()),
-            records: t.records().len() as u64,
-            steps: t
-                .tree()
-                .steps
-                .iter()
-                .map(|s| StepDigests {
-                    step: s.step,
-                    digest: s.digest.to_hex(),
-                    levels: s
-                        .levels
-                        .iter()
-                        .map(|l| (l.level.name().to_string(), l.digest.to_hex()))
-                        .collect(),
-                })
-                .collect(),
+            records: t.record_count(),
+            steps,
         })
     }
 
@@ -433,10 +436,18 @@ impl Baseline {
     }
 }
 
+/// A step the root lists but the trace cannot give (not reached: the root
+/// and the step slots come from the same list).
+fn missing_step(t: &Trace, step: u32) -> moeconf_schema::TraceError {
+    moeconf_schema::TraceError::Invalid {
+        path: t.path().to_path_buf(),
+        what: format!("step {step} is listed but has no node"),
+    }
+}
+
 /// Both sides of a baseline comparison, step by step.
 struct Steps<'a> {
     candidate: &'a Trace,
-    by_step: BTreeMap<u32, &'a StepNode>,
     blessed: BTreeMap<u32, &'a StepDigests>,
     /// Steps of either side, ascending.
     all: BTreeSet<u32>,
@@ -444,25 +455,62 @@ struct Steps<'a> {
 
 impl<'a> Steps<'a> {
     fn new(baseline: &'a Baseline, candidate: &'a Trace) -> Steps<'a> {
-        let by_step: BTreeMap<u32, &StepNode> = candidate.tree().steps.iter().map(|s| (s.step, s)).collect();
         let blessed: BTreeMap<u32, &StepDigests> = baseline.steps.iter().map(|s| (s.step, s)).collect();
-        let all = by_step.keys().chain(blessed.keys()).copied().collect();
+        let all = candidate
+            .steps()
+            .iter()
+            .map(|s| s.step)
+            .chain(blessed.keys().copied())
+            .collect();
         Steps {
             candidate,
-            by_step,
             blessed,
             all,
         }
     }
 
+    /// The candidate's digest of `level` at `step` (hex). A step whose
+    /// digest is the blessed one has the blessed level digests, so its node
+    /// is not read; a version 2 candidate reads the nodes of the steps that
+    /// differ only.
+    fn candidate_level(&self, level: Level, step: u32) -> Result<Option<String>, GateError> {
+        let Some(summary) = self.candidate.step_summary(step) else {
+            return Ok(None);
+        };
+        if let Some(b) = self.blessed.get(&step) {
+            if b.digest == summary.digest.to_hex() {
+                return Ok(b.levels.get(level.name()).cloned());
+            }
+        }
+        if !summary.has(level) {
+            return Ok(None);
+        }
+        Ok(self
+            .candidate
+            .step(step)
+            .map_err(GateError::Candidate)?
+            .and_then(|n| n.level(level))
+            .map(|n| n.digest.to_hex()))
+    }
+
     /// Where a differing level digest sits: the step, with the position and
     /// phase of the candidate's first record of the level there.
-    fn location(&self, level: Level, step: u32) -> RecordRef {
-        let first = self
-            .candidate
-            .records()
-            .iter()
-            .find(|e| e.coord.step == step && e.level == level);
+    fn location(&self, level: Level, step: u32) -> Result<RecordRef, GateError> {
+        let t = self.candidate;
+        let mut first: Option<usize> = None;
+        if t.step_summary(step).is_some_and(|s| s.has(level)) {
+            if let Some(l) = t
+                .step(step)
+                .map_err(GateError::Candidate)?
+                .and_then(|n| n.level(level))
+            {
+                for g in &l.groups {
+                    let ids = t.group_records(g).map_err(GateError::Candidate)?;
+                    first = first.into_iter().chain(ids.iter().copied()).min();
+                }
+            }
+        }
+        let first = first.map(|i| t.record(i));
         let coord = Coord {
             step,
             position: first.map_or(0, |e| e.coord.position),
@@ -472,7 +520,7 @@ impl<'a> Steps<'a> {
             layer: None,
             path: "(level digest)".into(),
         };
-        RecordRef::new(level, &coord, "both")
+        Ok(RecordRef::new(level, &coord, "both"))
     }
 
     /// The result of a required level the candidate does not hold: every
@@ -491,24 +539,20 @@ impl<'a> Steps<'a> {
     }
 
     /// The level's result: every step's level digest against the blessed one.
-    fn compare_level(&self, level: Level, mode: Mode, captured: bool) -> LevelResult {
+    fn compare_level(&self, level: Level, mode: Mode, captured: bool) -> Result<LevelResult, GateError> {
         let mut r = LevelResult::empty(level, mode, captured);
         if r.status != Status::Pass {
-            return r;
+            return Ok(r);
         }
         for &s in &self.all {
             r.records += 1;
             let want = self.blessed.get(&s).and_then(|b| b.levels.get(level.name()));
-            let got = self
-                .by_step
-                .get(&s)
-                .and_then(|n| n.level(level))
-                .map(|n| n.digest.to_hex());
+            let got = self.candidate_level(level, s)?;
             if want.map(String::as_str) == got.as_deref() {
                 continue;
             }
             r.differing += 1;
-            let at = self.location(level, s);
+            let at = self.location(level, s)?;
             r.first_difference.get_or_insert_with(|| at.clone());
             if mode != Mode::Info {
                 r.failed += 1;
@@ -523,7 +567,7 @@ impl<'a> Steps<'a> {
                 });
             }
         }
-        r
+        Ok(r)
     }
 }
 
@@ -562,10 +606,10 @@ pub fn compare(
     let levels = Level::ALL
         .into_iter()
         .map(|l| match cov.missing.contains(l) {
-            true => steps.missing_level(&cov, profile, l),
+            true => Ok(steps.missing_level(&cov, profile, l)),
             false => steps.compare_level(l, profile.mode(l), cov.compared.contains(l)),
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     let mut report = GateReport::new(profile, levels, Vec::new(), Vec::new(), None);
     report.against = "baseline".into();
     notes.push(format!(

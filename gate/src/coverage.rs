@@ -28,12 +28,7 @@ impl Sides {
     /// What a trace holds and declares.
     pub fn of(t: &Trace) -> Sides {
         Sides {
-            held: t
-                .tree()
-                .steps
-                .iter()
-                .flat_map(|s| s.levels.iter().map(|l| l.level))
-                .collect(),
+            held: Level::ALL.into_iter().filter(|&l| t.has_level(l)).collect(),
             declared: Level::ALL
                 .into_iter()
                 .filter(|&l| t.binding().capture.captures(l))

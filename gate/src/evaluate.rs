@@ -17,9 +17,10 @@ use crate::judge::{self, Differing, Outcome, PayloadPair};
 use crate::policy::{Mode, Profile};
 use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status};
 use crate::tolerance::Minimal;
-use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef};
+use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef, Side};
 use moeconf_fingerprint::{Component, Level};
 use moeconf_schema::{IndexEntry, Trace};
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Which rule decided a record: the key of the per-rule results, in the
@@ -67,36 +68,87 @@ impl RouteSite {
     }
 }
 
-/// The reference's decision margins: `lm.margin` per step, `router.margin`
-/// per route site.
-struct Margins {
-    lm: BTreeMap<u32, f64>,
-    router: HashMap<RouteSite, f64>,
+/// The reference's decision margins (`lm.margin` per step,
+/// `router.margin` per route site), read where a decision is judged: a
+/// margin payload that does not match its record digest is an error (a
+/// corrupted margin must not decide a near-tie). Only the steps and sites
+/// the gate judges are read, through the tree, so a version 2 reference
+/// reads the margins of its divergent steps only.
+struct Margins<'a> {
+    reference: &'a Trace,
+    lm: RefCell<HashMap<u32, Option<f64>>>,
+    router: RefCell<HashMap<RouteSite, Option<f64>>>,
 }
 
-impl Margins {
-    /// Reads every margin of the reference; a margin payload that does not
-    /// match its record digest is an error (a corrupted margin must not
-    /// decide a near-tie).
-    fn read(reference: &Trace) -> Result<Margins, GateError> {
-        let mut m = Margins {
-            lm: BTreeMap::new(),
-            router: HashMap::new(),
+impl<'a> Margins<'a> {
+    fn new(reference: &'a Trace) -> Margins<'a> {
+        Margins {
+            reference,
+            lm: RefCell::new(HashMap::new()),
+            router: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// The value of the last record in write order of `component` at
+    /// `step` in `layer` (at `position`, when given) that holds a payload.
+    fn find(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: Option<u32>,
+        component: Component,
+    ) -> Result<Option<f64>, GateError> {
+        let t = self.reference;
+        let Some(node) = t.step(step).map_err(GateError::Reference)? else {
+            return Ok(None);
         };
-        let scalar = |i| judge::scalar(reference, i).map_err(GateError::Reference);
-        for (i, e) in reference.records().iter().enumerate() {
-            let path = e.coord.path.as_str();
-            if Component::LmMargin.matches(path) {
-                if let Some(v) = scalar(i)? {
-                    m.lm.insert(e.coord.step, v);
-                }
-            } else if Component::RouterMargin.matches(path) {
-                if let Some(v) = scalar(i)? {
-                    m.router.insert(RouteSite::of(e), v);
-                }
+        let mut ids: Vec<usize> = Vec::new();
+        for l in &node.levels {
+            if let Some(g) = l.group(layer) {
+                ids.extend(
+                    t.group_records(g)
+                        .map_err(GateError::Reference)?
+                        .iter()
+                        .filter(|&&i| {
+                            let e = t.record(i);
+                            component.matches(&e.coord.path) && position.is_none_or(|p| e.coord.position == p)
+                        }),
+                );
             }
         }
-        Ok(m)
+        ids.sort_unstable();
+        let mut found = None;
+        for i in ids {
+            if let Some(v) = judge::scalar(t, i).map_err(GateError::Reference)? {
+                found = Some(v);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The reference's `lm.margin` at `step`.
+    fn lm(&self, step: u32) -> Result<Option<f64>, GateError> {
+        if let Some(&v) = self.lm.borrow().get(&step) {
+            return Ok(v);
+        }
+        let v = self.find(step, None, None, Component::LmMargin)?;
+        self.lm.borrow_mut().insert(step, v);
+        Ok(v)
+    }
+
+    /// The reference's `router.margin` at a route site.
+    fn router(&self, site: RouteSite) -> Result<Option<f64>, GateError> {
+        if let Some(&v) = self.router.borrow().get(&site) {
+            return Ok(v);
+        }
+        let v = self.find(
+            site.step,
+            site.layer,
+            Some(site.position),
+            Component::RouterMargin,
+        )?;
+        self.router.borrow_mut().insert(site, v);
+        Ok(v)
     }
 }
 
@@ -135,23 +187,23 @@ struct Gate<'a> {
     reference: &'a Trace,
     candidate: &'a Trace,
     profile: &'a Profile,
-    margins: Margins,
+    margins: Margins<'a>,
 }
 
 impl<'a> Gate<'a> {
     /// The entry of a pair on whichever side has it (reference first).
     fn entry(&self, p: RecordPair) -> Option<&'a IndexEntry> {
-        let (r, c) = (self.reference.records(), self.candidate.records());
+        let (r, c) = (self.reference, self.candidate);
         p.reference
-            .and_then(|i| r.get(i))
-            .or_else(|| p.candidate.and_then(|j| c.get(j)))
+            .and_then(|i| r.get_record(i))
+            .or_else(|| p.candidate.and_then(|j| c.get_record(j)))
     }
 
     /// Both sides' entries of a pair present on both sides.
     fn entries(&self, p: RecordPair) -> Option<(&'a IndexEntry, &'a IndexEntry)> {
         Some((
-            self.reference.records().get(p.reference?)?,
-            self.candidate.records().get(p.candidate?)?,
+            self.reference.get_record(p.reference?)?,
+            self.candidate.get_record(p.candidate?)?,
         ))
     }
 
@@ -170,10 +222,12 @@ impl<'a> Gate<'a> {
     }
 
     /// The reference margin below the argmax near-tie threshold at `step`.
-    fn argmax_tie(&self, step: u32) -> Option<f64> {
-        let m = *self.margins.lm.get(&step)?;
+    fn argmax_tie(&self, step: u32) -> Result<Option<f64>, GateError> {
+        let Some(m) = self.margins.lm(step)? else {
+            return Ok(None);
+        };
         let threshold = self.profile.argmax_near_tie_margin;
-        (threshold > 0.0 && m < threshold).then_some(m)
+        Ok((threshold > 0.0 && m < threshold).then_some(m))
     }
 
     /// The token near-tie: the first step (in step order) whose reference
@@ -184,7 +238,7 @@ impl<'a> Gate<'a> {
             .iter()
             .filter_map(|p| {
                 let i = p.reference?;
-                Some((i, p.candidate, self.reference.records().get(i)?))
+                Some((i, p.candidate, self.reference.get_record(i)?))
             })
             .filter(|(.., e)| Component::TokenOutput.matches(&e.coord.path))
             .min_by_key(|&(i, _, e)| (e.coord.step, i));
@@ -195,7 +249,7 @@ impl<'a> Gate<'a> {
         if self.profile.mode(Level::L0) != Mode::Tolerance {
             return Ok(());
         }
-        let Some(m) = self.argmax_tie(e.coord.step) else {
+        let Some(m) = self.argmax_tie(e.coord.step)? else {
             return Ok(());
         };
         flips.cutoff = Some(e.coord.step);
@@ -222,14 +276,14 @@ impl<'a> Gate<'a> {
             let (Some(i), Some(j)) = (p.reference, p.candidate) else {
                 continue;
             };
-            let Some(re) = self.reference.records().get(i) else {
+            let Some(re) = self.reference.get_record(i) else {
                 continue;
             };
             if !Component::RouterTopk.matches(&re.coord.path) || flips.after_cutoff(re.coord.step) {
                 continue;
             }
             let site = RouteSite::of(re);
-            let Some(&m) = self.margins.router.get(&site).filter(|&&m| m < threshold) else {
+            let Some(m) = self.margins.router(site)?.filter(|&m| m < threshold) else {
                 continue;
             };
             flips.routes.insert(site);
@@ -269,20 +323,20 @@ impl<'a> Gate<'a> {
         let (Some(i), Some(j)) = (p.reference, p.candidate) else {
             return Ok(Outcome::Fail(reason, minimal));
         };
-        let Some(re) = self.reference.records().get(i) else {
+        let Some(re) = self.reference.get_record(i) else {
             return Ok(Outcome::Fail(reason, minimal));
         };
         let path = re.coord.path.as_str();
         let (kind, margin, threshold) = if Component::TokenOutput.matches(path) {
             (
                 "argmax flip",
-                self.margins.lm.get(&re.coord.step).copied(),
+                self.margins.lm(re.coord.step)?,
                 self.profile.argmax_near_tie_margin,
             )
         } else if Component::RouterTopk.matches(path) {
             (
                 "route flip",
-                self.margins.router.get(&RouteSite::of(re)).copied(),
+                self.margins.router(RouteSite::of(re))?,
                 self.profile.route_near_tie_margin,
             )
         } else {
@@ -341,15 +395,17 @@ impl<'a> Gate<'a> {
         p: RecordPair,
         payloads: PayloadPair<'a>,
         flips: &AcceptedFlips,
-    ) -> Option<(Decider, Outcome)> {
+    ) -> Result<Option<(Decider, Outcome)>, GateError> {
         let missing = match (p.reference, p.candidate) {
             (Some(_), None) => Some("only in the reference (missing from the candidate)"),
             (None, Some(_)) => Some("only in the candidate"),
             _ => None,
         };
-        let e = self.entry(p)?;
+        let Some(e) = self.entry(p) else {
+            return Ok(None);
+        };
         let level = e.level;
-        match self.profile.mode(level) {
+        Ok(match self.profile.mode(level) {
             Mode::Info => None,
             Mode::Bitwise => Some((
                 Decider::Bitwise(level),
@@ -369,7 +425,7 @@ impl<'a> Gate<'a> {
                             profile: self.profile,
                             reference: self.reference,
                             candidate: self.candidate,
-                            lm_margin: self.margins.lm.get(&e.coord.step).copied(),
+                            lm_margin: self.margins.lm(e.coord.step)?,
                         },
                         &r.check,
                         &Differing {
@@ -382,7 +438,7 @@ impl<'a> Gate<'a> {
                 };
                 Some((decider, outcome))
             }
-        }
+        })
     }
 }
 
@@ -473,16 +529,33 @@ impl Tally {
 }
 
 /// The result of a required level the candidate does not hold: each of the
-/// reference's records of it fails, located at the first.
-fn missing_level(reference: &Trace, profile: &Profile, cov: &Coverage, level: Level) -> LevelResult {
-    let mut of_level = reference.records().iter().filter(|e| e.level == level);
-    let first = of_level.next();
-    let records = first.map_or(0, |_| 1 + of_level.count() as u64);
-    let at = first.map_or_else(
+/// reference's records of it fails (counted from the root), located at the
+/// first in write order (from the first step holding the level).
+fn missing_level(
+    reference: &Trace,
+    profile: &Profile,
+    cov: &Coverage,
+    level: Level,
+) -> Result<LevelResult, GateError> {
+    let records: u64 = reference.steps().iter().map(|s| s.records_at(level)).sum();
+    let mut first: Option<usize> = None;
+    if let Some(s) = reference.steps().iter().find(|s| s.has(level)) {
+        if let Some(l) = reference
+            .step(s.step)
+            .map_err(GateError::Reference)?
+            .and_then(|n| n.level(level))
+        {
+            for g in &l.groups {
+                let ids = reference.group_records(g).map_err(GateError::Reference)?;
+                first = first.into_iter().chain(ids.iter().copied()).min();
+            }
+        }
+    }
+    let at = first.map(|i| reference.record(i)).map_or_else(
         || coverage::level_location(level, 0, 0, moeconf_fingerprint::Phase::Prefill),
         |e| RecordRef::new(level, &e.coord, "reference"),
     );
-    cov.missing_level(profile, level, records, at)
+    Ok(cov.missing_level(profile, level, records, at))
 }
 
 /// Which side holds a pair's record, in [`RecordRef`]'s words.
@@ -516,9 +589,12 @@ pub fn evaluate(
         reference,
         candidate,
         profile,
-        margins: Margins::read(reference)?,
+        margins: Margins::new(reference),
     };
-    let pairs = differing_pairs(reference, candidate);
+    let pairs = differing_pairs(reference, candidate).map_err(|f| match f.side {
+        Side::Reference => GateError::Reference(f.error),
+        Side::Candidate => GateError::Candidate(f.error),
+    })?;
     let mut flips = AcceptedFlips::default();
     gate.token_flip(&pairs, &mut flips)?;
     gate.route_flips(&pairs, &mut flips)?;
@@ -535,17 +611,22 @@ pub fn evaluate(
             .iter()
             .map(|&l| match cov.missing.contains(l) {
                 true => missing_level(reference, profile, &cov, l),
-                false => LevelResult::empty(l, profile.mode(l), compared.contains(l)),
+                false => Ok(LevelResult::empty(l, profile.mode(l), compared.contains(l))),
             })
-            .collect(),
+            .collect::<Result<_, _>>()?,
         rules: BTreeMap::new(),
         near_ties: std::mem::take(&mut flips.near_ties),
     };
-    for e in reference.records().iter().filter(|e| compared.contains(e.level)) {
-        let la = tally.level(e.level);
-        la.records += 1;
-        if flips.after_cutoff(e.coord.step) {
-            la.skipped_after_near_tie += 1;
+    // Record counts per level from the root's step summaries (no record
+    // is read for them).
+    for s in reference.steps() {
+        for level in compared.iter() {
+            let n = s.records_at(level);
+            let la = tally.level(level);
+            la.records += n;
+            if flips.after_cutoff(s.step) {
+                la.skipped_after_near_tie += n;
+            }
         }
     }
     for p in pairs {
@@ -559,7 +640,7 @@ pub fn evaluate(
         la.differing += 1;
         la.first_difference.get_or_insert_with(|| at.clone());
         merge_minimal(&mut la.minimal, gate.bitwise_minimal(p, payloads));
-        if let Some((decider, outcome)) = gate.decide(p, payloads, &flips) {
+        if let Some((decider, outcome)) = gate.decide(p, payloads, &flips)? {
             let outcome = gate.with_flip_margin(p, outcome)?;
             tally.add(e.level, decider, at, outcome);
         }

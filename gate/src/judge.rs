@@ -245,7 +245,7 @@ fn argmax_flip(cx: &Context<'_>, re: &IndexEntry, (p, q): ArgmaxPair, eval: Eval
 /// records); `Ok(None)` without a payload. A payload that does not match its
 /// record digest is an error, never a missing value.
 pub(crate) fn scalar(t: &Trace, i: usize) -> Result<Option<f64>, TraceError> {
-    let Some(e) = t.records().get(i) else {
+    let Some(e) = t.get_record(i) else {
         return Ok(None);
     };
     Ok(t.payload_verified(i)?
@@ -257,7 +257,7 @@ pub(crate) fn scalar(t: &Trace, i: usize) -> Result<Option<f64>, TraceError> {
 /// a float record or without a payload. A payload that does not match its
 /// record digest is an error.
 pub(crate) fn ids(t: &Trace, i: usize) -> Result<Option<Vec<i64>>, TraceError> {
-    let Some(e) = t.records().get(i) else {
+    let Some(e) = t.get_record(i) else {
         return Ok(None);
     };
     if e.dtype.is_float() {

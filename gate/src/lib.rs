@@ -45,24 +45,39 @@ pub use report::{
 pub use write::{write_atomic, write_checked};
 
 use moeconf_bisect::{diff, BisectError, DiffOptions};
-use moeconf_schema::Trace;
+use moeconf_schema::{Trace, Verification};
 use policy::Profile;
 use std::path::Path;
 
 /// Judges `candidate` against the reference trace at `reference` under
-/// `profile`: opens the reference and re-hashes every payload of both
-/// traces (a corrupted byte of either is an error, never a verdict), asks
-/// the diff engine for the localization (refusing traces whose bindings are
-/// not comparable unless `force`; forced fields are noted in the report),
-/// then [`evaluate`]s. The report names both traces.
+/// `profile`: opens the reference and verifies every byte of both traces (a
+/// corrupted byte of either is an error, never a verdict), asks the diff
+/// engine for the localization (refusing traces whose bindings are not
+/// comparable unless `force`; forced fields are noted in the report), then
+/// [`evaluate`]s. The report names both traces.
 pub fn against_reference(
     reference: &Path,
     candidate: &Trace,
     profile: &Profile,
     force: bool,
 ) -> Result<GateReport, GateError> {
-    let rt = Trace::open_verified(reference).map_err(GateError::Reference)?;
-    candidate.verify_payloads().map_err(GateError::Candidate)?;
+    against_reference_with(reference, candidate, profile, force, Verification::Full)
+}
+
+/// [`against_reference`] under `verification` (what `moeconf gate` uses,
+/// [`Verification::OnUse`] unless `--verify-all`): with `OnUse`, a version 2
+/// trace is verified as the gate reads it, node by node and payload by
+/// payload, so a corrupted byte the verdict uses is an error of its side
+/// and bytes the gate never reads cannot influence the verdict.
+pub fn against_reference_with(
+    reference: &Path,
+    candidate: &Trace,
+    profile: &Profile,
+    force: bool,
+    verification: Verification,
+) -> Result<GateReport, GateError> {
+    let rt = Trace::open_for(reference, verification).map_err(GateError::Reference)?;
+    candidate.ensure(verification).map_err(GateError::Candidate)?;
     let opts = DiffOptions {
         force,
         ..DiffOptions::default()
@@ -71,6 +86,16 @@ pub fn against_reference(
         Ok(d) => (d.first_divergence, d.comparability.forced_over),
         // Coverage decides what a gate without a common level says.
         Err(BisectError::NothingToCompare { .. }) => (None, Vec::new()),
+        // A node or payload of one trace that failed verification on the
+        // diff's path: an error of that trace (the candidate's makes the
+        // commit untestable under `git bisect run`, like an unreadable file).
+        Err(BisectError::Trace(e)) => {
+            return Err(if e.path() == Some(candidate.path()) {
+                GateError::Candidate(e)
+            } else {
+                GateError::Reference(e)
+            })
+        }
         Err(source) => {
             return Err(GateError::Diff {
                 reference: reference.to_path_buf(),
@@ -93,8 +118,8 @@ pub fn against_reference(
 }
 
 /// Judges `candidate` against the blessed baseline `file` under `profile`
-/// (every level that is not `info` bitwise, per step). Every payload of the
-/// candidate is re-hashed first: a baseline holds digests only, but a
+/// (every level that is not `info` bitwise, per step). Every byte of the
+/// candidate is verified first: a baseline holds digests only, but a
 /// candidate with a corrupted byte is an error, never a verdict. A
 /// candidate whose binding differs from the blessed one in a refusing field
 /// (model, tokenizer, prompt, decoding) is an error unless `force`. The
@@ -105,7 +130,21 @@ pub fn against_baseline(
     profile: &Profile,
     force: bool,
 ) -> Result<GateReport, GateError> {
-    candidate.verify_payloads().map_err(GateError::Candidate)?;
+    against_baseline_with(file, candidate, profile, force, Verification::Full)
+}
+
+/// [`against_baseline`] under `verification` (see
+/// [`against_reference_with`]): with `OnUse`, a version 2 candidate is
+/// verified as its step nodes are read, and only the steps whose digests
+/// differ from the blessed ones are read.
+pub fn against_baseline_with(
+    file: &Path,
+    candidate: &Trace,
+    profile: &Profile,
+    force: bool,
+    verification: Verification,
+) -> Result<GateReport, GateError> {
+    candidate.ensure(verification).map_err(GateError::Candidate)?;
     let b = baseline::Baseline::read(file)?;
     let mut report = baseline::compare(&b, file, candidate, profile, force)?;
     report.reference = file.display().to_string();

@@ -12,6 +12,7 @@ from .fingerprint import (
     Coord, binding_digest, canonicalize, record_digest, record_prefix, tree_root,
 )
 from .identity import model_identity, read_safetensors_header, tokenizer_digest
+from . import v2
 from .trace import (
     OutputError, Record, StaleTemporaryWarning, Trace, TraceFormatError, TraceWriter, WriteSummary, read_trace,
 )

@@ -19,7 +19,7 @@ import sys
 from .binding import ZERO_DIGEST, Binding, Provenance, TensorDigest
 from .fingerprint import Coord
 from .identity import SafetensorsError, model_identity
-from .trace import TraceFormatError, TraceWriter, read_trace
+from .trace import FORMAT_VERSION, TraceFormatError, TraceWriter, read_trace
 
 
 def _hex32(v, what):
@@ -49,13 +49,14 @@ def binding_from_json(doc):
     return b
 
 
-def write_from_spec(spec, out):
-    """Writes the trace described by the JSON document ``spec`` to ``out``; returns the summary."""
+def write_from_spec(spec, out, format_version=FORMAT_VERSION):
+    """Writes the trace described by the JSON document ``spec`` to ``out`` (container
+    ``format_version``); returns the summary."""
     prov = spec.get("provenance", {})
     provenance = Provenance(prov.get("runtime", "moeconf-python"), prov.get("version", ""),
                             prov.get("threads", 1), [tuple(p) for p in prov.get("notes", [])])
     w = TraceWriter(out, binding_from_json(spec.get("binding", {})), provenance,
-                    spec.get("algorithm", "blake3"))
+                    spec.get("algorithm", "blake3"), format_version=format_version)
     with w:
         for r in spec.get("records", []):
             coord = Coord.make(r["step"], r["position"], r["phase"], r.get("layer"), r["path"])
@@ -67,6 +68,7 @@ def write_from_spec(spec, out):
 def _summary(t):
     return {
         "file": t.path,
+        "format_version": t.format_version,
         "algorithm": t.algorithm,
         "root": t.root.hex(),
         "binding_digest": t.binding_digest.hex(),
@@ -91,6 +93,8 @@ def main(argv=None):
     a = sub.add_parser("write", help="write a trace from a JSON spec")
     a.add_argument("spec")
     a.add_argument("-o", "--output", required=True)
+    a.add_argument("--format-version", type=int, choices=[1, 2], default=FORMAT_VERSION,
+                   help="container format version (default 2)")
     a = sub.add_parser("identity", help="print the model identity of a directory")
     a.add_argument("dir")
     a.add_argument("--name", default=None, help="display name bound into traces (default: DIR)")
@@ -119,7 +123,7 @@ def main(argv=None):
         elif args.cmd == "write":
             with open(args.spec, encoding="utf-8") as f:
                 spec = json.load(f)
-            s = write_from_spec(spec, args.output)
+            s = write_from_spec(spec, args.output, args.format_version)
             doc = {"file": args.output, "root": s.root.hex(), "records": s.records, "payloads": s.payloads,
                    "bytes": s.bytes}
         elif args.cmd == "llamacpp":

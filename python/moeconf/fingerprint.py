@@ -21,6 +21,7 @@ __all__ = [
     "ALGORITHMS", "DTYPES", "DTYPE_BY_CODE", "LEVELS", "PHASES", "MAX_RANK", "MAX_PATH_LEN",
     "Coord", "hasher", "hash_bytes", "validate_path", "canonicalize", "is_canonical",
     "record_prefix", "record_digest", "binding_digest", "tree_root", "level_code", "phase_code",
+    "group_digest", "level_digest", "step_digest", "root_digest",
 ]
 
 #: Digest algorithm codes of the preamble (section 4).
@@ -194,6 +195,39 @@ def binding_digest(algorithm, binding_bytes):
     return hash_bytes(algorithm, Encoder().str("moeconf.binding.v1").str(binding_bytes).bytes())
 
 
+def group_digest(algorithm, step, level, layer, record_digests):
+    """Digest of a layer group (section 4.3): its record digests in canonical order."""
+    e = Encoder().str("moeconf.group.v1").u32(step).u32(level).opt_u32(layer).length(len(record_digests))
+    for d in record_digests:
+        e.raw(d)
+    return hash_bytes(algorithm, e.bytes())
+
+
+def level_digest(algorithm, step, level, group_digests):
+    """Digest of a level node: its group digests (layer None first, then ascending)."""
+    e = Encoder().str("moeconf.level.v1").u32(step).u32(level).length(len(group_digests))
+    for g in group_digests:
+        e.raw(g)
+    return hash_bytes(algorithm, e.bytes())
+
+
+def step_digest(algorithm, step, levels):
+    """Digest of a step node: ``levels`` is ``[(level code, level digest)]`` ascending."""
+    e = Encoder().str("moeconf.step.v1").u32(step).length(len(levels))
+    for lv, d in levels:
+        e.u32(lv).raw(d)
+    return hash_bytes(algorithm, e.bytes())
+
+
+def root_digest(algorithm, binding_digest_bytes, steps):
+    """The root: ``steps`` is ``[(step, step digest)]`` ascending."""
+    e = Encoder().str("moeconf.root.v1").u32(ALGORITHMS[algorithm]).raw(binding_digest_bytes)
+    e.length(len(steps))
+    for s, d in steps:
+        e.u32(s).raw(d)
+    return hash_bytes(algorithm, e.bytes())
+
+
 def tree_root(algorithm, binding_digest_bytes, leaves):
     """Root of the hash tree (section 4.3). ``leaves`` is an iterable of
     ``(coord, level_code, digest)`` in any order. Raises ValueError on two
@@ -213,20 +247,7 @@ def tree_root(algorithm, binding_digest_bytes, leaves):
                 for a, b in zip(recs, recs[1:]):
                     if a[0] == b[0]:
                         raise ValueError(f"two records at level L{lv} with the same coordinate ({b[2]})")
-                e = Encoder().str("moeconf.group.v1").u32(s).u32(lv).opt_u32(layer).length(len(recs))
-                for r in recs:
-                    e.raw(r[1])
-                group_digests.append(hash_bytes(algorithm, e.bytes()))
-            e = Encoder().str("moeconf.level.v1").u32(s).u32(lv).length(len(group_digests))
-            for g in group_digests:
-                e.raw(g)
-            level_nodes.append((lv, hash_bytes(algorithm, e.bytes())))
-        e = Encoder().str("moeconf.step.v1").u32(s).length(len(level_nodes))
-        for lv, d in level_nodes:
-            e.u32(lv).raw(d)
-        steps.append((s, hash_bytes(algorithm, e.bytes())))
-    e = Encoder().str("moeconf.root.v1").u32(ALGORITHMS[algorithm]).raw(binding_digest_bytes)
-    e.length(len(steps))
-    for s, d in steps:
-        e.u32(s).raw(d)
-    return hash_bytes(algorithm, e.bytes())
+                group_digests.append(group_digest(algorithm, s, lv, layer, [r[1] for r in recs]))
+            level_nodes.append((lv, level_digest(algorithm, s, lv, group_digests)))
+        steps.append((s, step_digest(algorithm, s, level_nodes)))
+    return root_digest(algorithm, binding_digest_bytes, steps)

@@ -43,12 +43,15 @@ import numpy as np
 from .binding import Binding, Provenance
 from .fingerprint import (
     ALGORITHMS, DTYPE_BY_CODE, DTYPES, MAX_PATH_LEN, MAX_RANK, Coord, binding_digest, canonicalize,
-    hasher, level_code, record_digest, tree_root, validate_path,
+    group_digest, hasher, level_code, level_digest, record_digest, root_digest, step_digest, tree_root,
+    validate_path,
 )
+from . import v2
 from .wire import Decoder, Encoder, WireError
 
 __all__ = [
-    "MAGIC", "END_MAGIC", "FORMAT_VERSION", "PREAMBLE_LEN", "TRAILER_LEN", "TEMP_MARKER", "TraceFormatError",
+    "MAGIC", "END_MAGIC", "FORMAT_VERSION", "FORMAT_V1", "PREAMBLE_LEN", "TRAILER_LEN", "TEMP_MARKER",
+    "TraceFormatError",
     "OutputError", "StaleTemporaryWarning", "Record", "Trace", "WriteSummary", "TraceWriter", "read_trace",
     "to_canonical_bytes", "check_record", "check_step", "check_header", "check_output", "stale_temporaries",
 ]
@@ -57,11 +60,14 @@ __all__ = [
 MAGIC = b"MOECONF\x00"
 #: Trailer magic (at both ends of the trailer).
 END_MAGIC = b"MOECEND\x00"
-#: The only container version this module reads and writes.
-FORMAT_VERSION = 1
+#: The newest container version this module reads and writes, and the one
+#: :class:`TraceWriter` writes by default (version 1 stays readable and writable).
+FORMAT_VERSION = 2
+#: The first container version (a flat index).
+FORMAT_V1 = 1
 #: Preamble size.
 PREAMBLE_LEN = 32
-#: Trailer size.
+#: Trailer size of version 1 (version 2: :data:`moeconf.v2.TRAILER_V2_LEN`).
 TRAILER_LEN = 104
 #: Largest header accepted (256 MiB).
 MAX_HEADER_LEN = 256 << 20
@@ -377,13 +383,21 @@ class TraceWriter:
 
     ``algorithm`` is ``"blake3"`` (default) or ``"sha256"``; the binding's
     ``fold_negative_zero`` selects the canonicalization policy of every record.
+    ``format_version`` 2 (the default) streams the hash tree too: the blocks of a
+    step are written when the first record of a later step arrives, so the
+    writer holds one step's records at a time and refuses a record of an
+    earlier step than one already appended; version 1 keeps the whole index
+    until :meth:`finish` and takes steps in any order.
     Usable as a context manager: leaving the block without ``finish`` (e.g. on an
     exception) removes the temporary file.
     """
 
-    def __init__(self, path, binding, provenance=None, algorithm="blake3", inputs=()):
+    def __init__(self, path, binding, provenance=None, algorithm="blake3", inputs=(), format_version=FORMAT_VERSION):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest algorithm {algorithm!r} (use blake3 or sha256)")
+        if format_version not in (FORMAT_V1, v2.FORMAT_V2):
+            raise ValueError(f"format version {format_version!r} cannot be written (1 or 2)")
+        self.format_version = format_version
         self.path = os.fspath(path)
         self._f = None
         self.algorithm = algorithm
@@ -398,10 +412,16 @@ class TraceWriter:
         for tmp, pid in stale_temporaries(self.path):
             warnings.warn(f"stale temporary file {tmp} next to {self.path}: left by process {pid}, which no "
                           "longer runs (a write that was killed); delete it", StaleTemporaryWarning, stacklevel=2)
-        pre = (MAGIC + struct.pack("<IIII", FORMAT_VERSION, 0, ALGORITHMS[algorithm], 0)
+        pre = (MAGIC + struct.pack("<IIII", format_version, 0, ALGORITHMS[algorithm], 0)
                + struct.pack("<Q", len(header)))
         self._preamble_header = pre + header
+        self._binding_digest = binding_digest(algorithm, binding.to_bytes())
+        #: Version 1: every record; version 2: the current step's records.
         self.records = []
+        self._count = 0
+        self._payloads = 0
+        self._step = None
+        self._steps = []
         d = _dir_of(self.path)
         for _ in range(16):
             self._tmp = os.path.join(d, f".{_temp_stem(self.path)}{TEMP_MARKER}{os.getpid()}.{secrets.token_hex(8)}")
@@ -445,6 +465,9 @@ class TraceWriter:
             coord = Coord.make(coord.step, coord.position, coord.phase, coord.layer, coord.path)
         lv = level_code(level)
         key = (coord.step, lv, coord.layer, coord.position, coord.phase, coord.path)
+        if self.format_version == v2.FORMAT_V2 and self._step is not None and coord.step < self._step:
+            raise ValueError(f"{self.path}: record {coord}: step {coord.step} after step {self._step}: format "
+                             "version 2 takes records step by step (in execution order)")
         if key in self._keys:
             raise ValueError(f"{self.path}: a record at L{lv} {coord} was already appended")
         step_error = check_step(self.binding.max_new_tokens, coord)
@@ -456,39 +479,97 @@ class TraceWriter:
             raise ValueError(f"{self.path}: record {coord}: {wrong}")
         digest = record_digest(self.algorithm, coord, lv, dtype, shape, canon)
         payload = None
-        if keep_payload:
-            payload = (self._pos, len(canon))
-            try:
+        try:
+            if self.format_version == v2.FORMAT_V2 and self._step is not None and coord.step != self._step:
+                self._flush_step()
+            self._step = coord.step
+            if keep_payload:
+                self._pad()
+                payload = (self._pos, len(canon))
                 self._write(canon)
                 self._pad()
-            except BaseException:
-                # A failed write leaves the file unusable: discard it.
-                self.abort()
-                raise
+        except BaseException:
+            # A failed write leaves the file unusable: discard it.
+            self.abort()
+            raise
         self._keys.add(key)
         self.records.append(Record(coord, lv, dtype, shape, digest, payload))
+        self._count += 1
+        self._payloads += payload is not None
         return digest
+
+    def _block(self, data):
+        """Writes a block at the next multiple of 64; returns its :class:`moeconf.v2.BlockRef`."""
+        self._pad()
+        ref = v2.BlockRef(self._pos, len(data), v2.block_digest(self.algorithm, data))
+        self._write(data)
+        return ref
+
+    def _flush_step(self):
+        """Version 2: writes the current step's group blocks (tree order) and step
+        block, and forgets its records."""
+        recs, self.records = self.records, []
+        self._keys = set()
+        if not recs:
+            return
+        step = self._step
+        base = self._count - len(recs)
+
+        def key(i):
+            r = recs[i]
+            return (r.level, -1 if r.coord.layer is None else r.coord.layer) + r.coord.tree_key()
+
+        order = sorted(range(len(recs)), key=key)
+        levels = []
+        counts = [0] * 5
+        i = 0
+        while i < len(order):
+            lv, layer = recs[order[i]].level, recs[order[i]].coord.layer
+            j = i
+            while j < len(order) and (recs[order[j]].level, recs[order[j]].coord.layer) == (lv, layer):
+                j += 1
+            members = order[i:j]
+            ref = self._block(v2.encode_group_block(step, lv, layer, [(base + m, recs[m]) for m in members]))
+            g = v2.GroupRef(layer, group_digest(self.algorithm, step, lv, layer, [recs[m].digest for m in members]),
+                            len(members), ref)
+            counts[lv] += len(members)
+            if levels and levels[-1][0] == lv:
+                levels[-1][1].append(g)
+            else:
+                levels.append((lv, [g]))
+            i = j
+        ref = self._block(v2.encode_step_block(step, levels))
+        digest = step_digest(self.algorithm, step, [
+            (lv, level_digest(self.algorithm, step, lv, [g.digest for g in groups])) for lv, groups in levels])
+        self._steps.append(v2.StepRef(step, digest, counts, ref))
 
     def finish(self):
         """Writes index and trailer, fsyncs, renames into place; returns a :class:`WriteSummary`."""
         if self._f is None:
             raise ValueError(f"{self.path}: trace writer already finished")
         try:
-            e = Encoder().length(len(self.records))
-            for r in self.records:
-                r.encode(e)
-            index = e.bytes()
-            bd = binding_digest(self.algorithm, self.binding.to_bytes())
-            root = tree_root(self.algorithm, bd, [(r.coord, r.level, r.digest) for r in self.records])
-            index_offset = self._pos
-            self._write(index)
-            covered = END_MAGIC + struct.pack("<QQQ", index_offset, len(index), len(self.records)) + root
-            h = hasher(self.algorithm)
-            h.update(Encoder().str("moeconf.checksum.v1").bytes())
-            h.update(self._preamble_header)
-            h.update(index)
-            h.update(covered)
-            self._write(covered + h.digest() + END_MAGIC)
+            if self.format_version == v2.FORMAT_V2:
+                self._flush_step()
+                ref = self._block(v2.encode_root_block(self._steps))
+                root = root_digest(self.algorithm, self._binding_digest, [(s.step, s.digest) for s in self._steps])
+                covered = v2.trailer_v2(ref, self._count, root)
+                self._write(covered + v2.checksum_v2(self.algorithm, self._preamble_header, covered) + END_MAGIC)
+            else:
+                e = Encoder().length(len(self.records))
+                for r in self.records:
+                    r.encode(e)
+                index = e.bytes()
+                root = tree_root(self.algorithm, self._binding_digest,
+                                 [(r.coord, r.level, r.digest) for r in self.records])
+                index_offset = self._pos
+                self._write(index)
+                covered = END_MAGIC + struct.pack("<QQQ", index_offset, len(index), len(self.records)) + root
+                h = hasher(self.algorithm)
+                h.update(Encoder().str("moeconf.checksum.v1").bytes())
+                h.update(self._preamble_header)
+                h.update(index)
+                h.update(covered)
+                self._write(covered + h.digest() + END_MAGIC)
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
@@ -510,8 +591,7 @@ class TraceWriter:
         except BaseException:
             self.abort()
             raise
-        payloads = sum(1 for r in self.records if r.payload is not None)
-        return WriteSummary(root, len(self.records), payloads, self._pos)
+        return WriteSummary(root, self._count, self._payloads, self._pos)
 
     def abort(self):
         """Discards the temporary file (no trace is written)."""
@@ -543,12 +623,14 @@ class TraceWriter:
 
 
 class Trace:
-    """A validated trace: ``algorithm``, ``binding``, ``provenance``, ``binding_digest``,
-    ``root``, ``records`` (index order) and the file bytes for payload access."""
+    """A validated trace: ``format_version``, ``algorithm``, ``binding``, ``provenance``,
+    ``binding_digest``, ``root``, ``records`` (write order) and the file bytes for payload access."""
 
-    def __init__(self, path, data, algorithm, binding, provenance, bdigest, root, records):
+    def __init__(self, path, data, algorithm, binding, provenance, bdigest, root, records, format_version=1):
         #: The file read.
         self.path = path
+        #: Container format version (1 or 2).
+        self.format_version = format_version
         self.data = data
         #: ``"blake3"`` or ``"sha256"``.
         self.algorithm = algorithm
@@ -593,6 +675,13 @@ def read_trace(path, verify=True):
     (the default) it also re-hashes every payload, checks that it is canonical
     and that every padding byte is zero. Raises :class:`TraceFormatError`
     naming the file and byte offset.
+
+    Both container versions are read. A version 2 file (section 11) is read
+    whole: every step and group block is checked against the digests its
+    parent holds, every record as in version 1, the records' write-order
+    numbers must be a permutation, and with ``verify`` the layout of the whole
+    body (payloads, group blocks and step block of each step, then the root
+    block, each at the next multiple of 64 with zero bytes between).
     """
     path = os.fspath(path)
     try:
@@ -612,19 +701,24 @@ def read_trace(path, verify=True):
     if b[0:8] != MAGIC:
         raise fail(0, 'not a moeconf trace (bad magic; expected "MOECONF\\0")')
     version, flags, alg_code, reserved, header_len = struct.unpack_from("<IIIIQ", b, 8)
-    if version != FORMAT_VERSION:
-        raise fail(8, f"unsupported format version {version} (this reader supports version {FORMAT_VERSION})")
+    if version not in (FORMAT_V1, v2.FORMAT_V2):
+        raise fail(8, f"unsupported format version {version} (this reader supports versions 1 to {FORMAT_VERSION})")
+    if version == v2.FORMAT_V2 and n < PREAMBLE_LEN + v2.TRAILER_V2_LEN:
+        raise fail(0, f"file is {n} bytes, shorter than the smallest version 2 trace")
     if flags != 0:
-        raise fail(12, f"unknown flags {flags:#x} (must be 0 in version 1)")
+        raise fail(12, f"unknown flags {flags:#x} (must be 0 in version {version})")
     if alg_code not in _ALG_BY_CODE:
         raise fail(16, f"unknown digest algorithm code {alg_code}")
     alg = _ALG_BY_CODE[alg_code]
     if reserved != 0:
         raise fail(20, "reserved field is not zero")
     header_end = PREAMBLE_LEN + header_len
-    if header_len > MAX_HEADER_LEN or header_end > n - TRAILER_LEN:
+    trailer_len = v2.TRAILER_V2_LEN if version == v2.FORMAT_V2 else TRAILER_LEN
+    if header_len > MAX_HEADER_LEN or header_end > n - trailer_len:
         raise fail(24, f"header length {header_len} does not fit in a {n}-byte file")
     payload_start = _align(header_end)
+    if version == v2.FORMAT_V2:
+        return _read_v2(path, b, alg, header_end, payload_start, verify, fail)
 
     t0 = n - TRAILER_LEN
     if b[t0:t0 + 8] != END_MAGIC or b[t0 + 96:t0 + 104] != END_MAGIC:
@@ -711,4 +805,190 @@ def read_trace(path, verify=True):
                                 "(corrupted payload)")
             cursor = off + ln
         check_zero(cursor, index_offset)
-    return Trace(path, b, alg, binding, provenance, bd, root, records)
+    return Trace(path, b, alg, binding, provenance, bd, root, records, FORMAT_V1)
+
+
+def _check_zero(b, lo, hi, fail):
+    seg = b[lo:hi]
+    if seg.count(0) != len(seg):
+        k = next(j for j, x in enumerate(seg) if x != 0)
+        raise fail(lo + k, "padding byte is not zero (corrupted file)")
+
+
+def _read_v2(path, b, alg, header_end, payload_start, verify, fail):
+    """Reads a version 2 trace whole (see :func:`read_trace`)."""
+    n = len(b)
+    t0 = n - v2.TRAILER_V2_LEN
+    if b[t0:t0 + 8] != END_MAGIC or b[t0 + 128:t0 + 136] != END_MAGIC:
+        raise fail(t0, "trailer magic missing: the file is truncated or was not finished by its writer")
+    root_off, root_len, record_count = struct.unpack_from("<QQQ", b, t0 + 8)
+    root = bytes(b[t0 + 32:t0 + 64])
+    root_block_digest = bytes(b[t0 + 64:t0 + 96])
+    if root_off < payload_start or root_off % ALIGN or root_off + root_len != t0:
+        raise fail(t0 + 8, f"root block at {root_off} with length {root_len} is misaligned, before the payload "
+                           f"section ({payload_start}) or does not end at the trailer ({t0})")
+    if record_count > root_off // v2.MIN_GROUP_ENTRY_LEN:
+        raise fail(t0 + 24, f"record count {record_count} cannot fit before the root block at {root_off}")
+    if v2.checksum_v2(alg, b[:header_end], b[t0:t0 + 96]) != bytes(b[t0 + 96:t0 + 128]):
+        raise fail(t0 + 96, "checksum mismatch: the header or trailer is corrupted")
+    try:
+        d = Decoder(b[PREAMBLE_LEN:header_end], PREAMBLE_LEN)
+        binding = Binding.decode(d)
+        provenance = Provenance.decode(d)
+        d.finish("header")
+    except WireError as e:
+        raise fail(e.offset, f"header: {e.what}") from None
+
+    def block(ref, what):
+        if ref.offset + ref.length > n:
+            raise fail(ref.offset, f"{what} lies outside the file")
+        data = bytes(b[ref.offset:ref.offset + ref.length])
+        if v2.block_digest(alg, data) != ref.digest:
+            raise fail(ref.offset, f"{what} does not match its digest in its parent (corrupted block)")
+        return data
+
+    root_bytes = block(v2.BlockRef(root_off, root_len, root_block_digest), "root block")
+    try:
+        steps = v2.decode_root_block(root_bytes, root_off)
+    except WireError as e:
+        raise fail(e.offset, f"root block: {e.what}") from None
+    bases, regions = [], []
+    total, region, previous = 0, header_end, None
+    for k, s in enumerate(steps):
+        at = root_off + 12 + k * v2.STEP_REF_LEN
+        if previous is not None and previous >= s.step:
+            raise fail(at, f"root block: step {s.step}: steps are not in strictly ascending order")
+        previous = s.step
+        wrong = check_step(binding.max_new_tokens, Coord(s.step, 0, 0 if s.step == 0 else 1, None, "x"))
+        if wrong:
+            raise fail(at, f"root block: step {s.step}: {wrong}")
+        count = sum(s.level_records)
+        if count == 0 or count >= 2**64:
+            raise fail(at, f"root block: step {s.step}: its record counts are zero or overflow")
+        end = s.block.offset + s.block.length
+        if s.block.offset % ALIGN or s.block.offset < region or end > root_off:
+            raise fail(at, f"root block: step {s.step}: step block at {s.block.offset} (+{s.block.length}) is "
+                           "misaligned, overlaps the step before or does not lie before the root block")
+        bases.append(total)
+        regions.append(region)
+        total += count
+        region = end
+    if total != record_count:
+        raise fail(t0 + 24, f"the root block's steps hold {total} records, the trailer says {record_count}")
+    bd = binding_digest(alg, binding.to_bytes())
+    if root_digest(alg, bd, [(s.step, s.digest) for s in steps]) != root:
+        raise fail(t0 + 32, "root digest does not match the root block's steps: the root block or trailer is "
+                            "corrupted")
+
+    records = [None] * record_count
+    fold = binding.fold_negative_zero
+    for k, s in enumerate(steps):
+        name = f"step {s.step}'s block"
+        data = block(s.block, name)
+        try:
+            step, levels = v2.decode_step_block(data, s.block.offset)
+        except WireError as e:
+            raise fail(e.offset, f"{name}: {e.what}") from None
+        sfail = lambda m: fail(s.block.offset, f"{name}: {m}")  # noqa: E731
+        if step != s.step:
+            raise sfail(f"names step {step}")
+        cursor, payload_end, counts, prev_lv = regions[k], None, [0] * 5, None
+        blocks = []
+        level_nodes = []
+        for lv, groups in levels:
+            if prev_lv is not None and prev_lv >= lv:
+                raise sfail("levels are not in strictly ascending order")
+            prev_lv = lv
+            if not groups:
+                raise sfail(f"level L{lv} holds no group")
+            prev_layer = "none"
+            for g in groups:
+                layer_key = -1 if g.layer is None else g.layer
+                if prev_layer != "none" and prev_layer >= layer_key:
+                    raise sfail(f"the groups of level L{lv} are not in strictly ascending layer order")
+                prev_layer = layer_key
+                if (g.records == 0 or g.block.offset % ALIGN or g.block.offset < cursor
+                        or g.block.offset + g.block.length > s.block.offset):
+                    raise sfail(f"group block of level L{lv} layer {g.layer} at {g.block.offset} (+{g.block.length}) "
+                                "holds no record, is misaligned, out of order or outside the step's part of the file")
+                if payload_end is None:
+                    payload_end = g.block.offset
+                cursor = g.block.offset + g.block.length
+                counts[lv] += g.records
+                blocks.append((lv, g))
+            level_nodes.append((lv, level_digest(alg, step, lv, [g.digest for g in groups])))
+        if counts != s.level_records:
+            raise sfail(f"holds {counts} records per level, the root block says {s.level_records}")
+        if step_digest(alg, step, level_nodes) != s.digest:
+            raise sfail("its levels do not hash to the step digest in the root block (corrupted block)")
+        base, count = bases[k], sum(s.level_records)
+        mine = []
+        for lv, g in blocks:
+            gname = f"step {step} level L{lv} layer {g.layer}'s group block"
+            gdata = block(g.block, gname)
+            try:
+                gstep, glevel, glayer, entries = v2.decode_group_block(gdata, g.block.offset, Record)
+            except WireError as e:
+                raise fail(e.offset, f"{gname}: {e.what}") from None
+            if (gstep, glevel, glayer) != (step, lv, g.layer):
+                raise fail(g.block.offset, f"{gname}: says it holds step {gstep} level L{glevel} layer {glayer}")
+            if len(entries) != g.records:
+                raise fail(g.block.offset, f"{gname}: holds {len(entries)} records, its step says {g.records}")
+            prev = None
+            for ordinal, r, at in entries:
+                wrong = check_record(binding, r.coord, r.dtype, r.shape)
+                if wrong:
+                    raise fail(at, f"{gname}: record {r.coord}: {wrong}")
+                if not base <= ordinal < base + count:
+                    raise fail(at, f"{gname}: record {r.coord}: write-order number {ordinal} is outside its step's "
+                                   f"{base}..{base + count}")
+                if prev is not None and prev.coord.tree_key() >= r.coord.tree_key():
+                    raise fail(at, f"{gname}: record {r.coord}: not in canonical order (or a duplicate) after "
+                                   f"{prev.coord}")
+                if r.payload is not None:
+                    off, ln = r.payload
+                    if off % ALIGN or off < regions[k] or off + ln > payload_end:
+                        raise fail(at, f"{gname}: record {r.coord}: payload at {off} (+{ln}) is misaligned or outside "
+                                       "its step's payloads")
+                prev = r
+                mine.append((ordinal, r))
+            if group_digest(alg, step, lv, g.layer, [r.digest for _, r, _ in entries]) != g.digest:
+                raise fail(g.block.offset, f"{gname}: its records do not hash to the group digest in its step block "
+                                           "(corrupted block)")
+        mine.sort(key=lambda x: x[0])
+        for j, (ordinal, r) in enumerate(mine):
+            if ordinal != base + j:
+                raise fail(s.block.offset, f"step {step}: record {ordinal} ({r.coord}) repeats a write-order number "
+                                           "or leaves one out")
+            records[ordinal] = r
+        if verify:
+            def chunk(cur, off, what):
+                want = _align(cur)
+                if off != want:
+                    raise fail(min(off, n), f"{what} is at byte {off}, where the layout puts it at {want}")
+                _check_zero(b, cur, off, fail)
+
+            cur = regions[k]
+            for ordinal, r in mine:
+                if r.payload is None:
+                    continue
+                off, ln = r.payload
+                chunk(cur, off, f"the payload of record {ordinal} ({r.coord})")
+                data = b[off:off + ln]
+                if canonicalize(r.dtype, data, fold) != data:
+                    raise fail(off, f"record {ordinal} ({r.coord}): payload is not canonical")
+                if record_digest(alg, r.coord, r.level, r.dtype, r.shape, data) != r.digest:
+                    raise fail(off, f"record {ordinal} ({r.coord}): payload bytes do not match the record digest "
+                                    "(corrupted payload)")
+                cur = off + ln
+            for lv, g in blocks:
+                chunk(cur, g.block.offset, f"step {step} level L{lv} layer {g.layer}'s group block")
+                cur = g.block.offset + g.block.length
+            chunk(cur, s.block.offset, f"step {step}'s block")
+    if verify:
+        cur = steps[-1].block.offset + steps[-1].block.length if steps else header_end
+        want = _align(cur)
+        if root_off != want:
+            raise fail(root_off, f"the root block is at byte {root_off}, where the layout puts it at {want}")
+        _check_zero(b, cur, root_off, fail)
+    return Trace(path, b, alg, binding, provenance, bd, root, records, v2.FORMAT_V2)

@@ -68,11 +68,22 @@ def test_round_trip(tmp_path, algorithm, fold):
 
 def test_root_independent_of_append_order_and_provenance(tmp_path):
     items, s = _write_sample(tmp_path / "a.bin")
-    w = TraceWriter(tmp_path / "b.bin", _binding(), Provenance("other", "9", 64), "blake3")
+    # Version 1 takes records in any order.
+    w = TraceWriter(tmp_path / "b.bin", _binding(), Provenance("other", "9", 64), "blake3", format_version=1)
     for c, lv, a in reversed(items):
         w.append(c, lv, a, keep_payload=False)
     s2 = w.finish()
     assert s2.root == s.root
+    # Version 2 takes them step by step, in any order within a step, and
+    # refuses an earlier step than one it took.
+    w = TraceWriter(tmp_path / "b2.bin", _binding(), Provenance("other", "9", 64), "blake3")
+    for step in (0, 1):
+        for c, lv, a in reversed([x for x in items if x[0].step == step]):
+            w.append(c, lv, a, keep_payload=False)
+    with pytest.raises(ValueError, match="step 0 after step 1: format version 2 takes records step by step"):
+        w.append(Coord.make(0, 9, "prefill", None, "token.output"), "L0", np.array([1], np.int32))
+    assert w.finish().root == s.root
+    assert read_trace(tmp_path / "b2.bin").root == s.root
     # The root binds the binding: another prompt gives another root.
     w = TraceWriter(tmp_path / "c.bin", _binding(prompt_text="why the goat"))
     for c, lv, a in items:
@@ -136,9 +147,9 @@ def test_duplicate_coordinate_rejected(tmp_path):
         w.append(c, "L1", np.array([2], np.int32))   # another level is another record
 
 
-def _small_trace(tmp_path):
+def _small_trace(tmp_path, version=2):
     p = tmp_path / "small.bin"
-    w = TraceWriter(p, _binding(prompt_ids=[1]), Provenance("pytest", "1", 1))
+    w = TraceWriter(p, _binding(prompt_ids=[1]), Provenance("pytest", "1", 1), format_version=version)
     w.append(Coord.make(0, 0, "prefill", None, "token.output"), "L0", np.array([5], np.int32), keep_payload=True)
     w.append(Coord.make(0, 0, "prefill", None, "lm.logits"), "L1", np.array([1.5, -2.0, 0.25], np.float32),
              keep_payload=True)
@@ -147,8 +158,9 @@ def _small_trace(tmp_path):
     return p, p.read_bytes()
 
 
-def test_every_single_byte_flip_is_rejected(tmp_path):
-    p, good = _small_trace(tmp_path)
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_single_byte_flip_is_rejected(tmp_path, version):
+    p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
     for i in range(len(good)):
         for mask in (0x01, 0x80):
@@ -160,8 +172,9 @@ def test_every_single_byte_flip_is_rejected(tmp_path):
             assert str(bad) in str(e.value) and 0 <= e.value.offset <= len(good), (i, mask)
 
 
-def test_every_truncation_is_rejected(tmp_path):
-    p, good = _small_trace(tmp_path)
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_truncation_is_rejected(tmp_path, version):
+    p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
     for n in range(len(good)):
         bad.write_bytes(good[:n])
@@ -172,17 +185,20 @@ def test_every_truncation_is_rejected(tmp_path):
         read_trace(bad)
 
 
-def test_error_messages_name_file_and_offset(tmp_path):
-    p, good = _small_trace(tmp_path)
+@pytest.mark.parametrize("version", [1, 2])
+def test_error_messages_name_file_and_offset(tmp_path, version):
+    p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
     n = len(good)
+    # The trailer: 104 bytes in version 1 (checksum at 64), 136 in version 2 (at 96).
+    t0, sum_at = (n - 104, 64) if version == 1 else (n - 136, 96)
     cases = [
         (0, "bad magic", 0),
-        (8, "unsupported format version 3", 8),
+        (8, f"unsupported format version {version ^ 2}", 8),
         (12, "unknown flags", 12),
         (16, "unknown digest algorithm code", 16),
         (20, "reserved field", 20),
-        (n - 104 + 70, "checksum mismatch", n - 104 + 64),
+        (t0 + sum_at + 6, "checksum mismatch", t0 + sum_at),
     ]
     for at, match, offset in cases:
         b = bytearray(good)

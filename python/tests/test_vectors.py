@@ -35,11 +35,13 @@ def test_vectors_cover_every_dtype_and_both_policies(repo):
     assert {r["fold_negative_zero"] for r in cases} == {False, True}
 
 
-def test_minimal_trace_root(repo):
+@pytest.mark.parametrize("key,version", [("file", 1), ("file_v2", 2)])
+def test_minimal_trace_root(repo, key, version):
     d = os.path.join(repo, "fixtures", "test-vectors")
     with open(os.path.join(d, "minimal-trace.json")) as f:
         pinned = json.load(f)
-    t = read_trace(os.path.join(d, pinned["file"]))
+    t = read_trace(os.path.join(d, pinned[key]))
+    assert t.format_version == version
     assert t.algorithm == pinned["algorithm"]
     assert t.root.hex() == pinned["root"]
     assert len(t.records) == pinned["records"]

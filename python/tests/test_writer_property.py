@@ -8,7 +8,8 @@ coordinates. A refused append leaves the writer as it was, so the records it too
 are exactly what the reader finds; a refused header leaves no file; every finished
 trace reads back, fully verified, with the writer's root, header and records. When
 the Rust binary is available, ``moeconf inspect`` must accept every finished trace
-too."""
+too. Both container versions are drawn (version 2 also refuses a record of an
+earlier step than one it took)."""
 
 import os
 import random
@@ -108,8 +109,9 @@ def _leftovers(d):
 def _case(rng, d, n):
     path = os.path.join(d, f"c{n}.bin")
     b, p = _header(rng)
+    version = rng.choice([1, 2, 2])
     try:
-        w = TraceWriter(path, b, p, rng.choice(["blake3", "sha256"]))
+        w = TraceWriter(path, b, p, rng.choice(["blake3", "sha256"]), format_version=version)
     except ValueError:
         assert not os.path.exists(path) and not _leftovers(d), f"case {n}: a refused header left a file"
         return None
@@ -126,6 +128,7 @@ def _case(rng, d, n):
     s = w.finish()
     t = read_trace(path)
     assert t.root == s.root, n
+    assert t.format_version == version, n
     assert t.binding == b and t.provenance == p, n
     assert len(t.records) == len(taken), n
     for rec, (coord, _, data, dtype, shape, keep) in zip(t.records, taken):

@@ -5,9 +5,10 @@ writer must accept or reject it. :func:`run_all` writes every case with
 :class:`moeconf.TraceWriter` and reports, per case, whether the writer accepted
 it, the root of the written trace and the error. The Rust side
 (``tests/writer_corpus.rs``) runs this file as a script
-(``python3 python/tests/writer_corpus.py CORPUS OUTDIR`` prints the JSON list)
-and checks that both writers accept and reject the same cases and write
-byte-identical files.
+(``python3 python/tests/writer_corpus.py CORPUS OUTDIR [VERSION]`` prints the
+JSON list) and checks that both writers accept and reject the same cases and
+write byte-identical files, in both container versions (a case's
+``expect_v1``, where given, is its answer for version 1).
 """
 
 import json
@@ -60,12 +61,18 @@ def build(case):
     return b, prov, case.get("records", [])
 
 
-def run_case(case, out):
+def expected(case, version=2):
+    """Whether a writer of container ``version`` must accept ``case``."""
+    e = case.get("expect_v1", case["expect"]) if version == 1 else case["expect"]
+    return e == "accept"
+
+
+def run_case(case, out, version=2):
     """Writes one case to ``out``; returns ``{"name", "accepted", "root", "error"}``.
     Only ValueError counts as a refusal; any other exception is a writer bug."""
     b, prov, records = build(case)
     try:
-        with TraceWriter(out, b, prov) as w:
+        with TraceWriter(out, b, prov, format_version=version) as w:
             for r in records:
                 c = Coord.make(r["step"], r["position"], r["phase"], r["layer"], r["path"])
                 w.append(c, r["level"], bytes.fromhex(r["data_hex"]), r["dtype"], r["shape"],
@@ -82,11 +89,11 @@ def load(corpus):
         return json.load(f)
 
 
-def run_all(corpus, outdir):
-    """Runs every case of ``corpus`` into ``outdir/caseNNN.bin``."""
+def run_all(corpus, outdir, version=2):
+    """Runs every case of ``corpus`` into ``outdir/caseNNN.bin`` in container ``version``."""
     cases = load(corpus)["cases"]
-    return [run_case(c, os.path.join(outdir, f"case{i:03}.bin")) for i, c in enumerate(cases)]
+    return [run_case(c, os.path.join(outdir, f"case{i:03}.bin"), version) for i, c in enumerate(cases)]
 
 
 if __name__ == "__main__":
-    json.dump(run_all(sys.argv[1], sys.argv[2]), sys.stdout)
+    json.dump(run_all(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2), sys.stdout)

@@ -61,10 +61,15 @@ pub(crate) fn coord(step: u32, position: u32, layer: Option<u32>, path: &str) ->
 }
 
 impl<'t> Candidate<'t> {
-    /// Indexes every record of `trace`.
-    pub fn new(trace: &'t Trace) -> Candidate<'t> {
-        let index = trace
-            .records()
+    /// Indexes every record of `trace` (a version 2 trace reads its whole
+    /// index for it).
+    pub fn new(trace: &'t Trace) -> Result<Candidate<'t>> {
+        let records = trace.records().map_err(|source| ReplayError::Trace {
+            path: trace.path().to_path_buf(),
+            record: "the index".into(),
+            source,
+        })?;
+        let index = records
             .iter()
             .enumerate()
             .map(|(i, r)| {
@@ -72,7 +77,7 @@ impl<'t> Candidate<'t> {
                 ((c.step, c.position, c.layer, c.path.clone()), i)
             })
             .collect();
-        Candidate { trace, index }
+        Ok(Candidate { trace, index })
     }
 
     /// The index of the record at (step, position, layer, path).
@@ -84,7 +89,7 @@ impl<'t> Candidate<'t> {
 
     /// The index entry of record `i`.
     pub fn entry(&self, i: usize) -> Option<&IndexEntry> {
-        self.trace.records().get(i)
+        self.trace.get_record(i)
     }
 
     fn record_err(&self, i: usize, what: String) -> ReplayError {

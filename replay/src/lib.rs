@@ -71,7 +71,7 @@ pub struct LayerOptions {
 /// current rayon pool; the report is the same on any number of threads.
 pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Result<LayerReport> {
     let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
-    let cand = candidate::Candidate::new(trace);
+    let cand = candidate::Candidate::new(trace)?;
     let steps = units::steps(&cand)?;
     let levels = LevelSet::from_bits(trace.binding().capture.levels).unwrap_or(LevelSet::ALL);
     let layers = m.model.config().num_layers() as u32;

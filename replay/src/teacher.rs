@@ -201,7 +201,7 @@ fn layer_metrics(cand: &Candidate<'_>, records: &[Record], layers: u32) -> Resul
 /// at every step; what is missing is an error naming records and steps.
 pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Result<TeacherReport> {
     let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
-    let cand = Candidate::new(trace);
+    let cand = Candidate::new(trace)?;
     let steps = steps(&cand)?;
     let mut missing = Vec::new();
     let mut plan = Vec::new();

@@ -118,9 +118,7 @@ pub(crate) fn steps(cand: &Candidate<'_>) -> Result<Vec<StepInfo>> {
             what: "the binding holds no prompt ids".into(),
         });
     }
-    let mut ids: Vec<u32> = trace.records().iter().map(|r| r.coord.step).collect();
-    ids.sort_unstable();
-    ids.dedup();
+    let ids: Vec<u32> = trace.steps().iter().map(|s| s.step).collect();
     let mut out = Vec::with_capacity(ids.len());
     for step in ids {
         let (first, count) = if step == 0 { (0, p) } else { (p + step - 1, 1) };

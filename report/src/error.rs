@@ -16,4 +16,7 @@ pub enum ReportError {
         #[source]
         source: moeconf_schema::TraceError,
     },
+    /// A trace's index could not be read or verified.
+    #[error(transparent)]
+    Trace(#[from] moeconf_schema::TraceError),
 }

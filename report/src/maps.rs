@@ -64,17 +64,20 @@ impl DiffMaps {
     /// Gathers the maps of `r` (reference) and `c` (candidate), both opened
     /// verified, whose diff is `report`.
     pub fn gather(r: &Trace, c: &Trace, report: &DiffReport) -> Result<DiffMaps, ReportError> {
-        let steps: Vec<u32> = r
-            .records()
+        // The pictures cover every record: both whole indexes (kept by the
+        // traces, so [`all`] returns them afterwards).
+        r.records()?;
+        c.records()?;
+        let steps: Vec<u32> = all(r)
             .iter()
-            .chain(c.records())
+            .chain(all(c))
             .map(|e| e.coord.step)
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
         let col: BTreeMap<u32, usize> = steps.iter().enumerate().map(|(i, &s)| (s, i)).collect();
         let cols: Vec<String> = steps.iter().map(|s| s.to_string()).collect();
-        let pairs = differing_pairs(r, c);
+        let pairs = differing_pairs(r, c).map_err(|f| ReportError::Trace(f.error))?;
         let differing: HashSet<usize> = pairs.iter().filter_map(|p| p.reference).collect();
         let mut maps = DiffMaps {
             layer_state: layer_grid(r, c, cols.clone()),
@@ -84,7 +87,7 @@ impl DiffMaps {
             global: Vec::new(),
         };
         // Identical records: counted from the index.
-        for (i, e) in r.records().iter().enumerate() {
+        for (i, e) in all(r).iter().enumerate() {
             if !differing.contains(&i) {
                 if let Some(cell) = maps.cell_of(e, &col) {
                     cell.records += 1;
@@ -93,10 +96,7 @@ impl DiffMaps {
             }
         }
         for p in &pairs {
-            let (re, ce) = (
-                p.reference.map(|i| &r.records()[i]),
-                p.candidate.map(|i| &c.records()[i]),
-            );
+            let (re, ce) = (p.reference.map(|i| r.record(i)), p.candidate.map(|i| c.record(i)));
             let Some(e) = re.or(ce) else { continue };
             let values = compare_pair(r, c, (p.reference, p.candidate))?;
             let route = route_note(r, c, (p.reference, p.candidate))?;
@@ -219,6 +219,12 @@ fn describe(r: &RecordRef) -> String {
     }
 }
 
+/// Every record of `t`, in write order: the index [`DiffMaps::gather`]
+/// loaded (and verified) first; empty if it could not.
+fn all(t: &Trace) -> &[IndexEntry] {
+    t.records().unwrap_or(&[])
+}
+
 /// The number of values of a record.
 fn elements(e: &IndexEntry) -> u64 {
     e.shape
@@ -229,10 +235,9 @@ fn elements(e: &IndexEntry) -> u64 {
 
 /// Rows `layer 0 …` over every layer either trace has.
 fn layer_grid(r: &Trace, c: &Trace, cols: Vec<String>) -> Grid {
-    let layers = r
-        .records()
+    let layers = all(r)
         .iter()
-        .chain(c.records())
+        .chain(all(c))
         .filter_map(|e| e.coord.layer)
         .max()
         .map_or(0, |l| l as usize + 1);
@@ -241,10 +246,9 @@ fn layer_grid(r: &Trace, c: &Trace, cols: Vec<String>) -> Grid {
 
 /// Rows for every (layer, state component) either trace has.
 fn state_grid(r: &Trace, c: &Trace, cols: Vec<String>) -> Grid {
-    let rows: BTreeSet<(u32, String)> = r
-        .records()
+    let rows: BTreeSet<(u32, String)> = all(r)
         .iter()
-        .chain(c.records())
+        .chain(all(c))
         .filter(|e| e.level == Level::L2)
         .filter_map(|e| Some((e.coord.layer?, e.coord.path.as_str().to_string())))
         .collect();
@@ -273,7 +277,7 @@ fn compare_pair(
     let (Some(ri), Some(ci)) = (ri, ci) else {
         return Ok(None);
     };
-    let (re, ce) = (&r.records()[ri], &c.records()[ci]);
+    let (re, ce) = (r.record(ri), c.record(ci));
     if !re.dtype.is_float() {
         return Ok(None);
     }
@@ -301,11 +305,11 @@ fn route_note(
     let (Some(ri), Some(ci)) = (ri, ci) else {
         return Ok(None);
     };
-    let re = &r.records()[ri];
+    let re = r.record(ri);
     if !Component::RouterTopk.matches(re.coord.path.as_str()) {
         return Ok(None);
     }
-    let ce = &c.records()[ci];
+    let ce = c.record(ci);
     let (Some(rb), Some(cb)) = (payload(r, ri)?, payload(c, ci)?) else {
         return Ok(Some(format!(
             "route change at pos {} (no values)",
@@ -330,7 +334,7 @@ fn route_note(
 fn margins(r: &Trace, c: &Trace, report: &DiffReport) -> Result<MarginSeries, ReportError> {
     let read = |t: &Trace| -> Result<BTreeMap<u32, f64>, ReportError> {
         let mut m = BTreeMap::new();
-        for (i, e) in t.records().iter().enumerate() {
+        for (i, e) in all(t).iter().enumerate() {
             if Component::LmMargin.matches(e.coord.path.as_str()) {
                 if let Some(v) = payload(t, i)?.and_then(|b| e.dtype.value_f64(b, 0)) {
                     m.insert(e.coord.step, v);
@@ -367,7 +371,7 @@ fn histogram(r: &Trace, c: &Trace, report: &DiffReport) -> Result<Option<Histogr
         .or_else(|| report.divergences.first().map(|d| &d.at));
     let Some(at) = at else { return Ok(None) };
     let find = |t: &Trace| {
-        t.records().iter().position(|e| {
+        all(t).iter().position(|e| {
             e.coord.step == at.step
                 && e.coord.position == at.position
                 && e.coord.layer == at.layer
@@ -377,7 +381,7 @@ fn histogram(r: &Trace, c: &Trace, report: &DiffReport) -> Result<Option<Histogr
     let (Some(ri), Some(ci)) = (find(r), find(c)) else {
         return Ok(None);
     };
-    let (re, ce) = (&r.records()[ri], &c.records()[ci]);
+    let (re, ce) = (r.record(ri), c.record(ci));
     if !re.dtype.is_float() || re.dtype != ce.dtype || re.shape != ce.shape {
         return Ok(None);
     }

@@ -34,7 +34,7 @@ pub enum TraceError {
     },
     /// The file is a trace of a format version this build cannot read.
     #[error(
-        "{}: trace format version {found} is not supported (this build reads version {supported}); \
+        "{}: trace format version {found} is not supported (this build reads versions 1 to {supported}); \
          upgrade moeconf or re-capture the trace",
         path.display()
     )]
@@ -43,7 +43,7 @@ pub enum TraceError {
         path: PathBuf,
         /// The version in the file.
         found: u32,
-        /// The version this build reads and writes.
+        /// The newest version this build reads and writes.
         supported: u32,
     },
     /// The writer was given something it cannot store (bad shape, duplicate
@@ -90,6 +90,18 @@ impl TraceError {
         TraceError::Invalid {
             path: path.to_path_buf(),
             what: what.into(),
+        }
+    }
+
+    /// The file the error is about (every variant but an output error
+    /// names one here; an output error names its path in its text).
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            TraceError::Io { path, .. }
+            | TraceError::Format { path, .. }
+            | TraceError::UnsupportedVersion { path, .. }
+            | TraceError::Invalid { path, .. } => Some(path),
+            TraceError::Output(_) => None,
         }
     }
 

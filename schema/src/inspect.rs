@@ -16,7 +16,8 @@ use moeconf_fingerprint::Level;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{json, Map, Value};
 
-use crate::{TensorDigest, Trace, TraceError, VerifySummary, FORMAT_VERSION};
+use crate::{TensorDigest, Trace, TraceError, VerifySummary};
+use moeconf_fingerprint::RecordPath;
 
 /// Version of the JSON document of [`Inspection::write_json`].
 pub const INSPECT_SCHEMA_VERSION: u32 = 1;
@@ -59,9 +60,9 @@ struct Counts {
 pub struct Inspection<'a> {
     trace: &'a Trace,
     opts: InspectOptions,
-    /// (level, path) -> counts, in level then path order (paths borrowed
-    /// from the trace's index: no allocation per record).
-    per: BTreeMap<(Level, &'a str), Counts>,
+    /// (level, path) -> counts, in level then path order (paths shared
+    /// with the trace's index: no allocation per record).
+    per: BTreeMap<(Level, RecordPath), Counts>,
     total: Counts,
     first_step: u32,
     last_step: u32,
@@ -76,11 +77,12 @@ impl<'a> Inspection<'a> {
         } else {
             None
         };
-        let mut per: BTreeMap<(Level, &'a str), Counts> = BTreeMap::new();
+        let mut per: BTreeMap<(Level, RecordPath), Counts> = BTreeMap::new();
         let mut total = Counts::default();
         let (mut first_step, mut last_step) = (u32::MAX, 0u32);
-        for r in trace.records() {
-            let c = per.entry((r.level, r.coord.path.as_str())).or_default();
+        // Record by record, without keeping a version 2 trace's index.
+        trace.for_each_record(|_, r| {
+            let c = per.entry((r.level, r.coord.path.clone())).or_default();
             c.records += 1;
             total.records += 1;
             if let Some(p) = r.payload {
@@ -91,7 +93,7 @@ impl<'a> Inspection<'a> {
             }
             first_step = first_step.min(r.coord.step);
             last_step = last_step.max(r.coord.step);
-        }
+        })?;
         Ok(Inspection {
             trace,
             opts,
@@ -104,7 +106,7 @@ impl<'a> Inspection<'a> {
     }
 
     fn steps(&self) -> usize {
-        self.trace.tree().steps.len()
+        self.trace.steps().len()
     }
 
     /// The JSON document (`kind: moeconf.inspect`, docs/format.md §9)
@@ -137,7 +139,7 @@ impl<'a> Inspection<'a> {
             "kind": "moeconf.inspect",
             "file": t.path().display().to_string(),
             "file_bytes": t.file_len(),
-            "format_version": FORMAT_VERSION,
+            "format_version": t.format_version(),
             "algorithm": t.algorithm().name(),
             "root": t.root().to_hex(),
             "binding_digest": t.binding_digest().to_hex(),
@@ -196,9 +198,10 @@ impl<'a> Inspection<'a> {
         let b = t.binding();
         writeln!(
             o,
-            "trace      {} ({}, format v{FORMAT_VERSION}, {})",
+            "trace      {} ({}, format v{}, {})",
             t.path().display(),
             human_bytes(t.file_len()),
+            t.format_version(),
             t.algorithm()
         )?;
         writeln!(o, "root       {}", t.root())?;

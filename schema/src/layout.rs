@@ -13,8 +13,12 @@ use std::sync::Arc;
 pub const MAGIC: [u8; 8] = *b"MOECONF\0";
 /// Trailer magic: `MOECEND` followed by a NUL byte.
 pub const END_MAGIC: [u8; 8] = *b"MOECEND\0";
-/// The container format version this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest container format version this build reads and writes (and
+/// the version its writers write by default); version 1 stays readable and
+/// writable ([`crate::TraceWriter::create_version`]).
+pub const FORMAT_VERSION: u32 = 2;
+/// The first container format version (a flat index, docs/format.md §5).
+pub const FORMAT_V1: u32 = 1;
 /// Size of the fixed preamble.
 pub const PREAMBLE_LEN: u64 = 32;
 /// Size of the fixed trailer.
@@ -44,12 +48,17 @@ pub struct Preamble {
 }
 
 impl Preamble {
+    /// The 32 bytes of the newest version ([`FORMAT_VERSION`]).
+    pub fn to_bytes(&self) -> [u8; 32] {
+        self.to_bytes_version(FORMAT_VERSION)
+    }
+
     /// The 32 bytes: magic, version u32, flags u32 (0), algorithm u32,
     /// reserved u32 (0), header length u64.
-    pub fn to_bytes(&self) -> [u8; 32] {
+    pub fn to_bytes_version(&self, version: u32) -> [u8; 32] {
         let mut e = Encoder::new();
         e.raw(&MAGIC)
-            .u32(FORMAT_VERSION)
+            .u32(version)
             .u32(0)
             .u32(self.algorithm.code())
             .u32(0)
@@ -361,6 +370,19 @@ pub fn with_recomputed_checksum(bytes: &[u8]) -> Option<Vec<u8>> {
     let code = u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?);
     let alg = Algorithm::from_code(code)?;
     let header_end = PREAMBLE_LEN.checked_add(word(24)?)?;
+    if bytes.get(8..12)? == crate::v2::FORMAT_V2.to_le_bytes() {
+        let tlen = crate::v2::TRAILER_V2_LEN;
+        if len < PREAMBLE_LEN + tlen || header_end > len - tlen {
+            return None;
+        }
+        let t0 = (len - tlen) as usize;
+        let mut covered = [0u8; 96];
+        covered.copy_from_slice(bytes.get(t0..t0 + 96)?);
+        let sum = crate::v2::checksum_v2(alg, bytes.get(..header_end as usize)?, &covered);
+        let mut out = bytes.to_vec();
+        out[t0 + 96..t0 + 128].copy_from_slice(&sum.0);
+        return Some(out);
+    }
     let t0 = (len - TRAILER_LEN) as usize;
     let index_offset = word(t0 + 8)?;
     let index_len = word(t0 + 16)?;

@@ -12,12 +12,16 @@
 //! * [`output`] is the one way any moeconf command writes a file: outputs
 //!   checked before work starts, temporary files that never outlive an
 //!   error, normal file modes.
-//! * [`Trace`] opens a file, validates every field of it and exposes the
-//!   records, payloads and fingerprint [`HashTree`](moeconf_fingerprint::HashTree).
+//! * [`Trace`] opens a file of either container version, validates it and
+//!   exposes the fingerprint tree ([`Trace::steps`], [`Trace::step`],
+//!   [`Trace::group_records`]), the records and their payloads; a version 2
+//!   file is read node by node, each verified against its parent, as the
+//!   tree is descended ([`nodes`], [`v2`]).
 //!
 //! The run → trace → diff flow: the reference runtime (or a backend's capture
-//! hooks) writes a trace with [`TraceWriter`]; `moeconf diff` opens two with
-//! [`Trace::open`] and walks their trees.
+//! hooks) writes a trace with [`TraceWriter`] (format version 2 by default,
+//! streaming the tree to disk step by step); `moeconf diff` opens two with
+//! [`Trace::open_for`] and walks their trees.
 //!
 //! The normative byte layout is docs/format.md.
 //!
@@ -35,11 +39,16 @@
 //! let summary = w.finish().unwrap();
 //! let t = Trace::open(&path).unwrap();
 //! assert_eq!(t.root(), summary.root);
-//! assert_eq!(t.payload_verified(0).unwrap(), Some(&ids[..]));
+//! // Descend the tree: step 0, level L0, the model-global group.
+//! let group = t.step(0).unwrap().unwrap().level(Level::L0).unwrap().group(None).unwrap();
+//! let records = t.group_records(group).unwrap();
+//! assert_eq!(t.record(records[0]).coord.path, "token.output");
+//! assert_eq!(t.payload_verified(records[0]).unwrap(), Some(&ids[..]));
 //! ```
 #![deny(missing_docs)]
 
 mod binding;
+pub mod convert;
 mod error;
 #[cfg(feature = "checkpoint")]
 mod identity;
@@ -47,9 +56,11 @@ mod identity;
 pub mod import;
 pub mod inspect;
 pub mod layout;
+pub mod nodes;
 pub mod output;
 mod reader;
 pub mod recomputed;
+pub mod v2;
 mod writer;
 
 pub use binding::{
@@ -59,11 +70,12 @@ pub use binding::{
 pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
-pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_VERSION};
+pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
+pub use nodes::{GroupNode, LevelNode, StepNode, StepSummary};
 pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
-pub use reader::{Trace, VerifySummary};
+pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
-pub use writer::{TraceWriter, WriteSummary};
+pub use writer::{TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};
 
 /// Records of at most this many bytes keep their payload whatever the
 /// capture spec says (token ids, margins, top-k lists, router selections,
@@ -81,9 +93,24 @@ pub const SMALL_RECORD_BYTES: usize = 256;
 pub fn fuzz_read(bytes: &[u8]) {
     let read = |b: Vec<u8>| {
         if let Ok(t) = Trace::from_bytes(std::path::Path::new("fuzz.bin"), b) {
+            // The lazy paths first (version 2 reads nodes on use), then
+            // every byte.
+            for s in t.steps().to_vec() {
+                if let Ok(Some(node)) = t.step(s.step) {
+                    for g in node.levels.iter().flat_map(|l| &l.groups) {
+                        if let Ok(ids) = t.group_records(g) {
+                            for &i in ids {
+                                let _ = t.payload_verified(i);
+                            }
+                        }
+                    }
+                }
+            }
             let _ = t.verify_payloads();
-            for i in 0..t.records().len() {
-                let _ = t.payload_verified(i);
+            if let Ok(records) = t.records() {
+                for i in 0..records.len() {
+                    let _ = t.payload_verified(i);
+                }
             }
         }
     };

@@ -3,19 +3,27 @@
 //! Records are appended as the runtime produces them: each tensor is
 //! canonicalized and hashed in one pass and, when its payload is kept, the
 //! same canonical bytes go to the file. Nothing is visible at the final path
-//! until [`TraceWriter::finish`] has written index and trailer, flushed and
-//! synced: the file is written under a temporary name in the same directory
-//! (`.NAME.moeconf-tmp.PID.RAND`, see [`crate::output`]) and renamed into
-//! place, so a crash never leaves a half-written trace, and every error
-//! (including a failed flush, sync or rename in `finish`) removes the
-//! temporary file.
+//! until [`TraceWriter::finish`] has written the last blocks and the trailer,
+//! flushed and synced: the file is written under a temporary name in the
+//! same directory (`.NAME.moeconf-tmp.PID.RAND`, see [`crate::output`]) and
+//! renamed into place, so a crash never leaves a half-written trace, and
+//! every error (including a failed flush, sync or rename in `finish`)
+//! removes the temporary file.
+//!
+//! Format version 2 (the default) streams the tree too: when the first
+//! record of a later step arrives, the finished step's group blocks and step
+//! block are written, so the writer holds the index entries of one step at a
+//! time (plus one 124-byte reference per step) whatever the length of the
+//! run. Version 2 therefore takes records step by step: a record of an
+//! earlier step than one already appended is refused. Version 1 keeps the
+//! whole index in memory until `finish` and takes steps in any order.
 //!
 //! The writer enforces every check of the reader at write time: the header
 //! must decode with the reader's decoder ([`Header::to_checked_bytes`]),
 //! every record must pass [`check_record`] (byte length within a u64, step
 //! and phase consistent with each other and with `max_new_tokens`), paths
-//! and shapes must be valid, and no coordinate may repeat. Whatever
-//! `finish` accepts, [`crate::Trace::open_verified`] accepts.
+//! and shapes must be valid, and no coordinate may repeat at its level.
+//! Whatever `finish` accepts, [`crate::Trace::open_verified`] accepts.
 
 use crate::binding::Binding;
 use crate::error::TraceError;
@@ -24,13 +32,25 @@ use crate::layout::{
     PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
 use crate::output::{check_output, AtomicFile, CheckedOutput, Inputs};
+use crate::v2::{
+    block_digest, checksum_v2, encode_group_block, encode_root_block, encode_step_block, BlockRef, GroupRef,
+    LevelRefs, StepRef, TrailerV2, FORMAT_V2,
+};
+use crate::Trace;
 use moeconf_fingerprint::wire::Encoder;
-use moeconf_fingerprint::{record_digest_with_sink, Algorithm, Coord, Digest, Interner, Level, TensorView};
+use moeconf_fingerprint::{
+    binding_digest, group_digest, level_digest, record_digest_with_sink, root_digest, step_digest, Algorithm,
+    Coord, Digest, Interner, Level, Phase, RecordPath, TensorView,
+};
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Write buffer of a trace file.
 const BUFFER: usize = 1 << 20;
+
+/// The format version [`TraceWriter::create`] writes.
+pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V2;
 
 /// What [`TraceWriter::finish`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +65,26 @@ pub struct WriteSummary {
     pub bytes: u64,
 }
 
+/// What identifies a record inside a step: level, layer, position, phase, path.
+type Key = (Level, Option<u32>, u32, Phase, RecordPath);
+
+/// What the writer keeps besides the file.
+enum Body {
+    /// Version 1: every entry, and every (step, key) seen.
+    V1 {
+        entries: Vec<IndexEntry>,
+        keys: HashSet<(u32, Key)>,
+    },
+    /// Version 2: the entries of the current step only, and the references
+    /// of the steps written.
+    V2 {
+        step: Option<u32>,
+        pending: Vec<IndexEntry>,
+        keys: HashSet<Key>,
+        steps: Vec<StepRef>,
+    },
+}
+
 /// Appends records to a new trace file.
 pub struct TraceWriter {
     path: PathBuf,
@@ -53,10 +93,13 @@ pub struct TraceWriter {
     out: Option<AtomicFile>,
     alg: Algorithm,
     header: Header,
+    binding_digest: Digest,
     preamble_and_header: Vec<u8>,
     pos: u64,
-    entries: Vec<IndexEntry>,
-    /// One shared path and shape per distinct value among `entries`.
+    records: u64,
+    payloads: u64,
+    body: Body,
+    /// One shared path and shape per distinct value among the entries.
     interner: Interner,
     parallel: bool,
 }
@@ -72,13 +115,43 @@ impl TraceWriter {
         TraceWriter::create_checked(&out, alg, header)
     }
 
-    /// Starts a trace at an output already checked against the command's inputs.
+    /// Starts a trace at an output already checked against the command's
+    /// inputs, in the default format version.
     pub fn create_checked(
         out: &CheckedOutput,
         alg: Algorithm,
         header: Header,
     ) -> Result<TraceWriter, TraceError> {
+        TraceWriter::create_version(out, alg, header, DEFAULT_FORMAT_VERSION)
+    }
+
+    /// Starts a trace of container format `version` (1 or 2) at a checked
+    /// output (`moeconf convert --to`, tests of version 1 readers).
+    pub fn create_version(
+        out: &CheckedOutput,
+        alg: Algorithm,
+        header: Header,
+        version: u32,
+    ) -> Result<TraceWriter, TraceError> {
         let path = out.path();
+        let body = match version {
+            1 => Body::V1 {
+                entries: Vec::new(),
+                keys: HashSet::new(),
+            },
+            FORMAT_V2 => Body::V2 {
+                step: None,
+                pending: Vec::new(),
+                keys: HashSet::new(),
+                steps: Vec::new(),
+            },
+            v => {
+                return Err(TraceError::invalid(
+                    path,
+                    format!("format version {v} cannot be written (1 or 2)"),
+                ))
+            }
+        };
         let header_bytes = header
             .to_checked_bytes()
             .map_err(|m| TraceError::invalid(path, m))?;
@@ -87,10 +160,13 @@ impl TraceWriter {
             path: path.to_path_buf(),
             out: Some(file),
             alg,
+            binding_digest: binding_digest(alg, &header.binding.to_bytes()),
             preamble_and_header: Vec::new(),
             header,
             pos: 0,
-            entries: Vec::new(),
+            records: 0,
+            payloads: 0,
+            body,
             interner: Interner::new(),
             parallel: true,
         };
@@ -98,7 +174,7 @@ impl TraceWriter {
             algorithm: alg,
             header_len: header_bytes.len() as u64,
         };
-        let mut ph = pre.to_bytes().to_vec();
+        let mut ph = pre.to_bytes_version(version).to_vec();
         ph.extend_from_slice(&header_bytes);
         w.write_all(&ph.clone())?;
         w.preamble_and_header = ph;
@@ -123,9 +199,17 @@ impl TraceWriter {
         self.alg
     }
 
+    /// The container format version being written.
+    pub fn format_version(&self) -> u32 {
+        match self.body {
+            Body::V1 { .. } => 1,
+            Body::V2 { .. } => FORMAT_V2,
+        }
+    }
+
     /// Records appended so far.
     pub fn record_count(&self) -> usize {
-        self.entries.len()
+        self.records as usize
     }
 
     /// The open temporary file, or the error of a writer that finished or failed.
@@ -158,11 +242,75 @@ impl TraceWriter {
         self.write_all(&zeros[..n])
     }
 
+    /// Writes a block at the next 64-byte boundary; returns where it lies.
+    fn write_block(&mut self, bytes: &[u8]) -> Result<BlockRef, TraceError> {
+        self.pad_to_alignment()?;
+        let offset = self.pos;
+        self.write_all(bytes)?;
+        Ok(BlockRef {
+            offset,
+            len: bytes.len() as u64,
+            digest: block_digest(self.alg, bytes),
+        })
+    }
+
+    /// Checks that a record may be appended (version 2: no earlier step than
+    /// the current one; no coordinate twice at its level). Changes nothing.
+    fn check_new(&self, coord: &Coord, level: Level) -> Result<(), TraceError> {
+        let key = (
+            level,
+            coord.layer,
+            coord.position,
+            coord.phase,
+            coord.path.clone(),
+        );
+        let seen = match &self.body {
+            Body::V1 { keys, .. } => keys.contains(&(coord.step, key)),
+            Body::V2 { step, keys, .. } => match *step {
+                Some(s) if coord.step < s => {
+                    return Err(TraceError::invalid(
+                        &self.path,
+                        format!(
+                            "record {coord}: step {} after step {s}: format version 2 takes records step by step \
+                             (in execution order)",
+                            coord.step
+                        ),
+                    ))
+                }
+                Some(s) => s == coord.step && keys.contains(&key),
+                None => false,
+            },
+        };
+        if seen {
+            return Err(TraceError::invalid(
+                &self.path,
+                format!("record {coord} at {level} was already appended (duplicate coordinate)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Version 2: before the first record of a later step, writes the
+    /// finished step's blocks.
+    fn enter_step(&mut self, step: u32) -> Result<(), TraceError> {
+        if let Body::V2 { step: Some(s), .. } = self.body {
+            if s != step {
+                self.flush_step()?;
+            }
+        }
+        if let Body::V2 { step: current, .. } = &mut self.body {
+            *current = Some(step);
+        }
+        Ok(())
+    }
+
     /// Appends one record; keeps its canonical bytes when `keep_payload`.
     /// Returns the record digest. A record its reader would refuse (invalid
     /// path, shape that does not fit the bytes or a u64, step and phase
-    /// inconsistent with each other or with the binding's `max_new_tokens`)
-    /// is an error and leaves the writer as it was.
+    /// inconsistent with each other or with the binding's `max_new_tokens`,
+    /// a coordinate already appended at its level) is an error and leaves
+    /// the writer as it was; so is, in version 2, a record of an earlier
+    /// step than the last one appended.
     pub fn append(
         &mut self,
         coord: Coord,
@@ -176,6 +324,13 @@ impl TraceWriter {
         tensor
             .validate(&coord.path)
             .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?;
+        self.check_new(&coord, level)?;
+        self.enter_step(coord.step)?;
+        if keep_payload {
+            // After a step's blocks (version 2) the next payload starts at
+            // the next 64-byte boundary, like every payload and block.
+            self.pad_to_alignment()?;
+        }
         let canon = self.header.binding.canon;
         let (alg, parallel) = (self.alg, self.parallel);
         let payload = if keep_payload {
@@ -204,36 +359,237 @@ impl TraceWriter {
             record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |_| Ok(()))
                 .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?
         };
+        self.push(coord, level, tensor.dtype, tensor.shape, digest, payload);
+        Ok(digest)
+    }
+
+    /// Appends record `i` of `source` (a trace opened and verified by the
+    /// caller) with its digest, copying its verified payload when it has
+    /// one: what `moeconf convert` does. A payload is hashed again on the
+    /// way, and must give the source's digest.
+    pub fn append_from(&mut self, source: &Trace, i: usize) -> Result<Digest, TraceError> {
+        let e = source
+            .get_record(i)
+            .ok_or_else(|| {
+                TraceError::invalid(&self.path, format!("record {i} of the source is not loaded"))
+            })?
+            .clone();
+        let payload = source.payload_verified(i)?;
+        let Some(bytes) = payload else {
+            // A fingerprint-only record: its digest is covered by the
+            // source's root, which the output's root must reproduce.
+            check_record(&self.header.binding, &e.coord, e.dtype, &e.shape)
+                .map_err(|m| TraceError::invalid(&self.path, format!("record {}: {m}", e.coord)))?;
+            self.check_new(&e.coord, e.level)?;
+            self.enter_step(e.coord.step)?;
+            self.push(e.coord, e.level, e.dtype, &e.shape, e.digest, None);
+            return Ok(e.digest);
+        };
+        let view = TensorView {
+            dtype: e.dtype,
+            shape: &e.shape,
+            bytes,
+        };
+        let d = self.append(e.coord.clone(), e.level, view, true)?;
+        if d != e.digest {
+            self.out = None;
+            return Err(TraceError::invalid(
+                &self.path,
+                format!(
+                    "record {}: its payload does not give the source's digest",
+                    e.coord
+                ),
+            ));
+        }
+        Ok(d)
+    }
+
+    /// Records an appended entry.
+    fn push(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: moeconf_fingerprint::DType,
+        shape: &[u64],
+        digest: Digest,
+        payload: Option<PayloadRef>,
+    ) {
         let coord = Coord {
             path: self.interner.path(&coord.path),
             ..coord
         };
-        self.entries.push(IndexEntry {
-            coord,
+        let entry = IndexEntry {
             level,
-            dtype: tensor.dtype,
-            shape: self.interner.shape(tensor.shape),
+            dtype,
+            shape: self.interner.shape(shape),
             digest,
             payload,
-        });
-        Ok(digest)
+            coord,
+        };
+        let key = (
+            level,
+            entry.coord.layer,
+            entry.coord.position,
+            entry.coord.phase,
+            entry.coord.path.clone(),
+        );
+        match &mut self.body {
+            Body::V1 { entries, keys } => {
+                keys.insert((entry.coord.step, key));
+                entries.push(entry);
+            }
+            Body::V2 { pending, keys, .. } => {
+                keys.insert(key);
+                pending.push(entry);
+            }
+        }
+        self.records += 1;
+        self.payloads += u64::from(payload.is_some());
     }
 
-    /// Writes index and trailer, syncs, and renames the file into place.
+    /// Version 2: writes the current step's group blocks (tree order) and
+    /// step block, and forgets its entries.
+    fn flush_step(&mut self) -> Result<(), TraceError> {
+        let Body::V2 {
+            step: Some(step),
+            pending,
+            keys,
+            ..
+        } = &mut self.body
+        else {
+            return Ok(());
+        };
+        let step = *step;
+        let entries = std::mem::take(pending);
+        keys.clear();
+        // Only this step's entries share the interned paths and shapes; a
+        // shape that grows with the position (a cache's length) would
+        // otherwise keep one allocation per step for the whole run.
+        self.interner = Interner::new();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let base = self.records - entries.len() as u64;
+        let mut order: Vec<usize> = (0..entries.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            let (x, y) = (&entries[a], &entries[b]);
+            (
+                x.level,
+                x.coord.layer,
+                x.coord.position,
+                x.coord.phase,
+                &x.coord.path,
+            )
+                .cmp(&(
+                    y.level,
+                    y.coord.layer,
+                    y.coord.position,
+                    y.coord.phase,
+                    &y.coord.path,
+                ))
+        });
+        let mut levels: Vec<LevelRefs> = Vec::new();
+        let mut level_records = [0u64; 5];
+        let mut i = 0;
+        while i < order.len() {
+            let (level, layer) = (entries[order[i]].level, entries[order[i]].coord.layer);
+            let start = i;
+            while i < order.len()
+                && (entries[order[i]].level, entries[order[i]].coord.layer) == (level, layer)
+            {
+                i += 1;
+            }
+            let members = &order[start..i];
+            let bytes = encode_group_block(
+                step,
+                level,
+                layer,
+                members.iter().map(|&m| (base + m as u64, &entries[m])),
+            );
+            let block = self.write_block(&bytes)?;
+            let digest = group_digest(
+                self.alg,
+                step,
+                level,
+                layer,
+                members.iter().map(|&m| entries[m].digest),
+            );
+            let g = GroupRef {
+                layer,
+                digest,
+                records: members.len() as u64,
+                block,
+            };
+            level_records[level.code() as usize] += g.records;
+            match levels.last_mut() {
+                Some(l) if l.level == level => l.groups.push(g),
+                _ => levels.push(LevelRefs {
+                    level,
+                    groups: vec![g],
+                }),
+            }
+        }
+        let block = self.write_block(&encode_step_block(step, &levels))?;
+        let digest = step_digest(
+            self.alg,
+            step,
+            levels.iter().map(|l| {
+                (
+                    l.level,
+                    level_digest(self.alg, step, l.level, l.groups.iter().map(|g| g.digest)),
+                )
+            }),
+        );
+        if let Body::V2 { steps, .. } = &mut self.body {
+            steps.push(StepRef {
+                step,
+                digest,
+                level_records,
+                block,
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes the index (version 1) or the last step's blocks and the root
+    /// block (version 2), then the trailer; syncs, and renames the file into
+    /// place.
     pub fn finish(mut self) -> Result<WriteSummary, TraceError> {
-        let (_, tree) = fingerprint_tree(self.alg, &self.header.binding, &self.entries)
+        let root = match self.body {
+            Body::V1 { .. } => self.finish_v1()?,
+            Body::V2 { .. } => self.finish_v2()?,
+        };
+        // On any failure of the flush, sync, re-check or rename the
+        // temporary file is removed (AtomicFile::commit).
+        let file = self
+            .out
+            .take()
+            .ok_or_else(|| TraceError::invalid(&self.path, "trace writer already finished or failed"))?;
+        file.commit()?;
+        Ok(WriteSummary {
+            root,
+            records: self.records,
+            payloads: self.payloads,
+            bytes: self.pos,
+        })
+    }
+
+    fn finish_v1(&mut self) -> Result<Digest, TraceError> {
+        let Body::V1 { entries, .. } = &self.body else {
+            return Err(TraceError::invalid(&self.path, "not a version 1 writer"));
+        };
+        let (_, tree) = fingerprint_tree(self.alg, &self.header.binding, entries)
             .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?;
         let mut e = Encoder::new();
-        e.len(self.entries.len());
-        for entry in &self.entries {
+        e.len(entries.len());
+        for entry in entries {
             entry.encode(&mut e);
         }
         let index = e.into_bytes();
-        let index_offset = self.pos;
         let mut trailer = Trailer {
-            index_offset,
+            index_offset: self.pos,
             index_len: index.len() as u64,
-            record_count: self.entries.len() as u64,
+            record_count: entries.len() as u64,
             root: tree.root,
             checksum: Digest::ZERO,
         };
@@ -245,18 +601,29 @@ impl TraceWriter {
         );
         self.write_all(&index)?;
         self.write_all(&trailer.to_bytes())?;
-        // On any failure of the flush, sync, re-check or rename the
-        // temporary file is removed (AtomicFile::commit).
-        let file = self
-            .out
-            .take()
-            .ok_or_else(|| TraceError::invalid(&self.path, "trace writer already finished or failed"))?;
-        file.commit()?;
-        Ok(WriteSummary {
-            root: tree.root,
-            records: self.entries.len() as u64,
-            payloads: self.entries.iter().filter(|e| e.payload.is_some()).count() as u64,
-            bytes: self.pos,
-        })
+        Ok(tree.root)
+    }
+
+    fn finish_v2(&mut self) -> Result<Digest, TraceError> {
+        self.flush_step()?;
+        let Body::V2 { steps, .. } = &self.body else {
+            return Err(TraceError::invalid(&self.path, "not a version 2 writer"));
+        };
+        let bytes = encode_root_block(steps);
+        let root = root_digest(
+            self.alg,
+            self.binding_digest,
+            steps.iter().map(|s| (s.step, s.digest)),
+        );
+        let root_block = self.write_block(&bytes)?;
+        let mut trailer = TrailerV2 {
+            root_block,
+            record_count: self.records,
+            root,
+            checksum: Digest::ZERO,
+        };
+        trailer.checksum = checksum_v2(self.alg, &self.preamble_and_header, &trailer.covered_bytes());
+        self.write_all(&trailer.to_bytes())?;
+        Ok(root)
     }
 }

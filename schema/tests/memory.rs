@@ -1,12 +1,17 @@
-//! Memory of reading and inspecting large traces, measured with a counting
-//! allocator (requested bytes, deterministic): the index holds one shared
-//! allocation per distinct path and shape instead of two per record, and
-//! `inspect --format json --tensors` streams the weight tensor list instead
-//! of building it as one JSON value (which took ~2 KiB per tensor).
+//! Memory of writing, reading and inspecting large traces, measured with a
+//! counting allocator (requested bytes, deterministic): a version 1 index
+//! holds one shared allocation per distinct path and shape instead of two
+//! per record; a version 2 trace holds a few hundred bytes per step when
+//! opened, whatever its record count, and its writer holds one step's
+//! entries at a time, whatever the number of steps; `inspect --format json
+//! --tensors` streams the weight tensor list instead of building it as one
+//! JSON value (which took ~2 KiB per tensor).
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
 use moeconf_schema::inspect::{InspectOptions, Inspection};
-use moeconf_schema::{weights_digest, Binding, CaptureSpec, Header, TensorDigest, Trace, TraceWriter};
+use moeconf_schema::{
+    check_output, weights_digest, Binding, CaptureSpec, Header, Inputs, TensorDigest, Trace, TraceWriter,
+};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -33,6 +38,9 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
+
+/// The counters are process-wide: tests that measure take this lock.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Resets the peak to the live bytes and returns them.
 fn mark() -> usize {
@@ -72,11 +80,18 @@ fn binding(tensors: Vec<TensorDigest>) -> Binding {
 }
 
 fn write(path: &std::path::Path, records: usize, tensors: Vec<TensorDigest>) {
+    write_version(path, records, tensors, 1);
+}
+
+/// `records` records, ten per (step, layer) group, 61 layers per step, in
+/// container format `version`.
+fn write_version(path: &std::path::Path, records: usize, tensors: Vec<TensorDigest>, version: u32) {
     let header = Header {
         binding: binding(tensors),
         ..Header::default()
     };
-    let mut w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
+    let out = check_output(path, &Inputs::new()).unwrap();
+    let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, version).unwrap();
     let ids = [1i32, 2, 3, 4].map(i32::to_le_bytes).concat();
     for i in 0..records {
         let group = (i / PATHS.len()) as u32;
@@ -99,6 +114,7 @@ fn write(path: &std::path::Path, records: usize, tensors: Vec<TensorDigest>) {
 
 #[test]
 fn index_and_inspect_memory_stay_compact() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
 
     let p = dir.path().join("records.bin");
@@ -114,8 +130,34 @@ fn index_and_inspect_memory_stay_compact() {
     // tree was built, made it 174 held and 246 at peak.
     assert!(per_record <= 145, "{per_record} bytes held per record");
     assert!(peak / RECORDS <= 200, "{} bytes peak per record", peak / RECORDS);
-    let paths: std::collections::HashSet<*const u8> =
-        t.records().iter().map(|e| e.coord.path.as_ptr()).collect();
+    let paths: std::collections::HashSet<*const u8> = t
+        .records()
+        .unwrap()
+        .iter()
+        .map(|e| e.coord.path.as_ptr())
+        .collect();
+    assert_eq!(paths.len(), PATHS.len(), "one allocation per distinct path");
+    drop(t);
+
+    // Version 2: opening holds the root block's step list, not the index.
+    let p = dir.path().join("records2.bin");
+    write_version(&p, RECORDS, vec![], 2);
+    let before = mark();
+    let t = Trace::open(&p).unwrap();
+    let held = LIVE.load(Ordering::Relaxed) - before;
+    let steps = t.steps().len();
+    assert_eq!(steps, RECORDS.div_ceil(610));
+    assert!(
+        held <= 1024 + 400 * steps,
+        "{held} bytes held for {steps} steps ({RECORDS} records)"
+    );
+    // Its whole index, when asked for, shares paths like version 1's.
+    let paths: std::collections::HashSet<*const u8> = t
+        .records()
+        .unwrap()
+        .iter()
+        .map(|e| e.coord.path.as_ptr())
+        .collect();
     assert_eq!(paths.len(), PATHS.len(), "one allocation per distinct path");
     drop(t);
 
@@ -147,6 +189,36 @@ fn index_and_inspect_memory_stay_compact() {
     assert!(
         peak < 256 << 10,
         "inspect --tensors allocated {peak} bytes at peak"
+    );
+}
+
+/// The peak heap bytes of writing `steps` steps of 610 records each.
+fn writer_peak(dir: &std::path::Path, steps: usize, version: u32) -> usize {
+    let p = dir.join(format!("w{steps}-{version}.bin"));
+    let before = mark();
+    write_version(&p, steps * 610, vec![], version);
+    let peak = PEAK.load(Ordering::Relaxed) - before;
+    std::fs::remove_file(&p).unwrap();
+    peak
+}
+
+/// `run`'s memory does not grow with the number of steps: the version 2
+/// writer holds the current step's entries (and 124 bytes per finished
+/// step), while the version 1 writer holds the whole index.
+#[test]
+fn writer_memory_does_not_grow_with_the_steps() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let (short, long) = (writer_peak(dir.path(), 10, 2), writer_peak(dir.path(), 200, 2));
+    // The 1 MiB write buffer and one step's entries, both runs alike.
+    assert!(
+        long < short + 200 * 200,
+        "writing 200 steps peaked at {long} bytes, 10 steps at {short}"
+    );
+    let v1 = writer_peak(dir.path(), 200, 1);
+    assert!(
+        v1 > long + 200 * 610 * 100,
+        "version 1 keeps its index ({v1} vs {long})"
     );
 }
 

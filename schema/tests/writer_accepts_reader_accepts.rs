@@ -8,7 +8,9 @@
 //! writer as it was, so the records the writer took are exactly what the
 //! reader finds; every finished trace must open fully verified with the
 //! writer's root, header and records; a refused header or a failed finish
-//! leaves no file and no temporary file.
+//! leaves no file and no temporary file. Both container versions are
+//! drawn (version 2 also refuses a record of an earlier step than one it
+//! took).
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Level, Phase, TensorView};
 use moeconf_schema::{
@@ -224,7 +226,9 @@ fn case(rng: &mut Rng, dir: &Path, n: usize) -> (bool, usize, bool) {
     let path = dir.join(format!("c{n}.bin"));
     let h = header(rng);
     let alg = rng.pick(&[Algorithm::Blake3, Algorithm::Sha256]);
-    let Ok(mut w) = TraceWriter::create(&path, alg, h.clone()) else {
+    let version = rng.pick(&[1, 2, 2]);
+    let out = moeconf_schema::check_output(&path, &moeconf_schema::Inputs::new()).unwrap();
+    let Ok(mut w) = TraceWriter::create_version(&out, alg, h.clone(), version) else {
         assert!(
             !path.exists() && leftovers(dir).is_empty(),
             "case {n}: a refused header left a file"
@@ -256,10 +260,11 @@ fn case(rng: &mut Rng, dir: &Path, n: usize) -> (bool, usize, bool) {
     let t = Trace::open_verified(&path)
         .unwrap_or_else(|e| panic!("case {n}: the writer accepted, the reader refuses: {e}"));
     assert_eq!(t.root(), summary.root, "case {n}");
+    assert_eq!(t.format_version(), version, "case {n}");
     assert_eq!(t.binding(), &h.binding, "case {n}");
     assert_eq!(t.provenance(), &h.provenance, "case {n}");
-    assert_eq!(t.records().len(), taken.len(), "case {n}");
-    for (i, (r, g)) in t.records().iter().zip(&taken).enumerate() {
+    assert_eq!(t.records().unwrap().len(), taken.len(), "case {n}");
+    for (i, (r, g)) in t.records().unwrap().iter().zip(&taken).enumerate() {
         assert_eq!(
             (&r.coord, r.level, r.dtype, &r.shape[..]),
             (&g.coord, g.level, g.dtype, &g.shape[..])

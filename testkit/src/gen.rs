@@ -43,6 +43,8 @@ pub struct TraceSpec {
     pub header: Header,
     /// Records in execution order.
     pub records: Vec<Record>,
+    /// Container format version it is written in (mostly 2, the default).
+    pub version: u32,
 }
 
 /// What the generator must include.
@@ -366,10 +368,13 @@ impl TraceSpec {
             b.outputs(u, &d, step, last, &mut text)?;
             b.state(u, &d, step, last)?;
         }
+        // Drawn last, so that the drawn content is the same in both versions.
+        let version = if u.ratio(1, 4)? { 1 } else { 2 };
         Ok(TraceSpec {
             alg,
             header,
             records: b.records,
+            version,
         })
     }
 
@@ -379,9 +384,11 @@ impl TraceSpec {
         self.header.binding.capture.keeps_payload(r.level) || r.bytes.len() <= SMALL_RECORD_BYTES
     }
 
-    /// Writes the trace with the project's writer ([`TraceWriter`]).
+    /// Writes the trace with the project's writer ([`TraceWriter`]) in its
+    /// container format version.
     pub fn write(&self, path: &Path) -> std::result::Result<WriteSummary, TraceError> {
-        let mut w = TraceWriter::create(path, self.alg, self.header.clone())?;
+        let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new())?;
+        let mut w = TraceWriter::create_version(&out, self.alg, self.header.clone(), self.version)?;
         w.set_parallel_hashing(false);
         for r in &self.records {
             let view = TensorView {

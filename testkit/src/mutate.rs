@@ -5,7 +5,16 @@
 use crate::gen::{Record, TraceSpec};
 use arbitrary::{Result, Unstructured};
 use moeconf_fingerprint::{Coord, DType, Level};
-use moeconf_schema::Trace;
+use moeconf_schema::{IndexEntry, Trace};
+
+/// Every record of a trace the project's writer wrote (its whole index): a
+/// trace that opened must give it, so a failure is an oracle failure.
+pub fn all_records(t: &Trace) -> &[IndexEntry] {
+    match t.records() {
+        Ok(r) => r,
+        Err(e) => panic!("the index of an opened trace is unreadable: {e}"),
+    }
+}
 
 /// Applies 0–3 drawn mutations to a copy of `spec`: change a byte of a
 /// record, drop a record, a step or a level, drop every record, shorten a
@@ -38,13 +47,16 @@ pub fn mutate(u: &mut Unstructured<'_>, spec: &TraceSpec) -> Result<TraceSpec> {
             6 if u.ratio(1, 4)? => c.records.clear(),
             7 if n > 0 => shorten(&mut c.records[u.choose_index(n)?]),
             8 if n > 0 => {
-                let mut r = c.records[u.choose_index(n)?].clone();
+                // Right after its source, in the same step (format version 2
+                // takes records step by step).
+                let at = u.choose_index(n)?;
+                let mut r = c.records[at].clone();
                 if let Some(l) = r.coord.layer {
                     r.coord = Coord {
                         layer: Some(l + 2),
                         ..r.coord
                     };
-                    c.records.push(r);
+                    c.records.insert(at + 1, r);
                 }
             }
             9 => {
@@ -74,14 +86,14 @@ fn shorten(r: &mut Record) {
 /// `None` when the trace keeps no payload byte. Checksums and the root stay
 /// valid: payloads are covered only by their record digests.
 pub fn flip_payload_bit(u: &mut Unstructured<'_>, trace: &Trace, bytes: &mut [u8]) -> Result<Option<usize>> {
-    let with: Vec<usize> = (0..trace.records().len())
-        .filter(|&i| trace.records()[i].payload.is_some_and(|p| p.len > 0))
+    let with: Vec<usize> = (0..all_records(trace).len())
+        .filter(|&i| all_records(trace)[i].payload.is_some_and(|p| p.len > 0))
         .collect();
     if with.is_empty() {
         return Ok(None);
     }
     let i = with[u.choose_index(with.len())?];
-    let Some(p) = trace.records()[i].payload else {
+    let Some(p) = all_records(trace)[i].payload else {
         return Ok(None);
     };
     let at = p.offset as usize + u.choose_index(p.len as usize)?;
@@ -97,17 +109,60 @@ pub fn record_keys(t: &Trace) -> Vec<String> {
 
 /// The levels a trace holds records of, as bits.
 pub fn held_levels(t: &Trace) -> u32 {
-    t.records().iter().fold(0, |acc, e| acc | (1 << e.level.code()))
+    all_records(t)
+        .iter()
+        .fold(0, |acc, e| acc | (1 << e.level.code()))
 }
 
 /// The records of `t` at the levels `levels` (bits), as [`record_keys`].
 pub fn record_keys_at(t: &Trace, levels: u32) -> Vec<String> {
-    let mut v: Vec<String> = t
-        .records()
+    let mut v: Vec<String> = all_records(t)
         .iter()
         .filter(|e| levels & (1 << e.level.code()) != 0)
         .map(|e| format!("{} {} {}", e.coord, e.level.name(), e.digest.to_hex()))
         .collect();
     v.sort();
     v
+}
+
+/// Byte ranges of a file: `(offset, length)`.
+pub type Ranges = Vec<(u64, u64)>;
+
+/// What a trace opened on use has read so far, as byte ranges: its blocks
+/// (root, step and group blocks; none for version 1) and the payloads it
+/// verified.
+pub fn read_ranges(t: &Trace) -> (Ranges, Ranges) {
+    let payloads = t
+        .payloads_read()
+        .into_iter()
+        .filter_map(|i| t.get_record(i).and_then(|e| e.payload))
+        .map(|p| (p.offset, p.len))
+        .collect();
+    (t.blocks_read(), payloads)
+}
+
+/// The payload ranges of `all` (every record of the trace) that are not
+/// among `read`.
+pub fn unread_payloads(all: &[IndexEntry], read: &[(u64, u64)]) -> Ranges {
+    all.iter()
+        .filter_map(|e| e.payload)
+        .map(|p| (p.offset, p.len))
+        .filter(|r| !read.contains(r))
+        .collect()
+}
+
+/// Flips one drawn bit of one drawn byte inside one drawn non-empty range
+/// of `ranges`; returns its offset, `None` when every range is empty.
+pub fn flip_bit_in(u: &mut Unstructured<'_>, bytes: &mut [u8], ranges: &[(u64, u64)]) -> Result<Option<u64>> {
+    let ranges: Vec<(u64, u64)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    if ranges.is_empty() {
+        return Ok(None);
+    }
+    let (offset, len) = ranges[u.choose_index(ranges.len())?];
+    let at = offset + u.choose_index(len as usize)? as u64;
+    let Some(b) = bytes.get_mut(at as usize) else {
+        return Ok(None);
+    };
+    *b ^= 1 << u.int_in_range(0..=7u8)?;
+    Ok(Some(at))
 }

@@ -6,14 +6,17 @@
 //! crash. `dir` is a scratch directory the body may overwrite.
 
 use crate::gen::{GenOptions, TraceSpec};
-use crate::mutate::{flip_payload_bit, held_levels, mutate, record_keys, record_keys_at};
+use crate::mutate::{
+    all_records, flip_bit_in, flip_payload_bit, held_levels, mutate, read_ranges, record_keys,
+    record_keys_at, unread_payloads,
+};
 use arbitrary::{Result, Unstructured};
-use moeconf_bisect::{diff, open_pair, DiffOptions, Verdict};
+use moeconf_bisect::{diff, open_pair, open_pair_with, DiffOptions, DiffReport, Verdict};
 use moeconf_fingerprint::{Component, LevelSet};
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{resolve, Mode, Profile};
-use moeconf_gate::{against_baseline, against_reference, GateError, GateReport};
-use moeconf_schema::Trace;
+use moeconf_gate::{against_baseline, against_reference, against_reference_with, GateError, GateReport};
+use moeconf_schema::{Trace, Verification};
 use std::path::{Path, PathBuf};
 
 /// What one execution of a target body reached (bits), so that the
@@ -31,6 +34,12 @@ pub const FLIP: Seen = 8;
 pub const PASSED: Seen = 16;
 /// A failing (divergent) result or an error was seen.
 pub const REFUSED: Seen = 32;
+/// A flipped byte of a tree node (root, step or group block) the command
+/// read was checked (format version 2): an error.
+pub const NODE: Seen = 64;
+/// A flipped byte of a payload the command did not read was checked
+/// (format version 2): the same answer.
+pub const UNREAD: Seen = 128;
 
 /// Writes `spec` to `dir/name`; `None` when the writer refuses it.
 fn write(spec: &TraceSpec, dir: &Path, name: &str) -> Option<PathBuf> {
@@ -75,11 +84,35 @@ fn flipped(u: &mut Unstructured<'_>, path: &Path, dir: &Path) -> Result<Option<(
 /// (an error only when a refusing binding field differs and no `--force`);
 /// different records are never equivalent; a trace against itself is
 /// equivalent; one flipped payload bit of either side is an error of
-/// [`open_pair`].
+/// [`open_pair`]. Read on use (what `moeconf diff` does): the answer is the
+/// fully verified one; a flipped bit of a payload or tree node the diff
+/// read is an error; a flipped bit of a payload it did not read of a
+/// version 2 trace leaves the answer as it was (version 1 is verified in
+/// full, so any flip is an error).
 pub fn diff_case(data: &[u8], dir: &Path) -> Seen {
     let mut seen = 0;
     let _ = diff_body(&mut Unstructured::new(data), dir, &mut seen);
     seen
+}
+
+/// A diff's answer, comparable: the report's JSON (with the traces' paths
+/// left out; JSON, because a NaN value is not equal to itself) or the
+/// error's text.
+fn answer(
+    r: std::result::Result<DiffReport, moeconf_bisect::BisectError>,
+) -> std::result::Result<serde_json::Value, String> {
+    r.map(|mut d| {
+        d.reference.path.clear();
+        d.candidate.path.clear();
+        d.to_json()
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// The answer of diffing the files at `r` and `c`, both opened on use.
+fn diff_on_use(r: &Path, c: &Path, opts: &DiffOptions) -> std::result::Result<serde_json::Value, String> {
+    let (rt, ct) = open_pair_with(r, c, Verification::OnUse).map_err(|e| e.to_string())?;
+    answer(diff(&rt, &ct, opts))
 }
 
 fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
@@ -97,7 +130,7 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         force: u.arbitrary()?,
         contract_inference: u.arbitrary()?,
     };
-    if !rt.records().is_empty() {
+    if !rt.is_empty() {
         let own = diff(&rt, &rt2, &opts).map(|d| d.verdict);
         assert!(
             matches!(own, Ok(Verdict::Equivalent)),
@@ -105,7 +138,12 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         );
     }
     let same = record_keys(&rt) == record_keys(&ct);
-    match diff(&rt, &ct, &opts) {
+    let full = diff(&rt, &ct, &opts);
+    let full_answer = match &full {
+        Ok(d) => answer(Ok(d.clone())),
+        Err(e) => Err(e.to_string()),
+    };
+    match full {
         Ok(rep) => {
             *seen |= VERDICT | if same { SAME | PASSED } else { DIFFERENT | REFUSED };
             let _ = (rep.to_json(), rep.render_text(false), rep.render_text(true));
@@ -122,11 +160,18 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
             *seen |= REFUSED;
             let refusing = r.header.binding.prompt != c.header.binding.prompt && !opts.force;
             assert!(
-                !same || refusing || rt.records().is_empty(),
+                !same || refusing || rt.is_empty(),
                 "the same records, no refusing difference, yet an error: {e}"
             );
         }
     }
+    // Read on use: the same answer, from what it read.
+    let (lr, lc) = match open_pair_with(&rp, &cp, Verification::OnUse) {
+        Ok(p) => p,
+        Err(e) => panic!("opening on use refused what the writer wrote: {e}"),
+    };
+    let lazy = answer(diff(&lr, &lc, &opts));
+    assert_eq!(lazy, full_answer, "reading on use changed the answer");
     if u.arbitrary()? {
         if let Some((fp, _, _)) = flipped(u, &rp, dir)? {
             assert!(open_pair(&fp, &cp).is_err(), "flipped reference payload accepted");
@@ -135,6 +180,50 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     } else if let Some((fp, _, _)) = flipped(u, &cp, dir)? {
         assert!(open_pair(&rp, &fp).is_err(), "flipped candidate payload accepted");
         *seen |= FLIP;
+    }
+    // One flipped bit where the diff read (a payload or a node) or, of a
+    // version 2 trace, in a payload it did not read.
+    let reference_side = u.arbitrary::<bool>()?;
+    let (path, t, full_t) = if reference_side {
+        (&rp, &lr, &rt)
+    } else {
+        (&cp, &lc, &ct)
+    };
+    let (blocks, payloads) = read_ranges(t);
+    let Ok(mut bytes) = std::fs::read(path) else {
+        return Ok(());
+    };
+    let kind = u.int_in_range(0..=2u8)?;
+    let ranges = match kind {
+        0 => payloads.clone(),
+        1 => blocks,
+        _ => unread_payloads(all_records(full_t), &payloads),
+    };
+    let Some(at) = flip_bit_in(u, &mut bytes, &ranges)? else {
+        return Ok(());
+    };
+    let bad = dir.join("flipped-on-use.bin");
+    if std::fs::write(&bad, &bytes).is_err() {
+        return Ok(());
+    }
+    let (a, b) = if reference_side { (&bad, &cp) } else { (&rp, &bad) };
+    let got = diff_on_use(a, b, &opts);
+    if kind < 2 || t.format_version() == 1 {
+        assert!(
+            got.is_err(),
+            "a flipped bit at byte {at} of a {} the diff read was accepted (version {})",
+            if kind == 0 { "payload" } else { "tree node" },
+            t.format_version()
+        );
+        if kind == 1 {
+            *seen |= NODE;
+        }
+    } else {
+        assert_eq!(
+            got, lazy,
+            "a flipped bit at byte {at} of a payload the diff did not read changed its answer"
+        );
+        *seen |= UNREAD;
     }
     Ok(())
 }
@@ -205,7 +294,7 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     check_self("trace", &rt, &p, &own);
     *seen |= SAME | if passes(&own) { PASSED } else { REFUSED };
     let bp = dir.join("baseline.json");
-    let blessed = !rt.records().is_empty() && Baseline::of(&rt).and_then(|b| b.write(&bp)).is_ok();
+    let blessed = !rt.is_empty() && Baseline::of(&rt).and_then(|b| b.write(&bp)).is_ok();
     if blessed {
         let own = against_baseline(&bp, &rt, &p, false);
         render(&own);
@@ -241,6 +330,42 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         }
         if differs && all(&|m| m != Mode::Info) {
             assert!(!passes(&got), "a differing candidate passed a baseline gate");
+        }
+    }
+    // Read on use (what `moeconf gate` does): the same report; a flipped bit
+    // of a candidate payload or node the gate read is an error.
+    let lazy_c = match Trace::open(&cp) {
+        Ok(t) => t,
+        Err(e) => panic!("the reader refused what the writer wrote: {e}"),
+    };
+    let lazy = against_reference_with(&rp, &lazy_c, &p, force, Verification::OnUse);
+    let text = |r: &std::result::Result<GateReport, GateError>| match r {
+        Ok(rep) => Ok(rep.to_json()),
+        Err(e) => Err(e.to_string()),
+    };
+    assert_eq!(
+        text(&lazy),
+        text(&got),
+        "reading on use changed the gate's answer"
+    );
+    let (blocks, payloads) = read_ranges(&lazy_c);
+    let node = u.arbitrary::<bool>()?;
+    if let Ok(mut bytes) = std::fs::read(&cp) {
+        if let Some(at) = flip_bit_in(u, &mut bytes, if node { &blocks } else { &payloads })? {
+            let bad = dir.join("flipped-on-use.bin");
+            if std::fs::write(&bad, &bytes).is_ok() {
+                let r = Trace::open(&bad)
+                    .map_err(GateError::Candidate)
+                    .and_then(|t| against_reference_with(&rp, &t, &p, force, Verification::OnUse));
+                assert!(
+                    r.is_err(),
+                    "a flipped bit at byte {at} of a candidate {} the gate read was accepted",
+                    if node { "tree node" } else { "payload" }
+                );
+                if node {
+                    *seen |= NODE;
+                }
+            }
         }
     }
     if u.arbitrary()? {
@@ -328,7 +453,9 @@ fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result
     }
     if let Some((_, ft, i)) = flipped(u, &path, dir)? {
         assert!(ft.verify_payloads().is_err(), "flipped payload verified");
-        let e = &ft.records()[i];
+        let Ok(Some(e)) = ft.load_record(i) else {
+            panic!("record {i} of a trace with a flipped payload bit is unreadable")
+        };
         let key = (e.coord.step, e.coord.position, e.coord.layer);
         let in_event = Component::parse(&e.coord.path)
             .is_some_and(|(c, _)| matches!(c, Component::MoeTerm | Component::MoeShared));
@@ -351,7 +478,7 @@ type EventKey = (u32, u32, Option<u32>);
 /// routed term and shared output of each keeps its payload.
 fn moe_events(t: &Trace) -> Vec<(EventKey, bool)> {
     let mut out: Vec<(EventKey, bool)> = Vec::new();
-    for e in t.records() {
+    for e in all_records(t) {
         let Some((c, _)) = Component::parse(&e.coord.path) else {
             continue;
         };

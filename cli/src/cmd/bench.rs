@@ -25,6 +25,52 @@ pub enum BenchCommand {
     /// against the reference run that wrote it, on the fixture; prints the
     /// ratio replay / run.
     Replay(BenchReplayArgs),
+    /// Diff cost against trace size: two fingerprint-only traces of 10^4 …
+    /// 10^6 records (10^7 with --up-to 7) differing in one record, `moeconf
+    /// diff` (a child process: time and peak RSS) against a byte comparison
+    /// of the files; and `moeconf run`'s peak RSS against the number of steps.
+    Scale(BenchScaleArgs),
+    /// Writes one synthetic trace of `bench scale` (its child process).
+    #[command(hide = true)]
+    ScaleWrite(BenchScaleWriteArgs),
+}
+
+/// `moeconf bench scale`.
+#[derive(Debug, Args)]
+pub struct BenchScaleArgs {
+    /// Largest size, as a power of ten: 4 to 7 (10^7 records writes two
+    /// traces of about 0.9 GiB each; check the free space of --dir first).
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(4..=7))]
+    pub up_to: u32,
+    /// Repetitions of the byte comparison and the diff (the best is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
+    /// Token counts of the `moeconf run` memory measurement (comma-separated; `none` skips it).
+    #[arg(long, default_value = "50,200,800")]
+    pub run_tokens: String,
+    /// Directory for the temporary traces (removed after each size; refused if one already exists).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// `moeconf bench scale-write` (hidden).
+#[derive(Debug, Args)]
+pub struct BenchScaleWriteArgs {
+    /// About this many records (whole steps).
+    #[arg(long)]
+    pub records: u64,
+    /// Change the middle step's `moe.combine` of layer 21.
+    #[arg(long)]
+    pub changed: bool,
+    /// Container format version.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    pub version: u32,
+    /// Output trace.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 /// `moeconf bench replay`.
@@ -133,7 +179,39 @@ pub fn run(cmd: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Diff(a) => diff(a),
         BenchCommand::Runtime(a) => runtime(a),
         BenchCommand::Replay(a) => replay(a),
+        BenchCommand::Scale(a) => scale(a),
+        BenchCommand::ScaleWrite(a) => {
+            moeconf_bench::scale::write_synthetic(&a.out, a.records, a.changed, a.version)?;
+            Ok(ExitCode::SUCCESS)
+        }
     }
+}
+
+fn scale(a: &BenchScaleArgs) -> anyhow::Result<ExitCode> {
+    let run_tokens = if a.run_tokens == "none" {
+        Vec::new()
+    } else {
+        a.run_tokens
+            .split(',')
+            .map(|t| {
+                t.trim()
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|&n| (1..=100_000).contains(&n))
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--run-tokens {t:?}: expected token counts 1..=100000 or none")
+                    })
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let opts = moeconf_bench::scale::ScaleOptions {
+        exponents: (4..=a.up_to).collect(),
+        repeat: a.repeat,
+        dir: a.dir.clone(),
+        run_tokens,
+        exe: std::env::current_exe()?,
+    };
+    print(moeconf_bench::scale::scale(&opts)?, a.format)
 }
 
 /// Prints a benchmark's report in `format`.

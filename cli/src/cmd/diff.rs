@@ -7,8 +7,8 @@ use crate::cli::Format;
 use crate::output::check_output;
 use crate::output::print_json;
 use anyhow::Context;
-use moeconf_bisect::{diff, open_pair, DiffOptions};
-use moeconf_schema::Inputs;
+use moeconf_bisect::{diff, open_pair_with, DiffOptions};
+use moeconf_schema::{Inputs, Verification};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,6 +54,13 @@ pub struct DiffArgs {
     /// when it names an input or a non-regular file.
     #[arg(long, value_name = "FILE")]
     pub html: Option<PathBuf>,
+    /// Verify every byte of both traces before comparing, not only what the
+    /// report reads (version 2 traces are otherwise verified node by node
+    /// and payload by payload as the comparison reads them, so the cost
+    /// follows the divergent path; version 1 traces are always verified in
+    /// full).
+    #[arg(long)]
+    pub verify_all: bool,
 }
 
 impl DiffArgs {
@@ -67,6 +74,7 @@ impl DiffArgs {
             no_contract_inference: false,
             color: ColorChoice::Auto,
             html: None,
+            verify_all: false,
         }
     }
 }
@@ -92,7 +100,12 @@ pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let (reference, candidate) = open_pair(&a.reference, &a.candidate)?;
+    let verification = if a.verify_all {
+        Verification::Full
+    } else {
+        Verification::OnUse
+    };
+    let (reference, candidate) = open_pair_with(&a.reference, &a.candidate, verification)?;
     let opts = DiffOptions {
         force: a.force,
         contract_inference: !a.no_contract_inference,

@@ -17,10 +17,10 @@ use anyhow::Context;
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{self, Overrides};
 use moeconf_gate::{
-    against_baseline, against_reference, report_junit, report_md, write_checked, FileKind, GateError,
-    GateReport,
+    against_baseline_with, against_reference_with, report_junit, report_md, write_checked, FileKind,
+    GateError, GateReport,
 };
-use moeconf_schema::{CheckedOutput, Inputs, Trace};
+use moeconf_schema::{CheckedOutput, Inputs, Trace, Verification};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -95,6 +95,12 @@ pub struct GateArgs {
     /// Record the candidate's fingerprints as the accepted baseline (review the file's diff, then commit).
     #[arg(long, requires = "baseline")]
     pub bless: bool,
+    /// Verify every byte of both traces before judging, not only what the
+    /// verdict reads (version 2 traces are otherwise verified node by node
+    /// and payload by payload as the gate reads them; version 1 traces and
+    /// --bless always verify every byte).
+    #[arg(long)]
+    pub verify_all: bool,
     /// Exit codes for `git bisect run`: 0 good, 1 bad, 125 skip (candidate unreadable), 128 other errors.
     #[arg(long)]
     pub bisect_exit_codes: bool,
@@ -270,8 +276,14 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         )));
     }
     let outputs = check_gate_outputs(a, (reference, candidate), &source).map_err(setup)?;
-    // Every payload is re-hashed before anything is judged or blessed.
-    let cand = Trace::open_verified(candidate).map_err(GateError::Candidate)?;
+    // What is judged is verified before it is used (every byte with
+    // --verify-all, of a version 1 trace, and before blessing).
+    let verification = if a.verify_all || a.bless {
+        Verification::Full
+    } else {
+        Verification::OnUse
+    };
+    let cand = Trace::open_for(candidate, verification).map_err(GateError::Candidate)?;
     let mut report = match (reference, &a.baseline) {
         (_, Some(_)) if a.bless => {
             let out = outputs
@@ -282,8 +294,8 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             bless(&cand, out)?;
             return Ok(0);
         }
-        (None, Some(file)) => against_baseline(file, &cand, &profile, a.force)?,
-        (Some(rp), _) => against_reference(rp, &cand, &profile, a.force)?,
+        (None, Some(file)) => against_baseline_with(file, &cand, &profile, a.force, verification)?,
+        (Some(rp), _) => against_reference_with(rp, &cand, &profile, a.force, verification)?,
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
     report.policy_source = source.describe();
@@ -301,7 +313,7 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         write_checked(out, report_junit::render(&report).as_bytes(), FileKind::Report)?;
     }
     if let Some(out) = &outputs.html {
-        let page = html_page(&report, reference, &cand, a.force).map_err(setup)?;
+        let page = html_page(&report, reference, &cand, a.force, verification).map_err(setup)?;
         write_checked(out, page.as_bytes(), FileKind::Report)?;
     }
     Ok(report.exit_code())
@@ -314,6 +326,7 @@ fn html_page(
     reference: Option<&PathBuf>,
     cand: &Trace,
     force: bool,
+    verification: Verification,
 ) -> anyhow::Result<String> {
     let summary = moeconf_report::GateSummary {
         verdict: report.verdict.label().into(),
@@ -326,7 +339,7 @@ fn html_page(
     let Some(rp) = reference else {
         return Ok(moeconf_report::render_gate_only(&summary));
     };
-    let r = Trace::open_verified(rp).map_err(GateError::Reference)?;
+    let r = Trace::open_for(rp, verification).map_err(GateError::Reference)?;
     let opts = moeconf_bisect::DiffOptions {
         force,
         contract_inference: true,

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod calibrate;
 pub mod certify;
+pub mod convert;
 pub mod demo;
 pub mod diff;
 pub mod explain;
@@ -32,6 +33,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Explain(a) => explain::run(&a),
         Command::Sweep(a) => sweep::run(&a),
         Command::Certify(a) => certify::run(&a),
+        Command::Convert(a) => convert::run(&a),
         Command::Import(a) => import::run(&a),
         Command::Gate(a) => gate::run(&a),
         Command::Calibrate(a) => calibrate::run(&a),

@@ -2,7 +2,8 @@
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
 use moeconf_schema::{
-    Binding, CaptureSpec, Decoding, Header, PromptBinding, Provenance, TraceWriter, WriteSummary,
+    check_output, Binding, CaptureSpec, Decoding, Header, Inputs, PromptBinding, Provenance, TraceWriter,
+    WriteSummary,
 };
 use std::path::Path;
 
@@ -53,7 +54,14 @@ pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// including a NaN and a negative zero.
 #[allow(dead_code)] // not every test binary that includes this module writes the small trace
 pub fn write_small(path: &Path, alg: Algorithm) -> WriteSummary {
-    let mut w = TraceWriter::create(path, alg, header()).unwrap();
+    write_small_version(path, alg, moeconf_schema::DEFAULT_FORMAT_VERSION)
+}
+
+/// [`write_small`] in container format `version` (1 or 2).
+#[allow(dead_code)]
+pub fn write_small_version(path: &Path, alg: Algorithm, version: u32) -> WriteSummary {
+    let out = check_output(path, &Inputs::new()).unwrap();
+    let mut w = TraceWriter::create_version(&out, alg, header(), version).unwrap();
     for step in 0..2u32 {
         let tok = (40 + step as i32).to_le_bytes();
         w.append(

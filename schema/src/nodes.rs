@@ -1,0 +1,138 @@
+//! The fingerprint tree of an opened trace as its readers see it: steps,
+//! levels and layer groups with their digests (docs/format.md §4.3).
+//!
+//! A version 1 trace holds its whole tree in memory from the moment it is
+//! opened; a version 2 trace reads a step's node, and a group's records,
+//! from the file the first time they are asked for ([`Trace::step`],
+//! [`Trace::group_records`]), verifying each against its parent up to the
+//! trailer. The types are the same for both, so a comparison walks either
+//! without knowing which it has.
+
+use crate::v2::BlockRef;
+use crate::IndexEntry;
+use moeconf_fingerprint::{Digest, Level};
+use std::sync::OnceLock;
+
+#[allow(unused_imports)] // doc links
+use crate::Trace;
+
+/// One step as the root lists it: known as soon as a trace is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepSummary {
+    /// The step.
+    pub step: u32,
+    /// The step digest.
+    pub digest: Digest,
+    /// Records of the step at each level L0..L4.
+    pub level_records: [u64; 5],
+}
+
+impl StepSummary {
+    /// Whether the step holds records of `level`.
+    pub fn has(&self, level: Level) -> bool {
+        self.level_records[level.code() as usize] > 0
+    }
+
+    /// Records of the step at `level`.
+    pub fn records_at(&self, level: Level) -> u64 {
+        self.level_records[level.code() as usize]
+    }
+
+    /// Records of the step.
+    pub fn records(&self) -> u64 {
+        self.level_records.iter().sum()
+    }
+}
+
+/// The levels of one step.
+#[derive(Debug)]
+pub struct StepNode {
+    /// The step.
+    pub step: u32,
+    /// The step digest.
+    pub digest: Digest,
+    /// Its levels, ascending.
+    pub levels: Vec<LevelNode>,
+    /// Version 2: where the step's payloads end (its first group block).
+    pub(crate) payload_end: u64,
+    /// Version 2: the group blocks, in tree order (empty for version 1).
+    pub(crate) blocks: Box<[BlockRef]>,
+}
+
+impl StepNode {
+    /// The level node for `level`, if present.
+    pub fn level(&self, level: Level) -> Option<&LevelNode> {
+        self.levels.iter().find(|l| l.level == level)
+    }
+}
+
+/// The layer groups of one (step, level).
+#[derive(Debug)]
+pub struct LevelNode {
+    /// The level.
+    pub level: Level,
+    /// The level digest.
+    pub digest: Digest,
+    /// Its layer groups, `None` first then by layer.
+    pub groups: Vec<GroupNode>,
+}
+
+impl LevelNode {
+    /// The group for `layer`, if present.
+    pub fn group(&self, layer: Option<u32>) -> Option<&GroupNode> {
+        self.groups.iter().find(|g| g.layer == layer)
+    }
+}
+
+/// The records of one (step, level, layer). Its digest and record count
+/// are known with its step; the records themselves come from
+/// [`Trace::group_records`].
+#[derive(Debug)]
+pub struct GroupNode {
+    /// The layer, or `None` for model-global records.
+    pub layer: Option<u32>,
+    /// The group digest.
+    pub digest: Digest,
+    /// Records in the group.
+    pub records: u64,
+    pub(crate) at: GroupAt,
+    pub(crate) content: OnceLock<Result<GroupContent, Fault>>,
+}
+
+/// Where a group sits: its step (index into the root's steps), level and
+/// position among the level's groups, and (version 2) its block's index in
+/// [`StepNode`]'s blocks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GroupAt {
+    pub step_index: u32,
+    pub level: Level,
+    pub level_index: u8,
+    pub group_index: u32,
+    pub block: u32,
+}
+
+/// A loaded group: the record ids (write-order numbers) in canonical order
+/// and, for version 2, the entries themselves (version 1 keeps them in its
+/// flat index).
+#[derive(Debug)]
+pub(crate) struct GroupContent {
+    pub ids: Box<[usize]>,
+    pub entries: Box<[IndexEntry]>,
+}
+
+/// A verification failure remembered by a lazily loaded node, turned into a
+/// [`crate::TraceError`] naming the file each time the node is asked for.
+#[derive(Debug, Clone)]
+pub(crate) struct Fault {
+    pub offset: u64,
+    pub what: String,
+}
+
+impl Fault {
+    pub fn new(offset: u64, what: impl Into<String>) -> Fault {
+        Fault {
+            offset,
+            what: what.into(),
+        }
+    }
+}

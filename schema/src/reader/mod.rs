@@ -1,0 +1,711 @@
+//! Validating trace reader for both container versions.
+//!
+//! A trace file is untrusted input. [`Trace::open`] checks, in this order:
+//! size, magic, version, reserved fields, algorithm, header length, trailer
+//! magic and offsets, the checksum, then decodes the header. What follows
+//! depends on the version:
+//!
+//! * **version 1**: the index is decoded whole (every length capped before
+//!   allocating), payload placement is checked, the hash tree is rebuilt and
+//!   its root compared with the trailer's. Everything but the payload bytes
+//!   is then verified.
+//! * **version 2**: only the root block is read (its digest pinned by the
+//!   trailer, its fingerprint root recomputed). A step's node and a group's
+//!   records are read the first time they are asked for ([`Trace::step`],
+//!   [`Trace::group_records`]), each block checked against the digests its
+//!   parent holds; nothing that is not asked for is read. See
+//!   docs/format.md §11.
+//!
+//! [`Trace::verify_payloads`] verifies every byte of either version: every
+//! payload re-hashed, every block read and checked, every padding byte zero.
+//! Payload bytes are only ever handed out by [`Trace::payload_verified`],
+//! which re-hashes a payload against its record digest before its first use
+//! (and remembers that it did); there is no accessor for unverified bytes.
+//! Any failure names the file and the byte offset.
+
+mod v1;
+mod v2;
+
+use crate::binding::{Binding, Provenance};
+use crate::error::TraceError;
+use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
+use crate::nodes::{Fault, GroupNode, StepNode, StepSummary};
+use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, TensorView};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+enum Backing {
+    Map(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Map(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// How much of a trace a command verifies before it answers from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verification {
+    /// Every byte ([`Trace::verify_payloads`]).
+    Full,
+    /// What the answer uses. A version 2 trace is verified node by node and
+    /// payload by payload as they are read (each on first use, against its
+    /// parent up to the trailer), so bytes that are never read cannot
+    /// influence the answer. A version 1 trace has no per-node digests:
+    /// it is verified in full, as before version 2 existed.
+    OnUse,
+}
+
+/// An opened, validated trace.
+pub struct Trace {
+    path: PathBuf,
+    data: Backing,
+    alg: Algorithm,
+    version: u32,
+    header: Header,
+    binding_digest: Digest,
+    header_end: u64,
+    payload_start: u64,
+    root: Digest,
+    record_count: u64,
+    /// The steps, ascending, as the root lists them.
+    summaries: Vec<StepSummary>,
+    /// One slot per step: version 1 fills them all on open, version 2 on
+    /// first use.
+    nodes: Box<[OnceLock<Result<StepNode, Fault>>]>,
+    store: Store,
+    /// One bit per record: its payload has been re-hashed and matched.
+    verified: Bits,
+    /// Set once [`Trace::verify_payloads`] has succeeded.
+    fully_verified: AtomicBool,
+}
+
+enum Store {
+    V1(v1::Store),
+    V2(Box<v2::Store>),
+}
+
+/// What [`Trace::verify_payloads`] checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifySummary {
+    /// Payloads re-hashed.
+    pub payloads: u64,
+    /// Payload bytes re-hashed.
+    pub payload_bytes: u64,
+}
+
+/// Payloads up to this size are re-hashed with the record prefix in one
+/// call (copied after the prefix); larger ones are streamed.
+const ONE_SHOT_PAYLOAD: usize = 4096;
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// What the preamble says about the file's layout.
+struct Preambled {
+    alg: Algorithm,
+    version: u32,
+    /// End of the header (start of the padding before the payload section).
+    header_end: u64,
+    /// Start of the payload section.
+    payload_start: u64,
+}
+
+/// The smallest file of `version` (preamble and trailer).
+fn smallest(version: u32) -> u64 {
+    PREAMBLE_LEN
+        + if version == crate::v2::FORMAT_V2 {
+            crate::v2::TRAILER_V2_LEN
+        } else {
+            crate::layout::TRAILER_LEN
+        }
+}
+
+/// Checks size, magic, version, flags, algorithm, reserved field and header length.
+fn check_preamble(path: &Path, b: &[u8]) -> Result<Preambled, TraceError> {
+    let len = b.len() as u64;
+    let fail = |offset: u64, what: String| TraceError::format(path, offset, what);
+    if len < smallest(1) {
+        return Err(fail(
+            0,
+            format!("file is {len} bytes, shorter than the smallest trace"),
+        ));
+    }
+    if b[0..8] != MAGIC {
+        return Err(fail(
+            0,
+            "not a moeconf trace (bad magic; expected \"MOECONF\\0\")".into(),
+        ));
+    }
+    let version = u32_at(b, 8);
+    if version != 1 && version != crate::v2::FORMAT_V2 {
+        return Err(TraceError::UnsupportedVersion {
+            path: path.to_path_buf(),
+            found: version,
+            supported: crate::v2::FORMAT_V2,
+        });
+    }
+    if len < smallest(version) {
+        return Err(fail(
+            0,
+            format!("file is {len} bytes, shorter than the smallest version {version} trace"),
+        ));
+    }
+    let flags = u32_at(b, 12);
+    if flags != 0 {
+        return Err(fail(
+            12,
+            format!("unknown flags {flags:#x} (must be 0 in version {version})"),
+        ));
+    }
+    let alg_code = u32_at(b, 16);
+    let alg = Algorithm::from_code(alg_code)
+        .ok_or_else(|| fail(16, format!("unknown digest algorithm code {alg_code}")))?;
+    if u32_at(b, 20) != 0 {
+        return Err(fail(20, "reserved field is not zero".into()));
+    }
+    let header_len = u64_at(b, 24);
+    let trailer = smallest(version) - PREAMBLE_LEN;
+    let header_end = PREAMBLE_LEN
+        .checked_add(header_len)
+        .filter(|&e| header_len <= MAX_HEADER_LEN && e <= len - trailer)
+        .ok_or_else(|| {
+            fail(
+                24,
+                format!("header length {header_len} does not fit in a {len}-byte file"),
+            )
+        })?;
+    let payload_start = align_up(header_end).ok_or_else(|| fail(24, "header length overflows".into()))?;
+    Ok(Preambled {
+        alg,
+        version,
+        header_end,
+        payload_start,
+    })
+}
+
+/// A bitset whose 32 KiB chunks are allocated when first written, so that
+/// opening a trace of 10^7 records touches no memory for it (a diff marks
+/// a handful of bits).
+struct Bits {
+    chunks: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    words: usize,
+}
+
+/// Words (of 64 bits) per chunk of [`Bits`].
+const CHUNK_WORDS: usize = 4096;
+
+impl Bits {
+    /// `n` zero bits.
+    fn new(n: u64) -> Bits {
+        let words = n.div_ceil(64) as usize;
+        Bits {
+            chunks: (0..words.div_ceil(CHUNK_WORDS))
+                .map(|_| OnceLock::new())
+                .collect(),
+            words,
+        }
+    }
+
+    /// The number of 64-bit words.
+    fn len(&self) -> usize {
+        self.words
+    }
+
+    /// Word `w` (allocating its chunk), `None` past the end.
+    fn word(&self, w: usize) -> Option<&AtomicU64> {
+        if w >= self.words {
+            return None;
+        }
+        let chunk = self.chunks.get(w / CHUNK_WORDS)?.get_or_init(|| {
+            let n = CHUNK_WORDS.min(self.words - w / CHUNK_WORDS * CHUNK_WORDS);
+            (0..n).map(|_| AtomicU64::new(0)).collect()
+        });
+        chunk.get(w % CHUNK_WORDS)
+    }
+
+    /// Word `w`'s bits, without allocating (0 when its chunk is absent).
+    fn peek(&self, w: usize) -> u64 {
+        self.chunks
+            .get(w / CHUNK_WORDS)
+            .and_then(|c| c.get())
+            .and_then(|c| c.get(w % CHUNK_WORDS))
+            .map_or(0, |x| x.load(Ordering::Relaxed))
+    }
+}
+
+impl Trace {
+    /// Opens and validates the trace at `path` (memory-mapped). A version 2
+    /// trace is read lazily: see the module documentation.
+    pub fn open(path: &Path) -> Result<Trace, TraceError> {
+        let file = File::open(path).map_err(|e| TraceError::io(path, "opening trace", e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| TraceError::io(path, "reading trace metadata", e))?
+            .len();
+        if len < smallest(1) {
+            return Err(TraceError::format(
+                path,
+                0,
+                format!(
+                    "file is {len} bytes, shorter than the smallest trace ({} bytes): truncated or not a trace",
+                    smallest(1)
+                ),
+            ));
+        }
+        // SAFETY: the map is read-only and private to this process; like every
+        // memory-mapped reader it assumes no other process truncates the file
+        // while it is open. All reads below are bounds-checked slices.
+        let map =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| TraceError::io(path, "mapping trace", e))?;
+        Trace::parse(path, Backing::Map(map))
+    }
+
+    /// Opens the trace at `path` and verifies every byte of it
+    /// ([`Trace::verify_payloads`]), so that no byte it did not check can
+    /// stand behind an answer: what `inspect`, `certify`, `explain`,
+    /// `replay`, `calibrate` and `convert` use.
+    pub fn open_verified(path: &Path) -> Result<Trace, TraceError> {
+        Trace::open_for(path, Verification::Full)
+    }
+
+    /// Opens the trace at `path` and verifies it as `verification` says:
+    /// what `diff` and `gate` use ([`Verification::OnUse`] unless asked for
+    /// every byte).
+    pub fn open_for(path: &Path, verification: Verification) -> Result<Trace, TraceError> {
+        let t = Trace::open(path)?;
+        t.ensure(verification)?;
+        Ok(t)
+    }
+
+    /// Verifies an open trace as `verification` says (see [`Verification`]).
+    pub fn ensure(&self, verification: Verification) -> Result<(), TraceError> {
+        match (verification, &self.store) {
+            (Verification::OnUse, Store::V2(_)) => Ok(()),
+            _ => self.verify_payloads().map(|_| ()),
+        }
+    }
+
+    /// Validates a trace held in memory (`name` is used in messages).
+    pub fn from_bytes(name: &Path, bytes: Vec<u8>) -> Result<Trace, TraceError> {
+        Trace::parse(name, Backing::Owned(bytes))
+    }
+
+    fn parse(path: &Path, data: Backing) -> Result<Trace, TraceError> {
+        let b = data.bytes();
+        let pre = check_preamble(path, b)?;
+        let opened = if pre.version == 1 {
+            v1::open(path, b, &pre)?
+        } else {
+            v2::open(path, b, &pre)?
+        };
+        let n = opened.summaries.len();
+        let nodes: Box<[OnceLock<Result<StepNode, Fault>>]> = match opened.nodes {
+            Some(nodes) => nodes.into_iter().map(|n| OnceLock::from(Ok(n))).collect(),
+            None => (0..n).map(|_| OnceLock::new()).collect(),
+        };
+        Ok(Trace {
+            path: path.to_path_buf(),
+            alg: pre.alg,
+            version: pre.version,
+            header: opened.header,
+            binding_digest: opened.binding_digest,
+            header_end: pre.header_end,
+            payload_start: pre.payload_start,
+            root: opened.root,
+            record_count: opened.record_count,
+            summaries: opened.summaries,
+            nodes,
+            verified: Bits::new(opened.record_count),
+            fully_verified: AtomicBool::new(false),
+            store: opened.store,
+            data,
+        })
+    }
+
+    /// The file this trace was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The container format version of the file (1 or 2).
+    pub fn format_version(&self) -> u32 {
+        self.version
+    }
+
+    /// The digest algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.alg
+    }
+
+    /// The hashed binding.
+    pub fn binding(&self) -> &Binding {
+        &self.header.binding
+    }
+
+    /// Digest of the binding (a child of the root).
+    pub fn binding_digest(&self) -> Digest {
+        self.binding_digest
+    }
+
+    /// The unhashed provenance.
+    pub fn provenance(&self) -> &Provenance {
+        &self.header.provenance
+    }
+
+    /// Root digest.
+    pub fn root(&self) -> Digest {
+        self.root
+    }
+
+    /// Number of records (from the verified root: version 2 sums the
+    /// record counts of the root block's steps, which it checks against the
+    /// trailer).
+    pub fn record_count(&self) -> u64 {
+        self.record_count
+    }
+
+    /// Whether the trace holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.record_count == 0
+    }
+
+    /// The steps, ascending, with their digests and record counts per
+    /// level: known on open, without reading any step's node.
+    pub fn steps(&self) -> &[StepSummary] {
+        &self.summaries
+    }
+
+    /// The summary of `step`, if present.
+    pub fn step_summary(&self, step: u32) -> Option<&StepSummary> {
+        self.step_index(step).map(|k| &self.summaries[k])
+    }
+
+    fn step_index(&self, step: u32) -> Option<usize> {
+        self.summaries.binary_search_by_key(&step, |s| s.step).ok()
+    }
+
+    /// Whether any step holds records of `level`.
+    pub fn has_level(&self, level: moeconf_fingerprint::Level) -> bool {
+        self.summaries.iter().any(|s| s.has(level))
+    }
+
+    /// The node of `step` (its levels and layer groups with their digests),
+    /// `None` when the trace holds no such step. Version 2 reads and
+    /// verifies the step's block on first use; an error names the file and
+    /// offset (and is returned again on every later call).
+    pub fn step(&self, step: u32) -> Result<Option<&StepNode>, TraceError> {
+        let Some(k) = self.step_index(step) else {
+            return Ok(None);
+        };
+        self.step_at(k).map(Some)
+    }
+
+    /// The node of the `k`-th step of [`Trace::steps`].
+    fn step_at(&self, k: usize) -> Result<&StepNode, TraceError> {
+        let slot = self
+            .nodes
+            .get(k)
+            .ok_or_else(|| TraceError::format(&self.path, 0, format!("no step number {k}")))?;
+        let r = slot.get_or_init(|| match &self.store {
+            Store::V2(s) => s.load_step(self, k),
+            // Version 1 fills every slot on open.
+            Store::V1(_) => Err(Fault::new(0, "step node missing")),
+        });
+        r.as_ref().map_err(|f| self.fault(f))
+    }
+
+    /// The record ids of `group` (a group of one of this trace's step
+    /// nodes), in canonical tree order (position, phase, path). Version 2
+    /// reads and verifies the group's block on first use.
+    pub fn group_records<'a>(&'a self, group: &'a GroupNode) -> Result<&'a [usize], TraceError> {
+        let r = group.content.get_or_init(|| match &self.store {
+            Store::V2(s) => s.load_group(self, group, true),
+            Store::V1(_) => Err(Fault::new(0, "group records missing")),
+        });
+        r.as_ref().map(|c| &c.ids[..]).map_err(|f| self.fault(f))
+    }
+
+    /// The record with id `i` (its position in write order), when this
+    /// trace has it in memory: every record of a version 1 trace, the
+    /// records of the groups [`Trace::group_records`] has loaded of a
+    /// version 2 trace (and every record after [`Trace::records`]).
+    pub fn get_record(&self, i: usize) -> Option<&IndexEntry> {
+        match &self.store {
+            Store::V1(s) => s.entries.get(i),
+            Store::V2(s) => s.record(self, i),
+        }
+    }
+
+    /// The record with id `i` (its position in write order), read from the
+    /// file if it is not in memory yet (version 2: the groups of its step,
+    /// verified as [`Trace::group_records`] verifies them); `Ok(None)` when
+    /// the trace holds fewer records.
+    pub fn load_record(&self, i: usize) -> Result<Option<&IndexEntry>, TraceError> {
+        if let Some(e) = self.get_record(i) {
+            return Ok(Some(e));
+        }
+        match &self.store {
+            Store::V1(_) => Ok(None),
+            Store::V2(s) => s.resolve(self, i),
+        }
+    }
+
+    /// The record with id `i`, which must be an id this trace handed out
+    /// ([`Trace::group_records`], [`Trace::records`], [`Trace::load_record`]).
+    ///
+    /// # Panics
+    ///
+    /// When `i` is no such id (like indexing a slice out of bounds).
+    pub fn record(&self, i: usize) -> &IndexEntry {
+        match self.get_record(i) {
+            Some(e) => e,
+            None => panic!("record id {i} was not handed out by this trace"),
+        }
+    }
+
+    /// Every record in write (execution) order. A version 2 trace reads and
+    /// verifies every group block for it and keeps the whole index in memory
+    /// (for commands that analyse a whole trace: `certify`, `explain`,
+    /// `replay`); comparisons use [`Trace::step`] and
+    /// [`Trace::group_records`] instead.
+    pub fn records(&self) -> Result<&[IndexEntry], TraceError> {
+        match &self.store {
+            Store::V1(s) => Ok(&s.entries),
+            Store::V2(s) => s.flat(self).map_err(|f| self.fault(&f)),
+        }
+    }
+
+    /// Calls `f` with every record (id and entry), step by step, without
+    /// keeping a version 2 trace's index in memory: what `inspect` counts
+    /// with. The order within a step is unspecified.
+    pub fn for_each_record(&self, mut f: impl FnMut(usize, &IndexEntry)) -> Result<(), TraceError> {
+        match &self.store {
+            Store::V1(s) => {
+                for (i, e) in s.entries.iter().enumerate() {
+                    f(i, e);
+                }
+                Ok(())
+            }
+            Store::V2(s) => s.for_each(self, &mut f),
+        }
+    }
+
+    /// Total file size.
+    pub fn file_len(&self) -> u64 {
+        self.data.bytes().len() as u64
+    }
+
+    fn fault(&self, f: &Fault) -> TraceError {
+        TraceError::format(&self.path, f.offset, f.what.clone())
+    }
+
+    /// The bytes of payload `p` (in bounds: checked on open or on loading
+    /// the record's group). Private: every caller outside
+    /// [`Trace::check_payload`] goes through [`Trace::payload_verified`].
+    fn raw_payload(&self, p: PayloadRef) -> Option<&[u8]> {
+        self.data
+            .bytes()
+            .get(p.offset as usize..(p.offset.checked_add(p.len)?) as usize)
+    }
+
+    /// Whether record `i`'s payload has already been re-hashed and matched.
+    fn is_verified(&self, i: usize) -> bool {
+        self.verified.peek(i / 64) & (1 << (i % 64)) != 0
+    }
+
+    /// Remembers that record `i`'s payload matched its digest. The bytes are
+    /// immutable (a read-only map or an owned buffer), so a matched payload
+    /// stays matched; `Relaxed` suffices because the bit only saves work.
+    fn mark_verified(&self, i: usize) {
+        if let Some(w) = self.verified.word(i / 64) {
+            w.fetch_or(1 << (i % 64), Ordering::Relaxed);
+        }
+    }
+
+    /// Re-hashes the payload of record `i` against its record digest and
+    /// checks that it is canonical and matches the record's shape.
+    fn check_payload(&self, i: usize, e: &IndexEntry, p: PayloadRef) -> Result<&[u8], TraceError> {
+        let bytes = self.raw_payload(p).ok_or_else(|| {
+            TraceError::format(&self.path, p.offset, format!("record {i}: payload out of bounds"))
+        })?;
+        let fail = |what: &str| {
+            TraceError::format(&self.path, p.offset, format!("record {i} ({}): {what}", e.coord))
+        };
+        if !is_canonical(e.dtype, bytes, self.header.binding.canon) {
+            return Err(fail("payload is not in canonical form"));
+        }
+        let t = TensorView {
+            dtype: e.dtype,
+            shape: &e.shape,
+            bytes,
+        };
+        t.validate(&e.coord.path).map_err(|err| fail(&err.to_string()))?;
+        let mut preimage = record_prefix(&e.coord, e.level, e.dtype, &e.shape, p.len);
+        // Small payloads (most records of a large trace: ids, margins, top-k
+        // lists) are hashed in one call after the prefix, without a boxed
+        // streaming state; the digest of prefix ‖ payload is the same.
+        let digest = if bytes.len() <= ONE_SHOT_PAYLOAD {
+            preimage.extend_from_slice(bytes);
+            self.alg.hash(&preimage)
+        } else {
+            let mut h = self.alg.hasher();
+            h.update(&preimage);
+            h.update_with(bytes, true);
+            h.finalize()
+        };
+        if digest != e.digest {
+            return Err(fail(
+                "payload bytes do not match the record digest (corrupted payload)",
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// The payload of record `i`, re-hashed against its record digest: the
+    /// one way to read payload bytes. `Ok(None)` when the record kept no
+    /// payload (or the trace holds fewer records); a payload
+    /// that does not match its digest, is not canonical or does not fit the
+    /// record's shape is an error naming the file, the record and the
+    /// payload's byte offset. A payload is hashed once: later reads of the
+    /// same record (and every read after [`Trace::verify_payloads`]) return
+    /// it without re-hashing.
+    ///
+    /// There is no accessor for unverified payload bytes:
+    ///
+    /// ```compile_fail
+    /// # fn f(t: &moeconf_schema::Trace) {
+    /// let _unchecked: Option<&[u8]> = t.payload(0);
+    /// # }
+    /// ```
+    pub fn payload_verified(&self, i: usize) -> Result<Option<&[u8]>, TraceError> {
+        let Some(e) = self.load_record(i)? else {
+            return Ok(None);
+        };
+        let Some(p) = e.payload else {
+            return Ok(None);
+        };
+        if self.is_verified(i) {
+            if let Some(bytes) = self.raw_payload(p) {
+                return Ok(Some(bytes));
+            }
+        }
+        let bytes = self.check_payload(i, e, p)?;
+        self.mark_verified(i);
+        Ok(Some(bytes))
+    }
+
+    /// The first non-zero byte in `from..to`, if any.
+    fn first_nonzero(&self, from: u64, to: u64) -> Option<u64> {
+        self.data
+            .bytes()
+            .get(from as usize..to as usize)?
+            .iter()
+            .position(|&x| x != 0)
+            .map(|k| from + k as u64)
+    }
+
+    fn padding_error(&self, at: u64) -> TraceError {
+        TraceError::format(&self.path, at, "padding byte is not zero (corrupted file)")
+    }
+
+    /// Drops the mapped pages wholly inside `from..to` from this process's
+    /// resident set once they have been verified, so that verifying a large
+    /// trace does not keep all of it resident (a later read maps them again
+    /// from the page cache). Only 64 KiB-aligned blocks are released.
+    fn release(&self, from: u64, to: u64) {
+        const BLOCK: u64 = 64 << 10;
+        let (a, b) = (from.div_ceil(BLOCK) * BLOCK, to / BLOCK * BLOCK);
+        #[cfg(unix)]
+        if let (Backing::Map(m), true) = (&self.data, b > a) {
+            // SAFETY: the map is a read-only shared mapping of the file
+            // (memmap2 maps read-only with MAP_SHARED). MADV_DONTNEED only
+            // drops page-table entries; the next access maps the same page
+            // of the file again, so every slice handed out stays valid and
+            // keeps its contents (under the reader's standing assumption
+            // that nobody modifies the file while it is open). Failure only
+            // means the pages stay resident.
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a as usize, (b - a) as usize)
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = (a, b);
+    }
+
+    /// Verifies every byte of the trace: every payload re-hashed (in
+    /// parallel), every padding byte zero and, for version 2, every step and
+    /// group block read and checked against its parent, the records'
+    /// write-order numbers a permutation, and the blocks and payloads laid
+    /// out exactly as docs/format.md §11 says. The error is the first
+    /// problem in file order. Afterwards every [`Trace::payload_verified`]
+    /// returns without re-hashing. Verified pages of a memory-mapped trace
+    /// are released as verification proceeds, so its resident memory stays
+    /// bounded.
+    pub fn verify_payloads(&self) -> Result<VerifySummary, TraceError> {
+        let summary = match &self.store {
+            Store::V1(s) => s.verify(self)?,
+            Store::V2(s) => s.verify(self)?,
+        };
+        self.fully_verified.store(true, Ordering::Relaxed);
+        Ok(summary)
+    }
+
+    /// Whether [`Trace::verify_payloads`] has succeeded on this trace.
+    pub fn is_fully_verified(&self) -> bool {
+        self.fully_verified.load(Ordering::Relaxed)
+    }
+
+    /// The ids of the records whose payloads have been verified so far
+    /// (for tests of what a command reads).
+    #[doc(hidden)]
+    pub fn payloads_read(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for w in 0..self.verified.len() {
+            let mut bits = self.verified.peek(w);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as usize;
+                out.push(w * 64 + b);
+                bits &= bits - 1;
+            }
+        }
+        out
+    }
+
+    /// The blocks (offset, length) a version 2 trace has read so far,
+    /// root block first (for tests of what a command reads; empty for
+    /// version 1).
+    #[doc(hidden)]
+    pub fn blocks_read(&self) -> Vec<(u64, u64)> {
+        match &self.store {
+            Store::V1(_) => Vec::new(),
+            Store::V2(s) => s.blocks_read(),
+        }
+    }
+}
+
+/// What a version's opening produced.
+struct Opened {
+    header: Header,
+    binding_digest: Digest,
+    root: Digest,
+    record_count: u64,
+    summaries: Vec<StepSummary>,
+    /// Every step node (version 1), or `None` (version 2: loaded on use).
+    nodes: Option<Vec<StepNode>>,
+    store: Store,
+}

@@ -1,0 +1,495 @@
+//! Byte layout of trace format version 2: the hash tree's interior nodes
+//! persisted as blocks (group, step and root blocks) and the 136-byte
+//! trailer that pins the root block (docs/format.md §11 is the normative
+//! description).
+//!
+//! Version 2 stores the same records and the same fingerprint tree as
+//! version 1 (the root digest of the same records is identical); only the
+//! storage changes. A group block holds the index entries of one layer
+//! group, a step block the level nodes of one step with a reference to
+//! each group block, the root block one reference per step. Every
+//! reference carries the child's fingerprint digest (the tree of
+//! docs/format.md §4.3) and the digest of the child block's bytes, so a
+//! reader that descends one path reads and verifies only the blocks on it,
+//! each against its parent up to the trailer.
+//!
+//! This module encodes and decodes the blocks; what a reader checks of
+//! their contents (order, counts, locations, digests) is in the reader.
+
+use crate::layout::{IndexEntry, PayloadRef, END_MAGIC};
+use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
+use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Interner, Level, Phase, TensorView, MAX_RANK};
+
+/// The container format version with persisted tree nodes.
+pub const FORMAT_V2: u32 = 2;
+/// Size of the version 2 trailer.
+pub const TRAILER_V2_LEN: u64 = 136;
+/// Domain tag of a block digest.
+pub const DOMAIN_BLOCK: &str = "moeconf.block.v2";
+/// Domain tag of the version 2 checksum (preamble, header, trailer).
+pub const DOMAIN_CHECKSUM_V2: &str = "moeconf.checksum.v2";
+/// Block kind code of a group block.
+pub const KIND_GROUP: u32 = 0;
+/// Block kind code of a step block.
+pub const KIND_STEP: u32 = 1;
+/// Block kind code of the root block.
+pub const KIND_ROOT: u32 = 2;
+/// Smallest encoded group entry (ordinal, position, phase, a 1-byte path,
+/// dtype, empty shape, digest, no payload): bounds record counts.
+pub const MIN_GROUP_ENTRY_LEN: u64 = 8 + 4 + 4 + 8 + 1 + 4 + 8 + 32 + 1;
+/// Smallest encoded group reference (layer `None`).
+pub const MIN_GROUP_REF_LEN: u64 = 1 + 32 + 8 + 8 + 8 + 32;
+/// Smallest encoded level of a step block (no group).
+pub const MIN_LEVEL_LEN: u64 = 4 + 8;
+/// Size of an encoded step reference.
+pub const STEP_REF_LEN: u64 = 4 + 32 + 8 * 5 + 8 + 8 + 32;
+
+/// Digest of a block's bytes: `H(wire("moeconf.block.v2") ‖ bytes)`.
+pub fn block_digest(alg: Algorithm, bytes: &[u8]) -> Digest {
+    let mut h = alg.hasher();
+    let mut e = Encoder::new();
+    e.str(DOMAIN_BLOCK);
+    h.update(e.as_bytes());
+    h.update(bytes);
+    h.finalize()
+}
+
+/// Where a block lies in the file and the digest of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockRef {
+    /// Absolute offset (a multiple of 64).
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// [`block_digest`] of the block's bytes.
+    pub digest: Digest,
+}
+
+impl BlockRef {
+    /// The end offset, `None` on overflow.
+    pub fn end(&self) -> Option<u64> {
+        self.offset.checked_add(self.len)
+    }
+
+    fn encode(&self, e: &mut Encoder) {
+        e.u64(self.offset).u64(self.len).raw(&self.digest.0);
+    }
+
+    fn decode(d: &mut Decoder<'_>, what: &str) -> Result<BlockRef, WireError> {
+        Ok(BlockRef {
+            offset: d.u64(what)?,
+            len: d.u64(what)?,
+            digest: Digest(d.array32(what)?),
+        })
+    }
+}
+
+/// A step block's reference to one group block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupRef {
+    /// The group's layer (`None`: model-global records).
+    pub layer: Option<u32>,
+    /// The group's fingerprint digest (docs/format.md §4.3).
+    pub digest: Digest,
+    /// Records in the group.
+    pub records: u64,
+    /// The group block.
+    pub block: BlockRef,
+}
+
+/// One level of a step block: its groups in canonical order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LevelRefs {
+    /// The level.
+    pub level: Level,
+    /// Its groups, layer `None` first, then ascending.
+    pub groups: Vec<GroupRef>,
+}
+
+/// The root block's reference to one step block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepRef {
+    /// The step.
+    pub step: u32,
+    /// The step's fingerprint digest.
+    pub digest: Digest,
+    /// Records of the step at each level L0..L4.
+    pub level_records: [u64; 5],
+    /// The step block.
+    pub block: BlockRef,
+}
+
+impl StepRef {
+    /// Records of the step at every level, `None` on overflow.
+    pub fn total(&self) -> Option<u64> {
+        self.level_records
+            .iter()
+            .try_fold(0u64, |acc, &n| acc.checked_add(n))
+    }
+}
+
+/// One decoded entry of a group block, with its write-order number and
+/// the offset where its encoding starts (for messages).
+#[derive(Debug, Clone)]
+pub struct GroupEntry {
+    /// Position of the record in write (execution) order.
+    pub ordinal: u64,
+    /// The record, its step, level and layer taken from the block.
+    pub entry: IndexEntry,
+    /// Absolute offset of the entry's encoding.
+    pub at: u64,
+}
+
+/// A decoded group block.
+#[derive(Debug, Clone)]
+pub struct GroupBlock {
+    /// The step the block says it belongs to.
+    pub step: u32,
+    /// The level.
+    pub level: Level,
+    /// The layer.
+    pub layer: Option<u32>,
+    /// Entries in block order.
+    pub entries: Vec<GroupEntry>,
+}
+
+/// Encodes a group block: kind, step, level, layer, then the entries
+/// (ordinal, position, phase, path, dtype, shape, digest, payload).
+pub fn encode_group_block<'e>(
+    step: u32,
+    level: Level,
+    layer: Option<u32>,
+    entries: impl ExactSizeIterator<Item = (u64, &'e IndexEntry)>,
+) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(32 + 110 * entries.len());
+    e.u32(KIND_GROUP).u32(step).u32(level.code()).opt_u32(layer);
+    e.len(entries.len());
+    for (ordinal, x) in entries {
+        e.u64(ordinal)
+            .u32(x.coord.position)
+            .u32(x.coord.phase as u32)
+            .str(&x.coord.path)
+            .u32(x.dtype.code())
+            .len(x.shape.len());
+        for &s in x.shape.iter() {
+            e.u64(s);
+        }
+        e.raw(&x.digest.0);
+        match x.payload {
+            None => {
+                e.u8(0);
+            }
+            Some(p) => {
+                e.u8(1).u64(p.offset).u64(p.len);
+            }
+        }
+    }
+    e.into_bytes()
+}
+
+fn kind(d: &mut Decoder<'_>, want: u32, name: &str) -> Result<(), WireError> {
+    let at = d.offset();
+    let k = d.u32("block kind")?;
+    if k != want {
+        return Err(d.error_at(
+            at,
+            format!("block kind {k} where a {name} block (kind {want}) belongs"),
+        ));
+    }
+    Ok(())
+}
+
+fn level_code(d: &mut Decoder<'_>, what: &str) -> Result<Level, WireError> {
+    let at = d.offset();
+    let c = d.u32(what)?;
+    Level::from_code(c).ok_or_else(|| d.error_at(at, format!("unknown level code {c}")))
+}
+
+/// Decodes a group block (`base`: its absolute offset), rejecting unknown
+/// codes, invalid paths and tags, ranks above 8, payload lengths that do not
+/// match the shape, and trailing bytes. Order, counts and locations are the
+/// reader's to check.
+pub fn decode_group_block(bytes: &[u8], base: u64, interner: &mut Interner) -> Result<GroupBlock, WireError> {
+    let mut d = Decoder::new(bytes, base);
+    kind(&mut d, KIND_GROUP, "group")?;
+    let step = d.u32("group step")?;
+    let level = level_code(&mut d, "group level")?;
+    let layer = d.opt_u32("group layer")?;
+    let n = d.len("group entry count", MIN_GROUP_ENTRY_LEN as usize, u64::MAX)?;
+    let mut entries = Vec::with_capacity(n);
+    for _ in 0..n {
+        let at = d.offset();
+        let ordinal = d.u64("record ordinal")?;
+        let position = d.u32("coordinate position")?;
+        let pat = d.offset();
+        let phase = match d.u32("coordinate phase")? {
+            0 => Phase::Prefill,
+            1 => Phase::Decode,
+            p => return Err(d.error_at(pat, format!("unknown phase code {p}"))),
+        };
+        let path_at = d.offset();
+        let path = d.str("coordinate path", moeconf_fingerprint::MAX_PATH_LEN as u64)?;
+        Coord::validate_path(path).map_err(|m| d.error_at(path_at, m))?;
+        let path = interner.path(path);
+        let dat = d.offset();
+        let dc = d.u32("record dtype")?;
+        let dtype =
+            DType::from_code(dc).ok_or_else(|| d.error_at(dat, format!("unknown dtype code {dc}")))?;
+        let rank = d.len("record shape", 8, MAX_RANK as u64)?;
+        let mut dims = [0u64; MAX_RANK];
+        for dim in dims.iter_mut().take(rank) {
+            *dim = d.u64("record dimension")?;
+        }
+        let shape = interner.shape(&dims[..rank]);
+        let digest = Digest(d.array32("record digest")?);
+        let oat = d.offset();
+        let coord = Coord {
+            step,
+            position,
+            phase,
+            layer,
+            path,
+        };
+        let payload = if d.option_tag("record payload")? {
+            let offset = d.u64("payload offset")?;
+            let len = d.u64("payload length")?;
+            if TensorView::byte_len(dtype, &shape) != Some(len) {
+                return Err(d.error_at(
+                    oat,
+                    format!("record {coord}: payload length {len} does not match shape {shape:?} of {dtype}"),
+                ));
+            }
+            Some(PayloadRef { offset, len })
+        } else {
+            None
+        };
+        entries.push(GroupEntry {
+            ordinal,
+            entry: IndexEntry {
+                coord,
+                level,
+                dtype,
+                shape,
+                digest,
+                payload,
+            },
+            at,
+        });
+    }
+    d.finish("group block")?;
+    Ok(GroupBlock {
+        step,
+        level,
+        layer,
+        entries,
+    })
+}
+
+/// Encodes a step block: kind, step, then each level with its group
+/// references (layer, digest, records, block offset, length and digest).
+pub fn encode_step_block(step: u32, levels: &[LevelRefs]) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(24 + levels.iter().map(|l| 12 + 96 * l.groups.len()).sum::<usize>());
+    e.u32(KIND_STEP).u32(step).len(levels.len());
+    for l in levels {
+        e.u32(l.level.code()).len(l.groups.len());
+        for g in &l.groups {
+            e.opt_u32(g.layer).raw(&g.digest.0).u64(g.records);
+            g.block.encode(&mut e);
+        }
+    }
+    e.into_bytes()
+}
+
+/// Decodes a step block: its step and levels (structure only).
+pub fn decode_step_block(bytes: &[u8], base: u64) -> Result<(u32, Vec<LevelRefs>), WireError> {
+    let mut d = Decoder::new(bytes, base);
+    kind(&mut d, KIND_STEP, "step")?;
+    let step = d.u32("step block step")?;
+    let n = d.len("step block level count", MIN_LEVEL_LEN as usize, 5)?;
+    let mut levels = Vec::with_capacity(n);
+    for _ in 0..n {
+        let level = level_code(&mut d, "step block level")?;
+        let g = d.len("level group count", MIN_GROUP_REF_LEN as usize, u64::MAX)?;
+        let mut groups = Vec::with_capacity(g);
+        for _ in 0..g {
+            let layer = d.opt_u32("group layer")?;
+            let digest = Digest(d.array32("group digest")?);
+            let records = d.u64("group record count")?;
+            let block = BlockRef::decode(&mut d, "group block reference")?;
+            groups.push(GroupRef {
+                layer,
+                digest,
+                records,
+                block,
+            });
+        }
+        levels.push(LevelRefs { level, groups });
+    }
+    d.finish("step block")?;
+    Ok((step, levels))
+}
+
+/// Encodes the root block: kind, then one reference per step (step, digest,
+/// records per level, block offset, length and digest).
+pub fn encode_root_block(steps: &[StepRef]) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(12 + STEP_REF_LEN as usize * steps.len());
+    e.u32(KIND_ROOT).len(steps.len());
+    for s in steps {
+        e.u32(s.step).raw(&s.digest.0);
+        for &n in &s.level_records {
+            e.u64(n);
+        }
+        s.block.encode(&mut e);
+    }
+    e.into_bytes()
+}
+
+/// Decodes the root block (structure only).
+pub fn decode_root_block(bytes: &[u8], base: u64) -> Result<Vec<StepRef>, WireError> {
+    let mut d = Decoder::new(bytes, base);
+    kind(&mut d, KIND_ROOT, "root")?;
+    let n = d.len("root block step count", STEP_REF_LEN as usize, u64::MAX)?;
+    let mut steps = Vec::with_capacity(n);
+    for _ in 0..n {
+        let step = d.u32("step reference step")?;
+        let digest = Digest(d.array32("step digest")?);
+        let mut level_records = [0u64; 5];
+        for n in level_records.iter_mut() {
+            *n = d.u64("step level record count")?;
+        }
+        let block = BlockRef::decode(&mut d, "step block reference")?;
+        steps.push(StepRef {
+            step,
+            digest,
+            level_records,
+            block,
+        });
+    }
+    d.finish("root block")?;
+    Ok(steps)
+}
+
+/// The 136-byte trailer of version 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrailerV2 {
+    /// The root block (it ends where the trailer starts).
+    pub root_block: BlockRef,
+    /// Records in the trace.
+    pub record_count: u64,
+    /// Root digest of the fingerprint tree (docs/format.md §4.3).
+    pub root: Digest,
+    /// Checksum of preamble, header and the trailer's first 96 bytes.
+    pub checksum: Digest,
+}
+
+impl TrailerV2 {
+    /// The first 96 bytes: magic, root block offset and length, record
+    /// count, root digest, root block digest (what the checksum covers).
+    pub fn covered_bytes(&self) -> [u8; 96] {
+        let mut e = Encoder::new();
+        e.raw(&END_MAGIC)
+            .u64(self.root_block.offset)
+            .u64(self.root_block.len)
+            .u64(self.record_count)
+            .raw(&self.root.0)
+            .raw(&self.root_block.digest.0);
+        let mut out = [0u8; 96];
+        out.copy_from_slice(e.as_bytes());
+        out
+    }
+
+    /// All 136 bytes: covered part, checksum, end magic again.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = self.covered_bytes().to_vec();
+        v.extend_from_slice(&self.checksum.0);
+        v.extend_from_slice(&END_MAGIC);
+        v
+    }
+}
+
+/// The version 2 checksum: `H(wire("moeconf.checksum.v2") ‖ preamble and
+/// header ‖ trailer[0..96))`. The blocks are covered by their digests.
+pub fn checksum_v2(alg: Algorithm, preamble_and_header: &[u8], covered: &[u8; 96]) -> Digest {
+    let mut h = alg.hasher();
+    let mut e = Encoder::new();
+    e.str(DOMAIN_CHECKSUM_V2);
+    h.update(e.as_bytes());
+    h.update(preamble_and_header);
+    h.update(covered);
+    h.finalize()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn entry(position: u32, path: &str, payload: Option<PayloadRef>) -> IndexEntry {
+        IndexEntry {
+            coord: Coord {
+                step: 3,
+                position,
+                phase: Phase::Decode,
+                layer: Some(2),
+                path: path.into(),
+            },
+            level: Level::L3,
+            dtype: DType::F32,
+            shape: Arc::from(&[2u64][..]),
+            digest: Digest([7; 32]),
+            payload,
+        }
+    }
+
+    #[test]
+    fn blocks_round_trip_and_refuse_trailing_bytes() {
+        let es = [
+            entry(5, "router.topk", None),
+            entry(6, "moe.combine", Some(PayloadRef { offset: 128, len: 8 })),
+        ];
+        let b = encode_group_block(
+            3,
+            Level::L3,
+            Some(2),
+            es.iter().enumerate().map(|(i, e)| (i as u64 + 9, e)),
+        );
+        let g = decode_group_block(&b, 1000, &mut Interner::new()).unwrap();
+        assert_eq!((g.step, g.level, g.layer), (3, Level::L3, Some(2)));
+        assert_eq!(g.entries.len(), 2);
+        assert_eq!(g.entries[1].ordinal, 10);
+        assert_eq!(g.entries[1].entry, es[1]);
+        assert_eq!(g.entries[0].at, 1000 + 4 + 4 + 4 + 5 + 8);
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(decode_group_block(&longer, 0, &mut Interner::new()).is_err());
+
+        let block = BlockRef {
+            offset: 64,
+            len: 10,
+            digest: Digest([1; 32]),
+        };
+        let levels = vec![LevelRefs {
+            level: Level::L3,
+            groups: vec![GroupRef {
+                layer: None,
+                digest: Digest([2; 32]),
+                records: 4,
+                block,
+            }],
+        }];
+        let s = encode_step_block(3, &levels);
+        assert_eq!(decode_step_block(&s, 0).unwrap(), (3, levels));
+        let steps = vec![StepRef {
+            step: 3,
+            digest: Digest([3; 32]),
+            level_records: [0, 0, 0, 4, 0],
+            block,
+        }];
+        let r = encode_root_block(&steps);
+        assert_eq!(r.len() as u64, 12 + STEP_REF_LEN);
+        assert_eq!(decode_root_block(&r, 0).unwrap(), steps);
+        // A block of one kind is not read as another.
+        assert!(decode_step_block(&r, 0).is_err());
+        assert!(decode_root_block(&s, 0).is_err());
+    }
+}
