@@ -97,7 +97,9 @@ impl Ctx<'_> {
             _ => Pair { r: other.r, c: p.c },
         };
         let (ri, ci) = (pair.r?, pair.c?);
-        (self.s.r.records()[ri].shape == self.s.c.records()[ci].shape).then_some(pair)
+        // Ids handed out by the lookup above, so both entries are in memory.
+        let (re, ce) = (self.s.r.get_record(ri)?, self.s.c.get_record(ci)?);
+        (re.shape == ce.shape).then_some(pair)
     }
 
     /// The quantization sites held by one side only whose other side does

@@ -76,13 +76,13 @@ fn candidate(src: &Path, dst: &Path, partial: bool) {
             .notes
             .push(("moeconf.not_captured".into(), note));
     }
-    let start = t
-        .records()
+    let records = t.records().unwrap();
+    let start = records
         .iter()
         .position(|e| e.coord.step == 1 && e.coord.path == "attn.core")
         .expect("a decode step's attn.core in the reference");
     let mut w = TraceWriter::create(dst, t.algorithm(), header).unwrap();
-    for (i, e) in t.records().iter().enumerate() {
+    for (i, e) in records.iter().enumerate() {
         if partial && NOT_CAPTURED.iter().any(|(p, _)| *p == e.coord.path) {
             continue;
         }
