@@ -276,20 +276,35 @@ def check_gguf(path):
             raise LlamaCppError(f"{path}: metadata key deepseek4.{key} is missing (llama.cpp's deepseek4 loader reads it)")
         return v
 
-    ratios = [int(r) for r in need("attention.compress_ratios")]
-    n_layer = int(need("block_count"))
+    def integer(key, v):
+        # llama.cpp's loader reads these keys as integers; a string, float or bool of the same
+        # name is refused there too (and int() would accept "12" or 1.5 here).
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise LlamaCppError(f"{path}: metadata key deepseek4.{key} is {v!r} ({type(v).__name__}), "
+                                "not an integer (llama.cpp's deepseek4 loader reads an integer)")
+        return v
+
+    def need_int(key):
+        return integer(key, need(key))
+
+    raw_ratios = need("attention.compress_ratios")
+    if not isinstance(raw_ratios, list):
+        raise LlamaCppError(f"{path}: metadata key deepseek4.attention.compress_ratios is {raw_ratios!r}, "
+                            "not an array of integers")
+    ratios = [integer("attention.compress_ratios", r) for r in raw_ratios]
+    n_layer = need_int("block_count")
     if len(ratios) < n_layer:
         raise LlamaCppError(f"{path}: deepseek4.attention.compress_ratios has {len(ratios)} entries for {n_layer} layers")
     bad = sorted({r for r in ratios if r not in (0, 4, 128)})
     if bad:
         raise LlamaCppError(f"{path}: compress ratios {bad}: llama.cpp's deepseek4 loader accepts only 0, 4 and 128")
     m = GgufModel(
-        path=path, n_layer=n_layer, hidden=int(need("embedding_length")), hc_mult=int(need("hyper_connection.count")),
-        n_head=int(need("attention.head_count")), head_dim=int(need("attention.key_length")),
-        n_expert=int(need("expert_count")), k=int(need("expert_used_count")),
+        path=path, n_layer=n_layer, hidden=need_int("embedding_length"), hc_mult=need_int("hyper_connection.count"),
+        n_head=need_int("attention.head_count"), head_dim=need_int("attention.key_length"),
+        n_expert=need_int("expert_count"), k=need_int("expert_used_count"),
         n_vocab=len(_field(reader, "tokenizer.ggml.tokens") or []), ratios=ratios[:n_layer],
-        n_hash=int(need("hash_layer_count")), index_head_dim=int(need("attention.indexer.key_length")),
-        index_topk=int(need("attention.indexer.top_k")), window=int(need("attention.sliding_window")),
+        n_hash=need_int("hash_layer_count"), index_head_dim=need_int("attention.indexer.key_length"),
+        index_topk=need_int("attention.indexer.top_k"), window=need_int("attention.sliding_window"),
         export_type=_field(reader, "moeconf.export.type"),
         source_weights_digest=_field(reader, "moeconf.source.weights_digest"),
         source_config_digest=_field(reader, "moeconf.source.config_digest"),

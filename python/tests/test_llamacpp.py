@@ -205,7 +205,7 @@ def test_state_rings_give_the_open_window_the_overlap_and_the_stored_entries():
 
 # --------------------------------------------------------------------------- GGUF checks
 
-def _write_gguf(path, arch="deepseek4", ratios=(0, 4), drop=(), n_hash=1):
+def _write_gguf(path, arch="deepseek4", ratios=(0, 4), drop=(), n_hash=1, as_string=()):
     w = gguf.GGUFWriter(str(path), arch)
     n = len(ratios)
     if arch == "deepseek4":
@@ -213,7 +213,10 @@ def _write_gguf(path, arch="deepseek4", ratios=(0, 4), drop=(), n_hash=1):
                          ("attention.head_count", 2), ("attention.key_length", 4), ("expert_count", 8),
                          ("expert_used_count", 2), ("hash_layer_count", n_hash), ("attention.indexer.key_length", 64),
                          ("attention.indexer.top_k", 2), ("attention.sliding_window", 8)):
-            w.add_uint32(f"deepseek4.{key}", val)
+            if key in as_string:
+                w.add_string(f"deepseek4.{key}", str(val))
+            else:
+                w.add_uint32(f"deepseek4.{key}", val)
         w.add_array("deepseek4.attention.compress_ratios", list(ratios))
     w.add_token_list(["a", "b", "c"])
     names = ["token_embd.weight", "output_norm.weight", "output.weight", "output_hc_fn.weight",
@@ -274,6 +277,10 @@ def test_the_capture_command_refuses_bad_gguf_files_with_exit_2_naming_the_file(
         (_write_gguf(tmp_path / "miss.gguf", drop=("blk.0.ffn_down_exps.weight",)),
          "tensor blk.0.ffn_down_exps.weight is missing"),
         (_write_gguf(tmp_path / "r16.gguf", ratios=(0, 16)), "only 0, 4 and 128"),
+        (_write_gguf(tmp_path / "str.gguf", as_string=("block_count",)),
+         "metadata key deepseek4.block_count is '2' (str), not an integer"),
+        (_write_gguf(tmp_path / "strk.gguf", as_string=("expert_used_count",)),
+         "metadata key deepseek4.expert_used_count is '2' (str), not an integer"),
     ]
     st = tmp_path / "model.safetensors"
     st.write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
