@@ -180,13 +180,16 @@ impl Ctx<'_> {
     /// Every record one trace alone holds (at steps both hold), grouped by
     /// (component, side) in execution order of first appearance.
     pub(crate) fn one_sided_groups(&self) -> Vec<OneSided> {
+        // A quantization site the other side does not have is a difference
+        // of execution, reported apart (`quantized_one_sided_groups`).
+        self.group_one_sided(|p| self.quantized_by(p).is_none())
+    }
+
+    /// The one-sided records `keep` selects, grouped by (component, side)
+    /// in execution order of first appearance.
+    pub(crate) fn group_one_sided(&self, keep: impl Fn(Pair) -> bool) -> Vec<OneSided> {
         let mut out: Vec<OneSided> = Vec::new();
-        for p in self.one_sided() {
-            if self.quantized_by(p).is_some() {
-                // A quantization site the other side does not have: a
-                // difference of execution, reported apart.
-                continue;
-            }
+        for p in self.one_sided().into_iter().filter(|&p| keep(p)) {
             let Some(e) = self.s.entry(p) else { continue };
             let component = component_name(&e.coord.path);
             let side = if p.r.is_some() { "reference" } else { "candidate" };

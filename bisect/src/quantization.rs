@@ -16,7 +16,7 @@
 //! backend's own name), a missing site stays a coverage difference.
 
 use crate::diff::Ctx;
-use crate::report::{OneSided, RecordRef};
+use crate::report::OneSided;
 use crate::walk::Pair;
 use moeconf_fingerprint::catalogue::{profile_quantizes, InputSource};
 use moeconf_fingerprint::Component;
@@ -106,29 +106,6 @@ impl Ctx<'_> {
     /// not quantize, grouped by (component, side) in execution order of
     /// first appearance (reported apart from the coverage differences).
     pub(crate) fn quantized_one_sided_groups(&self) -> Vec<OneSided> {
-        let mut out: Vec<OneSided> = Vec::new();
-        for p in self
-            .one_sided()
-            .into_iter()
-            .filter(|&p| self.quantized_by(p).is_some())
-        {
-            let Some(e) = self.s.entry(p) else { continue };
-            let component = Component::parse(&e.coord.path)
-                .map_or_else(|| e.coord.path.to_string(), |(c, _)| c.to_string());
-            let side = if p.r.is_some() { "reference" } else { "candidate" };
-            match out
-                .iter_mut()
-                .find(|g| g.component == component && g.present_in == side)
-            {
-                Some(g) => g.records += 1,
-                None => out.push(OneSided {
-                    component,
-                    present_in: side.into(),
-                    records: 1,
-                    first: RecordRef::new(e.level, &e.coord, side),
-                }),
-            }
-        }
-        out
+        self.group_one_sided(|p| self.quantized_by(p).is_some())
     }
 }

@@ -331,6 +331,21 @@ pub fn blocked_dot_mxfp4(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     acc
 }
 
+/// Calls `rows(first, chunk)` for consecutive chunks of `out`, whose element
+/// `i` is row `row0 + i`: in parallel chunks when the work (rows × `cols`)
+/// reaches [`PAR_MIN_WORK`], else as one chunk. Rows are independent outputs,
+/// each one sequential computation, so the split never changes a bit.
+fn for_row_chunks(row0: usize, cols: usize, out: &mut [f32], rows: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if out.len() * cols >= PAR_MIN_WORK {
+        let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
+    } else {
+        rows(row0, out);
+    }
+}
+
 impl Mat {
     /// `dot8` of row `r` with `x` (`x.len()` must be `cols`).
     #[inline]
@@ -365,14 +380,7 @@ impl Mat {
                 };
                 crate::kernels::dot8_rows(&block, x, o);
             };
-            if out.len() * cols >= PAR_MIN_WORK {
-                let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
-                out.par_chunks_mut(chunk)
-                    .enumerate()
-                    .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
-            } else {
-                rows(row0, out);
-            }
+            for_row_chunks(row0, cols, out, rows);
             return;
         }
         let quant_kind = match self.dtype() {
@@ -396,14 +404,7 @@ impl Mat {
                     }
                 }
             };
-            if out.len() * cols >= PAR_MIN_WORK {
-                let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
-                out.par_chunks_mut(chunk)
-                    .enumerate()
-                    .for_each(|(ci, o)| rows(row0 + ci * chunk, o));
-            } else {
-                rows(row0, out);
-            }
+            for_row_chunks(row0, cols, out, rows);
             return;
         }
         // BF16 rows whose storage is 4-byte aligned are read as 32-bit words.
@@ -420,18 +421,11 @@ impl Mat {
                 None => self.dot_row(r, x),
             }
         };
-        if out.len() * cols >= PAR_MIN_WORK {
-            let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
-            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-                for (i, v) in o.iter_mut().enumerate() {
-                    *v = row(row0 + ci * chunk + i);
-                }
-            });
-        } else {
-            for (i, v) in out.iter_mut().enumerate() {
-                *v = row(row0 + i);
+        for_row_chunks(row0, cols, out, |r0, o| {
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = row(r0 + i);
             }
-        }
+        });
     }
 
     /// Full matrix–vector product `out = W·x` (FP32, unrounded).
@@ -468,18 +462,11 @@ impl Mat {
         let mut out = vec![0.0f32; self.rows()];
         let cols = self.cols();
         let row = |r: usize| moeconf_contract::bf16::r_bf16(self.dot_row_official(r, xq));
-        if out.len() * cols >= PAR_MIN_WORK {
-            let chunk = ((PAR_MIN_WORK / 4) / cols.max(1)).max(1);
-            out.par_chunks_mut(chunk).enumerate().for_each(|(ci, o)| {
-                for (i, v) in o.iter_mut().enumerate() {
-                    *v = row(ci * chunk + i);
-                }
-            });
-        } else {
-            for (i, v) in out.iter_mut().enumerate() {
-                *v = row(i);
+        for_row_chunks(0, cols, &mut out, |r0, o| {
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = row(r0 + i);
             }
-        }
+        });
         out
     }
 

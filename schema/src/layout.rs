@@ -165,9 +165,14 @@ impl IndexEntry {
     /// Appends the wire encoding.
     pub fn encode(&self, e: &mut Encoder) {
         self.coord.encode(e);
-        e.u32(self.level.code())
-            .u32(self.dtype.code())
-            .len(self.shape.len());
+        e.u32(self.level.code());
+        self.encode_value_fields(e);
+    }
+
+    /// Appends dtype, shape, digest and payload reference: the tail every
+    /// index encoding shares (version 1's index, version 2's group blocks).
+    pub(crate) fn encode_value_fields(&self, e: &mut Encoder) {
+        e.u32(self.dtype.code()).len(self.shape.len());
         for &s in self.shape.iter() {
             e.u64(s);
         }

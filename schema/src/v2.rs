@@ -168,21 +168,8 @@ pub fn encode_group_block<'e>(
         e.u64(ordinal)
             .u32(x.coord.position)
             .u32(x.coord.phase as u32)
-            .str(&x.coord.path)
-            .u32(x.dtype.code())
-            .len(x.shape.len());
-        for &s in x.shape.iter() {
-            e.u64(s);
-        }
-        e.raw(&x.digest.0);
-        match x.payload {
-            None => {
-                e.u8(0);
-            }
-            Some(p) => {
-                e.u8(1).u64(p.offset).u64(p.len);
-            }
-        }
+            .str(&x.coord.path);
+        x.encode_value_fields(&mut e);
     }
     e.into_bytes()
 }
