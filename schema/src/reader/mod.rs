@@ -29,7 +29,7 @@ mod v2;
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
-use crate::nodes::{Fault, GroupNode, StepNode, StepSummary};
+use crate::nodes::{Fault, GroupNode, GroupRecords, StepNode, StepSummary};
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, TensorView};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -438,6 +438,22 @@ impl Trace {
             Store::V1(_) => Err(Fault::new(0, "group records missing")),
         });
         r.as_ref().map(|c| &c.ids[..]).map_err(|f| self.fault(f))
+    }
+
+    /// The records of `group` with their entries, in canonical tree order
+    /// ([`GroupRecords`]; the same ids as [`Trace::group_records`], read
+    /// and verified the same way): what a comparison walks, without a
+    /// lookup by id per record.
+    pub fn group_entries<'a>(&'a self, group: &'a GroupNode) -> Result<GroupRecords<'a>, TraceError> {
+        let ids = self.group_records(group)?;
+        Ok(match &self.store {
+            Store::V1(s) => GroupRecords::of_flat(ids, &s.entries),
+            Store::V2(_) => match group.content.get() {
+                Some(Ok(c)) => GroupRecords::of_group(&c.ids, &c.entries),
+                // Not reached: `group_records` loaded the content.
+                _ => GroupRecords::empty(),
+            },
+        })
     }
 
     /// The record with id `i` (its position in write order), when this
