@@ -6,7 +6,7 @@
 use super::{u64_at, Opened, Preambled, Store as AnyStore, Trace};
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, check_record, check_step, Header, IndexEntry, END_MAGIC, PAYLOAD_ALIGN, PREAMBLE_LEN,
+    align_up, check_record, check_step_phase, Header, IndexEntry, END_MAGIC, PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
 use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, LevelNode, StepNode, StepSummary};
 use crate::reader::VerifySummary;
@@ -145,14 +145,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
         } else {
             moeconf_fingerprint::Phase::Decode
         };
-        let probe = moeconf_fingerprint::Coord {
-            step: s.step,
-            position: 0,
-            phase,
-            layer: None,
-            path: "x".into(),
-        };
-        check_step(max_new_tokens, &probe).map_err(what)?;
+        check_step_phase(max_new_tokens, s.step, phase).map_err(what)?;
         let n = s
             .total()
             .filter(|&n| n > 0)
