@@ -130,15 +130,7 @@ pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
         moeconf_schema::output::write_checked(out, page.as_bytes())
             .with_context(|| format!("writing the HTML report {}", out.path().display()))?;
     }
-    let code = ExitCode::from(report.exit_code());
-    // The process ends as soon as this returns: the kernel releases the
-    // traces' maps and every node and record they loaded at exit. Dropping
-    // them first would free each allocation and unmap both file-sized maps
-    // one by one, for nothing (0.1-0.2 ms of a diff of two 10^7-record
-    // traces; docs/performance.md, "Scale"). Everything written has been
-    // flushed and checked above.
-    std::mem::forget((reference, candidate, report));
-    Ok(code)
+    Ok(ExitCode::from(report.exit_code()))
 }
 
 #[cfg(test)]
