@@ -18,7 +18,7 @@ use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Recomputed, Trace, TraceError, Verification};
-use std::cell::RefCell;
+use std::cell::{OnceCell, RefCell};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -65,6 +65,10 @@ pub(crate) struct Ctx<'a> {
     pub(crate) storage_convention: RefCell<HashMap<(String, bool), bool>>,
     /// The records each side's capture recomputed (reference, candidate).
     pub(crate) recomputed: (Recomputed, Recomputed),
+    /// The layer kinds inferred so far, by (step, layer) ([`Ctx::layer_kinds`]).
+    pub(crate) layer_kinds: RefCell<HashMap<(u32, u32), layerkind::Kinds>>,
+    /// The records one trace alone holds ([`Ctx::one_sided`]), once computed.
+    pub(crate) one_sided: OnceCell<Vec<Pair>>,
 }
 
 fn trace_summary(t: &Trace) -> TraceSummary {
@@ -101,6 +105,15 @@ pub fn open_pair_with(
     candidate: &Path,
     verification: Verification,
 ) -> Result<(Trace, Trace), BisectError> {
+    // Two version 2 traces verified on use open from their root blocks
+    // (~0.1 ms each for 10^7 records): a second thread would cost about as
+    // much as it saves, so they are opened one after the other. Anything
+    // else (version 1, --verify-all) reads whole files: one thread each.
+    if Trace::opens_lazily(reference, verification) && Trace::opens_lazily(candidate, verification) {
+        let r = Trace::open_for(reference, verification);
+        let c = Trace::open_for(candidate, verification);
+        return Ok((r?, c?));
+    }
     open_both(reference, candidate, |p| Trace::open_for(p, verification))
 }
 
@@ -142,6 +155,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         compared,
         storage: RefCell::new(HashMap::new()),
         storage_convention: RefCell::new(HashMap::new()),
+        layer_kinds: RefCell::new(HashMap::new()),
+        one_sided: OnceCell::new(),
         recomputed: (
             reference.provenance().recomputed(),
             candidate.provenance().recomputed(),
@@ -158,12 +173,10 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     }
     let uncompared_levels = uncompared_levels(reference, candidate, compared);
 
-    let rsteps: Vec<u32> = reference.steps().iter().map(|s| s.step).collect();
-    let csteps: Vec<u32> = candidate.steps().iter().map(|s| s.step).collect();
     let unmatched_steps: Vec<u32> =
-        cx.s.steps()
-            .into_iter()
-            .filter(|s| rsteps.binary_search(s).is_err() || csteps.binary_search(s).is_err())
+        cx.s.paired_steps()
+            .filter(|(_, a, b)| a.is_none() || b.is_none())
+            .map(|(step, _, _)| step)
             .collect();
 
     let found = cx.divergences()?;
@@ -588,7 +601,18 @@ impl Ctx<'_> {
     fn layer_kind_of(&self, p: Pair) -> Option<LayerKind> {
         let e = self.s.entry(p)?;
         let layer = e.coord.layer?;
-        layerkind::infer(&self.s, e.coord.step, layer, self.compared).report()
+        self.layer_kinds(e.coord.step, layer).report()
+    }
+
+    /// The kinds of `layer` at `step` ([`layerkind::infer`], inferred once
+    /// per diff: the answer depends only on the two traces).
+    pub(crate) fn layer_kinds(&self, step: u32, layer: u32) -> layerkind::Kinds {
+        if let Some(k) = self.layer_kinds.borrow().get(&(step, layer)) {
+            return k.clone();
+        }
+        let k = layerkind::infer(&self.s, step, layer, self.compared);
+        self.layer_kinds.borrow_mut().insert((step, layer), k.clone());
+        k
     }
 
     /// The record reference of a pair at its own level.
@@ -945,9 +969,7 @@ impl Ctx<'_> {
         let cmp = compare_ids(&re, &ce);
         let (mut rm, mut cm) = (None, None);
         let c = &e.coord;
-        let hash_routed = c
-            .layer
-            .and_then(|l| layerkind::infer(&self.s, c.step, l, self.compared).hash_routed());
+        let hash_routed = c.layer.and_then(|l| self.layer_kinds(c.step, l).hash_routed());
         if let Some(&mp) = self
             .s
             .lookup_component(c.step, c.layer, Some(c.position), Component::RouterMargin)
@@ -1066,9 +1088,7 @@ impl Ctx<'_> {
             } else {
                 let component = producer(&spec.path);
                 let applies = match (component, spec.layer) {
-                    (Some(c), Some(l)) => kinds
-                        .get_or_insert_with(|| layerkind::infer(&self.s, s, l, self.compared))
-                        .has(c),
+                    (Some(c), Some(l)) => kinds.get_or_insert_with(|| self.layer_kinds(s, l)).has(c),
                     _ => None,
                 };
                 match (applies, component.map(|c| c.spec().presence)) {

@@ -294,8 +294,15 @@ impl Ctx<'_> {
         let mut seen = Seen::default();
         let mut examined = 0usize;
         let mut last_step: Option<u32> = None;
-        for step in self.s.steps() {
-            if !self.s.step_differs(step) {
+        for (step, a, b) in self.s.paired_steps() {
+            // Whether anything differs at the step: the step digests
+            // differ, or only one trace holds it (from the summaries the
+            // merge already holds, no search).
+            let differs = match (a, b) {
+                (Some(a), Some(b)) => a.digest != b.digest,
+                _ => true,
+            };
+            if !differs {
                 continue;
             }
             seen.next_step(last_step.is_some_and(|l| l + 1 == step));
@@ -407,12 +414,16 @@ impl Ctx<'_> {
     /// the compared levels, in execution order (steps one trace holds alone
     /// are reported as `unmatched_steps`).
     pub(crate) fn one_sided(&self) -> Vec<Pair> {
+        self.one_sided.get_or_init(|| self.find_one_sided()).clone()
+    }
+
+    /// [`Ctx::one_sided`], computed.
+    fn find_one_sided(&self) -> Vec<Pair> {
         let mut out = Vec::new();
-        for step in self.s.steps() {
-            if !self.s.step_differs(step)
-                || self.s.r.step_summary(step).is_none()
-                || self.s.c.step_summary(step).is_none()
-            {
+        for (step, a, b) in self.s.paired_steps() {
+            // Only steps both traces hold, with different digests.
+            let Some((a, b)) = a.zip(b) else { continue };
+            if a.digest == b.digest {
                 continue;
             }
             for level in self.compared.iter() {

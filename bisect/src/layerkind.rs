@@ -95,9 +95,9 @@ pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) ->
                 continue;
             };
             present.extend(
-                s.group_ids(t, g)
+                s.group_entries(t, g)
                     .iter()
-                    .filter_map(|&i| Component::parse(&t.record(i).coord.path).map(|(c, _)| c)),
+                    .filter_map(|(_, e)| Component::parse(&e.coord.path).map(|(c, _)| c)),
             );
         }
     }

@@ -13,9 +13,12 @@
 
 use moeconf_fingerprint::catalogue::ExecKey;
 use moeconf_fingerprint::{Component, Level};
-use moeconf_schema::{GroupNode, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError};
+use moeconf_schema::{
+    GroupNode, GroupRecords, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError,
+};
 use std::cell::RefCell;
 use std::cmp::Ordering;
+use std::collections::HashMap;
 
 /// One record position in the comparison: the index of the record in the
 /// reference and in the candidate (`None` when that side lacks it).
@@ -71,6 +74,9 @@ pub(crate) struct Sides<'a> {
     pub r: &'a Trace,
     pub c: &'a Trace,
     failure: RefCell<Option<SideError>>,
+    /// [`Sides::differing_records`] of the (step, level)s asked for so far:
+    /// every part of a diff asks for the first divergent step's records.
+    differing: RefCell<HashMap<(u32, Level), Vec<Pair>>>,
 }
 
 fn tree_key(e: &IndexEntry) -> (u32, moeconf_fingerprint::Phase, &str) {
@@ -84,6 +90,7 @@ impl<'a> Sides<'a> {
             r,
             c,
             failure: RefCell::new(None),
+            differing: RefCell::new(HashMap::new()),
         }
     }
 
@@ -132,6 +139,13 @@ impl<'a> Sides<'a> {
         self.latch(t, r, &[])
     }
 
+    /// The records of a group of `t` with their entries (empty when
+    /// unreadable, the failure remembered).
+    pub fn group_entries(&self, t: &'a Trace, g: &'a GroupNode) -> GroupRecords<'a> {
+        let r = t.group_entries(g);
+        self.latch(t, r, GroupRecords::empty())
+    }
+
     /// The group of (`step`, `level`, `layer`) in `t`.
     pub fn group(&self, t: &'a Trace, step: u32, level: Level, layer: Option<u32>) -> Option<&'a GroupNode> {
         self.step_node(t, step)
@@ -147,7 +161,9 @@ impl<'a> Sides<'a> {
     /// The union of the steps of both trees, ascending, with each side's
     /// summary of the step (`None` on a side without it): a merge of the
     /// two ascending step lists, no search.
-    fn paired_steps(&self) -> impl Iterator<Item = (u32, Option<&'a StepSummary>, Option<&'a StepSummary>)> {
+    pub fn paired_steps(
+        &self,
+    ) -> impl Iterator<Item = (u32, Option<&'a StepSummary>, Option<&'a StepSummary>)> {
         let (mut rs, mut cs) = (self.r.steps().iter().peekable(), self.c.steps().iter().peekable());
         std::iter::from_fn(move || {
             let step = match (rs.peek(), cs.peek()) {
@@ -167,16 +183,6 @@ impl<'a> Sides<'a> {
         let rs = self.step_node(self.r, step).and_then(|s| s.level(level));
         let cs = self.step_node(self.c, step).and_then(|s| s.level(level));
         (rs, cs)
-    }
-
-    /// Whether anything differs at `step`: the step digests differ, or only
-    /// one trace holds the step (from the roots: no node is read).
-    pub fn step_differs(&self, step: u32) -> bool {
-        match (self.r.step_summary(step), self.c.step_summary(step)) {
-            (Some(a), Some(b)) => a.digest != b.digest,
-            (None, None) => false,
-            _ => true,
-        }
     }
 
     /// Whether `level` differs at `step` (a level present on one side only
@@ -221,6 +227,16 @@ impl<'a> Sides<'a> {
     /// execution order ([`Sides::exec_key`]). Descends only into layer
     /// groups whose digests differ.
     pub fn differing_records(&self, step: u32, level: Level) -> Vec<Pair> {
+        if let Some(v) = self.differing.borrow().get(&(step, level)) {
+            return v.clone();
+        }
+        let out = self.find_differing_records(step, level);
+        self.differing.borrow_mut().insert((step, level), out.clone());
+        out
+    }
+
+    /// [`Sides::differing_records`], computed.
+    fn find_differing_records(&self, step: u32, level: Level) -> Vec<Pair> {
         let (rl, cl) = self.level_nodes(step, level);
         let rg = rl.map(|l| l.groups.as_slice()).unwrap_or(&[]);
         let cg = cl.map(|l| l.groups.as_slice()).unwrap_or(&[]);
@@ -245,8 +261,11 @@ impl<'a> Sides<'a> {
                 }
                 Ordering::Equal => {
                     if rg[i].digest != cg[j].digest {
-                        let (ra, ca) = (self.group_ids(self.r, &rg[i]), self.group_ids(self.c, &cg[j]));
-                        self.merge_records(ra, ca, &mut out);
+                        let ra: Vec<_> = self.group_entries(self.r, &rg[i]).iter().collect();
+                        let ca: Vec<_> = self.group_entries(self.c, &cg[j]).iter().collect();
+                        merge_join(&ra, &ca, &mut out, |x, y| {
+                            x.digest != y.digest || x.dtype != y.dtype || x.shape != y.shape
+                        });
                     }
                     i += 1;
                     j += 1;
@@ -255,62 +274,6 @@ impl<'a> Sides<'a> {
         }
         out.sort_by_cached_key(|&p| self.exec_key(p));
         out
-    }
-
-    fn merge_records(&self, ra: &[usize], ca: &[usize], out: &mut Vec<Pair>) {
-        let (rt, ct) = (self.r, self.c);
-        self.merge_join(ra, ca, out, |a, b| {
-            let (x, y) = (rt.record(a), ct.record(b));
-            x.digest != y.digest || x.dtype != y.dtype || x.shape != y.shape
-        });
-    }
-
-    /// Merge-joins two record lists sorted in tree order: records present on
-    /// one side only are always emitted; records on both sides are emitted
-    /// when `keep_pair` says so.
-    fn merge_join(
-        &self,
-        ra: &[usize],
-        ca: &[usize],
-        out: &mut Vec<Pair>,
-        keep_pair: impl Fn(usize, usize) -> bool,
-    ) {
-        let (rt, ct) = (self.r, self.c);
-        let (mut i, mut j) = (0, 0);
-        while i < ra.len() || j < ca.len() {
-            let ord = match (ra.get(i), ca.get(j)) {
-                (Some(&a), Some(&b)) => tree_key(rt.record(a)).cmp(&tree_key(ct.record(b))),
-                (Some(_), None) => Ordering::Less,
-                _ => Ordering::Greater,
-            };
-            match ord {
-                Ordering::Less => {
-                    out.push(Pair {
-                        r: Some(ra[i]),
-                        c: None,
-                    });
-                    i += 1;
-                }
-                Ordering::Greater => {
-                    out.push(Pair {
-                        r: None,
-                        c: Some(ca[j]),
-                    });
-                    j += 1;
-                }
-                Ordering::Equal => {
-                    let (a, b) = (ra[i], ca[j]);
-                    if keep_pair(a, b) {
-                        out.push(Pair {
-                            r: Some(a),
-                            c: Some(b),
-                        });
-                    }
-                    i += 1;
-                    j += 1;
-                }
-            }
-        }
     }
 
     /// The coordinate-matched records of both traces: records of `level` at
@@ -325,18 +288,16 @@ impl<'a> Sides<'a> {
         path: &str,
         prefix: bool,
     ) -> Vec<Pair> {
-        let pick = |t: &'a Trace| -> Vec<usize> {
+        let pick = |t: &'a Trace| -> Vec<(usize, &'a IndexEntry)> {
             if !t.step_summary(step).is_some_and(|s| s.has(level)) {
                 return Vec::new();
             }
             let Some(g) = self.group(t, step, level, layer) else {
                 return Vec::new();
             };
-            self.group_ids(t, g)
+            self.group_entries(t, g)
                 .iter()
-                .copied()
-                .filter(|&i| {
-                    let e = t.record(i);
+                .filter(|(_, e)| {
                     position.is_none_or(|p| e.coord.position == p)
                         && if prefix {
                             e.coord.path.starts_with(path)
@@ -348,7 +309,7 @@ impl<'a> Sides<'a> {
         };
         let (ra, ca) = (pick(self.r), pick(self.c));
         let mut out = Vec::new();
-        self.merge_join(&ra, &ca, &mut out, |_, _| true);
+        merge_join(&ra, &ca, &mut out, |_, _| true);
         out
     }
 
@@ -383,5 +344,51 @@ impl<'a> Sides<'a> {
     pub fn entry(&self, p: Pair) -> Option<&'a IndexEntry> {
         p.r.map(|i| self.r.record(i))
             .or_else(|| p.c.map(|i| self.c.record(i)))
+    }
+}
+
+/// Merge-joins two record lists (id and entry) sorted in tree order:
+/// records present on one side only are always emitted; records on both
+/// sides are emitted when `keep_pair` says so.
+fn merge_join(
+    ra: &[(usize, &IndexEntry)],
+    ca: &[(usize, &IndexEntry)],
+    out: &mut Vec<Pair>,
+    keep_pair: impl Fn(&IndexEntry, &IndexEntry) -> bool,
+) {
+    let (mut i, mut j) = (0, 0);
+    while i < ra.len() || j < ca.len() {
+        let ord = match (ra.get(i), ca.get(j)) {
+            (Some(a), Some(b)) => tree_key(a.1).cmp(&tree_key(b.1)),
+            (Some(_), None) => Ordering::Less,
+            _ => Ordering::Greater,
+        };
+        match ord {
+            Ordering::Less => {
+                out.push(Pair {
+                    r: Some(ra[i].0),
+                    c: None,
+                });
+                i += 1;
+            }
+            Ordering::Greater => {
+                out.push(Pair {
+                    r: None,
+                    c: Some(ca[j].0),
+                });
+                j += 1;
+            }
+            Ordering::Equal => {
+                let ((a, x), (b, y)) = (ra[i], ca[j]);
+                if keep_pair(x, y) {
+                    out.push(Pair {
+                        r: Some(a),
+                        c: Some(b),
+                    });
+                }
+                i += 1;
+                j += 1;
+            }
+        }
     }
 }

@@ -7,10 +7,16 @@ use std::io::Write;
 use std::path::Path;
 
 /// Prints a JSON value, pretty, with a trailing newline.
+///
+/// The text is buffered and written in as few write(2) calls as its size
+/// allows: stdout is line-buffered, and a report written line by line costs
+/// one system call (and one wake-up of the reading process) per line. A
+/// failed write, such as a closed pipe, is still an error of the command.
 pub fn print_json(v: &serde_json::Value) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
     serde_json::to_writer_pretty(&mut out, v)?;
     writeln!(out)?;
+    out.flush()?;
     Ok(())
 }
 

@@ -1270,15 +1270,15 @@ impl Component {
     /// The component a path names, with the family index for a family
     /// member (`moe.term.J`, `moe.term_h_fp8.J`).
     pub fn parse(path: &str) -> Option<(Component, Option<u32>)> {
-        for f in SPECS.iter().filter(|s| s.component.is_family()) {
+        let index = path_index();
+        for f in &index.families {
             if let Some(j) = path.strip_prefix(f.path) {
                 return is_index(j).then(|| (f.component, j.parse().ok()));
             }
         }
-        SPECS
-            .iter()
-            .find(|s| s.path == path && !s.component.is_family())
-            .map(|s| (s.component, None))
+        let exact = &index.exact;
+        let k = exact.partition_point(|&(p, _)| p < path);
+        exact.get(k).filter(|&&(p, _)| p == path).map(|&(_, c)| (c, None))
     }
 
     /// The execution group of the component's records.
@@ -1311,6 +1311,33 @@ impl fmt::Display for Component {
             f.write_str(self.path())
         }
     }
+}
+
+/// The catalogue's paths arranged for [`Component::parse`], which every
+/// reader of a trace calls once per record it classifies: the families in
+/// catalogue order, and the single paths sorted (for a binary search
+/// instead of a scan of the whole table, most of all for paths outside the
+/// catalogue).
+struct PathIndex {
+    families: Vec<&'static ComponentSpec>,
+    /// (path, component), sorted by path; among equal paths (there are
+    /// none) catalogue order, so the first match is the table's first.
+    exact: Vec<(&'static str, Component)>,
+}
+
+/// The [`PathIndex`] of [`SPECS`], built on first use.
+fn path_index() -> &'static PathIndex {
+    static INDEX: std::sync::OnceLock<PathIndex> = std::sync::OnceLock::new();
+    INDEX.get_or_init(|| {
+        let families = SPECS.iter().filter(|s| s.component.is_family()).collect();
+        let mut exact: Vec<(&'static str, Component)> = SPECS
+            .iter()
+            .filter(|s| !s.component.is_family())
+            .map(|s| (s.path, s.component))
+            .collect();
+        exact.sort_by_key(|&(p, _)| p);
+        PathIndex { families, exact }
+    })
 }
 
 /// A decimal index without sign or leading zeros.
@@ -1460,6 +1487,41 @@ mod tests {
             }
             assert_eq!(level_of_path(s.path.trim_end_matches('.')), Some(s.level));
         }
+    }
+
+    /// The indexed lookup gives what a scan of the table in catalogue
+    /// order gives, for catalogue paths, family members, near misses and
+    /// paths outside the catalogue.
+    #[test]
+    fn parse_agrees_with_a_scan_of_the_table() {
+        fn scan(path: &str) -> Option<(Component, Option<u32>)> {
+            for f in SPECS.iter().filter(|s| s.component.is_family()) {
+                if let Some(j) = path.strip_prefix(f.path) {
+                    return is_index(j).then(|| (f.component, j.parse().ok()));
+                }
+            }
+            SPECS
+                .iter()
+                .find(|s| s.path == path && !s.component.is_family())
+                .map(|s| (s.component, None))
+        }
+        let mut paths: Vec<String> = vec!["".into(), "op.000".into(), "zzz".into(), "a".into(), "moe".into()];
+        for s in SPECS {
+            for p in [
+                s.path.to_string(),
+                format!("{}0", s.path),
+                format!("{}12", s.path),
+                format!("{}x", s.path),
+                s.path.trim_end_matches('.').to_string(),
+                s.path[..s.path.len() - 1].to_string(),
+            ] {
+                paths.push(p);
+            }
+        }
+        for p in &paths {
+            assert_eq!(Component::parse(p), scan(p), "{p:?}");
+        }
+        assert!(paths.iter().filter(|p| Component::parse(p).is_some()).count() > SPECS.len());
     }
 
     #[test]

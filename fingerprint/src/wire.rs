@@ -150,6 +150,7 @@ impl<'a> Decoder<'a> {
     }
 
     /// Bytes not yet read.
+    #[inline]
     pub fn remaining(&self) -> usize {
         self.bytes.len() - self.pos
     }
@@ -179,19 +180,31 @@ impl<'a> Decoder<'a> {
     }
 
     /// Takes `n` raw bytes.
+    ///
+    /// Inlined, with the error built out of line: decoding a root block or a
+    /// group block is a long run of these small reads.
+    #[inline]
     pub fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], WireError> {
         if self.remaining() < n {
-            return Err(self.error(format!(
-                "truncated {what}: needs {n} bytes, {} left",
-                self.remaining()
-            )));
+            return Err(self.truncated(n, what));
         }
         let s = &self.bytes[self.pos..self.pos + n];
         self.pos += n;
         Ok(s)
     }
 
+    /// The error of a read of `n` bytes past the end.
+    #[cold]
+    #[inline(never)]
+    fn truncated(&self, n: usize, what: &str) -> WireError {
+        self.error(format!(
+            "truncated {what}: needs {n} bytes, {} left",
+            self.remaining()
+        ))
+    }
+
     /// Reads a `u8`.
+    #[inline]
     pub fn u8(&mut self, what: &str) -> Result<u8, WireError> {
         Ok(self.take(1, what)?[0])
     }
@@ -207,12 +220,14 @@ impl<'a> Decoder<'a> {
     }
 
     /// Reads a `u32`.
+    #[inline]
     pub fn u32(&mut self, what: &str) -> Result<u32, WireError> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     /// Reads a `u64`.
+    #[inline]
     pub fn u64(&mut self, what: &str) -> Result<u64, WireError> {
         let b = self.take(8, what)?;
         let mut a = [0u8; 8];
@@ -269,6 +284,7 @@ impl<'a> Decoder<'a> {
     }
 
     /// Reads a 32-byte array.
+    #[inline]
     pub fn array32(&mut self, what: &str) -> Result<[u8; 32], WireError> {
         let b = self.take(32, what)?;
         let mut a = [0u8; 32];

@@ -253,7 +253,13 @@ pub fn check_record(binding: &Binding, coord: &Coord, dtype: DType, shape: &[u64
 /// forward and every later step a decode forward; a run of
 /// `max_new_tokens` = N has steps 0..N-1, so no record has step ≥ N.
 pub fn check_step(max_new_tokens: u32, coord: &Coord) -> Result<(), String> {
-    match (coord.step, coord.phase) {
+    check_step_phase(max_new_tokens, coord.step, coord.phase)
+}
+
+/// [`check_step`] of a step and phase (what a version 2 root block's step
+/// list is checked with, before any record of the step is read).
+pub fn check_step_phase(max_new_tokens: u32, step: u32, phase: Phase) -> Result<(), String> {
+    match (step, phase) {
         (0, Phase::Decode) => Err("step 0 is the prefill forward, but the record's phase is decode".into()),
         (s, Phase::Prefill) if s > 0 => Err(format!(
             "step {s} is a decode forward, but the record's phase is prefill (only step 0 is)"

@@ -71,7 +71,7 @@ pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
-pub use nodes::{GroupNode, LevelNode, StepNode, StepSummary};
+pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
 pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
 pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};

@@ -99,6 +99,82 @@ pub struct GroupNode {
     pub(crate) content: OnceLock<Result<GroupContent, Fault>>,
 }
 
+/// The records of one loaded layer group ([`Trace::group_entries`]): each
+/// record's id (its write-order number) with its entry, in canonical tree
+/// order (position, phase, path). What a comparison walks, so that reading
+/// a group's records costs no lookup by id.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupRecords<'a> {
+    ids: &'a [usize],
+    entries: Entries<'a>,
+}
+
+/// Where the entries of a [`GroupRecords`] are.
+#[derive(Debug, Clone, Copy)]
+enum Entries<'a> {
+    /// Version 2: the group's own entries, one per id, in the same order.
+    Group(&'a [IndexEntry]),
+    /// Version 1: the trace's flat index, indexed by id.
+    Flat(&'a [IndexEntry]),
+}
+
+impl<'a> GroupRecords<'a> {
+    /// A group without records (what a walk uses for a group that failed to read).
+    pub fn empty() -> GroupRecords<'a> {
+        GroupRecords {
+            ids: &[],
+            entries: Entries::Group(&[]),
+        }
+    }
+
+    /// A version 2 group: `entries[k]` is the record with id `ids[k]`.
+    pub(crate) fn of_group(ids: &'a [usize], entries: &'a [IndexEntry]) -> GroupRecords<'a> {
+        GroupRecords {
+            ids,
+            entries: Entries::Group(entries),
+        }
+    }
+
+    /// A version 1 group: its ids index the trace's `flat` index.
+    pub(crate) fn of_flat(ids: &'a [usize], flat: &'a [IndexEntry]) -> GroupRecords<'a> {
+        GroupRecords {
+            ids,
+            entries: Entries::Flat(flat),
+        }
+    }
+
+    /// The record ids, in canonical tree order (as [`Trace::group_records`]).
+    pub fn ids(&self) -> &'a [usize] {
+        self.ids
+    }
+
+    /// The number of records.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the group holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The `k`-th record (id and entry) in tree order.
+    pub fn get(&self, k: usize) -> Option<(usize, &'a IndexEntry)> {
+        let id = *self.ids.get(k)?;
+        let e = match self.entries {
+            Entries::Group(v) => v.get(k)?,
+            Entries::Flat(v) => v.get(id)?,
+        };
+        Some((id, e))
+    }
+
+    /// Every record (id and entry) in tree order.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &'a IndexEntry)> + 'a {
+        let this = *self;
+        (0..self.ids.len()).filter_map(move |k| this.get(k))
+    }
+}
+
 /// Where a group sits: its step (index into the root's steps), level and
 /// position among the level's groups, and (version 2) its block's index in
 /// [`StepNode`]'s blocks.

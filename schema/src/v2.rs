@@ -333,10 +333,46 @@ pub fn encode_root_block(steps: &[StepRef]) -> Vec<u8> {
 
 /// Decodes the root block (structure only).
 pub fn decode_root_block(bytes: &[u8], base: u64) -> Result<Vec<StepRef>, WireError> {
+    let mut steps = Vec::new();
+    for_each_step_ref(bytes, base, |n, s| {
+        if steps.is_empty() {
+            steps.reserve_exact(n);
+        }
+        steps.push(s);
+    })?;
+    Ok(steps)
+}
+
+/// [`decode_root_block`] into the two halves a reader keeps: each step's
+/// summary (step, digest, record counts) and its step block's reference,
+/// without a third copy of the list.
+pub fn decode_root_block_split(
+    bytes: &[u8],
+    base: u64,
+) -> Result<(Vec<crate::nodes::StepSummary>, Vec<BlockRef>), WireError> {
+    let (mut summaries, mut blocks) = (Vec::new(), Vec::new());
+    for_each_step_ref(bytes, base, |n, s| {
+        if summaries.is_empty() {
+            summaries.reserve_exact(n);
+            blocks.reserve_exact(n);
+        }
+        summaries.push(crate::nodes::StepSummary {
+            step: s.step,
+            digest: s.digest,
+            level_records: s.level_records,
+        });
+        blocks.push(s.block);
+    })?;
+    Ok((summaries, blocks))
+}
+
+/// Decodes the root block, calling `each` with the number of steps (its
+/// length checked against the block's size) and every step reference in
+/// order; fails on trailing bytes.
+fn for_each_step_ref(bytes: &[u8], base: u64, mut each: impl FnMut(usize, StepRef)) -> Result<(), WireError> {
     let mut d = Decoder::new(bytes, base);
     kind(&mut d, KIND_ROOT, "root")?;
     let n = d.len("root block step count", STEP_REF_LEN as usize, u64::MAX)?;
-    let mut steps = Vec::with_capacity(n);
     for _ in 0..n {
         let step = d.u32("step reference step")?;
         let digest = Digest(d.array32("step digest")?);
@@ -345,15 +381,17 @@ pub fn decode_root_block(bytes: &[u8], base: u64) -> Result<Vec<StepRef>, WireEr
             *n = d.u64("step level record count")?;
         }
         let block = BlockRef::decode(&mut d, "step block reference")?;
-        steps.push(StepRef {
-            step,
-            digest,
-            level_records,
-            block,
-        });
+        each(
+            n,
+            StepRef {
+                step,
+                digest,
+                level_records,
+                block,
+            },
+        );
     }
-    d.finish("root block")?;
-    Ok(steps)
+    d.finish("root block")
 }
 
 /// The 136-byte trailer of version 2.

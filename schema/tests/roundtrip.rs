@@ -243,6 +243,16 @@ fn both_versions_hold_the_same_records_under_the_same_root() {
                         (g2.layer, g2.digest, g2.records)
                     );
                     assert_eq!(t1.group_records(g1).unwrap(), t2.group_records(g2).unwrap());
+                    // The entries handed out with the ids are the records
+                    // those ids name, in both versions.
+                    for (t, g) in [(&t1, g1), (&t2, g2)] {
+                        let recs = t.group_entries(g).unwrap();
+                        assert_eq!(recs.ids(), t.group_records(g).unwrap());
+                        assert_eq!(recs.iter().count(), recs.len());
+                        for (i, e) in recs.iter() {
+                            assert_eq!(e, t.record(i), "record {i}");
+                        }
+                    }
                 }
             }
         }

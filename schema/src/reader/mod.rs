@@ -29,7 +29,7 @@ mod v2;
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
-use crate::nodes::{Fault, GroupNode, StepNode, StepSummary};
+use crate::nodes::{Fault, GroupNode, GroupRecords, StepNode, StepSummary};
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, TensorView};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -79,7 +79,7 @@ pub struct Trace {
     summaries: Vec<StepSummary>,
     /// One slot per step: version 1 fills them all on open, version 2 on
     /// first use.
-    nodes: Box<[OnceLock<Result<StepNode, Fault>>]>,
+    nodes: Slots<Result<StepNode, Fault>>,
     store: Store,
     /// One bit per record: its payload has been re-hashed and matched.
     verified: Bits,
@@ -248,6 +248,60 @@ impl Bits {
     }
 }
 
+/// Lazily initialized slots whose storage is allocated a chunk at a time
+/// when first written, like [`Bits`]: a version 2 trace of 1,002 steps
+/// whose diff reads one step's node allocates (and touches) one chunk of
+/// step slots, not a slot per step.
+struct Slots<T> {
+    chunks: Box<[OnceLock<SlotChunk<T>>]>,
+    len: usize,
+}
+
+/// One chunk of [`Slots`].
+type SlotChunk<T> = Box<[OnceLock<T>]>;
+
+/// Slots per chunk of [`Slots`].
+const SLOT_CHUNK: usize = 64;
+
+impl<T> Slots<T> {
+    /// `n` empty slots.
+    fn new(n: usize) -> Slots<T> {
+        Slots {
+            chunks: (0..n.div_ceil(SLOT_CHUNK)).map(|_| OnceLock::new()).collect(),
+            len: n,
+        }
+    }
+
+    /// Slots holding `values`.
+    fn filled(values: Vec<T>) -> Slots<T> {
+        let s = Slots::new(values.len());
+        for (k, v) in values.into_iter().enumerate() {
+            if let Some(slot) = s.slot(k) {
+                let _ = slot.set(v);
+            }
+        }
+        s
+    }
+
+    /// Slot `k` (allocating its chunk), `None` past the end.
+    fn slot(&self, k: usize) -> Option<&OnceLock<T>> {
+        if k >= self.len {
+            return None;
+        }
+        let c = k / SLOT_CHUNK;
+        let chunk = self.chunks.get(c)?.get_or_init(|| {
+            let n = SLOT_CHUNK.min(self.len - c * SLOT_CHUNK);
+            (0..n).map(|_| OnceLock::new()).collect()
+        });
+        chunk.get(k % SLOT_CHUNK)
+    }
+
+    /// The value of slot `k`, if set (allocates nothing).
+    fn get(&self, k: usize) -> Option<&T> {
+        self.chunks.get(k / SLOT_CHUNK)?.get()?.get(k % SLOT_CHUNK)?.get()
+    }
+}
+
 impl Trace {
     /// Opens and validates the trace at `path` (memory-mapped). A version 2
     /// trace is read lazily: see the module documentation.
@@ -292,6 +346,23 @@ impl Trace {
         Ok(t)
     }
 
+    /// Whether opening the trace at `path` under `verification` reads only
+    /// its root block: a version 2 trace verified on use. Read from the
+    /// preamble's magic and version alone, nothing validated: a hint for
+    /// scheduling (opening such a trace on a thread of its own costs more
+    /// than the thread saves), never a check; `false` when the file cannot
+    /// be read or is no trace.
+    pub fn opens_lazily(path: &Path, verification: Verification) -> bool {
+        use std::io::Read;
+        if verification != Verification::OnUse {
+            return false;
+        }
+        let mut pre = [0u8; 12];
+        File::open(path)
+            .and_then(|mut f| f.read_exact(&mut pre))
+            .is_ok_and(|()| pre[..8] == MAGIC && u32_at(&pre, 8) == crate::v2::FORMAT_V2)
+    }
+
     /// Verifies an open trace as `verification` says (see [`Verification`]).
     pub fn ensure(&self, verification: Verification) -> Result<(), TraceError> {
         match (verification, &self.store) {
@@ -314,9 +385,9 @@ impl Trace {
             v2::open(path, b, &pre)?
         };
         let n = opened.summaries.len();
-        let nodes: Box<[OnceLock<Result<StepNode, Fault>>]> = match opened.nodes {
-            Some(nodes) => nodes.into_iter().map(|n| OnceLock::from(Ok(n))).collect(),
-            None => (0..n).map(|_| OnceLock::new()).collect(),
+        let nodes = match opened.nodes {
+            Some(nodes) => Slots::filled(nodes.into_iter().map(Ok).collect()),
+            None => Slots::new(n),
         };
         Ok(Trace {
             path: path.to_path_buf(),
@@ -419,7 +490,7 @@ impl Trace {
     fn step_at(&self, k: usize) -> Result<&StepNode, TraceError> {
         let slot = self
             .nodes
-            .get(k)
+            .slot(k)
             .ok_or_else(|| TraceError::format(&self.path, 0, format!("no step number {k}")))?;
         let r = slot.get_or_init(|| match &self.store {
             Store::V2(s) => s.load_step(self, k),
@@ -438,6 +509,22 @@ impl Trace {
             Store::V1(_) => Err(Fault::new(0, "group records missing")),
         });
         r.as_ref().map(|c| &c.ids[..]).map_err(|f| self.fault(f))
+    }
+
+    /// The records of `group` with their entries, in canonical tree order
+    /// ([`GroupRecords`]; the same ids as [`Trace::group_records`], read
+    /// and verified the same way): what a comparison walks, without a
+    /// lookup by id per record.
+    pub fn group_entries<'a>(&'a self, group: &'a GroupNode) -> Result<GroupRecords<'a>, TraceError> {
+        let ids = self.group_records(group)?;
+        Ok(match &self.store {
+            Store::V1(s) => GroupRecords::of_flat(ids, &s.entries),
+            Store::V2(_) => match group.content.get() {
+                Some(Ok(c)) => GroupRecords::of_group(&c.ids, &c.entries),
+                // Not reached: `group_records` loaded the content.
+                _ => GroupRecords::empty(),
+            },
+        })
     }
 
     /// The record with id `i` (its position in write order), when this

@@ -6,12 +6,12 @@
 use super::{u64_at, Opened, Preambled, Store as AnyStore, Trace};
 use crate::error::TraceError;
 use crate::layout::{
-    align_up, check_record, check_step, Header, IndexEntry, END_MAGIC, PAYLOAD_ALIGN, PREAMBLE_LEN,
+    align_up, check_record, check_step_phase, Header, IndexEntry, END_MAGIC, PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
 use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, LevelNode, StepNode, StepSummary};
 use crate::reader::VerifySummary;
 use crate::v2::{
-    block_digest, checksum_v2, decode_group_block, decode_root_block, decode_step_block, BlockRef,
+    block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block, BlockRef,
     GroupEntry, StepRef, TrailerV2, MIN_GROUP_ENTRY_LEN, TRAILER_V2_LEN,
 };
 use moeconf_fingerprint::{
@@ -35,7 +35,9 @@ struct Loc {
 /// what has been loaded from them.
 pub(super) struct Store {
     root_block: BlockRef,
-    steps: Vec<StepRef>,
+    /// Each step's block (the rest of its reference in the root block is
+    /// the trace's [`StepSummary`]).
+    blocks: Vec<BlockRef>,
     /// The write-order number of each step's first record.
     bases: Vec<u64>,
     /// Where each step's part of the file starts: the end of the previous
@@ -48,6 +50,16 @@ pub(super) struct Store {
     flat: OnceLock<Result<Vec<IndexEntry>, Fault>>,
     /// The blocks read so far (offset, length).
     touched: Mutex<Vec<(u64, u64)>>,
+}
+
+/// The root block's reference to a step, from its two halves.
+fn step_ref(s: &StepSummary, block: &BlockRef) -> StepRef {
+    StepRef {
+        step: s.step,
+        digest: s.digest,
+        level_records: s.level_records,
+        block: *block,
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -124,16 +136,24 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             "root block does not match its digest in the trailer (corrupted root block)".into(),
         ));
     }
-    let steps = decode_root_block(root_bytes, root_offset)
+    let (summaries, blocks) = decode_root_block_split(root_bytes, root_offset)
         .map_err(|e| fail(e.offset, format!("root block: {}", e.what)))?;
     let max_new_tokens = header.binding.decoding.max_new_tokens;
-    let (mut bases, mut regions) = (Vec::with_capacity(steps.len()), Vec::with_capacity(steps.len()));
+    let (mut bases, mut regions) = (
+        Vec::with_capacity(summaries.len()),
+        Vec::with_capacity(summaries.len()),
+    );
     // A step's part of the file starts where the previous step's block ends
     // (the first step's after the header); its first chunk is at the next
     // multiple of 64.
     let (mut total, mut region) = (0u64, pre.header_end);
     let mut previous: Option<u32> = None;
-    for (k, s) in steps.iter().enumerate() {
+    for (k, s) in summaries
+        .iter()
+        .zip(&blocks)
+        .map(|(s, b)| step_ref(s, b))
+        .enumerate()
+    {
         let at = root_offset + 12 + k as u64 * crate::v2::STEP_REF_LEN;
         let what = |m: String| fail(at, format!("root block: step {}: {m}", s.step));
         if previous.is_some_and(|p| p >= s.step) {
@@ -145,14 +165,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
         } else {
             moeconf_fingerprint::Phase::Decode
         };
-        let probe = moeconf_fingerprint::Coord {
-            step: s.step,
-            position: 0,
-            phase,
-            layer: None,
-            path: "x".into(),
-        };
-        check_step(max_new_tokens, &probe).map_err(what)?;
+        check_step_phase(max_new_tokens, s.step, phase).map_err(what)?;
         let n = s
             .total()
             .filter(|&n| n > 0)
@@ -179,21 +192,13 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
         ));
     }
     let bd = binding_digest(pre.alg, &header_bytes[..binding_len]);
-    if root_digest(pre.alg, bd, steps.iter().map(|s| (s.step, s.digest))) != root {
+    if root_digest(pre.alg, bd, summaries.iter().map(|s| (s.step, s.digest))) != root {
         return Err(fail(
             t0 + 32,
             "root digest does not match the root block's steps: the root block or trailer is corrupted"
                 .into(),
         ));
     }
-    let summaries = steps
-        .iter()
-        .map(|s| StepSummary {
-            step: s.step,
-            digest: s.digest,
-            level_records: s.level_records,
-        })
-        .collect();
     Ok(Opened {
         header,
         binding_digest: bd,
@@ -203,7 +208,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
         nodes: None,
         store: AnyStore::V2(Box::new(Store {
             root_block: trailer.root_block,
-            steps,
+            blocks,
             bases,
             regions,
             locs: Mutex::new(HashMap::new()),
@@ -215,6 +220,11 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
 }
 
 impl Store {
+    /// The root block's reference to the `k`-th step.
+    fn step(&self, t: &Trace, k: usize) -> Option<StepRef> {
+        Some(step_ref(t.summaries.get(k)?, self.blocks.get(k)?))
+    }
+
     /// The bytes of a block whose location has been checked against the
     /// file, after checking them against their digest.
     fn block<'t>(&self, t: &'t Trace, b: BlockRef, what: &str) -> Result<&'t [u8], Fault> {
@@ -238,8 +248,7 @@ impl Store {
     /// fingerprint digest against the root's.
     pub fn load_step(&self, t: &Trace, k: usize) -> Result<StepNode, Fault> {
         let s = self
-            .steps
-            .get(k)
+            .step(t, k)
             .ok_or_else(|| Fault::new(0, format!("no step number {k}")))?;
         let name = format!("step {}'s block", s.step);
         let bytes = self.block(t, s.block, &name)?;
@@ -377,8 +386,10 @@ impl Store {
         interner: &mut Interner,
     ) -> Result<Vec<GroupEntry>, Fault> {
         let k = g.at.step_index as usize;
-        let s = &self.steps[k];
-        let node = match t.nodes.get(k).and_then(|n| n.get()) {
+        let s = &self
+            .step(t, k)
+            .ok_or_else(|| Fault::new(0, format!("no step number {k}")))?;
+        let node = match t.nodes.get(k) {
             Some(Ok(n)) => n,
             _ => return Err(Fault::new(s.block.offset, "group read before its step")),
         };
@@ -490,7 +501,7 @@ impl Store {
             return flat.get(i);
         }
         let loc = *lock(&self.locs).get(&i)?;
-        let node = t.nodes.get(loc.step_index as usize)?.get()?.as_ref().ok()?;
+        let node = t.nodes.get(loc.step_index as usize)?.as_ref().ok()?;
         let g = node
             .levels
             .get(loc.level_index as usize)?
@@ -513,10 +524,10 @@ impl Store {
         }
         Err(TraceError::format(
             &t.path,
-            self.steps[k].block.offset,
+            self.blocks[k].offset,
             format!(
                 "step {}: no record has write-order number {i} (the numbers are not a permutation)",
-                self.steps[k].step
+                t.summaries[k].step
             ),
         ))
     }
@@ -551,7 +562,7 @@ impl Store {
     /// Every record, step by step, without keeping the groups (paths and
     /// shapes shared with the trace's loaded records).
     pub fn for_each(&self, t: &Trace, f: &mut dyn FnMut(usize, &IndexEntry)) -> Result<(), TraceError> {
-        for k in 0..self.steps.len() {
+        for k in 0..self.blocks.len() {
             let entries = self.step_entries(t, k, &mut lock(&self.interner))?;
             for (i, e) in entries {
                 f(i as usize, &e);
@@ -635,7 +646,9 @@ impl Store {
     /// payload bytes checked.
     fn verify_step(&self, t: &Trace, k: usize) -> Result<(u64, u64), TraceError> {
         let node = t.step_at(k)?;
-        let s = &self.steps[k];
+        let s = &self
+            .step(t, k)
+            .ok_or_else(|| TraceError::format(&t.path, 0, format!("no step number {k}")))?;
         let mut entries = self.step_entries(t, k, &mut Interner::new())?;
         let base = self.bases[k];
         entries.sort_unstable_by_key(|(i, _)| *i);
@@ -691,7 +704,7 @@ impl Store {
         if let Some(at) = t.first_nonzero(t.header_end, t.payload_start) {
             return Err(t.padding_error(at));
         }
-        let results: Vec<Result<(u64, u64), TraceError>> = (0..self.steps.len())
+        let results: Vec<Result<(u64, u64), TraceError>> = (0..self.blocks.len())
             .into_par_iter()
             .map(|k| self.verify_step(t, k))
             .collect();
@@ -704,10 +717,7 @@ impl Store {
             summary.payloads += p;
             summary.payload_bytes += b;
         }
-        let cursor = self
-            .steps
-            .last()
-            .map_or(t.header_end, |s| s.block.offset + s.block.len);
+        let cursor = self.blocks.last().map_or(t.header_end, |b| b.offset + b.len);
         self.chunk(t, cursor, self.root_block.offset, &|| {
             "the root block".to_string()
         })?;
