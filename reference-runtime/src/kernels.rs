@@ -539,7 +539,8 @@ mod x86 {
             .iter()
             .enumerate()
             .all(|(k, r)| std::ptr::eq(r.0.as_ptr(), first.wrapping_add(k * row)));
-        (consecutive && rows.len() * row <= PREFETCH_MAX_GROUP_BYTES).then(|| first.wrapping_add(PREFETCH_BYTES))
+        (consecutive && rows.len() * row <= PREFETCH_MAX_GROUP_BYTES)
+            .then(|| first.wrapping_add(PREFETCH_BYTES))
     }
 
     /// Prefetches the cache line `off` bytes past `pf` (nothing without `pf`).
@@ -961,11 +962,25 @@ mod tests {
                 let (codes2, sc2, packed2) = ([c2; 32], [e2], [c2; 16]);
                 let mut got = [0.0f32; 2];
                 if dot8_quant_rows(QuantRows::Fp8, &[(&codes, &sc), (&codes2, &sc2)], &x, &mut got) {
-                    assert!(same(got[0], dot8_fp8(&codes, &sc, &x)), "E4M3 {c:#04x} scale {e} (row 0 of 2)");
-                    assert!(same(got[1], dot8_fp8(&codes2, &sc2, &x)), "E4M3 {c2:#04x} scale {e2} (row 1 of 2)");
+                    assert!(
+                        same(got[0], dot8_fp8(&codes, &sc, &x)),
+                        "E4M3 {c:#04x} scale {e} (row 0 of 2)"
+                    );
+                    assert!(
+                        same(got[1], dot8_fp8(&codes2, &sc2, &x)),
+                        "E4M3 {c2:#04x} scale {e2} (row 1 of 2)"
+                    );
                 }
-                if dot8_quant_rows(QuantRows::Mxfp4, &[(&packed, &sc), (&packed2, &sc2)], &x, &mut got) {
-                    assert!(same(got[0], dot8_mxfp4(&packed, &sc, &x)), "E2M1 {c:#04x} scale {e} (row 0 of 2)");
+                if dot8_quant_rows(
+                    QuantRows::Mxfp4,
+                    &[(&packed, &sc), (&packed2, &sc2)],
+                    &x,
+                    &mut got,
+                ) {
+                    assert!(
+                        same(got[0], dot8_mxfp4(&packed, &sc, &x)),
+                        "E2M1 {c:#04x} scale {e} (row 0 of 2)"
+                    );
                     assert!(
                         same(got[1], dot8_mxfp4(&packed2, &sc2, &x)),
                         "E2M1 {c2:#04x} scale {e2} (row 1 of 2)"
@@ -990,13 +1005,21 @@ mod tests {
                 let m = n / 32 * 32;
                 let gper = m / MXFP4_GROUP;
                 let fp4: Vec<(&[u8], &[u8])> = (0..rows)
-                    .map(|r| (&flat[r * m / 2..(r + 1) * m / 2], &scales[r * gper..(r + 1) * gper]))
+                    .map(|r| {
+                        (
+                            &flat[r * m / 2..(r + 1) * m / 2],
+                            &scales[r * gper..(r + 1) * gper],
+                        )
+                    })
                     .collect();
                 for chunk in fp8.chunks(QUANT_ROWS) {
                     let mut got = vec![0.0f32; chunk.len()];
                     if dot8_quant_rows(QuantRows::Fp8, chunk, &x, &mut got) {
                         for (r, (c, sc)) in chunk.iter().enumerate() {
-                            assert!(same(got[r], dot8_fp8(c, sc, &x)), "contiguous fp8 n {n} rows {rows}");
+                            assert!(
+                                same(got[r], dot8_fp8(c, sc, &x)),
+                                "contiguous fp8 n {n} rows {rows}"
+                            );
                         }
                         checked += 1;
                     }
