@@ -4,7 +4,9 @@
 //! not want without building its payload. Records are named by catalogue
 //! [`Component`]s (their levels are the catalogue's), never by path strings.
 
-use moeconf_fingerprint::{Component, Coord, DType, Level, LevelSet, Phase, TensorView};
+use std::cell::RefCell;
+
+use moeconf_fingerprint::{Component, Coord, DType, Level, LevelSet, Phase, RecordPath, TensorView};
 
 use crate::error::RuntimeError;
 
@@ -191,6 +193,31 @@ impl Name {
     fn path(self) -> String {
         self.component.indexed_path(self.index)
     }
+
+    /// The path as a shared [`RecordPath`]: built once per name and thread,
+    /// then a reference-count increment (a run emits hundreds of records per
+    /// step over a few dozen names; formatting and allocating each path was
+    /// a visible part of the capture's cost on the forward thread).
+    fn record_path(self) -> RecordPath {
+        thread_local! {
+            /// Paths by component (its declaration order) and member index.
+            static PATHS: RefCell<Vec<Vec<Option<RecordPath>>>> = const { RefCell::new(Vec::new()) };
+        }
+        PATHS.with(|paths| {
+            let mut paths = paths.borrow_mut();
+            let (c, i) = (self.component as usize, self.index as usize);
+            if paths.len() <= c {
+                paths.resize_with(c + 1, Vec::new);
+            }
+            let members = &mut paths[c];
+            if members.len() <= i {
+                members.resize(i + 1, None);
+            }
+            members[i]
+                .get_or_insert_with(|| RecordPath::from(self.path()))
+                .clone()
+        })
+    }
 }
 
 /// Index of the first NaN or infinity of `data`, if any. The common case (all
@@ -266,7 +293,7 @@ impl<'a> Recorder<'a> {
             position: at.position,
             phase: self.phase,
             layer: at.layer,
-            path: name.path().into(),
+            path: name.record_path(),
         }
     }
 

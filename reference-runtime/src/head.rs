@@ -67,6 +67,29 @@ fn key(v: f32) -> f32 {
     }
 }
 
+/// Largest `k` [`topk_logits`] answers in one pass over the logits.
+const SMALL_K: usize = 64;
+
+/// [`topk_logits`] for small `k` in one pass: the best `k` so far, kept in
+/// order. Ids arrive in increasing order, so a later id enters only with a
+/// strictly larger key than the one it displaces and goes after every equal
+/// key already held (ties to the lower id; −0 and +0 are equal keys, as in
+/// the sort). Same ids in the same order as the sort, without touching the
+/// vocabulary twice (this runs on every captured step's logits).
+fn topk_small(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in logits.iter().enumerate() {
+        let kv = key(v);
+        if best.len() == k && best.last().is_some_and(|&(w, _)| kv <= w) {
+            continue;
+        }
+        let at = best.partition_point(|&(w, _)| w >= kv);
+        best.insert(at, (kv, i as u32));
+        best.truncate(k);
+    }
+    best.into_iter().map(|(_, i)| i).collect()
+}
+
 /// The `k` best ids by logit, descending, ties to the lower id.
 pub fn topk_logits(logits: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -81,6 +104,9 @@ pub fn topk_logits(logits: &[f32], k: usize) -> Vec<u32> {
     };
     if k == 0 {
         return Vec::new();
+    }
+    if k <= SMALL_K {
+        return topk_small(logits, k);
     }
     if k < idx.len() {
         idx.select_nth_unstable_by(k - 1, order);
@@ -145,7 +171,7 @@ mod tests {
                 .unwrap_or(std::cmp::Ordering::Equal)
                 .then(a.cmp(&b))
         });
-        for k in [1usize, 2, 8, 100, 4999, 5000, 6000] {
+        for k in [1usize, 2, 7, 8, 9, 63, 64, 65, 100, 4999, 5000, 6000] {
             assert_eq!(topk_logits(&l, k), full[..k.min(l.len())].to_vec(), "k = {k}");
         }
     }

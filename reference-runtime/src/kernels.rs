@@ -431,6 +431,7 @@ mod x86 {
         kind: QuantRows,
         rows: &[(&[u8], &[u8])],
         x: &[f32],
+        pf: Option<*const u8>,
     ) -> [f32; R] {
         use crate::quant::{E2M1_PAIRS, E4M3, FP8_BLOCK, MXFP4_GROUP};
         use crate::weights::scale_value;
@@ -444,6 +445,12 @@ mod x86 {
             QuantRows::Mxfp4 => MXFP4_GROUP,
         } / LANES;
         let mags = _mm256_loadu_ps(E2M1_MAGNITUDES.as_ptr());
+        // Code bytes of one 8-element block of the R rows: one cache line
+        // of FP8, half of one of MXFP4.
+        let step = R * match kind {
+            QuantRows::Fp8 => LANES,
+            QuantRows::Mxfp4 => LANES / 2,
+        };
         let mut b = 0;
         while b < blocks {
             let g = b / group;
@@ -456,6 +463,7 @@ mod x86 {
                     let s256: [__m256; R] =
                         std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
                     for bb in b..end {
+                        prefetch_quant(pf, bb * step);
                         let xv = _mm256_loadu_ps(xp.add(LANES * bb));
                         for r in 0..R {
                             let w = _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r]);
@@ -469,6 +477,7 @@ mod x86 {
                         let neg: [__m256; R] =
                             std::array::from_fn(|r| _mm256_xor_ps(table[r], _mm256_set1_ps(-0.0)));
                         for bb in b..end {
+                            prefetch_quant(pf, bb * step);
                             let xv = _mm256_loadu_ps(xp.add(LANES * bb));
                             for r in 0..R {
                                 let w = decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r]);
@@ -477,6 +486,7 @@ mod x86 {
                         }
                     } else {
                         for bb in b..end {
+                            prefetch_quant(pf, bb * step);
                             let xv = _mm256_loadu_ps(xp.add(LANES * bb));
                             for r in 0..R {
                                 let w = decode_mxfp4(codes[r].add(4 * bb), table[r]);
@@ -512,6 +522,35 @@ mod x86 {
         out
     }
 
+    /// Where the quantized kernel prefetches from: [`PREFETCH_BYTES`] past
+    /// the first row, when the group's rows are consecutive in memory and
+    /// span at most [`PREFETCH_MAX_GROUP_BYTES`] (the same rule as the
+    /// BF16 rows: short rows read as one stream the hardware prefetcher
+    /// does not ramp up on); `None` otherwise. A hint only: it cannot
+    /// change a result.
+    #[inline(always)]
+    fn quant_prefetch_base(kind: QuantRows, rows: &[(&[u8], &[u8])], n: usize) -> Option<*const u8> {
+        let row = match kind {
+            QuantRows::Fp8 => n,
+            QuantRows::Mxfp4 => n / 2,
+        };
+        let first = rows.first()?.0.as_ptr();
+        let consecutive = rows
+            .iter()
+            .enumerate()
+            .all(|(k, r)| std::ptr::eq(r.0.as_ptr(), first.wrapping_add(k * row)));
+        (consecutive && rows.len() * row <= PREFETCH_MAX_GROUP_BYTES)
+            .then(|| first.wrapping_add(PREFETCH_BYTES))
+    }
+
+    /// Prefetches the cache line `off` bytes past `pf` (nothing without `pf`).
+    #[inline(always)]
+    unsafe fn prefetch_quant(pf: Option<*const u8>, off: usize) {
+        if let Some(p) = pf {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+        }
+    }
+
     /// The rows of `rows` in groups of up to `MAXR` (`VL`: AVX-512VL is available).
     #[inline(always)]
     unsafe fn quant_groups<const MAXR: usize, const VL: bool>(
@@ -524,16 +563,18 @@ mod x86 {
         while i < rows.len() {
             let left = rows.len() - i;
             if MAXR >= 8 && left >= 8 {
-                out[i..i + 8].copy_from_slice(&quant_r::<8, VL>(kind, &rows[i..], x));
+                let pf = quant_prefetch_base(kind, &rows[i..i + 8], x.len());
+                out[i..i + 8].copy_from_slice(&quant_r::<8, VL>(kind, &rows[i..], x, pf));
                 i += 8;
             } else if left >= 4 {
-                out[i..i + 4].copy_from_slice(&quant_r::<4, VL>(kind, &rows[i..], x));
+                let pf = quant_prefetch_base(kind, &rows[i..i + 4], x.len());
+                out[i..i + 4].copy_from_slice(&quant_r::<4, VL>(kind, &rows[i..], x, pf));
                 i += 4;
             } else if left >= 2 {
-                out[i..i + 2].copy_from_slice(&quant_r::<2, VL>(kind, &rows[i..], x));
+                out[i..i + 2].copy_from_slice(&quant_r::<2, VL>(kind, &rows[i..], x, None));
                 i += 2;
             } else {
-                out[i] = quant_r::<1, VL>(kind, &rows[i..], x)[0];
+                out[i] = quant_r::<1, VL>(kind, &rows[i..], x, None)[0];
                 i += 1;
             }
         }
@@ -824,7 +865,7 @@ mod tests {
         for n in [
             0usize, 8, 16, 24, 32, 64, 120, 128, 136, 256, 264, 384, 1000, 1024,
         ] {
-            for rows in [1usize, 2, 3, 5, 8] {
+            for rows in [1usize, 2, 3, 4, 5, 7, 8] {
                 let x: Vec<f32> = (0..n).map(|_| rng.special()).collect();
                 // Every code, subnormal, zero and NaN codes included; scales
                 // over the whole accepted range, 2^-127 (subnormal) included,
@@ -914,6 +955,86 @@ mod tests {
                         same(got[0], dot8_mxfp4(&packed, &sc, &x)),
                         "E2M1 pair {c:#04x} scale {e}"
                     );
+                }
+                // Two rows side by side (one 512-bit register where there is
+                // one): another code and another scale in the second row.
+                let (c2, e2) = (c ^ 0xa5, 255 - e);
+                let (codes2, sc2, packed2) = ([c2; 32], [e2], [c2; 16]);
+                let mut got = [0.0f32; 2];
+                if dot8_quant_rows(QuantRows::Fp8, &[(&codes, &sc), (&codes2, &sc2)], &x, &mut got) {
+                    assert!(
+                        same(got[0], dot8_fp8(&codes, &sc, &x)),
+                        "E4M3 {c:#04x} scale {e} (row 0 of 2)"
+                    );
+                    assert!(
+                        same(got[1], dot8_fp8(&codes2, &sc2, &x)),
+                        "E4M3 {c2:#04x} scale {e2} (row 1 of 2)"
+                    );
+                }
+                if dot8_quant_rows(
+                    QuantRows::Mxfp4,
+                    &[(&packed, &sc), (&packed2, &sc2)],
+                    &x,
+                    &mut got,
+                ) {
+                    assert!(
+                        same(got[0], dot8_mxfp4(&packed, &sc, &x)),
+                        "E2M1 {c:#04x} scale {e} (row 0 of 2)"
+                    );
+                    assert!(
+                        same(got[1], dot8_mxfp4(&packed2, &sc2, &x)),
+                        "E2M1 {c2:#04x} scale {e2} (row 1 of 2)"
+                    );
+                }
+            }
+        }
+        // Rows consecutive in one buffer (the layout of a weight matrix, where
+        // the kernels prefetch ahead), 8 and 4 rows per group, every length
+        // ending inside and outside a block.
+        for n in [13usize, 128, 130, 256, 1024, 1032, 1037] {
+            for rows in [4usize, 8, 12, 16] {
+                let x: Vec<f32> = (0..n).map(|_| rng.special()).collect();
+                let flat: Vec<u8> = (0..rows * n).map(|_| (rng.next() & 0xff) as u8).collect();
+                let scales: Vec<u8> = (0..rows * n.div_ceil(MXFP4_GROUP))
+                    .map(|_| 110 + (rng.next() % 30) as u8)
+                    .collect();
+                let per = n.div_ceil(FP8_BLOCK);
+                let fp8: Vec<(&[u8], &[u8])> = (0..rows)
+                    .map(|r| (&flat[r * n..(r + 1) * n], &scales[r * per..(r + 1) * per]))
+                    .collect();
+                let m = n / 32 * 32;
+                let gper = m / MXFP4_GROUP;
+                let fp4: Vec<(&[u8], &[u8])> = (0..rows)
+                    .map(|r| {
+                        (
+                            &flat[r * m / 2..(r + 1) * m / 2],
+                            &scales[r * gper..(r + 1) * gper],
+                        )
+                    })
+                    .collect();
+                for chunk in fp8.chunks(QUANT_ROWS) {
+                    let mut got = vec![0.0f32; chunk.len()];
+                    if dot8_quant_rows(QuantRows::Fp8, chunk, &x, &mut got) {
+                        for (r, (c, sc)) in chunk.iter().enumerate() {
+                            assert!(
+                                same(got[r], dot8_fp8(c, sc, &x)),
+                                "contiguous fp8 n {n} rows {rows}"
+                            );
+                        }
+                        checked += 1;
+                    }
+                }
+                for chunk in fp4.chunks(QUANT_ROWS) {
+                    let mut got = vec![0.0f32; chunk.len()];
+                    if dot8_quant_rows(QuantRows::Mxfp4, chunk, &x[..m], &mut got) {
+                        for (r, (c, sc)) in chunk.iter().enumerate() {
+                            assert!(
+                                same(got[r], dot8_mxfp4(c, sc, &x[..m])),
+                                "contiguous mxfp4 n {m} rows {rows}"
+                            );
+                        }
+                        checked += 1;
+                    }
                 }
             }
         }

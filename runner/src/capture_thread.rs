@@ -23,24 +23,36 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use moeconf_fingerprint::{Coord, DType, Level, TensorView};
+use moeconf_fingerprint::{Coord, DType, Interner, Level, Phase, TensorView};
 use moeconf_schema::{TraceError, TraceWriter, WriteSummary};
 
 /// Batches in flight between the threads (the runtime blocks when the
 /// writer falls this far behind).
 const IN_FLIGHT: usize = 4;
 /// A batch is handed over once it holds this many payload bytes ...
-const BATCH_BYTES: usize = 256 * 1024;
+/// (a hand-over usually wakes the writer thread, a futex wake that cost the
+/// runtime's thread tens of microseconds on the 2-vCPU machine we measure
+/// on: at 256 KiB that was about one per fixture decode step, a tenth of
+/// the capture's cost there; larger batches are written cache-cold, so the
+/// size is a middle ground, not an optimum) ...
+const BATCH_BYTES: usize = 512 * 1024;
 /// ... or this many records.
-const BATCH_RECORDS: usize = 512;
+const BATCH_RECORDS: usize = 2048;
 /// Payloads start at multiples of this in a batch's buffer (the
 /// canonicalization scan reads aligned words).
 const ALIGN: usize = 64;
 
 /// One record of a batch: everything `TraceWriter::append` takes, with the
-/// shape and bytes as ranges of the batch's buffers.
+/// path, shape and bytes as ranges of the batch's buffers. The path travels
+/// as text, not as the runtime's shared [`moeconf_fingerprint::RecordPath`]:
+/// a reference count incremented on one thread and decremented on the other
+/// moves its cache line between cores on every record.
 struct Item {
-    coord: Coord,
+    step: u32,
+    position: u32,
+    phase: Phase,
+    layer: Option<u32>,
+    path: (usize, usize),
     level: Level,
     dtype: DType,
     shape: (usize, usize),
@@ -52,25 +64,45 @@ struct Item {
 #[derive(Default)]
 struct Batch {
     items: Vec<Item>,
+    paths: String,
     shapes: Vec<u64>,
     data: Vec<u8>,
 }
 
 impl Batch {
+    /// An empty batch with room for a full one (growing a buffer of this
+    /// size by doubling would copy it and fault its pages in on the
+    /// runtime's thread).
+    fn with_capacity() -> Batch {
+        Batch {
+            items: Vec::with_capacity(BATCH_RECORDS),
+            paths: String::with_capacity(32 * BATCH_RECORDS),
+            shapes: Vec::with_capacity(2 * BATCH_RECORDS),
+            data: Vec::with_capacity(BATCH_BYTES + BATCH_BYTES / 4),
+        }
+    }
+
     fn clear(&mut self) {
         self.items.clear();
+        self.paths.clear();
         self.shapes.clear();
         self.data.clear();
     }
 
     fn push(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>, keep: bool) {
+        let p0 = self.paths.len();
+        self.paths.push_str(&coord.path);
         let s0 = self.shapes.len();
         self.shapes.extend_from_slice(tensor.shape);
         let b0 = self.data.len().next_multiple_of(ALIGN);
         self.data.resize(b0, 0);
         self.data.extend_from_slice(tensor.bytes);
         self.items.push(Item {
-            coord,
+            step: coord.step,
+            position: coord.position,
+            phase: coord.phase,
+            layer: coord.layer,
+            path: (p0, self.paths.len()),
             level,
             dtype: tensor.dtype,
             shape: (s0, self.shapes.len()),
@@ -146,7 +178,7 @@ impl CaptureThread {
             }
         };
         Ok(CaptureThread {
-            batch: Batch::default(),
+            batch: Batch::with_capacity(),
             tx: Some(tx),
             spare,
             worker,
@@ -188,7 +220,7 @@ impl CaptureThread {
     /// Sends the current batch to the writer thread and starts a new one
     /// (reusing a batch the writer has emptied, if there is one).
     fn hand_over(&mut self) -> Result<(), String> {
-        let next = self.spare.try_recv().unwrap_or_default();
+        let next = self.spare.try_recv().unwrap_or_else(|_| Batch::with_capacity());
         let full = std::mem::replace(&mut self.batch, next);
         let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok()).unwrap_or(false);
         if sent {
@@ -247,6 +279,8 @@ fn write_batches(
     back: SyncSender<Batch>,
     failure: Failure,
 ) -> Result<TraceWriter, TraceError> {
+    // The writer thread's own shared paths (see `Item`).
+    let mut paths = Interner::new();
     for mut batch in rx {
         for item in batch.items.drain(..) {
             let tensor = TensorView {
@@ -254,7 +288,14 @@ fn write_batches(
                 shape: &batch.shapes[item.shape.0..item.shape.1],
                 bytes: &batch.data[item.bytes.0..item.bytes.1],
             };
-            if let Err(e) = writer.append(item.coord, item.level, tensor, item.keep) {
+            let coord = Coord {
+                step: item.step,
+                position: item.position,
+                phase: item.phase,
+                layer: item.layer,
+                path: paths.path(&batch.paths[item.path.0..item.path.1]),
+            };
+            if let Err(e) = writer.append(coord, item.level, tensor, item.keep) {
                 let message = crate::error_chain(&e);
                 match failure.message.lock() {
                     Ok(mut f) => *f = Some(message),
