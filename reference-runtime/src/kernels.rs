@@ -205,6 +205,11 @@ pub fn dot8_f32_many(rows: &[&[f32]], x: &[f32], out: &mut [f32]) {
 pub enum QuantRows {
     /// FP8 E4M3 codes, one UE8M0 scale per 128 columns (the row's block-row scales).
     Fp8,
+    /// [`QuantRows::Fp8`] whose codes are known to include neither NaN code
+    /// (0x7F, 0xFF): decoded without the NaN fix-up. The caller vouches for
+    /// it (a matrix checks its codes once, `Mat::fp8_finite`); with a NaN
+    /// code the result would be wrong, not NaN.
+    Fp8Finite,
     /// MXFP4 (two E2M1 codes per byte, low nibble = even element), one UE8M0 scale per 32 columns.
     Mxfp4,
 }
@@ -233,7 +238,7 @@ pub fn dot8_quant_rows(kind: QuantRows, rows: &[(&[u8], &[u8])], x: &[f32], out:
         let n = x.len();
         let ok = rows.iter().all(|(codes, scales)| match kind {
             // Scale codes up to the loader's maximum (246) or NaN: 2^8 · scale stays finite.
-            QuantRows::Fp8 => {
+            QuantRows::Fp8 | QuantRows::Fp8Finite => {
                 let blocks = n.div_ceil(crate::quant::FP8_BLOCK);
                 codes.len() >= n
                     && scales.len() >= blocks
@@ -393,6 +398,18 @@ mod x86 {
         _mm256_cvtph_ps(h)
     }
 
+    /// [`decode_e4m3_over_256`] for codes other than the two NaN codes:
+    /// the same binary16 bits without the NaN fix-up (for such codes the
+    /// fix-up changes nothing).
+    #[inline(always)]
+    unsafe fn decode_e4m3_finite_over_256(codes: *const u8) -> __m256 {
+        let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
+        _mm256_cvtph_ps(_mm_and_si128(
+            _mm_slli_epi16::<7>(c),
+            _mm_set1_epi16(0xbfffu16 as i16),
+        ))
+    }
+
     /// The E2M1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (index = code & 7).
     const E2M1_MAGNITUDES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
 
@@ -441,14 +458,14 @@ mod x86 {
         let codes: [*const u8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
         let mut acc = [_mm256_setzero_ps(); R];
         let group = match kind {
-            QuantRows::Fp8 => FP8_BLOCK,
+            QuantRows::Fp8 | QuantRows::Fp8Finite => FP8_BLOCK,
             QuantRows::Mxfp4 => MXFP4_GROUP,
         } / LANES;
         let mags = _mm256_loadu_ps(E2M1_MAGNITUDES.as_ptr());
         // Code bytes of one 8-element block of the R rows: one cache line
         // of FP8, half of one of MXFP4.
         let step = R * match kind {
-            QuantRows::Fp8 => LANES,
+            QuantRows::Fp8 | QuantRows::Fp8Finite => LANES,
             QuantRows::Mxfp4 => LANES / 2,
         };
         let mut b = 0;
@@ -457,17 +474,30 @@ mod x86 {
             let end = ((g + 1) * group).min(blocks);
             let s: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scale_value(rows[r].1[g])));
             match kind {
-                QuantRows::Fp8 => {
+                QuantRows::Fp8 | QuantRows::Fp8Finite => {
                     // 2^8 · scale: exact (scale codes ≤ 246, so at most 2^127);
                     // (E4M3[c] · 2^-8) · (2^8 · s) is the same exact product as E4M3[c] · s.
                     let s256: [__m256; R] =
                         std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
-                    for bb in b..end {
-                        prefetch_quant(pf, bb * step);
-                        let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                        for r in 0..R {
-                            let w = _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r]);
-                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                    if kind == QuantRows::Fp8Finite {
+                        for bb in b..end {
+                            prefetch_quant(pf, bb * step);
+                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                            for r in 0..R {
+                                let c = decode_e4m3_finite_over_256(codes[r].add(LANES * bb));
+                                let w = _mm256_mul_ps(c, s256[r]);
+                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                            }
+                        }
+                    } else {
+                        for bb in b..end {
+                            prefetch_quant(pf, bb * step);
+                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                            for r in 0..R {
+                                let w =
+                                    _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r]);
+                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                            }
                         }
                     }
                 }
@@ -502,7 +532,7 @@ mod x86 {
         for r in 0..R {
             let (c, sc) = rows[r];
             out[r] = match kind {
-                QuantRows::Fp8 => finish(
+                QuantRows::Fp8 | QuantRows::Fp8Finite => finish(
                     acc[r],
                     blocks * LANES,
                     n,
@@ -531,7 +561,7 @@ mod x86 {
     #[inline(always)]
     fn quant_prefetch_base(kind: QuantRows, rows: &[(&[u8], &[u8])], n: usize) -> Option<*const u8> {
         let row = match kind {
-            QuantRows::Fp8 => n,
+            QuantRows::Fp8 | QuantRows::Fp8Finite => n,
             QuantRows::Mxfp4 => n / 2,
         };
         let first = rows.first()?.0.as_ptr();
@@ -907,6 +937,27 @@ mod tests {
                     .map(|(c, s)| (c.as_slice(), s.as_slice()))
                     .collect();
                 let mut got = vec![0.0f32; rows];
+                // The NaN-free decode, on the same rows with the NaN codes replaced.
+                let finite: Vec<Vec<u8>> = fp8
+                    .iter()
+                    .map(|r| {
+                        r.iter()
+                            .map(|&c| if c & 0x7f == 0x7f { c ^ 1 } else { c })
+                            .collect()
+                    })
+                    .collect();
+                let fpairs: Vec<(&[u8], &[u8])> = finite
+                    .iter()
+                    .zip(&fp8_scales)
+                    .map(|(c, s)| (c.as_slice(), s.as_slice()))
+                    .collect();
+                if dot8_quant_rows(QuantRows::Fp8Finite, &fpairs, &x, &mut got) {
+                    for r in 0..rows {
+                        let want = dot8_fp8(&finite[r], &fp8_scales[r], &x);
+                        assert!(same(got[r], want), "fp8 finite n {n} rows {rows} row {r}");
+                    }
+                    checked += 1;
+                }
                 if dot8_quant_rows(QuantRows::Fp8, &pairs, &x, &mut got) {
                     for r in 0..rows {
                         let want = dot8_fp8(&fp8[r], &fp8_scales[r], &x);
@@ -948,6 +999,12 @@ mod tests {
                 let mut got = [0.0f32];
                 if dot8_quant_rows(QuantRows::Fp8, &[(&codes, &sc)], &x, &mut got) {
                     assert!(same(got[0], dot8_fp8(&codes, &sc, &x)), "E4M3 {c:#04x} scale {e}");
+                }
+                if c & 0x7f != 0x7f && dot8_quant_rows(QuantRows::Fp8Finite, &[(&codes, &sc)], &x, &mut got) {
+                    assert!(
+                        same(got[0], dot8_fp8(&codes, &sc, &x)),
+                        "E4M3 {c:#04x} scale {e} (finite)"
+                    );
                 }
                 let packed = [c; 16];
                 if dot8_quant_rows(QuantRows::Mxfp4, &[(&packed, &sc)], &x, &mut got) {
