@@ -111,6 +111,12 @@ impl Batch {
         });
     }
 
+    /// Whether appending a payload of `bytes` would reallocate a batch
+    /// that already holds records.
+    fn would_grow(&self, bytes: usize) -> bool {
+        !self.items.is_empty() && self.data.len().next_multiple_of(ALIGN) + bytes > self.data.capacity()
+    }
+
     fn full(&self) -> bool {
         self.data.len() >= BATCH_BYTES || self.items.len() >= BATCH_RECORDS
     }
@@ -209,6 +215,11 @@ impl CaptureThread {
     ) -> Result<(), String> {
         if let Some(m) = self.failed() {
             return Err(m);
+        }
+        if self.batch.would_grow(tensor.bytes.len()) {
+            // Hand over what the batch holds rather than growing its buffer:
+            // a buffer only grows for a record larger than a whole batch.
+            self.hand_over()?;
         }
         self.batch.push(coord, level, tensor, keep);
         if self.batch.full() {
