@@ -207,7 +207,7 @@ pub enum QuantRows {
     Fp8,
     /// [`QuantRows::Fp8`] whose codes are known to include neither NaN code
     /// (0x7F, 0xFF): decoded without the NaN fix-up. The caller vouches for
-    /// it (a matrix checks its codes once, `Mat::fp8_finite`); with a NaN
+    /// it (the loader refuses NaN codes in FP8 weights); with a NaN
     /// code the result would be wrong, not NaN.
     Fp8Finite,
     /// MXFP4 (two E2M1 codes per byte, low nibble = even element), one UE8M0 scale per 32 columns.
@@ -442,6 +442,29 @@ mod x86 {
         _mm256_permutex2var_ps(lo, nib, hi)
     }
 
+    /// `acc[r] += weights(r, bb) · x[8bb .. 8bb+8]` for every block `bb` of
+    /// `blocks` and row `r`, in increasing `bb` (one multiply, then one add,
+    /// each rounded: the dot8 lane order), prefetching `pf` ahead: the inner
+    /// loop of [`quant_r`] for every weight format, `weights` decoding row
+    /// `r`'s 8 weights of block `bb` exactly.
+    #[inline(always)]
+    unsafe fn accumulate_blocks<const R: usize>(
+        acc: &mut [__m256; R],
+        blocks: std::ops::Range<usize>,
+        xp: *const f32,
+        pf: Option<*const u8>,
+        step: usize,
+        weights: impl Fn(usize, usize) -> __m256,
+    ) {
+        for bb in blocks {
+            prefetch_quant(pf, bb * step);
+            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(weights(r, bb), xv));
+            }
+        }
+    }
+
     /// `R` quantized rows with the same input (`VL`: AVX-512VL is available).
     #[inline(always)]
     unsafe fn quant_r<const R: usize, const VL: bool>(
@@ -480,25 +503,13 @@ mod x86 {
                     let s256: [__m256; R] =
                         std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
                     if kind == QuantRows::Fp8Finite {
-                        for bb in b..end {
-                            prefetch_quant(pf, bb * step);
-                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                            for r in 0..R {
-                                let c = decode_e4m3_finite_over_256(codes[r].add(LANES * bb));
-                                let w = _mm256_mul_ps(c, s256[r]);
-                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
-                            }
-                        }
+                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                            _mm256_mul_ps(decode_e4m3_finite_over_256(codes[r].add(LANES * bb)), s256[r])
+                        });
                     } else {
-                        for bb in b..end {
-                            prefetch_quant(pf, bb * step);
-                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                            for r in 0..R {
-                                let w =
-                                    _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r]);
-                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
-                            }
-                        }
+                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                            _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r])
+                        });
                     }
                 }
                 QuantRows::Mxfp4 => {
@@ -506,23 +517,13 @@ mod x86 {
                     if VL {
                         let neg: [__m256; R] =
                             std::array::from_fn(|r| _mm256_xor_ps(table[r], _mm256_set1_ps(-0.0)));
-                        for bb in b..end {
-                            prefetch_quant(pf, bb * step);
-                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                            for r in 0..R {
-                                let w = decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r]);
-                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
-                            }
-                        }
+                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                            decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r])
+                        });
                     } else {
-                        for bb in b..end {
-                            prefetch_quant(pf, bb * step);
-                            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-                            for r in 0..R {
-                                let w = decode_mxfp4(codes[r].add(4 * bb), table[r]);
-                                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
-                            }
-                        }
+                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                            decode_mxfp4(codes[r].add(4 * bb), table[r])
+                        });
                     }
                 }
             }

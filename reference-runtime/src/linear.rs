@@ -384,8 +384,9 @@ impl Mat {
             return;
         }
         let quant_kind = match self.dtype() {
-            WeightDType::Fp8E4m3 if self.fp8_finite() => Some(crate::kernels::QuantRows::Fp8Finite),
-            WeightDType::Fp8E4m3 => Some(crate::kernels::QuantRows::Fp8),
+            // No FP8 matrix holds a NaN code: `WeightLoader::linear`, the only
+            // place that builds them, refuses 0x7F/0xFF.
+            WeightDType::Fp8E4m3 => Some(crate::kernels::QuantRows::Fp8Finite),
             WeightDType::Mxfp4 => Some(crate::kernels::QuantRows::Mxfp4),
             WeightDType::Bf16 | WeightDType::F32 => None,
         };

@@ -129,20 +129,9 @@ pub struct Mat {
     cols: usize,
     dtype: WeightDType,
     scales: Option<Scales>,
-    /// FP8 only: the loader checked every code and found no NaN code.
-    finite_codes: bool,
 }
 
 impl Mat {
-    /// FP8 E4M3 matrices: whether none of the codes is a NaN code (0x7F,
-    /// 0xFF) — always, for a matrix the loader built (it refuses NaN
-    /// codes, [`WeightLoader::linear`]) — so the SIMD kernel can skip its
-    /// NaN fix-up (`kernels::QuantRows::Fp8Finite`); `false` for every
-    /// other format.
-    pub fn fp8_finite(&self) -> bool {
-        self.dtype == WeightDType::Fp8E4m3 && self.finite_codes
-    }
-
     /// Number of rows (output features).
     pub fn rows(&self) -> usize {
         self.rows
@@ -396,7 +385,6 @@ impl WeightLoader {
             cols,
             dtype,
             scales: None,
-            finite_codes: false,
         })
     }
 
@@ -488,8 +476,6 @@ impl WeightLoader {
                     cols,
                     dtype: WeightDType::Fp8E4m3,
                     scales: Some(scales),
-                    // Every code was checked above.
-                    finite_codes: true,
                 })
             }
             LinearFormat::Mxfp4 => {
@@ -536,7 +522,6 @@ impl WeightLoader {
                     cols,
                     dtype: WeightDType::Mxfp4,
                     scales: Some(scales),
-                    finite_codes: false,
                 })
             }
         }

@@ -60,8 +60,7 @@ struct Item {
     keep: bool,
 }
 
-/// Records in emission order and the buffers their shapes and bytes live in.
-#[derive(Default)]
+/// Records in emission order and the buffers their paths, shapes and bytes live in.
 struct Batch {
     items: Vec<Item>,
     paths: String,
