@@ -26,9 +26,12 @@ use std::thread::JoinHandle;
 use moeconf_fingerprint::{Coord, DType, Interner, Level, Phase, TensorView};
 use moeconf_schema::{TraceError, TraceWriter, WriteSummary};
 
-/// Batches in flight between the threads (the runtime blocks when the
-/// writer falls this far behind).
-const IN_FLIGHT: usize = 4;
+/// Most batches in circulation between the two threads. A batch is
+/// allocated when the runtime needs one and none is free, up to this many;
+/// then the runtime waits for the writer to empty one. So the capture's
+/// memory is bounded whatever the length of the run (a record larger than
+/// a batch grows that batch only until the writer has written it).
+const POOL: usize = 6;
 /// A batch is handed over once it holds this many payload bytes ...
 /// (a hand-over usually wakes the writer thread, a futex wake that cost the
 /// runtime's thread tens of microseconds on the 2-vCPU machine we measure
@@ -38,6 +41,9 @@ const IN_FLIGHT: usize = 4;
 const BATCH_BYTES: usize = 512 * 1024;
 /// ... or this many records.
 const BATCH_RECORDS: usize = 2048;
+/// The payload buffer of a batch: a full batch plus room for the record
+/// that fills it.
+const DATA_CAPACITY: usize = BATCH_BYTES + BATCH_BYTES / 4;
 /// Payloads start at multiples of this in a batch's buffer (the
 /// canonicalization scan reads aligned words).
 const ALIGN: usize = 64;
@@ -77,15 +83,31 @@ impl Batch {
             items: Vec::with_capacity(BATCH_RECORDS),
             paths: String::with_capacity(32 * BATCH_RECORDS),
             shapes: Vec::with_capacity(2 * BATCH_RECORDS),
-            data: Vec::with_capacity(BATCH_BYTES + BATCH_BYTES / 4),
+            data: Vec::with_capacity(DATA_CAPACITY),
         }
     }
 
+    /// A batch with no buffers (a placeholder while the current one is
+    /// with the writer).
+    fn unallocated() -> Batch {
+        Batch {
+            items: Vec::new(),
+            paths: String::new(),
+            shapes: Vec::new(),
+            data: Vec::new(),
+        }
+    }
+
+    /// Empties the batch for reuse; a payload buffer that grew for a record
+    /// larger than a batch goes back to its usual size.
     fn clear(&mut self) {
         self.items.clear();
         self.paths.clear();
         self.shapes.clear();
         self.data.clear();
+        if self.data.capacity() > DATA_CAPACITY {
+            self.data.shrink_to(DATA_CAPACITY);
+        }
     }
 
     fn push(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>, keep: bool) {
@@ -135,7 +157,10 @@ type Failure = Arc<FailureState>;
 pub struct CaptureThread {
     batch: Batch,
     tx: Option<SyncSender<Batch>>,
-    spare: Receiver<Batch>,
+    /// Batches the writer has emptied, to be filled again.
+    free: Receiver<Batch>,
+    /// Batches allocated so far (at most [`POOL`]).
+    allocated: usize,
     worker: Option<JoinHandle<Result<TraceWriter, TraceError>>>,
     failure: Failure,
 }
@@ -144,8 +169,8 @@ impl CaptureThread {
     /// Moves `writer` to a new thread; gives it back if the operating
     /// system refuses a thread.
     pub fn spawn_or_return(writer: TraceWriter) -> Result<CaptureThread, Box<TraceWriter>> {
-        let (tx, rx) = sync_channel::<Batch>(IN_FLIGHT);
-        let (back, spare) = sync_channel::<Batch>(IN_FLIGHT + 2);
+        let (tx, rx) = sync_channel::<Batch>(POOL);
+        let (back, free) = sync_channel::<Batch>(POOL);
         let failure: Failure = Arc::default();
         let f = failure.clone();
         // The writer goes to the thread through a slot it can be taken back from.
@@ -185,7 +210,8 @@ impl CaptureThread {
         Ok(CaptureThread {
             batch: Batch::with_capacity(),
             tx: Some(tx),
-            spare,
+            free,
+            allocated: 1,
             worker,
             failure,
         })
@@ -227,20 +253,44 @@ impl CaptureThread {
         Ok(())
     }
 
-    /// Sends the current batch to the writer thread and starts a new one
-    /// (reusing a batch the writer has emptied, if there is one).
+    /// Sends the current batch to the writer thread and continues in a
+    /// batch the writer has emptied, or a new one while fewer than [`POOL`]
+    /// exist, or else waits for the writer to empty one.
     fn hand_over(&mut self) -> Result<(), String> {
-        let next = self.spare.try_recv().unwrap_or_else(|_| Batch::with_capacity());
-        let full = std::mem::replace(&mut self.batch, next);
+        self.send_current()?;
+        let next = match self.free.try_recv() {
+            Ok(b) => Ok(b),
+            Err(_) if self.allocated < POOL => {
+                self.allocated += 1;
+                Ok(Batch::with_capacity())
+            }
+            Err(_) => self.free.recv(),
+        };
+        match next {
+            Ok(b) => {
+                self.batch = b;
+                Ok(())
+            }
+            Err(_) => Err(self.stopped()),
+        }
+    }
+
+    /// Sends the current batch to the writer thread, leaving an empty,
+    /// unallocated one in its place.
+    fn send_current(&mut self) -> Result<(), String> {
+        let full = std::mem::replace(&mut self.batch, Batch::unallocated());
         let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok()).unwrap_or(false);
         if sent {
             Ok(())
         } else {
-            // The writer thread stopped: it failed (its error says why).
-            Err(self
-                .failed()
-                .unwrap_or_else(|| "the trace writer thread stopped".to_string()))
+            Err(self.stopped())
         }
+    }
+
+    /// Why the writer thread stopped: its error, which says why.
+    fn stopped(&self) -> String {
+        self.failed()
+            .unwrap_or_else(|| "the trace writer thread stopped".to_string())
     }
 
     /// Hands over the last records, waits for the writer thread and
@@ -249,7 +299,7 @@ impl CaptureThread {
         let pending = !self.batch.items.is_empty();
         if pending {
             // A failure is reported by the join below.
-            let _ = self.hand_over();
+            let _ = self.send_current();
         }
         self.tx = None;
         let writer = match self.worker.take().map(|w| w.join()) {
@@ -282,7 +332,9 @@ impl Drop for CaptureThread {
 }
 
 /// The writer thread: appends every record of every batch in order, and
-/// returns the emptied batches for reuse. Stops at the first error.
+/// returns the emptied batches to the pool. Stops at the first error
+/// (dropping its end of both channels, which the runtime's thread then
+/// sees as a stopped writer).
 fn write_batches(
     mut writer: TraceWriter,
     rx: Receiver<Batch>,
@@ -316,6 +368,8 @@ fn write_batches(
             }
         }
         batch.clear();
+        // Room for every batch of the pool: never full. Fails only once
+        // the runtime's side is gone, when nothing needs the batch.
         let _ = back.try_send(batch);
     }
     Ok(writer)
@@ -382,6 +436,76 @@ mod tests {
         assert_eq!(t.format_version(), moeconf_schema::DEFAULT_FORMAT_VERSION);
         assert_eq!(t.format_version(), 2);
         assert_eq!(t.steps().len(), 6);
+    }
+
+    /// Writes a synthetic stream through the writer thread or on this
+    /// thread: every step has more records than a batch holds, and one
+    /// record larger than a whole batch, so batches are handed over full,
+    /// by size and by count, grow for the large record and are reused.
+    fn synthetic(path: &Path, threaded: bool) -> Vec<u8> {
+        use moeconf_fingerprint::{Coord, DType, Level, Phase, TensorView};
+        let steps = 4u32;
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = steps;
+        let w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
+        let (mut here, mut thread) = if threaded {
+            (None, super::CaptureThread::spawn_or_return(w).ok())
+        } else {
+            (Some(w), None)
+        };
+        let big: Vec<u8> = (0..3 * super::DATA_CAPACITY / 4)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect();
+        let mut n = 0u64;
+        for step in 0..steps {
+            for k in 0..(super::BATCH_RECORDS as u32 + 300) {
+                let small: Vec<u8> = (0..k % 97)
+                    .flat_map(|i| ((i ^ k ^ step) as f32).to_le_bytes())
+                    .collect();
+                let (bytes, keep) = if k == 7 {
+                    (&big[..], step % 2 == 0)
+                } else {
+                    (&small[..], k % 5 == 0)
+                };
+                let coord = Coord {
+                    step,
+                    position: step + k,
+                    phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                    layer: Some(k % 9),
+                    path: format!("op.{:03}", k % 50).into(),
+                };
+                let shape = [(bytes.len() / 4) as u64];
+                let view = TensorView {
+                    dtype: DType::F32,
+                    shape: &shape,
+                    bytes,
+                };
+                match (&mut here, &mut thread) {
+                    (Some(w), _) => {
+                        w.append(coord, Level::L4, view, keep).unwrap();
+                    }
+                    (None, Some(t)) => t.append(coord, Level::L4, view, keep).unwrap(),
+                    _ => unreachable!(),
+                }
+                n += 1;
+            }
+        }
+        let summary = match (here, thread) {
+            (Some(w), _) => w.finish().unwrap(),
+            (None, Some(t)) => t.finish().unwrap(),
+            _ => unreachable!(),
+        };
+        assert_eq!(summary.records, n);
+        std::fs::read(path).unwrap()
+    }
+
+    #[test]
+    fn batches_larger_records_and_a_bounded_pool_write_the_same_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = synthetic(&tmp.path().join("here.bin"), false);
+        let b = synthetic(&tmp.path().join("thread.bin"), true);
+        assert!(a.len() > 4 * super::DATA_CAPACITY, "{} bytes", a.len());
+        assert!(a == b, "the two traces differ");
     }
 
     #[test]
