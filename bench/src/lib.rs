@@ -231,6 +231,9 @@ pub fn runtime(
         "rows": rows.iter().map(|r| json!({
             "model": r.model, "precision": r.precision.name(), "capture": r.capture.name(),
             "prefill_tokens_per_second": r.prefill, "decode_tokens_per_second": r.decode,
+            "decode_vs_none_paired": r.paired_quartiles().map(|[q1, median, q3]| json!({
+                "rounds": r.paired_vs_none.len(), "q1": q1, "median": median, "q3": q3,
+            })),
         })).collect::<Vec<_>>(),
         "anon_rss_bytes_after_tiny": rss_tiny,
         "anon_rss_bytes_after_large": rss_large,

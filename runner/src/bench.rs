@@ -58,6 +58,21 @@ pub struct RuntimeRow {
     pub prefill: f64,
     /// Best decode tokens per second.
     pub decode: f64,
+    /// For a capturing row: in each repetition, its decode speed divided by
+    /// the uncaptured run of the same repetition (run just before it),
+    /// sorted. Pairs that ran back to back share the machine's state, so
+    /// their median says more on a noisy machine than a ratio of two bests.
+    pub paired_vs_none: Vec<f64>,
+}
+
+impl RuntimeRow {
+    /// The median and quartiles of [`RuntimeRow::paired_vs_none`] (none
+    /// for an uncaptured row).
+    pub fn paired_quartiles(&self) -> Option<[f64; 3]> {
+        let v = &self.paired_vs_none;
+        let at = |q: usize| v[(q * (v.len() - 1) + 2) / 4];
+        (!v.is_empty()).then(|| [at(1), at(2), at(3)])
+    }
 }
 
 /// Measures the model in `dir` (named `name` in the rows) in both precision
@@ -79,9 +94,17 @@ pub fn bench_runtime(
             detokenizer: None,
             allow_non_finite: false,
         };
-        for capture in [BenchCapture::None, BenchCapture::Default] {
-            let (mut prefill, mut decode) = (0.0f64, 0.0f64);
-            for _ in 0..opts.repeat {
+        // Each repetition runs both captures back to back, so every
+        // captured run has an uncaptured partner measured under the same
+        // conditions.
+        let mut best = [(0.0f64, 0.0f64); 2];
+        let mut paired = Vec::new();
+        for _ in 0..opts.repeat {
+            let mut none_seconds = 0.0;
+            for (i, capture) in [BenchCapture::None, BenchCapture::Default]
+                .into_iter()
+                .enumerate()
+            {
                 let r = generate(
                     &model,
                     &prompt,
@@ -90,15 +113,30 @@ pub fn bench_runtime(
                     capture,
                     scratch,
                 )?;
-                prefill = prefill.max(r.prefill_tokens_per_second());
-                decode = decode.max(r.decode_tokens_per_second());
+                best[i].0 = best[i].0.max(r.prefill_tokens_per_second());
+                best[i].1 = best[i].1.max(r.decode_tokens_per_second());
+                match capture {
+                    BenchCapture::None => none_seconds = r.decode_seconds,
+                    BenchCapture::Default => paired.push(none_seconds / r.decode_seconds.max(1e-12)),
+                }
             }
+        }
+        paired.sort_by(f64::total_cmp);
+        for (i, capture) in [BenchCapture::None, BenchCapture::Default]
+            .into_iter()
+            .enumerate()
+        {
             rows.push(RuntimeRow {
                 model: name.to_string(),
                 precision,
                 capture,
-                prefill,
-                decode,
+                prefill: best[i].0,
+                decode: best[i].1,
+                paired_vs_none: if capture == BenchCapture::None {
+                    Vec::new()
+                } else {
+                    paired.clone()
+                },
             });
         }
     }
@@ -136,7 +174,9 @@ fn generate(
 /// after the large model.
 pub fn render_runtime_text(opts: &RuntimeBenchOptions, rows: &[RuntimeRow], rss: [Option<u64>; 2]) -> String {
     let mut t = format!(
-        "reference runtime throughput ({} threads, prompt {} tokens, {} decode steps, best of {})\n  {:<34} {:<5} {:<8} {:>12} {:>12} {:>16}\n",
+        "reference runtime throughput ({} threads, prompt {} tokens, {} decode steps, best of {}; \
+         paired: each repetition's captured run against the uncaptured run just before it, median (quartiles))\n  \
+         {:<34} {:<5} {:<8} {:>12} {:>12} {:>16} {:>22}\n",
         rayon::current_num_threads(),
         opts.prompt_tokens,
         opts.decode_tokens,
@@ -146,21 +186,26 @@ pub fn render_runtime_text(opts: &RuntimeBenchOptions, rows: &[RuntimeRow], rss:
         "capture",
         "prefill t/s",
         "decode t/s",
-        "decode vs none"
+        "decode vs none",
+        "paired vs none"
     );
     for r in rows {
         let base = rows
             .iter()
             .find(|b| b.model == r.model && b.precision == r.precision && b.capture == BenchCapture::None)
             .map_or(r.decode, |b| b.decode);
+        let paired = r
+            .paired_quartiles()
+            .map_or(String::new(), |[q1, m, q3]| format!("{m:.2}x ({q1:.2}-{q3:.2})"));
         t.push_str(&format!(
-            "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x\n",
+            "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x {:>22}\n",
             r.model,
             r.precision.name(),
             r.capture.name(),
             r.prefill,
             r.decode,
-            r.decode / base
+            r.decode / base,
+            paired
         ));
     }
     let mib = |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
