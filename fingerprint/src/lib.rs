@@ -49,5 +49,5 @@ pub use record::{
 };
 pub use tree::{
     binding_digest, group_digest, level_digest, root_digest, step_digest, GroupNode, HashTree, Leaf,
-    LevelNode, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
+    LevelNode, RootHasher, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
 };

@@ -20,7 +20,7 @@
 //! The order in which a backend happened to emit records therefore does not
 //! change any digest.
 
-use crate::algorithm::{Algorithm, Digest};
+use crate::algorithm::{Algorithm, Digest, StreamHasher};
 use crate::coord::{Coord, Level};
 use crate::record::FingerprintError;
 use crate::wire::Encoder;
@@ -158,9 +158,42 @@ pub fn root_digest(
     binding: Digest,
     steps: impl ExactSizeIterator<Item = (u32, Digest)>,
 ) -> Digest {
-    let mut e = Encoder::with_capacity(96 + 36 * steps.len());
-    e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0);
-    hash_list(alg, &mut e, steps.map(|(s, d)| (Some(s), d)))
+    let mut h = RootHasher::new(alg, binding, steps.len() as u64);
+    for (step, digest) in steps {
+        h.push(step, digest);
+    }
+    h.finish()
+}
+
+/// [`root_digest`] fed one step at a time, for a writer that does not keep
+/// every step's digest in memory. The caller says the number of steps up
+/// front (it is part of the preimage) and pushes exactly that many.
+pub struct RootHasher {
+    h: StreamHasher,
+}
+
+impl RootHasher {
+    /// Starts the root of `steps` steps under `binding`.
+    pub fn new(alg: Algorithm, binding: Digest, steps: u64) -> RootHasher {
+        let mut e = Encoder::with_capacity(96);
+        e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0).u64(steps);
+        let mut h = alg.hasher();
+        h.update(e.as_bytes());
+        RootHasher { h }
+    }
+
+    /// The next step (ascending) and its digest.
+    pub fn push(&mut self, step: u32, digest: Digest) {
+        let mut b = [0u8; 36];
+        b[..4].copy_from_slice(&step.to_le_bytes());
+        b[4..].copy_from_slice(&digest.0);
+        self.h.update(&b);
+    }
+
+    /// The root digest.
+    pub fn finish(self) -> Digest {
+        self.h.finalize()
+    }
 }
 
 impl HashTree {
@@ -285,6 +318,33 @@ mod tests {
             phase: Phase::Decode,
             layer,
             path: path.into(),
+        }
+    }
+
+    #[test]
+    fn the_root_fed_step_by_step_is_the_spec_preimage_hashed() {
+        // docs/format.md §4.3: H(str("moeconf.root.v1") ‖ alg ‖ binding ‖ len ‖ (step ‖ digest)*),
+        // written out here byte by byte rather than through the encoder.
+        for alg in [Algorithm::Blake3, Algorithm::Sha256] {
+            for n in [0u32, 1, 3, 1000] {
+                let binding = Digest([7; 32]);
+                let steps: Vec<(u32, Digest)> = (0..n).map(|s| (2 * s + 1, Digest([s as u8; 32]))).collect();
+                let mut pre = Vec::new();
+                pre.extend_from_slice(&(DOMAIN_ROOT.len() as u64).to_le_bytes());
+                pre.extend_from_slice(DOMAIN_ROOT.as_bytes());
+                pre.extend_from_slice(&alg.code().to_le_bytes());
+                pre.extend_from_slice(&binding.0);
+                pre.extend_from_slice(&u64::from(n).to_le_bytes());
+                for (s, d) in &steps {
+                    pre.extend_from_slice(&s.to_le_bytes());
+                    pre.extend_from_slice(&d.0);
+                }
+                let want = alg.hash(&pre);
+                assert_eq!(root_digest(alg, binding, steps.iter().copied()), want);
+                let mut h = RootHasher::new(alg, binding, u64::from(n));
+                steps.iter().for_each(|&(s, d)| h.push(s, d));
+                assert_eq!(h.finish(), want);
+            }
         }
     }
 

@@ -60,6 +60,7 @@ pub mod nodes;
 pub mod output;
 mod reader;
 pub mod recomputed;
+mod steprefs;
 pub mod v2;
 mod writer;
 

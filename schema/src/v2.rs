@@ -18,7 +18,9 @@
 
 use crate::layout::{IndexEntry, PayloadRef, END_MAGIC};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
-use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Interner, Level, Phase, TensorView, MAX_RANK};
+use moeconf_fingerprint::{
+    Algorithm, Coord, DType, Digest, Interner, Level, Phase, StreamHasher, TensorView, MAX_RANK,
+};
 
 /// The container format version with persisted tree nodes.
 pub const FORMAT_V2: u32 = 2;
@@ -46,12 +48,19 @@ pub const STEP_REF_LEN: u64 = 4 + 32 + 8 * 5 + 8 + 8 + 32;
 
 /// Digest of a block's bytes: `H(wire("moeconf.block.v2") ‖ bytes)`.
 pub fn block_digest(alg: Algorithm, bytes: &[u8]) -> Digest {
+    let mut h = block_hasher(alg);
+    h.update(bytes);
+    h.finalize()
+}
+
+/// A hasher of [`block_digest`]'s preimage with the domain tag already fed:
+/// feed it the block's bytes (in any number of pieces), then finalize.
+pub fn block_hasher(alg: Algorithm) -> StreamHasher {
     let mut h = alg.hasher();
     let mut e = Encoder::new();
     e.str(DOMAIN_BLOCK);
     h.update(e.as_bytes());
-    h.update(bytes);
-    h.finalize()
+    h
 }
 
 /// Where a block lies in the file and the digest of its bytes.
@@ -120,6 +129,25 @@ pub struct StepRef {
 }
 
 impl StepRef {
+    /// Appends the reference as the root block holds it: step, digest,
+    /// records per level, block offset, length and digest
+    /// ([`STEP_REF_LEN`] bytes).
+    pub fn encode(&self, e: &mut Encoder) {
+        e.u32(self.step).raw(&self.digest.0);
+        for &n in &self.level_records {
+            e.u64(n);
+        }
+        self.block.encode(e);
+    }
+
+    /// The step and its digest from an encoded reference (the first
+    /// [`STEP_REF_LEN`] bytes of `bytes`, as [`StepRef::encode`] wrote them).
+    pub fn step_and_digest(bytes: &[u8]) -> Option<(u32, Digest)> {
+        let step = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?);
+        let digest = Digest(bytes.get(4..36)?.try_into().ok()?);
+        Some((step, digest))
+    }
+
     /// Records of the step at every level, `None` on overflow.
     pub fn total(&self) -> Option<u64> {
         self.level_records
@@ -320,15 +348,17 @@ pub fn decode_step_block(bytes: &[u8], base: u64) -> Result<(u32, Vec<LevelRefs>
 /// records per level, block offset, length and digest).
 pub fn encode_root_block(steps: &[StepRef]) -> Vec<u8> {
     let mut e = Encoder::with_capacity(12 + STEP_REF_LEN as usize * steps.len());
-    e.u32(KIND_ROOT).len(steps.len());
+    encode_root_block_head(&mut e, steps.len() as u64);
     for s in steps {
-        e.u32(s.step).raw(&s.digest.0);
-        for &n in &s.level_records {
-            e.u64(n);
-        }
-        s.block.encode(&mut e);
+        s.encode(&mut e);
     }
     e.into_bytes()
+}
+
+/// What precedes a root block's step references: its kind and their count
+/// (a writer that streams the references writes this first).
+pub fn encode_root_block_head(e: &mut Encoder, steps: u64) {
+    e.u32(KIND_ROOT).u64(steps);
 }
 
 /// Decodes the root block (structure only).

@@ -32,15 +32,16 @@ use crate::layout::{
     PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
 use crate::output::{check_output, AtomicFile, CheckedOutput, Inputs};
+use crate::steprefs::{self, StepRefLog};
 use crate::v2::{
-    block_digest, checksum_v2, encode_group_block, encode_root_block, encode_step_block, BlockRef, GroupRef,
-    LevelRefs, StepRef, TrailerV2, FORMAT_V2,
+    block_digest, block_hasher, checksum_v2, encode_group_block, encode_root_block_head, encode_step_block,
+    BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V2, STEP_REF_LEN,
 };
 use crate::Trace;
 use moeconf_fingerprint::wire::Encoder;
 use moeconf_fingerprint::{
-    binding_digest, group_digest, level_digest, record_digest_with_sink, root_digest, step_digest, Algorithm,
-    Coord, Digest, Interner, Level, Phase, RecordPath, TensorView,
+    binding_digest, group_digest, level_digest, record_digest_with_sink, step_digest, Algorithm, Coord,
+    Digest, Interner, Level, Phase, RecordPath, RootHasher, TensorView,
 };
 use std::collections::HashSet;
 use std::io::Write;
@@ -76,12 +77,12 @@ enum Body {
         keys: HashSet<(u32, Key)>,
     },
     /// Version 2: the entries of the current step only, and the references
-    /// of the steps written.
+    /// of the steps written (bounded in memory, see [`StepRefLog`]).
     V2 {
         step: Option<u32>,
         pending: Vec<IndexEntry>,
         keys: HashSet<Key>,
-        steps: Vec<StepRef>,
+        steps: StepRefLog,
     },
 }
 
@@ -143,7 +144,12 @@ impl TraceWriter {
                 step: None,
                 pending: Vec::new(),
                 keys: HashSet::new(),
-                steps: Vec::new(),
+                steps: StepRefLog::new(
+                    path.parent()
+                        .filter(|d| !d.as_os_str().is_empty())
+                        .unwrap_or(Path::new(".")),
+                    steprefs::IN_MEMORY,
+                ),
             },
             v => {
                 return Err(TraceError::invalid(
@@ -541,12 +547,18 @@ impl TraceWriter {
             }),
         );
         if let Body::V2 { steps, .. } = &mut self.body {
-            steps.push(StepRef {
+            let r = StepRef {
                 step,
                 digest,
                 level_records,
                 block,
-            });
+            };
+            if let Err(e) = steps.push(&r) {
+                return Err(self.failed(
+                    "keeping the step references (a temporary file beside the trace)",
+                    e,
+                ));
+            }
         }
         Ok(())
     }
@@ -606,16 +618,44 @@ impl TraceWriter {
 
     fn finish_v2(&mut self) -> Result<Digest, TraceError> {
         self.flush_step()?;
-        let Body::V2 { steps, .. } = &self.body else {
+        let Body::V2 { steps, .. } = &mut self.body else {
             return Err(TraceError::invalid(&self.path, "not a version 2 writer"));
         };
-        let bytes = encode_root_block(steps);
-        let root = root_digest(
-            self.alg,
-            self.binding_digest,
-            steps.iter().map(|s| (s.step, s.digest)),
-        );
-        let root_block = self.write_block(&bytes)?;
+        // The root block is streamed from the log: its head, then every
+        // step reference, hashed for the block digest and the root as they
+        // are written.
+        let mut steps = std::mem::replace(steps, StepRefLog::new(Path::new("."), 0));
+        let mut head = Encoder::new();
+        encode_root_block_head(&mut head, steps.len());
+        self.pad_to_alignment()?;
+        let offset = self.pos;
+        let mut block = block_hasher(self.alg);
+        let mut root = RootHasher::new(self.alg, self.binding_digest, steps.len());
+        self.write_all(head.as_bytes())?;
+        block.update(head.as_bytes());
+        let path = self.path.clone();
+        steps.for_each_piece(
+            |piece| {
+                for r in piece.chunks_exact(STEP_REF_LEN as usize) {
+                    if let Some((step, digest)) = StepRef::step_and_digest(r) {
+                        root.push(step, digest);
+                    }
+                }
+                block.update(piece);
+                self.write_all(piece)
+            },
+            |e| TraceError::Io {
+                path: path.clone(),
+                what: "reading back the step references (a temporary file beside the trace)",
+                source: e,
+            },
+        )?;
+        let root_block = BlockRef {
+            offset,
+            len: self.pos - offset,
+            digest: block.finalize(),
+        };
+        let root = root.finish();
         let mut trailer = TrailerV2 {
             root_block,
             record_count: self.records,
@@ -625,5 +665,68 @@ impl TraceWriter {
         trailer.checksum = checksum_v2(self.alg, &self.preamble_and_header, &trailer.covered_bytes());
         self.write_all(&trailer.to_bytes())?;
         Ok(root)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::DType;
+
+    /// A version 2 trace of `steps` steps whose writer keeps `in_memory`
+    /// step references in memory and spills the rest.
+    fn trace(path: &Path, steps: u32, in_memory: usize) -> (WriteSummary, Vec<u8>) {
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = steps;
+        let mut w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
+        let dir = path.parent().unwrap();
+        if let Body::V2 { steps, .. } = &mut w.body {
+            *steps = StepRefLog::new(dir, in_memory);
+        }
+        for step in 0..steps {
+            for (k, path) in ["token.output", "lm.margin"].into_iter().enumerate() {
+                let bytes = (step * 2 + k as u32).to_le_bytes();
+                let coord = Coord {
+                    step,
+                    position: step,
+                    phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                    layer: None,
+                    path: path.into(),
+                };
+                let view = TensorView {
+                    dtype: DType::I32,
+                    shape: &[1],
+                    bytes: &bytes,
+                };
+                w.append(coord, Level::L0, view, k == 0).unwrap();
+            }
+        }
+        let summary = w.finish().unwrap();
+        (summary, std::fs::read(path).unwrap())
+    }
+
+    #[test]
+    fn step_references_spilled_to_a_temporary_file_give_the_same_trace() {
+        let tmp = tempfile::tempdir().unwrap();
+        for steps in [1u32, 5, 4097] {
+            let (a, x) = trace(&tmp.path().join("memory.bin"), steps, usize::MAX);
+            for in_memory in [0, 1, 3, steps as usize - 1] {
+                let (b, y) = trace(&tmp.path().join("spilled.bin"), steps, in_memory);
+                assert_eq!(a.root, b.root, "{steps} steps, {in_memory} in memory");
+                assert!(x == y, "{steps} steps, {in_memory} in memory: the files differ");
+            }
+            // The file verifies, and the temporary file left nothing behind.
+            let t = Trace::open_verified(&tmp.path().join("spilled.bin")).unwrap();
+            assert_eq!(t.steps().len(), steps as usize);
+            let mut names: Vec<_> = std::fs::read_dir(tmp.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            assert_eq!(names, ["memory.bin", "spilled.bin"]);
+            // The root digest is the one of the steps' digests, as a reader
+            // recomputes it.
+            assert_eq!(t.root(), a.root);
+        }
     }
 }
