@@ -167,31 +167,42 @@ pub fn root_digest(
 
 /// [`root_digest`] fed one step at a time, for a writer that does not keep
 /// every step's digest in memory. The caller says the number of steps up
-/// front (it is part of the preimage) and pushes exactly that many.
+/// front (it is part of the preimage) and pushes exactly that many. The
+/// preimage goes to the hash in pieces of whole 1 KiB chunks (so BLAKE3
+/// hashes them in parallel, as it does a one-shot input), at most
+/// [`RootHasher::PIECE`] bytes held at a time.
 pub struct RootHasher {
     h: StreamHasher,
+    buf: Vec<u8>,
 }
 
 impl RootHasher {
+    /// Bytes of preimage held before they are hashed.
+    pub const PIECE: usize = 64 * 1024;
+
     /// Starts the root of `steps` steps under `binding`.
     pub fn new(alg: Algorithm, binding: Digest, steps: u64) -> RootHasher {
         let mut e = Encoder::with_capacity(96);
         e.str(DOMAIN_ROOT).u32(alg.code()).raw(&binding.0).u64(steps);
-        let mut h = alg.hasher();
-        h.update(e.as_bytes());
-        RootHasher { h }
+        let mut buf = Vec::with_capacity(Self::PIECE + 36);
+        buf.extend_from_slice(e.as_bytes());
+        RootHasher { h: alg.hasher(), buf }
     }
 
     /// The next step (ascending) and its digest.
     pub fn push(&mut self, step: u32, digest: Digest) {
-        let mut b = [0u8; 36];
-        b[..4].copy_from_slice(&step.to_le_bytes());
-        b[4..].copy_from_slice(&digest.0);
-        self.h.update(&b);
+        self.buf.extend_from_slice(&step.to_le_bytes());
+        self.buf.extend_from_slice(&digest.0);
+        if self.buf.len() >= Self::PIECE {
+            let whole = self.buf.len() / 1024 * 1024;
+            self.h.update(&self.buf[..whole]);
+            self.buf.drain(..whole);
+        }
     }
 
     /// The root digest.
-    pub fn finish(self) -> Digest {
+    pub fn finish(mut self) -> Digest {
+        self.h.update(&self.buf);
         self.h.finalize()
     }
 }
@@ -326,7 +337,7 @@ mod tests {
         // docs/format.md §4.3: H(str("moeconf.root.v1") ‖ alg ‖ binding ‖ len ‖ (step ‖ digest)*),
         // written out here byte by byte rather than through the encoder.
         for alg in [Algorithm::Blake3, Algorithm::Sha256] {
-            for n in [0u32, 1, 3, 1000] {
+            for n in [0u32, 1, 3, 1000, 5000] {
                 let binding = Digest([7; 32]);
                 let steps: Vec<(u32, Digest)> = (0..n).map(|s| (2 * s + 1, Digest([s as u8; 32]))).collect();
                 let mut pre = Vec::new();
