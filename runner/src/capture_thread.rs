@@ -66,7 +66,10 @@ struct Item {
     keep: bool,
 }
 
-/// Records in emission order and the buffers their paths, shapes and bytes live in.
+/// Records in emission order and the buffers their paths, shapes and bytes
+/// live in (`Default`: no buffers, the placeholder while the current batch
+/// is with the writer).
+#[derive(Default)]
 struct Batch {
     items: Vec<Item>,
     paths: String,
@@ -84,17 +87,6 @@ impl Batch {
             paths: String::with_capacity(32 * BATCH_RECORDS),
             shapes: Vec::with_capacity(2 * BATCH_RECORDS),
             data: Vec::with_capacity(DATA_CAPACITY),
-        }
-    }
-
-    /// A batch with no buffers (a placeholder while the current one is
-    /// with the writer).
-    fn unallocated() -> Batch {
-        Batch {
-            items: Vec::new(),
-            paths: String::new(),
-            shapes: Vec::new(),
-            data: Vec::new(),
         }
     }
 
@@ -278,7 +270,7 @@ impl CaptureThread {
     /// Sends the current batch to the writer thread, leaving an empty,
     /// unallocated one in its place.
     fn send_current(&mut self) -> Result<(), String> {
-        let full = std::mem::replace(&mut self.batch, Batch::unallocated());
+        let full = std::mem::take(&mut self.batch);
         let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok()).unwrap_or(false);
         if sent {
             Ok(())
