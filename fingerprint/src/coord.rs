@@ -152,7 +152,7 @@ impl FromIterator<Level> for LevelSet {
 
 impl fmt::Display for Level {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 
@@ -214,7 +214,9 @@ impl Borrow<str> for RecordPath {
 
 impl fmt::Display for RecordPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        // `pad`, not `write_str`: widths and alignment (`{:<36}` in text
+        // reports) apply to a path as to any string.
+        f.pad(&self.0)
     }
 }
 
@@ -414,6 +416,15 @@ impl fmt::Display for Coord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_and_levels_take_widths_like_strings() {
+        let p = RecordPath::from("lm.margin");
+        assert_eq!(format!("[{p:<12}]"), "[lm.margin   ]");
+        assert_eq!(format!("[{p:>12}]"), "[   lm.margin]");
+        assert_eq!(format!("[{p}]"), "[lm.margin]");
+        assert_eq!(format!("[{:<4}]", Level::L3), "[L3  ]");
+    }
 
     #[test]
     fn round_trip_and_validation() {
