@@ -636,10 +636,16 @@ impl TraceWriter {
         let path = self.path.clone();
         steps.for_each_piece(
             |piece| {
+                // Pieces hold whole references (the log's own encoding); a
+                // piece that does not would give a wrong root, so it is an
+                // error, never skipped.
+                if piece.len() % STEP_REF_LEN as usize != 0 {
+                    return Err(TraceError::invalid(&path, "a step reference of the wrong length"));
+                }
                 for r in piece.chunks_exact(STEP_REF_LEN as usize) {
-                    if let Some((step, digest)) = StepRef::step_and_digest(r) {
-                        root.push(step, digest);
-                    }
+                    let (step, digest) = StepRef::step_and_digest(r)
+                        .ok_or_else(|| TraceError::invalid(&path, "a step reference of the wrong length"))?;
+                    root.push(step, digest);
                 }
                 block.update(piece);
                 self.write_all(piece)
