@@ -66,7 +66,8 @@ pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
     let b = bench_fingerprint(&data, repeat);
     if !b.digests_agree {
         return Err(BenchError::Invalid(
-            "canonical digests differ between single- and multi-threaded hashing".into(),
+            "canonical digests differ between single- and multi-threaded hashing, or batched and one-by-one"
+                .into(),
         ));
     }
     let g = |s: f64| b.gbps(s);
@@ -83,6 +84,11 @@ pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
         "ratio_canonical_over_raw_1thread": b.raw_1thread / b.canonical_1thread,
         "ratio_canonical_over_raw_rayon": b.raw_rayon / b.canonical_rayon,
         "canonical_thread_scaling": b.canonical_1thread / b.canonical_rayon,
+        "small_records": moeconf_fingerprint::bench::small_records().len(),
+        "small_records_bytes": b.small_bytes,
+        "small_one_by_one_gbps": b.small_bytes as f64 / b.small_one_by_one / 1e9,
+        "small_batched_gbps": b.small_bytes as f64 / b.small_batched / 1e9,
+        "ratio_small_batched_over_one_by_one": b.small_one_by_one / b.small_batched,
     });
     Ok(BenchReport {
         text: b.render_text(threads),

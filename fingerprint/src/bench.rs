@@ -5,7 +5,10 @@
 
 use std::time::Instant;
 
-use crate::{record_digest_with_sink, Algorithm, CanonPolicy, Coord, DType, Level, Phase, TensorView};
+use crate::{
+    record_digest_with_sink, record_digests_in_place, Algorithm, CanonPolicy, Coord, DType, Level, Phase,
+    RecordRef, TensorView,
+};
 
 /// The best wall-clock time of `repeat` runs of `f`, in seconds.
 pub fn best_of(repeat: u32, mut f: impl FnMut()) -> f64 {
@@ -46,8 +49,27 @@ pub struct FingerprintBench {
     pub canonical_rayon: f64,
     /// Canonical record digest with SHA-256, one thread.
     pub canonical_sha256_1thread: f64,
-    /// Whether every canonical digest (single- and multi-threaded) agreed.
+    /// Bytes of the small-record set (data bytes, [`small_records`]).
+    pub small_bytes: usize,
+    /// The small records digested one by one (`record_digest_with_sink`), one thread.
+    pub small_one_by_one: f64,
+    /// The same records digested together (`record_digests_in_place`), one thread.
+    pub small_batched: f64,
+    /// Whether every canonical digest (single- and multi-threaded) agreed,
+    /// and the batched small-record digests equal the one-by-one ones.
     pub digests_agree: bool,
+}
+
+/// Data lengths of the small-record set: the sizes of one fixture decode
+/// step's records (1 KiB operator outputs, 2 KiB attention rows, 4 KiB
+/// layer states, odd state buffers), 384 records, about 0.75 MiB.
+pub fn small_records() -> Vec<usize> {
+    [1024, 1024, 1024, 2048, 4096, 640, 1152, 1792]
+        .iter()
+        .copied()
+        .cycle()
+        .take(384)
+        .collect()
 }
 
 impl FingerprintBench {
@@ -72,13 +94,21 @@ impl FingerprintBench {
              \x20 (c) raw BLAKE3, rayon             {:>7.2} GB/s\n\
              \x20 (d) canonical record, rayon       {:>7.2} GB/s   ratio d/c = {rn:.3}\n\
              \x20 canonical scaling 1 -> {threads} threads: {scaling:.2}x\n\
-             \x20 (e) canonical record, SHA-256     {:>7.2} GB/s\n",
+             \x20 (e) canonical record, SHA-256     {:>7.2} GB/s\n\
+             {} records of 0.6-4 KiB ({} KiB), 1 thread\n\
+             \x20 (f) one by one                    {:>7.2} GB/s\n\
+             \x20 (g) batched (SIMD lanes)          {:>7.2} GB/s   ratio g/f = {:.2}\n",
             self.bytes >> 20,
             g(self.raw_1thread),
             g(self.canonical_1thread),
             g(self.raw_rayon),
             g(self.canonical_rayon),
-            g(self.canonical_sha256_1thread)
+            g(self.canonical_sha256_1thread),
+            small_records().len(),
+            self.small_bytes >> 10,
+            self.small_bytes as f64 / self.small_one_by_one / 1e9,
+            self.small_bytes as f64 / self.small_batched / 1e9,
+            self.small_one_by_one / self.small_batched,
         )
     }
 }
@@ -122,10 +152,69 @@ pub fn bench_fingerprint(data: &[u8], repeat: u32) -> FingerprintBench {
         raw_n = raw_n.min(best_of(1, || raw(true)));
         canon_n = canon_n.min(best_of(1, || digests.push(canonical(Algorithm::Blake3, true))));
     }
-    let digests_agree = digests.windows(2).all(|w| w[0] == w[1]);
+    let mut digests_agree = digests.windows(2).all(|w| w[0] == w[1]);
     let sha_1 = best_of(1, || {
         std::hint::black_box(canonical(Algorithm::Sha256, false));
     });
+    // The small-record set, cut from the same values.
+    let lens = small_records();
+    let mut at = 0;
+    let shapes: Vec<[u64; 1]> = lens.iter().map(|&n| [(n / 4) as u64]).collect();
+    let views: Vec<TensorView<'_>> = lens
+        .iter()
+        .zip(&shapes)
+        .map(|(&n, shape)| {
+            let start = at % data.len().saturating_sub(n).max(1);
+            at += n;
+            TensorView {
+                dtype: DType::F32,
+                shape,
+                bytes: data.get(start..start + n).unwrap_or(&[]),
+            }
+        })
+        .collect();
+    let coords: Vec<Coord> = (0..views.len())
+        .map(|i| Coord {
+            position: i as u32,
+            ..coord.clone()
+        })
+        .collect();
+    let refs: Vec<RecordRef<'_>> = coords
+        .iter()
+        .zip(&views)
+        .map(|(c, &tensor)| RecordRef {
+            coord: c,
+            level: Level::L4,
+            tensor,
+        })
+        .collect();
+    let one_by_one = || -> Vec<Option<crate::Digest>> {
+        refs.iter()
+            .map(|r| {
+                record_digest_with_sink(
+                    Algorithm::Blake3,
+                    policy,
+                    r.coord,
+                    r.level,
+                    r.tensor,
+                    false,
+                    |_| Ok(()),
+                )
+                .ok()
+            })
+            .collect()
+    };
+    let batched = || record_digests_in_place(Algorithm::Blake3, policy, &refs);
+    let (mut small_1, mut small_b) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..repeat.max(5) {
+        small_1 = small_1.min(best_of(1, || {
+            std::hint::black_box(one_by_one());
+        }));
+        small_b = small_b.min(best_of(1, || {
+            std::hint::black_box(batched());
+        }));
+    }
+    digests_agree &= one_by_one() == batched() && batched().iter().all(Option::is_some);
     FingerprintBench {
         bytes: data.len(),
         raw_1thread: raw_1,
@@ -133,6 +222,9 @@ pub fn bench_fingerprint(data: &[u8], repeat: u32) -> FingerprintBench {
         raw_rayon: raw_n,
         canonical_rayon: canon_n,
         canonical_sha256_1thread: sha_1,
+        small_bytes: views.iter().map(|v| v.bytes.len()).sum(),
+        small_one_by_one: small_1,
+        small_batched: small_b,
         digests_agree,
     }
 }

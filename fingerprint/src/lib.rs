@@ -31,6 +31,7 @@ mod canonical;
 pub mod catalogue;
 mod coord;
 mod dtype;
+mod lanes;
 mod record;
 mod tree;
 pub mod wire;
@@ -44,8 +45,8 @@ pub use catalogue::{Component, Half};
 pub use coord::{Coord, Interner, Level, LevelSet, Phase, RecordPath, MAX_PATH_LEN};
 pub use dtype::{bf16_to_f32, f16_to_f32, DType};
 pub use record::{
-    feed_canonical, record_digest, record_digest_with_sink, record_prefix, FingerprintError, TensorView,
-    DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,
+    feed_canonical, record_digest, record_digest_with_sink, record_digests_in_place, record_prefix,
+    FingerprintError, RecordRef, TensorView, BATCH_MAX_BYTES, DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,
 };
 pub use tree::{
     binding_digest, group_digest, level_digest, root_digest, step_digest, GroupNode, HashTree, Leaf,

@@ -255,6 +255,70 @@ where
     Ok(h.finalize())
 }
 
+/// Largest data length [`record_digests_in_place`] hashes side by side with
+/// other records; longer tensors are left to the streaming path, which
+/// already hashes their chunks in parallel.
+pub const BATCH_MAX_BYTES: usize = 16 * 1024;
+
+/// One record of a batch: what [`record_digest`] takes.
+#[derive(Debug, Clone, Copy)]
+pub struct RecordRef<'a> {
+    /// Tensor identity.
+    pub coord: &'a Coord,
+    /// Capture level.
+    pub level: Level,
+    /// The tensor.
+    pub tensor: TensorView<'a>,
+}
+
+/// Digests of many records at once, for those whose bytes are already
+/// canonical: element `i` is `Some(record_digest(..records[i]..))` when
+/// record `i` is valid, its bytes are canonical as they are (so they can
+/// be stored unchanged) and at most [`BATCH_MAX_BYTES`] long, and the
+/// algorithm is BLAKE3; otherwise `None`, and the caller takes the
+/// one-record path ([`record_digest_with_sink`]), which canonicalizes.
+///
+/// Why: a record of a few KiB is a few BLAKE3 chunks, hashed one block at
+/// a time; here the chunks of up to eight records are compressed side by
+/// side in SIMD lanes, the same digests several times faster (the
+/// capture's writer thread hashes hundreds of such records per decode
+/// step). Tests check every digest against [`record_digest`].
+pub fn record_digests_in_place(
+    alg: Algorithm,
+    policy: CanonPolicy,
+    records: &[RecordRef<'_>],
+) -> Vec<Option<Digest>> {
+    if alg != Algorithm::Blake3 {
+        return vec![None; records.len()];
+    }
+    let prefixes: Vec<Option<Vec<u8>>> = records
+        .iter()
+        .map(|r| {
+            let t = r.tensor;
+            let ok = t.bytes.len() <= BATCH_MAX_BYTES
+                && t.validate(&r.coord.path).is_ok()
+                && (surely_canonical(t.dtype, t.bytes, policy) || is_canonical(t.dtype, t.bytes, policy));
+            ok.then(|| record_prefix(r.coord, r.level, t.dtype, t.shape, t.bytes.len() as u64))
+                .filter(|p| crate::lanes::accepts(p.len()))
+        })
+        .collect();
+    let messages: Vec<crate::lanes::Message<'_>> = records
+        .iter()
+        .zip(&prefixes)
+        .filter_map(|(r, p)| {
+            p.as_ref().map(|p| crate::lanes::Message {
+                head: p,
+                tail: r.tensor.bytes,
+            })
+        })
+        .collect();
+    let mut digests = crate::lanes::digests(&messages).into_iter();
+    prefixes
+        .iter()
+        .map(|p| p.as_ref().and_then(|_| digests.next()).map(Digest))
+        .collect()
+}
+
 /// Digest of one record.
 pub fn record_digest(
     alg: Algorithm,
@@ -289,6 +353,91 @@ mod tests {
         let mut pre = record_prefix(c, l, t.dtype, t.shape, data.len() as u64);
         pre.extend_from_slice(&data);
         alg.hash(&pre)
+    }
+
+    #[test]
+    fn batched_digests_equal_single_ones_and_leave_the_rest_to_them() {
+        // Every dtype, lengths around block and chunk edges and the batch
+        // limit, NaNs (not canonical as they are), -0 under both policies,
+        // a shape that does not fit the bytes, and both algorithms.
+        let mut owned = Vec::new();
+        for (k, dtype) in [
+            DType::F32,
+            DType::BF16,
+            DType::F64,
+            DType::I32,
+            DType::I64,
+            DType::U32,
+            DType::U8,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let size = dtype.size();
+            for n in [0usize, 1, 15, 16, 17, 255, 256, 257, 1000, 1024, 1040, 4096, 5000] {
+                let bytes: Vec<u8> = (0..n * size).map(|i| (i * 31 + k * 7) as u8 & 0x3f).collect();
+                if bytes.len() > BATCH_MAX_BYTES + 64 {
+                    continue;
+                }
+                owned.push((dtype, vec![n as u64], bytes.clone(), format!("t.{k}.{n}")));
+            }
+            let mut nan = vec![0u8; 64 * size];
+            nan[size * 3..size * 4].fill(0xff);
+            owned.push((dtype, vec![64], nan, format!("nan.{k}")));
+            let mut negzero = vec![0u8; 16 * size];
+            negzero[size - 1] = 0x80;
+            owned.push((dtype, vec![16], negzero, format!("neg.{k}")));
+            owned.push((dtype, vec![3], vec![1u8; 2 * size], format!("bad.{k}")));
+        }
+        owned.push((
+            DType::U8,
+            vec![BATCH_MAX_BYTES as u64],
+            vec![9; BATCH_MAX_BYTES],
+            "edge".into(),
+        ));
+        owned.push((
+            DType::U8,
+            vec![BATCH_MAX_BYTES as u64 + 1],
+            vec![9; BATCH_MAX_BYTES + 1],
+            "over".into(),
+        ));
+        let coords: Vec<Coord> = owned.iter().map(|o| coord(&o.3)).collect();
+        let refs: Vec<RecordRef<'_>> = owned
+            .iter()
+            .zip(&coords)
+            .enumerate()
+            .map(|(i, (o, c))| RecordRef {
+                coord: c,
+                level: if i % 2 == 0 { Level::L4 } else { Level::L3 },
+                tensor: TensorView {
+                    dtype: o.0,
+                    shape: &o.1,
+                    bytes: &o.2,
+                },
+            })
+            .collect();
+        for fold in [false, true] {
+            let policy = CanonPolicy {
+                fold_negative_zero: fold,
+            };
+            let got = record_digests_in_place(Algorithm::Blake3, policy, &refs);
+            assert_eq!(got.len(), refs.len());
+            let mut batched = 0;
+            for (r, d) in refs.iter().zip(&got) {
+                let t = r.tensor;
+                let single = record_digest(Algorithm::Blake3, policy, r.coord, r.level, t).ok();
+                let canonical = is_canonical(t.dtype, t.bytes, policy);
+                let eligible = single.is_some() && canonical && t.bytes.len() <= BATCH_MAX_BYTES;
+                assert_eq!(d.is_some(), eligible, "{} (fold {fold})", r.coord.path);
+                if let Some(d) = d {
+                    assert_eq!(Some(*d), single, "{} (fold {fold})", r.coord.path);
+                    batched += 1;
+                }
+            }
+            assert!(batched > 80, "{batched} records batched");
+            let sha = record_digests_in_place(Algorithm::Sha256, policy, &refs);
+            assert!(sha.iter().all(Option::is_none));
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use moeconf_fingerprint::{Coord, DType, Interner, Level, Phase, TensorView};
-use moeconf_schema::{TraceError, TraceWriter, WriteSummary};
+use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 
 /// Most batches in circulation between the two threads. A batch is
 /// allocated when the runtime needs one and none is free, up to this many;
@@ -336,28 +336,34 @@ fn write_batches(
     // The writer thread's own shared paths (see `Item`).
     let mut paths = Interner::new();
     for mut batch in rx {
-        for item in batch.items.drain(..) {
-            let tensor = TensorView {
-                dtype: item.dtype,
-                shape: &batch.shapes[item.shape.0..item.shape.1],
-                bytes: &batch.data[item.bytes.0..item.bytes.1],
-            };
-            let coord = Coord {
-                step: item.step,
-                position: item.position,
-                phase: item.phase,
-                layer: item.layer,
-                path: paths.path(&batch.paths[item.path.0..item.path.1]),
-            };
-            if let Err(e) = writer.append(coord, item.level, tensor, item.keep) {
-                let message = crate::error_chain(&e);
-                match failure.message.lock() {
-                    Ok(mut f) => *f = Some(message),
-                    Err(p) => *p.into_inner() = Some(message),
-                }
-                failure.set.store(true, Ordering::Release);
-                return Err(e);
+        let records: Vec<BatchRecord<'_>> = batch
+            .items
+            .iter()
+            .map(|item| BatchRecord {
+                coord: Coord {
+                    step: item.step,
+                    position: item.position,
+                    phase: item.phase,
+                    layer: item.layer,
+                    path: paths.path(&batch.paths[item.path.0..item.path.1]),
+                },
+                level: item.level,
+                tensor: TensorView {
+                    dtype: item.dtype,
+                    shape: &batch.shapes[item.shape.0..item.shape.1],
+                    bytes: &batch.data[item.bytes.0..item.bytes.1],
+                },
+                keep_payload: item.keep,
+            })
+            .collect();
+        if let Err(e) = writer.append_batch(records) {
+            let message = crate::error_chain(&e);
+            match failure.message.lock() {
+                Ok(mut f) => *f = Some(message),
+                Err(p) => *p.into_inner() = Some(message),
             }
+            failure.set.store(true, Ordering::Release);
+            return Err(e);
         }
         batch.clear();
         // Room for every batch of the pool: never full. Fails only once

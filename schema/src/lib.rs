@@ -76,7 +76,7 @@ pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
 pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
 pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
-pub use writer::{TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};
+pub use writer::{BatchRecord, TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};
 
 /// Records of at most this many bytes keep their payload whatever the
 /// capture spec says (token ids, margins, top-k lists, router selections,
