@@ -275,12 +275,69 @@ where
             }
         }
     }
-    messages
+    // Each message's tree, level by level: adjacent values become a
+    // parent, an odd last one moves up unchanged (BLAKE3's left-full tree),
+    // the parents of every message compressed side by side like the chunks.
+    let mut levels: Vec<Vec<[u32; 8]>> = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| {
-            let own = &cvs[first[i]..first[i] + m.chunks()];
-            let root = if own.len() == 1 { own[0] } else { merge(own, true) };
+        .map(|(i, m)| match m.chunks() {
+            1 => Vec::new(),
+            n => cvs[first[i]..first[i] + n].to_vec(),
+        })
+        .collect();
+    loop {
+        // (message, pair) of every parent of this level.
+        let pairs: Vec<(usize, usize)> = levels
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| (0..l.len() / 2).map(move |p| (i, p)))
+            .collect();
+        if pairs.is_empty() {
+            break;
+        }
+        let mut parents: Vec<[u32; 8]> = vec![[0; 8]; pairs.len()];
+        for (group, out) in pairs.chunks(LANES).zip(parents.chunks_mut(LANES)) {
+            let mut blocks = [[0u8; BLOCK]; LANES];
+            let mut flags = [0u32; LANES];
+            for ((&(i, p), block), flag) in group.iter().zip(blocks.iter_mut()).zip(flags.iter_mut()) {
+                let level = &levels[i];
+                for (bytes, word) in block
+                    .chunks_exact_mut(4)
+                    .zip(level[2 * p].iter().chain(&level[2 * p + 1]))
+                {
+                    bytes.copy_from_slice(&word.to_le_bytes());
+                }
+                *flag = PARENT | if level.len() == 2 { ROOT } else { 0 };
+            }
+            let mut cv: [V; 8] = std::array::from_fn(|w| [IV[w]; LANES]);
+            let refs: [&[u8; BLOCK]; LANES] = std::array::from_fn(|l| &blocks[l]);
+            kernel(
+                &mut cv,
+                refs,
+                [0; LANES],
+                [0; LANES],
+                [BLOCK as u32; LANES],
+                flags,
+            );
+            for (l, o) in out.iter_mut().enumerate() {
+                *o = std::array::from_fn(|w| cv[w][l]);
+            }
+        }
+        let mut made = parents.into_iter();
+        for level in levels.iter_mut().filter(|l| l.len() >= 2) {
+            let mut next: Vec<[u32; 8]> = made.by_ref().take(level.len() / 2).collect();
+            if level.len() % 2 == 1 {
+                next.extend(level.last().copied());
+            }
+            *level = next;
+        }
+    }
+    levels
+        .iter()
+        .enumerate()
+        .map(|(i, level)| {
+            let root = level.first().copied().unwrap_or(cvs[first[i]]);
             let mut out = [0u8; 32];
             for (o, w) in out.chunks_exact_mut(4).zip(root) {
                 o.copy_from_slice(&w.to_le_bytes());
@@ -288,49 +345,6 @@ where
             out
         })
         .collect()
-}
-
-/// The chaining value (or, with `root`, the root output) of the BLAKE3
-/// subtree over `cvs` (two or more chunk values): the left subtree holds
-/// the largest power of two of chunks that leaves at least one for the right.
-fn merge(cvs: &[[u32; 8]], root: bool) -> [u32; 8] {
-    if cvs.len() == 1 {
-        return cvs[0];
-    }
-    let left = 1usize << (usize::BITS - 1 - (cvs.len() - 1).leading_zeros());
-    let (l, r) = cvs.split_at(left);
-    let (l, r) = (merge(l, false), merge(r, false));
-    let mut block = [0u32; 16];
-    block[..8].copy_from_slice(&l);
-    block[8..].copy_from_slice(&r);
-    let flags = PARENT | if root { ROOT } else { 0 };
-    compress_one(&IV, &block, 0, 64, flags)
-}
-
-/// One compression, scalar (parent nodes).
-fn compress_one(cv: &[u32; 8], block: &[u32; 16], counter: u64, len: u32, flags: u32) -> [u32; 8] {
-    let mut cvs: [V; 8] = [[0; LANES]; 8];
-    let mut m: [V; 16] = [[0; LANES]; 16];
-    for (w, c) in cv.iter().enumerate() {
-        cvs[w][0] = *c;
-    }
-    for (w, b) in block.iter().enumerate() {
-        m[w][0] = *b;
-    }
-    let one = |x: u32| {
-        let mut v = [0; LANES];
-        v[0] = x;
-        v
-    };
-    compress(
-        &mut cvs,
-        &m,
-        one(counter as u32),
-        one((counter >> 32) as u32),
-        one(len),
-        one(flags),
-    );
-    std::array::from_fn(|w| cvs[w][0])
 }
 
 #[inline(always)]
