@@ -289,14 +289,10 @@ impl serde::Serialize for RecordPath {
 /// Hands out one shared [`RecordPath`] per distinct path string (and one
 /// shared shape per distinct shape), so that a trace of millions of records
 /// holds a few dozen allocations for them instead of millions.
-///
-/// Hashing is foldhash's (seeded per process, like std's SipHash, so a
-/// hostile trace cannot choose colliding paths in advance), which is
-/// several times faster on these short keys.
 #[derive(Debug, Default)]
 pub struct Interner {
-    paths: HashSet<RecordPath, foldhash::quality::RandomState>,
-    shapes: HashSet<Arc<[u64]>, foldhash::quality::RandomState>,
+    paths: HashSet<RecordPath>,
+    shapes: HashSet<Arc<[u64]>>,
 }
 
 impl Interner {

@@ -84,23 +84,19 @@ pub struct WriteSummary {
 /// What identifies a record inside a step: level, layer, position, phase, path.
 type Key = (Level, Option<u32>, u32, Phase, RecordPath);
 
-/// The record keys seen (foldhash: seeded per process, and several times
-/// faster than SipHash on these short keys, hashed twice per record).
-type KeySet<K> = HashSet<K, foldhash::quality::RandomState>;
-
 /// What the writer keeps besides the file.
 enum Body {
     /// Version 1: every entry, and every (step, key) seen.
     V1 {
         entries: Vec<IndexEntry>,
-        keys: KeySet<(u32, Key)>,
+        keys: HashSet<(u32, Key)>,
     },
     /// Version 2: the entries of the current step only, and the references
     /// of the steps written (bounded in memory, see [`StepRefLog`]).
     V2 {
         step: Option<u32>,
         pending: Vec<IndexEntry>,
-        keys: KeySet<Key>,
+        keys: HashSet<Key>,
         steps: StepRefLog,
     },
 }
@@ -157,12 +153,12 @@ impl TraceWriter {
         let body = match version {
             1 => Body::V1 {
                 entries: Vec::new(),
-                keys: KeySet::default(),
+                keys: HashSet::new(),
             },
             FORMAT_V2 => Body::V2 {
                 step: None,
                 pending: Vec::new(),
-                keys: KeySet::default(),
+                keys: HashSet::new(),
                 steps: StepRefLog::new(
                     path.parent()
                         .filter(|d| !d.as_os_str().is_empty())
