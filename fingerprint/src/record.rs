@@ -362,18 +362,7 @@ mod tests {
         // limit, NaNs (not canonical as they are), -0 under both policies,
         // a shape that does not fit the bytes, and both algorithms.
         let mut owned = Vec::new();
-        for (k, dtype) in [
-            DType::F32,
-            DType::BF16,
-            DType::F64,
-            DType::I32,
-            DType::I64,
-            DType::U32,
-            DType::U8,
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (k, dtype) in DType::ALL.into_iter().enumerate() {
             let size = dtype.size();
             for n in [0usize, 1, 15, 16, 17, 255, 256, 257, 1000, 1024, 1040, 4096, 5000] {
                 let bytes: Vec<u8> = (0..n * size).map(|i| (i * 31 + k * 7) as u8 & 0x3f).collect();

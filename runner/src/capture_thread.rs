@@ -3,12 +3,13 @@
 //!
 //! The runtime's thread copies each record (coordinate, level, dtype, shape
 //! and bytes) into a batch and hands full batches to the writer thread over
-//! a bounded channel; the writer thread appends them to the
-//! [`TraceWriter`] one by one, in the order they were emitted. The channel
+//! a bounded channel; the writer thread appends each batch with
+//! [`TraceWriter::append_batch`] (which writes what `append` would, record
+//! by record, but digests the batch's short records together). The channel
 //! is first-in first-out and has one producer and one consumer, so the
-//! writer sees exactly the sequence of `append` calls a writer on the
-//! runtime's thread would see: the trace's bytes do not depend on how the
-//! two threads are scheduled (tests compare the files byte for byte).
+//! writer sees the records in exactly the order a writer on the runtime's
+//! thread would: the trace's bytes do not depend on how the two threads
+//! are scheduled (tests compare the files byte for byte).
 //!
 //! Errors: the writer thread stops at the first failed `append` (the
 //! writer then removes its temporary file) and keeps the error; the

@@ -123,7 +123,7 @@ pub struct BenchRuntimeArgs {
     /// Directory for the --real-width checkpoint (default: the system temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// Decode steps per measurement (default: 200 on the fixture, 8 with --real-width).
+    /// Decode steps per measurement (default: 200 on the fixture, 32 with --real-width).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100000))]
     pub decode_tokens: Option<u32>,
     /// Prompt length of the prefill measurement.
@@ -238,7 +238,7 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
 
 fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
     if a.real_width {
-        let tokens = a.decode_tokens.unwrap_or(8);
+        let tokens = a.decode_tokens.unwrap_or(32);
         let shrink = moeconf_runner::bench::RealWidthShrink {
             experts: a.experts.map(|e| e as usize),
             vocab: a.vocab.map(|v| v as usize),
