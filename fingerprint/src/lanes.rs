@@ -11,10 +11,12 @@
 //! `blake3` crate); only the order in which independent compressions run
 //! differs, which cannot change a digest.
 //!
-//! The lane arithmetic is plain Rust over `[u32; 8]` arrays, compiled
-//! three times (portable, AVX2, AVX2 + AVX-512VL for its rotate
-//! instruction) and chosen by runtime CPU detection: the dispatch decides
-//! speed only, never a bit of output.
+//! The kernel is AVX2 (eight blocks transposed into word vectors), with
+//! AVX-512VL's rotate instruction where the CPU has it, chosen by runtime
+//! CPU detection: the dispatch decides speed only, never a bit of output.
+//! Without AVX2 there is no kernel ([`digests`] says so) and callers hash
+//! one message at a time; a portable version of the same arithmetic over
+//! `[u32; 8]` arrays is the tests' independent reference.
 
 // Only the x86-64 kernels (and the tests) use the scheduler.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -205,8 +207,6 @@ struct Job {
     block: usize,
     /// Blocks of the chunk.
     blocks: usize,
-    /// Byte length of the chunk.
-    len: usize,
     /// Whether the chunk is the whole message (its last block is the root).
     root: bool,
     /// Where the chunk's chaining value goes in the flat list.
@@ -241,7 +241,6 @@ where
                 chunk: c,
                 block: 0,
                 blocks: clen.div_ceil(BLOCK).max(1),
-                len: clen,
                 root: n == 1,
                 slot: slot + c,
             }
@@ -278,7 +277,7 @@ where
             let counter = j.chunk as u64;
             lo[l] = counter as u32;
             hi[l] = (counter >> 32) as u32;
-            len[l] = n.min((j.len - j.block * BLOCK) as u32);
+            len[l] = n;
             let last = j.block + 1 == j.blocks;
             flags[l] = if j.block == 0 { CHUNK_START } else { 0 }
                 | if last { CHUNK_END } else { 0 }
