@@ -209,6 +209,9 @@ struct RawConfig {
     quantization_config: Option<serde_json::Value>,
     expert_dtype: Option<serde_json::Value>,
     num_nextn_predict_layers: Option<usize>,
+    model_type: Option<String>,
+    tie_word_embeddings: Option<bool>,
+    mlp_bias: Option<bool>,
 }
 
 /// Upper bound on any single dimension, so a hostile config cannot make the
@@ -401,9 +404,36 @@ impl Keys<'_> {
         })
     }
 
-    /// Refuses what the runtime does not implement: more than one shared
-    /// expert, other scoring functions and activations.
+    /// Refuses what the runtime does not implement: another model type, a
+    /// head tied to the embedding, shared-expert biases, more than one
+    /// shared expert, other scoring functions and activations. Keys that
+    /// transformers' DeepSeek-V4 itself ignores (`num_key_value_heads`,
+    /// `norm_topk_prob`, `attention_bias`, docs/deepseek-v4-architecture.md
+    /// §1) are ignored here too; a key transformers would act on is refused
+    /// rather than silently run differently.
     fn check_supported(&self, raw: &RawConfig) -> Result<(), RuntimeError> {
+        if let Some(t) = raw.model_type.as_deref() {
+            if t != "deepseek_v4" {
+                return Err(self.err(format!(
+                    "key `model_type` = {t:?} is unsupported (only \"deepseek_v4\")"
+                )));
+            }
+        }
+        if raw.tie_word_embeddings == Some(true) {
+            return Err(self.err(
+                "key `tie_word_embeddings` = true is unsupported: DeepSeek-V4 has a separate LM head \
+                 (`head.weight`), which this runtime always uses, where transformers would replace it \
+                 with the embedding"
+                    .to_string(),
+            ));
+        }
+        if raw.mlp_bias == Some(true) {
+            return Err(self.err(
+                "key `mlp_bias` = true is unsupported: DeepSeek-V4's shared expert has no biases \
+                 (transformers would add them)"
+                    .to_string(),
+            ));
+        }
         if let Some(s) = raw.n_shared_experts {
             if s != 1 {
                 return Err(self.err(format!(

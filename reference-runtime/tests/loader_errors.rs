@@ -116,6 +116,18 @@ fn malformed_configs_name_the_key() {
             "scoring_func",
         ),
         (text.replace("\"o_groups\": 2", "\"o_groups\": 3"), "o_groups"),
+        (
+            text.replace("\"deepseek_v4\"", "\"deepseek_v3\""),
+            "`model_type` = \"deepseek_v3\"",
+        ),
+        (
+            text.replace("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": true"),
+            "`tie_word_embeddings` = true",
+        ),
+        (
+            text.replacen('{', "{\"mlp_bias\": true, ", 1),
+            "`mlp_bias` = true",
+        ),
         ("{ not json".to_string(), "invalid JSON"),
         (
             text.replace("\"vocab_size\": 1024", "\"vocab_size\": -3"),
