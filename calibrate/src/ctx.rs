@@ -189,7 +189,10 @@ impl Ctx {
 
     /// Tokenizes a prompt (must give at least one token).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let ids = self.m.tokenizer.encode(text)?;
+        let ids = self
+            .m
+            .tokenizer
+            .encode_for(text, self.m.model.config().vocab_size)?;
         if ids.is_empty() {
             return Err(CalibrateError::Invalid(format!(
                 "the prompt {text:?} tokenizes to no tokens"

@@ -481,3 +481,26 @@ fn oversized_and_non_regular_model_files_are_refused() {
     let o = moeconf(&run_on(&model, &out, "1", &[]));
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
+
+/// A tokenizer whose prompt tokens have ids past the model's vocabulary (an
+/// added token the checkpoint has no embedding for) is refused before
+/// anything runs, naming the tokenizer file, the token and its id; no trace
+/// is left behind.
+#[test]
+fn prompt_tokens_past_the_vocabulary_name_the_tokenizer_and_token() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_copy(tmp.path(), false);
+    let path = model.join("tokenizer.json");
+    let mut t: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let vocab = t["model"]["vocab"].as_object().unwrap().len();
+    t["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+        "id": vocab, "content": "sheep", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": false
+    }));
+    std::fs::write(&path, serde_json::to_string(&t).unwrap()).unwrap();
+    let out = tmp.path().join("t.bin");
+    let o = moeconf_within(60, &run_on(&model, &out, "1", &[]));
+    let id = vocab.to_string();
+    error_naming(&o, &["tokenizer.json", "\"sheep\"", &id, "vocab_size"]);
+    assert!(!out.exists());
+}

@@ -50,6 +50,25 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` for a model of `vocab_size` tokens: an id the
+    /// model has no embedding for (a tokenizer that does not belong to the
+    /// model, or an added token past its vocabulary) is an error naming this
+    /// file, the token and its id, before anything runs.
+    pub fn encode_for(&self, text: &str, vocab_size: usize) -> Result<Vec<u32>, RuntimeError> {
+        let ids = self.encode(text)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab_size) {
+            let token = self.inner.id_to_token(id).unwrap_or_default();
+            return Err(RuntimeError::Tokenizer {
+                path: self.path.clone(),
+                message: format!(
+                    "the prompt's token {token:?} has id {id}, outside the model's vocabulary \
+                     0..{vocab_size} (config.json `vocab_size`): this tokenizer does not match the model"
+                ),
+            });
+        }
+        Ok(ids)
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

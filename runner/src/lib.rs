@@ -495,7 +495,7 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
             limits::MAX_NEW_TOKENS
         );
     }
-    let prompt_ids = m.tokenizer.encode(spec.prompt)?;
+    let prompt_ids = m.tokenizer.encode_for(spec.prompt, m.model.config().vocab_size)?;
     if prompt_ids.is_empty() {
         bail!("the prompt {:?} tokenizes to no tokens", spec.prompt);
     }

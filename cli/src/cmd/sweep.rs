@@ -165,7 +165,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         step: a.fork_step,
         position: a.fork_position,
     };
-    let prompt_ids = m.tokenizer.encode(&prompt)?;
+    let prompt_ids = m.tokenizer.encode_for(&prompt, cfg.vocab_size)?;
     if prompt_ids.is_empty() {
         bail!("the prompt {prompt:?} tokenizes to no tokens");
     }
