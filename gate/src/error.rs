@@ -234,6 +234,18 @@ pub enum PolicyError {
         /// The value given.
         value: f64,
     },
+    /// A `dtype_tolerance` bound that is negative or not finite (a NaN
+    /// bound would fail every differing element without saying why; an
+    /// infinite one would pass anything, which is what `info` is for).
+    #[error("profile {profile:?}: {key} must be a finite number >= 0, got {value}")]
+    DtypeThreshold {
+        /// The profile.
+        profile: String,
+        /// The key, `dtype_tolerance.DTYPE.rtol` or `.atol`.
+        key: String,
+        /// The value given.
+        value: f64,
+    },
     /// A rule threshold that is negative or not finite.
     #[error("profile {profile:?}: rule {rule}: {key} must be a finite number >= 0, got {value}")]
     RuleThreshold {

@@ -387,7 +387,7 @@ impl Profile {
     }
 
     /// Checks the invariants: a catch-all rule `*` (any level) exists and is
-    /// last, thresholds are finite and non-negative.
+    /// last, thresholds and dtype tolerances are finite and non-negative.
     pub fn validate(&self) -> Result<(), PolicyError> {
         let profile = || self.name.clone();
         match self.rules.iter().position(Rule::is_catch_all) {
@@ -408,6 +408,18 @@ impl Profile {
                 return Err(PolicyError::Threshold {
                     profile: profile(),
                     key,
+                    value,
+                });
+            }
+        }
+        for (dtype, &(rtol, atol)) in &self.dtype_tolerance {
+            if let Some((key, value)) = [("rtol", rtol), ("atol", atol)]
+                .into_iter()
+                .find(|&(_, v)| !is_threshold(v))
+            {
+                return Err(PolicyError::DtypeThreshold {
+                    profile: profile(),
+                    key: format!("dtype_tolerance.{dtype}.{key}"),
                     value,
                 });
             }
@@ -1010,6 +1022,18 @@ required = ["L0", "judged"]
             ("[profile.default]\nrequired = [\"L0\", \"L7\"]\n", "unknown entry \"L7\""),
             ("[profile.default]\nroute_near_tie_margin = -1.0\n", "finite number"),
             ("[profile.default.dtype_tolerance]\ni32 = { rtol = 1.0, atol = 1.0 }\n", "not a floating"),
+            (
+                "[profile.default.dtype_tolerance]\nbf16 = { rtol = nan, atol = 0.0 }\n",
+                "dtype_tolerance.bf16.rtol must be a finite number >= 0, got NaN",
+            ),
+            (
+                "[profile.default.dtype_tolerance]\nf32 = { rtol = 0.0, atol = -1.0 }\n",
+                "dtype_tolerance.f32.atol must be a finite number >= 0, got -1",
+            ),
+            (
+                "default_profile = \"ci\"\n[profile.ci.dtype_tolerance]\nbf16 = { rtol = inf, atol = 0.0 }\n",
+                "dtype_tolerance.bf16.rtol must be a finite number >= 0, got inf",
+            ),
             ("[profile.default\n", "TOML"),
         ];
         for (text, want) in cases {
