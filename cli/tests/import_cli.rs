@@ -405,6 +405,23 @@ fn malformed_dumps_exit_2_with_clear_messages() {
     let ok = dir.join("mapped.bin");
     assert!(moeconf(&["import", s(&d), "-o", s(&ok)], dir).status.success());
 
+    // A mapping may not move a catalogue component to another level: a
+    // trace with `moe.combine` at L0 would only ever differ from every
+    // reference, for a reason nobody would look for.
+    let d = good("moved");
+    one(&d, "step.0.pos.0.layer.0.moe.combine", Dtype::F32, f32s(&[1.0]));
+    std::fs::write(
+        d.join("manifest.json"),
+        manifest(r#", "component_levels": {"moe.": "L0"}"#),
+    )
+    .unwrap();
+    expect_error(
+        dir,
+        &d,
+        &[],
+        &["moe.combine", "at L0", "catalogue component of level L4"],
+    );
+
     // Unsupported dtype.
     let d = good("dtype");
     one(&d, "step.0.pos.0.layer.0.attn.q", Dtype::I8, vec![1, 2]);

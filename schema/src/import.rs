@@ -487,6 +487,17 @@ fn read_dump(
                     name.component
                 ))
             })?;
+            if let Some((component, _)) = Component::parse(&name.component) {
+                if component.level() != level {
+                    return Err(fail(format!(
+                        "the manifest's component_levels put {:?} at {level}, but it is a catalogue \
+                         component of level {} (docs/format.md §6): a catalogue component's level is \
+                         fixed; component_levels is for components outside the catalogue",
+                        name.component,
+                        component.level()
+                    )));
+                }
+            }
             let c = convert(view.dtype(), view.data(), &name.component).map_err(fail)?;
             items.push(Item {
                 name,
