@@ -256,7 +256,7 @@ fn a_required_level_missing_from_the_reference_is_an_error() {
 #[test]
 fn baselines_without_steps_or_required_levels_are_refused() {
     let repo = Repo::new();
-    let r = repo.run("ref.bin", &[]);
+    let r = repo.run("ref.bin", &["--capture", "all"]);
     let base = repo.bless("base.json", &r);
     assert_eq!(code(&repo.moeconf(&["gate", "--baseline", s(&base), s(&r)])), 0);
     let no_steps = repo.path("no-steps.json");
@@ -269,14 +269,11 @@ fn baselines_without_steps_or_required_levels_are_refused() {
         "{}",
         stderr(&o)
     );
-    // A baseline without L1 (required by the default profile).
-    let no_l1 = repo.path("no-l1.json");
-    std::fs::copy(&base, &no_l1).unwrap();
-    edit_baseline(&no_l1, |b| {
-        for step in b["steps"].as_array_mut().unwrap() {
-            step["levels"].as_object_mut().unwrap().remove("L1");
-        }
-    });
+    // A baseline without L1 (required by the default profile): blessed from
+    // a trace that holds no L1 record (editing the L1 digests out of a
+    // baseline makes it inconsistent, an error of its own, below).
+    let no_l1_trace = filtered(&r, &repo.path("no-l1.bin"), |e| e.level != Level::L1);
+    let no_l1 = repo.bless("no-l1.json", &no_l1_trace);
     let o = repo.moeconf(&["gate", "--baseline", s(&no_l1), s(&r)]);
     assert_eq!(code(&o), 2, "{}", both(&o));
     assert!(
@@ -286,6 +283,80 @@ fn baselines_without_steps_or_required_levels_are_refused() {
     );
     let o = repo.moeconf(&["gate", "--bisect-exit-codes", "--baseline", s(&no_l1), s(&r)]);
     assert_eq!(code(&o), 128);
+}
+
+/// A baseline whose digests no longer belong together (one level digest,
+/// one step digest or the root edited, or a level removed) is an error
+/// naming the file, never a verdict: the comparison takes a step's blessed
+/// level digests on trust once the candidate's step digest matches, so an
+/// unchecked edit would pass unseen with the blessed run and fail the wrong
+/// level with another.
+#[test]
+fn edited_baselines_are_refused() {
+    let repo = Repo::new();
+    let r = repo.run("ref.bin", &[]);
+    let base = repo.bless("base.json", &r);
+    let flip = |d: &serde_json::Value| {
+        let t = d.as_str().unwrap();
+        let first = if t.starts_with('0') { "1" } else { "0" };
+        serde_json::Value::from(format!("{first}{}", &t[1..]))
+    };
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        (
+            "level",
+            Box::new(move |b| {
+                let d = &mut b["steps"][1]["levels"]["L3"];
+                *d = flip(d);
+            }),
+            "step 1's digest",
+        ),
+        (
+            "step",
+            Box::new(move |b| {
+                let d = &mut b["steps"][0]["digest"];
+                *d = flip(d);
+            }),
+            "step 0's digest",
+        ),
+        (
+            "root",
+            Box::new(move |b| {
+                let d = &mut b["root"];
+                *d = flip(d);
+            }),
+            "the root",
+        ),
+        (
+            "binding-digest",
+            Box::new(move |b| {
+                let d = &mut b["binding_digest"];
+                *d = flip(d);
+            }),
+            "the root",
+        ),
+        (
+            "no-l1",
+            Box::new(|b| {
+                for step in b["steps"].as_array_mut().unwrap() {
+                    step["levels"].as_object_mut().unwrap().remove("L1");
+                }
+            }),
+            "step 0's digest",
+        ),
+    ];
+    for (name, edit, what) in cases {
+        let edited = repo.path(&format!("{name}.json"));
+        std::fs::copy(&base, &edited).unwrap();
+        edit_baseline(&edited, edit);
+        let o = repo.moeconf(&["gate", "--baseline", s(&edited), s(&r)]);
+        assert_eq!(code(&o), 2, "{name}: {}", both(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("{name}.json")) && e.contains(what) && e.contains("edited or corrupted"),
+            "{name}: {e}"
+        );
+    }
 }
 
 #[test]

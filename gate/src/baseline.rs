@@ -15,7 +15,7 @@ use crate::policy::{Mode, Profile};
 use crate::report::{Failure, GateReport, LevelResult, Status};
 use crate::write::write_atomic;
 use moeconf_bisect::{compare_bindings, RecordRef};
-use moeconf_fingerprint::{CanonPolicy, Coord, Digest, Level, Phase};
+use moeconf_fingerprint::{root_digest, step_digest, Algorithm, CanonPolicy, Coord, Digest, Level, Phase};
 use moeconf_schema::{
     Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity, Trace,
 };
@@ -337,8 +337,13 @@ impl Baseline {
     }
 
     /// Every digest is 64 hex digits, every level name is known, the
-    /// binding's fields are valid, and there is at least one step, each
-    /// listed once.
+    /// binding's fields are valid, there is at least one step, each listed
+    /// once, and the digests belong together: each step digest is the
+    /// digest of its level digests and the root that of the binding digest
+    /// and the step digests (the trace format's tree, docs/format.md §4.3).
+    /// So an edited or corrupted digest is an error, never a verdict: the
+    /// comparison takes a step's blessed level digests on trust once the
+    /// candidate's step digest matches.
     fn validate(&self) -> Result<(), BaselineError> {
         let hex = |what: String, text: &str| match Digest::from_hex(text) {
             Some(_) => Ok(()),
@@ -368,6 +373,41 @@ impl Baseline {
                 }
                 hex(format!("step {} {l}", s.step), d)?;
             }
+        }
+        self.check_tree()
+    }
+
+    /// The step digests against their level digests, and the root against
+    /// the binding digest and the step digests (called once every digest
+    /// and level name has been checked).
+    fn check_tree(&self) -> Result<(), BaselineError> {
+        let alg = Algorithm::from_name(&self.algorithm).ok_or_else(|| BaselineError::Algorithm {
+            name: self.algorithm.clone(),
+        })?;
+        let digest = |text: &str| Digest::from_hex(text).unwrap_or_default();
+        let mut steps: Vec<(u32, Digest)> = Vec::with_capacity(self.steps.len());
+        for s in &self.steps {
+            let mut levels: Vec<(Level, Digest)> = s
+                .levels
+                .iter()
+                .filter_map(|(l, d)| Level::from_name(l).map(|l| (l, digest(d))))
+                .collect();
+            levels.sort_by_key(|(l, _)| l.code());
+            let d = digest(&s.digest);
+            if step_digest(alg, s.step, levels.into_iter()) != d {
+                return Err(BaselineError::Inconsistent {
+                    what: format!("step {}'s digest", s.step),
+                    of: "level digests",
+                });
+            }
+            steps.push((s.step, d));
+        }
+        steps.sort_by_key(|&(step, _)| step);
+        if root_digest(alg, digest(&self.binding_digest), steps.into_iter()) != digest(&self.root) {
+            return Err(BaselineError::Inconsistent {
+                what: "the root".into(),
+                of: "binding digest and step digests",
+            });
         }
         Ok(())
     }

@@ -422,6 +422,24 @@ pub enum BaselineError {
         /// Every refusing field that differs (reference = the blessed value).
         fields: Vec<moeconf_bisect::FieldDifference>,
     },
+    /// The digest algorithm is neither `blake3` nor `sha256`.
+    #[error("algorithm {name:?} is not a digest algorithm (blake3 or sha256)")]
+    Algorithm {
+        /// The name found.
+        name: String,
+    },
+    /// A digest that is not the hash of the digests the file lists under it
+    /// (an edited or corrupted baseline: a step digest and its level
+    /// digests, or the root and its step digests, no longer belong together).
+    #[error(
+        "{what} is not the digest of the {of} the file lists (edited or corrupted baseline; bless again)"
+    )]
+    Inconsistent {
+        /// Which digest (`step 3's digest`, `the root`).
+        what: String,
+        /// What it should be the digest of.
+        of: &'static str,
+    },
     /// A level name other than `L0`…`L4`.
     #[error("step {step}: unknown level {name:?}")]
     UnknownLevel {
