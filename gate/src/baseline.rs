@@ -345,65 +345,45 @@ impl Baseline {
     /// comparison takes a step's blessed level digests on trust once the
     /// candidate's step digest matches.
     fn validate(&self) -> Result<(), BaselineError> {
-        let hex = |what: String, text: &str| match Digest::from_hex(text) {
-            Some(_) => Ok(()),
-            None => Err(BaselineError::Digest {
+        let hex = |what: String, text: &str| {
+            Digest::from_hex(text).ok_or_else(|| BaselineError::Digest {
                 what,
                 text: text.into(),
-            }),
+            })
         };
-        hex("root".into(), &self.root)?;
-        hex("binding_digest".into(), &self.binding_digest)?;
+        let root = hex("root".into(), &self.root)?;
+        let binding_digest = hex("binding_digest".into(), &self.binding_digest)?;
         self.binding.to_binding()?;
-        if self.steps.is_empty() {
-            return Err(BaselineError::NoSteps);
-        }
-        let mut seen = BTreeSet::new();
-        for s in &self.steps {
-            if !seen.insert(s.step) {
-                return Err(BaselineError::DuplicateStep { step: s.step });
-            }
-            hex(format!("step {}", s.step), &s.digest)?;
-            for (l, d) in &s.levels {
-                if Level::from_name(l).is_none() {
-                    return Err(BaselineError::UnknownLevel {
-                        step: s.step,
-                        name: l.clone(),
-                    });
-                }
-                hex(format!("step {} {l}", s.step), d)?;
-            }
-        }
-        self.check_tree()
-    }
-
-    /// The step digests against their level digests, and the root against
-    /// the binding digest and the step digests (called once every digest
-    /// and level name has been checked).
-    fn check_tree(&self) -> Result<(), BaselineError> {
         let alg = Algorithm::from_name(&self.algorithm).ok_or_else(|| BaselineError::Algorithm {
             name: self.algorithm.clone(),
         })?;
-        let digest = |text: &str| Digest::from_hex(text).unwrap_or_default();
-        let mut steps: Vec<(u32, Digest)> = Vec::with_capacity(self.steps.len());
+        if self.steps.is_empty() {
+            return Err(BaselineError::NoSteps);
+        }
+        let mut steps: BTreeMap<u32, Digest> = BTreeMap::new();
         for s in &self.steps {
-            let mut levels: Vec<(Level, Digest)> = s
-                .levels
-                .iter()
-                .filter_map(|(l, d)| Level::from_name(l).map(|l| (l, digest(d))))
-                .collect();
+            if steps.contains_key(&s.step) {
+                return Err(BaselineError::DuplicateStep { step: s.step });
+            }
+            let digest = hex(format!("step {}", s.step), &s.digest)?;
+            let mut levels = Vec::with_capacity(s.levels.len());
+            for (l, d) in &s.levels {
+                let level = Level::from_name(l).ok_or_else(|| BaselineError::UnknownLevel {
+                    step: s.step,
+                    name: l.clone(),
+                })?;
+                levels.push((level, hex(format!("step {} {l}", s.step), d)?));
+            }
             levels.sort_by_key(|(l, _)| l.code());
-            let d = digest(&s.digest);
-            if step_digest(alg, s.step, levels.into_iter()) != d {
+            if step_digest(alg, s.step, levels.into_iter()) != digest {
                 return Err(BaselineError::Inconsistent {
                     what: format!("step {}'s digest", s.step),
                     of: "level digests",
                 });
             }
-            steps.push((s.step, d));
+            steps.insert(s.step, digest);
         }
-        steps.sort_by_key(|&(step, _)| step);
-        if root_digest(alg, digest(&self.binding_digest), steps.into_iter()) != digest(&self.root) {
+        if root_digest(alg, binding_digest, steps.into_iter()) != root {
             return Err(BaselineError::Inconsistent {
                 what: "the root".into(),
                 of: "binding digest and step digests",

@@ -189,8 +189,10 @@ pub fn parse_dump_name(name: &str) -> Result<DumpName, String> {
     })
 }
 
-/// The level of a component: the longest matching prefix of the manifest's
-/// `component_levels`, else the catalogue's.
+/// The level the manifest's mapping gives a component: the longest matching
+/// prefix of its `component_levels`, else the catalogue prefix table's. The
+/// caller refuses a result that moves a catalogue component away from its
+/// catalogue level (`component_levels` is for components outside it).
 fn level_of(component: &str, overrides: &[(String, Level)]) -> Option<Level> {
     overrides
         .iter()
