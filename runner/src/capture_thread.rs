@@ -9,7 +9,9 @@
 //! is first-in first-out and has one producer and one consumer, so the
 //! writer sees the records in exactly the order a writer on the runtime's
 //! thread would: the trace's bytes do not depend on how the two threads
-//! are scheduled (tests compare the files byte for byte).
+//! are scheduled (tests compare the files byte for byte). The writer polls
+//! the channel while batches keep coming and blocks only when idle, so a
+//! hand-over rarely costs the runtime's thread a wake-up system call.
 //!
 //! Errors: the writer thread stops at the first failed `append` (the
 //! writer then removes its temporary file) and keeps the error; the
@@ -20,7 +22,7 @@
 //! so the temporary file is gone when the drop returns.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -34,17 +36,28 @@ use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 /// a batch grows that batch only until the writer has written it).
 const POOL: usize = 6;
 /// A batch is handed over once it holds this many payload bytes ...
-/// (a hand-over usually wakes the writer thread, a futex wake that cost the
-/// runtime's thread tens of microseconds on the 2-vCPU machine we measure
-/// on: at 256 KiB that was about one per fixture decode step, a tenth of
-/// the capture's cost there; larger batches are written cache-cold, so the
-/// size is a middle ground, not an optimum) ...
-const BATCH_BYTES: usize = 512 * 1024;
+/// (small enough that the batches in use stay in the runtime core's cache:
+/// copying a record into a cold buffer cost the fixture's forward several
+/// points of its speed. Small batches mean several hand-overs per fixture
+/// step, which is cheap only because the writer thread polls for them
+/// instead of sleeping until woken, see [`POLL`]) ...
+const BATCH_BYTES: usize = 64 * 1024;
 /// ... or this many records.
-const BATCH_RECORDS: usize = 2048;
+const BATCH_RECORDS: usize = 256;
 /// The payload buffer of a batch: a full batch plus room for the record
 /// that fills it.
 const DATA_CAPACITY: usize = BATCH_BYTES + BATCH_BYTES / 4;
+/// How long the writer thread sleeps when it finds no batch waiting. While
+/// batches keep coming, the writer polls instead of blocking on the
+/// channel, so handing a batch over never has to wake a sleeping thread:
+/// that wake-up (a futex system call) cost the runtime's thread tens of
+/// microseconds per hand-over on the 2-vCPU machine we measure on
+/// (docs/performance.md, "Capture overhead").
+const POLL: std::time::Duration = std::time::Duration::from_micros(20);
+/// Empty polls in a row after which the writer blocks until the next batch
+/// (a run between steps, or one whose steps take milliseconds, does not
+/// keep a core waking every few tens of microseconds).
+const IDLE_POLLS: u32 = 200;
 /// Payloads start at multiples of this in a batch's buffer (the
 /// canonicalization scan reads aligned words).
 const ALIGN: usize = 64;
@@ -324,6 +337,20 @@ impl Drop for CaptureThread {
     }
 }
 
+/// The next batch, in order: polled every [`POLL`] while batches keep
+/// coming, waited for after [`IDLE_POLLS`] empty polls; `None` once the
+/// runtime's side is gone and every batch it sent has been taken.
+fn next_batch(rx: &Receiver<Batch>) -> Option<Batch> {
+    for _ in 0..IDLE_POLLS {
+        match rx.try_recv() {
+            Ok(b) => return Some(b),
+            Err(TryRecvError::Empty) => std::thread::sleep(POLL),
+            Err(TryRecvError::Disconnected) => return None,
+        }
+    }
+    rx.recv().ok()
+}
+
 /// The writer thread: appends every record of every batch in order, and
 /// returns the emptied batches to the pool. Stops at the first error
 /// (dropping its end of both channels, which the runtime's thread then
@@ -336,7 +363,7 @@ fn write_batches(
 ) -> Result<TraceWriter, TraceError> {
     // The writer thread's own shared paths (see `Item`).
     let mut paths = Interner::new();
-    for mut batch in rx {
+    while let Some(mut batch) = next_batch(&rx) {
         let records: Vec<BatchRecord<'_>> = batch
             .items
             .iter()
@@ -441,7 +468,9 @@ mod tests {
     /// thread: every step has more records than a batch holds, and one
     /// record larger than a whole batch, so batches are handed over full,
     /// by size and by count, grow for the large record and are reused.
-    fn synthetic(path: &Path, threaded: bool) -> Vec<u8> {
+    /// With `pause`, the stream stops after every step for longer than the
+    /// writer thread polls, so the writer blocks and is woken again.
+    fn synthetic(path: &Path, threaded: bool, pause: bool) -> Vec<u8> {
         use moeconf_fingerprint::{Coord, DType, Level, Phase, TensorView};
         let steps = 4u32;
         let mut header = Header::default();
@@ -488,6 +517,9 @@ mod tests {
                 }
                 n += 1;
             }
+            if pause {
+                std::thread::sleep(3 * super::POLL * super::IDLE_POLLS);
+            }
         }
         let summary = match (here, thread) {
             (Some(w), _) => w.finish().unwrap(),
@@ -501,9 +533,17 @@ mod tests {
     #[test]
     fn batches_larger_records_and_a_bounded_pool_write_the_same_bytes() {
         let tmp = tempfile::tempdir().unwrap();
-        let a = synthetic(&tmp.path().join("here.bin"), false);
-        let b = synthetic(&tmp.path().join("thread.bin"), true);
+        let a = synthetic(&tmp.path().join("here.bin"), false, false);
+        let b = synthetic(&tmp.path().join("thread.bin"), true, false);
         assert!(a.len() > 4 * super::DATA_CAPACITY, "{} bytes", a.len());
+        assert!(a == b, "the two traces differ");
+    }
+
+    #[test]
+    fn a_writer_that_went_idle_between_steps_writes_the_same_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = synthetic(&tmp.path().join("here.bin"), false, false);
+        let b = synthetic(&tmp.path().join("thread.bin"), true, true);
         assert!(a == b, "the two traces differ");
     }
 

@@ -62,8 +62,12 @@ pub struct BatchRecord<'a> {
     pub keep_payload: bool,
 }
 
-/// Write buffer of a trace file.
-const BUFFER: usize = 1 << 20;
+/// Write buffer of a trace file. Small, because a capture's writer runs
+/// beside the forward pass and shares its last-level cache: every byte of
+/// buffer the writer cycles through is a byte of model weights evicted
+/// (docs/performance.md, "Capture overhead"); writes of a payload larger
+/// than the buffer go to the file directly.
+const BUFFER: usize = 64 << 10;
 
 /// The format version [`TraceWriter::create`] writes.
 pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V2;
