@@ -36,11 +36,12 @@ use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 /// a batch grows that batch only until the writer has written it).
 const POOL: usize = 6;
 /// A batch is handed over once it holds this many payload bytes ...
-/// (small enough that the batches in use stay in the runtime core's cache:
-/// copying a record into a cold buffer cost the fixture's forward several
-/// points of its speed. Small batches mean several hand-overs per fixture
-/// step, which is cheap only because the writer thread polls for them
-/// instead of sleeping until woken, see [`POLL`]) ...
+/// (small, because every buffer the capture cycles through takes last-level
+/// cache from the model's weights, which the forward reads again every
+/// step: with batches of 512 KiB the fixture's decode lost several points
+/// more to the capture than with these. Small batches mean several
+/// hand-overs per fixture step, which is cheap only because the writer
+/// thread polls for them instead of sleeping until woken, see [`POLL`]) ...
 const BATCH_BYTES: usize = 64 * 1024;
 /// ... or this many records.
 const BATCH_RECORDS: usize = 256;
@@ -55,9 +56,10 @@ const DATA_CAPACITY: usize = BATCH_BYTES + BATCH_BYTES / 4;
 /// (docs/performance.md, "Capture overhead").
 const POLL: std::time::Duration = std::time::Duration::from_micros(20);
 /// Empty polls in a row after which the writer blocks until the next batch
-/// (a run between steps, or one whose steps take milliseconds, does not
-/// keep a core waking every few tens of microseconds).
-const IDLE_POLLS: u32 = 200;
+/// (about 1–4 ms, timer slack included: a run between steps, or one that
+/// hands over a batch only every few milliseconds, does not keep a core
+/// waking every few tens of microseconds).
+const IDLE_POLLS: u32 = 50;
 /// Payloads start at multiples of this in a batch's buffer (the
 /// canonicalization scan reads aligned words).
 const ALIGN: usize = 64;
