@@ -46,11 +46,39 @@ fn step<E: std::error::Error + Send + Sync + 'static>(what: &str) -> impl FnOnce
     }
 }
 
+/// A benchmark's temporary directory: removed when dropped, and registered
+/// as a temporary ([`moeconf_schema::output::register_temporary`]) so that
+/// an interrupted benchmark (Ctrl-C) removes it too; a real-width
+/// checkpoint in one is gigabytes.
+pub(crate) struct Scratch(tempfile::TempDir);
+
+impl Scratch {
+    fn new(dir: tempfile::TempDir) -> Scratch {
+        moeconf_schema::output::register_temporary(dir.path());
+        Scratch(dir)
+    }
+
+    /// The directory.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        // Removed before it is forgotten, so an interruption in between
+        // still finds it registered.
+        let _ = std::fs::remove_dir_all(self.0.path());
+        moeconf_schema::output::deregister_temporary(self.0.path());
+    }
+}
+
 /// A scratch directory named after the benchmark.
-fn scratch(prefix: &str) -> Result<tempfile::TempDir, BenchError> {
+fn scratch(prefix: &str) -> Result<Scratch, BenchError> {
     tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
+        .map(Scratch::new)
         .map_err(step("creating a scratch directory"))
 }
 
@@ -267,6 +295,7 @@ pub fn real_width(
         Some(d) => tempfile::Builder::new()
             .prefix("moeconf-bench-real-width")
             .tempdir_in(d)
+            .map(Scratch::new)
             .map_err(step("creating a scratch directory"))?,
         None => scratch("moeconf-bench-real-width")?,
     };

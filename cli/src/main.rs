@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     reset_sigpipe();
+    remove_temporaries_on_interrupt();
     match run() {
         Ok(code) => code,
         Err(err) => {
@@ -44,5 +45,67 @@ fn reset_sigpipe() {
     // thread is spawned, has no memory-safety preconditions.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+/// Ctrl-C (SIGINT), SIGTERM and SIGHUP end a process without running any
+/// destructor, which would leave a half-written `.NAME.moeconf-tmp.*` file
+/// (or a benchmark's generated checkpoint) behind. So those signals are
+/// blocked in every thread and taken by one thread of their own
+/// ([`watch_signals`]). A signal the process was started with ignored
+/// (`nohup`, background jobs) stays ignored. If the thread cannot be
+/// started, the signals keep their default action.
+fn remove_temporaries_on_interrupt() {
+    #[cfg(unix)]
+    // SAFETY: sigset and sigaction calls on local, initialized values, made
+    // at startup before any other thread exists (so the mask every later
+    // thread inherits is the one set here).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction != libc::SIG_IGN {
+                libc::sigaddset(&mut set, sig);
+            }
+        }
+        let mut previous: libc::sigset_t = std::mem::zeroed();
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous) != 0 {
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("moeconf-signals".into())
+            .spawn(move || watch_signals(set));
+        if spawned.is_err() {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
+        }
+    }
+}
+
+/// Waits for a signal of `set` (blocked in every thread), removes the
+/// registered temporaries ([`moeconf_schema::output::remove_temporaries_and`])
+/// and ends the process by the same signal with its default action, so the
+/// exit status a shell sees is unchanged (130 for Ctrl-C).
+#[cfg(unix)]
+fn watch_signals(set: libc::sigset_t) {
+    loop {
+        let mut sig: libc::c_int = 0;
+        // SAFETY: `set` is an initialized signal set, `sig` a valid out-pointer.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            continue;
+        }
+        moeconf_schema::output::remove_temporaries_and(|| {
+            // SAFETY: restores the default action of `sig` and raises it in
+            // this thread, the only one that then leaves it unblocked.
+            unsafe {
+                libc::signal(sig, libc::SIG_DFL);
+                let mut only: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut only);
+                libc::sigaddset(&mut only, sig);
+                libc::pthread_sigmask(libc::SIG_UNBLOCK, &only, std::ptr::null_mut());
+                libc::raise(sig);
+            }
+            std::process::exit(128 + sig);
+        });
     }
 }

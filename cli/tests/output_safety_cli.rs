@@ -6,7 +6,9 @@
 //! file (same device and inode, by path or by hard link) as any input of the
 //! command. Temporary files are removed on every error path, are named
 //! `.NAME.moeconf-tmp.PID.RAND`, and stale ones next to an output are
-//! reported. Reports, baselines and traces get the mode 0666 & !umask.
+//! reported; an interrupted write (SIGINT, SIGTERM, SIGHUP) removes its
+//! temporary file and still ends by the signal. Reports, baselines and
+//! traces get the mode 0666 & !umask.
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -558,22 +560,8 @@ fn a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_run_reports
         .unwrap();
     let pid = child.id();
     let prefix = format!(".out.bin.moeconf-tmp.{pid}.");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let tmp = loop {
-        if let Some(n) = temporaries(dir.path())
-            .into_iter()
-            .find(|n| n.starts_with(&prefix))
-        {
-            break n;
-        }
-        assert!(std::time::Instant::now() < deadline, "no temporary file appeared");
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    child.kill().unwrap(); // SIGKILL: no destructor runs
+    let tmp = wait_for_temporary(&mut child, dir.path(), "out.bin");
+    child.kill().unwrap(); // SIGKILL: nothing can run
     child.wait().unwrap();
     let rand = tmp.strip_prefix(&prefix).unwrap();
     assert!(
@@ -588,4 +576,52 @@ fn a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_run_reports
         "{}",
         err(&o)
     );
+}
+
+/// Waits until the run `child` writing `out` in `dir` has created its
+/// temporary file, and names it.
+fn wait_for_temporary(child: &mut std::process::Child, dir: &Path, out: &str) -> String {
+    let prefix = format!(".{out}.moeconf-tmp.{}.", child.id());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Some(n) = temporaries(dir).into_iter().find(|n| n.starts_with(&prefix)) {
+            return n;
+        }
+        assert!(std::time::Instant::now() < deadline, "no temporary file appeared");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_interrupted_write_removes_its_temporary_file_and_ends_by_the_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    for (name, number) in [("INT", 2), ("TERM", 15), ("HUP", 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.bin");
+        let mut child = Command::new(BIN)
+            .args(run_args(&out, "4000", &["--capture", "all"]))
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_temporary(&mut child, dir.path(), "out.bin");
+        let k = Command::new("kill")
+            .args(["-s", name, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(k.success());
+        let status = child.wait().unwrap();
+        // Ended by the signal itself, as without the handling (a shell
+        // reports 128 + the signal's number).
+        assert_eq!(status.signal(), Some(number), "SIG{name}: {status:?}");
+        assert!(
+            temporaries(dir.path()).is_empty(),
+            "SIG{name}: {:?}",
+            temporaries(dir.path())
+        );
+        assert!(!out.exists(), "SIG{name}");
+    }
 }

@@ -16,7 +16,9 @@
 //!   usual umask 022), then flushes, syncs, re-checks the destination and
 //!   renames the temporary file over it. The temporary file is removed on
 //!   every error path (a failed write, flush, sync or rename, or a writer
-//!   dropped unfinished); only `kill -9` or a crash can leave one.
+//!   dropped unfinished), and every temporary file being written is
+//!   registered so the binary removes it when interrupted
+//!   ([`remove_temporaries_and`]); only `kill -9` or a crash can leave one.
 //! * **Stale temporaries are reported.** [`check_output`] lists temporary
 //!   files of the output's name left next to it by processes that no longer
 //!   run ([`CheckedOutput::stale_temporaries`]), including those of the
@@ -460,6 +462,48 @@ pub fn stale_temporaries(path: &Path) -> Vec<StaleTemporary> {
     stale
 }
 
+/// Temporary files being written right now ([`AtomicFile`]) and temporary
+/// directories a command asked to have removed ([`register_temporary`]):
+/// what an interrupted process must remove before it ends
+/// ([`remove_temporaries_and`]).
+static TEMPORARIES: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn temporaries() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    TEMPORARIES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Records `path` (a file or a directory) as temporary: if the process is
+/// interrupted ([`remove_temporaries_and`]) it is removed. Blocks while an
+/// interruption is removing the temporaries, so nothing is created after.
+pub fn register_temporary(path: &Path) {
+    temporaries().push(path.to_path_buf());
+}
+
+/// Forgets `path` (committed, renamed or removed by its owner).
+pub fn deregister_temporary(path: &Path) {
+    let mut t = temporaries();
+    if let Some(i) = t.iter().rposition(|p| p == path) {
+        t.swap_remove(i);
+    }
+}
+
+/// Removes every registered temporary file and directory, then runs `end`
+/// (which ends the process) while still holding the registry, so no new
+/// temporary file can be registered and created in between. For the
+/// binary's signal handling: SIGINT, SIGTERM and SIGHUP would otherwise
+/// end the process without running any destructor, leaving the
+/// temporaries behind.
+pub fn remove_temporaries_and(end: impl FnOnce()) {
+    let t = temporaries();
+    for p in t.iter() {
+        if std::fs::remove_file(p).is_err() {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
+    end();
+    drop(t);
+}
+
 /// A file being written under a temporary name next to its destination,
 /// renamed over it by [`AtomicFile::commit`]. Dropped without a commit (or
 /// after a failed one), it removes its temporary file.
@@ -493,9 +537,16 @@ impl AtomicFile {
         let mut attempts = 0;
         loop {
             let tmp = dir.join(temp_name(&out.path));
+            // Registered before it exists: an interruption either removes
+            // it or has the creation wait until the process ends.
+            register_temporary(&tmp);
             // create_new: O_CREAT|O_EXCL with mode 0666, so the umask gives
             // the usual 0644; never follows or reuses an existing entry.
-            match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            let created = OpenOptions::new().write(true).create_new(true).open(&tmp);
+            if created.is_err() {
+                deregister_temporary(&tmp);
+            }
+            match created {
                 Ok(file) => {
                     return Ok(AtomicFile {
                         dest: out.path.clone(),
@@ -541,6 +592,7 @@ impl AtomicFile {
         std::fs::rename(&self.tmp, &dest)
             .map_err(OutputError::io(&dest, "renaming the temporary file into place"))?;
         self.committed = true;
+        deregister_temporary(&self.tmp);
         // Make the rename durable; a directory that cannot be synced (some
         // file systems refuse) leaves the file written all the same.
         if let Ok(d) = File::open(dir_of(&dest)) {
@@ -579,6 +631,7 @@ impl Drop for AtomicFile {
             // Close before removing (required on some platforms).
             drop(self.out.take());
             let _ = std::fs::remove_file(&self.tmp);
+            deregister_temporary(&self.tmp);
         }
     }
 }
@@ -644,6 +697,32 @@ mod tests {
         assert!(e.to_string().contains("is a directory"), "{e}");
         assert!(temps(dir.path()).is_empty());
         assert!(p.is_dir());
+    }
+
+    #[test]
+    fn temporary_files_are_registered_while_they_exist() {
+        let registered = |p: &Path| temporaries().iter().any(|t| t == p);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("out.txt");
+        let checked = check_output(&p, &Inputs::new()).unwrap();
+        // Committed: registered while written, forgotten once renamed.
+        let f = AtomicFile::create(&checked).unwrap();
+        let tmp = f.temp_path().to_path_buf();
+        assert!(registered(&tmp));
+        f.commit().unwrap();
+        assert!(!registered(&tmp));
+        // Dropped unfinished, and failed to commit: forgotten with the file.
+        let f = AtomicFile::create(&checked).unwrap();
+        let tmp = f.temp_path().to_path_buf();
+        assert!(registered(&tmp));
+        drop(f);
+        assert!(!registered(&tmp) && !tmp.exists());
+        let f = AtomicFile::create(&checked).unwrap();
+        let tmp = f.temp_path().to_path_buf();
+        std::fs::remove_file(&p).unwrap();
+        std::fs::create_dir(&p).unwrap();
+        assert!(f.commit().is_err());
+        assert!(!registered(&tmp) && !tmp.exists());
     }
 
     #[test]
