@@ -553,14 +553,9 @@ fn demo_checks_its_two_traces_before_running() {
 fn a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_run_reports() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.bin");
-    let mut child = Command::new(BIN)
-        .args(run_args(&out, "400", &["--capture", "all"]))
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, tmp) = start_writing(&out);
     let pid = child.id();
     let prefix = format!(".out.bin.moeconf-tmp.{pid}.");
-    let tmp = wait_for_temporary(&mut child, dir.path(), "out.bin");
     child.kill().unwrap(); // SIGKILL: nothing can run
     child.wait().unwrap();
     let rand = tmp.strip_prefix(&prefix).unwrap();
@@ -578,14 +573,20 @@ fn a_killed_write_leaves_a_recognisable_temporary_file_that_the_next_run_reports
     );
 }
 
-/// Waits until the run `child` writing `out` in `dir` has created its
-/// temporary file, and names it.
-fn wait_for_temporary(child: &mut std::process::Child, dir: &Path, out: &str) -> String {
-    let prefix = format!(".{out}.moeconf-tmp.{}.", child.id());
+/// Starts a long `run` writing `out` (a file name in a directory of its
+/// own) and waits until it has created its temporary file, which it names.
+fn start_writing(out: &Path) -> (std::process::Child, String) {
+    let mut child = Command::new(BIN)
+        .args(run_args(out, "4000", &["--capture", "all"]))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (dir, name) = (out.parent().unwrap(), out.file_name().unwrap().to_string_lossy());
+    let prefix = format!(".{name}.moeconf-tmp.{}.", child.id());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
         if let Some(n) = temporaries(dir).into_iter().find(|n| n.starts_with(&prefix)) {
-            return n;
+            return (child, n);
         }
         assert!(std::time::Instant::now() < deadline, "no temporary file appeared");
         assert!(
@@ -602,12 +603,7 @@ fn an_interrupted_write_removes_its_temporary_file_and_ends_by_the_signal() {
     for (name, number) in [("INT", 2), ("TERM", 15), ("HUP", 1)] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out.bin");
-        let mut child = Command::new(BIN)
-            .args(run_args(&out, "4000", &["--capture", "all"]))
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_for_temporary(&mut child, dir.path(), "out.bin");
+        let (mut child, _) = start_writing(&out);
         let k = Command::new("kill")
             .args(["-s", name, &child.id().to_string()])
             .status()
