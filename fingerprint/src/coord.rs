@@ -178,37 +178,91 @@ pub struct Coord {
 }
 
 /// A component / operator path (`moe.combine`, `layer.post_ffn_mhc`): an
-/// immutable, reference-counted string. A trace has few distinct paths and
-/// up to millions of records, so readers and writers give every record with
-/// the same path one shared allocation ([`Interner`]); cloning is a
-/// reference-count increment. It compares, hashes, orders, prints and
-/// dereferences like the `str` it holds.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct RecordPath(Arc<str>);
+/// immutable string, either reference-counted or `'static`. A trace has few
+/// distinct paths and up to millions of records, so readers and writers
+/// give every record with the same path one shared allocation
+/// ([`Interner`]); cloning is a reference-count increment. A runtime that
+/// emits the same few dozen paths for every step uses `'static` paths
+/// ([`RecordPath::from_static`]): cloning and dropping them touch no
+/// shared counter, so the forward thread executes no locked instruction
+/// per record (docs/performance.md, "Capture overhead"). Either way it
+/// compares, hashes, orders, prints and dereferences like the `str` it
+/// holds.
+#[derive(Clone)]
+pub struct RecordPath(Text);
+
+/// Where a [`RecordPath`]'s text lives.
+#[derive(Clone)]
+enum Text {
+    Shared(Arc<str>),
+    Static(&'static str),
+}
 
 impl RecordPath {
     /// The path as a string slice.
     pub fn as_str(&self) -> &str {
-        &self.0
+        match &self.0 {
+            Text::Shared(s) => s,
+            Text::Static(s) => s,
+        }
+    }
+
+    /// A path whose text lives for the whole program: cloned and dropped
+    /// without touching a reference count.
+    pub const fn from_static(s: &'static str) -> RecordPath {
+        RecordPath(Text::Static(s))
+    }
+}
+
+impl Default for RecordPath {
+    fn default() -> RecordPath {
+        RecordPath::from_static("")
+    }
+}
+
+impl PartialEq for RecordPath {
+    fn eq(&self, other: &RecordPath) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for RecordPath {}
+
+impl PartialOrd for RecordPath {
+    fn partial_cmp(&self, other: &RecordPath) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for RecordPath {
+    fn cmp(&self, other: &RecordPath) -> std::cmp::Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl std::hash::Hash for RecordPath {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // As the `str` does: `Borrow<str>` lookups in hash sets rely on it.
+        self.as_str().hash(state)
     }
 }
 
 impl Deref for RecordPath {
     type Target = str;
     fn deref(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
 impl AsRef<str> for RecordPath {
     fn as_ref(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
 impl Borrow<str> for RecordPath {
     fn borrow(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
@@ -216,25 +270,25 @@ impl fmt::Display for RecordPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // `pad`, not `write_str`: widths and alignment (`{:<36}` in text
         // reports) apply to a path as to any string.
-        f.pad(&self.0)
+        f.pad(self.as_str())
     }
 }
 
 impl fmt::Debug for RecordPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl From<&str> for RecordPath {
     fn from(s: &str) -> RecordPath {
-        RecordPath(Arc::from(s))
+        RecordPath(Text::Shared(Arc::from(s)))
     }
 }
 
 impl From<String> for RecordPath {
     fn from(s: String) -> RecordPath {
-        RecordPath(Arc::from(s))
+        RecordPath(Text::Shared(Arc::from(s)))
     }
 }
 
@@ -246,43 +300,43 @@ impl From<&String> for RecordPath {
 
 impl PartialEq<str> for RecordPath {
     fn eq(&self, other: &str) -> bool {
-        &*self.0 == other
+        self.as_str() == other
     }
 }
 
 impl PartialEq<&str> for RecordPath {
     fn eq(&self, other: &&str) -> bool {
-        &*self.0 == *other
+        self.as_str() == *other
     }
 }
 
 impl PartialEq<String> for RecordPath {
     fn eq(&self, other: &String) -> bool {
-        *self.0 == **other
+        self.as_str() == other.as_str()
     }
 }
 
 impl PartialEq<RecordPath> for str {
     fn eq(&self, other: &RecordPath) -> bool {
-        self == &*other.0
+        self == other.as_str()
     }
 }
 
 impl PartialEq<RecordPath> for &str {
     fn eq(&self, other: &RecordPath) -> bool {
-        *self == &*other.0
+        *self == other.as_str()
     }
 }
 
 impl PartialEq<RecordPath> for String {
     fn eq(&self, other: &RecordPath) -> bool {
-        **self == *other.0
+        self.as_str() == other.as_str()
     }
 }
 
 impl serde::Serialize for RecordPath {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0)
+        s.serialize_str(self.as_str())
     }
 }
 
@@ -416,6 +470,30 @@ impl fmt::Display for Coord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn static_and_shared_paths_are_the_same_path() {
+        use std::collections::{BTreeSet, HashSet};
+        let shared = RecordPath::from("moe.combine");
+        let fixed = RecordPath::from_static("moe.combine");
+        assert_eq!(shared, fixed);
+        assert_eq!(shared.cmp(&fixed), std::cmp::Ordering::Equal);
+        let (a, b) = (RecordPath::from_static("moe.a"), RecordPath::from("moe.b"));
+        assert_eq!(a.cmp(&b), std::cmp::Ordering::Less);
+        let (a, b) = (RecordPath::from("moe.a"), RecordPath::from_static("moe.b"));
+        assert_eq!(a.cmp(&b), std::cmp::Ordering::Less);
+        // A set holding one finds the other, and a `str` finds both.
+        let set: HashSet<RecordPath> = [shared.clone()].into();
+        assert!(set.contains(&fixed));
+        assert!(set.contains("moe.combine"));
+        let set: HashSet<RecordPath> = [fixed.clone()].into();
+        assert!(set.contains(&shared));
+        assert!(set.contains("moe.combine"));
+        let ordered: BTreeSet<RecordPath> = [fixed.clone(), shared.clone()].into();
+        assert_eq!(ordered.len(), 1);
+        assert_eq!(format!("{fixed:?} {fixed:>12}"), "\"moe.combine\"  moe.combine");
+        assert_eq!(RecordPath::default(), "");
+    }
 
     #[test]
     fn paths_and_levels_take_widths_like_strings() {

@@ -5,6 +5,7 @@
 //! [`Component`]s (their levels are the catalogue's), never by path strings.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 
 use moeconf_fingerprint::{Component, Coord, DType, Level, LevelSet, Phase, RecordPath, TensorView};
 
@@ -194,16 +195,19 @@ impl Name {
         self.component.indexed_path(self.index)
     }
 
-    /// The path as a shared [`RecordPath`]: built once per name and thread,
-    /// then a reference-count increment (a run emits hundreds of records per
-    /// step over a few dozen names; formatting and allocating each path was
-    /// a visible part of the capture's cost on the forward thread).
+    /// The path as a `'static` [`RecordPath`]: formatted once per name for
+    /// the whole program, then looked up in a per-thread table. A run emits
+    /// hundreds of records per step over a few dozen names; formatting each
+    /// path was a visible part of the capture's cost on the forward thread,
+    /// and so was a shared path's reference count (a locked instruction per
+    /// record, which also waits for the record's copy to leave the store
+    /// buffer).
     fn record_path(self) -> RecordPath {
         thread_local! {
             /// Paths by component (its declaration order) and member index.
-            static PATHS: RefCell<Vec<Vec<Option<RecordPath>>>> = const { RefCell::new(Vec::new()) };
+            static PATHS: RefCell<Vec<Vec<Option<&'static str>>>> = const { RefCell::new(Vec::new()) };
         }
-        PATHS.with(|paths| {
+        let text = PATHS.with(|paths| {
             let mut paths = paths.borrow_mut();
             let (c, i) = (self.component as usize, self.index as usize);
             if paths.len() <= c {
@@ -213,11 +217,27 @@ impl Name {
             if members.len() <= i {
                 members.resize(i + 1, None);
             }
-            members[i]
-                .get_or_insert_with(|| RecordPath::from(self.path()))
-                .clone()
-        })
+            *members[i].get_or_insert_with(|| static_path(self))
+        });
+        RecordPath::from_static(text)
     }
+}
+
+/// The program's one copy of `name`'s path. Each distinct name is leaked
+/// once: their number is bounded by the components and their member
+/// indices (the top-k slots of `moe.term.J`), a few hundred short strings,
+/// and every thread's table points at the same copies.
+fn static_path(name: Name) -> &'static str {
+    static ALL: std::sync::Mutex<BTreeMap<(usize, u32), &'static str>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    let key = (name.component as usize, name.index);
+    let mut all = match ALL.lock() {
+        Ok(g) => g,
+        // A panic while holding the lock cannot leave the map half-updated.
+        Err(p) => p.into_inner(),
+    };
+    all.entry(key)
+        .or_insert_with(|| Box::leak(name.path().into_boxed_str()))
 }
 
 /// Index of the first NaN or infinity of `data`, if any. The common case (all
@@ -392,5 +412,37 @@ impl<'a> Recorder<'a> {
         self.buf.clear();
         self.buf.extend_from_slice(data);
         Ok(self.emit(name, at, DType::U8, &[data.len() as u64])?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_paths_are_one_static_copy_per_name_on_every_thread() {
+        let names = [
+            Name::from(Component::MoeCombine),
+            Name::member(Component::MoeTerm, 0),
+            Name::member(Component::MoeTerm, 5),
+        ];
+        let here: Vec<&'static str> = names.iter().map(|&n| static_path(n)).collect();
+        for (&n, &text) in names.iter().zip(&here) {
+            assert_eq!(n.record_path(), n.path());
+            assert_eq!(text, n.path());
+        }
+        let there: Vec<(usize, usize)> = std::thread::spawn(move || {
+            names
+                .iter()
+                .map(|&n| {
+                    let p = n.record_path();
+                    (p.as_ptr() as usize, p.len())
+                })
+                .collect()
+        })
+        .join()
+        .unwrap_or_default();
+        let here: Vec<(usize, usize)> = here.iter().map(|s| (s.as_ptr() as usize, s.len())).collect();
+        assert_eq!(there, here, "another thread gets the same copies");
     }
 }

@@ -26,7 +26,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use moeconf_fingerprint::{Coord, DType, Interner, Level, Phase, TensorView};
+use moeconf_fingerprint::{Coord, DType, Level, Phase, RecordPath, TensorView};
 use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 
 /// Most batches in circulation between the two threads. A batch is
@@ -65,16 +65,17 @@ const IDLE_POLLS: u32 = 50;
 const ALIGN: usize = 64;
 
 /// One record of a batch: everything `TraceWriter::append` takes, with the
-/// path, shape and bytes as ranges of the batch's buffers. The path travels
-/// as text, not as the runtime's shared [`moeconf_fingerprint::RecordPath`]:
-/// a reference count incremented on one thread and decremented on the other
-/// moves its cache line between cores on every record.
+/// shape and bytes as ranges of the batch's buffers. The path travels as
+/// the runtime gave it: the reference runtime's paths are `'static`
+/// ([`RecordPath::from_static`]), so moving one between the threads
+/// touches no reference count (a shared path would move its count's cache
+/// line between the cores on every record, but stays correct).
 struct Item {
     step: u32,
     position: u32,
     phase: Phase,
     layer: Option<u32>,
-    path: (usize, usize),
+    path: RecordPath,
     level: Level,
     dtype: DType,
     shape: (usize, usize),
@@ -82,13 +83,12 @@ struct Item {
     keep: bool,
 }
 
-/// Records in emission order and the buffers their paths, shapes and bytes
-/// live in (`Default`: no buffers, the placeholder while the current batch
+/// Records in emission order and the buffers their shapes and bytes live
+/// in (`Default`: no buffers, the placeholder while the current batch
 /// is with the writer).
 #[derive(Default)]
 struct Batch {
     items: Vec<Item>,
-    paths: String,
     shapes: Vec<u64>,
     data: Vec<u8>,
 }
@@ -100,7 +100,6 @@ impl Batch {
     fn with_capacity() -> Batch {
         Batch {
             items: Vec::with_capacity(BATCH_RECORDS),
-            paths: String::with_capacity(32 * BATCH_RECORDS),
             shapes: Vec::with_capacity(2 * BATCH_RECORDS),
             data: Vec::with_capacity(DATA_CAPACITY),
         }
@@ -110,7 +109,6 @@ impl Batch {
     /// larger than a batch goes back to its usual size.
     fn clear(&mut self) {
         self.items.clear();
-        self.paths.clear();
         self.shapes.clear();
         self.data.clear();
         if self.data.capacity() > DATA_CAPACITY {
@@ -119,8 +117,6 @@ impl Batch {
     }
 
     fn push(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>, keep: bool) {
-        let p0 = self.paths.len();
-        self.paths.push_str(&coord.path);
         let s0 = self.shapes.len();
         self.shapes.extend_from_slice(tensor.shape);
         let b0 = self.data.len().next_multiple_of(ALIGN);
@@ -131,7 +127,7 @@ impl Batch {
             position: coord.position,
             phase: coord.phase,
             layer: coord.layer,
-            path: (p0, self.paths.len()),
+            path: coord.path,
             level,
             dtype: tensor.dtype,
             shape: (s0, self.shapes.len()),
@@ -363,8 +359,6 @@ fn write_batches(
     back: SyncSender<Batch>,
     failure: Failure,
 ) -> Result<TraceWriter, TraceError> {
-    // The writer thread's own shared paths (see `Item`).
-    let mut paths = Interner::new();
     while let Some(mut batch) = next_batch(&rx) {
         let records: Vec<BatchRecord<'_>> = batch
             .items
@@ -375,7 +369,7 @@ fn write_batches(
                     position: item.position,
                     phase: item.phase,
                     layer: item.layer,
-                    path: paths.path(&batch.paths[item.path.0..item.path.1]),
+                    path: item.path.clone(),
                 },
                 level: item.level,
                 tensor: TensorView {
