@@ -205,7 +205,7 @@ impl Name {
     fn record_path(self) -> RecordPath {
         thread_local! {
             /// Paths by component (its declaration order) and member index.
-            static PATHS: RefCell<Vec<Vec<Option<&'static str>>>> = const { RefCell::new(Vec::new()) };
+            static PATHS: RefCell<Vec<Vec<Option<&'static &'static str>>>> = const { RefCell::new(Vec::new()) };
         }
         let text = PATHS.with(|paths| {
             let mut paths = paths.borrow_mut();
@@ -223,12 +223,13 @@ impl Name {
     }
 }
 
-/// The program's one copy of `name`'s path. Each distinct name is leaked
+/// The program's one copy of `name`'s path (its text and a reference to
+/// it, see [`RecordPath::from_static`]). Each distinct name is leaked
 /// once: their number is bounded by the components and their member
 /// indices (the top-k slots of `moe.term.J`), a few hundred short strings,
 /// and every thread's table points at the same copies.
-fn static_path(name: Name) -> &'static str {
-    static ALL: std::sync::Mutex<BTreeMap<(usize, u32), &'static str>> =
+fn static_path(name: Name) -> &'static &'static str {
+    static ALL: std::sync::Mutex<BTreeMap<(usize, u32), &'static &'static str>> =
         std::sync::Mutex::new(BTreeMap::new());
     let key = (name.component as usize, name.index);
     let mut all = match ALL.lock() {
@@ -237,7 +238,7 @@ fn static_path(name: Name) -> &'static str {
         Err(p) => p.into_inner(),
     };
     all.entry(key)
-        .or_insert_with(|| Box::leak(name.path().into_boxed_str()))
+        .or_insert_with(|| Box::leak(Box::new(&*Box::leak(name.path().into_boxed_str()))))
 }
 
 /// Index of the first NaN or infinity of `data`, if any. The common case (all
@@ -426,7 +427,7 @@ mod tests {
             Name::member(Component::MoeTerm, 0),
             Name::member(Component::MoeTerm, 5),
         ];
-        let here: Vec<&'static str> = names.iter().map(|&n| static_path(n)).collect();
+        let here: Vec<&'static str> = names.iter().map(|&n| *static_path(n)).collect();
         for (&n, &text) in names.iter().zip(&here) {
             assert_eq!(n.record_path(), n.path());
             assert_eq!(text, n.path());
