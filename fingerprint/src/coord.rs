@@ -370,6 +370,16 @@ impl Interner {
         p
     }
 
+    /// `path` as the interner would share it: a `'static` path as it is
+    /// (it owns no allocation to share, and looking it up would hash it
+    /// for nothing), any other the shared path equal to it.
+    pub fn share(&mut self, path: RecordPath) -> RecordPath {
+        match path.0 {
+            Text::Static(_) => path,
+            Text::Shared(_) => self.path(&path),
+        }
+    }
+
     /// The shared shape equal to `dims`.
     pub fn shape(&mut self, dims: &[u64]) -> Arc<[u64]> {
         if let Some(s) = self.shapes.get(dims) {
@@ -494,6 +504,15 @@ mod tests {
         let set: HashSet<RecordPath> = [fixed.clone()].into();
         assert!(set.contains(&shared));
         assert!(set.contains("moe.combine"));
+        let mut interner = Interner::new();
+        let first = interner.share(RecordPath::from("moe.combine"));
+        let again = interner.share(shared.clone());
+        assert_eq!(first.as_ptr(), again.as_ptr(), "shared paths get one allocation");
+        assert_eq!(
+            interner.share(fixed.clone()).as_ptr(),
+            fixed.as_ptr(),
+            "static paths stay as they are"
+        );
         let ordered: BTreeSet<RecordPath> = [fixed.clone(), shared.clone()].into();
         assert_eq!(ordered.len(), 1);
         assert_eq!(format!("{fixed:?} {fixed:>12}"), "\"moe.combine\"  moe.combine");

@@ -486,7 +486,7 @@ impl TraceWriter {
         payload: Option<PayloadRef>,
     ) {
         let coord = Coord {
-            path: self.interner.path(&coord.path),
+            path: self.interner.share(coord.path),
             ..coord
         };
         let entry = IndexEntry {
