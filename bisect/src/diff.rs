@@ -80,7 +80,6 @@ fn trace_summary(t: &Trace) -> TraceSummary {
         precision: b.precision.clone(),
         contract: b.contract.clone(),
         schedule: b.schedule.clone(),
-        records: t.record_count(),
         steps: t.steps().len() as u64,
     }
 }
@@ -134,8 +133,58 @@ pub(crate) fn open_both(
     Ok((r?, c?))
 }
 
-fn has_level(t: &Trace, level: Level) -> bool {
-    t.has_level(level)
+/// The levels each side holds, as far as the comparison needs to know
+/// them: exactly for the levels of `need`, from verified step nodes (which
+/// levels a step holds is committed by its step digest; the root block's
+/// record counts are not, docs/format.md §11.5). A step whose digest is the
+/// same on both sides holds the same levels on both, so it is read on the
+/// reference's side only, and only until every needed level has been found;
+/// the other steps are the ones the walk reads anyway.
+fn held_levels(
+    reference: &Trace,
+    candidate: &Trace,
+    need: LevelSet,
+) -> Result<(LevelSet, LevelSet), BisectError> {
+    let (mut hr, mut hc) = (LevelSet::EMPTY, LevelSet::EMPTY);
+    if need.is_empty() {
+        return Ok((hr, hc));
+    }
+    let sides = Sides::new(reference, candidate);
+    let mut equal = Vec::new();
+    for (step, a, b) in sides.paired_steps() {
+        match (a, b) {
+            (Some(a), Some(b)) if a.digest == b.digest => equal.push(step),
+            _ => {
+                if a.is_some() {
+                    hr = hr.union(reference.step_levels(step)?);
+                }
+                if b.is_some() {
+                    hc = hc.union(candidate.step_levels(step)?);
+                }
+            }
+        }
+    }
+    let mut common = LevelSet::EMPTY;
+    for step in equal {
+        if need.iter().all(|l| common.contains(l)) {
+            break;
+        }
+        common = common.union(reference.step_levels(step)?);
+    }
+    Ok((
+        hr.union(common).intersection(need),
+        hc.union(common).intersection(need),
+    ))
+}
+
+/// The levels whose presence a diff must know (every level some side does
+/// not declare, and L0, whose presence the summary states).
+fn presence_needed(reference: &Trace, candidate: &Trace) -> LevelSet {
+    let (rc, cc) = (&reference.binding().capture, &candidate.binding().capture);
+    Level::ALL
+        .into_iter()
+        .filter(|&l| l == Level::L0 || !(rc.captures(l) && cc.captures(l)))
+        .collect()
 }
 
 /// Compares two traces and localizes the first divergence through L0–L4.
@@ -148,7 +197,8 @@ fn has_level(t: &Trace, level: Level) -> bool {
 /// open them with [`open_pair`] (as `moeconf diff --verify-all` does).
 pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<DiffReport, BisectError> {
     let comparability = comparability(reference, candidate, opts)?;
-    let compared = compared_levels(reference, candidate);
+    let held = held_levels(reference, candidate, presence_needed(reference, candidate))?;
+    let compared = compared_levels(reference, candidate, held);
     let cx = Ctx {
         s: Sides::new(reference, candidate),
         opts: *opts,
@@ -171,7 +221,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
             candidate: candidate.binding().capture.describe(),
         });
     }
-    let uncompared_levels = uncompared_levels(reference, candidate, compared);
+    let uncompared_levels = uncompared_levels(held, compared);
 
     let unmatched_steps: Vec<u32> =
         cx.s.paired_steps()
@@ -215,7 +265,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         verdict,
         (&first_divergence, &divergences, found.rest),
         (&storage_precision, &one_side_only),
-        &levels.l0,
+        (&levels.l0, held.0.contains(Level::L0)),
         reference,
         (&unmatched_steps, &uncompared_levels),
         &compared_levels,
@@ -248,12 +298,12 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
 
 /// Levels one trace holds and the other does not (and that are therefore
 /// not compared): a coverage difference, which makes the traces divergent.
-fn uncompared_levels(reference: &Trace, candidate: &Trace, compared: LevelSet) -> Vec<UncomparedLevel> {
+fn uncompared_levels((hr, hc): (LevelSet, LevelSet), compared: LevelSet) -> Vec<UncomparedLevel> {
     Level::ALL
         .into_iter()
         .filter(|&l| !compared.contains(l))
         .filter_map(|l| {
-            let present_in = match (has_level(reference, l), has_level(candidate, l)) {
+            let present_in = match (hr.contains(l), hc.contains(l)) {
                 (true, false) => "reference",
                 (false, true) => "candidate",
                 _ => return None,
@@ -295,14 +345,13 @@ fn comparability(
     })
 }
 
-/// The levels both traces declare (or, undeclared, both hold records of).
-fn compared_levels(reference: &Trace, candidate: &Trace) -> LevelSet {
+/// The levels both traces declare (or, undeclared, both hold records of;
+/// `held` from [`held_levels`]).
+fn compared_levels(reference: &Trace, candidate: &Trace, (hr, hc): (LevelSet, LevelSet)) -> LevelSet {
     let (rc, cc) = (&reference.binding().capture, &candidate.binding().capture);
     Level::ALL
         .into_iter()
-        .filter(|&l| {
-            (rc.captures(l) && cc.captures(l)) || (has_level(reference, l) && has_level(candidate, l))
-        })
+        .filter(|&l| (rc.captures(l) && cc.captures(l)) || (hr.contains(l) && hc.contains(l)))
         .collect()
 }
 
@@ -327,7 +376,7 @@ fn summary_line(
     verdict: Verdict,
     (fd, divergences, rest): (&Option<FirstDivergence>, &[Divergence], crate::divergence::Rest),
     (storage, one_sided): (&[StoragePrecision], &[OneSided]),
-    l0: &L0Report,
+    (l0, held_l0): (&L0Report, bool),
     reference: &Trace,
     (unmatched, uncompared): (&[u32], &[UncomparedLevel]),
     compared: &[Level],
@@ -339,8 +388,7 @@ fn summary_line(
     };
     match (verdict, fd) {
         (Verdict::Equivalent, _) => format!(
-            "equivalent: {} records in {} steps match bitwise at {levels}",
-            reference.record_count(),
+            "equivalent: {} steps match bitwise at {levels}",
             reference.steps().len()
         ),
         (Verdict::Divergent, Some(f)) => {
@@ -383,7 +431,7 @@ fn summary_line(
             }
             match l0.ordinal {
                 Some(n) => s.push_str(&format!("; visible at generated token {n}")),
-                None if l0.status == LevelStatus::Match && has_level(reference, Level::L0) => {
+                None if l0.status == LevelStatus::Match && held_l0 => {
                     s.push_str("; tokens and text identical")
                 }
                 None => {}
@@ -680,10 +728,18 @@ impl Ctx<'_> {
     /// that step's L0 group is read, so a trace without text costs one
     /// group, not one per step.
     fn last_text(&self, t: &Trace) -> Result<Option<String>, BisectError> {
-        let Some(step) = t.steps().iter().rev().find(|s| s.has(Level::L0)) else {
+        // The last step whose verified node holds L0.
+        let mut last = None;
+        for s in t.steps().iter().rev() {
+            if t.step_levels(s.step)?.contains(Level::L0) {
+                last = Some(s.step);
+                break;
+            }
+        }
+        let Some(step) = last else {
             return Ok(None);
         };
-        let Some(g) = self.s.group(t, step.step, Level::L0, None) else {
+        let Some(g) = self.s.group(t, step, Level::L0, None) else {
             return Ok(None);
         };
         let found = self

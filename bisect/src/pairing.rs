@@ -19,9 +19,9 @@ pub struct RecordPair {
 }
 
 /// Every record pair of every step and level whose digests differ, and
-/// every record present on one side only, in execution order: records of
-/// the reference in its write order, then records only the candidate holds,
-/// in the candidate's write order. The records named are in memory
+/// every record present on one side only, in execution order: records the
+/// reference holds in the catalogue's execution order (then phase and
+/// path), then records only the candidate holds, in the same order. The records named are in memory
 /// afterwards ([`Trace::record`]). A node on the descent that fails to read
 /// or verify (version 2 reads them on use) is an error of its side.
 pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Result<Vec<RecordPair>, SideError> {
@@ -37,7 +37,10 @@ pub fn differing_pairs(reference: &Trace, candidate: &Trace) -> Result<Vec<Recor
     if let Some(f) = sides.take_failure() {
         return Err(f);
     }
-    pairs.sort_by_key(Pair::order_key);
+    // Execution order from the coordinates (the catalogue's order, then
+    // phase and path), never from the write-order numbers, which no digest
+    // commits to (docs/format.md §11.5).
+    pairs.sort_by_cached_key(|&p| (p.r.is_none(), sides.exec_key(p)));
     Ok(pairs
         .into_iter()
         .map(|p| RecordPair {

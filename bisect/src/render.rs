@@ -309,8 +309,8 @@ impl DiffReport {
         for (label, t) in [("reference", &self.reference), ("candidate", &self.candidate)] {
             let _ = writeln!(
                 o,
-                "  {label}  {}  (runtime {}, precision {}, contract {}, schedule {}; {} records, {} steps)",
-                t.path, t.runtime, t.precision, t.contract, t.schedule, t.records, t.steps
+                "  {label}  {}  (runtime {}, precision {}, contract {}, schedule {}; {} steps)",
+                t.path, t.runtime, t.precision, t.contract, t.schedule, t.steps
             );
         }
         if self.reference.precision != self.candidate.precision {

@@ -7,7 +7,7 @@ use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 3;
+pub const DIFF_SCHEMA_VERSION: u32 = 4;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -572,9 +572,9 @@ pub struct TraceSummary {
     pub contract: String,
     /// Schedule.
     pub schedule: String,
-    /// Records.
-    pub records: u64,
-    /// Steps.
+    /// Steps (committed by the root digest). The number of records is not
+    /// reported: a diff reads only the divergent path, and no digest it
+    /// compares commits to a count (docs/format.md §11.5).
     pub steps: u64,
 }
 

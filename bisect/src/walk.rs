@@ -12,7 +12,7 @@
 //! verification.
 
 use moeconf_fingerprint::catalogue::ExecKey;
-use moeconf_fingerprint::{Component, Level};
+use moeconf_fingerprint::{Component, Level, RecordPath};
 use moeconf_schema::{
     GroupNode, GroupRecords, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError,
 };
@@ -30,13 +30,7 @@ pub(crate) struct Pair {
     pub c: Option<usize>,
 }
 
-impl Pair {
-    /// Write-order key: the reference's record index (its write order),
-    /// records only the candidate has last, in the candidate's order.
-    pub fn order_key(&self) -> (usize, usize) {
-        (self.r.unwrap_or(usize::MAX), self.c.unwrap_or(usize::MAX))
-    }
-}
+impl Pair {}
 
 /// Which trace of a comparison.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,10 +188,8 @@ impl<'a> Sides<'a> {
             (None, None) => return false,
             _ => {}
         }
-        let (ra, ca) = (rs.is_some_and(|s| s.has(level)), cs.is_some_and(|s| s.has(level)));
-        if !(ra && ca) {
-            return ra || ca;
-        }
+        // Which levels a step holds comes from its verified node (committed
+        // by the step digest), never from the root block's record counts.
         match self.level_nodes(step, level) {
             (None, None) => false,
             (Some(a), Some(b)) => a.digest != b.digest,
@@ -218,9 +210,14 @@ impl<'a> Sides<'a> {
     }
 
     /// The catalogue's execution-order key of a pair ([`ExecKey`], from the
-    /// side that holds the record), then its write order.
-    pub fn exec_key(&self, p: Pair) -> (Option<ExecKey>, (usize, usize)) {
-        (self.entry(p).map(|e| ExecKey::of(&e.coord)), p.order_key())
+    /// side that holds the record), then its phase and path (never the
+    /// write-order numbers, which no digest commits to).
+    pub fn exec_key(&self, p: Pair) -> (Option<ExecKey>, Option<(moeconf_fingerprint::Phase, RecordPath)>) {
+        let e = self.entry(p);
+        (
+            e.map(|e| ExecKey::of(&e.coord)),
+            e.map(|e| (e.coord.phase, e.coord.path.clone())),
+        )
     }
 
     /// The differing records of `level` at `step`, in the catalogue's
@@ -289,9 +286,6 @@ impl<'a> Sides<'a> {
         prefix: bool,
     ) -> Vec<Pair> {
         let pick = |t: &'a Trace| -> Vec<(usize, &'a IndexEntry)> {
-            if !t.step_summary(step).is_some_and(|s| s.has(level)) {
-                return Vec::new();
-            }
             let Some(g) = self.group(t, step, level, layer) else {
                 return Vec::new();
             };

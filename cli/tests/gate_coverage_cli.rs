@@ -333,7 +333,26 @@ fn edited_baselines_are_refused() {
                 let d = &mut b["binding_digest"];
                 *d = flip(d);
             }),
-            "the root",
+            "binding_digest is not the digest of the binding bytes",
+        ),
+        (
+            // The readable binding edited to another run's config digest:
+            // before baseline schema version 3 this passed a candidate of
+            // that configuration.
+            "binding-field",
+            Box::new(move |b| {
+                let d = &mut b["binding"]["model"]["config_digest"];
+                *d = flip(d);
+            }),
+            "binding.model.config_digest is not what the blessed binding's own bytes say",
+        ),
+        (
+            "binding-wire",
+            Box::new(move |b| {
+                let d = &mut b["binding_wire"];
+                *d = flip(d);
+            }),
+            "binding_digest is not the digest of the binding bytes",
         ),
         (
             "no-l1",
@@ -365,7 +384,7 @@ fn baselines_check_the_binding_like_traces() {
     let r = repo.run("ref.bin", &[]);
     let base = repo.bless("base.json", &r);
     let b: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&base).unwrap()).unwrap();
-    assert_eq!(b["schema_version"], 2);
+    assert_eq!(b["schema_version"], 3);
     assert_eq!(b["binding"]["prompt"]["text"], "why the sheep");
     assert_eq!(b["binding"]["decoding"]["max_new_tokens"], 2);
     // Another prompt: refused like trace against trace, every field listed.

@@ -133,6 +133,12 @@ impl LevelSet {
         LevelSet(self.0 & other.0)
     }
 
+    /// Levels in either set.
+    #[must_use]
+    pub fn union(self, other: LevelSet) -> LevelSet {
+        LevelSet(self.0 | other.0)
+    }
+
     /// Whether the set is empty.
     pub fn is_empty(self) -> bool {
         self.0 == 0

@@ -25,8 +25,10 @@ use std::path::Path;
 
 /// Version of the baseline file. Version 2 added the blessed binding
 /// (`binding`), checked against the candidate's like trace against trace;
-/// version-1 files are refused with a message to re-bless.
-pub const BASELINE_SCHEMA_VERSION: u32 = 2;
+/// version 3 the binding's own bytes (`binding_wire`), whose digest the root
+/// commits to, so that the blessed binding is checked whole on load.
+/// Older files are refused with a message to re-bless.
+pub const BASELINE_SCHEMA_VERSION: u32 = 3;
 
 /// Largest baseline file read (a baseline of 100 000 steps is ~40 MB).
 const MAX_BASELINE_BYTES: u64 = 256 << 20;
@@ -210,12 +212,66 @@ pub struct Baseline {
     pub root: String,
     /// Binding digest (hex).
     pub binding_digest: String,
-    /// The blessed binding, checked against the candidate's.
+    /// The blessed binding, checked against the candidate's: the readable
+    /// form of `binding_wire`, which it must match field for field.
     pub binding: BlessedBinding,
+    /// The binding's wire encoding (docs/format.md §5.2), hex: the bytes
+    /// whose digest is `binding_digest`, which the root commits to. The
+    /// comparison uses the binding decoded from them, never the readable
+    /// fields alone.
+    pub binding_wire: String,
     /// Records in the trace.
     pub records: u64,
     /// Per-step digests, ascending.
     pub steps: Vec<StepDigests>,
+}
+
+/// Lower-case hex of `bytes`.
+fn hex_encode(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of lower- or upper-case hex `text`, `None` when it is not hex.
+fn hex_decode(text: &str) -> Option<Vec<u8>> {
+    let t = text.as_bytes();
+    if !t.len().is_multiple_of(2) {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    t.chunks(2)
+        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
+        .collect()
+}
+
+/// The first field (dotted JSON path) where two blessed bindings differ.
+fn first_difference(a: &BlessedBinding, b: &BlessedBinding) -> Option<String> {
+    fn walk(prefix: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<String> {
+        match (a, b) {
+            (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+                for (k, v) in x {
+                    let name = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    match y.get(k) {
+                        Some(w) => {
+                            if let Some(f) = walk(&name, v, w) {
+                                return Some(f);
+                            }
+                        }
+                        None => return Some(name),
+                    }
+                }
+                y.keys()
+                    .find(|k| !x.contains_key(*k))
+                    .map(|k| format!("{prefix}.{k}"))
+            }
+            _ => (a != b).then(|| prefix.to_string()),
+        }
+    }
+    let (a, b) = (serde_json::to_value(a).ok()?, serde_json::to_value(b).ok()?);
+    walk("", &a, &b).or_else(|| (a != b).then(|| "binding".to_string()))
 }
 
 /// The version and kind of a file, read before its full shape.
@@ -257,6 +313,7 @@ impl Baseline {
             root: t.root().to_hex(),
             binding_digest: t.binding_digest().to_hex(),
             binding: BlessedBinding::of(t.binding()),
+            binding_wire: hex_encode(&t.binding().to_bytes()),
             records: t.record_count(),
             steps,
         })
@@ -336,6 +393,20 @@ impl Baseline {
         Ok(b)
     }
 
+    /// The blessed binding decoded from `binding_wire` (checked on load
+    /// against the binding digest the root commits to).
+    fn committed_binding(&self) -> Result<Binding, BaselineError> {
+        let bad = || BaselineError::BindingField {
+            field: "binding_wire",
+            text: self.binding_wire.chars().take(32).collect(),
+        };
+        let wire = hex_decode(&self.binding_wire).ok_or_else(bad)?;
+        let mut d = moeconf_fingerprint::wire::Decoder::new(&wire, 0);
+        let b = Binding::decode(&mut d).map_err(|_| bad())?;
+        d.finish("binding").map_err(|_| bad())?;
+        Ok(b)
+    }
+
     /// Every digest is 64 hex digits, every level name is known, the
     /// binding's fields are valid, there is at least one step, each listed
     /// once, and the digests belong together: each step digest is the
@@ -357,6 +428,23 @@ impl Baseline {
         let alg = Algorithm::from_name(&self.algorithm).ok_or_else(|| BaselineError::Algorithm {
             name: self.algorithm.clone(),
         })?;
+        // The binding is checked whole: its bytes hash to the binding digest
+        // (checked against the root below), and the readable fields are
+        // exactly what those bytes say.
+        let wire = hex_decode(&self.binding_wire).ok_or_else(|| BaselineError::BindingField {
+            field: "binding_wire",
+            text: self.binding_wire.chars().take(32).collect(),
+        })?;
+        if moeconf_fingerprint::binding_digest(alg, &wire) != binding_digest {
+            return Err(BaselineError::Inconsistent {
+                what: "binding_digest".into(),
+                of: "binding bytes (binding_wire)",
+            });
+        }
+        let committed = self.committed_binding()?;
+        if let Some(field) = first_difference(&BlessedBinding::of(&committed), &self.binding) {
+            return Err(BaselineError::BindingEdited { field });
+        }
         if self.steps.is_empty() {
             return Err(BaselineError::NoSteps);
         }
@@ -502,9 +590,6 @@ impl<'a> Steps<'a> {
                 return Ok(b.levels.get(level.name()).cloned());
             }
         }
-        if !summary.has(level) {
-            return Ok(None);
-        }
         Ok(self
             .candidate
             .step(step)
@@ -518,7 +603,7 @@ impl<'a> Steps<'a> {
     fn location(&self, level: Level, step: u32) -> Result<RecordRef, GateError> {
         let t = self.candidate;
         let mut first: Option<usize> = None;
-        if t.step_summary(step).is_some_and(|s| s.has(level)) {
+        {
             if let Some(l) = t
                 .step(step)
                 .map_err(GateError::Candidate)?
@@ -526,7 +611,8 @@ impl<'a> Steps<'a> {
             {
                 for g in &l.groups {
                     let ids = t.group_records(g).map_err(GateError::Candidate)?;
-                    first = first.into_iter().chain(ids.iter().copied()).min();
+                    first =
+                        crate::evaluate::first_in_exec_order(t, first.into_iter().chain(ids.iter().copied()));
                 }
             }
         }
@@ -614,12 +700,16 @@ pub fn compare(
         path: file.to_path_buf(),
         source,
     };
-    let blessed = baseline.binding.to_binding().map_err(named)?;
+    let blessed = baseline.committed_binding().map_err(named)?;
     let forced = baseline
         .check_binding(&blessed, candidate, force)
         .map_err(named)?;
-    let cov = coverage::plan(profile, baseline.sides(&blessed), Sides::of(candidate))
-        .map_err(|e| named(BaselineError::Coverage(e)))?;
+    let cov = coverage::plan(
+        profile,
+        baseline.sides(&blessed),
+        Sides::of(candidate).map_err(GateError::Candidate)?,
+    )
+    .map_err(|e| named(BaselineError::Coverage(e)))?;
     let mut notes: Vec<String> = baseline.binding_note(candidate).into_iter().collect();
     notes.extend(forced);
     let steps = Steps::new(baseline, candidate);
@@ -700,13 +790,17 @@ mod tests {
         let t = trace(dir.path());
         let profile = Profile::builtin("default");
         let file = dir.path().join("b.json");
-        let mut b = Baseline::of(&t).unwrap();
+        let b = Baseline::of(&t).unwrap();
         assert_eq!(
             compare(&b, &file, &t, &profile, false).unwrap().verdict,
             crate::Verdict::Pass
         );
-        b.binding.model.config_digest = "11".repeat(32);
-        b.binding.tokenizer.digest = "22".repeat(32);
+        // A baseline blessed from a run of another model and tokenizer.
+        let b = blessed_with(&b, |x| {
+            x.model.config_digest = Digest([0x11; 32]);
+            x.tokenizer.digest = Digest([0x22; 32]);
+        });
+        assert!(b.validate().is_ok());
         let err = compare(&b, &file, &t, &profile, false).unwrap_err();
         let GateError::Baseline {
             source: BaselineError::NotComparable { fields },
@@ -727,10 +821,68 @@ mod tests {
             report.notes
         );
         // Shown fields differ without refusing.
-        let mut b = Baseline::of(&t).unwrap();
-        b.binding.precision = "f32".into();
-        b.binding.model.name = "other".into();
+        let b = blessed_with(&Baseline::of(&t).unwrap(), |x| {
+            x.precision = "f32".into();
+            x.model.name = "other".into();
+        });
         assert!(compare(&b, &file, &t, &profile, false).is_ok());
+    }
+
+    /// `b` as if blessed from a run whose binding `edit` changed: binding
+    /// bytes, readable fields, binding digest and root all recomputed.
+    fn blessed_with(b: &Baseline, edit: impl FnOnce(&mut Binding)) -> Baseline {
+        let mut binding = b.committed_binding().unwrap();
+        edit(&mut binding);
+        let alg = Algorithm::from_name(&b.algorithm).unwrap();
+        let wire = binding.to_bytes();
+        let bd = moeconf_fingerprint::binding_digest(alg, &wire);
+        let steps: Vec<(u32, Digest)> = b
+            .steps
+            .iter()
+            .map(|s| (s.step, Digest::from_hex(&s.digest).unwrap()))
+            .collect();
+        let mut out = b.clone();
+        out.binding = BlessedBinding::of(&binding);
+        out.binding_wire = hex_encode(&wire);
+        out.binding_digest = bd.to_hex();
+        out.root = root_digest(alg, bd, steps.into_iter()).to_hex();
+        out
+    }
+
+    #[test]
+    fn an_edited_blessed_binding_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = trace(dir.path());
+        let good = Baseline::of(&t).unwrap();
+        assert!(good.validate().is_ok());
+        // The readable form edited to the values of another run's binding:
+        // before schema version 3 this passed a candidate of that run.
+        let mut b = good.clone();
+        b.binding.model.config_digest = "11".repeat(32);
+        match b.validate() {
+            Err(BaselineError::BindingEdited { field }) => assert_eq!(field, "model.config_digest"),
+            other => panic!("{other:?}"),
+        }
+        let mut b = good.clone();
+        b.binding.prompt.ids.push(7);
+        assert!(matches!(b.validate(), Err(BaselineError::BindingEdited { .. })));
+        // The bytes edited too: their digest is no longer the binding digest.
+        let mut b = good.clone();
+        let mut other = b.committed_binding().unwrap();
+        other.model.config_digest = Digest([0x11; 32]);
+        b.binding = BlessedBinding::of(&other);
+        b.binding_wire = hex_encode(&other.to_bytes());
+        assert!(matches!(b.validate(), Err(BaselineError::Inconsistent { .. })));
+        // And the binding digest with them: the root no longer fits.
+        b.binding_digest = moeconf_fingerprint::binding_digest(t.algorithm(), &other.to_bytes()).to_hex();
+        assert!(matches!(b.validate(), Err(BaselineError::Inconsistent { .. })));
+        // Not hex, or not a binding.
+        let mut b = good.clone();
+        b.binding_wire.push('z');
+        assert!(b.validate().is_err());
+        let mut b = good;
+        b.binding_wire.truncate(b.binding_wire.len() - 2);
+        assert!(b.validate().is_err());
     }
 
     #[test]

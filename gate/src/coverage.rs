@@ -25,15 +25,17 @@ pub(crate) struct Sides {
 }
 
 impl Sides {
-    /// What a trace holds and declares.
-    pub fn of(t: &Trace) -> Sides {
-        Sides {
-            held: Level::ALL.into_iter().filter(|&l| t.has_level(l)).collect(),
+    /// What a trace holds (from its verified step nodes: which levels a
+    /// step holds is committed by its digest, the root block's record
+    /// counts are not) and declares (its binding).
+    pub fn of(t: &Trace) -> Result<Sides, moeconf_schema::TraceError> {
+        Ok(Sides {
+            held: t.held_levels()?,
             declared: Level::ALL
                 .into_iter()
                 .filter(|&l| t.binding().capture.captures(l))
                 .collect(),
-        }
+        })
     }
 }
 

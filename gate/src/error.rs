@@ -383,14 +383,25 @@ pub enum BaselineError {
     /// A baseline of schema version 1 (before the binding fields): it cannot
     /// be checked against the candidate's binding.
     #[error(
-        "schema version {version} baselines hold no binding (model, tokenizer, prompt, decoding) to check the \
-         candidate against: re-bless it with `moeconf gate --bless --baseline FILE TRACE` (version {expected})"
+        "schema version {version} baselines do not hold the blessed binding in a form its digest commits to, \
+         so it cannot be checked against the candidate's: re-bless it with `moeconf gate --bless --baseline \
+         FILE TRACE` (version {expected})"
     )]
     Outdated {
         /// The version found.
         version: u32,
         /// The version this build reads.
         expected: u32,
+    },
+    /// A readable field of the blessed binding does not say what the
+    /// binding's committed bytes (`binding_wire`) say: the file was edited.
+    #[error(
+        "binding.{field} is not what the blessed binding's own bytes say (binding_wire, whose digest the root \
+         commits to) (edited or corrupted baseline; bless again)"
+    )]
+    BindingEdited {
+        /// The first differing field (`model.config_digest`, ...).
+        field: String,
     },
     /// The baseline holds no step (`steps: []`): it could gate nothing.
     #[error("it holds no steps, so nothing can be gated (bless a trace that holds records)")]

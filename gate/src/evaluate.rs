@@ -18,6 +18,7 @@ use crate::policy::{Mode, Profile};
 use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleResult, Status};
 use crate::tolerance::Minimal;
 use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef, Side};
+use moeconf_fingerprint::catalogue::ExecKey;
 use moeconf_fingerprint::{Component, Level};
 use moeconf_schema::{IndexEntry, Trace};
 use std::cell::RefCell;
@@ -116,7 +117,7 @@ impl<'a> Margins<'a> {
                 );
             }
         }
-        ids.sort_unstable();
+        ids.sort_by_cached_key(|&i| exec_order(t, i));
         let mut found = None;
         for i in ids {
             if let Some(v) = judge::scalar(t, i).map_err(GateError::Reference)? {
@@ -241,7 +242,7 @@ impl<'a> Gate<'a> {
                 Some((i, p.candidate, self.reference.get_record(i)?))
             })
             .filter(|(.., e)| Component::TokenOutput.matches(&e.coord.path))
-            .min_by_key(|&(i, _, e)| (e.coord.step, i));
+            .min_by_key(|&(i, ..)| exec_order(self.reference, i));
         // A token missing from the candidate is no flip.
         let Some((i, Some(j), e)) = first else {
             return Ok(());
@@ -537,17 +538,25 @@ fn missing_level(
     cov: &Coverage,
     level: Level,
 ) -> Result<LevelResult, GateError> {
-    let records: u64 = reference.steps().iter().map(|s| s.records_at(level)).sum();
+    // Every group of the level is read: the count is of the records
+    // themselves (each group block checked against its digest), not of
+    // what a root or step block declares.
+    let mut records = 0u64;
     let mut first: Option<usize> = None;
-    if let Some(s) = reference.steps().iter().find(|s| s.has(level)) {
-        if let Some(l) = reference
+    for s in reference.steps() {
+        let Some(l) = reference
             .step(s.step)
             .map_err(GateError::Reference)?
             .and_then(|n| n.level(level))
-        {
-            for g in &l.groups {
-                let ids = reference.group_records(g).map_err(GateError::Reference)?;
-                first = first.into_iter().chain(ids.iter().copied()).min();
+        else {
+            continue;
+        };
+        let first_step = first.is_none();
+        for g in &l.groups {
+            let ids = reference.group_records(g).map_err(GateError::Reference)?;
+            records += ids.len() as u64;
+            if first_step {
+                first = first_in_exec_order(reference, first.into_iter().chain(ids.iter().copied()));
             }
         }
     }
@@ -556,6 +565,28 @@ fn missing_level(
         |e| RecordRef::new(level, &e.coord, "reference"),
     );
     Ok(cov.missing_level(profile, level, records, at))
+}
+
+/// The first of `ids` (records `t` has loaded) in execution order: the
+/// catalogue's order, then the coordinate. Never the write-order numbers,
+/// which no digest commits to (docs/format.md §11.5).
+pub(crate) fn first_in_exec_order(t: &Trace, ids: impl Iterator<Item = usize>) -> Option<usize> {
+    ids.min_by_key(|&i| exec_order(t, i))
+}
+
+/// The execution-order key of record `i` of `t` (loaded): the catalogue's
+/// order, then the coordinate.
+fn exec_order(
+    t: &Trace,
+    i: usize,
+) -> (
+    ExecKey,
+    u32,
+    moeconf_fingerprint::Phase,
+    moeconf_fingerprint::RecordPath,
+) {
+    let c = &t.record(i).coord;
+    (ExecKey::of(c), c.position, c.phase, c.path.clone())
 }
 
 /// Which side holds a pair's record, in [`RecordRef`]'s words.
@@ -599,11 +630,13 @@ pub fn evaluate(
     gate.token_flip(&pairs, &mut flips)?;
     gate.route_flips(&pairs, &mut flips)?;
 
-    let cov = coverage::plan(profile, Sides::of(reference), Sides::of(candidate)).map_err(|source| {
-        GateError::ReferenceCoverage {
-            path: reference.path().to_path_buf(),
-            source,
-        }
+    let sides = (
+        Sides::of(reference).map_err(GateError::Reference)?,
+        Sides::of(candidate).map_err(GateError::Candidate)?,
+    );
+    let cov = coverage::plan(profile, sides.0, sides.1).map_err(|source| GateError::ReferenceCoverage {
+        path: reference.path().to_path_buf(),
+        source,
     })?;
     let compared = cov.compared;
     let mut tally = Tally {
@@ -617,11 +650,14 @@ pub fn evaluate(
         rules: BTreeMap::new(),
         near_ties: std::mem::take(&mut flips.near_ties),
     };
-    // Record counts per level from the root's step summaries (no record
-    // is read for them).
+    // Record counts per level from the verified step nodes (read for the
+    // coverage above; no group is read for them): the counts each step
+    // block declares, checked against a group's records whenever the group
+    // is read.
     for s in reference.steps() {
+        let node = reference.step(s.step).map_err(GateError::Reference)?;
         for level in compared.iter() {
-            let n = s.records_at(level);
+            let n = node.map_or(0, |n| n.declared_records(level));
             let la = tally.level(level);
             la.records += n;
             if flips.after_cutoff(s.step) {

@@ -79,12 +79,11 @@ fn header(p: &mut Page, r: &DiffReport) {
     p.badge(label, class, &r.summary);
     let side = |s: &moeconf_bisect::TraceSummary| {
         format!(
-            "{} (runtime {}, precision {}, contract {}, {} records, {} steps, root {})",
+            "{} (runtime {}, precision {}, contract {}, {} steps, root {})",
             s.path,
             s.runtime,
             s.precision,
             s.contract,
-            s.records,
             s.steps,
             &s.root[..s.root.len().min(16)]
         )

@@ -10,36 +10,34 @@
 
 use crate::v2::BlockRef;
 use crate::IndexEntry;
-use moeconf_fingerprint::{Digest, Level};
+use moeconf_fingerprint::{Digest, Level, LevelSet};
 use std::sync::OnceLock;
 
 #[allow(unused_imports)] // doc links
 use crate::Trace;
 
 /// One step as the root lists it: known as soon as a trace is open.
+///
+/// The step number and digest are what the root digest commits to. The
+/// per-level record counts are the root block's own (version 2): no digest
+/// a comparison checks covers them, so they are checked against the step's
+/// block when the step is read ([`Trace::step`]) and are never the basis of
+/// a verdict or a report line: which levels a step holds comes from its
+/// verified node ([`StepNode::held`], [`Trace::held_levels`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepSummary {
     /// The step.
     pub step: u32,
     /// The step digest.
     pub digest: Digest,
-    /// Records of the step at each level L0..L4.
+    /// Records of the step at each level L0..L4, as the root block declares
+    /// them (checked against the step block when the step is read).
     pub level_records: [u64; 5],
 }
 
 impl StepSummary {
-    /// Whether the step holds records of `level`.
-    pub fn has(&self, level: Level) -> bool {
-        self.level_records[level.code() as usize] > 0
-    }
-
-    /// Records of the step at `level`.
-    pub fn records_at(&self, level: Level) -> u64 {
-        self.level_records[level.code() as usize]
-    }
-
-    /// Records of the step.
-    pub fn records(&self) -> u64 {
+    /// Records of the step, as the root block declares them.
+    pub fn declared_records(&self) -> u64 {
         self.level_records.iter().sum()
     }
 }
@@ -60,6 +58,19 @@ pub struct StepNode {
 }
 
 impl StepNode {
+    /// The levels the step holds (committed by its step digest).
+    pub fn held(&self) -> LevelSet {
+        self.levels.iter().map(|l| l.level).collect()
+    }
+
+    /// Records of the step at `level` as its verified step block declares
+    /// them (each group's count is checked against its group block when the
+    /// group is read, and by full verification).
+    pub fn declared_records(&self, level: Level) -> u64 {
+        self.level(level)
+            .map_or(0, |l| l.groups.iter().map(|g| g.records).sum())
+    }
+
     /// The level node for `level`, if present.
     pub fn level(&self, level: Level) -> Option<&LevelNode> {
         self.levels.iter().find(|l| l.level == level)

@@ -30,7 +30,7 @@ use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
 use crate::nodes::{Fault, GroupNode, GroupRecords, StepNode, StepSummary};
-use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, TensorView};
+use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, LevelSet, TensorView};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -470,9 +470,23 @@ impl Trace {
         self.summaries.binary_search_by_key(&step, |s| s.step).ok()
     }
 
-    /// Whether any step holds records of `level`.
-    pub fn has_level(&self, level: moeconf_fingerprint::Level) -> bool {
-        self.summaries.iter().any(|s| s.has(level))
+    /// The levels any step holds records of, from every step's verified
+    /// node: which levels a step holds is committed by its step digest, so
+    /// this is the trace's answer whatever its root block's record counts
+    /// claim (they are not under the root digest, docs/format.md §11.5).
+    /// A version 2 trace reads every step block for it (not the groups).
+    pub fn held_levels(&self) -> Result<LevelSet, TraceError> {
+        let mut held = LevelSet::EMPTY;
+        for k in 0..self.summaries.len() {
+            held = held.union(self.step_at(k)?.held());
+        }
+        Ok(held)
+    }
+
+    /// The levels `step` holds, from its verified node (empty when the trace
+    /// has no such step).
+    pub fn step_levels(&self, step: u32) -> Result<LevelSet, TraceError> {
+        Ok(self.step(step)?.map_or(LevelSet::EMPTY, StepNode::held))
     }
 
     /// The node of `step` (its levels and layer groups with their digests),

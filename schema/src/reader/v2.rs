@@ -359,7 +359,35 @@ impl Store {
             out.push(ge.entry);
         }
         if register {
+            // A record is found by its write-order number, and its payload's
+            // verified state is kept under that number: two records claiming
+            // one number would make a lookup return the wrong record (the
+            // numbers are not under the root, docs/format.md §11.5). So every
+            // number is checked free before any is taken.
             let mut locs = lock(&self.locs);
+            let mut seen = std::collections::HashSet::with_capacity(ids.len());
+            for (k, &i) in ids.iter().enumerate() {
+                if !seen.insert(i) || locs.contains_key(&i) {
+                    let block = t
+                        .nodes
+                        .get(g.at.step_index as usize)
+                        .and_then(|n| n.as_ref().ok());
+                    let at = block
+                        .and_then(|n| n.blocks.get(g.at.block as usize))
+                        .map_or(0, |b| b.offset);
+                    return Err(Fault::new(
+                        at,
+                        format!(
+                            "step {} level {} layer {:?}'s group block: record {}: write-order number {i} is \
+                             already another record's (the numbers of a step must be a permutation)",
+                            t.summaries[g.at.step_index as usize].step,
+                            g.at.level,
+                            g.layer,
+                            out[k].coord
+                        ),
+                    ));
+                }
+            }
             for (k, &i) in ids.iter().enumerate() {
                 locs.insert(
                     i,
