@@ -6,7 +6,6 @@
 //! and refused only when their data is read.
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -178,15 +177,8 @@ impl GgufFile {
             path: path.to_path_buf(),
             source: e,
         };
-        let meta = fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(GgufError::Malformed {
-                path: path.to_path_buf(),
-                offset: 0,
-                message: "not a regular file".into(),
-            });
-        }
-        let file = fs::File::open(path).map_err(io)?;
+        // A regular file only: a FIFO or device is refused by kind, never opened.
+        let file = moeconf_schema::input::open_input(path, "GGUF file")?;
         // SAFETY: read-only mapping; the file is not expected to change while it is read (a
         // concurrent writer of moeconf replaces files by rename, which keeps this mapping valid).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
