@@ -206,6 +206,9 @@ fn dump_dir(dir: &Path) -> PathBuf {
     dump
 }
 
+/// Puts something at a path.
+type Make<'a> = Box<dyn Fn() + 'a>;
+
 /// A dump entry named `*.safetensors` that is a FIFO, a directory, a link to
 /// `/dev/null`, a link to a FIFO or a dangling link makes `import` fail
 /// naming it (main skipped it and wrote a trace with fewer records); a
@@ -225,7 +228,7 @@ fn import_refuses_dump_files_that_are_not_regular_files() {
     let x = dump.join("x.safetensors");
     let fifo = d.join("elsewhere.fifo");
     mkfifo(&fifo);
-    let make: Vec<(&str, Box<dyn Fn() + '_>)> = vec![
+    let make: Vec<(&str, Make<'_>)> = vec![
         (
             "is a FIFO (named pipe), not a regular file",
             Box::new(|| mkfifo(&x)),
