@@ -376,3 +376,29 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
     }
     Ok((kvs, tensors))
 }
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    /// A FIFO, a directory and a device are refused by kind before being
+    /// opened (opening the FIFO would block: this test would hang).
+    #[test]
+    fn only_regular_files_are_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("m.gguf");
+        let st = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(st.success());
+        for (p, kind) in [
+            (fifo.as_path(), "a FIFO (named pipe)"),
+            (dir.path(), "a directory"),
+            (Path::new("/dev/null"), "a character device"),
+        ] {
+            let e = GgufFile::open(p).unwrap_err();
+            assert!(matches!(e, GgufError::Input(_)), "{e}");
+            let e = e.to_string();
+            assert!(e.starts_with(&format!("{}: ", p.display())), "{e}");
+            assert!(e.contains(&format!("is {kind}, not a regular file")), "{e}");
+        }
+    }
+}
