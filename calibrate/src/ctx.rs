@@ -152,8 +152,8 @@ impl Ctx {
         }
         let identity = model_identity(&m.name, &m.dir, ALGORITHM)?;
         let tok_path = m.dir.join("tokenizer.json");
-        let tok = std::fs::read(&tok_path)
-            .map_err(CalibrateError::io(format!("reading {}", tok_path.display())))?;
+        let tok = moeconf_schema::input::read_input(&tok_path, "tokenizer file")
+            .map_err(moeconf_schema::InputError::from)?;
         let tokenizer_digest = ALGORITHM.hash(&tok);
         Ok(Ctx {
             m,

@@ -341,10 +341,16 @@ impl Baseline {
 
     /// Reads and validates a baseline file.
     pub fn read(path: &Path) -> Result<Baseline, GateError> {
-        Baseline::read_unnamed(path).map_err(|source| GateError::Baseline {
+        let named = |source| GateError::Baseline {
             path: path.to_path_buf(),
             source,
-        })
+        };
+        // A regular file only: a FIFO or device is refused by kind, never opened.
+        let file = moeconf_schema::input::open_input(path, "baseline").map_err(|e| match e.into_io() {
+            Ok(io) => named(BaselineError::Io(io)),
+            Err(e) => GateError::Input(Box::new(e)),
+        })?;
+        Baseline::read_unnamed(file).map_err(named)
     }
 
     /// The root recorded in the baseline file at `path`, of any schema
@@ -356,24 +362,27 @@ impl Baseline {
             kind: String,
             root: String,
         }
-        let len = std::fs::metadata(path).ok()?.len();
+        let len = moeconf_schema::input::check_input(path, "baseline").ok()?.len();
         if len > MAX_BASELINE_BYTES {
             return None;
         }
-        let r: Root = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+        let bytes = moeconf_schema::input::read_input(path, "baseline").ok()?;
+        let r: Root = serde_json::from_slice(&bytes).ok()?;
         (r.kind == "moeconf.baseline").then_some(r.root)
     }
 
-    /// [`Baseline::read`] without the file name (added by the caller).
-    fn read_unnamed(path: &Path) -> Result<Baseline, BaselineError> {
-        let len = std::fs::metadata(path)?.len();
+    /// [`Baseline::read`] of the opened `file`, without its name (added by the caller).
+    fn read_unnamed(mut file: std::fs::File) -> Result<Baseline, BaselineError> {
+        use std::io::Read;
+        let len = file.metadata()?.len();
         if len > MAX_BASELINE_BYTES {
             return Err(BaselineError::TooLarge {
                 len,
                 limit: MAX_BASELINE_BYTES,
             });
         }
-        let text = std::fs::read_to_string(path)?;
+        let mut text = String::new();
+        file.read_to_string(&mut text)?;
         let probe: Probe = serde_json::from_str(&text)?;
         if probe.kind != "moeconf.baseline" || probe.schema_version > BASELINE_SCHEMA_VERSION {
             return Err(BaselineError::NotABaseline {

@@ -23,6 +23,11 @@ pub enum GateError {
         /// The operating system's refusal.
         source: std::io::Error,
     },
+    /// An input (the policy file, a baseline) is not a regular file: a
+    /// directory, FIFO, socket, device, or a symbolic link to one or to
+    /// nothing. Never opened, so never blocked on. Boxed: large and rare.
+    #[error(transparent)]
+    Input(Box<moeconf_schema::InputFileError>),
     /// The policy file is not TOML of the policy's shape (syntax error,
     /// unknown key, wrong type).
     #[error("policy {}", path.display())]

@@ -803,15 +803,25 @@ fn policy_file(o: &Overrides, cwd: &Path) -> Option<PathBuf> {
         Some(p) => Some(p.clone()),
         None => repository_root(cwd)
             .map(|r| r.join("moeconf.toml"))
-            .filter(|p| p.is_file()),
+            // Anything of that name is read, so a FIFO, directory or dangling
+            // link there is an error, not silently the built-in policy.
+            .filter(|p| std::fs::symlink_metadata(p).is_ok()),
     }
 }
 
 /// Reads and parses a policy file.
 fn read_file(path: &Path) -> Result<RawFile, GateError> {
-    let text = std::fs::read_to_string(path).map_err(|source| GateError::PolicyRead {
+    // A regular file only: a FIFO or device is refused by kind, never opened.
+    let bytes = moeconf_schema::input::read_input(path, "policy file").map_err(|e| match e.into_io() {
+        Ok(source) => GateError::PolicyRead {
+            path: path.to_path_buf(),
+            source,
+        },
+        Err(e) => GateError::Input(Box::new(e)),
+    })?;
+    let text = String::from_utf8(bytes).map_err(|e| GateError::PolicyRead {
         path: path.to_path_buf(),
-        source,
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e.utf8_error()),
     })?;
     toml::from_str(&text).map_err(|e| GateError::PolicySyntax {
         path: path.to_path_buf(),

@@ -14,6 +14,11 @@ pub enum GgufError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// An input is not a regular file: a directory, FIFO, socket, device,
+    /// or a symbolic link to one or to nothing (never opened, so never
+    /// blocked on). Boxed: large and rare.
+    #[error(transparent)]
+    Input(Box<moeconf_schema::InputFileError>),
     /// A GGUF file is not well-formed.
     #[error("{}: byte {offset}: {message}", path.display())]
     Malformed {
@@ -54,4 +59,15 @@ pub enum GgufError {
     /// Computing the checkpoint's identity failed.
     #[error("{0}")]
     Identity(String),
+}
+
+impl From<moeconf_schema::InputFileError> for GgufError {
+    /// An I/O failure as [`GgufError::Io`], a file of the wrong kind as it is.
+    fn from(e: moeconf_schema::InputFileError) -> GgufError {
+        let path = e.path().to_path_buf();
+        match e.into_io() {
+            Ok(source) => GgufError::Io { path, source },
+            Err(e) => GgufError::Input(Box::new(e)),
+        }
+    }
 }

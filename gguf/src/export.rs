@@ -69,11 +69,8 @@ fn hex(d: &Digest) -> String {
 }
 
 fn context_length(config: &Path) -> Result<u32, GgufError> {
-    let text = std::fs::read_to_string(config).map_err(|e| GgufError::Io {
-        path: config.to_path_buf(),
-        source: e,
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text)
+    let text = moeconf_schema::input::read_input(config, "model config")?;
+    let v: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| GgufError::Invalid(format!("{}: invalid JSON: {e}", config.display())))?;
     Ok(match v.get("max_position_embeddings") {
         None => 1 << 20,
@@ -95,11 +92,8 @@ impl Export {
         let tokenizer = dir.join("tokenizer.json");
         let vocab = read_tokenizer(&tokenizer, cfg.vocab_size)?;
         let raw: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&config).map_err(|e| GgufError::Io {
-                path: config.clone(),
-                source: e,
-            })?)
-            .map_err(|e| GgufError::Invalid(format!("{}: invalid JSON: {e}", config.display())))?;
+            serde_json::from_slice(&moeconf_schema::input::read_input(&config, "model config")?)
+                .map_err(|e| GgufError::Invalid(format!("{}: invalid JSON: {e}", config.display())))?;
         let id = |k: &str| {
             raw.get(k)
                 .and_then(serde_json::Value::as_u64)
@@ -108,10 +102,7 @@ impl Export {
         metadata.extend(vocab.metadata(id("bos_token_id"), id("eos_token_id")));
         let ident = moeconf_schema::model_identity(name, dir, Algorithm::Blake3)
             .map_err(|e| GgufError::Identity(format!("{}: {e}", dir.display())))?;
-        let tok_bytes = std::fs::read(&tokenizer).map_err(|e| GgufError::Io {
-            path: tokenizer.clone(),
-            source: e,
-        })?;
+        let tok_bytes = moeconf_schema::input::read_input(&tokenizer, "tokenizer file")?;
         let weights_digest = hex(&ident.weights_digest);
         metadata.push((KEY_SOURCE_CONFIG.into(), Value::Str(hex(&ident.config_digest))));
         metadata.push((KEY_SOURCE_WEIGHTS.into(), Value::Str(weights_digest.clone())));

@@ -6,7 +6,6 @@
 //! and refused only when their data is read.
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -178,15 +177,8 @@ impl GgufFile {
             path: path.to_path_buf(),
             source: e,
         };
-        let meta = fs::metadata(path).map_err(io)?;
-        if !meta.is_file() {
-            return Err(GgufError::Malformed {
-                path: path.to_path_buf(),
-                offset: 0,
-                message: "not a regular file".into(),
-            });
-        }
-        let file = fs::File::open(path).map_err(io)?;
+        // A regular file only: a FIFO or device is refused by kind, never opened.
+        let file = moeconf_schema::input::open_input(path, "GGUF file")?;
         // SAFETY: read-only mapping; the file is not expected to change while it is read (a
         // concurrent writer of moeconf replaces files by rename, which keeps this mapping valid).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
@@ -383,4 +375,30 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Parsed, GgufError> {
         });
     }
     Ok((kvs, tensors))
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    /// A FIFO, a directory and a device are refused by kind before being
+    /// opened (opening the FIFO would block: this test would hang).
+    #[test]
+    fn only_regular_files_are_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("m.gguf");
+        let st = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(st.success());
+        for (p, kind) in [
+            (fifo.as_path(), "a FIFO (named pipe)"),
+            (dir.path(), "a directory"),
+            (Path::new("/dev/null"), "a character device"),
+        ] {
+            let e = GgufFile::open(p).unwrap_err();
+            assert!(matches!(e, GgufError::Input(_)), "{e}");
+            let e = e.to_string();
+            assert!(e.starts_with(&format!("{}: ", p.display())), "{e}");
+            assert!(e.contains(&format!("is {kind}, not a regular file")), "{e}");
+        }
+    }
 }

@@ -2,9 +2,12 @@
 //! file (symbolic links are followed; a directory, FIFO, socket or device is
 //! refused by name before it is opened, so nothing blocks on a FIFO or reads
 //! an endless device), and the files read into memory are size-capped
-//! before and while reading (docs/operators.md §7).
+//! before and while reading (docs/operators.md §7). Files are opened with
+//! `O_NONBLOCK` and the opened handle is checked again, so a FIFO swapped in
+//! after the check can neither block nor be read. The same rule, in the same
+//! words, as the schema crate's `input` module (which this crate cannot use).
 
-use std::fs::FileType;
+use std::fs::{File, FileType, Metadata};
 use std::io::Read;
 use std::path::Path;
 
@@ -23,7 +26,7 @@ fn kind_name(ft: &FileType) -> &'static str {
     {
         use std::os::unix::fs::FileTypeExt;
         if ft.is_fifo() {
-            return "a FIFO";
+            return "a FIFO (named pipe)";
         }
         if ft.is_socket() {
             return "a socket";
@@ -59,14 +62,53 @@ pub fn regular_file(path: &Path, expected: &str) -> Result<u64, RuntimeError> {
         what: "access",
         source,
     })?;
-    let ft = meta.file_type();
-    if !ft.is_file() {
-        return Err(RuntimeError::File {
-            path: path.to_path_buf(),
-            message: format!("is {}, expected {expected}", kind_name(&ft)),
-        });
-    }
+    check_regular(path, expected, &meta)?;
     Ok(meta.len())
+}
+
+/// Refuses `meta` (of `path`, links followed) unless it is a regular file,
+/// naming the link and its target when `path` is a symbolic link.
+fn check_regular(path: &Path, expected: &str, meta: &Metadata) -> Result<(), RuntimeError> {
+    let ft = meta.file_type();
+    if ft.is_file() {
+        return Ok(());
+    }
+    let kind = kind_name(&ft);
+    let message = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => format!(
+            "is a symbolic link to {}, which is {kind}, expected {expected}",
+            std::fs::read_link(path).unwrap_or_default().display()
+        ),
+        _ => format!("is {kind}, expected {expected}"),
+    };
+    Err(RuntimeError::File {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// Opens the regular file `path` for reading ([`regular_file`] first), with
+/// `O_NONBLOCK` on Unix (no effect on a regular file; a FIFO swapped in
+/// after the check cannot block the open), and checks the opened handle is
+/// a regular file too. Returns the file and its size.
+pub fn open_regular(path: &Path, expected: &str) -> Result<(File, u64), RuntimeError> {
+    regular_file(path, expected)?;
+    let io = |source| RuntimeError::Io {
+        path: path.to_path_buf(),
+        what: "open",
+        source,
+    };
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    check_regular(path, expected, &meta)?;
+    Ok((file, meta.len()))
 }
 
 /// Reads the regular file `path` (`expected` names it in messages) if it
@@ -77,7 +119,7 @@ pub fn read_capped(path: &Path, expected: &str, cap: u64) -> Result<Vec<u8>, Run
         path: path.to_path_buf(),
         message: format!("{len} bytes exceeds the {} limit for {expected}", limit_text(cap)),
     };
-    let len = regular_file(path, expected)?;
+    let (file, len) = open_regular(path, expected)?;
     if len > cap {
         return Err(too_big(len));
     }
@@ -86,7 +128,6 @@ pub fn read_capped(path: &Path, expected: &str, cap: u64) -> Result<Vec<u8>, Run
         what: "read",
         source,
     };
-    let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::with_capacity(len as usize);
     file.take(cap + 1).read_to_end(&mut bytes).map_err(io)?;
     if bytes.len() as u64 > cap {

@@ -29,7 +29,7 @@ use moeconf_fingerprint::bf16_to_f32;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::error::RuntimeError;
-use crate::files::regular_file;
+use crate::files::open_regular;
 use crate::quant::{self, QuantFormat, FP8_BLOCK, MXFP4_GROUP};
 
 /// The shortest safetensors file: the 8-byte header length and `{}`.
@@ -268,7 +268,7 @@ impl WeightLoader {
         let mut files = Vec::new();
         let mut entries = BTreeMap::new();
         for path in paths {
-            let len = regular_file(&path, "a safetensors file")?;
+            let (file, len) = open_regular(&path, "a safetensors file")?;
             if len < SAFETENSORS_MIN_BYTES {
                 return Err(RuntimeError::Safetensors {
                     path,
@@ -277,7 +277,6 @@ impl WeightLoader {
                     ),
                 });
             }
-            let file = std::fs::File::open(&path).map_err(io(&path, "open"))?;
             // SAFETY: the file is opened read-only; the runtime assumes checkpoint
             // files are not truncated or rewritten while a model is loaded (the
             // fixture generator replaces files atomically by rename, which keeps

@@ -192,7 +192,7 @@ fn non_regular_safetensors_entries_are_named() {
             .success());
         let msg = load_err(d.path());
         assert!(
-            msg.ends_with("f.safetensors: is a FIFO, expected a safetensors file"),
+            msg.ends_with("f.safetensors: is a FIFO (named pipe), expected a safetensors file"),
             "{msg}"
         );
         std::fs::remove_file(&fifo).unwrap();

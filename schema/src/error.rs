@@ -61,6 +61,10 @@ pub enum TraceError {
     /// (Boxed: it is large and rare, and keeps every `Result<_, TraceError>` small.)
     #[error(transparent)]
     Output(Box<crate::output::OutputError>),
+    /// The input is not a regular file (a directory, FIFO, socket, device,
+    /// or a symbolic link to one or to nothing; see [`crate::input`]).
+    #[error(transparent)]
+    Input(Box<crate::input::InputFileError>),
 }
 
 impl From<crate::output::OutputError> for TraceError {
@@ -70,6 +74,16 @@ impl From<crate::output::OutputError> for TraceError {
 }
 
 impl TraceError {
+    /// The error of opening the input trace `path`: an I/O failure keeps
+    /// the reader's wording (`what`), a file of the wrong kind says what it is.
+    pub(crate) fn input(what: &'static str, e: crate::input::InputFileError) -> TraceError {
+        let path = e.path().to_path_buf();
+        match e.into_io() {
+            Ok(source) => TraceError::Io { path, what, source },
+            Err(e) => TraceError::Input(Box::new(e)),
+        }
+    }
+
     pub(crate) fn format(path: &Path, offset: u64, what: impl Into<String>) -> TraceError {
         TraceError::Format {
             path: path.to_path_buf(),
@@ -101,6 +115,7 @@ impl TraceError {
             | TraceError::Format { path, .. }
             | TraceError::UnsupportedVersion { path, .. }
             | TraceError::Invalid { path, .. } => Some(path),
+            TraceError::Input(e) => Some(e.path()),
             TraceError::Output(_) => None,
         }
     }
@@ -137,6 +152,10 @@ pub enum InputError {
     /// Writing the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// An input (the manifest, a dump file, a model file, the tokenizer
+    /// file) is not a regular file, or cannot be opened or read.
+    #[error(transparent)]
+    File(#[from] crate::input::InputFileError),
 }
 
 #[cfg(feature = "checkpoint")]

@@ -9,7 +9,7 @@ use moeconf_fingerprint::Algorithm;
 use std::path::{Path, PathBuf};
 
 fn read(path: &Path) -> Result<Vec<u8>, InputError> {
-    std::fs::read(path).map_err(InputError::io(format!("reading {}", path.display())))
+    Ok(crate::input::read_input(path, "model config")?)
 }
 
 /// Model identity: digest of config.json and of every tensor's raw bytes in
@@ -27,7 +27,8 @@ pub fn model_identity(name: &str, dir: &Path, alg: Algorithm) -> Result<ModelIde
     for f in &files {
         // Memory-mapped, not read: a real checkpoint is tens to hundreds of GB, and the
         // identity must not add that much anonymous memory (pages are file-backed).
-        let file = std::fs::File::open(f).map_err(InputError::io(format!("opening {}", f.display())))?;
+        // A regular file only (a FIFO would block, a directory is no tensor file).
+        let file = crate::input::open_input(f, "model file")?;
         // SAFETY: read-only mapping; the identity is computed while the model directory is
         // not being rewritten (the same assumption as the runtime's loader).
         let bytes = unsafe { memmap2::Mmap::map(&file) }

@@ -23,6 +23,7 @@
 
 use crate::error::InputError;
 use crate::identity::model_identity;
+use crate::input::{check_input, read_input, InputFileError};
 use crate::output::{check_output, Inputs};
 use crate::TraceError;
 use crate::{
@@ -32,7 +33,7 @@ use crate::{
 use moeconf_fingerprint::catalogue::{exec_rank, level_of_path, ExecGroup, ValueKind};
 use moeconf_fingerprint::{
     bf16_to_f32, f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, Phase,
-    TensorView,
+    TensorView, MAX_RANK,
 };
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
@@ -322,7 +323,7 @@ fn parse_digest(hex: &str, what: &str, manifest: &Path) -> Result<Digest, InputE
 }
 
 fn read_manifest(path: &Path) -> Result<Manifest, InputError> {
-    let meta = std::fs::metadata(path).map_err(InputError::io(format!(
+    let meta = check_input(path, "manifest").map_err(io_or_file(format!(
         "{}: cannot read the manifest (every dump directory needs a manifest.json, see docs/import.md)",
         path.display()
     )))?;
@@ -333,8 +334,17 @@ fn read_manifest(path: &Path) -> Result<Manifest, InputError> {
             meta.len(),
         )));
     }
-    let bytes = std::fs::read(path).map_err(InputError::io(format!("reading {}", path.display())))?;
+    let bytes = read_input(path, "manifest")?;
     serde_json::from_slice(&bytes).map_err(|e| invalid(format!("{}: invalid manifest: {e}", path.display())))
+}
+
+/// An I/O failure reported in the caller's words (`context` names the file),
+/// a file of the wrong kind (FIFO, directory, device) as it is.
+fn io_or_file(context: String) -> impl FnOnce(InputFileError) -> InputError {
+    move |e| match e.into_io() {
+        Ok(source) => InputError::Io { context, source },
+        Err(e) => InputError::File(e),
+    }
 }
 
 /// Resolves a path from the manifest against the manifest's directory.
@@ -375,7 +385,7 @@ fn binding_from(
     let tokenizer_digest = match (&m.tokenizer.file, &m.tokenizer.digest) {
         (Some(f), None) => {
             let p = resolve(base, f);
-            let bytes = std::fs::read(&p).map_err(InputError::io(format!(
+            let bytes = read_input(&p, "tokenizer file").map_err(io_or_file(format!(
                 "{}: tokenizer.file {}",
                 manifest.display(),
                 p.display()
@@ -439,7 +449,11 @@ struct Item {
     bytes: Vec<u8>,
 }
 
-/// Reads every `*.safetensors` file of `dir` (sorted by name) into converted records.
+/// Reads every `*.safetensors` file of `dir` (sorted by name) into converted
+/// records. Each must be a regular file (symbolic links followed): an entry
+/// of that name that is a directory, FIFO, socket or device, or a link to one
+/// or to nothing, is an error, never skipped (a trace with fewer records
+/// would pass for the whole dump).
 fn read_dump(
     dir: &Path,
     overrides: &[(String, Level)],
@@ -451,7 +465,7 @@ fn read_dump(
             dir.display()
         )))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
     if files.is_empty() {
@@ -463,7 +477,7 @@ fn read_dump(
     let mut items = Vec::new();
     let mut seen: HashSet<String> = HashSet::new();
     for f in &files {
-        let bytes = std::fs::read(f).map_err(InputError::io(format!("reading {}", f.display())))?;
+        let bytes = read_input(f, "dump file")?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| invalid(format!("{}: not a valid safetensors file: {e}", f.display())))?;
         let mut names = st.names();
@@ -499,6 +513,14 @@ fn read_dump(
                         component.level()
                     )));
                 }
+            }
+            // Refused here, naming this file: the writer would name only the output.
+            if view.shape().len() > MAX_RANK {
+                return Err(fail(format!(
+                    "rank {} (shape {:?}): a trace record has at most {MAX_RANK} dimensions",
+                    view.shape().len(),
+                    view.shape()
+                )));
             }
             let c = convert(view.dtype(), view.data(), &name.component).map_err(fail)?;
             items.push(Item {

@@ -54,6 +54,7 @@ mod error;
 mod identity;
 #[cfg(feature = "checkpoint")]
 pub mod import;
+pub mod input;
 pub mod inspect;
 pub mod layout;
 pub mod nodes;
@@ -71,6 +72,7 @@ pub use binding::{
 pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
+pub use input::InputFileError;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
 pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
 pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};

@@ -260,8 +260,8 @@ fn dir_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// What a non-regular file is, for messages.
-fn kind_of(meta: &Metadata) -> &'static str {
+/// What a non-regular file is, for messages (also of inputs: [`crate::input`]).
+pub(crate) fn kind_of(meta: &Metadata) -> &'static str {
     let t = meta.file_type();
     if t.is_dir() {
         return "a directory";

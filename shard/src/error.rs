@@ -23,6 +23,11 @@ pub enum ShardError {
         #[source]
         source: std::io::Error,
     },
+    /// An input is not a regular file: a directory, FIFO, socket, device,
+    /// or a symbolic link to one or to nothing (never opened, so never
+    /// blocked on). Boxed: large and rare.
+    #[error(transparent)]
+    Input(Box<moeconf_schema::InputFileError>),
     /// The file does not start like a partial result file.
     #[error(
         "{}: not a moeconf partial result file (written by `moeconf sweep|calibrate --shard I/N`): {detail}",
@@ -108,6 +113,20 @@ impl ShardError {
     pub fn io(path: &std::path::Path, what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ShardError {
         let (path, what) = (path.to_path_buf(), what.into());
         move |source| ShardError::Io { path, what, source }
+    }
+
+    /// The error of opening the input `path` (schema's checked open): an
+    /// I/O failure in the caller's words (`what`), a file of the wrong kind
+    /// (a directory, FIFO, device, or a link to one) as it is.
+    pub fn input(what: impl Into<String>) -> impl FnOnce(moeconf_schema::InputFileError) -> ShardError {
+        let what = what.into();
+        move |e| {
+            let path = e.path().to_path_buf();
+            match e.into_io() {
+                Ok(source) => ShardError::Io { path, what, source },
+                Err(e) => ShardError::Input(Box::new(e)),
+            }
+        }
     }
 }
 

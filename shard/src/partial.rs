@@ -19,11 +19,11 @@
 //! each attached file is verified again against its own digest while it is
 //! copied out ([`Partial::copy_file`]).
 
-use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use moeconf_schema::input::open_input;
 use moeconf_schema::output::AtomicFile;
 use moeconf_schema::CheckedOutput;
 use serde::{Deserialize, Serialize};
@@ -202,7 +202,7 @@ impl<W: Write> Write for Hashing<W> {
 
 /// BLAKE3 and length of a file's bytes.
 fn hash_file(path: &Path) -> Result<(u64, blake3::Hash)> {
-    let f = File::open(path).map_err(ShardError::io(path, "opening an attached file"))?;
+    let f = open_input(path, "attached file").map_err(ShardError::input("opening an attached file"))?;
     let mut r = BufReader::with_capacity(BUFFER, f);
     let mut h = blake3::Hasher::new();
     let n = std::io::copy(&mut r, &mut h).map_err(ShardError::io(path, "reading an attached file"))?;
@@ -321,7 +321,8 @@ pub fn write_partial(
         .map_err(io("writing the header"))?;
     w.write_all(&json).map_err(io("writing the manifest"))?;
     for (a, e) in attachments.iter().zip(&manifest.files) {
-        let f = File::open(&a.source).map_err(ShardError::io(&a.source, "opening an attached file"))?;
+        let f =
+            open_input(&a.source, "attached file").map_err(ShardError::input("opening an attached file"))?;
         let mut r = BufReader::with_capacity(BUFFER, f);
         let d = copy_hashed(&mut r, &mut w, e.bytes, &a.source, "an attached file")?;
         if d.to_hex().as_str() != e.blake3 {
@@ -362,13 +363,13 @@ impl Partial {
             path: path.to_path_buf(),
             detail,
         };
-        let meta =
-            std::fs::metadata(path).map_err(ShardError::io(path, "reading the partial result file"))?;
-        if !meta.is_file() {
-            return Err(not("it is not a regular file".into()));
-        }
-        let len = meta.len();
-        let f = File::open(path).map_err(ShardError::io(path, "opening the partial result file"))?;
+        // A regular file only: a FIFO or device is refused by kind, never opened.
+        let f = open_input(path, "partial result file")
+            .map_err(ShardError::input("opening the partial result file"))?;
+        let len = f
+            .metadata()
+            .map_err(ShardError::io(path, "reading the partial result file"))?
+            .len();
         let mut r = BufReader::with_capacity(BUFFER, f);
         let io = |what: &'static str| ShardError::io(path, what);
         if len < HEADER + TRAILER {
@@ -455,7 +456,8 @@ impl Partial {
                 path: path.clone(),
                 detail: format!("no attached file {index}"),
             })?;
-        let mut f = File::open(path).map_err(ShardError::io(path, "opening the partial result file"))?;
+        let mut f = open_input(path, "partial result file")
+            .map_err(ShardError::input("opening the partial result file"))?;
         f.seek(SeekFrom::Start(self.offsets[index]))
             .map_err(ShardError::io(path, "seeking to an attached file"))?;
         let what = format!("attached file {}", entry.name);

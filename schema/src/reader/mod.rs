@@ -1,6 +1,7 @@
 //! Validating trace reader for both container versions.
 //!
 //! A trace file is untrusted input. [`Trace::open`] checks, in this order:
+//! that the path is a regular file (before opening it: [`crate::input`]),
 //! size, magic, version, reserved fields, algorithm, header length, trailer
 //! magic and offsets, the checksum, then decodes the header. What follows
 //! depends on the version:
@@ -31,7 +32,6 @@ use crate::error::TraceError;
 use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
 use crate::nodes::{Fault, GroupNode, GroupRecords, StepNode, StepSummary};
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, LevelSet, TensorView};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -306,7 +306,9 @@ impl Trace {
     /// Opens and validates the trace at `path` (memory-mapped). A version 2
     /// trace is read lazily: see the module documentation.
     pub fn open(path: &Path) -> Result<Trace, TraceError> {
-        let file = File::open(path).map_err(|e| TraceError::io(path, "opening trace", e))?;
+        // A regular file only: never a FIFO or device (docs/format.md §7).
+        let file =
+            crate::input::open_input(path, "trace").map_err(|e| TraceError::input("opening trace", e))?;
         let len = file
             .metadata()
             .map_err(|e| TraceError::io(path, "reading trace metadata", e))?
@@ -358,8 +360,10 @@ impl Trace {
             return false;
         }
         let mut pre = [0u8; 12];
-        File::open(path)
-            .and_then(|mut f| f.read_exact(&mut pre))
+        let Ok(mut f) = crate::input::open_input(path, "trace") else {
+            return false;
+        };
+        f.read_exact(&mut pre)
             .is_ok_and(|()| pre[..8] == MAGIC && u32_at(&pre, 8) == crate::v2::FORMAT_V2)
     }
 
