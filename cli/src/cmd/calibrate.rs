@@ -22,10 +22,13 @@ use moeconf_shard::{ProgressMode, Shard};
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
-  moeconf calibrate --out cal-full                 # the paper's sizes (720 A, 360 B, 64 seeds, 50 prompts)
-  moeconf calibrate --only 2,10 --out cal          # only the fork sweep and the fault matrix
-  moeconf calibrate --shard 0/8 --out part-0.part  # one of 8 shards (docs/scale.md)
-  moeconf merge part-*.part -o cal                 # after every shard: the unsharded outputs
+  moeconf calibrate --quick --only 2,10 --out cal                   # the fork sweep and the fault matrix
+  moeconf calibrate --quick --only 1 --shard 0/2 --out part-0.part  # one of 2 shards (docs/scale.md)
+  moeconf calibrate --quick --only 1 --shard 1/2 --out part-1.part
+  moeconf merge part-*.part -o cal-sharded                          # the unsharded outputs
+
+Without --quick (moeconf calibrate --out cal-full): the paper's sizes (720 A, 360 B, 64 seeds,
+50 prompts; minutes instead of seconds). --out DIR appears only once complete (docs/format.md §10).
 
 Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static ablation,
 4 same-mode canonical reference, 5 C intermediate check, 6 post-mHC substitution control,

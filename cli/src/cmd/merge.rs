@@ -15,9 +15,13 @@ use moeconf_shard::Merged;
 use crate::output::{check_output, check_outputs, output_dir, print_text};
 
 const EXAMPLES: &str = "Examples:
-  moeconf merge parts/sweep-*.part -o sweep.json
-  moeconf merge parts/sweep-*.part -o sweep.json --html sweep.html
-  moeconf merge parts/cal-*.part -o cal-full
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 0/2 -o sweep-0.part
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 1/2 -o sweep-1.part
+  moeconf merge sweep-*.part -o sweep.json
+  moeconf merge sweep-*.part -o sweep.json --html sweep.html
+  moeconf calibrate --quick --only 1 --shard 0/2 --out cal-0.part
+  moeconf calibrate --quick --only 1 --shard 1/2 --out cal-1.part
+  moeconf merge cal-*.part -o cal
 
 The partials may be given in any order; every shard 0..N-1 of one run is needed, each once.
 What is printed and written is byte for byte what the unsharded command prints and writes

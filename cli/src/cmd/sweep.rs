@@ -31,12 +31,13 @@ use moeconf_schema::output::write_all_checked;
 use moeconf_schema::CheckedOutput;
 
 const SWEEP_EXAMPLES: &str = "Examples:
-  moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 8
+  moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 2
   moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --format json
-  moeconf sweep --prompt \"why the sheep\" --scheme a,b -o sweep.json
-  moeconf sweep --prompt \"why the sheep\" --branch b+order=class:135 --branch a+order=index:17
-  moeconf sweep --prompt \"why the sheep\" --scheme a,b --shard 0/4 -o part-0.part
-  moeconf merge part-*.part -o sweep.json          # after the shards 0/4 .. 3/4 (docs/scale.md)
+  moeconf sweep --prompt \"why the sheep\" --scheme a,b --max-new-tokens 2 -o sweep.json --html sweep.html
+  moeconf sweep --prompt \"why the sheep\" --max-new-tokens 2 --branch b+order=class:135 --branch a+order=index:17
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 0/2 -o part-0.part
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 1/2 -o part-1.part
+  moeconf merge part-*.part -o sweep.json          # after every shard (docs/scale.md)
 
 A scheme is a contract family (native, p32, c, a, b, exact, tree, f64, exact-fused, or
 operand=..+accumulator=..); it is swept over its structural classes: the k!/2 B classes for
