@@ -113,9 +113,9 @@ pub enum OutputError {
     /// write: it is replaced only when empty or holding nothing but a
     /// previous result of the same command ([`check_output_dir`]).
     #[error(
-        "{}: the directory exists and holds {} ({why}), which is not part of this command's result: \
-         moeconf replaces an output directory only when it is empty or holds nothing but a previous \
-         result; give a new or empty directory",
+        "{}: the directory exists and holds {} ({why}): moeconf replaces an output directory only \
+         when it is empty or holds nothing but a previous result of the same command; give a new or \
+         empty directory",
         path.display(),
         entry.display()
     )]
