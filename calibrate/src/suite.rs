@@ -300,19 +300,54 @@ pub fn write_partial(
 }
 
 /// A scratch directory next to the partial result `partial`, for the files
-/// a shard's jobs write before they are attached (removed when dropped).
-pub fn scratch_dir(partial: &Path) -> Result<tempfile::TempDir> {
+/// a shard's jobs write before they are attached: removed when dropped, and
+/// registered as a temporary (`moeconf_schema::output::register_temporary`)
+/// so an interrupted shard (Ctrl-C) removes it too.
+pub fn scratch_dir(partial: &Path) -> Result<Scratch> {
     let dir = partial
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    tempfile::Builder::new()
+    let d = tempfile::Builder::new()
         .prefix(".moeconf-shard.")
         .tempdir_in(dir)
         .map_err(CalibrateError::io(format!(
             "creating a scratch directory in {}",
             dir.display()
-        )))
+        )))?;
+    moeconf_schema::output::register_temporary(d.path());
+    Ok(Scratch(d))
+}
+
+/// A shard's scratch directory ([`scratch_dir`]).
+#[derive(Debug)]
+pub struct Scratch(tempfile::TempDir);
+
+impl Scratch {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        // Removed before it is forgotten, so an interruption in between
+        // still finds it registered.
+        let _ = std::fs::remove_dir_all(self.0.path());
+        moeconf_schema::output::deregister_temporary(self.0.path());
+    }
+}
+
+/// Whether `rel` (relative to a calibration's output directory,
+/// `/`-separated) is part of a calibration's result: `calibration.json`, a
+/// `*.tsv` table, the `traces` directory or a trace in it. An existing
+/// output directory holding nothing else is replaced as a whole.
+pub fn is_result_entry(rel: &str) -> bool {
+    rel == "calibration.json"
+        || rel == "traces"
+        || (!rel.contains('/') && rel.ends_with(".tsv"))
+        || is_trace_name(rel)
 }
 
 /// Whether `name` is a file the suite may write into its output directory

@@ -79,18 +79,3 @@ pub fn output_dir(option: &str, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("{option} {}: cannot create the directory", dir.display()))
 }
-
-/// Checks, before any work, every existing entry of the output directory
-/// `dir` that `is_output` says the command may write (names not known in
-/// advance, such as one TSV per table), as [`check_outputs`] would.
-pub fn check_output_dir(dir: &Path, is_output: &dyn Fn(&str) -> bool, inputs: &Inputs) -> anyhow::Result<()> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(());
-    };
-    for e in entries.filter_map(Result::ok) {
-        if is_output(&e.file_name().to_string_lossy()) {
-            check_output(&e.path(), inputs)?;
-        }
-    }
-    Ok(())
-}

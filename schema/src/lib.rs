@@ -75,7 +75,9 @@ pub use identity::model_identity;
 pub use input::InputFileError;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
 pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
-pub use output::{check_output, check_outputs, CheckedOutput, Inputs, OutputError};
+pub use output::{
+    check_output, check_output_dir, check_outputs, CheckedDir, CheckedOutput, Inputs, OutputError,
+};
 pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{BatchRecord, TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};

@@ -19,6 +19,14 @@
 //!   dropped unfinished), and every temporary file being written is
 //!   registered so the binary removes it when interrupted
 //!   ([`remove_temporaries_and`]); only `kill -9` or a crash can leave one.
+//! * **Directories whole or not at all.** A command whose result is several
+//!   files in one directory (`calibrate --out DIR`, `merge -o DIR`) checks
+//!   it with [`check_output_dir`] and writes it into an [`AtomicDir`]: a
+//!   temporary sibling directory `.NAME.moeconf-tmp.PID.RAND`, registered
+//!   like a temporary file, renamed into place once complete. An existing
+//!   directory is replaced only when it is empty or holds nothing but a
+//!   previous result of the command. Several single-file outputs of one
+//!   command are all written before any is renamed ([`write_all_checked`]).
 //! * **Stale temporaries are reported.** [`check_output`] lists temporary
 //!   files of the output's name left next to it by processes that no longer
 //!   run ([`CheckedOutput::stale_temporaries`]), including those of the
@@ -100,6 +108,42 @@ pub enum OutputError {
         input: PathBuf,
         /// What the input is (`model file`, `reference trace`, ...).
         role: String,
+    },
+    /// An existing output directory holds something the command does not
+    /// write: it is replaced only when empty or holding nothing but a
+    /// previous result of the same command ([`check_output_dir`]).
+    #[error(
+        "{}: the directory exists and holds {} ({why}): moeconf replaces an output directory only \
+         when it is empty or holds nothing but a previous result of the same command; give a new or \
+         empty directory",
+        path.display(),
+        entry.display()
+    )]
+    NotReplaceable {
+        /// The output directory.
+        path: PathBuf,
+        /// The entry that is not part of a result.
+        entry: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// Something other than a directory exists at an output directory's path.
+    #[error("{}: is {kind}, not a directory", path.display())]
+    NotADirectoryOutput {
+        /// The output directory.
+        path: PathBuf,
+        /// What is there (`a regular file`, `a FIFO (named pipe)`, ...).
+        kind: &'static str,
+    },
+    /// An output directory path that names no entry of its parent (`.`, `..`, `/`).
+    #[error(
+        "{}: names no directory entry that could be replaced as a whole; give the directory by name \
+         (such as results/cal)",
+        path.display()
+    )]
+    UnnamedDirectory {
+        /// The output directory.
+        path: PathBuf,
     },
     /// One file given as more than one output of a command.
     #[error("{}: given as more than one output of the same command", path.display())]
@@ -489,7 +533,9 @@ pub fn deregister_temporary(path: &Path) {
 
 /// Removes every registered temporary file and directory, then runs `end`
 /// (which ends the process) while still holding the registry, so no new
-/// temporary file can be registered and created in between. For the
+/// temporary file can be registered and created in between, and no file
+/// committed ([`AtomicFile::commit`], [`AtomicDir::commit`] rename while
+/// holding it) into a temporary directory being removed. For the
 /// binary's signal handling: SIGINT, SIGTERM and SIGHUP would otherwise
 /// end the process without running any destructor, leaving the
 /// temporaries behind.
@@ -537,15 +583,18 @@ impl AtomicFile {
         let mut attempts = 0;
         loop {
             let tmp = dir.join(temp_name(&out.path));
-            // Registered before it exists: an interruption either removes
-            // it or has the creation wait until the process ends.
-            register_temporary(&tmp);
+            // Created and registered while the registry is held: an
+            // interruption either removes it or has the creation wait until
+            // the process ends (and nothing appears in a temporary
+            // directory while an interruption removes it).
+            let mut registry = temporaries();
             // create_new: O_CREAT|O_EXCL with mode 0666, so the umask gives
             // the usual 0644; never follows or reuses an existing entry.
             let created = OpenOptions::new().write(true).create_new(true).open(&tmp);
-            if created.is_err() {
-                deregister_temporary(&tmp);
+            if created.is_ok() {
+                registry.push(tmp.clone());
             }
+            drop(registry);
             match created {
                 Ok(file) => {
                     return Ok(AtomicFile {
@@ -589,10 +638,19 @@ impl AtomicFile {
             .map_err(OutputError::io(&dest, "syncing the temporary file"))?;
         drop(file);
         check_existing(&dest, &self.inputs)?;
-        std::fs::rename(&self.tmp, &dest)
-            .map_err(OutputError::io(&dest, "renaming the temporary file into place"))?;
-        self.committed = true;
-        deregister_temporary(&self.tmp);
+        // Renamed while the registry is held, so an interruption either
+        // removes the temporary file or finds the output in place, and
+        // never has a file appear in a temporary directory it is removing.
+        let mut registry = temporaries();
+        let renamed = std::fs::rename(&self.tmp, &dest);
+        if renamed.is_ok() {
+            self.committed = true;
+            if let Some(i) = registry.iter().rposition(|p| *p == self.tmp) {
+                registry.swap_remove(i);
+            }
+        }
+        drop(registry);
+        renamed.map_err(OutputError::io(&dest, "renaming the temporary file into place"))?;
         // Make the rename durable; a directory that cannot be synced (some
         // file systems refuse) leaves the file written all the same.
         if let Ok(d) = File::open(dir_of(&dest)) {
@@ -634,6 +692,267 @@ impl Drop for AtomicFile {
             deregister_temporary(&self.tmp);
         }
     }
+}
+
+/// Whether a path inside an output directory (relative, `/`-separated, such
+/// as `calibration.json` or `traces/x.bin`; a directory such as `traces`
+/// too) is part of a command's result, so that a previous result may be
+/// replaced.
+pub type ResultEntry = fn(&str) -> bool;
+
+/// An output directory that passed [`check_output_dir`].
+#[derive(Debug, Clone)]
+pub struct CheckedDir {
+    path: PathBuf,
+    inputs: Inputs,
+    is_result: ResultEntry,
+    stale: Vec<StaleTemporary>,
+}
+
+impl CheckedDir {
+    /// The output directory, as given.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Temporary files and directories of this output's name that processes
+    /// no longer running left next to it (never removed automatically).
+    pub fn stale_temporaries(&self) -> &[StaleTemporary] {
+        &self.stale
+    }
+}
+
+/// Checks what exists at an output directory's path: nothing, or a
+/// directory (not a symbolic link) whose every entry, at any depth, is a
+/// directory or regular file that `is_result` accepts and no input.
+fn check_existing_dir(path: &Path, inputs: &Inputs, is_result: ResultEntry) -> Result<(), OutputError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(OutputError::io(path, "checking the output directory")(e)),
+    };
+    if meta.file_type().is_symlink() {
+        return Err(OutputError::Symlink {
+            path: path.to_path_buf(),
+            target: std::fs::read_link(path).unwrap_or_default(),
+        });
+    }
+    if !meta.is_dir() {
+        let kind = if meta.is_file() {
+            "a regular file"
+        } else {
+            kind_of(&meta)
+        };
+        return Err(OutputError::NotADirectoryOutput {
+            path: path.to_path_buf(),
+            kind,
+        });
+    }
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let entries =
+            std::fs::read_dir(&dir).map_err(OutputError::io(path, "reading the output directory"))?;
+        for e in entries {
+            let e = e.map_err(OutputError::io(path, "reading the output directory"))?;
+            let entry = e.path();
+            let rel = entry.strip_prefix(path).unwrap_or(&entry);
+            let rel_text = rel
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join("/");
+            let meta =
+                std::fs::symlink_metadata(&entry).map_err(OutputError::io(&entry, "checking an entry"))?;
+            let refuse = |why| OutputError::NotReplaceable {
+                path: path.to_path_buf(),
+                entry: entry.clone(),
+                why,
+            };
+            if meta.file_type().is_symlink() {
+                return Err(refuse("a symbolic link"));
+            }
+            if !meta.is_dir() && !meta.is_file() {
+                return Err(refuse(kind_of(&meta)));
+            }
+            if !is_result(&rel_text) {
+                return Err(refuse("not a file this command writes"));
+            }
+            if meta.is_dir() {
+                stack.push(entry);
+            } else if let Some(input) = FileId::of(&entry, &meta).and_then(|id| inputs.same_as(&id)) {
+                return Err(OutputError::SameAsInput {
+                    path: entry.clone(),
+                    input: input.path.clone(),
+                    role: input.role.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that `path` can be written as an output directory of a command
+/// that reads `inputs`: its parent exists; nothing is there yet, or a
+/// directory that is empty or holds only a previous result (entries
+/// `is_result` accepts, regular files that are no input, no symbolic link),
+/// which [`AtomicDir::commit`] replaces as a whole. Lists stale temporaries
+/// next to it. Call it before any work starts.
+pub fn check_output_dir(
+    path: &Path,
+    inputs: &Inputs,
+    is_result: ResultEntry,
+) -> Result<CheckedDir, OutputError> {
+    if path.file_name().is_none() {
+        return Err(OutputError::UnnamedDirectory {
+            path: path.to_path_buf(),
+        });
+    }
+    check_dir(path)?;
+    check_existing_dir(path, inputs, is_result)?;
+    Ok(CheckedDir {
+        path: path.to_path_buf(),
+        inputs: inputs.clone(),
+        is_result,
+        stale: stale_temporaries(path),
+    })
+}
+
+/// An output directory being written under a temporary name next to its
+/// destination (`.NAME.moeconf-tmp.PID.RAND`, registered as a temporary so
+/// an interruption removes it), renamed into place by [`AtomicDir::commit`]:
+/// the destination holds either the complete result or what it held before
+/// (nothing, or the previous result). Dropped without a commit, it removes
+/// its temporary directory.
+#[derive(Debug)]
+pub struct AtomicDir {
+    dest: CheckedDir,
+    tmp: PathBuf,
+    committed: bool,
+}
+
+impl AtomicDir {
+    /// Creates the temporary directory of the checked output directory `out`.
+    pub fn create(out: &CheckedDir) -> Result<AtomicDir, OutputError> {
+        let dir = dir_of(&out.path);
+        let mut attempts = 0;
+        loop {
+            let tmp = dir.join(temp_name(&out.path));
+            // Created and registered while the registry is held, as
+            // AtomicFile's temporary.
+            let mut registry = temporaries();
+            let created = std::fs::create_dir(&tmp);
+            if created.is_ok() {
+                registry.push(tmp.clone());
+            }
+            drop(registry);
+            match created {
+                Ok(()) => {
+                    return Ok(AtomicDir {
+                        dest: out.clone(),
+                        tmp,
+                        committed: false,
+                    })
+                }
+                Err(e) => {
+                    if e.kind() != std::io::ErrorKind::AlreadyExists || attempts >= 16 {
+                        return Err(OutputError::io(&out.path, "creating the temporary directory")(e));
+                    }
+                    attempts += 1;
+                }
+            }
+        }
+    }
+
+    /// The destination directory.
+    pub fn path(&self) -> &Path {
+        &self.dest.path
+    }
+
+    /// The temporary directory to write the result into.
+    pub fn temp_path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Checks the destination again (absent, or empty, or a previous result
+    /// that is no input) and renames the temporary directory into place; a
+    /// previous result is first renamed aside (a registered temporary) and
+    /// removed after. Both renames happen while the registry of temporaries
+    /// is held, so an interruption (Ctrl-C) waits for them and then removes
+    /// only what is temporary: the destination is never left without both
+    /// the previous and the new result. On an error the temporary directory
+    /// is removed and the destination keeps what it held.
+    pub fn commit(mut self) -> Result<(), OutputError> {
+        let dest = self.dest.path.clone();
+        check_existing_dir(&dest, &self.dest.inputs, self.dest.is_result)?;
+        let aside = std::fs::symlink_metadata(&dest)
+            .is_ok()
+            .then(|| dir_of(&dest).join(temp_name(&dest)));
+        {
+            let mut registry = temporaries();
+            if let Some(aside) = &aside {
+                std::fs::rename(&dest, aside)
+                    .map_err(OutputError::io(&dest, "renaming the previous result aside"))?;
+                registry.push(aside.clone());
+            }
+            if let Err(e) = std::fs::rename(&self.tmp, &dest) {
+                if let Some(aside) = &aside {
+                    // Put the previous result back; it stays registered (and
+                    // is removed on an interruption) only if that fails.
+                    if std::fs::rename(aside, &dest).is_ok() {
+                        if let Some(i) = registry.iter().rposition(|p| p == aside) {
+                            registry.swap_remove(i);
+                        }
+                    }
+                }
+                return Err(OutputError::io(
+                    &dest,
+                    "renaming the temporary directory into place",
+                )(e));
+            }
+            self.committed = true;
+            if let Some(i) = registry.iter().rposition(|p| *p == self.tmp) {
+                registry.swap_remove(i);
+            }
+        }
+        if let Some(aside) = &aside {
+            // Removed before it is forgotten: an interruption in between
+            // still finds it registered.
+            let removed = std::fs::remove_dir_all(aside);
+            deregister_temporary(aside);
+            removed.map_err(OutputError::io(&dest, "removing the previous result"))?;
+        }
+        if let Ok(d) = File::open(dir_of(&dest)) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AtomicDir {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+            deregister_temporary(&self.tmp);
+        }
+    }
+}
+
+/// Writes every `(output, bytes)` to a temporary file first and renames
+/// them into place only once all are written in full, so a failure (a full
+/// disk) or an interruption while writing leaves none of a command's
+/// outputs half-updated: each is either the new file or what was there.
+pub fn write_all_checked(outputs: &[(&CheckedOutput, &[u8])]) -> Result<(), OutputError> {
+    let mut files = Vec::with_capacity(outputs.len());
+    for (out, bytes) in outputs {
+        let mut f = AtomicFile::create(out)?;
+        f.write_all(bytes)
+            .map_err(OutputError::io(&out.path, "writing the temporary file"))?;
+        files.push(f);
+    }
+    for f in files {
+        f.commit()?;
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to the checked output `out` atomically.
@@ -809,6 +1128,129 @@ mod tests {
                 pid: 99999999
             }]
         );
+    }
+
+    /// Accepts what a calibration writes: `*.json`, `*.tsv`, `traces`, `traces/*.bin`.
+    fn calibration_like(rel: &str) -> bool {
+        rel == "traces"
+            || rel.ends_with(".json")
+            || rel.ends_with(".tsv")
+            || rel.strip_prefix("traces/").is_some_and(|n| n.ends_with(".bin"))
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn write_result(d: &AtomicDir, tag: &str) {
+        std::fs::create_dir(d.temp_path().join("traces")).unwrap();
+        std::fs::write(d.temp_path().join("traces/a.bin"), tag).unwrap();
+        std::fs::write(d.temp_path().join("r.json"), tag).unwrap();
+    }
+
+    #[test]
+    fn directories_appear_whole_and_replace_only_a_previous_result() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("cal");
+        let none = Inputs::new();
+        // Absent: nothing at the destination until the commit.
+        let d = AtomicDir::create(&check_output_dir(&out, &none, calibration_like).unwrap()).unwrap();
+        assert!(temporaries().iter().any(|t| t == d.temp_path()));
+        write_result(&d, "one");
+        assert!(!out.exists());
+        let tmp = d.temp_path().to_path_buf();
+        d.commit().unwrap();
+        assert_eq!(std::fs::read(out.join("traces/a.bin")).unwrap(), b"one");
+        assert!(!temporaries().contains(&tmp));
+        assert_eq!(names(dir.path()), ["cal"]);
+        // A previous result is replaced as a whole (its extra table goes).
+        std::fs::write(out.join("old.tsv"), "old").unwrap();
+        let d = AtomicDir::create(&check_output_dir(&out, &none, calibration_like).unwrap()).unwrap();
+        write_result(&d, "two");
+        d.commit().unwrap();
+        assert_eq!(std::fs::read(out.join("r.json")).unwrap(), b"two");
+        assert!(!out.join("old.tsv").exists());
+        assert_eq!(names(dir.path()), ["cal"], "the previous result was not removed");
+        // An empty directory is replaced.
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let d = AtomicDir::create(&check_output_dir(&empty, &none, calibration_like).unwrap()).unwrap();
+        write_result(&d, "three");
+        d.commit().unwrap();
+        assert_eq!(std::fs::read(empty.join("r.json")).unwrap(), b"three");
+        // Dropped unfinished: the temporary directory goes, the result stays.
+        let d = AtomicDir::create(&check_output_dir(&out, &none, calibration_like).unwrap()).unwrap();
+        write_result(&d, "four");
+        let tmp = d.temp_path().to_path_buf();
+        drop(d);
+        assert!(!tmp.exists() && !temporaries().contains(&tmp));
+        assert_eq!(std::fs::read(out.join("r.json")).unwrap(), b"two");
+    }
+
+    #[test]
+    fn directories_holding_anything_else_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let none = Inputs::new();
+        let out = dir.path().join("cal");
+        std::fs::create_dir_all(out.join("traces")).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        let e = check_output_dir(&out, &none, calibration_like).unwrap_err();
+        assert!(matches!(e, OutputError::NotReplaceable { .. }), "{e}");
+        assert!(e.to_string().contains("notes.txt"), "{e}");
+        std::fs::remove_file(out.join("notes.txt")).unwrap();
+        // Checked at the commit again: a file that appeared meanwhile is kept.
+        let d = AtomicDir::create(&check_output_dir(&out, &none, calibration_like).unwrap()).unwrap();
+        std::fs::write(out.join("traces/x.txt"), "mine").unwrap();
+        let tmp = d.temp_path().to_path_buf();
+        assert!(d.commit().is_err());
+        assert!(!tmp.exists());
+        assert_eq!(std::fs::read(out.join("traces/x.txt")).unwrap(), b"mine");
+        // A file, an input, a symbolic link, `.`.
+        let f = dir.path().join("f");
+        std::fs::write(&f, "x").unwrap();
+        let e = check_output_dir(&f, &none, calibration_like).unwrap_err();
+        assert!(matches!(e, OutputError::NotADirectoryOutput { .. }), "{e}");
+        let r = dir.path().join("r");
+        std::fs::create_dir(&r).unwrap();
+        std::fs::write(r.join("model.json"), "x").unwrap();
+        let mut inputs = Inputs::new();
+        inputs.file(&r.join("model.json"), "model file");
+        let e = check_output_dir(&r, &inputs, calibration_like).unwrap_err();
+        assert!(matches!(e, OutputError::SameAsInput { .. }), "{e}");
+        #[cfg(unix)]
+        {
+            let l = dir.path().join("l");
+            std::os::unix::fs::symlink(&r, &l).unwrap();
+            let e = check_output_dir(&l, &none, calibration_like).unwrap_err();
+            assert!(matches!(e, OutputError::Symlink { .. }), "{e}");
+        }
+        let e = check_output_dir(Path::new("."), &none, calibration_like).unwrap_err();
+        assert!(matches!(e, OutputError::UnnamedDirectory { .. }), "{e}");
+    }
+
+    #[test]
+    fn several_files_are_renamed_only_once_all_are_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.json"), dir.path().join("b.html"));
+        let none = Inputs::new();
+        let ca = check_output(&a, &none).unwrap();
+        let cb = check_output(&b, &none).unwrap();
+        write_all_checked(&[(&ca, b"a"), (&cb, b"b")]).unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), b"a");
+        assert_eq!(std::fs::read(&b).unwrap(), b"b");
+        // The second cannot be created (its directory went): the first is not replaced.
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let cc = check_output(&sub.join("c.html"), &none).unwrap();
+        std::fs::remove_dir(&sub).unwrap();
+        assert!(write_all_checked(&[(&ca, b"new"), (&cc, b"c")]).is_err());
+        assert_eq!(std::fs::read(&a).unwrap(), b"a");
+        assert!(temps(dir.path()).is_empty());
     }
 
     #[cfg(unix)]

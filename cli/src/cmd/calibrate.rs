@@ -10,22 +10,25 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use crate::output::{add_model_inputs, check_output, check_output_dir, output_dir};
-use anyhow::bail;
+use crate::output::{add_model_inputs, check_output, output_dir};
+use anyhow::{bail, Context};
 use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
-use moeconf_schema::output::write_checked;
-use moeconf_schema::Inputs;
+use moeconf_schema::output::{write_checked, AtomicDir};
+use moeconf_schema::{CheckedDir, Inputs};
 use moeconf_shard::{ProgressMode, Shard};
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
-  moeconf calibrate --out cal-full                 # the paper's sizes (720 A, 360 B, 64 seeds, 50 prompts)
-  moeconf calibrate --only 2,10 --out cal          # only the fork sweep and the fault matrix
-  moeconf calibrate --shard 0/8 --out part-0.part  # one of 8 shards (docs/scale.md)
-  moeconf merge part-*.part -o cal                 # after every shard: the unsharded outputs
+  moeconf calibrate --quick --only 2,10 --out cal                   # the fork sweep and the fault matrix
+  moeconf calibrate --quick --only 1 --shard 0/2 --out part-0.part  # one of 2 shards (docs/scale.md)
+  moeconf calibrate --quick --only 1 --shard 1/2 --out part-1.part
+  moeconf merge part-*.part -o cal-sharded                          # the unsharded outputs
+
+Without --quick (moeconf calibrate --out cal-full): the paper's sizes (720 A, 360 B, 64 seeds,
+50 prompts; minutes instead of seconds). --out DIR appears only once complete (docs/format.md §10).
 
 Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static ablation,
 4 same-mode canonical reference, 5 C intermediate check, 6 post-mHC substitution control,
@@ -40,10 +43,11 @@ pub struct CalibrateArgs {
     /// Model: `builtin:tiny-v4` or a directory with config.json, *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
-    /// Output directory for calibration.json, the TSV tables and the traces (created if missing;
-    /// default moeconf-calibration). Before any work, every existing file there that the suite may
-    /// replace is checked: no directory, FIFO, device, socket, symbolic link or input is replaced.
-    /// With --shard: the partial result file to write (required).
+    /// Output directory for calibration.json, the TSV tables and the traces (default
+    /// moeconf-calibration). Written as a temporary sibling directory renamed into place when
+    /// complete, so an interrupted run leaves no result; an existing directory is replaced only
+    /// when empty or holding nothing but a previous calibration's result (checked before any
+    /// work). With --shard: the partial result file to write (required).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Reduced version of every protocol (fewer seeds, classes, prompts, shorter continuations).
@@ -101,22 +105,35 @@ impl CalibrateArgs {
     }
 }
 
-/// Checks, before any work, every file `calibrate` may write into `out`:
-/// `calibration.json`, the `*.tsv` tables and the `traces/*.bin` traces
-/// (those that exist must be regular files that are no input, no symbolic
-/// links); `out` and `out/traces` must be directories if they exist.
-pub(crate) fn check_out_dir(out: &Path, inputs: &Inputs) -> anyhow::Result<()> {
-    let traces = out.join("traces");
-    for dir in [out, traces.as_path()] {
-        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
-            bail!("--out {}: {} is not a directory", out.display(), dir.display());
+/// Checks, before any work, the output directory `out` of a calibration
+/// (`option` names it in messages): it may not exist yet (its parents are
+/// created), or be empty, or hold only a previous calibration's result
+/// (`calibration.json`, `*.tsv`, `traces/*.bin`, none of them an input),
+/// which the new result replaces as a whole once complete
+/// (docs/format.md §10). Warns about stale temporaries next to it.
+pub(crate) fn check_out_dir(option: &str, out: &Path, inputs: &Inputs) -> anyhow::Result<CheckedDir> {
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.exists() {
+            std::fs::create_dir_all(parent).with_context(|| {
+                format!(
+                    "{option} {}: cannot create the directory {}",
+                    out.display(),
+                    parent.display()
+                )
+            })?;
         }
     }
-    if std::fs::metadata(out).is_ok() {
-        check_output(&out.join("calibration.json"), inputs)?;
+    let checked = moeconf_schema::check_output_dir(out, inputs, suite::is_result_entry)?;
+    for t in checked.stale_temporaries() {
+        eprintln!(
+            "moeconf: warning: stale temporary {} next to {}: left by process {}, which no longer runs \
+             (a write that was killed); moeconf does not remove it, delete it",
+            t.path.display(),
+            out.display(),
+            t.pid
+        );
     }
-    check_output_dir(out, &|n| n.ends_with(".tsv"), inputs)?;
-    check_output_dir(&traces, &|n| n.ends_with(".bin"), inputs)
+    Ok(checked)
 }
 
 /// The default output directory.
@@ -141,7 +158,7 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     if a.shard.is_some() {
         check_output(&out, &inputs)?;
     } else {
-        check_out_dir(&out, &inputs)?;
+        check_out_dir("--out", &out, &inputs)?;
     }
     let m = load_model(&a.model)?;
     inputs.dir_files(&m.dir, "model file");
@@ -193,21 +210,25 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    output_dir("--out", &out)?;
-    output_dir("--out", &out.join("traces"))?;
-    check_out_dir(&out, &inputs)?;
+    // Everything is written into a temporary sibling directory, renamed
+    // into place once complete: an interrupted run leaves no result.
+    // Checked again with the model's files as inputs (a built-in model's
+    // cache directory is known only once loaded).
+    let checked = moeconf_schema::check_output_dir(&out, &inputs, suite::is_result_entry)?;
+    let result = AtomicDir::create(&checked)?;
+    output_dir("--out", &result.temp_path().join("traces"))?;
     let opts = CtxOptions {
         precision,
         fork_layer: a.fork_layer,
         sizes,
-        out: out.clone(),
+        out: result.temp_path().to_path_buf(),
         progress,
     };
     let ctx = Ctx::new(m, opts)?;
     let info = info(ctx.k());
     let results = suite::run(&ctx, &info.only)?;
     let o = suite::outputs(&results, &info, &out)?;
-    write_outputs(&out, &o, &inputs)?;
+    write_outputs(result, &o, &inputs)?;
     if progress.enabled() {
         eprintln!(
             "moeconf calibrate: wall time {:.1} s",
@@ -217,11 +238,13 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     Ok(exit(&o))
 }
 
-/// Writes the suite's files into `out` (each checked again) and prints its report.
-pub(crate) fn write_outputs(out: &Path, o: &suite::Outputs, inputs: &Inputs) -> anyhow::Result<()> {
+/// Writes the suite's files into the temporary directory of `result` (the
+/// traces are already there), renames it into place and prints the report.
+pub(crate) fn write_outputs(result: AtomicDir, o: &suite::Outputs, inputs: &Inputs) -> anyhow::Result<()> {
     for (name, bytes) in &o.files {
-        write_checked(&check_output(&out.join(name), inputs)?, bytes)?;
+        write_checked(&check_output(&result.temp_path().join(name), inputs)?, bytes)?;
     }
+    result.commit()?;
     crate::output::print_text(&o.stdout)
 }
 

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// Arguments of `moeconf convert`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "The root digest does not change: both versions store the same records and the same hash tree.\n\nExamples:\n  moeconf convert old.bin -o new.bin            # to version 2 (nodes read on use)\n  moeconf convert new.bin -o old.bin --to 1     # for readers that only know version 1"
+    after_help = "The root digest does not change: both versions store the same records and the same hash tree.\n\nExamples:\n  moeconf convert ref.bin -o ref-v1.bin --to 1  # for readers that only know version 1\n  moeconf convert ref-v1.bin -o ref-v2.bin      # to version 2 (nodes read on use)"
 )]
 pub struct ConvertArgs {
     /// The trace to convert (verified in full before anything is written).

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 /// `moeconf demo`.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Examples:\n  moeconf demo\n  moeconf demo --fork-contract a --fork-order 17\n  moeconf demo --format json --out-dir /tmp/demo"
+    after_help = "Examples:\n  moeconf demo\n  moeconf demo --fork-contract a --fork-order 17\n  moeconf demo --format json --out-dir demo"
 )]
 pub struct DemoArgs {
     /// Where to write the two traces (`ref.bin`, `cand.bin`; created if missing). Both are checked

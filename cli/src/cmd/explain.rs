@@ -16,7 +16,7 @@ use std::process::ExitCode;
 /// `moeconf explain`.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Needs f32 (or bf16) payloads of moe.term.*, moe.shared and moe.combine (moeconf run --capture all); router.topk and router.gates payloads, where recorded, let it name expert-id and gate orders.\n\nExit codes: 0 explained or reported, 2 error.\n\nExamples:\n  moeconf explain trace.bin\n  moeconf explain trace.bin --format json > explain.json"
+    after_help = "Needs f32 (or bf16) payloads of moe.term.*, moe.shared and moe.combine (moeconf run --capture all); router.topk and router.gates payloads, where recorded, let it name expert-id and gate orders.\n\nExit codes: 0 explained or reported, 2 error.\n\nExamples:\n  moeconf run --prompt \"why the sheep\" --capture all -o trace.bin\n  moeconf explain trace.bin\n  moeconf explain trace.bin --format json > explain.json"
 )]
 pub struct ExplainArgs {
     /// The trace file.

@@ -14,7 +14,7 @@ pub enum ExportCommand {
     /// architecture: tensor names and metadata as its loader expects, the tokenizer included,
     /// every value read back and compared bit for bit with the checkpoint's.
     #[command(
-        after_help = "Examples:\n  moeconf export gguf --model builtin:tiny-v4-llamacpp -o tiny.gguf\n  moeconf export gguf --model ./ckpt --type native -o ckpt.gguf\n  moeconf export gguf --model ./ckpt --verify ckpt.gguf\n\nTypes: f32 (every real tensor F32), bf16 (matrices BF16, vectors F32), native (bf16, but routed experts stored as MXFP4 stay MXFP4). FP8 weights are written as their exact BF16 values (this llama.cpp has no block-scaled FP8 type; Q8_0 would not be the same weights). Exit codes: 0 written / verified, 2 error."
+        after_help = "Examples:\n  moeconf export gguf --model builtin:tiny-v4-fp8-bf16 -o tiny.gguf\n  moeconf export gguf --model ./ckpt --type native -o ckpt.gguf\n  moeconf export gguf --model ./ckpt --verify ckpt.gguf\n\nTypes: f32 (every real tensor F32), bf16 (matrices BF16, vectors F32), native (bf16, but routed experts stored as MXFP4 stay MXFP4). FP8 weights are written as their exact BF16 values (this llama.cpp has no block-scaled FP8 type; Q8_0 would not be the same weights). Exit codes: 0 written / verified, 2 error."
     )]
     Gguf(GgufArgs),
 }

@@ -8,16 +8,20 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use moeconf_calibrate::{suite, sweep};
-use moeconf_schema::output::{write_checked, AtomicFile};
+use moeconf_schema::output::{AtomicDir, AtomicFile};
 use moeconf_schema::Inputs;
 use moeconf_shard::Merged;
 
 use crate::output::{check_output, check_outputs, output_dir, print_text};
 
 const EXAMPLES: &str = "Examples:
-  moeconf merge parts/sweep-*.part -o sweep.json
-  moeconf merge parts/sweep-*.part -o sweep.json --html sweep.html
-  moeconf merge parts/cal-*.part -o cal-full
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 0/2 -o sweep-0.part
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 1/2 -o sweep-1.part
+  moeconf merge sweep-*.part -o sweep.json
+  moeconf merge sweep-*.part -o sweep.json --html sweep.html
+  moeconf calibrate --quick --only 1 --shard 0/2 --out cal-0.part
+  moeconf calibrate --quick --only 1 --shard 1/2 --out cal-1.part
+  moeconf merge cal-*.part -o cal
 
 The partials may be given in any order; every shard 0..N-1 of one run is needed, each once.
 What is printed and written is byte for byte what the unsharded command prints and writes
@@ -63,12 +67,7 @@ fn merge_sweep(a: &MergeArgs, m: &Merged, inputs: &Inputs) -> anyhow::Result<Exi
     let output = a.output.as_ref().and_then(|_| checked.next());
     let html = a.html.as_ref().and_then(|_| checked.next());
     let o = sweep::outputs(&args, m.results(), html.is_some())?;
-    if let Some(out) = &output {
-        super::sweep::write_output(out, &o.doc)?;
-    }
-    if let (Some(out), Some(page)) = (&html, &o.html) {
-        write_checked(out, page.as_bytes())?;
-    }
+    super::sweep::write_outputs(output.as_ref(), html.as_ref(), &o)?;
     print_text(&o.stdout)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -80,24 +79,26 @@ fn merge_calibration(a: &MergeArgs, m: &Merged, inputs: &Inputs) -> anyhow::Resu
     let Some(out) = &a.output else {
         bail!("merging a calibration needs -o DIR: the output directory the unsharded run's --out names");
     };
-    super::calibrate::check_out_dir(out, inputs)?;
+    let checked = super::calibrate::check_out_dir("-o", out, inputs)?;
     let (info, suite) = suite::merged(m)?;
     let o = suite::outputs(&suite, &info, out)?;
-    output_dir("-o", out)?;
-    output_dir("-o", &out.join("traces"))?;
-    super::calibrate::check_out_dir(out, inputs)?;
+    // Written into a temporary sibling directory, renamed into place once
+    // complete (as `calibrate --out`).
+    let result = AtomicDir::create(&checked)?;
+    let tmp = result.temp_path().to_path_buf();
+    output_dir("-o", &tmp.join("traces"))?;
     // Every output (tables, calibration.json, each trace) is checked before any is written.
     let files = m.files();
-    let mut all: Vec<PathBuf> = o.files.iter().map(|(n, _)| out.join(n)).collect();
-    all.extend(files.iter().map(|f| out.join(f.name)));
+    let mut all: Vec<PathBuf> = o.files.iter().map(|(n, _)| tmp.join(n)).collect();
+    all.extend(files.iter().map(|f| tmp.join(f.name)));
     let refs: Vec<&Path> = all.iter().map(|p| p.as_path()).collect();
     check_outputs(&refs, inputs)?;
     for f in &files {
-        let target = check_output(&out.join(f.name), inputs)?;
+        let target = check_output(&tmp.join(f.name), inputs)?;
         let mut w = AtomicFile::create(&target)?;
         m.copy_file(f, &mut w)?;
         w.commit()?;
     }
-    super::calibrate::write_outputs(out, &o, inputs)?;
+    super::calibrate::write_outputs(result, &o, inputs)?;
     Ok(super::calibrate::exit(&o))
 }

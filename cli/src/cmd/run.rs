@@ -14,7 +14,7 @@ const RUN_EXAMPLES: &str = "Examples:
   moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --max-new-tokens 8 -o ref.bin
   moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --contract b --schedule layer-static:7 -o cand.bin
   moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --fork-contract b --fork-order 135 -o fork.bin
-  moeconf run --model ./my-checkpoint --prompt-file prompt.txt --precision f32 --capture all -o full.bin
+  moeconf run --model ./ckpt --prompt-file prompt.txt --precision f32 --capture all -o full.bin
 
 Contracts (--contract, --fork-contract): any member of the combine grammar in the notation of
 docs/contracts.md: a preset native (= c with identity order), p32, c, a, b (the paper's schemes),

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use moeconf_calibrate::sweep::{
-    build_schemes, finish_message, identity, outputs, run_jobs, SchemeRequest, SweepArguments,
+    build_schemes, finish_message, identity, outputs, run_jobs, SchemeRequest, SweepArguments, SweepOutputs,
 };
 use moeconf_contract::ForkPoint;
 use moeconf_fingerprint::CanonPolicy;
@@ -27,16 +27,17 @@ use crate::cli::{Format, ModelPromptArgs};
 use crate::output::print_text;
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
-use moeconf_schema::output::write_checked;
+use moeconf_schema::output::write_all_checked;
 use moeconf_schema::CheckedOutput;
 
 const SWEEP_EXAMPLES: &str = "Examples:
-  moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 8
+  moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 2
   moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --format json
-  moeconf sweep --prompt \"why the sheep\" --scheme a,b -o sweep.json
-  moeconf sweep --prompt \"why the sheep\" --branch b+order=class:135 --branch a+order=index:17
-  moeconf sweep --prompt \"why the sheep\" --scheme a,b --shard 0/4 -o part-0.part
-  moeconf merge part-*.part -o sweep.json          # after the shards 0/4 .. 3/4 (docs/scale.md)
+  moeconf sweep --prompt \"why the sheep\" --scheme a,b --max-new-tokens 2 -o sweep.json --html sweep.html
+  moeconf sweep --prompt \"why the sheep\" --max-new-tokens 2 --branch b+order=class:135 --branch a+order=index:17
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 0/2 -o part-0.part
+  moeconf sweep --prompt \"why the sheep\" --scheme b --limit 20 --max-new-tokens 2 --shard 1/2 -o part-1.part
+  moeconf merge part-*.part -o sweep.json          # after every shard (docs/scale.md)
 
 A scheme is a contract family (native, p32, c, a, b, exact, tree, f64, exact-fused, or
 operand=..+accumulator=..); it is swept over its structural classes: the k!/2 B classes for
@@ -112,11 +113,24 @@ pub struct SweepArgs {
     pub threads: Option<usize>,
 }
 
-/// Writes the JSON report to `-o FILE` (checked before the sweep).
-pub(crate) fn write_output(out: &CheckedOutput, doc: &serde_json::Value) -> anyhow::Result<()> {
-    let mut bytes = serde_json::to_vec_pretty(doc)?;
-    bytes.push(b'\n');
-    Ok(write_checked(out, &bytes)?)
+/// Writes the JSON report to `-o FILE` and the HTML page to `--html FILE`
+/// (both checked before the sweep), each in full before either is renamed
+/// into place.
+pub(crate) fn write_outputs(
+    output: Option<&CheckedOutput>,
+    html: Option<&CheckedOutput>,
+    o: &SweepOutputs,
+) -> anyhow::Result<()> {
+    let mut json = serde_json::to_vec_pretty(&o.doc)?;
+    json.push(b'\n');
+    let mut files: Vec<(&CheckedOutput, &[u8])> = Vec::new();
+    if let Some(out) = output {
+        files.push((out, &json));
+    }
+    if let (Some(out), Some(page)) = (html, &o.html) {
+        files.push((out, page.as_bytes()));
+    }
+    Ok(write_all_checked(&files)?)
 }
 
 /// Runs `moeconf sweep`.
@@ -244,12 +258,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let o = outputs(&args, &results, html.is_some())?;
-    if let Some(out) = &output {
-        write_output(out, &o.doc)?;
-    }
-    if let (Some(out), Some(page)) = (&html, &o.html) {
-        write_checked(out, page.as_bytes())?;
-    }
+    write_outputs(output.as_ref(), html.as_ref(), &o)?;
     print_text(&o.stdout)?;
     Ok(ExitCode::SUCCESS)
 }
