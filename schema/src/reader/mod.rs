@@ -480,11 +480,15 @@ impl Trace {
     /// claim (they are not under the root digest, docs/format.md §11.5).
     /// A version 2 trace reads every step block for it (not the groups).
     pub fn held_levels(&self) -> Result<LevelSet, TraceError> {
-        let mut held = LevelSet::EMPTY;
-        for k in 0..self.summaries.len() {
-            held = held.union(self.step_at(k)?.held());
-        }
-        Ok(held)
+        use rayon::prelude::*;
+        // Steps are read in parallel; the first error in step order is the
+        // answer, whatever the threads.
+        let held: Vec<Result<LevelSet, TraceError>> = (0..self.summaries.len())
+            .into_par_iter()
+            .map(|k| self.step_at(k).map(StepNode::held))
+            .collect();
+        held.into_iter()
+            .try_fold(LevelSet::EMPTY, |acc, h| Ok(acc.union(h?)))
     }
 
     /// The levels `step` holds, from its verified node (empty when the trace
