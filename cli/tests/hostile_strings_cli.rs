@@ -217,7 +217,7 @@ fn check_md(md: &str, names: &[&str]) {
     for n in names {
         let v = visible(n);
         assert!(
-            spans.iter().any(|s| *s == v),
+            spans.contains(&v),
             "no code span holds {v:?} whole; spans {spans:?}:\n{md}"
         );
     }

@@ -135,7 +135,7 @@ pub fn md_code(s: &str, ctx: MdContext) -> String {
     let fence = "`".repeat(longest + 1);
     let pad = body.starts_with('`')
         || body.ends_with('`')
-        || (body.starts_with(' ') && body.ends_with(' ') && body.trim_matches(' ').len() > 0);
+        || (body.starts_with(' ') && body.ends_with(' ') && !body.trim_matches(' ').is_empty());
     let sp = if pad { " " } else { "" };
     format!("{fence}{sp}{body}{sp}{fence}")
 }
