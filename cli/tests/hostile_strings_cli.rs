@@ -7,7 +7,7 @@
 //! Markdown keeps each name inside one code span and tables keep their
 //! columns, no raw HTML; JUnit is well-formed XML 1.0; JSON gives back the
 //! exact string; text and HTML carry no raw control or bidi character and
-//! HTML no tag from user data.
+//! HTML no tag from user data. `inspect` and `replay` are checked too.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -415,7 +415,7 @@ fn trace(dir: &Path, name: &str, extra: &[&str]) -> PathBuf {
 const FORK: &[&str] = &["--fork-layer", "5", "--fork-contract", "b", "--fork-order", "135"];
 
 #[test]
-fn hostile_file_names_stay_inert_in_every_gate_and_diff_format() {
+fn hostile_file_names_stay_inert_in_every_gate_diff_and_inspect_format() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     std::fs::create_dir(d.join(".git")).unwrap();
@@ -425,6 +425,7 @@ fn hostile_file_names_stay_inert_in_every_gate_and_diff_format() {
     let plain_lines = |args: &[&str]| report(d, args).lines().count();
     let gate_lines = plain_lines(&["gate", s(&r), s(&fork)]);
     let diff_lines = plain_lines(&["diff", s(&r), s(&fork)]);
+    let inspect_lines = plain_lines(&["inspect", s(&fork)]);
     for (k, name) in FILE_NAMES.iter().enumerate() {
         let sub = d.join(format!("n{k}"));
         std::fs::create_dir(&sub).unwrap();
@@ -470,6 +471,11 @@ fn hostile_file_names_stay_inert_in_every_gate_and_diff_format() {
         let html = sub.join("diff.html");
         report(d, &["diff", rs, cs, "--html", s(&html)]);
         check_html(&std::fs::read_to_string(&html).unwrap());
+
+        let text = report(d, &["inspect", cs]);
+        no_hidden(&ctx, &text);
+        assert_eq!(text.lines().count(), inspect_lines, "{ctx}: inspect\n{text}");
+        assert!(text.contains(&visible(cs)), "{ctx}: inspect\n{text}");
     }
 }
 
