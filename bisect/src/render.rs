@@ -7,7 +7,7 @@ use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
 use moeconf_fingerprint::Component;
-use moeconf_schema::escape::text;
+use moeconf_schema::escape::{multiline, text};
 use std::fmt::Write;
 
 struct Style {
@@ -47,9 +47,9 @@ impl Style {
         }
         ops.iter()
             .map(|op| match op.tag.as_str() {
-                "delete" => self.paint("31", &format!("[-{}-]", op.text)),
-                "insert" => self.paint("32", &format!("{{+{}+}}", op.text)),
-                _ => op.text.clone(),
+                "delete" => self.paint("31", &format!("[-{}-]", multiline(&op.text))),
+                "insert" => self.paint("32", &format!("{{+{}+}}", multiline(&op.text))),
+                _ => multiline(&op.text).into_owned(),
             })
             .collect()
     }

@@ -11,7 +11,8 @@
 //! `\u{202e}`). A backslash is kept as it is, so the form is for reading,
 //! not for parsing back (JSON carries the exact string). On top of that:
 //!
-//! * [`text`]: the visible form only (text reports).
+//! * [`text`]: the visible form only (names in text reports);
+//!   [`multiline`] keeps newline and tab (generated text shown as text).
 //! * [`xml`]: markup characters as entities; newline and tab kept (XML 1.0
 //!   allows them and multi-line bodies pass through it), every other hidden
 //!   character, and the noncharacters U+FFFE/U+FFFF XML 1.0 forbids, in the
@@ -66,6 +67,26 @@ pub fn text(s: &str) -> Cow<'_, str> {
     let mut o = String::with_capacity(s.len() + 8);
     for c in s.chars() {
         if is_hidden(c) {
+            push_visible(&mut o, c);
+        } else {
+            o.push(c);
+        }
+    }
+    Cow::Owned(o)
+}
+
+/// `s` with every hidden character but newline and tab in its visible form
+/// (borrowed when it has none): for multi-line text a report shows as text,
+/// such as a generated continuation, whose line breaks are its own but whose
+/// terminal escapes (`\u{1b}`) or bidi controls must not act.
+pub fn multiline(s: &str) -> Cow<'_, str> {
+    let keep = |c: char| c == '\n' || c == '\t';
+    if !s.chars().any(|c| is_hidden(c) && !keep(c)) {
+        return Cow::Borrowed(s);
+    }
+    let mut o = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if is_hidden(c) && !keep(c) {
             push_visible(&mut o, c);
         } else {
             o.push(c);
@@ -177,6 +198,12 @@ mod tests {
         );
         // Ordinary non-ASCII text is not hidden.
         assert_eq!(text("é✅日本"), "é✅日本");
+    }
+
+    #[test]
+    fn multiline_keeps_line_breaks_only() {
+        assert!(matches!(multiline("a\n\tb"), Cow::Borrowed("a\n\tb")));
+        assert_eq!(multiline("a\n\u{1b}[2J\r\u{202e}b"), "a\n\\u{1b}[2J\\r\\u{202e}b");
     }
 
     #[test]
