@@ -627,3 +627,18 @@ fn hostile_file_names_stay_inert_in_replay_reports() {
         check_html(&std::fs::read_to_string(&html).unwrap());
     }
 }
+
+#[test]
+fn error_messages_name_hostile_files_without_terminal_escapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let name = dir.path().join("ansi\u{1b}]0;title\u{7}\u{1b}[2J rtl\u{202e}x");
+    let o = moeconf(dir.path(), &["inspect", s(&name)]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8(o.stderr).unwrap();
+    assert!(
+        err.contains("\\u{1b}]0;title\\u{7}\\u{1b}[2J rtl\\u{202e}x"),
+        "{err}"
+    );
+    let raw = err.trim_end().chars().find(|&c| c.is_control() && c != '\n');
+    assert!(raw.is_none() && !err.contains('\u{202e}'), "{err:?}");
+}
