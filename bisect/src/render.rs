@@ -7,6 +7,7 @@ use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
 use moeconf_fingerprint::Component;
+use moeconf_schema::escape::{multiline, text};
 use std::fmt::Write;
 
 struct Style {
@@ -46,9 +47,9 @@ impl Style {
         }
         ops.iter()
             .map(|op| match op.tag.as_str() {
-                "delete" => self.paint("31", &format!("[-{}-]", op.text)),
-                "insert" => self.paint("32", &format!("{{+{}+}}", op.text)),
-                _ => op.text.clone(),
+                "delete" => self.paint("31", &format!("[-{}-]", multiline(&op.text))),
+                "insert" => self.paint("32", &format!("{{+{}+}}", multiline(&op.text))),
+                _ => multiline(&op.text).into_owned(),
             })
             .collect()
     }
@@ -304,13 +305,20 @@ impl DiffReport {
         }
     }
 
-    /// The two traces, their binding differences and unmatched steps.
+    /// The two traces, their binding differences and unmatched steps. File
+    /// names and binding strings are written in the visible form of
+    /// [`moeconf_schema::escape::text`] (no raw newline or bidi control).
     fn render_traces(&self, o: &mut String, st: &Style) {
         for (label, t) in [("reference", &self.reference), ("candidate", &self.candidate)] {
             let _ = writeln!(
                 o,
                 "  {label}  {}  (runtime {}, precision {}, contract {}, schedule {}; {} steps)",
-                t.path, t.runtime, t.precision, t.contract, t.schedule, t.steps
+                text(&t.path),
+                text(&t.runtime),
+                text(&t.precision),
+                text(&t.contract),
+                text(&t.schedule),
+                t.steps
             );
         }
         if self.reference.precision != self.candidate.precision {
@@ -318,15 +326,17 @@ impl DiffReport {
                 o,
                 "  {} the reference ran precision profile {}, the candidate {}: their numerics differ by design (docs/operators.md §1), so the traces part where the two profiles first compute differently",
                 st.bold("different precision profiles:"),
-                self.reference.precision,
-                self.candidate.precision
+                text(&self.reference.precision),
+                text(&self.candidate.precision)
             );
         }
         for d in &self.comparability.expected_differences {
             let _ = writeln!(
                 o,
                 "  expected difference  {}: {} -> {}",
-                d.field, d.reference, d.candidate
+                d.field,
+                text(&d.reference),
+                text(&d.candidate)
             );
         }
         for d in &self.comparability.forced_over {
@@ -335,8 +345,8 @@ impl DiffReport {
                 "  {} {}: {} -> {}",
                 st.red("FORCED over a binding difference"),
                 d.field,
-                d.reference,
-                d.candidate
+                text(&d.reference),
+                text(&d.candidate)
             );
         }
         if !self.unmatched_steps.is_empty() {

@@ -15,6 +15,7 @@
 //! deadline is a safety net that normal inputs never reach.
 
 use crate::report::{TextOp, TextPosition, TextSummary};
+use moeconf_schema::escape::multiline;
 use similar::{ChangeTag, TextDiff};
 use std::time::{Duration, Instant};
 
@@ -160,13 +161,17 @@ fn summarize(a: &str, b: &str, prefix: usize, reason: String) -> TextSummary {
 }
 
 /// Renders ops in `git diff --word-diff` style: `[-removed-]{+added+}`.
+/// Control characters other than newline and tab, and bidi controls, are
+/// written visibly ([`moeconf_schema::escape::multiline`]): a continuation
+/// cannot send terminal escapes or reorder the report.
 pub fn render_inline(ops: &[TextOp]) -> String {
     let mut s = String::new();
     for op in ops {
+        let text = multiline(&op.text);
         match op.tag.as_str() {
-            "delete" => s.push_str(&format!("[-{}-]", op.text)),
-            "insert" => s.push_str(&format!("{{+{}+}}", op.text)),
-            _ => s.push_str(&op.text),
+            "delete" => s.push_str(&format!("[-{text}-]")),
+            "insert" => s.push_str(&format!("{{+{text}+}}")),
+            _ => s.push_str(&text),
         }
     }
     s
@@ -323,6 +328,11 @@ mod tests {
             TextComparison::Summary(s) => panic!("{s:?}"),
         };
         assert_eq!(render_inline(&ops), "the sheep [-ate grass-]{+slept here+}");
+        let escape = [TextOp {
+            tag: "insert".into(),
+            text: "\u{1b}[2J\u{202e}x\n".into(),
+        }];
+        assert_eq!(render_inline(&escape), "{+\\u{1b}[2J\\u{202e}x\n+}");
         assert!(TEXT_DIFF_DEADLINE > Duration::ZERO && TEXT_DIFF_DEADLINE <= Duration::from_secs(1));
     }
 }

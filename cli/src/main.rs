@@ -18,7 +18,10 @@ fn main() -> ExitCode {
             if is_broken_pipe(&err) {
                 return ExitCode::SUCCESS;
             }
-            eprintln!("moeconf: {err:#}");
+            // File names in the chain are user strings: no terminal escape or
+            // bidi control from them reaches the terminal.
+            let msg = format!("{err:#}");
+            eprintln!("moeconf: {}", moeconf_schema::escape::multiline(&msg));
             ExitCode::from(2)
         }
     }

@@ -12,6 +12,7 @@ use crate::policy::{Mode, Profile};
 use crate::tolerance::Minimal;
 use moeconf_bisect::{FirstDivergence, RecordRef};
 use moeconf_fingerprint::Level;
+use moeconf_schema::escape::text;
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
@@ -319,7 +320,7 @@ impl RuleResult {
         s.push_str(&format!(
             "  {:<5} {} [{}]: {} judged, {} fail\n",
             self.status.label(),
-            self.rule,
+            text(&self.rule),
             self.level_names(","),
             self.judged,
             self.failed
@@ -448,21 +449,24 @@ impl GateReport {
         })
     }
 
-    /// The human-readable report (summary line last).
+    /// The human-readable report (summary line last). User strings (profile,
+    /// policy, trace names, rules, notes) are written in the visible form of
+    /// [`moeconf_schema::escape::text`]: a newline or bidi control in a name
+    /// cannot forge or reorder a line.
     pub fn render_text(&self) -> String {
         let mut s = format!(
             "moeconf gate: {} (profile {}, policy {})\n  reference  {}\n  candidate  {}\n",
             self.verdict.label(),
-            self.profile.name,
-            self.policy_source,
-            self.reference,
-            self.candidate
+            text(&self.profile.name),
+            text(&self.policy_source),
+            text(&self.reference),
+            text(&self.candidate)
         );
         if let Some(l) = self.localization_line() {
             s.push_str(&format!("  first divergence: {l}\n"));
         }
         for n in &self.notes {
-            s.push_str(&format!("  note: {n}\n"));
+            s.push_str(&format!("  note: {}\n", text(n)));
         }
         s.push('\n');
         for l in &self.levels {
@@ -477,7 +481,7 @@ impl GateReport {
         if !self.near_ties.is_empty() {
             s.push_str("\nnear-ties (warnings)\n");
             for n in &self.near_ties {
-                s.push_str(&format!("  {}\n", n.describe()));
+                s.push_str(&format!("  {}\n", text(&n.describe())));
             }
         }
         s.push('\n');

@@ -10,24 +10,13 @@
 use crate::report::{GateReport, LevelResult, NearTie, RuleResult, Status};
 use std::fmt::Write;
 
-/// Escapes text for XML attributes and content (control characters other
-/// than tab/newline are dropped: XML 1.0 cannot carry them).
-pub fn escape(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for ch in s.chars() {
-        match ch {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&apos;"),
-            '\t' | '\n' => o.push(ch),
-            c if (c as u32) < 0x20 => {}
-            c => o.push(c),
-        }
-    }
-    o
-}
+use moeconf_schema::escape::text;
+/// Escapes a string for XML content and attribute values (the shared rule
+/// of [`moeconf_schema::escape::xml`]: markup as entities, characters XML 1.0
+/// forbids written visibly). User strings (trace, profile and rule names) are
+/// also given in their visible form first ([`text`]), so a newline in a name
+/// shows as `\n` instead of starting a line of a message.
+pub use moeconf_schema::escape::xml as escape;
 
 /// One `<testcase>`.
 struct Case {
@@ -92,7 +81,7 @@ impl Case {
             body.push_str(&format!("\nsmallest passing tolerance: {}", m.describe()));
         }
         Case {
-            name: format!("rule {} [{}]", rule.rule, rule.level_names(",")),
+            name: format!("rule {} [{}]", text(&rule.rule), rule.level_names(",")),
             failure: Some((msg, body)),
             skipped: None,
             out: String::new(),
@@ -172,10 +161,11 @@ pub fn render(r: &GateReport) -> String {
         "<testsuites name=\"moeconf gate\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" skipped=\"{skipped}\">",
         cases.len()
     );
-    let _ = writeln!(
+    let _ =
+        writeln!(
         x,
         "  <testsuite name=\"{}\" tests=\"{}\" failures=\"{failures}\" errors=\"0\" skipped=\"{skipped}\">",
-        escape(&format!("moeconf gate {} vs {}", r.candidate, r.reference)),
+        escape(&format!("moeconf gate {} vs {}", text(&r.candidate), text(&r.reference))),
         cases.len()
     );
     let _ = writeln!(x, "    <properties>");
@@ -185,26 +175,13 @@ pub fn render(r: &GateReport) -> String {
         ("against", r.against.as_str()),
         ("candidate_root", r.candidate_root.as_str()),
     ] {
-        let _ = writeln!(x, "      <property name=\"{k}\" value=\"{}\"/>", escape(v));
+        let _ = writeln!(x, "      <property name=\"{k}\" value=\"{}\"/>", escape(&text(v)));
     }
     let _ = writeln!(x, "    </properties>");
-    let class = format!("moeconf.gate.{}", r.profile.name);
+    let class = format!("moeconf.gate.{}", text(&r.profile.name));
     for c in &cases {
         c.write(&mut x, &class);
     }
     x.push_str("  </testsuite>\n</testsuites>\n");
     x
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn escapes_markup_and_drops_control_characters() {
-        assert_eq!(
-            escape("a<b & \"c\" 'd'>\u{1}\te"),
-            "a&lt;b &amp; &quot;c&quot; &apos;d&apos;&gt;\te"
-        );
-    }
 }

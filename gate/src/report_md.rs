@@ -1,30 +1,42 @@
 //! Markdown rendering of a gate report: GitHub-flavoured, small enough for a
 //! pull-request comment or `$GITHUB_STEP_SUMMARY` (one table, then details).
+//!
+//! Every string that is not a fixed label goes through
+//! [`moeconf_schema::escape`]: names (profile, traces, rules) as code spans
+//! whose fence outgrows any backtick run inside, everything else as text with
+//! `&`, `<`, `>` as entities and inline markup escaped, so a hostile file or
+//! profile name can neither leave its span or cell nor carry raw HTML.
 
 use crate::report::{GateReport, Status};
+use moeconf_schema::escape::{md_code, md_text, MdContext};
 
-/// Escapes `|` and newlines so text stays inside one table cell.
+/// Text for a table cell.
 fn cell(s: &str) -> String {
-    s.replace('|', "\\|").replace('\n', " ")
+    md_text(s, MdContext::Cell)
+}
+
+/// Text for a paragraph, list item or quote.
+fn inline(s: &str) -> String {
+    md_text(s, MdContext::Inline)
 }
 
 /// The report as Markdown.
 pub fn render(r: &GateReport) -> String {
     let mut s = format!(
-        "### moeconf gate: {}\n\nProfile `{}` ({}), candidate `{}` against {} `{}`.\n\n",
+        "### moeconf gate: {}\n\nProfile {} ({}), candidate {} against {} {}.\n\n",
         if r.verdict.passes() {
             "✅ PASS"
         } else {
             "❌ FAIL"
         },
-        r.profile.name,
-        cell(&r.policy_source),
-        cell(&r.candidate),
-        r.against,
-        cell(&r.reference)
+        md_code(&r.profile.name, MdContext::Inline),
+        inline(&r.policy_source),
+        md_code(&r.candidate, MdContext::Inline),
+        inline(&r.against),
+        md_code(&r.reference, MdContext::Inline)
     );
     if let Some(l) = r.localization_line() {
-        s.push_str(&format!("**First divergence:** {}\n\n", cell(&l)));
+        s.push_str(&format!("**First divergence:** {}\n\n", inline(&l)));
     }
     s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");
@@ -33,7 +45,7 @@ pub fn render(r: &GateReport) -> String {
         s.push_str(&format!(
             "| {} {} | {} | {} | {} | {} | {} | {} |\n",
             l.level.name(),
-            l.describe,
+            cell(&l.describe),
             l.mode.name(),
             l.status.label(),
             l.records,
@@ -53,8 +65,8 @@ pub fn render(r: &GateReport) -> String {
         );
         for x in failing {
             s.push_str(&format!(
-                "| `{}` | {} | {} | {} | {} |\n",
-                cell(&x.rule),
+                "| {} | {} | {} | {} | {} |\n",
+                md_code(&x.rule, MdContext::Cell),
                 x.level_names(", "),
                 x.judged,
                 x.failed,
@@ -65,14 +77,12 @@ pub fn render(r: &GateReport) -> String {
     if !r.near_ties.is_empty() {
         s.push_str("\n**Near-ties (warnings):**\n\n");
         for n in &r.near_ties {
-            // Kind, margin and threshold hold no `|` or newline: escaping the
-            // whole line equals escaping location and change.
-            s.push_str(&format!("- {}\n", cell(&n.describe())));
+            s.push_str(&format!("- {}\n", inline(&n.describe())));
         }
     }
     for n in &r.notes {
-        s.push_str(&format!("\n> {}\n", cell(n)));
+        s.push_str(&format!("\n> {}\n", inline(n)));
     }
-    s.push_str(&format!("\n{}\n", r.summary));
+    s.push_str(&format!("\n{}\n", inline(&r.summary)));
     s
 }

@@ -1,8 +1,12 @@
 //! Text renderings of replay reports: the origin map (steps × layers) and
 //! the list of origins for a layer replay, the per-step table and the
-//! llama-perplexity-style summary for teacher forcing.
+//! llama-perplexity-style summary for teacher forcing. The candidate's file
+//! name and binding strings are written in the visible form of
+//! [`moeconf_schema::escape::text`].
 
 use std::fmt::Write;
+
+use moeconf_schema::escape::text;
 
 use crate::report::{LayerReport, Status, UnitResult};
 use crate::teacher::TeacherReport;
@@ -74,7 +78,11 @@ impl LayerReport {
         let _ = writeln!(
             out,
             "moeconf replay: {} on {} (precision {}, contract {}, schedule {})",
-            self.candidate, self.model, self.precision, self.contract, self.schedule
+            text(&self.candidate),
+            text(&self.model),
+            text(&self.precision),
+            text(&self.contract),
+            text(&self.schedule)
         );
         if let Some(f) = &self.fork_ignored {
             let _ = writeln!(out, "  the binding's fork is not part of the reference: {f}");
@@ -131,7 +139,11 @@ impl TeacherReport {
         let _ = writeln!(
             out,
             "moeconf replay --teacher-force: {} on {} (precision {}, contract {}, schedule {})",
-            self.candidate, self.model, self.precision, self.contract, self.schedule
+            text(&self.candidate),
+            text(&self.model),
+            text(&self.precision),
+            text(&self.contract),
+            text(&self.schedule)
         );
         let _ = writeln!(
             out,

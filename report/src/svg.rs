@@ -3,23 +3,9 @@
 
 use std::fmt::Write;
 
-/// Escapes text for XML content and attribute values.
-pub fn esc(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for ch in s.chars() {
-        match ch {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&#39;"),
-            // XML 1.0 forbids most control characters even escaped.
-            c if (c as u32) < 0x20 && c != '\n' && c != '\t' => o.push('\u{fffd}'),
-            c => o.push(c),
-        }
-    }
-    o
-}
+/// Escapes text for XML content and attribute values (the shared rule of
+/// [`moeconf_schema::escape::xml`], also used by the gate's JUnit report).
+pub use moeconf_schema::escape::xml as esc;
 
 /// A coordinate with one decimal (no `-0.0`).
 pub fn n(v: f64) -> String {
@@ -165,6 +151,6 @@ mod tests {
     #[test]
     fn text_is_escaped() {
         assert_eq!(esc("a<b>&\"c'"), "a&lt;b&gt;&amp;&quot;c&#39;");
-        assert_eq!(esc("x\u{1}y"), "x\u{fffd}y");
+        assert_eq!(esc("x\u{1}y"), "x\\u{1}y");
     }
 }

@@ -16,6 +16,7 @@ use moeconf_fingerprint::Level;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{json, Map, Value};
 
+use crate::escape::text;
 use crate::{TensorDigest, Trace, TraceError, VerifySummary};
 use moeconf_fingerprint::RecordPath;
 
@@ -193,13 +194,15 @@ impl<'a> Inspection<'a> {
         String::from_utf8_lossy(&buf).into_owned()
     }
 
+    /// The binding lines; file name and binding strings in the visible form
+    /// of [`crate::escape::text`] (no raw newline or bidi control).
     fn render_binding(&self, o: &mut dyn Write) -> io::Result<()> {
         let t = self.trace;
         let b = t.binding();
         writeln!(
             o,
             "trace      {} ({}, format v{}, {})",
-            t.path().display(),
+            text(&t.path().display().to_string()),
             human_bytes(t.file_len()),
             t.format_version(),
             t.algorithm()
@@ -208,7 +211,7 @@ impl<'a> Inspection<'a> {
         writeln!(
             o,
             "model      {}  config {}  weights {} ({} tensors)",
-            b.model.name,
+            text(&b.model.name),
             b.model.config_digest.short(),
             b.model.weights_digest.short(),
             b.model.tensors.len()
@@ -218,7 +221,7 @@ impl<'a> Inspection<'a> {
                 writeln!(
                     o,
                     "             {:<48} {:>5} {:?} {}",
-                    td.name,
+                    text(&td.name),
                     td.dtype,
                     td.shape,
                     td.digest.short()
@@ -228,7 +231,7 @@ impl<'a> Inspection<'a> {
         writeln!(
             o,
             "tokenizer  {}  {}",
-            b.tokenizer.name,
+            text(&b.tokenizer.name),
             b.tokenizer.digest.short()
         )?;
         writeln!(
@@ -241,12 +244,15 @@ impl<'a> Inspection<'a> {
         writeln!(
             o,
             "decoding   {}, {} new tokens",
-            b.decoding.strategy, b.decoding.max_new_tokens
+            text(&b.decoding.strategy),
+            b.decoding.max_new_tokens
         )?;
         writeln!(
             o,
             "precision  {}   contract {}   schedule {}",
-            b.precision, b.contract, b.schedule
+            text(&b.precision),
+            text(&b.contract),
+            text(&b.schedule)
         )?;
         writeln!(o, "capture    {}", b.capture.describe())?;
         let zero = if b.canon.fold_negative_zero {
@@ -256,13 +262,15 @@ impl<'a> Inspection<'a> {
         };
         writeln!(o, "canonical  NaN -> canonical quiet NaN; -0 {zero}")?;
         for (k, v) in &b.extra {
-            writeln!(o, "extra      {k} = {v}")?;
+            writeln!(o, "extra      {} = {}", text(k), text(v))?;
         }
         let p = t.provenance();
         writeln!(
             o,
             "runtime    {} {}, {} threads (provenance, not hashed)",
-            p.runtime, p.version, p.threads
+            text(&p.runtime),
+            text(&p.version),
+            p.threads
         )?;
         let r = p.recomputed();
         if r.is_empty() {

@@ -50,6 +50,7 @@
 mod binding;
 pub mod convert;
 mod error;
+pub mod escape;
 #[cfg(feature = "checkpoint")]
 mod identity;
 #[cfg(feature = "checkpoint")]
