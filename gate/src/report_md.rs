@@ -11,12 +11,13 @@ fn cell(s: &str) -> String {
 /// The report as Markdown.
 pub fn render(r: &GateReport) -> String {
     let mut s = format!(
-        "### moeconf gate: {}\n\nProfile `{}` ({}), candidate `{}` against {} `{}`.\n\n",
+        "### moeconf gate: {}{}\n\nProfile `{}` ({}), candidate `{}` against {} `{}`.\n\n",
         if r.verdict.passes() {
             "✅ PASS"
         } else {
             "❌ FAIL"
         },
+        r.incomplete_label(),
         r.profile.name,
         cell(&r.policy_source),
         cell(&r.candidate),
@@ -25,6 +26,12 @@ pub fn render(r: &GateReport) -> String {
     );
     if let Some(l) = r.localization_line() {
         s.push_str(&format!("**First divergence:** {}\n\n", cell(&l)));
+    }
+    for i in &r.incomplete {
+        s.push_str(&format!(
+            "**Incomplete:** {} (only the steps present were judged)\n\n",
+            cell(&i.describe())
+        ));
     }
     s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");
