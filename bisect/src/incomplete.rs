@@ -9,10 +9,8 @@ use serde::Serialize;
 /// One side of a comparison that lacks some steps of its run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Incomplete {
-    /// `reference`, `candidate` or `baseline`.
+    /// `reference`, `candidate` or `baseline` (the report names its file).
     pub side: String,
-    /// The trace (or baseline) file.
-    pub path: String,
     /// Steps held.
     pub present_steps: u64,
     /// Steps of the run (the binding's `max_new_tokens`).
@@ -25,10 +23,9 @@ pub struct Incomplete {
 
 impl Incomplete {
     /// `Some` when `c` is not complete.
-    pub fn of(side: &str, path: &str, c: &Completeness) -> Option<Incomplete> {
+    pub fn of(side: &str, c: &Completeness) -> Option<Incomplete> {
         (!c.is_complete()).then(|| Incomplete {
             side: side.into(),
-            path: path.into(),
             present_steps: c.present,
             expected_steps: c.expected,
             missing_steps: c.missing_steps(),
@@ -36,9 +33,9 @@ impl Incomplete {
         })
     }
 
-    /// `candidate c.bin: incomplete: 1 of 2 steps (missing step 1)`.
+    /// `candidate: incomplete: 1 of 2 steps (missing step 1)`.
     pub fn describe(&self) -> String {
-        format!("{} {}: {}", self.side, self.path, self.note)
+        format!("{}: {}", self.side, self.note)
     }
 }
 
@@ -46,7 +43,7 @@ impl Incomplete {
 pub(crate) fn sides(reference: &Trace, candidate: &Trace) -> Vec<Incomplete> {
     [("reference", reference), ("candidate", candidate)]
         .into_iter()
-        .filter_map(|(side, t)| Incomplete::of(side, &t.path().display().to_string(), &t.completeness()))
+        .filter_map(|(side, t)| Incomplete::of(side, &t.completeness()))
         .collect()
 }
 

@@ -309,11 +309,16 @@ impl DiffReport {
     /// the verdict covers only the steps present.
     fn render_incomplete(&self, o: &mut String, st: &Style) {
         for i in &self.incomplete {
+            let path = match i.side.as_str() {
+                "reference" => &self.reference.path,
+                _ => &self.candidate.path,
+            };
             let _ = writeln!(
                 o,
-                "{} {}; only the steps present were compared (--allow-incomplete)",
+                "{} {} {path}: {}; only the steps present were compared (--allow-incomplete)",
                 st.red("INCOMPLETE:"),
-                i.describe()
+                i.side,
+                i.note
             );
         }
     }

@@ -8,18 +8,17 @@ use crate::baseline::Baseline;
 use crate::report::GateReport;
 use moeconf_bisect::Incomplete;
 use moeconf_schema::{Completeness, Trace};
-use std::path::Path;
 
 /// The trace's side, when it is incomplete.
 pub(crate) fn of_trace(side: &str, t: &Trace) -> Option<Incomplete> {
-    Incomplete::of(side, &t.path().display().to_string(), &t.completeness())
+    Incomplete::of(side, &t.completeness())
 }
 
 /// The baseline's side, when its blessed steps do not cover the blessed
 /// `max_new_tokens`.
-pub(crate) fn of_baseline(b: &Baseline, file: &Path) -> Option<Incomplete> {
+pub(crate) fn of_baseline(b: &Baseline) -> Option<Incomplete> {
     let c = Completeness::of(b.steps.iter().map(|s| s.step), b.binding.decoding.max_new_tokens);
-    Incomplete::of("baseline", &file.display().to_string(), &c)
+    Incomplete::of("baseline", &c)
 }
 
 impl GateReport {
@@ -38,6 +37,17 @@ impl GateReport {
         } else {
             " (incomplete)"
         }
+    }
+
+    /// `FILE: incomplete: …` of an incomplete side (the reference or
+    /// baseline file is [`GateReport::reference`]).
+    pub fn incomplete_file(&self, i: &Incomplete) -> String {
+        let path = if i.side == "candidate" {
+            &self.candidate
+        } else {
+            &self.reference
+        };
+        format!("{path}: {}", i.note)
     }
 
     /// Whether the candidate is among the incomplete sides.

@@ -153,7 +153,7 @@ pub fn against_baseline_with(
     let b = baseline::Baseline::read(file)?;
     let mut report = baseline::compare(&b, file, candidate, profile, force)?;
     report.mark_incomplete([
-        incomplete::of_baseline(&b, file),
+        incomplete::of_baseline(&b),
         incomplete::of_trace("candidate", candidate),
     ]);
     report.reference = file.display().to_string();

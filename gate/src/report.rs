@@ -469,8 +469,9 @@ impl GateReport {
         }
         for i in &self.incomplete {
             s.push_str(&format!(
-                "  INCOMPLETE: {}; only the steps present were judged\n",
-                i.describe()
+                "  INCOMPLETE: {} {}; only the steps present were judged\n",
+                i.side,
+                self.incomplete_file(i)
             ));
         }
         for n in &self.notes {

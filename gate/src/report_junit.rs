@@ -164,7 +164,7 @@ pub fn render(r: &GateReport) -> String {
         )
         .chain(r.near_ties.iter().map(Case::near_tie))
         .chain(r.incomplete.iter().map(|i| Case {
-            name: format!("completeness {} {}", i.side, i.path),
+            name: format!("completeness of the {}", i.side),
             failure: None,
             skipped: Some(i.note.clone()),
             out: String::new(),

@@ -30,7 +30,7 @@ pub fn render(r: &GateReport) -> String {
     for i in &r.incomplete {
         s.push_str(&format!(
             "**Incomplete:** {} (only the steps present were judged)\n\n",
-            cell(&i.describe())
+            cell(&format!("{} {}", i.side, r.incomplete_file(i)))
         ));
     }
     s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");

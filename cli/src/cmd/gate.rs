@@ -313,7 +313,7 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
     let incomplete: Vec<String> = report
         .incomplete
         .iter()
-        .map(|i| format!("{}: {}", i.path, i.note))
+        .map(|i| report.incomplete_file(i))
         .collect();
     super::complete::require(&incomplete, a.allow_incomplete, "not a verdict").map_err(|err| Failed {
         err,
