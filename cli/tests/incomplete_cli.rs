@@ -146,7 +146,7 @@ fn diff_refuses_two_identically_truncated_traces_unless_allowed() {
 }
 
 #[test]
-fn gate_refuses_incomplete_traces_and_baselines_unless_allowed() {
+fn gate_refuses_incomplete_traces_unless_allowed() {
     let repo = Repo::new();
     let full = repo.run("full.bin");
     let a = filtered(&full, &repo.path("a.bin"), |e| e.coord.step == 0);
@@ -199,6 +199,28 @@ fn gate_refuses_incomplete_traces_and_baselines_unless_allowed() {
         stdout(&o).contains(&format!("<skipped message=\"{NOTE}\"/>")),
         "{}",
         stdout(&o)
+    );
+}
+
+#[test]
+fn gate_refuses_incomplete_baselines_unless_allowed() {
+    let repo = Repo::new();
+    let full = repo.run("full.bin");
+    let a = filtered(&full, &repo.path("a.bin"), |e| e.coord.step == 0);
+    let b = filtered(&full, &repo.path("b.bin"), |e| e.coord.step == 0);
+    // A baseline of the truncated trace (written by the library, as
+    // `--bless` did before) against a candidate truncated the same way.
+    let old = repo.path("old.json");
+    moeconf_gate::baseline::Baseline::of(&Trace::open(&a).unwrap())
+        .and_then(|bl| bl.write(&old))
+        .unwrap();
+    let o = repo.moeconf(&["gate", "--baseline", s(&old), s(&b)]);
+    assert_eq!(code(&o), 2, "{}", both(&o));
+    let want = format!("{}: {NOTE}", s(&old));
+    assert!(
+        stderr(&o).contains(&want) && stderr(&o).contains("not a verdict"),
+        "{}",
+        stderr(&o)
     );
 
     // Blessing an incomplete trace is refused unless allowed; a baseline
@@ -255,21 +277,26 @@ fn gate_refuses_incomplete_traces_and_baselines_unless_allowed() {
 }
 
 #[test]
-fn replay_refuses_empty_and_truncated_candidates_unless_allowed() {
+fn replay_refuses_an_empty_candidate() {
     let repo = Repo::new();
     let full = repo.run("full.bin");
     let empty = filtered(&full, &repo.path("empty.bin"), |_| false);
+    for mode in [&[][..], &["--teacher-force"][..]] {
+        let mut args = vec!["replay", s(&empty)];
+        args.extend_from_slice(mode);
+        let o = repo.moeconf(&args);
+        assert_eq!(code(&o), 2, "{mode:?}: {}", both(&o));
+        let want = format!("{}: incomplete: 0 of 2 steps (missing steps 0-1)", s(&empty));
+        assert!(stderr(&o).contains(&want), "{}", stderr(&o));
+    }
+}
+
+/// Layer replay and teacher forcing of a trace holding only step 0 of 2.
+#[test]
+fn replay_refuses_a_truncated_candidate_unless_allowed() {
+    let repo = Repo::new();
+    let full = repo.run("full.bin");
     let short = filtered(&full, &repo.path("short.bin"), |e| e.coord.step == 0);
-    let o = repo.moeconf(&["replay", s(&empty)]);
-    assert_eq!(code(&o), 2, "{}", both(&o));
-    assert!(
-        stderr(&o).contains(&format!(
-            "{}: incomplete: 0 of 2 steps (missing steps 0-1)",
-            s(&empty)
-        )),
-        "{}",
-        stderr(&o)
-    );
     for mode in [&[][..], &["--teacher-force"][..]] {
         let mut args = vec!["replay", s(&short)];
         args.extend_from_slice(mode);
