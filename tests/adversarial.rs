@@ -598,16 +598,36 @@ fn trust_cases(bin: &Path, d: &Path) -> Vec<Case> {
         Case::new(
             "gate-empty-candidate-vs-baseline",
             2,
-            1,
+            2,
             "empty.bin",
             &["gate", "--baseline", &p("base.json"), &p("empty.bin")],
+        ),
+        Case::new(
+            "gate-empty-candidate-vs-baseline-allowed",
+            2,
+            1,
+            "empty.bin",
+            &[
+                "gate",
+                "--allow-incomplete",
+                "--baseline",
+                &p("base.json"),
+                &p("empty.bin"),
+            ],
         ),
         Case::new(
             "gate-empty-candidate-required-none",
             2,
             1,
             "empty.bin",
-            &["gate", "--required", "none", &p("ref.bin"), &p("empty.bin")],
+            &[
+                "gate",
+                "--allow-incomplete",
+                "--required",
+                "none",
+                &p("ref.bin"),
+                &p("empty.bin"),
+            ],
         ),
         Case::new(
             "gate-empty-reference",
@@ -619,9 +639,16 @@ fn trust_cases(bin: &Path, d: &Path) -> Vec<Case> {
         Case::new(
             "diff-empty-reference",
             2,
-            1,
+            2,
             "empty.bin",
             &["diff", &p("empty.bin"), &p("ref.bin")],
+        ),
+        Case::new(
+            "diff-empty-reference-allowed",
+            2,
+            1,
+            "empty.bin",
+            &["diff", "--allow-incomplete", &p("empty.bin"), &p("ref.bin")],
         ),
         Case::new(
             "gate-strict-l0-only-candidate",

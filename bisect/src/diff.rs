@@ -275,6 +275,8 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
     if let Some(f) = cx.s.take_failure() {
         return Err(BisectError::Trace(f.error));
     }
+    let incomplete = crate::incomplete::sides(reference, candidate);
+    let summary = crate::incomplete::annotate(summary, &incomplete);
     Ok(DiffReport {
         schema_version: DIFF_SCHEMA_VERSION,
         kind: "moeconf.diff".into(),
@@ -285,6 +287,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         compared_levels: compared_levels.iter().map(|l| l.name().to_string()).collect(),
         unmatched_steps,
         uncompared_levels,
+        incomplete,
         first_divergence,
         divergences,
         rest: found.rest.name().into(),

@@ -57,6 +57,7 @@ mod divergence;
 mod error;
 mod explain;
 mod explanation;
+mod incomplete;
 mod layerkind;
 mod numeric;
 mod operators;
@@ -84,6 +85,7 @@ pub use explanation::{
     order_words, CombineExplanation, EquivalentReport, ExplanationStatus, NearMissReport, PermutationReport,
     ReasonReport, MAX_LISTED_EQUIVALENTS,
 };
+pub use incomplete::Incomplete;
 pub use moeconf_fingerprint::Half;
 pub use numeric::{
     compare_ids, compare_values, element_ordinal, element_value, int_values, summarize, unravel,

@@ -231,6 +231,7 @@ impl DiffReport {
         let st = Style { color };
         let mut o = String::new();
         self.render_verdict(&mut o, &st);
+        self.render_incomplete(&mut o, &st);
         self.render_traces(&mut o, &st);
         self.render_divergences(&mut o, &st);
         self.render_passed(&mut o, &st);
@@ -302,6 +303,25 @@ impl DiffReport {
                 }
                 let _ = writeln!(o, "{} {line}", st.red("DIVERGENT:"));
             }
+        }
+    }
+
+    /// Under the verdict, one line per side that lacks steps of its run:
+    /// the verdict covers only the steps present.
+    fn render_incomplete(&self, o: &mut String, st: &Style) {
+        for i in &self.incomplete {
+            let path = match i.side.as_str() {
+                "reference" => &self.reference.path,
+                _ => &self.candidate.path,
+            };
+            let _ = writeln!(
+                o,
+                "{} {} {}: {}; only the steps present were compared (--allow-incomplete)",
+                st.red("INCOMPLETE:"),
+                i.side,
+                text(path),
+                i.note
+            );
         }
     }
 

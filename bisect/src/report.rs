@@ -600,6 +600,9 @@ pub struct DiffReport {
     /// Levels held by one trace only and therefore not compared (the other
     /// neither captured nor holds them): the traces are not equivalent.
     pub uncompared_levels: Vec<UncomparedLevel>,
+    /// Sides that lack steps of their run (empty when both are complete;
+    /// `moeconf diff` compares them only with `--allow-incomplete`).
+    pub incomplete: Vec<crate::Incomplete>,
     /// The headline: the first differing record in execution order (`null`
     /// when equivalent or when the traces differ only in coverage).
     pub first_divergence: Option<FirstDivergence>,

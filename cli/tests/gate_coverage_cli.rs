@@ -124,30 +124,75 @@ fn an_empty_candidate_never_passes() {
     let r = repo.run("ref.bin", &["--capture", "all"]);
     let empty = filtered(&r, &repo.path("empty.bin"), |_| false);
     let base = repo.bless("base.json", &r);
+    // An empty candidate holds 0 of its 2 steps: not a verdict (exit 2)
+    // unless --allow-incomplete, and then its coverage fails.
     for profile in ["default", "strict"] {
         let o = repo.moeconf(&["gate", "--profile", profile, "--baseline", s(&base), s(&empty)]);
+        assert_eq!(code(&o), 2, "{profile}: {}", both(&o));
+        assert!(stderr(&o).contains("incomplete: 0 of 2 steps"), "{}", stderr(&o));
+        let o = repo.moeconf(&[
+            "gate",
+            "--allow-incomplete",
+            "--profile",
+            profile,
+            "--baseline",
+            s(&base),
+            s(&empty),
+        ]);
         assert_eq!(code(&o), 1, "{profile}: {}", both(&o));
         assert!(
             stdout(&o).contains("required level missing from the candidate"),
             "{}",
             stdout(&o)
         );
-        let o = repo.moeconf(&["gate", "--profile", profile, s(&r), s(&empty)]);
+        let o = repo.moeconf(&[
+            "gate",
+            "--allow-incomplete",
+            "--profile",
+            profile,
+            s(&r),
+            s(&empty),
+        ]);
         assert_eq!(code(&o), 1, "{profile}: {}", both(&o));
     }
     // Not even with every requirement switched off: an empty trace is never
     // equivalent to a non-empty one.
-    let o = repo.moeconf(&["gate", "--required", "none", "--baseline", s(&base), s(&empty)]);
+    let o = repo.moeconf(&[
+        "gate",
+        "--allow-incomplete",
+        "--required",
+        "none",
+        "--baseline",
+        s(&base),
+        s(&empty),
+    ]);
     assert_eq!(code(&o), 1, "{}", both(&o));
-    let o = repo.moeconf(&["gate", "--required", "none", s(&r), s(&empty)]);
+    let o = repo.moeconf(&[
+        "gate",
+        "--allow-incomplete",
+        "--required",
+        "none",
+        s(&r),
+        s(&empty),
+    ]);
     assert_eq!(code(&o), 1, "{}", both(&o));
-    // `diff` agrees; blessing an empty trace is refused.
-    assert_eq!(code(&repo.moeconf(&["diff", s(&r), s(&empty)])), 1);
+    // `diff` agrees; blessing an empty trace is refused, also when
+    // incomplete traces are accepted.
+    assert_eq!(code(&repo.moeconf(&["diff", s(&r), s(&empty)])), 2);
+    assert_eq!(
+        code(&repo.moeconf(&["diff", "--allow-incomplete", s(&r), s(&empty)])),
+        1
+    );
+    let e = repo.path("e.json");
+    let o = repo.moeconf(&["gate", "--bless", "--baseline", s(&e), s(&empty)]);
+    assert_eq!(code(&o), 2, "{}", both(&o));
+    assert!(stderr(&o).contains("incomplete: 0 of 2 steps"), "{}", stderr(&o));
     let o = repo.moeconf(&[
         "gate",
         "--bless",
+        "--allow-incomplete",
         "--baseline",
-        s(&repo.path("e.json")),
+        s(&e),
         s(&empty),
     ]);
     assert_eq!(code(&o), 2, "{}", both(&o));
@@ -170,9 +215,13 @@ fn an_empty_reference_is_an_error() {
     }
     let o = repo.moeconf(&["gate", "--bisect-exit-codes", s(&empty), s(&r)]);
     assert_eq!(code(&o), 128, "a broken reference aborts a bisection");
-    assert_eq!(code(&repo.moeconf(&["diff", s(&empty), s(&r)])), 1);
+    assert_eq!(code(&repo.moeconf(&["diff", s(&empty), s(&r)])), 2);
+    assert_eq!(
+        code(&repo.moeconf(&["diff", "--allow-incomplete", s(&empty), s(&r)])),
+        1
+    );
     // Two empty traces: nothing was compared, so nothing is equivalent.
-    let o = repo.moeconf(&["diff", s(&empty), s(&empty)]);
+    let o = repo.moeconf(&["diff", "--allow-incomplete", s(&empty), s(&empty)]);
     assert_eq!(code(&o), 2, "{}", both(&o));
     let o = repo.moeconf(&["gate", s(&empty), s(&empty)]);
     assert_eq!(code(&o), 2, "{}", both(&o));
@@ -462,11 +511,13 @@ fn steps_and_records_on_one_side_fail_with_a_reason() {
     let repo = Repo::new();
     let r = repo.run("ref.bin", &["--capture", "all"]);
     let base = repo.bless("base.json", &r);
+    // A step missing: incomplete (exit 2) unless accepted, and then it fails.
     let short = filtered(&r, &repo.path("short.bin"), |e| e.coord.step == 0);
-    let o = repo.moeconf(&["gate", s(&r), s(&short)]);
+    assert_eq!(code(&repo.moeconf(&["gate", s(&r), s(&short)])), 2);
+    let o = repo.moeconf(&["gate", "--allow-incomplete", s(&r), s(&short)]);
     assert_eq!(code(&o), 1, "{}", both(&o));
     assert!(stdout(&o).contains("only in the reference"), "{}", stdout(&o));
-    let o = repo.moeconf(&["gate", "--baseline", s(&base), s(&short)]);
+    let o = repo.moeconf(&["gate", "--allow-incomplete", "--baseline", s(&base), s(&short)]);
     assert_eq!(code(&o), 1, "{}", both(&o));
     assert!(
         stdout(&o).contains("blessed step/level missing from the candidate"),

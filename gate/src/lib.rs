@@ -29,6 +29,7 @@ pub mod baseline;
 mod coverage;
 mod error;
 mod evaluate;
+mod incomplete;
 mod judge;
 pub mod policy;
 mod report;
@@ -111,6 +112,10 @@ pub fn against_reference_with(
             d.field, d.reference, d.candidate
         )
     }));
+    report.mark_incomplete([
+        incomplete::of_trace("reference", &rt),
+        incomplete::of_trace("candidate", candidate),
+    ]);
     report.reference = reference.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();
@@ -147,6 +152,10 @@ pub fn against_baseline_with(
     candidate.ensure(verification).map_err(GateError::Candidate)?;
     let b = baseline::Baseline::read(file)?;
     let mut report = baseline::compare(&b, file, candidate, profile, force)?;
+    report.mark_incomplete([
+        incomplete::of_baseline(&b),
+        incomplete::of_trace("candidate", candidate),
+    ]);
     report.reference = file.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();

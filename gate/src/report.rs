@@ -363,6 +363,10 @@ pub struct GateReport {
     pub rules: Vec<RuleResult>,
     /// Accepted near-ties.
     pub near_ties: Vec<NearTie>,
+    /// Sides that lack steps of their run (empty when both are complete;
+    /// `moeconf gate` judges them only with `--allow-incomplete`): the
+    /// verdict covers only the steps present.
+    pub incomplete: Vec<moeconf_bisect::Incomplete>,
     /// Notes (binding differences, baseline facts).
     pub notes: Vec<String>,
     /// One-line summary.
@@ -414,6 +418,7 @@ impl GateReport {
             levels,
             rules,
             near_ties,
+            incomplete: Vec::new(),
             notes: Vec::new(),
             summary,
         }
@@ -455,8 +460,9 @@ impl GateReport {
     /// cannot forge or reorder a line.
     pub fn render_text(&self) -> String {
         let mut s = format!(
-            "moeconf gate: {} (profile {}, policy {})\n  reference  {}\n  candidate  {}\n",
+            "moeconf gate: {}{} (profile {}, policy {})\n  reference  {}\n  candidate  {}\n",
             self.verdict.label(),
+            self.incomplete_label(),
             text(&self.profile.name),
             text(&self.policy_source),
             text(&self.reference),
@@ -464,6 +470,13 @@ impl GateReport {
         );
         if let Some(l) = self.localization_line() {
             s.push_str(&format!("  first divergence: {l}\n"));
+        }
+        for i in &self.incomplete {
+            s.push_str(&format!(
+                "  INCOMPLETE: {} {}; only the steps present were judged\n",
+                i.side,
+                self.incomplete_file(i)
+            ));
         }
         for n in &self.notes {
             s.push_str(&format!("  note: {}\n", text(n)));

@@ -152,6 +152,12 @@ pub fn render(r: &GateReport) -> String {
                 .map(|x| Case::rule(x, localized)),
         )
         .chain(r.near_ties.iter().map(Case::near_tie))
+        .chain(r.incomplete.iter().map(|i| Case {
+            name: format!("completeness of the {}", i.side),
+            failure: None,
+            skipped: Some(i.note.clone()),
+            out: String::new(),
+        }))
         .collect();
     let failures = cases.iter().filter(|c| c.failure.is_some()).count();
     let skipped = cases.iter().filter(|c| c.skipped.is_some()).count();

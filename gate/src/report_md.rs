@@ -23,12 +23,13 @@ fn inline(s: &str) -> String {
 /// The report as Markdown.
 pub fn render(r: &GateReport) -> String {
     let mut s = format!(
-        "### moeconf gate: {}\n\nProfile {} ({}), candidate {} against {} {}.\n\n",
+        "### moeconf gate: {}{}\n\nProfile {} ({}), candidate {} against {} {}.\n\n",
         if r.verdict.passes() {
             "✅ PASS"
         } else {
             "❌ FAIL"
         },
+        r.incomplete_label(),
         md_code(&r.profile.name, MdContext::Inline),
         inline(&r.policy_source),
         md_code(&r.candidate, MdContext::Inline),
@@ -37,6 +38,12 @@ pub fn render(r: &GateReport) -> String {
     );
     if let Some(l) = r.localization_line() {
         s.push_str(&format!("**First divergence:** {}\n\n", inline(&l)));
+    }
+    for i in &r.incomplete {
+        s.push_str(&format!(
+            "**Incomplete:** {} (only the steps present were judged)\n\n",
+            cell(&format!("{} {}", i.side, r.incomplete_file(i)))
+        ));
     }
     s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");

@@ -62,12 +62,14 @@ pub fn html_view(r: &LayerReport) -> ReplayView {
             ("reference contract".into(), r.contract.clone()),
         ],
         summary: format!(
-            "{} origin(s), {} unit(s) propagating, {} reproduced, {} not replayable, of {} units",
+            "{} origin(s), {} unit(s) propagating, {} reproduced, {} not replayable, of {} units{}",
             count(Status::Origin),
             r.propagated(),
             count(Status::Reproduced),
             count(Status::NotReplayable),
-            r.units.len()
+            r.units.len(),
+            // The page never reads as a plain REPRODUCED when steps are missing.
+            r.incomplete.as_ref().map_or(String::new(), |c| format!("; {c}"))
         ),
         has_origin: count(Status::Origin) > 0,
         rows,

@@ -26,6 +26,7 @@ mod engine;
 pub mod error;
 mod explain;
 mod html;
+mod incomplete;
 mod measure;
 mod propagate;
 pub mod report;
@@ -102,5 +103,6 @@ pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Res
         layers,
         units: results,
         measured_propagation: opts.measure_propagation,
+        incomplete: incomplete::of(trace),
     })
 }

@@ -127,6 +127,9 @@ pub struct LayerReport {
     pub units: Vec<UnitResult>,
     /// Whether propagation was measured against a clean reference.
     pub measured_propagation: bool,
+    /// The candidate's completeness when it lacks steps of its run (only
+    /// the steps present were replayed).
+    pub incomplete: Option<moeconf_schema::Completeness>,
 }
 
 impl LayerReport {
@@ -172,11 +175,12 @@ impl LayerReport {
     }
 
     /// Exit code: 1 when any origin exists; else 2 when some unit was not
-    /// replayable (unless `allow_incomplete`); else 0.
+    /// replayable or the candidate lacks steps of its run (unless
+    /// `allow_incomplete`); else 0.
     pub fn exit_code(&self, allow_incomplete: bool) -> u8 {
         if self.count(Status::Origin) > 0 {
             1
-        } else if self.count(Status::NotReplayable) > 0 && !allow_incomplete {
+        } else if (self.count(Status::NotReplayable) > 0 || self.incomplete.is_some()) && !allow_incomplete {
             2
         } else {
             0
@@ -222,6 +226,7 @@ impl LayerReport {
                 "not_replayable": self.count(Status::NotReplayable),
             },
             "exit_code": self.exit_code(allow_incomplete),
+            "incomplete": crate::incomplete::json(&self.incomplete),
             "origins": self.origins().map(unit_json).collect::<Vec<_>>(),
             "missing": missing,
             "units": self.units.iter().map(unit_json).collect::<Vec<_>>(),

@@ -105,6 +105,9 @@ pub struct TeacherReport {
     pub steps: Vec<StepMetrics>,
     /// Whether L3 was compared.
     pub l3: bool,
+    /// The candidate's completeness when it lacks steps of its run (only
+    /// the steps present were compared).
+    pub incomplete: Option<moeconf_schema::Completeness>,
 }
 
 /// ln p_i of a logit vector in f64, in ascending index order; `None` with
@@ -273,6 +276,7 @@ pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Re
         top_k: opts.top_k,
         steps: rows,
         l3: opts.l3,
+        incomplete: crate::incomplete::of(trace),
     })
 }
 
@@ -307,17 +311,21 @@ impl TeacherReport {
         self.steps.iter().filter(|s| s.kl.is_none()).count()
     }
 
-    /// 0 when the logits are bitwise equal at every step, 1 otherwise.
-    pub fn exit_code(&self) -> u8 {
-        if self.steps.iter().all(|s| s.identical) {
-            0
-        } else {
+    /// 0 when the logits are bitwise equal at every step, 1 otherwise;
+    /// 2 instead of 0 when the candidate lacks steps of its run, unless
+    /// `allow_incomplete`.
+    pub fn exit_code(&self, allow_incomplete: bool) -> u8 {
+        if !self.steps.iter().all(|s| s.identical) {
             1
+        } else if self.incomplete.is_some() && !allow_incomplete {
+            2
+        } else {
+            0
         }
     }
 
     /// The JSON document (docs/replay.md §4).
-    pub fn to_json(&self) -> Value {
+    pub fn to_json(&self, allow_incomplete: bool) -> Value {
         let n = self.steps.len();
         json!({
             "kind": "moeconf.replay",
@@ -339,7 +347,8 @@ impl TeacherReport {
                 "argmax_agreement_pct": if n == 0 { 0.0 } else { 100.0 * self.argmax_agree() as f64 / n as f64 },
                 "undefined_kl_steps": self.undefined(),
             },
-            "exit_code": self.exit_code(),
+            "exit_code": self.exit_code(allow_incomplete),
+            "incomplete": crate::incomplete::json(&self.incomplete),
             "steps": self.steps.iter().map(|s| json!({
                 "step": s.step, "position": s.position, "kl": s.kl,
                 "topk_overlap": s.topk_overlap, "argmax_reference": s.argmax_reference,

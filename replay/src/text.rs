@@ -119,12 +119,22 @@ impl LayerReport {
             }
             out.push_str("  (capture with `moeconf run --capture replay`; docs/replay.md §3)\n");
         }
+        if let Some(c) = &self.incomplete {
+            let _ = writeln!(
+                out,
+                "\nINCOMPLETE: {}: {c}; only the steps present were replayed",
+                self.candidate
+            );
+        }
         let verdict = match self.exit_code(allow_incomplete) {
-            0 if self.count(Status::NotReplayable) > 0 => {
+            0 if self.count(Status::NotReplayable) > 0 || self.incomplete.is_some() => {
                 "REPRODUCED where replayable (incomplete, accepted with --allow-incomplete)"
             }
             0 => "REPRODUCED: every half-layer of the candidate is the reference's, bitwise",
             1 => "ORIGINS FOUND",
+            _ if self.incomplete.is_some() && self.count(Status::NotReplayable) == 0 => {
+                "INCOMPLETE: the candidate lacks steps of its run (exit 2; --allow-incomplete accepts)"
+            }
             _ => "INCOMPLETE: some units could not be replayed (exit 2; --allow-incomplete accepts)",
         };
         let _ = writeln!(out, "\n{verdict}");
@@ -134,7 +144,7 @@ impl LayerReport {
 
 impl TeacherReport {
     /// The text report.
-    pub fn render_text(&self) -> String {
+    pub fn render_text(&self, allow_incomplete: bool) -> String {
         let mut out = String::new();
         let _ = writeln!(
             out,
@@ -200,12 +210,22 @@ impl TeacherReport {
         let _ = writeln!(
             out,
             "\n{}",
-            if self.exit_code() == 0 {
-                "IDENTICAL: the logits are bitwise the reference's at every step"
-            } else {
-                "DIFFERENT: the logits differ from the teacher-forced reference"
+            match self.exit_code(allow_incomplete) {
+                0 if self.incomplete.is_some() => {
+                    "IDENTICAL at every step present (incomplete, accepted with --allow-incomplete)"
+                }
+                0 => "IDENTICAL: the logits are bitwise the reference's at every step",
+                1 => "DIFFERENT: the logits differ from the teacher-forced reference",
+                _ => "INCOMPLETE: the candidate lacks steps of its run (exit 2; --allow-incomplete accepts)",
             }
         );
+        if let Some(c) = &self.incomplete {
+            let _ = writeln!(
+                out,
+                "INCOMPLETE: {}: {c}; only the steps present were compared",
+                self.candidate
+            );
+        }
         out
     }
 }

@@ -245,7 +245,7 @@ fn teacher_forcing_matches_a_native_run_and_measures_a_fork() {
         .steps
         .iter()
         .all(|s| s.identical && s.kl == Some(0.0) && s.topk_overlap == 8));
-    assert_eq!(r.exit_code(), 0);
+    assert_eq!(r.exit_code(false), 0);
     let plan = FaultPlan::new(vec![Fault::at(1, 2, FaultKind::AttentionOutputTruncate)]);
     let f = trace(&m, dir.path(), "f.bin", &CombineChoice::default(), Some(&plan));
     let l3 = TeacherOptions {
@@ -264,7 +264,7 @@ fn teacher_forcing_matches_a_native_run_and_measures_a_fork() {
     assert!(r.steps[1].layers[2].max_abs_diff.unwrap() > 0.0);
     assert!(!r.steps[1].identical);
     assert!(r.steps[1].kl.unwrap() > 0.0);
-    assert_eq!(r.exit_code(), 1);
+    assert_eq!(r.exit_code(false), 1);
 }
 
 #[test]

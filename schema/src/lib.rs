@@ -48,6 +48,7 @@
 #![deny(missing_docs)]
 
 mod binding;
+mod completeness;
 pub mod convert;
 mod error;
 pub mod escape;
@@ -70,6 +71,7 @@ pub use binding::{
     weights_digest, Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TensorDigest,
     TokenizerIdentity, MAX_STRING,
 };
+pub use completeness::Completeness;
 pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;

@@ -147,6 +147,7 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         Ok(rep) => {
             *seen |= VERDICT | if same { SAME | PASSED } else { DIFFERENT | REFUSED };
             let _ = (rep.to_json(), rep.render_text(false), rep.render_text(true));
+            check_incomplete(&rep, &rt, &ct);
             assert_eq!(
                 rep.verdict == Verdict::Equivalent,
                 same,
@@ -226,6 +227,27 @@ fn diff_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         *seen |= UNREAD;
     }
     Ok(())
+}
+
+/// Whether `t` holds a record at every step 0..max_new_tokens, from the
+/// records' own coordinates (not the root's step list, which the report's
+/// completeness uses): the two must agree.
+fn complete_by_records(t: &Trace) -> bool {
+    let n = t.binding().decoding.max_new_tokens;
+    let held: std::collections::BTreeSet<u32> = all_records(t).iter().map(|e| e.coord.step).collect();
+    n > 0 && (0..n).all(|s| held.contains(&s))
+}
+
+/// The diff report lists exactly the sides that lack a step of their run.
+fn check_incomplete(rep: &DiffReport, reference: &Trace, candidate: &Trace) {
+    for (side, t) in [("reference", reference), ("candidate", candidate)] {
+        assert_eq!(
+            rep.incomplete.iter().any(|i| i.side == side),
+            !complete_by_records(t),
+            "{side} listed as incomplete or not against its records' steps: {:?}",
+            rep.incomplete
+        );
+    }
 }
 
 /// Whether a gate result passes.
@@ -312,6 +334,16 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
     let differs = record_keys_at(&rt, held) != record_keys_at(&ct, held);
     let got = against_reference(&rp, &ct, &p, force);
     render(&got);
+    if let Ok(rep) = &got {
+        for (side, t) in [("reference", &rt), ("candidate", &ct)] {
+            assert_eq!(
+                rep.incomplete.iter().any(|i| i.side == side),
+                !complete_by_records(t),
+                "gate: {side} listed as incomplete or not against its records' steps: {:?}",
+                rep.incomplete
+            );
+        }
+    }
     if c == r {
         // The same generated content in another file: judged as the trace itself.
         check_self("an identical candidate", &rt, &p, &got);

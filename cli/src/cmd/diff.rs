@@ -1,7 +1,8 @@
 //! `moeconf diff`: L0–L4 bisection of two traces (the `moeconf-bisect` walk).
 //!
 //! Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are
-//! not comparable, reported with every differing binding field).
+//! not comparable, reported with every differing binding field, and a trace
+//! that lacks steps of its run unless `--allow-incomplete`).
 
 use crate::cli::Format;
 use crate::output::check_output;
@@ -27,7 +28,8 @@ pub enum ColorChoice {
 /// Arguments of `moeconf diff`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json\n  moeconf diff ref.bin cand.bin --html report.html   # layers x steps heatmaps, margins, |delta| histogram"
+    after_help = "Exit codes: 0 equivalent, 1 divergent, 2 error (including traces that are not comparable, and a trace \
+without every step of its run unless --allow-incomplete).\n\nExamples:\n  moeconf diff ref.bin cand.bin\n  moeconf diff ref.bin cand.bin --format json > report.json\n  moeconf diff ref.bin cand.bin --html report.html   # layers x steps heatmaps, margins, |delta| histogram"
 )]
 pub struct DiffArgs {
     /// The reference trace.
@@ -61,6 +63,11 @@ pub struct DiffArgs {
     /// full).
     #[arg(long)]
     pub verify_all: bool,
+    /// Compare even when a trace lacks steps of its run (fewer than the
+    /// binding's max_new_tokens); the report then says `incomplete: k of n
+    /// steps`. Without it, an incomplete trace is an error (exit 2).
+    #[arg(long)]
+    pub allow_incomplete: bool,
 }
 
 impl DiffArgs {
@@ -75,6 +82,7 @@ impl DiffArgs {
             color: ColorChoice::Auto,
             html: None,
             verify_all: false,
+            allow_incomplete: false,
         }
     }
 }
@@ -106,6 +114,11 @@ pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
         Verification::OnUse
     };
     let (reference, candidate) = open_pair_with(&a.reference, &a.candidate, verification)?;
+    let incomplete: Vec<String> = [&reference, &candidate]
+        .into_iter()
+        .filter_map(super::complete::describe)
+        .collect();
+    super::complete::require(&incomplete, a.allow_incomplete, "not compared")?;
     let opts = DiffOptions {
         force: a.force,
         contract_inference: !a.no_contract_inference,

@@ -7,9 +7,10 @@
 //! Exit codes: 0 pass, 1 fail (including a candidate that lacks a required
 //! level, a step or a record: docs/ci.md §2 "Coverage"), 2 error (also a
 //! reference or baseline that cannot gate: empty, without a required level,
-//! a binding that does not match). With `--bisect-exit-codes` (for
-//! `git bisect run`): 0 good, 1 bad, 125 skip (the candidate trace is missing
-//! or unreadable, so this commit cannot be tested), 128 for any other error
+//! a binding that does not match; and a side that lacks steps of its run
+//! unless `--allow-incomplete`). With `--bisect-exit-codes` (for
+//! `git bisect run`): 0 good, 1 bad, 125 skip (the candidate trace is missing,
+//! unreadable or incomplete, so this commit cannot be tested), 128 for any other error
 //! (a broken policy or reference aborts the bisection instead of marking
 //! every commit bad).
 
@@ -101,9 +102,15 @@ pub struct GateArgs {
     /// --bless always verify every byte).
     #[arg(long)]
     pub verify_all: bool,
-    /// Exit codes for `git bisect run`: 0 good, 1 bad, 125 skip (candidate unreadable), 128 other errors.
+    /// Exit codes for `git bisect run`: 0 good, 1 bad, 125 skip (candidate unreadable or incomplete),
+    /// 128 other errors.
     #[arg(long)]
     pub bisect_exit_codes: bool,
+    /// Judge (or bless) even when a trace or the baseline lacks steps of its run (fewer than the
+    /// binding's max_new_tokens); the report then says `incomplete: k of n steps`. Without it an
+    /// incomplete side is an error (exit 2), not a verdict.
+    #[arg(long)]
+    pub allow_incomplete: bool,
 }
 
 /// An error with the exit code it maps to under `--bisect-exit-codes`.
@@ -291,6 +298,9 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
                 .as_ref()
                 .context("--bless needs --baseline")
                 .map_err(setup)?;
+            let incomplete: Vec<String> = super::complete::describe(&cand).into_iter().collect();
+            super::complete::require(&incomplete, a.allow_incomplete, "not blessed")
+                .map_err(|err| Failed { err, skip: true })?;
             bless(&cand, out)?;
             return Ok(0);
         }
@@ -298,6 +308,17 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         (Some(rp), _) => against_reference_with(rp, &cand, &profile, a.force, verification)?,
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
+    // A side without every step of its run: not a verdict (the candidate's
+    // makes the commit untestable under `git bisect run`).
+    let incomplete: Vec<String> = report
+        .incomplete
+        .iter()
+        .map(|i| report.incomplete_file(i))
+        .collect();
+    super::complete::require(&incomplete, a.allow_incomplete, "not a verdict").map_err(|err| Failed {
+        err,
+        skip: report.candidate_incomplete(),
+    })?;
     report.policy_source = source.describe();
     let text = render(&report, format).map_err(setup)?;
     {

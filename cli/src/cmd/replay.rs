@@ -5,7 +5,9 @@
 //! Exit codes (layer replay): 0 every replayable unit reproduced and none
 //! missing (or `--allow-incomplete`), 1 an origin exists, 2 error or some
 //! unit not replayable. Teacher forcing: 0 the logits are bitwise the
-//! reference's at every step, 1 they differ, 2 error.
+//! reference's at every step, 1 they differ, 2 error. Either mode: a
+//! candidate without every step of its run is exit 2 unless
+//! `--allow-incomplete`.
 
 use crate::cli::Format;
 use crate::output::{print_json, print_text};
@@ -21,7 +23,8 @@ use std::process::ExitCode;
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "Exit codes: 0 every replayed unit reproduced, 1 an origin found, 2 error or a unit not replayable \
-(--allow-incomplete accepts). With --teacher-force: 0 logits bitwise identical at every step, 1 different, 2 error.\n\n\
+(--allow-incomplete accepts). With --teacher-force: 0 logits bitwise identical at every step, 1 different, 2 error. \
+A candidate without every step 0..max_new_tokens of its run is exit 2 in both modes unless --allow-incomplete.\n\n\
 Examples:\n  moeconf run --prompt 'why the sheep' --capture replay -o cand.bin\n  moeconf replay cand.bin\n  \
 moeconf replay cand.bin --format json -o replay.json\n  moeconf replay --teacher-force cand.bin\n\nCapture spec and report format: docs/replay.md"
 )]
@@ -60,9 +63,11 @@ pub struct ReplayArgs {
     /// data-flow reachability from an origin).
     #[arg(long)]
     pub measure_propagation: bool,
-    /// Exit 0 even when some units could not be replayed (inputs missing),
+    /// Exit 0 even when some units could not be replayed (inputs missing)
+    /// or the candidate lacks steps of its run (fewer than the binding's
+    /// max_new_tokens; the report then says `incomplete: k of n steps`),
     /// provided no origin was found. Without it, a replay that could not
-    /// check everything exits 2.
+    /// check everything exits 2 (also with --teacher-force).
     #[arg(long)]
     pub allow_incomplete: bool,
     /// Output format.
@@ -115,6 +120,8 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     // whose bytes disagree with its digests, whether replay reads them or not.
     let trace =
         Trace::open_verified(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
+    let incomplete: Vec<String> = super::complete::describe(&trace).into_iter().collect();
+    super::complete::require(&incomplete, a.allow_incomplete, "not replayed")?;
     let m = load_model(&model_spec(a, &trace)?)?;
     let precision = a.precision.as_deref().map(super::precision).transpose()?;
     let (text, json, code) = if a.teacher_force {
@@ -128,7 +135,11 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
                 contract: a.contract.clone(),
             },
         )?;
-        (r.render_text(), r.to_json(), r.exit_code())
+        (
+            r.render_text(a.allow_incomplete),
+            r.to_json(a.allow_incomplete),
+            r.exit_code(a.allow_incomplete),
+        )
     } else {
         let r = replay_layers(
             &trace,
