@@ -20,6 +20,8 @@
 
 pub mod dump;
 pub mod gen;
+pub mod lies;
+pub mod metamorphic;
 pub mod mutate;
 pub mod policy;
 pub mod seeds;
