@@ -19,7 +19,7 @@
 //! previous one, plus any extra padding a lie asks for), so that encoding
 //! an unchanged model gives the input back byte for byte.
 
-use arbitrary::{Arbitrary, Unstructured};
+use arbitrary::Unstructured;
 use moeconf_fingerprint::{Algorithm, Digest, Interner, Level};
 use moeconf_schema::layout::{align_up, Preamble, END_MAGIC, MAGIC, PREAMBLE_LEN};
 use moeconf_schema::v2::{
@@ -485,6 +485,17 @@ pub enum LieClass {
     Provenance,
 }
 
+impl LieClass {
+    /// Every class.
+    pub const ALL: [LieClass; 5] = [
+        LieClass::Ordinals,
+        LieClass::Counts,
+        LieClass::Layout,
+        LieClass::Trailer,
+        LieClass::Provenance,
+    ];
+}
+
 impl Lie {
     /// Which class of field it rewrites.
     pub fn class(&self) -> LieClass {
@@ -502,13 +513,7 @@ impl Lie {
 
     /// Draws a lie of any class.
     pub fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Lie> {
-        let class = *u.choose(&[
-            LieClass::Ordinals,
-            LieClass::Counts,
-            LieClass::Layout,
-            LieClass::Trailer,
-            LieClass::Provenance,
-        ])?;
+        let class = *u.choose(&LieClass::ALL)?;
         Lie::draw_of(u, class)
     }
 
@@ -565,9 +570,12 @@ impl Lie {
             LieClass::Trailer => Lie::RecordCount {
                 count: u.int_in_range(0..=300)?,
             },
+            // Names the oracle's normalization knows (a runtime name is
+            // printed by inspect and diff): 1–9 copies of one name, so that
+            // the header length varies.
             LieClass::Provenance => Lie::Provenance {
-                runtime: String::arbitrary(u)?.chars().take(40).collect(),
-                threads: u.arbitrary()?,
+                runtime: crate::metamorphic::LIAR.repeat(u.int_in_range(1..=9)?),
+                threads: crate::metamorphic::LIAR_THREADS,
             },
         })
     }
