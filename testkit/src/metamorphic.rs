@@ -577,16 +577,25 @@ pub const LIAR_THREADS: u32 = 77;
 /// report may show differently.
 pub fn without_provenance(report: &str) -> String {
     // The JSON part of a report starts at its first line that is `{`.
-    let (text, json) = match report.find("\n{\n") {
-        Some(i) => (&report[..i + 1], Some(&report[i + 1..])),
-        None => (report, None),
+    let (text, json) = if report.starts_with("{\n") {
+        ("", Some(report))
+    } else {
+        match report.find("\n{\n") {
+            Some(i) => (&report[..i + 1], Some(&report[i + 1..])),
+            None => (report, None),
+        }
     };
     let mut out = String::new();
     for line in text.lines() {
         let t = line.trim_start();
-        if t.starts_with("bytes ") || t.starts_with("file ") || line.contains("provenance.") {
-            // convert: the output's length and bytes, which hold the
-            // provenance; diff: a noted provenance difference.
+        if t.starts_with("bytes ")
+            || t.starts_with("file ")
+            || t.starts_with("output ")
+            || line.contains("provenance.")
+        {
+            // convert: the output's length and bytes (`output `: as the
+            // binary's test prints them), which hold the provenance; diff:
+            // a noted provenance difference.
             continue;
         }
         let line = if t.starts_with("trace ") {
