@@ -192,7 +192,7 @@ pub fn answers_under(
                             format!("gate {pname}: {name} ({vname})"),
                             run(|| {
                                 let ct = Trace::open(c).map_err(|e| e.to_string())?;
-                                gate_text(against_reference_with(r, &ct, &p, false, v))
+                                gate_text(against_reference_with(r, &ct, p, false, v))
                             }),
                         ));
                     }
@@ -213,7 +213,7 @@ pub fn answers_under(
                                 .and_then(|b| b.write(&bp))
                                 .map_err(|e| format!("bless: {e}"))?;
                             let ct = Trace::open(c).map_err(|e| e.to_string())?;
-                            gate_text(against_baseline_with(&bp, &ct, &p, false, Verification::OnUse))
+                            gate_text(against_baseline_with(&bp, &ct, p, false, Verification::OnUse))
                         }),
                     ));
                 }
