@@ -11,7 +11,7 @@
 use crate::gen::{GenOptions, TraceSpec};
 use crate::lies::{lie, Lie, LieClass, Model};
 use arbitrary::Unstructured;
-use moeconf_bisect::{diff, open_pair_with, DiffOptions};
+use moeconf_bisect::{diff, DiffOptions};
 use moeconf_fingerprint::Level;
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{Mode, Profile, Requirement};
@@ -45,19 +45,22 @@ pub enum Family {
     /// policies, F as reference and as candidate; `--bless` and gating
     /// against baselines.
     Gate,
-    /// `moeconf explain` and `moeconf certify` (verified in full).
+    /// `moeconf explain` (verified in full).
     Explain,
+    /// `moeconf certify` with the `c` and `b` families (verified in full).
+    Certify,
     /// `moeconf convert` to version 1 and 2 (the output bytes).
     Convert,
 }
 
 impl Family {
     /// Every family.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Inspect,
         Family::Diff,
         Family::Gate,
         Family::Explain,
+        Family::Certify,
         Family::Convert,
     ];
 }
@@ -124,7 +127,8 @@ fn put(path: &Path, bytes: &[u8]) {
 
 /// Every answer of `family` with `f` (F or F′) as the trace under test and
 /// `g` as the other trace, in the scratch directory `dir` (F is always
-/// written to `dir/f.bin`, G to `dir/g.bin`).
+/// written to `dir/f.bin`, G to `dir/g.bin`; `inspect` and `diff` open
+/// them from memory under those names, as the files would open).
 pub fn answers(family: Family, f: &[u8], g: &[u8], dir: &Path) -> Vec<Answer> {
     answers_under(family, f, g, dir, &profiles())
 }
@@ -147,7 +151,8 @@ pub fn answers_under(
             out.push((
                 "inspect".into(),
                 run(|| {
-                    let t = Trace::open_verified(&fp).map_err(|e| e.to_string())?;
+                    let t = Trace::from_bytes(&fp, f.to_vec()).map_err(|e| e.to_string())?;
+                    t.verify_payloads().map_err(|e| e.to_string())?;
                     let opts = moeconf_schema::inspect::InspectOptions {
                         verify_payloads: true,
                         list_tensors: false,
@@ -164,11 +169,22 @@ pub fn answers_under(
                 (Verification::OnUse, "on use"),
                 (Verification::Full, "--verify-all"),
             ] {
-                for (a, b, name) in [(&fp, &gp, "F vs G"), (&gp, &fp, "G vs F"), (&fp, &fp, "F vs F")] {
+                // In memory (what `open_pair_with` does with the files:
+                // open, then verify as asked), for speed.
+                let open = |p: &Path, bytes: &[u8]| -> Result<Trace, String> {
+                    let t = Trace::from_bytes(p, bytes.to_vec()).map_err(|e| e.to_string())?;
+                    t.ensure(v).map_err(|e| e.to_string())?;
+                    Ok(t)
+                };
+                for ((a, ab), (b, bb), name) in [
+                    ((&fp, f), (&gp, g), "F vs G"),
+                    ((&gp, g), (&fp, f), "G vs F"),
+                    ((&fp, f), (&fp, f), "F vs F"),
+                ] {
                     out.push((
                         format!("diff {name} ({vname})"),
                         run(|| {
-                            let (at, bt) = open_pair_with(a, b, v).map_err(|e| e.to_string())?;
+                            let (at, bt) = (open(a, ab)?, open(b, bb)?);
                             let opts = DiffOptions::default();
                             let d = diff(&at, &bt, &opts).map_err(|e| e.to_string())?;
                             Ok(format!("{}\n{:#}", d.render_text(false), d.to_json()))
@@ -239,6 +255,8 @@ pub fn answers_under(
                     Ok(format!("{}\n{:#}", r.render_text(), r.to_json()))
                 }),
             ));
+        }
+        Family::Certify => {
             out.push((
                 "certify c,b".into(),
                 run(|| {
