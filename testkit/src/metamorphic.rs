@@ -362,11 +362,20 @@ pub fn first_difference(a: &str, b: &str) -> String {
     format!("  F has {} lines, F′ {}", a.lines().count(), b.lines().count())
 }
 
-/// Runs `family` on F and on F′ (= `lied`) against G and returns every
-/// oracle failure (empty: the oracle holds). With `provenance` (F′ has
-/// another provenance than F), reports are compared
+/// What comparing F′'s answers with F's found.
+#[derive(Debug, Default)]
+pub struct Checked {
+    /// Every oracle failure (empty: the oracle holds).
+    pub failures: Vec<String>,
+    /// Answers of F′ that were reports equal to F's (not errors): the lie
+    /// was read and did not change the answer.
+    pub answered: usize,
+}
+
+/// Runs `family` on F and on F′ (= `lied`) against G and compares. With
+/// `provenance` (F′ has another provenance than F), reports are compared
 /// [`without_provenance`].
-pub fn check(family: Family, f: &[u8], lied: &[u8], g: &[u8], dir: &Path, provenance: bool) -> Vec<String> {
+pub fn check(family: Family, f: &[u8], lied: &[u8], g: &[u8], dir: &Path, provenance: bool) -> Checked {
     let truth = answers(family, f, g, dir);
     check_against(&truth, family, lied, g, dir, provenance, &profiles())
 }
@@ -381,7 +390,7 @@ pub fn check_against(
     dir: &Path,
     provenance: bool,
     profiles: &[(&str, Profile)],
-) -> Vec<String> {
+) -> Checked {
     let mut truth = truth.to_vec();
     let mut l = answers_under(family, lied, g, dir, profiles);
     if provenance {
@@ -391,7 +400,14 @@ pub fn check_against(
             }
         }
     }
-    compare(&truth, &l)
+    Checked {
+        failures: compare(&truth, &l),
+        answered: truth
+            .iter()
+            .zip(&l)
+            .filter(|((_, t), (_, x))| matches!(x, Outcome::Report(_)) && t == x)
+            .count(),
+    }
 }
 
 /// A trace F and another trace G to compare it with (both version 2).
@@ -685,6 +701,8 @@ pub struct Findings {
     pub applied: usize,
     /// Lies for which every answer held.
     pub held: usize,
+    /// Answers of lies that were F's report (not an error), over every lie.
+    pub answered: usize,
     /// Every oracle failure, naming the fixture, the lie and the command.
     pub failures: Vec<String>,
 }
@@ -717,8 +735,9 @@ pub fn check_class(class: LieClass, family: Family, dir: &Path) -> Findings {
                 class == LieClass::Provenance,
                 &all,
             );
-            found.held += usize::from(bad.is_empty());
-            for b in bad {
+            found.held += usize::from(bad.failures.is_empty());
+            found.answered += bad.answered;
+            for b in bad.failures {
                 found.failures.push(format!("[{}] {:?}: {b}", fx.name, lies));
             }
         }

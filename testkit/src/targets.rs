@@ -622,7 +622,8 @@ fn lies_body(
     let one = profiles.swap_remove(u.choose_index(profiles.len())?);
     let profiles = [one];
     let truth = metamorphic::answers_under(family, &f_bytes, &g_bytes, dir, &profiles);
-    let bad = metamorphic::check_against(&truth, family, &lied, &g_bytes, dir, provenance, &profiles);
+    let bad =
+        metamorphic::check_against(&truth, family, &lied, &g_bytes, dir, provenance, &profiles).failures;
     assert!(
         bad.is_empty(),
         "{lies:?} under {family:?}: {} answers of the lie are neither the trace's nor an error:\n{}",
