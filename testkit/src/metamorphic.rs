@@ -410,6 +410,61 @@ pub fn check_against(
     }
 }
 
+/// The cross baselines of the gate family: with F blessed, F′ gated
+/// against F's baseline, and with F′ blessed, F gated against F′'s; each
+/// must give what F against its own baseline gives, or an error (with
+/// `provenance`, compared [`without_provenance`]). Returns the failures.
+pub fn cross_baselines(
+    f: &[u8],
+    lied: &[u8],
+    dir: &Path,
+    profiles: &[(&str, Profile)],
+    provenance: bool,
+) -> Vec<String> {
+    let fp = dir.join("f.bin");
+    let bp = dir.join("blessed.json");
+    // Blesses `blessed` into `bp`, then gates `gated` against it (both as `f.bin`).
+    let run = |blessed: &[u8], gated: &[u8], p: &Profile| -> Outcome {
+        let _ = std::fs::remove_file(&bp);
+        put(&fp, blessed);
+        let blessing = run(|| {
+            let t = Trace::open_verified(&fp).map_err(|e| e.to_string())?;
+            Baseline::of(&t)
+                .and_then(|b| b.write(&bp))
+                .map(|_| String::new())
+                .map_err(|e| e.to_string())
+        });
+        if !matches!(blessing, Outcome::Report(_)) {
+            return blessing;
+        }
+        put(&fp, gated);
+        run(|| {
+            let ct = Trace::open(&fp).map_err(|e| e.to_string())?;
+            gate_text(against_baseline_with(&bp, &ct, p, false, Verification::OnUse))
+        })
+    };
+    let mut truth = Vec::new();
+    let mut lies = Vec::new();
+    for (name, p) in profiles {
+        let t = run(f, f, p);
+        for (what, o) in [
+            ("F′ against blessed F", run(f, lied, p)),
+            ("F against blessed F′", run(lied, f, p)),
+        ] {
+            truth.push((format!("gate {name}: {what}"), t.clone()));
+            lies.push((format!("gate {name}: {what}"), o));
+        }
+    }
+    if provenance {
+        for (_, o) in truth.iter_mut().chain(lies.iter_mut()) {
+            if let Outcome::Report(r) = o {
+                *r = without_provenance(r);
+            }
+        }
+    }
+    compare(&truth, &lies)
+}
+
 /// A trace F and another trace G to compare it with (both version 2).
 #[derive(Debug, Clone)]
 pub struct Fixture {
@@ -735,6 +790,12 @@ pub fn check_class(class: LieClass, family: Family, dir: &Path) -> Findings {
                 class == LieClass::Provenance,
                 &all,
             );
+            let mut bad = bad;
+            if family == Family::Gate {
+                let provenance = class == LieClass::Provenance;
+                bad.failures
+                    .extend(cross_baselines(&fx.f, &lied, dir, &all, provenance));
+            }
             found.held += usize::from(bad.failures.is_empty());
             found.answered += bad.answered;
             for b in bad.failures {

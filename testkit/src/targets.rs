@@ -622,8 +622,13 @@ fn lies_body(
     let one = profiles.swap_remove(u.choose_index(profiles.len())?);
     let profiles = [one];
     let truth = metamorphic::answers_under(family, &f_bytes, &g_bytes, dir, &profiles);
-    let bad =
+    let mut bad =
         metamorphic::check_against(&truth, family, &lied, &g_bytes, dir, provenance, &profiles).failures;
+    if family == metamorphic::Family::Gate {
+        bad.extend(metamorphic::cross_baselines(
+            &f_bytes, &lied, dir, &profiles, provenance,
+        ));
+    }
     assert!(
         bad.is_empty(),
         "{lies:?} under {family:?}: {} answers of the lie are neither the trace's nor an error:\n{}",
