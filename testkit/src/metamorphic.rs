@@ -6,7 +6,9 @@
 //! does (the same entry points and verification), once with F and once
 //! with F′ written to the same file name, so that the reports need no
 //! normalizing of names; [`compare`] lists every answer of F′ that is
-//! neither F's nor an error.
+//! neither F's nor an error. (`moeconf merge` takes shard partials, not
+//! traces: it has no place here. `replay` needs the reference runtime and
+//! is driven on the binary by `tests/lies_cli.rs`.)
 
 use crate::gen::{GenOptions, TraceSpec};
 use crate::lies::{lie, Lie, LieClass, Model};
@@ -42,8 +44,9 @@ pub enum Family {
     /// `moeconf diff` F vs G, G vs F, F vs F; on use and `--verify-all`.
     Diff,
     /// `moeconf gate` under strict, tolerance, near-tie and coverage
-    /// policies, F as reference and as candidate; `--bless` and gating
-    /// against baselines.
+    /// policies, F as reference, as candidate and against itself, on use
+    /// and `--verify-all`; `--bless` (the baseline file) and gating against
+    /// baselines ([`cross_baselines`]: F against F′'s and F′ against F's).
     Gate,
     /// `moeconf explain` (verified in full).
     Explain,
