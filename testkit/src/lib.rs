@@ -12,14 +12,23 @@
 //!   and one flipped payload bit behind valid checksums;
 //! * [`policy`]: gate policies from the documented grammar (docs/ci.md §2);
 //! * [`dump`]: import dumps (docs/import.md) of a generated trace;
+//! * [`lies`]: "well-formed lies", version 2 traces rewritten where the
+//!   root does not commit (write-order numbers, record counts, layout,
+//!   trailer count, provenance) with every digest and checksum recomputed;
+//! * [`metamorphic`]: the oracle that a lie gets its trace's answer or an
+//!   error from every command, with the fixtures and lies of
+//!   `testkit/tests/lies.rs`;
 //! * [`targets`]: the bodies of the cargo-fuzz targets `diff`, `gate`,
-//!   `certify` and `import` (fuzz/), with their oracles asserted inside;
+//!   `certify`, `import` and `lies` (fuzz/), with their oracles asserted
+//!   inside;
 //! * [`seeds`]: deterministic inputs, so that the default test suite runs
 //!   every body on a few thousand of them (`testkit/tests/consumers.rs`).
 #![deny(missing_docs)]
 
 pub mod dump;
 pub mod gen;
+pub mod lies;
+pub mod metamorphic;
 pub mod mutate;
 pub mod policy;
 pub mod seeds;

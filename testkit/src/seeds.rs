@@ -41,21 +41,21 @@ pub fn scratch_root() -> PathBuf {
 /// fuzzing jobs never share files). Left behind on exit: remove
 /// `/dev/shm/moeconf-fuzz-*` after a campaign.
 ///
-/// The first call also makes the calling thread the only thread of
-/// rayon's global pool, so that the payload verification and hashing a
-/// target triggers run inline on the fuzzing thread instead of being handed
-/// to pool threads: on a loaded machine every hand-off waits for a CPU, and
-/// the fuzzing process otherwise spent most of its time waiting. Results
-/// never depend on the number of threads (a project rule, tested
-/// elsewhere), so this changes speed only.
+/// The first call also gives rayon's global pool a single thread, so that
+/// the payload verification and hashing a target triggers do not fan out
+/// over pool threads: on a loaded machine every hand-off waits for a CPU,
+/// and the fuzzing process otherwise spent most of its time waiting. The
+/// calling thread is not made that pool thread (`use_current_thread`):
+/// `bisect::open_pair_with` opens one trace on a scoped thread whose rayon
+/// work then waited for the fuzzing thread, itself blocked joining that
+/// scoped thread, a deadlock on the first `diff` execution. Results never
+/// depend on the number of threads (a project rule, tested elsewhere), so
+/// this changes speed only.
 pub fn fuzz_dir() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         // Fails only when the global pool already exists; then it stays as it is.
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .use_current_thread()
-            .build_global();
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(1).build_global();
         let d = scratch_root().join(format!("moeconf-fuzz-{}", std::process::id()));
         if let Err(e) = std::fs::create_dir_all(&d) {
             panic!("cannot create the fuzz scratch directory {}: {e}", d.display());

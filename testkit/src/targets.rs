@@ -6,6 +6,7 @@
 //! crash. `dir` is a scratch directory the body may overwrite.
 
 use crate::gen::{GenOptions, TraceSpec};
+use crate::metamorphic;
 use crate::mutate::{
     all_records, flip_bit_in, flip_payload_bit, held_levels, mutate, read_ranges, record_keys,
     record_keys_at, unread_payloads,
@@ -583,5 +584,89 @@ fn import_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<
             *seen |= REFUSED;
         }
     }
+    Ok(())
+}
+
+/// `lies`: a generated trace F (format version 2), a candidate G mutated
+/// from it, 1–3 drawn [`Lie`](crate::lies::Lie)s of the classes in
+/// `classes` rewritten into F (every block digest, reference and checksum
+/// recomputed: F′ is internally consistent), and one drawn command family
+/// ([`metamorphic::Family`]) run on F and on F′. Oracle
+/// ([`metamorphic::check`]): every answer F′ gets is F's answer or an
+/// error, never another report, never a panic. The rewriter must accept
+/// every trace the writer wrote.
+pub fn lies_case(data: &[u8], dir: &Path) -> Seen {
+    lies_case_of(data, dir, &crate::lies::LieClass::ALL)
+}
+
+/// [`lies_case`] with lies drawn only from `classes`.
+pub fn lies_case_of(data: &[u8], dir: &Path, classes: &[crate::lies::LieClass]) -> Seen {
+    let mut seen = 0;
+    let _ = lies_body(&mut Unstructured::new(data), dir, classes, &mut seen);
+    seen
+}
+
+fn lies_body(
+    u: &mut Unstructured<'_>,
+    dir: &Path,
+    classes: &[crate::lies::LieClass],
+    seen: &mut Seen,
+) -> Result<()> {
+    use crate::lies::{lie, Lie, LieClass};
+    let mut f = TraceSpec::generate(u, GenOptions::default())?;
+    f.version = 2;
+    let mut g = mutate(u, &f)?;
+    g.version = 2;
+    let (fp, _) = write_valid(&f, dir, "lies-f.bin");
+    let f_bytes = match std::fs::read(&fp) {
+        Ok(b) => b,
+        Err(e) => panic!("cannot read {}: {e}", fp.display()),
+    };
+    let g_bytes = match write(&g, dir, "lies-g.bin").map(std::fs::read) {
+        Some(Ok(b)) => b,
+        _ => f_bytes.clone(),
+    };
+    let mut lies = Vec::new();
+    for _ in 0..u.int_in_range(1..=3)? {
+        let class = *u.choose(classes)?;
+        lies.push(Lie::draw_of(u, class)?);
+    }
+    let lied = match lie(&f_bytes, &lies) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Ok(()),
+        Err(e) => panic!("the rewriter refused a trace the writer wrote: {e}"),
+    };
+    // `explain` costs ~100 times what the others do: one execution in 64.
+    let family = if u.ratio(1, 64)? {
+        metamorphic::Family::Explain
+    } else {
+        *u.choose(&[
+            metamorphic::Family::Inspect,
+            metamorphic::Family::Diff,
+            metamorphic::Family::Gate,
+            metamorphic::Family::Certify,
+            metamorphic::Family::Convert,
+        ])?
+    };
+    let provenance = lies.iter().any(|l| l.class() == LieClass::Provenance);
+    // One drawn gate profile per execution (the suite runs them all).
+    let mut profiles = metamorphic::profiles();
+    let one = profiles.swap_remove(u.choose_index(profiles.len())?);
+    let profiles = [one];
+    let truth = metamorphic::answers_under(family, &f_bytes, &g_bytes, dir, &profiles);
+    let mut bad =
+        metamorphic::check_against(&truth, family, &lied, &g_bytes, dir, provenance, &profiles).failures;
+    if family == metamorphic::Family::Gate {
+        bad.extend(metamorphic::cross_baselines(
+            &f_bytes, &lied, dir, &profiles, provenance,
+        ));
+    }
+    assert!(
+        bad.is_empty(),
+        "{lies:?} under {family:?}: {} answers of the lie are neither the trace's nor an error:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+    *seen |= VERDICT | SAME;
     Ok(())
 }

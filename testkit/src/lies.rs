@@ -1,0 +1,792 @@
+//! "Well-formed lies": a structure-aware rewriter of format version 2
+//! traces (docs/format.md §11) that changes what the root digest does not
+//! commit to, then recomputes every block digest, block reference, the root
+//! block digest and the checksum, so that the result is internally
+//! consistent yet says something false.
+//!
+//! The root (§4.3) commits to the algorithm, the binding and the records'
+//! digests in canonical order. It does not commit to write-order numbers
+//! (`GroupEntry.ordinal`), per-level record counts (`StepRef.level_records`),
+//! `GroupRef.records`, the trailer's `record_count`, offsets, chunk layout
+//! and padding, or the provenance. A [`Lie`] rewrites one of those; the
+//! metamorphic oracle (`testkit/tests/lies.rs`, [`crate::targets::lies_case`])
+//! demands that every consumer gives a trace and any lie of it the same
+//! answer, or an error.
+//!
+//! [`Model::decode`] reads every node of a valid version 2 trace with the
+//! schema crate's own block decoders; [`Model::encode`] lays the nodes out
+//! again as §11.1 says (a chunk at the next multiple of 64 after the
+//! previous one, plus any extra padding a lie asks for), so that encoding
+//! an unchanged model gives the input back byte for byte.
+
+use arbitrary::Unstructured;
+use moeconf_fingerprint::{Algorithm, Digest, Interner, Level};
+use moeconf_schema::layout::{align_up, Preamble, END_MAGIC, MAGIC, PREAMBLE_LEN};
+use moeconf_schema::v2::{
+    block_digest, checksum_v2, decode_group_block, decode_root_block, decode_step_block, encode_group_block,
+    encode_root_block, encode_step_block, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V2,
+    TRAILER_V2_LEN,
+};
+use moeconf_schema::{Header, IndexEntry, PayloadRef};
+
+/// One record of a group block, with its payload bytes.
+#[derive(Debug, Clone)]
+pub struct EntryModel {
+    /// Its write-order number as the file claims it.
+    pub ordinal: u64,
+    /// The record (its payload offset is rewritten on encoding).
+    pub entry: IndexEntry,
+    /// Its payload bytes, when it keeps one.
+    pub payload: Option<Vec<u8>>,
+}
+
+/// One group (step, level, layer) of a step.
+#[derive(Debug, Clone)]
+pub struct GroupModel {
+    /// The layer.
+    pub layer: Option<u32>,
+    /// Its fingerprint digest (committed to by the root).
+    pub digest: Digest,
+    /// `GroupRef.records` as the step block claims it.
+    pub records: u64,
+    /// Its entries, in block (canonical) order.
+    pub entries: Vec<EntryModel>,
+}
+
+/// One level of a step.
+#[derive(Debug, Clone)]
+pub struct LevelModel {
+    /// The level.
+    pub level: Level,
+    /// Its groups in tree order.
+    pub groups: Vec<GroupModel>,
+}
+
+/// Where an entry is: (level index, group index, entry index) in a step.
+pub type EntryAt = (usize, usize, usize);
+
+/// One step: its nodes and the order of its payload chunks.
+#[derive(Debug, Clone)]
+pub struct StepModel {
+    /// The step.
+    pub step: u32,
+    /// Its fingerprint digest.
+    pub digest: Digest,
+    /// `StepRef.level_records` as the root block claims it.
+    pub level_records: [u64; 5],
+    /// Its levels, ascending.
+    pub levels: Vec<LevelModel>,
+    /// The entries that keep a payload, in the order their chunks appear.
+    pub payload_order: Vec<EntryAt>,
+}
+
+impl StepModel {
+    /// Every entry of the step, in tree order.
+    pub fn entries(&self) -> Vec<EntryAt> {
+        let mut v = Vec::new();
+        for (li, l) in self.levels.iter().enumerate() {
+            for (gi, g) in l.groups.iter().enumerate() {
+                v.extend((0..g.entries.len()).map(|ei| (li, gi, ei)));
+            }
+        }
+        v
+    }
+
+    /// The entry at `at`.
+    pub fn entry_mut(&mut self, at: EntryAt) -> Option<&mut EntryModel> {
+        self.levels
+            .get_mut(at.0)?
+            .groups
+            .get_mut(at.1)?
+            .entries
+            .get_mut(at.2)
+    }
+
+    /// The entry at `at`.
+    pub fn entry(&self, at: EntryAt) -> Option<&EntryModel> {
+        self.levels.get(at.0)?.groups.get(at.1)?.entries.get(at.2)
+    }
+
+    /// The entry of the record with path `path` (first in tree order).
+    pub fn find(&self, path: &str) -> Option<EntryAt> {
+        self.entries()
+            .into_iter()
+            .find(|&at| self.entry(at).is_some_and(|e| &*e.entry.coord.path == path))
+    }
+}
+
+/// A whole version 2 trace as nodes, with what it claims besides the root.
+#[derive(Debug, Clone)]
+pub struct Model {
+    /// Digest algorithm.
+    pub alg: Algorithm,
+    /// Binding and provenance.
+    pub header: Header,
+    /// The trailer's root digest.
+    pub root: Digest,
+    /// The trailer's `record_count`.
+    pub record_count: u64,
+    /// Steps in root block order.
+    pub steps: Vec<StepModel>,
+    /// Extra zero padding, in 64-byte blocks, before chunk number `i` of
+    /// the file (every payload and block, in file order; the root block
+    /// last): `(i, blocks)`.
+    pub padding: Vec<(usize, u64)>,
+}
+
+/// Why a trace could not be decoded or re-encoded.
+pub type LieError = String;
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+fn slice(b: &[u8], r: BlockRef) -> Result<&[u8], LieError> {
+    let end = r.end().ok_or("block reference overflows")?;
+    b.get(r.offset as usize..end as usize)
+        .ok_or_else(|| format!("block {}..{end} outside the file", r.offset))
+}
+
+impl Model {
+    /// Decodes every node of a version 2 trace (nothing is verified beyond
+    /// what decoding needs: give it a trace a reader accepted).
+    pub fn decode(bytes: &[u8]) -> Result<Model, LieError> {
+        if bytes.get(..8) != Some(&MAGIC[..]) || u32_at(bytes, 8) != Some(FORMAT_V2) {
+            return Err("not a version 2 trace".into());
+        }
+        let alg = u32_at(bytes, 16)
+            .and_then(Algorithm::from_code)
+            .ok_or("unknown algorithm")?;
+        let header_len = u64_at(bytes, 24).ok_or("short preamble")? as usize;
+        let header_end = (PREAMBLE_LEN as usize)
+            .checked_add(header_len)
+            .ok_or("header length overflows")?;
+        let header = Header::decode(
+            bytes
+                .get(PREAMBLE_LEN as usize..header_end)
+                .ok_or("short header")?,
+            PREAMBLE_LEN,
+        )
+        .map_err(|e| e.to_string())?;
+        let t = bytes
+            .len()
+            .checked_sub(TRAILER_V2_LEN as usize)
+            .ok_or("shorter than a trailer")?;
+        let tr = &bytes[t..];
+        let root_ref = BlockRef {
+            offset: u64_at(tr, 8).ok_or("short trailer")?,
+            len: u64_at(tr, 16).ok_or("short trailer")?,
+            digest: Digest([0; 32]),
+        };
+        let record_count = u64_at(tr, 24).ok_or("short trailer")?;
+        let root = Digest(
+            tr.get(32..64)
+                .and_then(|x| x.try_into().ok())
+                .ok_or("short trailer")?,
+        );
+        let root_bytes = slice(bytes, root_ref)?;
+        let refs = decode_root_block(root_bytes, root_ref.offset).map_err(|e| e.to_string())?;
+        let mut interner = Interner::new();
+        let mut steps = Vec::with_capacity(refs.len());
+        for s in refs {
+            let (step, levels) =
+                decode_step_block(slice(bytes, s.block)?, s.block.offset).map_err(|e| e.to_string())?;
+            let mut lm = Vec::with_capacity(levels.len());
+            let mut payloads: Vec<(u64, EntryAt)> = Vec::new();
+            for (li, l) in levels.into_iter().enumerate() {
+                let mut groups = Vec::with_capacity(l.groups.len());
+                for (gi, g) in l.groups.into_iter().enumerate() {
+                    let gb = decode_group_block(slice(bytes, g.block)?, g.block.offset, &mut interner)
+                        .map_err(|e| e.to_string())?;
+                    let mut entries = Vec::with_capacity(gb.entries.len());
+                    for (ei, ge) in gb.entries.into_iter().enumerate() {
+                        let payload = match ge.entry.payload {
+                            Some(p) => {
+                                payloads.push((p.offset, (li, gi, ei)));
+                                let r = BlockRef {
+                                    offset: p.offset,
+                                    len: p.len,
+                                    digest: Digest([0; 32]),
+                                };
+                                Some(slice(bytes, r)?.to_vec())
+                            }
+                            None => None,
+                        };
+                        entries.push(EntryModel {
+                            ordinal: ge.ordinal,
+                            entry: ge.entry,
+                            payload,
+                        });
+                    }
+                    groups.push(GroupModel {
+                        layer: g.layer,
+                        digest: g.digest,
+                        records: g.records,
+                        entries,
+                    });
+                }
+                lm.push(LevelModel {
+                    level: l.level,
+                    groups,
+                });
+            }
+            payloads.sort_by_key(|&(o, _)| o);
+            steps.push(StepModel {
+                step,
+                digest: s.digest,
+                level_records: s.level_records,
+                levels: lm,
+                payload_order: payloads.into_iter().map(|(_, at)| at).collect(),
+            });
+        }
+        Ok(Model {
+            alg,
+            header,
+            root,
+            record_count,
+            steps,
+            padding: Vec::new(),
+        })
+    }
+
+    /// Lays the model out as a version 2 file (§11.1, plus [`Model::padding`]),
+    /// with every block digest and reference, the root block digest and the
+    /// checksum computed from what is written.
+    pub fn encode(&self) -> Result<Vec<u8>, LieError> {
+        let header = self.header.to_bytes();
+        let pre = Preamble {
+            algorithm: self.alg,
+            header_len: header.len() as u64,
+        };
+        let mut out = pre.to_bytes_version(FORMAT_V2).to_vec();
+        out.extend_from_slice(&header);
+        let header_end = out.len();
+        let mut chunk = 0usize;
+        // Places one chunk at the next multiple of 64 (plus any extra padding).
+        let mut place = |out: &mut Vec<u8>, bytes: &[u8]| -> Result<BlockRef, LieError> {
+            let extra: u64 = self
+                .padding
+                .iter()
+                .filter(|&&(i, _)| i == chunk)
+                .map(|&(_, n)| n)
+                .sum();
+            chunk += 1;
+            let at = align_up(out.len() as u64)
+                .and_then(|a| a.checked_add(extra.checked_mul(64)?))
+                .ok_or("offset overflows")?;
+            if at > 1 << 32 {
+                return Err("padding too large".into());
+            }
+            out.resize(at as usize, 0);
+            out.extend_from_slice(bytes);
+            Ok(BlockRef {
+                offset: at,
+                len: bytes.len() as u64,
+                digest: block_digest(self.alg, bytes),
+            })
+        };
+        let mut step_refs = Vec::with_capacity(self.steps.len());
+        for s in &self.steps {
+            let mut s2 = s.clone();
+            for &at in &s.payload_order {
+                let e = s2.entry_mut(at).ok_or("payload order names no entry")?;
+                let bytes = e
+                    .payload
+                    .clone()
+                    .ok_or("payload order names an entry without payload")?;
+                let r = place(&mut out, &bytes)?;
+                e.entry.payload = Some(PayloadRef {
+                    offset: r.offset,
+                    len: r.len,
+                });
+            }
+            let mut levels = Vec::with_capacity(s2.levels.len());
+            for l in &s2.levels {
+                let mut groups = Vec::with_capacity(l.groups.len());
+                for g in &l.groups {
+                    let b = encode_group_block(
+                        s2.step,
+                        l.level,
+                        g.layer,
+                        g.entries.iter().map(|e| (e.ordinal, &e.entry)),
+                    );
+                    let block = place(&mut out, &b)?;
+                    groups.push(GroupRef {
+                        layer: g.layer,
+                        digest: g.digest,
+                        records: g.records,
+                        block,
+                    });
+                }
+                levels.push(LevelRefs {
+                    level: l.level,
+                    groups,
+                });
+            }
+            let sb = encode_step_block(s2.step, &levels);
+            let block = place(&mut out, &sb)?;
+            step_refs.push(StepRef {
+                step: s2.step,
+                digest: s2.digest,
+                level_records: s2.level_records,
+                block,
+            });
+        }
+        let rb = encode_root_block(&step_refs);
+        let root_block = place(&mut out, &rb)?;
+        let mut tr = TrailerV2 {
+            root_block,
+            record_count: self.record_count,
+            root: self.root,
+            checksum: Digest([0; 32]),
+        };
+        tr.checksum = checksum_v2(self.alg, &out[..header_end], &tr.covered_bytes());
+        out.extend_from_slice(&tr.to_bytes());
+        debug_assert_eq!(&out[out.len() - 8..], &END_MAGIC);
+        Ok(out)
+    }
+
+    /// The sum of every step's claimed `level_records`.
+    pub fn claimed_total(&self) -> u64 {
+        self.steps
+            .iter()
+            .flat_map(|s| s.level_records)
+            .fold(0u64, |a, n| a.saturating_add(n))
+    }
+
+    /// The number of chunks [`Model::encode`] writes (payloads and blocks).
+    pub fn chunks(&self) -> usize {
+        1 + self
+            .steps
+            .iter()
+            .map(|s| 1 + s.payload_order.len() + s.levels.iter().map(|l| l.groups.len()).sum::<usize>())
+            .sum::<usize>()
+    }
+}
+
+/// A field the root does not commit to, and how to rewrite it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lie {
+    /// Permute the write-order numbers of one step (index into the root
+    /// block's steps, modulo their count): rotate them by `by` in tree
+    /// order, payload chunks left where they are.
+    PermuteOrdinals {
+        /// Step index.
+        step: usize,
+        /// Rotation (modulo the step's record count).
+        by: usize,
+    },
+    /// Record `b` of a step (tree order) takes the number of record `a`:
+    /// two records share one write-order number.
+    ShareOrdinal {
+        /// Step index.
+        step: usize,
+        /// Record whose number is copied.
+        a: usize,
+        /// Record that gets it.
+        b: usize,
+    },
+    /// [`Lie::ShareOrdinal`] by record paths (the first record of each
+    /// path in tree order), e.g. `lm.margin` and `token.output`.
+    ShareOrdinalOf {
+        /// Step index.
+        step: usize,
+        /// Path of the record whose number is copied.
+        a: String,
+        /// Path of the record that gets it.
+        b: String,
+    },
+    /// Swap the numbers of the first records of two groups of one step
+    /// (group indices in tree order across levels).
+    SwapAcrossGroups {
+        /// Step index.
+        step: usize,
+        /// First group.
+        a: usize,
+        /// Second group.
+        b: usize,
+    },
+    /// Set `level_records[level]` of one step in the root block to `count`
+    /// (claiming a level it does not hold, dropping one it holds (0), or
+    /// changing a count). With `groups`, the first group of that level in
+    /// the step block changes its `records` by the same amount (when the
+    /// level exists and the result is not negative); with `trailer`, the
+    /// trailer's `record_count` becomes the sum of the claimed counts.
+    LevelRecords {
+        /// Step index.
+        step: usize,
+        /// The level.
+        level: Level,
+        /// The claimed count.
+        count: u64,
+        /// Rewrite the step block's group count consistently.
+        groups: bool,
+        /// Rewrite the trailer's record count consistently.
+        trailer: bool,
+    },
+    /// Set `GroupRef.records` of one group (tree order) of a step.
+    GroupRecords {
+        /// Step index.
+        step: usize,
+        /// Group index in tree order across levels.
+        group: usize,
+        /// The claimed count.
+        count: u64,
+    },
+    /// Set the trailer's `record_count`.
+    RecordCount {
+        /// The claimed count.
+        count: u64,
+    },
+    /// Insert `blocks` × 64 zero bytes before chunk number `chunk` (modulo
+    /// the number of chunks), moving it and everything after it; every
+    /// offset is rewritten.
+    Pad {
+        /// Chunk index in file order.
+        chunk: usize,
+        /// Extra 64-byte blocks of zeros (1–4 when drawn).
+        blocks: u64,
+    },
+    /// Reorder the payload chunks of one step (rotate by `by`), keeping
+    /// each record's write-order number; offsets rewritten.
+    ReorderPayloads {
+        /// Step index.
+        step: usize,
+        /// Rotation.
+        by: usize,
+    },
+    /// Rewrite the provenance's runtime, version and thread count (its
+    /// notes, which consumers interpret, are kept). The header length
+    /// changes, and every offset after it with it.
+    Provenance {
+        /// The claimed runtime name.
+        runtime: String,
+        /// The claimed thread count.
+        threads: u32,
+    },
+}
+
+/// The class of a lie (for reports and for choosing in tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LieClass {
+    /// Write-order numbers.
+    Ordinals,
+    /// Per-level and per-group record counts.
+    Counts,
+    /// Offsets and chunk layout.
+    Layout,
+    /// The trailer's record count.
+    Trailer,
+    /// The provenance.
+    Provenance,
+}
+
+impl LieClass {
+    /// Every class.
+    pub const ALL: [LieClass; 5] = [
+        LieClass::Ordinals,
+        LieClass::Counts,
+        LieClass::Layout,
+        LieClass::Trailer,
+        LieClass::Provenance,
+    ];
+}
+
+impl Lie {
+    /// Which class of field it rewrites.
+    pub fn class(&self) -> LieClass {
+        match self {
+            Lie::PermuteOrdinals { .. }
+            | Lie::ShareOrdinal { .. }
+            | Lie::ShareOrdinalOf { .. }
+            | Lie::SwapAcrossGroups { .. } => LieClass::Ordinals,
+            Lie::LevelRecords { .. } | Lie::GroupRecords { .. } => LieClass::Counts,
+            Lie::Pad { .. } | Lie::ReorderPayloads { .. } => LieClass::Layout,
+            Lie::RecordCount { .. } => LieClass::Trailer,
+            Lie::Provenance { .. } => LieClass::Provenance,
+        }
+    }
+
+    /// Draws a lie of any class.
+    pub fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<Lie> {
+        let class = *u.choose(&LieClass::ALL)?;
+        Lie::draw_of(u, class)
+    }
+
+    /// Draws a lie of `class`.
+    pub fn draw_of(u: &mut Unstructured<'_>, class: LieClass) -> arbitrary::Result<Lie> {
+        let step = usize::from(u.arbitrary::<u8>()?);
+        Ok(match class {
+            LieClass::Ordinals => match u.int_in_range(0..=2u8)? {
+                0 => Lie::PermuteOrdinals {
+                    step,
+                    by: usize::from(u.arbitrary::<u8>()?),
+                },
+                1 => Lie::ShareOrdinal {
+                    step,
+                    a: usize::from(u.arbitrary::<u8>()?),
+                    b: usize::from(u.arbitrary::<u8>()?),
+                },
+                _ => Lie::SwapAcrossGroups {
+                    step,
+                    a: usize::from(u.arbitrary::<u8>()?),
+                    b: usize::from(u.arbitrary::<u8>()?),
+                },
+            },
+            LieClass::Counts => {
+                if u.ratio(1, 4)? {
+                    Lie::GroupRecords {
+                        step,
+                        group: usize::from(u.arbitrary::<u8>()?),
+                        count: u.int_in_range(0..=200)?,
+                    }
+                } else {
+                    Lie::LevelRecords {
+                        step,
+                        level: Level::ALL[u.choose_index(5)?],
+                        count: u.int_in_range(0..=200)?,
+                        groups: u.arbitrary()?,
+                        trailer: !u.ratio(1, 4)?,
+                    }
+                }
+            }
+            LieClass::Layout => {
+                if u.arbitrary()? {
+                    Lie::Pad {
+                        chunk: usize::from(u.arbitrary::<u8>()?),
+                        blocks: u.int_in_range(1..=4)?,
+                    }
+                } else {
+                    Lie::ReorderPayloads {
+                        step,
+                        by: usize::from(u.arbitrary::<u8>()?),
+                    }
+                }
+            }
+            LieClass::Trailer => Lie::RecordCount {
+                count: u.int_in_range(0..=300)?,
+            },
+            // Names the oracle's normalization knows (a runtime name is
+            // printed by inspect and diff): 1–9 copies of one name, so that
+            // the header length varies.
+            LieClass::Provenance => Lie::Provenance {
+                runtime: crate::metamorphic::LIAR.repeat(u.int_in_range(1..=9)?),
+                threads: crate::metamorphic::LIAR_THREADS,
+            },
+        })
+    }
+
+    /// Applies the lie to `m`. Indices are taken modulo what exists; a lie
+    /// with nothing to rewrite (a step without two records, a trace without
+    /// payloads) leaves `m` as it is and returns `false`.
+    pub fn apply(&self, m: &mut Model) -> bool {
+        let n_steps = m.steps.len();
+        let step_of = |i: usize| if n_steps == 0 { None } else { Some(i % n_steps) };
+        match self {
+            Lie::PermuteOrdinals { step, by } => {
+                let Some(s) = step_of(*step).map(|i| &mut m.steps[i]) else {
+                    return false;
+                };
+                let all = s.entries();
+                let n = all.len();
+                if n < 2 || by % n == 0 {
+                    return false;
+                }
+                let ords: Vec<u64> = all
+                    .iter()
+                    .filter_map(|&at| s.entry(at).map(|e| e.ordinal))
+                    .collect();
+                for (i, &at) in all.iter().enumerate() {
+                    if let Some(e) = s.entry_mut(at) {
+                        e.ordinal = ords[(i + by) % n];
+                    }
+                }
+                true
+            }
+            Lie::ShareOrdinal { step, a, b } => {
+                let Some(s) = step_of(*step).map(|i| &mut m.steps[i]) else {
+                    return false;
+                };
+                let all = s.entries();
+                if all.len() < 2 {
+                    return false;
+                }
+                let (a, mut b) = (all[a % all.len()], all[b % all.len()]);
+                if a == b {
+                    b = all[(all.iter().position(|&x| x == a).unwrap_or(0) + 1) % all.len()];
+                }
+                share(s, a, b)
+            }
+            Lie::ShareOrdinalOf { step, a, b } => {
+                let Some(s) = step_of(*step).map(|i| &mut m.steps[i]) else {
+                    return false;
+                };
+                match (s.find(a), s.find(b)) {
+                    (Some(a), Some(b)) if a != b => share(s, a, b),
+                    _ => false,
+                }
+            }
+            Lie::SwapAcrossGroups { step, a, b } => {
+                let Some(s) = step_of(*step).map(|i| &mut m.steps[i]) else {
+                    return false;
+                };
+                let groups: Vec<(usize, usize)> = s
+                    .levels
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(li, l)| (0..l.groups.len()).map(move |gi| (li, gi)))
+                    .collect();
+                if groups.len() < 2 {
+                    return false;
+                }
+                let ga = groups[a % groups.len()];
+                let mut gb = groups[b % groups.len()];
+                if ga == gb {
+                    gb = groups[(a % groups.len() + 1) % groups.len()];
+                }
+                let (x, y) = ((ga.0, ga.1, 0), (gb.0, gb.1, 0));
+                let (Some(ox), Some(oy)) = (s.entry(x).map(|e| e.ordinal), s.entry(y).map(|e| e.ordinal))
+                else {
+                    return false;
+                };
+                if let Some(e) = s.entry_mut(x) {
+                    e.ordinal = oy;
+                }
+                if let Some(e) = s.entry_mut(y) {
+                    e.ordinal = ox;
+                }
+                true
+            }
+            Lie::LevelRecords {
+                step,
+                level,
+                count,
+                groups,
+                trailer,
+            } => {
+                let Some(i) = step_of(*step) else {
+                    return false;
+                };
+                let s = &mut m.steps[i];
+                let l = level.code() as usize;
+                let old = s.level_records[l];
+                if old == *count {
+                    return false;
+                }
+                s.level_records[l] = *count;
+                if *groups {
+                    if let Some(g) = s
+                        .levels
+                        .iter_mut()
+                        .find(|x| x.level == *level)
+                        .and_then(|x| x.groups.first_mut())
+                    {
+                        let new = i128::from(g.records) + i128::from(*count) - i128::from(old);
+                        if let Ok(new) = u64::try_from(new) {
+                            g.records = new;
+                        }
+                    }
+                }
+                if *trailer {
+                    m.record_count = m.claimed_total();
+                }
+                true
+            }
+            Lie::GroupRecords { step, group, count } => {
+                let Some(i) = step_of(*step) else {
+                    return false;
+                };
+                let s = &mut m.steps[i];
+                let n: usize = s.levels.iter().map(|l| l.groups.len()).sum();
+                if n == 0 {
+                    return false;
+                }
+                let Some(g) = s
+                    .levels
+                    .iter_mut()
+                    .flat_map(|l| l.groups.iter_mut())
+                    .nth(group % n)
+                else {
+                    return false;
+                };
+                if g.records == *count {
+                    return false;
+                }
+                g.records = *count;
+                true
+            }
+            Lie::RecordCount { count } => {
+                if m.record_count == *count {
+                    return false;
+                }
+                m.record_count = *count;
+                true
+            }
+            Lie::Pad { chunk, blocks } => {
+                if *blocks == 0 {
+                    return false;
+                }
+                let n = m.chunks();
+                m.padding.push((chunk % n, *blocks));
+                true
+            }
+            Lie::ReorderPayloads { step, by } => {
+                let Some(s) = step_of(*step).map(|i| &mut m.steps[i]) else {
+                    return false;
+                };
+                let n = s.payload_order.len();
+                if n < 2 || by % n == 0 {
+                    return false;
+                }
+                s.payload_order.rotate_left(by % n);
+                true
+            }
+            Lie::Provenance { runtime, threads } => {
+                let p = &mut m.header.provenance;
+                if p.runtime == *runtime && p.threads == *threads {
+                    return false;
+                }
+                p.runtime = runtime.clone();
+                p.threads = *threads;
+                true
+            }
+        }
+    }
+}
+
+/// Gives the entry at `b` the write-order number of the entry at `a`.
+fn share(s: &mut StepModel, a: EntryAt, b: EntryAt) -> bool {
+    let Some(o) = s.entry(a).map(|e| e.ordinal) else {
+        return false;
+    };
+    match s.entry_mut(b) {
+        Some(e) if e.ordinal != o => {
+            e.ordinal = o;
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Applies `lies` to the version 2 trace `bytes` and re-encodes it,
+/// internally consistent. `Ok(None)` when no lie had anything to rewrite.
+pub fn lie(bytes: &[u8], lies: &[Lie]) -> Result<Option<Vec<u8>>, LieError> {
+    let mut m = Model::decode(bytes)?;
+    let mut changed = false;
+    for l in lies {
+        changed |= l.apply(&mut m);
+    }
+    if !changed {
+        return Ok(None);
+    }
+    m.encode().map(Some)
+}
+
+/// Applies one lie (see [`lie`]).
+pub fn lie1(bytes: &[u8], l: &Lie) -> Result<Option<Vec<u8>>, LieError> {
+    lie(bytes, std::slice::from_ref(l))
+}

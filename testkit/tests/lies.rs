@@ -1,0 +1,354 @@
+//! "Well-formed lies" in format version 2 traces (moeconf_testkit::lies):
+//! a trace F rewritten where the root does not commit (write-order
+//! numbers, record counts, chunk layout, the trailer's record count, the
+//! provenance), every digest and the checksum recomputed. The metamorphic
+//! oracle (moeconf_testkit::metamorphic): every command gives the lie F′
+//! F's answer (verdict and report) or an error, never another answer and
+//! never a panic.
+//!
+//! One test per lie class × command family (inspect; diff; gate with its
+//! baselines; explain; certify; convert), each over the fixtures
+//! (`near-tie`, `far`, `same`) and every lie of the class
+//! (`metamorphic::lies_of`). The binary's own commands are driven in
+//! `tests/lies_cli.rs` (workspace root). Tests marked `#[ignore = "needs
+//! fix: …"]` fail on the current readers and consumers; each fix
+//! un-ignores its test by deleting that one line. Long runs:
+//! `cargo fuzz run lies` (fuzz/README.md).
+
+use moeconf_schema::Trace;
+use moeconf_testkit::lies::{lie, lie1, Lie, LieClass, Model};
+use moeconf_testkit::metamorphic::{
+    base_spec, check_class, fixtures, lies_of, written, Family, LIAR, LIAR_THREADS,
+};
+use moeconf_testkit::seeds::{inputs, scratch_root};
+use moeconf_testkit::targets::{lies_case_of, VERDICT};
+
+fn scratch() -> tempfile::TempDir {
+    tempfile::tempdir_in(scratch_root()).unwrap()
+}
+
+/// The oracle holds for every lie of `class` under `family`, and the class
+/// had lies to apply.
+fn holds(class: LieClass, family: Family) {
+    holds_answering(class, family, false)
+}
+
+/// [`holds`]; with `answering`, some lies must also have been read and
+/// answered as F (not only refused), so that the oracle compared reports.
+fn holds_answering(class: LieClass, family: Family, answering: bool) {
+    let dir = scratch();
+    let f = check_class(class, family, dir.path());
+    eprintln!(
+        "{class:?} × {family:?}: {} lies, {} held, {} answers equal to F's",
+        f.applied, f.held, f.answered
+    );
+    assert!(f.applied >= 2, "only {} lies of {class:?} applied", f.applied);
+    assert!(
+        !answering || f.answered > 0,
+        "{class:?} × {family:?}: every answer to a lie was an error (nothing compared)"
+    );
+    assert!(
+        f.failures.is_empty(),
+        "{class:?} × {family:?}: {} of {} lies broke the oracle ({} answers):\n{}",
+        f.applied - f.held,
+        f.applied,
+        f.failures.len(),
+        f.failures.join("\n")
+    );
+}
+
+// The rewriter itself.
+
+#[test]
+fn rewriter_reencodes_written_traces_byte_for_byte() {
+    let dir = scratch();
+    let mut n = 0;
+    for fx in fixtures(dir.path()) {
+        assert_eq!(
+            Model::decode(&fx.f).unwrap().encode().unwrap(),
+            fx.f,
+            "{}",
+            fx.name
+        );
+        n += 1;
+    }
+    // Generated traces of every shape the fuzz targets draw.
+    for data in inputs(21, 300) {
+        let mut u = arbitrary::Unstructured::new(&data);
+        let Ok(mut spec) = moeconf_testkit::gen::TraceSpec::generate(&mut u, Default::default()) else {
+            continue;
+        };
+        spec.version = 2;
+        let b = written(&spec, dir.path(), "gen.bin");
+        assert_eq!(Model::decode(&b).unwrap().encode().unwrap(), b);
+        n += 1;
+    }
+    assert!(n > 200, "only {n} traces re-encoded");
+}
+
+#[test]
+fn a_provenance_lie_is_what_the_writer_writes_with_that_provenance() {
+    // The header grows, so every offset after it moves: the re-layout must
+    // be the writer's own.
+    let dir = scratch();
+    let f = written(&base_spec(), dir.path(), "f.bin");
+    for runtime in [LIAR.to_string(), LIAR.repeat(9)] {
+        let mut spec = base_spec();
+        spec.header.provenance.runtime = runtime.clone();
+        spec.header.provenance.threads = LIAR_THREADS;
+        let honest = written(&spec, dir.path(), "honest.bin");
+        let lied = lie1(
+            &f,
+            &Lie::Provenance {
+                runtime,
+                threads: LIAR_THREADS,
+            },
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(lied, honest);
+    }
+}
+
+#[test]
+fn lies_are_well_formed_and_keep_the_root() {
+    // Every lie the reader does not refuse on open (its checks: checksum,
+    // root block digest, counts summing to the trailer's, root) opens with
+    // F's root: its digests and checksum were recomputed. Only a trailer
+    // count that disagrees with the root block may be refused.
+    let dir = scratch();
+    let mut opened = 0;
+    for fx in fixtures(dir.path()) {
+        let root = Trace::from_bytes("f.bin".as_ref(), fx.f.clone()).unwrap().root();
+        for class in LieClass::ALL {
+            for lies in lies_of(class, &fx.f) {
+                let Some(b) = lie(&fx.f, &lies).unwrap() else {
+                    continue;
+                };
+                let m = Model::decode(&b).unwrap();
+                let consistent = m.record_count == m.claimed_total();
+                match Trace::from_bytes("f.bin".as_ref(), b) {
+                    Ok(t) => {
+                        assert_eq!(t.root(), root, "{lies:?}");
+                        opened += 1;
+                    }
+                    Err(e) => assert!(!consistent, "{lies:?} refused on open: {e}"),
+                }
+            }
+        }
+    }
+    assert!(opened > 100, "only {opened} lies opened");
+}
+
+#[test]
+fn a_shared_ordinal_lie_shares_the_number() {
+    let dir = scratch();
+    let f = written(&base_spec(), dir.path(), "f.bin");
+    let l = Lie::ShareOrdinalOf {
+        step: 0,
+        a: "lm.margin".into(),
+        b: "token.output".into(),
+    };
+    let m = Model::decode(&lie1(&f, &l).unwrap().unwrap()).unwrap();
+    let s = &m.steps[0];
+    let ord = |p: &str| s.entry(s.find(p).unwrap()).unwrap().ordinal;
+    assert_eq!(ord("lm.margin"), ord("token.output"));
+    let before = Model::decode(&f).unwrap();
+    let s0 = &before.steps[0];
+    assert_ne!(
+        s0.entry(s0.find("lm.margin").unwrap()).unwrap().ordinal,
+        s0.entry(s0.find("token.output").unwrap()).unwrap().ordinal
+    );
+}
+
+// Write-order numbers.
+
+#[test]
+fn ordinals_inspect() {
+    holds(LieClass::Ordinals, Family::Inspect)
+}
+
+#[test]
+fn ordinals_diff() {
+    holds_answering(LieClass::Ordinals, Family::Diff, true)
+}
+
+#[test]
+#[ignore = "needs fix: gate (on use) reads a reference record by its write-order number: step-0 lm.margin and token.output sharing one number make the reference token.output read as [] and turn FAIL into PASS (tolerance, near-tie)"]
+fn ordinals_gate() {
+    holds_answering(LieClass::Ordinals, Family::Gate, true)
+}
+
+#[test]
+fn ordinals_explain() {
+    holds(LieClass::Ordinals, Family::Explain)
+}
+
+#[test]
+fn ordinals_certify() {
+    holds(LieClass::Ordinals, Family::Certify)
+}
+
+#[test]
+fn ordinals_convert() {
+    holds(LieClass::Ordinals, Family::Convert)
+}
+
+// Per-level and per-group record counts.
+
+#[test]
+fn counts_inspect() {
+    holds(LieClass::Counts, Family::Inspect)
+}
+
+#[test]
+#[ignore = "needs fix: diff (on use) takes level_records of the root block as given: claimed L2 records make F vs F 'equivalent at L0–L4' and F vs G 'the traces cover different levels'; record totals in the report follow the claim"]
+fn counts_diff() {
+    holds(LieClass::Counts, Family::Diff)
+}
+
+#[test]
+#[ignore = "needs fix: gate (on use) takes level_records of the root block as given: claimed L2 records pass --required L0,L1,L2 (an error on F) and show L2 PASS; levels report claimed record counts; L3 claimed empty at every step is NOT COMPARED, and such a candidate FAILs against F's blessed baseline (PASS for F)"]
+fn counts_gate() {
+    holds(LieClass::Counts, Family::Gate)
+}
+
+#[test]
+fn counts_explain() {
+    holds(LieClass::Counts, Family::Explain)
+}
+
+#[test]
+fn counts_certify() {
+    holds(LieClass::Counts, Family::Certify)
+}
+
+#[test]
+fn counts_convert() {
+    holds(LieClass::Counts, Family::Convert)
+}
+
+// Offsets and chunk layout (full verification refuses them; diff and gate
+// on use must read them and answer as for F).
+
+#[test]
+fn layout_inspect() {
+    holds(LieClass::Layout, Family::Inspect)
+}
+
+#[test]
+fn layout_diff() {
+    holds_answering(LieClass::Layout, Family::Diff, true)
+}
+
+#[test]
+fn layout_gate() {
+    holds_answering(LieClass::Layout, Family::Gate, true)
+}
+
+#[test]
+fn layout_explain() {
+    holds(LieClass::Layout, Family::Explain)
+}
+
+#[test]
+fn layout_certify() {
+    holds(LieClass::Layout, Family::Certify)
+}
+
+#[test]
+fn layout_convert() {
+    holds(LieClass::Layout, Family::Convert)
+}
+
+// The trailer's record count.
+
+#[test]
+fn trailer_inspect() {
+    holds(LieClass::Trailer, Family::Inspect)
+}
+
+#[test]
+fn trailer_diff() {
+    holds(LieClass::Trailer, Family::Diff)
+}
+
+#[test]
+fn trailer_gate() {
+    holds(LieClass::Trailer, Family::Gate)
+}
+
+#[test]
+fn trailer_explain() {
+    holds(LieClass::Trailer, Family::Explain)
+}
+
+#[test]
+fn trailer_certify() {
+    holds(LieClass::Trailer, Family::Certify)
+}
+
+#[test]
+fn trailer_convert() {
+    holds(LieClass::Trailer, Family::Convert)
+}
+
+// The provenance (reports compared without it). A valid trace: every
+// command must answer it.
+
+#[test]
+fn provenance_inspect() {
+    holds_answering(LieClass::Provenance, Family::Inspect, true)
+}
+
+#[test]
+fn provenance_diff() {
+    holds_answering(LieClass::Provenance, Family::Diff, true)
+}
+
+#[test]
+fn provenance_gate() {
+    holds_answering(LieClass::Provenance, Family::Gate, true)
+}
+
+#[test]
+fn provenance_explain() {
+    holds_answering(LieClass::Provenance, Family::Explain, true)
+}
+
+#[test]
+fn provenance_certify() {
+    holds_answering(LieClass::Provenance, Family::Certify, true)
+}
+
+#[test]
+fn provenance_convert() {
+    holds_answering(LieClass::Provenance, Family::Convert, true)
+}
+
+// The fuzz target's body on seeds.
+
+/// Runs the `lies` body on `n` seeds with lies of `classes`; the oracle
+/// must have run on a fair share of them.
+fn seeded(seed: u64, n: usize, classes: &[LieClass]) {
+    let dir = scratch();
+    let ran = inputs(seed, n)
+        .filter(|data| lies_case_of(data, dir.path(), classes) & VERDICT != 0)
+        .count();
+    assert!(ran >= n / 4, "the oracle ran on only {ran} of {n} seeds");
+}
+
+#[test]
+fn seeded_lies_of_layout_trailer_and_provenance() {
+    seeded(
+        31,
+        300,
+        &[LieClass::Layout, LieClass::Trailer, LieClass::Provenance],
+    );
+}
+
+#[test]
+#[ignore = "needs fix: the ordinal and count lies of ordinals_gate, counts_diff and counts_gate"]
+fn seeded_lies_of_every_class() {
+    seeded(32, 200, &LieClass::ALL);
+}
