@@ -189,13 +189,11 @@ fn holds(class: LieClass) {
 }
 
 #[test]
-#[ignore = "needs fix: moeconf gate (on use) FAIL -> PASS when the reference's step-0 lm.margin and token.output share a write-order number"]
 fn binary_ordinals() {
     holds(LieClass::Ordinals)
 }
 
 #[test]
-#[ignore = "needs fix: moeconf diff / gate take level_records of the root block as given (claimed L2 records: 'equivalent … L0–L4', --required L0,L1,L2 passes)"]
 fn binary_counts() {
     holds(LieClass::Counts)
 }

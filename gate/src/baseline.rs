@@ -650,7 +650,7 @@ impl<'a> Steps<'a> {
         let first = holding.first().copied().unwrap_or(0);
         let phase = if first == 0 { Phase::Prefill } else { Phase::Decode };
         let at = coverage::level_location(level, first, 0, phase);
-        cov.missing_level(profile, level, holding.len() as u64, at)
+        cov.missing_level(profile, level, holding.len() as u64, holding.len() as u64, at)
     }
 
     /// The level's result: every step's level digest against the blessed one.
@@ -660,7 +660,7 @@ impl<'a> Steps<'a> {
             return Ok(r);
         }
         for &s in &self.all {
-            r.records += 1;
+            r.steps += 1;
             let want = self.blessed.get(&s).and_then(|b| b.levels.get(level.name()));
             let got = self.candidate_level(level, s)?;
             if want.map(String::as_str) == got.as_deref() {

@@ -145,11 +145,19 @@ impl Coverage {
         }
     }
 
-    /// The result of a missing level: every one of its `records` (reference
-    /// records, or blessed steps) fails, the first located at `at`.
-    pub fn missing_level(&self, profile: &Profile, level: Level, records: u64, at: RecordRef) -> LevelResult {
+    /// The result of a missing level held by `steps` steps: every one of its
+    /// `records` (reference records, or blessed steps) fails, the first
+    /// located at `at`.
+    pub fn missing_level(
+        &self,
+        profile: &Profile,
+        level: Level,
+        steps: u64,
+        records: u64,
+        at: RecordRef,
+    ) -> LevelResult {
         let mut r = LevelResult::empty(level, profile.mode(level), true);
-        r.records = records;
+        r.steps = steps;
         r.differing = records;
         r.failed = records.max(1);
         r.first_difference = Some(at.clone());

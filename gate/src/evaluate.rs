@@ -541,7 +541,7 @@ fn missing_level(
     // Every group of the level is read: the count is of the records
     // themselves (each group block checked against its digest), not of
     // what a root or step block declares.
-    let mut records = 0u64;
+    let (mut steps, mut records) = (0u64, 0u64);
     let mut first: Option<usize> = None;
     for s in reference.steps() {
         let Some(l) = reference
@@ -551,6 +551,7 @@ fn missing_level(
         else {
             continue;
         };
+        steps += 1;
         let first_step = first.is_none();
         for g in &l.groups {
             let ids = reference.group_records(g).map_err(GateError::Reference)?;
@@ -564,7 +565,7 @@ fn missing_level(
         || coverage::level_location(level, 0, 0, moeconf_fingerprint::Phase::Prefill),
         |e| RecordRef::new(level, &e.coord, "reference"),
     );
-    Ok(cov.missing_level(profile, level, records, at))
+    Ok(cov.missing_level(profile, level, steps, records, at))
 }
 
 /// The first of `ids` (records `t` has loaded) in execution order: the
@@ -650,18 +651,16 @@ pub fn evaluate(
         rules: BTreeMap::new(),
         near_ties: std::mem::take(&mut flips.near_ties),
     };
-    // Record counts per level from the verified step nodes (read for the
-    // coverage above; no group is read for them): the counts each step
-    // block declares, checked against a group's records whenever the group
-    // is read.
+    // Steps per level from the verified step nodes (read for the coverage
+    // above): which levels a step holds is committed by its digest, how
+    // many records it holds is not (no group is read for it).
     for s in reference.steps() {
-        let node = reference.step(s.step).map_err(GateError::Reference)?;
-        for level in compared.iter() {
-            let n = node.map_or(0, |n| n.declared_records(level));
+        let held = reference.step_levels(s.step).map_err(GateError::Reference)?;
+        for level in compared.iter().filter(|&l| held.contains(l)) {
             let la = tally.level(level);
-            la.records += n;
+            la.steps += 1;
             if flips.after_cutoff(s.step) {
-                la.skipped_after_near_tie += n;
+                la.skipped_after_near_tie += 1;
             }
         }
     }

@@ -311,7 +311,7 @@ mod tests {
         let c = traces_of(dir.path(), "c.bin", "f32", &[(0, v), (2, v)]);
         let rep = evaluate(&r, &c, &tolerant(), None).unwrap();
         let l3 = &rep.levels[3];
-        assert_eq!((l3.records, l3.differing, l3.failed), (2, 2, 2));
+        assert_eq!((l3.steps, l3.differing, l3.failed), (1, 2, 2));
         assert_eq!(l3.first_difference.as_ref().map(|d| d.layer), Some(Some(1)));
         let f = l3.first_failure.as_ref().unwrap();
         assert_eq!(f.reason, "only in the reference (missing from the candidate)");

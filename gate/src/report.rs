@@ -17,7 +17,7 @@ use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
 /// Version of the gate's JSON document.
-pub const GATE_SCHEMA_VERSION: u32 = 1;
+pub const GATE_SCHEMA_VERSION: u32 = 2;
 
 /// A record location as the gate's JSON document writes it: level, step,
 /// position, phase, layer and path.
@@ -184,8 +184,11 @@ pub struct LevelResult {
     pub mode: Mode,
     /// Verdict.
     pub status: Status,
-    /// Reference records looked at.
-    pub records: u64,
+    /// Steps of the reference that hold the level (against a baseline: the
+    /// steps compared). Steps, not records: which levels a step holds is
+    /// committed by its step digest, while a count of records is not (a
+    /// gate reads only the groups that differ; docs/format.md §11.5).
+    pub steps: u64,
     /// Records whose digests differ (or that exist on one side only).
     pub differing: u64,
     /// Records that fail.
@@ -194,7 +197,8 @@ pub struct LevelResult {
     pub inconclusive: u64,
     /// Near-ties accepted (and records waived with them).
     pub near_ties: u64,
-    /// Records not gated because an accepted token near-tie changed the inputs of their step.
+    /// Steps (holding the level) not gated because an accepted token
+    /// near-tie changed their inputs.
     pub skipped_after_near_tie: u64,
     /// The first differing record.
     #[serde(serialize_with = "ser_opt_location")]
@@ -219,7 +223,7 @@ impl LevelResult {
             } else {
                 Status::NotCompared
             },
-            records: 0,
+            steps: 0,
             differing: 0,
             failed: 0,
             inconclusive: 0,
@@ -250,11 +254,11 @@ impl LevelResult {
     /// The level's lines of the text report.
     fn render_text(&self, s: &mut String) {
         s.push_str(&format!(
-            "{} {:<9} {:<12} {} records, {} differ, {} fail  ({})\n",
+            "{} {:<9} {:<12} {} steps, {} differ, {} fail  ({})\n",
             self.level.name(),
             self.mode.name(),
             self.status.label(),
-            self.records,
+            self.steps,
             self.differing,
             self.failed,
             self.describe
@@ -269,7 +273,7 @@ impl LevelResult {
         }
         if self.skipped_after_near_tie > 0 {
             s.push_str(&format!(
-                "   {} records not gated: later steps consume a different token after an accepted near-tie\n",
+                "   {} steps not gated: they consume a different token after an accepted near-tie\n",
                 self.skipped_after_near_tie
             ));
         }

@@ -45,7 +45,7 @@ pub fn render(r: &GateReport) -> String {
             cell(&format!("{} {}", i.side, r.incomplete_file(i)))
         ));
     }
-    s.push_str("| Level | Mode | Status | Records | Differ | Fail | First failure |\n");
+    s.push_str("| Level | Mode | Status | Steps | Differ | Fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");
     for l in &r.levels {
         let first = l.first_failure.as_ref().map(|f| f.describe()).unwrap_or_default();
@@ -55,7 +55,7 @@ pub fn render(r: &GateReport) -> String {
             cell(&l.describe),
             l.mode.name(),
             l.status.label(),
-            l.records,
+            l.steps,
             l.differing,
             l.failed,
             cell(&first)

@@ -63,14 +63,6 @@ impl StepNode {
         self.levels.iter().map(|l| l.level).collect()
     }
 
-    /// Records of the step at `level` as its verified step block declares
-    /// them (each group's count is checked against its group block when the
-    /// group is read, and by full verification).
-    pub fn declared_records(&self, level: Level) -> u64 {
-        self.level(level)
-            .map_or(0, |l| l.groups.iter().map(|g| g.records).sum())
-    }
-
     /// The level node for `level`, if present.
     pub fn level(&self, level: Level) -> Option<&LevelNode> {
         self.levels.iter().find(|l| l.level == level)

@@ -174,7 +174,6 @@ fn ordinals_diff() {
 }
 
 #[test]
-#[ignore = "needs fix: gate (on use) reads a reference record by its write-order number: step-0 lm.margin and token.output sharing one number make the reference token.output read as [] and turn FAIL into PASS (tolerance, near-tie)"]
 fn ordinals_gate() {
     holds_answering(LieClass::Ordinals, Family::Gate, true)
 }
@@ -202,13 +201,11 @@ fn counts_inspect() {
 }
 
 #[test]
-#[ignore = "needs fix: diff (on use) takes level_records of the root block as given: claimed L2 records make F vs F 'equivalent at L0–L4' and F vs G 'the traces cover different levels'; record totals in the report follow the claim"]
 fn counts_diff() {
     holds(LieClass::Counts, Family::Diff)
 }
 
 #[test]
-#[ignore = "needs fix: gate (on use) takes level_records of the root block as given: claimed L2 records pass --required L0,L1,L2 (an error on F) and show L2 PASS; levels report claimed record counts; L3 claimed empty at every step is NOT COMPARED, and such a candidate FAILs against F's blessed baseline (PASS for F)"]
 fn counts_gate() {
     holds(LieClass::Counts, Family::Gate)
 }
@@ -348,7 +345,6 @@ fn seeded_lies_of_layout_trailer_and_provenance() {
 }
 
 #[test]
-#[ignore = "needs fix: the ordinal and count lies of ordinals_gate, counts_diff and counts_gate"]
 fn seeded_lies_of_every_class() {
     seeded(32, 200, &LieClass::ALL);
 }
