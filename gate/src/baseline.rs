@@ -612,17 +612,14 @@ impl<'a> Steps<'a> {
     fn location(&self, level: Level, step: u32) -> Result<RecordRef, GateError> {
         let t = self.candidate;
         let mut first: Option<usize> = None;
+        if let Some(l) = t
+            .step(step)
+            .map_err(GateError::Candidate)?
+            .and_then(|n| n.level(level))
         {
-            if let Some(l) = t
-                .step(step)
-                .map_err(GateError::Candidate)?
-                .and_then(|n| n.level(level))
-            {
-                for g in &l.groups {
-                    let ids = t.group_records(g).map_err(GateError::Candidate)?;
-                    first =
-                        crate::evaluate::first_in_exec_order(t, first.into_iter().chain(ids.iter().copied()));
-                }
+            for g in &l.groups {
+                let ids = t.group_records(g).map_err(GateError::Candidate)?;
+                first = crate::evaluate::first_in_exec_order(t, first.into_iter().chain(ids.iter().copied()));
             }
         }
         let first = first.map(|i| t.record(i));

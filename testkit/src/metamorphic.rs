@@ -14,7 +14,7 @@ use crate::gen::{GenOptions, TraceSpec};
 use crate::lies::{lie, Lie, LieClass, Model};
 use arbitrary::Unstructured;
 use moeconf_bisect::{diff, DiffOptions};
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::{Component, Level};
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{Mode, Profile, Requirement};
 use moeconf_gate::{against_baseline_with, against_reference_with};
@@ -518,7 +518,7 @@ pub fn base_spec() -> TraceSpec {
         let vocab_ok = s
             .records
             .iter()
-            .any(|r| &*r.coord.path == "lm.logits" && r.shape == [4]);
+            .any(|r| &*r.coord.path == Component::LmLogits.path() && r.shape == [4]);
         if steps == 3 && vocab_ok {
             return s;
         }
@@ -535,12 +535,12 @@ pub fn fixtures(dir: &Path) -> Vec<Fixture> {
     let mut out = Vec::new();
     for (name, margin) in [("near-tie", 0.01f32), ("far", 3.0)] {
         let mut f = base.clone();
-        set_f32(&mut f, "lm.margin", margin);
+        set_f32(&mut f, Component::LmMargin.path(), margin);
         let mut g = f.clone();
         for r in g
             .records
             .iter_mut()
-            .filter(|r| &*r.coord.path == "token.output" && r.coord.step == 0)
+            .filter(|r| &*r.coord.path == Component::TokenOutput.path() && r.coord.step == 0)
         {
             let id = i32::from_le_bytes([r.bytes[0], r.bytes[1], r.bytes[2], r.bytes[3]]);
             r.bytes = ((id + 1) % 4).to_le_bytes().to_vec();
@@ -565,10 +565,10 @@ pub fn fixtures(dir: &Path) -> Vec<Fixture> {
 /// 17 records at L0, L1, L3, L4; no L2).
 pub fn lies_of(class: LieClass, f: &[u8]) -> Vec<Vec<Lie>> {
     let chunks = Model::decode(f).map(|m| m.chunks()).unwrap_or(1);
-    let share = |step: usize, a: &str, b: &str| Lie::ShareOrdinalOf {
+    let share = |step: usize, a: Component, b: Component| Lie::ShareOrdinalOf {
         step,
-        a: a.into(),
-        b: b.into(),
+        a: a.path().into(),
+        b: b.path().into(),
     };
     let level = |step: usize, level: Level, count: u64, groups: bool, trailer: bool| Lie::LevelRecords {
         step,
@@ -579,10 +579,10 @@ pub fn lies_of(class: LieClass, f: &[u8]) -> Vec<Vec<Lie>> {
     };
     match class {
         LieClass::Ordinals => vec![
-            vec![share(0, "lm.margin", "token.output")],
-            vec![share(0, "token.output", "lm.margin")],
-            vec![share(1, "token.output", "lm.margin")],
-            vec![share(0, "token.input", "layer.post_ffn_mhc")],
+            vec![share(0, Component::LmMargin, Component::TokenOutput)],
+            vec![share(0, Component::TokenOutput, Component::LmMargin)],
+            vec![share(1, Component::TokenOutput, Component::LmMargin)],
+            vec![share(0, Component::TokenInput, Component::LayerPostFfnMhc)],
             vec![Lie::ShareOrdinal { step: 1, a: 0, b: 10 }],
             vec![Lie::ShareOrdinal { step: 2, a: 16, b: 3 }],
             vec![Lie::PermuteOrdinals { step: 0, by: 1 }],
