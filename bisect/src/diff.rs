@@ -15,6 +15,7 @@ use crate::report::*;
 use crate::storage::Rounding;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
+use moeconf_fingerprint::catalogue::ExecKey;
 use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Recomputed, Trace, TraceError, Verification};
@@ -975,22 +976,32 @@ impl Ctx<'_> {
                     rep.first = self.rec_ref(Level::L3, p);
                     rep.half = self.s.entry(p).and_then(|e| half_of(&e.coord.path));
                     rep.numeric = self.numeric(p)?;
-                    // Earlier checkpoints of this step (reference execution order).
-                    let bound = p.r.unwrap_or(usize::MAX);
-                    let mut last: Option<usize> = None;
+                    // Earlier checkpoints of this step, in execution order
+                    // from the coordinates (never the write-order numbers,
+                    // which no digest commits to).
                     let r = self.s.r;
+                    let key = |c: &moeconf_fingerprint::Coord| (ExecKey::of(c), c.phase, c.path.clone());
+                    let bound = p.r.map(|i| key(&r.record(i).coord));
+                    let mut last: Option<(_, usize)> = None;
                     if let Some(level) = self.s.step_node(r, s).and_then(|n| n.level(Level::L3)) {
                         for g in &level.groups {
                             for &i in self.s.group_ids(r, g) {
-                                if i < bound && is_checkpoint(&r.record(i).coord.path) {
+                                let c = &r.record(i).coord;
+                                if !is_checkpoint(&c.path) {
+                                    continue;
+                                }
+                                let k = key(c);
+                                if bound.as_ref().is_none_or(|b| &k < b) {
                                     rep.earlier_checkpoints_matched += 1;
-                                    last = last.max(Some(i));
+                                    if last.as_ref().is_none_or(|(l, _)| &k > l) {
+                                        last = Some((k, i));
+                                    }
                                 }
                             }
                         }
                     }
                     rep.last_matched_checkpoint =
-                        last.map(|i| RecordRef::new(Level::L3, &self.s.r.record(i).coord, "both"));
+                        last.map(|(_, i)| RecordRef::new(Level::L3, &self.s.r.record(i).coord, "both"));
                 }
             }
             if rep.route.is_none() {

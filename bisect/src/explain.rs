@@ -385,7 +385,7 @@ impl Notes {
 /// record there; router records missing or without payload only narrow the
 /// orders tried.
 /// The records of one event's step, layer and position (every level), in
-/// write order: read through the tree, so explaining one event of a
+/// execution order: read through the tree, so explaining one event of a
 /// version 2 trace reads that step's groups of that layer only.
 fn event_records(t: &Trace, (step, layer, position): Key) -> Result<Vec<usize>, TraceError> {
     let mut ids = Vec::new();
@@ -402,7 +402,16 @@ fn event_records(t: &Trace, (step, layer, position): Key) -> Result<Vec<usize>, 
             );
         }
     }
-    ids.sort_unstable();
+    // Execution order from the coordinates, never the write-order numbers
+    // (which no digest commits to, docs/format.md §11.5).
+    ids.sort_by_cached_key(|&i| {
+        let c = &t.record(i).coord;
+        (
+            moeconf_fingerprint::catalogue::ExecKey::of(c),
+            c.phase,
+            c.path.clone(),
+        )
+    });
     Ok(ids)
 }
 

@@ -348,3 +348,16 @@ fn seeded_lies_of_layout_trailer_and_provenance() {
 fn seeded_lies_of_every_class() {
     seeded(32, 200, &LieClass::ALL);
 }
+
+/// Fuzz finding (`lies`, 41,910 executions in): a permutation of step 0's
+/// write-order numbers moved the diff's "last matched checkpoint", which
+/// was chosen by write-order number. Now chosen by execution order.
+#[test]
+fn fuzz_finding_permuted_numbers_keep_the_last_matched_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data: [u8; 42] = [
+        0, 0, 0, 0, 0, 0, 38, 42, 254, 255, 255, 251, 44, 43, 87, 52, 8, 255, 255, 255, 1, 215, 44, 1, 1, 35,
+        223, 215, 1, 255, 73, 52, 44, 11, 1, 255, 255, 255, 255, 255, 1, 10,
+    ];
+    moeconf_testkit::targets::lies_case(&data, dir.path());
+}
