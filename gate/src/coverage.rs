@@ -8,7 +8,7 @@
 //! against blessed fingerprints (a baseline "holds" the levels its steps
 //! have digests of, and "declares" the capture spec of the blessed binding).
 
-use crate::error::CoverageError;
+use crate::error::{CoverageError, GateError};
 use crate::policy::Profile;
 use crate::report::{Failure, LevelResult};
 use moeconf_bisect::RecordRef;
@@ -31,12 +31,59 @@ impl Sides {
     pub fn of(t: &Trace) -> Result<Sides, moeconf_schema::TraceError> {
         Ok(Sides {
             held: t.held_levels()?,
-            declared: Level::ALL
-                .into_iter()
-                .filter(|&l| t.binding().capture.captures(l))
-                .collect(),
+            declared: declared(t),
         })
     }
+
+    /// What the reference and the candidate hold and declare. A step with
+    /// the same digest on both sides holds the same levels on both, so it
+    /// is read on the reference's side only.
+    /// Also returns the levels of each of the reference's steps (in step
+    /// order).
+    pub fn of_pair(reference: &Trace, candidate: &Trace) -> Result<(Sides, Sides, Vec<LevelSet>), GateError> {
+        let equal = |s: &moeconf_schema::StepSummary, other: &Trace| {
+            other.step_summary(s.step).is_some_and(|o| o.digest == s.digest)
+        };
+        let (mut shared, mut r_own) = (Vec::new(), Vec::new());
+        for (k, s) in reference.steps().iter().enumerate() {
+            if equal(s, candidate) {
+                shared.push(k);
+            } else {
+                r_own.push(k);
+            }
+        }
+        let c_own = candidate
+            .steps()
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !equal(s, reference))
+            .map(|(k, _)| k);
+        let per_step = reference
+            .levels_by_step(0..reference.steps().len())
+            .map_err(GateError::Reference)?;
+        let union = |ks: &[usize]| ks.iter().fold(LevelSet::EMPTY, |a, &k| a.union(per_step[k]));
+        let (shared, r_own) = (union(&shared), union(&r_own));
+        let c_own = candidate.held_levels_of(c_own).map_err(GateError::Candidate)?;
+        Ok((
+            Sides {
+                held: shared.union(r_own),
+                declared: declared(reference),
+            },
+            Sides {
+                held: shared.union(c_own),
+                declared: declared(candidate),
+            },
+            per_step,
+        ))
+    }
+}
+
+/// The levels a trace's binding declares captured.
+fn declared(t: &Trace) -> LevelSet {
+    Level::ALL
+        .into_iter()
+        .filter(|&l| t.binding().capture.captures(l))
+        .collect()
 }
 
 /// The coverage decision of one gate run.

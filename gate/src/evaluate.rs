@@ -631,11 +631,8 @@ pub fn evaluate(
     gate.token_flip(&pairs, &mut flips)?;
     gate.route_flips(&pairs, &mut flips)?;
 
-    let sides = (
-        Sides::of(reference).map_err(GateError::Reference)?,
-        Sides::of(candidate).map_err(GateError::Candidate)?,
-    );
-    let cov = coverage::plan(profile, sides.0, sides.1).map_err(|source| GateError::ReferenceCoverage {
+    let (rs, cs, reference_levels) = Sides::of_pair(reference, candidate)?;
+    let cov = coverage::plan(profile, rs, cs).map_err(|source| GateError::ReferenceCoverage {
         path: reference.path().to_path_buf(),
         source,
     })?;
@@ -654,8 +651,7 @@ pub fn evaluate(
     // Steps per level from the verified step nodes (read for the coverage
     // above): which levels a step holds is committed by its digest, how
     // many records it holds is not (no group is read for it).
-    for s in reference.steps() {
-        let held = reference.step_levels(s.step).map_err(GateError::Reference)?;
+    for (s, held) in reference.steps().iter().zip(reference_levels) {
         for level in compared.iter().filter(|&l| held.contains(l)) {
             let la = tally.level(level);
             la.steps += 1;

@@ -302,6 +302,9 @@ impl<T> Slots<T> {
     }
 }
 
+/// The unit in which mapped pages are dropped from the resident set.
+const RELEASE_BLOCK: u64 = 64 << 10;
+
 impl Trace {
     /// Opens and validates the trace at `path` (memory-mapped). A version 2
     /// trace is read lazily: see the module documentation.
@@ -480,21 +483,57 @@ impl Trace {
     /// claim (they are not under the root digest, docs/format.md §11.5).
     /// A version 2 trace reads every step block for it (not the groups).
     pub fn held_levels(&self) -> Result<LevelSet, TraceError> {
+        self.held_levels_of(0..self.summaries.len())
+    }
+
+    /// [`Trace::held_levels`] of the steps with these indices (into
+    /// [`Trace::steps`]). A step node not loaded yet is read, verified and
+    /// dropped: a scan of every step keeps no node in memory.
+    pub fn held_levels_of(&self, steps: impl Iterator<Item = usize>) -> Result<LevelSet, TraceError> {
+        Ok(self
+            .levels_by_step(steps)?
+            .into_iter()
+            .fold(LevelSet::EMPTY, LevelSet::union))
+    }
+
+    /// The levels each of the steps with these indices (into
+    /// [`Trace::steps`]) holds, in the order given, from verified step
+    /// nodes (read, verified and dropped when not loaded yet).
+    pub fn levels_by_step(&self, steps: impl Iterator<Item = usize>) -> Result<Vec<LevelSet>, TraceError> {
         use rayon::prelude::*;
-        // Steps are read in parallel; the first error in step order is the
-        // answer, whatever the threads.
-        let held: Vec<Result<LevelSet, TraceError>> = (0..self.summaries.len())
-            .into_par_iter()
-            .map(|k| self.step_at(k).map(StepNode::held))
-            .collect();
-        held.into_iter()
-            .try_fold(LevelSet::EMPTY, |acc, h| Ok(acc.union(h?)))
+        let steps: Vec<usize> = steps.collect();
+        // Steps are read in parallel; the first error in the order given is
+        // the answer, whatever the threads.
+        let held: Vec<Result<LevelSet, TraceError>> =
+            steps.into_par_iter().map(|k| self.levels_at(k)).collect();
+        held.into_iter().collect()
+    }
+
+    /// The levels the `k`-th step holds, from its node (loaded, or read,
+    /// verified and dropped).
+    fn levels_at(&self, k: usize) -> Result<LevelSet, TraceError> {
+        if let Some(r) = self.nodes.get(k) {
+            return r.as_ref().map(StepNode::held).map_err(|f| self.fault(f));
+        }
+        match &self.store {
+            Store::V2(s) => {
+                let held = s.load_step(self, k).map(|n| n.held()).map_err(|f| self.fault(&f));
+                if let Some((offset, len)) = s.step_block(k) {
+                    self.release_around(offset, offset.saturating_add(len));
+                }
+                held
+            }
+            Store::V1(_) => self.step_at(k).map(StepNode::held),
+        }
     }
 
     /// The levels `step` holds, from its verified node (empty when the trace
     /// has no such step).
     pub fn step_levels(&self, step: u32) -> Result<LevelSet, TraceError> {
-        Ok(self.step(step)?.map_or(LevelSet::EMPTY, StepNode::held))
+        match self.step_index(step) {
+            Some(k) => self.levels_at(k),
+            None => Ok(LevelSet::EMPTY),
+        }
     }
 
     /// The node of `step` (its levels and layer groups with their digests),
@@ -737,8 +776,28 @@ impl Trace {
     /// trace does not keep all of it resident (a later read maps them again
     /// from the page cache). Only 64 KiB-aligned blocks are released.
     fn release(&self, from: u64, to: u64) {
-        const BLOCK: u64 = 64 << 10;
-        let (a, b) = (from.div_ceil(BLOCK) * BLOCK, to / BLOCK * BLOCK);
+        self.dont_need(
+            from.div_ceil(RELEASE_BLOCK) * RELEASE_BLOCK,
+            to / RELEASE_BLOCK * RELEASE_BLOCK,
+        );
+    }
+
+    /// Drops the mapped pages of the 64 KiB blocks that `from..to` touches
+    /// from this process's resident set: after a small read (a step block
+    /// read for its levels alone) whose page faults mapped the cached pages
+    /// around it too (the kernel's fault-around), so that reading one small
+    /// block of every step does not keep the file resident.
+    fn release_around(&self, from: u64, to: u64) {
+        let b = to
+            .div_ceil(RELEASE_BLOCK)
+            .saturating_mul(RELEASE_BLOCK)
+            .min(self.file_len());
+        self.dont_need(from / RELEASE_BLOCK * RELEASE_BLOCK, b);
+    }
+
+    /// `MADV_DONTNEED` on `a..b` of a memory-mapped trace (`a` a multiple of
+    /// 64 KiB, `b` at most the file's length).
+    fn dont_need(&self, a: u64, b: u64) {
         #[cfg(unix)]
         if let (Backing::Map(m), true) = (&self.data, b > a) {
             // SAFETY: the map is a read-only shared mapping of the file

@@ -636,6 +636,11 @@ impl Store {
         }
     }
 
+    /// Where the `k`-th step's block lies (offset, length).
+    pub fn step_block(&self, k: usize) -> Option<(u64, u64)> {
+        self.blocks.get(k).map(|b| (b.offset, b.len))
+    }
+
     /// The blocks read so far.
     pub fn blocks_read(&self) -> Vec<(u64, u64)> {
         lock(&self.touched).clone()
