@@ -289,16 +289,19 @@ pub fn answers_under(
                         let _ = std::fs::remove_file(&op);
                         let checked = moeconf_schema::check_output(&op, &moeconf_schema::Inputs::new())
                             .map_err(|e| e.to_string())?;
-                        let s = moeconf_schema::convert::convert(&fp, &checked, version).map_err(|e| e.to_string())?;
-                        let bytes = std::fs::read(&op).map_err(|e| e.to_string())?;
-                        // The records as written (write order, coordinates,
-                        // levels, digests, payload presence): the output's
-                        // content without its provenance and offsets.
+                        let s = moeconf_schema::convert::convert(&fp, &checked, version)
+                            .map_err(|e| e.to_string())?;
+                        // The records (coordinates, levels, digests, payload
+                        // presence) in canonical order: the output's committed
+                        // content. Not its bytes or write order: a conversion
+                        // is lossless, so it carries the input's write order
+                        // and layout, which the root does not commit to and a
+                        // lie may choose (docs/format.md §11.7).
                         let t = Trace::open_verified(&op).map_err(|e| format!("the converted file: {e}"))?;
-                        let mut content = String::new();
-                        t.for_each_record(|i, e| {
-                            content.push_str(&format!(
-                                "{i} {} {} {} {}\n",
+                        let mut content = Vec::new();
+                        t.for_each_record(|_, e| {
+                            content.push(format!(
+                                "{} {} {} {}",
                                 e.coord,
                                 e.level.name(),
                                 e.digest.to_hex(),
@@ -306,17 +309,16 @@ pub fn answers_under(
                             ))
                         })
                         .map_err(|e| e.to_string())?;
+                        content.sort();
                         Ok(format!(
-                            "from {} to {} root {} reordered {} records {} payloads {}\nbytes {}\nfile {}\ncontent {}",
+                            "from {} to {} root {} records {} payloads {}\nbytes {}\ncontent {}",
                             s.from,
                             s.to,
                             s.root.to_hex(),
-                            s.reordered,
                             s.written.records,
                             s.written.payloads,
                             s.written.bytes,
-                            blake3_hex(&bytes),
-                            blake3_hex(content.as_bytes())
+                            blake3_hex(content.join("\n").as_bytes())
                         ))
                     }),
                 ));
