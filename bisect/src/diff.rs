@@ -732,18 +732,14 @@ impl Ctx<'_> {
     /// that step's L0 group is read, so a trace without text costs one
     /// group, not one per step.
     fn last_text(&self, t: &Trace) -> Result<Option<String>, BisectError> {
-        // The last step whose verified node holds L0.
-        let mut last = None;
-        for s in t.steps().iter().rev() {
-            if t.step_levels(s.step)?.contains(Level::L0) {
-                last = Some(s.step);
-                break;
-            }
-        }
-        let Some(step) = last else {
-            return Ok(None);
-        };
-        let Some(g) = self.s.group(t, step, Level::L0, None) else {
+        // The last step whose verified node holds L0 (the node is kept:
+        // its L0 group is read next).
+        let Some(g) = t
+            .steps()
+            .iter()
+            .rev()
+            .find_map(|s| self.s.group(t, s.step, Level::L0, None))
+        else {
             return Ok(None);
         };
         let found = self

@@ -137,27 +137,15 @@ impl Digest {
 
     /// Lowercase hexadecimal, 64 characters.
     pub fn to_hex(&self) -> String {
-        let mut s = String::with_capacity(64);
-        for b in self.0 {
-            s.push(char::from(HEX[(b >> 4) as usize]));
-            s.push(char::from(HEX[(b & 15) as usize]));
-        }
-        s
+        hex_encode(&self.0)
     }
 
     /// Parses 64 hexadecimal characters.
     pub fn from_hex(s: &str) -> Option<Digest> {
-        let b = s.as_bytes();
-        if b.len() != 64 {
+        if s.len() != 64 {
             return None;
         }
-        let mut out = [0u8; 32];
-        for (i, o) in out.iter_mut().enumerate() {
-            let hi = hex_val(b[2 * i])?;
-            let lo = hex_val(b[2 * i + 1])?;
-            *o = (hi << 4) | lo;
-        }
-        Some(Digest(out))
+        Some(Digest(hex_decode(s)?.try_into().ok()?))
     }
 
     /// The first 12 hex characters, for compact human output.
@@ -167,6 +155,28 @@ impl Digest {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Lowercase hexadecimal of `bytes`.
+pub fn hex_encode(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        s.push(char::from(HEX[(b >> 4) as usize]));
+        s.push(char::from(HEX[(b & 15) as usize]));
+    }
+    s
+}
+
+/// The bytes of hexadecimal `s` (either case); `None` when it is not an
+/// even number of hex digits.
+pub fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    let b = s.as_bytes();
+    if !b.len().is_multiple_of(2) {
+        return None;
+    }
+    b.chunks(2)
+        .map(|p| Some((hex_val(p[0])? << 4) | hex_val(p[1])?))
+        .collect()
+}
 
 fn hex_val(c: u8) -> Option<u8> {
     match c {

@@ -36,7 +36,7 @@ mod record;
 mod tree;
 pub mod wire;
 
-pub use algorithm::{Algorithm, Digest, StreamHasher, PARALLEL_HASH_THRESHOLD};
+pub use algorithm::{hex_decode, hex_encode, Algorithm, Digest, StreamHasher, PARALLEL_HASH_THRESHOLD};
 pub use canonical::{
     canonical_bf16_bits, canonical_f32_bits, canonical_f64_bits, canonicalize_in_place, is_canonical,
     surely_canonical, CanonPolicy, CANONICAL_NAN_BF16, CANONICAL_NAN_F32, CANONICAL_NAN_F64,

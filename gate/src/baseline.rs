@@ -15,7 +15,9 @@ use crate::policy::{Mode, Profile};
 use crate::report::{Failure, GateReport, LevelResult, Status};
 use crate::write::write_atomic;
 use moeconf_bisect::{compare_bindings, RecordRef};
-use moeconf_fingerprint::{root_digest, step_digest, Algorithm, CanonPolicy, Coord, Digest, Level, Phase};
+use moeconf_fingerprint::{
+    hex_decode, hex_encode, root_digest, step_digest, Algorithm, CanonPolicy, Coord, Digest, Level, Phase,
+};
 use moeconf_schema::{
     Binding, CaptureSpec, Decoding, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity, Trace,
 };
@@ -224,23 +226,6 @@ pub struct Baseline {
     pub records: u64,
     /// Per-step digests, ascending.
     pub steps: Vec<StepDigests>,
-}
-
-/// Lower-case hex of `bytes`.
-fn hex_encode(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The bytes of lower- or upper-case hex `text`, `None` when it is not hex.
-fn hex_decode(text: &str) -> Option<Vec<u8>> {
-    let t = text.as_bytes();
-    if !t.len().is_multiple_of(2) {
-        return None;
-    }
-    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    t.chunks(2)
-        .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
-        .collect()
 }
 
 /// The first field (dotted JSON path) where two blessed bindings differ.
