@@ -93,8 +93,8 @@ def main(argv=None):
     a = sub.add_parser("write", help="write a trace from a JSON spec")
     a.add_argument("spec")
     a.add_argument("-o", "--output", required=True)
-    a.add_argument("--format-version", type=int, choices=[1, 2], default=FORMAT_VERSION,
-                   help="container format version (default 2)")
+    a.add_argument("--format-version", type=int, choices=[1, 2, 3], default=FORMAT_VERSION,
+                   help="container format version (default 3)")
     a = sub.add_parser("identity", help="print the model identity of a directory")
     a.add_argument("dir")
     a.add_argument("--name", default=None, help="display name bound into traces (default: DIR)")

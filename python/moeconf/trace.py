@@ -62,7 +62,7 @@ MAGIC = b"MOECONF\x00"
 END_MAGIC = b"MOECEND\x00"
 #: The newest container version this module reads and writes, and the one
 #: :class:`TraceWriter` writes by default (version 1 stays readable and writable).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: The first container version (a flat index).
 FORMAT_V1 = 1
 #: Preamble size.
@@ -395,8 +395,8 @@ class TraceWriter:
     def __init__(self, path, binding, provenance=None, algorithm="blake3", inputs=(), format_version=FORMAT_VERSION):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest algorithm {algorithm!r} (use blake3 or sha256)")
-        if format_version not in (FORMAT_V1, v2.FORMAT_V2):
-            raise ValueError(f"format version {format_version!r} cannot be written (1 or 2)")
+        if format_version != FORMAT_V1 and not v2.is_block_format(format_version):
+            raise ValueError(f"format version {format_version!r} cannot be written (1, 2 or 3)")
         self.format_version = format_version
         self.path = os.fspath(path)
         self._f = None
@@ -465,7 +465,7 @@ class TraceWriter:
             coord = Coord.make(coord.step, coord.position, coord.phase, coord.layer, coord.path)
         lv = level_code(level)
         key = (coord.step, lv, coord.layer, coord.position, coord.phase, coord.path)
-        if self.format_version == v2.FORMAT_V2 and self._step is not None and coord.step < self._step:
+        if v2.is_block_format(self.format_version) and self._step is not None and coord.step < self._step:
             raise ValueError(f"{self.path}: record {coord}: step {coord.step} after step {self._step}: format "
                              "version 2 takes records step by step (in execution order)")
         if key in self._keys:
@@ -480,7 +480,7 @@ class TraceWriter:
         digest = record_digest(self.algorithm, coord, lv, dtype, shape, canon)
         payload = None
         try:
-            if self.format_version == v2.FORMAT_V2 and self._step is not None and coord.step != self._step:
+            if v2.is_block_format(self.format_version) and self._step is not None and coord.step != self._step:
                 self._flush_step()
             self._step = coord.step
             if keep_payload:
@@ -539,16 +539,21 @@ class TraceWriter:
                 levels.append((lv, [g]))
             i = j
         ref = self._block(v2.encode_step_block(step, levels))
-        digest = step_digest(self.algorithm, step, [
-            (lv, level_digest(self.algorithm, step, lv, [g.digest for g in groups])) for lv, groups in levels])
-        self._steps.append(v2.StepRef(step, digest, counts, ref))
+        pairs = [(lv, level_digest(self.algorithm, step, lv, [g.digest for g in groups])) for lv, groups in levels]
+        digest = step_digest(self.algorithm, step, pairs)
+        listed = None
+        if self.format_version == v2.FORMAT_V3:
+            listed = [v2.ZERO] * 5
+            for lv, d in pairs:
+                listed[lv] = d
+        self._steps.append(v2.StepRef(step, digest, counts, ref, listed))
 
     def finish(self):
         """Writes index and trailer, fsyncs, renames into place; returns a :class:`WriteSummary`."""
         if self._f is None:
             raise ValueError(f"{self.path}: trace writer already finished")
         try:
-            if self.format_version == v2.FORMAT_V2:
+            if v2.is_block_format(self.format_version):
                 self._flush_step()
                 ref = self._block(v2.encode_root_block(self._steps))
                 root = root_digest(self.algorithm, self._binding_digest, [(s.step, s.digest) for s in self._steps])
@@ -701,10 +706,10 @@ def read_trace(path, verify=True):
     if b[0:8] != MAGIC:
         raise fail(0, 'not a moeconf trace (bad magic; expected "MOECONF\\0")')
     version, flags, alg_code, reserved, header_len = struct.unpack_from("<IIIIQ", b, 8)
-    if version not in (FORMAT_V1, v2.FORMAT_V2):
+    if version != FORMAT_V1 and not v2.is_block_format(version):
         raise fail(8, f"unsupported format version {version} (this reader supports versions 1 to {FORMAT_VERSION})")
-    if version == v2.FORMAT_V2 and n < PREAMBLE_LEN + v2.TRAILER_V2_LEN:
-        raise fail(0, f"file is {n} bytes, shorter than the smallest version 2 trace")
+    if v2.is_block_format(version) and n < PREAMBLE_LEN + v2.TRAILER_V2_LEN:
+        raise fail(0, f"file is {n} bytes, shorter than the smallest version {version} trace")
     if flags != 0:
         raise fail(12, f"unknown flags {flags:#x} (must be 0 in version {version})")
     if alg_code not in _ALG_BY_CODE:
@@ -713,12 +718,12 @@ def read_trace(path, verify=True):
     if reserved != 0:
         raise fail(20, "reserved field is not zero")
     header_end = PREAMBLE_LEN + header_len
-    trailer_len = v2.TRAILER_V2_LEN if version == v2.FORMAT_V2 else TRAILER_LEN
+    trailer_len = v2.TRAILER_V2_LEN if v2.is_block_format(version) else TRAILER_LEN
     if header_len > MAX_HEADER_LEN or header_end > n - trailer_len:
         raise fail(24, f"header length {header_len} does not fit in a {n}-byte file")
     payload_start = _align(header_end)
-    if version == v2.FORMAT_V2:
-        return _read_v2(path, b, alg, header_end, payload_start, verify, fail)
+    if v2.is_block_format(version):
+        return _read_v2(path, b, alg, header_end, payload_start, verify, fail, version)
 
     t0 = n - TRAILER_LEN
     if b[t0:t0 + 8] != END_MAGIC or b[t0 + 96:t0 + 104] != END_MAGIC:
@@ -815,8 +820,8 @@ def _check_zero(b, lo, hi, fail):
         raise fail(lo + k, "padding byte is not zero (corrupted file)")
 
 
-def _read_v2(path, b, alg, header_end, payload_start, verify, fail):
-    """Reads a version 2 trace whole (see :func:`read_trace`)."""
+def _read_v2(path, b, alg, header_end, payload_start, verify, fail, version=v2.FORMAT_V2):
+    """Reads a version 2 or 3 trace whole (see :func:`read_trace`)."""
     n = len(b)
     t0 = n - v2.TRAILER_V2_LEN
     if b[t0:t0 + 8] != END_MAGIC or b[t0 + 128:t0 + 136] != END_MAGIC:
@@ -849,19 +854,24 @@ def _read_v2(path, b, alg, header_end, payload_start, verify, fail):
 
     root_bytes = block(v2.BlockRef(root_off, root_len, root_block_digest), "root block")
     try:
-        steps = v2.decode_root_block(root_bytes, root_off)
+        steps = v2.decode_root_block(root_bytes, root_off, version)
     except WireError as e:
         raise fail(e.offset, f"root block: {e.what}") from None
     bases, regions = [], []
     total, region, previous = 0, header_end, None
     for k, s in enumerate(steps):
-        at = root_off + 12 + k * v2.STEP_REF_LEN
+        at = root_off + 12 + k * v2.step_ref_len(version)
         if previous is not None and previous >= s.step:
             raise fail(at, f"root block: step {s.step}: steps are not in strictly ascending order")
         previous = s.step
         wrong = check_step(binding.max_new_tokens, Coord(s.step, 0, 0 if s.step == 0 else 1, None, "x"))
         if wrong:
             raise fail(at, f"root block: step {s.step}: {wrong}")
+        if s.level_digests is not None:
+            for lv, (d, c) in enumerate(zip(s.level_digests, s.level_records)):
+                if (d == v2.ZERO) != (c == 0):
+                    raise fail(at, f"root block: step {s.step}: level L{lv}: {c} records declared with "
+                                   f"{'a zero' if d == v2.ZERO else 'a'} level digest")
         count = sum(s.level_records)
         if count == 0 or count >= 2**64:
             raise fail(at, f"root block: step {s.step}: its record counts are zero or overflow")
@@ -921,6 +931,12 @@ def _read_v2(path, b, alg, header_end, payload_start, verify, fail):
             raise sfail(f"holds {counts} records per level, the root block says {s.level_records}")
         if step_digest(alg, step, level_nodes) != s.digest:
             raise sfail("its levels do not hash to the step digest in the root block (corrupted block)")
+        if s.level_digests is not None:
+            own = [v2.ZERO] * 5
+            for lv, d in level_nodes:
+                own[lv] = d
+            if own != s.level_digests:
+                raise sfail("its level digests differ from those the root block lists")
         base, count = bases[k], sum(s.level_records)
         mine = []
         for lv, g in blocks:
@@ -991,4 +1007,4 @@ def _read_v2(path, b, alg, header_end, payload_start, verify, fail):
         if root_off != want:
             raise fail(root_off, f"the root block is at byte {root_off}, where the layout puts it at {want}")
         _check_zero(b, cur, root_off, fail)
-    return Trace(path, b, alg, binding, provenance, bd, root, records, v2.FORMAT_V2)
+    return Trace(path, b, alg, binding, provenance, bd, root, records, version)

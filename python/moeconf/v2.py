@@ -17,7 +17,8 @@ from .wire import Decoder, Encoder
 
 __all__ = [
     "FORMAT_V2", "TRAILER_V2_LEN", "KIND_GROUP", "KIND_STEP", "KIND_ROOT", "MIN_GROUP_ENTRY_LEN",
-    "MIN_GROUP_REF_LEN", "MIN_LEVEL_LEN", "STEP_REF_LEN", "BlockRef", "GroupRef", "StepRef", "block_digest",
+    "MIN_GROUP_REF_LEN", "MIN_LEVEL_LEN", "STEP_REF_LEN", "STEP_REF_LEN_V3", "FORMAT_V3", "is_block_format",
+    "step_ref_len", "BlockRef", "GroupRef", "StepRef", "block_digest",
     "checksum_v2", "encode_group_block", "decode_group_block", "encode_step_block", "decode_step_block",
     "encode_root_block", "decode_root_block",
 ]
@@ -36,6 +37,21 @@ MIN_GROUP_REF_LEN = 1 + 32 + 8 + 8 + 8 + 32
 MIN_LEVEL_LEN = 4 + 8
 #: Size of an encoded step reference.
 STEP_REF_LEN = 4 + 32 + 8 * 5 + 8 + 8 + 32
+#: Version 3: version 2 whose step references also list the five level
+#: digests (zero where the step holds no record), docs/format.md §11.8.
+FORMAT_V3 = 3
+STEP_REF_LEN_V3 = STEP_REF_LEN + 5 * 32
+ZERO = bytes(32)
+
+
+def is_block_format(version):
+    """Whether ``version`` is one of the block formats (2 or 3)."""
+    return version in (FORMAT_V2, FORMAT_V3)
+
+
+def step_ref_len(version):
+    """Size of one step reference of ``version`` (2 or 3)."""
+    return STEP_REF_LEN_V3 if version == FORMAT_V3 else STEP_REF_LEN
 
 
 def block_digest(algorithm, data):
@@ -92,6 +108,9 @@ class StepRef:
     digest: bytes
     level_records: List[int]
     block: BlockRef
+    #: Version 3: the digest of each level L0..L4 (32 zero bytes where the
+    #: step holds none); ``None`` in version 2.
+    level_digests: Optional[List[bytes]] = None
 
 
 def encode_group_block(step, level, layer, entries):
@@ -222,20 +241,25 @@ def encode_root_block(steps):
         for n in s.level_records:
             e.u64(n)
         s.block.encode(e)
+        if s.level_digests is not None:
+            for x in s.level_digests:
+                e.raw(x)
     return e.bytes()
 
 
-def decode_root_block(data, base):
-    """Decodes the root block: ``[StepRef]``."""
+def decode_root_block(data, base, version=FORMAT_V2):
+    """Decodes the root block of ``version`` (2 or 3): ``[StepRef]``."""
     d = Decoder(data, base)
     _kind(d, KIND_ROOT, "root")
-    n = d.length("root block step count", STEP_REF_LEN, 2**64)
+    n = d.length("root block step count", step_ref_len(version), 2**64)
     steps = []
     for _ in range(n):
         step = d.u32("step reference step")
         digest = d.array32("step digest")
         counts = [d.u64("step level record count") for _ in range(5)]
-        steps.append(StepRef(step, digest, counts, BlockRef.decode(d, "step block reference")))
+        block = BlockRef.decode(d, "step block reference")
+        levels = [d.array32("step level digest") for _ in range(5)] if version == FORMAT_V3 else None
+        steps.append(StepRef(step, digest, counts, block, levels))
     d.finish("root block")
     return steps
 

@@ -72,7 +72,7 @@ def _raw(path, max_new_tokens, step, phase, shape, version=1):
     return path
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("max_new,step,phase,shape", [(2, 0, 0, [1]), (2, 1, 1, [1]), (1, 0, 0, [2**63, 4, 0]),
                                                       (1, 0, 0, [0, 2**63, 4])])
 def test_consistent_records_are_read(tmp_path, max_new, step, phase, shape, version):
@@ -87,7 +87,7 @@ def test_consistent_records_are_read(tmp_path, max_new, step, phase, shape, vers
     (1, 0, 0, [2**32, 2**32], "more than 2\\^64 - 1 bytes"),
     (1, 0, 0, [2**62, 2], "more than 2\\^64 - 1 bytes"),
 ])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_inconsistent_records_are_refused(tmp_path, max_new, step, phase, shape, match, version):
     with pytest.raises(TraceFormatError, match=match):
         read_trace(_raw(tmp_path / "t.bin", max_new, step, phase, shape, version))

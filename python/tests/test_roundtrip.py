@@ -158,7 +158,7 @@ def _small_trace(tmp_path, version=2):
     return p, p.read_bytes()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_every_single_byte_flip_is_rejected(tmp_path, version):
     p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
@@ -172,7 +172,7 @@ def test_every_single_byte_flip_is_rejected(tmp_path, version):
             assert str(bad) in str(e.value) and 0 <= e.value.offset <= len(good), (i, mask)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_every_truncation_is_rejected(tmp_path, version):
     p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
@@ -185,16 +185,16 @@ def test_every_truncation_is_rejected(tmp_path, version):
         read_trace(bad)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_error_messages_name_file_and_offset(tmp_path, version):
     p, good = _small_trace(tmp_path, version)
     bad = tmp_path / "bad.bin"
     n = len(good)
-    # The trailer: 104 bytes in version 1 (checksum at 64), 136 in version 2 (at 96).
+    # The trailer: 104 bytes in version 1 (checksum at 64), 136 in versions 2 and 3 (at 96).
     t0, sum_at = (n - 104, 64) if version == 1 else (n - 136, 96)
     cases = [
         (0, "bad magic", 0),
-        (8, f"unsupported format version {version ^ 2}", 8),
+        (8, f"unsupported format version {version ^ 4}", 8),
         (12, "unknown flags", 12),
         (16, "unknown digest algorithm code", 16),
         (20, "reserved field", 20),
@@ -202,7 +202,7 @@ def test_error_messages_name_file_and_offset(tmp_path, version):
     ]
     for at, match, offset in cases:
         b = bytearray(good)
-        b[at] ^= 0x02
+        b[at] ^= 0x04
         bad.write_bytes(bytes(b))
         with pytest.raises(TraceFormatError, match=match) as e:
             read_trace(bad)

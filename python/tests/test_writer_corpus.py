@@ -12,7 +12,7 @@ import writer_corpus
 from moeconf import read_trace
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_python_writer_matches_the_corpus(repo, tmp_path, version):
     corpus = os.path.join(repo, "tests", "writer_corpus.json")
     results = writer_corpus.run_all(corpus, str(tmp_path), version)

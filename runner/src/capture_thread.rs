@@ -456,7 +456,7 @@ mod tests {
         // memory) is the one both threads ran, and its file verifies.
         let t = moeconf_schema::Trace::open_verified(&b).unwrap();
         assert_eq!(t.format_version(), moeconf_schema::DEFAULT_FORMAT_VERSION);
-        assert_eq!(t.format_version(), 2);
+        assert_eq!(t.format_version(), 3);
         assert_eq!(t.steps().len(), 6);
     }
 

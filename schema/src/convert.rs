@@ -33,14 +33,14 @@ pub struct ConvertSummary {
 }
 
 /// Writes the trace at `input` to `output` in container format `version`
-/// (1 or 2). `output` must have been checked against `input`
+/// (1, 2 or 3). `output` must have been checked against `input`
 /// ([`crate::check_output`] with the input among its inputs).
 pub fn convert(input: &Path, output: &CheckedOutput, version: u32) -> Result<ConvertSummary, TraceError> {
     let src = Trace::open_verified(input)?;
     let records = src.records()?;
     let mut order: Vec<usize> = (0..records.len()).collect();
     let in_step_order = records.windows(2).all(|w| w[0].coord.step <= w[1].coord.step);
-    if version == crate::v2::FORMAT_V2 && !in_step_order {
+    if crate::v2::is_block_format(version) && !in_step_order {
         order.sort_by_key(|&i| records[i].coord.step);
     }
     let header = Header {
@@ -68,7 +68,7 @@ pub fn convert(input: &Path, output: &CheckedOutput, version: u32) -> Result<Con
         from: src.format_version(),
         to: version,
         root: written.root,
-        reordered: version == crate::v2::FORMAT_V2 && !in_step_order,
+        reordered: crate::v2::is_block_format(version) && !in_step_order,
         written,
     })
 }

@@ -16,7 +16,7 @@ pub const END_MAGIC: [u8; 8] = *b"MOECEND\0";
 /// The newest container format version this build reads and writes (and
 /// the version its writers write by default); version 1 stays readable and
 /// writable ([`crate::TraceWriter::create_version`]).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The first container format version (a flat index, docs/format.md §5).
 pub const FORMAT_V1: u32 = 1;
 /// Size of the fixed preamble.
@@ -381,7 +381,7 @@ pub fn with_recomputed_checksum(bytes: &[u8]) -> Option<Vec<u8>> {
     let code = u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?);
     let alg = Algorithm::from_code(code)?;
     let header_end = PREAMBLE_LEN.checked_add(word(24)?)?;
-    if bytes.get(8..12)? == crate::v2::FORMAT_V2.to_le_bytes() {
+    if crate::v2::is_block_format(u32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?)) {
         let tlen = crate::v2::TRAILER_V2_LEN;
         if len < PREAMBLE_LEN + tlen || header_end > len - tlen {
             return None;

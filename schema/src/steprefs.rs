@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 
 use moeconf_fingerprint::wire::Encoder;
 
-use crate::v2::{StepRef, STEP_REF_LEN};
+use crate::v2::StepRef;
 
 /// References kept in memory before the rest go to the temporary file
-/// (124 bytes each: 4,096 of them are 496 KiB).
+/// (284 bytes each in version 3: 4,096 of them are 1.1 MiB).
 pub(crate) const IN_MEMORY: usize = 4096;
 
 /// The encoded references, in the order they were pushed.
@@ -27,18 +27,21 @@ pub(crate) struct StepRefLog {
     dir: PathBuf,
     count: u64,
     limit: usize,
+    /// Size of one encoded reference.
+    ref_len: usize,
 }
 
 impl StepRefLog {
-    /// An empty log that keeps `limit` references in memory and spills the
-    /// rest to a temporary file in `dir`.
-    pub(crate) fn new(dir: &Path, limit: usize) -> StepRefLog {
+    /// An empty log of references of `ref_len` bytes that keeps `limit`
+    /// of them in memory and spills the rest to a temporary file in `dir`.
+    pub(crate) fn new(dir: &Path, limit: usize, ref_len: u64) -> StepRefLog {
         StepRefLog {
             memory: Vec::new(),
             spill: None,
             dir: dir.to_path_buf(),
             count: 0,
             limit,
+            ref_len: ref_len as usize,
         }
     }
 
@@ -49,8 +52,13 @@ impl StepRefLog {
 
     /// Appends a reference.
     pub(crate) fn push(&mut self, r: &StepRef) -> std::io::Result<()> {
-        let mut e = Encoder::with_capacity(STEP_REF_LEN as usize);
+        let mut e = Encoder::with_capacity(self.ref_len);
         r.encode(&mut e);
+        if e.as_bytes().len() != self.ref_len {
+            return Err(std::io::Error::other(
+                "a step reference of another format version",
+            ));
+        }
         if self.count < self.limit as u64 {
             self.memory.extend_from_slice(e.as_bytes());
         } else {
@@ -81,11 +89,11 @@ impl StepRefLog {
         let mut file = spill.into_inner().map_err(|e| io(e.into_error()))?;
         file.seek(SeekFrom::Start(0)).map_err(&io)?;
         let per_piece = 2048usize;
-        let mut buf = vec![0u8; per_piece * STEP_REF_LEN as usize];
+        let mut buf = vec![0u8; per_piece * self.ref_len];
         let mut left = self.count.saturating_sub(self.limit as u64);
         while left > 0 {
             let n = left.min(per_piece as u64) as usize;
-            let piece = &mut buf[..n * STEP_REF_LEN as usize];
+            let piece = &mut buf[..n * self.ref_len];
             file.read_exact(piece).map_err(&io)?;
             f(piece)?;
             left -= n as u64;

@@ -24,6 +24,11 @@ use moeconf_fingerprint::{
 
 /// The container format version with persisted tree nodes.
 pub const FORMAT_V2: u32 = 2;
+/// Version 2 whose root block also commits each step's levels: every step
+/// reference carries the step's level digests, which hash to the step
+/// digest, so which levels a step holds is checked without reading its
+/// step block (docs/format.md §11.8).
+pub const FORMAT_V3: u32 = 3;
 /// Size of the version 2 trailer.
 pub const TRAILER_V2_LEN: u64 = 136;
 /// Domain tag of a block digest.
@@ -43,8 +48,26 @@ pub const MIN_GROUP_ENTRY_LEN: u64 = 8 + 4 + 4 + 8 + 1 + 4 + 8 + 32 + 1;
 pub const MIN_GROUP_REF_LEN: u64 = 1 + 32 + 8 + 8 + 8 + 32;
 /// Smallest encoded level of a step block (no group).
 pub const MIN_LEVEL_LEN: u64 = 4 + 8;
-/// Size of an encoded step reference.
+/// Size of an encoded step reference (version 2).
 pub const STEP_REF_LEN: u64 = 4 + 32 + 8 * 5 + 8 + 8 + 32;
+/// Size of an encoded step reference of version 3: version 2's, then the
+/// five level digests.
+pub const STEP_REF_LEN_V3: u64 = STEP_REF_LEN + 5 * 32;
+
+/// Size of an encoded step reference of `version` (2 or 3).
+pub fn step_ref_len(version: u32) -> u64 {
+    if version >= FORMAT_V3 {
+        STEP_REF_LEN_V3
+    } else {
+        STEP_REF_LEN
+    }
+}
+
+/// Whether `version` is one of the block formats (2 or 3) this module
+/// encodes.
+pub fn is_block_format(version: u32) -> bool {
+    version == FORMAT_V2 || version == FORMAT_V3
+}
 
 /// Digest of a block's bytes: `H(wire("moeconf.block.v2") ‖ bytes)`.
 pub fn block_digest(alg: Algorithm, bytes: &[u8]) -> Digest {
@@ -126,18 +149,26 @@ pub struct StepRef {
     pub level_records: [u64; 5],
     /// The step block.
     pub block: BlockRef,
+    /// Version 3: the digest of each level L0..L4 the step holds
+    /// ([`Digest::ZERO`] where it holds none); `None` in version 2.
+    pub level_digests: Option<[Digest; 5]>,
 }
 
 impl StepRef {
     /// Appends the reference as the root block holds it: step, digest,
     /// records per level, block offset, length and digest
-    /// ([`STEP_REF_LEN`] bytes).
+    /// ([`STEP_REF_LEN`] bytes), then in version 3 the five level digests.
     pub fn encode(&self, e: &mut Encoder) {
         e.u32(self.step).raw(&self.digest.0);
         for &n in &self.level_records {
             e.u64(n);
         }
         self.block.encode(e);
+        if let Some(levels) = &self.level_digests {
+            for d in levels {
+                e.raw(&d.0);
+            }
+        }
     }
 
     /// The step and its digest from an encoded reference (the first
@@ -345,9 +376,10 @@ pub fn decode_step_block(bytes: &[u8], base: u64) -> Result<(u32, Vec<LevelRefs>
 }
 
 /// Encodes the root block: kind, then one reference per step (step, digest,
-/// records per level, block offset, length and digest).
+/// records per level, block offset, length and digest; version 3's level
+/// digests when the references carry them).
 pub fn encode_root_block(steps: &[StepRef]) -> Vec<u8> {
-    let mut e = Encoder::with_capacity(12 + STEP_REF_LEN as usize * steps.len());
+    let mut e = Encoder::with_capacity(12 + STEP_REF_LEN_V3 as usize * steps.len());
     encode_root_block_head(&mut e, steps.len() as u64);
     for s in steps {
         s.encode(&mut e);
@@ -361,10 +393,10 @@ pub fn encode_root_block_head(e: &mut Encoder, steps: u64) {
     e.u32(KIND_ROOT).u64(steps);
 }
 
-/// Decodes the root block (structure only).
-pub fn decode_root_block(bytes: &[u8], base: u64) -> Result<Vec<StepRef>, WireError> {
+/// Decodes the root block of `version` (2 or 3; structure only).
+pub fn decode_root_block(bytes: &[u8], base: u64, version: u32) -> Result<Vec<StepRef>, WireError> {
     let mut steps = Vec::new();
-    for_each_step_ref(bytes, base, |n, s| {
+    for_each_step_ref(bytes, base, version, |n, s| {
         if steps.is_empty() {
             steps.reserve_exact(n);
         }
@@ -373,18 +405,30 @@ pub fn decode_root_block(bytes: &[u8], base: u64) -> Result<Vec<StepRef>, WireEr
     Ok(steps)
 }
 
-/// [`decode_root_block`] into the two halves a reader keeps: each step's
-/// summary (step, digest, record counts) and its step block's reference,
-/// without a third copy of the list.
-pub fn decode_root_block_split(
-    bytes: &[u8],
-    base: u64,
-) -> Result<(Vec<crate::nodes::StepSummary>, Vec<BlockRef>), WireError> {
-    let (mut summaries, mut blocks) = (Vec::new(), Vec::new());
-    for_each_step_ref(bytes, base, |n, s| {
+/// The parts of a decoded root block a reader keeps.
+pub struct RootParts {
+    /// Each step's summary (step, digest, record counts).
+    pub summaries: Vec<crate::nodes::StepSummary>,
+    /// Each step block's reference.
+    pub blocks: Vec<BlockRef>,
+    /// Version 3: each step's level digests (empty in version 2).
+    pub level_digests: Vec<[Digest; 5]>,
+}
+
+/// [`decode_root_block`] into the parts a reader keeps, without another
+/// copy of the list.
+pub fn decode_root_block_split(bytes: &[u8], base: u64, version: u32) -> Result<RootParts, WireError> {
+    let (mut summaries, mut blocks, mut level_digests) = (Vec::new(), Vec::new(), Vec::new());
+    for_each_step_ref(bytes, base, version, |n, s| {
         if summaries.is_empty() {
             summaries.reserve_exact(n);
             blocks.reserve_exact(n);
+            if s.level_digests.is_some() {
+                level_digests.reserve_exact(n);
+            }
+        }
+        if let Some(l) = s.level_digests {
+            level_digests.push(l);
         }
         summaries.push(crate::nodes::StepSummary {
             step: s.step,
@@ -393,16 +437,25 @@ pub fn decode_root_block_split(
         });
         blocks.push(s.block);
     })?;
-    Ok((summaries, blocks))
+    Ok(RootParts {
+        summaries,
+        blocks,
+        level_digests,
+    })
 }
 
 /// Decodes the root block, calling `each` with the number of steps (its
 /// length checked against the block's size) and every step reference in
 /// order; fails on trailing bytes.
-fn for_each_step_ref(bytes: &[u8], base: u64, mut each: impl FnMut(usize, StepRef)) -> Result<(), WireError> {
+fn for_each_step_ref(
+    bytes: &[u8],
+    base: u64,
+    version: u32,
+    mut each: impl FnMut(usize, StepRef),
+) -> Result<(), WireError> {
     let mut d = Decoder::new(bytes, base);
     kind(&mut d, KIND_ROOT, "root")?;
-    let n = d.len("root block step count", STEP_REF_LEN as usize, u64::MAX)?;
+    let n = d.len("root block step count", step_ref_len(version) as usize, u64::MAX)?;
     for _ in 0..n {
         let step = d.u32("step reference step")?;
         let digest = Digest(d.array32("step digest")?);
@@ -411,6 +464,15 @@ fn for_each_step_ref(bytes: &[u8], base: u64, mut each: impl FnMut(usize, StepRe
             *n = d.u64("step level record count")?;
         }
         let block = BlockRef::decode(&mut d, "step block reference")?;
+        let level_digests = if version >= FORMAT_V3 {
+            let mut l = [Digest::ZERO; 5];
+            for x in l.iter_mut() {
+                *x = Digest(d.array32("step level digest")?);
+            }
+            Some(l)
+        } else {
+            None
+        };
         each(
             n,
             StepRef {
@@ -418,6 +480,7 @@ fn for_each_step_ref(bytes: &[u8], base: u64, mut each: impl FnMut(usize, StepRe
                 digest,
                 level_records,
                 block,
+                level_digests,
             },
         );
     }
@@ -534,17 +597,31 @@ mod tests {
         }];
         let s = encode_step_block(3, &levels);
         assert_eq!(decode_step_block(&s, 0).unwrap(), (3, levels));
-        let steps = vec![StepRef {
+        let mut steps = vec![StepRef {
             step: 3,
             digest: Digest([3; 32]),
             level_records: [0, 0, 0, 4, 0],
             block,
+            level_digests: None,
         }];
         let r = encode_root_block(&steps);
         assert_eq!(r.len() as u64, 12 + STEP_REF_LEN);
-        assert_eq!(decode_root_block(&r, 0).unwrap(), steps);
+        assert_eq!(decode_root_block(&r, 0, FORMAT_V2).unwrap(), steps);
+        // Version 3 appends the level digests; neither version reads the other.
+        steps[0].level_digests = Some([
+            Digest::ZERO,
+            Digest::ZERO,
+            Digest::ZERO,
+            Digest([4; 32]),
+            Digest::ZERO,
+        ]);
+        let r3 = encode_root_block(&steps);
+        assert_eq!(r3.len() as u64, 12 + STEP_REF_LEN_V3);
+        assert_eq!(decode_root_block(&r3, 0, FORMAT_V3).unwrap(), steps);
+        assert!(decode_root_block(&r3, 0, FORMAT_V2).is_err());
+        assert!(decode_root_block(&r, 0, FORMAT_V3).is_err());
         // A block of one kind is not read as another.
         assert!(decode_step_block(&r, 0).is_err());
-        assert!(decode_root_block(&s, 0).is_err());
+        assert!(decode_root_block(&s, 0, FORMAT_V2).is_err());
     }
 }

@@ -35,7 +35,7 @@ use crate::output::{check_output, AtomicFile, CheckedOutput, Inputs};
 use crate::steprefs::{self, StepRefLog};
 use crate::v2::{
     block_digest, block_hasher, checksum_v2, encode_group_block, encode_root_block_head, encode_step_block,
-    BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V2, STEP_REF_LEN,
+    is_block_format, step_ref_len, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V3,
 };
 use crate::Trace;
 use moeconf_fingerprint::wire::Encoder;
@@ -70,7 +70,7 @@ pub struct BatchRecord<'a> {
 const BUFFER: usize = 64 << 10;
 
 /// The format version [`TraceWriter::create`] writes.
-pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V2;
+pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V3;
 
 /// What [`TraceWriter::finish`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +98,8 @@ enum Body {
     /// Version 2: the entries of the current step only, and the references
     /// of the steps written (bounded in memory, see [`StepRefLog`]).
     V2 {
+        /// 2, or 3 (the root block also lists each step's level digests).
+        version: u32,
         step: Option<u32>,
         pending: Vec<IndexEntry>,
         keys: HashSet<Key>,
@@ -159,7 +161,8 @@ impl TraceWriter {
                 entries: Vec::new(),
                 keys: HashSet::new(),
             },
-            FORMAT_V2 => Body::V2 {
+            v if is_block_format(v) => Body::V2 {
+                version: v,
                 step: None,
                 pending: Vec::new(),
                 keys: HashSet::new(),
@@ -168,12 +171,13 @@ impl TraceWriter {
                         .filter(|d| !d.as_os_str().is_empty())
                         .unwrap_or(Path::new(".")),
                     steprefs::IN_MEMORY,
+                    step_ref_len(v),
                 ),
             },
             v => {
                 return Err(TraceError::invalid(
                     path,
-                    format!("format version {v} cannot be written (1 or 2)"),
+                    format!("format version {v} cannot be written (1, 2 or 3)"),
                 ))
             }
         };
@@ -228,7 +232,7 @@ impl TraceWriter {
     pub fn format_version(&self) -> u32 {
         match self.body {
             Body::V1 { .. } => 1,
-            Body::V2 { .. } => FORMAT_V2,
+            Body::V2 { version, .. } => version,
         }
     }
 
@@ -611,12 +615,18 @@ impl TraceWriter {
                 )
             }),
         );
-        if let Body::V2 { steps, .. } = &mut self.body {
+        let mut level_digests = [Digest::ZERO; 5];
+        for l in &levels {
+            level_digests[l.level.code() as usize] =
+                level_digest(self.alg, step, l.level, l.groups.iter().map(|g| g.digest));
+        }
+        if let Body::V2 { steps, version, .. } = &mut self.body {
             let r = StepRef {
                 step,
                 digest,
                 level_records,
                 block,
+                level_digests: (*version >= FORMAT_V3).then_some(level_digests),
             };
             if let Err(e) = steps.push(&r) {
                 return Err(self.failed(
@@ -683,13 +693,14 @@ impl TraceWriter {
 
     fn finish_v2(&mut self) -> Result<Digest, TraceError> {
         self.flush_step()?;
-        let Body::V2 { steps, .. } = &mut self.body else {
+        let Body::V2 { steps, version, .. } = &mut self.body else {
             return Err(TraceError::invalid(&self.path, "not a version 2 writer"));
         };
+        let ref_len = step_ref_len(*version) as usize;
         // The root block is streamed from the log: its head, then every
         // step reference, hashed for the block digest and the root as they
         // are written.
-        let mut steps = std::mem::replace(steps, StepRefLog::new(Path::new("."), 0));
+        let mut steps = std::mem::replace(steps, StepRefLog::new(Path::new("."), 0, ref_len as u64));
         let mut head = Encoder::new();
         encode_root_block_head(&mut head, steps.len());
         self.pad_to_alignment()?;
@@ -704,10 +715,10 @@ impl TraceWriter {
                 // Pieces hold whole references (the log's own encoding); a
                 // piece that does not would give a wrong root, so it is an
                 // error, never skipped.
-                if piece.len() % STEP_REF_LEN as usize != 0 {
+                if piece.len() % ref_len != 0 {
                     return Err(TraceError::invalid(&path, "a step reference of the wrong length"));
                 }
-                for r in piece.chunks_exact(STEP_REF_LEN as usize) {
+                for r in piece.chunks_exact(ref_len) {
                     let (step, digest) = StepRef::step_and_digest(r)
                         .ok_or_else(|| TraceError::invalid(&path, "a step reference of the wrong length"))?;
                     root.push(step, digest);
@@ -752,7 +763,7 @@ mod tests {
         let mut w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
         let dir = path.parent().unwrap();
         if let Body::V2 { steps, .. } = &mut w.body {
-            *steps = StepRefLog::new(dir, in_memory);
+            *steps = StepRefLog::new(dir, in_memory, crate::v2::step_ref_len(DEFAULT_FORMAT_VERSION));
         }
         for step in 0..steps {
             for (k, path) in ["token.output", "lm.margin"].into_iter().enumerate() {

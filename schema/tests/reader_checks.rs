@@ -77,6 +77,7 @@ fn raw_trace_v2(header: &Header, entries: &[IndexEntry]) -> Vec<u8> {
         digest: sd,
         level_records,
         block: s,
+        level_digests: None,
     }];
     let r = block(&mut file, encode_root_block(&steps));
     let bd = binding_digest(alg, &header.binding.to_bytes());

@@ -264,7 +264,47 @@ fn both_versions_hold_the_same_records_under_the_same_root() {
         let back = Trace::open_verified(&c2).unwrap();
         assert_eq!(convert(&back, &c1, 1).root, s1.root);
         assert_eq!(std::fs::read(&c1).unwrap(), std::fs::read(&p1).unwrap());
+        // Version 3: the same records and root; 2 → 3 gives the writer's
+        // version 3 file, 3 → 2 and 3 → 1 the writer's files again.
+        let p3 = dir.path().join("v3.bin");
+        let s3 = common::write_small_version(&p3, alg, 3);
+        assert_eq!(s3.root, s1.root, "{alg}: same records, same root");
+        let t3 = Trace::open_verified(&p3).unwrap();
+        assert_eq!(t3.format_version(), 3);
+        assert_eq!(t3.steps(), t2.steps(), "step digests and record counts");
+        assert_eq!(t3.records().unwrap(), t2.records().unwrap());
+        assert_eq!(t3.held_levels().unwrap(), t2.held_levels().unwrap());
+        let c3 = dir.path().join("c3.bin");
+        assert_eq!(convert(&t2, &c3, 3).root, s1.root);
+        assert_eq!(std::fs::read(&c3).unwrap(), std::fs::read(&p3).unwrap());
+        for (to, want) in [(2, &p2), (1, &p1)] {
+            let out = dir.path().join(format!("from3-{to}.bin"));
+            assert_eq!(convert(&t3, &out, to).root, s1.root);
+            assert_eq!(
+                std::fs::read(&out).unwrap(),
+                std::fs::read(want).unwrap(),
+                "3 -> {to}"
+            );
+        }
     }
+}
+
+/// A version 3 trace gives every step's levels from its root block: no
+/// step block is read for them (docs/format.md §11.8).
+#[test]
+fn version_3_level_sets_read_no_step_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("t.bin");
+    common::write_small_version(&p, Algorithm::Blake3, 3);
+    let t = Trace::open(&p).unwrap();
+    let by_step = t.levels_by_step(0..t.steps().len()).unwrap();
+    assert_eq!(by_step.len(), 2);
+    assert_eq!(t.blocks_read().len(), 1, "only the root block");
+    let v2 = dir.path().join("t2.bin");
+    common::write_small_version(&v2, Algorithm::Blake3, 2);
+    let t2 = Trace::open(&v2).unwrap();
+    assert_eq!(t2.levels_by_step(0..2).unwrap(), by_step);
+    assert_eq!(t2.blocks_read().len(), 3, "version 2 reads both step blocks");
 }
 
 /// A version 2 trace opens by reading its root block only; a step's block

@@ -43,7 +43,7 @@ pub struct TraceSpec {
     pub header: Header,
     /// Records in execution order.
     pub records: Vec<Record>,
-    /// Container format version it is written in (mostly 2, the default).
+    /// Container format version it is written in (1, 2 or 3, the default).
     pub version: u32,
 }
 
@@ -369,7 +369,13 @@ impl TraceSpec {
             b.state(u, &d, step, last)?;
         }
         // Drawn last, so that the drawn content is the same in both versions.
-        let version = if u.ratio(1, 4)? { 1 } else { 2 };
+        let version = if u.ratio(1, 4)? {
+            1
+        } else if u.arbitrary()? {
+            3
+        } else {
+            2
+        };
         Ok(TraceSpec {
             alg,
             header,

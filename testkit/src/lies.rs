@@ -1,4 +1,4 @@
-//! "Well-formed lies": a structure-aware rewriter of format version 2
+//! "Well-formed lies": a structure-aware rewriter of format version 2 and 3
 //! traces (docs/format.md §11) that changes what the root digest does not
 //! commit to, then recomputes every block digest, block reference, the root
 //! block digest and the checksum, so that the result is internally
@@ -24,7 +24,7 @@ use moeconf_fingerprint::{Algorithm, Digest, Interner, Level};
 use moeconf_schema::layout::{align_up, Preamble, END_MAGIC, MAGIC, PREAMBLE_LEN};
 use moeconf_schema::v2::{
     block_digest, checksum_v2, decode_group_block, decode_root_block, decode_step_block, encode_group_block,
-    encode_root_block, encode_step_block, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V2,
+    encode_root_block, encode_step_block, is_block_format, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2,
     TRAILER_V2_LEN,
 };
 use moeconf_schema::{Header, IndexEntry, PayloadRef};
@@ -74,6 +74,8 @@ pub struct StepModel {
     pub digest: Digest,
     /// `StepRef.level_records` as the root block claims it.
     pub level_records: [u64; 5],
+    /// Version 3: `StepRef.level_digests` as the root block lists them.
+    pub level_digests: Option<[Digest; 5]>,
     /// Its levels, ascending.
     pub levels: Vec<LevelModel>,
     /// The entries that keep a payload, in the order their chunks appear.
@@ -118,6 +120,8 @@ impl StepModel {
 /// A whole version 2 trace as nodes, with what it claims besides the root.
 #[derive(Debug, Clone)]
 pub struct Model {
+    /// Container format version (2 or 3).
+    pub version: u32,
     /// Digest algorithm.
     pub alg: Algorithm,
     /// Binding and provenance.
@@ -155,9 +159,10 @@ impl Model {
     /// Decodes every node of a version 2 trace (nothing is verified beyond
     /// what decoding needs: give it a trace a reader accepted).
     pub fn decode(bytes: &[u8]) -> Result<Model, LieError> {
-        if bytes.get(..8) != Some(&MAGIC[..]) || u32_at(bytes, 8) != Some(FORMAT_V2) {
-            return Err("not a version 2 trace".into());
-        }
+        let version = u32_at(bytes, 8).filter(|&v| is_block_format(v));
+        let Some(version) = version.filter(|_| bytes.get(..8) == Some(&MAGIC[..])) else {
+            return Err("not a version 2 or 3 trace".into());
+        };
         let alg = u32_at(bytes, 16)
             .and_then(Algorithm::from_code)
             .ok_or("unknown algorithm")?;
@@ -189,7 +194,7 @@ impl Model {
                 .ok_or("short trailer")?,
         );
         let root_bytes = slice(bytes, root_ref)?;
-        let refs = decode_root_block(root_bytes, root_ref.offset).map_err(|e| e.to_string())?;
+        let refs = decode_root_block(root_bytes, root_ref.offset, version).map_err(|e| e.to_string())?;
         let mut interner = Interner::new();
         let mut steps = Vec::with_capacity(refs.len());
         for s in refs {
@@ -239,11 +244,13 @@ impl Model {
                 step,
                 digest: s.digest,
                 level_records: s.level_records,
+                level_digests: s.level_digests,
                 levels: lm,
                 payload_order: payloads.into_iter().map(|(_, at)| at).collect(),
             });
         }
         Ok(Model {
+            version,
             alg,
             header,
             root,
@@ -262,7 +269,7 @@ impl Model {
             algorithm: self.alg,
             header_len: header.len() as u64,
         };
-        let mut out = pre.to_bytes_version(FORMAT_V2).to_vec();
+        let mut out = pre.to_bytes_version(self.version).to_vec();
         out.extend_from_slice(&header);
         let header_end = out.len();
         let mut chunk = 0usize;
@@ -334,6 +341,7 @@ impl Model {
                 digest: s2.digest,
                 level_records: s2.level_records,
                 block,
+                level_digests: s2.level_digests,
             });
         }
         let rb = encode_root_block(&step_refs);
@@ -428,6 +436,20 @@ pub enum Lie {
         /// Rewrite the trailer's record count consistently.
         trailer: bool,
     },
+    /// Version 3: set one step's level digest for `level` in the root
+    /// block to that of step `from` (modulo the step count) at the same
+    /// level, or to a made-up digest when `from` names the step itself;
+    /// its record count follows (0 for a zero digest, 1 where it was 0),
+    /// so the reference stays well-formed and only its commitment to the
+    /// step digest can tell (a no-op in version 2).
+    LevelDigest {
+        /// Step index.
+        step: usize,
+        /// The level.
+        level: Level,
+        /// Step index whose digest is copied.
+        from: usize,
+    },
     /// Set `GroupRef.records` of one group (tree order) of a step.
     GroupRecords {
         /// Step index.
@@ -504,7 +526,7 @@ impl Lie {
             | Lie::ShareOrdinal { .. }
             | Lie::ShareOrdinalOf { .. }
             | Lie::SwapAcrossGroups { .. } => LieClass::Ordinals,
-            Lie::LevelRecords { .. } | Lie::GroupRecords { .. } => LieClass::Counts,
+            Lie::LevelRecords { .. } | Lie::GroupRecords { .. } | Lie::LevelDigest { .. } => LieClass::Counts,
             Lie::Pad { .. } | Lie::ReorderPayloads { .. } => LieClass::Layout,
             Lie::RecordCount { .. } => LieClass::Trailer,
             Lie::Provenance { .. } => LieClass::Provenance,
@@ -538,7 +560,13 @@ impl Lie {
                 },
             },
             LieClass::Counts => {
-                if u.ratio(1, 4)? {
+                if u.ratio(1, 5)? {
+                    Lie::LevelDigest {
+                        step,
+                        level: Level::ALL[u.choose_index(5)?],
+                        from: usize::from(u.arbitrary::<u8>()?),
+                    }
+                } else if u.ratio(1, 4)? {
                     Lie::GroupRecords {
                         step,
                         group: usize::from(u.arbitrary::<u8>()?),
@@ -678,6 +706,13 @@ impl Lie {
                     return false;
                 }
                 s.level_records[l] = *count;
+                // Version 3 lists a level digest exactly where a count is
+                // not zero: keep that so, with a made-up digest.
+                if let Some(d) = &mut s.level_digests {
+                    if (*count == 0) != (d[l] == Digest::ZERO) {
+                        d[l] = if *count == 0 { Digest::ZERO } else { MADE_UP };
+                    }
+                }
                 if *groups {
                     if let Some(g) = s
                         .levels
@@ -694,6 +729,39 @@ impl Lie {
                 if *trailer {
                     m.record_count = m.claimed_total();
                 }
+                true
+            }
+            Lie::LevelDigest { step, level, from } => {
+                let (Some(i), Some(j)) = (step_of(*step), step_of(*from)) else {
+                    return false;
+                };
+                let l = level.code() as usize;
+                let Some(source) = m.steps[j].level_digests else {
+                    return false;
+                };
+                let s = &mut m.steps[i];
+                let Some(d) = &mut s.level_digests else {
+                    return false;
+                };
+                let new = if i == j {
+                    if d[l] == MADE_UP {
+                        Digest::ZERO
+                    } else {
+                        MADE_UP
+                    }
+                } else {
+                    source[l]
+                };
+                if d[l] == new {
+                    return false;
+                }
+                d[l] = new;
+                if new == Digest::ZERO {
+                    s.level_records[l] = 0;
+                } else if s.level_records[l] == 0 {
+                    s.level_records[l] = 1;
+                }
+                m.record_count = m.claimed_total();
                 true
             }
             Lie::GroupRecords { step, group, count } => {
@@ -757,6 +825,9 @@ impl Lie {
         }
     }
 }
+
+/// The level digest a lie makes up.
+const MADE_UP: Digest = Digest([0xA5; 32]);
 
 /// Gives the entry at `b` the write-order number of the entry at `a`.
 fn share(s: &mut StepModel, a: EntryAt, b: EntryAt) -> bool {

@@ -614,9 +614,11 @@ fn lies_body(
 ) -> Result<()> {
     use crate::lies::{lie, Lie, LieClass};
     let mut f = TraceSpec::generate(u, GenOptions::default())?;
-    f.version = 2;
+    // Version 2 (levels read from step blocks) or 3 (committed in the root
+    // block).
+    f.version = if u.arbitrary()? { 3 } else { 2 };
     let mut g = mutate(u, &f)?;
-    g.version = 2;
+    g.version = f.version;
     let (fp, _) = write_valid(&f, dir, "lies-f.bin");
     let f_bytes = match std::fs::read(&fp) {
         Ok(b) => b,
@@ -649,14 +651,23 @@ fn lies_body(
         ])?
     };
     let provenance = lies.iter().any(|l| l.class() == LieClass::Provenance);
-    // One drawn gate profile per execution (the suite runs them all).
+    // One drawn gate profile and one drawn case of the family per
+    // execution (the suite runs them all; over many executions, so does
+    // the fuzzer): the gate family's cross baselines are one more case.
     let mut profiles = metamorphic::profiles();
     let one = profiles.swap_remove(u.choose_index(profiles.len())?);
     let profiles = [one];
-    let truth = metamorphic::answers_under(family, &f_bytes, &g_bytes, dir, &profiles);
-    let mut bad =
-        metamorphic::check_against(&truth, family, &lied, &g_bytes, dir, provenance, &profiles).failures;
-    if family == metamorphic::Family::Gate {
+    let cases = metamorphic::case_count(family, dir, &profiles);
+    let extra = usize::from(family == metamorphic::Family::Gate);
+    let k = u.choose_index(cases + extra)?;
+    let mut bad = if k < cases {
+        let pick = metamorphic::Pick::One(k);
+        let truth = metamorphic::answers_picked(family, &f_bytes, &g_bytes, dir, &profiles, pick);
+        metamorphic::check_picked(&truth, family, &lied, &g_bytes, dir, provenance, &profiles, pick).failures
+    } else {
+        Vec::new()
+    };
+    if k >= cases {
         bad.extend(metamorphic::cross_baselines(
             &f_bytes, &lied, dir, &profiles, provenance,
         ));

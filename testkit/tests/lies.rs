@@ -1,4 +1,4 @@
-//! "Well-formed lies" in format version 2 traces (moeconf_testkit::lies):
+//! "Well-formed lies" in format version 2 and 3 traces (moeconf_testkit::lies):
 //! a trace F rewritten where the root does not commit (write-order
 //! numbers, record counts, chunk layout, the trailer's record count, the
 //! provenance), every digest and the checksum recomputed. The metamorphic
@@ -8,7 +8,7 @@
 //!
 //! One test per lie class × command family (inspect; diff; gate with its
 //! baselines; explain; certify; convert), each over the fixtures
-//! (`near-tie`, `far`, `same`) and every lie of the class
+//! (`near-tie`, `far`, `same`, each in version 2 and 3) and every lie of the class
 //! (`metamorphic::lies_of`). The binary's own commands are driven in
 //! `tests/lies_cli.rs` (workspace root). Tests marked `#[ignore = "needs
 //! fix: …"]` fail on the current readers and consumers; each fix
@@ -78,12 +78,142 @@ fn rewriter_reencodes_written_traces_byte_for_byte() {
         let Ok(mut spec) = moeconf_testkit::gen::TraceSpec::generate(&mut u, Default::default()) else {
             continue;
         };
-        spec.version = 2;
-        let b = written(&spec, dir.path(), "gen.bin");
-        assert_eq!(Model::decode(&b).unwrap().encode().unwrap(), b);
-        n += 1;
+        for version in [2, 3] {
+            spec.version = version;
+            let b = written(&spec, dir.path(), "gen.bin");
+            assert_eq!(Model::decode(&b).unwrap().encode().unwrap(), b);
+            n += 1;
+        }
     }
-    assert!(n > 200, "only {n} traces re-encoded");
+    assert!(n > 400, "only {n} traces re-encoded");
+}
+
+// Version 3: the level digests of the root block.
+
+/// The `same v3` fixture's F, a lie of it, and the lie's file.
+fn v3_lie(dir: &std::path::Path, l: &Lie) -> (Vec<u8>, std::path::PathBuf) {
+    let fx = fixtures(dir).into_iter().find(|f| f.name == "same v3").unwrap();
+    let lied = lie1(&fx.f, l).unwrap().expect("the lie rewrites something");
+    let p = dir.join("lied-v3.bin");
+    std::fs::write(&p, &lied).unwrap();
+    (fx.f, p)
+}
+
+#[test]
+fn version_3_level_sets_come_from_the_root_block_alone() {
+    let dir = scratch();
+    let fx = fixtures(dir.path())
+        .into_iter()
+        .find(|f| f.name == "same v3")
+        .unwrap();
+    let p = dir.path().join("f.bin");
+    std::fs::write(&p, &fx.f).unwrap();
+    let t = Trace::open(&p).unwrap();
+    assert_eq!(t.format_version(), 3);
+    let held = t.held_levels().unwrap();
+    // The fixture's levels (L0, L1, L3, L4), and not one step block read.
+    assert_eq!(held.bits(), 0b11011);
+    assert_eq!(
+        t.blocks_read().len(),
+        1,
+        "only the root block: {:?}",
+        t.blocks_read()
+    );
+    // The same as version 2 reading its step blocks.
+    let v2 = fixtures(dir.path())
+        .into_iter()
+        .find(|f| f.name == "same")
+        .unwrap();
+    let t2 = Trace::from_bytes("v2.bin".as_ref(), v2.f).unwrap();
+    assert_eq!(t2.held_levels().unwrap(), held);
+    assert_eq!(t2.root(), t.root());
+}
+
+#[test]
+fn a_made_up_level_digest_is_refused_wherever_the_level_set_is_used() {
+    let dir = scratch();
+    // Step 0 claims L2 (which no step holds): a made-up digest and a count
+    // of 1, so the root block is well-formed and only the step digest can
+    // tell.
+    let (_, p) = v3_lie(
+        dir.path(),
+        &Lie::LevelDigest {
+            step: 0,
+            level: moeconf_fingerprint::Level::L2,
+            from: 0,
+        },
+    );
+    let t = Trace::open(&p).expect("well-formed: opens");
+    let e = t.held_levels().unwrap_err().to_string();
+    assert!(
+        e.contains("its level digests do not hash to its step digest"),
+        "{e}"
+    );
+    // The gate that needs coverage (`--required L0,L1,L2`, the lie's
+    // target) and the diff (L2 is declared by neither binding) exit 2.
+    let profile = moeconf_testkit::metamorphic::profiles()
+        .into_iter()
+        .find(|(n, _)| n.starts_with("required"))
+        .unwrap()
+        .1;
+    let c = Trace::open(&p).unwrap();
+    let r =
+        moeconf_gate::against_reference_with(&p, &c, &profile, false, moeconf_schema::Verification::OnUse);
+    assert!(
+        r.is_err(),
+        "gate answered a lying level set: {:?}",
+        r.map(|g| g.render_text())
+    );
+    let d = moeconf_bisect::diff(&t, &c, &moeconf_bisect::DiffOptions::default());
+    assert!(d.is_err(), "diff answered a lying level set");
+    // Full verification reads the step block: its levels are not the list.
+    assert!(Trace::open_verified(&p).is_err());
+}
+
+#[test]
+fn a_level_digest_taken_from_another_step_or_dropped_is_refused() {
+    let dir = scratch();
+    for l in [
+        // Another step's L3 digest under step 0.
+        Lie::LevelDigest {
+            step: 0,
+            level: moeconf_fingerprint::Level::L3,
+            from: 1,
+        },
+        // Step 2's L1 dropped (zero digest, count 0), hiding a level.
+        Lie::LevelDigest {
+            step: 2,
+            level: moeconf_fingerprint::Level::L1,
+            from: 2,
+        },
+    ] {
+        let (_, p) = v3_lie(dir.path(), &l);
+        let t = Trace::open(&p).expect("well-formed: opens");
+        assert!(t.held_levels().is_err(), "{l:?}");
+        assert!(Trace::open_verified(&p).is_err(), "{l:?}");
+    }
+}
+
+#[test]
+fn a_count_without_its_level_digest_is_refused_on_open() {
+    // The structural check: version 3 lists a digest exactly where the
+    // step declares records.
+    let dir = scratch();
+    let fx = fixtures(dir.path())
+        .into_iter()
+        .find(|f| f.name == "same v3")
+        .unwrap();
+    let mut m = Model::decode(&fx.f).unwrap();
+    m.steps[0].level_records[2] = 3;
+    m.record_count = m.claimed_total();
+    let e = Trace::from_bytes("f.bin".as_ref(), m.encode().unwrap())
+        .err()
+        .expect("refused on open")
+        .to_string();
+    assert!(
+        e.contains("level L2: 3 records declared with a zero level digest"),
+        "{e}"
+    );
 }
 
 #[test]

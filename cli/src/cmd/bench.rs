@@ -25,10 +25,11 @@ pub enum BenchCommand {
     /// against the reference run that wrote it, on the fixture; prints the
     /// ratio replay / run.
     Replay(BenchReplayArgs),
-    /// Diff cost against trace size: two fingerprint-only traces of 10^4 …
-    /// 10^6 records (10^7 with --up-to 7) differing in one record, `moeconf
-    /// diff` (a child process: time and peak RSS) against a byte comparison
-    /// of the files; and `moeconf run`'s peak RSS against the number of steps.
+    /// Diff and gate cost against trace size: two fingerprint-only traces of
+    /// 10^4 … 10^6 records (10^7 with --up-to 7) differing in one record,
+    /// `moeconf diff` and `moeconf gate` (child processes: time and peak RSS)
+    /// against a byte comparison of the files; and `moeconf run`'s peak RSS
+    /// against the number of steps.
     Scale(BenchScaleArgs),
     /// Writes one synthetic trace of `bench scale` (its child process).
     #[command(hide = true)]
@@ -65,8 +66,8 @@ pub struct BenchScaleWriteArgs {
     /// Change the middle step's `moe.combine` of layer 21.
     #[arg(long)]
     pub changed: bool,
-    /// Container format version.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    /// Container format version (the writers' default, 3, unless given).
+    #[arg(long, default_value_t = moeconf_schema::DEFAULT_FORMAT_VERSION, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub version: u32,
     /// Output trace.
     #[arg(long)]

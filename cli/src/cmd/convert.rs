@@ -1,4 +1,4 @@
-//! `moeconf convert IN -o OUT [--to 1|2]`: the same trace in another
+//! `moeconf convert IN -o OUT [--to 1|2|3]`: the same trace in another
 //! container format version (the library side is `moeconf_schema::convert`).
 
 use crate::output::check_output;
@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// Arguments of `moeconf convert`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "The root digest does not change: both versions store the same records and the same hash tree.\n\nExamples:\n  moeconf convert ref.bin -o ref-v1.bin --to 1  # for readers that only know version 1\n  moeconf convert ref-v1.bin -o ref-v2.bin      # to version 2 (nodes read on use)"
+    after_help = "The root digest does not change: every version stores the same records and the same hash tree.\n\nExamples:\n  moeconf convert ref.bin -o ref-v1.bin --to 1     # for readers that only know version 1\n  moeconf convert ref-v1.bin -o ref-v2.bin --to 2  # for readers that know versions 1 and 2\n  moeconf convert ref-v2.bin -o ref-v3.bin         # to version 3 (levels committed in the root block)"
 )]
 pub struct ConvertArgs {
     /// The trace to convert (verified in full before anything is written).
@@ -20,9 +20,10 @@ pub struct ConvertArgs {
     /// itself (by name or hard link).
     #[arg(short, long)]
     pub output: PathBuf,
-    /// Container format version to write: 2 (persisted tree nodes, the default of every writer) or
-    /// 1 (a flat index).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=2))]
+    /// Container format version to write: 3 (persisted tree nodes with each step's levels committed
+    /// in the root block, the default of every writer), 2 (persisted tree nodes: a step's levels
+    /// are read from its block) or 1 (a flat index).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub to: u32,
 }
 
@@ -42,7 +43,7 @@ pub fn run(a: &ConvertArgs) -> anyhow::Result<ExitCode> {
         s.written.payloads,
         s.root,
         if s.reordered {
-            "; records put in step order (version 2 takes them step by step)"
+            "; records put in step order (versions 2 and 3 take them step by step)"
         } else {
             ""
         }

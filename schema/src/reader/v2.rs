@@ -11,11 +11,11 @@ use crate::layout::{
 use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, LevelNode, StepNode, StepSummary};
 use crate::reader::VerifySummary;
 use crate::v2::{
-    block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block, BlockRef,
-    GroupEntry, StepRef, TrailerV2, MIN_GROUP_ENTRY_LEN, TRAILER_V2_LEN,
+    block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block, step_ref_len,
+    BlockRef, GroupEntry, RootParts, StepRef, TrailerV2, MIN_GROUP_ENTRY_LEN, TRAILER_V2_LEN,
 };
 use moeconf_fingerprint::{
-    binding_digest, group_digest, level_digest, root_digest, step_digest, Digest, Interner,
+    binding_digest, group_digest, level_digest, root_digest, step_digest, Digest, Interner, Level, LevelSet,
 };
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -50,15 +50,21 @@ pub(super) struct Store {
     flat: OnceLock<Result<Vec<IndexEntry>, Fault>>,
     /// The blocks read so far (offset, length).
     touched: Mutex<Vec<(u64, u64)>>,
+    /// Version 3: each step's level digests as the root block lists them
+    /// (empty in version 2).
+    level_digests: Vec<[Digest; 5]>,
+    /// Size of one step reference in the root block.
+    ref_len: u64,
 }
 
 /// The root block's reference to a step, from its two halves.
-fn step_ref(s: &StepSummary, block: &BlockRef) -> StepRef {
+fn step_ref(s: &StepSummary, block: &BlockRef, level_digests: Option<&[Digest; 5]>) -> StepRef {
     StepRef {
         step: s.step,
         digest: s.digest,
         level_records: s.level_records,
         block: *block,
+        level_digests: level_digests.copied(),
     }
 }
 
@@ -136,8 +142,13 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             "root block does not match its digest in the trailer (corrupted root block)".into(),
         ));
     }
-    let (summaries, blocks) = decode_root_block_split(root_bytes, root_offset)
+    let RootParts {
+        summaries,
+        blocks,
+        level_digests,
+    } = decode_root_block_split(root_bytes, root_offset, pre.version)
         .map_err(|e| fail(e.offset, format!("root block: {}", e.what)))?;
+    let ref_len = step_ref_len(pre.version);
     let max_new_tokens = header.binding.decoding.max_new_tokens;
     let (mut bases, mut regions) = (
         Vec::with_capacity(summaries.len()),
@@ -151,11 +162,24 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
     for (k, s) in summaries
         .iter()
         .zip(&blocks)
-        .map(|(s, b)| step_ref(s, b))
+        .map(|(s, b)| step_ref(s, b, None))
         .enumerate()
     {
-        let at = root_offset + 12 + k as u64 * crate::v2::STEP_REF_LEN;
+        let at = root_offset + 12 + k as u64 * ref_len;
         let what = |m: String| fail(at, format!("root block: step {}: {m}", s.step));
+        // Version 3: a level digest is listed exactly for the levels the
+        // step declares records at (which levels these are is checked
+        // against the step digest when it is used: `committed_levels`).
+        if let Some(l) = level_digests.get(k) {
+            for (code, (d, n)) in l.iter().zip(&s.level_records).enumerate() {
+                if (*d == Digest::ZERO) != (*n == 0) {
+                    return Err(what(format!(
+                        "level L{code}: {n} records declared with {} level digest",
+                        if *d == Digest::ZERO { "a zero" } else { "a" }
+                    )));
+                }
+            }
+        }
         if previous.is_some_and(|p| p >= s.step) {
             return Err(what("steps are not in strictly ascending order".into()));
         }
@@ -215,6 +239,8 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             interner: Mutex::new(Interner::new()),
             flat: OnceLock::new(),
             touched: Mutex::new(vec![(root_offset, root_len)]),
+            level_digests,
+            ref_len,
         })),
     })
 }
@@ -222,7 +248,37 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
 impl Store {
     /// The root block's reference to the `k`-th step.
     fn step(&self, t: &Trace, k: usize) -> Option<StepRef> {
-        Some(step_ref(t.summaries.get(k)?, self.blocks.get(k)?))
+        Some(step_ref(
+            t.summaries.get(k)?,
+            self.blocks.get(k)?,
+            self.level_digests.get(k),
+        ))
+    }
+
+    /// Version 3: the levels the `k`-th step holds, from the root block's
+    /// level digests once they hash to the step digest (which the root
+    /// digest commits to); `None` in version 2 (read the step block).
+    pub fn committed_levels(&self, t: &Trace, k: usize) -> Option<Result<LevelSet, Fault>> {
+        let l = self.level_digests.get(k)?;
+        let s = t.summaries.get(k)?;
+        let held: Vec<(Level, Digest)> = Level::ALL
+            .into_iter()
+            .zip(l.iter().copied())
+            .filter(|(_, d)| *d != Digest::ZERO)
+            .collect();
+        Some(if step_digest(t.alg, s.step, held.iter().copied()) == s.digest {
+            Ok(held
+                .iter()
+                .fold(LevelSet::EMPTY, |set, (level, _)| set.with(*level)))
+        } else {
+            Err(Fault::new(
+                self.root_block.offset + 12 + k as u64 * self.ref_len,
+                format!(
+                    "root block: step {}: its level digests do not hash to its step digest",
+                    s.step
+                ),
+            ))
+        })
     }
 
     /// The bytes of a block whose location has been checked against the
@@ -232,6 +288,12 @@ impl Store {
             .end()
             .and_then(|end| t.data.bytes().get(b.offset as usize..end as usize))
             .ok_or_else(|| Fault::new(b.offset, format!("{what} lies outside the file")))?;
+        self.checked(t, b, bytes, what)
+    }
+
+    /// `bytes` (the block `b`, read through the map or copied out of the
+    /// file), after checking them against their digest.
+    fn checked<'b>(&self, t: &Trace, b: BlockRef, bytes: &'b [u8], what: &str) -> Result<&'b [u8], Fault> {
         lock(&self.touched).push((b.offset, b.len));
         if block_digest(t.alg, bytes) != b.digest {
             return Err(Fault::new(
@@ -246,12 +308,23 @@ impl Store {
     /// levels and groups in canonical order with the record counts the root
     /// lists, its group blocks inside the step's part of the file, and its
     /// fingerprint digest against the root's.
-    pub fn load_step(&self, t: &Trace, k: usize) -> Result<StepNode, Fault> {
+    /// With `transient`, the block is read with a positioned read when the
+    /// trace is mapped (a node read for its levels and dropped: see
+    /// `Trace::read_transient`).
+    pub fn load_step(&self, t: &Trace, k: usize, transient: bool) -> Result<StepNode, Fault> {
         let s = self
             .step(t, k)
             .ok_or_else(|| Fault::new(0, format!("no step number {k}")))?;
         let name = format!("step {}'s block", s.step);
-        let bytes = self.block(t, s.block, &name)?;
+        let copied = if transient {
+            t.read_transient(s.block.offset, s.block.len)
+        } else {
+            None
+        };
+        let bytes = match &copied {
+            Some(c) => self.checked(t, s.block, c, &name)?,
+            None => self.block(t, s.block, &name)?,
+        };
         let at = s.block.offset;
         let fail = |m: String| Fault::new(at, format!("{name}: {m}"));
         let (step, levels) =
@@ -334,6 +407,17 @@ impl Store {
             return Err(fail(
                 "its levels do not hash to the step digest in the root block (corrupted block)".into(),
             ));
+        }
+        if let Some(listed) = &s.level_digests {
+            let mut own = [Digest::ZERO; 5];
+            for l in &nodes {
+                own[l.level.code() as usize] = l.digest;
+            }
+            if own != *listed {
+                return Err(fail(
+                    "its level digests differ from those the root block lists".into(),
+                ));
+            }
         }
         Ok(StepNode {
             step,
