@@ -65,43 +65,49 @@ fn renamed(text: &str, from: &[&Path], to: &[&Path]) -> String {
 }
 
 #[test]
-fn run_writes_version_2_and_convert_keeps_the_root_both_ways() {
+fn run_writes_version_3_and_convert_keeps_the_root_every_way() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let v2 = d.join("run.bin");
-    run(d, &v2, &[]);
-    let t2 = Trace::open_verified(&v2).unwrap();
-    assert_eq!(t2.format_version(), 2);
-    let (v1, back) = (d.join("v1.bin"), d.join("back.bin"));
-    convert(d, &v2, &v1, "1");
-    let t1 = Trace::open_verified(&v1).unwrap();
-    assert_eq!(t1.format_version(), 1);
-    assert_eq!(t1.root(), t2.root(), "the same tree in both versions");
-    assert_eq!(t1.record_count(), t2.record_count());
-    convert(d, &v1, &back, "2");
+    let v3 = d.join("run.bin");
+    run(d, &v3, &[]);
+    let t3 = Trace::open_verified(&v3).unwrap();
+    assert_eq!(t3.format_version(), 3);
+    let mut inspected = Vec::new();
+    for to in ["1", "2"] {
+        let (v, back) = (d.join(format!("v{to}.bin")), d.join(format!("back{to}.bin")));
+        convert(d, &v3, &v, to);
+        let t = Trace::open_verified(&v).unwrap();
+        assert_eq!(t.format_version().to_string(), to);
+        assert_eq!(t.root(), t3.root(), "the same tree in every version");
+        assert_eq!(t.record_count(), t3.record_count());
+        convert(d, &v, &back, "3");
+        assert_eq!(
+            std::fs::read(&back).unwrap(),
+            std::fs::read(&v3).unwrap(),
+            "3 -> {to} -> 3 gives run's file back"
+        );
+        inspected.push(v);
+    }
+    inspected.push(v3.clone());
+    // inspect says the same of every version but the version.
+    let mut js: Vec<serde_json::Value> = inspected
+        .iter()
+        .map(|p| serde_json::from_str(&stdout(&moeconf(d, &["inspect", s(p), "--format", "json"]))).unwrap())
+        .collect();
     assert_eq!(
-        std::fs::read(&back).unwrap(),
-        std::fs::read(&v2).unwrap(),
-        "2 -> 1 -> 2 gives run's file back"
+        js.iter()
+            .map(|j| j["format_version"].as_u64())
+            .collect::<Vec<_>>(),
+        [Some(1), Some(2), Some(3)]
     );
-    // inspect says the same of both but the version.
-    let i1 = stdout(&moeconf(d, &["inspect", s(&v1), "--format", "json"]));
-    let i2 = stdout(&moeconf(d, &["inspect", s(&v2), "--format", "json"]));
-    let (mut j1, mut j2): (serde_json::Value, serde_json::Value) = (
-        serde_json::from_str(&i1).unwrap(),
-        serde_json::from_str(&i2).unwrap(),
-    );
-    assert_eq!(
-        (j1["format_version"].as_u64(), j2["format_version"].as_u64()),
-        (Some(1), Some(2))
-    );
-    for j in [&mut j1, &mut j2] {
+    for j in &mut js {
         let o = j.as_object_mut().unwrap();
         for k in ["file", "file_bytes", "format_version"] {
             o.remove(k);
         }
     }
-    assert_eq!(j1, j2);
+    assert_eq!(js[0], js[2]);
+    assert_eq!(js[1], js[2]);
     // The shipped version 1 test vector converts with its pinned root.
     let vector = repo_root().join("fixtures/test-vectors/minimal-trace.bin");
     let conv = d.join("minimal-v2.bin");
@@ -171,14 +177,14 @@ fn convert_refuses_the_outputs_every_command_refuses() {
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "no temporary file left: {leftovers:?}");
-    // --to accepts 1 and 2 only.
-    let o = moeconf(d, &["convert", s(&input), "-o", s(&out), "--to", "3"]);
+    // --to accepts 1, 2 and 3 only.
+    let o = moeconf(d, &["convert", s(&input), "-o", s(&out), "--to", "4"]);
     assert_eq!(code(&o), 2);
 }
 
-/// The same divergent pair in version 1, version 2 and mixed: `diff`
-/// (text and JSON), `gate` and `explain` give identical answers, so every
-/// pinned report of a version 1 trace stays what it was.
+/// The same divergent pair in versions 1, 2, 3 and mixed: `diff` (text and
+/// JSON), `gate` and `explain` give identical answers, so every pinned
+/// report of a version 1 or 2 trace stays what it was.
 #[test]
 fn diff_gate_and_explain_answer_the_same_for_both_versions() {
     let dir = tempfile::tempdir().unwrap();
@@ -200,11 +206,24 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
             "2",
         ],
     );
+    // `run` writes version 3: r2 and c2 are its files, converted.
+    let (r3, c3) = (d.join("r3.bin"), d.join("c3.bin"));
+    std::fs::rename(&r2, &r3).unwrap();
+    std::fs::rename(&c2, &c3).unwrap();
+    convert(d, &r3, &r2, "2");
+    convert(d, &c3, &c2, "2");
     let (r1, c1) = (d.join("r1.bin"), d.join("c1.bin"));
     convert(d, &r2, &r1, "1");
     convert(d, &c2, &c1, "1");
     let v2: [&Path; 2] = [&r2, &c2];
-    for (r, c) in [(&r1, &c1), (&r1, &c2), (&r2, &c1)] {
+    for (r, c) in [
+        (&r1, &c1),
+        (&r1, &c2),
+        (&r2, &c1),
+        (&r3, &c3),
+        (&r3, &c1),
+        (&r2, &c3),
+    ] {
         let names: [&Path; 2] = [r, c];
         for args in [
             vec!["diff"],
@@ -225,15 +244,17 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
             assert_eq!(renamed(&stdout(&got), &names, &v2), stdout(&want), "{a:?}");
         }
     }
-    for (v, t) in [(&c1, &c2), (&r1, &r2)] {
+    for (v, t) in [(&c1, &c2), (&r1, &r2), (&c3, &c2), (&r3, &r2)] {
         let got = moeconf(d, &["explain", s(v), "--format", "json"]);
         let want = moeconf(d, &["explain", s(t), "--format", "json"]);
         assert_eq!(code(&got), code(&want), "{}", stderr(&got));
         assert_eq!(renamed(&stdout(&got), &[v], &[t]), stdout(&want));
     }
     // Equal traces in either version are equivalent, whatever their versions.
-    let o = moeconf(d, &["diff", s(&r1), s(&r2)]);
-    assert_eq!(code(&o), 0, "{}", stdout(&o));
+    for (a, b) in [(&r1, &r2), (&r1, &r3), (&r3, &r2)] {
+        let o = moeconf(d, &["diff", s(a), s(b)]);
+        assert_eq!(code(&o), 0, "{}", stdout(&o));
+    }
 }
 
 /// Every `.bin` under `dir` (recursively), sorted.

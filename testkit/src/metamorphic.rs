@@ -7,7 +7,9 @@
 //! with F′ written to the same file name, so that the reports need no
 //! normalizing of names; [`compare`] lists every answer of F′ that is
 //! neither F's nor an error. (`moeconf merge` takes shard partials, not
-//! traces: it has no place here. `replay` needs the reference runtime and
+//! traces: the traces a calibration partial attaches are copied byte for
+//! byte under the partial's own digests and never opened, so no fact of a
+//! trace reaches its output; it has no place here. `replay` needs the reference runtime and
 //! is driven on the binary by `tests/lies_cli.rs`.)
 
 use crate::gen::{GenOptions, TraceSpec};
