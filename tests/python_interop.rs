@@ -357,7 +357,7 @@ fn write_rust_version(
     records: &[Known],
     version: u32,
 ) -> moeconf_schema::WriteSummary {
-    let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new()).unwrap();
+    let out = moeconf_output::check_output(path, &moeconf_output::Inputs::new()).unwrap();
     let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, h, version).unwrap();
     for r in records {
         let view = TensorView {

@@ -192,7 +192,7 @@ fn write_case(case: &Value, out: &Path, version: u32) -> Result<Digest, String> 
         rs.iter().map(record).collect::<Result<Vec<_>, _>>()
     })?;
     let checked =
-        moeconf_schema::check_output(out, &moeconf_schema::Inputs::new()).map_err(|e| e.to_string())?;
+        moeconf_output::check_output(out, &moeconf_output::Inputs::new()).map_err(|e| e.to_string())?;
     let mut w = TraceWriter::create_version(&checked, Algorithm::Blake3, header, version)
         .map_err(|e| e.to_string())?;
     for (coord, level, dtype, shape, bytes, keep) in records {

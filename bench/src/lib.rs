@@ -47,14 +47,14 @@ fn step<E: std::error::Error + Send + Sync + 'static>(what: &str) -> impl FnOnce
 }
 
 /// A benchmark's temporary directory: removed when dropped, and registered
-/// as a temporary ([`moeconf_schema::output::register_temporary`]) so that
+/// as a temporary ([`moeconf_output::register_temporary`]) so that
 /// an interrupted benchmark (Ctrl-C) removes it too; a real-width
 /// checkpoint in one is gigabytes.
 pub(crate) struct Scratch(tempfile::TempDir);
 
 impl Scratch {
     fn new(dir: tempfile::TempDir) -> Scratch {
-        moeconf_schema::output::register_temporary(dir.path());
+        moeconf_output::register_temporary(dir.path());
         Scratch(dir)
     }
 
@@ -69,7 +69,7 @@ impl Drop for Scratch {
         // Removed before it is forgotten, so an interruption in between
         // still finds it registered.
         let _ = std::fs::remove_dir_all(self.0.path());
-        moeconf_schema::output::deregister_temporary(self.0.path());
+        moeconf_output::deregister_temporary(self.0.path());
     }
 }
 

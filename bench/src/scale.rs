@@ -95,7 +95,7 @@ pub fn write_synthetic(
         binding,
         ..Header::default()
     };
-    let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new())?;
+    let out = moeconf_output::check_output(path, &moeconf_output::Inputs::new())?;
     let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, version)?;
     w.set_parallel_hashing(false);
     let ops: Vec<String> = (0..SCALE_PER_LAYER as usize - NAMED.len())

@@ -5,7 +5,7 @@
 
 use moeconf_contract::{AggregationContract, EventContext};
 
-use crate::diff::Ctx;
+use crate::ctx::Ctx;
 use crate::error::BisectError;
 use crate::explain::{explain_one, ExplainError};
 use crate::explanation::CombineExplanation;

@@ -14,7 +14,7 @@
 //! Capture-only components (`moe.routed`, catalogue presence `CaptureOnly`) are never
 //! needed from the reference: the reference computes their consumers without them.
 
-use crate::diff::Ctx;
+use crate::ctx::Ctx;
 use crate::operators::{describe_input, inputs_of, producer};
 use crate::report::{CoverageLimit, NeededRecord};
 use moeconf_fingerprint::catalogue::Presence;

@@ -3,22 +3,18 @@
 //! contract.
 
 use crate::comparability::{compare_bindings, Comparability};
+use crate::ctx::Ctx;
 use crate::divergence::{Divergences, Event};
 use crate::error::BisectError;
-use crate::layerkind;
-use crate::numeric::{
-    compare_ids, compare_values, f32_values, i32_values, summarize, NumericSummary, ValueComparison,
-};
-use crate::operators::{describe_input, half_of, inputs_of, is_checkpoint, producer};
+use crate::numeric::{compare_ids, f32_values, i32_values};
+use crate::operators::{half_of, is_checkpoint};
 use crate::passed::inputs_note;
 use crate::report::*;
-use crate::storage::Rounding;
 use crate::textdiff::{compare_texts, TextComparison};
 use crate::walk::{Pair, Sides};
 use moeconf_fingerprint::catalogue::ExecKey;
-use moeconf_fingerprint::catalogue::ValueKind;
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
-use moeconf_schema::{Recomputed, Trace, TraceError, Verification};
+use moeconf_schema::{Trace, TraceError, Verification};
 use std::cell::{OnceCell, RefCell};
 use std::collections::HashMap;
 use std::path::Path;
@@ -42,35 +38,11 @@ impl Default for DiffOptions {
     }
 }
 
-/// Both sides' payloads of one record pair.
-type PayloadPair<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
-
 const EXPLAIN_L0: &str = "Tokens and text: what a user sees. Shows the first generated token that differs and how the continuations differ.";
 const EXPLAIN_L1: &str = "Logits: the score of every possible next token before one is chosen. A change here can precede (or never reach) a token change.";
 const EXPLAIN_L2: &str = "Persistent state: what each layer carries from one token to the next (KV window, compressor and indexer buffers), compared after every step.";
 const EXPLAIN_L3: &str = "Layer state: the residual streams after each half-layer (attention, then FFN) and each token's routed experts. The first mismatch brackets where the difference starts.";
 const EXPLAIN_L4: &str = "Operator outputs inside a layer. The first operator whose output differs while its inputs match is where the two executions part.";
-
-/// Both traces, the options and the compared levels: what every part of
-/// the walk reads.
-pub(crate) struct Ctx<'a> {
-    pub(crate) s: Sides<'a>,
-    pub(crate) opts: DiffOptions,
-    /// The levels both traces capture.
-    pub(crate) compared: LevelSet,
-    /// Storage-precision classification of the pairs looked at so far
-    /// (`crate::storage`).
-    pub(crate) storage: RefCell<HashMap<Pair, Option<Rounding>>>,
-    /// Whether a side stores a component coarser by convention
-    /// ((component, candidate is the coarser side) → answer; `crate::storage`).
-    pub(crate) storage_convention: RefCell<HashMap<(String, bool), bool>>,
-    /// The records each side's capture recomputed (reference, candidate).
-    pub(crate) recomputed: (Recomputed, Recomputed),
-    /// The layer kinds inferred so far, by (step, layer) ([`Ctx::layer_kinds`]).
-    pub(crate) layer_kinds: RefCell<HashMap<(u32, u32), layerkind::Kinds>>,
-    /// The records one trace alone holds ([`Ctx::one_sided`]), once computed.
-    pub(crate) one_sided: OnceCell<Vec<Pair>>,
-}
 
 fn trace_summary(t: &Trace) -> TraceSummary {
     let b = t.binding();
@@ -649,78 +621,6 @@ impl Ctx<'_> {
         }))
     }
 
-    /// The kind of the layer a record sits in (`None` for model-global records).
-    fn layer_kind_of(&self, p: Pair) -> Option<LayerKind> {
-        let e = self.s.entry(p)?;
-        let layer = e.coord.layer?;
-        self.layer_kinds(e.coord.step, layer).report()
-    }
-
-    /// The kinds of `layer` at `step` ([`layerkind::infer`], inferred once
-    /// per diff: the answer depends only on the two traces).
-    pub(crate) fn layer_kinds(&self, step: u32, layer: u32) -> layerkind::Kinds {
-        if let Some(k) = self.layer_kinds.borrow().get(&(step, layer)) {
-            return k.clone();
-        }
-        let k = layerkind::infer(&self.s, step, layer, self.compared);
-        self.layer_kinds.borrow_mut().insert((step, layer), k.clone());
-        k
-    }
-
-    /// The record reference of a pair at its own level.
-    fn rec_ref_any(&self, p: Pair) -> Option<RecordRef> {
-        let e = self.s.entry(p)?;
-        self.rec_ref(e.level, p)
-    }
-
-    fn rec_ref(&self, level: Level, p: Pair) -> Option<RecordRef> {
-        let e = self.s.entry(p)?;
-        let present = match (p.r, p.c) {
-            (Some(_), Some(_)) => "both",
-            (Some(_), None) => "reference",
-            _ => "candidate",
-        };
-        Some(RecordRef::new(level, &e.coord, present))
-    }
-
-    /// Verified payloads of both sides (`None` on a side without one).
-    fn payloads(&self, p: Pair) -> Result<PayloadPair<'_>, BisectError> {
-        let r = match p.r {
-            Some(i) => self.s.r.payload_verified(i)?,
-            None => None,
-        };
-        let c = match p.c {
-            Some(i) => self.s.c.payload_verified(i)?,
-            None => None,
-        };
-        Ok((r, c))
-    }
-
-    fn numeric(&self, p: Pair) -> Result<Option<NumericSummary>, BisectError> {
-        let (Some(ri), Some(ci)) = (p.r, p.c) else {
-            return Ok(None);
-        };
-        let (Some(rb), Some(cb)) = self.payloads(p)? else {
-            return Ok(None);
-        };
-        let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
-        Ok(summarize(re.dtype, &re.shape, rb, ce.dtype, &ce.shape, cb))
-    }
-
-    /// The single record of a model-global component at `step`.
-    fn global(&self, step: u32, component: Component) -> Option<Pair> {
-        self.s
-            .lookup_component(step, None, None, component)
-            .first()
-            .copied()
-    }
-
-    fn text_of(&self, t: &Trace, idx: Option<usize>) -> Result<Option<String>, BisectError> {
-        let Some(i) = idx else { return Ok(None) };
-        Ok(t.payload_verified(i)?
-            .map(|b| String::from_utf8_lossy(b).into_owned()))
-    }
-
     fn continuation(&self, step: u32) -> Result<(Option<String>, Option<String>), BisectError> {
         let p = self.global(step, Component::TextContinuation);
         let (r, c) = p.map(|p| (p.r, p.c)).unwrap_or((None, None));
@@ -1118,80 +1018,5 @@ impl Ctx<'_> {
             at,
         });
         Ok(rep)
-    }
-
-    /// The inputs of the operator that produces `path` at (`step`,
-    /// `layer`, `position`) and whether each matches. A missing input is
-    /// `not_captured` when its level is not compared or the trace lacks it,
-    /// `not_applicable` when the layer's kind (inferred from the records,
-    /// [`layerkind`]) has no such record, and `not_emitted` when its
-    /// operator emits only at some positions.
-    pub(crate) fn check_inputs(
-        &self,
-        step: u32,
-        layer: Option<u32>,
-        position: u32,
-        path: &str,
-    ) -> Vec<InputCheck> {
-        let mut out = Vec::new();
-        let mut kinds: Option<layerkind::Kinds> = None;
-        for spec in inputs_of(path, layer.unwrap_or(0)) {
-            let Some(s) = step.checked_sub(spec.steps_back) else {
-                continue;
-            };
-            let pos = spec.same_position.then_some(position);
-            let pairs = self
-                .s
-                .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
-            let status = if !pairs.is_empty() {
-                self.pairs_status(&pairs)
-            } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
-                // A quantization site neither execution has (both profiles
-                // are known): not an input of this operator here.
-                continue;
-            } else if !self.compared.contains(spec.level) {
-                "not_captured"
-            } else {
-                let component = producer(&spec.path);
-                let applies = match (component, spec.layer) {
-                    (Some(c), Some(l)) => kinds.get_or_insert_with(|| self.layer_kinds(s, l)).has(c),
-                    _ => None,
-                };
-                match (applies, component.map(|c| c.spec().presence)) {
-                    (Some(false), _) => "not_applicable",
-                    (_, Some(p)) if p.is_on_emit() => "not_emitted",
-                    _ => "not_captured",
-                }
-            };
-            out.push(InputCheck {
-                input: describe_input(&spec),
-                status: status.into(),
-                records: pairs.len() as u64,
-                recomputed: self.recomputed_side(&pairs),
-            });
-        }
-        out
-    }
-
-    /// How the two payloads of `p` compare, by the record's value kind
-    /// (catalogue `ValueKind`; paths outside the catalogue by dtype).
-    fn comparison(&self, p: Pair) -> Result<Option<ValueComparison>, BisectError> {
-        let (Some(ri), Some(ci)) = (p.r, p.c) else {
-            return Ok(None);
-        };
-        let (Some(rb), Some(cb)) = self.payloads(p)? else {
-            return Ok(None);
-        };
-        let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
-        let kind = match Component::parse(&re.coord.path) {
-            Some((c, _)) => c.kind(),
-            None if re.dtype.is_float() => ValueKind::Float,
-            None => ValueKind::Count,
-        };
-        Ok(compare_values(
-            kind,
-            (re.dtype, &re.shape, rb),
-            (ce.dtype, &ce.shape, cb),
-        ))
     }
 }

@@ -11,9 +11,11 @@
 //! The walk enters only steps, levels and layer groups whose digests differ
 //! (`Sides::differing_records`), and reads no payload.
 
-use crate::diff::Ctx;
+use crate::ctx::Ctx;
 use crate::error::BisectError;
+use crate::layerkind;
 use crate::operators::is_checkpoint;
+use crate::operators::{describe_input, inputs_of, producer};
 use crate::quantization::status_differs;
 use crate::report::{DivergenceKind, InputCheck};
 use crate::storage::Rounding;
@@ -161,6 +163,58 @@ impl Seen {
 }
 
 impl Ctx<'_> {
+    /// The inputs of the operator that produces `path` at (`step`,
+    /// `layer`, `position`) and whether each matches. A missing input is
+    /// `not_captured` when its level is not compared or the trace lacks it,
+    /// `not_applicable` when the layer's kind (inferred from the records,
+    /// [`layerkind`]) has no such record, and `not_emitted` when its
+    /// operator emits only at some positions.
+    pub(crate) fn check_inputs(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: u32,
+        path: &str,
+    ) -> Vec<InputCheck> {
+        let mut out = Vec::new();
+        let mut kinds: Option<layerkind::Kinds> = None;
+        for spec in inputs_of(path, layer.unwrap_or(0)) {
+            let Some(s) = step.checked_sub(spec.steps_back) else {
+                continue;
+            };
+            let pos = spec.same_position.then_some(position);
+            let pairs = self
+                .s
+                .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
+            let status = if !pairs.is_empty() {
+                self.pairs_status(&pairs)
+            } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
+                // A quantization site neither execution has (both profiles
+                // are known): not an input of this operator here.
+                continue;
+            } else if !self.compared.contains(spec.level) {
+                "not_captured"
+            } else {
+                let component = producer(&spec.path);
+                let applies = match (component, spec.layer) {
+                    (Some(c), Some(l)) => kinds.get_or_insert_with(|| self.layer_kinds(s, l)).has(c),
+                    _ => None,
+                };
+                match (applies, component.map(|c| c.spec().presence)) {
+                    (Some(false), _) => "not_applicable",
+                    (_, Some(p)) if p.is_on_emit() => "not_emitted",
+                    _ => "not_captured",
+                }
+            };
+            out.push(InputCheck {
+                input: describe_input(&spec),
+                status: status.into(),
+                records: pairs.len() as u64,
+                recomputed: self.recomputed_side(&pairs),
+            });
+        }
+        out
+    }
     /// Every differing record of `step` at the compared levels, in
     /// execution order.
     fn step_differences(&self, step: u32) -> Vec<Pair> {
@@ -408,35 +462,5 @@ impl Ctx<'_> {
             first.get_or_insert((p, checks, false));
         }
         Ok(first)
-    }
-
-    /// Every record held by one trace only at a step both traces hold, at
-    /// the compared levels, in execution order (steps one trace holds alone
-    /// are reported as `unmatched_steps`).
-    pub(crate) fn one_sided(&self) -> Vec<Pair> {
-        self.one_sided.get_or_init(|| self.find_one_sided()).clone()
-    }
-
-    /// [`Ctx::one_sided`], computed.
-    fn find_one_sided(&self) -> Vec<Pair> {
-        let mut out = Vec::new();
-        for (step, a, b) in self.s.paired_steps() {
-            // Only steps both traces hold, with different digests.
-            let Some((a, b)) = a.zip(b) else { continue };
-            if a.digest == b.digest {
-                continue;
-            }
-            for level in self.compared.iter() {
-                if self.s.level_differs(step, level) {
-                    out.extend(
-                        self.s
-                            .differing_records(step, level)
-                            .into_iter()
-                            .filter(|p| p.r.is_none() || p.c.is_none()),
-                    );
-                }
-            }
-        }
-        out
     }
 }

@@ -46,12 +46,14 @@
 //! assert_eq!(report.levels.l0.ordinal, Some(1));
 //! ```
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod bench;
 pub mod certify;
 mod comparability;
 mod contract_report;
 mod coverage;
+mod ctx;
 mod diff;
 mod divergence;
 mod error;

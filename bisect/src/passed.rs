@@ -4,19 +4,13 @@
 //! holds, and inputs a capture recomputed rather than observed (the trace's
 //! `moeconf.recomputed` provenance note, docs/format.md §5.2.1).
 
-use crate::diff::Ctx;
+use crate::ctx::{component_name, Ctx};
 use crate::report::{BeyondStorage, InputCheck, OneSided, RecordRef, StoragePrecision};
 use crate::storage::Rounding;
 use crate::walk::Pair;
-use moeconf_fingerprint::Component;
 
 /// The rounding the storage check recognises, in words.
 const R_BF16_WORDS: &str = "R_BF16 (round to nearest, ties to even)";
-
-/// The component a path belongs to, for grouping (`moe.term.*`), or the path.
-fn component_name(path: &str) -> String {
-    Component::parse(path).map_or_else(|| path.to_string(), |(c, _)| c.to_string())
-}
 
 /// What an "inputs match" rests on besides bitwise equality, in words
 /// (`None`: every input that matches matches bitwise and was observed).
@@ -183,29 +177,5 @@ impl Ctx<'_> {
         // A quantization site the other side does not have is a difference
         // of execution, reported apart (`quantized_one_sided_groups`).
         self.group_one_sided(|p| self.quantized_by(p).is_none())
-    }
-
-    /// The one-sided records `keep` selects, grouped by (component, side)
-    /// in execution order of first appearance.
-    pub(crate) fn group_one_sided(&self, keep: impl Fn(Pair) -> bool) -> Vec<OneSided> {
-        let mut out: Vec<OneSided> = Vec::new();
-        for p in self.one_sided().into_iter().filter(|&p| keep(p)) {
-            let Some(e) = self.s.entry(p) else { continue };
-            let component = component_name(&e.coord.path);
-            let side = if p.r.is_some() { "reference" } else { "candidate" };
-            match out
-                .iter_mut()
-                .find(|g| g.component == component && g.present_in == side)
-            {
-                Some(g) => g.records += 1,
-                None => out.push(OneSided {
-                    component,
-                    present_in: side.into(),
-                    records: 1,
-                    first: RecordRef::new(e.level, &e.coord, side),
-                }),
-            }
-        }
-        out
     }
 }

@@ -15,7 +15,7 @@
 //! operators' input lists. With a profile of unknown quantization (a
 //! backend's own name), a missing site stays a coverage difference.
 
-use crate::diff::Ctx;
+use crate::ctx::Ctx;
 use crate::report::OneSided;
 use crate::walk::Pair;
 use moeconf_fingerprint::catalogue::{profile_quantizes, InputSource};

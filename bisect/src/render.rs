@@ -7,7 +7,7 @@ use crate::numeric::{IdComparison, NumericSummary, ValueComparison};
 use crate::report::*;
 use crate::textdiff::{describe_summary, render_inline};
 use moeconf_fingerprint::Component;
-use moeconf_schema::escape::{multiline, text};
+use moeconf_output::escape::{multiline, text};
 use std::fmt::Write;
 
 struct Style {
@@ -327,7 +327,7 @@ impl DiffReport {
 
     /// The two traces, their binding differences and unmatched steps. File
     /// names and binding strings are written in the visible form of
-    /// [`moeconf_schema::escape::text`] (no raw newline or bidi control).
+    /// [`moeconf_output::escape::text`] (no raw newline or bidi control).
     fn render_traces(&self, o: &mut String, st: &Style) {
         for (label, t) in [("reference", &self.reference), ("candidate", &self.candidate)] {
             let _ = writeln!(

@@ -143,75 +143,8 @@ pub(crate) fn residual(
     Some((candidate_coarser, differing, r.len() as u64))
 }
 
-impl crate::diff::Ctx<'_> {
-    /// The storage-precision classification of a differing pair held by
-    /// both sides (`None`: equal, one-sided, or a real difference),
-    /// remembered per pair. Reads both payloads (verified before use).
-    pub(crate) fn storage_checked(
-        &self,
-        p: crate::walk::Pair,
-    ) -> Result<Option<Rounding>, crate::BisectError> {
-        if let Some(&known) = self.storage.borrow().get(&p) {
-            return Ok(known);
-        }
-        let found = match (p.r, p.c) {
-            (Some(ri), Some(ci)) if !self.s.pair_equal(p) => {
-                let (re, ce) = (self.s.r.record(ri), self.s.c.record(ci));
-                let rounding = match (self.s.r.payload_verified(ri)?, self.s.c.payload_verified(ci)?) {
-                    (Some(rb), Some(cb)) => classify(
-                        (re.dtype, &re.shape, rb),
-                        (ce.dtype, &ce.shape, cb),
-                        self.s.r.binding().canon.fold_negative_zero,
-                    ),
-                    _ => None,
-                };
-                match rounding {
-                    Some(r) if self.is_storage_convention(&re.coord.path, r.candidate_coarser)? => Some(r),
-                    _ => None,
-                }
-            }
-            _ => None,
-        };
-        self.storage.borrow_mut().insert(p, found);
-        Ok(found)
-    }
-
-    /// Whether storing the component of `path` coarser is a convention of
-    /// the side that is coarser here (`candidate_coarser`), not an accident
-    /// of one record: every record of the component on the coarser side
-    /// holds only bf16 values, and at most half of them do on the finer
-    /// side. Without this, a computation fault that rounds one event's
-    /// values to bf16, or a one-ulp change to an f32 value that is a bf16
-    /// value by contract, would pass as storage precision. Remembered per
-    /// (component, side); reads every payload of the component once.
-    fn is_storage_convention(&self, path: &str, candidate_coarser: bool) -> Result<bool, crate::BisectError> {
-        let component = component_key(path);
-        let key = (component.clone(), candidate_coarser);
-        if let Some(&known) = self.storage_convention.borrow().get(&key) {
-            return Ok(known);
-        }
-        let (coarse, fine) = if candidate_coarser {
-            (self.s.c, self.s.r)
-        } else {
-            (self.s.r, self.s.c)
-        };
-        let (coarse_bf16, coarse_total) = bf16_valued_records(coarse, &component)?;
-        let (fine_bf16, fine_total) = bf16_valued_records(fine, &component)?;
-        let ok = coarse_total > 0 && coarse_bf16 == coarse_total && fine_bf16 * 2 <= fine_total;
-        self.storage_convention.borrow_mut().insert(key, ok);
-        Ok(ok)
-    }
-
-    /// [`Self::storage_checked`] for input checks, which cannot fail: a
-    /// payload that fails verification is never storage precision (the
-    /// input then differs; the walk itself reports the error).
-    pub(crate) fn storage_of(&self, p: crate::walk::Pair) -> Option<Rounding> {
-        self.storage_checked(p).ok().flatten()
-    }
-}
-
 /// The component a record belongs to (a family member's prefix, `moe.term.`), or its path.
-fn component_key(path: &str) -> String {
+pub(crate) fn component_key(path: &str) -> String {
     match moeconf_fingerprint::Component::parse(path) {
         Some((c, _)) => c.path().to_string(),
         None => path.to_string(),
@@ -220,7 +153,10 @@ fn component_key(path: &str) -> String {
 
 /// How many records of `component` in `t` (with a float payload) hold only
 /// bf16 values, and how many have a float payload at all.
-fn bf16_valued_records(t: &moeconf_schema::Trace, component: &str) -> Result<(u64, u64), crate::BisectError> {
+pub(crate) fn bf16_valued_records(
+    t: &moeconf_schema::Trace,
+    component: &str,
+) -> Result<(u64, u64), crate::BisectError> {
     let (mut bf16, mut total) = (0u64, 0u64);
     // Every record of the component: the whole index (a version 2 trace
     // reads every group block once for it).

@@ -15,7 +15,7 @@
 //! deadline is a safety net that normal inputs never reach.
 
 use crate::report::{TextOp, TextPosition, TextSummary};
-use moeconf_schema::escape::multiline;
+use moeconf_output::escape::multiline;
 use similar::{ChangeTag, TextDiff};
 use std::time::{Duration, Instant};
 
@@ -162,7 +162,7 @@ fn summarize(a: &str, b: &str, prefix: usize, reason: String) -> TextSummary {
 
 /// Renders ops in `git diff --word-diff` style: `[-removed-]{+added+}`.
 /// Control characters other than newline and tab, and bidi controls, are
-/// written visibly ([`moeconf_schema::escape::multiline`]): a continuation
+/// written visibly ([`moeconf_output::escape::multiline`]): a continuation
 /// cannot send terminal escapes or reorder the report.
 pub fn render_inline(ops: &[TextOp]) -> String {
     let mut s = String::new();

@@ -152,7 +152,7 @@ impl Ctx {
         }
         let identity = model_identity(&m.name, &m.dir, ALGORITHM)?;
         let tok_path = m.dir.join("tokenizer.json");
-        let tok = moeconf_schema::input::read_input(&tok_path, "tokenizer file")
+        let tok = moeconf_output::input::read_input(&tok_path, "tokenizer file")
             .map_err(moeconf_schema::InputError::from)?;
         let tokenizer_digest = ALGORITHM.hash(&tok);
         Ok(Ctx {

@@ -70,7 +70,7 @@ pub enum CalibrateError {
     /// An output file (a table, `calibration.json`, a sweep report) cannot
     /// be written; the error names the file.
     #[error(transparent)]
-    Output(#[from] moeconf_schema::OutputError),
+    Output(#[from] moeconf_output::OutputError),
     /// The model directory could not be identified.
     #[error(transparent)]
     Input(#[from] InputError),

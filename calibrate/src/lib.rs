@@ -12,6 +12,7 @@
 //! independent and use rayon only over whole runs, so the results do not
 //! depend on the thread count.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod breadth;
 mod collect;

@@ -140,13 +140,13 @@ pub struct Section {
     pub claims: Vec<Claim>,
 }
 
-/// Writes `bytes` to `path` through `moeconf_schema::output`: the path is
+/// Writes `bytes` to `path` through `moeconf_output`: the path is
 /// checked (a regular file or nothing; no symbolic link; its directory
 /// exists), the bytes go to a temporary sibling `.NAME.moeconf-tmp.PID.RAND`
 /// (mode 0666 & !umask) that is synced and renamed over `path`, and any
 /// error removes the temporary file. The error names the file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    Ok(moeconf_schema::output::write_file(path, bytes)?)
+    Ok(moeconf_output::write_file(path, bytes)?)
 }
 
 /// `n/d` formatting of a count.

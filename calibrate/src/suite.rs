@@ -283,7 +283,7 @@ pub fn write_partial(
     info: &RunInfo,
     shard: Shard,
     run: ShardRun,
-    out: &moeconf_schema::CheckedOutput,
+    out: &moeconf_output::CheckedOutput,
 ) -> Result<()> {
     let identity = identity(ctx, info, run.groups)?;
     let files: Vec<Attachment> = run
@@ -301,7 +301,7 @@ pub fn write_partial(
 
 /// A scratch directory next to the partial result `partial`, for the files
 /// a shard's jobs write before they are attached: removed when dropped, and
-/// registered as a temporary (`moeconf_schema::output::register_temporary`)
+/// registered as a temporary (`moeconf_output::register_temporary`)
 /// so an interrupted shard (Ctrl-C) removes it too.
 pub fn scratch_dir(partial: &Path) -> Result<Scratch> {
     let dir = partial
@@ -315,7 +315,7 @@ pub fn scratch_dir(partial: &Path) -> Result<Scratch> {
             "creating a scratch directory in {}",
             dir.display()
         )))?;
-    moeconf_schema::output::register_temporary(d.path());
+    moeconf_output::register_temporary(d.path());
     Ok(Scratch(d))
 }
 
@@ -335,7 +335,7 @@ impl Drop for Scratch {
         // Removed before it is forgotten, so an interruption in between
         // still finds it registered.
         let _ = std::fs::remove_dir_all(self.0.path());
-        moeconf_schema::output::deregister_temporary(self.0.path());
+        moeconf_output::deregister_temporary(self.0.path());
     }
 }
 

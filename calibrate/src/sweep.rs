@@ -550,7 +550,7 @@ pub fn identity(args: &SweepArguments, inputs: Value, jobs: usize) -> Result<Run
 pub fn inputs(m: &LoadedModel) -> Result<Value> {
     let identity = moeconf_runner::model_identity(&m.name, &m.dir, crate::ALGORITHM)?;
     let tok_path = m.dir.join("tokenizer.json");
-    let tok = moeconf_schema::input::read_input(&tok_path, "tokenizer file")
+    let tok = moeconf_output::input::read_input(&tok_path, "tokenizer file")
         .map_err(moeconf_schema::InputError::from)?;
     Ok(crate::inputs_json(&identity, &crate::ALGORITHM.hash(&tok)))
 }

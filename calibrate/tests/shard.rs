@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
+use moeconf_output::{check_output, Inputs};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_schema::{check_output, Inputs};
 use moeconf_shard::{Merged, ProgressMode, Shard};
 
 /// Smaller than `--quick` (which the CLI test runs).

@@ -140,8 +140,8 @@ impl ModelPromptArgs {
 
     /// The files these options read (a model directory's files, the prompt
     /// file), which no output of the command may be.
-    pub fn inputs(&self) -> moeconf_schema::Inputs {
-        let mut inputs = moeconf_schema::Inputs::new();
+    pub fn inputs(&self) -> moeconf_output::Inputs {
+        let mut inputs = moeconf_output::Inputs::new();
         crate::output::add_model_inputs(&self.model, &mut inputs);
         if let Some(f) = &self.prompt_file {
             inputs.file(f, "prompt file");

@@ -21,7 +21,7 @@ fn main() -> ExitCode {
             // File names in the chain are user strings: no terminal escape or
             // bidi control from them reaches the terminal.
             let msg = format!("{err:#}");
-            eprintln!("moeconf: {}", moeconf_schema::escape::multiline(&msg));
+            eprintln!("moeconf: {}", moeconf_output::escape::multiline(&msg));
             ExitCode::from(2)
         }
     }
@@ -86,7 +86,7 @@ fn remove_temporaries_on_interrupt() {
 }
 
 /// Waits for a signal of `set` (blocked in every thread), removes the
-/// registered temporaries ([`moeconf_schema::output::remove_temporaries_and`])
+/// registered temporaries ([`moeconf_output::remove_temporaries_and`])
 /// and ends the process by the same signal with its default action, so the
 /// exit status a shell sees is unchanged (130 for Ctrl-C).
 #[cfg(unix)]
@@ -97,7 +97,7 @@ fn watch_signals(set: libc::sigset_t) {
         if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
             continue;
         }
-        moeconf_schema::output::remove_temporaries_and(|| {
+        moeconf_output::remove_temporaries_and(|| {
             // SAFETY: restores the default action of `sig` and raises it in
             // this thread, the only one that then leaves it unblocked.
             unsafe {

@@ -2,7 +2,7 @@
 //! command passes before any work starts (docs/format.md §10).
 
 use anyhow::{bail, Context};
-use moeconf_schema::{CheckedOutput, Inputs};
+use moeconf_output::{CheckedOutput, Inputs};
 use std::io::Write;
 use std::path::Path;
 
@@ -29,11 +29,11 @@ pub fn print_text(text: &str) -> anyhow::Result<()> {
 }
 
 /// Checks every output of a command against its inputs before any work
-/// (`moeconf_schema::output`: directory exists, nothing but a regular file
+/// (`moeconf_output`: directory exists, nothing but a regular file
 /// to replace, no symbolic link, no input, no output given twice) and warns
 /// on stderr about stale temporary files next to them.
 pub fn check_outputs(outputs: &[&Path], inputs: &Inputs) -> anyhow::Result<Vec<CheckedOutput>> {
-    let checked = moeconf_schema::check_outputs(outputs, inputs)?;
+    let checked = moeconf_output::check_outputs(outputs, inputs)?;
     for c in &checked {
         warn_stale(c);
     }

@@ -1,5 +1,5 @@
 //! Hostile user strings through every report format (docs/ci.md §5, the
-//! escaping rule of `moeconf_schema::escape`), end to end on the built
+//! escaping rule of `moeconf_output::escape`), end to end on the built
 //! binary: trace file names (backticks and long backtick runs, HTML tags,
 //! newlines and `\r`, pipes, `&` and quotes, bidi overrides, escape
 //! sequences), gate profile names from a policy file (NUL and `/` too) and
@@ -77,7 +77,7 @@ fn report(cwd: &Path, args: &[&str]) -> String {
     stdout(&o)
 }
 
-/// The visible form the reports give a name (the rule of `moeconf_schema::escape::text`).
+/// The visible form the reports give a name (the rule of `moeconf_output::escape::text`).
 fn visible(s: &str) -> String {
     let mut o = String::new();
     for c in s.chars() {

@@ -53,11 +53,15 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-/// Number of traces in `dir/traces` (0 if there is none yet).
+/// Number of traces in `dir/traces` that the result keeps (0 if there is
+/// none yet). Protocol 1 (replay) writes two traces per prompt there and
+/// removes them once compared, several at a time with parallel jobs: they
+/// are not counted, or a count seen before a kill could shrink after it.
 fn traces_in(dir: &Path) -> usize {
     std::fs::read_dir(dir.join("traces")).map_or(0, |r| {
         r.filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".bin"))
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".bin") && !n.starts_with("replay-"))
             .count()
     })
 }

@@ -91,7 +91,7 @@ impl Repo {
             binding,
             ..Header::default()
         };
-        let out = moeconf_schema::check_output(&path, &moeconf_schema::Inputs::new()).unwrap();
+        let out = moeconf_output::check_output(&path, &moeconf_output::Inputs::new()).unwrap();
         let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, self.version).unwrap();
         let coord = |c: Component| Coord {
             step: 0,

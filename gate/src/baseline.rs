@@ -314,7 +314,7 @@ impl Baseline {
     pub fn text(&self, path: &Path) -> Result<String, GateError> {
         let mut text = serde_json::to_string_pretty(self).map_err(|e| GateError::Output {
             file: FileKind::Baseline,
-            source: Box::new(moeconf_schema::OutputError::Io {
+            source: Box::new(moeconf_output::OutputError::Io {
                 path: path.to_path_buf(),
                 what: "encoding the baseline",
                 source: e.into(),
@@ -331,7 +331,7 @@ impl Baseline {
             source,
         };
         // A regular file only: a FIFO or device is refused by kind, never opened.
-        let file = moeconf_schema::input::open_input(path, "baseline").map_err(|e| match e.into_io() {
+        let file = moeconf_output::input::open_input(path, "baseline").map_err(|e| match e.into_io() {
             Ok(io) => named(BaselineError::Io(io)),
             Err(e) => GateError::Input(Box::new(e)),
         })?;
@@ -347,11 +347,11 @@ impl Baseline {
             kind: String,
             root: String,
         }
-        let len = moeconf_schema::input::check_input(path, "baseline").ok()?.len();
+        let len = moeconf_output::input::check_input(path, "baseline").ok()?.len();
         if len > MAX_BASELINE_BYTES {
             return None;
         }
-        let bytes = moeconf_schema::input::read_input(path, "baseline").ok()?;
+        let bytes = moeconf_output::input::read_input(path, "baseline").ok()?;
         let r: Root = serde_json::from_slice(&bytes).ok()?;
         (r.kind == "moeconf.baseline").then_some(r.root)
     }

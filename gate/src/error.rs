@@ -27,7 +27,7 @@ pub enum GateError {
     /// directory, FIFO, socket, device, or a symbolic link to one or to
     /// nothing. Never opened, so never blocked on. Boxed: large and rare.
     #[error(transparent)]
-    Input(Box<moeconf_schema::InputFileError>),
+    Input(Box<moeconf_output::InputFileError>),
     /// The policy file is not TOML of the policy's shape (syntax error,
     /// unknown key, wrong type).
     #[error("policy {}", path.display())]
@@ -130,7 +130,7 @@ pub enum GateError {
         /// What is being written.
         file: FileKind,
         /// What went wrong, naming the file (boxed: it is large and rare).
-        source: Box<moeconf_schema::OutputError>,
+        source: Box<moeconf_output::OutputError>,
     },
 }
 

@@ -24,6 +24,7 @@
 //! [`against_reference`] and [`against_baseline`] are the two entry points
 //! of `moeconf gate`; [`write_atomic`] writes its report files.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod baseline;
 mod coverage;

@@ -812,7 +812,7 @@ fn policy_file(o: &Overrides, cwd: &Path) -> Option<PathBuf> {
 /// Reads and parses a policy file.
 fn read_file(path: &Path) -> Result<RawFile, GateError> {
     // A regular file only: a FIFO or device is refused by kind, never opened.
-    let bytes = moeconf_schema::input::read_input(path, "policy file").map_err(|e| match e.into_io() {
+    let bytes = moeconf_output::input::read_input(path, "policy file").map_err(|e| match e.into_io() {
         Ok(source) => GateError::PolicyRead {
             path: path.to_path_buf(),
             source,

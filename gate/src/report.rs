@@ -12,7 +12,7 @@ use crate::policy::{Mode, Profile};
 use crate::tolerance::Minimal;
 use moeconf_bisect::{FirstDivergence, RecordRef};
 use moeconf_fingerprint::Level;
-use moeconf_schema::escape::text;
+use moeconf_output::escape::text;
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
@@ -460,7 +460,7 @@ impl GateReport {
 
     /// The human-readable report (summary line last). User strings (profile,
     /// policy, trace names, rules, notes) are written in the visible form of
-    /// [`moeconf_schema::escape::text`]: a newline or bidi control in a name
+    /// [`moeconf_output::escape::text`]: a newline or bidi control in a name
     /// cannot forge or reorder a line.
     pub fn render_text(&self) -> String {
         let mut s = format!(

@@ -10,13 +10,13 @@
 use crate::report::{GateReport, LevelResult, NearTie, RuleResult, Status};
 use std::fmt::Write;
 
-use moeconf_schema::escape::text;
+use moeconf_output::escape::text;
 /// Escapes a string for XML content and attribute values (the shared rule
-/// of [`moeconf_schema::escape::xml`]: markup as entities, characters XML 1.0
+/// of [`moeconf_output::escape::xml`]: markup as entities, characters XML 1.0
 /// forbids written visibly). User strings (trace, profile and rule names) are
 /// also given in their visible form first ([`text`]), so a newline in a name
 /// shows as `\n` instead of starting a line of a message.
-pub use moeconf_schema::escape::xml as escape;
+pub use moeconf_output::escape::xml as escape;
 
 /// One `<testcase>`.
 struct Case {

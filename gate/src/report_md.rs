@@ -2,13 +2,13 @@
 //! pull-request comment or `$GITHUB_STEP_SUMMARY` (one table, then details).
 //!
 //! Every string that is not a fixed label goes through
-//! [`moeconf_schema::escape`]: names (profile, traces, rules) as code spans
+//! [`moeconf_output::escape`]: names (profile, traces, rules) as code spans
 //! whose fence outgrows any backtick run inside, everything else as text with
 //! `&`, `<`, `>` as entities and inline markup escaped, so a hostile file or
 //! profile name can neither leave its span or cell nor carry raw HTML.
 
 use crate::report::{GateReport, Status};
-use moeconf_schema::escape::{md_code, md_text, MdContext};
+use moeconf_output::escape::{md_code, md_text, MdContext};
 
 /// Text for a table cell.
 fn cell(s: &str) -> String {

@@ -1,4 +1,4 @@
-//! Report and baseline files, written through `moeconf_schema::output`: the
+//! Report and baseline files, written through `moeconf_output`: the
 //! path is checked (a regular file or nothing, no symbolic link, no input
 //! of the command), the text goes to a temporary sibling
 //! (`.NAME.moeconf-tmp.PID.RAND`, mode 0666 & !umask) that is flushed,
@@ -7,14 +7,14 @@
 //! temporary file.
 
 use crate::error::{FileKind, GateError};
-use moeconf_schema::output::{self, CheckedOutput};
+use moeconf_output::CheckedOutput;
 use std::path::Path;
 
 /// Writes `bytes` to `path` atomically; errors name the file as `file` says.
 /// The path is checked with no known inputs: commands check their outputs
 /// against their inputs first and then use [`write_checked`].
 pub fn write_atomic(path: &Path, bytes: &[u8], file: FileKind) -> Result<(), GateError> {
-    output::write_file(path, bytes).map_err(|source| GateError::Output {
+    moeconf_output::write_file(path, bytes).map_err(|source| GateError::Output {
         file,
         source: Box::new(source),
     })
@@ -22,7 +22,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], file: FileKind) -> Result<(), Gat
 
 /// Writes `bytes` to an output already checked against the command's inputs.
 pub fn write_checked(out: &CheckedOutput, bytes: &[u8], file: FileKind) -> Result<(), GateError> {
-    output::write_checked(out, bytes).map_err(|source| GateError::Output {
+    moeconf_output::write_checked(out, bytes).map_err(|source| GateError::Output {
         file,
         source: Box::new(source),
     })

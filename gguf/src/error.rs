@@ -18,7 +18,7 @@ pub enum GgufError {
     /// or a symbolic link to one or to nothing (never opened, so never
     /// blocked on). Boxed: large and rare.
     #[error(transparent)]
-    Input(Box<moeconf_schema::InputFileError>),
+    Input(Box<moeconf_output::InputFileError>),
     /// A GGUF file is not well-formed.
     #[error("{}: byte {offset}: {message}", path.display())]
     Malformed {
@@ -61,9 +61,9 @@ pub enum GgufError {
     Identity(String),
 }
 
-impl From<moeconf_schema::InputFileError> for GgufError {
+impl From<moeconf_output::InputFileError> for GgufError {
     /// An I/O failure as [`GgufError::Io`], a file of the wrong kind as it is.
-    fn from(e: moeconf_schema::InputFileError) -> GgufError {
+    fn from(e: moeconf_output::InputFileError) -> GgufError {
         let path = e.path().to_path_buf();
         match e.into_io() {
             Ok(source) => GgufError::Io { path, source },

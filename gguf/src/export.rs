@@ -69,7 +69,7 @@ fn hex(d: &Digest) -> String {
 }
 
 fn context_length(config: &Path) -> Result<u32, GgufError> {
-    let text = moeconf_schema::input::read_input(config, "model config")?;
+    let text = moeconf_output::input::read_input(config, "model config")?;
     let v: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| GgufError::Invalid(format!("{}: invalid JSON: {e}", config.display())))?;
     Ok(match v.get("max_position_embeddings") {
@@ -92,7 +92,7 @@ impl Export {
         let tokenizer = dir.join("tokenizer.json");
         let vocab = read_tokenizer(&tokenizer, cfg.vocab_size)?;
         let raw: serde_json::Value =
-            serde_json::from_slice(&moeconf_schema::input::read_input(&config, "model config")?)
+            serde_json::from_slice(&moeconf_output::input::read_input(&config, "model config")?)
                 .map_err(|e| GgufError::Invalid(format!("{}: invalid JSON: {e}", config.display())))?;
         let id = |k: &str| {
             raw.get(k)
@@ -102,7 +102,7 @@ impl Export {
         metadata.extend(vocab.metadata(id("bos_token_id"), id("eos_token_id")));
         let ident = moeconf_schema::model_identity(name, dir, Algorithm::Blake3)
             .map_err(|e| GgufError::Identity(format!("{}: {e}", dir.display())))?;
-        let tok_bytes = moeconf_schema::input::read_input(&tokenizer, "tokenizer file")?;
+        let tok_bytes = moeconf_output::input::read_input(&tokenizer, "tokenizer file")?;
         let weights_digest = hex(&ident.weights_digest);
         metadata.push((KEY_SOURCE_CONFIG.into(), Value::Str(hex(&ident.config_digest))));
         metadata.push((KEY_SOURCE_WEIGHTS.into(), Value::Str(weights_digest.clone())));
@@ -249,9 +249,9 @@ fn summary(path: &Path, bytes: u64, e: &Export, values_verified: u64) -> ExportS
 /// a `deepseek4` GGUF of type `ty`, `general.name` = `name`, then verifies it
 /// ([`verify`]). `out` is written atomically.
 pub fn export(dir: &Path, out: &Path, ty: ExportType, name: &str) -> Result<ExportSummary, GgufError> {
-    let mut inputs = moeconf_schema::Inputs::new();
+    let mut inputs = moeconf_output::Inputs::new();
     inputs.dir_files(dir, "model file");
-    let checked = moeconf_schema::check_output(out, &inputs).map_err(|e| GgufError::Output(e.to_string()))?;
+    let checked = moeconf_output::check_output(out, &inputs).map_err(|e| GgufError::Output(e.to_string()))?;
     let e = Export::prepare(dir, ty, name)?;
     let infos: Vec<_> = e.tensors.iter().map(|p| p.info.clone()).collect();
     write_gguf_checked(&checked, &e.metadata, &infos, |i, w| e.produce(&e.tensors[i], w))?;

@@ -178,7 +178,7 @@ impl GgufFile {
             source: e,
         };
         // A regular file only: a FIFO or device is refused by kind, never opened.
-        let file = moeconf_schema::input::open_input(path, "GGUF file")?;
+        let file = moeconf_output::input::open_input(path, "GGUF file")?;
         // SAFETY: read-only mapping; the file is not expected to change while it is read (a
         // concurrent writer of moeconf replaces files by rename, which keeps this mapping valid).
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;

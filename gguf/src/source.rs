@@ -56,7 +56,7 @@ impl Checkpoint {
         paths.sort();
         let mut entries = BTreeMap::new();
         for path in paths {
-            let f = moeconf_schema::input::open_input(&path, "safetensors file")?;
+            let f = moeconf_output::input::open_input(&path, "safetensors file")?;
             // SAFETY: read-only mapping of a checkpoint that is not rewritten while exported.
             let map = unsafe { Mmap::map(&f) }.map_err(io(&path))?;
             let st = SafeTensors::deserialize(&map[..]).map_err(|e| {

@@ -16,8 +16,8 @@
 use std::io::Write;
 use std::path::Path;
 
-use moeconf_schema::output::AtomicFile;
-use moeconf_schema::CheckedOutput;
+use moeconf_output::AtomicFile;
+use moeconf_output::CheckedOutput;
 
 use crate::ggml::GgmlType;
 use crate::value::{encode_str, Value};
@@ -186,7 +186,7 @@ pub fn write_gguf<F>(
 where
     F: FnMut(usize, &mut dyn Write) -> Result<(), GgufError>,
 {
-    let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new())
+    let out = moeconf_output::check_output(path, &moeconf_output::Inputs::new())
         .map_err(|e| GgufError::Output(e.to_string()))?;
     write_gguf_checked(&out, kvs, tensors, fill)
 }

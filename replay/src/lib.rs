@@ -19,6 +19,7 @@
 //! Results never depend on the number of threads: units are independent
 //! and collected in execution order, and every reduction has a fixed order.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod bench;
 mod candidate;

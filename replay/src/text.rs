@@ -2,11 +2,11 @@
 //! the list of origins for a layer replay, the per-step table and the
 //! llama-perplexity-style summary for teacher forcing. The candidate's file
 //! name and binding strings are written in the visible form of
-//! [`moeconf_schema::escape::text`].
+//! [`moeconf_output::escape::text`].
 
 use std::fmt::Write;
 
-use moeconf_schema::escape::text;
+use moeconf_output::escape::text;
 
 use crate::report::{LayerReport, Status, UnitResult};
 use crate::teacher::TeacherReport;

@@ -16,6 +16,7 @@
 //! palette readable under the common colour-vision deficiencies (see
 //! [`scale`]), and every cell also carries its numbers in a `<title>`
 //! tooltip and in tables, so nothing is conveyed by colour alone.
+#![forbid(unsafe_code)]
 
 mod charts;
 mod diff_page;

@@ -4,8 +4,8 @@
 use std::fmt::Write;
 
 /// Escapes text for XML content and attribute values (the shared rule of
-/// [`moeconf_schema::escape::xml`], also used by the gate's JUnit report).
-pub use moeconf_schema::escape::xml as esc;
+/// [`moeconf_output::escape::xml`], also used by the gate's JUnit report).
+pub use moeconf_output::escape::xml as esc;
 
 /// A coordinate with one decimal (no `-0.0`).
 pub fn n(v: f64) -> String {

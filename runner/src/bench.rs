@@ -299,7 +299,7 @@ fn warm_page_cache(dir: &Path) -> Result<u64, RunError> {
         if path.extension().and_then(|x| x.to_str()) != Some("safetensors") {
             continue;
         }
-        let mut f = moeconf_schema::input::open_input(&path, "model file")
+        let mut f = moeconf_output::input::open_input(&path, "model file")
             .map_err(moeconf_schema::InputError::from)?;
         loop {
             let n = f

@@ -3,6 +3,7 @@
 //! selects, and the capture sink that feeds a [`TraceWriter`]. Shared by the
 //! `run`, `demo`, `sweep` and `calibrate` commands.
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod bench;
 pub mod capture_thread;

@@ -9,10 +9,10 @@
 
 use crate::error::TraceError;
 use crate::layout::Header;
-use crate::output::CheckedOutput;
 use crate::writer::{TraceWriter, WriteSummary};
 use crate::Trace;
 use moeconf_fingerprint::Digest;
+use moeconf_output::CheckedOutput;
 use std::path::Path;
 
 /// What [`convert`] did.

@@ -60,15 +60,15 @@ pub enum TraceError {
     /// flush, sync or rename failed (the temporary file is removed).
     /// (Boxed: it is large and rare, and keeps every `Result<_, TraceError>` small.)
     #[error(transparent)]
-    Output(Box<crate::output::OutputError>),
+    Output(Box<moeconf_output::OutputError>),
     /// The input is not a regular file (a directory, FIFO, socket, device,
     /// or a symbolic link to one or to nothing; see [`crate::input`]).
     #[error(transparent)]
-    Input(Box<crate::input::InputFileError>),
+    Input(Box<moeconf_output::input::InputFileError>),
 }
 
-impl From<crate::output::OutputError> for TraceError {
-    fn from(e: crate::output::OutputError) -> TraceError {
+impl From<moeconf_output::OutputError> for TraceError {
+    fn from(e: moeconf_output::OutputError) -> TraceError {
         TraceError::Output(Box::new(e))
     }
 }
@@ -76,7 +76,7 @@ impl From<crate::output::OutputError> for TraceError {
 impl TraceError {
     /// The error of opening the input trace `path`: an I/O failure keeps
     /// the reader's wording (`what`), a file of the wrong kind says what it is.
-    pub(crate) fn input(what: &'static str, e: crate::input::InputFileError) -> TraceError {
+    pub(crate) fn input(what: &'static str, e: moeconf_output::input::InputFileError) -> TraceError {
         let path = e.path().to_path_buf();
         match e.into_io() {
             Ok(source) => TraceError::Io { path, what, source },
@@ -155,7 +155,7 @@ pub enum InputError {
     /// An input (the manifest, a dump file, a model file, the tokenizer
     /// file) is not a regular file, or cannot be opened or read.
     #[error(transparent)]
-    File(#[from] crate::input::InputFileError),
+    File(#[from] moeconf_output::input::InputFileError),
 }
 
 #[cfg(feature = "checkpoint")]

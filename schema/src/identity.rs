@@ -9,7 +9,7 @@ use moeconf_fingerprint::Algorithm;
 use std::path::{Path, PathBuf};
 
 fn read(path: &Path) -> Result<Vec<u8>, InputError> {
-    Ok(crate::input::read_input(path, "model config")?)
+    Ok(moeconf_output::input::read_input(path, "model config")?)
 }
 
 /// Model identity: digest of config.json and of every tensor's raw bytes in
@@ -28,7 +28,7 @@ pub fn model_identity(name: &str, dir: &Path, alg: Algorithm) -> Result<ModelIde
         // Memory-mapped, not read: a real checkpoint is tens to hundreds of GB, and the
         // identity must not add that much anonymous memory (pages are file-backed).
         // A regular file only (a FIFO would block, a directory is no tensor file).
-        let file = crate::input::open_input(f, "model file")?;
+        let file = moeconf_output::input::open_input(f, "model file")?;
         // SAFETY: read-only mapping; the identity is computed while the model directory is
         // not being rewritten (the same assumption as the runtime's loader).
         let bytes = unsafe { memmap2::Mmap::map(&file) }

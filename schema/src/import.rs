@@ -23,8 +23,6 @@
 
 use crate::error::InputError;
 use crate::identity::model_identity;
-use crate::input::{check_input, read_input, InputFileError};
-use crate::output::{check_output, Inputs};
 use crate::TraceError;
 use crate::{
     Binding, CaptureSpec, Decoding, Header, ModelIdentity, PromptBinding, Provenance, TokenizerIdentity,
@@ -35,6 +33,8 @@ use moeconf_fingerprint::{
     bf16_to_f32, f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, Phase,
     TensorView, MAX_RANK,
 };
+use moeconf_output::input::{check_input, read_input, InputFileError};
+use moeconf_output::{check_output, Inputs};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashSet};

@@ -16,9 +16,9 @@ use moeconf_fingerprint::Level;
 use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{json, Map, Value};
 
-use crate::escape::text;
 use crate::{TensorDigest, Trace, TraceError, VerifySummary};
 use moeconf_fingerprint::RecordPath;
+use moeconf_output::escape::text;
 
 /// Version of the JSON document of [`Inspection::write_json`].
 pub const INSPECT_SCHEMA_VERSION: u32 = 1;
@@ -195,7 +195,7 @@ impl<'a> Inspection<'a> {
     }
 
     /// The binding lines; file name and binding strings in the visible form
-    /// of [`crate::escape::text`] (no raw newline or bidi control).
+    /// of [`moeconf_output::escape::text`] (no raw newline or bidi control).
     fn render_binding(&self, o: &mut dyn Write) -> io::Result<()> {
         let t = self.trace;
         let b = t.binding();

@@ -51,16 +51,13 @@ mod binding;
 mod completeness;
 pub mod convert;
 mod error;
-pub mod escape;
 #[cfg(feature = "checkpoint")]
 mod identity;
 #[cfg(feature = "checkpoint")]
 pub mod import;
-pub mod input;
 pub mod inspect;
 pub mod layout;
 pub mod nodes;
-pub mod output;
 mod reader;
 pub mod recomputed;
 mod steprefs;
@@ -75,12 +72,8 @@ pub use completeness::Completeness;
 pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
-pub use input::InputFileError;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
 pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
-pub use output::{
-    check_output, check_output_dir, check_outputs, CheckedDir, CheckedOutput, Inputs, OutputError,
-};
 pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{BatchRecord, TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};

@@ -31,7 +31,6 @@ use crate::layout::{
     align_up, check_record, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Preamble, Trailer,
     PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
-use crate::output::{check_output, AtomicFile, CheckedOutput, Inputs};
 use crate::steprefs::{self, StepRefLog};
 use crate::v2::{
     block_digest, block_hasher, checksum_v2, encode_group_block, encode_root_block_head, encode_step_block,
@@ -44,6 +43,7 @@ use moeconf_fingerprint::{
     step_digest, Algorithm, Coord, Digest, Interner, Level, Phase, RecordPath, RecordRef, RootHasher,
     TensorView,
 };
+use moeconf_output::{check_output, AtomicFile, CheckedOutput, Inputs};
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};

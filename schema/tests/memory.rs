@@ -8,10 +8,9 @@
 //! JSON value (which took ~2 KiB per tensor).
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+use moeconf_output::{check_output, Inputs};
 use moeconf_schema::inspect::{InspectOptions, Inspection};
-use moeconf_schema::{
-    check_output, weights_digest, Binding, CaptureSpec, Header, Inputs, TensorDigest, Trace, TraceWriter,
-};
+use moeconf_schema::{weights_digest, Binding, CaptureSpec, Header, TensorDigest, Trace, TraceWriter};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

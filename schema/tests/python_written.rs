@@ -44,7 +44,7 @@ fn python_written_version_2_trace_is_the_rust_writers_version_2_file() {
     assert_eq!(t.records().unwrap(), v1.records().unwrap());
     let out = tempfile::tempdir().unwrap();
     let converted = out.path().join("v2.bin");
-    let checked = moeconf_schema::check_output(&converted, &moeconf_schema::Inputs::new()).unwrap();
+    let checked = moeconf_output::check_output(&converted, &moeconf_output::Inputs::new()).unwrap();
     let s = moeconf_schema::convert::convert(&dir.join("minimal-trace.bin"), &checked, 2).unwrap();
     assert_eq!(s.root, t.root());
     assert_eq!(std::fs::read(&converted).unwrap(), std::fs::read(&v2).unwrap());

@@ -163,7 +163,7 @@ fn writer_rejects_bad_records() {
     assert_eq!(t.record_count(), 2);
 
     // Version 1 refuses the duplicate too, and takes steps in any order.
-    let out = moeconf_schema::check_output(&p, &moeconf_schema::Inputs::new()).unwrap();
+    let out = moeconf_output::check_output(&p, &moeconf_output::Inputs::new()).unwrap();
     let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header(), 1).unwrap();
     w.append(coord(1, None, "text.continuation"), Level::L0, ok, true)
         .unwrap();
@@ -183,7 +183,7 @@ fn writer_rejects_bad_records() {
 /// Copies every record of `src` (opened verified) into a new trace of
 /// `version` at `out`, as `moeconf convert` does.
 fn convert(src: &Trace, out: &std::path::Path, version: u32) -> moeconf_schema::WriteSummary {
-    let checked = moeconf_schema::check_output(out, &moeconf_schema::Inputs::new()).unwrap();
+    let checked = moeconf_output::check_output(out, &moeconf_output::Inputs::new()).unwrap();
     let header = moeconf_schema::Header {
         binding: src.binding().clone(),
         provenance: src.provenance().clone(),

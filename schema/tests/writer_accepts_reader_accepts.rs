@@ -227,7 +227,7 @@ fn case(rng: &mut Rng, dir: &Path, n: usize) -> (bool, usize, bool) {
     let h = header(rng);
     let alg = rng.pick(&[Algorithm::Blake3, Algorithm::Sha256]);
     let version = rng.pick(&[1, 2, 2]);
-    let out = moeconf_schema::check_output(&path, &moeconf_schema::Inputs::new()).unwrap();
+    let out = moeconf_output::check_output(&path, &moeconf_output::Inputs::new()).unwrap();
     let Ok(mut w) = TraceWriter::create_version(&out, alg, h.clone(), version) else {
         assert!(
             !path.exists() && leftovers(dir).is_empty(),

@@ -27,7 +27,7 @@ pub enum ShardError {
     /// or a symbolic link to one or to nothing (never opened, so never
     /// blocked on). Boxed: large and rare.
     #[error(transparent)]
-    Input(Box<moeconf_schema::InputFileError>),
+    Input(Box<moeconf_output::InputFileError>),
     /// The file does not start like a partial result file.
     #[error(
         "{}: not a moeconf partial result file (written by `moeconf sweep|calibrate --shard I/N`): {detail}",
@@ -103,9 +103,9 @@ pub enum ShardError {
         /// The other.
         b: PathBuf,
     },
-    /// Writing an output was refused (`moeconf_schema::output`).
+    /// Writing an output was refused (`moeconf_output`).
     #[error(transparent)]
-    Output(#[from] moeconf_schema::output::OutputError),
+    Output(#[from] moeconf_output::OutputError),
 }
 
 impl ShardError {
@@ -118,7 +118,7 @@ impl ShardError {
     /// The error of opening the input `path` (schema's checked open): an
     /// I/O failure in the caller's words (`what`), a file of the wrong kind
     /// (a directory, FIFO, device, or a link to one) as it is.
-    pub fn input(what: impl Into<String>) -> impl FnOnce(moeconf_schema::InputFileError) -> ShardError {
+    pub fn input(what: impl Into<String>) -> impl FnOnce(moeconf_output::InputFileError) -> ShardError {
         let what = what.into();
         move |e| {
             let path = e.path().to_path_buf();

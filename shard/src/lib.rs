@@ -11,6 +11,7 @@
 //! back in job order. It also holds the progress display of long commands
 //! ([`progress`]).
 #![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod error;
 pub mod jobs;

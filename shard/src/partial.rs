@@ -23,9 +23,9 @@ use std::io::{BufReader, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use moeconf_schema::input::open_input;
-use moeconf_schema::output::AtomicFile;
-use moeconf_schema::CheckedOutput;
+use moeconf_output::input::open_input;
+use moeconf_output::AtomicFile;
+use moeconf_output::CheckedOutput;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 

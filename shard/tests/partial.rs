@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use moeconf_schema::{check_output, Inputs};
+use moeconf_output::{check_output, Inputs};
 use moeconf_shard::{write_partial, Attachment, JobGroup, JobResult, Merged, Partial, RunIdentity, Shard};
 use serde_json::json;
 

@@ -393,7 +393,7 @@ impl TraceSpec {
     /// Writes the trace with the project's writer ([`TraceWriter`]) in its
     /// container format version.
     pub fn write(&self, path: &Path) -> std::result::Result<WriteSummary, TraceError> {
-        let out = moeconf_schema::check_output(path, &moeconf_schema::Inputs::new())?;
+        let out = moeconf_output::check_output(path, &moeconf_output::Inputs::new())?;
         let mut w = TraceWriter::create_version(&out, self.alg, self.header.clone(), self.version)?;
         w.set_parallel_hashing(false);
         for r in &self.records {

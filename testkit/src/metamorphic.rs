@@ -336,7 +336,7 @@ fn answers_counted(
                 cases.add(format!("convert --to {version}"), || {
                     let op = dir.join(format!("converted-{version}.bin"));
                     let _ = std::fs::remove_file(&op);
-                    let checked = moeconf_schema::check_output(&op, &moeconf_schema::Inputs::new())
+                    let checked = moeconf_output::check_output(&op, &moeconf_output::Inputs::new())
                         .map_err(|e| e.to_string())?;
                     let s = moeconf_schema::convert::convert(&fp, &checked, version)
                         .map_err(|e| e.to_string())?;

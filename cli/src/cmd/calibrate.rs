@@ -14,10 +14,10 @@ use crate::output::{add_model_inputs, check_output, output_dir};
 use anyhow::{bail, Context};
 use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
+use moeconf_output::{write_checked, AtomicDir};
+use moeconf_output::{CheckedDir, Inputs};
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
-use moeconf_schema::output::{write_checked, AtomicDir};
-use moeconf_schema::{CheckedDir, Inputs};
 use moeconf_shard::{ProgressMode, Shard};
 
 const EXAMPLES: &str = "Examples:
@@ -123,7 +123,7 @@ pub(crate) fn check_out_dir(option: &str, out: &Path, inputs: &Inputs) -> anyhow
             })?;
         }
     }
-    let checked = moeconf_schema::check_output_dir(out, inputs, suite::is_result_entry)?;
+    let checked = moeconf_output::check_output_dir(out, inputs, suite::is_result_entry)?;
     for t in checked.stale_temporaries() {
         eprintln!(
             "moeconf: warning: stale temporary {} next to {}: left by process {}, which no longer runs \
@@ -214,7 +214,7 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     // into place once complete: an interrupted run leaves no result.
     // Checked again with the model's files as inputs (a built-in model's
     // cache directory is known only once loaded).
-    let checked = moeconf_schema::check_output_dir(&out, &inputs, suite::is_result_entry)?;
+    let checked = moeconf_output::check_output_dir(&out, &inputs, suite::is_result_entry)?;
     let result = AtomicDir::create(&checked)?;
     output_dir("--out", &result.temp_path().join("traces"))?;
     let opts = CtxOptions {

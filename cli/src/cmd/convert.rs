@@ -2,8 +2,8 @@
 //! container format version (the library side is `moeconf_schema::convert`).
 
 use crate::output::check_output;
+use moeconf_output::Inputs;
 use moeconf_schema::inspect::human_bytes;
-use moeconf_schema::Inputs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

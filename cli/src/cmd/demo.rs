@@ -6,9 +6,9 @@ use crate::cmd::diff::{self, DiffArgs};
 use crate::output::{check_outputs, output_dir};
 use clap::Args;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
+use moeconf_output::Inputs;
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{load_model, parse_capture, prepare_run, run_prepared, CombineChoice, RunSpec};
-use moeconf_schema::Inputs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -56,7 +56,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let m = load_model("builtin:tiny-v4")?;
     let mut inputs = Inputs::new();
     inputs.dir_files(&m.dir, "model file");
-    moeconf_schema::check_outputs(&[&reference, &candidate, &html], &inputs)?;
+    moeconf_output::check_outputs(&[&reference, &candidate, &html], &inputs)?;
     let capture = parse_capture("all")?;
     let native = CombineChoice::default();
     let fork = CombineChoice {

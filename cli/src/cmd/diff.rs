@@ -9,7 +9,8 @@ use crate::output::check_output;
 use crate::output::print_json;
 use anyhow::Context;
 use moeconf_bisect::{diff, open_pair_with, DiffOptions};
-use moeconf_schema::{Inputs, Verification};
+use moeconf_output::Inputs;
+use moeconf_schema::Verification;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -140,7 +141,7 @@ pub fn run(a: &DiffArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(out) = &html {
         let page = moeconf_report::render_diff(&reference, &candidate, &report, None)?;
-        moeconf_schema::output::write_checked(out, page.as_bytes())
+        moeconf_output::write_checked(out, page.as_bytes())
             .with_context(|| format!("writing the HTML report {}", out.path().display()))?;
     }
     Ok(ExitCode::from(report.exit_code()))

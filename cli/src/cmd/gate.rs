@@ -21,7 +21,8 @@ use moeconf_gate::{
     against_baseline_with, against_reference_with, report_junit, report_md, write_checked, FileKind,
     GateError, GateReport,
 };
-use moeconf_schema::{CheckedOutput, Inputs, Trace, Verification};
+use moeconf_output::{CheckedOutput, Inputs};
+use moeconf_schema::{Trace, Verification};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -198,7 +199,7 @@ fn traces(a: &GateArgs) -> anyhow::Result<(Option<&PathBuf>, &PathBuf)> {
 }
 
 /// Checks every output (`--output`, `--junit`, the baseline `--bless`
-/// writes) before any work: see `moeconf_schema::output`. The inputs are the
+/// writes) before any work: see `moeconf_output`. The inputs are the
 /// traces, the policy file and a baseline being read.
 fn check_gate_outputs(
     a: &GateArgs,

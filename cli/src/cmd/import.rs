@@ -3,9 +3,9 @@
 
 use crate::output::check_output;
 use moeconf_fingerprint::CanonPolicy;
+use moeconf_output::Inputs;
 use moeconf_schema::import::{import, parse_payloads, ImportOptions};
 use moeconf_schema::inspect::human_bytes;
-use moeconf_schema::Inputs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use moeconf_calibrate::{suite, sweep};
-use moeconf_schema::output::{AtomicDir, AtomicFile};
-use moeconf_schema::Inputs;
+use moeconf_output::Inputs;
+use moeconf_output::{AtomicDir, AtomicFile};
 use moeconf_shard::Merged;
 
 use crate::output::{check_output, check_outputs, output_dir, print_text};

@@ -12,9 +12,9 @@
 use crate::cli::Format;
 use crate::output::{print_json, print_text};
 use anyhow::Context;
+use moeconf_output::write_checked;
 use moeconf_replay::{replay_layers, teacher_force, LayerOptions, TeacherOptions};
 use moeconf_runner::load_model;
-use moeconf_schema::output::write_checked;
 use moeconf_schema::Trace;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -107,7 +107,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     if a.top_k == 0 {
         anyhow::bail!("--top-k 0: expected at least 1");
     }
-    let mut inputs = moeconf_schema::Inputs::new();
+    let mut inputs = moeconf_output::Inputs::new();
     inputs.file(&a.candidate, "candidate trace");
     if let Some(m) = &a.model {
         crate::output::add_model_inputs(m, &mut inputs);

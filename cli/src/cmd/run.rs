@@ -127,7 +127,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     let m = load_model(&a.input.model)?;
     // A built-in model's files are known once it is materialized.
     inputs.dir_files(&m.dir, "model file");
-    moeconf_schema::check_output(&a.output, &inputs)?;
+    moeconf_output::check_output(&a.output, &inputs)?;
     let spec = RunSpec {
         prompt: &prompt,
         max_new_tokens: a.max_new_tokens,

@@ -25,10 +25,10 @@ use moeconf_shard::{JobResult, Progress, ProgressMode, Shard};
 
 use crate::cli::{Format, ModelPromptArgs};
 use crate::output::print_text;
+use moeconf_output::write_all_checked;
+use moeconf_output::CheckedOutput;
 use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
 use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
-use moeconf_schema::output::write_all_checked;
-use moeconf_schema::CheckedOutput;
 
 const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 2
@@ -164,12 +164,12 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let output = a
         .output
         .as_ref()
-        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .map(|o| moeconf_output::check_output(o, &inputs))
         .transpose()?;
     let html = a
         .html
         .as_ref()
-        .map(|o| moeconf_schema::check_output(o, &inputs))
+        .map(|o| moeconf_output::check_output(o, &inputs))
         .transpose()?;
     let cfg = m.model.config();
     let k = cfg.experts_per_tok;

@@ -316,8 +316,8 @@ impl Trace {
     /// trace is read lazily: see the module documentation.
     pub fn open(path: &Path) -> Result<Trace, TraceError> {
         // A regular file only: never a FIFO or device (docs/format.md §7).
-        let file =
-            crate::input::open_input(path, "trace").map_err(|e| TraceError::input("opening trace", e))?;
+        let file = moeconf_output::input::open_input(path, "trace")
+            .map_err(|e| TraceError::input("opening trace", e))?;
         let len = file
             .metadata()
             .map_err(|e| TraceError::io(path, "reading trace metadata", e))?
@@ -369,7 +369,7 @@ impl Trace {
             return false;
         }
         let mut pre = [0u8; 12];
-        let Ok(mut f) = crate::input::open_input(path, "trace") else {
+        let Ok(mut f) = moeconf_output::input::open_input(path, "trace") else {
             return false;
         };
         f.read_exact(&mut pre)

@@ -1,9 +1,9 @@
 //! A small trace with every kind of record, shared by the schema tests.
 
 use moeconf_fingerprint::{Algorithm, Coord, DType, Level, Phase, TensorView};
+use moeconf_output::{check_output, Inputs};
 use moeconf_schema::{
-    check_output, Binding, CaptureSpec, Decoding, Header, Inputs, PromptBinding, Provenance, TraceWriter,
-    WriteSummary,
+    Binding, CaptureSpec, Decoding, Header, PromptBinding, Provenance, TraceWriter, WriteSummary,
 };
 use std::path::Path;
 

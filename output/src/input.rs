@@ -16,10 +16,10 @@
 //!   block the open, and then checks the opened handle's own metadata
 //!   (`fstat`): what is read is what was checked.
 //!
-//! The kinds are named as for outputs ([`crate::output`]): `a directory`,
+//! The kinds are named as for outputs ([`crate`]): `a directory`,
 //! `a FIFO (named pipe)`, `a socket`, `a character device`, `a block device`.
 
-use crate::output::kind_of;
+use crate::kind_of;
 use std::fs::{File, Metadata, OpenOptions};
 use std::io::Read;
 use std::path::{Path, PathBuf};

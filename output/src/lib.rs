@@ -1,5 +1,10 @@
-//! Safe outputs: the one way moeconf writes a file (traces, reports,
-//! baselines, tables), with the guarantees of docs/format.md §10.
+//! Safe files: the one way moeconf writes a file (traces, reports,
+//! baselines, tables), with the guarantees of docs/format.md §10, and the
+//! one way it opens a file it reads ([`input`]: regular files only, §7).
+//! [`escape`] makes user strings safe in every report format. A floor-1
+//! crate of its own: the trace format (`moeconf-schema`), the
+//! shard partials, GGUF export and the fixtures all write through it, and
+//! none of them needs the others for it.
 //!
 //! * **Checked before work starts.** [`check_output`] (and
 //!   [`check_outputs`] for a command's whole set) refuses an output whose
@@ -32,12 +37,18 @@
 //!   run ([`CheckedOutput::stale_temporaries`]), including those of the
 //!   older `.NAME.tmp-PID-N` pattern; `moeconf` warns about them and leaves
 //!   them alone.
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
 
 use std::fs::{File, Metadata, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+
+pub mod escape;
+pub mod input;
+pub use input::InputFileError;
 
 /// The marker between the output's name and the process id in a temporary
 /// file's name: `.NAME.moeconf-tmp.PID.RAND`.
@@ -304,7 +315,7 @@ fn dir_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// What a non-regular file is, for messages (also of inputs: [`crate::input`]).
+/// What a non-regular file is, for messages (also of inputs: [`input`]).
 pub(crate) fn kind_of(meta: &Metadata) -> &'static str {
     let t = meta.file_type();
     if t.is_dir() {
