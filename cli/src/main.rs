@@ -3,6 +3,7 @@
 //! Exit codes follow diff(1)/cmp(1): 0 equivalent / success, 1 divergence
 //! found, 2 error (usage, I/O, malformed input).
 
+mod args;
 mod cli;
 mod cmd;
 mod output;

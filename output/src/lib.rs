@@ -980,6 +980,20 @@ pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
     write_checked(&check_output(path, &Inputs::new())?, bytes)
 }
 
+/// An error and its sources joined by ": ", for a message that embeds a
+/// nested error (whose I/O reason, for instance, is its source, not its
+/// text).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -381,7 +381,7 @@ fn write_batches(
             })
             .collect();
         if let Err(e) = writer.append_batch(records) {
-            let message = crate::error_chain(&e);
+            let message = moeconf_output::error_chain(&e);
             match failure.message.lock() {
                 Ok(mut f) => *f = Some(message),
                 Err(p) => *p.into_inner() = Some(message),
@@ -437,8 +437,10 @@ mod tests {
         };
         model
             .generate(&[1, 2, 3, 4, 5], &opts, &mut sink as &mut dyn CaptureSink)
-            .map_err(|e| crate::error_chain(&e))?;
-        sink.finish().map(|_| ()).map_err(|e| crate::error_chain(&e))
+            .map_err(|e| moeconf_output::error_chain(&e))?;
+        sink.finish()
+            .map(|_| ())
+            .map_err(|e| moeconf_output::error_chain(&e))
     }
 
     #[test]

@@ -186,23 +186,10 @@ impl CaptureSink for TraceSink {
             SinkWriter::Here(w) => w
                 .append(coord, level, tensor, keep)
                 .map(|_| ())
-                .map_err(|e| CaptureError::new(error_chain(&e))),
+                .map_err(|e| CaptureError::new(moeconf_output::error_chain(&e))),
             SinkWriter::Thread(t) => t.append(coord, level, tensor, keep).map_err(CaptureError::new),
         }
     }
-}
-
-/// An error and its sources joined by ": " (the capture error carries text
-/// only, and a trace error's I/O reason is its source, not its text).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 /// The MoE combine a run of `precision` uses when the user names none:

@@ -366,8 +366,13 @@ fn binding_from(
 ) -> Result<Binding, InputError> {
     let base = manifest.parent().unwrap_or(Path::new("."));
     let model = match (&m.model.dir, &m.model.config_digest, &m.model.weights_digest) {
-        (Some(dir), None, None) => model_identity(&m.model.name, &resolve(base, dir), alg)
-            .map_err(|e| invalid(format!("{}: model.dir: {}", manifest.display(), error_chain(&e))))?,
+        (Some(dir), None, None) => model_identity(&m.model.name, &resolve(base, dir), alg).map_err(|e| {
+            invalid(format!(
+                "{}: model.dir: {}",
+                manifest.display(),
+                moeconf_output::error_chain(&e)
+            ))
+        })?,
         (None, Some(c), Some(w)) => ModelIdentity {
             name: m.model.name.clone(),
             config_digest: parse_digest(c, "model.config_digest", manifest)?,
@@ -633,19 +638,6 @@ fn import_inputs(a: &ImportOptions, m: &Manifest, manifest: &Path) -> Inputs {
 /// An invalid-input error.
 fn invalid(message: String) -> InputError {
     InputError::Invalid(message)
-}
-
-/// An error and its sources joined by ": " (for messages that embed a
-/// nested error).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use moeconf_output::{write_checked, AtomicDir};
 use moeconf_output::{CheckedDir, Inputs};
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::load_model;
-use moeconf_shard::{ProgressMode, Shard};
+use moeconf_shard::ProgressMode;
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
@@ -71,18 +71,9 @@ pub struct CalibrateArgs {
     /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
     #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_NEW_TOKENS as i64))]
     pub tokens: Option<u32>,
-    /// Run only shard I of N (0-based: 0/N .. N-1/N) of the suite's independent jobs (every
-    /// protocol's runs, in order; job j belongs to shard j mod N) and write their partial result
-    /// to --out FILE; `moeconf merge` combines the partials of every shard into exactly the
-    /// unsharded outputs (docs/scale.md).
-    #[arg(long, value_name = "I/N")]
-    pub shard: Option<Shard>,
-    /// No progress on stderr (a bar when stderr and stdout are terminals, else lines).
-    #[arg(long, short = 'q')]
-    pub quiet: bool,
-    /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    /// Shards (the suite's jobs: every protocol's runs, in order), threads, progress.
+    #[command(flatten)]
+    pub jobs: crate::args::JobArgs,
 }
 
 impl CalibrateArgs {
@@ -142,20 +133,20 @@ const DEFAULT_OUT: &str = "moeconf-calibration";
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
-    super::set_threads(a.threads)?;
+    super::set_threads(a.jobs.threads)?;
     let precision = super::precision(&a.precision)?;
     suite::check_selection(&a.only)?;
     let sizes = a.sizes()?;
     let mut inputs = Inputs::new();
     add_model_inputs(&a.model, &mut inputs);
-    let out = match (&a.out, a.shard) {
+    let out = match (&a.out, a.jobs.shard) {
         (Some(o), _) => o.clone(),
         (None, None) => PathBuf::from(DEFAULT_OUT),
         (None, Some(_)) => {
             bail!("--shard needs --out FILE: the partial result file that `moeconf merge` reads")
         }
     };
-    if a.shard.is_some() {
+    if a.jobs.shard.is_some() {
         check_output(&out, &inputs)?;
     } else {
         check_out_dir("--out", &out, &inputs)?;
@@ -172,7 +163,7 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
             layers.saturating_sub(1)
         );
     }
-    let progress = ProgressMode::detect(a.quiet);
+    let progress = ProgressMode::detect(a.jobs.quiet);
     let info = |k: usize| RunInfo {
         model: a.model.clone(),
         precision: precision.name().into(),
@@ -182,7 +173,7 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
         only: suite::normalize_selection(&a.only),
         experts_per_tok: k,
     };
-    if let Some(shard) = a.shard {
+    if let Some(shard) = a.jobs.shard {
         let partial = check_output(&out, &inputs)?;
         // The traces of this shard's jobs go to a scratch directory next to
         // the partial, attached to it, and removed.

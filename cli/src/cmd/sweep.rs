@@ -99,18 +99,9 @@ pub struct SweepArgs {
     /// Basins listed per scheme in the text report.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
-    /// Run only shard I of N (0-based: 0/N .. N-1/N) of the sweep's jobs (the native reference,
-    /// then every branch; job j belongs to shard j mod N) and write their partial result to -o
-    /// FILE; `moeconf merge` combines the partials of every shard into exactly the unsharded
-    /// outputs (docs/scale.md).
-    #[arg(long, value_name = "I/N")]
-    pub shard: Option<Shard>,
-    /// No progress on stderr (a bar when stderr and stdout are terminals, else a line per 10 %).
-    #[arg(long, short = 'q')]
-    pub quiet: bool,
-    /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    /// Shards (the sweep's jobs: the native reference, then every branch), threads, progress.
+    #[command(flatten)]
+    pub jobs: crate::args::JobArgs,
 }
 
 /// Writes the JSON report to `-o FILE` and the HTML page to `--html FILE`
@@ -135,8 +126,8 @@ pub(crate) fn write_outputs(
 
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
-    super::set_threads(a.threads)?;
-    if a.shard.is_some() {
+    super::set_threads(a.jobs.threads)?;
+    if a.jobs.shard.is_some() {
         if a.html.is_some() {
             bail!(
                 "--html with --shard: the HTML report is written by `moeconf merge PARTIAL... --html FILE`"
@@ -219,9 +210,10 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         },
         top: a.top,
     };
-    let shard = a.shard.unwrap_or(Shard::WHOLE);
+    let shard = a.jobs.shard.unwrap_or(Shard::WHOLE);
     // The inputs' digests (every weight hashed) only for a partial result.
     let run_inputs = a
+        .jobs
         .shard
         .is_some()
         .then(|| moeconf_calibrate::sweep::inputs(&m))
@@ -238,10 +230,15 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let t = std::time::Instant::now();
     let jobs = SweepJobs::prepare(&m.model, &prompt_ids, &schemes, &opts)?;
     let mine: Vec<usize> = shard.jobs(jobs.count()).collect();
-    let progress = Progress::new(ProgressMode::detect(a.quiet), "sweep", "branches", mine.len());
+    let progress = Progress::new(
+        ProgressMode::detect(a.jobs.quiet),
+        "sweep",
+        "branches",
+        mine.len(),
+    );
     let results = run_jobs(&jobs, &mine, &m.tokenizer, &progress)?;
     progress.finish();
-    if !a.quiet {
+    if !a.jobs.quiet {
         eprintln!(
             "{}",
             finish_message(mine.len(), jobs.count(), shard, t.elapsed().as_secs_f64())
