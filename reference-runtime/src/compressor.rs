@@ -61,29 +61,6 @@ impl CompressorWeights {
     }
 }
 
-/// Processes one token's normalised attention input `a`; returns the entry
-/// emitted if this token closed a window (it is also appended to the state).
-pub fn compressor_step(
-    cw: &CompressorWeights,
-    st: &mut CompressorState,
-    a: &[f32],
-    rope: &RopeFreqs,
-    eps: f32,
-    p: Precision,
-) -> Option<Vec<f32>> {
-    compressor_step_with(
-        cw,
-        st,
-        a,
-        rope,
-        eps,
-        p,
-        CompressorFaults::default(),
-        StoreQuant::None,
-    )
-    .map(|e| e.entry)
-}
-
 /// How an emitted entry is quantized before it is stored (the official
 /// profile's sites Q4 and Q5, crate::official; `None` elsewhere).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,8 +91,9 @@ pub(crate) struct Emitted {
     pub stored: Option<Vec<f32>>,
 }
 
-/// [`compressor_step`] with the calibration faults of `fx` (none by
-/// default): the pooling sums' order and accumulator, the carried overlap
+/// Processes one token's normalised attention input `a`; returns the entry
+/// emitted if this token closed a window (it is also appended to the
+/// state). With the calibration faults of `fx` (none by default): the pooling sums' order and accumulator, the carried overlap
 /// ignored or saved without its position bias, buffered rows or the stored
 /// entry kept with fewer mantissa bits. The returned entry is the one
 /// computed; the state stores it, or its quantization by `store` (with

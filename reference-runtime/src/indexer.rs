@@ -67,20 +67,6 @@ impl IndexerWeights {
     }
 }
 
-/// Scores every emitted indexer entry for the current token.
-pub fn indexer_scores(
-    iw: &IndexerWeights,
-    st: &CompressorState,
-    q_lat: &[f32],
-    a: &[f32],
-    cs: &CosSin,
-    heads: usize,
-    p: Precision,
-) -> Vec<f32> {
-    let q = indexer_queries(iw, q_lat, None, cs, heads, st.dim, p);
-    indexer_scores_from(iw, st, &q, a, heads, p, false)
-}
-
 /// The indexer queries `q^I = rope(round(W^I_qb · q_lat))`, per head (`[H_I·d_I]`);
 /// in the official profile `q_lat_q` is site Q2 (the quantized `q_lat`), read
 /// by a quantized `W^I_qb`.

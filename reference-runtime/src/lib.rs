@@ -5,10 +5,10 @@
 #![deny(missing_docs)]
 
 pub mod actquant;
-pub mod attention;
+mod attention;
 pub mod bench;
 pub mod capture;
-pub mod compressor;
+mod compressor;
 pub mod config;
 mod context;
 pub mod error;
@@ -17,19 +17,19 @@ pub mod files;
 pub mod fork;
 pub mod generate;
 pub mod head;
-pub mod indexer;
+mod indexer;
 pub mod kernels;
 pub mod linear;
 pub mod mhc;
 pub mod model;
-pub mod moe;
+mod moe;
 pub mod official;
 pub mod precision;
-pub mod quant;
+mod quant;
 pub mod replay;
-pub mod rmsnorm;
-pub mod rope;
-pub mod router;
+mod rmsnorm;
+mod rope;
+mod router;
 pub mod state;
 pub mod tokenizer;
 pub mod weights;

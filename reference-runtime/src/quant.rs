@@ -83,9 +83,11 @@ pub const E4M3: [f32; 256] = e4m3_table();
 pub const E2M1_PAIRS: [[f32; 2]; 256] = e2m1_pair_table();
 
 /// Largest finite E4M3 magnitude (`0x7E` = 1.75 · 2^8).
+#[cfg(test)]
 pub const E4M3_MAX: f32 = 448.0;
 
 /// Largest E2M1 magnitude (`0x7` = 1.5 · 2^2).
+#[cfg(test)]
 pub const E2M1_MAX: f32 = 6.0;
 
 /// Decodes one E4M3 code (`0x7F`/`0xFF` give NaN).
@@ -102,6 +104,7 @@ pub fn e4m3_is_nan(code: u8) -> bool {
 
 /// Decodes one E2M1 code (the low 4 bits of `code`).
 #[inline]
+#[cfg(test)]
 pub fn e2m1_to_f32(code: u8) -> f32 {
     f32::from_bits(e2m1_bits(code))
 }

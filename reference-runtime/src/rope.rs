@@ -48,11 +48,6 @@ impl RopeFreqs {
         }
     }
 
-    /// The inverse frequencies.
-    pub fn inv_freq(&self) -> &[f32] {
-        &self.inv_freq
-    }
-
     /// cos/sin of position `t`, rounded to the activation dtype.
     pub fn cos_sin(&self, t: u32, p: Precision) -> CosSin {
         let tf = t as f32;

@@ -83,12 +83,8 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
-/// Routes one token (`token` is needed by hash layers).
-pub fn route(rw: &RouterWeights, f: &[f32], token: u32, cfg: &ModelConfig, p: Precision) -> Routing {
-    route_with(rw, f, token, cfg, p, false, RouterFaults::default())
-}
-
-/// [`route`] with calibration faults: selection ranks k and k+1 swapped on
+/// Routes one token (`token` is needed by hash layers), with calibration
+/// faults: selection ranks k and k+1 swapped on
 /// moe layers (`near_tie_flip`, [`crate::faults::FaultKind::RouterNearTieFlip`])
 /// and the other router faults of `fx`.
 pub(crate) fn route_with(
