@@ -142,12 +142,16 @@ fn any_f32_special(words: &[u32]) -> bool {
     any_f32_special_portable(words)
 }
 
+/// # Safety
+/// The CPU must support AVX-512F (the caller checks).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn any_f32_special_avx512(words: &[u32]) -> bool {
     any_f32_special_portable(words)
 }
 
+/// # Safety
+/// The CPU must support AVX2 (the caller checks).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn any_f32_special_avx2(words: &[u32]) -> bool {

@@ -155,6 +155,9 @@ pub(crate) fn available() -> bool {
 }
 
 /// [`digests`] with the AVX2 kernel.
+///
+/// # Safety
+/// The CPU must support AVX2 ([`digests`] checks before calling).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn digests_avx2(messages: &[Message<'_>]) -> Vec<[u8; 32]> {
@@ -165,6 +168,9 @@ unsafe fn digests_avx2(messages: &[Message<'_>]) -> Vec<[u8; 32]> {
 }
 
 /// [`digests`] with the AVX2 kernel using AVX-512VL's 256-bit rotates.
+///
+/// # Safety
+/// The CPU must support AVX2, AVX-512F and AVX-512VL ([`digests`] checks before calling).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512f,avx512vl")]
 unsafe fn digests_avx512vl(messages: &[Message<'_>]) -> Vec<[u8; 32]> {
@@ -438,37 +444,46 @@ mod avx2 {
     use super::{BLOCK, IV, LANES, SCHEDULE, V};
     use std::arch::x86_64::*;
 
+    /// # Safety
+    /// The CPU must support AVX2, and AVX-512F and AVX-512VL when `VL` (only called from the
+    /// kernels compiled with them).
     #[inline(always)]
     unsafe fn rot<const N: i32, const VL: bool>(x: __m256i) -> __m256i {
-        if VL {
-            match N {
-                16 => _mm256_ror_epi32::<16>(x),
-                12 => _mm256_ror_epi32::<12>(x),
-                8 => _mm256_ror_epi32::<8>(x),
-                _ => _mm256_ror_epi32::<7>(x),
-            }
-        } else {
-            match N {
-                16 => _mm256_shuffle_epi8(
-                    x,
-                    _mm256_setr_epi8(
-                        2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11,
-                        8, 9, 14, 15, 12, 13,
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            if VL {
+                match N {
+                    16 => _mm256_ror_epi32::<16>(x),
+                    12 => _mm256_ror_epi32::<12>(x),
+                    8 => _mm256_ror_epi32::<8>(x),
+                    _ => _mm256_ror_epi32::<7>(x),
+                }
+            } else {
+                match N {
+                    16 => _mm256_shuffle_epi8(
+                        x,
+                        _mm256_setr_epi8(
+                            2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13, 2, 3, 0, 1, 6, 7, 4, 5, 10,
+                            11, 8, 9, 14, 15, 12, 13,
+                        ),
                     ),
-                ),
-                8 => _mm256_shuffle_epi8(
-                    x,
-                    _mm256_setr_epi8(
-                        1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12, 1, 2, 3, 0, 5, 6, 7, 4, 9, 10,
-                        11, 8, 13, 14, 15, 12,
+                    8 => _mm256_shuffle_epi8(
+                        x,
+                        _mm256_setr_epi8(
+                            1, 2, 3, 0, 5, 6, 7, 4, 9, 10, 11, 8, 13, 14, 15, 12, 1, 2, 3, 0, 5, 6, 7, 4, 9,
+                            10, 11, 8, 13, 14, 15, 12,
+                        ),
                     ),
-                ),
-                12 => _mm256_or_si256(_mm256_srli_epi32::<12>(x), _mm256_slli_epi32::<20>(x)),
-                _ => _mm256_or_si256(_mm256_srli_epi32::<7>(x), _mm256_slli_epi32::<25>(x)),
+                    12 => _mm256_or_si256(_mm256_srli_epi32::<12>(x), _mm256_slli_epi32::<20>(x)),
+                    _ => _mm256_or_si256(_mm256_srli_epi32::<7>(x), _mm256_slli_epi32::<25>(x)),
+                }
             }
         }
     }
 
+    /// # Safety
+    /// The CPU must support AVX2, and AVX-512F and AVX-512VL when `VL`; `a`, `b`, `c`, `d` index
+    /// `s`.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn g<const VL: bool>(
@@ -480,52 +495,63 @@ mod avx2 {
         x: __m256i,
         y: __m256i,
     ) {
-        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), x);
-        s[d] = rot::<16, VL>(_mm256_xor_si256(s[d], s[a]));
-        s[c] = _mm256_add_epi32(s[c], s[d]);
-        s[b] = rot::<12, VL>(_mm256_xor_si256(s[b], s[c]));
-        s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), y);
-        s[d] = rot::<8, VL>(_mm256_xor_si256(s[d], s[a]));
-        s[c] = _mm256_add_epi32(s[c], s[d]);
-        s[b] = rot::<7, VL>(_mm256_xor_si256(s[b], s[c]));
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), x);
+            s[d] = rot::<16, VL>(_mm256_xor_si256(s[d], s[a]));
+            s[c] = _mm256_add_epi32(s[c], s[d]);
+            s[b] = rot::<12, VL>(_mm256_xor_si256(s[b], s[c]));
+            s[a] = _mm256_add_epi32(_mm256_add_epi32(s[a], s[b]), y);
+            s[d] = rot::<8, VL>(_mm256_xor_si256(s[d], s[a]));
+            s[c] = _mm256_add_epi32(s[c], s[d]);
+            s[b] = rot::<7, VL>(_mm256_xor_si256(s[b], s[c]));
+        }
     }
 
     /// Words `8 * half .. 8 * half + 8` of the eight blocks, one vector
     /// per word (an 8 x 8 transpose of 32-bit values).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `half` is 0 or 1.
     #[inline(always)]
     unsafe fn transpose(blocks: &[&[u8; BLOCK]; LANES], half: usize) -> [__m256i; 8] {
-        // SAFETY (loads): each block is 64 bytes; `half` is 0 or 1.
-        let r: [__m256i; 8] = std::array::from_fn(|l| unsafe {
-            _mm256_loadu_si256(blocks[l].as_ptr().add(32 * half) as *const __m256i)
-        });
-        let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
-        let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-        let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
-        let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-        let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
-        let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-        let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
-        let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-        let u0 = _mm256_unpacklo_epi64(t0, t2);
-        let u1 = _mm256_unpackhi_epi64(t0, t2);
-        let u2 = _mm256_unpacklo_epi64(t1, t3);
-        let u3 = _mm256_unpackhi_epi64(t1, t3);
-        let u4 = _mm256_unpacklo_epi64(t4, t6);
-        let u5 = _mm256_unpackhi_epi64(t4, t6);
-        let u6 = _mm256_unpacklo_epi64(t5, t7);
-        let u7 = _mm256_unpackhi_epi64(t5, t7);
-        [
-            _mm256_permute2x128_si256::<0x20>(u0, u4),
-            _mm256_permute2x128_si256::<0x20>(u1, u5),
-            _mm256_permute2x128_si256::<0x20>(u2, u6),
-            _mm256_permute2x128_si256::<0x20>(u3, u7),
-            _mm256_permute2x128_si256::<0x31>(u0, u4),
-            _mm256_permute2x128_si256::<0x31>(u1, u5),
-            _mm256_permute2x128_si256::<0x31>(u2, u6),
-            _mm256_permute2x128_si256::<0x31>(u3, u7),
-        ]
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            // SAFETY (loads): each block is 64 bytes; `half` is 0 or 1.
+            let r: [__m256i; 8] = std::array::from_fn(|l| {
+                _mm256_loadu_si256(blocks[l].as_ptr().add(32 * half) as *const __m256i)
+            });
+            let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+            let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+            let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+            let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+            let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
+            let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+            let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
+            let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+            let u0 = _mm256_unpacklo_epi64(t0, t2);
+            let u1 = _mm256_unpackhi_epi64(t0, t2);
+            let u2 = _mm256_unpacklo_epi64(t1, t3);
+            let u3 = _mm256_unpackhi_epi64(t1, t3);
+            let u4 = _mm256_unpacklo_epi64(t4, t6);
+            let u5 = _mm256_unpackhi_epi64(t4, t6);
+            let u6 = _mm256_unpacklo_epi64(t5, t7);
+            let u7 = _mm256_unpackhi_epi64(t5, t7);
+            [
+                _mm256_permute2x128_si256::<0x20>(u0, u4),
+                _mm256_permute2x128_si256::<0x20>(u1, u5),
+                _mm256_permute2x128_si256::<0x20>(u2, u6),
+                _mm256_permute2x128_si256::<0x20>(u3, u7),
+                _mm256_permute2x128_si256::<0x31>(u0, u4),
+                _mm256_permute2x128_si256::<0x31>(u1, u5),
+                _mm256_permute2x128_si256::<0x31>(u2, u6),
+                _mm256_permute2x128_si256::<0x31>(u3, u7),
+            ]
+        }
     }
 
+    /// # Safety
+    /// The CPU must support AVX2.
     #[inline(always)]
     unsafe fn load(v: &V) -> __m256i {
         // SAFETY: `V` is 32 bytes.
@@ -534,6 +560,9 @@ mod avx2 {
 
     /// The compression function in eight lanes (`VL`: rotate with
     /// AVX-512VL's `vprord`); `cv` becomes the output chaining value.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, and AVX-512F and AVX-512VL when `VL`.
     #[inline(always)]
     pub(super) unsafe fn compress8<const VL: bool>(
         cv: &mut [V; 8],
@@ -543,30 +572,33 @@ mod avx2 {
         len: V,
         flags: V,
     ) {
-        let (a, b) = (transpose(&blocks, 0), transpose(&blocks, 1));
-        let m: [__m256i; 16] = std::array::from_fn(|w| if w < 8 { a[w] } else { b[w - 8] });
-        let mut s: [__m256i; 16] = std::array::from_fn(|w| match w {
-            0..8 => unsafe { load(&cv[w]) },
-            8..12 => _mm256_set1_epi32(IV[w - 8] as i32),
-            12 => unsafe { load(&lo) },
-            13 => unsafe { load(&hi) },
-            14 => unsafe { load(&len) },
-            _ => unsafe { load(&flags) },
-        });
-        for r in SCHEDULE {
-            g::<VL>(&mut s, 0, 4, 8, 12, m[r[0]], m[r[1]]);
-            g::<VL>(&mut s, 1, 5, 9, 13, m[r[2]], m[r[3]]);
-            g::<VL>(&mut s, 2, 6, 10, 14, m[r[4]], m[r[5]]);
-            g::<VL>(&mut s, 3, 7, 11, 15, m[r[6]], m[r[7]]);
-            g::<VL>(&mut s, 0, 5, 10, 15, m[r[8]], m[r[9]]);
-            g::<VL>(&mut s, 1, 6, 11, 12, m[r[10]], m[r[11]]);
-            g::<VL>(&mut s, 2, 7, 8, 13, m[r[12]], m[r[13]]);
-            g::<VL>(&mut s, 3, 4, 9, 14, m[r[14]], m[r[15]]);
-        }
-        for w in 0..8 {
-            let out = _mm256_xor_si256(s[w], s[w + 8]);
-            // SAFETY: `V` is 32 bytes.
-            unsafe { _mm256_storeu_si256(cv[w].as_mut_ptr() as *mut __m256i, out) };
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let (a, b) = (transpose(&blocks, 0), transpose(&blocks, 1));
+            let m: [__m256i; 16] = std::array::from_fn(|w| if w < 8 { a[w] } else { b[w - 8] });
+            let mut s: [__m256i; 16] = std::array::from_fn(|w| match w {
+                0..8 => load(&cv[w]),
+                8..12 => _mm256_set1_epi32(IV[w - 8] as i32),
+                12 => load(&lo),
+                13 => load(&hi),
+                14 => load(&len),
+                _ => load(&flags),
+            });
+            for r in SCHEDULE {
+                g::<VL>(&mut s, 0, 4, 8, 12, m[r[0]], m[r[1]]);
+                g::<VL>(&mut s, 1, 5, 9, 13, m[r[2]], m[r[3]]);
+                g::<VL>(&mut s, 2, 6, 10, 14, m[r[4]], m[r[5]]);
+                g::<VL>(&mut s, 3, 7, 11, 15, m[r[6]], m[r[7]]);
+                g::<VL>(&mut s, 0, 5, 10, 15, m[r[8]], m[r[9]]);
+                g::<VL>(&mut s, 1, 6, 11, 12, m[r[10]], m[r[11]]);
+                g::<VL>(&mut s, 2, 7, 8, 13, m[r[12]], m[r[13]]);
+                g::<VL>(&mut s, 3, 4, 9, 14, m[r[14]], m[r[15]]);
+            }
+            for w in 0..8 {
+                let out = _mm256_xor_si256(s[w], s[w + 8]);
+                // SAFETY: `V` is 32 bytes.
+                _mm256_storeu_si256(cv[w].as_mut_ptr() as *mut __m256i, out);
+            }
         }
     }
 }

@@ -24,6 +24,7 @@
 //! assert_eq!(d.to_hex().len(), 64);
 //! ```
 #![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod algorithm;
 pub mod bench;

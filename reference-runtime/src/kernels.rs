@@ -281,41 +281,63 @@ mod x86 {
 
     /// The 8 lanes of `acc` plus the scalar tail `i = from..n` (lane i mod 8,
     /// increasing i), folded.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 (only called from the kernels compiled with it); `x.len() ≥ n`.
     #[inline(always)]
     unsafe fn finish(acc: __m256, from: usize, n: usize, w: impl Fn(usize) -> f32, x: &[f32]) -> f32 {
-        let mut l = [0.0f32; LANES];
-        _mm256_storeu_ps(l.as_mut_ptr(), acc);
-        for i in from..n {
-            l[i % LANES] += w(i) * x[i];
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let mut l = [0.0f32; LANES];
+            _mm256_storeu_ps(l.as_mut_ptr(), acc);
+            for i in from..n {
+                l[i % LANES] += w(i) * x[i];
+            }
+            fold8(l)
         }
-        fold8(l)
     }
 
     /// 8 weights of a row at element `8b`, widened to FP32.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; the 16 bytes at `p + 16·b` (BF16) or the 32 bytes at `p + 32·b`
+    /// (F32) must be readable.
     #[inline(always)]
     unsafe fn load8(p: *const u8, dtype: RowDType, b: usize) -> __m256 {
-        match dtype {
-            RowDType::Bf16 => {
-                let w = _mm_loadu_si128(p.add(16 * b) as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(w)))
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            match dtype {
+                RowDType::Bf16 => {
+                    let w = _mm_loadu_si128(p.add(16 * b) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(w)))
+                }
+                RowDType::F32 => _mm256_loadu_ps(p.add(32 * b) as *const f32),
             }
-            RowDType::F32 => _mm256_loadu_ps(p.add(32 * b) as *const f32),
         }
     }
 
+    /// # Safety
+    /// The 2 bytes at `p + 2·i` (BF16) or the 4 bytes at `p + 4·i` (F32) must be readable.
     #[inline(always)]
     unsafe fn scalar_at(p: *const u8, dtype: RowDType, i: usize) -> f32 {
-        match dtype {
-            RowDType::Bf16 => {
-                f32::from_bits((std::ptr::read_unaligned(p.add(2 * i) as *const u16) as u32) << 16)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            match dtype {
+                RowDType::Bf16 => {
+                    f32::from_bits((std::ptr::read_unaligned(p.add(2 * i) as *const u16) as u32) << 16)
+                }
+                RowDType::F32 => f32::from_bits(std::ptr::read_unaligned(p.add(4 * i) as *const u32)),
             }
-            RowDType::F32 => f32::from_bits(std::ptr::read_unaligned(p.add(4 * i) as *const u32)),
         }
     }
 
     /// `R` rows starting at `p[0..R]`, `n` elements each. Each iteration
     /// also prefetches the bytes it consumes, `pf` bytes ahead of the first
     /// row (a hint: it cannot change a result).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; each `p[r]` points to `n` readable elements of `dtype`, and
+    /// `x.len() ≥ n`. `pf` may point anywhere: a prefetch never faults.
     #[inline(always)]
     unsafe fn rows_r<const R: usize>(
         p: [*const u8; R],
@@ -324,29 +346,32 @@ mod x86 {
         x: &[f32],
         pf: Option<*const u8>,
     ) -> [f32; R] {
-        let blocks = n / LANES;
-        let mut acc = [_mm256_setzero_ps(); R];
-        let xp = x.as_ptr();
-        let step = R * LANES * dtype.size();
-        for b in 0..blocks {
-            if let Some(pf) = pf {
-                let mut off = 0;
-                while off < step {
-                    _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(b * step + off) as *const i8);
-                    off += 64;
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let blocks = n / LANES;
+            let mut acc = [_mm256_setzero_ps(); R];
+            let xp = x.as_ptr();
+            let step = R * LANES * dtype.size();
+            for b in 0..blocks {
+                if let Some(pf) = pf {
+                    let mut off = 0;
+                    while off < step {
+                        _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(b * step + off) as *const i8);
+                        off += 64;
+                    }
+                }
+                let xv = _mm256_loadu_ps(xp.add(LANES * b));
+                for r in 0..R {
+                    let w = load8(p[r], dtype, b);
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
                 }
             }
-            let xv = _mm256_loadu_ps(xp.add(LANES * b));
+            let mut out = [0.0f32; R];
             for r in 0..R {
-                let w = load8(p[r], dtype, b);
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                out[r] = finish(acc[r], blocks * LANES, n, |i| scalar_at(p[r], dtype, i), x);
             }
+            out
         }
-        let mut out = [0.0f32; R];
-        for r in 0..R {
-            out[r] = finish(acc[r], blocks * LANES, n, |i| scalar_at(p[r], dtype, i), x);
-        }
-        out
     }
 
     /// How far ahead of the rows being read the kernel prefetches (bytes).
@@ -373,13 +398,19 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    /// The CPU must support AVX2; rows `first .. first + R` of `rows` lie in `rows.bytes` with at
+    /// least `n` elements each, and `x.len() ≥ n`.
     #[inline(always)]
     unsafe fn block_rows<const R: usize>(rows: &RowBlock<'_>, first: usize, n: usize, x: &[f32]) -> [f32; R] {
-        let base = rows.bytes.as_ptr();
-        let p: [*const u8; R] = std::array::from_fn(|r| base.add((first + r) * rows.stride));
-        let d = pf_dist(rows);
-        let pf = (d > 0).then(|| p[0].wrapping_add(d));
-        rows_r::<R>(p, rows.dtype, n, x, pf)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let base = rows.bytes.as_ptr();
+            let p: [*const u8; R] = std::array::from_fn(|r| base.add((first + r) * rows.stride));
+            let d = pf_dist(rows);
+            let pf = (d > 0).then(|| p[0].wrapping_add(d));
+            rows_r::<R>(p, rows.dtype, n, x, pf)
+        }
     }
 
     /// 8 E4M3 codes decoded exactly, divided by 2^8: each code becomes the
@@ -388,26 +419,38 @@ mod x86 {
     /// which is `E4M3[code] · 2^-8` exactly for normal and subnormal codes
     /// alike; the two NaN codes get an all-ones exponent (binary16 NaN);
     /// `vcvtph2ps` widens exactly. The caller multiplies by `2^8 · scale`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; the 8 bytes at `codes` must be readable.
     #[inline(always)]
     unsafe fn decode_e4m3_over_256(codes: *const u8) -> __m256 {
-        let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
-        let h = _mm_and_si128(_mm_slli_epi16::<7>(c), _mm_set1_epi16(0xbfffu16 as i16));
-        let body = _mm_and_si128(h, _mm_set1_epi16(0x3f80));
-        let nan = _mm_cmpeq_epi16(body, _mm_set1_epi16(0x3f80));
-        let h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x4000)));
-        _mm256_cvtph_ps(h)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
+            let h = _mm_and_si128(_mm_slli_epi16::<7>(c), _mm_set1_epi16(0xbfffu16 as i16));
+            let body = _mm_and_si128(h, _mm_set1_epi16(0x3f80));
+            let nan = _mm_cmpeq_epi16(body, _mm_set1_epi16(0x3f80));
+            let h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x4000)));
+            _mm256_cvtph_ps(h)
+        }
     }
 
     /// [`decode_e4m3_over_256`] for codes other than the two NaN codes:
     /// the same binary16 bits without the NaN fix-up (for such codes the
     /// fix-up changes nothing).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; the 8 bytes at `codes` must be readable.
     #[inline(always)]
     unsafe fn decode_e4m3_finite_over_256(codes: *const u8) -> __m256 {
-        let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
-        _mm256_cvtph_ps(_mm_and_si128(
-            _mm_slli_epi16::<7>(c),
-            _mm_set1_epi16(0xbfffu16 as i16),
-        ))
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let c = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes as *const __m128i));
+            _mm256_cvtph_ps(_mm_and_si128(
+                _mm_slli_epi16::<7>(c),
+                _mm_set1_epi16(0xbfffu16 as i16),
+            ))
+        }
     }
 
     /// The E2M1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} (index = code & 7).
@@ -417,29 +460,41 @@ mod x86 {
     /// little-endian word = element j), each `±magnitude · s` with `table` =
     /// the magnitudes times `s` (exact: s is a power of two and positive, so
     /// the sign can be applied after scaling, −0 included).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; the 4 bytes at `p` must be readable.
     #[inline(always)]
     unsafe fn decode_mxfp4(p: *const u8, table: __m256) -> __m256 {
-        let word = std::ptr::read_unaligned(p as *const i32);
-        let nib = _mm256_srlv_epi32(
-            _mm256_set1_epi32(word),
-            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-        );
-        let mag = _mm256_permutevar8x32_ps(table, nib);
-        let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(nib), _mm256_set1_epi32(i32::MIN));
-        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign))
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let word = std::ptr::read_unaligned(p as *const i32);
+            let nib = _mm256_srlv_epi32(
+                _mm256_set1_epi32(word),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            );
+            let mag = _mm256_permutevar8x32_ps(table, nib);
+            let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(nib), _mm256_set1_epi32(i32::MIN));
+            _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign))
+        }
     }
 
     /// 8 MXFP4 elements from the 4 bytes at `p` with AVX-512VL's two-table
     /// permute: `lo` = the 8 magnitudes times `s`, `hi` = their negations
     /// (exact), so nibble bit 3 (the sign) selects the table.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, AVX-512F and AVX-512VL; the 4 bytes at `p` must be readable.
     #[inline(always)]
     unsafe fn decode_mxfp4_signed(p: *const u8, lo: __m256, hi: __m256) -> __m256 {
-        let word = std::ptr::read_unaligned(p as *const i32);
-        let nib = _mm256_srlv_epi32(
-            _mm256_set1_epi32(word),
-            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-        );
-        _mm256_permutex2var_ps(lo, nib, hi)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let word = std::ptr::read_unaligned(p as *const i32);
+            let nib = _mm256_srlv_epi32(
+                _mm256_set1_epi32(word),
+                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+            );
+            _mm256_permutex2var_ps(lo, nib, hi)
+        }
     }
 
     /// `acc[r] += weights(r, bb) · x[8bb .. 8bb+8]` for every block `bb` of
@@ -447,6 +502,10 @@ mod x86 {
     /// each rounded: the dot8 lane order), prefetching `pf` ahead: the inner
     /// loop of [`quant_r`] for every weight format, `weights` decoding row
     /// `r`'s 8 weights of block `bb` exactly.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `xp` points to at least `8 · blocks.end` readable `f32`, and
+    /// `weights` may be called for every row and block asked.
     #[inline(always)]
     unsafe fn accumulate_blocks<const R: usize>(
         acc: &mut [__m256; R],
@@ -456,16 +515,24 @@ mod x86 {
         step: usize,
         weights: impl Fn(usize, usize) -> __m256,
     ) {
-        for bb in blocks {
-            prefetch_quant(pf, bb * step);
-            let xv = _mm256_loadu_ps(xp.add(LANES * bb));
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(weights(r, bb), xv));
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            for bb in blocks {
+                prefetch_quant(pf, bb * step);
+                let xv = _mm256_loadu_ps(xp.add(LANES * bb));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(weights(r, bb), xv));
+                }
             }
         }
     }
 
     /// `R` quantized rows with the same input (`VL`: AVX-512VL is available).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C, and AVX-512F and AVX-512VL when `VL`; `rows.len() ≥ R`,
+    /// and each of the first `R` rows holds the codes and scales of `x.len()` elements (MXFP4:
+    /// `x.len()` a multiple of 8).
     #[inline(always)]
     unsafe fn quant_r<const R: usize, const VL: bool>(
         kind: QuantRows,
@@ -473,84 +540,87 @@ mod x86 {
         x: &[f32],
         pf: Option<*const u8>,
     ) -> [f32; R] {
-        use crate::quant::{E2M1_PAIRS, E4M3, FP8_BLOCK, MXFP4_GROUP};
-        use crate::weights::scale_value;
-        let n = x.len();
-        let blocks = n / LANES;
-        let xp = x.as_ptr();
-        let codes: [*const u8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); R];
-        let group = match kind {
-            QuantRows::Fp8 | QuantRows::Fp8Finite => FP8_BLOCK,
-            QuantRows::Mxfp4 => MXFP4_GROUP,
-        } / LANES;
-        let mags = _mm256_loadu_ps(E2M1_MAGNITUDES.as_ptr());
-        // Code bytes of one 8-element block of the R rows: one cache line
-        // of FP8, half of one of MXFP4.
-        let step = R * match kind {
-            QuantRows::Fp8 | QuantRows::Fp8Finite => LANES,
-            QuantRows::Mxfp4 => LANES / 2,
-        };
-        let mut b = 0;
-        while b < blocks {
-            let g = b / group;
-            let end = ((g + 1) * group).min(blocks);
-            let s: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scale_value(rows[r].1[g])));
-            match kind {
-                QuantRows::Fp8 | QuantRows::Fp8Finite => {
-                    // 2^8 · scale: exact (scale codes ≤ 246, so at most 2^127);
-                    // (E4M3[c] · 2^-8) · (2^8 · s) is the same exact product as E4M3[c] · s.
-                    let s256: [__m256; R] =
-                        std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
-                    if kind == QuantRows::Fp8Finite {
-                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
-                            _mm256_mul_ps(decode_e4m3_finite_over_256(codes[r].add(LANES * bb)), s256[r])
-                        });
-                    } else {
-                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
-                            _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r])
-                        });
-                    }
-                }
-                QuantRows::Mxfp4 => {
-                    let table: [__m256; R] = std::array::from_fn(|r| _mm256_mul_ps(mags, s[r]));
-                    if VL {
-                        let neg: [__m256; R] =
-                            std::array::from_fn(|r| _mm256_xor_ps(table[r], _mm256_set1_ps(-0.0)));
-                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
-                            decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r])
-                        });
-                    } else {
-                        accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
-                            decode_mxfp4(codes[r].add(4 * bb), table[r])
-                        });
-                    }
-                }
-            }
-            b = end;
-        }
-        let mut out = [0.0f32; R];
-        for r in 0..R {
-            let (c, sc) = rows[r];
-            out[r] = match kind {
-                QuantRows::Fp8 | QuantRows::Fp8Finite => finish(
-                    acc[r],
-                    blocks * LANES,
-                    n,
-                    |i| E4M3[usize::from(c[i])] * scale_value(sc[i / FP8_BLOCK]),
-                    x,
-                ),
-                // Row lengths are multiples of 8: no tail.
-                QuantRows::Mxfp4 => finish(
-                    acc[r],
-                    blocks * LANES,
-                    n,
-                    |i| E2M1_PAIRS[usize::from(c[i / 2])][i % 2] * scale_value(sc[i / MXFP4_GROUP]),
-                    x,
-                ),
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            use crate::quant::{E2M1_PAIRS, E4M3, FP8_BLOCK, MXFP4_GROUP};
+            use crate::weights::scale_value;
+            let n = x.len();
+            let blocks = n / LANES;
+            let xp = x.as_ptr();
+            let codes: [*const u8; R] = std::array::from_fn(|r| rows[r].0.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); R];
+            let group = match kind {
+                QuantRows::Fp8 | QuantRows::Fp8Finite => FP8_BLOCK,
+                QuantRows::Mxfp4 => MXFP4_GROUP,
+            } / LANES;
+            let mags = _mm256_loadu_ps(E2M1_MAGNITUDES.as_ptr());
+            // Code bytes of one 8-element block of the R rows: one cache line
+            // of FP8, half of one of MXFP4.
+            let step = R * match kind {
+                QuantRows::Fp8 | QuantRows::Fp8Finite => LANES,
+                QuantRows::Mxfp4 => LANES / 2,
             };
+            let mut b = 0;
+            while b < blocks {
+                let g = b / group;
+                let end = ((g + 1) * group).min(blocks);
+                let s: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scale_value(rows[r].1[g])));
+                match kind {
+                    QuantRows::Fp8 | QuantRows::Fp8Finite => {
+                        // 2^8 · scale: exact (scale codes ≤ 246, so at most 2^127);
+                        // (E4M3[c] · 2^-8) · (2^8 · s) is the same exact product as E4M3[c] · s.
+                        let s256: [__m256; R] =
+                            std::array::from_fn(|r| _mm256_mul_ps(s[r], _mm256_set1_ps(256.0)));
+                        if kind == QuantRows::Fp8Finite {
+                            accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                                _mm256_mul_ps(decode_e4m3_finite_over_256(codes[r].add(LANES * bb)), s256[r])
+                            });
+                        } else {
+                            accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                                _mm256_mul_ps(decode_e4m3_over_256(codes[r].add(LANES * bb)), s256[r])
+                            });
+                        }
+                    }
+                    QuantRows::Mxfp4 => {
+                        let table: [__m256; R] = std::array::from_fn(|r| _mm256_mul_ps(mags, s[r]));
+                        if VL {
+                            let neg: [__m256; R] =
+                                std::array::from_fn(|r| _mm256_xor_ps(table[r], _mm256_set1_ps(-0.0)));
+                            accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                                decode_mxfp4_signed(codes[r].add(4 * bb), table[r], neg[r])
+                            });
+                        } else {
+                            accumulate_blocks(&mut acc, b..end, xp, pf, step, |r, bb| {
+                                decode_mxfp4(codes[r].add(4 * bb), table[r])
+                            });
+                        }
+                    }
+                }
+                b = end;
+            }
+            let mut out = [0.0f32; R];
+            for r in 0..R {
+                let (c, sc) = rows[r];
+                out[r] = match kind {
+                    QuantRows::Fp8 | QuantRows::Fp8Finite => finish(
+                        acc[r],
+                        blocks * LANES,
+                        n,
+                        |i| E4M3[usize::from(c[i])] * scale_value(sc[i / FP8_BLOCK]),
+                        x,
+                    ),
+                    // Row lengths are multiples of 8: no tail.
+                    QuantRows::Mxfp4 => finish(
+                        acc[r],
+                        blocks * LANES,
+                        n,
+                        |i| E2M1_PAIRS[usize::from(c[i / 2])][i % 2] * scale_value(sc[i / MXFP4_GROUP]),
+                        x,
+                    ),
+                };
+            }
+            out
         }
-        out
     }
 
     /// Where the quantized kernel prefetches from: [`PREFETCH_BYTES`] past
@@ -575,14 +645,23 @@ mod x86 {
     }
 
     /// Prefetches the cache line `off` bytes past `pf` (nothing without `pf`).
+    ///
+    /// # Safety
+    /// None beyond running on x86-64: a prefetch never faults, whatever `pf` points to.
     #[inline(always)]
     unsafe fn prefetch_quant(pf: Option<*const u8>, off: usize) {
-        if let Some(p) = pf {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            if let Some(p) = pf {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            }
         }
     }
 
     /// The rows of `rows` in groups of up to `MAXR` (`VL`: AVX-512VL is available).
+    ///
+    /// # Safety
+    /// As [`quant_r`] for every row of `rows`, and `out.len() ≥ rows.len()`.
     #[inline(always)]
     unsafe fn quant_groups<const MAXR: usize, const VL: bool>(
         kind: QuantRows,
@@ -590,23 +669,26 @@ mod x86 {
         x: &[f32],
         out: &mut [f32],
     ) {
-        let mut i = 0;
-        while i < rows.len() {
-            let left = rows.len() - i;
-            if MAXR >= 8 && left >= 8 {
-                let pf = quant_prefetch_base(kind, &rows[i..i + 8], x.len());
-                out[i..i + 8].copy_from_slice(&quant_r::<8, VL>(kind, &rows[i..], x, pf));
-                i += 8;
-            } else if left >= 4 {
-                let pf = quant_prefetch_base(kind, &rows[i..i + 4], x.len());
-                out[i..i + 4].copy_from_slice(&quant_r::<4, VL>(kind, &rows[i..], x, pf));
-                i += 4;
-            } else if left >= 2 {
-                out[i..i + 2].copy_from_slice(&quant_r::<2, VL>(kind, &rows[i..], x, None));
-                i += 2;
-            } else {
-                out[i] = quant_r::<1, VL>(kind, &rows[i..], x, None)[0];
-                i += 1;
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let mut i = 0;
+            while i < rows.len() {
+                let left = rows.len() - i;
+                if MAXR >= 8 && left >= 8 {
+                    let pf = quant_prefetch_base(kind, &rows[i..i + 8], x.len());
+                    out[i..i + 8].copy_from_slice(&quant_r::<8, VL>(kind, &rows[i..], x, pf));
+                    i += 8;
+                } else if left >= 4 {
+                    let pf = quant_prefetch_base(kind, &rows[i..i + 4], x.len());
+                    out[i..i + 4].copy_from_slice(&quant_r::<4, VL>(kind, &rows[i..], x, pf));
+                    i += 4;
+                } else if left >= 2 {
+                    out[i..i + 2].copy_from_slice(&quant_r::<2, VL>(kind, &rows[i..], x, None));
+                    i += 2;
+                } else {
+                    out[i] = quant_r::<1, VL>(kind, &rows[i..], x, None)[0];
+                    i += 1;
+                }
             }
         }
     }
@@ -623,7 +705,8 @@ mod x86 {
         x: &[f32],
         out: &mut [f32],
     ) {
-        quant_groups::<4, false>(kind, rows, x, out)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe { quant_groups::<4, false>(kind, rows, x, out) }
     }
 
     /// [`dot8_quant_avx2`] compiled with AVX-512VL's 32 vector registers, 8
@@ -639,7 +722,8 @@ mod x86 {
         x: &[f32],
         out: &mut [f32],
     ) {
-        quant_groups::<8, true>(kind, rows, x, out)
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe { quant_groups::<8, true>(kind, rows, x, out) }
     }
 
     /// # Safety
@@ -647,30 +731,33 @@ mod x86 {
     /// `rows.cols ≥ x.len()` elements.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dot8_rows_avx2(rows: &RowBlock<'_>, x: &[f32], out: &mut [f32]) {
-        let n = x.len();
-        let mut i = 0;
-        let d = pf_dist(rows);
-        if d > 0 {
-            // The first bytes of the matrix, which no iteration prefetches.
-            let base = rows.bytes.as_ptr();
-            let mut off = 0;
-            while off < d.min(rows.bytes.len()) {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off) as *const i8);
-                off += 64;
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let n = x.len();
+            let mut i = 0;
+            let d = pf_dist(rows);
+            if d > 0 {
+                // The first bytes of the matrix, which no iteration prefetches.
+                let base = rows.bytes.as_ptr();
+                let mut off = 0;
+                while off < d.min(rows.bytes.len()) {
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off) as *const i8);
+                    off += 64;
+                }
             }
-        }
-        while i + ROWS <= out.len() {
-            let v = block_rows::<ROWS>(rows, i, n, x);
-            out[i..i + ROWS].copy_from_slice(&v);
-            i += ROWS;
-        }
-        while i + 2 <= out.len() {
-            let v = block_rows::<2>(rows, i, n, x);
-            out[i..i + 2].copy_from_slice(&v);
-            i += 2;
-        }
-        if i < out.len() {
-            out[i] = block_rows::<1>(rows, i, n, x)[0];
+            while i + ROWS <= out.len() {
+                let v = block_rows::<ROWS>(rows, i, n, x);
+                out[i..i + ROWS].copy_from_slice(&v);
+                i += ROWS;
+            }
+            while i + 2 <= out.len() {
+                let v = block_rows::<2>(rows, i, n, x);
+                out[i..i + 2].copy_from_slice(&v);
+                i += 2;
+            }
+            if i < out.len() {
+                out[i] = block_rows::<1>(rows, i, n, x)[0];
+            }
         }
     }
 
@@ -678,36 +765,39 @@ mod x86 {
     /// AVX2 must be available.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn dot8_f32_many_avx2(rows: &[&[f32]], x: &[f32], out: &mut [f32]) {
-        let m = rows.len().min(out.len());
-        let ptr = |j: usize| rows[j].as_ptr() as *const u8;
-        // Each row with the shorter of its length and x's (dot8's rule); runs
-        // of rows of equal length (the common case: every key has d elements)
-        // go through the multi-row kernel.
-        let len = |j: usize| rows[j].len().min(x.len());
-        let mut i = 0;
-        while i < m {
-            let n = len(i);
-            let mut run = 1;
-            while i + run < m && run < 4 && len(i + run) == n {
-                run += 1;
+        // SAFETY: this function's contract (its # Safety section) is the caller's.
+        unsafe {
+            let m = rows.len().min(out.len());
+            let ptr = |j: usize| rows[j].as_ptr() as *const u8;
+            // Each row with the shorter of its length and x's (dot8's rule); runs
+            // of rows of equal length (the common case: every key has d elements)
+            // go through the multi-row kernel.
+            let len = |j: usize| rows[j].len().min(x.len());
+            let mut i = 0;
+            while i < m {
+                let n = len(i);
+                let mut run = 1;
+                while i + run < m && run < 4 && len(i + run) == n {
+                    run += 1;
+                }
+                if run == 4 {
+                    let v = rows_r::<4>(
+                        [ptr(i), ptr(i + 1), ptr(i + 2), ptr(i + 3)],
+                        RowDType::F32,
+                        n,
+                        x,
+                        None,
+                    );
+                    out[i..i + 4].copy_from_slice(&v);
+                } else if run >= 2 {
+                    run = 2;
+                    let v = rows_r::<2>([ptr(i), ptr(i + 1)], RowDType::F32, n, x, None);
+                    out[i..i + 2].copy_from_slice(&v);
+                } else {
+                    out[i] = rows_r::<1>([ptr(i)], RowDType::F32, n, x, None)[0];
+                }
+                i += run;
             }
-            if run == 4 {
-                let v = rows_r::<4>(
-                    [ptr(i), ptr(i + 1), ptr(i + 2), ptr(i + 3)],
-                    RowDType::F32,
-                    n,
-                    x,
-                    None,
-                );
-                out[i..i + 4].copy_from_slice(&v);
-            } else if run >= 2 {
-                run = 2;
-                let v = rows_r::<2>([ptr(i), ptr(i + 1)], RowDType::F32, n, x, None);
-                out[i..i + 2].copy_from_slice(&v);
-            } else {
-                out[i] = rows_r::<1>([ptr(i)], RowDType::F32, n, x, None)[0];
-            }
-            i += run;
         }
     }
 }

@@ -3,6 +3,7 @@
 //! written numerical contract, with a pluggable MoE aggregation contract and
 //! capture of L0–L4 state.
 #![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod actquant;
 mod attention;
