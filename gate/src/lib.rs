@@ -46,7 +46,7 @@ pub use report::{
 };
 pub use write::{write_atomic, write_checked};
 
-use moeconf_bisect::{diff, BisectError, DiffOptions};
+use moeconf_bisect::{diff, BisectError, DiffOptions, DiffReport};
 use moeconf_schema::{Trace, Verification};
 use policy::Profile;
 use std::path::Path;
@@ -78,16 +78,44 @@ pub fn against_reference_with(
     force: bool,
     verification: Verification,
 ) -> Result<GateReport, GateError> {
+    against_reference_run(reference, candidate, profile, force, verification).map(|r| r.report)
+}
+
+/// A gate against a reference trace with what it computed on the way, for
+/// outputs that draw it (`gate --html`): the reference as opened and
+/// verified, and the diff the localization came from (`None` when the
+/// traces have no level in common).
+pub struct ReferenceRun {
+    /// The verdict.
+    pub report: GateReport,
+    /// The reference trace.
+    pub reference: Trace,
+    /// The diff of the reference and the candidate.
+    pub diff: Option<DiffReport>,
+}
+
+/// [`against_reference_with`], keeping the reference and the diff.
+pub fn against_reference_run(
+    reference: &Path,
+    candidate: &Trace,
+    profile: &Profile,
+    force: bool,
+    verification: Verification,
+) -> Result<ReferenceRun, GateError> {
     let rt = Trace::open_for(reference, verification).map_err(GateError::Reference)?;
     candidate.ensure(verification).map_err(GateError::Candidate)?;
     let opts = DiffOptions {
         force,
         ..DiffOptions::default()
     };
-    let (localization, forced) = match diff(&rt, candidate, &opts) {
-        Ok(d) => (d.first_divergence, d.comparability.forced_over),
+    let (localization, forced, diffed) = match diff(&rt, candidate, &opts) {
+        Ok(d) => (
+            d.first_divergence.clone(),
+            d.comparability.forced_over.clone(),
+            Some(d),
+        ),
         // Coverage decides what a gate without a common level says.
-        Err(BisectError::NothingToCompare { .. }) => (None, Vec::new()),
+        Err(BisectError::NothingToCompare { .. }) => (None, Vec::new(), None),
         // A node or payload of one trace that failed verification on the
         // diff's path: an error of that trace (the candidate's makes the
         // commit untestable under `git bisect run`, like an unreadable file).
@@ -120,7 +148,11 @@ pub fn against_reference_with(
     report.reference = reference.display().to_string();
     report.candidate = candidate.path().display().to_string();
     report.candidate_root = candidate.root().to_hex();
-    Ok(report)
+    Ok(ReferenceRun {
+        report,
+        reference: rt,
+        diff: diffed,
+    })
 }
 
 /// Judges `candidate` against the blessed baseline `file` under `profile`

@@ -18,7 +18,7 @@ use anyhow::Context;
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{self, Overrides};
 use moeconf_gate::{
-    against_baseline_with, against_reference_with, report_junit, report_md, write_checked, FileKind,
+    against_baseline_with, against_reference_run, report_junit, report_md, write_checked, FileKind,
     GateError, GateReport,
 };
 use moeconf_output::{CheckedOutput, Inputs};
@@ -292,6 +292,9 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         Verification::OnUse
     };
     let cand = Trace::open_for(candidate, verification).map_err(GateError::Candidate)?;
+    // Against a reference: the reference and the diff the gate computed,
+    // for the HTML page (drawn from them, not computed again).
+    let mut drawn: Option<(Trace, Option<moeconf_bisect::DiffReport>)> = None;
     let mut report = match (reference, &a.baseline) {
         (_, Some(_)) if a.bless => {
             let out = outputs
@@ -306,7 +309,11 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
             return Ok(0);
         }
         (None, Some(file)) => against_baseline_with(file, &cand, &profile, a.force, verification)?,
-        (Some(rp), _) => against_reference_with(rp, &cand, &profile, a.force, verification)?,
+        (Some(rp), _) => {
+            let run = against_reference_run(rp, &cand, &profile, a.force, verification)?;
+            drawn = Some((run.reference, run.diff));
+            run.report
+        }
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
     // A side without every step of its run: not a verdict (the candidate's
@@ -335,7 +342,7 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         write_checked(out, report_junit::render(&report).as_bytes(), FileKind::Report)?;
     }
     if let Some(out) = &outputs.html {
-        let page = html_page(&report, reference, &cand, a.force, verification).map_err(setup)?;
+        let page = html_page(&report, drawn, &cand, a.force).map_err(setup)?;
         write_checked(out, page.as_bytes(), FileKind::Report)?;
     }
     Ok(report.exit_code())
@@ -345,10 +352,9 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
 /// trace, the diff's pictures.
 fn html_page(
     report: &GateReport,
-    reference: Option<&PathBuf>,
+    drawn: Option<(Trace, Option<moeconf_bisect::DiffReport>)>,
     cand: &Trace,
     force: bool,
-    verification: Verification,
 ) -> anyhow::Result<String> {
     let summary = moeconf_report::GateSummary {
         verdict: report.verdict.label().into(),
@@ -358,15 +364,21 @@ fn html_page(
             .map(String::from)
             .collect(),
     };
-    let Some(rp) = reference else {
+    let Some((r, d)) = drawn else {
         return Ok(moeconf_report::render_gate_only(&summary));
     };
-    let r = Trace::open_for(rp, verification).map_err(GateError::Reference)?;
-    let opts = moeconf_bisect::DiffOptions {
-        force,
-        contract_inference: true,
+    let d = match d {
+        Some(d) => d,
+        // No level in common: the diff's own error, as the page cannot be drawn.
+        None => moeconf_bisect::diff(
+            &r,
+            cand,
+            &moeconf_bisect::DiffOptions {
+                force,
+                contract_inference: true,
+            },
+        )?,
     };
-    let d = moeconf_bisect::diff(&r, cand, &opts)?;
     Ok(moeconf_report::render_diff(&r, cand, &d, Some(&summary))?)
 }
 
