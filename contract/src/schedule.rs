@@ -183,6 +183,15 @@ impl Schedule {
     }
 }
 
+impl std::str::FromStr for Schedule {
+    type Err = ContractError;
+
+    /// [`Schedule::parse`].
+    fn from_str(s: &str) -> Result<Schedule, ContractError> {
+        Schedule::parse(s)
+    }
+}
+
 impl fmt::Display for Schedule {
     /// The form accepted by [`Schedule::parse`] (experiment seed always spelled out).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -76,9 +76,18 @@ pub fn reference_for(
         None => (b.schedule.trim().to_string(), None),
     };
     let contract = contract.map_or_else(|| b.contract.clone(), str::to_string);
+    // The trace's own strings: what cannot be parsed cannot be run.
     let choice = CombineChoice {
-        contract: contract.clone(),
-        schedule: base.clone(),
+        contract: contract.parse().map_err(|e| {
+            err(format!(
+                "the contract/schedule cannot be run: contract {contract:?}: {e}"
+            ))
+        })?,
+        schedule: base.parse().map_err(|e| {
+            err(format!(
+                "the contract/schedule cannot be run: schedule {base:?}: {e}"
+            ))
+        })?,
         ..CombineChoice::default()
     };
     let cfg = m.model.config();

@@ -127,7 +127,7 @@ fn a_contract_c_run_has_no_origin() {
     let m = load_model("builtin:tiny-v4").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let choice = CombineChoice {
-        contract: "c".into(),
+        contract: "c".parse().unwrap(),
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "c.bin", &choice, None);
@@ -144,7 +144,7 @@ fn a_b_fork_is_one_origin_and_the_rest_propagates() {
     let choice = CombineChoice {
         fork_layer: Some(5),
         fork_step: Some(1),
-        fork_contract: Some("b".into()),
+        fork_contract: Some("b".parse().unwrap()),
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "fork.bin", &choice, None);
@@ -403,7 +403,7 @@ fn measured_propagation_tells_carried_differences_from_reachability() {
     let choice = CombineChoice {
         fork_layer: Some(5),
         fork_step: Some(1),
-        fork_contract: Some("b".into()),
+        fork_contract: Some("b".parse().unwrap()),
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "fork.bin", &choice, None);
@@ -475,7 +475,7 @@ fn the_contract_override_replaces_the_bindings_contract() {
     let m = load_model("builtin:tiny-v4").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let choice = CombineChoice {
-        contract: "b+order=asc-id".into(),
+        contract: "b+order=asc-id".parse().unwrap(),
         ..CombineChoice::default()
     };
     let p = trace(&m, dir.path(), "b-asc.bin", &choice, None);

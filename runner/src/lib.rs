@@ -209,26 +209,102 @@ pub fn default_contract(precision: Precision) -> &'static str {
 #[derive(Debug, Clone)]
 pub struct CombineChoice {
     /// Contract applied everywhere (`native`, `b`, ...).
-    pub contract: String,
+    pub contract: ContractChoice,
     /// Schedule (`identity`, `layer-static:SEED`, `token-dynamic:SEED`).
-    pub schedule: String,
+    pub schedule: Schedule,
     /// Single-layer fork: layer.
     pub fork_layer: Option<u32>,
     /// Fork step (default 1: the forward that consumes the first emitted token).
     pub fork_step: Option<u32>,
     /// Fork position restriction.
     pub fork_position: Option<u32>,
-    /// Contract at the fork.
-    pub fork_contract: Option<String>,
+    /// Contract at the fork (default `b`).
+    pub fork_contract: Option<ContractChoice>,
     /// Order at the fork: a B class for B-like contracts, else a permutation index, or `p:2,0,1,...`.
     pub fork_order: Option<String>,
+}
+
+/// An aggregation contract as the user named it: the parsed contract and
+/// the name it was given, which the binding keeps for `native` (equal to
+/// `c` with the identity order, but what the user asked for). Parsed where
+/// the arguments are (clap's `FromStr`), so a contract that does not parse
+/// is refused before any model is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContractChoice {
+    given: String,
+    contract: AggregationContract,
+}
+
+impl ContractChoice {
+    /// `native`: the runtime's default combine.
+    pub fn native() -> ContractChoice {
+        ContractChoice {
+            given: "native".into(),
+            contract: AggregationContract::native(),
+        }
+    }
+
+    /// The parsed contract.
+    pub fn contract(&self) -> &AggregationContract {
+        &self.contract
+    }
+
+    /// The binding's label: `native` as given, else the contract's own
+    /// description.
+    pub fn label(&self) -> String {
+        contract_label(&self.given, &self.contract)
+    }
+}
+
+impl std::str::FromStr for ContractChoice {
+    type Err = moeconf_contract::ContractError;
+
+    fn from_str(s: &str) -> Result<ContractChoice, Self::Err> {
+        Ok(ContractChoice {
+            given: s.to_string(),
+            contract: AggregationContract::parse(s)?,
+        })
+    }
+}
+
+/// The name as given.
+impl std::fmt::Display for ContractChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.given)
+    }
+}
+
+impl CombineChoice {
+    /// Checks what needs no model, before one is loaded: fork options
+    /// without a fork layer, and a fork order the fork contract cannot take
+    /// (its length against the model's k is checked by [`build_combine`]).
+    pub fn check(&self) -> Result<(), RunError> {
+        let fork_given =
+            self.fork_contract.is_some() || self.fork_order.is_some() || self.fork_step.is_some();
+        if self.fork_layer.is_none() && fork_given {
+            bail!("--fork-contract/--fork-order/--fork-step need --fork-layer");
+        }
+        if let Some(o) = &self.fork_order {
+            parse_fork_order(o, self.fork_contract().contract())
+                .map_err(|e| RunError::Invalid(format!("--fork-order: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// The contract at the fork: the one given, or `b`.
+    fn fork_contract(&self) -> ContractChoice {
+        self.fork_contract.clone().unwrap_or_else(|| ContractChoice {
+            given: "b".into(),
+            contract: AggregationContract::b(),
+        })
+    }
 }
 
 impl Default for CombineChoice {
     fn default() -> Self {
         CombineChoice {
-            contract: "native".into(),
-            schedule: "identity".into(),
+            contract: ContractChoice::native(),
+            schedule: Schedule::Identity,
             fork_layer: None,
             fork_step: None,
             fork_position: None,
@@ -311,17 +387,16 @@ pub fn build_combine(
         let name = name.to_string();
         move |e: moeconf_contract::ContractError| RunError::Invalid(format!("{name}: {e}"))
     };
-    let base = AggregationContract::parse(&c.contract).map_err(opt("--contract"))?;
-    let schedule = Schedule::parse(&c.schedule).map_err(opt("--schedule"))?;
+    c.check()?;
+    let base = c.contract.contract().clone();
+    let schedule = c.schedule.clone();
     let scheduled = ScheduledCombine::new(base.clone(), schedule.clone(), prompt_hash(prompt));
     scheduled
         .validate_for_k(k)
         .map_err(opt("--contract/--schedule"))?;
-    let fork_given = c.fork_contract.is_some() || c.fork_order.is_some() || c.fork_step.is_some();
     match c.fork_layer {
-        None if fork_given => bail!("--fork-contract/--fork-order/--fork-step need --fork-layer"),
         None => Ok(BuiltCombine {
-            contract: contract_label(&c.contract, &base),
+            contract: c.contract.label(),
             schedule: schedule.to_string(),
             combine: Box::new(scheduled),
             fork: None,
@@ -333,8 +408,7 @@ pub fn build_combine(
                     layers - 1
                 );
             }
-            let fc = c.fork_contract.as_deref().unwrap_or("b");
-            let mut contract = AggregationContract::parse(fc).map_err(opt("--fork-contract"))?;
+            let mut contract = c.fork_contract().contract().clone();
             if let Some(o) = &c.fork_order {
                 let order = parse_fork_order(o, &contract).map_err(opt("--fork-order"))?;
                 contract = contract.with_order(order);
@@ -351,7 +425,7 @@ pub fn build_combine(
                 hits: Arc::new(AtomicU64::new(0)),
             };
             Ok(BuiltCombine {
-                contract: contract_label(&c.contract, &base),
+                contract: c.contract.label(),
                 schedule: format!("{} + {}", schedule, fork.describe()),
                 combine: Box::new(WatchedFork {
                     fork,
@@ -657,6 +731,54 @@ fn generate_with_faults(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contract_choices_parse_once_and_keep_the_given_name() {
+        let native: ContractChoice = "native".parse().unwrap();
+        assert_eq!(native, ContractChoice::native());
+        assert_eq!(native.label(), "native");
+        assert_eq!(native.contract(), &AggregationContract::parse("c").unwrap());
+        let b: ContractChoice = "b".parse().unwrap();
+        assert_eq!(b.to_string(), "b");
+        assert_eq!(b.label(), AggregationContract::b().describe());
+        assert!("nonsense".parse::<ContractChoice>().is_err());
+        // The fork's default contract is b.
+        let fork = CombineChoice {
+            fork_layer: Some(5),
+            ..CombineChoice::default()
+        };
+        assert_eq!(fork.fork_contract(), b);
+    }
+
+    #[test]
+    fn a_fork_choice_is_checked_before_any_model() {
+        let no_layer = CombineChoice {
+            fork_order: Some("135".into()),
+            ..CombineChoice::default()
+        };
+        assert!(no_layer
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("need --fork-layer"));
+        let bad_order = CombineChoice {
+            fork_layer: Some(5),
+            fork_order: Some("not-an-order".into()),
+            ..CombineChoice::default()
+        };
+        assert!(bad_order
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("--fork-order"));
+        let good = CombineChoice {
+            fork_layer: Some(5),
+            fork_order: Some("135".into()),
+            ..CombineChoice::default()
+        };
+        assert!(good.check().is_ok());
+        assert!(CombineChoice::default().check().is_ok());
+    }
 
     fn spec<'a>(choice: &'a CombineChoice, tokens: u32) -> RunSpec<'a> {
         RunSpec {

@@ -33,7 +33,7 @@ pub struct DemoArgs {
     pub fork_layer: u32,
     /// Contract of the candidate's changed aggregation.
     #[arg(long, default_value = "b")]
-    pub fork_contract: String,
+    pub fork_contract: moeconf_runner::ContractChoice,
     /// Order of the changed aggregation (a B class for b).
     #[arg(long, default_value = "135")]
     pub fork_order: String,

@@ -3,9 +3,12 @@
 use crate::cli::ModelPromptArgs;
 use crate::output::check_output;
 use clap::Args;
+use moeconf_contract::Schedule;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
-use moeconf_runner::{default_contract, load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
+use moeconf_runner::{
+    default_contract, load_model, parse_capture, run_to_trace, CombineChoice, ContractChoice, RunSpec,
+};
 use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -75,16 +78,16 @@ pub struct RunArgs {
     /// Default: the profile's own, `native` for bf16 and f32, DeepSeek's
     /// `c+shared=last+order=asc-id` for official; the binding records the one used.
     #[arg(long)]
-    pub contract: Option<String>,
+    pub contract: Option<ContractChoice>,
     /// Order schedule of the contract: identity, layer-static:SEED or token-dynamic:SEED.
     #[arg(long, default_value = "identity")]
-    pub schedule: String,
+    pub schedule: Schedule,
     /// Single-layer fork: the MoE layer whose aggregation changes at one event.
     #[arg(long)]
     pub fork_layer: Option<u32>,
     /// Contract at the fork (default b), in the same notation.
     #[arg(long)]
-    pub fork_contract: Option<String>,
+    pub fork_contract: Option<ContractChoice>,
     /// Order at the fork: B class (b), permutation index (others), or p:i,j,...
     #[arg(long, alias = "fork-class")]
     pub fork_order: Option<String>,
@@ -112,11 +115,12 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     let precision = super::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
     let algorithm = super::algorithm(&a.digest)?;
+    let contract = match &a.contract {
+        Some(c) => c.clone(),
+        None => default_contract(precision).parse()?,
+    };
     let choice = CombineChoice {
-        contract: a
-            .contract
-            .clone()
-            .unwrap_or_else(|| default_contract(precision).to_string()),
+        contract,
         schedule: a.schedule.clone(),
         fork_layer: a.fork_layer,
         fork_step: a.fork_step,
@@ -124,6 +128,8 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         fork_contract: a.fork_contract.clone(),
         fork_order: a.fork_order.clone(),
     };
+    // Everything but what needs the model, before it is loaded.
+    choice.check()?;
     let m = load_model(&a.input.model)?;
     // A built-in model's files are known once it is materialized.
     inputs.dir_files(&m.dir, "model file");

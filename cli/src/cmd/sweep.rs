@@ -78,10 +78,10 @@ pub struct SweepArgs {
     pub precision: String,
     /// Contract of every other MoE event (the base; default native).
     #[arg(long, default_value = "native")]
-    pub contract: String,
+    pub contract: moeconf_runner::ContractChoice,
     /// Order schedule of the base contract: identity, layer-static:SEED or token-dynamic:SEED.
     #[arg(long, default_value = "identity")]
-    pub schedule: String,
+    pub schedule: moeconf_contract::Schedule,
     /// Digest algorithm of the branch fingerprints.
     #[arg(long, default_value = "blake3", value_parser = ["blake3", "sha256"])]
     pub digest: String,
