@@ -1,6 +1,11 @@
-//! Arguments several commands share, defined once.
+//! Arguments several commands share, defined once, and their parsing.
 
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use moeconf_fingerprint::Algorithm;
+use moeconf_reference_runtime::precision::Precision;
 use moeconf_shard::Shard;
+use std::path::PathBuf;
 
 /// How a command made of independent jobs runs them: which shard, with how
 /// many threads, with or without progress (`sweep`, `calibrate`).
@@ -18,4 +23,75 @@ pub struct JobArgs {
     /// Worker threads (results never depend on it; at most 4 × the cores, at least 64 allowed).
     #[arg(long)]
     pub threads: Option<usize>,
+}
+
+/// Output format of reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Human-readable text.
+    Text,
+    /// One JSON document with a `schema_version` field.
+    Json,
+}
+
+/// The model and prompt of a run (`moeconf run`, `moeconf sweep`).
+#[derive(Debug, Args)]
+pub struct ModelPromptArgs {
+    /// Model: `builtin:tiny-v4`, `builtin:tiny-v4-fp8` (the released FP8 / MXFP4 format),
+    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization) or a directory with config.json,
+    /// *.safetensors and tokenizer.json.
+    #[arg(long, default_value = "builtin:tiny-v4")]
+    pub model: String,
+    /// Prompt text (raw UTF-8, no chat template).
+    #[arg(long, conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// Read the prompt text (UTF-8, at most 16 MiB) from a file.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+}
+
+impl ModelPromptArgs {
+    /// The prompt text, from `--prompt` or `--prompt-file`.
+    pub fn prompt(&self) -> anyhow::Result<String> {
+        match (&self.prompt, &self.prompt_file) {
+            (Some(p), None) => Ok(p.clone()),
+            (None, Some(f)) => Ok(moeconf_runner::limits::read_prompt_file(f)?),
+            _ => bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
+        }
+    }
+
+    /// The files these options read (a model directory's files, the prompt
+    /// file), which no output of the command may be.
+    pub fn inputs(&self) -> moeconf_output::Inputs {
+        let mut inputs = moeconf_output::Inputs::new();
+        crate::output::add_model_inputs(&self.model, &mut inputs);
+        if let Some(f) = &self.prompt_file {
+            inputs.file(f, "prompt file");
+        }
+        inputs
+    }
+}
+
+/// Sets the global rayon pool size (results never depend on it), within
+/// [`moeconf_runner::limits::max_threads`].
+pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        moeconf_runner::limits::check_threads(n)?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring the thread pool")?;
+    }
+    Ok(())
+}
+
+/// Parses `--precision`.
+pub fn precision(name: &str) -> anyhow::Result<Precision> {
+    Precision::from_name(name)
+        .with_context(|| format!("--precision {name:?}: expected bf16, f32 or official"))
+}
+
+/// Parses `--digest`.
+pub fn algorithm(name: &str) -> anyhow::Result<Algorithm> {
+    Algorithm::from_name(name).with_context(|| format!("--digest {name:?}"))
 }

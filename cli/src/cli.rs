@@ -2,9 +2,7 @@
 //! lives beside its `run` in `cmd/`, and values are validated there so it can
 //! be tested without a process.
 
-use anyhow::bail;
-use clap::{Args, FromArgMatches, Parser, Subcommand, ValueEnum};
-use std::path::PathBuf;
+use clap::{Args, FromArgMatches, Parser, Subcommand};
 
 use crate::cmd;
 
@@ -102,53 +100,6 @@ with text/JSON/JUnit/Markdown reports and blessed baselines";
 
 /// What `moeconf gate --help` prints after the options.
 const GATE_AFTER_HELP: &str = "Exit codes: 0 pass, 1 fail, 2 error (--bisect-exit-codes: 0 good, 1 bad, 125 skip, 128 error).\n\nExamples:\n  moeconf gate ref.bin cand.bin\n  moeconf gate ref.bin cand.bin --profile strict --format md >> \"$GITHUB_STEP_SUMMARY\"\n  moeconf gate ref.bin cand.bin --junit moeconf-junit.xml\n  moeconf gate --bless --baseline baselines/sheep.json cand.bin\n  moeconf gate --baseline baselines/sheep.json cand.bin\n\nPolicies, tolerance semantics and a GitHub Actions workflow: docs/ci.md";
-
-/// Output format of reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// Human-readable text.
-    Text,
-    /// One JSON document with a `schema_version` field.
-    Json,
-}
-
-/// The model and prompt of a run (`moeconf run`, `moeconf sweep`).
-#[derive(Debug, Args)]
-pub struct ModelPromptArgs {
-    /// Model: `builtin:tiny-v4`, `builtin:tiny-v4-fp8` (the released FP8 / MXFP4 format),
-    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization) or a directory with config.json,
-    /// *.safetensors and tokenizer.json.
-    #[arg(long, default_value = "builtin:tiny-v4")]
-    pub model: String,
-    /// Prompt text (raw UTF-8, no chat template).
-    #[arg(long, conflicts_with = "prompt_file")]
-    pub prompt: Option<String>,
-    /// Read the prompt text (UTF-8, at most 16 MiB) from a file.
-    #[arg(long)]
-    pub prompt_file: Option<PathBuf>,
-}
-
-impl ModelPromptArgs {
-    /// The prompt text, from `--prompt` or `--prompt-file`.
-    pub fn prompt(&self) -> anyhow::Result<String> {
-        match (&self.prompt, &self.prompt_file) {
-            (Some(p), None) => Ok(p.clone()),
-            (None, Some(f)) => Ok(moeconf_runner::limits::read_prompt_file(f)?),
-            _ => bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
-        }
-    }
-
-    /// The files these options read (a model directory's files, the prompt
-    /// file), which no output of the command may be.
-    pub fn inputs(&self) -> moeconf_output::Inputs {
-        let mut inputs = moeconf_output::Inputs::new();
-        crate::output::add_model_inputs(&self.model, &mut inputs);
-        if let Some(f) = &self.prompt_file {
-            inputs.file(f, "prompt file");
-        }
-        inputs
-    }
-}
 
 /// Parses the process arguments (exits with code 2 on a usage error, 0 on
 /// `--help`/`--version`).

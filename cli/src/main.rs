@@ -29,8 +29,28 @@ fn main() -> ExitCode {
 }
 
 fn run() -> anyhow::Result<ExitCode> {
-    let args = cli::parse();
-    cmd::dispatch(args)
+    dispatch(cli::parse())
+}
+
+/// Runs the parsed command.
+fn dispatch(cli: cli::Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        cli::Command::Inspect(a) => cmd::inspect::run(&a),
+        cli::Command::Run(a) => cmd::run::run(&a),
+        cli::Command::Demo(a) => cmd::demo::run(&a),
+        cli::Command::Diff(a) => cmd::diff::run(&a),
+        cli::Command::Explain(a) => cmd::explain::run(&a),
+        cli::Command::Sweep(a) => cmd::sweep::run(&a),
+        cli::Command::Certify(a) => cmd::certify::run(&a),
+        cli::Command::Convert(a) => cmd::convert::run(&a),
+        cli::Command::Import(a) => cmd::import::run(&a),
+        cli::Command::Gate(a) => cmd::gate::run(&a),
+        cli::Command::Calibrate(a) => cmd::calibrate::run(&a),
+        cli::Command::Merge(a) => cmd::merge::run(&a),
+        cli::Command::Replay(a) => cmd::replay::run(&a),
+        cli::Command::Bench(b) => cmd::bench::run(&b),
+        cli::Command::Export(e) => cmd::export::run(&e),
+    }
 }
 
 fn is_broken_pipe(err: &anyhow::Error) -> bool {

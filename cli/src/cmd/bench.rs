@@ -2,7 +2,7 @@
 //! The measurements and their reports live in `moeconf-bench`; this module
 //! holds the arguments.
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::output::{print_json, print_text};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;

@@ -133,8 +133,8 @@ const DEFAULT_OUT: &str = "moeconf-calibration";
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let start = Instant::now();
-    super::set_threads(a.jobs.threads)?;
-    let precision = super::precision(&a.precision)?;
+    crate::args::set_threads(a.jobs.threads)?;
+    let precision = crate::args::precision(&a.precision)?;
     suite::check_selection(&a.only)?;
     let sizes = a.sizes()?;
     let mut inputs = Inputs::new();

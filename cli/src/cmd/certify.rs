@@ -11,7 +11,7 @@ use moeconf_bisect::certify::{
 use moeconf_contract::{AggregationContract, Order};
 use moeconf_schema::Trace;
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::output::{print_json, print_text};
 
 const CERTIFY_EXAMPLES: &str = "Examples:

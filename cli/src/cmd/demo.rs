@@ -1,7 +1,7 @@
 //! `moeconf demo`: the README's main job. Two traces of the built-in model,
 //! identical except for one MoE reduction, and the diff that localizes it.
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::cmd::diff::{self, DiffArgs};
 use crate::output::{check_outputs, output_dir};
 use clap::Args;

@@ -4,7 +4,7 @@
 //! not comparable, reported with every differing binding field, and a trace
 //! that lacks steps of its run unless `--allow-incomplete`).
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::output::check_output;
 use crate::output::print_json;
 use anyhow::Context;

@@ -5,7 +5,7 @@
 //! reproduces, which the report names), 2 error (missing records or
 //! payloads, named in the message).
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::output::{print_json, print_text};
 use clap::Args;
 use moeconf_bisect::explain_trace;

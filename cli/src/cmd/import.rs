@@ -42,7 +42,7 @@ pub struct ImportArgs {
 
 /// Runs `moeconf import`.
 pub fn run(a: &ImportArgs) -> anyhow::Result<ExitCode> {
-    let algorithm = super::algorithm(&a.digest)?;
+    let algorithm = crate::args::algorithm(&a.digest)?;
     // The dump and the manifest now; the import adds the files the manifest names.
     let mut inputs = Inputs::new();
     inputs.dir_files(&a.input, "dump file");

@@ -1,7 +1,7 @@
 //! `moeconf inspect`: what a trace is of and what it holds (the rendering
 //! is `moeconf_schema::inspect`).
 
-use crate::cli::Format;
+use crate::args::Format;
 use clap::Args;
 use moeconf_schema::inspect::{InspectOptions, Inspection};
 use moeconf_schema::Trace;

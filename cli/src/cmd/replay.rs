@@ -9,7 +9,7 @@
 //! candidate without every step of its run is exit 2 unless
 //! `--allow-incomplete`.
 
-use crate::cli::Format;
+use crate::args::Format;
 use crate::output::{print_json, print_text};
 use anyhow::Context;
 use moeconf_output::write_checked;
@@ -103,7 +103,7 @@ fn model_spec(a: &ReplayArgs, trace: &Trace) -> anyhow::Result<String> {
 
 /// Runs `moeconf replay`.
 pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
-    super::set_threads(a.threads)?;
+    crate::args::set_threads(a.threads)?;
     if a.top_k == 0 {
         anyhow::bail!("--top-k 0: expected at least 1");
     }
@@ -123,7 +123,7 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     let incomplete: Vec<String> = super::complete::describe(&trace).into_iter().collect();
     super::complete::require(&incomplete, a.allow_incomplete, "not replayed")?;
     let m = load_model(&model_spec(a, &trace)?)?;
-    let precision = a.precision.as_deref().map(super::precision).transpose()?;
+    let precision = a.precision.as_deref().map(crate::args::precision).transpose()?;
     let (text, json, code) = if a.teacher_force {
         let r = teacher_force(
             &trace,

@@ -1,6 +1,6 @@
 //! `moeconf run`: trace the reference runtime.
 
-use crate::cli::ModelPromptArgs;
+use crate::args::ModelPromptArgs;
 use crate::output::check_output;
 use clap::Args;
 use moeconf_contract::Schedule;
@@ -108,13 +108,13 @@ pub struct RunArgs {
 
 /// Runs `moeconf run`.
 pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
-    super::set_threads(a.threads)?;
+    crate::args::set_threads(a.threads)?;
     let mut inputs = a.input.inputs();
     check_output(&a.output, &inputs)?;
     let prompt = a.input.prompt()?;
-    let precision = super::precision(&a.precision)?;
+    let precision = crate::args::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
-    let algorithm = super::algorithm(&a.digest)?;
+    let algorithm = crate::args::algorithm(&a.digest)?;
     let contract = match &a.contract {
         Some(c) => c.clone(),
         None => default_contract(precision).parse()?,

@@ -23,7 +23,7 @@ use moeconf_reference_runtime::fork::{SweepJobs, SweepOptions};
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_shard::{JobResult, Progress, ProgressMode, Shard};
 
-use crate::cli::{Format, ModelPromptArgs};
+use crate::args::{Format, ModelPromptArgs};
 use crate::output::print_text;
 use moeconf_output::write_all_checked;
 use moeconf_output::CheckedOutput;
@@ -126,7 +126,7 @@ pub(crate) fn write_outputs(
 
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
-    super::set_threads(a.jobs.threads)?;
+    crate::args::set_threads(a.jobs.threads)?;
     if a.jobs.shard.is_some() {
         if a.html.is_some() {
             bail!(
@@ -141,8 +141,8 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
     crate::output::check_outputs(&outs, &inputs)?;
     let prompt = a.input.prompt()?;
-    let precision = super::precision(&a.precision)?;
-    let algorithm = super::algorithm(&a.digest)?;
+    let precision = crate::args::precision(&a.precision)?;
+    let algorithm = crate::args::algorithm(&a.digest)?;
     if a.max_new_tokens <= a.fork_step {
         bail!(
             "--max-new-tokens {} must exceed --fork-step {} (the fork step must run)",
