@@ -15,8 +15,8 @@ use moeconf_reference_runtime::fork::{
 };
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_report::{SweepBranch, SweepView};
-use moeconf_runner::LoadedModel;
-use moeconf_shard::{JobGroup, Merged, Progress, RunIdentity, Shard};
+use moeconf_runner::{build_combine, check_fork_point, CombineChoice, LoadedModel};
+use moeconf_shard::{JobGroup, JobResult, Merged, Progress, ProgressMode, RunIdentity, Shard};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -614,4 +614,132 @@ pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, pieces: &[Vec<String>]) -
             .map(|(i, b)| branch(b, pieces.get(i + 1)))
             .collect(),
     }
+}
+
+/// What `moeconf sweep` is asked, once its arguments are parsed and its
+/// model loaded: the one entry point a command (or a program) calls.
+pub struct SweepRequest<'a> {
+    /// The model.
+    pub model: &'a LoadedModel,
+    /// The prompt text.
+    pub prompt: &'a str,
+    /// Where every branch forks.
+    pub point: ForkPoint,
+    /// Tokens generated per branch.
+    pub max_new_tokens: u32,
+    /// The schemes, explicit branches and branch limit.
+    pub schemes: SchemeRequest<'a>,
+    /// The combine of every other MoE event (the base).
+    pub combine: &'a CombineChoice,
+    /// Precision profile.
+    pub precision: moeconf_reference_runtime::precision::Precision,
+    /// Digest algorithm of the branch fingerprints.
+    pub algorithm: Algorithm,
+    /// The report's format name (`text` or `json`) and its top list's length.
+    pub format: &'a str,
+    /// Branches listed per scheme in the text report.
+    pub top: usize,
+    /// The shard to run; `None`: the whole sweep.
+    pub shard: Option<Shard>,
+    /// Whether the whole sweep's outputs include the HTML page.
+    pub html: bool,
+    /// How progress is shown.
+    pub progress: ProgressMode,
+}
+
+/// What a sweep produced.
+pub enum SweepOutcome {
+    /// A shard's partial result: the run's identity and this shard's job
+    /// results, for `moeconf_shard::write_partial`.
+    Partial {
+        /// The run's identity (arguments and input digests).
+        identity: RunIdentity,
+        /// The shard.
+        shard: Shard,
+        /// This shard's job results.
+        results: Vec<JobResult>,
+    },
+    /// The whole sweep's outputs.
+    Whole(SweepOutputs),
+}
+
+/// A finished sweep: its outcome and the one line that says how it went.
+pub struct SweepRun {
+    /// What it produced.
+    pub outcome: SweepOutcome,
+    /// `moeconf sweep: N branches ...` (stderr, unless quiet).
+    pub finished: String,
+}
+
+/// Runs the sweep `req` asks: checks the fork point and the prompt against
+/// the model, builds the schemes and the base combine, runs this shard's
+/// jobs (every job without a shard) and returns the partial result or the
+/// whole sweep's outputs.
+pub fn run(req: &SweepRequest<'_>) -> Result<SweepRun> {
+    let m = req.model;
+    let cfg = m.model.config();
+    let k = cfg.experts_per_tok;
+    let layers = cfg.layer_types.len();
+    let prompt_ids = m.tokenizer.encode_for(req.prompt, cfg.vocab_size)?;
+    if prompt_ids.is_empty() {
+        return Err(CalibrateError::Invalid(format!(
+            "the prompt {:?} tokenizes to no tokens",
+            req.prompt
+        )));
+    }
+    moeconf_runner::limits::check_prompt_tokens(prompt_ids.len())?;
+    check_fork_point(req.point, true, prompt_ids.len(), req.max_new_tokens, layers)?;
+    let schemes = build_schemes(&req.schemes, k)?;
+    let base = build_combine(req.combine, k, req.prompt, layers)?;
+    let args = SweepArguments {
+        model: m.name.clone(),
+        prompt: req.prompt.to_string(),
+        prompt_ids: prompt_ids.clone(),
+        fork_layer: req.point.layer,
+        fork_step: req.point.step,
+        fork_position: req.point.position,
+        schemes: req.schemes.schemes.to_vec(),
+        branches: req.schemes.branches.to_vec(),
+        limit: req.schemes.limit,
+        max_new_tokens: req.max_new_tokens as usize,
+        precision: req.precision.name().into(),
+        base_contract: base.contract.clone(),
+        base_schedule: base.schedule.clone(),
+        algorithm: req.algorithm.name().into(),
+        experts_per_tok: k,
+        format: req.format.into(),
+        top: req.top,
+    };
+    let shard = req.shard.unwrap_or(Shard::WHOLE);
+    // The inputs' digests (every weight hashed) only for a partial result.
+    let run_inputs = req.shard.is_some().then(|| inputs(m)).transpose()?;
+    let opts = moeconf_reference_runtime::fork::SweepOptions {
+        point: req.point,
+        max_new_tokens: req.max_new_tokens as usize,
+        precision: req.precision,
+        base: base.combine.as_ref(),
+        detokenizer: Some(&m.tokenizer as &dyn Detokenize),
+        algorithm: req.algorithm,
+        canon: moeconf_fingerprint::CanonPolicy::default(),
+    };
+    let t = std::time::Instant::now();
+    let jobs = SweepJobs::prepare(&m.model, &prompt_ids, &schemes, &opts)?;
+    let mine: Vec<usize> = shard.jobs(jobs.count()).collect();
+    let progress = Progress::new(req.progress, "sweep", "branches", mine.len());
+    let results = run_jobs(&jobs, &mine, &m.tokenizer, &progress)?;
+    progress.finish();
+    let finished = finish_message(mine.len(), jobs.count(), shard, t.elapsed().as_secs_f64());
+    let outcome = match run_inputs {
+        Some(inputs) => SweepOutcome::Partial {
+            identity: identity(&args, inputs, jobs.count())?,
+            shard,
+            results: mine
+                .iter()
+                .zip(results)
+                .map(|(&job, result)| JobResult { job, result })
+                .collect(),
+        },
+        None => SweepOutcome::Whole(outputs(&args, &results, req.html)?),
+    };
+    Ok(SweepRun { outcome, finished })
 }

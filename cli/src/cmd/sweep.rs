@@ -13,22 +13,17 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::bail;
-use moeconf_calibrate::sweep::{
-    build_schemes, finish_message, identity, outputs, run_jobs, SchemeRequest, SweepArguments, SweepOutputs,
-};
+use anyhow::{bail, Context};
+use moeconf_calibrate::sweep::{SchemeRequest, SweepOutcome, SweepOutputs, SweepRequest};
 use moeconf_contract::ForkPoint;
-use moeconf_fingerprint::CanonPolicy;
-use moeconf_reference_runtime::fork::{SweepJobs, SweepOptions};
-use moeconf_reference_runtime::tokenizer::Detokenize;
-use moeconf_shard::{JobResult, Progress, ProgressMode, Shard};
+use moeconf_shard::ProgressMode;
 
 use crate::args::{Format, ModelPromptArgs};
 use crate::output::print_text;
 use moeconf_output::write_all_checked;
 use moeconf_output::CheckedOutput;
-use moeconf_runner::limits::{check_prompt_tokens, MAX_NEW_TOKENS};
-use moeconf_runner::{build_combine, check_fork_point, load_model, CombineChoice};
+use moeconf_runner::limits::MAX_NEW_TOKENS;
+use moeconf_runner::{load_model, CombineChoice};
 
 const SWEEP_EXAMPLES: &str = "Examples:
   moeconf sweep --model builtin:tiny-v4 --prompt \"why the sheep\" --fork-layer 5 --scheme a,b --max-new-tokens 2
@@ -162,99 +157,53 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         .as_ref()
         .map(|o| moeconf_output::check_output(o, &inputs))
         .transpose()?;
-    let cfg = m.model.config();
-    let k = cfg.experts_per_tok;
-    let layers = cfg.layer_types.len();
-    let point = ForkPoint {
-        layer: a.fork_layer,
-        step: a.fork_step,
-        position: a.fork_position,
-    };
-    let prompt_ids = m.tokenizer.encode_for(&prompt, cfg.vocab_size)?;
-    if prompt_ids.is_empty() {
-        bail!("the prompt {prompt:?} tokenizes to no tokens");
-    }
-    check_prompt_tokens(prompt_ids.len())?;
-    check_fork_point(point, true, prompt_ids.len(), a.max_new_tokens, layers)?;
-    let request = SchemeRequest {
-        schemes: &a.scheme,
-        branches: &a.branch,
-        limit: a.limit,
-    };
-    let schemes = build_schemes(&request, k)?;
     let choice = CombineChoice {
         contract: a.contract.clone(),
         schedule: a.schedule.clone(),
         ..CombineChoice::default()
     };
-    let base = build_combine(&choice, k, &prompt, layers)?;
-    let args = SweepArguments {
-        model: m.name.clone(),
-        prompt: prompt.clone(),
-        prompt_ids: prompt_ids.clone(),
-        fork_layer: a.fork_layer,
-        fork_step: a.fork_step,
-        fork_position: a.fork_position,
-        schemes: a.scheme.clone(),
-        branches: a.branch.clone(),
-        limit: a.limit,
-        max_new_tokens: a.max_new_tokens as usize,
-        precision: precision.name().into(),
-        base_contract: base.contract.clone(),
-        base_schedule: base.schedule.clone(),
-        algorithm: algorithm.name().into(),
-        experts_per_tok: k,
+    let req = SweepRequest {
+        model: &m,
+        prompt: &prompt,
+        point: ForkPoint {
+            layer: a.fork_layer,
+            step: a.fork_step,
+            position: a.fork_position,
+        },
+        max_new_tokens: a.max_new_tokens,
+        schemes: SchemeRequest {
+            schemes: &a.scheme,
+            branches: &a.branch,
+            limit: a.limit,
+        },
+        combine: &choice,
+        precision,
+        algorithm,
         format: match a.format {
-            Format::Text => "text".into(),
-            Format::Json => "json".into(),
+            Format::Text => "text",
+            Format::Json => "json",
         },
         top: a.top,
+        shard: a.jobs.shard,
+        html: html.is_some(),
+        progress: ProgressMode::detect(a.jobs.quiet),
     };
-    let shard = a.jobs.shard.unwrap_or(Shard::WHOLE);
-    // The inputs' digests (every weight hashed) only for a partial result.
-    let run_inputs = a
-        .jobs
-        .shard
-        .is_some()
-        .then(|| moeconf_calibrate::sweep::inputs(&m))
-        .transpose()?;
-    let opts = SweepOptions {
-        point,
-        max_new_tokens: a.max_new_tokens as usize,
-        precision,
-        base: base.combine.as_ref(),
-        detokenizer: Some(&m.tokenizer as &dyn Detokenize),
-        algorithm,
-        canon: CanonPolicy::default(),
-    };
-    let t = std::time::Instant::now();
-    let jobs = SweepJobs::prepare(&m.model, &prompt_ids, &schemes, &opts)?;
-    let mine: Vec<usize> = shard.jobs(jobs.count()).collect();
-    let progress = Progress::new(
-        ProgressMode::detect(a.jobs.quiet),
-        "sweep",
-        "branches",
-        mine.len(),
-    );
-    let results = run_jobs(&jobs, &mine, &m.tokenizer, &progress)?;
-    progress.finish();
+    let done = moeconf_calibrate::sweep::run(&req)?;
     if !a.jobs.quiet {
-        eprintln!(
-            "{}",
-            finish_message(mine.len(), jobs.count(), shard, t.elapsed().as_secs_f64())
-        );
+        eprintln!("{}", done.finished);
     }
-    if let (Some(inputs), Some(out)) = (run_inputs, &output) {
-        let id = identity(&args, inputs, jobs.count())?;
-        let results = mine
-            .iter()
-            .zip(results)
-            .map(|(&job, result)| JobResult { job, result })
-            .collect();
-        moeconf_shard::write_partial(out, &id, shard, results, &[])?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let o = outputs(&args, &results, html.is_some())?;
+    let o = match done.outcome {
+        SweepOutcome::Partial {
+            identity,
+            shard,
+            results,
+        } => {
+            let out = output.as_ref().context("--shard needs -o FILE")?;
+            moeconf_shard::write_partial(out, &identity, shard, results, &[])?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        SweepOutcome::Whole(o) => o,
+    };
     write_outputs(output.as_ref(), html.as_ref(), &o)?;
     print_text(&o.stdout)?;
     Ok(ExitCode::SUCCESS)
