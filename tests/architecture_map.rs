@@ -8,7 +8,7 @@
 //! (`schema (no runtime)`) and is not read.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn repo() -> PathBuf {
@@ -131,4 +131,57 @@ fn the_crate_maps_dependency_column_is_the_manifests() {
         "docs/architecture.md's crate map:\n{}",
         wrong.join("\n")
     );
+}
+
+/// Every repository path the docs cite in backticks (`dir/file.ext` whose
+/// first component is a folder of this repository) exists: a moved or
+/// renamed file cannot leave a stale citation. Paths of other projects
+/// (`inference/model.py`, `models/deepseek_v4/...`) start with folders this
+/// repository does not have and are not checked.
+#[test]
+fn every_repository_path_the_docs_cite_exists() {
+    let root = repo();
+    let top: BTreeSet<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "target")
+        .collect();
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    docs.extend(["README.md", "fuzz/README.md", "python/README.md"].map(|p| root.join(p)));
+    docs.sort();
+    let mut cited = 0;
+    let mut missing = Vec::new();
+    for d in &docs {
+        let text = std::fs::read_to_string(d).unwrap();
+        for (i, span) in text.split('`').enumerate() {
+            // Odd pieces are inside a code span.
+            if i % 2 == 0 || span.contains(char::is_whitespace) || !span.contains('/') {
+                continue;
+            }
+            let path = span.trim_end_matches([':', ',', '.']);
+            let has_ext = Path::new(path).extension().is_some_and(|x| {
+                ["rs", "md", "py", "toml", "sh", "json", "yml"].contains(&&*x.to_string_lossy())
+            });
+            let first = path.split('/').next().unwrap_or("");
+            if !has_ext || !top.contains(first) || path.contains(['*', '{', '<']) {
+                continue;
+            }
+            cited += 1;
+            if !root.join(path).exists() {
+                missing.push(format!(
+                    "{}: {path}",
+                    d.strip_prefix(&root).unwrap_or(d).display()
+                ));
+            }
+        }
+    }
+    assert!(cited > 100, "only {cited} citations found");
+    assert!(missing.is_empty(), "cited but missing:\n{}", missing.join("\n"));
 }
