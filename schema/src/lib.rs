@@ -94,8 +94,10 @@ pub const SMALL_RECORD_BYTES: usize = 256;
 pub fn fuzz_read(bytes: &[u8]) {
     let read = |b: Vec<u8>| {
         if let Ok(t) = Trace::from_bytes(std::path::Path::new("fuzz.bin"), b) {
-            // The lazy paths first (version 2 reads nodes on use), then
-            // every byte.
+            // The lazy paths first (version 2 reads nodes on use; version 3
+            // takes level sets from the root block), then every byte.
+            let _ = t.held_levels();
+            let _ = t.levels_by_step(0..t.steps().len());
             for s in t.steps().to_vec() {
                 if let Ok(Some(node)) = t.step(s.step) {
                     for g in node.levels.iter().flat_map(|l| &l.groups) {
