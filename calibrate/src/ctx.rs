@@ -143,13 +143,7 @@ impl Ctx {
     /// when the fork layer is not a layer of the model.
     pub fn new(m: LoadedModel, opts: CtxOptions) -> Result<Ctx> {
         let layers = m.model.config().num_layers();
-        let fork_layer = opts.fork_layer;
-        if fork_layer as usize >= layers {
-            return Err(CalibrateError::Invalid(format!(
-                "--fork-layer {fork_layer}: the model has {layers} layers (0..{})",
-                layers - 1
-            )));
-        }
+        moeconf_runner::check_fork_layer(opts.fork_layer, layers)?;
         let identity = model_identity(&m.name, &m.dir, ALGORITHM)?;
         let tok_path = m.dir.join("tokenizer.json");
         let tok = moeconf_output::input::read_input(&tok_path, "tokenizer file")
@@ -160,7 +154,7 @@ impl Ctx {
             identity,
             tokenizer_digest,
             precision: opts.precision,
-            fork_layer,
+            fork_layer: opts.fork_layer,
             sizes: opts.sizes,
             out: opts.out,
             progress: opts.progress,

@@ -402,12 +402,7 @@ pub fn build_combine(
             fork: None,
         }),
         Some(layer) => {
-            if layer as usize >= layers {
-                bail!(
-                    "--fork-layer {layer}: the model has {layers} layers (0..{})",
-                    layers - 1
-                );
-            }
+            check_fork_layer(layer, layers)?;
             let mut contract = c.fork_contract().contract().clone();
             if let Some(o) = &c.fork_order {
                 let order = parse_fork_order(o, &contract).map_err(opt("--fork-order"))?;
@@ -437,6 +432,18 @@ pub fn build_combine(
     }
 }
 
+/// Refuses a fork layer the model does not have (the one check every
+/// command with a fork makes, before anything runs).
+pub fn check_fork_layer(layer: u32, layers: usize) -> Result<(), RunError> {
+    if layer as usize >= layers {
+        bail!(
+            "--fork-layer {layer}: the model has {layers} layers (0..{})",
+            layers.saturating_sub(1)
+        );
+    }
+    Ok(())
+}
+
 /// Refuses a fork point that no forward of the run processes: a layer the
 /// model does not have, a step at or beyond `max_new_tokens` (steps are
 /// 0..max_new_tokens−1), or a position the step does not process (step 0
@@ -450,13 +457,7 @@ pub fn check_fork_point(
     max_new_tokens: u32,
     layers: usize,
 ) -> Result<(), RunError> {
-    if point.layer as usize >= layers {
-        bail!(
-            "--fork-layer {}: the model has {layers} layers (0..{})",
-            point.layer,
-            layers.saturating_sub(1)
-        );
-    }
+    check_fork_layer(point.layer, layers)?;
     let step = point.step;
     if step >= max_new_tokens {
         let default = if step_given {

@@ -155,14 +155,7 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     inputs.dir_files(&m.dir, "model file");
     // Every fork of the suite is at step 1 with at least 2 generated tokens,
     // so only the layer can miss; refuse it before creating --out.
-    let layers = m.model.config().num_layers();
-    if a.fork_layer as usize >= layers {
-        bail!(
-            "--fork-layer {}: the model has {layers} layers (0..{})",
-            a.fork_layer,
-            layers.saturating_sub(1)
-        );
-    }
+    moeconf_runner::check_fork_layer(a.fork_layer, m.model.config().num_layers())?;
     let progress = ProgressMode::detect(a.jobs.quiet);
     let info = |k: usize| RunInfo {
         model: a.model.clone(),
