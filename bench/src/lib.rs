@@ -3,13 +3,14 @@
 //! without capture, the run that wrote the trace) and reports the ratio, as
 //! text for people and JSON for machines. The measuring code lives with
 //! what it measures (`moeconf_fingerprint::bench`,
-//! `moeconf_bisect::bench_diff`, `moeconf_runner::bench`,
+//! `diff::bench_diff`, `moeconf_runner::bench`,
 //! `moeconf_replay::bench`); this crate runs and reports it, so the binary
 //! only parses arguments.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
+pub mod diff;
 pub mod scale;
 
 /// A benchmark's report.
@@ -134,7 +135,7 @@ fn check_bench_dir(dir: &Path) -> Result<(), BenchError> {
             dir.display()
         )));
     }
-    for name in moeconf_bisect::BENCH_TRACE_NAMES {
+    for name in diff::BENCH_TRACE_NAMES {
         let p = dir.join(name);
         if std::fs::symlink_metadata(&p).is_ok() {
             return Err(BenchError::Invalid(format!(
@@ -171,7 +172,7 @@ pub fn diff(
         "moeconf bench diff: writing two {mib} MiB traces into {} ...",
         dir.display()
     );
-    let b = moeconf_bisect::bench_diff(&dir, mib << 20, record_bytes, repeat).map_err(step("bench diff"))?;
+    let b = diff::bench_diff(&dir, mib << 20, record_bytes, repeat).map_err(step("bench diff"))?;
     let json = json!({
         "schema_version": 1,
         "kind": "moeconf.bench.diff",

@@ -48,7 +48,6 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
-mod bench;
 pub mod certify;
 mod comparability;
 mod contract_report;
@@ -72,7 +71,6 @@ mod storage;
 mod textdiff;
 mod walk;
 
-pub use bench::{bench_diff, DiffBench, BENCH_LAYERS, BENCH_TRACE_NAMES};
 pub use certify::{certify, certify_within, CertifyError, CertifyLimits, CertifyReport, Family};
 pub use comparability::{compare_bindings, Comparability};
 pub use coverage::{not_captured_reason, NOT_CAPTURED_NOTE};

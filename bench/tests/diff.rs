@@ -3,13 +3,13 @@
 //! writes 2 GiB; run it with:
 //!
 //! ```text
-//! cargo test --release -p moeconf-bisect --test bench -- --ignored --nocapture
+//! cargo test --release -p moeconf-bench --test diff -- --ignored --nocapture
 //! ```
 //!
 //! It prints the measured times and ratio (target: diff < 1% of the byte
 //! comparison) and asserts only that the injected record is the one localized.
 
-use moeconf_bisect::{bench_diff, BENCH_LAYERS};
+use moeconf_bench::diff::{bench_diff, BENCH_LAYERS};
 
 #[test]
 #[ignore = "writes two 1 GiB traces; run explicitly (see the module docs)"]

@@ -9,11 +9,9 @@
 //! pays for reading every byte from disk, `diff` only for the index and one
 //! payload.
 
-use crate::diff::{diff, open_both, DiffOptions};
-use crate::error::BisectError;
-use crate::report::FirstDivergence;
+use moeconf_bisect::{diff, open_pair_with, BisectError, DiffOptions, FirstDivergence};
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Phase, TensorView};
-use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, Trace, TraceError, TraceWriter};
+use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, TraceError, TraceWriter};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -201,7 +199,7 @@ pub const BENCH_TRACE_NAMES: [&str; 2] = ["bench-ref.bin", "bench-cand.bin"];
 /// step) that differ in one `moe.combine` value in the second-to-last
 /// step, then times `repeat` byte comparisons and `repeat` diffs (opening
 /// both traces, then [`diff`]), and separately the payload verification
-/// that [`open_pair`](crate::open_pair) adds. The files are removed
+/// that [`open_pair`](moeconf_bisect::open_pair) adds. The files are removed
 /// afterwards unless `MOECONF_BENCH_KEEP` is set (for profiling).
 pub fn bench_diff(
     dir: &Path,
@@ -236,7 +234,7 @@ pub fn bench_diff(
         let mut records = 0;
         for _ in 0..repeat.max(1) {
             let t = Instant::now();
-            let (ra, rb) = open_both(&a, &b, Trace::open)?;
+            let (ra, rb) = open_pair_with(&a, &b, moeconf_schema::Verification::OnUse)?;
             best_open = best_open.min(t.elapsed().as_secs_f64());
             let w = Instant::now();
             let report = diff(&ra, &rb, &DiffOptions::default())?;
