@@ -4,13 +4,14 @@
 //! text for people and JSON for machines. The measuring code lives with
 //! what it measures (`moeconf_fingerprint::bench`,
 //! `diff::bench_diff`, `moeconf_runner::bench`,
-//! `moeconf_replay::bench`); this crate runs and reports it, so the binary
+//! `replay`); this crate runs and reports it, so the binary
 //! only parses arguments.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 pub mod diff;
+pub mod replay;
 pub mod scale;
 
 /// A benchmark's report.
@@ -342,7 +343,7 @@ pub fn replay(model: &str, tokens: u32, repeat: u32) -> Result<BenchReport, Benc
     let m = moeconf_runner::load_model(model).map_err(step("loading the model"))?;
     let tmp = scratch("moeconf-bench-replay")?;
     eprintln!("moeconf bench replay: {tokens} tokens on {model} (best of {repeat}) ...");
-    let b = moeconf_replay::bench::bench_replay(&m, "why the sheep", tokens, repeat, tmp.path())
+    let b = replay::bench_replay(&m, "why the sheep", tokens, repeat, tmp.path())
         .map_err(step("bench replay"))?;
     let json = json!({
         "schema_version": 1,

@@ -21,7 +21,6 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
-pub mod bench;
 mod candidate;
 mod engine;
 pub mod error;

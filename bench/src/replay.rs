@@ -19,7 +19,7 @@ use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{run_to_trace, CombineChoice, LoadedModel, RunError, RunSpec};
 use moeconf_schema::{CaptureSpec, Trace};
 
-use crate::{replay_layers, teacher_force, ReplayError, TeacherOptions};
+use moeconf_replay::{replay_layers, teacher_force, ReplayError, TeacherOptions};
 
 /// Why the benchmark failed.
 #[derive(Debug, thiserror::Error)]
@@ -118,23 +118,23 @@ pub fn bench_replay(
     })?;
     let replay = || {
         let t = Trace::open(&path).map_err(BenchError::Open)?;
-        replay_layers(&t, m, &crate::LayerOptions::default()).map_err(BenchError::Replay)
+        replay_layers(&t, m, &moeconf_replay::LayerOptions::default()).map_err(BenchError::Replay)
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
         .map_err(BenchError::Pool)?;
     let (replay_1thread, report) = pool.install(|| best(repeat, replay))?;
-    let bad = report.units.len() - report.count(crate::Status::Reproduced);
+    let bad = report.units.len() - report.count(moeconf_replay::Status::Reproduced);
     if bad > 0 {
         return Err(BenchError::NotReproduced(bad));
     }
     let (replay_pool, _) = best(repeat, replay)?;
     let measured = || {
         let t = Trace::open(&path).map_err(BenchError::Open)?;
-        let opts = crate::LayerOptions {
+        let opts = moeconf_replay::LayerOptions {
             measure_propagation: true,
-            ..crate::LayerOptions::default()
+            ..moeconf_replay::LayerOptions::default()
         };
         replay_layers(&t, m, &opts).map_err(BenchError::Replay)
     };
