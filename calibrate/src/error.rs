@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use moeconf_bisect::BisectError;
 use moeconf_contract::ContractError;
 use moeconf_reference_runtime::error::RuntimeError;
-use moeconf_runner::RunError;
+use moeconf_runner::{Field, FieldMessage, RunError};
 use moeconf_schema::{InputError, TraceError};
 
 /// Everything that can stop a calibration protocol or the sweep report.
@@ -49,11 +49,17 @@ pub enum CalibrateError {
         #[source]
         source: Box<CalibrateError>,
     },
-    /// A `--scheme` or `--branch` of the sweep is invalid.
+    /// A scheme or branch of the sweep, or the protocol selection, is
+    /// invalid; the message names it as a [`moeconf_runner::Field`], which
+    /// a front end renders by its own option name
+    /// ([`CalibrateError::render_fields`]).
+    #[error("{0}")]
+    Field(FieldMessage),
+    /// A scheme or branch of the sweep is invalid.
     #[error("{option}")]
     Option {
-        /// The option and the value given (e.g. `--branch "b+x"`).
-        option: String,
+        /// The field and the value given (e.g. branch `"b+x"`).
+        option: FieldMessage,
         /// What is wrong with it.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
@@ -94,6 +100,17 @@ pub enum CalibrateError {
 }
 
 impl CalibrateError {
+    /// The message with every [`Field`] named by `name` (the binary passes
+    /// its flags), for the variants that name fields (their own or a run's);
+    /// `None` for the others.
+    pub fn render_fields(&self, name: impl Fn(Field) -> String) -> Option<String> {
+        match self {
+            CalibrateError::Field(m) | CalibrateError::Option { option: m, .. } => Some(m.render(name)),
+            CalibrateError::Run(r) => r.render_fields(name),
+            _ => None,
+        }
+    }
+
     /// An I/O error with its context.
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CalibrateError {
         let context = context.into();
@@ -101,11 +118,10 @@ impl CalibrateError {
     }
 
     /// An invalid sweep option, keeping what is wrong with it as the source.
-    pub(crate) fn option<E>(option: impl Into<String>) -> impl FnOnce(E) -> CalibrateError
+    pub(crate) fn option<E>(option: FieldMessage) -> impl FnOnce(E) -> CalibrateError
     where
         E: std::error::Error + Send + Sync + 'static,
     {
-        let option = option.into();
         move |e| CalibrateError::Option {
             option,
             source: Box::new(e),

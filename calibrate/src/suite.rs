@@ -7,6 +7,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use moeconf_runner::{Field, FieldMessage};
 use moeconf_shard::jobs::{owned, run_jobs};
 use moeconf_shard::{Attachment, JobGroup, JobResult, Merged, Progress, RunIdentity, Shard};
 use serde::{Deserialize, Serialize};
@@ -148,12 +149,12 @@ impl RunInfo {
     }
 }
 
-/// Checks a `--only` list: every number must name a protocol.
+/// Checks a protocol selection: every number must name a protocol.
 pub fn check_selection(only: &[u32]) -> Result<()> {
     match only.iter().find(|&&p| !(1..=PROTOCOL_COUNT).contains(&p)) {
-        Some(bad) => Err(CalibrateError::Invalid(format!(
-            "--only {bad}: protocols are numbered 1..{PROTOCOL_COUNT}"
-        ))),
+        Some(bad) => Err(CalibrateError::Field(
+            FieldMessage::of(Field::Only).text(format!(" {bad}: protocols are numbered 1..{PROTOCOL_COUNT}")),
+        )),
         None => Ok(()),
     }
 }
@@ -489,7 +490,7 @@ mod tests {
         }
         assert!(check_selection(&[1, 10]).is_ok());
         let e = check_selection(&[0]).unwrap_err().to_string();
-        assert_eq!(e, "--only 0: protocols are numbered 1..10");
+        assert_eq!(e, "protocol selection 0: protocols are numbered 1..10");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use moeconf_reference_runtime::fork::{
 };
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_report::{SweepBranch, SweepView};
-use moeconf_runner::{build_combine, check_fork_point, CombineChoice, LoadedModel};
+use moeconf_runner::{build_combine, check_fork_point, CombineChoice, Field, FieldMessage, LoadedModel};
 use moeconf_shard::{JobGroup, JobResult, Merged, Progress, ProgressMode, RunIdentity, Shard};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -41,7 +41,8 @@ pub struct SchemeRequest<'a> {
 pub fn build_schemes(req: &SchemeRequest<'_>, k: usize) -> Result<Vec<Scheme>> {
     let mut schemes = Vec::new();
     for name in req.schemes.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
-        let mut s = Scheme::enumerate(name, k).map_err(CalibrateError::option("--scheme"))?;
+        let mut s =
+            Scheme::enumerate(name, k).map_err(CalibrateError::option(FieldMessage::of(Field::Scheme)))?;
         if let Some(n) = req.limit {
             s.truncate(n);
         }
@@ -50,7 +51,7 @@ pub fn build_schemes(req: &SchemeRequest<'_>, k: usize) -> Result<Vec<Scheme>> {
     if !req.branches.is_empty() {
         let mut branches = Vec::new();
         for b in req.branches {
-            let option = format!("--branch {b:?}");
+            let option = FieldMessage::of(Field::Branch).text(format!(" {b:?}"));
             let c = AggregationContract::parse(b).map_err(CalibrateError::option(option.clone()))?;
             c.validate_for_k(k).map_err(CalibrateError::option(option))?;
             branches.push(Branch {
@@ -63,8 +64,13 @@ pub fn build_schemes(req: &SchemeRequest<'_>, k: usize) -> Result<Vec<Scheme>> {
         schemes.push(Scheme::explicit("explicit", family, branches, k));
     }
     if schemes.is_empty() {
-        return Err(CalibrateError::Invalid(
-            "nothing to sweep: give --scheme a,b or --branch CONTRACT".into(),
+        return Err(CalibrateError::Field(
+            FieldMessage::default()
+                .text("nothing to sweep: give ")
+                .field(Field::Scheme)
+                .text(" a,b or ")
+                .field(Field::Branch)
+                .text(" CONTRACT"),
         ));
     }
     Ok(schemes)

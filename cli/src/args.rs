@@ -4,6 +4,7 @@ use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use moeconf_fingerprint::Algorithm;
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_runner::Field;
 use moeconf_shard::Shard;
 use std::path::PathBuf;
 
@@ -94,4 +95,46 @@ pub fn precision(name: &str) -> anyhow::Result<Precision> {
 /// Parses `--digest`.
 pub fn algorithm(name: &str) -> anyhow::Result<Algorithm> {
     Algorithm::from_name(name).with_context(|| format!("--digest {name:?}"))
+}
+
+/// The flag that sets `field`: library errors name the values of a request
+/// as [`Field`]s, and the binary words them as its own options.
+pub fn flag(field: Field) -> String {
+    match field {
+        Field::Model => "--model",
+        Field::Capture => "--capture",
+        Field::Contract => "--contract",
+        Field::Schedule => "--schedule",
+        Field::ForkLayer => "--fork-layer",
+        Field::ForkContract => "--fork-contract",
+        Field::ForkOrder => "--fork-order",
+        Field::ForkStep => "--fork-step",
+        Field::ForkPosition => "--fork-position",
+        Field::MaxNewTokens => "--max-new-tokens",
+        Field::Threads => "--threads",
+        Field::PromptFile => "--prompt-file",
+        Field::AllowNonFinite => "--allow-non-finite",
+        Field::Scheme => "--scheme",
+        Field::Branch => "--branch",
+        Field::Only => "--only",
+    }
+    .to_string()
+}
+
+/// An error and its causes on one line, `outer: inner: root` (anyhow's
+/// `{:#}`), with the fields of library errors named by their flags.
+pub fn render_error(err: &anyhow::Error) -> String {
+    let flagged = |e: &(dyn std::error::Error + 'static)| {
+        if let Some(r) = e.downcast_ref::<moeconf_runner::RunError>() {
+            r.render_fields(flag)
+        } else if let Some(c) = e.downcast_ref::<moeconf_calibrate::CalibrateError>() {
+            c.render_fields(flag)
+        } else {
+            None
+        }
+    };
+    err.chain()
+        .map(|e| flagged(e).unwrap_or_else(|| e.to_string()))
+        .collect::<Vec<_>>()
+        .join(": ")
 }

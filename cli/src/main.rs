@@ -21,7 +21,7 @@ fn main() -> ExitCode {
             }
             // File names in the chain are user strings: no terminal escape or
             // bidi control from them reaches the terminal.
-            let msg = format!("{err:#}");
+            let msg = args::render_error(&err);
             eprintln!("moeconf: {}", moeconf_output::escape::multiline(&msg));
             ExitCode::from(2)
         }

@@ -7,8 +7,10 @@
 
 pub mod bench;
 pub mod capture_thread;
+pub mod field;
 pub mod limits;
 
+pub use field::{Field, FieldMessage};
 use moeconf_contract::prompt_hash;
 use moeconf_contract::{
     parse_fork_order, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Schedule,
@@ -37,9 +39,14 @@ use std::sync::Arc;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunError {
-    /// An option or input is invalid (the message names it).
+    /// An input is invalid (the message names it).
     #[error("{0}")]
     Invalid(String),
+    /// A value of the run request is invalid; the message names it as a
+    /// [`Field`], which a front end renders by its own option name
+    /// ([`RunError::render_fields`]).
+    #[error("{0}")]
+    Field(FieldMessage),
     /// Something failed while doing what the context says.
     #[error("{context}")]
     Context {
@@ -60,14 +67,30 @@ pub enum RunError {
     Trace(#[from] TraceError),
     /// The run produced a NaN or an infinity ([`RuntimeError::NonFinite`],
     /// which names where) and non-finite values were not allowed.
-    #[error("{error}; the run is invalid (rerun with --allow-non-finite to record non-finite values)")]
+    #[error("{}", non_finite(error, Field::AllowNonFinite.describe()))]
     NonFinite {
         /// The runtime's error, naming step, layer, position and operator.
         error: RuntimeError,
     },
 }
 
+/// The message of [`RunError::NonFinite`], naming the field that allows
+/// non-finite values as `allow`.
+fn non_finite(error: &RuntimeError, allow: &str) -> String {
+    format!("{error}; the run is invalid (rerun with {allow} to record non-finite values)")
+}
+
 impl RunError {
+    /// The message with every [`Field`] named by `name` (the binary passes
+    /// its flags), for the variants that name fields; `None` for the others.
+    pub fn render_fields(&self, name: impl Fn(Field) -> String) -> Option<String> {
+        match self {
+            RunError::Field(m) => Some(m.render(name)),
+            RunError::NonFinite { error } => Some(non_finite(error, &name(Field::AllowNonFinite))),
+            _ => None,
+        }
+    }
+
     /// Wraps a runtime error, singling out non-finite values.
     fn runtime(error: RuntimeError) -> RunError {
         match error {
@@ -91,6 +114,23 @@ macro_rules! bail {
     ($($t:tt)*) => { return Err(RunError::Invalid(format!($($t)*))) };
 }
 
+/// Returns a [`RunError::Field`] built from fields and text, in order:
+/// `refuse!(Field::ForkLayer, " {layer}: the model has ...")`.
+macro_rules! refuse {
+    ($($part:expr),+ $(,)?) => {
+        return Err(RunError::Field(field_message!($($part),+)))
+    };
+}
+
+/// A [`FieldMessage`] built from fields and text, in order.
+macro_rules! field_message {
+    ($($part:expr),+ $(,)?) => {{
+        let mut m = $crate::field::FieldMessage::default();
+        $( m = $crate::field::Piece::append($part, m); )+
+        m
+    }};
+}
+
 /// A loaded model with its tokenizer and identity.
 pub struct LoadedModel {
     /// Display name (`builtin:tiny-v4` or the directory).
@@ -110,7 +150,7 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
     } else {
         let d = PathBuf::from(spec);
         if !d.is_dir() {
-            bail!("--model {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or builtin:tiny-v4, builtin:tiny-v4-fp8, builtin:tiny-v4-fp8-bf16)");
+            refuse!(Field::Model, format!(" {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or builtin:tiny-v4, builtin:tiny-v4-fp8, builtin:tiny-v4-fp8-bf16)"));
         }
         d
     };
@@ -127,7 +167,7 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
 
 /// Parses a `--capture` spec ([`CaptureSpec::parse`]).
 pub fn parse_capture(s: &str) -> Result<CaptureSpec, RunError> {
-    CaptureSpec::parse(s).map_err(|m| RunError::Invalid(format!("--capture: {m}")))
+    CaptureSpec::parse(s).map_err(|m| RunError::Field(field_message!(Field::Capture, format!(": {m}"))))
 }
 
 /// A capture sink that appends to a trace. By default the writer runs on
@@ -282,11 +322,19 @@ impl CombineChoice {
         let fork_given =
             self.fork_contract.is_some() || self.fork_order.is_some() || self.fork_step.is_some();
         if self.fork_layer.is_none() && fork_given {
-            bail!("--fork-contract/--fork-order/--fork-step need --fork-layer");
+            refuse!(
+                Field::ForkContract,
+                "/",
+                Field::ForkOrder,
+                "/",
+                Field::ForkStep,
+                " need ",
+                Field::ForkLayer
+            );
         }
         if let Some(o) = &self.fork_order {
             parse_fork_order(o, self.fork_contract().contract())
-                .map_err(|e| RunError::Invalid(format!("--fork-order: {e}")))?;
+                .map_err(|e| RunError::Field(field_message!(Field::ForkOrder, format!(": {e}"))))?;
         }
         Ok(())
     }
@@ -383,17 +431,15 @@ pub fn build_combine(
     prompt: &str,
     layers: usize,
 ) -> Result<BuiltCombine, RunError> {
-    let opt = |name: &str| {
-        let name = name.to_string();
-        move |e: moeconf_contract::ContractError| RunError::Invalid(format!("{name}: {e}"))
-    };
+    let opt =
+        |m: FieldMessage| move |e: moeconf_contract::ContractError| RunError::Field(m.text(format!(": {e}")));
     c.check()?;
     let base = c.contract.contract().clone();
     let schedule = c.schedule.clone();
     let scheduled = ScheduledCombine::new(base.clone(), schedule.clone(), prompt_hash(prompt));
     scheduled
         .validate_for_k(k)
-        .map_err(opt("--contract/--schedule"))?;
+        .map_err(opt(field_message!(Field::Contract, "/", Field::Schedule)))?;
     match c.fork_layer {
         None => Ok(BuiltCombine {
             contract: c.contract.label(),
@@ -405,10 +451,13 @@ pub fn build_combine(
             check_fork_layer(layer, layers)?;
             let mut contract = c.fork_contract().contract().clone();
             if let Some(o) = &c.fork_order {
-                let order = parse_fork_order(o, &contract).map_err(opt("--fork-order"))?;
+                let order =
+                    parse_fork_order(o, &contract).map_err(opt(FieldMessage::of(Field::ForkOrder)))?;
                 contract = contract.with_order(order);
             }
-            contract.validate_for_k(k).map_err(opt("--fork-order"))?;
+            contract
+                .validate_for_k(k)
+                .map_err(opt(FieldMessage::of(Field::ForkOrder)))?;
             let mut point = ForkPoint::first_decode(layer);
             if let Some(s) = c.fork_step {
                 point.step = s;
@@ -436,9 +485,12 @@ pub fn build_combine(
 /// command with a fork makes, before anything runs).
 pub fn check_fork_layer(layer: u32, layers: usize) -> Result<(), RunError> {
     if layer as usize >= layers {
-        bail!(
-            "--fork-layer {layer}: the model has {layers} layers (0..{})",
-            layers.saturating_sub(1)
+        refuse!(
+            Field::ForkLayer,
+            format!(
+                " {layer}: the model has {layers} layers (0..{})",
+                layers.saturating_sub(1)
+            )
         );
     }
     Ok(())
@@ -469,7 +521,12 @@ pub fn check_fork_point(
             1 => "only forward step 0".to_string(),
             n => format!("forward steps 0 to {}", n - 1),
         };
-        bail!("--fork-step {step}{default}: --max-new-tokens {max_new_tokens} runs {steps}, so the fork would never happen");
+        refuse!(
+            Field::ForkStep,
+            format!(" {step}{default}: "),
+            Field::MaxNewTokens,
+            format!(" {max_new_tokens} runs {steps}, so the fork would never happen")
+        );
     }
     if let Some(p) = point.position {
         let processed = if step == 0 {
@@ -490,7 +547,10 @@ pub fn check_fork_point(
                     processed.start
                 )
             };
-            bail!("--fork-position {p}: step {step} processes {which}, so the fork would never happen");
+            refuse!(
+                Field::ForkPosition,
+                format!(" {p}: step {step} processes {which}, so the fork would never happen")
+            );
         }
     }
     Ok(())
@@ -552,10 +612,13 @@ pub struct PreparedRun {
 /// take effect is refused, [`check_fork_point`]).
 pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, RunError> {
     if spec.max_new_tokens == 0 || spec.max_new_tokens > limits::MAX_NEW_TOKENS {
-        bail!(
-            "--max-new-tokens {}: expected 1..={}",
-            spec.max_new_tokens,
-            limits::MAX_NEW_TOKENS
+        refuse!(
+            Field::MaxNewTokens,
+            format!(
+                " {}: expected 1..={}",
+                spec.max_new_tokens,
+                limits::MAX_NEW_TOKENS
+            )
         );
     }
     let prompt_ids = m.tokenizer.encode_for(spec.prompt, m.model.config().vocab_size)?;
@@ -761,17 +824,18 @@ mod tests {
             .check()
             .unwrap_err()
             .to_string()
-            .contains("need --fork-layer"));
+            .contains("need fork layer"));
         let bad_order = CombineChoice {
             fork_layer: Some(5),
             fork_order: Some("not-an-order".into()),
             ..CombineChoice::default()
         };
-        assert!(bad_order
-            .check()
-            .unwrap_err()
-            .to_string()
-            .contains("--fork-order"));
+        let e = bad_order.check().unwrap_err();
+        assert!(e.to_string().starts_with("fork order: "), "{e}");
+        let RunError::Field(m) = e else {
+            panic!("not a field error: {e}")
+        };
+        assert_eq!(m.fields().collect::<Vec<_>>(), [Field::ForkOrder]);
         let good = CombineChoice {
             fork_layer: Some(5),
             fork_order: Some("135".into()),
@@ -813,7 +877,7 @@ mod tests {
             ..CombineChoice::default()
         };
         let e = prepare_run(&m, &spec(&choice, 2)).err().unwrap().to_string();
-        assert!(e.contains("--fork-step 5"), "{e}");
+        assert!(e.contains("fork step 5"), "{e}");
         // ... and a run whose fork point was never matched (validation bypassed)
         // fails after the run, leaving neither the trace nor its temporary file.
         let prompt_ids = m.tokenizer.encode("why the sheep").unwrap();

@@ -8,9 +8,9 @@ use std::path::Path;
 
 use moeconf_reference_runtime::files::limit_text;
 
-use crate::RunError;
+use crate::{Field, FieldMessage, RunError};
 
-/// Largest prompt file read by `--prompt-file` (16 MiB).
+/// Largest prompt file read ([`Field::PromptFile`]) (16 MiB).
 pub const MAX_PROMPT_FILE_BYTES: u64 = 16 << 20;
 
 /// Largest `--max-new-tokens` (forward steps of one run).
@@ -19,13 +19,13 @@ pub const MAX_NEW_TOKENS: u32 = 4096;
 /// Largest prompt in tokens (2^20, DeepSeek-V4's context length).
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 
-/// Absolute upper bound on `--threads`.
+/// Absolute upper bound on the thread count ([`Field::Threads`]).
 pub const MAX_THREADS_CEILING: usize = 1024;
 
 /// Thread counts always allowed, however few cores the machine reports.
 pub const MIN_THREADS_CEILING: usize = 64;
 
-/// The largest `--threads` accepted on this machine: 4 × the available
+/// The largest thread count accepted on this machine: 4 × the available
 /// parallelism, at least [`MIN_THREADS_CEILING`] and at most
 /// [`MAX_THREADS_CEILING`]. Results never depend on the thread count, so
 /// oversubscription beyond this only costs time.
@@ -36,35 +36,37 @@ pub fn max_threads() -> usize {
         .clamp(MIN_THREADS_CEILING, MAX_THREADS_CEILING)
 }
 
-/// Checks a `--threads` value: 1..=[`max_threads`].
+/// Checks a thread count: 1..=[`max_threads`].
 pub fn check_threads(n: usize) -> Result<usize, RunError> {
     let max = max_threads();
     if n == 0 {
-        return Err(RunError::Invalid("--threads must be at least 1".into()));
+        return Err(RunError::Field(
+            FieldMessage::of(Field::Threads).text(" must be at least 1"),
+        ));
     }
     if n > max {
-        return Err(RunError::Invalid(format!(
-            "--threads {n}: at most {max} worker threads (4 × the available cores, at least {MIN_THREADS_CEILING}, at most {MAX_THREADS_CEILING}); results never depend on it"
-        )));
+        return Err(RunError::Field(FieldMessage::of(Field::Threads).text(format!(
+            " {n}: at most {max} worker threads (4 × the available cores, at least {MIN_THREADS_CEILING}, at most {MAX_THREADS_CEILING}); results never depend on it"
+        ))));
     }
     Ok(n)
 }
 
-/// Reads a `--prompt-file`: at most [`MAX_PROMPT_FILE_BYTES`] of UTF-8. A
+/// Reads a prompt file: at most [`MAX_PROMPT_FILE_BYTES`] of UTF-8. A
 /// regular file over the limit is refused before reading; anything else
 /// (a pipe, a device) is read up to the limit and refused beyond it.
 pub fn read_prompt_file(path: &Path) -> Result<String, RunError> {
     let name = path.display();
     let too_big = || {
-        RunError::Invalid(format!(
-            "--prompt-file {name}: more than the {} limit for prompts",
+        prompt_file(format!(
+            " {name}: more than the {} limit for prompts",
             limit_text(MAX_PROMPT_FILE_BYTES)
         ))
     };
-    let io = |what: &str, e: std::io::Error| RunError::Invalid(format!("--prompt-file {name}: {what}: {e}"));
+    let io = |what: &str, e: std::io::Error| prompt_file(format!(" {name}: {what}: {e}"));
     let meta = std::fs::metadata(path).map_err(|e| io("cannot access", e))?;
     if meta.is_dir() {
-        return Err(RunError::Invalid(format!("--prompt-file {name}: is a directory")));
+        return Err(prompt_file(format!(" {name}: is a directory")));
     }
     if meta.is_file() && meta.len() > MAX_PROMPT_FILE_BYTES {
         return Err(too_big());
@@ -78,11 +80,16 @@ pub fn read_prompt_file(path: &Path) -> Result<String, RunError> {
         return Err(too_big());
     }
     String::from_utf8(bytes).map_err(|e| {
-        RunError::Invalid(format!(
-            "--prompt-file {name}: not UTF-8 (invalid byte at offset {})",
+        prompt_file(format!(
+            " {name}: not UTF-8 (invalid byte at offset {})",
             e.utf8_error().valid_up_to()
         ))
     })
+}
+
+/// An error about the prompt file: `detail` follows its field.
+fn prompt_file(detail: String) -> RunError {
+    RunError::Field(FieldMessage::of(Field::PromptFile).text(detail))
 }
 
 /// Checks the prompt's token count against [`MAX_PROMPT_TOKENS`].
