@@ -35,6 +35,16 @@ pub enum Format {
     Json,
 }
 
+impl Format {
+    /// The name the option takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Text => "text",
+            Format::Json => "json",
+        }
+    }
+}
+
 /// The model and prompt of a run (`moeconf run`, `moeconf sweep`).
 #[derive(Debug, Args)]
 pub struct ModelPromptArgs {

@@ -6,7 +6,10 @@
 mod args;
 mod cli;
 mod cmd;
+mod compare;
+mod complete;
 mod output;
+mod results;
 
 use std::process::ExitCode;
 

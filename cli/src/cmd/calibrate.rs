@@ -6,19 +6,19 @@
 //! `--out` names the partial result that `moeconf merge` combines
 //! (docs/scale.md).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use crate::output::{add_model_inputs, check_output, output_dir};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
-use moeconf_output::{write_checked, AtomicDir};
-use moeconf_output::{CheckedDir, Inputs};
+use moeconf_output::{AtomicDir, Inputs};
+use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
-use moeconf_runner::load_model;
-use moeconf_shard::ProgressMode;
+use moeconf_runner::{load_model, LoadedModel};
+use moeconf_shard::{ProgressMode, Shard};
 
 const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --out cal-quick
@@ -96,39 +96,46 @@ impl CalibrateArgs {
     }
 }
 
-/// Checks, before any work, the output directory `out` of a calibration
-/// (`option` names it in messages): it may not exist yet (its parents are
-/// created), or be empty, or hold only a previous calibration's result
-/// (`calibration.json`, `*.tsv`, `traces/*.bin`, none of them an input),
-/// which the new result replaces as a whole once complete
-/// (docs/format.md §10). Warns about stale temporaries next to it.
-pub(crate) fn check_out_dir(option: &str, out: &Path, inputs: &Inputs) -> anyhow::Result<CheckedDir> {
-    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        if !parent.exists() {
-            std::fs::create_dir_all(parent).with_context(|| {
-                format!(
-                    "{option} {}: cannot create the directory {}",
-                    out.display(),
-                    parent.display()
-                )
-            })?;
-        }
-    }
-    let checked = moeconf_output::check_output_dir(out, inputs, suite::is_result_entry)?;
-    for t in checked.stale_temporaries() {
-        eprintln!(
-            "moeconf: warning: stale temporary {} next to {}: left by process {}, which no longer runs \
-             (a write that was killed); moeconf does not remove it, delete it",
-            t.path.display(),
-            out.display(),
-            t.pid
-        );
-    }
-    Ok(checked)
-}
-
 /// The default output directory.
 const DEFAULT_OUT: &str = "moeconf-calibration";
+
+/// What every calibration has settled before it runs: the model, the
+/// options and where the result goes.
+struct Setup<'a> {
+    args: &'a CalibrateArgs,
+    model: LoadedModel,
+    precision: Precision,
+    sizes: Sizes,
+    progress: ProgressMode,
+    out: PathBuf,
+    inputs: Inputs,
+    start: Instant,
+}
+
+impl Setup<'_> {
+    /// The suite's context, writing its traces under `dir`.
+    fn ctx(self, dir: PathBuf) -> anyhow::Result<(Ctx, RunInfo)> {
+        let a = self.args;
+        let opts = CtxOptions {
+            precision: self.precision,
+            fork_layer: a.fork_layer,
+            sizes: self.sizes,
+            out: dir,
+            progress: self.progress,
+        };
+        let ctx = Ctx::new(self.model, opts)?;
+        let info = RunInfo {
+            model: a.model.clone(),
+            precision: self.precision.name().into(),
+            quick: a.quick,
+            fork_layer: a.fork_layer,
+            sizes: self.sizes,
+            only: suite::normalize_selection(&a.only),
+            experts_per_tok: ctx.k(),
+        };
+        Ok((ctx, info))
+    }
+}
 
 /// Runs `moeconf calibrate`.
 pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
@@ -149,51 +156,56 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     if a.jobs.shard.is_some() {
         check_output(&out, &inputs)?;
     } else {
-        check_out_dir("--out", &out, &inputs)?;
+        crate::results::check_calibration_dir("--out", &out, &inputs)?;
     }
-    let m = load_model(&a.model)?;
-    inputs.dir_files(&m.dir, "model file");
+    let model = load_model(&a.model)?;
+    inputs.dir_files(&model.dir, "model file");
     // Every fork of the suite is at step 1 with at least 2 generated tokens,
     // so only the layer can miss; refuse it before creating --out.
-    moeconf_runner::check_fork_layer(a.fork_layer, m.model.config().num_layers())?;
-    let progress = ProgressMode::detect(a.jobs.quiet);
-    let info = |k: usize| RunInfo {
-        model: a.model.clone(),
-        precision: precision.name().into(),
-        quick: a.quick,
-        fork_layer: a.fork_layer,
+    moeconf_runner::check_fork_layer(a.fork_layer, model.model.config().num_layers())?;
+    let setup = Setup {
+        args: a,
+        model,
+        precision,
         sizes,
-        only: suite::normalize_selection(&a.only),
-        experts_per_tok: k,
+        progress: ProgressMode::detect(a.jobs.quiet),
+        out,
+        inputs,
+        start,
     };
-    if let Some(shard) = a.jobs.shard {
-        let partial = check_output(&out, &inputs)?;
-        // The traces of this shard's jobs go to a scratch directory next to
-        // the partial, attached to it, and removed.
-        let scratch = suite::scratch_dir(&out)?;
-        output_dir("--out", &scratch.path().join("traces"))?;
-        let opts = CtxOptions {
-            precision,
-            fork_layer: a.fork_layer,
-            sizes,
-            out: scratch.path().to_path_buf(),
-            progress,
-        };
-        let ctx = Ctx::new(m, opts)?;
-        let info = info(ctx.k());
-        let run = suite::run_shard(&ctx, &info.only, shard)?;
-        let jobs = run.results.len();
-        let total: usize = run.groups.iter().map(|g| g.jobs).sum();
-        suite::write_partial(&ctx, &info, shard, run, &partial)?;
-        if progress.enabled() {
-            eprintln!(
-                "moeconf calibrate: shard {shard}: {jobs} of {total} jobs in {:.1} s; partial result in {}",
-                start.elapsed().as_secs_f64(),
-                out.display()
-            );
-        }
-        return Ok(ExitCode::SUCCESS);
+    match a.jobs.shard {
+        Some(shard) => run_shard(setup, shard),
+        None => run_whole(setup),
     }
+}
+
+/// One shard of the suite, into the partial result file `--out`.
+fn run_shard(setup: Setup<'_>, shard: Shard) -> anyhow::Result<ExitCode> {
+    let (out, start, progress) = (setup.out.clone(), setup.start, setup.progress);
+    let partial = check_output(&out, &setup.inputs)?;
+    // The traces of this shard's jobs go to a scratch directory next to
+    // the partial, attached to it, and removed.
+    let scratch = suite::scratch_dir(&out)?;
+    output_dir("--out", &scratch.path().join("traces"))?;
+    let (ctx, info) = setup.ctx(scratch.path().to_path_buf())?;
+    let run = suite::run_shard(&ctx, &info.only, shard)?;
+    let jobs = run.results.len();
+    let total: usize = run.groups.iter().map(|g| g.jobs).sum();
+    suite::write_partial(&ctx, &info, shard, run, &partial)?;
+    if progress.enabled() {
+        eprintln!(
+            "moeconf calibrate: shard {shard}: {jobs} of {total} jobs in {:.1} s; partial result in {}",
+            start.elapsed().as_secs_f64(),
+            out.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The whole suite, into the directory `--out`.
+fn run_whole(setup: Setup<'_>) -> anyhow::Result<ExitCode> {
+    let (out, start, progress) = (setup.out.clone(), setup.start, setup.progress);
+    let inputs = setup.inputs.clone();
     // Everything is written into a temporary sibling directory, renamed
     // into place once complete: an interrupted run leaves no result.
     // Checked again with the model's files as inputs (a built-in model's
@@ -201,42 +213,15 @@ pub fn run(a: &CalibrateArgs) -> anyhow::Result<ExitCode> {
     let checked = moeconf_output::check_output_dir(&out, &inputs, suite::is_result_entry)?;
     let result = AtomicDir::create(&checked)?;
     output_dir("--out", &result.temp_path().join("traces"))?;
-    let opts = CtxOptions {
-        precision,
-        fork_layer: a.fork_layer,
-        sizes,
-        out: result.temp_path().to_path_buf(),
-        progress,
-    };
-    let ctx = Ctx::new(m, opts)?;
-    let info = info(ctx.k());
+    let (ctx, info) = setup.ctx(result.temp_path().to_path_buf())?;
     let results = suite::run(&ctx, &info.only)?;
     let o = suite::outputs(&results, &info, &out)?;
-    write_outputs(result, &o, &inputs)?;
+    crate::results::write_calibration(result, &o, &inputs)?;
     if progress.enabled() {
         eprintln!(
             "moeconf calibrate: wall time {:.1} s",
             start.elapsed().as_secs_f64()
         );
     }
-    Ok(exit(&o))
-}
-
-/// Writes the suite's files into the temporary directory of `result` (the
-/// traces are already there), renames it into place and prints the report.
-pub(crate) fn write_outputs(result: AtomicDir, o: &suite::Outputs, inputs: &Inputs) -> anyhow::Result<()> {
-    for (name, bytes) in &o.files {
-        write_checked(&check_output(&result.temp_path().join(name), inputs)?, bytes)?;
-    }
-    result.commit()?;
-    crate::output::print_text(&o.stdout)
-}
-
-/// Exit 0 when every structural claim holds, else 1.
-pub(crate) fn exit(o: &suite::Outputs) -> ExitCode {
-    if o.all_hold {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    }
+    Ok(crate::results::calibration_exit(&o))
 }

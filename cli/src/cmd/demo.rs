@@ -2,14 +2,14 @@
 //! identical except for one MoE reduction, and the diff that localizes it.
 
 use crate::args::Format;
-use crate::cmd::diff::{self, DiffArgs};
+use crate::compare::{run_diff, DiffJob};
 use crate::output::{check_outputs, output_dir};
 use clap::Args;
 use moeconf_fingerprint::{Algorithm, CanonPolicy};
 use moeconf_output::Inputs;
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{load_model, parse_capture, prepare_run, run_prepared, CombineChoice, RunSpec};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// `moeconf demo`.
@@ -82,34 +82,13 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let r = run_prepared(&m, &native_spec, native_run, &reference)?;
     let c = run_prepared(&m, &fork_spec, fork_run, &candidate)?;
     if text {
-        println!();
-        println!(
-            "reference  {}  native MoE combine everywhere",
-            reference.display()
-        );
-        println!("           generated {:?}", r.text);
-        println!(
-            "candidate  {}  identical, except the MoE aggregation of layer {} in the first decode step\n           uses contract {} order {} (BF16 rounding after every addition)",
-            candidate.display(),
-            a.fork_layer,
-            a.fork_contract,
-            a.fork_order
-        );
-        println!("           generated {:?}", c.text);
-        println!();
-        println!(
-            "$ moeconf diff {} {} --html {}",
-            reference.display(),
-            candidate.display(),
-            html.display()
-        );
-        println!();
+        print_runs(a, &reference, &candidate, &html, &r.text, &c.text);
     }
-    let args = DiffArgs {
+    let job = DiffJob {
         html: Some(html.clone()),
-        ..DiffArgs::new(reference, candidate, a.format)
+        ..DiffJob::new(reference, candidate, a.format)
     };
-    let code = diff::run(&args)?;
+    run_diff(&job)?;
     if text {
         println!();
         println!(
@@ -119,6 +98,31 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
             html.display()
         );
     }
-    let _ = code;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The two runs, what differs between them, and the diff command that follows.
+fn print_runs(a: &DemoArgs, reference: &Path, candidate: &Path, html: &Path, r: &str, c: &str) {
+    println!();
+    println!(
+        "reference  {}  native MoE combine everywhere",
+        reference.display()
+    );
+    println!("           generated {r:?}");
+    println!(
+        "candidate  {}  identical, except the MoE aggregation of layer {} in the first decode step\n           uses contract {} order {} (BF16 rounding after every addition)",
+        candidate.display(),
+        a.fork_layer,
+        a.fork_contract,
+        a.fork_order
+    );
+    println!("           generated {c:?}");
+    println!();
+    println!(
+        "$ moeconf diff {} {} --html {}",
+        reference.display(),
+        candidate.display(),
+        html.display()
+    );
+    println!();
 }

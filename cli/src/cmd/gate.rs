@@ -302,8 +302,8 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
                 .as_ref()
                 .context("--bless needs --baseline")
                 .map_err(setup)?;
-            let incomplete: Vec<String> = super::complete::describe(&cand).into_iter().collect();
-            super::complete::require(&incomplete, a.allow_incomplete, "not blessed")
+            let incomplete: Vec<String> = crate::complete::describe(&cand).into_iter().collect();
+            crate::complete::require(&incomplete, a.allow_incomplete, "not blessed")
                 .map_err(|err| Failed { err, skip: true })?;
             bless(&cand, out)?;
             return Ok(0);
@@ -323,12 +323,27 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         .iter()
         .map(|i| report.incomplete_file(i))
         .collect();
-    super::complete::require(&incomplete, a.allow_incomplete, "not a verdict").map_err(|err| Failed {
+    crate::complete::require(&incomplete, a.allow_incomplete, "not a verdict").map_err(|err| Failed {
         err,
         skip: report.candidate_incomplete(),
     })?;
     report.policy_source = source.describe();
-    let text = render(&report, format).map_err(setup)?;
+    emit(&report, format, &outputs, drawn, &cand, a.force)?;
+    Ok(report.exit_code())
+}
+
+/// Prints the verdict in `format` and writes the files asked for: the
+/// report, JUnit XML, the HTML page (drawn from the diff the gate computed,
+/// `drawn`, against a reference trace).
+fn emit(
+    report: &GateReport,
+    format: GateFormat,
+    outputs: &GateOutputs,
+    drawn: Option<(Trace, Option<moeconf_bisect::DiffReport>)>,
+    cand: &Trace,
+    force: bool,
+) -> Result<(), Failed> {
+    let text = render(report, format).map_err(setup)?;
     {
         let mut out = std::io::stdout().lock();
         out.write_all(text.as_bytes())
@@ -339,13 +354,13 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         write_checked(out, text.as_bytes(), FileKind::Report)?;
     }
     if let Some(out) = &outputs.junit {
-        write_checked(out, report_junit::render(&report).as_bytes(), FileKind::Report)?;
+        write_checked(out, report_junit::render(report).as_bytes(), FileKind::Report)?;
     }
     if let Some(out) = &outputs.html {
-        let page = html_page(&report, drawn, &cand, a.force).map_err(setup)?;
+        let page = html_page(report, drawn, cand, force).map_err(setup)?;
         write_checked(out, page.as_bytes(), FileKind::Report)?;
     }
-    Ok(report.exit_code())
+    Ok(())
 }
 
 /// The HTML page of a gate run: the verdict and, against a reference
@@ -387,7 +402,8 @@ pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
     match gate(a) {
         Ok(code) => Ok(ExitCode::from(code)),
         Err(f) if a.bisect_exit_codes => {
-            eprintln!("moeconf: {:#}", f.err);
+            let msg = crate::args::render_error(&f.err);
+            eprintln!("moeconf: {}", moeconf_output::escape::multiline(&msg));
             Ok(ExitCode::from(if f.skip { 125 } else { 128 }))
         }
         Err(f) => Err(f.err),

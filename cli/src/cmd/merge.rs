@@ -67,7 +67,7 @@ fn merge_sweep(a: &MergeArgs, m: &Merged, inputs: &Inputs) -> anyhow::Result<Exi
     let output = a.output.as_ref().and_then(|_| checked.next());
     let html = a.html.as_ref().and_then(|_| checked.next());
     let o = sweep::outputs(&args, m.results(), html.is_some())?;
-    super::sweep::write_outputs(output.as_ref(), html.as_ref(), &o)?;
+    crate::results::write_sweep(output.as_ref(), html.as_ref(), &o)?;
     print_text(&o.stdout)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -79,7 +79,7 @@ fn merge_calibration(a: &MergeArgs, m: &Merged, inputs: &Inputs) -> anyhow::Resu
     let Some(out) = &a.output else {
         bail!("merging a calibration needs -o DIR: the output directory the unsharded run's --out names");
     };
-    let checked = super::calibrate::check_out_dir("-o", out, inputs)?;
+    let checked = crate::results::check_calibration_dir("-o", out, inputs)?;
     let (info, suite) = suite::merged(m)?;
     let o = suite::outputs(&suite, &info, out)?;
     // Written into a temporary sibling directory, renamed into place once
@@ -99,6 +99,6 @@ fn merge_calibration(a: &MergeArgs, m: &Merged, inputs: &Inputs) -> anyhow::Resu
         m.copy_file(f, &mut w)?;
         w.commit()?;
     }
-    super::calibrate::write_outputs(result, &o, inputs)?;
-    Ok(super::calibrate::exit(&o))
+    crate::results::write_calibration(result, &o, inputs)?;
+    Ok(crate::results::calibration_exit(&o))
 }

@@ -4,7 +4,6 @@
 pub mod bench;
 pub mod calibrate;
 pub mod certify;
-pub mod complete;
 pub mod convert;
 pub mod demo;
 pub mod diff;

@@ -12,9 +12,10 @@
 use crate::args::Format;
 use crate::output::{print_json, print_text};
 use anyhow::Context;
-use moeconf_output::write_checked;
+use moeconf_output::{write_checked, CheckedOutput};
+use moeconf_reference_runtime::precision::Precision;
 use moeconf_replay::{replay_layers, teacher_force, LayerOptions, TeacherOptions};
-use moeconf_runner::load_model;
+use moeconf_runner::{load_model, LoadedModel};
 use moeconf_schema::Trace;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -120,55 +121,14 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
     // whose bytes disagree with its digests, whether replay reads them or not.
     let trace =
         Trace::open_verified(&a.candidate).with_context(|| format!("opening {}", a.candidate.display()))?;
-    let incomplete: Vec<String> = super::complete::describe(&trace).into_iter().collect();
-    super::complete::require(&incomplete, a.allow_incomplete, "not replayed")?;
+    let incomplete: Vec<String> = crate::complete::describe(&trace).into_iter().collect();
+    crate::complete::require(&incomplete, a.allow_incomplete, "not replayed")?;
     let m = load_model(&model_spec(a, &trace)?)?;
     let precision = a.precision.as_deref().map(crate::args::precision).transpose()?;
     let (text, json, code) = if a.teacher_force {
-        let r = teacher_force(
-            &trace,
-            &m,
-            TeacherOptions {
-                top_k: a.top_k,
-                precision,
-                l3: a.l3,
-                contract: a.contract.clone(),
-            },
-        )?;
-        (
-            r.render_text(a.allow_incomplete),
-            r.to_json(a.allow_incomplete),
-            r.exit_code(a.allow_incomplete),
-        )
+        teacher(a, &trace, &m, precision)?
     } else {
-        let r = replay_layers(
-            &trace,
-            &m,
-            &LayerOptions {
-                precision,
-                contract: a.contract.clone(),
-                measure_propagation: a.measure_propagation,
-            },
-        )?;
-        let code = r.exit_code(a.allow_incomplete);
-        if let Some(h) = &html {
-            write_checked(
-                h,
-                moeconf_report::render_replay(&moeconf_replay::html_view(&r)).as_bytes(),
-            )?;
-        }
-        if code == 2 {
-            eprintln!(
-                "moeconf: {}: some units could not be replayed (the report lists the missing records and steps); \
-                 exit 2 (pass --allow-incomplete to accept)",
-                a.candidate.display()
-            );
-        }
-        (
-            r.render_text(a.allow_incomplete),
-            r.to_json(a.allow_incomplete),
-            code,
-        )
+        layers(a, &trace, &m, precision, html.as_ref())?
     };
     match (a.format, out) {
         (Format::Json, None) => print_json(&json)?,
@@ -181,4 +141,70 @@ pub fn run(a: &ReplayArgs) -> anyhow::Result<ExitCode> {
         (Format::Text, Some(o)) => write_checked(&o, text.as_bytes())?,
     }
     Ok(ExitCode::from(code))
+}
+
+/// A report in both formats and its exit code.
+type Rendered = (String, serde_json::Value, u8);
+
+/// `--teacher-force`: every step from the trace's inputs.
+fn teacher(
+    a: &ReplayArgs,
+    trace: &Trace,
+    m: &LoadedModel,
+    precision: Option<Precision>,
+) -> anyhow::Result<Rendered> {
+    let r = teacher_force(
+        trace,
+        m,
+        TeacherOptions {
+            top_k: a.top_k,
+            precision,
+            l3: a.l3,
+            contract: a.contract.clone(),
+        },
+    )?;
+    Ok((
+        r.render_text(a.allow_incomplete),
+        r.to_json(a.allow_incomplete),
+        r.exit_code(a.allow_incomplete),
+    ))
+}
+
+/// Layer by layer: every unit from the trace's own inputs, and the HTML
+/// page if asked.
+fn layers(
+    a: &ReplayArgs,
+    trace: &Trace,
+    m: &LoadedModel,
+    precision: Option<Precision>,
+    html: Option<&CheckedOutput>,
+) -> anyhow::Result<Rendered> {
+    let r = replay_layers(
+        trace,
+        m,
+        &LayerOptions {
+            precision,
+            contract: a.contract.clone(),
+            measure_propagation: a.measure_propagation,
+        },
+    )?;
+    let code = r.exit_code(a.allow_incomplete);
+    if let Some(h) = html {
+        write_checked(
+            h,
+            moeconf_report::render_replay(&moeconf_replay::html_view(&r)).as_bytes(),
+        )?;
+    }
+    if code == 2 {
+        eprintln!(
+            "moeconf: {}: some units could not be replayed (the report lists the missing records and steps); \
+             exit 2 (pass --allow-incomplete to accept)",
+            a.candidate.display()
+        );
+    }
+    Ok((
+        r.render_text(a.allow_incomplete),
+        r.to_json(a.allow_incomplete),
+        code,
+    ))
 }

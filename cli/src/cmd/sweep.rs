@@ -14,14 +14,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use moeconf_calibrate::sweep::{SchemeRequest, SweepOutcome, SweepOutputs, SweepRequest};
+use moeconf_calibrate::sweep::{SchemeRequest, SweepOutcome, SweepRequest};
 use moeconf_contract::ForkPoint;
 use moeconf_shard::ProgressMode;
 
 use crate::args::{Format, ModelPromptArgs};
 use crate::output::print_text;
-use moeconf_output::write_all_checked;
-use moeconf_output::CheckedOutput;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::{load_model, CombineChoice};
 
@@ -99,69 +97,23 @@ pub struct SweepArgs {
     pub jobs: crate::args::JobArgs,
 }
 
-/// Writes the JSON report to `-o FILE` and the HTML page to `--html FILE`
-/// (both checked before the sweep), each in full before either is renamed
-/// into place.
-pub(crate) fn write_outputs(
-    output: Option<&CheckedOutput>,
-    html: Option<&CheckedOutput>,
-    o: &SweepOutputs,
-) -> anyhow::Result<()> {
-    let mut json = serde_json::to_vec_pretty(&o.doc)?;
-    json.push(b'\n');
-    let mut files: Vec<(&CheckedOutput, &[u8])> = Vec::new();
-    if let Some(out) = output {
-        files.push((out, &json));
-    }
-    if let (Some(out), Some(page)) = (html, &o.html) {
-        files.push((out, page.as_bytes()));
-    }
-    Ok(write_all_checked(&files)?)
-}
-
 /// Runs `moeconf sweep`.
 pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     crate::args::set_threads(a.jobs.threads)?;
-    if a.jobs.shard.is_some() {
-        if a.html.is_some() {
-            bail!(
-                "--html with --shard: the HTML report is written by `moeconf merge PARTIAL... --html FILE`"
-            );
-        }
-        if a.output.is_none() {
-            bail!("--shard needs -o FILE: the partial result file that `moeconf merge` reads");
-        }
-    }
+    a.check()?;
     let mut inputs = a.input.inputs();
     let outs: Vec<&std::path::Path> = a.output.iter().chain(&a.html).map(|p| p.as_path()).collect();
     crate::output::check_outputs(&outs, &inputs)?;
     let prompt = a.input.prompt()?;
     let precision = crate::args::precision(&a.precision)?;
     let algorithm = crate::args::algorithm(&a.digest)?;
-    if a.max_new_tokens <= a.fork_step {
-        bail!(
-            "--max-new-tokens {} must exceed --fork-step {} (the fork step must run)",
-            a.max_new_tokens,
-            a.fork_step
-        );
-    }
+    a.check_steps()?;
     let m = load_model(&a.input.model)?;
     inputs.dir_files(&m.dir, "model file");
-    let output = a
-        .output
-        .as_ref()
-        .map(|o| moeconf_output::check_output(o, &inputs))
-        .transpose()?;
-    let html = a
-        .html
-        .as_ref()
-        .map(|o| moeconf_output::check_output(o, &inputs))
-        .transpose()?;
-    let choice = CombineChoice {
-        contract: a.contract.clone(),
-        schedule: a.schedule.clone(),
-        ..CombineChoice::default()
-    };
+    let check = |o: &PathBuf| moeconf_output::check_output(o, &inputs);
+    let output = a.output.as_ref().map(check).transpose()?;
+    let html = a.html.as_ref().map(check).transpose()?;
+    let choice = a.combine();
     let req = SweepRequest {
         model: &m,
         prompt: &prompt,
@@ -179,10 +131,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         combine: &choice,
         precision,
         algorithm,
-        format: match a.format {
-            Format::Text => "text",
-            Format::Json => "json",
-        },
+        format: a.format.name(),
         top: a.top,
         shard: a.jobs.shard,
         html: html.is_some(),
@@ -192,7 +141,7 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
     if !a.jobs.quiet {
         eprintln!("{}", done.finished);
     }
-    let o = match done.outcome {
+    match done.outcome {
         SweepOutcome::Partial {
             identity,
             shard,
@@ -200,11 +149,50 @@ pub fn run(a: &SweepArgs) -> anyhow::Result<ExitCode> {
         } => {
             let out = output.as_ref().context("--shard needs -o FILE")?;
             moeconf_shard::write_partial(out, &identity, shard, results, &[])?;
-            return Ok(ExitCode::SUCCESS);
         }
-        SweepOutcome::Whole(o) => o,
-    };
-    write_outputs(output.as_ref(), html.as_ref(), &o)?;
-    print_text(&o.stdout)?;
+        SweepOutcome::Whole(o) => {
+            crate::results::write_sweep(output.as_ref(), html.as_ref(), &o)?;
+            print_text(&o.stdout)?;
+        }
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+impl SweepArgs {
+    /// The contract and schedule of every combine but the fork's.
+    fn combine(&self) -> CombineChoice {
+        CombineChoice {
+            contract: self.contract.clone(),
+            schedule: self.schedule.clone(),
+            ..CombineChoice::default()
+        }
+    }
+
+    /// Refuses options that contradict each other, before anything is read.
+    fn check(&self) -> anyhow::Result<()> {
+        if self.jobs.shard.is_some() {
+            if self.html.is_some() {
+                bail!(
+                    "--html with --shard: the HTML report is written by `moeconf merge PARTIAL... --html FILE`"
+                );
+            }
+            if self.output.is_none() {
+                bail!("--shard needs -o FILE: the partial result file that `moeconf merge` reads");
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a fork step the run never reaches (checked after the prompt
+    /// and the profile, as before).
+    fn check_steps(&self) -> anyhow::Result<()> {
+        if self.max_new_tokens <= self.fork_step {
+            bail!(
+                "--max-new-tokens {} must exceed --fork-step {} (the fork step must run)",
+                self.max_new_tokens,
+                self.fork_step
+            );
+        }
+        Ok(())
+    }
 }
