@@ -15,7 +15,7 @@
 //! it). Build it first when running this test alone:
 //! `cargo build --release -p moeconf && cargo test --release --test adversarial`.
 
-use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Digest, Phase, TensorView};
+use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Digest, LevelSet, Phase, TensorView};
 use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, PromptBinding, Trace, TraceWriter};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
@@ -128,7 +128,8 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 }
 
 /// The binding every synthetic trace shares (so that any two compare).
-fn binding(steps: u32, levels: u32) -> Binding {
+fn binding(steps: u32, levels: u8) -> Binding {
+    let levels = LevelSet::of_mask(levels);
     Binding {
         prompt: PromptBinding {
             text: "adversarial".into(),

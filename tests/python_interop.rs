@@ -206,8 +206,8 @@ fn header() -> Header {
             contract: "native".into(),
             schedule: "identity".into(),
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b00011,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::of_mask(0b00011),
             },
             canon: CanonPolicy {
                 fold_negative_zero: true,
@@ -306,8 +306,8 @@ fn spec_json(h: &Header, records: &[Known]) -> String {
         js(&b.precision),
         js(&b.contract),
         js(&b.schedule),
-        b.capture.levels,
-        b.capture.payload_levels,
+        b.capture.levels.bits(),
+        b.capture.payload_levels.bits(),
         b.canon.fold_negative_zero,
         pairs(&b.extra),
         js(&h.provenance.runtime),

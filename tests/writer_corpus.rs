@@ -12,7 +12,7 @@
 //! `python3` with numpy and blake3; without them it prints a note and only
 //! the Rust half runs.
 
-use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Level, Phase, TensorView};
+use moeconf_fingerprint::{Algorithm, Coord, DType, Digest, Level, LevelSet, Phase, TensorView};
 use moeconf_schema::{Binding, Header, Provenance, TensorDigest, Trace, TraceWriter};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -54,6 +54,13 @@ fn u32_of(v: &Value) -> Result<u32, String> {
         .ok_or_else(|| format!("{v} is not a u32"))
 }
 
+/// A level set from its wire bit mask; a level above L4 is refused, as the
+/// writer of another language must refuse it.
+fn level_set(v: &Value) -> Result<LevelSet, String> {
+    let bits = u32_of(v)?;
+    LevelSet::from_bits(bits).ok_or_else(|| format!("capture levels {bits:#b} name a level above L4"))
+}
+
 fn u64s(v: &Value) -> Result<Vec<u64>, String> {
     v.as_array()
         .ok_or("not a list")?
@@ -81,7 +88,7 @@ fn header(case: &Value) -> Result<Header, String> {
         schedule: "identity".into(),
         ..Binding::default()
     };
-    b.capture.levels = 0b11111;
+    b.capture.levels = LevelSet::ALL;
     let empty = serde_json::Map::new();
     for (k, v) in case["binding"].as_object().unwrap_or(&empty) {
         match k.as_str() {
@@ -114,8 +121,8 @@ fn header(case: &Value) -> Result<Header, String> {
             "precision" => b.precision = string(v)?,
             "contract" => b.contract = string(v)?,
             "schedule" => b.schedule = string(v)?,
-            "capture_levels" => b.capture.levels = u32_of(v)?,
-            "capture_payload_levels" => b.capture.payload_levels = u32_of(v)?,
+            "capture_levels" => b.capture.levels = level_set(v)?,
+            "capture_payload_levels" => b.capture.payload_levels = level_set(v)?,
             "fold_negative_zero" => b.canon.fold_negative_zero = v.as_bool().ok_or("bool")?,
             "extra" => b.extra = pairs(v)?,
             other => panic!("corpus: unknown binding field {other}"),

@@ -100,8 +100,8 @@ fn write_trace(
 ) -> Result<(), TraceError> {
     let binding = Binding {
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::ALL,
         },
         // Steps 0..steps-1 (the writer refuses steps beyond max_new_tokens).
         decoding: Decoding {

@@ -78,8 +78,8 @@ pub fn write_synthetic(
             ..Default::default()
         },
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::EMPTY,
         },
         decoding: Decoding {
             strategy: "greedy".into(),

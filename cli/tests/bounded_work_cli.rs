@@ -44,8 +44,8 @@ fn both(o: &Output) -> String {
 fn writer(path: &Path, steps: u32) -> TraceWriter {
     let binding = Binding {
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::ALL,
         },
         decoding: moeconf_schema::Decoding {
             strategy: "greedy".into(),

@@ -22,8 +22,8 @@ fn write(path: &Path, prompt: &str, bump: bool) {
             max_new_tokens: 2,
         },
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::ALL,
         },
         ..Binding::default()
     };

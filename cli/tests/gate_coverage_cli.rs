@@ -556,8 +556,8 @@ fn a_differing_record_without_a_layer_is_named_in_the_summary() {
         let path = repo.path(name);
         let binding = Binding {
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b11111,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::ALL,
             },
             decoding: moeconf_schema::Decoding {
                 strategy: "greedy".into(),

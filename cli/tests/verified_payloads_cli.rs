@@ -82,8 +82,8 @@ impl Repo {
                 max_new_tokens: 1,
             },
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b11111,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::ALL,
             },
             ..Binding::default()
         };

@@ -101,6 +101,14 @@ impl LevelSet {
     /// L0 through L4.
     pub const ALL: LevelSet = LevelSet(0b11111);
 
+    /// The set with bit mask `bits`, for constants (`0b01010` is L1 and
+    /// L3); a bit above L4 is a programming error and fails to compile in
+    /// a `const`.
+    pub const fn of_mask(bits: u8) -> LevelSet {
+        assert!(bits <= 0b11111, "a level set names L0-L4 only");
+        LevelSet(bits)
+    }
+
     /// The set with bit mask `bits`, if it names only L0–L4.
     pub fn from_bits(bits: u32) -> Option<LevelSet> {
         (bits <= 0b11111).then_some(LevelSet(bits as u8))
@@ -147,6 +155,13 @@ impl LevelSet {
     /// The levels in the set, in order.
     pub fn iter(self) -> impl Iterator<Item = Level> {
         Level::ALL.into_iter().filter(move |l| self.contains(*l))
+    }
+}
+
+/// A level set is written as the list of its levels, in order (`["L3", "L4"]`).
+impl serde::Serialize for LevelSet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
     }
 }
 

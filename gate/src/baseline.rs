@@ -161,8 +161,8 @@ impl BlessedBinding {
         };
         let capture = match self.capture.as_str() {
             "" => CaptureSpec {
-                levels: 0,
-                payload_levels: 0,
+                levels: moeconf_fingerprint::LevelSet::EMPTY,
+                payload_levels: moeconf_fingerprint::LevelSet::EMPTY,
             },
             spec => CaptureSpec::parse(spec).map_err(|_| BaselineError::BindingField {
                 field: "capture",
@@ -733,8 +733,8 @@ mod tests {
         let path = dir.join("t.bin");
         let binding = Binding {
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b11111,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::ALL,
             },
             decoding: Decoding {
                 strategy: "greedy".into(),

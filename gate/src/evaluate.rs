@@ -19,7 +19,7 @@ use crate::report::{Failure, FlipKind, GateReport, LevelResult, NearTie, RuleRes
 use crate::tolerance::Minimal;
 use moeconf_bisect::{differing_pairs, summarize, FirstDivergence, RecordPair, RecordRef, Side};
 use moeconf_fingerprint::catalogue::ExecKey;
-use moeconf_fingerprint::{Component, Level};
+use moeconf_fingerprint::{Component, Level, LevelSet};
 use moeconf_schema::{IndexEntry, Trace};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -446,7 +446,7 @@ impl<'a> Gate<'a> {
 /// What one rule has judged so far.
 #[derive(Default)]
 struct RuleTally {
-    levels: Vec<Level>,
+    levels: LevelSet,
     judged: u64,
     failed: u64,
     first_failure: Option<Failure>,
@@ -475,9 +475,7 @@ impl Tally {
     /// Adds one judged record's outcome to its level and rule.
     fn add(&mut self, level: Level, decider: Decider, at: RecordRef, outcome: Outcome) {
         let rule = self.rules.entry(decider).or_default();
-        if !rule.levels.contains(&level) {
-            rule.levels.push(level);
-        }
+        rule.levels.insert(level);
         rule.judged += 1;
         let la = &mut self.levels[level.code() as usize];
         let failure = |reason: String| Failure { at, reason };

@@ -217,8 +217,8 @@ mod tests {
                 max_new_tokens: 1,
             },
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b11111,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::ALL,
             },
             ..Binding::default()
         };

@@ -11,7 +11,7 @@
 use crate::policy::{Mode, Profile};
 use crate::tolerance::Minimal;
 use moeconf_bisect::{FirstDivergence, RecordRef};
-use moeconf_fingerprint::Level;
+use moeconf_fingerprint::{Level, LevelSet};
 use moeconf_output::escape::text;
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -298,8 +298,8 @@ impl Failure {
 pub struct RuleResult {
     /// `#2 layer.* at L3 (aggregate)`, or `bitwise` for a bitwise level.
     pub rule: String,
-    /// Levels whose records it judged.
-    pub levels: Vec<Level>,
+    /// Levels whose records it judged (listed in order).
+    pub levels: LevelSet,
     /// Differing records judged.
     pub judged: u64,
     /// Records it failed (inconclusive included).
@@ -315,7 +315,7 @@ pub struct RuleResult {
 impl RuleResult {
     /// `L3,L4`.
     pub fn level_names(&self, separator: &str) -> String {
-        let names: Vec<&str> = self.levels.iter().map(|l| l.name()).collect();
+        let names: Vec<&str> = self.levels.iter().map(Level::name).collect();
         names.join(separator)
     }
 

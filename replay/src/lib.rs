@@ -35,7 +35,6 @@ pub mod teacher;
 pub mod text;
 pub mod units;
 
-use moeconf_fingerprint::LevelSet;
 use moeconf_runner::LoadedModel;
 use moeconf_schema::Trace;
 use rayon::prelude::*;
@@ -74,7 +73,7 @@ pub fn replay_layers(trace: &Trace, m: &LoadedModel, opts: &LayerOptions) -> Res
     let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
     let cand = candidate::Candidate::new(trace)?;
     let steps = units::steps(&cand)?;
-    let levels = LevelSet::from_bits(trace.binding().capture.levels).unwrap_or(LevelSet::ALL);
+    let levels = trace.binding().capture.levels;
     let layers = m.model.config().num_layers() as u32;
     let list = units::units(&steps, layers, levels);
     let engine = engine::Engine {

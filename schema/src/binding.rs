@@ -12,7 +12,7 @@
 
 use crate::recomputed::{Recomputed, RECOMPUTED_NOTE};
 use moeconf_fingerprint::wire::{Decoder, Encoder, WireError};
-use moeconf_fingerprint::{CanonPolicy, Digest, Level};
+use moeconf_fingerprint::{CanonPolicy, Digest, Level, LevelSet};
 use serde_json::{json, Value};
 
 /// Longest string field accepted in a header (prompt text included).
@@ -126,18 +126,18 @@ impl Default for Decoding {
 /// Which levels were captured and which kept their tensor bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CaptureSpec {
-    /// Bit `i` set: level `Li` was fingerprinted.
-    pub levels: u32,
-    /// Bit `i` set: level `Li` records carry payloads (small records such as
+    /// The levels fingerprinted (wire encoding: bit `i` is `Li`).
+    pub levels: LevelSet,
+    /// The levels whose records carry payloads (small records such as
     /// token ids and margins always do).
-    pub payload_levels: u32,
+    pub payload_levels: LevelSet,
 }
 
 impl CaptureSpec {
     /// Fingerprints for every level, payloads for none.
     pub const FINGERPRINTS_ONLY: CaptureSpec = CaptureSpec {
-        levels: 0b11111,
-        payload_levels: 0,
+        levels: LevelSet::ALL,
+        payload_levels: LevelSet::EMPTY,
     };
 
     /// The capture `moeconf replay` needs (docs/replay.md): fingerprints of
@@ -147,18 +147,18 @@ impl CaptureSpec {
     /// fingerprints name the operator where a half-layer parts, and the
     /// `embed.output` fingerprint certifies the layer-0 input.
     pub const REPLAY: CaptureSpec = CaptureSpec {
-        levels: 0b11111,
-        payload_levels: 0b01111,
+        levels: LevelSet::ALL,
+        payload_levels: LevelSet::of_mask(0b01111),
     };
 
     /// Whether `level` is captured.
     pub fn captures(&self, level: Level) -> bool {
-        self.levels & (1 << level.code()) != 0
+        self.levels.contains(level)
     }
 
     /// Whether `level` keeps payloads.
     pub fn keeps_payload(&self, level: Level) -> bool {
-        self.payload_levels & (1 << level.code()) != 0
+        self.payload_levels.contains(level)
     }
 
     /// Parses a capture spec: `default` (fingerprints for every level,
@@ -171,20 +171,17 @@ impl CaptureSpec {
     pub fn parse(s: &str) -> Result<CaptureSpec, String> {
         match s {
             "default" => Ok(CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b01010,
+                levels: LevelSet::ALL,
+                payload_levels: LevelSet::of_mask(0b01010),
             }),
             "all" => Ok(CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b11111,
+                levels: LevelSet::ALL,
+                payload_levels: LevelSet::ALL,
             }),
             "fingerprints" => Ok(CaptureSpec::FINGERPRINTS_ONLY),
             "replay" => Ok(CaptureSpec::REPLAY),
             list => {
-                let mut spec = CaptureSpec {
-                    levels: 0,
-                    payload_levels: 0,
-                };
+                let mut spec = CaptureSpec::default();
                 for item in list.split(',').map(str::trim).filter(|x| !x.is_empty()) {
                     let (lv, payload) = match item.strip_suffix("+payload") {
                         Some(l) => (l, true),
@@ -193,12 +190,12 @@ impl CaptureSpec {
                     let level = Level::from_name(lv).ok_or_else(|| {
                         format!("{item:?} is not a level (use L0..L4, optionally with +payload)")
                     })?;
-                    spec.levels |= 1 << level.code();
+                    spec.levels.insert(level);
                     if payload {
-                        spec.payload_levels |= 1 << level.code();
+                        spec.payload_levels.insert(level);
                     }
                 }
-                if spec.levels == 0 {
+                if spec.levels.is_empty() {
                     return Err(format!(
                         "{s:?} selects no level (try default, all, fingerprints or L0,L1+payload,...)"
                     ));
@@ -305,7 +302,8 @@ impl Binding {
         }
         e.str(&self.decoding.strategy).u32(self.decoding.max_new_tokens);
         e.str(&self.precision).str(&self.contract).str(&self.schedule);
-        e.u32(self.capture.levels).u32(self.capture.payload_levels);
+        e.u32(self.capture.levels.bits())
+            .u32(self.capture.payload_levels.bits());
         e.bool(self.canon.fold_negative_zero);
         enc_pairs(e, &self.extra);
     }
@@ -358,13 +356,16 @@ impl Binding {
         let contract = d.str("contract", MAX_STRING)?.to_string();
         let schedule = d.str("schedule", MAX_STRING)?.to_string();
         let at = d.offset();
-        let capture = CaptureSpec {
-            levels: d.u32("capture levels")?,
-            payload_levels: d.u32("capture payload levels")?,
-        };
-        if capture.levels > 0b11111 || capture.payload_levels > 0b11111 {
+        let (levels, payload_levels) = (d.u32("capture levels")?, d.u32("capture payload levels")?);
+        let (Some(levels), Some(payload_levels)) =
+            (LevelSet::from_bits(levels), LevelSet::from_bits(payload_levels))
+        else {
             return Err(d.error_at(at, "capture spec names a level above L4"));
-        }
+        };
+        let capture = CaptureSpec {
+            levels,
+            payload_levels,
+        };
         let canon = CanonPolicy {
             fold_negative_zero: d.bool("fold negative zero flag")?,
         };
@@ -549,8 +550,8 @@ mod tests {
             contract: "native".into(),
             schedule: "identity".into(),
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b01010,
+                levels: LevelSet::ALL,
+                payload_levels: LevelSet::of_mask(0b01010),
             },
             canon: CanonPolicy::default(),
             extra: vec![("seed".into(), "7".into())],

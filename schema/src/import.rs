@@ -30,7 +30,7 @@ use crate::{
 };
 use moeconf_fingerprint::catalogue::{exec_rank, level_of_path, ExecGroup, ValueKind};
 use moeconf_fingerprint::{
-    bf16_to_f32, f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, Phase,
+    bf16_to_f32, f16_to_f32, Algorithm, CanonPolicy, Component, Coord, DType, Digest, Level, LevelSet, Phase,
     TensorView, MAX_RANK,
 };
 use moeconf_output::input::{check_input, read_input, InputFileError};
@@ -56,9 +56,9 @@ pub struct ImportOptions {
     pub algorithm: Algorithm,
     /// Canonicalization policy (recorded in the binding).
     pub canon: CanonPolicy,
-    /// Levels whose records keep their tensor bytes (bit mask; records of at
-    /// most [`SMALL_RECORD_BYTES`] always keep theirs).
-    pub payload_levels: u32,
+    /// Levels whose records keep their tensor bytes (records of at most
+    /// [`SMALL_RECORD_BYTES`] always keep theirs).
+    pub payload_levels: LevelSet,
 }
 
 /// `manifest.json`: everything the binding needs that tensor names cannot say.
@@ -429,19 +429,20 @@ fn binding_from(
 }
 
 /// Parses `--payloads`: `all`, `none` or a list of levels; returns a level bit mask.
-pub fn parse_payloads(s: &str) -> Result<u32, String> {
+pub fn parse_payloads(s: &str) -> Result<LevelSet, String> {
     match s {
-        "all" => Ok(0b11111),
-        "none" => Ok(0),
-        list => list
-            .split(',')
-            .map(str::trim)
-            .filter(|x| !x.is_empty())
-            .try_fold(0u32, |acc, item| {
-                let l = Level::from_name(item)
-                    .ok_or_else(|| format!("{item:?} is not a level (all, none or L0,L1,...)"))?;
-                Ok(acc | (1 << l.code()))
-            }),
+        "all" => Ok(LevelSet::ALL),
+        "none" => Ok(LevelSet::EMPTY),
+        list => {
+            list.split(',')
+                .map(str::trim)
+                .filter(|x| !x.is_empty())
+                .try_fold(LevelSet::EMPTY, |acc, item| {
+                    let l = Level::from_name(item)
+                        .ok_or_else(|| format!("{item:?} is not a level (all, none or L0,L1,...)"))?;
+                    Ok(acc.with(l))
+                })
+        }
     }
 }
 
@@ -589,10 +590,10 @@ pub fn import(a: &ImportOptions) -> Result<WriteSummary, InputError> {
         .to_checked_bytes()
         .map_err(|m| invalid(format!("{}: {m}", manifest_path.display())))?;
     let items = read_dump(&a.input, &overrides, m.max_new_tokens)?;
-    let levels = items.iter().fold(0u32, |acc, it| acc | (1 << it.level.code()));
+    let levels = items.iter().fold(LevelSet::EMPTY, |acc, it| acc.with(it.level));
     let capture = CaptureSpec {
         levels,
-        payload_levels: payload_levels & levels,
+        payload_levels: payload_levels.intersection(levels),
     };
     header.binding.capture = capture;
     let mut w = TraceWriter::create_checked(&out, alg, header)?;

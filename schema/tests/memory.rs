@@ -67,8 +67,8 @@ const TENSORS: usize = 100_000;
 fn binding(tensors: Vec<TensorDigest>) -> Binding {
     let mut b = Binding {
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::ALL,
         },
         ..Binding::default()
     };

@@ -12,7 +12,9 @@
 //! size 4) so that one fuzz execution takes well under a millisecond.
 
 use arbitrary::{Result, Unstructured};
-use moeconf_fingerprint::{Algorithm, CanonPolicy, Component, Coord, DType, Level, Phase, TensorView};
+use moeconf_fingerprint::{
+    Algorithm, CanonPolicy, Component, Coord, DType, Level, LevelSet, Phase, TensorView,
+};
 use moeconf_schema::{
     Binding, CaptureSpec, Decoding, Header, PromptBinding, Provenance, TraceError, TraceWriter, WriteSummary,
     SMALL_RECORD_BYTES,
@@ -51,7 +53,7 @@ pub struct TraceSpec {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GenOptions {
     /// Levels always captured (with payloads) besides the drawn ones.
-    pub levels: u32,
+    pub levels: LevelSet,
 }
 
 /// The dimensions of one generated run.
@@ -109,7 +111,7 @@ fn ranked(logits: &[f32]) -> Vec<usize> {
 /// Appends records to a spec under construction.
 struct Builder {
     records: Vec<Record>,
-    levels: u32,
+    levels: LevelSet,
 }
 
 impl Builder {
@@ -133,7 +135,7 @@ impl Builder {
         shape: &[u64],
         bytes: Vec<u8>,
     ) {
-        if self.levels & (1 << level.code()) == 0 {
+        if !self.levels.contains(level) {
             return;
         }
         let phase = if step == 0 { Phase::Prefill } else { Phase::Decode };
@@ -299,8 +301,8 @@ impl TraceSpec {
             k: u.int_in_range(1..=d.experts)?,
             ..d
         };
-        let levels = (u.int_in_range(1..=31u32)? | opts.levels) & 31;
-        let payload_levels = (u.int_in_range(0..=31u32)? | opts.levels) & 31;
+        let levels = LevelSet::of_mask(u.int_in_range(1..=31u8)?).union(opts.levels);
+        let payload_levels = LevelSet::of_mask(u.int_in_range(0..=31u8)?).union(opts.levels);
         let alg = if u.ratio(1, 8)? {
             Algorithm::Sha256
         } else {
@@ -408,7 +410,7 @@ impl TraceSpec {
     }
 
     /// The levels this spec holds records of.
-    pub fn held_levels(&self) -> u32 {
-        self.records.iter().fold(0, |acc, r| acc | (1 << r.level.code()))
+    pub fn held_levels(&self) -> LevelSet {
+        self.records.iter().map(|r| r.level).collect()
     }
 }

@@ -16,7 +16,7 @@ use crate::gen::{GenOptions, TraceSpec};
 use crate::lies::{lie, Lie, LieClass, Model};
 use arbitrary::Unstructured;
 use moeconf_bisect::{diff, DiffOptions};
-use moeconf_fingerprint::{Component, Level};
+use moeconf_fingerprint::{Component, Level, LevelSet};
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{Mode, Profile, Requirement};
 use moeconf_gate::{against_baseline_with, against_reference_with};
@@ -572,14 +572,19 @@ pub fn written(spec: &TraceSpec, dir: &Path, name: &str) -> Vec<u8> {
 pub fn base_spec() -> TraceSpec {
     for data in crate::seeds::inputs(0x11e5, 1000) {
         let mut u = Unstructured::new(&data);
-        let Ok(mut s) = TraceSpec::generate(&mut u, GenOptions { levels: 0b11011 }) else {
+        let Ok(mut s) = TraceSpec::generate(
+            &mut u,
+            GenOptions {
+                levels: LevelSet::of_mask(0b11011),
+            },
+        ) else {
             continue;
         };
         s.version = 2;
         s.alg = moeconf_fingerprint::Algorithm::Blake3;
         s.header.binding.capture = moeconf_schema::CaptureSpec {
-            levels: 0b11011,
-            payload_levels: 0b01011,
+            levels: LevelSet::of_mask(0b11011),
+            payload_levels: LevelSet::of_mask(0b01011),
         };
         s.records.retain(|r| r.level != Level::L2);
         let steps = s.records.iter().map(|r| r.coord.step).max().unwrap_or(0) + 1;

@@ -4,7 +4,7 @@
 
 use crate::gen::{Record, TraceSpec};
 use arbitrary::{Result, Unstructured};
-use moeconf_fingerprint::{Coord, DType, Level};
+use moeconf_fingerprint::{Coord, DType, Level, LevelSet};
 use moeconf_schema::{IndexEntry, Trace};
 
 /// Every record of a trace the project's writer wrote (its whole index): a
@@ -104,21 +104,19 @@ pub fn flip_payload_bit(u: &mut Unstructured<'_>, trace: &Trace, bytes: &mut [u8
 /// A trace's records as a sorted list of (coordinate, level, digest) keys:
 /// two traces hold the same records exactly when these are equal.
 pub fn record_keys(t: &Trace) -> Vec<String> {
-    record_keys_at(t, 31)
+    record_keys_at(t, LevelSet::ALL)
 }
 
-/// The levels a trace holds records of, as bits.
-pub fn held_levels(t: &Trace) -> u32 {
-    all_records(t)
-        .iter()
-        .fold(0, |acc, e| acc | (1 << e.level.code()))
+/// The levels a trace holds records of.
+pub fn held_levels(t: &Trace) -> LevelSet {
+    all_records(t).iter().map(|e| e.level).collect()
 }
 
-/// The records of `t` at the levels `levels` (bits), as [`record_keys`].
-pub fn record_keys_at(t: &Trace, levels: u32) -> Vec<String> {
+/// The records of `t` at the levels `levels`, as [`record_keys`].
+pub fn record_keys_at(t: &Trace, levels: LevelSet) -> Vec<String> {
     let mut v: Vec<String> = all_records(t)
         .iter()
-        .filter(|e| levels & (1 << e.level.code()) != 0)
+        .filter(|e| levels.contains(e.level))
         .map(|e| format!("{} {} {}", e.coord, e.level.name(), e.digest.to_hex()))
         .collect();
     v.sort();

@@ -13,7 +13,7 @@ use crate::mutate::{
 };
 use arbitrary::{Result, Unstructured};
 use moeconf_bisect::{diff, open_pair, open_pair_with, DiffOptions, DiffReport, Verdict};
-use moeconf_fingerprint::{Component, LevelSet};
+use moeconf_fingerprint::{Component, Level, LevelSet};
 use moeconf_gate::baseline::Baseline;
 use moeconf_gate::policy::{resolve, Mode, Profile};
 use moeconf_gate::{against_baseline, against_reference, against_reference_with, GateError, GateReport};
@@ -278,10 +278,8 @@ fn render(r: &std::result::Result<GateReport, GateError>) {
 /// level the profile requires.
 fn check_self(name: &str, t: &Trace, p: &Profile, got: &std::result::Result<GateReport, GateError>) {
     let held = held_levels(t);
-    let required = p
-        .required_levels(LevelSet::from_bits(held).unwrap_or(LevelSet::EMPTY))
-        .bits();
-    let should_pass = held != 0 && required & !held == 0;
+    let required = p.required_levels(held);
+    let should_pass = !held.is_empty() && required.intersection(held) == required;
     assert_eq!(
         passes(got),
         should_pass,
@@ -349,7 +347,7 @@ fn gate_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()
         // The same generated content in another file: judged as the trace itself.
         check_self("an identical candidate", &rt, &p, &got);
     }
-    let all = |ok: &dyn Fn(Mode) -> bool| (0..5).all(|l| held & (1 << l) == 0 || ok(p.levels[l]));
+    let all = |ok: &dyn Fn(Mode) -> bool| held.iter().all(|l| ok(p.levels[l.code() as usize]));
     if differs && all(&|m| m == Mode::Bitwise) {
         assert!(!passes(&got), "a differing candidate passed a bitwise gate");
         *seen |= DIFFERENT;
@@ -449,7 +447,12 @@ const FAMILIES: [&str; 8] = [
 
 fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<()> {
     use moeconf_bisect::{certify_within, CertifyLimits, Family};
-    let spec = TraceSpec::generate(u, GenOptions { levels: 1 << 4 })?;
+    let spec = TraceSpec::generate(
+        u,
+        GenOptions {
+            levels: LevelSet::EMPTY.with(Level::L4),
+        },
+    )?;
     let spec = if u.ratio(1, 4)? { mutate(u, &spec)? } else { spec };
     let Some(path) = write(&spec, dir, "full.bin") else {
         return Ok(());
@@ -557,7 +560,7 @@ fn import_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result<
         manifest: None,
         algorithm: spec.alg,
         canon: spec.header.binding.canon,
-        payload_levels: u.int_in_range(0..=31)?,
+        payload_levels: LevelSet::of_mask(u.int_in_range(0..=31)?),
     };
     match moeconf_schema::import::import(&opts) {
         Ok(_) => {

@@ -95,8 +95,8 @@ pub fn base_binding() -> Binding {
         contract: "native".into(),
         schedule: "identity".into(),
         capture: CaptureSpec {
-            levels: 0b11111,
-            payload_levels: 0b11111,
+            levels: moeconf_fingerprint::LevelSet::ALL,
+            payload_levels: moeconf_fingerprint::LevelSet::ALL,
         },
         ..Binding::default()
     }

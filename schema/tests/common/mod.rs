@@ -32,8 +32,8 @@ pub fn header() -> Header {
                 max_new_tokens: 2,
             },
             capture: CaptureSpec {
-                levels: 0b11111,
-                payload_levels: 0b01010,
+                levels: moeconf_fingerprint::LevelSet::ALL,
+                payload_levels: moeconf_fingerprint::LevelSet::of_mask(0b01010),
             },
             ..Binding::default()
         },
