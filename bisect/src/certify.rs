@@ -81,7 +81,6 @@ pub enum CertifyError {
         path.display(), Component::MoeTerm, Component::MoeShared
     )]
     NoPayloads {
-        /// The trace file.
         path: PathBuf,
         /// Events without payloads.
         events: usize,
@@ -89,7 +88,6 @@ pub enum CertifyError {
     /// An event's records are inconsistent (the message says how and where).
     #[error("{}: {at}: {what}", path.display())]
     Malformed {
-        /// The trace file.
         path: PathBuf,
         /// The event (`step S position P layer L`).
         at: String,
@@ -102,21 +100,16 @@ pub enum CertifyError {
         path.display()
     )]
     NotF32 {
-        /// The trace file.
         path: PathBuf,
         /// The record's path.
         record: String,
-        /// Its step.
         step: u32,
-        /// Its position.
         position: u32,
-        /// Its dtype.
         dtype: DType,
     },
     /// A payload is not a whole number of FP32 values.
     #[error("{}: record {record}: payload of {bytes} bytes is not f32", path.display())]
     PayloadNotF32 {
-        /// The trace file.
         path: PathBuf,
         /// The record's path.
         record: String,
@@ -133,7 +126,6 @@ pub enum CertifyError {
         path.display()
     )]
     TooManyTerms {
-        /// The trace file.
         path: PathBuf,
         /// The event.
         at: String,
@@ -150,7 +142,6 @@ pub enum CertifyError {
         path.display()
     )]
     EventTooLarge {
-        /// The trace file.
         path: PathBuf,
         /// The event.
         at: String,
@@ -160,7 +151,6 @@ pub enum CertifyError {
         d: u64,
         /// k! × D (saturating).
         work: u64,
-        /// The limit.
         limit: u64,
     },
     /// All events together need more work than the total limit.
@@ -170,7 +160,6 @@ pub enum CertifyError {
         path.display(), if *families == 1 { "y" } else { "ies" }
     )]
     TooMuchWork {
-        /// The trace file.
         path: PathBuf,
         /// Events with payloads.
         events: usize,
@@ -178,13 +167,11 @@ pub enum CertifyError {
         families: usize,
         /// The total (saturating).
         work: u64,
-        /// The limit.
         limit: u64,
     },
     /// A contract family cannot be evaluated on an event.
     #[error("{}: {at}: --contract {contract}", path.display())]
     Contract {
-        /// The trace file.
         path: PathBuf,
         /// The event.
         at: String,
@@ -214,7 +201,6 @@ pub struct MoeEvent {
     pub position: u32,
     /// Decoder layer.
     pub layer: u32,
-    /// Phase of the step.
     pub phase: Phase,
     /// (term index J, record index) of each `moe.term.J`, sorted by J.
     terms: Vec<(usize, usize)>,
@@ -234,7 +220,6 @@ impl MoeEvent {
 /// The certificates of one event, one per family.
 #[derive(Debug, Clone)]
 pub struct EventCertificates {
-    /// The event.
     pub event: MoeEvent,
     /// Routed terms (k).
     pub k: usize,
@@ -245,9 +230,7 @@ pub struct EventCertificates {
 /// Every event's certificates.
 #[derive(Debug, Clone)]
 pub struct CertifyReport {
-    /// The trace file.
     pub trace: PathBuf,
-    /// The certified families.
     pub families: Vec<Family>,
     /// Events with payloads, in first-seen order.
     pub rows: Vec<EventCertificates>,

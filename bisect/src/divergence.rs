@@ -40,7 +40,6 @@ pub(crate) struct Event {
     /// The first later checkpoint that differs (propagating), or the next
     /// checkpoint, which matches (absorbed).
     pub checkpoint: Option<Pair>,
-    /// Its inputs.
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches.
     pub inputs_match: bool,

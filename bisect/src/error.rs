@@ -61,11 +61,9 @@ pub enum BisectError {
     /// comparison). The I/O error is the source, not repeated in the text.
     #[error("{}: {what}", .path.display())]
     Io {
-        /// The file.
         path: std::path::PathBuf,
         /// What was being done.
         what: &'static str,
-        /// The I/O error.
         #[source]
         source: std::io::Error,
     },

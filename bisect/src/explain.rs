@@ -46,13 +46,11 @@ pub enum ExplainError {
     /// A record the explanation needs is absent.
     #[error("{trace}: step {step} layer {layer} position {position} has a moe.combine record but no {what}")]
     MissingRecord {
-        /// The trace file.
         trace: String,
         /// Forward step.
         step: u32,
         /// Decoder layer.
         layer: u32,
-        /// Token position.
         position: u32,
         /// What is missing (`moe.shared`, `moe.term.2`, `moe.term.* records`).
         what: String,
@@ -60,7 +58,6 @@ pub enum ExplainError {
     /// A record holds no payload or one that is not f32/bf16 (i32 for `router.topk`).
     #[error("{trace}: {record} at step {step} layer {layer} position {position}: {problem}")]
     BadPayload {
-        /// The trace file.
         trace: String,
         /// Its path.
         record: String,
@@ -68,7 +65,6 @@ pub enum ExplainError {
         step: u32,
         /// Decoder layer.
         layer: u32,
-        /// Token position.
         position: u32,
         /// What is wrong.
         problem: String,
@@ -76,13 +72,11 @@ pub enum ExplainError {
     /// The recorded values are inconsistent (lengths).
     #[error("{trace}: step {step} layer {layer} position {position}: inconsistent combine event")]
     Inconsistent {
-        /// The trace file.
         trace: String,
         /// Forward step.
         step: u32,
         /// Decoder layer.
         layer: u32,
-        /// Token position.
         position: u32,
         /// What the inference engine refused.
         #[source]
@@ -100,11 +94,9 @@ pub struct EventReport {
     pub step: u32,
     /// Decoder layer.
     pub layer: u32,
-    /// Token position.
     pub position: u32,
     /// Selected expert ids in slot order (empty when `router.topk` was not recorded).
     pub experts: Vec<u32>,
-    /// The explanation.
     pub explanation: CombineExplanation,
 }
 
@@ -164,7 +156,6 @@ pub struct EventRef {
     pub step: u32,
     /// Decoder layer.
     pub layer: u32,
-    /// Token position.
     pub position: u32,
 }
 
@@ -173,7 +164,6 @@ pub struct EventRef {
 pub struct TraceExplanation {
     /// [`EXPLAIN_SCHEMA_VERSION`].
     pub schema_version: u32,
-    /// The trace file.
     pub trace: String,
     /// The contract the trace's binding declares (as the writer described it).
     pub declared_contract: String,

@@ -81,7 +81,6 @@ pub enum ExplanationStatus {
 /// The report form of one event's [`EventExplanation`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct CombineExplanation {
-    /// Explained or not.
     pub status: ExplanationStatus,
     /// Routed terms k.
     pub k: usize,

@@ -45,7 +45,6 @@
 //! assert_eq!(report.verdict, Verdict::Divergent);
 //! assert_eq!(report.levels.l0.ordinal, Some(1));
 //! ```
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod certify;

@@ -41,10 +41,8 @@ pub struct WorstElement {
     pub flat_index: u64,
     /// Multi-dimensional index in the logical shape.
     pub index: Vec<u64>,
-    /// The reference's value.
     #[serde(serialize_with = "ser_f64")]
     pub reference: f64,
-    /// The candidate's value.
     #[serde(serialize_with = "ser_f64")]
     pub candidate: f64,
 }
@@ -52,7 +50,6 @@ pub struct WorstElement {
 /// Summary of the element-wise differences of one record.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NumericSummary {
-    /// The record's dtype.
     pub dtype: String,
     /// The reference's logical shape.
     pub shape: Vec<u64>,

@@ -113,7 +113,6 @@ impl DivergenceKind {
 /// order, whatever its level.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FirstDivergence {
-    /// The record's level.
     pub level: String,
     /// Forward step.
     pub step: u32,
@@ -224,7 +223,6 @@ pub struct BeyondStorage {
 pub struct TextOp {
     /// `equal`, `delete` (only in the reference) or `insert` (only in the candidate).
     pub tag: String,
-    /// The text of the segment.
     pub text: String,
 }
 
@@ -263,7 +261,6 @@ pub struct TextSummary {
 /// L0: generated tokens and text.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct L0Report {
-    /// Status of the level.
     pub status: LevelStatus,
     /// One line of plain explanation.
     pub explains: String,
@@ -296,7 +293,6 @@ pub struct L0Report {
 /// L1: logits at each step's last position.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct L1Report {
-    /// Status of the level.
     pub status: LevelStatus,
     /// One line of plain explanation.
     pub explains: String,
@@ -345,7 +341,6 @@ pub struct StateLayer {
 /// L2: the full persistent state at decode boundaries.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct L2Report {
-    /// Status of the level.
     pub status: LevelStatus,
     /// One line of plain explanation.
     pub explains: String,
@@ -382,14 +377,12 @@ pub struct RouteDivergence {
     pub hash_routed: Option<bool>,
     /// Reference rank-k minus rank-(k+1) selection score.
     pub reference_margin: Option<f64>,
-    /// Candidate margin.
     pub candidate_margin: Option<f64>,
 }
 
 /// L3: post-mHC layer state and routes.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct L3Report {
-    /// Status of the level.
     pub status: LevelStatus,
     /// One line of plain explanation.
     pub explains: String,
@@ -483,7 +476,6 @@ pub struct Localized {
     /// What "inputs match" rests on besides bitwise equality (see
     /// [`Divergence::inputs_note`]).
     pub inputs_note: Option<String>,
-    /// The layer's kind.
     pub layer_kind: Option<LayerKind>,
     /// How the output compares, worded by what its values mean.
     pub comparison: Option<ValueComparison>,
@@ -509,7 +501,6 @@ pub struct ContractReport {
     pub candidate_note: Option<String>,
     /// The reference's simplest reproducing member.
     pub reference: Option<String>,
-    /// The reference's explanation.
     pub reference_explanation: Option<CombineExplanation>,
     /// Why the reference was not explained.
     pub reference_note: Option<String>,
@@ -521,7 +512,6 @@ pub struct ContractReport {
 /// L4: operator intermediates.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct L4Report {
-    /// Status of the level.
     pub status: LevelStatus,
     /// One line of plain explanation.
     pub explains: String,
@@ -560,17 +550,13 @@ pub struct Levels {
 /// What one trace is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TraceSummary {
-    /// The file.
     pub path: String,
     /// Root digest (hex).
     pub root: String,
     /// Runtime that produced it.
     pub runtime: String,
-    /// Precision profile.
     pub precision: String,
-    /// Aggregation contract.
     pub contract: String,
-    /// Schedule.
     pub schedule: String,
     /// Steps (committed by the root digest). The number of records is not
     /// reported: a diff reads only the divergent path, and no digest it
@@ -587,9 +573,7 @@ pub struct DiffReport {
     pub kind: String,
     /// Equivalent or divergent.
     pub verdict: Verdict,
-    /// The reference trace.
     pub reference: TraceSummary,
-    /// The candidate trace.
     pub candidate: TraceSummary,
     /// Binding differences.
     pub comparability: Comparability,

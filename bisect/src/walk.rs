@@ -35,9 +35,7 @@ impl Pair {}
 /// Which trace of a comparison.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
-    /// The reference.
     Reference,
-    /// The candidate.
     Candidate,
 }
 

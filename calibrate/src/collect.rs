@@ -7,7 +7,6 @@ use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
 /// One captured record kept by a [`Collect`] sink.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Kept {
-    /// Coordinate.
     pub coord: Coord,
     /// Element bytes (little-endian).
     pub bytes: Vec<u8>,

@@ -91,7 +91,6 @@ pub struct CtxOptions {
     pub precision: Precision,
     /// Layer of the single-layer fork (paper: 5).
     pub fork_layer: u32,
-    /// Run sizes.
     pub sizes: Sizes,
     /// Output directory (traces go to its `traces/` folder); for a shard, a
     /// scratch directory whose output files are attached to the partial.
@@ -108,11 +107,9 @@ pub struct Ctx {
     pub identity: ModelIdentity,
     /// Digest of tokenizer.json.
     pub tokenizer_digest: Digest,
-    /// Precision profile.
     pub precision: Precision,
     /// Layer of the single-layer fork (paper: 5).
     pub fork_layer: u32,
-    /// Run sizes.
     pub sizes: Sizes,
     /// Output directory.
     pub out: PathBuf,
@@ -124,7 +121,6 @@ pub struct Ctx {
 pub struct TraceRequest<'a> {
     /// Prompt text (bound in the trace).
     pub prompt: &'a str,
-    /// Its token ids.
     pub prompt_ids: &'a [u32],
     /// Tokens to generate.
     pub tokens: usize,

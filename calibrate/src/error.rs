@@ -26,7 +26,6 @@ pub enum CalibrateError {
     Io {
         /// What was being done, naming the file.
         context: String,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
@@ -34,7 +33,6 @@ pub enum CalibrateError {
     /// [`TraceError`]) names the file, so the message does not repeat it.
     #[error("reading back a trace the protocol wrote")]
     Open {
-        /// The trace file.
         path: PathBuf,
         /// Why it could not be opened.
         #[source]
@@ -45,7 +43,6 @@ pub enum CalibrateError {
     Protocol {
         /// The protocol's key (e.g. `fork_sweep`).
         name: &'static str,
-        /// Why it failed.
         #[source]
         source: Box<CalibrateError>,
     },
@@ -60,7 +57,6 @@ pub enum CalibrateError {
     Option {
         /// The field and the value given (e.g. branch `"b+x"`).
         option: FieldMessage,
-        /// What is wrong with it.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
@@ -129,7 +125,6 @@ impl CalibrateError {
     }
 }
 
-/// Result of the calibration suite.
 pub type Result<T, E = CalibrateError> = std::result::Result<T, E>;
 
 #[cfg(test)]

@@ -33,7 +33,6 @@ impl JobOut {
 
 /// A protocol's planned jobs.
 pub trait Jobs: Sync {
-    /// How many jobs.
     fn count(&self) -> usize;
 
     /// Work the jobs `owned` (of `0..count()`) share, done once before they
@@ -42,7 +41,6 @@ pub trait Jobs: Sync {
         Ok(())
     }
 
-    /// Runs job `job`.
     fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut>;
 }
 
@@ -50,7 +48,6 @@ pub trait Jobs: Sync {
 /// parameters, recorded in every partial.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Params {
-    /// Run sizes.
     pub sizes: Sizes,
     /// Layer of the single-layer fork.
     pub fork_layer: u32,

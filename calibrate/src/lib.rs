@@ -11,7 +11,6 @@
 //! Every count is computed from runs; nothing is typed in. Runs are
 //! independent and use rayon only over whole runs, so the results do not
 //! depend on the thread count.
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod breadth;

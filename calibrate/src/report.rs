@@ -14,9 +14,7 @@ pub struct Table {
     pub name: String,
     /// Title printed above the table.
     pub title: String,
-    /// Column headers.
     pub columns: Vec<String>,
-    /// Rows of cells.
     pub rows: Vec<Vec<String>>,
 }
 
@@ -112,12 +110,10 @@ pub struct Claim {
     pub id: String,
     /// What is claimed, with the measured numbers.
     pub detail: String,
-    /// Whether it holds.
     pub holds: bool,
 }
 
 impl Claim {
-    /// A claim.
     pub fn new(id: &str, holds: bool, detail: String) -> Claim {
         Claim {
             id: id.into(),

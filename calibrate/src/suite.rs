@@ -325,7 +325,6 @@ pub fn scratch_dir(partial: &Path) -> Result<Scratch> {
 pub struct Scratch(tempfile::TempDir);
 
 impl Scratch {
-    /// The directory.
     pub fn path(&self) -> &Path {
         self.0.path()
     }

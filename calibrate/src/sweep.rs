@@ -80,9 +80,7 @@ pub fn build_schemes(req: &SchemeRequest<'_>, k: usize) -> Result<Vec<Scheme>> {
 pub struct SweepHeader<'a> {
     /// The model as given.
     pub model: &'a str,
-    /// Prompt text.
     pub prompt: &'a str,
-    /// Its token ids.
     pub prompt_ids: &'a [u32],
     /// Precision profile name.
     pub precision: &'a str,
@@ -390,11 +388,9 @@ pub const JOB_GROUP: &str = "branches";
 pub struct SweepArguments {
     /// The model's name.
     pub model: String,
-    /// Prompt text.
     pub prompt: String,
-    /// Its token ids.
     pub prompt_ids: Vec<u32>,
-    /// The fork point.
+    /// Layer of the single-layer fork.
     pub fork_layer: u32,
     /// Forward step of the fork.
     pub fork_step: u32,
@@ -437,7 +433,6 @@ impl SweepArguments {
         )
     }
 
-    /// The fork point.
     pub fn point(&self) -> ForkPoint {
         ForkPoint {
             layer: self.fork_layer,
@@ -625,9 +620,7 @@ pub fn html_view(h: &SweepHeader<'_>, r: &SweepReport, pieces: &[Vec<String>]) -
 /// What `moeconf sweep` is asked, once its arguments are parsed and its
 /// model loaded: the one entry point a command (or a program) calls.
 pub struct SweepRequest<'a> {
-    /// The model.
     pub model: &'a LoadedModel,
-    /// The prompt text.
     pub prompt: &'a str,
     /// Where every branch forks.
     pub point: ForkPoint,
@@ -637,7 +630,6 @@ pub struct SweepRequest<'a> {
     pub schemes: SchemeRequest<'a>,
     /// The combine of every other MoE event (the base).
     pub combine: &'a CombineChoice,
-    /// Precision profile.
     pub precision: moeconf_reference_runtime::precision::Precision,
     /// Digest algorithm of the branch fingerprints.
     pub algorithm: Algorithm,
@@ -649,7 +641,6 @@ pub struct SweepRequest<'a> {
     pub shard: Option<Shard>,
     /// Whether the whole sweep's outputs include the HTML page.
     pub html: bool,
-    /// How progress is shown.
     pub progress: ProgressMode,
 }
 
@@ -660,7 +651,6 @@ pub enum SweepOutcome {
     Partial {
         /// The run's identity (arguments and input digests).
         identity: RunIdentity,
-        /// The shard.
         shard: Shard,
         /// This shard's job results.
         results: Vec<JobResult>,
@@ -671,7 +661,6 @@ pub enum SweepOutcome {
 
 /// A finished sweep: its outcome and the one line that says how it went.
 pub struct SweepRun {
-    /// What it produced.
     pub outcome: SweepOutcome,
     /// `moeconf sweep: N branches ...` (stderr, unless quiet).
     pub finished: String,

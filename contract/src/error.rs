@@ -17,7 +17,6 @@ pub enum ContractError {
     InvalidOverride {
         /// The override token that was given.
         given: String,
-        /// What is wrong with it.
         reason: String,
     },
     /// An order string could not be parsed.
@@ -25,7 +24,6 @@ pub enum ContractError {
     InvalidOrder {
         /// The string that was given.
         given: String,
-        /// What is wrong with it.
         reason: String,
     },
     /// A schedule string could not be parsed.
@@ -33,7 +31,6 @@ pub enum ContractError {
     InvalidSchedule {
         /// The string that was given.
         given: String,
-        /// What is wrong with it.
         reason: String,
     },
     /// An explicit permutation is not a permutation of `0..k`.
@@ -84,7 +81,6 @@ pub enum ContractError {
     /// The event's expert ids or gates do not cover its k routed terms.
     #[error("order {order} needs {k} {what}, the event has {got}")]
     ContextMismatch {
-        /// The order.
         order: String,
         /// `expert ids` or `gate weights`.
         what: &'static str,

@@ -168,7 +168,6 @@ impl Plan {
         }
     }
 
-    /// This plan, borrowed.
     pub(crate) fn as_ref(&self) -> PlanRef<'_> {
         match self {
             Plan::Chain { leaves, zero } => PlanRef::Chain { leaves, zero: *zero },

@@ -25,7 +25,6 @@
 //! assert_eq!(b_class_of(&[1, 0]).unwrap(), b_class_of(&[0, 1]).unwrap());
 //! ```
 
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod backends;

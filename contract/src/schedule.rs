@@ -346,7 +346,6 @@ impl<B: MoeCombine> ForkCombine<B> {
         }
     }
 
-    /// The fork point.
     pub fn point(&self) -> ForkPoint {
         self.point
     }

@@ -86,9 +86,7 @@ pub const PARALLEL_HASH_THRESHOLD: usize = 1 << 20;
 /// An incremental hasher over either algorithm.
 #[derive(Clone)]
 pub enum StreamHasher {
-    /// BLAKE3 state.
     Blake3(Box<blake3::Hasher>),
-    /// SHA-256 state.
     Sha256(sha2::Sha256),
 }
 

@@ -214,7 +214,6 @@ pub const STATE_PREFIX: &str = "state.";
 /// One input of an operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Input {
-    /// Where the input lives.
     pub source: InputSource,
     /// The input component (ignored for [`InputSource::LayerInput`] and
     /// [`InputSource::CarriedState`], which name their records themselves).
@@ -224,11 +223,9 @@ pub struct Input {
 /// Everything the catalogue knows about one component.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ComponentSpec {
-    /// The component.
     pub component: Component,
     /// Its path, or for a family (`moe.term.J`) the prefix `moe.term.`.
     pub path: &'static str,
-    /// Capture level.
     pub level: Level,
     /// What its values mean.
     pub kind: ValueKind,
@@ -1227,7 +1224,6 @@ impl Component {
         self.spec().path
     }
 
-    /// Capture level.
     pub fn level(self) -> Level {
         self.spec().level
     }

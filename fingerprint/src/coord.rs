@@ -96,7 +96,6 @@ impl Level {
 pub struct LevelSet(u8);
 
 impl LevelSet {
-    /// No level.
     pub const EMPTY: LevelSet = LevelSet(0);
     /// L0 through L4.
     pub const ALL: LevelSet = LevelSet(0b11111);
@@ -119,7 +118,6 @@ impl LevelSet {
         u32::from(self.0)
     }
 
-    /// Whether `level` is in the set.
     pub fn contains(self, level: Level) -> bool {
         self.0 & (1 << level.code()) != 0
     }
@@ -130,24 +128,20 @@ impl LevelSet {
         LevelSet(self.0 | (1 << level.code()))
     }
 
-    /// Adds `level`.
     pub fn insert(&mut self, level: Level) {
         *self = self.with(level);
     }
 
-    /// Levels in both sets.
     #[must_use]
     pub fn intersection(self, other: LevelSet) -> LevelSet {
         LevelSet(self.0 & other.0)
     }
 
-    /// Levels in either set.
     #[must_use]
     pub fn union(self, other: LevelSet) -> LevelSet {
         LevelSet(self.0 | other.0)
     }
 
-    /// Whether the set is empty.
     pub fn is_empty(self) -> bool {
         self.0 == 0
     }
@@ -190,7 +184,6 @@ pub struct Coord {
     pub step: u32,
     /// Absolute token position.
     pub position: u32,
-    /// Prefill or decode.
     pub phase: Phase,
     /// Decoder layer, or `None` for model-global tensors.
     pub layer: Option<u32>,
@@ -224,7 +217,6 @@ enum Text {
 const _: () = assert!(std::mem::size_of::<RecordPath>() == 2 * std::mem::size_of::<usize>());
 
 impl RecordPath {
-    /// The path as a string slice.
     pub fn as_str(&self) -> &str {
         match &self.0 {
             Text::Shared(s) => s,

@@ -23,7 +23,6 @@
 //! let d = record_digest(Algorithm::Blake3, CanonPolicy::default(), &coord, Level::L4, t).unwrap();
 //! assert_eq!(d.to_hex().len(), 64);
 //! ```
-#![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod algorithm;

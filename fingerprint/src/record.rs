@@ -37,7 +37,6 @@ const CHUNK: usize = 256 * 1024;
 /// Chunk size when large tensors are hashed on the rayon pool.
 const PARALLEL_CHUNK: usize = 8 * 1024 * 1024;
 
-/// Errors of the fingerprint crate.
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum FingerprintError {
@@ -55,7 +54,6 @@ pub enum FingerprintError {
     DuplicateRecord {
         /// The repeated coordinate, rendered.
         coord: String,
-        /// Its level.
         level: Level,
     },
     /// The payload sink failed while bytes were streamed into it (the I/O
@@ -68,7 +66,6 @@ pub enum FingerprintError {
 /// row-major order with no padding.
 #[derive(Debug, Clone, Copy)]
 pub struct TensorView<'a> {
-    /// Element type.
     pub dtype: DType,
     /// Logical shape (row-major); empty for a scalar.
     pub shape: &'a [u64],
@@ -265,9 +262,7 @@ pub const BATCH_MAX_BYTES: usize = 16 * 1024;
 pub struct RecordRef<'a> {
     /// Tensor identity.
     pub coord: &'a Coord,
-    /// Capture level.
     pub level: Level,
-    /// The tensor.
     pub tensor: TensorView<'a>,
 }
 
@@ -320,7 +315,6 @@ pub fn record_digests_in_place(
         .collect()
 }
 
-/// Digest of one record.
 pub fn record_digest(
     alg: Algorithm,
     policy: CanonPolicy,

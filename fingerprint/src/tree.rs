@@ -39,11 +39,8 @@ pub const DOMAIN_BINDING: &str = "moeconf.binding.v1";
 /// One record as the tree sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Leaf<'a> {
-    /// Where the record belongs.
     pub coord: &'a Coord,
-    /// Its level.
     pub level: Level,
-    /// Its record digest.
     pub digest: Digest,
 }
 
@@ -52,7 +49,6 @@ pub struct Leaf<'a> {
 pub struct GroupNode {
     /// The layer, or `None` for model-global records.
     pub layer: Option<u32>,
-    /// The group digest.
     pub digest: Digest,
     /// Indices into the leaf slice given to [`HashTree::build`], in canonical order.
     pub records: Vec<usize>,
@@ -61,9 +57,7 @@ pub struct GroupNode {
 /// The records of one (step, level).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LevelNode {
-    /// The level.
     pub level: Level,
-    /// The level digest.
     pub digest: Digest,
     /// Its layer groups, `None` first then by layer.
     pub groups: Vec<GroupNode>,
@@ -72,9 +66,7 @@ pub struct LevelNode {
 /// The records of one forward step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepNode {
-    /// The step index.
     pub step: u32,
-    /// The step digest.
     pub digest: Digest,
     /// Its levels, ascending.
     pub levels: Vec<LevelNode>,

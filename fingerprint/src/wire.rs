@@ -54,7 +54,6 @@ impl Encoder {
         self.buf
     }
 
-    /// Writes a `u8`.
     pub fn u8(&mut self, v: u8) -> &mut Self {
         self.buf.push(v);
         self
@@ -65,13 +64,11 @@ impl Encoder {
         self.u8(u8::from(v))
     }
 
-    /// Writes a `u32`.
     pub fn u32(&mut self, v: u32) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
     }
 
-    /// Writes a `u64`.
     pub fn u64(&mut self, v: u64) -> &mut Self {
         self.buf.extend_from_slice(&v.to_le_bytes());
         self
@@ -110,7 +107,6 @@ impl Encoder {
         self
     }
 
-    /// Writes an `Option<u32>`.
     pub fn opt_u32(&mut self, v: Option<u32>) -> &mut Self {
         match v {
             None => self.u8(0),
@@ -203,7 +199,6 @@ impl<'a> Decoder<'a> {
         ))
     }
 
-    /// Reads a `u8`.
     #[inline]
     pub fn u8(&mut self, what: &str) -> Result<u8, WireError> {
         Ok(self.take(1, what)?[0])
@@ -219,14 +214,12 @@ impl<'a> Decoder<'a> {
         }
     }
 
-    /// Reads a `u32`.
     #[inline]
     pub fn u32(&mut self, what: &str) -> Result<u32, WireError> {
         let b = self.take(4, what)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
-    /// Reads a `u64`.
     #[inline]
     pub fn u64(&mut self, what: &str) -> Result<u64, WireError> {
         let b = self.take(8, what)?;
@@ -283,7 +276,6 @@ impl<'a> Decoder<'a> {
         self.take(n, what)
     }
 
-    /// Reads a 32-byte array.
     #[inline]
     pub fn array32(&mut self, what: &str) -> Result<[u8; 32], WireError> {
         let b = self.take(32, what)?;
@@ -302,7 +294,6 @@ impl<'a> Decoder<'a> {
         }
     }
 
-    /// Reads an `Option<u32>`.
     pub fn opt_u32(&mut self, what: &str) -> Result<Option<u32>, WireError> {
         if self.option_tag(what)? {
             Ok(Some(self.u32(what)?))

@@ -35,7 +35,6 @@ pub const BASELINE_SCHEMA_VERSION: u32 = 3;
 /// Largest baseline file read (a baseline of 100 000 steps is ~40 MB).
 const MAX_BASELINE_BYTES: u64 = 256 << 20;
 
-/// One step's digests.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StepDigests {
@@ -69,23 +68,19 @@ pub struct BlessedTokenizer {
     pub digest: String,
 }
 
-/// The blessed prompt.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlessedPrompt {
-    /// Prompt text.
     pub text: String,
     /// Prompt token ids.
     pub ids: Vec<u32>,
 }
 
-/// The blessed decoding configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlessedDecoding {
     /// Decoding strategy (`greedy`).
     pub strategy: String,
-    /// Tokens generated.
     pub max_new_tokens: u32,
 }
 
@@ -97,19 +92,12 @@ pub struct BlessedDecoding {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BlessedBinding {
-    /// Model identity.
     pub model: BlessedModel,
-    /// Tokenizer identity.
     pub tokenizer: BlessedTokenizer,
-    /// Prompt.
     pub prompt: BlessedPrompt,
-    /// Decoding configuration.
     pub decoding: BlessedDecoding,
-    /// Precision profile.
     pub precision: String,
-    /// Aggregation contract.
     pub contract: String,
-    /// Schedule.
     pub schedule: String,
     /// Captured levels (`L0,L1+payload,...`, as `moeconf inspect` prints them).
     pub capture: String,
@@ -222,7 +210,6 @@ pub struct Baseline {
     /// comparison uses the binding decoded from them, never the readable
     /// fields alone.
     pub binding_wire: String,
-    /// Records in the trace.
     pub records: u64,
     /// Per-step digests, ascending.
     pub steps: Vec<StepDigests>,

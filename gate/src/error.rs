@@ -18,7 +18,6 @@ pub enum GateError {
     /// The policy file cannot be read.
     #[error("policy {}", path.display())]
     PolicyRead {
-        /// The policy file.
         path: PathBuf,
         /// The operating system's refusal.
         source: std::io::Error,
@@ -32,7 +31,6 @@ pub enum GateError {
     /// unknown key, wrong type).
     #[error("policy {}", path.display())]
     PolicySyntax {
-        /// The policy file.
         path: PathBuf,
         /// The parser's message (line, column and the offending text).
         source: Box<toml::de::Error>,
@@ -73,7 +71,6 @@ pub enum GateError {
     Baseline {
         /// The baseline file.
         path: PathBuf,
-        /// What is wrong with it.
         source: BaselineError,
     },
     /// The baseline and the candidate use different digest algorithms, so no
@@ -100,7 +97,7 @@ pub enum GateError {
     /// `--bless` of a trace that holds no records (the baseline could gate nothing).
     #[error("cannot bless {}: it holds no records", path.display())]
     BlessEmpty {
-        /// The trace.
+        /// The trace given to `--bless`.
         path: PathBuf,
     },
     /// The reference trace cannot be opened (missing, unreadable or invalid).
@@ -114,9 +111,7 @@ pub enum GateError {
     /// digest algorithms, no common level) or could not read a payload.
     #[error("gate {} {}", reference.display(), candidate.display())]
     Diff {
-        /// The reference trace.
         reference: PathBuf,
-        /// The candidate trace.
         candidate: PathBuf,
         /// The diff engine's reason.
         source: BisectError,
@@ -174,7 +169,6 @@ pub enum PolicyError {
     UnknownCheck {
         /// The rule's path pattern.
         rule: String,
-        /// The check given.
         check: String,
     },
     /// A rule sets a key its check does not read.
@@ -182,7 +176,6 @@ pub enum PolicyError {
     KeyNotApplicable {
         /// The rule's path pattern.
         rule: String,
-        /// The key.
         key: &'static str,
         /// The rule's check.
         check: String,
@@ -194,7 +187,6 @@ pub enum PolicyError {
         rule: String,
         /// The rule's check.
         check: String,
-        /// The missing key.
         key: &'static str,
     },
     /// A rule with an empty path pattern.
@@ -224,7 +216,6 @@ pub enum PolicyError {
     /// Rules follow the catch-all rule, so they can never match.
     #[error("profile {profile:?}: rules after the catch-all rule {catch_all} can never match")]
     UnreachableRules {
-        /// The profile.
         profile: String,
         /// The catch-all rule, described (`#3 * (exact)`).
         catch_all: String,
@@ -232,11 +223,9 @@ pub enum PolicyError {
     /// A profile-wide threshold that is negative or not finite.
     #[error("profile {profile:?}: {key} must be a finite number >= 0, got {value}")]
     Threshold {
-        /// The profile.
         profile: String,
         /// The key (`route_near_tie_margin`, `argmax_near_tie_margin`).
         key: &'static str,
-        /// The value given.
         value: f64,
     },
     /// A `dtype_tolerance` bound that is negative or not finite (a NaN
@@ -244,29 +233,23 @@ pub enum PolicyError {
     /// infinite one would pass anything, which is what `info` is for).
     #[error("profile {profile:?}: {key} must be a finite number >= 0, got {value}")]
     DtypeThreshold {
-        /// The profile.
         profile: String,
         /// The key, `dtype_tolerance.DTYPE.rtol` or `.atol`.
         key: String,
-        /// The value given.
         value: f64,
     },
     /// A rule threshold that is negative or not finite.
     #[error("profile {profile:?}: rule {rule}: {key} must be a finite number >= 0, got {value}")]
     RuleThreshold {
-        /// The profile.
         profile: String,
         /// The rule, described (`#2 layer.* (aggregate)`).
         rule: String,
-        /// The key.
         key: &'static str,
-        /// The value given.
         value: f64,
     },
     /// A logits rule with `topk = 0`.
     #[error("profile {profile:?}: rule {rule}: topk must be >= 1")]
     ZeroTopk {
-        /// The profile.
         profile: String,
         /// The rule, described.
         rule: String,
@@ -280,11 +263,8 @@ pub enum PolicyError {
     /// An environment variable that should hold a number.
     #[error("{variable}={value:?}: not a number")]
     NotANumber {
-        /// The variable.
         variable: &'static str,
-        /// Its value.
         value: String,
-        /// The parser's reason.
         source: ParseFloatError,
     },
     /// An invalid entry of `MOECONF_LEVELS`.
@@ -332,7 +312,6 @@ pub enum CoverageError {
     MissingRequired {
         /// The levels, e.g. `L1, L2`.
         levels: String,
-        /// The profile.
         profile: String,
         /// The profile's `required` list as written.
         required: String,
@@ -361,7 +340,6 @@ pub enum BaselineError {
     TooLarge {
         /// The file's size.
         len: u64,
-        /// The limit.
         limit: u64,
     },
     /// The file is not JSON of the baseline's shape.
@@ -370,7 +348,6 @@ pub enum BaselineError {
     /// The JSON is not a baseline of the supported schema version.
     #[error("not a moeconf baseline of schema version {expected} (kind {kind:?}, version {version})")]
     NotABaseline {
-        /// The `kind` found.
         kind: String,
         /// The `schema_version` found.
         version: u32,
@@ -382,7 +359,6 @@ pub enum BaselineError {
     Digest {
         /// Which digest (`root`, `step 3 L4`, …).
         what: String,
-        /// The text found.
         text: String,
     },
     /// A baseline of schema version 1 (before the binding fields): it cannot
@@ -423,7 +399,6 @@ pub enum BaselineError {
     BindingField {
         /// The field (`model.config_digest`, ...).
         field: &'static str,
-        /// The text found.
         text: String,
     },
     /// The baseline cannot gate the candidate (a required level it does not hold).
@@ -459,7 +434,6 @@ pub enum BaselineError {
     /// A level name other than `L0`…`L4`.
     #[error("step {step}: unknown level {name:?}")]
     UnknownLevel {
-        /// The step.
         step: u32,
         /// The name found.
         name: String,

@@ -41,9 +41,7 @@ impl From<Eval> for Outcome {
 pub(crate) struct Context<'a> {
     /// The profile (dtype defaults, `equal_nan`, near-tie thresholds).
     pub profile: &'a Profile,
-    /// The reference trace.
     pub reference: &'a Trace,
-    /// The candidate trace.
     pub candidate: &'a Trace,
     /// The reference's `lm.margin` at the record's step.
     pub lm_margin: Option<f64>,
@@ -51,9 +49,7 @@ pub(crate) struct Context<'a> {
 
 /// A differing record present on both sides.
 pub(crate) struct Differing<'a> {
-    /// The reference's entry.
     pub reference: &'a IndexEntry,
-    /// The candidate's entry.
     pub candidate: &'a IndexEntry,
     /// Both payloads, when kept.
     pub payloads: PayloadPair<'a>,

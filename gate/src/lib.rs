@@ -23,7 +23,6 @@
 //!
 //! [`against_reference`] and [`against_baseline`] are the two entry points
 //! of `moeconf gate`; [`write_atomic`] writes its report files.
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod baseline;
@@ -88,7 +87,6 @@ pub fn against_reference_with(
 pub struct ReferenceRun {
     /// The verdict.
     pub report: GateReport,
-    /// The reference trace.
     pub reference: Trace,
     /// The diff of the reference and the candidate.
     pub diff: Option<DiffReport>,

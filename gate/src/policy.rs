@@ -29,7 +29,6 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// Every mode.
     const ALL: [Mode; 3] = [Mode::Bitwise, Mode::Tolerance, Mode::Info];
 
     /// `bitwise`, `tolerance` or `info`.
@@ -56,7 +55,6 @@ impl Mode {
 /// baseline), it is an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Requirement {
-    /// This level.
     Level(Level),
     /// Every level the reference holds whose mode is `bitwise` or `tolerance`.
     Judged,
@@ -242,7 +240,6 @@ pub struct Rule {
     pub path: String,
     /// Restrict the rule to one level.
     pub level: Option<Level>,
-    /// What the rule checks.
     #[serde(flatten)]
     pub check: Check,
 }
@@ -282,7 +279,6 @@ pub fn builtin_dtype_tolerance(d: DType) -> (f64, f64) {
 /// A resolved profile: everything the gate needs to judge two traces.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Profile {
-    /// Profile name.
     pub name: String,
     /// Mode of L0…L4.
     pub levels: [Mode; 5],
@@ -333,12 +329,10 @@ impl Profile {
         }
     }
 
-    /// Mode of a level.
     pub fn mode(&self, level: Level) -> Mode {
         self.levels[level.code() as usize]
     }
 
-    /// Sets the mode of a level.
     pub fn set_mode(&mut self, level: Level, mode: Mode) {
         self.levels[level.code() as usize] = mode;
     }
@@ -648,17 +642,12 @@ impl RawProfile {
 /// Overrides from the environment or the command line (each `None` keeps the lower source).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Overrides {
-    /// Policy file.
     pub policy: Option<PathBuf>,
-    /// Profile name.
     pub profile: Option<String>,
     /// Level modes.
     pub levels: Vec<(Level, Mode)>,
-    /// `equal_nan`.
     pub equal_nan: Option<bool>,
-    /// `route_near_tie_margin`.
     pub route_near_tie_margin: Option<f64>,
-    /// `argmax_near_tie_margin`.
     pub argmax_near_tie_margin: Option<f64>,
     /// `required` (replaces the lower source's list as a whole).
     pub required: Option<Vec<Requirement>>,
@@ -776,7 +765,6 @@ pub fn repository_root(start: &Path) -> Option<PathBuf> {
 pub enum Source {
     /// Built-in defaults only (no file).
     BuiltIn,
-    /// This file.
     File(PathBuf),
 }
 

@@ -48,10 +48,8 @@ fn ser_opt_location<S: Serializer>(r: &Option<RecordRef>, s: S) -> Result<S::Ok,
 /// One failing record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Failure {
-    /// Where.
     #[serde(serialize_with = "ser_location")]
     pub at: RecordRef,
-    /// Why.
     pub reason: String,
 }
 
@@ -80,7 +78,6 @@ impl FlipKind {
 pub struct NearTie {
     /// Route or argmax.
     pub kind: FlipKind,
-    /// Where.
     #[serde(serialize_with = "ser_location")]
     pub at: RecordRef,
     /// The reference's margin there.
@@ -173,16 +170,13 @@ impl Verdict {
     }
 }
 
-/// Result of one level.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LevelResult {
-    /// The level.
     pub level: Level,
     /// What the level holds.
     pub describe: String,
     /// Mode from the policy.
     pub mode: Mode,
-    /// Verdict.
     pub status: Status,
     /// Steps of the reference that hold the level (against a baseline: the
     /// steps compared). Steps, not records: which levels a step holds is
@@ -304,9 +298,7 @@ pub struct RuleResult {
     pub judged: u64,
     /// Records it failed (inconclusive included).
     pub failed: u64,
-    /// Verdict.
     pub status: Status,
-    /// The first failure.
     pub first_failure: Option<Failure>,
     /// What would have passed every record it judged.
     pub minimal: Option<Minimal>,
@@ -355,9 +347,7 @@ pub struct GateReport {
     pub against: String,
     /// Reference trace or baseline file.
     pub reference: String,
-    /// Candidate trace.
     pub candidate: String,
-    /// Candidate root digest.
     pub candidate_root: String,
     /// The diff engine's localization of the first divergence.
     pub localization: Option<FirstDivergence>,
@@ -437,7 +427,6 @@ impl GateReport {
         }
     }
 
-    /// The JSON document.
     pub fn to_json(&self) -> serde_json::Value {
         // Plain structs with string keys; non-finite floats become null.
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)

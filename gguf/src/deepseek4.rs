@@ -101,7 +101,6 @@ pub enum Recipe {
         rows: usize,
         /// See `rows`.
         cols: usize,
-        /// The experts' format.
         format: LinearFormat,
     },
     /// An index tensor of row-major `shape`, converted to I32, values below `bound`.
@@ -149,7 +148,6 @@ impl Recipe {
 pub struct PlannedTensor {
     /// Name, dimensions and type in the GGUF.
     pub info: TensorInfo,
-    /// How it is made.
     pub recipe: Recipe,
 }
 

@@ -11,7 +11,6 @@ pub enum GgufError {
     Io {
         /// The file concerned.
         path: PathBuf,
-        /// The underlying error.
         source: std::io::Error,
     },
     /// An input is not a regular file: a directory, FIFO, socket, device,
@@ -22,7 +21,6 @@ pub enum GgufError {
     /// A GGUF file is not well-formed.
     #[error("{}: byte {offset}: {message}", path.display())]
     Malformed {
-        /// The file.
         path: PathBuf,
         /// Byte offset where the problem was found.
         offset: u64,

@@ -40,7 +40,6 @@ pub struct ExportSummary {
     pub path: PathBuf,
     /// Its size in bytes.
     pub bytes: u64,
-    /// Number of tensors.
     pub tensors: usize,
     /// Number of tensors per GGUF type, by type name.
     pub by_type: Vec<(&'static str, usize)>,

@@ -21,7 +21,6 @@ const MAX_ARRAY_DEPTH: usize = 2;
 /// One tensor of a read file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorEntry {
-    /// Name.
     pub name: String,
     /// Dimensions in ggml order (innermost first).
     pub ne: Vec<u64>,
@@ -213,7 +212,6 @@ impl GgufFile {
         })
     }
 
-    /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -228,7 +226,6 @@ impl GgufFile {
         self.get("general.architecture").and_then(Value::as_str)
     }
 
-    /// A tensor entry by name.
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.by_name.get(name).map(|&i| &self.tensors[i])
     }

@@ -79,12 +79,10 @@ impl Checkpoint {
         })
     }
 
-    /// The model directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
-    /// Every tensor name.
     pub fn names(&self) -> BTreeSet<&str> {
         self.entries.keys().map(String::as_str).collect()
     }

@@ -65,7 +65,6 @@ pub enum Value {
 }
 
 impl Value {
-    /// The value's type tag.
     pub fn tag(&self) -> u32 {
         match self {
             Value::U8(_) => tag::U8,

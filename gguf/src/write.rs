@@ -37,7 +37,6 @@ pub struct TensorInfo {
     pub name: String,
     /// Dimensions in ggml order (innermost first), 1 to 4 of them.
     pub ne: Vec<u64>,
-    /// Element type.
     pub ty: GgmlType,
 }
 

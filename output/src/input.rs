@@ -33,7 +33,6 @@ pub enum InputFileError {
     /// The path is something other than a regular file.
     #[error("{}: the {role} is {kind}, not a regular file", path.display())]
     NotRegular {
-        /// The input.
         path: PathBuf,
         /// What it should have been.
         role: &'static str,
@@ -51,7 +50,6 @@ pub enum InputFileError {
         path: PathBuf,
         /// What it should have been.
         role: &'static str,
-        /// Where the link points.
         target: PathBuf,
         /// What is there.
         kind: &'static str,
@@ -67,7 +65,6 @@ pub enum InputFileError {
         path: PathBuf,
         /// What it should have been.
         role: &'static str,
-        /// Where the link points.
         target: PathBuf,
     },
     /// The operating system refused to look at, open or read the file
@@ -75,13 +72,11 @@ pub enum InputFileError {
     /// what was being done; the I/O error is the source.
     #[error("{}: {what} the {role}", path.display())]
     Io {
-        /// The input.
         path: PathBuf,
         /// What it should have been.
         role: &'static str,
         /// What was being done (`opening`, `reading`).
         what: &'static str,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },

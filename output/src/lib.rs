@@ -37,7 +37,6 @@
 //!   run ([`CheckedOutput::stale_temporaries`]), including those of the
 //!   older `.NAME.tmp-PID-N` pattern; `moeconf` warns about them and leaves
 //!   them alone.
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 use std::fs::{File, Metadata, OpenOptions};
@@ -70,13 +69,11 @@ pub enum OutputError {
     MissingDirectory {
         /// The output.
         path: PathBuf,
-        /// Its directory.
         dir: PathBuf,
     },
     /// The output's directory is not a directory.
     #[error("{}: {} is not a directory", path.display(), dir.display())]
     NotADirectory {
-        /// The output.
         path: PathBuf,
         /// What should have been its directory.
         dir: PathBuf,
@@ -88,7 +85,6 @@ pub enum OutputError {
         path.display()
     )]
     NotRegular {
-        /// The output.
         path: PathBuf,
         /// What is there (`a directory`, `a FIFO (named pipe)`, ...).
         kind: &'static str,
@@ -103,7 +99,6 @@ pub enum OutputError {
     Symlink {
         /// The output.
         path: PathBuf,
-        /// Where the link points.
         target: PathBuf,
     },
     /// The output is the same file as one of the command's inputs.
@@ -113,7 +108,6 @@ pub enum OutputError {
         input.display()
     )]
     SameAsInput {
-        /// The output.
         path: PathBuf,
         /// The input it would destroy.
         input: PathBuf,
@@ -131,17 +125,14 @@ pub enum OutputError {
         entry.display()
     )]
     NotReplaceable {
-        /// The output directory.
         path: PathBuf,
         /// The entry that is not part of a result.
         entry: PathBuf,
-        /// What is wrong with it.
         why: &'static str,
     },
     /// Something other than a directory exists at an output directory's path.
     #[error("{}: is {kind}, not a directory", path.display())]
     NotADirectoryOutput {
-        /// The output directory.
         path: PathBuf,
         /// What is there (`a regular file`, `a FIFO (named pipe)`, ...).
         kind: &'static str,
@@ -166,11 +157,9 @@ pub enum OutputError {
     /// the output and the step; the I/O error is the source.
     #[error("{}: {what}", path.display())]
     Io {
-        /// The output.
         path: PathBuf,
         /// What was being done.
         what: &'static str,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
@@ -262,12 +251,10 @@ impl Inputs {
         self
     }
 
-    /// Number of input files known.
     pub fn len(&self) -> usize {
         self.files.len()
     }
 
-    /// Whether no input is known.
     pub fn is_empty(&self) -> bool {
         self.files.is_empty()
     }
@@ -280,7 +267,6 @@ impl Inputs {
 /// A temporary file left next to an output by a process that no longer runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StaleTemporary {
-    /// The file.
     pub path: PathBuf,
     /// The process id in its name.
     pub pid: u32,

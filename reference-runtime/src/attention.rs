@@ -40,7 +40,6 @@ use crate::weights::{Mat, WeightLoader};
 /// Weights of one attention block.
 #[derive(Debug, Clone)]
 pub struct AttnWeights {
-    /// Layer kind.
     pub kind: AttentionKind,
     /// W_qa `[q_r, D]`.
     pub wq_a: Mat,

@@ -20,7 +20,6 @@ pub struct CaptureError {
 }
 
 impl CaptureError {
-    /// A capture error with a message.
     pub fn new(message: impl Into<String>) -> CaptureError {
         CaptureError {
             message: message.into(),
@@ -54,9 +53,7 @@ impl CaptureSink for NullSink {
 pub struct Record {
     /// Tensor identity.
     pub coord: Coord,
-    /// Capture level.
     pub level: Level,
-    /// Element type.
     pub dtype: DType,
     /// Logical shape.
     pub shape: Vec<u64>,
@@ -145,7 +142,7 @@ impl CaptureSink for MemorySink {
 pub(crate) struct At {
     /// Absolute token position.
     pub position: u32,
-    /// Decoder layer.
+    /// Decoder layer, or `None` for model-global records.
     pub layer: Option<u32>,
 }
 

@@ -28,7 +28,6 @@ use crate::rope::{apply_rope, RopeFreqs};
 use crate::state::CompressorState;
 use crate::weights::{Mat, WeightLoader};
 
-/// Weights of one compressor.
 #[derive(Debug, Clone)]
 pub struct CompressorWeights {
     /// W_kv, `[width, D]`.

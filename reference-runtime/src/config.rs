@@ -75,9 +75,7 @@ pub struct Yarn {
     pub factor: f64,
     /// original_max_position_embeddings L0.
     pub original_max_position_embeddings: f64,
-    /// beta_fast.
     pub beta_fast: f64,
-    /// beta_slow.
     pub beta_slow: f64,
 }
 
@@ -94,7 +92,6 @@ pub struct ModelConfig {
     pub num_heads: usize,
     /// head_dim d.
     pub head_dim: usize,
-    /// q_lora_rank.
     pub q_lora_rank: usize,
     /// r = int(head_dim · partial_rotary_factor): rotated trailing channels.
     pub rope_dim: usize,
@@ -102,7 +99,6 @@ pub struct ModelConfig {
     pub experts_per_tok: usize,
     /// n_routed_experts E.
     pub n_routed_experts: usize,
-    /// routed_scaling_factor.
     pub routed_scaling_factor: f32,
     /// rope_theta (main rope, sliding layers).
     pub rope_theta: f32,
@@ -120,9 +116,7 @@ pub struct ModelConfig {
     pub hca_rate: usize,
     /// hc_mult N.
     pub hc_mult: usize,
-    /// hc_sinkhorn_iters.
     pub hc_sinkhorn_iters: usize,
-    /// hc_eps.
     pub hc_eps: f32,
     /// swiglu_limit L.
     pub swiglu_limit: f32,

@@ -12,11 +12,9 @@ pub enum RuntimeError {
     /// An I/O operation on a file failed.
     #[error("cannot {what} {}", path.display())]
     Io {
-        /// The file concerned.
         path: PathBuf,
         /// The operation, as a verb phrase (`read`, `open`, `memory-map`, ...).
         what: &'static str,
-        /// The underlying I/O error.
         #[source]
         source: std::io::Error,
     },
@@ -24,7 +22,6 @@ pub enum RuntimeError {
     /// FIFO, device, socket), over its size limit, or missing.
     #[error("{}: {message}", path.display())]
     File {
-        /// The file concerned.
         path: PathBuf,
         /// What is wrong, e.g. `is a directory, expected a safetensors file`.
         message: String,
@@ -50,7 +47,6 @@ pub enum RuntimeError {
     Tensor {
         /// The weights file (or directory when the tensor is missing).
         path: PathBuf,
-        /// The tensor name.
         tensor: String,
         /// What is wrong (expected and got).
         message: String,

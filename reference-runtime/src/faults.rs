@@ -322,7 +322,6 @@ pub struct Fault {
     pub layer: Option<u32>,
     /// Absolute token position, or every position of the step.
     pub position: Option<u32>,
-    /// What changes.
     pub kind: FaultKind,
 }
 
@@ -354,7 +353,6 @@ pub struct FaultPlan {
 }
 
 impl FaultPlan {
-    /// A plan of these faults.
     pub fn new(faults: Vec<Fault>) -> FaultPlan {
         FaultPlan {
             faults,

@@ -94,7 +94,6 @@ impl Snapshot {
         self.state.step
     }
 
-    /// The prompt ids.
     pub fn prompt(&self) -> &[u32] {
         &self.prompt
     }
@@ -253,7 +252,6 @@ pub struct SweepOptions<'a> {
     pub point: ForkPoint,
     /// Generated tokens per branch (steps 0..N−1); must exceed `point.step`.
     pub max_new_tokens: usize,
-    /// Precision profile.
     pub precision: Precision,
     /// The combine of every event except the fork event (the runtime's native one by default).
     pub base: &'a dyn MoeCombine,
@@ -350,7 +348,6 @@ pub struct SchemeSummary {
 /// Results of a [`sweep`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SweepReport {
-    /// The fork point.
     pub point: ForkPoint,
     /// Generated tokens per branch.
     pub max_new_tokens: usize,

@@ -15,7 +15,6 @@ use moeconf_contract::MoeCombine;
 pub struct GenerateOptions<'a> {
     /// Number of tokens to predict (= number of forward steps).
     pub max_new_tokens: usize,
-    /// Precision profile.
     pub precision: Precision,
     /// The MoE combine contract.
     pub combine: &'a dyn MoeCombine,
@@ -25,7 +24,6 @@ pub struct GenerateOptions<'a> {
     pub allow_non_finite: bool,
 }
 
-/// Result of a generation.
 #[derive(Debug, Clone)]
 pub struct Generation {
     /// Generated tokens g_1..g_N.

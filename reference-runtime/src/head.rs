@@ -13,7 +13,6 @@ use crate::precision::Precision;
 use crate::rmsnorm::rmsnorm_weighted;
 use crate::weights::{Mat, WeightLoader};
 
-/// Head weights.
 #[derive(Debug, Clone)]
 pub struct HeadWeights {
     /// mHC head collapse.

@@ -40,9 +40,7 @@ pub struct LayerWeights {
     pub hc_attn: HcSite,
     /// mHC site of the FFN half.
     pub hc_ffn: HcSite,
-    /// Attention block.
     pub attn: AttnWeights,
-    /// MoE block.
     pub moe: MoeWeights,
 }
 
@@ -154,7 +152,6 @@ pub struct Model {
 /// Options of one forward step.
 #[derive(Clone, Copy)]
 pub struct StepOptions<'a> {
-    /// Precision profile.
     pub precision: Precision,
     /// The MoE combine contract.
     pub combine: &'a dyn MoeCombine,
@@ -499,7 +496,6 @@ impl Model {
         self.layers.get(i)
     }
 
-    /// The head weights.
     pub(crate) fn head_weights(&self) -> &HeadWeights {
         &self.head
     }

@@ -110,7 +110,6 @@ pub(crate) fn expert_forward_official(
 /// MoE weights of one layer.
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
-    /// Router.
     pub router: RouterWeights,
     /// Routed experts, by id.
     pub experts: Vec<ExpertWeights>,

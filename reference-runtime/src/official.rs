@@ -60,7 +60,6 @@ impl SiteSet {
         }
     }
 
-    /// Whether `site` is in the set.
     #[inline]
     pub fn contains(self, site: Component) -> bool {
         SITES

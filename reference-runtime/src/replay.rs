@@ -40,7 +40,6 @@ pub struct ReplayAt {
 /// The numerical binding a replay runs under.
 #[derive(Clone, Copy)]
 pub struct ReplayOptions<'a> {
-    /// Precision profile.
     pub precision: Precision,
     /// The MoE combine contract.
     pub combine: &'a dyn MoeCombine,

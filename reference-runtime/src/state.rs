@@ -155,7 +155,6 @@ impl CompressorRole {
 /// State of one decoder layer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerState {
-    /// Attention kind.
     pub kind: AttentionKind,
     /// Tokens processed by this layer so far (c).
     pub cumulative_length: u64,

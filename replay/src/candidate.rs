@@ -24,7 +24,6 @@ type Key = (u32, u32, Option<u32>, RecordPath);
 
 /// The candidate trace with its index.
 pub(crate) struct Candidate<'t> {
-    /// The trace.
     pub trace: &'t Trace,
     index: HashMap<Key, usize>,
 }

@@ -18,7 +18,6 @@ use crate::units::{Part, StepInfo, UnitId};
 /// Everything the units of one replay share (read-only, so units run in
 /// parallel).
 pub(crate) struct Engine<'a> {
-    /// The candidate.
     pub cand: &'a Candidate<'a>,
     /// The reference model.
     pub model: &'a Model,
@@ -120,7 +119,6 @@ impl Engine<'_> {
         Some(f32_record(Component::EmbedOutput, step, position, None, &v))
     }
 
-    /// Runs one unit.
     pub fn run(&self, u: UnitId) -> Result<UnitResult> {
         let st = self.step_info(u.step).ok_or_else(|| ReplayError::Capture {
             path: self.cand.trace.path().to_path_buf(),

@@ -42,7 +42,6 @@ pub enum ReplayError {
         path: PathBuf,
         /// The record's coordinate.
         record: String,
-        /// The reader's error.
         #[source]
         source: moeconf_schema::TraceError,
     },
@@ -51,7 +50,6 @@ pub enum ReplayError {
     Runtime {
         /// The unit (step, layer, half).
         unit: String,
-        /// The runtime's error.
         #[source]
         source: moeconf_reference_runtime::error::RuntimeError,
     },
@@ -60,11 +58,9 @@ pub enum ReplayError {
     Digest {
         /// The record's coordinate.
         record: String,
-        /// The fingerprint error.
         #[source]
         source: moeconf_fingerprint::FingerprintError,
     },
 }
 
-/// Result alias of the crate.
 pub type Result<T> = std::result::Result<T, ReplayError>;

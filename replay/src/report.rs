@@ -51,22 +51,17 @@ pub struct Difference {
 pub struct Missing {
     /// The record's path.
     pub record: String,
-    /// Its step.
     pub step: u32,
-    /// Its position.
     pub position: u32,
-    /// Its layer.
+    /// Its layer, or `None` for model-global records.
     pub layer: Option<u32>,
     /// `true`: the record is there but kept no payload; `false`: no record.
     pub payload_only: bool,
 }
 
-/// The outcome of one unit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitResult {
-    /// The unit.
     pub unit: UnitId,
-    /// The outcome.
     pub status: Status,
     /// For an origin, where the two part: the first differing record in
     /// execution order.
@@ -113,7 +108,6 @@ pub struct LayerReport {
     pub candidate: String,
     /// The model replayed against.
     pub model: String,
-    /// Precision profile.
     pub precision: String,
     /// Contract of the reference.
     pub contract: String,

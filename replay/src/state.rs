@@ -17,7 +17,6 @@ pub(crate) struct Boundary {
     pub step: u32,
     /// Its last position (the coordinate of L2 records).
     pub position: u32,
-    /// The layer.
     pub layer: u32,
 }
 

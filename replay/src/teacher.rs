@@ -27,7 +27,6 @@ use crate::report::REPLAY_SCHEMA_VERSION;
 use crate::setup::reference_for;
 use crate::units::steps;
 
-/// Options of teacher forcing.
 #[derive(Debug, Clone)]
 pub struct TeacherOptions {
     /// k of the top-k overlap.
@@ -55,7 +54,6 @@ impl Default for TeacherOptions {
 /// (`layer.post_ffn_mhc`) at every position of the step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerMetrics {
-    /// The layer.
     pub layer: u32,
     /// Bitwise equal at every position.
     pub identical: bool,
@@ -91,7 +89,6 @@ pub struct StepMetrics {
 pub struct TeacherReport {
     /// The candidate trace.
     pub candidate: String,
-    /// The model.
     pub model: String,
     /// Precision profile of the reference.
     pub precision: String,
@@ -144,7 +141,6 @@ pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> Option<f64> {
     Some(kl.max(0.0))
 }
 
-/// The metrics of one step.
 fn metrics(step: u32, position: u32, r: &[f32], c: &[f32], k: usize) -> StepMetrics {
     let k = k.min(r.len());
     let (tr, tc) = (topk_logits(r, k), topk_logits(c, k));

@@ -72,7 +72,6 @@ fn origin_map(r: &LayerReport, out: &mut String) {
 }
 
 impl LayerReport {
-    /// The text report.
     pub fn render_text(&self, allow_incomplete: bool) -> String {
         let mut out = String::new();
         let _ = writeln!(
@@ -143,7 +142,6 @@ impl LayerReport {
 }
 
 impl TeacherReport {
-    /// The text report.
     pub fn render_text(&self, allow_incomplete: bool) -> String {
         let mut out = String::new();
         let _ = writeln!(

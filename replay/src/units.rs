@@ -47,7 +47,6 @@ pub struct UnitId {
     pub step: u32,
     /// Decoder layer (attention and FFN units).
     pub layer: Option<u32>,
-    /// What the unit computes.
     pub part: Part,
 }
 
@@ -89,7 +88,6 @@ pub(crate) struct StepInfo {
 }
 
 impl StepInfo {
-    /// The step's positions.
     pub fn positions(&self) -> std::ops::Range<u32> {
         self.first..self.first + self.count
     }

@@ -50,9 +50,7 @@ pub struct RuntimeBenchOptions {
 pub struct RuntimeRow {
     /// The model's display name.
     pub model: String,
-    /// Precision profile.
     pub precision: Precision,
-    /// What was captured.
     pub capture: BenchCapture,
     /// Best prefill tokens per second.
     pub prefill: f64,
@@ -246,7 +244,6 @@ pub struct RealWidthReport {
     pub experts_per_tok: usize,
     /// Routed experts per layer.
     pub n_routed_experts: usize,
-    /// Vocabulary size.
     pub vocab_size: usize,
     /// Read bandwidth, 1 thread (bytes/s).
     pub bandwidth_1thread: f64,

@@ -2,7 +2,6 @@
 //! construction (model, tokenizer, prompt digests), the MoE combine a run
 //! selects, and the capture sink that feeds a [`TraceWriter`]. Shared by the
 //! `run`, `demo`, `sweep` and `calibrate` commands.
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod bench;
@@ -52,11 +51,9 @@ pub enum RunError {
     Context {
         /// What was being done.
         context: String,
-        /// Why it failed.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The runtime failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     /// Reading the model directory or tokenizer failed.
@@ -135,11 +132,8 @@ macro_rules! field_message {
 pub struct LoadedModel {
     /// Display name (`builtin:tiny-v4` or the directory).
     pub name: String,
-    /// The model directory.
     pub dir: PathBuf,
-    /// The runtime model.
     pub model: Model,
-    /// The tokenizer.
     pub tokenizer: Tokenizer,
 }
 
@@ -206,7 +200,6 @@ impl TraceSink {
         }
     }
 
-    /// Finishes the trace file.
     pub fn finish(self) -> Result<WriteSummary, RunError> {
         Ok(match self.out {
             SinkWriter::Here(w) => w.finish()?,
@@ -256,7 +249,7 @@ pub struct CombineChoice {
     pub fork_layer: Option<u32>,
     /// Fork step (default 1: the forward that consumes the first emitted token).
     pub fork_step: Option<u32>,
-    /// Fork position restriction.
+    /// Restricts the fork to one absolute position (`None`: every position of the fork step).
     pub fork_position: Option<u32>,
     /// Contract at the fork (default `b`).
     pub fork_contract: Option<ContractChoice>,
@@ -383,7 +376,6 @@ pub struct ForkWatch {
 }
 
 impl ForkWatch {
-    /// The fork point watched.
     pub fn point(&self) -> ForkPoint {
         self.point
     }
@@ -570,17 +562,11 @@ pub fn reference_provenance(threads: u32, notes: Vec<(String, String)>) -> Prove
 pub struct RunSpec<'a> {
     /// Prompt text (tokenized with the model's tokenizer).
     pub prompt: &'a str,
-    /// Tokens to generate.
     pub max_new_tokens: u32,
-    /// Precision profile.
     pub precision: Precision,
-    /// Combine selection.
     pub combine: &'a CombineChoice,
-    /// Capture spec.
     pub capture: CaptureSpec,
-    /// Digest algorithm.
     pub algorithm: Algorithm,
-    /// Canonicalization policy.
     pub canon: CanonPolicy,
     /// Record NaN and infinite values instead of failing (recorded in the
     /// binding's `extra` as `non_finite = allowed`).
@@ -593,9 +579,7 @@ pub struct RunOutcome {
     pub tokens: Vec<u32>,
     /// Decoded continuation.
     pub text: String,
-    /// Trace summary.
     pub summary: WriteSummary,
-    /// Prompt ids.
     pub prompt_ids: Vec<u32>,
 }
 

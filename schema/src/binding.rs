@@ -31,7 +31,6 @@ pub struct TensorDigest {
     pub name: String,
     /// Its dtype as stored (`bf16`, `f32`, `i64`, ...).
     pub dtype: String,
-    /// Its shape.
     pub shape: Vec<u64>,
     /// Digest of its raw little-endian bytes.
     pub digest: Digest,
@@ -87,7 +86,6 @@ impl ModelIdentity {
     }
 }
 
-/// Identity of the tokenizer.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TokenizerIdentity {
     /// Display name.
@@ -105,12 +103,10 @@ pub struct PromptBinding {
     pub ids: Vec<u32>,
 }
 
-/// Decoding configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decoding {
     /// Decoding strategy; only `greedy` exists today.
     pub strategy: String,
-    /// Number of tokens generated.
     pub max_new_tokens: u32,
 }
 
@@ -225,13 +221,10 @@ impl CaptureSpec {
 /// The hashed binding of a trace.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Binding {
-    /// Model identity.
     pub model: ModelIdentity,
-    /// Tokenizer identity.
     pub tokenizer: TokenizerIdentity,
     /// Prompt text and ids.
     pub prompt: PromptBinding,
-    /// Decoding configuration.
     pub decoding: Decoding,
     /// Precision profile (`bf16`, `f32`, or a backend's own name).
     pub precision: String,
@@ -315,7 +308,6 @@ impl Binding {
         e.into_bytes()
     }
 
-    /// Decodes a binding.
     pub fn decode(d: &mut Decoder<'_>) -> Result<Binding, WireError> {
         let name = d.str("model name", MAX_STRING)?.to_string();
         let config_digest = dec_digest(d, "model config digest")?;
@@ -477,7 +469,6 @@ impl Provenance {
         }
     }
 
-    /// JSON form.
     pub fn to_json(&self) -> Value {
         json!({
             "runtime": self.runtime,

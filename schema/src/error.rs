@@ -14,18 +14,15 @@ pub enum TraceError {
     /// repeated in this variant's own text).
     #[error("{}: {what}", path.display())]
     Io {
-        /// The file concerned.
         path: PathBuf,
         /// What was being done.
         what: &'static str,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
     /// The bytes are not a valid trace: truncated, corrupted or malformed.
     #[error("{}: byte {offset}: {what}", path.display())]
     Format {
-        /// The file concerned.
         path: PathBuf,
         /// Absolute offset of the offending byte.
         offset: u64,
@@ -39,7 +36,6 @@ pub enum TraceError {
         path.display()
     )]
     UnsupportedVersion {
-        /// The file concerned.
         path: PathBuf,
         /// The version in the file.
         found: u32,
@@ -141,7 +137,6 @@ pub enum InputError {
     Io {
         /// What was being done, naming the file.
         context: String,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },

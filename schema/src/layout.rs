@@ -41,7 +41,6 @@ pub fn align_up(x: u64) -> Option<u64> {
 /// The 32-byte preamble.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Preamble {
-    /// Digest algorithm of the trace.
     pub algorithm: Algorithm,
     /// Length of the encoded header that follows.
     pub header_len: u64,
@@ -79,7 +78,6 @@ pub struct Header {
 }
 
 impl Header {
-    /// Wire encoding.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut e = Encoder::new();
         self.binding.encode(&mut e);
@@ -146,16 +144,12 @@ pub struct PayloadRef {
 /// One record of the index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexEntry {
-    /// Where the tensor belongs.
     pub coord: Coord,
-    /// Its level.
     pub level: Level,
-    /// Its element type.
     pub dtype: DType,
     /// Its logical shape (shared between records of the same shape, see
     /// [`Interner`]).
     pub shape: Arc<[u64]>,
-    /// Its record digest.
     pub digest: Digest,
     /// Its canonical bytes, when kept.
     pub payload: Option<PayloadRef>,
@@ -282,7 +276,6 @@ pub struct Trailer {
     pub index_offset: u64,
     /// Length of the encoded index.
     pub index_len: u64,
-    /// Number of records in the index.
     pub record_count: u64,
     /// Root of the hash tree.
     pub root: Digest,

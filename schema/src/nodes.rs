@@ -26,9 +26,7 @@ use crate::Trace;
 /// verified node ([`StepNode::held`], [`Trace::held_levels`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepSummary {
-    /// The step.
     pub step: u32,
-    /// The step digest.
     pub digest: Digest,
     /// Records of the step at each level L0..L4, as the root block declares
     /// them (checked against the step block when the step is read).
@@ -45,9 +43,7 @@ impl StepSummary {
 /// The levels of one step.
 #[derive(Debug)]
 pub struct StepNode {
-    /// The step.
     pub step: u32,
-    /// The step digest.
     pub digest: Digest,
     /// Its levels, ascending.
     pub levels: Vec<LevelNode>,
@@ -72,9 +68,7 @@ impl StepNode {
 /// The layer groups of one (step, level).
 #[derive(Debug)]
 pub struct LevelNode {
-    /// The level.
     pub level: Level,
-    /// The level digest.
     pub digest: Digest,
     /// Its layer groups, `None` first then by layer.
     pub groups: Vec<GroupNode>,
@@ -94,7 +88,6 @@ impl LevelNode {
 pub struct GroupNode {
     /// The layer, or `None` for model-global records.
     pub layer: Option<u32>,
-    /// The group digest.
     pub digest: Digest,
     /// Records in the group.
     pub records: u64,
@@ -151,12 +144,10 @@ impl<'a> GroupRecords<'a> {
         self.ids
     }
 
-    /// The number of records.
     pub fn len(&self) -> usize {
         self.ids.len()
     }
 
-    /// Whether the group holds no record.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }

@@ -50,7 +50,6 @@ impl StepRefLog {
         self.count
     }
 
-    /// Appends a reference.
     pub(crate) fn push(&mut self, r: &StepRef) -> std::io::Result<()> {
         let mut e = Encoder::with_capacity(self.ref_len);
         r.encode(&mut e);

@@ -125,14 +125,12 @@ pub struct GroupRef {
     pub digest: Digest,
     /// Records in the group.
     pub records: u64,
-    /// The group block.
     pub block: BlockRef,
 }
 
 /// One level of a step block: its groups in canonical order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LevelRefs {
-    /// The level.
     pub level: Level,
     /// Its groups, layer `None` first, then ascending.
     pub groups: Vec<GroupRef>,
@@ -141,13 +139,10 @@ pub struct LevelRefs {
 /// The root block's reference to one step block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepRef {
-    /// The step.
     pub step: u32,
-    /// The step's fingerprint digest.
     pub digest: Digest,
     /// Records of the step at each level L0..L4.
     pub level_records: [u64; 5],
-    /// The step block.
     pub block: BlockRef,
     /// Version 3: the digest of each level L0..L4 the step holds
     /// ([`Digest::ZERO`] where it holds none); `None` in version 2.
@@ -204,9 +199,8 @@ pub struct GroupEntry {
 pub struct GroupBlock {
     /// The step the block says it belongs to.
     pub step: u32,
-    /// The level.
     pub level: Level,
-    /// The layer.
+    /// The layer, or `None` for model-global records.
     pub layer: Option<u32>,
     /// Entries in block order.
     pub entries: Vec<GroupEntry>,
@@ -492,7 +486,6 @@ fn for_each_step_ref(
 pub struct TrailerV2 {
     /// The root block (it ends where the trailer starts).
     pub root_block: BlockRef,
-    /// Records in the trace.
     pub record_count: u64,
     /// Root digest of the fingerprint tree (docs/format.md §4.3).
     pub root: Digest,

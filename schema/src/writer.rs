@@ -54,9 +54,7 @@ use std::path::{Path, PathBuf};
 pub struct BatchRecord<'a> {
     /// Tensor identity.
     pub coord: Coord,
-    /// Capture level.
     pub level: Level,
-    /// The tensor.
     pub tensor: TensorView<'a>,
     /// Whether the trace keeps the record's bytes.
     pub keep_payload: bool,
@@ -77,7 +75,6 @@ pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V3;
 pub struct WriteSummary {
     /// Root digest of the written trace.
     pub root: Digest,
-    /// Number of records.
     pub records: u64,
     /// Records that kept payloads.
     pub payloads: u64,
@@ -223,7 +220,6 @@ impl TraceWriter {
         &self.header.binding
     }
 
-    /// The digest algorithm.
     pub fn algorithm(&self) -> Algorithm {
         self.alg
     }

@@ -15,11 +15,9 @@ pub enum ShardError {
     /// The operating system refused a read or write.
     #[error("{}: {what}", path.display())]
     Io {
-        /// The file.
         path: PathBuf,
         /// What was being done.
         what: String,
-        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
@@ -34,7 +32,6 @@ pub enum ShardError {
         path.display()
     )]
     NotPartial {
-        /// The file.
         path: PathBuf,
         /// What is wrong.
         detail: String,
@@ -42,7 +39,6 @@ pub enum ShardError {
     /// The contents do not match their digest (a flipped byte, a truncated copy).
     #[error("{}: corrupted partial result: {detail}", path.display())]
     Corrupt {
-        /// The file.
         path: PathBuf,
         /// Which digest or length disagrees.
         detail: String,
@@ -50,7 +46,6 @@ pub enum ShardError {
     /// Intact bytes, but a manifest that breaks the format's rules.
     #[error("{}: invalid partial result: {detail}", path.display())]
     Invalid {
-        /// The file.
         path: PathBuf,
         /// The broken rule.
         detail: String,
@@ -90,7 +85,6 @@ pub enum ShardError {
         /// The run's shard count.
         count: u32,
     },
-    /// No partial result given.
     #[error("nothing to merge: give the partial result files of every shard")]
     NoPartials,
     /// One output file attached by two partials.
@@ -130,5 +124,4 @@ impl ShardError {
     }
 }
 
-/// Results of this crate.
 pub type Result<T> = std::result::Result<T, ShardError>;

@@ -10,7 +10,6 @@
 //! their run identity, job results (JSON) and attached files, and get them
 //! back in job order. It also holds the progress display of long commands
 //! ([`progress`]).
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod error;

@@ -125,12 +125,10 @@ impl Merged {
         Merged::new(paths.iter().map(|p| Partial::open(p)).collect::<Result<_>>()?)
     }
 
-    /// The run.
     pub fn run(&self) -> &RunIdentity {
         self.partials[0].run()
     }
 
-    /// The shard count.
     pub fn shard_count(&self) -> u32 {
         self.partials[0].shard().count()
     }

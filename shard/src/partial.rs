@@ -54,7 +54,6 @@ const BUFFER: usize = 1 << 20;
 pub struct JobGroup {
     /// The group's name (a protocol key, or `branches`).
     pub name: String,
-    /// How many jobs it has.
     pub jobs: usize,
 }
 
@@ -111,7 +110,6 @@ pub struct ShardRef {
     pub count: u32,
 }
 
-/// The result of one job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobResult {
@@ -144,7 +142,6 @@ pub struct Manifest {
     pub kind: String,
     /// [`FORMAT_VERSION`].
     pub format_version: u32,
-    /// The run.
     pub run: RunIdentity,
     /// [`RunIdentity::digest`] of `run`.
     pub run_digest: String,
@@ -423,22 +420,18 @@ impl Partial {
         })
     }
 
-    /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Its manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
 
-    /// The run it belongs to.
     pub fn run(&self) -> &RunIdentity {
         &self.manifest.run
     }
 
-    /// The shard it holds.
     pub fn shard(&self) -> Shard {
         self.shard
     }

@@ -9,14 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-/// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProgressMode {
     /// A bar redrawn in place on stderr.
     Bar,
     /// A line on stderr at each tenth of the work.
     Lines,
-    /// Nothing.
     Off,
 }
 
@@ -32,7 +30,6 @@ impl ProgressMode {
         }
     }
 
-    /// Whether anything is shown.
     pub fn enabled(self) -> bool {
         self != ProgressMode::Off
     }

@@ -50,7 +50,6 @@ impl Shard {
         self.index
     }
 
-    /// The number of shards.
     pub fn count(self) -> u32 {
         self.count
     }

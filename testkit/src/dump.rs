@@ -14,7 +14,6 @@ use std::path::Path;
 /// One tensor of a dump file: name, dtype, shape, bytes.
 type DumpTensor = (String, Dtype, Vec<usize>, Vec<u8>);
 
-/// The dump name of a record.
 pub fn dump_name(r: &Record) -> String {
     let c = &r.coord;
     match c.layer {

@@ -24,11 +24,9 @@ use std::path::Path;
 /// One record of a generated trace.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
-    /// Where it belongs.
     pub coord: Coord,
     /// Its level (the catalogue's).
     pub level: Level,
-    /// Element type.
     pub dtype: DType,
     /// Logical shape.
     pub shape: Vec<u64>,
@@ -39,7 +37,6 @@ pub struct Record {
 /// The content of one generated trace.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceSpec {
-    /// Digest algorithm.
     pub alg: Algorithm,
     /// Binding and provenance.
     pub header: Header,

@@ -23,7 +23,6 @@
 //!   inside;
 //! * [`seeds`]: deterministic inputs, so that the default test suite runs
 //!   every body on a few thousand of them (`testkit/tests/consumers.rs`).
-#![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod dump;

@@ -43,7 +43,7 @@ pub struct EntryModel {
 /// One group (step, level, layer) of a step.
 #[derive(Debug, Clone)]
 pub struct GroupModel {
-    /// The layer.
+    /// The layer, or `None` for model-global records.
     pub layer: Option<u32>,
     /// Its fingerprint digest (committed to by the root).
     pub digest: Digest,
@@ -56,7 +56,6 @@ pub struct GroupModel {
 /// One level of a step.
 #[derive(Debug, Clone)]
 pub struct LevelModel {
-    /// The level.
     pub level: Level,
     /// Its groups in tree order.
     pub groups: Vec<GroupModel>,
@@ -68,7 +67,6 @@ pub type EntryAt = (usize, usize, usize);
 /// One step: its nodes and the order of its payload chunks.
 #[derive(Debug, Clone)]
 pub struct StepModel {
-    /// The step.
     pub step: u32,
     /// Its fingerprint digest.
     pub digest: Digest,
@@ -94,7 +92,6 @@ impl StepModel {
         v
     }
 
-    /// The entry at `at`.
     pub fn entry_mut(&mut self, at: EntryAt) -> Option<&mut EntryModel> {
         self.levels
             .get_mut(at.0)?
@@ -104,7 +101,6 @@ impl StepModel {
             .get_mut(at.2)
     }
 
-    /// The entry at `at`.
     pub fn entry(&self, at: EntryAt) -> Option<&EntryModel> {
         self.levels.get(at.0)?.groups.get(at.1)?.entries.get(at.2)
     }
@@ -122,7 +118,6 @@ impl StepModel {
 pub struct Model {
     /// Container format version (2 or 3).
     pub version: u32,
-    /// Digest algorithm.
     pub alg: Algorithm,
     /// Binding and provenance.
     pub header: Header,
@@ -383,7 +378,6 @@ pub enum Lie {
     /// block's steps, modulo their count): rotate them by `by` in tree
     /// order, payload chunks left where they are.
     PermuteOrdinals {
-        /// Step index.
         step: usize,
         /// Rotation (modulo the step's record count).
         by: usize,
@@ -391,7 +385,6 @@ pub enum Lie {
     /// Record `b` of a step (tree order) takes the number of record `a`:
     /// two records share one write-order number.
     ShareOrdinal {
-        /// Step index.
         step: usize,
         /// Record whose number is copied.
         a: usize,
@@ -401,7 +394,6 @@ pub enum Lie {
     /// [`Lie::ShareOrdinal`] by record paths (the first record of each
     /// path in tree order), e.g. `lm.margin` and `token.output`.
     ShareOrdinalOf {
-        /// Step index.
         step: usize,
         /// Path of the record whose number is copied.
         a: String,
@@ -411,7 +403,6 @@ pub enum Lie {
     /// Swap the numbers of the first records of two groups of one step
     /// (group indices in tree order across levels).
     SwapAcrossGroups {
-        /// Step index.
         step: usize,
         /// First group.
         a: usize,
@@ -425,9 +416,7 @@ pub enum Lie {
     /// level exists and the result is not negative); with `trailer`, the
     /// trailer's `record_count` becomes the sum of the claimed counts.
     LevelRecords {
-        /// Step index.
         step: usize,
-        /// The level.
         level: Level,
         /// The claimed count.
         count: u64,
@@ -443,16 +432,13 @@ pub enum Lie {
     /// so the reference stays well-formed and only its commitment to the
     /// step digest can tell (a no-op in version 2).
     LevelDigest {
-        /// Step index.
         step: usize,
-        /// The level.
         level: Level,
         /// Step index whose digest is copied.
         from: usize,
     },
     /// Set `GroupRef.records` of one group (tree order) of a step.
     GroupRecords {
-        /// Step index.
         step: usize,
         /// Group index in tree order across levels.
         group: usize,
@@ -476,7 +462,6 @@ pub enum Lie {
     /// Reorder the payload chunks of one step (rotate by `by`), keeping
     /// each record's write-order number; offsets rewritten.
     ReorderPayloads {
-        /// Step index.
         step: usize,
         /// Rotation.
         by: usize,
@@ -503,12 +488,10 @@ pub enum LieClass {
     Layout,
     /// The trailer's record count.
     Trailer,
-    /// The provenance.
     Provenance,
 }
 
 impl LieClass {
-    /// Every class.
     pub const ALL: [LieClass; 5] = [
         LieClass::Ordinals,
         LieClass::Counts,

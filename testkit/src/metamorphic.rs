@@ -59,7 +59,6 @@ pub enum Family {
 }
 
 impl Family {
-    /// Every family.
     pub const ALL: [Family; 6] = [
         Family::Inspect,
         Family::Diff,
@@ -152,7 +151,6 @@ pub fn answers_under(
 /// Which of a family's answers [`answers_picked`] computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pick {
-    /// Every one.
     All,
     /// None: only count them ([`case_count`]).
     Count,

@@ -138,7 +138,6 @@ pub struct EventExplanation {
     pub k: usize,
     /// Output values D.
     pub elements: usize,
-    /// The data's properties.
     pub facts: DataFacts,
     /// The named orders resolved at the event, grouped where they coincide.
     pub orders: Vec<OrderGroup>,

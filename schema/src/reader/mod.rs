@@ -431,7 +431,6 @@ impl Trace {
         self.version
     }
 
-    /// The digest algorithm.
     pub fn algorithm(&self) -> Algorithm {
         self.alg
     }
@@ -451,7 +450,6 @@ impl Trace {
         &self.header.provenance
     }
 
-    /// Root digest.
     pub fn root(&self) -> Digest {
         self.root
     }
@@ -463,7 +461,6 @@ impl Trace {
         self.record_count
     }
 
-    /// Whether the trace holds no record.
     pub fn is_empty(&self) -> bool {
         self.record_count == 0
     }
