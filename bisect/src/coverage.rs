@@ -15,7 +15,7 @@
 //! needed from the reference: the reference computes their consumers without them.
 
 use crate::ctx::Ctx;
-use crate::operators::{describe_input, inputs_of, producer};
+use crate::operators::{describe_input, producer};
 use crate::report::{CoverageLimit, NeededRecord};
 use moeconf_fingerprint::catalogue::Presence;
 use moeconf_fingerprint::Level;
@@ -57,14 +57,7 @@ impl Ctx<'_> {
         level: Level,
     ) -> Option<CoverageLimit> {
         let mut needed = Vec::new();
-        for spec in inputs_of(path, layer.unwrap_or(0)) {
-            let Some(s) = step.checked_sub(spec.steps_back) else {
-                continue;
-            };
-            let pos = spec.same_position.then_some(position);
-            let pairs = self
-                .s
-                .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
+        for (spec, _, pairs) in self.input_pairs(step, layer, position, path) {
             let r_lacks = pairs.iter().any(|p| p.r.is_none());
             let c_lacks = pairs.iter().any(|p| p.c.is_none());
             let capture_only =

@@ -9,6 +9,7 @@
 use crate::error::BisectError;
 use crate::layerkind;
 use crate::numeric::{compare_values, summarize, NumericSummary, ValueComparison};
+use crate::operators::{inputs_of, InputSpec};
 use crate::report::*;
 use crate::storage::{bf16_valued_records, classify, component_key, Rounding};
 use crate::walk::{Pair, Sides};
@@ -49,6 +50,30 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// The inputs of the operator that wrote `path` at (`step`, `layer`,
+    /// `position`), from the catalogue, each with the step it was read at
+    /// and its coordinate-matched records on both sides; inputs from before
+    /// step 0 are left out.
+    pub(crate) fn input_pairs(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: u32,
+        path: &str,
+    ) -> Vec<(InputSpec, u32, Vec<Pair>)> {
+        inputs_of(path, layer.unwrap_or(0))
+            .into_iter()
+            .filter_map(|spec| {
+                let s = step.checked_sub(spec.steps_back)?;
+                let pos = spec.same_position.then_some(position);
+                let pairs = self
+                    .s
+                    .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
+                Some((spec, s, pairs))
+            })
+            .collect()
+    }
+
     /// The kind of the layer a record sits in (`None` for model-global records).
     pub(crate) fn layer_kind_of(&self, p: Pair) -> Option<LayerKind> {
         let e = self.s.entry(p)?;

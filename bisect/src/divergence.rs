@@ -15,7 +15,7 @@ use crate::ctx::Ctx;
 use crate::error::BisectError;
 use crate::layerkind;
 use crate::operators::is_checkpoint;
-use crate::operators::{describe_input, inputs_of, producer};
+use crate::operators::{describe_input, producer};
 use crate::quantization::status_differs;
 use crate::report::{DivergenceKind, InputCheck};
 use crate::storage::Rounding;
@@ -177,14 +177,7 @@ impl Ctx<'_> {
     ) -> Vec<InputCheck> {
         let mut out = Vec::new();
         let mut kinds: Option<layerkind::Kinds> = None;
-        for spec in inputs_of(path, layer.unwrap_or(0)) {
-            let Some(s) = step.checked_sub(spec.steps_back) else {
-                continue;
-            };
-            let pos = spec.same_position.then_some(position);
-            let pairs = self
-                .s
-                .lookup(s, spec.level, spec.layer, pos, &spec.path, spec.prefix);
+        for (spec, s, pairs) in self.input_pairs(step, layer, position, path) {
             let status = if !pairs.is_empty() {
                 self.pairs_status(&pairs)
             } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
