@@ -4,6 +4,7 @@
 
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_reference_runtime::capture::{MemorySink, Record};
+use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::model::Model;
 use moeconf_reference_runtime::replay::{ReplayAt, ReplayOptions};
 use moeconf_reference_runtime::state::LayerState;
@@ -224,22 +225,10 @@ impl Engine<'_> {
             }
             return Ok(Err(missing));
         };
-        let mut sink = MemorySink::new(self.levels);
         let opts = self.opts();
-        for ((p, mut x), &token) in st.positions().zip(inputs).zip(ids) {
-            let at = ReplayAt {
-                step: st.step,
-                layer,
-                position: p,
-                token,
-            };
-            self.model
-                .replay_attention_half(at, ls, &mut x, &opts, &mut sink)
-                .map_err(|source| ReplayError::Runtime {
-                    unit: u.to_string(),
-                    source,
-                })?;
-        }
+        let mut sink = self.each_position(st, layer, u, inputs, ids, |at, x, sink| {
+            self.model.replay_attention_half(at, ls, x, &opts, sink)
+        })?;
         self.model
             .replay_state_records(ls, st.step, layer, st.last(), &mut sink)
             .map_err(|source| ReplayError::Runtime {
@@ -247,6 +236,34 @@ impl Engine<'_> {
                 source,
             })?;
         Ok(Ok(sink.records))
+    }
+
+    /// Runs `half` (one half-layer of the runtime) at every position of the
+    /// step, in order, from that position's input and token; the records go
+    /// into one sink. A runtime error names the unit `u`.
+    fn each_position(
+        &self,
+        st: &StepInfo,
+        layer: u32,
+        u: UnitId,
+        inputs: Vec<Vec<f32>>,
+        ids: &[u32],
+        mut half: impl FnMut(ReplayAt, &mut Vec<f32>, &mut MemorySink) -> std::result::Result<(), RuntimeError>,
+    ) -> Result<MemorySink> {
+        let mut sink = MemorySink::new(self.levels);
+        for ((p, mut x), &token) in st.positions().zip(inputs).zip(ids) {
+            let at = ReplayAt {
+                step: st.step,
+                layer,
+                position: p,
+                token,
+            };
+            half(at, &mut x, &mut sink).map_err(|source| ReplayError::Runtime {
+                unit: u.to_string(),
+                source,
+            })?;
+        }
+        Ok(sink)
     }
 
     /// The per-position inputs of a step, collecting what is missing.
@@ -277,22 +294,10 @@ impl Engine<'_> {
             }
             return Ok(Err(missing));
         };
-        let mut sink = MemorySink::new(self.levels);
         let opts = self.opts();
-        for ((p, mut x), &token) in st.positions().zip(inputs).zip(ids) {
-            let at = ReplayAt {
-                step: st.step,
-                layer,
-                position: p,
-                token,
-            };
-            self.model
-                .replay_ffn_half(at, &mut x, &opts, &mut sink)
-                .map_err(|source| ReplayError::Runtime {
-                    unit: u.to_string(),
-                    source,
-                })?;
-        }
+        let sink = self.each_position(st, layer, u, inputs, ids, |at, x, sink| {
+            self.model.replay_ffn_half(at, x, &opts, sink)
+        })?;
         Ok(Ok(sink.records))
     }
 
