@@ -4,9 +4,13 @@
 //! differing record whose inputs all match (its operator computed something
 //! different from the same inputs), classified as *propagating* (a later
 //! checkpoint differs) or *absorbed* (none does: rounding erased it before
-//! the next checkpoint). After an absorbed divergence the walk goes on to
-//! the next one; it stops at the first that propagates, since what follows
-//! it cannot be told apart from its consequences.
+//! the next checkpoint). Both follow causality
+//! (`moeconf_fingerprint::catalogue::reaches`): a divergence propagates only
+//! to a checkpoint it can reach (never an earlier position of the forward).
+//! After an absorbed divergence the walk goes on to the next one; after a
+//! propagating one it goes on through the records of the same step that the
+//! divergence cannot reach, where a divergence is independent of it, and
+//! stops at the end of the step, since everything later can follow from it.
 //!
 //! The walk enters only steps, levels and layer groups whose digests differ
 //! (`Sides::differing_records`), and reads no payload.
@@ -20,7 +24,7 @@ use crate::quantization::status_differs;
 use crate::report::{DivergenceKind, InputCheck};
 use crate::storage::Rounding;
 use crate::walk::Pair;
-use moeconf_fingerprint::catalogue::{ExecGroup, ExecKey};
+use moeconf_fingerprint::catalogue::{reaches, ExecGroup, ExecKey};
 use moeconf_fingerprint::{Component, Level};
 use std::collections::HashSet;
 
@@ -259,10 +263,14 @@ impl Ctx<'_> {
                 if !self.compared.contains(Level::L3) {
                     return Ok((None, None));
                 }
-                if let Some(&cp) = recs[i..]
-                    .iter()
-                    .find(|&&q| self.s.entry(q).is_some_and(|e| is_checkpoint(&e.coord.path)))
-                {
+                // The first later checkpoint that differs and that the
+                // record can reach (`reaches`: never an earlier position of
+                // the forward).
+                if let Some(&cp) = recs[i..].iter().find(|&&q| {
+                    self.s
+                        .entry(q)
+                        .is_some_and(|f| is_checkpoint(&f.coord.path) && reaches(&e.coord, &f.coord))
+                }) {
                     return Ok((Some(DivergenceKind::Propagating), Some(cp)));
                 }
                 // Absorbed only when the checkpoint that would show it is
@@ -339,6 +347,9 @@ impl Ctx<'_> {
         };
         let mut seen = Seen::default();
         let mut examined = 0usize;
+        // The records of the propagating divergences found so far: what
+        // they can reach may be their consequence and is not an origin.
+        let mut propagating: Vec<moeconf_fingerprint::Coord> = Vec::new();
         let mut last_step: Option<u32> = None;
         for (step, a, b) in self.s.paired_steps() {
             // Whether anything differs at the step: the step digests
@@ -351,6 +362,12 @@ impl Ctx<'_> {
             if !differs {
                 continue;
             }
+            if !propagating.is_empty() {
+                // Every record of a later step can follow from a
+                // propagating divergence (persistent state, the fed token).
+                out.rest = Rest::Propagates;
+                return Ok(out);
+            }
             seen.next_step(last_step.is_some_and(|l| l + 1 == step));
             last_step = Some(step);
             let recs = self.step_differences(step);
@@ -358,6 +375,15 @@ impl Ctx<'_> {
                 out.localized = self.localize(&recs)?;
             }
             for (i, &p) in recs.iter().enumerate() {
+                if !propagating.is_empty()
+                    && self
+                        .s
+                        .entry(p)
+                        .is_none_or(|e| propagating.iter().any(|from| reaches(from, &e.coord)))
+                {
+                    // A possible consequence of a propagating divergence.
+                    continue;
+                }
                 examined += 1;
                 if examined > MAX_EXAMINED || out.events.len() >= MAX_DIVERGENCES {
                     out.rest = Rest::Limit;
@@ -406,8 +432,13 @@ impl Ctx<'_> {
                 match kind {
                     Some(DivergenceKind::Absorbed) => {}
                     Some(DivergenceKind::Propagating) => {
+                        // Records of the step it cannot reach (earlier
+                        // positions of later layers) are still walked: a
+                        // divergence among them is independent of it.
+                        if let Some(e) = self.s.entry(p) {
+                            propagating.push(e.coord.clone());
+                        }
                         out.rest = Rest::Propagates;
-                        return Ok(out);
                     }
                     None => {
                         out.rest = Rest::Unclassified;
@@ -415,6 +446,9 @@ impl Ctx<'_> {
                     }
                 }
             }
+        }
+        if !propagating.is_empty() {
+            out.rest = Rest::Propagates;
         }
         Ok(out)
     }

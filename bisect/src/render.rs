@@ -492,7 +492,7 @@ impl DiffReport {
         let _ = writeln!(
             o,
             "   {}",
-            st.dim("Each is a record that differs while its inputs match. Propagating: a later checkpoint (post-mHC layer state, the step's token, or for persistent state a later step's layer state) differs. Absorbed: rounding erased it before the next checkpoint.")
+            st.dim("Each is a record that differs while its inputs match. Propagating: a later checkpoint it can reach (post-mHC layer state at its position or a later one, the step's token, or for persistent state a later step's layer state) differs. Absorbed: rounding erased it before the next checkpoint.")
         );
         for (i, d) in self.divergences.iter().enumerate() {
             let how = match (d.kind, &d.checkpoint) {
@@ -580,7 +580,7 @@ impl DiffReport {
             "propagates" if self.divergences.last().is_some_and(|d| d.kind == Some(DivergenceKind::Absorbed)) => {
                 "   later differences reach a checkpoint through the persistent state carried from these; they are not separated further"
             }
-            "propagates" => "   every later difference can follow from the last one; they are not separated further",
+            "propagates" => "   every later difference can follow from a propagating one above (what it can reach: its position and later ones, later layers, later steps); they are not separated further",
             "limit" => "   more divergences follow than the report lists",
             _ => "",
         };

@@ -647,3 +647,97 @@ fn corrupt_payload_on_the_divergent_path_is_an_error() {
     assert!(matches!(err, BisectError::Trace(_)), "{err}");
     assert!(err.to_string().contains("moe.combine"), "{err}");
 }
+
+/// A divergence propagates only to what it can reach: a term difference
+/// at prefill position 1 of layer 1 that its combine absorbs is not the
+/// cause of a later layer's divergence at position 0 (attention is causal),
+/// which is reported as a divergence of its own.
+#[test]
+fn a_divergence_never_propagates_to_an_earlier_position() {
+    let mut cand = Synth::candidate(Inject::Term {
+        step: 0,
+        layer: 1,
+        position: 1,
+    });
+    cand.also = Some(Inject::Combine {
+        step: 0,
+        layer: 3,
+        position: 0,
+        contract: b_class(5),
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let at = |d: &moeconf_bisect::Divergence| {
+        (
+            d.at.step,
+            d.at.position,
+            d.at.layer,
+            d.at.path.clone(),
+            d.kind.map(|k| k.name()),
+        )
+    };
+    let got: Vec<_> = rep.divergences.iter().map(at).collect();
+    assert_eq!(
+        got,
+        [
+            (0, 1, Some(1), "moe.term.0".to_string(), Some("absorbed")),
+            (0, 0, Some(3), "moe.combine".to_string(), Some("propagating")),
+        ],
+        "{}",
+        rep.render_text(false)
+    );
+    // The absorbed one names its own (matching) checkpoint, never one at
+    // an earlier position.
+    let cp = rep.divergences[0].checkpoint.as_ref().unwrap();
+    assert_eq!(
+        (cp.position, cp.layer, cp.path.as_str()),
+        (1, Some(1), "layer.post_ffn_mhc")
+    );
+    assert_eq!(rep.rest, "propagates");
+}
+
+/// Two independent divergences in one forward, the later at an earlier
+/// position of a later layer: both are listed, in execution order.
+#[test]
+fn independent_divergences_of_one_forward_are_each_listed() {
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 0,
+        layer: 1,
+        position: 2,
+        contract: b_class(5),
+    });
+    cand.also = Some(Inject::Combine {
+        step: 0,
+        layer: 3,
+        position: 0,
+        contract: b_class(9),
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let got: Vec<_> = rep
+        .divergences
+        .iter()
+        .map(|d| {
+            (
+                d.at.position,
+                d.at.layer,
+                d.at.path.as_str(),
+                d.kind.map(|k| k.name()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (2, Some(1), "moe.combine", Some("propagating")),
+            (0, Some(3), "moe.combine", Some("propagating")),
+        ],
+        "{}",
+        rep.render_text(false)
+    );
+    // Each propagates to a checkpoint it can reach.
+    for d in &rep.divergences {
+        let cp = d.checkpoint.as_ref().unwrap();
+        assert!(cp.position >= d.at.position, "{d:?}");
+    }
+}

@@ -1463,9 +1463,113 @@ impl ExecKey {
     }
 }
 
+/// Whether the record at `to` can depend on the record at `from` in a
+/// causal decoder: a change of `from` can reach `to` only forward in
+/// execution and never to an earlier position of the same forward.
+///
+/// - A later step depends on everything before it (persistent state and the
+///   fed token carry it; its positions follow every earlier one); an
+///   earlier step on nothing of a later one.
+/// - In one step, a record reaches its own position's later records (later
+///   layers, or later in its own layer) and the later positions' records of
+///   later layers; within its own layer only the attention half reaches
+///   later positions (through the keys and values attention reads), the
+///   FFN half only its own position.
+/// - The step's input (`embed.*`) reaches everything of its position and
+///   later ones; the step's outputs reach only the step's later outputs;
+///   the persistent state recorded after the step reaches the same step's
+///   state of its own and later layers only.
+///
+/// Where the catalogue cannot tell a record's half (a backend's record
+/// outside it) the answer errs towards "reaches": a divergence is never
+/// called independent of one that could have caused it.
+pub fn reaches(from: &crate::Coord, to: &crate::Coord) -> bool {
+    if to.step != from.step {
+        return to.step > from.step;
+    }
+    let (a, b) = (ExecKey::of(from), ExecKey::of(to));
+    let later_here = (b.layer, b.slot, b.index) >= (a.layer, a.slot, a.index);
+    match (a.group, b.group) {
+        (ExecGroup::StepInput, ExecGroup::StepInput) => to.position == from.position && later_here,
+        (ExecGroup::StepInput, ExecGroup::State) => true,
+        (ExecGroup::StepInput, _) => to.position >= from.position,
+        (ExecGroup::Layer, ExecGroup::Layer) => {
+            if to.position == from.position {
+                later_here
+            } else if to.position > from.position {
+                b.layer > a.layer || (b.layer == a.layer && half_of_path(&from.path) != Some(Half::Ffn))
+            } else {
+                false
+            }
+        }
+        (ExecGroup::Layer, ExecGroup::StepOutput) => to.position >= from.position,
+        (ExecGroup::Layer, ExecGroup::State) => b.layer >= a.layer,
+        (ExecGroup::StepOutput, ExecGroup::StepOutput) => (b.slot, b.index) >= (a.slot, a.index),
+        (ExecGroup::State, ExecGroup::State) => b.layer >= a.layer,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn at(step: u32, position: u32, layer: Option<u32>, path: &str) -> crate::Coord {
+        crate::Coord {
+            step,
+            position,
+            phase: if step == 0 {
+                crate::Phase::Prefill
+            } else {
+                crate::Phase::Decode
+            },
+            layer,
+            path: path.into(),
+        }
+    }
+
+    #[test]
+    fn reaching_follows_causality() {
+        let term = at(0, 1, Some(5), "moe.term.0");
+        // A later layer at an earlier position of the same forward: never.
+        assert!(!reaches(&term, &at(0, 0, Some(7), "layer.post_ffn_mhc")));
+        // Its own position, later: the half's checkpoint and later layers.
+        assert!(reaches(&term, &at(0, 1, Some(5), "layer.post_ffn_mhc")));
+        assert!(reaches(&term, &at(0, 1, Some(7), "layer.post_attn_mhc")));
+        assert!(!reaches(&term, &at(0, 1, Some(4), "layer.post_ffn_mhc")));
+        // Later positions: from the next layer on (the FFN half mixes no positions) ...
+        assert!(!reaches(&term, &at(0, 2, Some(5), "layer.post_ffn_mhc")));
+        assert!(reaches(&term, &at(0, 2, Some(6), "layer.post_attn_mhc")));
+        // ... and in its own layer from the attention half, which writes the keys and values.
+        let kv = at(0, 1, Some(5), "attn.kv");
+        assert!(reaches(&kv, &at(0, 2, Some(5), "layer.post_attn_mhc")));
+        assert!(!reaches(&kv, &at(0, 0, Some(5), "layer.post_attn_mhc")));
+        // Later steps: everything; earlier steps: nothing.
+        assert!(reaches(&term, &at(1, 3, Some(0), "layer.post_attn_mhc")));
+        assert!(!reaches(
+            &at(1, 3, Some(5), "moe.term.0"),
+            &at(0, 2, Some(8), "layer.post_ffn_mhc")
+        ));
+        // The step's outputs and state.
+        assert!(reaches(&term, &at(0, 2, None, "lm.logits")));
+        assert!(!reaches(
+            &at(0, 2, Some(3), "moe.combine"),
+            &at(0, 1, None, "lm.logits")
+        ));
+        assert!(reaches(&term, &at(0, 2, Some(6), "state.window_kv")));
+        assert!(!reaches(
+            &at(0, 2, None, "lm.logits"),
+            &at(0, 2, Some(6), "state.window_kv")
+        ));
+        assert!(reaches(
+            &at(0, 0, None, "embed.output"),
+            &at(0, 0, Some(0), "attn.q")
+        ));
+        assert!(!reaches(
+            &at(0, 1, None, "embed.output"),
+            &at(0, 0, Some(3), "attn.q")
+        ));
+    }
 
     #[test]
     fn table_is_in_enum_order_and_paths_parse_back() {

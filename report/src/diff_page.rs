@@ -128,7 +128,7 @@ fn divergences(p: &mut Page, r: &DiffReport, maps: &DiffMaps) {
         return;
     }
     p.h2("Divergences in execution order");
-    p.note("Each row is a record that differs while its inputs match. Propagating: a later checkpoint differs (marked P on the maps). Absorbed: rounding erased it before the next checkpoint (marked A).");
+    p.note("Each row is a record that differs while its inputs match. Propagating: a later checkpoint it can reach differs (marked P on the maps). Absorbed: rounding erased it before the next checkpoint (marked A).");
     let rows: Vec<Vec<String>> = r
         .divergences
         .iter()

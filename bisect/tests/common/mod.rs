@@ -66,12 +66,17 @@ pub enum Inject {
     Attention { step: u32, layer: u32, position: u32 },
     /// Only the persistent state (`state.window_kv`) of `layer` at the boundary after `step` differs.
     State { step: u32, layer: u32 },
+    /// Only the candidate's `moe.term.0` at (step, layer, position) differs
+    /// (its inputs and the combine match: the difference is absorbed).
+    Term { step: u32, layer: u32, position: u32 },
 }
 
 /// A synthetic run.
 #[derive(Debug, Clone)]
 pub struct Synth {
     pub inject: Inject,
+    /// A second, independent injection, if any.
+    pub also: Option<Inject>,
     /// Generated ordinal whose token differs (g_n predicted by step n−1), if any.
     pub token_step: Option<u32>,
     /// (step, layer, position) where router.topk changes (swap one expert), if any.
@@ -106,6 +111,7 @@ impl Synth {
     pub fn reference() -> Synth {
         Synth {
             inject: Inject::None,
+            also: None,
             token_step: None,
             route_change: None,
             payloads: true,
@@ -235,20 +241,31 @@ pub fn word(id: i32) -> String {
 }
 
 impl Synth {
-    /// The origin of the numeric injection: (step, layer, position, op index).
-    fn origin(&self) -> Option<(u32, u32, u32, usize)> {
-        match &self.inject {
+    /// The injections.
+    fn injections(&self) -> impl Iterator<Item = &Inject> {
+        std::iter::once(&self.inject).chain(self.also.as_ref())
+    }
+
+    /// The origins of the numeric injections: (step, layer, position, op
+    /// index, whether the origin's own record differs).
+    fn origins(&self) -> Vec<(u32, u32, u32, usize, bool)> {
+        self.injections().filter_map(Self::origin_of).collect()
+    }
+
+    /// The origin of one numeric injection.
+    fn origin_of(inject: &Inject) -> Option<(u32, u32, u32, usize, bool)> {
+        match inject {
             Inject::Combine {
                 step,
                 layer,
                 position,
                 ..
-            } => Some((*step, *layer, *position, op_index("moe.combine"))),
+            } => Some((*step, *layer, *position, op_index("moe.combine"), false)),
             Inject::Attention {
                 step,
                 layer,
                 position,
-            } => Some((*step, *layer, *position, op_index("attn.output"))),
+            } => Some((*step, *layer, *position, op_index("attn.output"), true)),
             _ => None,
         }
     }
@@ -270,19 +287,18 @@ impl Synth {
         if self.fed_different(step) {
             return true;
         }
-        let Some((s, l, t, o)) = self.origin() else {
-            return false;
-        };
-        if step == s {
-            let origin_itself = matches!(self.inject, Inject::Attention { .. }) && op_index(op) == o;
-            (layer == l && pos == t && (op_index(op) > o || origin_itself)) || (layer > l && pos >= t)
-        } else {
-            step > s && layer > l
-        }
+        self.origins().into_iter().any(|(s, l, t, o, itself)| {
+            if step == s {
+                let origin_itself = itself && op_index(op) == o;
+                (layer == l && pos == t && (op_index(op) > o || origin_itself)) || (layer > l && pos >= t)
+            } else {
+                step > s && layer > l
+            }
+        })
     }
 
     fn tainted_global(&self, step: u32) -> bool {
-        self.fed_different(step) || self.origin().is_some_and(|(s, ..)| step >= s)
+        self.fed_different(step) || self.origins().iter().any(|&(s, ..)| step >= s)
     }
 
     fn tainted_state(&self, step: u32, layer: u32) -> bool {
@@ -292,7 +308,7 @@ impl Synth {
         if let Inject::State { step: s, layer: l } = self.inject {
             return s == step && l == layer;
         }
-        self.origin().is_some_and(|(s, l, ..)| step >= s && layer > l)
+        self.origins().iter().any(|&(s, l, ..)| step >= s && layer > l)
     }
 
     /// Writes the trace to `path` and opens it.
@@ -432,6 +448,12 @@ impl Synth {
                         &[1],
                         &values(route_salt, step, pos, l, "router.margin", 1),
                     );
+                    let term_salt = |j: usize| {
+                        let hit = self.injections().any(|i| {
+                            matches!(i, Inject::Term { step: s, layer: ll, position: t } if (*s, *ll, *t) == (step, layer, pos))
+                        });
+                        u64::from(hit && j == 0) << 1
+                    };
                     let terms: Vec<Vec<f32>> = (0..K)
                         .map(|j| {
                             values(
@@ -445,22 +467,41 @@ impl Synth {
                         })
                         .collect();
                     for (j, t) in terms.iter().enumerate() {
-                        w.f32(step, pos, l, &format!("moe.term.{j}"), Level::L4, &[dm], t);
+                        let path = format!("moe.term.{j}");
+                        // An absorbed term difference: the record differs,
+                        // the combine is computed from the reference's term.
+                        let absorbed;
+                        let t = if term_salt(j) != 0 {
+                            absorbed = values(
+                                salt("moe.term") | route_salt | term_salt(j),
+                                step,
+                                pos,
+                                l,
+                                &path,
+                                D,
+                            );
+                            &absorbed
+                        } else {
+                            t
+                        };
+                        w.f32(step, pos, l, &path, Level::L4, &[dm], t);
                     }
                     let shared = bf16ish(v("moe.shared", D));
                     w.f32(step, pos, l, "moe.shared", Level::L4, &[dm], &shared);
                     let refs: Vec<&[f32]> = terms.iter().map(|t| t.as_slice()).collect();
                     let mut y = vec![0.0f32; D];
-                    match &self.inject {
+                    let forked = self.injections().find_map(|i| match i {
                         Inject::Combine {
                             step: s,
                             layer: ll,
                             position: t,
                             contract,
-                        } if (*s, *ll, *t) == (step, layer, pos) => {
-                            contract.try_combine(&refs, &shared, &mut y).expect("combine");
-                        }
-                        _ => combine_native(&refs, &shared, &mut y),
+                        } if (*s, *ll, *t) == (step, layer, pos) => Some(contract),
+                        _ => None,
+                    });
+                    match forked {
+                        Some(contract) => contract.try_combine(&refs, &shared, &mut y).expect("combine"),
+                        None => combine_native(&refs, &shared, &mut y),
                     }
                     w.f32(step, pos, l, "moe.combine", Level::L4, &[dm], &y);
                     w.f32(
