@@ -45,6 +45,9 @@ pub struct WorstElement {
     pub reference: f64,
     #[serde(serialize_with = "ser_f64")]
     pub candidate: f64,
+    /// How many steps of the record's dtype lie between the two values
+    /// (distance of their ordered bit patterns; `null` when a side is NaN).
+    pub ulps: Option<u64>,
 }
 
 /// Summary of the element-wise differences of one record.
@@ -217,11 +220,25 @@ pub fn summarize(
     }
     let worst_index = worst.map(|(i, _)| i).or(first_nan);
     s.worst = worst_index.and_then(|i| {
+        let (r, c) = (
+            element_value(dtype, reference, i)?,
+            element_value(dtype, candidate, i)?,
+        );
+        let ulps = match (
+            element_ordinal(dtype, reference, i),
+            element_ordinal(dtype, candidate, i),
+        ) {
+            (Some(a), Some(b)) if !r.is_nan() && !c.is_nan() => {
+                Some(u64::try_from((a - b).unsigned_abs()).unwrap_or(u64::MAX))
+            }
+            _ => None,
+        };
         Some(WorstElement {
             flat_index: i as u64,
             index: unravel(i as u64, shape),
-            reference: element_value(dtype, reference, i)?,
-            candidate: element_value(dtype, candidate, i)?,
+            reference: r,
+            candidate: c,
+            ulps,
         })
     });
     Some(s)
@@ -444,6 +461,38 @@ mod tests {
         let w = s.worst.unwrap();
         assert_eq!((w.flat_index, w.index.clone()), (2, vec![1, 0]));
         assert_eq!((w.reference, w.candidate), (2.0, 2.5));
+        assert_eq!(w.ulps, Some(1 << 21));
+    }
+
+    #[test]
+    fn a_worst_element_of_close_values_reads_as_two_values_and_its_ulps() {
+        // 64 ulp apart: 7 significant digits print both as -4.017118e0.
+        let a = -4.017_118_f32;
+        let b = f32::from_bits(a.to_bits() + 64);
+        let s = summarize(
+            DType::F32,
+            &[1],
+            &f32_bytes(&[a]),
+            DType::F32,
+            &[1],
+            &f32_bytes(&[b]),
+        )
+        .unwrap();
+        let w = s.worst.as_ref().unwrap();
+        assert_eq!(w.ulps, Some(64));
+        let mut text = String::new();
+        crate::render::numeric_lines_for_test(&mut text, &s);
+        let line = text.lines().find(|l| l.contains("worst element")).unwrap();
+        assert!(line.contains("(64 ulp apart)"), "{line}");
+        let (ra, rb) = (format!("{a:e}"), format!("{b:e}"));
+        assert_ne!(ra, rb);
+        assert!(
+            line.contains(&format!("reference {ra} vs candidate {rb}")),
+            "{line}"
+        );
+        // Each printed value reads back as the same f32.
+        assert_eq!(ra.parse::<f32>().unwrap().to_bits(), a.to_bits());
+        assert_eq!(rb.parse::<f32>().unwrap().to_bits(), b.to_bits());
     }
 
     #[test]

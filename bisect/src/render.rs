@@ -63,6 +63,19 @@ fn num(v: f64) -> String {
     }
 }
 
+/// A value of a record of `dtype` in the shortest form that reads back as
+/// the same value of that dtype (two different values never print alike).
+fn value(v: f64, dtype: &str) -> String {
+    if !v.is_finite() {
+        return format!("{v}");
+    }
+    match dtype {
+        // Exact in f32 (bf16 values are f32 values too).
+        "f32" | "bf16" => format!("{:e}", v as f32),
+        _ => format!("{v:e}"),
+    }
+}
+
 fn opt_num(v: Option<f64>) -> String {
     v.map(num).unwrap_or_else(|| "?".into())
 }
@@ -101,14 +114,24 @@ fn numeric_lines(out: &mut String, n: &NumericSummary) {
         } else {
             ""
         };
+        let apart = match w.ulps {
+            Some(u) => format!(" ({u} ulp apart)"),
+            None => String::new(),
+        };
         let _ = writeln!(
             out,
-            "      worst element {:?}: reference {} vs candidate {}{sign}",
+            "      worst element {:?}: reference {} vs candidate {}{apart}{sign}",
             w.index,
-            num(w.reference),
-            num(w.candidate)
+            value(w.reference, &n.dtype),
+            value(w.candidate, &n.dtype)
         );
     }
+}
+
+/// [`numeric_lines`], for the tests of [`crate::numeric`].
+#[cfg(test)]
+pub(crate) fn numeric_lines_for_test(out: &mut String, n: &NumericSummary) {
+    numeric_lines(out, n)
 }
 
 /// `[1, 2, 3]`, or `[1, 2, …] (40 ids)` when the list was cut.
