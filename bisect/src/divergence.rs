@@ -28,6 +28,18 @@ use moeconf_fingerprint::catalogue::{reaches, ExecGroup, ExecKey};
 use moeconf_fingerprint::{Component, Level};
 use std::collections::HashSet;
 
+/// The status of an input that only captures record ([`observational`])
+/// and that differs: reported, not counted as a differing input.
+pub(crate) const OBSERVED_DIFFERS: &str = "observed_differs";
+
+/// Whether `path` is a record only captures hold (`Presence::CaptureOnly`,
+/// e.g. `moe.routed`): an observation of a backend's intermediate value.
+/// It is compared and reported, but neither ends the walk nor keeps the
+/// operator that consumes it from being localized.
+pub(crate) fn observational(path: &str) -> bool {
+    producer(path).is_some_and(|c| c.spec().presence == moeconf_fingerprint::catalogue::Presence::CaptureOnly)
+}
+
 /// At most this many divergences are listed.
 pub const MAX_DIVERGENCES: usize = 16;
 /// At most this many differing records are examined while looking for the
@@ -183,7 +195,14 @@ impl Ctx<'_> {
         let mut kinds: Option<layerkind::Kinds> = None;
         for (spec, s, pairs) in self.input_pairs(step, layer, position, path) {
             let status = if !pairs.is_empty() {
-                self.pairs_status(&pairs)
+                match self.pairs_status(&pairs) {
+                    // A value only captures record, which the backend
+                    // materializes inside this operator's own arithmetic
+                    // (the routed sum inside a combine): part of the
+                    // operator, not an input computed elsewhere.
+                    "differ" if observational(&spec.path) => OBSERVED_DIFFERS,
+                    s => s,
+                }
             } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
                 // A quantization site neither execution has (both profiles
                 // are known): not an input of this operator here.
@@ -431,6 +450,13 @@ impl Ctx<'_> {
                 });
                 match kind {
                     Some(DivergenceKind::Absorbed) => {}
+                    Some(DivergenceKind::Propagating)
+                        if component.is_some_and(|c| observational(c.spec().path)) =>
+                    {
+                        // An observation (`moe.routed`): the walk goes on to
+                        // the operator that consumes it.
+                        out.rest = Rest::Propagates;
+                    }
                     Some(DivergenceKind::Propagating) => {
                         // Records of the step it cannot reach (earlier
                         // positions of later layers) are still walked: a
@@ -474,18 +500,35 @@ impl Ctx<'_> {
     #[allow(clippy::type_complexity)]
     fn localize(&self, recs: &[Pair]) -> Result<Option<(Pair, Vec<InputCheck>, bool)>, BisectError> {
         let mut first = None;
+        let mut observed = None;
         for &p in recs {
             let one_sided = p.r.is_none() || p.c.is_none();
             if (one_sided && self.quantized_by(p).is_none()) || self.storage_checked(p)?.is_some() {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
+            if observational(&e.coord.path) {
+                // Localized only when no operator is: the operator that
+                // consumes an observation is where the executions part.
+                observed.get_or_insert(p);
+                continue;
+            }
             let checks = self.check_inputs(e.coord.step, e.coord.layer, e.coord.position, &e.coord.path);
             let ok = !checks.iter().any(|c| status_differs(&c.status));
             if ok {
                 return Ok(Some((p, checks, true)));
             }
             first.get_or_insert((p, checks, false));
+        }
+        if first.is_none() {
+            if let Some(p) = observed {
+                if let Some(e) = self.s.entry(p) {
+                    let checks =
+                        self.check_inputs(e.coord.step, e.coord.layer, e.coord.position, &e.coord.path);
+                    let ok = !checks.iter().any(|c| status_differs(&c.status));
+                    return Ok(Some((p, checks, ok)));
+                }
+            }
         }
         Ok(first)
     }

@@ -201,6 +201,7 @@ fn input_status(status: &str) -> &str {
         "not_applicable" => "not applicable on this layer kind",
         "not_emitted" => "none emitted at this position",
         "storage_precision" => "match up to storage precision",
+        "observed_differs" => "differs (a value only captures record, inside this operator's own arithmetic)",
         "one_side" => "held by one side only (not compared)",
         "quantized_one_side" => {
             "quantized by one side only (the other side's precision profile has no quantization sites)"

@@ -413,7 +413,9 @@ pub struct InputCheck {
     /// trace lacks it), `not_applicable` (the layer's kind has no such
     /// record, e.g. `attn.compressed_read` on a sliding-window layer) or
     /// `not_emitted` (an operator that emits only at some positions, e.g. a
-    /// compressor entry, emitted nothing here).
+    /// compressor entry, emitted nothing here) or `observed_differs` (a
+    /// value only captures record, e.g. `moe.routed`, inside the operator's
+    /// own arithmetic, differs; counts as matching).
     pub status: String,
     /// Records compared.
     pub records: u64,

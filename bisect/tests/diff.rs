@@ -741,3 +741,42 @@ fn independent_divergences_of_one_forward_are_each_listed() {
         assert!(cp.position >= d.at.position, "{d:?}");
     }
 }
+
+/// A record only captures hold (`moe.routed`, the routed sum a backend
+/// materializes inside its combine) is compared and reported, but the walk
+/// and contract inference reach the combine that consumes it.
+#[test]
+fn an_observed_routed_sum_does_not_stop_the_walk_before_the_combine() {
+    let mut reference = Synth::reference();
+    reference.routed = true;
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: 3,
+        contract: b_class(5),
+    });
+    cand.routed = true;
+    let (_d, r, c) = pair(&reference, &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    let paths: Vec<&str> = rep.divergences.iter().map(|d| d.at.path.as_str()).collect();
+    assert_eq!(paths, ["moe.routed", "moe.combine"], "{text}");
+    let loc = rep.levels.l4.localized.as_ref().expect("localized");
+    assert_eq!(loc.at.path, "moe.combine", "{text}");
+    assert!(loc.inputs_match, "{text}");
+    assert!(
+        loc.inputs
+            .iter()
+            .any(|i| i.input.starts_with("moe.routed") && i.status == "observed_differs"),
+        "{:?}",
+        loc.inputs
+    );
+    // Contract inference ran at the combine and names the injected class.
+    let con = rep
+        .levels
+        .l4
+        .contract
+        .as_ref()
+        .expect("contract inference at moe.combine");
+    assert_eq!(con.candidate.as_deref(), Some("b+order=class:5"), "{text}");
+}

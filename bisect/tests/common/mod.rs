@@ -77,6 +77,9 @@ pub struct Synth {
     pub inject: Inject,
     /// A second, independent injection, if any.
     pub also: Option<Inject>,
+    /// Also record `moe.routed` (the routed sum, combine − shared), as a
+    /// capture of a backend that materializes it does.
+    pub routed: bool,
     /// Generated ordinal whose token differs (g_n predicted by step n−1), if any.
     pub token_step: Option<u32>,
     /// (step, layer, position) where router.topk changes (swap one expert), if any.
@@ -112,6 +115,7 @@ impl Synth {
         Synth {
             inject: Inject::None,
             also: None,
+            routed: false,
             token_step: None,
             route_change: None,
             payloads: true,
@@ -502,6 +506,10 @@ impl Synth {
                     match forked {
                         Some(contract) => contract.try_combine(&refs, &shared, &mut y).expect("combine"),
                         None => combine_native(&refs, &shared, &mut y),
+                    }
+                    if self.routed {
+                        let routed: Vec<f32> = y.iter().zip(&shared).map(|(a, b)| a - b).collect();
+                        w.f32(step, pos, l, "moe.routed", Level::L4, &[dm], &routed);
                     }
                     w.f32(step, pos, l, "moe.combine", Level::L4, &[dm], &y);
                     w.f32(
