@@ -203,9 +203,12 @@ impl Ctx<'_> {
                     "differ" if observational(&spec.path) => OBSERVED_DIFFERS,
                     s => s,
                 }
-            } else if crate::quantization::is_site(&spec.path) && self.both_profiles_known() {
+            } else if crate::quantization::is_site(&spec.path)
+                && (self.both_profiles_known() || !self.holds_sites(s, spec.layer))
+            {
                 // A quantization site neither execution has (both profiles
-                // are known): not an input of this operator here.
+                // are known, or neither trace holds any quantization site at
+                // this step and layer): not an input of this operator here.
                 continue;
             } else if !self.compared.contains(spec.level) {
                 "not_captured"

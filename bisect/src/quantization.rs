@@ -33,7 +33,8 @@ pub(crate) fn status_differs(status: &str) -> bool {
 
 /// Whether `path` names an activation-quantization site.
 pub(crate) fn is_site(path: &str) -> bool {
-    Component::parse(path).is_some_and(|(c, _)| c.spec().presence.is_quantized())
+    // A family's prefix (`moe.term_h_fp8.`, an input spec's path) names its site too.
+    crate::operators::producer(path).is_some_and(|c| c.spec().presence.is_quantized())
 }
 
 impl Ctx<'_> {
@@ -60,6 +61,17 @@ impl Ctx<'_> {
             (None, Some(_)) if rq == Some(false) => Some("candidate"),
             _ => None,
         }
+    }
+
+    /// Whether either trace holds a record of any quantization site at
+    /// `step` and `layer` (an execution that quantizes captures its sites
+    /// where it captures the operators around them).
+    pub(crate) fn holds_sites(&self, step: u32, layer: Option<u32>) -> bool {
+        self.s
+            .lookup(step, moeconf_fingerprint::Level::L4, layer, None, "", true)
+            .iter()
+            .filter_map(|&p| self.s.entry(p))
+            .any(|e| is_site(&e.coord.path))
     }
 
     /// Whether both profiles are known, so that a site neither trace holds

@@ -780,3 +780,35 @@ fn an_observed_routed_sum_does_not_stop_the_walk_before_the_combine() {
         .expect("contract inference at moe.combine");
     assert_eq!(con.candidate.as_deref(), Some("b+order=class:5"), "{text}");
 }
+
+/// "Not captured" lists only inputs the traces' profiles can have: no
+/// quantization site (`*_fp8`) for bf16 traces, named or not by a known
+/// profile, when neither trace holds any site there.
+#[test]
+fn quantization_sites_are_not_listed_as_missing_inputs_of_unquantized_traces() {
+    for precision in ["bf16", "bf16-foreign-backend"] {
+        let mut reference = Synth::reference();
+        reference.binding.precision = precision.into();
+        // moe.term.J reads moe.term_h_fp8.* where a profile quantizes.
+        let mut cand = Synth::candidate(Inject::Term {
+            step: 1,
+            layer: 2,
+            position: 3,
+        });
+        cand.binding.precision = precision.into();
+        let (_d, r, c) = pair(&reference, &cand);
+        let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let listed: Vec<&str> = rep
+            .divergences
+            .iter()
+            .flat_map(|d| d.inputs.iter())
+            .chain(rep.levels.l4.localized.iter().flat_map(|l| l.inputs.iter()))
+            .map(|i| i.input.as_str())
+            .collect();
+        assert!(!listed.is_empty(), "{precision}");
+        assert!(
+            !listed.iter().any(|i| i.contains("fp8")),
+            "{precision}: {listed:?}"
+        );
+    }
+}
