@@ -2,7 +2,7 @@
 //! baseline measured in the same run (raw BLAKE3, a byte comparison, a run
 //! without capture, the run that wrote the trace) and reports the ratio, as
 //! text for people and JSON for machines. The measuring code lives with
-//! what it measures (`moeconf_fingerprint::bench`,
+//! what it measures (`fingerprint::bench_fingerprint`,
 //! `diff::bench_diff`, `moeconf_runner::bench`,
 //! `replay`); this crate runs and reports it, so the binary
 //! only parses arguments.
@@ -11,6 +11,8 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 pub mod diff;
+pub mod fingerprint;
+pub mod measure;
 pub mod replay;
 pub mod scale;
 
@@ -87,7 +89,7 @@ fn scratch(prefix: &str) -> Result<Scratch, BenchError> {
 /// `bench fingerprint`: canonical record hashing against raw BLAKE3 over
 /// `mib` MiB of f32, best of `repeat`, single- and multi-threaded.
 pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
-    use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
+    use fingerprint::{bench_fingerprint, f32_buffer, small_records};
     let bytes = (mib as usize) << 20;
     eprintln!("moeconf bench fingerprint: preparing {mib} MiB of f32 values ...");
     let data = f32_buffer(bytes);
@@ -114,7 +116,7 @@ pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
         "ratio_canonical_over_raw_1thread": b.raw_1thread / b.canonical_1thread,
         "ratio_canonical_over_raw_rayon": b.raw_rayon / b.canonical_rayon,
         "canonical_thread_scaling": b.canonical_1thread / b.canonical_rayon,
-        "small_records": moeconf_fingerprint::bench::small_records().len(),
+        "small_records": small_records().len(),
         "small_records_bytes": b.small_bytes,
         "small_one_by_one_gbps": b.small_bytes as f64 / b.small_one_by_one / 1e9,
         "small_batched_gbps": b.small_bytes as f64 / b.small_batched / 1e9,
