@@ -3,7 +3,7 @@
 //! without capture, the run that wrote the trace) and reports the ratio, as
 //! text for people and JSON for machines. The measuring code lives with
 //! what it measures (`fingerprint::bench_fingerprint`,
-//! `diff::bench_diff`, `moeconf_runner::bench`,
+//! `diff::bench_diff`, `runtime::bench_runtime`, `real_width`,
 //! `replay`); this crate runs and reports it, so the binary
 //! only parses arguments.
 
@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 pub mod diff;
 pub mod fingerprint;
 pub mod measure;
+pub mod real_width;
 pub mod replay;
+pub mod runtime;
 pub mod scale;
 
 /// A benchmark's report.
@@ -200,11 +202,11 @@ pub fn diff(
 /// the fixture (and, with `large`, a generated hidden-1024 / 64-expert
 /// model), and the anonymous RSS.
 pub fn runtime(
-    opts: &moeconf_runner::bench::RuntimeBenchOptions,
+    opts: &runtime::RuntimeBenchOptions,
     large: bool,
     quantized: bool,
 ) -> Result<BenchReport, BenchError> {
-    use moeconf_runner::bench::{bench_runtime, render_runtime_text};
+    use runtime::{bench_runtime, render_runtime_text};
     let work = scratch("moeconf-bench-rt")?;
     eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
     let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
@@ -289,12 +291,12 @@ pub fn runtime(
 /// in a temporary directory under `dir` (or the system's) and removed.
 pub fn real_width(
     layers: usize,
-    shrink: moeconf_runner::bench::RealWidthShrink,
+    shrink: real_width::RealWidthShrink,
     decode_tokens: u32,
     repeat: u32,
     dir: Option<&PathBuf>,
 ) -> Result<BenchReport, BenchError> {
-    use moeconf_runner::bench::{bench_real_width, render_real_width_text};
+    use real_width::{bench_real_width, render_real_width_text};
     let ckpt = match dir {
         Some(d) => tempfile::Builder::new()
             .prefix("moeconf-bench-real-width")

@@ -5,7 +5,6 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
-pub mod bench;
 pub mod capture_thread;
 pub mod limits;
 
