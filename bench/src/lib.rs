@@ -1,11 +1,12 @@
 //! The `moeconf bench` measurements. Each measures its subject against a
 //! baseline measured in the same run (raw BLAKE3, a byte comparison, a run
 //! without capture, the run that wrote the trace) and reports the ratio, as
-//! text for people and JSON for machines. The measuring code lives with
-//! what it measures (`fingerprint::bench_fingerprint`,
-//! `diff::bench_diff`, `runtime::bench_runtime`, `real_width`,
-//! `replay`); this crate runs and reports it, so the binary
-//! only parses arguments.
+//! text for people and JSON for machines. The measuring code lives here,
+//! one module per benchmark (`fingerprint`, `diff`, `runtime`,
+//! `real_width`, `replay`, `scale`; shared tools in `measure`), and reaches
+//! what it measures through the measured crates' public API: benchmarks
+//! live in bench/, not in the library crates. The functions at the root run
+//! each one and build its report, so the binary only parses arguments.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -211,7 +212,7 @@ pub fn runtime(
     eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
     let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
     let mut rows = bench_runtime("tiny-v4", &tiny, opts, work.path()).map_err(step("bench runtime"))?;
-    let rss_tiny = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let rss_tiny = measure::anon_rss_bytes();
     let mut rss_large = None;
     if large {
         let dir = scratch("moeconf-bench-large")?;
@@ -226,7 +227,7 @@ pub fn runtime(
         .map_err(step("generating the large configuration"))?;
         let name = "large (hidden 1024, 64 experts)";
         rows.extend(bench_runtime(name, dir.path(), opts, work.path()).map_err(step("bench runtime"))?);
-        rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
+        rss_large = measure::anon_rss_bytes();
     }
     let mut rss_quantized = None;
     let mut quantized_text = String::new();
@@ -245,7 +246,7 @@ pub fn runtime(
             pair.push(r.clone());
             rows.extend(r);
         }
-        rss_quantized = moeconf_reference_runtime::bench::anon_rss_bytes();
+        rss_quantized = measure::anon_rss_bytes();
         quantized_text.push_str("  quantized fixture, decode tokens/s FP8+MXFP4 / its BF16 dequantization (same weights, same bits):\n");
         for (q, b) in pair[0].iter().zip(&pair[1]) {
             quantized_text.push_str(&format!(

@@ -3,15 +3,17 @@
 //! per-layer dimensions against the memory bandwidth bound (the weight
 //! bytes one decode step reads, streamed at the read bandwidth measured in
 //! the same run), without and with the default capture as in
-//! [`crate::runtime`].
+//! `crate::runtime`.
 
 use std::path::Path;
 
 use moeconf_contract::NativeCombine;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_reference_runtime::weights::Mat;
 use moeconf_runner::RunError;
 
+use crate::measure::{anon_rss_bytes, read_bandwidth};
 use crate::runtime::{generate, BenchCapture};
 
 /// Wraps an error as [`RunError::Context`], saying what was being done
@@ -22,6 +24,62 @@ fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -
         context,
         source: Box::new(e),
     }
+}
+
+/// Weight bytes one decode step reads, by where they are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepBytes {
+    /// Every matrix of every decoder layer except the routed experts
+    /// (attention, compressors, indexer, mHC, router, shared expert).
+    pub layers_dense: u64,
+    /// The `k` routed experts a token selects per layer (codes and scales).
+    pub routed_experts: u64,
+    /// The head (mHC head collapse and LM head) and one embedding row.
+    pub head_and_embedding: u64,
+    /// Bytes of all routed experts of the checkpoint (what stays in the memory map).
+    pub all_routed_experts: u64,
+}
+
+impl StepBytes {
+    /// Total weight bytes one decode step reads.
+    pub fn total(&self) -> u64 {
+        self.layers_dense + self.routed_experts + self.head_and_embedding
+    }
+}
+
+/// The weight bytes a decode step of `model` must read: every matrix it
+/// multiplies by (codes plus scales for quantized ones), with `k` routed
+/// experts per layer (all experts of a layer have the same size) and one
+/// embedding row, counted through the model's weight accessors
+/// ([`Model::layer_weights`], [`Model::head_weights`],
+/// [`Model::embedding_matrix`]). MTP blocks are not run and not counted;
+/// state (caches) is not weights and not counted.
+pub fn decode_step_bytes(model: &Model) -> StepBytes {
+    let cfg = model.config();
+    let bytes = |m: &Mat| (m.body_bytes() + m.scale_bytes()) as u64;
+    let mut s = StepBytes::default();
+    for i in 0..cfg.num_layers() {
+        let Some(l) = model.layer_weights(i) else {
+            continue;
+        };
+        let mut all = 0u64;
+        l.for_each_mat(&mut |m| all += bytes(m));
+        let experts: Vec<u64> = l
+            .moe
+            .experts
+            .iter()
+            .map(|e| bytes(&e.w1) + bytes(&e.w3) + bytes(&e.w2))
+            .collect();
+        let routed: u64 = experts.iter().sum();
+        let per_expert = experts.iter().copied().max().unwrap_or(0);
+        s.layers_dense += all - routed;
+        s.routed_experts += cfg.experts_per_tok as u64 * per_expert;
+        s.all_routed_experts += routed;
+    }
+    let h = model.head_weights();
+    let embed = model.embedding_matrix();
+    s.head_and_embedding = bytes(&h.hc.fn_) + bytes(&h.lm_head) + embed.dtype().row_len(embed.cols()) as u64;
+    s
 }
 
 /// Optional reductions of the real-width checkpoint for quicker runs: fewer
@@ -48,7 +106,7 @@ pub struct RealWidthReport {
     /// Seconds spent generating the checkpoint.
     pub generate_seconds: f64,
     /// Weight bytes one decode step reads.
-    pub step: moeconf_reference_runtime::bench::StepBytes,
+    pub step: StepBytes,
     /// Routed experts per token (k).
     pub experts_per_tok: usize,
     /// Routed experts per layer.
@@ -138,7 +196,6 @@ pub fn bench_real_width(
     scratch: &Path,
 ) -> Result<RealWidthReport, RunError> {
     use moeconf_fixtures::checkpoint::{write_v4, V4Spec};
-    use moeconf_reference_runtime::bench::{anon_rss_bytes, decode_step_bytes, read_bandwidth};
     let mut spec = V4Spec::flash_width(layers);
     if let Some(e) = shrink.experts {
         spec.n_routed_experts = e.max(spec.experts_per_tok);

@@ -2,19 +2,72 @@
 //! decode tokens/s of the reference runtime on a model, in both precision
 //! profiles, without capture and with the default trace capture, so the
 //! cost of tracing is measured against the bare forward in the same run.
-//! The default capture is `moeconf run`'s own: `moeconf-runner`'s public
-//! `parse_capture` and `TraceSink` feeding a `TraceWriter`.
+//! Each generation is timed around the runtime's public `Model::step`
+//! ([`bench_generate`]); the default capture is `moeconf run`'s own:
+//! `moeconf-runner`'s public `parse_capture` and `TraceSink` feeding a
+//! `TraceWriter`.
 
 use std::path::Path;
+use std::time::Instant;
 
 use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::Algorithm;
-use moeconf_reference_runtime::bench::{bench_generate, BenchReport};
-use moeconf_reference_runtime::capture::NullSink;
+use moeconf_reference_runtime::capture::{CaptureSink, NullSink};
+use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{parse_capture, RunError, TraceSink};
 use moeconf_schema::{Header, TraceWriter};
+
+/// Measured throughput of one generation: the prefill step and the
+/// decode steps timed separately (wall clock; reported, never asserted).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GenerateTiming {
+    /// Prompt tokens consumed by the prefill step.
+    pub prefill_tokens: usize,
+    /// Seconds spent in the prefill step.
+    pub prefill_seconds: f64,
+    /// Decode steps run (one token each).
+    pub decode_tokens: usize,
+    /// Seconds spent in the decode steps.
+    pub decode_seconds: f64,
+}
+
+impl GenerateTiming {
+    /// Prefill tokens per second.
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        self.prefill_tokens as f64 / self.prefill_seconds.max(1e-12)
+    }
+    /// Decode tokens per second.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        self.decode_tokens as f64 / self.decode_seconds.max(1e-12)
+    }
+}
+
+/// Runs a prefill over `prompt_ids` and `decode_tokens` decode steps, capturing
+/// into `sink`, and times both phases.
+pub fn bench_generate(
+    model: &Model,
+    prompt_ids: &[u32],
+    decode_tokens: usize,
+    opts: &StepOptions<'_>,
+    sink: &mut dyn CaptureSink,
+) -> Result<GenerateTiming, RuntimeError> {
+    let mut state = model.new_state();
+    let t0 = Instant::now();
+    let mut next = model.step(&mut state, prompt_ids, opts, sink)?.next_token;
+    let t1 = Instant::now();
+    for _ in 0..decode_tokens {
+        next = model.step(&mut state, &[next], opts, sink)?.next_token;
+    }
+    let t2 = Instant::now();
+    Ok(GenerateTiming {
+        prefill_tokens: prompt_ids.len(),
+        prefill_seconds: (t1 - t0).as_secs_f64(),
+        decode_tokens,
+        decode_seconds: (t2 - t1).as_secs_f64(),
+    })
+}
 
 /// What a measured run captures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +198,7 @@ pub fn bench_runtime(
 }
 
 /// One timed generation, capturing as `capture` says (also the decode
-/// measurement of [`crate::real_width`]).
+/// measurement of `crate::real_width`).
 pub(crate) fn generate(
     model: &Model,
     prompt: &[u32],
@@ -153,7 +206,7 @@ pub(crate) fn generate(
     step: &StepOptions<'_>,
     capture: BenchCapture,
     scratch: &Path,
-) -> Result<BenchReport, RunError> {
+) -> Result<GenerateTiming, RunError> {
     match capture {
         BenchCapture::None => Ok(bench_generate(model, prompt, decode_tokens, step, &mut NullSink)?),
         BenchCapture::Default => {

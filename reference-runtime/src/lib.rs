@@ -7,7 +7,6 @@
 
 pub mod actquant;
 mod attention;
-pub mod bench;
 pub mod capture;
 mod compressor;
 pub mod config;
