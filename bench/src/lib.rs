@@ -1,17 +1,22 @@
 //! The `moeconf bench` measurements. Each measures its subject against a
 //! baseline measured in the same run (raw BLAKE3, a byte comparison, a run
 //! without capture, the run that wrote the trace) and reports the ratio, as
-//! text for people and JSON for machines. The measuring code lives with
-//! what it measures (`moeconf_fingerprint::bench`,
-//! `diff::bench_diff`, `moeconf_runner::bench`,
-//! `replay`); this crate runs and reports it, so the binary
-//! only parses arguments.
+//! text for people and JSON for machines. The measuring code lives here,
+//! one module per benchmark (`fingerprint`, `diff`, `runtime`,
+//! `real_width`, `replay`, `scale`; shared tools in `measure`), and reaches
+//! what it measures through the measured crates' public API: benchmarks
+//! live in bench/, not in the library crates. The functions at the root run
+//! each one and build its report, so the binary only parses arguments.
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
 pub mod diff;
+pub mod fingerprint;
+pub mod measure;
+pub mod real_width;
 pub mod replay;
+pub mod runtime;
 pub mod scale;
 
 /// A benchmark's report.
@@ -87,7 +92,7 @@ fn scratch(prefix: &str) -> Result<Scratch, BenchError> {
 /// `bench fingerprint`: canonical record hashing against raw BLAKE3 over
 /// `mib` MiB of f32, best of `repeat`, single- and multi-threaded.
 pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
-    use moeconf_fingerprint::bench::{bench_fingerprint, f32_buffer};
+    use fingerprint::{bench_fingerprint, f32_buffer, small_records};
     let bytes = (mib as usize) << 20;
     eprintln!("moeconf bench fingerprint: preparing {mib} MiB of f32 values ...");
     let data = f32_buffer(bytes);
@@ -114,7 +119,7 @@ pub fn fingerprint(mib: u64, repeat: u32) -> Result<BenchReport, BenchError> {
         "ratio_canonical_over_raw_1thread": b.raw_1thread / b.canonical_1thread,
         "ratio_canonical_over_raw_rayon": b.raw_rayon / b.canonical_rayon,
         "canonical_thread_scaling": b.canonical_1thread / b.canonical_rayon,
-        "small_records": moeconf_fingerprint::bench::small_records().len(),
+        "small_records": small_records().len(),
         "small_records_bytes": b.small_bytes,
         "small_one_by_one_gbps": b.small_bytes as f64 / b.small_one_by_one / 1e9,
         "small_batched_gbps": b.small_bytes as f64 / b.small_batched / 1e9,
@@ -198,16 +203,16 @@ pub fn diff(
 /// the fixture (and, with `large`, a generated hidden-1024 / 64-expert
 /// model), and the anonymous RSS.
 pub fn runtime(
-    opts: &moeconf_runner::bench::RuntimeBenchOptions,
+    opts: &runtime::RuntimeBenchOptions,
     large: bool,
     quantized: bool,
 ) -> Result<BenchReport, BenchError> {
-    use moeconf_runner::bench::{bench_runtime, render_runtime_text};
+    use runtime::{bench_runtime, render_runtime_text};
     let work = scratch("moeconf-bench-rt")?;
     eprintln!("moeconf bench runtime: builtin:tiny-v4 ...");
     let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
     let mut rows = bench_runtime("tiny-v4", &tiny, opts, work.path()).map_err(step("bench runtime"))?;
-    let rss_tiny = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let rss_tiny = measure::anon_rss_bytes();
     let mut rss_large = None;
     if large {
         let dir = scratch("moeconf-bench-large")?;
@@ -222,7 +227,7 @@ pub fn runtime(
         .map_err(step("generating the large configuration"))?;
         let name = "large (hidden 1024, 64 experts)";
         rows.extend(bench_runtime(name, dir.path(), opts, work.path()).map_err(step("bench runtime"))?);
-        rss_large = moeconf_reference_runtime::bench::anon_rss_bytes();
+        rss_large = measure::anon_rss_bytes();
     }
     let mut rss_quantized = None;
     let mut quantized_text = String::new();
@@ -241,7 +246,7 @@ pub fn runtime(
             pair.push(r.clone());
             rows.extend(r);
         }
-        rss_quantized = moeconf_reference_runtime::bench::anon_rss_bytes();
+        rss_quantized = measure::anon_rss_bytes();
         quantized_text.push_str("  quantized fixture, decode tokens/s FP8+MXFP4 / its BF16 dequantization (same weights, same bits):\n");
         for (q, b) in pair[0].iter().zip(&pair[1]) {
             quantized_text.push_str(&format!(
@@ -287,12 +292,12 @@ pub fn runtime(
 /// in a temporary directory under `dir` (or the system's) and removed.
 pub fn real_width(
     layers: usize,
-    shrink: moeconf_runner::bench::RealWidthShrink,
+    shrink: real_width::RealWidthShrink,
     decode_tokens: u32,
     repeat: u32,
     dir: Option<&PathBuf>,
 ) -> Result<BenchReport, BenchError> {
-    use moeconf_runner::bench::{bench_real_width, render_real_width_text};
+    use real_width::{bench_real_width, render_real_width_text};
     let ckpt = match dir {
         Some(d) => tempfile::Builder::new()
             .prefix("moeconf-bench-real-width")

@@ -26,7 +26,6 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod algorithm;
-pub mod bench;
 mod canonical;
 pub mod catalogue;
 mod coord;

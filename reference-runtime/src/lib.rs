@@ -6,7 +6,6 @@
 
 pub mod actquant;
 mod attention;
-pub mod bench;
 pub mod capture;
 mod compressor;
 pub mod config;

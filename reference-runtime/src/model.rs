@@ -496,12 +496,17 @@ impl Model {
         self.layers.get(i)
     }
 
-    pub(crate) fn head_weights(&self) -> &HeadWeights {
+    /// The head weights (mHC head collapse, final norm, LM head), which
+    /// every step reads after the last layer. Public beside
+    /// [`Model::layer_weights`] so that a caller can size what a step reads
+    /// (`moeconf bench runtime --real-width` counts its weight bytes).
+    pub fn head_weights(&self) -> &HeadWeights {
         &self.head
     }
 
-    /// The embedding matrix `[V, D]`.
-    pub(crate) fn embedding_matrix(&self) -> &Mat {
+    /// The embedding matrix `[V, D]`, of which a step reads one row per
+    /// token. Public for the same reason as [`Model::head_weights`].
+    pub fn embedding_matrix(&self) -> &Mat {
         &self.embed
     }
 

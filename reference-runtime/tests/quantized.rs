@@ -171,6 +171,20 @@ fn flash_width_spec_has_the_released_flash_sizes() {
     }
 }
 
+/// This process's anonymous resident memory in bytes (`RssAnon` of
+/// `/proc/self/status`; `None` off Linux): mapped weights are file-backed,
+/// so they do not count. The test's own reader: the runtime has no use for
+/// one (`moeconf bench` has its own, `moeconf_bench::measure`).
+fn anon_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("RssAnon:"))?;
+    kb.split_whitespace()
+        .next()?
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(1024)
+}
+
 /// Generates V4-Flash per-layer sizes with 8 experts and a 1024-token vocabulary (about
 /// 450 MB), loads it and decodes two tokens; the anonymous RSS must stay far below the
 /// checkpoint size (weights are mapped, the generator streams). Slow (about a minute):
@@ -187,7 +201,7 @@ fn flash_width_checkpoint_generates_streaming_and_loads_mapped() {
     let dir = tempfile::tempdir().expect("tempdir");
     let files = write_v4(dir.path(), &spec).expect("generate");
     let size = std::fs::metadata(&files.weights).expect("meta").len();
-    let rss_after_write = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let rss_after_write = anon_rss_bytes();
     let m = Model::load(dir.path()).expect("load");
     let mut sink = MemorySink::with_levels(&[]);
     let opts = GenerateOptions {
@@ -199,7 +213,7 @@ fn flash_width_checkpoint_generates_streaming_and_loads_mapped() {
     };
     let g = m.generate(&[5, 9, 11], &opts, &mut sink).expect("generate");
     assert_eq!(g.tokens.len(), 2);
-    let rss = moeconf_reference_runtime::bench::anon_rss_bytes();
+    let rss = anon_rss_bytes();
     println!(
         "checkpoint {size} bytes; anonymous RSS after writing {rss_after_write:?}, after decoding {rss:?}"
     );

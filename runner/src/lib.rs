@@ -4,7 +4,6 @@
 //! `run`, `demo`, `sweep` and `calibrate` commands.
 #![forbid(unsafe_code)]
 
-pub mod bench;
 pub mod capture_thread;
 pub mod field;
 pub mod limits;

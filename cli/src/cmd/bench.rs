@@ -240,14 +240,14 @@ fn diff(a: &BenchDiffArgs) -> anyhow::Result<ExitCode> {
 fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
     if a.real_width {
         let tokens = a.decode_tokens.unwrap_or(32);
-        let shrink = moeconf_runner::bench::RealWidthShrink {
+        let shrink = moeconf_bench::real_width::RealWidthShrink {
             experts: a.experts.map(|e| e as usize),
             vocab: a.vocab.map(|v| v as usize),
         };
         let r = moeconf_bench::real_width(a.layers as usize, shrink, tokens, a.repeat, a.dir.as_ref())?;
         return print(r, a.format);
     }
-    let opts = moeconf_runner::bench::RuntimeBenchOptions {
+    let opts = moeconf_bench::runtime::RuntimeBenchOptions {
         prompt_tokens: a.prompt_tokens,
         decode_tokens: a.decode_tokens.unwrap_or(200),
         repeat: a.repeat,

@@ -1,25 +1,15 @@
 //! The fingerprint throughput benchmark (`moeconf bench fingerprint`): the
 //! same f32 buffer hashed as raw bytes with BLAKE3 and through the canonical
 //! record path, single- and multi-threaded, measured against each other in
-//! the same run.
+//! the same run. It measures `moeconf-fingerprint` through its public API
+//! (`record_digest_with_sink`, `record_digests_in_place`).
 
-use std::time::Instant;
-
-use crate::{
-    record_digest_with_sink, record_digests_in_place, Algorithm, CanonPolicy, Coord, DType, Level, Phase,
-    RecordRef, TensorView,
+use moeconf_fingerprint::{
+    record_digest_with_sink, record_digests_in_place, Algorithm, CanonPolicy, Coord, DType, Digest, Level,
+    Phase, RecordRef, TensorView,
 };
 
-/// The best wall-clock time of `repeat` runs of `f`, in seconds.
-pub fn best_of(repeat: u32, mut f: impl FnMut()) -> f64 {
-    let mut best = f64::INFINITY;
-    for _ in 0..repeat {
-        let t = Instant::now();
-        f();
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    best
-}
+use crate::measure::best_of;
 
 /// `bytes` of deterministic finite f32 values (no NaN, so the canonical
 /// path hashes in place; the point is the cost of the scan).
@@ -188,7 +178,7 @@ pub fn bench_fingerprint(data: &[u8], repeat: u32) -> FingerprintBench {
             tensor,
         })
         .collect();
-    let one_by_one = || -> Vec<Option<crate::Digest>> {
+    let one_by_one = || -> Vec<Option<Digest>> {
         refs.iter()
             .map(|r| {
                 record_digest_with_sink(

@@ -1,218 +1,85 @@
-//! The runtime throughput benchmark (`moeconf bench runtime`): prefill and
-//! decode tokens/s of the reference runtime on a model, in both precision
-//! profiles, without capture and with the default trace capture, so the
-//! cost of tracing is measured against the bare forward in the same run.
+//! The real-width decode benchmark (`moeconf bench runtime --real-width`):
+//! decode tokens/s on a generated checkpoint of DeepSeek-V4-Flash's
+//! per-layer dimensions against the memory bandwidth bound (the weight
+//! bytes one decode step reads, streamed at the read bandwidth measured in
+//! the same run), without and with the default capture as in
+//! `crate::runtime`.
 
 use std::path::Path;
 
 use moeconf_contract::NativeCombine;
-use moeconf_fingerprint::Algorithm;
-use moeconf_reference_runtime::bench::{bench_generate, BenchReport};
-use moeconf_reference_runtime::capture::NullSink;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_schema::{Header, TraceWriter};
+use moeconf_reference_runtime::weights::Mat;
+use moeconf_runner::RunError;
 
-use crate::{parse_capture, RunError, TraceSink};
+use crate::measure::{anon_rss_bytes, read_bandwidth};
+use crate::runtime::{generate, BenchCapture};
 
-/// What a measured run captures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BenchCapture {
-    /// Nothing (the bare forward).
-    None,
-    /// The default trace capture (`--capture default`) into a trace file.
-    Default,
-}
-
-impl BenchCapture {
-    /// `none` / `default`.
-    pub fn name(self) -> &'static str {
-        match self {
-            BenchCapture::None => "none",
-            BenchCapture::Default => "default",
-        }
+/// Wraps an error as [`RunError::Context`], saying what was being done
+/// (what `moeconf-runner`'s own errors carry).
+fn context<E: std::error::Error + Send + Sync + 'static>(c: impl Into<String>) -> impl FnOnce(E) -> RunError {
+    let context = c.into();
+    move |e| RunError::Context {
+        context,
+        source: Box::new(e),
     }
 }
 
-/// Sizes of the runtime benchmark.
-#[derive(Debug, Clone, Copy)]
-pub struct RuntimeBenchOptions {
-    /// Prompt length of the prefill.
-    pub prompt_tokens: u32,
-    /// Decode steps per measurement.
-    pub decode_tokens: u32,
-    /// Repetitions per measurement (the best is kept).
-    pub repeat: u32,
+/// Weight bytes one decode step reads, by where they are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StepBytes {
+    /// Every matrix of every decoder layer except the routed experts
+    /// (attention, compressors, indexer, mHC, router, shared expert).
+    pub layers_dense: u64,
+    /// The `k` routed experts a token selects per layer (codes and scales).
+    pub routed_experts: u64,
+    /// The head (mHC head collapse and LM head) and one embedding row.
+    pub head_and_embedding: u64,
+    /// Bytes of all routed experts of the checkpoint (what stays in the memory map).
+    pub all_routed_experts: u64,
 }
 
-/// The best throughput of one (model, precision, capture) combination.
-#[derive(Debug, Clone)]
-pub struct RuntimeRow {
-    /// The model's display name.
-    pub model: String,
-    pub precision: Precision,
-    pub capture: BenchCapture,
-    /// Best prefill tokens per second.
-    pub prefill: f64,
-    /// Best decode tokens per second.
-    pub decode: f64,
-    /// For a capturing row: in each repetition, its decode speed divided by
-    /// the uncaptured run of the same repetition (run just before it),
-    /// sorted. Pairs that ran back to back share the machine's state, so
-    /// their median says more on a noisy machine than a ratio of two bests.
-    pub paired_vs_none: Vec<f64>,
-}
-
-impl RuntimeRow {
-    /// The median and quartiles of [`RuntimeRow::paired_vs_none`] (none
-    /// for an uncaptured row).
-    pub fn paired_quartiles(&self) -> Option<[f64; 3]> {
-        let v = &self.paired_vs_none;
-        let at = |q: usize| v[(q * (v.len() - 1) + 2) / 4];
-        (!v.is_empty()).then(|| [at(1), at(2), at(3)])
+impl StepBytes {
+    /// Total weight bytes one decode step reads.
+    pub fn total(&self) -> u64 {
+        self.layers_dense + self.routed_experts + self.head_and_embedding
     }
 }
 
-/// Measures the model in `dir` (named `name` in the rows) in both precision
-/// profiles, without and with capture; trace files go to `scratch`.
-pub fn bench_runtime(
-    name: &str,
-    dir: &Path,
-    opts: &RuntimeBenchOptions,
-    scratch: &Path,
-) -> Result<Vec<RuntimeRow>, RunError> {
-    let model = Model::load(dir)?;
-    let vocab = model.config().vocab_size as u32;
-    let prompt: Vec<u32> = (0..opts.prompt_tokens).map(|i| (i * 37 + 5) % vocab).collect();
-    let mut rows = Vec::new();
-    for precision in [Precision::Bf16, Precision::F32] {
-        let step = StepOptions {
-            precision,
-            combine: &NativeCombine,
-            detokenizer: None,
-            allow_non_finite: false,
+/// The weight bytes a decode step of `model` must read: every matrix it
+/// multiplies by (codes plus scales for quantized ones), with `k` routed
+/// experts per layer (all experts of a layer have the same size) and one
+/// embedding row, counted through the model's weight accessors
+/// ([`Model::layer_weights`], [`Model::head_weights`],
+/// [`Model::embedding_matrix`]). MTP blocks are not run and not counted;
+/// state (caches) is not weights and not counted.
+pub fn decode_step_bytes(model: &Model) -> StepBytes {
+    let cfg = model.config();
+    let bytes = |m: &Mat| (m.body_bytes() + m.scale_bytes()) as u64;
+    let mut s = StepBytes::default();
+    for i in 0..cfg.num_layers() {
+        let Some(l) = model.layer_weights(i) else {
+            continue;
         };
-        // Each repetition runs both captures back to back, so every
-        // captured run has an uncaptured partner measured under the same
-        // conditions.
-        let mut best = [(0.0f64, 0.0f64); 2];
-        let mut paired = Vec::new();
-        for _ in 0..opts.repeat {
-            let mut none_seconds = 0.0;
-            for (i, capture) in [BenchCapture::None, BenchCapture::Default]
-                .into_iter()
-                .enumerate()
-            {
-                let r = generate(
-                    &model,
-                    &prompt,
-                    opts.decode_tokens as usize,
-                    &step,
-                    capture,
-                    scratch,
-                )?;
-                best[i].0 = best[i].0.max(r.prefill_tokens_per_second());
-                best[i].1 = best[i].1.max(r.decode_tokens_per_second());
-                match capture {
-                    BenchCapture::None => none_seconds = r.decode_seconds,
-                    BenchCapture::Default => paired.push(none_seconds / r.decode_seconds.max(1e-12)),
-                }
-            }
-        }
-        paired.sort_by(f64::total_cmp);
-        for (i, capture) in [BenchCapture::None, BenchCapture::Default]
-            .into_iter()
-            .enumerate()
-        {
-            rows.push(RuntimeRow {
-                model: name.to_string(),
-                precision,
-                capture,
-                prefill: best[i].0,
-                decode: best[i].1,
-                paired_vs_none: if capture == BenchCapture::None {
-                    Vec::new()
-                } else {
-                    paired.clone()
-                },
-            });
-        }
-    }
-    Ok(rows)
-}
-
-/// One timed generation, capturing as `capture` says.
-fn generate(
-    model: &Model,
-    prompt: &[u32],
-    decode_tokens: usize,
-    step: &StepOptions<'_>,
-    capture: BenchCapture,
-    scratch: &Path,
-) -> Result<BenchReport, RunError> {
-    match capture {
-        BenchCapture::None => Ok(bench_generate(model, prompt, decode_tokens, step, &mut NullSink)?),
-        BenchCapture::Default => {
-            let spec = parse_capture(BenchCapture::Default.name())?;
-            // Steps 0..=decode_tokens: the writer refuses steps its binding does not allow.
-            let mut header = Header::default();
-            header.binding.decoding.max_new_tokens = u32::try_from(decode_tokens + 1).unwrap_or(u32::MAX);
-            let w = TraceWriter::create(&scratch.join("bench.bin"), Algorithm::Blake3, header)?;
-            let mut sink = TraceSink::new(w, spec);
-            let r = bench_generate(model, prompt, decode_tokens, step, &mut sink)?;
-            sink.finish()?;
-            Ok(r)
-        }
-    }
-}
-
-/// The text report of `moeconf bench runtime`: one row per (model,
-/// precision, capture) with decode speed relative to the same model and
-/// precision without capture; `rss` is the anonymous RSS after the tiny and
-/// after the large model.
-pub fn render_runtime_text(opts: &RuntimeBenchOptions, rows: &[RuntimeRow], rss: [Option<u64>; 2]) -> String {
-    let mut t = format!(
-        "reference runtime throughput ({} threads, prompt {} tokens, {} decode steps, best of {}; \
-         paired: each repetition's captured run against the uncaptured run just before it, median (quartiles))\n  \
-         {:<34} {:<5} {:<8} {:>12} {:>12} {:>16} {:>22}\n",
-        rayon::current_num_threads(),
-        opts.prompt_tokens,
-        opts.decode_tokens,
-        opts.repeat,
-        "model",
-        "prec",
-        "capture",
-        "prefill t/s",
-        "decode t/s",
-        "decode vs none",
-        "paired vs none"
-    );
-    for r in rows {
-        let base = rows
+        let mut all = 0u64;
+        l.for_each_mat(&mut |m| all += bytes(m));
+        let experts: Vec<u64> = l
+            .moe
+            .experts
             .iter()
-            .find(|b| b.model == r.model && b.precision == r.precision && b.capture == BenchCapture::None)
-            .map_or(r.decode, |b| b.decode);
-        let paired = r
-            .paired_quartiles()
-            .map_or(String::new(), |[q1, m, q3]| format!("{m:.2}x ({q1:.2}-{q3:.2})"));
-        t.push_str(&format!(
-            "  {:<34} {:<5} {:<8} {:>12.1} {:>12.1} {:>15.2}x {:>22}\n",
-            r.model,
-            r.precision.name(),
-            r.capture.name(),
-            r.prefill,
-            r.decode,
-            r.decode / base,
-            paired
-        ));
+            .map(|e| bytes(&e.w1) + bytes(&e.w3) + bytes(&e.w2))
+            .collect();
+        let routed: u64 = experts.iter().sum();
+        let per_expert = experts.iter().copied().max().unwrap_or(0);
+        s.layers_dense += all - routed;
+        s.routed_experts += cfg.experts_per_tok as u64 * per_expert;
+        s.all_routed_experts += routed;
     }
-    let mib = |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
-    t.push_str(&format!(
-        "  anonymous RSS: {} after tiny, {} after large (weights are memory-mapped, not copied)\n",
-        mib(rss[0]),
-        mib(rss[1])
-    ));
-    t
+    let h = model.head_weights();
+    let embed = model.embedding_matrix();
+    s.head_and_embedding = bytes(&h.hc.fn_) + bytes(&h.lm_head) + embed.dtype().row_len(embed.cols()) as u64;
+    s
 }
 
 /// Optional reductions of the real-width checkpoint for quicker runs: fewer
@@ -239,11 +106,12 @@ pub struct RealWidthReport {
     /// Seconds spent generating the checkpoint.
     pub generate_seconds: f64,
     /// Weight bytes one decode step reads.
-    pub step: moeconf_reference_runtime::bench::StepBytes,
+    pub step: StepBytes,
     /// Routed experts per token (k).
     pub experts_per_tok: usize,
     /// Routed experts per layer.
     pub n_routed_experts: usize,
+    /// Vocabulary size.
     pub vocab_size: usize,
     /// Read bandwidth, 1 thread (bytes/s).
     pub bandwidth_1thread: f64,
@@ -290,7 +158,7 @@ fn warm_page_cache(dir: &Path) -> Result<u64, RunError> {
     use std::io::Read;
     let mut total = 0u64;
     let mut buf = vec![0u8; 16 << 20];
-    let entries = std::fs::read_dir(dir).map_err(crate::context(format!("listing {}", dir.display())))?;
+    let entries = std::fs::read_dir(dir).map_err(context(format!("listing {}", dir.display())))?;
     for e in entries.flatten() {
         let path = e.path();
         if path.extension().and_then(|x| x.to_str()) != Some("safetensors") {
@@ -301,7 +169,7 @@ fn warm_page_cache(dir: &Path) -> Result<u64, RunError> {
         loop {
             let n = f
                 .read(&mut buf)
-                .map_err(crate::context(format!("reading {}", path.display())))?;
+                .map_err(context(format!("reading {}", path.display())))?;
             if n == 0 {
                 break;
             }
@@ -328,7 +196,6 @@ pub fn bench_real_width(
     scratch: &Path,
 ) -> Result<RealWidthReport, RunError> {
     use moeconf_fixtures::checkpoint::{write_v4, V4Spec};
-    use moeconf_reference_runtime::bench::{anon_rss_bytes, decode_step_bytes, read_bandwidth};
     let mut spec = V4Spec::flash_width(layers);
     if let Some(e) = shrink.experts {
         spec.n_routed_experts = e.max(spec.experts_per_tok);
@@ -347,7 +214,7 @@ pub fn bench_real_width(
         dir.display()
     );
     let t = std::time::Instant::now();
-    write_v4(dir, &spec).map_err(crate::context("generating the real-width checkpoint"))?;
+    write_v4(dir, &spec).map_err(context("generating the real-width checkpoint"))?;
     let generate_seconds = t.elapsed().as_secs_f64();
     let checkpoint_bytes = warm_page_cache(dir)?;
     let model = Model::load(dir)?;

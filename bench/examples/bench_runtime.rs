@@ -1,9 +1,13 @@
 //! Reports prefill and decode tokens/s of the reference runtime on the tiny
-//! fixture (and optionally the larger generated configuration):
-//! `cargo run --release -p moeconf-reference-runtime --example bench_runtime [-- large]`.
+//! fixture (and optionally the larger generated configuration), without
+//! capture and with every record digested but nothing written: the runtime
+//! and the fingerprint cost alone, without the trace writer of
+//! `moeconf bench runtime`.
+//! `cargo run --release -p moeconf-bench --example bench_runtime [-- large]`.
+use moeconf_bench::measure::anon_rss_bytes;
+use moeconf_bench::runtime::{bench_generate, GenerateTiming};
 use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::{record_digest, Algorithm, CanonPolicy, Coord, Level, TensorView};
-use moeconf_reference_runtime::bench::bench_generate;
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, NullSink};
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
@@ -39,7 +43,7 @@ fn main() {
     let model = Model::load(&dir).expect("load");
     let prompt: Vec<u32> = (0..64).map(|i| (i * 37 + 5) % 1024).collect();
     // Best of 5 runs (the machine is shared; the minimum time is the least disturbed).
-    let best = |f: &mut dyn FnMut() -> moeconf_reference_runtime::bench::BenchReport| {
+    let best = |f: &mut dyn FnMut() -> GenerateTiming| {
         let runs: Vec<_> = (0..5).map(|_| f()).collect();
         let p = runs
             .iter()
@@ -70,7 +74,7 @@ fn main() {
             precision.name()
         );
     }
-    let anon = moeconf_reference_runtime::bench::anon_rss_bytes().unwrap_or(0);
+    let anon = anon_rss_bytes().unwrap_or(0);
     println!(
         "anonymous RSS after the runs: {:.1} MiB",
         anon as f64 / (1024.0 * 1024.0)
