@@ -404,6 +404,14 @@ fn summary_line(
             }
             if f.kind == Some(DivergenceKind::Absorbed) {
                 s.push_str(&later_divergences(divergences, rest));
+            } else if divergences.len() > 1 {
+                // After a propagating divergence the list holds only
+                // divergences it cannot reach (crate::divergence).
+                let n = divergences.len() - 1;
+                s.push_str(&format!(
+                    "; and {n} more divergence{} independent of it (listed above)",
+                    if n == 1 { "" } else { "s" }
+                ));
             }
             match l0.ordinal {
                 Some(n) => s.push_str(&format!("; visible at generated token {n}")),
@@ -488,8 +496,21 @@ fn later_divergences(divergences: &[Divergence], rest: crate::divergence::Rest) 
     if let Some(d) = later.iter().find(|d| d.kind != Some(DivergenceKind::Absorbed)) {
         let a = &d.at;
         let how = d.kind.map_or("not classified", |k| k.name());
+        // The line names two divergences; it says how many more the list holds.
+        let more = match (later.len() - 1, rest) {
+            (0, Rest::Limit) => "; more divergences follow than the report lists".to_string(),
+            (0, _) => String::new(),
+            (n, Rest::Limit) => format!(
+                "; and {n} more listed divergence{}, and more than the report lists",
+                if n == 1 { "" } else { "s" }
+            ),
+            (n, _) => format!(
+                "; and {n} more divergence{} (listed above)",
+                if n == 1 { "" } else { "s" }
+            ),
+        };
         return format!(
-            "; then {}, {how}",
+            "; then {}, {how}{more}",
             place(&a.level, a.step, a.position, a.layer, &a.path)
         );
     }

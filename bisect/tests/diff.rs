@@ -659,12 +659,12 @@ fn a_divergence_never_propagates_to_an_earlier_position() {
         layer: 1,
         position: 1,
     });
-    cand.also = Some(Inject::Combine {
+    cand.also = vec![Inject::Combine {
         step: 0,
         layer: 3,
         position: 0,
         contract: b_class(5),
-    });
+    }];
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
     let at = |d: &moeconf_bisect::Divergence| {
@@ -706,12 +706,12 @@ fn independent_divergences_of_one_forward_are_each_listed() {
         position: 2,
         contract: b_class(5),
     });
-    cand.also = Some(Inject::Combine {
+    cand.also = vec![Inject::Combine {
         step: 0,
         layer: 3,
         position: 0,
         contract: b_class(9),
-    });
+    }];
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
     let got: Vec<_> = rep
@@ -811,4 +811,71 @@ fn quantization_sites_are_not_listed_as_missing_inputs_of_unquantized_traces() {
             "{precision}: {listed:?}"
         );
     }
+}
+
+/// The summary line names the first divergence and the first later one
+/// that is not absorbed, and says how many more the list holds.
+#[test]
+fn the_summary_says_how_many_divergences_it_does_not_name() {
+    // In execution order: layer 1 position 2 (propagating), then two
+    // absorbed term differences at earlier positions of later layers.
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 0,
+        layer: 1,
+        position: 2,
+        contract: b_class(5),
+    });
+    cand.also = vec![
+        Inject::Term {
+            step: 0,
+            layer: 2,
+            position: 1,
+        },
+        Inject::Term {
+            step: 0,
+            layer: 3,
+            position: 0,
+        },
+    ];
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    assert_eq!(rep.divergences.len(), 3, "{text}");
+    let summary = text.lines().find(|l| l.starts_with("first divergence:")).unwrap();
+    assert!(
+        summary.contains("; and 2 more divergences independent of it (listed above)"),
+        "{summary}"
+    );
+    // Two absorbed, then a propagating one: the first and the propagating
+    // one named, the other counted.
+    let mut cand = Synth::candidate(Inject::Term {
+        step: 0,
+        layer: 1,
+        position: 2,
+    });
+    cand.also = vec![
+        // Earlier positions of later layers: none reachable from the others.
+        Inject::Term {
+            step: 0,
+            layer: 2,
+            position: 1,
+        },
+        Inject::Combine {
+            step: 0,
+            layer: 3,
+            position: 0,
+            contract: b_class(5),
+        },
+    ];
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    assert_eq!(rep.divergences.len(), 3, "{text}");
+    let summary = text.lines().find(|l| l.starts_with("first divergence:")).unwrap();
+    assert!(
+        summary.contains(
+            "absorbed before the next checkpoint; then L4 step 0 position 0 layer 3 operator moe.combine, propagating; and 1 more divergence (listed above)"
+        ),
+        "{summary}"
+    );
 }

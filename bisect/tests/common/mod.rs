@@ -75,8 +75,8 @@ pub enum Inject {
 #[derive(Debug, Clone)]
 pub struct Synth {
     pub inject: Inject,
-    /// A second, independent injection, if any.
-    pub also: Option<Inject>,
+    /// More independent injections.
+    pub also: Vec<Inject>,
     /// Also record `moe.routed` (the routed sum, combine − shared), as a
     /// capture of a backend that materializes it does.
     pub routed: bool,
@@ -114,7 +114,7 @@ impl Synth {
     pub fn reference() -> Synth {
         Synth {
             inject: Inject::None,
-            also: None,
+            also: Vec::new(),
             routed: false,
             token_step: None,
             route_change: None,
@@ -247,7 +247,7 @@ pub fn word(id: i32) -> String {
 impl Synth {
     /// The injections.
     fn injections(&self) -> impl Iterator<Item = &Inject> {
-        std::iter::once(&self.inject).chain(self.also.as_ref())
+        std::iter::once(&self.inject).chain(&self.also)
     }
 
     /// The origins of the numeric injections: (step, layer, position, op
