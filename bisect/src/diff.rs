@@ -1036,6 +1036,9 @@ impl Ctx<'_> {
                 None => self.comparison(p)?,
             },
             coverage: self.coverage_limit(step, layer, position, &at.path, e.level),
+            uncaptured_steps: Component::parse(&at.path)
+                .and_then(|(c, _)| c.uncaptured_steps())
+                .map(String::from),
             at,
         });
         Ok(rep)

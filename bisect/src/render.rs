@@ -829,6 +829,12 @@ fn render_l4(o: &mut String, st: &Style, l4: &L4Report) {
         if !ins.is_empty() {
             let _ = writeln!(o, "   inputs: {}", ins.join("; "));
         }
+        if let (Some(inside), true) = (&loc.uncaptured_steps, loc.inputs_match) {
+            let _ = writeln!(
+                o,
+                "   inside it, not captured: {inside}; the cause is one of them or the operator's own arithmetic"
+            );
+        }
         if let Some(c) = &loc.coverage {
             for n in &c.needed {
                 let why = n

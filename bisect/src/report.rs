@@ -485,6 +485,10 @@ pub struct Localized {
     /// at this record (the finest level both captured) and these records
     /// would be needed to go further (`null`: both traces hold every input).
     pub coverage: Option<CoverageLimit>,
+    /// The steps of the operator that no record captures: where the
+    /// difference can have arisen inside it (`null`: none, or the
+    /// operator is one step).
+    pub uncaptured_steps: Option<String>,
 }
 
 /// Contract inference at the localized `moe.combine`.

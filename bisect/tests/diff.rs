@@ -255,6 +255,12 @@ fn attention_divergence_is_localized_at_attn_output() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    // The steps inside attn.output that no record captures are named.
+    let text = rep.render_text(false);
+    assert!(
+        text.contains("inside it, not captured: the inverse RoPE, the grouped projections W_oa"),
+        "{text}"
+    );
     let fd = rep.first_divergence.unwrap();
     assert_eq!(
         (fd.level.as_str(), fd.step, fd.layer, fd.operator.as_str()),
@@ -271,6 +277,10 @@ fn attention_divergence_is_localized_at_attn_output() {
         ("attn.core (layer 1)", "match")
     );
     assert!(rep.levels.l4.contract.is_none());
+    assert!(loc
+        .uncaptured_steps
+        .as_deref()
+        .is_some_and(|u| u.contains("W_ob")));
 }
 
 #[test]

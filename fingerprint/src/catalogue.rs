@@ -1213,6 +1213,35 @@ pub enum ExecGroup {
 }
 
 impl Component {
+    /// The steps of this operator that no record captures (docs/operators.md
+    /// §4, the operator table): where a difference localized at this record
+    /// can have arisen besides the record's own last rounding. `None` for a
+    /// record whose operator is one step, or whose steps are records too.
+    pub fn uncaptured_steps(self) -> Option<&'static str> {
+        use Component as C;
+        Some(match self {
+            C::AttnQ => "the q_a projection, q_norm, the q_b projection, the per-head norm and RoPE",
+            C::AttnKv => "the KV projection (W_kv), kv_norm and RoPE",
+            C::AttnCompressed | C::AttnIndexerCompressed => {
+                "the compressor's projections (W^C_kv, W^C_g), the slot gates (+ ape), the softmax over slots, the pooling, its norm and compress-RoPE, and the buffer and overlap it carries"
+            }
+            C::AttnIndexerScores => "the indexer's query projection, its compress-RoPE, the head weights and the weighted sum over heads",
+            C::AttnCore => "the scores, their scaling, the softmax with sink and the weighted sum over the window and compressed entries",
+            C::AttnOutput => "the inverse RoPE, the grouped projections W_oa (one per head group) and W_ob",
+            C::AttnHcPre | C::FfnHcPre => "the collapse of the streams with the pre weights",
+            C::AttnHcPreWeights | C::FfnHcPreWeights | C::AttnHcPostWeights | C::FfnHcPostWeights | C::AttnHcComb | C::FfnHcComb => {
+                "the stream norm, the Φ projection and the sigmoid/softmax (and Sinkhorn for the mixing matrix)"
+            }
+            C::LayerPostAttnMhc | C::LayerPostFfnMhc => "the post weights times the half's output and the mixing of the streams",
+            C::RouterScores => "the gate projection (W_gate), softplus and square root",
+            C::RouterGates => "the normalization of the selected scores and the routed scaling factor",
+            C::MoeTerm => "the expert's W1 and W3 projections, the clamp, SiLU, their product, W2, and the gate multiply",
+            C::MoeShared => "the shared expert's W1 and W3 projections, the clamp, SiLU, their product and W2",
+            C::LmLogits => "the head's stream collapse, the final norm and the LM head projection",
+            _ => return None,
+        })
+    }
+
     /// The catalogue row.
     pub fn spec(self) -> &'static ComponentSpec {
         &SPECS[self as usize]
