@@ -316,20 +316,24 @@ fn gate(a: &GateArgs) -> Result<u8, Failed> {
         }
         (None, None) => return Err(setup(anyhow::anyhow!("nothing to compare against"))),
     };
-    // A side without every step of its run: not a verdict (the candidate's
-    // makes the commit untestable under `git bisect run`).
+    require_complete(&report, a.allow_incomplete)?;
+    report.policy_source = source.describe();
+    emit(&report, format, &outputs, drawn, &cand, a.force)?;
+    Ok(report.exit_code())
+}
+
+/// A side without every step of its run: not a verdict (the candidate's
+/// makes the commit untestable under `git bisect run`), unless `allow`.
+fn require_complete(report: &GateReport, allow: bool) -> Result<(), Failed> {
     let incomplete: Vec<String> = report
         .incomplete
         .iter()
         .map(|i| report.incomplete_file(i))
         .collect();
-    crate::complete::require(&incomplete, a.allow_incomplete, "not a verdict").map_err(|err| Failed {
+    crate::complete::require(&incomplete, allow, "not a verdict").map_err(|err| Failed {
         err,
         skip: report.candidate_incomplete(),
-    })?;
-    report.policy_source = source.describe();
-    emit(&report, format, &outputs, drawn, &cand, a.force)?;
-    Ok(report.exit_code())
+    })
 }
 
 /// Prints the verdict in `format` and writes the files asked for: the
