@@ -128,8 +128,14 @@ pub(crate) fn residual(
     if r.len() != c.len() {
         return None;
     }
-    let coarse = |v: &[u32]| v.iter().all(|&b| r_bf16_bits(b) == b);
-    let (fine, coarse_side, candidate_coarser) = match (coarse(&r), coarse(&c)) {
+    // A side "holds bf16 values" when its dtype is bf16, or when every value
+    // is a bf16 value and at least two are not zero: a lone value, or zeros,
+    // are bf16 values by chance (an f32 score that became exactly 0.0).
+    let coarse = |d: DType, v: &[u32]| {
+        v.iter().all(|&b| r_bf16_bits(b) == b)
+            && (d == DType::BF16 || v.iter().filter(|&&b| b & 0x7fff_ffff != 0).count() >= 2)
+    };
+    let (fine, coarse_side, candidate_coarser) = match (coarse(rd, &r), coarse(cd, &c)) {
         (false, true) => (&r, &c, true),
         (true, false) => (&c, &r, false),
         _ => return None,
@@ -229,6 +235,18 @@ mod tests {
         );
         assert_eq!(
             residual((DType::F32, &[2], &a), (DType::F32, &[2], &b), false),
+            None
+        );
+        // An f32 value that became exactly 0.0 (or any lone value) is no
+        // evidence that a side holds bf16 values.
+        let (score, zero) = (f32b(&[0.123_456_78]), f32b(&[0.0]));
+        assert_eq!(
+            residual((DType::F32, &[1], &score), (DType::F32, &[1], &zero), false),
+            None
+        );
+        let (two, zeros) = (f32b(&[0.123_456_78, 1.0 + f32::EPSILON]), f32b(&[0.0, 1.0]));
+        assert_eq!(
+            residual((DType::F32, &[2], &two), (DType::F32, &[2], &zeros), false),
             None
         );
     }
