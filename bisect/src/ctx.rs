@@ -47,6 +47,9 @@ pub(crate) struct Ctx<'a> {
     pub(crate) layer_kinds: RefCell<HashMap<(u32, u32), layerkind::Kinds>>,
     /// The records one trace alone holds ([`Ctx::one_sided`]), once computed.
     pub(crate) one_sided: OnceCell<Vec<Pair>>,
+    /// Combine events whose term differences both contracts absorb, by
+    /// (step, layer, position) ([`Ctx::absorbed_by_contracts`]).
+    pub(crate) counterfactuals: RefCell<HashMap<(u32, u32, u32), bool>>,
 }
 
 impl Ctx<'_> {

@@ -180,6 +180,7 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         storage_convention: RefCell::new(HashMap::new()),
         layer_kinds: RefCell::new(HashMap::new()),
         one_sided: OnceCell::new(),
+        counterfactuals: RefCell::new(HashMap::new()),
         recomputed: (
             reference.provenance().recomputed(),
             candidate.provenance().recomputed(),
@@ -396,7 +397,13 @@ fn summary_line(
                     s.push_str(&format!(", inputs match ({n})"));
                 }
             }
-            if f.kind == Some(DivergenceKind::Absorbed) {
+            let at_combine = divergences
+                .first()
+                .and_then(|d| d.checkpoint.as_ref())
+                .is_some_and(|c| c.path == "moe.combine");
+            if f.kind == Some(DivergenceKind::Absorbed) && at_combine {
+                s.push_str(", absorbed by both sides' contracts at the combine");
+            } else if f.kind == Some(DivergenceKind::Absorbed) {
                 s.push_str(", absorbed before the next checkpoint");
             }
             if let Some(c) = &f.contract {

@@ -40,6 +40,10 @@ pub(crate) fn observational(path: &str) -> bool {
     producer(path).is_some_and(|c| c.spec().presence == moeconf_fingerprint::catalogue::Presence::CaptureOnly)
 }
 
+/// The status of a combine input that differs but whose difference both
+/// sides' contracts absorb (`crate::counterfactual`): counts as matching.
+pub(crate) const ABSORBED_BY_CONTRACTS: &str = "absorbed_by_contracts";
+
 /// At most this many divergences are listed.
 pub const MAX_DIVERGENCES: usize = 16;
 /// At most this many differing records are examined while looking for the
@@ -201,6 +205,14 @@ impl Ctx<'_> {
                     // (the routed sum inside a combine): part of the
                     // operator, not an input computed elsewhere.
                     "differ" if observational(&spec.path) => OBSERVED_DIFFERS,
+                    // Inputs of a combine whose differences both sides'
+                    // contracts absorb (crate::counterfactual).
+                    "differ"
+                        if Component::MoeCombine.matches(path)
+                            && layer.is_some_and(|l| self.absorbed_by_contracts(step, l, position)) =>
+                    {
+                        ABSORBED_BY_CONTRACTS
+                    }
                     s => s,
                 }
             } else if crate::quantization::is_site(&spec.path)
@@ -280,6 +292,11 @@ impl Ctx<'_> {
             return Ok((None, None));
         };
         let step = e.coord.step;
+        if let Some(cp) = self.combine_absorbing(e) {
+            // Each side's contract gives its own combine output from the
+            // other side's terms: the difference ends at the combine.
+            return Ok((Some(DivergenceKind::Absorbed), Some(cp)));
+        }
         match key.group {
             ExecGroup::Layer | ExecGroup::StepInput => {
                 if !self.compared.contains(Level::L3) {
@@ -341,6 +358,21 @@ impl Ctx<'_> {
                 Ok((Some(DivergenceKind::Absorbed), None))
             }
         }
+    }
+
+    /// For a combine input (`moe.term.J`, `moe.shared`) whose difference both
+    /// sides' contracts absorb at its combine: that combine's record.
+    fn combine_absorbing(&self, e: &moeconf_schema::IndexEntry) -> Option<Pair> {
+        let c = &e.coord;
+        let input = Component::MoeTerm.matches(&c.path) || Component::MoeShared.matches(&c.path);
+        let layer = c.layer?;
+        if !input || !self.absorbed_by_contracts(c.step, layer, c.position) {
+            return None;
+        }
+        self.s
+            .lookup_component(c.step, Some(layer), Some(c.position), Component::MoeCombine)
+            .first()
+            .copied()
     }
 
     /// The checkpoint that closes the half-layer of a layer record (for the
@@ -510,9 +542,10 @@ impl Ctx<'_> {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
-            if observational(&e.coord.path) {
+            if observational(&e.coord.path) || self.combine_absorbing(e).is_some() {
                 // Localized only when no operator is: the operator that
-                // consumes an observation is where the executions part.
+                // consumes an observation, or the combine whose contracts
+                // absorb this input's difference, is where the executions part.
                 observed.get_or_insert(p);
                 continue;
             }

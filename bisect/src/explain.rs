@@ -405,6 +405,55 @@ fn event_records(t: &Trace, (step, layer, position): Key) -> Result<Vec<usize>, 
     Ok(ids)
 }
 
+/// One side's combine event for the counterfactual at the combine
+/// (`crate::counterfactual`): what it read and wrote, and the contracts
+/// that reproduce its output from its own terms.
+pub(crate) struct SideEvent {
+    pub terms: Vec<Vec<f32>>,
+    pub shared: Vec<f32>,
+    pub combine: Vec<f32>,
+    pub experts: Vec<u32>,
+    pub gates: Vec<f32>,
+    pub rules: Vec<moeconf_contract::AggregationContract>,
+    pub canon: moeconf_fingerprint::CanonPolicy,
+}
+
+/// [`SideEvent`] of `t` at `key` (`None`: the trace has no such event).
+pub(crate) fn side_event(
+    t: &Trace,
+    name: &str,
+    key: (u32, u32, u32),
+) -> Result<Option<SideEvent>, ExplainError> {
+    let reader = Reader {
+        t,
+        name: name.to_string(),
+    };
+    let (_, records) = index_events(t, event_records(t, key)?.into_iter());
+    let Some(r) = records.get(&key) else {
+        return Ok(None);
+    };
+    let d = reader.read(key, r, &mut Notes::default())?;
+    let canon = t.binding().canon;
+    let canonicalize = move |bits: u32| canonical_f32_bits(bits, canon);
+    let opts = InferOptions {
+        canonicalize: Some(&canonicalize),
+        ..InferOptions::default()
+    };
+    // The simplest member first (a variant reproduced only by an explicit
+    // permutation, such as a B class, has no named rule), then every named one.
+    let e = explain_data(&d, &opts, name, key)?;
+    let rules: Vec<_> = e.simplest().into_iter().chain(e.rules()).collect();
+    Ok(Some(SideEvent {
+        terms: d.terms,
+        shared: d.shared,
+        combine: d.combine,
+        experts: d.experts,
+        gates: d.gates,
+        rules,
+        canon,
+    }))
+}
+
 pub(crate) fn explain_one(
     t: &Trace,
     name: &str,

@@ -50,6 +50,7 @@
 pub mod certify;
 mod comparability;
 mod contract_report;
+mod counterfactual;
 mod coverage;
 mod ctx;
 mod diff;

@@ -202,6 +202,9 @@ fn input_status(status: &str) -> &str {
         "not_emitted" => "none emitted at this position",
         "storage_precision" => "match up to storage precision",
         "observed_differs" => "differs (a value only captures record, inside this operator's own arithmetic)",
+        "absorbed_by_contracts" => {
+            "differs, but each side's contract gives its own output from the other side's values too (absorbed by both contracts)"
+        }
         "one_side" => "held by one side only (not compared)",
         "quantized_one_side" => {
             "quantized by one side only (the other side's precision profile has no quantization sites)"
@@ -293,7 +296,15 @@ impl DiffReport {
                 } else {
                     format!(", held only by the {}", f.present_in)
                 };
+                let at_combine = self
+                    .divergences
+                    .first()
+                    .and_then(|d| d.checkpoint.as_ref())
+                    .is_some_and(|c| c.path == "moe.combine");
                 let how = match f.kind {
+                    Some(DivergenceKind::Absorbed) if at_combine => {
+                        ", absorbed by both sides' contracts at the combine"
+                    }
                     Some(DivergenceKind::Absorbed) => ", absorbed before the next checkpoint",
                     _ => "",
                 };
@@ -527,6 +538,10 @@ impl DiffReport {
                     format!("propagating: the first later checkpoint that differs is {}", c.describe())
                 }
                 (Some(DivergenceKind::Propagating), None) => "propagating".to_string(),
+                (Some(DivergenceKind::Absorbed), Some(c)) if c.path == "moe.combine" => format!(
+                    "absorbed by both contracts at {}: each side's combine rule gives its own output from the other side's inputs too; what differs there is the contract",
+                    c.describe_location()
+                ),
                 (Some(DivergenceKind::Absorbed), Some(c)) => format!(
                     "absorbed: the next checkpoint, {}, matches, and no later one differs",
                     c.describe_location()

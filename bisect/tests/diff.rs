@@ -889,3 +889,75 @@ fn the_summary_says_how_many_divergences_it_does_not_name() {
         "{summary}"
     );
 }
+
+/// Counterfactual absorption at the combine: a one-ulp difference in one
+/// routed term that R_BF16 erases on both sides, under a candidate whose
+/// combine contract differs. Each side's rule gives its own output from the
+/// other side's terms, so the term difference is absorbed by both contracts
+/// and the walk reaches the combine, where both contracts are named.
+#[test]
+fn a_term_difference_both_contracts_absorb_leaves_the_contract_as_the_divergence() {
+    let mut cand = Synth::candidate(Inject::Combine {
+        step: 1,
+        layer: 2,
+        position: 3,
+        contract: b_class(5),
+    });
+    cand.also = vec![Inject::Nudge {
+        step: 1,
+        layer: 2,
+        position: 3,
+    }];
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    let got: Vec<_> = rep
+        .divergences
+        .iter()
+        .map(|d| (d.at.path.as_str(), d.kind.map(|k| k.name())))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("moe.term.1", Some("absorbed")),
+            ("moe.combine", Some("propagating"))
+        ],
+        "{text}"
+    );
+    assert!(text.contains("absorbed by both contracts at"), "{text}");
+    let loc = rep.levels.l4.localized.as_ref().unwrap();
+    assert_eq!(loc.at.path, "moe.combine", "{text}");
+    assert!(loc.inputs_match, "{text}");
+    assert!(
+        loc.inputs
+            .iter()
+            .any(|i| i.input.starts_with("moe.term.*") && i.status == "absorbed_by_contracts"),
+        "{:?}",
+        loc.inputs
+    );
+    let con = rep.levels.l4.contract.as_ref().unwrap();
+    assert_eq!(con.candidate.as_deref(), Some("b+order=class:5"), "{text}");
+    assert_eq!(
+        con.reference_explanation
+            .as_ref()
+            .and_then(|e| e.simplest.as_deref()),
+        Some("c")
+    );
+}
+
+/// Without a contract change, a term difference the combine does not absorb
+/// on the other side stays the divergence (the counterfactual proves
+/// nothing it cannot show).
+#[test]
+fn a_term_difference_under_one_contract_is_not_called_absorbed_by_contracts() {
+    let cand = Synth::candidate(Inject::Term {
+        step: 1,
+        layer: 2,
+        position: 3,
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    assert!(!text.contains("absorbed by both contracts"), "{text}");
+    assert_eq!(rep.divergences[0].at.path, "moe.term.0", "{text}");
+}

@@ -69,6 +69,9 @@ pub enum Inject {
     /// Only the candidate's `moe.term.0` at (step, layer, position) differs
     /// (its inputs and the combine match: the difference is absorbed).
     Term { step: u32, layer: u32, position: u32 },
+    /// The candidate's `moe.term.1` at (step, layer, position) differs by
+    /// one f32 ulp in one value, which R_BF16 erases (the combine reads it).
+    Nudge { step: u32, layer: u32, position: u32 },
 }
 
 /// A synthetic run.
@@ -458,7 +461,10 @@ impl Synth {
                         });
                         u64::from(hit && j == 0) << 1
                     };
-                    let terms: Vec<Vec<f32>> = (0..K)
+                    let nudged = self.injections().any(|i| {
+                        matches!(i, Inject::Nudge { step: s, layer: ll, position: t } if (*s, *ll, *t) == (step, layer, pos))
+                    });
+                    let mut terms: Vec<Vec<f32>> = (0..K)
                         .map(|j| {
                             values(
                                 salt("moe.term") | route_salt,
@@ -470,6 +476,15 @@ impl Synth {
                             )
                         })
                         .collect();
+                    if nudged {
+                        // One ulp in the first value whose R_BF16 it cannot change.
+                        if let Some(x) = terms[1].iter_mut().find(|x| {
+                            let low = x.to_bits() & 0xffff;
+                            **x != 0.0 && low != 0x8000 && low != 0x8001
+                        }) {
+                            *x = f32::from_bits(x.to_bits() ^ 1);
+                        }
+                    }
                     for (j, t) in terms.iter().enumerate() {
                         let path = format!("moe.term.{j}");
                         // An absorbed term difference: the record differs,

@@ -1,0 +1,74 @@
+//! Counterfactual absorption at the MoE combine (docs/diff.md): when the
+//! routed terms (or the shared expert's output) differ at a combine event
+//! whose two sides are each explained by the combine grammar, each side's
+//! rule is evaluated on the *other* side's terms and shared output. If every
+//! side's rule still gives that side's own output, the term differences are
+//! absorbed by both contracts (e.g. a one-ulp term difference that R_BF16
+//! erases on either side), and what differs at the combine is the contract
+//! itself, which contract inference then names for both sides.
+
+use moeconf_contract::AggregationContract;
+use moeconf_fingerprint::canonical_f32_bits;
+
+use crate::ctx::Ctx;
+use crate::explain::{side_event, SideEvent};
+
+/// At most this many reproducing rules of a side are tried.
+const MAX_RULES: usize = 64;
+
+/// Whether one of `rules` gives `out` from `terms` and `shared`, compared
+/// bitwise after canonicalization.
+fn reproduces(
+    rules: &[AggregationContract],
+    terms: &[Vec<f32>],
+    shared: &[f32],
+    out: &[f32],
+    side: &SideEvent,
+) -> bool {
+    let refs: Vec<&[f32]> = terms.iter().map(Vec::as_slice).collect();
+    let canon = |v: f32| canonical_f32_bits(v.to_bits(), side.canon);
+    rules.iter().take(MAX_RULES).any(|rule| {
+        let mut y = vec![0.0f32; out.len()];
+        rule.try_combine(&refs, shared, &mut y).is_ok()
+            && y.iter().zip(out).all(|(a, b)| canon(*a) == canon(*b))
+    })
+}
+
+impl Ctx<'_> {
+    /// Whether the term differences at the combine event (`step`, `layer`,
+    /// `position`) are absorbed by both sides' contracts (module header).
+    /// `false` whenever it cannot be shown: a side without the event or its
+    /// payloads, no reproducing rule on a side, other routes, other shapes.
+    pub(crate) fn absorbed_by_contracts(&self, step: u32, layer: u32, position: u32) -> bool {
+        let key = (step, layer, position);
+        if let Some(&v) = self.counterfactuals.borrow().get(&key) {
+            return v;
+        }
+        let v = self.compute_absorbed(key);
+        self.counterfactuals.borrow_mut().insert(key, v);
+        v
+    }
+
+    fn compute_absorbed(&self, key: (u32, u32, u32)) -> bool {
+        let (Ok(Some(r)), Ok(Some(c))) = (
+            side_event(self.s.r, "reference", key),
+            side_event(self.s.c, "candidate", key),
+        ) else {
+            return false;
+        };
+        let same_shapes = r.terms.len() == c.terms.len()
+            && r.terms.iter().zip(&c.terms).all(|(a, b)| a.len() == b.len())
+            && r.shared.len() == c.shared.len()
+            && r.combine.len() == c.combine.len();
+        if r.experts != c.experts
+            || r.gates.len() != c.gates.len()
+            || !same_shapes
+            || r.rules.is_empty()
+            || c.rules.is_empty()
+        {
+            return false;
+        }
+        reproduces(&r.rules, &c.terms, &c.shared, &r.combine, &r)
+            && reproduces(&c.rules, &r.terms, &r.shared, &c.combine, &c)
+    }
+}
