@@ -11,7 +11,8 @@ use moeconf_contract::AggregationContract;
 use moeconf_fingerprint::canonical_f32_bits;
 
 use crate::ctx::Ctx;
-use crate::explain::{side_event, SideEvent};
+use crate::error::BisectError;
+use crate::explain::{side_event, ExplainError, SideEvent};
 
 /// At most this many reproducing rules of a side are tried.
 const MAX_RULES: usize = 64;
@@ -39,22 +40,38 @@ impl Ctx<'_> {
     /// `position`) are absorbed by both sides' contracts (module header).
     /// `false` whenever it cannot be shown: a side without the event or its
     /// payloads, no reproducing rule on a side, other routes, other shapes.
-    pub(crate) fn absorbed_by_contracts(&self, step: u32, layer: u32, position: u32) -> bool {
+    /// A payload that does not match its digest is an error, as everywhere.
+    pub(crate) fn absorbed_by_contracts(
+        &self,
+        step: u32,
+        layer: u32,
+        position: u32,
+    ) -> Result<bool, BisectError> {
         let key = (step, layer, position);
         if let Some(&v) = self.counterfactuals.borrow().get(&key) {
-            return v;
+            return Ok(v);
         }
-        let v = self.compute_absorbed(key);
+        let v = self.compute_absorbed(key)?;
         self.counterfactuals.borrow_mut().insert(key, v);
-        v
+        Ok(v)
     }
 
-    fn compute_absorbed(&self, key: (u32, u32, u32)) -> bool {
-        let (Ok(Some(r)), Ok(Some(c))) = (
-            side_event(self.s.r, "reference", key),
-            side_event(self.s.c, "candidate", key),
-        ) else {
-            return false;
+    /// The answer [`Ctx::absorbed_by_contracts`] gave for the event, if it
+    /// was asked (the walk asks at the combine's inputs, which come first in
+    /// execution order); `false` when it was not.
+    pub(crate) fn known_absorbed_by_contracts(&self, step: u32, layer: u32, position: u32) -> bool {
+        self.counterfactuals.borrow().get(&(step, layer, position)) == Some(&true)
+    }
+
+    fn compute_absorbed(&self, key: (u32, u32, u32)) -> Result<bool, BisectError> {
+        let side = |t, name| match side_event(t, name, key) {
+            Ok(e) => Ok(e),
+            Err(ExplainError::Trace(e)) => Err(BisectError::Trace(e)),
+            // Missing records or payloads, an inconsistent event: nothing shown.
+            Err(_) => Ok(None),
+        };
+        let (Some(r), Some(c)) = (side(self.s.r, "reference")?, side(self.s.c, "candidate")?) else {
+            return Ok(false);
         };
         let same_shapes = r.terms.len() == c.terms.len()
             && r.terms.iter().zip(&c.terms).all(|(a, b)| a.len() == b.len())
@@ -66,9 +83,9 @@ impl Ctx<'_> {
             || r.rules.is_empty()
             || c.rules.is_empty()
         {
-            return false;
+            return Ok(false);
         }
-        reproduces(&r.rules, &c.terms, &c.shared, &r.combine, &r)
-            && reproduces(&c.rules, &r.terms, &r.shared, &c.combine, &c)
+        Ok(reproduces(&r.rules, &c.terms, &c.shared, &r.combine, &r)
+            && reproduces(&c.rules, &r.terms, &r.shared, &c.combine, &c))
     }
 }

@@ -400,7 +400,7 @@ fn summary_line(
             let at_combine = divergences
                 .first()
                 .and_then(|d| d.checkpoint.as_ref())
-                .is_some_and(|c| c.path == "moe.combine");
+                .is_some_and(|c| Component::MoeCombine.matches(&c.path));
             if f.kind == Some(DivergenceKind::Absorbed) && at_combine {
                 s.push_str(", absorbed by both sides' contracts at the combine");
             } else if f.kind == Some(DivergenceKind::Absorbed) {

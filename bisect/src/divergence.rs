@@ -209,7 +209,7 @@ impl Ctx<'_> {
                     // contracts absorb (crate::counterfactual).
                     "differ"
                         if Component::MoeCombine.matches(path)
-                            && layer.is_some_and(|l| self.absorbed_by_contracts(step, l, position)) =>
+                            && layer.is_some_and(|l| self.known_absorbed_by_contracts(step, l, position)) =>
                     {
                         ABSORBED_BY_CONTRACTS
                     }
@@ -292,7 +292,7 @@ impl Ctx<'_> {
             return Ok((None, None));
         };
         let step = e.coord.step;
-        if let Some(cp) = self.combine_absorbing(e) {
+        if let Some(cp) = self.combine_absorbing(e)? {
             // Each side's contract gives its own combine output from the
             // other side's terms: the difference ends at the combine.
             return Ok((Some(DivergenceKind::Absorbed), Some(cp)));
@@ -362,17 +362,20 @@ impl Ctx<'_> {
 
     /// For a combine input (`moe.term.J`, `moe.shared`) whose difference both
     /// sides' contracts absorb at its combine: that combine's record.
-    fn combine_absorbing(&self, e: &moeconf_schema::IndexEntry) -> Option<Pair> {
+    fn combine_absorbing(&self, e: &moeconf_schema::IndexEntry) -> Result<Option<Pair>, BisectError> {
         let c = &e.coord;
         let input = Component::MoeTerm.matches(&c.path) || Component::MoeShared.matches(&c.path);
-        let layer = c.layer?;
-        if !input || !self.absorbed_by_contracts(c.step, layer, c.position) {
-            return None;
+        let Some(layer) = c.layer else {
+            return Ok(None);
+        };
+        if !input || !self.absorbed_by_contracts(c.step, layer, c.position)? {
+            return Ok(None);
         }
-        self.s
+        Ok(self
+            .s
             .lookup_component(c.step, Some(layer), Some(c.position), Component::MoeCombine)
             .first()
-            .copied()
+            .copied())
     }
 
     /// The checkpoint that closes the half-layer of a layer record (for the
@@ -542,7 +545,7 @@ impl Ctx<'_> {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
-            if observational(&e.coord.path) || self.combine_absorbing(e).is_some() {
+            if observational(&e.coord.path) || self.combine_absorbing(e)?.is_some() {
                 // Localized only when no operator is: the operator that
                 // consumes an observation, or the combine whose contracts
                 // absorb this input's difference, is where the executions part.

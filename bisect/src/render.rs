@@ -300,7 +300,7 @@ impl DiffReport {
                     .divergences
                     .first()
                     .and_then(|d| d.checkpoint.as_ref())
-                    .is_some_and(|c| c.path == "moe.combine");
+                    .is_some_and(|c| Component::MoeCombine.matches(&c.path));
                 let how = match f.kind {
                     Some(DivergenceKind::Absorbed) if at_combine => {
                         ", absorbed by both sides' contracts at the combine"
@@ -538,7 +538,7 @@ impl DiffReport {
                     format!("propagating: the first later checkpoint that differs is {}", c.describe())
                 }
                 (Some(DivergenceKind::Propagating), None) => "propagating".to_string(),
-                (Some(DivergenceKind::Absorbed), Some(c)) if c.path == "moe.combine" => format!(
+                (Some(DivergenceKind::Absorbed), Some(c)) if Component::MoeCombine.matches(&c.path) => format!(
                     "absorbed by both contracts at {}: each side's combine rule gives its own output from the other side's inputs too; what differs there is the contract",
                     c.describe_location()
                 ),
