@@ -368,14 +368,23 @@ impl Ctx<'_> {
         let Some(layer) = c.layer else {
             return Ok(None);
         };
-        if !input || !self.absorbed_by_contracts(c.step, layer, c.position)? {
+        if !input {
             return Ok(None);
         }
-        Ok(self
+        // Only where the combine's outputs differ: a combine that matches
+        // absorbed the difference the ordinary way, whatever the contracts.
+        let Some(cp) = self
             .s
             .lookup_component(c.step, Some(layer), Some(c.position), Component::MoeCombine)
             .first()
-            .copied())
+            .copied()
+            .filter(|&cp| !self.s.pair_equal(cp))
+        else {
+            return Ok(None);
+        };
+        Ok(self
+            .absorbed_by_contracts(c.step, layer, c.position)?
+            .then_some(cp))
     }
 
     /// The checkpoint that closes the half-layer of a layer record (for the

@@ -960,4 +960,17 @@ fn a_term_difference_under_one_contract_is_not_called_absorbed_by_contracts() {
     let text = rep.render_text(false);
     assert!(!text.contains("absorbed by both contracts"), "{text}");
     assert_eq!(rep.divergences[0].at.path, "moe.term.0", "{text}");
+    // A one-ulp term difference R_BF16 erases, the same contract on both
+    // sides: the combine matches, so it is absorbed the ordinary way (both
+    // contracts would reproduce, but nothing differs at the combine).
+    let cand = Synth::candidate(Inject::Nudge {
+        step: 1,
+        layer: 2,
+        position: 3,
+    });
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    assert!(!text.contains("contracts"), "{text}");
+    assert!(text.contains("absorbed before the next checkpoint"), "{text}");
 }
