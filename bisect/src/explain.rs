@@ -418,12 +418,13 @@ pub(crate) struct SideEvent {
     pub canon: moeconf_fingerprint::CanonPolicy,
 }
 
-/// [`SideEvent`] of `t` at `key` (`None`: the trace has no such event).
-pub(crate) fn side_event(
+/// The data of `t`'s combine event at `key` and its explanation (`None`:
+/// the trace has no such event); what [`side_event`] and [`explain_one`] share.
+fn read_and_explain(
     t: &Trace,
     name: &str,
     key: (u32, u32, u32),
-) -> Result<Option<SideEvent>, ExplainError> {
+) -> Result<Option<(EventData, EventExplanation)>, ExplainError> {
     let reader = Reader {
         t,
         name: name.to_string(),
@@ -439,9 +440,21 @@ pub(crate) fn side_event(
         canonicalize: Some(&canonicalize),
         ..InferOptions::default()
     };
+    let e = explain_data(&d, &opts, name, key)?;
+    Ok(Some((d, e)))
+}
+
+/// [`SideEvent`] of `t` at `key` (`None`: the trace has no such event).
+pub(crate) fn side_event(
+    t: &Trace,
+    name: &str,
+    key: (u32, u32, u32),
+) -> Result<Option<SideEvent>, ExplainError> {
+    let Some((d, e)) = read_and_explain(t, name, key)? else {
+        return Ok(None);
+    };
     // The simplest member first (a variant reproduced only by an explicit
     // permutation, such as a B class, has no named rule), then every named one.
-    let e = explain_data(&d, &opts, name, key)?;
     let rules: Vec<_> = e.simplest().into_iter().chain(e.rules()).collect();
     Ok(Some(SideEvent {
         terms: d.terms,
@@ -450,7 +463,7 @@ pub(crate) fn side_event(
         experts: d.experts,
         gates: d.gates,
         rules,
-        canon,
+        canon: t.binding().canon,
     }))
 }
 
@@ -459,22 +472,9 @@ pub(crate) fn explain_one(
     name: &str,
     key: (u32, u32, u32),
 ) -> Result<Option<(EventExplanation, EventContextOwned)>, ExplainError> {
-    let reader = Reader {
-        t,
-        name: name.to_string(),
-    };
-    let (_, records) = index_events(t, event_records(t, key)?.into_iter());
-    let Some(r) = records.get(&key) else {
+    let Some((d, e)) = read_and_explain(t, name, key)? else {
         return Ok(None);
     };
-    let d = reader.read(key, r, &mut Notes::default())?;
-    let canon = t.binding().canon;
-    let canonicalize = move |bits: u32| canonical_f32_bits(bits, canon);
-    let opts = InferOptions {
-        canonicalize: Some(&canonicalize),
-        ..InferOptions::default()
-    };
-    let e = explain_data(&d, &opts, name, key)?;
     Ok(Some((
         e,
         EventContextOwned {
