@@ -88,7 +88,7 @@ pub enum ExplainError {
 }
 
 /// One explained event.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct EventReport {
     /// Forward step.
     pub step: u32,
@@ -160,7 +160,7 @@ pub struct EventRef {
 }
 
 /// The explanation of every MoE combine event of one trace.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TraceExplanation {
     /// [`EXPLAIN_SCHEMA_VERSION`].
     pub schema_version: u32,
@@ -602,16 +602,13 @@ fn trace_rule(agg: &TraceInference, events: &[EventReport]) -> TraceRule {
             let closest = events
                 .iter()
                 .find_map(|e| e.explanation.closest.first())
-                .map(|n| {
-                    format!(
-                        "; closest: {} ({} of {} values differ)",
-                        n.contract, n.differing, n.elements
-                    )
-                })
+                .map(|n| format!("; closest: {}", n.words()))
                 .unwrap_or_default();
             format!(
-                "no grammar member reproduces {} of {} events{closest}",
-                v.unexplained, v.events
+                "no grammar member reproduces {} of {} events{}{closest}",
+                v.unexplained,
+                v.events,
+                fit_reading(events)
             )
         }
         (None, best) => {
@@ -732,4 +729,25 @@ impl TraceExplanation {
         }
         o
     }
+}
+
+/// `; every event reads as shared expert × 1.5 (256 of 256 values reproduced
+/// bitwise in 40 of 40 events)`: the fit of the first unexplained event, and
+/// how many events the same reading reproduces exactly (empty when no event
+/// has a reading).
+fn fit_reading(events: &[EventReport]) -> String {
+    let fits: Vec<&crate::explanation::FitReport> =
+        events.iter().filter_map(|e| e.explanation.fit.as_ref()).collect();
+    let Some(first) = fits.first() else {
+        return String::new();
+    };
+    let same = fits
+        .iter()
+        .filter(|f| f.changes == first.changes && f.differing == 0)
+        .count();
+    format!(
+        "; read as {} ({same} of {} events reproduced bitwise by that reading)",
+        first.changes.join(", "),
+        events.len()
+    )
 }

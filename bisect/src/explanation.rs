@@ -6,7 +6,7 @@
 //! `moeconf diff` reports one per side at the localized `moe.combine`,
 //! `moeconf explain` one per event of a trace (docs/contracts.md, "Inference").
 
-use moeconf_contract::{AggregationContract, EventExplanation, Order, Reason};
+use moeconf_contract::{AggregationContract, EventExplanation, Fit, Order, Reason};
 use serde::Serialize;
 
 /// Most equivalents listed per explanation (the count is always complete).
@@ -66,6 +66,76 @@ pub struct NearMissReport {
     pub differing: usize,
     /// Output values compared.
     pub elements: usize,
+    /// The largest distance of a differing value, in ulps of the output
+    /// format (`None` when a NaN is involved).
+    pub max_ulps: Option<u64>,
+}
+
+impl NearMissReport {
+    /// `c (256 of 256 values differ, up to 37 ulp)`.
+    pub fn words(&self) -> String {
+        let ulps = match self.max_ulps {
+            Some(u) if self.differing > 0 => format!(", up to {u} ulp"),
+            None if self.differing > 0 => ", NaN involved".to_string(),
+            _ => String::new(),
+        };
+        format!(
+            "{} ({} of {} values differ{ulps})",
+            self.contract, self.differing, self.elements
+        )
+    }
+}
+
+/// One fitted coefficient of a [`FitReport`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CoefficientReport {
+    /// The least-squares value (`null` when the data cannot determine it).
+    pub fitted: Option<f64>,
+    /// The value the bitwise check used (snapped to a multiple of 1/64 when close).
+    pub used: f32,
+}
+
+/// The report form of a [`Fit`]: an unexplained combine read as scaled
+/// routed terms and shared output.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FitReport {
+    /// What differs from an unscaled combine (`shared expert × 1.5`, `term 2 dropped (× 0)`).
+    pub changes: Vec<String>,
+    /// Routed coefficients in slot order.
+    pub terms: Vec<CoefficientReport>,
+    pub shared: CoefficientReport,
+    /// Where the routed coefficients sit relative to the term's rounding, in words.
+    pub placement: String,
+    /// The output format the check rounded to (`bf16` or `f32`).
+    pub output: String,
+    /// Values the reading does not reproduce bitwise.
+    pub differing: usize,
+    pub elements: usize,
+    /// The largest distance of a value not reproduced, in ulps of the output format.
+    pub max_ulps: Option<u64>,
+    /// The one-line reading.
+    pub summary: String,
+}
+
+impl FitReport {
+    /// The report form of `f`.
+    pub fn of(f: &Fit) -> FitReport {
+        let c = |x: &moeconf_contract::Coefficient| CoefficientReport {
+            fitted: x.fitted,
+            used: x.used,
+        };
+        FitReport {
+            changes: f.changes(),
+            terms: f.terms.iter().map(c).collect(),
+            shared: c(&f.shared),
+            placement: f.placement.words().to_string(),
+            output: if f.output_bf16 { "bf16" } else { "f32" }.to_string(),
+            differing: f.differing,
+            elements: f.elements,
+            max_ulps: f.max_ulps,
+            summary: f.summary(),
+        }
+    }
 }
 
 /// Whether the grammar explains an event.
@@ -79,7 +149,7 @@ pub enum ExplanationStatus {
 }
 
 /// The report form of one event's [`EventExplanation`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CombineExplanation {
     pub status: ExplanationStatus,
     /// Routed terms k.
@@ -99,6 +169,10 @@ pub struct CombineExplanation {
     pub permutations: Vec<PermutationReport>,
     /// When unexplained: the closest named-order members.
     pub closest: Vec<NearMissReport>,
+    /// When unexplained: the output read as scaled routed terms and shared
+    /// output, checked bitwise (absent when that reading changes nothing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fit: Option<FitReport>,
     /// (variant, order) candidates evaluated.
     pub candidates: u64,
 }
@@ -158,14 +232,18 @@ impl CombineExplanation {
                     contract: n.contract.describe(),
                     differing: n.differing,
                     elements: e.elements,
+                    max_ulps: n.max_ulps,
                 })
                 .collect(),
+            fit: e.fit.as_ref().filter(|f| !f.is_identity()).map(FitReport::of),
             candidates: e.candidates,
         }
     }
 
     /// One line: `b+order=class:135 (B class 135; 3 equivalent members)`, or
-    /// `no grammar member reproduces it; closest: c (12 of 256 values differ), …`.
+    /// `no grammar member reproduces it; read as shared expert × 1.5 (…): 256
+    /// of 256 values reproduced bitwise; closest members: c (12 of 256 values
+    /// differ, up to 3 ulp), …`.
     pub fn summary(&self) -> String {
         match &self.simplest {
             Some(s) => {
@@ -177,16 +255,18 @@ impl CombineExplanation {
                 format!("{s} ({}{eq})", self.order.clone().unwrap_or_default())
             }
             None => {
-                let near: Vec<String> = self
-                    .closest
-                    .iter()
-                    .take(3)
-                    .map(|n| format!("{} ({} of {} values differ)", n.contract, n.differing, n.elements))
-                    .collect();
+                let near: Vec<String> = self.closest.iter().take(3).map(NearMissReport::words).collect();
+                let fit = match &self.fit {
+                    Some(f) => format!("; read as {}", f.summary),
+                    None => String::new(),
+                };
                 if near.is_empty() {
-                    "no grammar member reproduces it".to_string()
+                    format!("no grammar member reproduces it{fit}")
                 } else {
-                    format!("no grammar member reproduces it; closest: {}", near.join(", "))
+                    format!(
+                        "no grammar member reproduces it{fit}; closest members: {}",
+                        near.join(", ")
+                    )
                 }
             }
         }

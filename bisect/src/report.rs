@@ -492,7 +492,7 @@ pub struct Localized {
 }
 
 /// Contract inference at the localized `moe.combine`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ContractReport {
     /// The combine event.
     pub at: RecordRef,

@@ -120,6 +120,9 @@ pub struct NearMiss {
     pub contract: AggregationContract,
     /// Output values whose bits differ from the observed ones.
     pub differing: usize,
+    /// The largest distance of a differing value from the observed one, in
+    /// ulps of the output format (`None` when a NaN is involved).
+    pub max_ulps: Option<u64>,
 }
 
 /// Another reproducing member and why it cannot be told apart from the simplest.
@@ -147,6 +150,9 @@ pub struct EventExplanation {
     pub candidates: u64,
     /// When nothing reproduces the output: the closest named-order members.
     pub closest: Vec<NearMiss>,
+    /// When nothing reproduces the output: the output read as scaled terms
+    /// and shared output ([`fit_event`]).
+    pub fit: Option<Fit>,
 }
 
 impl EventExplanation {

@@ -46,11 +46,13 @@
 //! first; …); then the order ([`crate::NAMED_ORDERS`] order, then the
 //! permutation index).
 
+mod fit;
 mod members;
 mod reason;
 mod trace;
 mod variants;
 
+pub use fit::*;
 pub use members::*;
 #[allow(unused_imports)]
 use members::*;
@@ -366,12 +368,24 @@ pub(crate) fn evaluate(v: &AggregationContract, p: &Prepared<'_>, cands: &Candid
     Outcome { alive, tried, proven }
 }
 
-/// Counts the output values a plan gets wrong (no early exit).
-pub(crate) fn differing(v: &AggregationContract, plan: &Plan, p: &Prepared<'_>) -> usize {
+/// Counts the output values a plan gets wrong (no early exit), and the
+/// largest distance of a wrong one in ulps of the output format (`None` when
+/// a NaN is involved).
+pub(crate) fn differing(v: &AggregationContract, plan: &Plan, p: &Prepared<'_>) -> (usize, Option<u64>) {
     let mut scratch = Scratch::default();
-    (0..p.d)
-        .filter(|&e| !p.matches(plan.eval(v, p.row(v, e), &mut scratch), e))
-        .count()
+    let bf16 = p.facts.output_bf16;
+    let (mut n, mut max) = (0usize, Some(0u64));
+    for e in 0..p.d {
+        let y = plan.eval(v, p.row(v, e), &mut scratch);
+        if !p.matches(y, e) {
+            n += 1;
+            max = match (max, ulp_distance(y, f32::from_bits(p.target[e]), bf16)) {
+                (Some(m), Some(u)) => Some(m.max(u)),
+                _ => None,
+            };
+        }
+    }
+    (n, max)
 }
 
 /// The reproducing set of one event over the whole grammar (see the module docs).
@@ -418,6 +432,12 @@ pub fn explain_event(
     } else {
         Vec::new()
     };
+    let fit = if matches.is_empty() {
+        let canon = |b: u32| p.canon.map_or(b, |c| c(b));
+        fit_event(obs.terms, obs.shared, obs.output, &canon)
+    } else {
+        None
+    };
     let ctx = EventContext {
         experts: obs.experts,
         gates: obs.gates,
@@ -430,6 +450,7 @@ pub fn explain_event(
         matches,
         candidates: candidates_tried,
         closest,
+        fit,
     })
 }
 
@@ -514,15 +535,23 @@ pub(crate) fn closest(keys: &[AggregationContract], p: &Prepared<'_>, n: usize) 
                 .into_iter()
                 .map(|(order, perm)| {
                     let plan = Plan::new(v, perm);
+                    let (differing, max_ulps) = differing(v, &plan, p);
                     NearMiss {
                         contract: v.clone().with_order(order.clone()),
-                        differing: differing(v, &plan, p),
+                        differing,
+                        max_ulps,
                     }
                 })
                 .collect::<Vec<_>>()
         })
         .collect();
-    near.sort_by_key(|m| (m.differing, simplicity(&m.contract)));
+    near.sort_by_key(|m| {
+        (
+            m.differing,
+            m.max_ulps.unwrap_or(u64::MAX),
+            simplicity(&m.contract),
+        )
+    });
     near.dedup_by(|a, b| a.contract == b.contract);
     near.truncate(n);
     near
