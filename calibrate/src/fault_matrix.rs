@@ -63,6 +63,10 @@ pub struct Case {
     pub expect: Expect,
     /// What the case shows (empty for a single fault at its own step and layer).
     pub note: &'static str,
+    /// Words the diff's reading of the localized operator must contain: the
+    /// uncaptured steps it names inside the operator, or the candidate
+    /// combine's fitted scales (`None`: no reading is required).
+    pub reading: Option<&'static str>,
 }
 
 impl Case {
@@ -78,7 +82,14 @@ impl Case {
             },
             faults: vec![Fault::at(step, layer.unwrap_or(0), kind)],
             note: "",
+            reading: None,
         }
+    }
+
+    /// The case with the words its reading must contain.
+    fn reads(mut self, words: &'static str) -> Case {
+        self.reading = Some(words);
+        self
     }
 
     /// The case with a note saying what it shows.
@@ -200,6 +211,7 @@ fn attention_cases(pl: &Plan) -> Vec<Case> {
             component: Component::AttnCore,
         },
         note: "active at every step; a decode kernel, so the first decode step",
+        reading: None,
     };
     vec![
         Case::at(pl.s(2), 0, K::EmbeddingWrongRow),
@@ -211,6 +223,12 @@ fn attention_cases(pl: &Plan) -> Vec<Case> {
         Case::at(pl.s(2), pl.pick(&pl.csa, 2, attn_layer), K::DerotationSkipped),
         Case::at(pl.s(2), 1.min(pl.layers - 1), K::AttentionOutputTruncate),
         Case::at(pl.s(3), pl.layers - 1, K::KvLowPrecision { mantissa_bits: 3 }),
+        Case::at(pl.s(2), pl.mid(), K::KvProjectionTruncate)
+            .note("uncaptured step: the KV projection inside attn.kv")
+            .reads("the KV projection (W_kv)"),
+        Case::at(pl.s(1), 2.min(pl.layers - 1), K::OutputGroupTruncate { group: 1 })
+            .note("uncaptured step: one head group's W_oa inside attn.output")
+            .reads("the grouped projections W_oa"),
         // Model-global: the layer is ignored.
         Case::at(pl.s(2), 0, K::HeadNormEpsilon(1e-2)),
     ]
@@ -230,6 +248,9 @@ fn cache_cases(pl: &Plan) -> Vec<Case> {
         Case::at(pl.closing, csa(1), K::CompressorPoolingReversed),
         Case::at(pl.closing, csa(1), K::CompressorPoolingBf16Accumulator),
         Case::at(pl.closing, csa(0), K::CompressorIgnoresOverlap),
+        Case::at(pl.closing, csa(2), K::CompressorNormEpsilon(1e-2))
+            .note("uncaptured step: the compressor's norm inside attn.compressed")
+            .reads("its norm"),
         Case::at(pl.closing, csa(2), K::CompressorOverlapGateWithoutBias)
             .note("carried state: only the next window's entry reads it, so the L2 record at the boundary comes first"),
         Case::at(pl.closing, csa(2), K::CompressedStoreLowPrecision { mantissa_bits: bits }),
@@ -266,6 +287,15 @@ fn ffn_cases(ctx: &Ctx, pl: &Plan) -> Result<Vec<Case>> {
             .note("absorbed: the native combine rounds every term the same way"),
         Case::at(pl.s(1), merge, K::SharedExpertFirst),
         Case::at(pl.s(1), merge, K::RoundedRoutedMerge),
+        Case::at(pl.s(2), merge, K::SharedExpertScaled(1.5))
+            .note("a scaling bug no grammar member names: the fit reads the scale")
+            .reads("shared expert × 1.5"),
+        Case::at(pl.s(1), r(1), K::RoutedScalingAppliedTwice)
+            .note("the routed scaling factor applied again in the combine: the fit reads it")
+            .reads("routed terms × 1.5"),
+        Case::at(pl.s(2), r(2), K::GateOnUnroundedProduct)
+            .note("the gate applied to the unrounded down projection (silent in f32, which does not round there)")
+            .reads("W2, and the gate multiply"),
         Case::at(pl.s(2), ctx.fork_layer, K::CombineContract(b135)),
         Case::at(0, r(0), K::CombineContract(AggregationContract::p32())),
     ])
@@ -314,11 +344,13 @@ fn nudge_cases(ctx: &Ctx, precision: Precision, ids: &[u32], pl: &Plan) -> Resul
             faults: vec![nudge(first, layer, absorbed)],
             expect,
             note: "one combine value changed, absorbed by the FFN hc_post (nothing else differs)",
+            reading: None,
         },
         Case {
             faults: vec![nudge(first, layer, absorbed), nudge(later, layer, propagating)],
             expect,
             note: "the absorbed nudge, then a nudge two steps later that propagates (issue 13 gap 1)",
+            reading: None,
         },
     ])
 }
@@ -438,6 +470,11 @@ struct Outcome {
     contract: Option<String>,
     /// The headline is exactly the expected step, layer and record.
     localized: bool,
+    /// What the diff says inside the localized operator: the uncaptured
+    /// steps it names, then the candidate combine's fitted reading.
+    reading: Option<String>,
+    /// The words the case requires of that reading.
+    expected_reading: Option<String>,
     summary: String,
 }
 
@@ -463,7 +500,16 @@ impl Outcome {
             "divergence": self.divergence, "differing_records": self.differing_records,
             "inferred_contract": self.contract, "effective": self.effective, "localized": self.localized,
             "diff_equivalent": self.equivalent, "diff_summary": self.summary, "result": self.result(),
+            "reading": self.reading, "expected_reading": self.expected_reading,
+            "worded": self.worded(),
         })
+    }
+
+    /// Whether the reading holds the required words (`None` when none are
+    /// required or the case changed nothing).
+    fn worded(&self) -> Option<bool> {
+        let words = self.expected_reading.as_deref().filter(|_| self.effective)?;
+        Some(self.reading.as_deref().is_some_and(|r| r.contains(words)))
     }
 }
 
@@ -559,6 +605,18 @@ fn run_case(
         .filter(|(a, b)| a.digest != b.digest)
         .count();
     let e = &case.expect;
+    let l4 = &report.levels.l4;
+    let fit = l4
+        .contract
+        .as_ref()
+        .and_then(|c| c.candidate_explanation.as_ref())
+        .and_then(|x| x.fit.as_ref())
+        .map(|f| f.summary.clone());
+    let inside = l4.localized.as_ref().and_then(|l| l.uncaptured_steps.clone());
+    let reading = match (inside, fit) {
+        (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+        (a, b) => a.or(b),
+    };
     Ok(Outcome {
         profile: precision.name().into(),
         fault: case.name(),
@@ -582,6 +640,8 @@ fn run_case(
         differing_records,
         found,
         localized,
+        reading,
+        expected_reading: case.reading.map(String::from),
         summary: report.summary.clone(),
     })
 }
@@ -702,6 +762,9 @@ struct Counts {
     localized: usize,
     silent: usize,
     silent_ok: usize,
+    /// Effective cases that require a reading, and those worded so.
+    readings: usize,
+    worded: usize,
 }
 
 impl Counts {
@@ -713,6 +776,8 @@ impl Counts {
             c.localized += (o.effective && o.localized) as usize;
             c.silent += !o.effective as usize;
             c.silent_ok += (!o.effective && o.equivalent) as usize;
+            c.readings += o.worded().is_some() as usize;
+            c.worded += (o.worded() == Some(true)) as usize;
         }
         c
     }
@@ -721,6 +786,7 @@ impl Counts {
         json!({
             "faults": self.cases, "effective": self.effective, "localized": self.localized,
             "silent": self.silent, "silent_reported_equivalent": self.silent_ok,
+            "readings": self.readings, "readings_worded": self.worded,
         })
     }
 }
@@ -773,6 +839,14 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
                 ),
             ),
             Claim::new(
+                "readings_named",
+                all.worded == all.readings && all.readings > 0,
+                format!(
+                    "{} faults in uncaptured sub-operators and scaling faults worded with the steps or scales that hold them",
+                    frac(all.worded, all.readings)
+                ),
+            ),
+            Claim::new(
                 "silent_faults_equivalent",
                 all.silent_ok == all.silent,
                 format!(
@@ -802,6 +876,7 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
             "Localized record",
             "Divergence",
             "Result",
+            "Reading",
         ],
     );
     let opt = |x: Option<u32>| x.map_or("-".to_string(), |v| v.to_string());
@@ -830,6 +905,11 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
             fo,
             o.divergence.clone().unwrap_or_else(|| "-".into()),
             o.result().into(),
+            match o.worded() {
+                Some(true) => "named".into(),
+                Some(false) => "NOT NAMED".into(),
+                None => "-".into(),
+            },
         ]);
     }
     t

@@ -113,6 +113,26 @@ fn every_expectation_is_the_first_differing_record_in_both_profiles() {
         effective.iter().all(|&n| n >= 30),
         "effective cases per profile: {effective:?}"
     );
+    // Faults in uncaptured sub-operators name the steps inside the localized
+    // operator; scaling faults the fitted scale (issue 32, items 4 and 5).
+    for profile in ["bf16", "f32"] {
+        let worded: Vec<&serde_json::Value> = rows
+            .iter()
+            .filter(|r| r["profile"] == profile && !r["worded"].is_null())
+            .collect();
+        assert!(
+            worded.len() >= 5,
+            "{profile}: {} rows require a reading",
+            worded.len()
+        );
+        for r in worded {
+            assert_eq!(
+                r["worded"], true,
+                "{} ({profile}): the reading {} lacks {}",
+                r["fault"], r["reading"], r["expected_reading"]
+            );
+        }
+    }
     // Issue 13 gap 1: in each profile exactly one moe.combine record differs
     // (one value, nudged), and the FFN hc_post absorbs it.
     let absorbed: Vec<&serde_json::Value> = rows

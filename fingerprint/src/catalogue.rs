@@ -1228,6 +1228,7 @@ impl Component {
             C::AttnIndexerScores => "the indexer's query projection, its compress-RoPE, the head weights and the weighted sum over heads",
             C::AttnCore => "the scores, their scaling, the softmax with sink and the weighted sum over the window and compressed entries",
             C::AttnOutput => "the inverse RoPE, the grouped projections W_oa (one per head group) and W_ob",
+            C::AttnOLatFp8 => "the inverse RoPE, the grouped projections W_oa (one per head group) and the FP8 quantization of their output",
             C::AttnHcPre | C::FfnHcPre => "the collapse of the streams with the pre weights",
             C::AttnHcPreWeights | C::FfnHcPreWeights | C::AttnHcPostWeights | C::FfnHcPostWeights | C::AttnHcComb | C::FfnHcComb => {
                 "the stream norm, the Φ projection and the sigmoid/softmax (and Sinkhorn for the mixing matrix)"

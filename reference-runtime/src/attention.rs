@@ -317,7 +317,10 @@ fn queries(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &T
 /// The position's new kv vector (norm, RoPE, and the kv precision fault).
 fn new_kv(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &TokenCtx<'_>) -> Vec<f32> {
     let p = cx.p;
-    let projected = official::linear(&aw.wkv, a, a_q, p);
+    let projected = match cx.fx.kv_projection_truncate {
+        true => truncated_linear(&aw.wkv, a_q.unwrap_or(a), p),
+        false => official::linear(&aw.wkv, a, a_q, p),
+    };
     let mut kv = rmsnorm_weighted(&projected, &aw.kv_norm, cx.cfg.rms_norm_eps, p);
     apply_rope(&mut kv, cs, false, p);
     if let Some(bits) = cx.fx.kv_mantissa_bits {
@@ -338,7 +341,7 @@ fn compress(
     let (Some(cw), Some(cst)) = (&aw.compressor, ls.compressor.as_mut()) else {
         return Ok(());
     };
-    let eps = cx.cfg.rms_norm_eps;
+    let eps = cx.fx.compressor_norm_eps.unwrap_or(cx.cfg.rms_norm_eps);
     let rows = cst.buffered();
     // Site Q4 (official profile): the stored entry's non-rope channels FP8-quantized.
     let store = match cx.p.quantizes() {
@@ -634,6 +637,11 @@ fn output_projection(
             &mut u[gi * r..(gi + 1) * r],
         );
     }
+    if let Some(gi) = cx.fx.output_group_truncate.map(|x| x.min(g.saturating_sub(1))) {
+        u[gi * r..(gi + 1) * r]
+            .iter_mut()
+            .for_each(|v| *v = truncate_bf16(*v));
+    }
     p.round_slice(&mut u);
     // Site Q7 (official profile): the input of the FP8 GEMM wo_b.
     let u_q = (p.quantizes() && aw.wo_b.quantizes_input()).then(|| {
@@ -644,19 +652,25 @@ fn output_projection(
         rec.f32(Component::AttnOLatFp8, cx.at(), &[v.len() as u64], v)?;
     }
     Ok(if cx.fx.attn_output_truncate {
-        let x = u_q.as_deref().unwrap_or(&u);
-        (0..aw.wo_b.rows())
-            .map(|row| {
-                let v = match p.quantizes() {
-                    true => aw.wo_b.dot_row_official(row, x),
-                    false => aw.wo_b.dot_row(row, x),
-                };
-                truncate_bf16(v)
-            })
-            .collect()
+        truncated_linear(&aw.wo_b, u_q.as_deref().unwrap_or(&u), p)
     } else {
         official::linear(&aw.wo_b, &u, u_q.as_deref(), p)
     })
+}
+
+/// `W · x` with every FP32 result truncated to BF16 (low 16 bits cleared)
+/// instead of rounded: the truncation faults. `x` is the GEMM's input as the
+/// profile feeds it (the quantized input in the official profile).
+fn truncated_linear(w: &crate::weights::Mat, x: &[f32], p: crate::precision::Precision) -> Vec<f32> {
+    (0..w.rows())
+        .map(|row| {
+            let v = match p.quantizes() {
+                true => w.dot_row_official(row, x),
+                false => w.dot_row(row, x),
+            };
+            truncate_bf16(v)
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -129,6 +129,20 @@ pub enum FaultKind {
         /// Explicit mantissa bits kept.
         mantissa_bits: u32,
     },
+    /// Main compressor (CSA/HCA): the RMSNorm of the pooled entry with this ε
+    /// instead of the config's (an uncaptured step inside `attn.compressed`).
+    CompressorNormEpsilon(f32),
+    /// KV projection: the FP32 result of `W_kv · a` truncated to BF16 (low 16
+    /// bits cleared) instead of rounded, before kv_norm (an uncaptured step
+    /// inside `attn.kv`).
+    KvProjectionTruncate,
+    /// Output projection: one head group's `W_oa` result truncated to BF16
+    /// (low 16 bits cleared) instead of rounded (an uncaptured step inside
+    /// `attn.output`).
+    OutputGroupTruncate {
+        /// The head group (0..o_groups; clamped to the last).
+        group: usize,
+    },
     /// Lightning indexer: the d_I^(−1/2) scale applied once to the head sum
     /// instead of to each head's ReLU(q·k) (a reassociation).
     IndexerScoreScaleAfterSum,
@@ -163,6 +177,18 @@ pub enum FaultKind {
     /// MoE combine: the routed FP32 sum is rounded to BF16 before the shared
     /// output is merged: `y = R_BF16(R_BF16(a_k) + s)` (a double rounding).
     RoundedRoutedMerge,
+    /// MoE combine: the shared-expert output multiplied by this factor (FP32
+    /// product) before the run's combine merges it (the `moe.shared` record
+    /// is unchanged): a scaling bug the contract grammar cannot name.
+    SharedExpertScaled(f32),
+    /// MoE combine: every routed term multiplied by the config's routed
+    /// scaling factor (FP32 product) before the run's combine, although the
+    /// gates already hold it (the `moe.term.J` records are unchanged).
+    RoutedScalingAppliedTwice,
+    /// Routed terms: the gate applied to the down projection's unrounded FP32
+    /// output, `v_j = g_j · (W2·h)`, instead of to its rounded output
+    /// `g_j · R(W2·h)` (silent in f32, which does not round there).
+    GateOnUnroundedProduct,
     /// MoE combine with this contract (with its order) instead of the run's combine.
     CombineContract(AggregationContract),
     /// MoE combine: exactly one output element moved one unit in the last
@@ -223,16 +249,21 @@ impl FaultKind {
             K::IndexerCompressorPoolingBf16Accumulator => C::AttnIndexerCompressed,
             K::IndexerBufferLowPrecision { .. } => C::StateIndexerBufferKv,
             K::IndexerStoreLowPrecision { .. } => C::AttnIndexerRead,
+            K::CompressorNormEpsilon(_) => C::AttnCompressed,
+            K::KvProjectionTruncate => C::AttnKv,
+            K::OutputGroupTruncate { .. } => C::AttnOutput,
             K::IndexerScoreScaleAfterSum => C::AttnIndexerScores,
             K::IndexerTopkDropsLast => C::AttnIndexerTopk,
             K::FfnNormEpsilon(_) => C::FfnNorm,
             K::RouterSoftplusBf16Exp => C::RouterScores,
             K::RouterNearTieFlip | K::HashRouteNextRow => C::RouterTopk,
             K::RouterGateScaleBeforeDivide => C::RouterGates,
-            K::RoutedExpertSwigluLimit(_) | K::RoutedTermRounded => C::MoeTerm,
+            K::RoutedExpertSwigluLimit(_) | K::RoutedTermRounded | K::GateOnUnroundedProduct => C::MoeTerm,
             K::SharedExpertSwigluLimit(_) => C::MoeShared,
             K::SharedExpertFirst
             | K::RoundedRoutedMerge
+            | K::SharedExpertScaled(_)
+            | K::RoutedScalingAppliedTwice
             | K::CombineContract(_)
             | K::CombineElementNudge { .. } => C::MoeCombine,
             K::HeadNormEpsilon(_) => C::LmLogits,
@@ -292,6 +323,9 @@ impl FaultKind {
             K::IndexerStoreLowPrecision { mantissa_bits } => {
                 format!("indexer-store-mantissa-{mantissa_bits}-bits")
             }
+            K::CompressorNormEpsilon(e) => format!("compressor-norm-eps={e:e}"),
+            K::KvProjectionTruncate => "kv-projection-bf16-truncate".into(),
+            K::OutputGroupTruncate { group } => format!("attn-output-group-{group}-bf16-truncate"),
             K::IndexerScoreScaleAfterSum => "indexer-score-scale-after-head-sum".into(),
             K::IndexerTopkDropsLast => "indexer-topk-drops-last".into(),
             K::FfnNormEpsilon(e) => format!("ffn-norm-eps={e:e}"),
@@ -304,6 +338,9 @@ impl FaultKind {
             K::RoutedTermRounded => "routed-term-rounded".into(),
             K::SharedExpertFirst => "shared-expert-first".into(),
             K::RoundedRoutedMerge => "routed-sum-rounded-before-shared-merge".into(),
+            K::SharedExpertScaled(f) => format!("shared-expert-scaled-x{f}"),
+            K::RoutedScalingAppliedTwice => "routed-scaling-applied-twice".into(),
+            K::GateOnUnroundedProduct => "gate-on-unrounded-down-projection".into(),
             K::CombineContract(c) => format!("combine:{}", c.describe()),
             K::CombineElementNudge { element } => format!("combine-element-{element}-nudged-one-ulp"),
             K::HeadNormEpsilon(e) => format!("head-norm-eps={e:e}"),
@@ -402,6 +439,9 @@ impl FaultPlan {
                 K::IndexerStoreLowPrecision { mantissa_bits } => {
                     a.indexer.compressor.store_bits = Some(*mantissa_bits)
                 }
+                K::CompressorNormEpsilon(e) => a.compressor_norm_eps = Some(*e),
+                K::KvProjectionTruncate => a.kv_projection_truncate = true,
+                K::OutputGroupTruncate { group } => a.output_group_truncate = Some(*group),
                 K::IndexerScoreScaleAfterSum => a.indexer.scale_after_sum = true,
                 K::IndexerTopkDropsLast => a.indexer.topk_drops_last = true,
                 K::FfnNormEpsilon(e) => a.ffn_norm_eps = Some(*e),
@@ -414,6 +454,9 @@ impl FaultPlan {
                 K::RoutedTermRounded => a.experts.term_rounded = true,
                 K::SharedExpertFirst => a.shared_first = true,
                 K::RoundedRoutedMerge => a.rounded_routed_merge = true,
+                K::SharedExpertScaled(f) => a.shared_scale = Some(*f),
+                K::RoutedScalingAppliedTwice => a.routed_scaling_twice = true,
+                K::GateOnUnroundedProduct => a.experts.gate_on_unrounded = true,
                 K::CombineContract(c) => a.combine = Some(c),
                 K::CombineElementNudge { element } => a.combine_nudge = Some(*element),
                 K::AddPostFfnMhc(d) => a.add_post_ffn_mhc = Some(d),
@@ -592,6 +635,8 @@ pub struct ExpertFaults {
     pub shared_limit: Option<f32>,
     /// See [`FaultKind::RoutedTermRounded`].
     pub term_rounded: bool,
+    /// See [`FaultKind::GateOnUnroundedProduct`].
+    pub gate_on_unrounded: bool,
 }
 
 /// The faults active at one coordinate, as the operators consume them.
@@ -616,6 +661,16 @@ pub struct Active<'a> {
     pub indexer: IndexerFaults,
     /// See [`FaultKind::RoundedRoutedMerge`].
     pub rounded_routed_merge: bool,
+    /// See [`FaultKind::SharedExpertScaled`].
+    pub shared_scale: Option<f32>,
+    /// See [`FaultKind::RoutedScalingAppliedTwice`].
+    pub routed_scaling_twice: bool,
+    /// See [`FaultKind::CompressorNormEpsilon`].
+    pub compressor_norm_eps: Option<f32>,
+    /// See [`FaultKind::KvProjectionTruncate`].
+    pub kv_projection_truncate: bool,
+    /// See [`FaultKind::OutputGroupTruncate`].
+    pub output_group_truncate: Option<usize>,
     /// See [`FaultKind::AttentionOutputTruncate`].
     pub attn_output_truncate: bool,
     /// See [`FaultKind::FfnNormEpsilon`].

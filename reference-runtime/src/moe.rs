@@ -59,6 +59,12 @@ pub fn silu(x: f32) -> f32 {
 
 /// The clamped SwiGLU expert output `y` (length D).
 pub fn expert_forward(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision) -> Vec<f32> {
+    expert_forward_with(ew, f, limit, p, p)
+}
+
+/// [`expert_forward`] with the down projection's output rounded as `out`
+/// says (the [`crate::faults::FaultKind::GateOnUnroundedProduct`] fault passes F32).
+fn expert_forward_with(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision, out: Precision) -> Vec<f32> {
     let gamma = ew.w1.linear(f, p);
     let up = ew.w3.linear(f, p);
     let h: Vec<f32> = gamma
@@ -70,7 +76,7 @@ pub fn expert_forward(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision) -
             p.round(p.round(silu(g)) * u)
         })
         .collect();
-    ew.w2.linear(&h, p)
+    ew.w2.linear(&h, out)
 }
 
 /// The official profile's expert (docs/operators.md §10; DeepSeek's
@@ -200,6 +206,24 @@ pub(crate) fn moe_forward(
         rec.f32(Component::MoeSharedHFp8, at, &[v.len() as u64], v)?;
     }
     rec.f32(Component::MoeShared, at, &[dm], shared)?;
+    // Combine-side scaling faults: the recorded terms and shared output stay as computed.
+    let scaled_terms: Vec<Vec<f32>>;
+    let terms = match cx.fx.routed_scaling_twice {
+        true => {
+            let f = cfg.routed_scaling_factor;
+            scaled_terms = terms.iter().map(|t| t.iter().map(|v| f * v).collect()).collect();
+            &scaled_terms
+        }
+        false => terms,
+    };
+    let scaled_shared: Vec<f32>;
+    let shared = match cx.fx.shared_scale {
+        Some(b) => {
+            scaled_shared = shared.iter().map(|v| b * v).collect();
+            &scaled_shared
+        }
+        None => shared,
+    };
     let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
     let event = CombineEvent {
         layer: cx.layer,
@@ -298,8 +322,10 @@ fn experts(
     // is big enough to pay for the scheduling (results are identical either way).
     let routed_limit = fx.routed_limit.unwrap_or(cfg.swiglu_limit);
     let shared_limit = fx.shared_limit.unwrap_or(cfg.swiglu_limit);
+    // GateOnUnroundedProduct: the routed experts' down projection left unrounded.
+    let routed_out = if fx.gate_on_unrounded { Precision::F32 } else { p };
     let one = |j: usize| match r.topk.get(j) {
-        Some(&e) => expert_forward(&mw.experts[e as usize], f, routed_limit, p),
+        Some(&e) => expert_forward_with(&mw.experts[e as usize], f, routed_limit, p, routed_out),
         None => expert_forward(&mw.shared, f, shared_limit, p),
     };
     let mut outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {

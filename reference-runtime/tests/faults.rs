@@ -149,6 +149,14 @@ fn cases() -> Vec<Case> {
         Case::at(1, 7, K::RoundedRoutedMerge),
         Case::at(2, 5, K::CombineContract(b135)),
         Case::at(2, 5, K::CombineElementNudge { element: 0 }),
+        // Uncaptured steps inside a captured operator.
+        Case::at(3, 4, K::CompressorNormEpsilon(1e-2)),
+        Case::at(2, 3, K::KvProjectionTruncate),
+        Case::at(2, 1, K::OutputGroupTruncate { group: 1 }),
+        // Scaling faults.
+        Case::at(1, 7, K::SharedExpertScaled(1.5)),
+        Case::at(1, 7, K::RoutedScalingAppliedTwice),
+        Case::at(1, 5, K::GateOnUnroundedProduct),
     ]);
     v
 }
