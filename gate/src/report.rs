@@ -248,7 +248,7 @@ impl LevelResult {
     /// The level's lines of the text report.
     fn render_text(&self, s: &mut String) {
         s.push_str(&format!(
-            "{} {:<9} {:<12} {} steps, {} differ, {} fail  ({})\n",
+            "{} {:<9} {:<12} {} steps, {} records differ, {} fail  ({})\n",
             self.level.name(),
             self.mode.name(),
             self.status.label(),

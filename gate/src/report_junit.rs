@@ -33,7 +33,10 @@ impl Case {
     /// A level's test case: fails with the first failure and the
     /// localization, skipped when the level was not compared.
     fn level(l: &LevelResult, localized: Option<&str>) -> Case {
-        let mut out = format!("{} steps, {} differ, {} fail", l.steps, l.differing, l.failed);
+        let mut out = format!(
+            "{} steps, {} records differ, {} fail",
+            l.steps, l.differing, l.failed
+        );
         if let Some(d) = &l.first_difference {
             out.push_str(&format!("\nfirst difference: {}", d.describe_location()));
         }

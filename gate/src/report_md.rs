@@ -45,7 +45,7 @@ pub fn render(r: &GateReport) -> String {
             cell(&format!("{} {}", i.side, r.incomplete_file(i)))
         ));
     }
-    s.push_str("| Level | Mode | Status | Steps | Differ | Fail | First failure |\n");
+    s.push_str("| Level | Mode | Status | Steps | Records differ | Records fail | First failure |\n");
     s.push_str("|---|---|---|---:|---:|---:|---|\n");
     for l in &r.levels {
         let first = l.first_failure.as_ref().map(|f| f.describe()).unwrap_or_default();
