@@ -182,6 +182,15 @@ impl Seen {
 }
 
 impl Ctx<'_> {
+    /// Whether `p` is an observation rather than an operator's output: a
+    /// record only captures hold ([`observational`]), or one a side's
+    /// capture recomputed outside the backend's execution (per-expert terms
+    /// from one-slot kernel calls, router scores). Compared and reported;
+    /// the walk goes on to the operator that consumes it.
+    pub(crate) fn is_observation(&self, p: Pair) -> bool {
+        self.s.entry(p).is_some_and(|e| observational(&e.coord.path)) || self.recomputed_side(&[p]).is_some()
+    }
+
     /// The inputs of the operator that produces `path` at (`step`,
     /// `layer`, `position`) and whether each matches. A missing input is
     /// `not_captured` when its level is not compared or the trace lacks it,
@@ -204,7 +213,9 @@ impl Ctx<'_> {
                     // materializes inside this operator's own arithmetic
                     // (the routed sum inside a combine): part of the
                     // operator, not an input computed elsewhere.
-                    "differ" if observational(&spec.path) => OBSERVED_DIFFERS,
+                    "differ" if observational(&spec.path) || self.recomputed_side(&pairs).is_some() => {
+                        OBSERVED_DIFFERS
+                    }
                     // Inputs of a combine whose differences both sides'
                     // contracts absorb (crate::counterfactual).
                     "differ"
@@ -497,11 +508,9 @@ impl Ctx<'_> {
                 });
                 match kind {
                     Some(DivergenceKind::Absorbed) => {}
-                    Some(DivergenceKind::Propagating)
-                        if component.is_some_and(|c| observational(c.spec().path)) =>
-                    {
-                        // An observation (`moe.routed`): the walk goes on to
-                        // the operator that consumes it.
+                    Some(DivergenceKind::Propagating) if self.is_observation(p) => {
+                        // An observation (`moe.routed`, a recomputed term):
+                        // the walk goes on to the operator that consumes it.
                         out.rest = Rest::Propagates;
                     }
                     Some(DivergenceKind::Propagating) => {
@@ -554,7 +563,7 @@ impl Ctx<'_> {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
-            if observational(&e.coord.path) || self.combine_absorbing(e)?.is_some() {
+            if self.is_observation(p) || self.combine_absorbing(e)?.is_some() {
                 // Localized only when no operator is: the operator that
                 // consumes an observation, or the combine whose contracts
                 // absorb this input's difference, is where the executions part.

@@ -239,11 +239,18 @@ fn unexplained_candidate_reports_the_closest_members() {
     let text = rep.render_text(false);
     assert!(
         text.contains(
-            "candidate's moe.combine at layer 1 step 1: no grammar member reproduces it; closest: "
+            "candidate's moe.combine at layer 1 step 1: no grammar member reproduces it; closest members: "
         ),
         "{text}"
     );
-    assert!(text.contains("values differ)"), "{text}");
+    // Closeness in ulps, not only in a count of differing values.
+    assert!(
+        e.closest.iter().all(|n| n.max_ulps.is_some_and(|u| u >= 1)),
+        "{e:?}"
+    );
+    assert!(text.contains(" ulp)"), "{text}");
+    // A reordered tree is no scaling: the fit reads every coefficient as 1 and is left out.
+    assert!(e.fit.is_none(), "{:?}", e.fit);
 }
 
 #[test]
@@ -973,4 +980,53 @@ fn a_term_difference_under_one_contract_is_not_called_absorbed_by_contracts() {
     let text = rep.render_text(false);
     assert!(!text.contains("contracts"), "{text}");
     assert!(text.contains("absorbed before the next checkpoint"), "{text}");
+}
+
+/// A record the candidate's capture recomputed (`moeconf.recomputed`: the
+/// per-slot terms of a fused kernel, recomputed through one-slot calls) is an
+/// observation like `moe.routed`: its difference is reported, and the walk
+/// reaches the combine that consumes it, which is localized. Unmarked, the
+/// same term difference is the operator the walk stops at.
+#[test]
+fn a_recomputed_term_does_not_stop_the_walk_before_the_combine() {
+    let at = (1, 2, 3);
+    let candidate = || {
+        let mut c = Synth::candidate(Inject::Combine {
+            step: at.0,
+            layer: at.1,
+            position: at.2,
+            contract: b_class(5),
+        });
+        c.also.push(Inject::Term {
+            step: at.0,
+            layer: at.1,
+            position: at.2,
+        });
+        c
+    };
+    // Unmarked: moe.term.0 differs with its inputs matching, so it is localized.
+    let (_d, r, c) = pair(&Synth::reference(), &candidate());
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let loc = rep.levels.l4.localized.as_ref().expect("localized");
+    assert_eq!(loc.at.path, "moe.term.0", "{}", rep.render_text(false));
+    // Marked recomputed: reported, then the combine.
+    let mut marked = candidate();
+    marked
+        .provenance
+        .notes
+        .push(("moeconf.recomputed".into(), "moe.term.*".into()));
+    let (_d, r, c) = pair(&Synth::reference(), &marked);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    let paths: Vec<&str> = rep.divergences.iter().map(|d| d.at.path.as_str()).collect();
+    assert_eq!(paths, ["moe.term.0", "moe.combine"], "{text}");
+    let loc = rep.levels.l4.localized.as_ref().expect("localized");
+    assert_eq!(loc.at.path, "moe.combine", "{text}");
+    assert!(
+        loc.inputs
+            .iter()
+            .any(|i| i.input.starts_with("moe.term") && i.status == "observed_differs"),
+        "{:?}",
+        loc.inputs
+    );
 }
