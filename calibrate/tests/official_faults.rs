@@ -114,3 +114,53 @@ fn uncaptured_steps_and_scaling_faults_are_localized_and_read() {
         assert!(report.render_text(false).contains(words), "{name}");
     }
 }
+
+/// `moeconf explain` on a run whose every combine scales the shared expert:
+/// no grammar member reproduces any event, and the headline gives the fit's
+/// reading and how many events it reproduces bitwise.
+#[test]
+fn explain_reads_a_scaling_bug_at_every_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = moeconf_runner::load_model("builtin:tiny-v4").expect("built-in model");
+    let ctx = Ctx::new(
+        m,
+        CtxOptions {
+            precision: Precision::Bf16,
+            fork_layer: 5,
+            sizes: Sizes::QUICK,
+            out: dir.path().to_path_buf(),
+            progress: moeconf_shard::ProgressMode::Off,
+        },
+    )
+    .expect("context");
+    let ids = ctx.encode(PROMPT).unwrap();
+    let plan = FaultPlan::new(vec![Fault {
+        step: None,
+        layer: None,
+        position: None,
+        kind: FaultKind::SharedExpertScaled(1.5),
+    }]);
+    let path = dir.path().join("scaled.bin");
+    ctx.write_trace(TraceRequest {
+        prompt: PROMPT,
+        prompt_ids: &ids,
+        tokens: TOKENS,
+        combine: &NativeCombine,
+        faults: Some(&plan),
+        notes: Vec::new(),
+        path: &path,
+    })
+    .expect("trace");
+    let t = Trace::open_verified(&path).expect("open");
+    let x = moeconf_bisect::explain_trace(&t, "scaled.bin").expect("explain");
+    let h = &x.verdict.headline;
+    assert!(h.starts_with("no grammar member reproduces"), "{h}");
+    let events = x.verdict.events;
+    assert!(events > 0);
+    assert!(
+        h.contains(&format!(
+            "read as shared expert × 1.5 ({events} of {events} events reproduced bitwise"
+        )),
+        "{h}"
+    );
+}
