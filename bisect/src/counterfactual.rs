@@ -7,7 +7,7 @@
 //! erases on either side), and what differs at the combine is the contract
 //! itself, which contract inference then names for both sides.
 
-use moeconf_contract::AggregationContract;
+use moeconf_contract::{AggregationContract, EventContext};
 use moeconf_fingerprint::canonical_f32_bits;
 
 use crate::ctx::Ctx;
@@ -28,9 +28,15 @@ fn reproduces(
 ) -> bool {
     let refs: Vec<&[f32]> = terms.iter().map(Vec::as_slice).collect();
     let canon = |v: f32| canonical_f32_bits(v.to_bits(), side.canon);
+    // The rule's order is resolved at the side's own event (its expert ids
+    // and gates): `asc-id` or `desc-gate` mean that side's routes.
+    let ctx = EventContext {
+        experts: &side.experts,
+        gates: &side.gates,
+    };
     rules.iter().take(MAX_RULES).any(|rule| {
         let mut y = vec![0.0f32; out.len()];
-        rule.try_combine(&refs, shared, &mut y).is_ok()
+        rule.try_combine_in(Some(&ctx), &refs, shared, &mut y).is_ok()
             && y.iter().zip(out).all(|(a, b)| canon(*a) == canon(*b))
     })
 }

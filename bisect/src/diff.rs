@@ -227,7 +227,11 @@ pub fn diff(reference: &Trace, candidate: &Trace, opts: &DiffOptions) -> Result<
         Verdict::Equivalent
     };
     let mut divergences = Vec::with_capacity(found.events.len());
-    for e in &found.events {
+    for e in found
+        .events
+        .iter()
+        .filter(|e| !cx.consumed_observation(e, &found.events))
+    {
         divergences.extend(cx.divergence_report(e)?);
     }
     let first_divergence = cx.first_divergence(&divergences, &levels.l4);
@@ -397,14 +401,13 @@ fn summary_line(
                     s.push_str(&format!(", inputs match ({n})"));
                 }
             }
-            let at_combine = divergences
-                .first()
-                .and_then(|d| d.checkpoint.as_ref())
-                .is_some_and(|c| Component::MoeCombine.matches(&c.path));
-            if f.kind == Some(DivergenceKind::Absorbed) && at_combine {
-                s.push_str(", absorbed by both sides' contracts at the combine");
-            } else if f.kind == Some(DivergenceKind::Absorbed) {
-                s.push_str(", absorbed before the next checkpoint");
+            match divergences.first().and_then(|d| d.absorbed_at) {
+                Some(Absorption::Contracts) => {
+                    s.push_str(", absorbed by both sides' contracts at the combine")
+                }
+                Some(Absorption::Consumer) => s.push_str(", absorbed by the combine, which matches"),
+                Some(Absorption::Checkpoint) => s.push_str(", absorbed before the next checkpoint"),
+                None => {}
             }
             if let Some(c) = &f.contract {
                 s.push_str(&format!("; candidate contract: {c}"));
@@ -616,6 +619,26 @@ impl Ctx<'_> {
         })
     }
 
+    /// Whether `e` is a capture-only observation (`moe.routed`) whose
+    /// consumer at the same step, layer and position is itself a divergence:
+    /// it is reported there, as that operator's `observed_differs` input, not
+    /// as a divergence of its own before the operator.
+    fn consumed_observation(&self, e: &Event, events: &[Event]) -> bool {
+        let Some(at) = self.s.entry(e.pair) else {
+            return false;
+        };
+        if !crate::divergence::observational(&at.coord.path) {
+            return false;
+        }
+        events.iter().any(|f| {
+            self.s.entry(f.pair).is_some_and(|g| {
+                Component::MoeCombine.matches(&g.coord.path)
+                    && (g.coord.step, g.coord.layer, g.coord.position)
+                        == (at.coord.step, at.coord.layer, at.coord.position)
+            })
+        })
+    }
+
     /// The report form of one divergence.
     fn divergence_report(&self, e: &Event) -> Result<Option<Divergence>, BisectError> {
         let Some(at) = self.rec_ref_any(e.pair) else {
@@ -624,6 +647,7 @@ impl Ctx<'_> {
         Ok(Some(Divergence {
             kind: e.kind,
             checkpoint: e.checkpoint.and_then(|p| self.rec_ref_any(p)),
+            absorbed_at: e.absorbed_at,
             inputs: e.inputs.clone(),
             inputs_match: e.inputs_match,
             inputs_note: inputs_note(&e.inputs),

@@ -21,7 +21,7 @@ use crate::layerkind;
 use crate::operators::is_checkpoint;
 use crate::operators::{describe_input, producer};
 use crate::quantization::status_differs;
-use crate::report::{DivergenceKind, InputCheck};
+use crate::report::{Absorption, DivergenceKind, InputCheck};
 use crate::storage::Rounding;
 use crate::walk::Pair;
 use moeconf_fingerprint::catalogue::{reaches, ExecGroup, ExecKey};
@@ -44,6 +44,9 @@ pub(crate) fn observational(path: &str) -> bool {
 /// sides' contracts absorb (`crate::counterfactual`): counts as matching.
 pub(crate) const ABSORBED_BY_CONTRACTS: &str = "absorbed_by_contracts";
 
+/// A divergence's kind, the record that decides it and, when absorbed, where.
+type Classified = (Option<DivergenceKind>, Option<Pair>, Option<Absorption>);
+
 /// At most this many divergences are listed.
 pub const MAX_DIVERGENCES: usize = 16;
 /// At most this many differing records are examined while looking for the
@@ -60,6 +63,8 @@ pub(crate) struct Event {
     /// The first later checkpoint that differs (propagating), or the next
     /// checkpoint, which matches (absorbed).
     pub checkpoint: Option<Pair>,
+    /// Absorbed: where.
+    pub absorbed_at: Option<Absorption>,
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches.
     pub inputs_match: bool,
@@ -182,15 +187,6 @@ impl Seen {
 }
 
 impl Ctx<'_> {
-    /// Whether `p` is an observation rather than an operator's output: a
-    /// record only captures hold ([`observational`]), or one a side's
-    /// capture recomputed outside the backend's execution (per-expert terms
-    /// from one-slot kernel calls, router scores). Compared and reported;
-    /// the walk goes on to the operator that consumes it.
-    pub(crate) fn is_observation(&self, p: Pair) -> bool {
-        self.s.entry(p).is_some_and(|e| observational(&e.coord.path)) || self.recomputed_side(&[p]).is_some()
-    }
-
     /// The inputs of the operator that produces `path` at (`step`,
     /// `layer`, `position`) and whether each matches. A missing input is
     /// `not_captured` when its level is not compared or the trace lacks it,
@@ -213,9 +209,7 @@ impl Ctx<'_> {
                     // materializes inside this operator's own arithmetic
                     // (the routed sum inside a combine): part of the
                     // operator, not an input computed elsewhere.
-                    "differ" if observational(&spec.path) || self.recomputed_side(&pairs).is_some() => {
-                        OBSERVED_DIFFERS
-                    }
+                    "differ" if observational(&spec.path) => OBSERVED_DIFFERS,
                     // Inputs of a combine whose differences both sides'
                     // contracts absorb (crate::counterfactual).
                     "differ"
@@ -287,12 +281,40 @@ impl Ctx<'_> {
         Some((inputs, ok, key, component))
     }
 
-    /// Whether `p` propagates: the first checkpoint at or after position
-    /// `i` of `recs` (the differing records of its step) for a record
-    /// inside the step, the step's token for a step output, a checkpoint of
-    /// a later step for persistent state. Returns the kind and the
-    /// checkpoint that decides it.
-    fn classify(
+    /// Whether `recs[i]` (one of the differing records of its step) propagates
+    /// or is absorbed, the record that decides it, and where it is absorbed:
+    /// by both contracts at the combine, at its consumer, or by the
+    /// checkpoints it can reach ([`Ctx::classify_kind`]).
+    fn classify(&self, recs: &[Pair], i: usize, key: &ExecKey) -> Result<Classified, BisectError> {
+        let Some(e) = self.s.entry(recs[i]) else {
+            return Ok((None, None, None));
+        };
+        if let Some(cp) = self.combine_absorbing(e)? {
+            // Each side's contract gives its own combine output from the
+            // other side's terms: the difference ends at the combine.
+            return Ok((
+                Some(DivergenceKind::Absorbed),
+                Some(cp),
+                Some(Absorption::Contracts),
+            ));
+        }
+        if let Some(cp) = self.consumer_absorbing(e) {
+            return Ok((
+                Some(DivergenceKind::Absorbed),
+                Some(cp),
+                Some(Absorption::Consumer),
+            ));
+        }
+        let (kind, cp) = self.classify_kind(recs, i, key)?;
+        let at = (kind == Some(DivergenceKind::Absorbed)).then_some(Absorption::Checkpoint);
+        Ok((kind, cp, at))
+    }
+
+    /// By the checkpoints the record can reach: the first reachable checkpoint
+    /// at or after position `i` of `recs` for a record inside the step, the
+    /// step's token for a step output, a checkpoint of a later step for
+    /// persistent state. Returns the kind and the checkpoint that decides it.
+    fn classify_kind(
         &self,
         recs: &[Pair],
         i: usize,
@@ -303,11 +325,6 @@ impl Ctx<'_> {
             return Ok((None, None));
         };
         let step = e.coord.step;
-        if let Some(cp) = self.combine_absorbing(e)? {
-            // Each side's contract gives its own combine output from the
-            // other side's terms: the difference ends at the combine.
-            return Ok((Some(DivergenceKind::Absorbed), Some(cp)));
-        }
         match key.group {
             ExecGroup::Layer | ExecGroup::StepInput => {
                 if !self.compared.contains(Level::L3) {
@@ -373,6 +390,25 @@ impl Ctx<'_> {
 
     /// For a combine input (`moe.term.J`, `moe.shared`) whose difference both
     /// sides' contracts absorb at its combine: that combine's record.
+    /// The combine at the position of a routed term, the routed sum or the
+    /// shared output, when both traces hold it and it matches bitwise: the
+    /// combine is the only consumer of these records (docs/operators.md), so
+    /// their difference ends there whatever differs later.
+    fn consumer_absorbing(&self, e: &moeconf_schema::IndexEntry) -> Option<Pair> {
+        let c = &e.coord;
+        let input = [Component::MoeTerm, Component::MoeShared, Component::MoeRouted]
+            .iter()
+            .any(|x| x.matches(&c.path));
+        if !input {
+            return None;
+        }
+        self.s
+            .lookup_component(c.step, Some(c.layer?), Some(c.position), Component::MoeCombine)
+            .first()
+            .copied()
+            .filter(|&cp| cp.r.is_some() && cp.c.is_some() && self.s.pair_equal(cp))
+    }
+
     fn combine_absorbing(&self, e: &moeconf_schema::IndexEntry) -> Result<Option<Pair>, BisectError> {
         let c = &e.coord;
         let input = Component::MoeTerm.matches(&c.path) || Component::MoeShared.matches(&c.path);
@@ -498,19 +534,22 @@ impl Ctx<'_> {
                     // site: the same operator, one divergence.
                     continue;
                 }
-                let (kind, checkpoint) = self.classify(&recs, i, &key)?;
+                let (kind, checkpoint, absorbed_at) = self.classify(&recs, i, &key)?;
                 out.events.push(Event {
                     pair: p,
                     kind,
                     checkpoint,
+                    absorbed_at,
                     inputs,
                     inputs_match,
                 });
                 match kind {
                     Some(DivergenceKind::Absorbed) => {}
-                    Some(DivergenceKind::Propagating) if self.is_observation(p) => {
-                        // An observation (`moe.routed`, a recomputed term):
-                        // the walk goes on to the operator that consumes it.
+                    Some(DivergenceKind::Propagating)
+                        if component.is_some_and(|c| observational(c.spec().path)) =>
+                    {
+                        // An observation (`moe.routed`): the walk goes on to
+                        // the operator that consumes it.
                         out.rest = Rest::Propagates;
                     }
                     Some(DivergenceKind::Propagating) => {
@@ -563,7 +602,7 @@ impl Ctx<'_> {
                 continue;
             }
             let Some(e) = self.s.entry(p) else { continue };
-            if self.is_observation(p) || self.combine_absorbing(e)?.is_some() {
+            if observational(&e.coord.path) || self.combine_absorbing(e)?.is_some() {
                 // Localized only when no operator is: the operator that
                 // consumes an observation, or the combine whose contracts
                 // absorb this input's difference, is where the executions part.

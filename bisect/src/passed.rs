@@ -43,6 +43,17 @@ pub(crate) fn inputs_note(inputs: &[InputCheck]) -> Option<String> {
     if !recomputed.is_empty() {
         parts.push(format!("recomputed by the capture: {}", recomputed.join(", ")));
     }
+    let absorbed = names(&|i| i.status == crate::divergence::ABSORBED_BY_CONTRACTS);
+    if !absorbed.is_empty() {
+        parts.push(format!("absorbed by both contracts: {}", absorbed.join(", ")));
+    }
+    let observed = names(&|i| i.status == crate::divergence::OBSERVED_DIFFERS);
+    if !observed.is_empty() {
+        parts.push(format!(
+            "observed inside the operator, differs: {}",
+            observed.join(", ")
+        ));
+    }
     let one_side = names(&|i| i.status == "one_side");
     if !one_side.is_empty() {
         parts.push(format!(

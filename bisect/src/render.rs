@@ -296,17 +296,11 @@ impl DiffReport {
                 } else {
                     format!(", held only by the {}", f.present_in)
                 };
-                let at_combine = self
-                    .divergences
-                    .first()
-                    .and_then(|d| d.checkpoint.as_ref())
-                    .is_some_and(|c| Component::MoeCombine.matches(&c.path));
-                let how = match f.kind {
-                    Some(DivergenceKind::Absorbed) if at_combine => {
-                        ", absorbed by both sides' contracts at the combine"
-                    }
-                    Some(DivergenceKind::Absorbed) => ", absorbed before the next checkpoint",
-                    _ => "",
+                let how = match self.divergences.first().and_then(|d| d.absorbed_at) {
+                    Some(Absorption::Contracts) => ", absorbed by both sides' contracts at the combine",
+                    Some(Absorption::Consumer) => ", absorbed by the combine, which matches",
+                    Some(Absorption::Checkpoint) => ", absorbed before the next checkpoint",
+                    None => "",
                 };
                 let _ = writeln!(
                     o,
@@ -538,8 +532,12 @@ impl DiffReport {
                     format!("propagating: the first later checkpoint that differs is {}", c.describe())
                 }
                 (Some(DivergenceKind::Propagating), None) => "propagating".to_string(),
-                (Some(DivergenceKind::Absorbed), Some(c)) if Component::MoeCombine.matches(&c.path) => format!(
+                (Some(DivergenceKind::Absorbed), Some(c)) if d.absorbed_at == Some(Absorption::Contracts) => format!(
                     "absorbed by both contracts at {}: each side's combine rule gives its own output from the other side's inputs too; what differs there is the contract",
+                    c.describe_location()
+                ),
+                (Some(DivergenceKind::Absorbed), Some(c)) if d.absorbed_at == Some(Absorption::Consumer) => format!(
+                    "absorbed: its only consumer, {}, matches (whatever differs later does not come from it)",
                     c.describe_location()
                 ),
                 (Some(DivergenceKind::Absorbed), Some(c)) => format!(

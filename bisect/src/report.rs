@@ -99,6 +99,22 @@ pub enum DivergenceKind {
     Absorbed,
 }
 
+/// Where an absorbed divergence ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Absorption {
+    /// The next checkpoint matches and no later checkpoint it can reach differs.
+    Checkpoint,
+    /// Its only consumer at its own position (the combine, for a routed term,
+    /// the routed sum or the shared output) matches: the difference cannot
+    /// travel further, whatever differs later.
+    Consumer,
+    /// Each side's combine contract gives its own output from the other
+    /// side's inputs too (`crate::counterfactual`): what differs at the
+    /// combine is the contract.
+    Contracts,
+}
+
 impl DivergenceKind {
     /// `propagating` / `absorbed`.
     pub fn name(self) -> &'static str {
@@ -154,8 +170,11 @@ pub struct Divergence {
     /// are not compared).
     pub kind: Option<DivergenceKind>,
     /// Propagating: the first later checkpoint that differs. Absorbed: the
-    /// next checkpoint, which matches (`null` when there is none).
+    /// next checkpoint, which matches, or the consumer or combine that
+    /// absorbs it (`absorbed_at`; `null` when there is none).
     pub checkpoint: Option<RecordRef>,
+    /// Absorbed: where (`null` when propagating or not classified).
+    pub absorbed_at: Option<Absorption>,
     /// Its inputs and whether they match.
     pub inputs: Vec<InputCheck>,
     /// Whether every captured input matches.

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use moeconf_bisect::{
-    diff, BisectError, DiffOptions, ExplanationStatus, LevelStatus, ValueComparison, Verdict,
+    diff, Absorption, BisectError, DiffOptions, ExplanationStatus, LevelStatus, ValueComparison, Verdict,
 };
 use moeconf_contract::{b_class_of, b_class_representative, AggregationContract, Order};
 
@@ -703,12 +703,12 @@ fn a_divergence_never_propagates_to_an_earlier_position() {
         "{}",
         rep.render_text(false)
     );
-    // The absorbed one names its own (matching) checkpoint, never one at
+    // The absorbed one names its own (matching) consumer, never a record at
     // an earlier position.
     let cp = rep.divergences[0].checkpoint.as_ref().unwrap();
     assert_eq!(
         (cp.position, cp.layer, cp.path.as_str()),
-        (1, Some(1), "layer.post_ffn_mhc")
+        (1, Some(1), "moe.combine")
     );
     assert_eq!(rep.rest, "propagates");
 }
@@ -776,8 +776,13 @@ fn an_observed_routed_sum_does_not_stop_the_walk_before_the_combine() {
     let (_d, r, c) = pair(&reference, &cand);
     let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
     let text = rep.render_text(false);
+    // The observation is reported as the combine's input, not as a divergence before it.
     let paths: Vec<&str> = rep.divergences.iter().map(|d| d.at.path.as_str()).collect();
-    assert_eq!(paths, ["moe.routed", "moe.combine"], "{text}");
+    assert_eq!(paths, ["moe.combine"], "{text}");
+    assert_eq!(
+        rep.first_divergence.as_ref().map(|f| f.operator.as_str()),
+        Some("moe.combine")
+    );
     let loc = rep.levels.l4.localized.as_ref().expect("localized");
     assert_eq!(loc.at.path, "moe.combine", "{text}");
     assert!(loc.inputs_match, "{text}");
@@ -891,7 +896,7 @@ fn the_summary_says_how_many_divergences_it_does_not_name() {
     let summary = text.lines().find(|l| l.starts_with("first divergence:")).unwrap();
     assert!(
         summary.contains(
-            "absorbed before the next checkpoint; then L4 step 0 position 0 layer 3 operator moe.combine, propagating; and 1 more divergence (listed above)"
+            "absorbed by the combine, which matches; then L4 step 0 position 0 layer 3 operator moe.combine, propagating; and 1 more divergence (listed above)"
         ),
         "{summary}"
     );
@@ -904,11 +909,25 @@ fn the_summary_says_how_many_divergences_it_does_not_name() {
 /// and the walk reaches the combine, where both contracts are named.
 #[test]
 fn a_term_difference_both_contracts_absorb_leaves_the_contract_as_the_divergence() {
+    contract_absorbs_a_term_difference(b_class(5), "b+order=class:5");
+}
+
+/// The same with a named order resolved at the event's routes (like
+/// transformers eager's `b+order=asc-id`; the synthetic routes are ascending,
+/// so the gate order stands in): each side's rule is evaluated with its own
+/// routes and gates, not in slot order.
+#[test]
+fn a_named_order_rule_absorbs_a_term_difference_at_its_own_routes() {
+    let by_gate = AggregationContract::parse("b+order=desc-gate").unwrap();
+    contract_absorbs_a_term_difference(by_gate, "b+order=desc-gate");
+}
+
+fn contract_absorbs_a_term_difference(contract: AggregationContract, named: &str) {
     let mut cand = Synth::candidate(Inject::Combine {
         step: 1,
         layer: 2,
         position: 3,
-        contract: b_class(5),
+        contract,
     });
     cand.also = vec![Inject::Nudge {
         step: 1,
@@ -943,7 +962,7 @@ fn a_term_difference_both_contracts_absorb_leaves_the_contract_as_the_divergence
         loc.inputs
     );
     let con = rep.levels.l4.contract.as_ref().unwrap();
-    assert_eq!(con.candidate.as_deref(), Some("b+order=class:5"), "{text}");
+    assert_eq!(con.candidate.as_deref(), Some(named), "{text}");
     assert_eq!(
         con.reference_explanation
             .as_ref()
@@ -979,54 +998,71 @@ fn a_term_difference_under_one_contract_is_not_called_absorbed_by_contracts() {
     let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
     let text = rep.render_text(false);
     assert!(!text.contains("contracts"), "{text}");
-    assert!(text.contains("absorbed before the next checkpoint"), "{text}");
+    assert!(text.contains("absorbed by the combine, which matches"), "{text}");
 }
 
-/// A record the candidate's capture recomputed (`moeconf.recomputed`: the
-/// per-slot terms of a fused kernel, recomputed through one-slot calls) is an
-/// observation like `moe.routed`: its difference is reported, and the walk
-/// reaches the combine that consumes it, which is localized. Unmarked, the
-/// same term difference is the operator the walk stops at.
+/// A routed term that differs where its only consumer, the combine, matches
+/// is absorbed there, whatever differs later (transformers grouped_mm vs
+/// batched_mm: a layer-5 term at position 1 and an independent layer-7
+/// divergence at position 0). Recomputed by the capture or not, the term is
+/// classified the same way.
 #[test]
-fn a_recomputed_term_does_not_stop_the_walk_before_the_combine() {
-    let at = (1, 2, 3);
-    let candidate = || {
-        let mut c = Synth::candidate(Inject::Combine {
-            step: at.0,
-            layer: at.1,
-            position: at.2,
+fn a_term_whose_combine_matches_is_absorbed_at_its_consumer() {
+    for recomputed in [false, true] {
+        // In the prefill: the combine divergence sits at an earlier position
+        // of a later layer, which the term cannot reach.
+        let mut cand = Synth::candidate(Inject::Term {
+            step: 0,
+            layer: 2,
+            position: 1,
+        });
+        cand.also.push(Inject::Combine {
+            step: 0,
+            layer: 3,
+            position: 0,
             contract: b_class(5),
         });
-        c.also.push(Inject::Term {
-            step: at.0,
-            layer: at.1,
-            position: at.2,
-        });
-        c
-    };
-    // Unmarked: moe.term.0 differs with its inputs matching, so it is localized.
-    let (_d, r, c) = pair(&Synth::reference(), &candidate());
-    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
-    let loc = rep.levels.l4.localized.as_ref().expect("localized");
-    assert_eq!(loc.at.path, "moe.term.0", "{}", rep.render_text(false));
-    // Marked recomputed: reported, then the combine.
-    let mut marked = candidate();
-    marked
-        .provenance
-        .notes
-        .push(("moeconf.recomputed".into(), "moe.term.*".into()));
-    let (_d, r, c) = pair(&Synth::reference(), &marked);
-    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
-    let text = rep.render_text(false);
-    let paths: Vec<&str> = rep.divergences.iter().map(|d| d.at.path.as_str()).collect();
-    assert_eq!(paths, ["moe.term.0", "moe.combine"], "{text}");
-    let loc = rep.levels.l4.localized.as_ref().expect("localized");
-    assert_eq!(loc.at.path, "moe.combine", "{text}");
-    assert!(
-        loc.inputs
+        if recomputed {
+            cand.provenance
+                .notes
+                .push(("moeconf.recomputed".into(), "moe.term.*".into()));
+        }
+        let (_d, r, c) = pair(&Synth::reference(), &cand);
+        let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let text = rep.render_text(false);
+        let got: Vec<_> = rep
+            .divergences
             .iter()
-            .any(|i| i.input.starts_with("moe.term") && i.status == "observed_differs"),
-        "{:?}",
-        loc.inputs
-    );
+            .map(|d| {
+                (
+                    d.at.path.as_str(),
+                    d.at.layer,
+                    d.kind.map(|k| k.name()),
+                    d.absorbed_at,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "moe.term.0",
+                    Some(2),
+                    Some("absorbed"),
+                    Some(Absorption::Consumer)
+                ),
+                ("moe.combine", Some(3), Some("propagating"), None)
+            ],
+            "{text}"
+        );
+        assert!(
+            text.contains("absorbed: its only consumer, step 0 pos 1 (prefill) layer 2 moe.combine, matches"),
+            "{text}"
+        );
+        assert!(
+            rep.summary.contains("absorbed by the combine, which matches"),
+            "{}",
+            rep.summary
+        );
+    }
 }

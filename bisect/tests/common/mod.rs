@@ -437,15 +437,8 @@ impl Synth {
                         &[K as u64],
                         &i32b(&topk),
                     );
-                    w.f32(
-                        step,
-                        pos,
-                        l,
-                        "router.gates",
-                        Level::L3,
-                        &[K as u64],
-                        &values(route_salt, step, pos, l, "router.gates", K),
-                    );
+                    let gates = values(route_salt, step, pos, l, "router.gates", K);
+                    w.f32(step, pos, l, "router.gates", Level::L3, &[K as u64], &gates);
                     w.f32(
                         step,
                         pos,
@@ -519,7 +512,17 @@ impl Synth {
                         _ => None,
                     });
                     match forked {
-                        Some(contract) => contract.try_combine(&refs, &shared, &mut y).expect("combine"),
+                        Some(contract) => {
+                            // Named orders (asc-id, desc-gate) resolve at this event's routes.
+                            let experts: Vec<u32> = topk.iter().map(|&e| e as u32).collect();
+                            let ctx = moeconf_contract::EventContext {
+                                experts: &experts,
+                                gates: &gates,
+                            };
+                            contract
+                                .try_combine_in(Some(&ctx), &refs, &shared, &mut y)
+                                .expect("combine")
+                        }
                         None => combine_native(&refs, &shared, &mut y),
                     }
                     if self.routed {
