@@ -5,6 +5,13 @@ Marked ``transformers`` and skipped unless torch and transformers import AND
 ``MOECONF_TRANSFORMERS_TESTS=1`` (torch + transformers are a ~5.6 GB install, so the
 default CI run skips these). One command installs and runs them:
 ``python/run_interop.sh``.
+
+They assert what holds on any CPU: coverage and layout, structural properties of what
+``moeconf diff``, ``explain`` and ``replay`` report (the operator and level of the first
+divergence, the contracts named at the combine, each side's own rule, causality), never counts
+that torch's CPU kernels produce on one machine (docs/interop.md keeps those per CPU, with the
+CPU named). They pass with torch on AVX-512 and with its AVX2 code paths forced
+(``ATEN_CPU_CAPABILITY=avx2``, plus ``ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``).
 """
 
 import glob
@@ -26,10 +33,14 @@ transformers = pytest.importorskip("transformers")
 import moeconf  # noqa: E402
 from moeconf import read_trace  # noqa: E402
 from moeconf.capture import original_name, save_original  # noqa: E402
+from interop_experts import (REFERENCE_CONTRACT, SOURCE_CONTRACT, SOURCE_ROUTED_SUM,  # noqa: E402
+                             absorbed_by_own_rules, acausal_claims, diff_structure, members, moe_event)
 
 PROMPT = "why the sheep"
 STEPS = 8
 #: Records the reference runtime emits that the transformers capture does not observe.
+#: The interop policy's near-tie threshold for the argmax (docs/interop.md section 5).
+ARGMAX_NEAR_TIE = 0.05
 REFERENCE_ONLY = {"embed.output", "attn.hc_pre_weights", "attn.hc_post_weights", "attn.hc_comb",
                   "ffn.hc_pre_weights", "ffn.hc_post_weights", "ffn.hc_comb", "attn.window_read",
                   "attn.compressed_read", "attn.indexer_read", "attn.indexer_scores"}
@@ -110,15 +121,27 @@ def test_capture_has_every_record_of_the_reference_with_its_shape(env, prec):
     assert one == {(c, "reference") for c in REFERENCE_ONLY} | {("moe.routed", "candidate")}, one
 
 
-def test_f32_tokens_match_and_state_is_close(env):
+def _by_key(t):
+    return {_key(r): i for i, r in enumerate(t.records)}
+
+
+def _per_step(t, path):
+    return {r.coord.step: t.array(i) for i, r in enumerate(t.records) if r.coord.path == path}
+
+
+def _route_set_flips(ref, hf, ih, until):
+    """(step, layer, position) of every routed event up to step ``until`` whose expert set differs."""
+    return [(r.coord.step, r.coord.layer, r.coord.position) for i, r in enumerate(ref.records)
+            if r.coord.path == "router.topk" and r.coord.step <= until and _key(r) in ih
+            and set(ref.array(i).tolist()) != set(hf.array(ih[_key(r)]).tolist())]
+
+
+def test_f32_pair_agrees_to_rounding_and_tokens_part_only_at_a_route_flip_or_near_tie(env):
     out, _ = _capture(env, "f32")
     hf, ref = read_trace(out), read_trace(env["ref"]["f32"])
-    ih = {_key(r): i for i, r in enumerate(hf.records)}
-    toks = [(int(ref.array(i)[0]), int(hf.array(ih[_key(r)])[0]))
-            for i, r in enumerate(ref.records) if r.coord.path == "token.output"]
-    assert all(a == b for a, b in toks), toks
-    # layer 0, prefill position 0: everything before the MoE combine agrees to f32 rounding
-    # (reduction order), the combine itself by the reference's BF16 output rounding
+    ih = _by_key(hf)
+    # layer 0, prefill position 0 (identical inputs): everything before the MoE combine agrees to
+    # f32 rounding (reduction order), the combine itself by the reference's BF16 output rounding
     for i, r in enumerate(ref.records):
         c = r.coord
         if c.step == 0 and c.position == 0 and c.layer == 0 and r.level in (3, 4) and _key(r) in ih:
@@ -126,6 +149,23 @@ def test_f32_tokens_match_and_state_is_close(env):
             tol = 1e-2 * max(1.0, float(np.abs(x).max())) if c.path in ("moe.combine", "layer.post_ffn_mhc") \
                 else 1e-5 * max(1.0, float(np.abs(x).max()))
             assert np.abs(x - y).max() <= tol, (c.path, float(np.abs(x - y).max()))
+    # step 0 (the same prompt on both sides): every layer state within the interop policy's
+    # aggregate tolerance (cosine >= 0.95)
+    for i, r in enumerate(ref.records):
+        if r.coord.step == 0 and r.coord.path.startswith("layer.post_") and _key(r) in ih:
+            x, y = ref.array(i).ravel().astype(np.float64), hf.array(ih[_key(r)]).ravel().astype(np.float64)
+            assert float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y))) >= 0.95, r.coord
+    # tokens part only through the paper's mechanism: a route set flip at or before that step, or
+    # an argmax that is a near-tie on one side (how many tokens agree is a per-CPU number:
+    # docs/interop.md section 4.1)
+    tr, th = _per_step(ref, "token.output"), _per_step(hf, "token.output")
+    assert sorted(tr) == sorted(th) == list(range(STEPS))
+    first = next((s for s in sorted(tr) if int(tr[s][0]) != int(th[s][0])), None)
+    if first is not None:
+        mr, mh = _per_step(ref, "lm.margin"), _per_step(hf, "lm.margin")
+        flips = _route_set_flips(ref, hf, ih, first)
+        assert flips or min(float(mr[first][0]), float(mh[first][0])) < ARGMAX_NEAR_TIE, (
+            first, int(tr[first][0]), int(th[first][0]), float(mr[first][0]), float(mh[first][0]))
 
 
 def test_l2_state_invariants_in_the_capture(env):
@@ -206,39 +246,50 @@ def test_every_feature_is_captured_over_40_tokens(env):
     sparse = [r for r in hf.records if r.coord.path == "attn.indexer_topk" and r.shape == [cfg.index_topk]
               and (r.coord.position + 1) // 4 > cfg.index_topk]
     assert sparse, "no sparse indexer selection captured"
-    ih = {_key(r): i for i, r in enumerate(hf.records)}
-    ids = [(ref.array(i).tolist(), hf.array(ih[_key(r)]).tolist())
-           for i, r in enumerate(ref.records) if r.coord.path == "attn.indexer_topk" and r.coord.step < 8]
-    assert all(a == b for a, b in ids)  # identical selections while the tokens agree
+    # the same indexer selections (as sets) while both sides consumed the same tokens and no route
+    # set has flipped, except where the reference's own choice is a near-tie (its scores of the
+    # exchanged entries within 1% of its largest |score|): the selection follows the scores, not
+    # the CPU
+    ih = _by_key(hf)
+    tr, th = _per_step(ref, "token.output"), _per_step(hf, "token.output")
+    same_tokens = next((s for s in sorted(tr) if int(tr[s][0]) != int(th[s][0])), steps)
+    flips = _route_set_flips(ref, hf, ih, steps)
+    stop = min([same_tokens] + [f[0] for f in flips])
+    ir = _by_key(ref)
+    compared, exchanged = 0, []
+    for i, r in enumerate(ref.records):
+        if r.coord.path != "attn.indexer_topk" or r.coord.step >= stop or _key(r) not in ih:
+            continue
+        a, b = set(ref.array(i).tolist()), set(hf.array(ih[_key(r)]).tolist())
+        assert len(a) == len(b), r.coord
+        compared += 1
+        if a != b:
+            scores = ref.array(ir[_key(r)[:5] + ("attn.indexer_scores",)])
+            gap = min(scores[x] for x in a - b) - max(scores[y] for y in b - a)
+            exchanged.append((r.coord.step, r.coord.layer, r.coord.position, float(gap)))
+            assert gap <= 1e-2 * float(np.abs(scores).max()), exchanged[-1]
+    assert compared > 0, (stop, flips[:3])
 
 
-# What each experts implementation computes (notes: transformers-experts.md section 3.2), as the
-# capture's diagnostic sees it: which summation of the recomputed terms reproduces the observed
-# routed sum (moe.routed), per implementation and dtype, on 3 new tokens (7 positions x 9 layers
-# = 63 events). Measured 2026-12-01 with python/interop_experts.py.
-ROUTED = {
-    ("eager", "f32"): (0, 63, 63),        # FP32 in ascending expert id (index_add_ in fp32: the same)
-    ("grouped_mm", "f32"): (63, 0, 0),    # FP32 in router slot order
-    ("batched_mm", "f32"): (63, 0, 0),    # FP32 in router slot order (its own per-row products)
-    ("eager", "bf16"): (0, 0, 63),        # BF16 accumulation per expert, ascending id (scheme B)
-    ("grouped_mm", "bf16"): (63, 63, 0),  # FP32 sum, one rounding (exact for these terms in any order)
-    ("batched_mm", "bf16"): (63, 63, 0),
-}
-
-# The member of the combine grammar each implementation computes, established from transformers'
-# source and checked bitwise (/work/notes/transformers-experts.md section 3.2; contract/src/
-# backends.rs KNOWN_BACKENDS cites the lines): `moeconf explain` must report it as the trace's rule
-# or list it among the rule's equivalents on that trace.
-TRUTH = {
-    ("eager", "bf16"): "b+order=asc-id",            # BF16 index_add_ per expert, ascending id; R(a + s)
-    ("grouped_mm", "bf16"): "c+routed=bf16",        # FP32 sum in slot order, R(R(a) + s)
-    ("batched_mm", "bf16"): "c+routed=bf16",
-    ("eager", "f32"): "p32+output=f32+order=asc-id",  # FP32 in ascending id, a + s unrounded
-    ("grouped_mm", "f32"): "p32+output=f32",        # FP32 in slot order, a + s unrounded
-    ("batched_mm", "f32"): "p32+output=f32",
-}
-# The rule `moeconf explain` reports (measured 2026-12-01; equal to TRUTH on every capture).
-EXPLAIN_RULE = dict(TRUTH)
+# Every experts implementation transformers 5.23.0 runs on CPU for DeepSeek-V4, in fp32 and bf16,
+# on 3 new tokens (7 positions x 9 layers = 63 MoE events). What each computes is established from
+# transformers' source (interop_experts.SOURCE_CONTRACT, SOURCE_ROUTED_SUM); the tests assert that
+# the capture, `moeconf diff`, `explain` and `replay` name it. How many values or events differ
+# depends on torch's CPU kernels and is measured per CPU in docs/interop.md sections 4.5-4.6.
+EVENTS = 63
+TRUTH = SOURCE_CONTRACT
+#: The member of the other family, which the source rules out (never named for a capture).
+WRONG = {"b+order=asc-id": "c+routed=bf16", "c+routed=bf16": "b+order=asc-id",
+         "p32+output=f32+order=asc-id": "p32+output=f32", "p32+output=f32": "p32+output=f32+order=asc-id"}
+#: Known failure of the Rust side (issue #32; reported, not hidden): the counterfactual at the
+#: combine (bisect/src/counterfactual.rs, `reproduces`) evaluates each side's rule with
+#: `try_combine`, i.e. without the event's expert ids, so a rule ordered by expert id
+#: (`b+order=asc-id`, eager bf16) cannot be evaluated and the term difference is reported as
+#: propagating although the rule absorbs it (the numpy oracle here shows it does).
+COUNTERFACTUAL_WITHOUT_EVENT_CONTEXT = (
+    "moeconf diff does not absorb a term difference that {member} absorbs (numpy oracle): "
+    "bisect/src/counterfactual.rs `reproduces` calls try_combine without the event context, so orders "
+    "by expert id never resolve (Rust side, issue #32)")
 
 
 def _impl_capture(env, impl, prec, steps=3):
@@ -257,14 +308,27 @@ def _impl_capture(env, impl, prec, steps=3):
     return out, res
 
 
+def _ref3(env, prec):
+    out = env["root"] / f"ref_{prec}_3.bin"
+    if not out.exists():
+        env["run"]("run", "--model", "builtin:tiny-v4", "--prompt", PROMPT, "--max-new-tokens", 3,
+                   "--precision", prec, "--capture", "all", "-o", out)
+    return out
+
+
+def _diff(env, a, b):
+    p = env["run"]("diff", "--format", "json", a, b, check=False)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr   # divergent and comparable (2 = error)
+    j = json.loads(p.stdout)
+    # causality (docs/diff.md): no divergence is said to propagate to an earlier step or position
+    assert acausal_claims(j) == [], (acausal_claims(j), j["summary"])
+    return j
+
+
 def _explain(env, path):
     p = env["run"]("explain", "--format", "json", path, check=False)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
-
-
-def _members(verdict):
-    return {verdict["rule"], *(e["contract"] for e in verdict["equivalents"])}
 
 
 def _without(src, dst, path):
@@ -281,6 +345,20 @@ def _without(src, dst, path):
     return dst
 
 
+def _assert_combine_explains_both(j, where, ref_member, cand_member):
+    """The walk reaches ``moe.combine`` at ``where`` and names a contract on each side there: the
+    member each side's implementation computes (as its simplest rule or an equivalent)."""
+    st = diff_structure(j)
+    assert st["first"][:3] == where and st["combine_reached"], (st, j["summary"])
+    c = j["levels"]["L4"]["contract"]
+    assert (c["at"]["path"], c["at"]["step"], c["at"]["position"], c["at"]["layer"]) == ("moe.combine", *where), c["at"]
+    ref, cand = c["reference_explanation"], c["candidate_explanation"]
+    assert ref["status"] == cand["status"] == "explained", c
+    assert ref_member in members(ref), (ref_member, ref["simplest"])
+    assert cand_member in members(cand), (cand_member, cand["simplest"])
+    assert WRONG.get(cand_member) not in members(cand), cand["simplest"]
+
+
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("prec", ["f32", "bf16"])
 def test_each_experts_implementation_is_captured_and_diffed(env, impl, prec):
@@ -291,115 +369,102 @@ def test_each_experts_implementation_is_captured_and_diffed(env, impl, prec):
         outs[name], res = _impl_capture(env, name, prec)
         if res is None:
             continue
-        got = tuple(res.moe_routed_reproduced[n] for n in ROUTED_SUMS)
-        assert res.moe_events == 63
-        # the recomputed terms are the implementation's own products: some summation of them
-        # reproduces the observed routed sum at every event
-        assert got == ROUTED[name, prec], (name, prec, got)
+        assert res.moe_events == EVENTS
+        # the recomputed terms are the implementation's own products: the summation its source
+        # performs reproduces the observed routed sum at every event (which other summations
+        # happen to agree on these values is data, measured per CPU)
+        own = ROUTED_SUMS[SOURCE_ROUTED_SUM[name, prec]]
+        assert res.moe_routed_reproduced[own] == EVENTS, (name, prec, res.moe_routed_reproduced)
         assert res.moe_terms_unexplained == 0
     if impl == "eager":
         return
-    p = env["run"]("diff", "--format", "json", outs["eager"], outs[impl], check=False)
-    assert p.returncode == 1, p.stderr
-    j = json.loads(p.stdout)
-    fd, d0 = j["first_divergence"], j["divergences"][0]
-    assert (fd["step"], fd["layer"], fd["position"]) == (0, 0, 0), fd
-    if (impl, prec) == ("batched_mm", "f32"):
-        # batched_mm's per-row fp32 products differ from eager's per-expert GEMM: the walk stops
-        # at the first term, which both captures recomputed (and the report says so)
-        assert fd["operator"] == "moe.term.0", fd
-        assert d0["recomputed"] == "both", d0
-    else:
-        # the routed reduction is where the implementations part; its terms match only because
-        # both captures recomputed them the same way, and the report says so
-        assert fd["operator"] == "moe.routed", fd
-        assert [(i["status"], i["recomputed"]) for i in d0["inputs"]] == [("match", "both")], d0
-        assert "recomputed by the capture: moe.term.*" in j["summary"], j["summary"]
+    j = _diff(env, outs["eager"], outs[impl])
     assert j["one_side_only"] == [] and j["storage_precision"] == []
+    st, d0 = diff_structure(j), j["divergences"][0]
+    # same prompt, same router: the implementations part in the MoE of the first event
+    assert st["first"][:3] == (0, 0, 0) and st["first"][3].startswith("moe."), st
+    if st["first"][3].startswith("moe.term."):
+        # their products differ (batched_mm's per-row GEMM): the walk stops at the term, whose
+        # inputs match, and says both captures recomputed it
+        assert d0["recomputed"] == "both" and d0["inputs_match"], d0
+        assert {i["input"].split(" ")[0] for i in d0["inputs"]} == {"ffn.norm", "router.topk", "router.gates"}, d0
+    else:
+        # the products agree: the routed reduction and the combine are where they part, the
+        # report says the terms were recomputed on both sides, and it explains each side's combine
+        assert st["first"][3] in ("moe.routed", "moe.combine"), st
+        assert "recomputed by the capture: moe.term.*" in j["summary"], j["summary"]
+        _assert_combine_explains_both(j, (0, 0, 0), TRUTH["eager", prec], TRUTH[impl, prec])
 
 
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("prec", ["f32", "bf16"])
 def test_explain_names_what_each_experts_implementation_computes(env, impl, prec):
-    """``moeconf explain`` on each implementation's capture: one rule reproduces all 63 combine
-    events, and the source-established member is that rule or one of its equivalents."""
+    """``moeconf explain`` on each implementation's capture: one rule reproduces every combine
+    event, and it is the member the transformers source establishes."""
     out, _ = _impl_capture(env, impl, prec)
     v = _explain(env, out)["verdict"]
-    assert (v["events"], v["explained_events"], v["unexplained_events"]) == (63, 63, 0), v["headline"]
-    assert v["rule"] == EXPLAIN_RULE[impl, prec], v["headline"]
-    assert TRUTH[impl, prec] in _members(v), (TRUTH[impl, prec], v["headline"])
+    assert (v["events"], v["explained_events"], v["unexplained_events"]) == (EVENTS, EVENTS, 0), v["headline"]
+    assert v["rule"] == TRUTH[impl, prec], v["headline"]
     # the members the source rules out are not in the set: the other order family, and (bf16)
     # the other accumulator / merge
-    wrong = {"b+order=asc-id": "c+routed=bf16", "c+routed=bf16": "b+order=asc-id",
-             "p32+output=f32+order=asc-id": "p32+output=f32", "p32+output=f32": "p32+output=f32+order=asc-id"}
-    assert wrong[TRUTH[impl, prec]] not in _members(v), v["headline"]
+    assert WRONG[TRUTH[impl, prec]] not in members(v), v["headline"]
     if prec == "bf16":
-        assert "c" not in _members(v)  # the paper's one-rounding C merge is not what any of them does
+        assert "c" not in members(v)  # the paper's one-rounding C merge is not what any of them does
 
 
 @pytest.mark.parametrize("prec", ["f32", "bf16"])
 def test_diff_between_implementations_explains_both_sides_at_the_combine(env, prec, tmp_path):
     """Without the capture-only ``moe.routed`` the walk reaches ``moe.combine`` (its inputs, the
     recomputed terms and the shared expert, match): ``moeconf diff`` then explains each side with
-    its own implementation's member."""
+    its own implementation's member, and the headline names the candidate's."""
     eager, _ = _impl_capture(env, "eager", prec)
     grouped, _ = _impl_capture(env, "grouped_mm", prec)
     a = _without(eager, tmp_path / "eager.bin", "moe.routed")
     b = _without(grouped, tmp_path / "grouped.bin", "moe.routed")
-    p = env["run"]("diff", "--format", "json", a, b, check=False)
-    assert p.returncode == 1, p.stderr
-    j = json.loads(p.stdout)
+    j = _diff(env, a, b)
     fd = j["first_divergence"]
     assert (fd["operator"], fd["step"], fd["layer"], fd["position"]) == ("moe.combine", 0, 0, 0), fd
+    _assert_combine_explains_both(j, (0, 0, 0), TRUTH["eager", prec], TRUTH["grouped_mm", prec])
     c = j["levels"]["L4"]["contract"]
-    assert c["at"]["path"] == "moe.combine" and (c["at"]["step"], c["at"]["layer"]) == (0, 0), c["at"]
-    ref, cand = c["reference_explanation"], c["candidate_explanation"]
-    assert ref["status"] == cand["status"] == "explained", c
-    assert fd["contract"] == c["candidate"] == cand["simplest"] == TRUTH["grouped_mm", prec], fd
-    assert f"candidate contract: {cand['simplest']}" in j["summary"], j["summary"]
-    ref_set = {ref["simplest"], *(e["contract"] for e in ref["equivalents"])}
-    cand_set = {cand["simplest"], *(e["contract"] for e in cand["equivalents"])}
-    assert TRUTH["eager", prec] in ref_set, ref["simplest"]
-    assert TRUTH["grouped_mm", prec] in cand_set, cand["simplest"]
+    assert fd["contract"] == c["candidate"] == c["candidate_explanation"]["simplest"], fd
+    assert f"candidate contract: {fd['contract']}" in j["summary"], j["summary"]
 
 
-def test_reference_vs_transformers_bf16_walks_past_storage_precision(env):
-    from tokenizers import Tokenizer
-    from transformers import DeepseekV4ForCausalLM
-
-    torch.set_num_threads(1)
-    ref = env["root"] / "ref_bf16_3.bin"
-    env["run"]("run", "--model", "builtin:tiny-v4", "--prompt", PROMPT, "--max-new-tokens", 3,
-               "--precision", "bf16", "--capture", "all", "-o", ref)
-    model = DeepseekV4ForCausalLM.from_pretrained(env["model"], dtype=torch.bfloat16,
-                                                  experts_implementation="eager").eval()
-    out = env["root"] / "hf_eager_bf16_3w.bin"
-    moeconf.capture(model, Tokenizer.from_file(os.path.join(env["model"], "tokenizer.json")), PROMPT, 3, out,
-                    model_name="builtin:tiny-v4")
-    p = env["run"]("diff", "--format", "json", ref, out, check=False)
-    assert p.returncode == 1, p.stderr
-    j = json.loads(p.stdout)
-    # moe.term.0 of the first event differs only by storage precision (the reference keeps FP32
-    # terms, transformers bf16); the walk passes it and stops at the first term that storage
-    # precision does not explain: 1 value of moe.term.1 (the capture's recomputed product)
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+def test_reference_vs_transformers_bf16_walks_past_storage_precision_to_the_combine(env, impl):
+    """The reference's bf16 profile against each bf16 capture: the terms differ by storage
+    precision (FP32 terms against HF's bf16 ones), which the walk passes; any difference left is
+    in the MoE of the first event, and where each side's own rule absorbs it (checked here
+    independently, in numpy) the walk reaches ``moe.combine`` and names both contracts."""
+    ref = _ref3(env, "bf16")
+    out, _ = _impl_capture(env, impl, "bf16")
+    j = _diff(env, ref, out)
     (g,) = j["storage_precision"]
     assert (g["component"], g["coarser"], g["coarse_storage"]) == ("moe.term.*", "candidate", "bf16 values in f32")
-    assert g["records"] == 1 and g["first"]["path"] == "moe.term.0"
-    fd, d0 = j["first_divergence"], j["divergences"][0]
-    assert (fd["operator"], fd["step"], fd["layer"], fd["position"]) == ("moe.term.1", 0, 0, 0), fd
-    assert d0["recomputed"] == "candidate"
-    assert d0["beyond_storage_precision"] == {"coarser": "candidate", "differing_values": 1, "values": 256}
-
-
-# `moeconf replay --precision P --contract X` on each 3-token capture (9 layers x 3 steps = 27 FFN
-# halves), measured 2026-12-01: how many FFN halves are origins whose output the reference still
-# reproduces bitwise (`absorbed`: only intermediate records differ; in bf16 the FP32-recorded terms
-# against HF's bf16 terms, and on score-routed layers the selection order of topk(sorted=False))
-# under the implementation's own member and under the paper's C.
-REPLAY_FFN_ABSORBED = {
-    ("eager", "bf16"): 25, ("grouped_mm", "bf16"): 25, ("batched_mm", "bf16"): 27,
-    ("eager", "f32"): 0, ("grouped_mm", "f32"): 0, ("batched_mm", "f32"): 0,
-}
+    assert g["records"] >= 1 and g["values"] == g["records"] * 256 and g["first"]["path"] == "moe.term.0", g
+    assert (g["first"]["step"], g["first"]["position"], g["first"]["layer"]) == (0, 0, 0), g
+    st = diff_structure(j)
+    # attention, mHC and router are bitwise the reference's (the bf16 profile rounds where HF
+    # does): the first divergence is in the MoE of the first event
+    assert st["first"][:3] == (0, 0, 0) and st["first"][3].startswith("moe."), st
+    rev, cev = moe_event(read_trace(ref), 0, 0, 0), moe_event(read_trace(out), 0, 0, 0)
+    r_ok, c_ok, own = absorbed_by_own_rules(rev, cev, REFERENCE_CONTRACT, TRUTH[impl, "bf16"])
+    assert own, "a side's own member does not reproduce its own combine"
+    if st["first"][3].startswith("moe.term."):
+        d0 = j["divergences"][0]
+        assert d0["recomputed"] == "candidate", d0
+        b = d0["beyond_storage_precision"]
+        assert b["coarser"] == "candidate" and 1 <= b["differing_values"] <= b["values"] == 256, b
+    if not (r_ok and c_ok):
+        # the difference is not absorbed by the combine: it is reported as propagating
+        assert st["first"][3].startswith("moe.term.") and st["first"][4] == "propagating", st
+        return
+    if not st["combine_reached"] and TRUTH[impl, "bf16"].endswith("order=asc-id"):
+        pytest.xfail(COUNTERFACTUAL_WITHOUT_EVENT_CONTEXT.format(member=TRUTH[impl, "bf16"]) + f"; got {st}")
+    _assert_combine_explains_both(j, (0, 0, 0), REFERENCE_CONTRACT, TRUTH[impl, "bf16"])
+    if st["first"][3].startswith("moe.term."):
+        assert st["first"][4] == "absorbed", st
+        assert "absorbed by both sides' contracts" in j["summary"], j["summary"]
 
 
 def _replay(env, path, prec, contract):
@@ -407,6 +472,16 @@ def _replay(env, path, prec, contract):
                    "--allow-incomplete", "--format", "json", check=False)
     assert p.returncode == 1, p.stderr   # origins exist in every case (exit 1, not 0 or 2)
     return json.loads(p.stdout)
+
+
+def _ffn_absorbed(rep):
+    return sum(u["absorbed"] for u in rep["origins"] if u["part"] == "ffn")
+
+
+#: Records of an FFN half before its combine, in execution order (docs/operators.md): a first
+#: difference here is not the contract's doing.
+FFN_BEFORE_COMBINE = ("ffn.hc_pre", "ffn.norm", "router.scores", "router.topk", "router.gates", "moe.term.",
+                      "moe.shared")
 
 
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
@@ -421,22 +496,25 @@ def test_replay_reports_per_layer_origins_for_each_experts_implementation(env, i
     assert (s["units"], s["not_replayable"]) == (60, 6), s
     assert {m["record"] for m in own["missing"]} == {"embed.output"}
     ffn = [u for u in own["origins"] if u["part"] == "ffn"]
-    assert sum(u["absorbed"] for u in ffn) == REPLAY_FFN_ABSORBED[impl, prec], [
-        (u["step"], u["layer"], u["first_difference"], u["absorbed"]) for u in ffn]
+    under_c = _replay(env, out, prec, "c")
     if prec == "f32":
-        # every half parts at its first operator: the mHC collapse (torch's BLAS against the
-        # reference's fixed 8-lane dot product, a few ulp), whatever the contract
-        assert s["origins"] == 54 and s["reproduced"] == 0, s
-        firsts = {u["first_difference"]["record"] for u in own["origins"] if u["part"] != "head"}
-        assert firsts <= {"attn.hc_pre", "ffn.hc_pre", "ffn.norm", "router.scores"}, firsts
+        # every unit parts before the combine (the mHC collapse: torch's BLAS against the
+        # reference's fixed 8-lane dot product), so the contract cannot matter: no FFN output is
+        # reproduced, and the origins and their first differences are the same under c
+        assert s["origins"] == s["units"] - s["not_replayable"] and s["reproduced"] == 0, s
+        assert _ffn_absorbed(own) == 0
+        assert all(u["first_difference"]["record"].startswith(FFN_BEFORE_COMBINE) for u in ffn), ffn
+        first = lambda rep: sorted(((u["step"], u["layer"], u["part"], u["first_difference"]["record"])
+                                    for u in rep["origins"]), key=repr)
+        assert first(own) == first(under_c)
     else:
-        # every FFN half is an origin (bf16 terms against the reference's FP32 terms; the
-        # selection order on score layers), but under the implementation's own member its output
-        # is bitwise the reference's at most of them, and under the paper's C at none
-        assert len(ffn) == 27
-        assert {u["first_difference"]["record"] for u in ffn} <= {"moe.term.0", "moe.term.1", "router.topk"}
-        under_c = _replay(env, out, prec, "c")
-        assert sum(u["absorbed"] for u in under_c["origins"] if u["part"] == "ffn") == 0
-        other = {"b+order=asc-id": "c+routed=bf16", "c+routed=bf16": "b+order=asc-id"}[TRUTH[impl, prec]]
-        under_other = _replay(env, out, prec, other)
-        assert sum(u["absorbed"] for u in under_other["origins"] if u["part"] == "ffn") == 0
+        # every FFN half is an origin before its combine (bf16 terms against the reference's FP32
+        # terms; HF's unsorted topk order on score layers); the implementation's own member
+        # reproduces the half's output at most of them (the rest: a bf16 product of torch's GEMM
+        # that differs from the reference's, how many is per CPU), the paper's C and the other
+        # family's member at none
+        assert len(ffn) == 27 and all(u["first_difference"]["record"].startswith(FFN_BEFORE_COMBINE) for u in ffn)
+        other = _replay(env, out, prec, WRONG[TRUTH[impl, prec]])
+        assert _ffn_absorbed(under_c) == 0 and _ffn_absorbed(other) == 0
+        assert _ffn_absorbed(own) > len(ffn) // 2, [(u["step"], u["layer"], u["first_difference"]) for u in ffn
+                                                    if not u["absorbed"]]
