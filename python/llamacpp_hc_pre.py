@@ -1,16 +1,18 @@
-"""Recompute layer 0's ``attn.hc_pre_weights`` of the first token bit for bit, as the reference
-runtime computes it and as llama.cpp (llama-cpp-python 0.3.36) computes it, and attribute every
-differing value to its causes by swapping one cause at a time (docs/interop-llamacpp.md
-section 4.6).
+"""Recompute layer 0's ``attn.hc_pre_weights`` bit for bit, as the reference runtime computes it
+and as llama.cpp (llama-cpp-python 0.3.36) computes it, and attribute every differing value to
+its causes by swapping them in, one subset at a time (docs/interop-llamacpp.md section 4.6).
 
-    python3 python/llamacpp_hc_pre.py --gguf G.gguf --ref REF.bin [--cand LLAMACPP.bin] [--json]
+    python3 python/llamacpp_hc_pre.py --gguf G.gguf --ref REF.bin [--cand LLAMACPP.bin]
+        [--cpu-path AVX-512|AVX2|'AVX (no FMA)'] [--json]
 
 ``--gguf`` is a GGUF written by ``moeconf export gguf`` (Phi = ``blk.0.hc_attn_fn``, b, alpha and
 the two epsilons are read from it; the export checked them bit for bit against the checkpoint).
 ``--ref`` is a reference trace (``moeconf run --capture all``, bf16, f32 or official profile) and
 ``--cand`` a llama.cpp capture (``python -m moeconf llamacpp``) of the same prompt: both hold
-``embed.output`` (step 0, position 0; it must match bitwise) and ``attn.hc_pre_weights`` (layer
-0), the values reproduced here. Without ``--cand`` only the recomputations are shown.
+``embed.output`` (which must match at step 0, position 0) and layer 0's ``attn.hc_pre_weights``.
+The detailed attribution is for the first token; every token both traces hold is recomputed too
+(the prompt's with llama.cpp's prefill kernel, decode steps with its decode kernel). Exit status 1
+when a recomputed value is not its trace's. Without ``--cand`` only the reference is checked.
 
 Every operation is one IEEE binary32 operation emulated exactly in numpy (float32 arrays round
 each operation; a fused multiply-add is computed exactly in float64 with an error-free
@@ -22,27 +24,27 @@ llama-cpp-python 0.3.36's ``vendor/llama.cpp/``, the reference's in this reposit
   llama.cpp: ``ggml_compute_forward_rms_norm_f32`` (ggml/src/ggml-cpu/ops.cpp): each square
   rounded to FP32, then summed **in double** (``ggml_float``) sequentially, ``mean = (float)(sum /
   n)``. Both then ``1 / sqrtf(mean + eps)`` in FP32 and ``u_i = x_i * r``.
-* ``mm``    the mixes ``mu = Phi . u`` (24 dot products of length N*D = 1024). Reference: dot8
-  (docs/operators.md section 2). llama.cpp, prefill (n_tokens >= 2): ``llamafile_sgemm``
-  ``tinyBLAS<16, __m512>`` on AVX-512F, ``tinyBLAS<8, __m256>`` on AVX/AVX2
-  (ggml/src/ggml-cpu/llamafile/sgemm.cpp): one accumulator register per output starting at 0,
-  ``_mm512_fmadd_ps`` / ``_mm256_fmadd_ps`` (one rounding per multiply-add), then ``hsum``:
-  GCC's ``_mm512_reduce_add_ps`` (halves 256 + 256, 128 + 128, then (t0 + t2) + (t1 + t3)) or
-  ``hsum(__m256)`` (128 + 128, then (t0 + t2) + (t1 + t3)). Variants here: ``dot8``, ``sgemm16``
-  (AVX-512), ``sgemm8`` (AVX2 + FMA), and ``vecdot16`` / ``vecdot8`` (``ggml_vec_dot_f32``, the
-  decode steps' kernel, not step 0's: 4 accumulators x 16 / 8 lanes, FMA, leftovers scalar).
+* the matmul kernel of the mixes ``mu = Phi . u`` (dot products of length N*D), in three parts,
+  ``lanes`` (8 or 16), ``fma`` (fused or multiply-then-add) and ``fold`` (the horizontal sum:
+  ``pairs`` = dot8's ((l0+l1)+(l2+l3))+..., ``halves`` = upper + lower half, recursively).
+  Reference: dot8 = (8, no, pairs) (docs/operators.md section 2). llama.cpp at the prefill
+  (n_tokens >= 2): ``llamafile_sgemm`` (ggml/src/ggml-cpu/llamafile/sgemm.cpp), one accumulator
+  register per output from 0: ``tinyBLAS<16, __m512>`` with ``_mm512_fmadd_ps`` and GCC's
+  ``_mm512_reduce_add_ps`` on AVX-512F = (16, yes, halves); ``tinyBLAS<8, __m256>`` with
+  ``_mm256_fmadd_ps`` and ``hsum(__m256)`` on AVX2 + FMA = (8, yes, halves); without FMA the
+  generic ``madd`` = (8, no, halves). At decode steps (n_tokens = 1): ``ggml_vec_dot_f32``
+  (ggml/src/ggml-cpu/vec.cpp), 4 accumulators of 16 or 8 lanes (``mm = "vecdot"``).
 * ``order`` where the factor r is applied: ``before`` (``Phi . (x r)``: the reference's bf16/f32
   profiles and llama.cpp, src/models/deepseek4.cpp ``build_hc_pre``) or ``after`` (``(Phi . x) r``:
   the official profile, DeepSeek's ``F.linear(x, hc_fn) * rsqrt``).
 * ``exp``   sigmoid ``1 / (1 + expf(-z))`` in both; reference expf = the Rust ``libm`` crate 0.2.16
   (FreeBSD ``e_expf.c``, ported below), llama.cpp = the C library's ``expf`` (``op_sigmoid``,
-  ggml/src/ggml-cpu/unary-ops.cpp; glibc here, called through ctypes).
+  ggml/src/ggml-cpu/unary-ops.cpp; this process's C library, called through ctypes).
 
 The affine ``alpha0 * mu + b`` (two separate ggml ops, two FP32 roundings; the reference the
 same) and ``+ eps_hc`` (``ggml_scale_bias`` with s = 1: ``fma(x, 1, eps) = x + eps``) are the
 same on both sides and not varied.
 """
-
 import argparse
 import ctypes
 import ctypes.util
