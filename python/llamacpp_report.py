@@ -18,7 +18,12 @@ docs/interop-llamacpp.md section 4.
    ``moeconf explain`` (the candidate's combine rule), ``moeconf replay`` (per-layer origins under
    the candidate's rule and under ``c``), ``moeconf replay --teacher-force`` (KL per step),
    ``moeconf gate --profile interop`` (policy: docs/interop.md section 5);
-5. llama.cpp against itself: 1 vs 2 threads with flash attention auto and off.
+5. llama.cpp against itself: 1 vs 2 threads with flash attention auto and off;
+6. per pair (first steps value only): layer 0's ``attn.hc_pre_weights`` recomputed bit for bit on
+   both sides and its difference attributed to causes (``llamacpp_hc_pre.py``, section 4.6), for
+   the CPU path this llama.cpp was compiled for.
+
+The numbers depend on the CPU (its model and llama.cpp's code path are printed first).
 
 Needs llama-cpp-python and gguf (python/run_llamacpp.sh installs them); not part of the default CI.
 """
@@ -79,6 +84,11 @@ def main():
 
     print(f"versions: llama-cpp-python {llama_cpp.__version__}, gguf {version('gguf')}; "
           f"model {MODEL}; prompt fixtures/prompts/llamacpp.txt")
+    import llamacpp_hc_pre
+
+    system_info = llama_cpp.llama_print_system_info().decode().strip()
+    cpu_path = llamacpp_hc_pre.cpu_path(system_info)
+    print(f"CPU: {cpu_model()}; llama.cpp CPU backend: {system_info}; matmul path: {cpu_path or 'not emulated'}")
     report = {}
 
     # 1. Exports.
@@ -185,6 +195,7 @@ def main():
                 report[name][f"gate {gp}"] = g.returncode
             if n != steps_list[0]:
                 continue
+            print_hc_pre(G[ty], R[prof, n], C[ty, n], cpu_path)
             e = json.loads(mc("explain", "--format", "json", C[ty, n]).stdout)["verdict"]
             print(f"  explain (candidate): {e['headline']}")
             member = e["rule"] or "c"
@@ -236,6 +247,48 @@ def main():
         print(f"  flash attention {fa}: 1 vs 2 threads: exit {d.returncode}; {last[-1] if last else ''}")
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo) and the x86 features that pick llama.cpp's kernels."""
+    try:
+        info = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return "unknown"
+    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    fms = [re.search(rf"^{k}\s*:\s*(\S+)$", info, re.M) for k in ("cpu family", "model", "stepping")]
+    fms = "family {} model {} stepping {}".format(*(m.group(1) if m else "?" for m in fms))
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    have = set(flags.group(1).split()) if flags else set()
+    feats = [f for f in ("avx2", "fma", "avx512f") if f in have]
+    return (f"{name.group(1).strip() if name else 'unknown'} ({fms}; {os.cpu_count()} cores; "
+            f"{' '.join(feats) or 'no AVX2'})")
+
+
+def print_hc_pre(gguf_path, ref, cand, cpu_path):
+    """Section 4.6: layer 0's attn.hc_pre_weights recomputed on both sides, causes attributed."""
+    import llamacpp_hc_pre as h
+
+    if cpu_path is None:
+        print("  mHC pre weights recomputation: n/a (llama.cpp's matmul path is not emulated)")
+        return
+    r = h.analyse(gguf_path, ref, cand, cpu_path)
+    rec = r["recomputed"]
+    ref_ok = next(v for k, v in rec.items() if k.startswith("reference"))["matches_trace"]
+    lc_ok = rec[f"llama.cpp prefill {cpu_path}"]["matches_trace"]
+    tk = r["tokens"]
+    words = lambda ok: "bit for bit" if ok else "NOT reproduced"
+    print(f"  layer 0 attn.hc_pre_weights, step 0 pos 0, recomputed ({cpu_path} path): reference {words(ref_ok)}, "
+          f"llama.cpp {words(lc_ok)}; llama.cpp - reference = {r['traces_ulps']} ulps; every shared token: "
+          + ", ".join(f"{k} {tk[k][1]}/{tk[k][0]}" for k in ("reference", "llama.cpp prefill", "llama.cpp decode")
+                      if tk[k][0]))
+    per = "; ".join(f"pre[{v['value']}] {v['ulps']:+d}: " + (" or ".join("{" + ", ".join(m) + "}"
+                                                                       for m in v["minimal_causes"]) or "equal")
+                    for v in r["reference_to_llamacpp"]["per_value"])
+    print(f"    smallest cause sets giving llama.cpp's value: {per}")
+    ct = r["causes_over_tokens"]
+    print(f"    over the {ct['tokens']} prompt tokens: {ct['differing']}/{ct['values']} values differ; per cause "
+          f"alone/needed: " + ", ".join(f"{g} {ct['alone'][g]}/{ct['needed'][g]}" for g in ct["alone"]))
 
 
 def tokens_of(path):

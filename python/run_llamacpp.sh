@@ -11,9 +11,17 @@
 #                   existing one holding llama-cpp-python 0.3.36 and gguf is reused as is
 #   LLAMACPP_OUT    output directory
 #   MOECONF_BIN     the moeconf binary (default target/release/moeconf, built when missing)
+#   LLAMACPP_CMAKE_ARGS  build llama-cpp-python with these CMAKE_ARGS instead of the native ones, to
+#                   force another CPU code path than this machine's, e.g. AVX2 on an AVX-512 machine:
+#                   "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON
+#                   -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=ON" (use a venv of its own; pip's
+#                   wheel cache is bypassed, so a wheel built for another path is never reused)
 #
 # Building llama-cpp-python 0.3.36 from source takes about 6 minutes on two idle cores (CPU only:
 # CMAKE_ARGS below; pip brings cmake and ninja); pip caches the built wheel, so a new venv reuses it.
+#
+# The report is printed even when a test fails; the exit status is then non-zero (the tests' or
+# the report's, whichever failed first).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${LLAMACPP_VENV:-$HOME/.cache/moeconf/venv-llamacpp}"
@@ -24,8 +32,15 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$check" >/dev/null 2>&1; 
 else
   echo "== installing ${PINS[*]} into $VENV"
   python3 -m venv "$VENV"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-    PIP_ROOT_USER_ACTION=ignore nice -n 5 "$VENV/bin/pip" install --disable-pip-version-check "${PINS[@]}"
+  cmake_args="-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=ON"
+  cache=()
+  if [ -n "${LLAMACPP_CMAKE_ARGS:-}" ]; then
+    cmake_args="$LLAMACPP_CMAKE_ARGS"
+    cache=(--no-cache-dir)
+  fi
+  echo "== CMAKE_ARGS=$cmake_args"
+  CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+    PIP_ROOT_USER_ACTION=ignore nice -n 5 "$VENV/bin/pip" install --disable-pip-version-check ${cache[@]+"${cache[@]}"} "${PINS[@]}"
 fi
 PY="$VENV/bin/python"
 BIN="${MOECONF_BIN:-../target/release/moeconf}"
@@ -34,5 +49,19 @@ if [ ! -x "$BIN" ]; then
 fi
 MOECONF_BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 export MOECONF_BIN
-MOECONF_LLAMACPP_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_llamacpp.py tests/test_llamacpp_live.py
+# The CPU and the code path llama.cpp was compiled for (the numbers of the report depend on both).
+echo "== CPU: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: //') ($(nproc) cores)"
+"$PY" -c 'import llama_cpp; print("== llama.cpp CPU backend:", llama_cpp.llama_print_system_info().decode().strip())' \
+  || echo "== llama.cpp CPU backend: unknown"
+set +e
+MOECONF_LLAMACPP_TESTS=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_llamacpp.py tests/test_llamacpp_live.py \
+  tests/test_llamacpp_hc_pre.py
+tests_rc=$?
 "$PY" llamacpp_report.py --out "${LLAMACPP_OUT:-../target/llamacpp}"
+report_rc=$?
+set -e
+if [ "$tests_rc" -ne 0 ]; then
+  echo "run_llamacpp.sh: the llama.cpp tests failed (pytest exit $tests_rc); the report above was printed anyway" >&2
+  exit "$tests_rc"
+fi
+exit "$report_rc"

@@ -3,8 +3,13 @@ quantized fixture's native GGUF (MXFP4 experts) with its tokenization checked ag
 reference and its logits against a run without the callback, diffed against the reference
 (the first divergence is an L4 operator of step 0), ``moeconf explain`` naming llama.cpp's MoE
 combine as read in its source (FP32 products, FP32 sequential sum in router slot order, the
-shared expert added last: ``p32+output=f32``), and the bad inputs (another architecture, a
-tokenization that differs, a GGUF of another checkpoint) refused with clear errors.
+shared expert added last: ``p32+output=f32``), layer 0's mHC pre weights recomputed bit for bit
+on both sides for the CPU path this llama.cpp was built for (``llamacpp_hc_pre.py``), and the bad
+inputs (another architecture, a tokenization that differs, a GGUF of another checkpoint) refused
+with clear errors.
+
+Only properties that hold on any CPU are asserted (how many values differ, and where the first
+difference is, depend on the CPU path: docs/interop-llamacpp.md section 4.6).
 
 Marked ``llamacpp`` and skipped unless llama_cpp imports AND ``MOECONF_LLAMACPP_TESTS=1``;
 ``python/run_llamacpp.sh`` installs the pinned stack and runs them.
@@ -54,11 +59,18 @@ def setup(moeconf_bin, tmp_path_factory):
     return dict(dir=d, mc=mc, gguf=g, ref=ref, model_dir=model_dir, ids=ids, env=env)
 
 
-def test_capture_checks_tokens_and_observation_and_localizes_the_first_divergence(setup):
+@pytest.fixture(scope="module")
+def captured(setup):
     s = setup
     out = s["dir"] / "lc.bin"
     r = lc.capture(s["gguf"], PROMPT, STEPS, out, model_dir=s["model_dir"], model_name="builtin:tiny-v4-fp8",
                    reference_ids=s["ids"])
+    return r, out
+
+
+def test_capture_checks_tokens_and_observation_and_localizes_the_first_divergence(setup, captured):
+    s = setup
+    r, out = captured
     assert r.tokenization_checked and r.prompt_ids == s["ids"] and len(r.generated) == STEPS
     t = read_trace(out)
     notes = dict(t.provenance.notes)
@@ -74,6 +86,32 @@ def test_capture_checks_tokens_and_observation_and_localizes_the_first_divergenc
     assert (fd["level"], fd["step"]) == ("L4", 0), fd
     e = json.loads(s["mc"]("explain", "--format", "json", out).stdout)["verdict"]
     assert e["rule"] == "p32+output=f32", e["headline"]
+
+
+def test_layer0_mhc_pre_weights_are_recomputed_bit_for_bit_on_both_sides(setup, captured):
+    """Whatever the CPU: llama.cpp's captured attn.hc_pre_weights of layer 0 are the emulation of
+    the kernels its build selects (prefill: llamafile tinyBLAS; decode: ggml_vec_dot_f32), the
+    reference's are its own, at every token both runs share; and diff's headline is that record
+    exactly when the recomputation says the first token's values differ."""
+    import llamacpp_hc_pre as h
+
+    s = setup
+    _, out = captured
+    path = h.cpu_path(llama_cpp.llama_print_system_info().decode())
+    if path is None:
+        pytest.skip("llama.cpp's CPU backend takes a matmul path llamacpp_hc_pre.py does not emulate")
+    res = h.analyse(str(s["gguf"]), str(s["ref"]), str(out), path)
+    tk = res["tokens"]
+    assert not tk["mismatches"], tk["mismatches"]
+    assert tk["reference"][0] >= len(s["ids"]) and tk["llama.cpp prefill"][0] == len(s["ids"]), tk
+    assert res["ok"]
+    rec = res["recomputed"][f"llama.cpp prefill {path}"]
+    assert rec["matches_trace"]
+    differs = any(res["traces_ulps"])
+    d = json.loads(s["mc"]("diff", "--format", "json", s["ref"], out, ok=(1,)).stdout)
+    fd = d["first_divergence"]
+    at_pre = (fd["step"], fd["position"], fd["layer"], fd["operator"]) == (0, 0, 0, "attn.hc_pre_weights")
+    assert at_pre == differs, (fd, res["traces_ulps"])
 
 
 def test_bad_inputs_are_refused_with_clear_errors(setup, tmp_path):
