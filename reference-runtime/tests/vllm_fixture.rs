@@ -148,7 +148,7 @@ fn the_vllm_fixture_and_its_twin_trace_identically_in_both_profiles() {
 
 /// 130 prompt tokens reach the HCA compressor's first entry (rate 128), which a short run
 /// never does; the persistent state (L2) after each step, logits and tokens agree bit for bit.
-/// The CSA indexer still selects every entry (32 < index_top-k 512): its learned selection
+/// The CSA indexer still selects every entry (at most 33 < index_topk 512): its learned selection
 /// needs more than 2,048 tokens of context.
 #[test]
 fn a_prompt_past_the_hca_rate_fills_an_hca_entry_and_traces_identically() {
