@@ -49,8 +49,9 @@ impl Format {
 #[derive(Debug, Args)]
 pub struct ModelPromptArgs {
     /// Model: `builtin:tiny-v4`, `builtin:tiny-v4-fp8` (the released FP8 / MXFP4 format),
-    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization) or a directory with config.json,
-    /// *.safetensors and tokenizer.json.
+    /// `builtin:tiny-v4-fp8-bf16` (its BF16 dequantization), `builtin:tiny-v4-vllm` (the released
+    /// format at the sizes vLLM's CPU path accepts), `builtin:tiny-v4-vllm-bf16` (its BF16
+    /// dequantization) or a directory with config.json, *.safetensors and tokenizer.json.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
     /// Prompt text (raw UTF-8, no chat template).

@@ -141,6 +141,65 @@ fn the_quantized_fixture_traces_like_its_bf16_dequantization() {
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
 }
 
+/// `moeconf run` traces the vLLM fixture `builtin:tiny-v4-vllm` (the released format at the
+/// sizes vLLM's CPU path accepts) and its BF16 twin; `diff --force` finds them equivalent.
+/// Both are materialized under cargo's target temp dir (`MOECONF_CACHE_DIR`), not the user's.
+#[test]
+fn the_vllm_fixture_runs_and_traces_like_its_bf16_twin() {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("moeconf-fixtures");
+    let d = tempfile::tempdir().expect("tempdir");
+    let (a, b) = (d.path().join("vllm.bin"), d.path().join("vllm-bf16.bin"));
+    for (model, out) in [
+        (moeconf_fixtures::BUILTIN_TINY_V4_VLLM, &a),
+        (moeconf_fixtures::BUILTIN_TINY_V4_VLLM_BF16, &b),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_moeconf"))
+            .args([
+                "run",
+                "--model",
+                model,
+                "--prompt",
+                "why the sheep",
+                "--max-new-tokens",
+                "4",
+            ])
+            .args(["-o", s(out)])
+            .env("MOECONF_CACHE_DIR", &cache)
+            .output()
+            .expect("spawn moeconf");
+        assert!(
+            o.status.success(),
+            "{model}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let o = moeconf(&["diff", "--force", s(&a), s(&b)]);
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(0), "{text}");
+    assert!(text.contains("EQUIVALENT"), "{text}");
+    assert!(
+        text.contains("model.weight_formats: dense fp8-e4m3 (UE8M0 128x128 scales), experts mxfp4 (E2M1, UE8M0 per 32) -> dense bf16, experts bf16"),
+        "{text}"
+    );
+}
+
+/// A `--model` that is neither a directory nor a built-in name is refused with every
+/// built-in name listed, the vLLM fixtures included; an unknown `builtin:` name likewise.
+#[test]
+fn model_errors_list_every_builtin() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let out = d.path().join("t.bin");
+    for model in [s(&d.path().join("missing")), "builtin:tiny-v5"] {
+        let o = moeconf(&["run", "--model", model, "--prompt", "x", "-o", s(&out)]);
+        let e = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(!out.exists());
+        for name in moeconf_fixtures::BUILTIN_NAMES {
+            assert!(e.contains(name), "{model}: {name} not listed: {e}");
+        }
+    }
+}
+
 #[test]
 fn missing_and_misshaped_scales_are_named() {
     let d = tempfile::tempdir().expect("tempdir");

@@ -143,7 +143,8 @@ pub fn load_model(spec: &str) -> Result<LoadedModel, RunError> {
     } else {
         let d = PathBuf::from(spec);
         if !d.is_dir() {
-            refuse!(Field::Model, format!(" {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or builtin:tiny-v4, builtin:tiny-v4-fp8, builtin:tiny-v4-fp8-bf16)"));
+            let builtins = moeconf_fixtures::BUILTIN_NAMES.join(", ");
+            refuse!(Field::Model, format!(" {spec}: not a directory (expected config.json, *.safetensors and tokenizer.json, or {builtins})"));
         }
         d
     };
