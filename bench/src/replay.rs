@@ -100,6 +100,7 @@ pub fn bench_replay(
         algorithm: Algorithm::Blake3,
         canon: CanonPolicy::default(),
         allow_non_finite: false,
+        prefill_chunk: None,
     };
     let path = dir.join("bench-replay.bin");
     let (run, outcome) = best(repeat, || run_to_trace(m, &spec, &path).map_err(BenchError::Run))?;

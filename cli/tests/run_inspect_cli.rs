@@ -85,6 +85,33 @@ fn root_does_not_depend_on_threads_or_run() {
     assert_eq!(a, b);
 }
 
+/// A chunked prefill (`--prefill-chunk`) changes no record: the root is the
+/// unchunked run's, `diff` says equivalent, and the provenance names the
+/// chunk size; 0 is refused before anything runs.
+#[test]
+fn root_does_not_depend_on_the_prefill_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole.bin");
+    let o = run_trace(&whole, &["--capture", "all"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for chunk in ["1", "2", "3"] {
+        let t = dir.path().join(format!("chunk{chunk}.bin"));
+        let o = run_trace(&t, &["--capture", "all", "--prefill-chunk", chunk]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(root_of(&t), root_of(&whole), "chunks of {chunk}");
+        let o = moeconf(&["diff", whole.to_str().unwrap(), t.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+        let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let notes = v["provenance"]["notes"].to_string();
+        assert!(notes.contains("prefill_chunk") && notes.contains(chunk), "{notes}");
+    }
+    let bad = dir.path().join("zero.bin");
+    let o = run_trace(&bad, &["--prefill-chunk", "0"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!bad.exists());
+}
+
 #[test]
 fn contract_schedule_and_fork_are_bound() {
     let dir = tempfile::tempdir().unwrap();

@@ -6,7 +6,9 @@
 //! each position in order: attention half (hc_pre, attn_norm, attention, hc_post)
 //! then FFN half (hc_pre, ffn_norm, router, experts, combine, hc_post) — then
 //! the head on the last position only. Per-token processing with the cache is
-//! exactly HF's masked prefill (same key sets per query, notes §2.8).
+//! exactly HF's masked prefill (same key sets per query, notes §2.8). A
+//! chunked prefill ([`Model::step_chunked`]) runs this order chunk by chunk
+//! and gives the same records.
 
 use std::path::{Path, PathBuf};
 
@@ -331,6 +333,42 @@ impl Model {
         faults: Option<&FaultPlan>,
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
+        self.step_inner(state, ids, opts, faults, ids.len(), sink)
+    }
+
+    /// [`Model::step`] with its tokens processed in chunks of `chunk` (a
+    /// chunked prefill, as serving engines schedule long prompts): each chunk
+    /// goes through every layer before the next chunk starts. Invariant by
+    /// construction: a position's operators read only its own row and the
+    /// cache rows of earlier positions, which are complete either way, and
+    /// every reduction keeps its fixed order; so every record, and the
+    /// trace's root, equals the unchunked step's (only the order in which the
+    /// records are emitted differs). `chunk` 0 is refused.
+    pub fn step_chunked(
+        &self,
+        state: &mut DecodeState,
+        ids: &[u32],
+        opts: &StepOptions<'_>,
+        chunk: usize,
+        sink: &mut dyn CaptureSink,
+    ) -> Result<StepOutput, RuntimeError> {
+        if chunk == 0 {
+            return Err(RuntimeError::Input(
+                "a prefill chunk needs at least one token".into(),
+            ));
+        }
+        self.step_inner(state, ids, opts, None, chunk, sink)
+    }
+
+    fn step_inner(
+        &self,
+        state: &mut DecodeState,
+        ids: &[u32],
+        opts: &StepOptions<'_>,
+        faults: Option<&FaultPlan>,
+        chunk: usize,
+        sink: &mut dyn CaptureSink,
+    ) -> Result<StepOutput, RuntimeError> {
         let cfg = &self.cfg;
         if ids.is_empty() {
             return Err(RuntimeError::Input(
@@ -356,32 +394,39 @@ impl Model {
         rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
 
         let global = |t: u32| faults.map_or_else(GlobalActive::default, |f| f.global(state.step, t));
-        let mut streams = Vec::with_capacity(ids.len());
-        for (j, &id) in ids.iter().enumerate() {
-            let t = pos0 + j as u32;
-            let e = self.embedding(id, global(t).embedding_next_row);
-            rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
-            streams.push(e.repeat(cfg.hc_mult));
-        }
-        for (li, lw) in self.layers.iter().enumerate() {
-            for (j, x) in streams.iter_mut().enumerate() {
-                let t = pos0 + j as u32;
-                let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
-                let cx = TokenCtx {
-                    cfg,
-                    p: opts.precision,
-                    combine: opts.combine,
-                    step: state.step,
-                    layer: li as u32,
-                    position: t,
-                    token: ids[j],
-                    fx: &fx,
-                    plan: faults,
-                };
-                self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
+        let mut last_stream = Vec::new();
+        for (c, part) in ids.chunks(chunk.max(1)).enumerate() {
+            let first = pos0 + (c * chunk.max(1)) as u32;
+            let mut streams = Vec::with_capacity(part.len());
+            for (j, &id) in part.iter().enumerate() {
+                let t = first + j as u32;
+                let e = self.embedding(id, global(t).embedding_next_row);
+                rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
+                streams.push(e.repeat(cfg.hc_mult));
+            }
+            for (li, lw) in self.layers.iter().enumerate() {
+                for (j, x) in streams.iter_mut().enumerate() {
+                    let t = first + j as u32;
+                    let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
+                    let cx = TokenCtx {
+                        cfg,
+                        p: opts.precision,
+                        combine: opts.combine,
+                        step: state.step,
+                        layer: li as u32,
+                        position: t,
+                        token: part[j],
+                        fx: &fx,
+                        plan: faults,
+                    };
+                    self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
+                }
+            }
+            if let Some(s) = streams.pop() {
+                last_stream = s;
             }
         }
-        let last_streams = streams.last().map(|v| v.as_slice()).unwrap_or(&[]);
+        let last_streams = last_stream.as_slice();
         let head_eps = global(last).head_norm_eps.unwrap_or(cfg.rms_norm_eps);
         let logits = head_forward_with(&self.head, last_streams, cfg, opts.precision, head_eps);
         let next = argmax(&logits);

@@ -31,6 +31,7 @@ fn write(
         algorithm: Algorithm::Blake3,
         canon: CanonPolicy::default(),
         allow_non_finite: false,
+        prefill_chunk: None,
     };
     let prepared = prepare_run(m, &spec).unwrap();
     run_prepared_with_faults(m, &spec, prepared, faults, out).unwrap();
@@ -367,6 +368,7 @@ fn an_f32_run_reproduces_in_the_f32_profile() {
         algorithm: Algorithm::Sha256,
         canon: CanonPolicy::default(),
         allow_non_finite: false,
+        prefill_chunk: None,
     };
     let prepared = prepare_run(&m, &spec).unwrap();
     run_prepared_with_faults(&m, &spec, prepared, None, &p).unwrap();
@@ -455,6 +457,7 @@ fn a_faulted_run_that_allows_non_finite_values_still_writes_a_valid_binding() {
         algorithm: Algorithm::Blake3,
         canon: CanonPolicy::default(),
         allow_non_finite: true,
+        prefill_chunk: None,
     };
     let plan = FaultPlan::new(vec![Fault::at(1, 0, FaultKind::AttentionOutputTruncate)]);
     let prepared = prepare_run(&m, &spec).unwrap();

@@ -571,6 +571,11 @@ pub struct RunSpec<'a> {
     /// Record NaN and infinite values instead of failing (recorded in the
     /// binding's `extra` as `non_finite = allowed`).
     pub allow_non_finite: bool,
+    /// Process the prompt in chunks of this many tokens (a chunked prefill,
+    /// [`Model::step_chunked`]); `None`: the whole prompt at once. The
+    /// records and the root are the same either way; the chunk size is noted
+    /// in the provenance (`prefill_chunk`), which the root does not commit to.
+    pub prefill_chunk: Option<u32>,
 }
 
 /// What a traced run produced.
@@ -701,13 +706,24 @@ pub fn run_prepared_with_faults(
         // The format requires `extra` sorted by key (stable: equal keys keep their order).
         binding.extra.sort_by(|a, b| a.0.cmp(&b.0));
     }
+    let notes = match spec.prefill_chunk {
+        Some(c) => vec![("prefill_chunk".to_string(), c.to_string())],
+        None => vec![],
+    };
     let header = Header {
         binding,
-        provenance: reference_provenance(rayon::current_num_threads() as u32, vec![]),
+        provenance: reference_provenance(rayon::current_num_threads() as u32, notes),
     };
+    if spec.prefill_chunk == Some(0) || (spec.prefill_chunk.is_some() && faults.is_some()) {
+        return Err(RunError::Invalid(
+            "a prefill chunk must hold at least one token, and is not combined with calibration faults"
+                .into(),
+        ));
+    }
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
     let mut sink = TraceSink::new(writer, spec.capture);
     let generation = match faults {
+        None if spec.prefill_chunk.is_some() => generate_chunked(m, spec, &prepared, &mut sink)?,
         None => {
             let opts = GenerateOptions {
                 max_new_tokens: spec.max_new_tokens as usize,
@@ -743,6 +759,36 @@ pub fn run_prepared_with_faults(
         summary,
         prompt_ids: prepared.prompt_ids,
     })
+}
+
+/// The greedy loop of [`Model::generate`] with the prompt processed in
+/// chunks ([`RunSpec::prefill_chunk`], [`Model::step_chunked`]): the generated ids.
+fn generate_chunked(
+    m: &LoadedModel,
+    spec: &RunSpec<'_>,
+    prepared: &PreparedRun,
+    sink: &mut TraceSink,
+) -> Result<Vec<u32>, RunError> {
+    let opts = StepOptions {
+        precision: spec.precision,
+        combine: prepared.built.combine.as_ref(),
+        detokenizer: Some(&m.tokenizer),
+        allow_non_finite: spec.allow_non_finite,
+    };
+    let chunk = spec.prefill_chunk.unwrap_or(u32::MAX) as usize;
+    let mut state = m.model.new_state();
+    m.model
+        .step_chunked(&mut state, &prepared.prompt_ids, &opts, chunk, sink)
+        .map_err(RunError::runtime)?;
+    for _ in 1..spec.max_new_tokens {
+        let next = state
+            .pending
+            .ok_or_else(|| RunError::Invalid("no pending token".into()))?;
+        m.model
+            .step(&mut state, &[next], &opts, sink)
+            .map_err(RunError::runtime)?;
+    }
+    Ok(state.generated)
 }
 
 /// The greedy loop of [`Model::generate`] through
@@ -839,6 +885,7 @@ mod tests {
             algorithm: Algorithm::Blake3,
             canon: CanonPolicy::default(),
             allow_non_finite: false,
+            prefill_chunk: None,
         }
     }
 

@@ -104,6 +104,12 @@ pub struct RunArgs {
     /// default a non-finite operator output, state or logit is an error naming where it appeared.
     #[arg(long)]
     pub allow_non_finite: bool,
+    /// Process the prompt in chunks of N tokens, each through every layer before the next (a
+    /// chunked prefill, as serving engines schedule long prompts). The reference runtime is
+    /// invariant to it by construction: the trace's records and root are those of the unchunked
+    /// run; the chunk size is noted in the provenance.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: Option<u32>,
 }
 
 /// Runs `moeconf run`.
@@ -145,6 +151,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
             fold_negative_zero: a.fold_negative_zero,
         },
         allow_non_finite: a.allow_non_finite,
+        prefill_chunk: a.prefill_chunk,
     };
     let t = std::time::Instant::now();
     let out = run_to_trace(&m, &spec, &a.output)?;
