@@ -104,11 +104,50 @@ fn root_does_not_depend_on_the_prefill_chunk() {
         let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let notes = v["provenance"]["notes"].to_string();
-        assert!(notes.contains("prefill_chunk") && notes.contains(chunk), "{notes}");
+        assert!(
+            notes.contains("prefill_chunk") && notes.contains(chunk),
+            "{notes}"
+        );
     }
     let bad = dir.path().join("zero.bin");
     let o = run_trace(&bad, &["--prefill-chunk", "0"]);
     assert_eq!(o.status.code(), Some(2));
+    assert!(!bad.exists());
+}
+
+/// Batched decoding (`--batch-with`) changes no record of the traced
+/// sequence: the root is the solo run's, `diff` says equivalent, and the
+/// provenance names the batch size; a batched prompt with no tokens exits 2
+/// and leaves no file.
+#[test]
+fn root_does_not_depend_on_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let solo = dir.path().join("solo.bin");
+    let o = run_trace(&solo, &["--capture", "all"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t = dir.path().join("batched.bin");
+    let o = run_trace(
+        &t,
+        &[
+            "--capture",
+            "all",
+            "--batch-with",
+            "the cat sat on the mat and then it sat again",
+            "--batch-with",
+            "sheep",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(root_of(&t), root_of(&solo));
+    let o = moeconf(&["diff", solo.to_str().unwrap(), t.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let notes = v["provenance"]["notes"].to_string();
+    assert!(notes.contains("batch_sequences") && notes.contains("3 (the traced sequence first)"), "{notes}");
+    let bad = dir.path().join("bad.bin");
+    let o = run_trace(&bad, &["--batch-with", ""]);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!bad.exists());
 }
 

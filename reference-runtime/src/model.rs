@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use moeconf_fingerprint::{Component, Half, Level, Phase};
+use moeconf_fingerprint::{Component, Half, Level};
 
 use crate::attention::{attention_forward, AttnWeights, Ropes};
 use crate::capture::{At, CaptureSink, Recorder};
@@ -164,6 +164,14 @@ pub struct StepOptions<'a> {
     /// it produces and the logits are checked, and the first non-finite value
     /// in execution order ends the step with [`RuntimeError::NonFinite`].
     pub allow_non_finite: bool,
+}
+
+/// One sequence of a batched step ([`Model::step_batch`]): its state, the
+/// tokens it consumes in this step, and the sink its records go to.
+pub struct BatchEntry<'a> {
+    pub state: &'a mut DecodeState,
+    pub ids: &'a [u32],
+    pub sink: &'a mut dyn CaptureSink,
 }
 
 /// Result of one forward step.
@@ -370,24 +378,8 @@ impl Model {
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
         let cfg = &self.cfg;
-        if ids.is_empty() {
-            return Err(RuntimeError::Input(
-                "a forward step needs at least one token".into(),
-            ));
-        }
-        self.check_precision(opts.precision)?;
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-            return Err(RuntimeError::Input(format!(
-                "token id {bad} is outside the vocabulary 0..{}",
-                cfg.vocab_size
-            )));
-        }
-        let phase = if state.step == 0 {
-            Phase::Prefill
-        } else {
-            Phase::Decode
-        };
-        let mut rec = Recorder::new(sink, state.step, phase, !opts.allow_non_finite);
+        self.check_step_input(ids, opts)?;
+        let mut rec = Recorder::new(sink, state.step, state.phase(), !opts.allow_non_finite);
         let pos0 = state.position;
         let last = pos0 + ids.len() as u32 - 1;
         let id32: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
@@ -426,11 +418,44 @@ impl Model {
                 last_stream = s;
             }
         }
-        let last_streams = last_stream.as_slice();
         let head_eps = global(last).head_norm_eps.unwrap_or(cfg.rms_norm_eps);
-        let logits = head_forward_with(&self.head, last_streams, cfg, opts.precision, head_eps);
+        self.finish_step(state, ids, opts, &mut rec, &last_stream, head_eps)
+    }
+
+    /// Refuses a step's input before anything runs: no tokens, a token
+    /// outside the vocabulary, a precision profile the model cannot run.
+    fn check_step_input(&self, ids: &[u32], opts: &StepOptions<'_>) -> Result<(), RuntimeError> {
+        if ids.is_empty() {
+            return Err(RuntimeError::Input(
+                "a forward step needs at least one token".into(),
+            ));
+        }
+        self.check_precision(opts.precision)?;
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(RuntimeError::Input(format!(
+                "token id {bad} is outside the vocabulary 0..{}",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The end of a step: the head on the last position's streams, the
+    /// logits, token and text records, the state advanced past `ids`, and
+    /// the persistent state at the decode boundary.
+    fn finish_step(
+        &self,
+        state: &mut DecodeState,
+        ids: &[u32],
+        opts: &StepOptions<'_>,
+        rec: &mut Recorder<'_>,
+        last_stream: &[f32],
+        head_eps: f32,
+    ) -> Result<StepOutput, RuntimeError> {
+        let last = state.position + ids.len() as u32 - 1;
+        let logits = head_forward_with(&self.head, last_stream, &self.cfg, opts.precision, head_eps);
         let next = argmax(&logits);
-        logit_records(&mut rec, &logits, last)?;
+        logit_records(rec, &logits, last)?;
         rec.i32(Component::TokenOutput, At::global(last), &[next as i32])?;
 
         if state.step == 0 {
@@ -440,12 +465,89 @@ impl Model {
         state.position = last + 1;
         state.step += 1;
         state.pending = Some(next);
-        text_record(&mut rec, opts.detokenizer, &state.generated, last)?;
-        state.emit_l2(&mut rec, last)?;
+        text_record(rec, opts.detokenizer, &state.generated, last)?;
+        state.emit_l2(rec, last)?;
         Ok(StepOutput {
             logits,
             next_token: next,
         })
+    }
+
+    /// One forward step of several independent sequences together (batched
+    /// decoding; a prefilling and a decoding sequence may share a step, as in
+    /// continuous batching): layer by layer, each sequence's positions in
+    /// turn, each sequence with its own state, tokens and capture sink.
+    /// Invariant by construction: a sequence's operators read only its own
+    /// rows and cache, and every reduction keeps its fixed order, so each
+    /// sink receives exactly the records [`Model::step`] gives that sequence
+    /// alone. Every input is checked before anything runs; on an error no
+    /// state has advanced.
+    pub fn step_batch(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        opts: &StepOptions<'_>,
+    ) -> Result<Vec<StepOutput>, RuntimeError> {
+        for e in batch.iter() {
+            self.check_step_input(e.ids, opts)?;
+        }
+        let cfg = &self.cfg;
+        struct Seq<'b> {
+            state: &'b mut DecodeState,
+            ids: &'b [u32],
+            rec: Recorder<'b>,
+            streams: Vec<Vec<f32>>,
+        }
+        let mut seqs = Vec::with_capacity(batch.len());
+        for e in batch.iter_mut() {
+            let (step, phase) = (e.state.step, e.state.phase());
+            let mut rec = Recorder::new(&mut *e.sink, step, phase, !opts.allow_non_finite);
+            let pos0 = e.state.position;
+            let id32: Vec<i32> = e.ids.iter().map(|&t| t as i32).collect();
+            rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
+            let mut streams = Vec::with_capacity(e.ids.len());
+            for (j, &id) in e.ids.iter().enumerate() {
+                let emb = self.embedding(id, false);
+                rec.f32(
+                    Component::EmbedOutput,
+                    At::global(pos0 + j as u32),
+                    &[emb.len() as u64],
+                    &emb,
+                )?;
+                streams.push(emb.repeat(cfg.hc_mult));
+            }
+            seqs.push(Seq {
+                state: &mut *e.state,
+                ids: e.ids,
+                rec,
+                streams,
+            });
+        }
+        let none = Active::default();
+        for (li, lw) in self.layers.iter().enumerate() {
+            for s in seqs.iter_mut() {
+                let pos0 = s.state.position;
+                for (j, x) in s.streams.iter_mut().enumerate() {
+                    let cx = TokenCtx {
+                        cfg,
+                        p: opts.precision,
+                        combine: opts.combine,
+                        step: s.state.step,
+                        layer: li as u32,
+                        position: pos0 + j as u32,
+                        token: s.ids[j],
+                        fx: &none,
+                        plan: None,
+                    };
+                    self.layer_forward(lw, &mut s.state.layers[li], x, &cx, &mut s.rec)?;
+                }
+            }
+        }
+        seqs.into_iter()
+            .map(|mut s| {
+                let last = s.streams.pop().unwrap_or_default();
+                self.finish_step(s.state, s.ids, opts, &mut s.rec, &last, cfg.rms_norm_eps)
+            })
+            .collect()
     }
 
     /// The embedding row of `id` (of the next id with the

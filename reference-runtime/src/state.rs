@@ -14,7 +14,7 @@
 //! [`DecodeState`] is `Clone`, and keeps the position, step and pending token
 //! explicit, so a run can be snapshot and forked.
 
-use moeconf_fingerprint::{Component, Level};
+use moeconf_fingerprint::{Component, Level, Phase};
 
 use crate::capture::{At, Recorder};
 use crate::config::{AttentionKind, ModelConfig};
@@ -186,6 +186,15 @@ pub struct DecodeState {
 }
 
 impl DecodeState {
+    /// The phase of the next step: the prefill before any step, decode after it.
+    pub fn phase(&self) -> Phase {
+        if self.step == 0 {
+            Phase::Prefill
+        } else {
+            Phase::Decode
+        }
+    }
+
     /// The empty state of a model.
     pub fn new(cfg: &ModelConfig) -> DecodeState {
         let layers = cfg

@@ -32,6 +32,7 @@ fn write(
         canon: CanonPolicy::default(),
         allow_non_finite: false,
         prefill_chunk: None,
+        batch_with: &[],
     };
     let prepared = prepare_run(m, &spec).unwrap();
     run_prepared_with_faults(m, &spec, prepared, faults, out).unwrap();
@@ -369,6 +370,7 @@ fn an_f32_run_reproduces_in_the_f32_profile() {
         canon: CanonPolicy::default(),
         allow_non_finite: false,
         prefill_chunk: None,
+        batch_with: &[],
     };
     let prepared = prepare_run(&m, &spec).unwrap();
     run_prepared_with_faults(&m, &spec, prepared, None, &p).unwrap();
@@ -458,6 +460,7 @@ fn a_faulted_run_that_allows_non_finite_values_still_writes_a_valid_binding() {
         canon: CanonPolicy::default(),
         allow_non_finite: true,
         prefill_chunk: None,
+        batch_with: &[],
     };
     let plan = FaultPlan::new(vec![Fault::at(1, 0, FaultKind::AttentionOutputTruncate)]);
     let prepared = prepare_run(&m, &spec).unwrap();

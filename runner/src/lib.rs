@@ -576,6 +576,11 @@ pub struct RunSpec<'a> {
     /// records and the root are the same either way; the chunk size is noted
     /// in the provenance (`prefill_chunk`), which the root does not commit to.
     pub prefill_chunk: Option<u32>,
+    /// Other prompts decoded in the same batch ([`Model::step_batch`]), each
+    /// for as many steps as the traced one; only the traced sequence is
+    /// captured. The records and the root are the same as alone; the batch's
+    /// size is noted in the provenance (`batch_sequences`).
+    pub batch_with: &'a [String],
 }
 
 /// What a traced run produced.
@@ -706,10 +711,21 @@ pub fn run_prepared_with_faults(
         // The format requires `extra` sorted by key (stable: equal keys keep their order).
         binding.extra.sort_by(|a, b| a.0.cmp(&b.0));
     }
-    let notes = match spec.prefill_chunk {
+    let mut notes = match spec.prefill_chunk {
         Some(c) => vec![("prefill_chunk".to_string(), c.to_string())],
         None => vec![],
     };
+    if !spec.batch_with.is_empty() {
+        if spec.prefill_chunk.is_some() || faults.is_some() {
+            return Err(RunError::Invalid(
+                "a batched run is not combined with a prefill chunk or calibration faults".into(),
+            ));
+        }
+        notes.push((
+            "batch_sequences".to_string(),
+            format!("{} (the traced sequence first)", spec.batch_with.len() + 1),
+        ));
+    }
     let header = Header {
         binding,
         provenance: reference_provenance(rayon::current_num_threads() as u32, notes),
@@ -724,6 +740,7 @@ pub fn run_prepared_with_faults(
     let mut sink = TraceSink::new(writer, spec.capture);
     let generation = match faults {
         None if spec.prefill_chunk.is_some() => generate_chunked(m, spec, &prepared, &mut sink)?,
+        None if !spec.batch_with.is_empty() => generate_batched(m, spec, &prepared, &mut sink)?,
         None => {
             let opts = GenerateOptions {
                 max_new_tokens: spec.max_new_tokens as usize,
@@ -789,6 +806,62 @@ fn generate_chunked(
             .map_err(RunError::runtime)?;
     }
     Ok(state.generated)
+}
+
+/// The greedy loop of [`Model::generate`] with the traced prompt decoded in
+/// one batch with the prompts of [`RunSpec::batch_with`] ([`Model::step_batch`]);
+/// only the traced sequence is captured: its generated ids.
+fn generate_batched(
+    m: &LoadedModel,
+    spec: &RunSpec<'_>,
+    prepared: &PreparedRun,
+    sink: &mut TraceSink,
+) -> Result<Vec<u32>, RunError> {
+    use moeconf_reference_runtime::capture::NullSink;
+    use moeconf_reference_runtime::model::BatchEntry;
+    let opts = StepOptions {
+        precision: spec.precision,
+        combine: prepared.built.combine.as_ref(),
+        detokenizer: Some(&m.tokenizer),
+        allow_non_finite: spec.allow_non_finite,
+    };
+    let vocab = m.model.config().vocab_size;
+    let mut prompts = vec![prepared.prompt_ids.clone()];
+    for p in spec.batch_with {
+        let ids = m.tokenizer.encode_for(p, vocab)?;
+        if ids.is_empty() {
+            bail!("the batched prompt {p:?} tokenizes to no tokens");
+        }
+        limits::check_prompt_tokens(ids.len())?;
+        prompts.push(ids);
+    }
+    let mut states: Vec<_> = prompts.iter().map(|_| m.model.new_state()).collect();
+    let mut others: Vec<NullSink> = spec.batch_with.iter().map(|_| NullSink).collect();
+    for step in 0..spec.max_new_tokens {
+        let inputs: Vec<Vec<u32>> = states
+            .iter()
+            .zip(&prompts)
+            .map(|(st, p)| match (step, st.pending) {
+                (0, _) => Ok(p.clone()),
+                (_, Some(t)) => Ok(vec![t]),
+                (_, None) => Err(RunError::Invalid("no pending token".into())),
+            })
+            .collect::<Result<_, _>>()?;
+        let mut sinks: Vec<&mut dyn moeconf_reference_runtime::capture::CaptureSink> = vec![&mut *sink];
+        sinks.extend(
+            others
+                .iter_mut()
+                .map(|s| s as &mut dyn moeconf_reference_runtime::capture::CaptureSink),
+        );
+        let mut batch: Vec<BatchEntry<'_>> = states
+            .iter_mut()
+            .zip(&inputs)
+            .zip(sinks)
+            .map(|((state, ids), sink)| BatchEntry { state, ids, sink })
+            .collect();
+        m.model.step_batch(&mut batch, &opts).map_err(RunError::runtime)?;
+    }
+    Ok(states.swap_remove(0).generated)
 }
 
 /// The greedy loop of [`Model::generate`] through
@@ -886,6 +959,7 @@ mod tests {
             canon: CanonPolicy::default(),
             allow_non_finite: false,
             prefill_chunk: None,
+            batch_with: &[],
         }
     }
 

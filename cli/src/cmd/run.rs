@@ -110,6 +110,12 @@ pub struct RunArgs {
     /// run; the chunk size is noted in the provenance.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
+    /// Decode this prompt in the same batch as the traced one (repeatable; a batched step runs
+    /// every sequence through each layer together, as serving engines batch requests). Only the
+    /// traced prompt's sequence is captured; the reference runtime is invariant to the batch by
+    /// construction (the same records and root), and the batch size is noted in the provenance.
+    #[arg(long, value_name = "PROMPT")]
+    pub batch_with: Vec<String>,
 }
 
 /// Runs `moeconf run`.
@@ -152,6 +158,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         },
         allow_non_finite: a.allow_non_finite,
         prefill_chunk: a.prefill_chunk,
+        batch_with: &a.batch_with,
     };
     let t = std::time::Instant::now();
     let out = run_to_trace(&m, &spec, &a.output)?;
