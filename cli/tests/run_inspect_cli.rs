@@ -144,7 +144,25 @@ fn root_does_not_depend_on_the_batch() {
     let o = moeconf(&["inspect", t.to_str().unwrap(), "--format", "json"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let notes = v["provenance"]["notes"].to_string();
-    assert!(notes.contains("batch_sequences") && notes.contains("3 (the traced sequence first)"), "{notes}");
+    assert!(
+        notes.contains("batch_sequences") && notes.contains("3 (the traced sequence first)"),
+        "{notes}"
+    );
+    // Batched and chunked together: still the solo root.
+    let both = dir.path().join("both.bin");
+    let o = run_trace(
+        &both,
+        &[
+            "--capture",
+            "all",
+            "--batch-with",
+            "sheep",
+            "--prefill-chunk",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(root_of(&both), root_of(&solo));
     let bad = dir.path().join("bad.bin");
     let o = run_trace(&bad, &["--batch-with", ""]);
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));

@@ -172,6 +172,10 @@ pub struct BatchEntry<'a> {
     pub state: &'a mut DecodeState,
     pub ids: &'a [u32],
     pub sink: &'a mut dyn CaptureSink,
+    /// Process this sequence's tokens in chunks of this many (a chunked
+    /// prefill inside the batch: chunk r of every sequence goes through every
+    /// layer before chunk r + 1 starts); `None`: all at once. 0 is refused.
+    pub chunk: Option<usize>,
 }
 
 /// Result of one forward step.
@@ -489,6 +493,11 @@ impl Model {
     ) -> Result<Vec<StepOutput>, RuntimeError> {
         for e in batch.iter() {
             self.check_step_input(e.ids, opts)?;
+            if e.chunk == Some(0) {
+                return Err(RuntimeError::Input(
+                    "a prefill chunk needs at least one token".into(),
+                ));
+            }
         }
         let cfg = &self.cfg;
         struct Seq<'b> {
@@ -496,6 +505,7 @@ impl Model {
             ids: &'b [u32],
             rec: Recorder<'b>,
             streams: Vec<Vec<f32>>,
+            chunk: usize,
         }
         let mut seqs = Vec::with_capacity(batch.len());
         for e in batch.iter_mut() {
@@ -520,25 +530,36 @@ impl Model {
                 ids: e.ids,
                 rec,
                 streams,
+                chunk: e.chunk.unwrap_or(e.ids.len()).max(1),
             });
         }
         let none = Active::default();
-        for (li, lw) in self.layers.iter().enumerate() {
-            for s in seqs.iter_mut() {
-                let pos0 = s.state.position;
-                for (j, x) in s.streams.iter_mut().enumerate() {
-                    let cx = TokenCtx {
-                        cfg,
-                        p: opts.precision,
-                        combine: opts.combine,
-                        step: s.state.step,
-                        layer: li as u32,
-                        position: pos0 + j as u32,
-                        token: s.ids[j],
-                        fx: &none,
-                        plan: None,
-                    };
-                    self.layer_forward(lw, &mut s.state.layers[li], x, &cx, &mut s.rec)?;
+        let rounds = seqs
+            .iter()
+            .map(|s| s.ids.len().div_ceil(s.chunk))
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
+            for (li, lw) in self.layers.iter().enumerate() {
+                for s in seqs.iter_mut() {
+                    let pos0 = s.state.position;
+                    let start = (round * s.chunk).min(s.streams.len());
+                    let end = (start + s.chunk).min(s.streams.len());
+                    for (j, x) in s.streams[start..end].iter_mut().enumerate() {
+                        let j = start + j;
+                        let cx = TokenCtx {
+                            cfg,
+                            p: opts.precision,
+                            combine: opts.combine,
+                            step: s.state.step,
+                            layer: li as u32,
+                            position: pos0 + j as u32,
+                            token: s.ids[j],
+                            fx: &none,
+                            plan: None,
+                        };
+                        self.layer_forward(lw, &mut s.state.layers[li], x, &cx, &mut s.rec)?;
+                    }
                 }
             }
         }

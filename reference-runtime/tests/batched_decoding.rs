@@ -71,6 +71,7 @@ fn batched(prompts: &[Vec<u32>], join: &[u32], precision: Precision) -> Vec<Vec<
                     state: st,
                     ids: &inputs[k],
                     sink,
+                    chunk: None,
                 });
             }
         }
@@ -115,11 +116,13 @@ fn a_bad_input_refuses_the_whole_batch_before_anything_runs() {
             state: &mut a,
             ids: &good,
             sink: &mut sa,
+            chunk: None,
         },
         BatchEntry {
             state: &mut b,
             ids: &bad,
             sink: &mut sb,
+            chunk: None,
         },
     ];
     let err = m.step_batch(&mut batch, &opts(Precision::Bf16)).unwrap_err();

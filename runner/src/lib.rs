@@ -716,9 +716,9 @@ pub fn run_prepared_with_faults(
         None => vec![],
     };
     if !spec.batch_with.is_empty() {
-        if spec.prefill_chunk.is_some() || faults.is_some() {
+        if faults.is_some() {
             return Err(RunError::Invalid(
-                "a batched run is not combined with a prefill chunk or calibration faults".into(),
+                "a batched run is not combined with calibration faults".into(),
             ));
         }
         notes.push((
@@ -739,8 +739,8 @@ pub fn run_prepared_with_faults(
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
     let mut sink = TraceSink::new(writer, spec.capture);
     let generation = match faults {
-        None if spec.prefill_chunk.is_some() => generate_chunked(m, spec, &prepared, &mut sink)?,
         None if !spec.batch_with.is_empty() => generate_batched(m, spec, &prepared, &mut sink)?,
+        None if spec.prefill_chunk.is_some() => generate_chunked(m, spec, &prepared, &mut sink)?,
         None => {
             let opts = GenerateOptions {
                 max_new_tokens: spec.max_new_tokens as usize,
@@ -857,7 +857,16 @@ fn generate_batched(
             .iter_mut()
             .zip(&inputs)
             .zip(sinks)
-            .map(|((state, ids), sink)| BatchEntry { state, ids, sink })
+            .map(|((state, ids), sink)| BatchEntry {
+                state,
+                ids,
+                sink,
+                chunk: if step == 0 {
+                    spec.prefill_chunk.map(|c| c as usize)
+                } else {
+                    None
+                },
+            })
             .collect();
         m.model.step_batch(&mut batch, &opts).map_err(RunError::runtime)?;
     }
