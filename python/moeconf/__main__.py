@@ -130,6 +130,7 @@ def main(argv=None):
                    "model name is bound unless --name is given")
     a.add_argument("--levels", default="all")
     a.add_argument("--max-model-len", type=int, default=512)
+    a.add_argument("--no-terms", action="store_true", help="skip the one-slot recomputation of moe.term.*")
     args = p.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -177,7 +178,8 @@ def main(argv=None):
                 name = args.name or (ref.binding.model_name if ref is not None else None)
                 levels = "all" if args.levels == "all" else args.levels.split(",")
                 r = vllm_capture(args.model_dir, prompt, args.max_new_tokens, args.output, model_name=name,
-                                 reference_ids=ref_ids, levels=levels, max_model_len=args.max_model_len)
+                                 reference_ids=ref_ids, levels=levels, max_model_len=args.max_model_len,
+                                 terms=not args.no_terms)
             except VllmCaptureError as e:
                 print(f"moeconf (python): {e}", file=sys.stderr)
                 return 2

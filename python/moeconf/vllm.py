@@ -73,33 +73,32 @@ PATCH_NOTE = ("patch of a vLLM 0.32.0 bug (KeyError 'c1a'): cpu_mla.DeepseekV4CP
               "build_tile_scheduler wrapped to return the c1a/c2a keys (None) the shared sparse_swa build reads")
 
 #: Records derived by the capture rather than read (docs/format.md 5.2.1).
-RECOMPUTED = ["router.scores", "router.margin"]
+RECOMPUTED = ["router.scores", "router.margin", "moe.term.*"]
 
 #: What the capture does not record, with the reason (the ``moeconf.not_captured`` note).
 NOT_CAPTURED = {
     "attn.hc_pre_weights": "vLLM's mhc_pre returns the post weights, the comb matrix and the collapsed input, "
                            "not the pre weights (not recomputed yet)",
     "ffn.hc_pre_weights": "as attn.hc_pre_weights",
-    "attn.q": "not hooked yet (forward_mqa wrap)",
-    "attn.kv": "not hooked yet (forward_mqa wrap)",
-    "attn.core": "not hooked yet (forward_mqa wrap)",
+    "attn.kv": "forward_mqa receives kv before RoPE and FP8 quantization; the rotated entry exists only inside "
+               "the fused rope+quantize+insert kernel and the paged FP8 cache (not decoded yet)",
     "attn.window_read": "read inside vLLM's sparse attention kernel from the paged FP8 cache; no gathered tensor",
     "attn.compressed_read": "read inside vLLM's sparse attention kernel; no gathered tensor",
     "attn.compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
     "attn.indexer_compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
     "attn.indexer_read": "read inside the indexer kernel; no gathered tensor",
     "attn.indexer_scores": "computed inside the fused indexer top-k kernel; not materialized",
-    "attn.indexer_topk": "not hooked yet (topk_indices_buffer)",
-    "moe.term.*": "the fused MoE kernel never materializes per-expert terms (one-slot recomputation not done yet)",
-    "moe.routed": "not hooked yet (the fused experts' routed sum before the shared merge)",
+    "attn.indexer_topk": "below index_topk compressed entries vLLM's CPU short-context path (cpu_sparse.py) selects "
+                         "every entry without scoring; its order is not the catalogue's descending-score order",
     "state.*": "vLLM's paged caches (fp8_ds_mla layout, sliding-window cache) are not decoded yet",
 }
 
 #: Per (layer, position), the records in the reference runtime's execution order.
-LAYER_ORDER = ["attn.hc_post_weights", "attn.hc_comb", "attn.hc_pre", "attn.norm", "attn.output",
+LAYER_ORDER = ["attn.hc_post_weights", "attn.hc_comb", "attn.hc_pre", "attn.norm", "attn.q", "attn.core",
+               "attn.output",
                "layer.post_attn_mhc", "ffn.hc_post_weights", "ffn.hc_comb", "ffn.hc_pre", "ffn.norm",
-               "router.scores", "router.topk", "router.gates", "router.margin", "moe.shared", "moe.combine",
-               "layer.post_ffn_mhc"]
+               "router.scores", "router.topk", "router.gates", "router.margin", "moe.term.*", "moe.routed",
+               "moe.shared", "moe.combine", "layer.post_ffn_mhc"]
 
 
 class VllmCaptureError(ValueError):
@@ -179,7 +178,7 @@ def check_model_dir(model_dir):
     if mt != "deepseek_v4":
         raise VllmCaptureError(f"{path}: model_type is {mt!r}, not 'deepseek_v4' (a model of another architecture)")
     for key in ("compress_ratios", "num_hash_layers", "hc_mult", "n_routed_experts", "num_experts_per_tok",
-                "num_hidden_layers", "hidden_size"):
+                "num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim"):
         if key not in cfg:
             raise VllmCaptureError(f"{path}: config key {key!r} is missing (vLLM's DeepseekV4Config reads the "
                                    "released config keys, as builtin:tiny-v4-vllm has them)")
@@ -287,7 +286,7 @@ def _sqrtsoftplus(logits):
     return np.sqrt(sp).astype(np.float32)
 
 
-def _install_hooks(model, cfg, steps, k):
+def _install_hooks(model, cfg, steps, k, terms=True):
     """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables."""
     undo = []
     inner = model.model
@@ -368,6 +367,59 @@ def _install_hooks(model, cfg, steps, k):
             hook(ffn.shared_experts, lambda m, a, o, i=i: cur().put(i, "moe.shared", _f32(o)))
         hook(ffn.gate, lambda m, a, o, i=i: cur().put(i, "router.logits", _f32(o[0] if isinstance(o, tuple) else o)))
 
+        mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
+               any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
+        if len(mqa) != 1:
+            raise VllmCaptureError(f"layer {i}: {len(mqa)} attention modules with forward_mqa (expected 1)")
+        mqa = mqa[0]
+        orig_mqa = mqa.forward_mqa
+
+        def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i):
+            s = cur()
+            s.put(i, "attn.q", _f32(q))
+            r = _orig(q, kv, positions, output)
+            s.put(i, "attn.core", _f32(output))
+            return r
+
+        mqa.forward_mqa = forward_mqa
+        undo.append(lambda m=mqa: m.__dict__.pop("forward_mqa", None))
+
+        routed = [m for m in ffn.experts.modules() if hasattr(m, "forward_modular")]
+        if len(routed) != 1:
+            raise VllmCaptureError(f"layer {i}: {len(routed)} routed-experts modules with forward_modular under "
+                                   "ffn.experts (expected 1)")
+        routed = routed[0]
+        orig_fm = routed.forward_modular
+
+        def forward_modular(x, topk_weights, topk_ids, *a, _orig=orig_fm, i=i, **kw):
+            out = _orig(x, topk_weights, topk_ids, *a, **kw)
+            import torch
+
+            if not isinstance(out, torch.Tensor):
+                raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
+                                       "(a deferred finalize the capture does not map)")
+            s = cur()
+            s.put(i, "moe.routed", _f32(out))
+            if terms:
+                # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
+                # saved and written back afterwards, in case the kernel reuses its output buffer.
+                saved = out.detach().clone()
+                for j in range(topk_ids.shape[1]):
+                    t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
+                    s.put(i, f"moe.term.{j}", _f32(t))
+                out.copy_(saved)
+            return out
+
+        routed.forward_modular = forward_modular
+        undo.append(lambda r=routed: r.__dict__.pop("forward_modular", None))
+
+        def forward_monolithic(*a, i=i, **kw):
+            raise VllmCaptureError(f"layer {i}: vLLM chose a monolithic MoE kernel (routing inside the kernel); the "
+                                   "capture maps the modular CPU path only")
+
+        routed.forward_monolithic = forward_monolithic
+        undo.append(lambda r=routed: r.__dict__.pop("forward_monolithic", None))
+
         router = ffn.experts.router
         orig = router._compute_routing
 
@@ -386,7 +438,7 @@ def _install_hooks(model, cfg, steps, k):
 
 
 def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
-            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16"):
+            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True):
     """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
     canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
     bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
@@ -425,7 +477,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     state = {}
 
     def install(model):
-        state["undo"] = _install_hooks(model, cfg, steps, k)
+        state["undo"] = _install_hooks(model, cfg, steps, k, terms)
         state["bias"] = [l._moeconf_bias for l in model.model.layers]
         return True
 
@@ -456,8 +508,14 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
              ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
              ("tokenization", "checked against the reference" if reference_ids is not None else "not checked"),
              (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in NOT_CAPTURED.items()))]
+    not_captured = dict(NOT_CAPTURED)
+    recomputed = list(RECOMPUTED)
+    if not terms:
+        recomputed.remove("moe.term.*")
+        not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
+    notes[-1] = (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items()))
     prov = Provenance("vllm", vllm.__version__, threads, notes)
-    prov.with_recomputed(RECOMPUTED)
+    prov.with_recomputed(recomputed)
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
     writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
     try:
@@ -473,10 +531,11 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
 def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, biases, k, n_hash):
     n_layers = int(cfg["num_hidden_layers"])
     d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
-    shapes = {"attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
+    nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
+    shapes = {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
               "attn.output": (d,), "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,),
               "ffn.hc_comb": (hc, hc), "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,),
-              "router.gates": (k,), "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
+              "router.gates": (k,), "moe.routed": (d,), "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
 
     def emit(step, pos, phase, layer, level, path, arr):
         if not mask & LEVEL_BITS[level]:
@@ -516,6 +575,12 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
                             if sel.size > k:
                                 emit(step, p, phase, layer, "L3", path,
                                      np.array([sel[k - 1] - sel[k]], dtype=np.float32))
+                        continue
+                    if path == "moe.term.*":
+                        for t in range(k):
+                            a = obs.get(f"moe.term.{t}")
+                            if a is not None:
+                                emit(step, p, phase, layer, "L4", f"moe.term.{t}", a.reshape(s.n, d)[j])
                         continue
                     a = obs.get(path)
                     if a is None:
