@@ -15,6 +15,9 @@ prompt, step s >= 1 = the decode forward of generated token g_s):
   ``_compute_routing``: expert ids and weights in the fused kernel's slot order), ``router.scores``
   and ``router.margin`` (recomputed from the observed gate logits: ``sqrt(softplus(logits))`` in
   FP32; margin = rank k minus rank k+1 of ``scores + e_score_correction_bias``, score layers only);
+* L2 ``state.cumulative_length`` and ``state.window_kv`` (the last ``window - 1`` entries of each
+  layer's paged sliding-window cache, read after the layer's attention and decoded from vLLM's
+  ``fp8_ds_mla`` layout: :func:`decode_fp8_ds_mla`);
 * L4 ``embed.output``, ``attn.hc_post_weights`` / ``attn.hc_comb`` / ``attn.hc_pre`` (and the
   ``ffn.`` twins: the three outputs of ``mhc_pre``), ``attn.norm`` / ``ffn.norm`` (the RMSNorm
   modules' outputs), ``attn.output`` (the attention module's output), ``moe.shared`` (the shared
@@ -58,7 +61,7 @@ from .trace import TraceWriter, WriteSummary
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
            "NOT_CAPTURED_NOTE", "check_environment", "check_version", "installed_vllm_version", "check_model_dir",
-           "prepare_vllm", "LAYER_ORDER", "WORKAROUND_NOTE", "PATCH_NOTE"]
+           "prepare_vllm", "LAYER_ORDER", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE", "PATCH_NOTE"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
@@ -90,7 +93,8 @@ NOT_CAPTURED = {
     "attn.indexer_scores": "computed inside the fused indexer top-k kernel; not materialized",
     "attn.indexer_topk": "below index_topk compressed entries vLLM's CPU short-context path (cpu_sparse.py) selects "
                          "every entry without scoring; its order is not the catalogue's descending-score order",
-    "state.*": "vLLM's paged caches (fp8_ds_mla layout, sliding-window cache) are not decoded yet",
+    "state.compressor.*": "the compressor's state cache and the compressed FP8 cache are not decoded yet",
+    "state.indexer.*": "the indexer's state cache and its compressed cache are not decoded yet",
 }
 
 #: Per (layer, position), the records in the reference runtime's execution order.
@@ -286,7 +290,60 @@ def _sqrtsoftplus(logits):
     return np.sqrt(sp).astype(np.float32)
 
 
-def _install_hooks(model, cfg, steps, k, terms=True):
+#: vLLM's ``fp8_ds_mla`` sliding-window cache entry (models/deepseek_v4/common/ops/cache_utils.py,
+#: quantize_and_insert_k_kernel): per paged block of B tokens, B token records of 448 FP8 E4M3
+#: values (the no-RoPE part) followed by 64 BF16 values (the RoPE part), then B groups of 8 UE8M0
+#: scale bytes (7 used: one per 64 FP8 values; value = e4m3 * 2^(s - 127)).
+FP8_DS_MLA = dict(fp8_dim=448, rope_dim=64, token_bytes=576, scale_bytes=8, quant_block=64)
+
+
+def decode_fp8_ds_mla(block_bytes, offset, block_size):
+    """The f32 values of the entry at ``offset`` of one paged block (a uint8 numpy array of the
+    block's bytes) of the ``fp8_ds_mla`` layout (:data:`FP8_DS_MLA`)."""
+    L = FP8_DS_MLA
+    tok = block_bytes[offset * L["token_bytes"]:(offset + 1) * L["token_bytes"]]
+    so = block_size * L["token_bytes"] + offset * L["scale_bytes"]
+    scales = block_bytes[so:so + L["fp8_dim"] // L["quant_block"]].astype(np.int64)
+    codes = tok[:L["fp8_dim"]].astype(np.int64)
+    sign = np.where(codes >> 7, -1.0, 1.0)
+    e = (codes >> 3) & 0xF
+    m = codes & 7
+    if np.any((e == 15) & (m == 7)):
+        raise VllmCaptureError("a NaN code in vLLM's FP8 window cache")
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7)) * sign
+    nope = v * np.repeat(2.0 ** (scales - 127).astype(np.float64), L["quant_block"])
+    rope = (tok[L["fp8_dim"]:].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.concatenate([nope.astype(np.float32), rope])
+
+
+def _window_state(mqa, c, head_dim):
+    """``state.window_kv`` after ``c`` tokens: the last ``window - 1`` entries of the layer's paged
+    sliding-window cache, decoded from the ``fp8_ds_mla`` layout, oldest first."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    sw = mqa.swa_cache_layer
+    kc = sw.kv_cache
+    L = FP8_DS_MLA
+    if head_dim != L["fp8_dim"] + L["rope_dim"] or kc.dtype != torch.uint8:
+        raise VllmCaptureError(f"the sliding-window cache is {kc.dtype} for head_dim {head_dim}: not the fp8_ds_mla "
+                               "layout the capture decodes (448 FP8 + 64 BF16)")
+    md = get_forward_context().attn_metadata[sw.prefix]
+    bs = int(md.block_size)
+    bt = md.block_table[0].to("cpu")
+    span = bs * (L["token_bytes"] + L["scale_bytes"])
+    if kc.stride(0) < span:
+        raise VllmCaptureError(f"the sliding-window cache's block stride {kc.stride(0)} is smaller than the "
+                               "fp8_ds_mla layout of its block size")
+    w = int(mqa.window_size)
+    rows = []
+    for p in range(max(0, c - (w - 1)), c):
+        block = torch.as_strided(kc, (span,), (1,), kc.storage_offset() + int(bt[p // bs]) * kc.stride(0)).numpy()
+        rows.append(decode_fp8_ds_mla(block, p % bs, bs))
+    return np.stack(rows) if rows else np.zeros((0, head_dim), np.float32)
+
+
+def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
     """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables."""
     undo = []
     inner = model.model
@@ -374,11 +431,15 @@ def _install_hooks(model, cfg, steps, k, terms=True):
         mqa = mqa[0]
         orig_mqa = mqa.forward_mqa
 
-        def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i):
+        def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
             s = cur()
             s.put(i, "attn.q", _f32(q))
             r = _orig(q, kv, positions, output)
             s.put(i, "attn.core", _f32(output))
+            if state_l2:
+                c = int(positions.reshape(-1)[-1]) + 1
+                s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
+                s.put(i, "state.window_kv", _window_state(mqa, c, int(cfg["head_dim"])))
             return r
 
         mqa.forward_mqa = forward_mqa
@@ -477,7 +538,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     state = {}
 
     def install(model):
-        state["undo"] = _install_hooks(model, cfg, steps, k, terms)
+        state["undo"] = _install_hooks(model, cfg, steps, k, terms, bool(mask & LEVEL_BITS["L2"]))
         state["bias"] = [l._moeconf_bias for l in model.model.layers]
         return True
 
@@ -605,5 +666,12 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
         emit(step, last, phase, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
         text = tok.decode(generated[:step + 1])
         emit(step, last, phase, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
+        if mask & LEVEL_BITS["L2"]:
+            for layer in range(n_layers):
+                obs = s.layer.get(layer, {})
+                for path in ("state.cumulative_length", "state.window_kv"):
+                    if path not in obs:
+                        raise VllmCaptureError(f"step {step} layer {layer}: {path} was not read")
+                    emit(step, last, phase, layer, "L2", path, obs[path])
         start += n
         feed = [nxt]

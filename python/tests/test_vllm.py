@@ -90,3 +90,29 @@ def test_cli_refuses_other_or_missing_vllm(tmp_path, monkeypatch, capsys):
     assert rc == 2
     assert "vLLM 0.31.1 is installed, but the capture supports only vLLM 0.32.0" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_decode_fp8_ds_mla():
+    """One entry of vLLM's fp8_ds_mla window-cache block, built by hand: 448 E4M3 codes with 7 UE8M0
+    scales (one per 64 values), then 64 BF16 values; the scales of all tokens after the token data."""
+    import numpy as np
+
+    bs, off = 4, 2
+    block = np.zeros(bs * 576 + bs * 8 + 16, np.uint8)  # trailing padding as in a shared page
+    codes = np.zeros(448, np.uint8)
+    codes[0] = 0x38  # e=7, m=0: 1.0
+    codes[1] = 0xB9  # sign, e=7, m=1: -1.125
+    codes[64] = 0x01  # subnormal: 2^-9
+    codes[447] = 0x7E  # e=15, m=6: 448
+    rope = np.array([1.5, -2.0] + [0.0] * 62, np.float32)
+    block[off * 576:off * 576 + 448] = codes
+    block[off * 576 + 448:off * 576 + 576] = (rope.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    scales = np.array([127, 128, 126, 127, 127, 127, 120], np.uint8)
+    block[bs * 576 + off * 8:bs * 576 + off * 8 + 7] = scales
+    v = mv.decode_fp8_ds_mla(block, off, bs)
+    assert v.dtype == np.float32 and v.shape == (512,)
+    assert v[0] == 1.0 and v[1] == -1.125 and v[64] == 2.0 ** -9 * 2 and v[447] == 448 * 2.0 ** -7
+    assert v[448] == 1.5 and v[449] == -2.0 and not v[2:64].any()
+    block[off * 576 + 5] = 0x7F  # NaN code
+    with pytest.raises(mv.VllmCaptureError, match="NaN"):
+        mv.decode_fp8_ds_mla(block, off, bs)

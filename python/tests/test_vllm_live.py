@@ -76,12 +76,33 @@ def test_capture_diff(setup, model):
     assert set(t.provenance.recomputed()) >= {"router.scores"}
     paths = {x.coord.path for x in t.records}
     for want in ("token.output", "lm.logits", "layer.post_attn_mhc", "layer.post_ffn_mhc", "router.topk",
-                 "router.gates", "moe.combine", "moe.shared"):
+                 "router.gates", "moe.combine", "moe.shared", "moe.routed", "moe.term.0", "attn.q", "attn.core",
+                 "state.window_kv", "state.cumulative_length"):
         assert want in paths
     mc("inspect", out)
     diff = mc("diff", ref, out, ok=(0, 1)).stdout
     assert "L0 tokens / text                                  match" in diff
     assert "first divergence:" in diff
+
+
+def test_terms_do_not_perturb(setup):
+    """The one-slot calls that recompute moe.term.* leave every observed record bit for bit as a
+    run without them."""
+    d = setup["dir"]
+    runs = sorted(glob.glob(str(d / "vllm-tiny-v4-vllm.bin")))
+    if not runs:
+        pytest.skip("test_capture_diff[tiny-v4-vllm] did not run")
+    model_dir = [p for p in glob.glob(str(d / "cache" / "tiny-v4-vllm-[0-9]*")) if os.path.isdir(p)][0]
+    out = d / "noterms.bin"
+    p = _vllm([model_dir, "--prompt", "why the sheep", "--max-new-tokens", STEPS, "--no-terms", "-o", out,
+               "--name", "builtin:tiny-v4-vllm"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = read_trace(runs[0]), read_trace(str(out))
+    ka = {(r.coord.step, r.coord.position, r.coord.layer, r.coord.path): r for r in a.records}
+    kb = {(r.coord.step, r.coord.position, r.coord.layer, r.coord.path): r for r in b.records}
+    common = [k for k in kb if k in ka]
+    assert len(common) == len(kb) and not any(k[3].startswith("moe.term.") for k in kb)
+    assert [k for k in common if ka[k].digest != kb[k].digest] == []
 
 
 def test_multiprocess_mode_refused(setup):
