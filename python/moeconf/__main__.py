@@ -185,7 +185,8 @@ def main(argv=None):
                 return 2
             doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
                    "generated": r.generated, "prompt_ids": r.prompt_ids, "forwards": r.forwards,
-                   "threads": r.threads}
+                   "threads": r.threads, "moe_events": r.moe_events,
+                   "moe_routed_reproduced_by_terms": r.moe_routed_reproduced}
         else:
             ident = model_identity(args.name or args.dir, args.dir, args.algorithm)
             doc = {"name": ident.name, "config_digest": ident.config_digest.hex(),

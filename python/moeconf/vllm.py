@@ -15,12 +15,18 @@ prompt, step s >= 1 = the decode forward of generated token g_s):
   ``_compute_routing``: expert ids and weights in the fused kernel's slot order), ``router.scores``
   and ``router.margin`` (recomputed from the observed gate logits: ``sqrt(softplus(logits))`` in
   FP32; margin = rank k minus rank k+1 of ``scores + e_score_correction_bias``, score layers only);
+  the gates include ``routed_scaling_factor`` (vLLM's router applies it);
 * L2 ``state.cumulative_length`` and ``state.window_kv`` (the last ``window - 1`` entries of each
   layer's paged sliding-window cache, read after the layer's attention and decoded from vLLM's
   ``fp8_ds_mla`` layout: :func:`decode_fp8_ds_mla`);
 * L4 ``embed.output``, ``attn.hc_post_weights`` / ``attn.hc_comb`` / ``attn.hc_pre`` (and the
   ``ffn.`` twins: the three outputs of ``mhc_pre``), ``attn.norm`` / ``ffn.norm`` (the RMSNorm
-  modules' outputs), ``attn.output`` (the attention module's output), ``moe.shared`` (the shared
+  modules' outputs), ``attn.q`` (the query ``forward_mqa`` receives: after norm and RoPE),
+  ``attn.core`` (``forward_mqa``'s output, before de-rotation), ``attn.output`` (the attention
+  module's output), ``moe.routed`` (the routed experts' ``forward_modular`` output: the routed sum
+  before the shared merge), ``moe.term.j`` (recomputed: one-slot calls of the same
+  ``forward_modular`` with slot j's id and weight, after the real call, whose output buffer is then
+  restored; a run without them is bit-identical, test_vllm_live.py), ``moe.shared`` (the shared
   expert's output), ``moe.combine`` (the MoE block's output, routed + shared).
 
 The records the capture recomputes are listed in the trace's ``moeconf.recomputed`` note
@@ -111,11 +117,34 @@ class VllmCaptureError(ValueError):
 
 
 class CaptureResult(NamedTuple):
+    """The generated ids, vLLM's prompt ids, the writer's summary, the model forwards observed, the
+    pinned thread count, the (position, layer) MoE events, and how many of them the recomputed
+    terms reproduce the observed ``moe.routed`` bit for bit (FP32 sum in slot order, one BF16
+    rounding: :func:`routed_from_terms`)."""
+
     generated: List[int]
     prompt_ids: List[int]
     summary: WriteSummary
     forwards: int
     threads: int
+    moe_events: int
+    moe_routed_reproduced: int
+
+
+def _bf16(x):
+    """Round-to-nearest-even of f32 values to BF16, as f32."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def routed_from_terms(terms):
+    """The routed sum of BF16 terms as an FP32 sum in slot order rounded once to BF16 (a diagnostic:
+    does the one-slot recomputation reproduce the observed ``moe.routed``?)."""
+    acc = np.zeros_like(np.asarray(terms[0], np.float32))
+    for t in terms:
+        acc = acc + np.asarray(t, np.float32)
+    return _bf16(acc)
 
 
 def check_environment(env=None):
@@ -580,16 +609,18 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
     writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
     try:
-        _write(writer, steps[:max_new_tokens], cfg, prompt_ids, generated, tok, mask, payload_mask, state["bias"],
-               k, n_hash)
+        counts = _write(writer, steps[:max_new_tokens], cfg, prompt_ids, generated, tok, mask, payload_mask,
+                        state["bias"], k, n_hash)
         summary = writer.finish()
     except BaseException:
         writer.abort()
         raise
-    return CaptureResult(generated, prompt_ids, summary, len(steps), threads)
+    return CaptureResult(generated, prompt_ids, summary, len(steps), threads, counts[0], counts[1])
 
 
 def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, biases, k, n_hash):
+    """Writes the observations; returns [MoE events, events whose routed sum the terms reproduce]."""
+    counts = [0, 0]
     n_layers = int(cfg["num_hidden_layers"])
     d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
     nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
@@ -638,6 +669,10 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
                                      np.array([sel[k - 1] - sel[k]], dtype=np.float32))
                         continue
                     if path == "moe.term.*":
+                        if "moe.routed" in obs and f"moe.term.{k - 1}" in obs:
+                            counts[0] += 1
+                            got = routed_from_terms([obs[f"moe.term.{t}"].reshape(s.n, d)[j] for t in range(k)])
+                            counts[1] += bool(np.array_equal(got, obs["moe.routed"].reshape(s.n, d)[j]))
                         for t in range(k):
                             a = obs.get(f"moe.term.{t}")
                             if a is not None:
@@ -675,3 +710,4 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
                     emit(step, last, phase, layer, "L2", path, obs[path])
         start += n
         feed = [nxt]
+    return counts

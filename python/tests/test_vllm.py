@@ -116,3 +116,11 @@ def test_decode_fp8_ds_mla():
     block[off * 576 + 5] = 0x7F  # NaN code
     with pytest.raises(mv.VllmCaptureError, match="NaN"):
         mv.decode_fp8_ds_mla(block, off, bs)
+
+
+def test_routed_from_terms():
+    import numpy as np
+
+    terms = [np.array([1.0, 2.0 ** -8], np.float32), np.array([2.0 ** -9, 2.0 ** -9], np.float32)]
+    # 1 + 2^-9 rounds to 1 in BF16 (ties to even); 2^-8 + 2^-9 is exact
+    assert mv.routed_from_terms(terms).tolist() == [1.0, 2.0 ** -8 + 2.0 ** -9]

@@ -64,6 +64,7 @@ def test_capture_diff(setup, model):
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout[p.stdout.index('{\n  "file"'):])  # vLLM logs to stdout too
     assert doc["threads"] == 2 and doc["forwards"] == STEPS
+    assert doc["moe_events"] > 0 and 0 <= doc["moe_routed_reproduced_by_terms"] <= doc["moe_events"]
     t = read_trace(str(out))
     r = read_trace(str(ref))
     assert t.binding.weights_digest == r.binding.weights_digest
