@@ -22,6 +22,8 @@ prompt, step s >= 1 = the decode forward of generated token g_s):
 * L4 ``embed.output``, ``attn.hc_post_weights`` / ``attn.hc_comb`` / ``attn.hc_pre`` (and the
   ``ffn.`` twins: the three outputs of ``mhc_pre``), ``attn.norm`` / ``ffn.norm`` (the RMSNorm
   modules' outputs), ``attn.q`` (the query ``forward_mqa`` receives: after norm and RoPE),
+  ``attn.kv_fp8`` (this position's entry as stored: decoded from the window cache after the
+  insert), ``attn.window_read`` (the window entries p-w+1..p the kernel reads, decoded),
   ``attn.core`` (``forward_mqa``'s output, before de-rotation), ``attn.output`` (the attention
   module's output), ``moe.routed`` (the routed experts' ``forward_modular`` output: the routed sum
   before the shared merge), ``moe.term.j`` (recomputed: one-slot calls of the same
@@ -90,8 +92,8 @@ NOT_CAPTURED = {
                            "not the pre weights (not recomputed yet)",
     "ffn.hc_pre_weights": "as attn.hc_pre_weights",
     "attn.kv": "forward_mqa receives kv before RoPE and FP8 quantization; the rotated entry exists only inside "
-               "the fused rope+quantize+insert kernel and the paged FP8 cache (not decoded yet)",
-    "attn.window_read": "read inside vLLM's sparse attention kernel from the paged FP8 cache; no gathered tensor",
+               "the fused rope+quantize+insert kernel and, quantized, in the paged FP8 cache (recorded as "
+               "attn.kv_fp8)",
     "attn.compressed_read": "read inside vLLM's sparse attention kernel; no gathered tensor",
     "attn.compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
     "attn.indexer_compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
@@ -104,7 +106,8 @@ NOT_CAPTURED = {
 }
 
 #: Per (layer, position), the records in the reference runtime's execution order.
-LAYER_ORDER = ["attn.hc_post_weights", "attn.hc_comb", "attn.hc_pre", "attn.norm", "attn.q", "attn.core",
+LAYER_ORDER = ["attn.hc_post_weights", "attn.hc_comb", "attn.hc_pre", "attn.norm", "attn.q", "attn.kv_fp8",
+               "attn.window_read", "attn.core",
                "attn.output",
                "layer.post_attn_mhc", "ffn.hc_post_weights", "ffn.hc_comb", "ffn.hc_pre", "ffn.norm",
                "router.scores", "router.topk", "router.gates", "router.margin", "moe.term.*", "moe.routed",
@@ -348,6 +351,14 @@ def decode_fp8_ds_mla(block_bytes, offset, block_size):
 def _window_state(mqa, c, head_dim):
     """``state.window_kv`` after ``c`` tokens: the last ``window - 1`` entries of the layer's paged
     sliding-window cache, decoded from the ``fp8_ds_mla`` layout, oldest first."""
+    w = int(mqa.window_size)
+    keep = list(range(max(0, c - (w - 1)), c))
+    rows = _window_rows(mqa, keep, head_dim)
+    return np.stack([rows[p] for p in keep]) if keep else np.zeros((0, head_dim), np.float32)
+
+
+def _window_rows(mqa, positions, head_dim):
+    """{position: decoded entry} of the layer's paged sliding-window cache (``fp8_ds_mla``)."""
     import torch
     from vllm.forward_context import get_forward_context
 
@@ -364,12 +375,11 @@ def _window_state(mqa, c, head_dim):
     if kc.stride(0) < span:
         raise VllmCaptureError(f"the sliding-window cache's block stride {kc.stride(0)} is smaller than the "
                                "fp8_ds_mla layout of its block size")
-    w = int(mqa.window_size)
-    rows = []
-    for p in range(max(0, c - (w - 1)), c):
+    rows = {}
+    for p in positions:
         block = torch.as_strided(kc, (span,), (1,), kc.storage_offset() + int(bt[p // bs]) * kc.stride(0)).numpy()
-        rows.append(decode_fp8_ds_mla(block, p % bs, bs))
-    return np.stack(rows) if rows else np.zeros((0, head_dim), np.float32)
+        rows[p] = decode_fp8_ds_mla(block, p % bs, bs)
+    return rows
 
 
 def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
@@ -465,6 +475,15 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
             s.put(i, "attn.q", _f32(q))
             r = _orig(q, kv, positions, output)
             s.put(i, "attn.core", _f32(output))
+            # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
+            # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots).
+            hd = int(cfg["head_dim"])
+            w = int(mqa.window_size)
+            pos = [int(x) for x in positions.reshape(-1).tolist()]
+            need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
+            rows = _window_rows(mqa, need, hd)
+            s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
+            s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
             if state_l2:
                 c = int(positions.reshape(-1)[-1]) + 1
                 s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
@@ -624,7 +643,7 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
     n_layers = int(cfg["num_hidden_layers"])
     d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
     nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
-    shapes = {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
+    shapes = {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.kv_fp8": (hd,), "attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
               "attn.output": (d,), "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,),
               "ffn.hc_comb": (hc, hc), "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,),
               "router.gates": (k,), "moe.routed": (d,), "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
@@ -680,6 +699,9 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
                         continue
                     a = obs.get(path)
                     if a is None:
+                        continue
+                    if isinstance(a, list):
+                        emit(step, p, phase, layer, "L4", path, a[j])
                         continue
                     level = "L3" if path.startswith(("layer.", "router.")) else "L4"
                     shape = shapes[path]
