@@ -94,11 +94,13 @@ NOT_CAPTURED = {
     "attn.kv": "forward_mqa receives kv before RoPE and FP8 quantization; the rotated entry exists only inside "
                "the fused rope+quantize+insert kernel and, quantized, in the paged FP8 cache (recorded as "
                "attn.kv_fp8)",
-    "attn.compressed_read": "read inside vLLM's sparse attention kernel; no gathered tensor",
+    "attn.compressed_read": "read by the sparse attention kernel from the paged compressed FP8 cache through "
+                            "compressed_slots; not decoded yet",
     "attn.compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
     "attn.indexer_compressed": "written by the fused compress+quantize+cache kernel; not hooked yet",
     "attn.indexer_read": "read inside the indexer kernel; no gathered tensor",
-    "attn.indexer_scores": "computed inside the fused indexer top-k kernel; not materialized",
+    "attn.indexer_scores": "not materialized as a tensor the hooks see (and below index_topk entries the CPU path "
+                           "selects every entry)",
     "attn.indexer_topk": "below index_topk compressed entries vLLM's CPU short-context path (cpu_sparse.py) selects "
                          "every entry without scoring; its order is not the catalogue's descending-score order",
     "state.compressor.*": "the compressor's state cache and the compressed FP8 cache are not decoded yet",
