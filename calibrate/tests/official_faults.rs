@@ -17,21 +17,26 @@ use moeconf_schema::Trace;
 const PROMPT: &str = "why the sheep";
 const TOKENS: usize = 3;
 
-#[test]
-fn uncaptured_steps_and_scaling_faults_are_localized_and_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let m = moeconf_runner::load_model("builtin:tiny-v4-fp8").expect("built-in quantized model");
-    let ctx = Ctx::new(
+/// A calibration context on a built-in model in one profile, writing under `out`.
+fn context(model: &str, precision: Precision, out: &std::path::Path) -> Ctx {
+    let m = moeconf_runner::load_model(model).expect("built-in model");
+    Ctx::new(
         m,
         CtxOptions {
-            precision: Precision::Official,
+            precision,
             fork_layer: 5,
             sizes: Sizes::QUICK,
-            out: dir.path().to_path_buf(),
+            out: out.to_path_buf(),
             progress: moeconf_shard::ProgressMode::Off,
         },
     )
-    .expect("context");
+    .expect("context")
+}
+
+#[test]
+fn uncaptured_steps_and_scaling_faults_are_localized_and_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = context("builtin:tiny-v4-fp8", Precision::Official, dir.path());
     let ids = ctx.encode(PROMPT).unwrap();
     assert_eq!(ids.len(), 5, "the cases assume a 5-token prompt");
     let write = |name: &str, plan: Option<&FaultPlan>| {
@@ -121,18 +126,7 @@ fn uncaptured_steps_and_scaling_faults_are_localized_and_read() {
 #[test]
 fn explain_reads_a_scaling_bug_at_every_event() {
     let dir = tempfile::tempdir().unwrap();
-    let m = moeconf_runner::load_model("builtin:tiny-v4").expect("built-in model");
-    let ctx = Ctx::new(
-        m,
-        CtxOptions {
-            precision: Precision::Bf16,
-            fork_layer: 5,
-            sizes: Sizes::QUICK,
-            out: dir.path().to_path_buf(),
-            progress: moeconf_shard::ProgressMode::Off,
-        },
-    )
-    .expect("context");
+    let ctx = context("builtin:tiny-v4", Precision::Bf16, dir.path());
     let ids = ctx.encode(PROMPT).unwrap();
     let plan = FaultPlan::new(vec![Fault {
         step: None,

@@ -345,7 +345,7 @@ impl Model {
         faults: Option<&FaultPlan>,
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
-        self.step_inner(state, ids, opts, faults, ids.len(), sink)
+        self.step_inner(state, ids, opts, faults, sink)
     }
 
     /// [`Model::step`] with its tokens processed in chunks of `chunk` (a
@@ -364,12 +364,15 @@ impl Model {
         chunk: usize,
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
-        if chunk == 0 {
-            return Err(RuntimeError::Input(
-                "a prefill chunk needs at least one token".into(),
-            ));
-        }
-        self.step_inner(state, ids, opts, None, chunk, sink)
+        let mut one = [BatchEntry {
+            state,
+            ids,
+            sink,
+            chunk: Some(chunk),
+        }];
+        let mut out = self.step_batch(&mut one, opts)?;
+        out.pop()
+            .ok_or_else(|| RuntimeError::Input("a batch of one gave no output".into()))
     }
 
     fn step_inner(
@@ -378,7 +381,6 @@ impl Model {
         ids: &[u32],
         opts: &StepOptions<'_>,
         faults: Option<&FaultPlan>,
-        chunk: usize,
         sink: &mut dyn CaptureSink,
     ) -> Result<StepOutput, RuntimeError> {
         let cfg = &self.cfg;
@@ -390,38 +392,32 @@ impl Model {
         rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
 
         let global = |t: u32| faults.map_or_else(GlobalActive::default, |f| f.global(state.step, t));
-        let mut last_stream = Vec::new();
-        for (c, part) in ids.chunks(chunk.max(1)).enumerate() {
-            let first = pos0 + (c * chunk.max(1)) as u32;
-            let mut streams = Vec::with_capacity(part.len());
-            for (j, &id) in part.iter().enumerate() {
-                let t = first + j as u32;
-                let e = self.embedding(id, global(t).embedding_next_row);
-                rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
-                streams.push(e.repeat(cfg.hc_mult));
-            }
-            for (li, lw) in self.layers.iter().enumerate() {
-                for (j, x) in streams.iter_mut().enumerate() {
-                    let t = first + j as u32;
-                    let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
-                    let cx = TokenCtx {
-                        cfg,
-                        p: opts.precision,
-                        combine: opts.combine,
-                        step: state.step,
-                        layer: li as u32,
-                        position: t,
-                        token: part[j],
-                        fx: &fx,
-                        plan: faults,
-                    };
-                    self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
-                }
-            }
-            if let Some(s) = streams.pop() {
-                last_stream = s;
+        let mut streams = Vec::with_capacity(ids.len());
+        for (j, &id) in ids.iter().enumerate() {
+            let t = pos0 + j as u32;
+            let e = self.embedding(id, global(t).embedding_next_row);
+            rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
+            streams.push(e.repeat(cfg.hc_mult));
+        }
+        for (li, lw) in self.layers.iter().enumerate() {
+            for (j, x) in streams.iter_mut().enumerate() {
+                let t = pos0 + j as u32;
+                let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
+                let cx = TokenCtx {
+                    cfg,
+                    p: opts.precision,
+                    combine: opts.combine,
+                    step: state.step,
+                    layer: li as u32,
+                    position: t,
+                    token: ids[j],
+                    fx: &fx,
+                    plan: faults,
+                };
+                self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
             }
         }
+        let last_stream = streams.pop().unwrap_or_default();
         let head_eps = global(last).head_norm_eps.unwrap_or(cfg.rms_norm_eps);
         self.finish_step(state, ids, opts, &mut rec, &last_stream, head_eps)
     }

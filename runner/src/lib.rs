@@ -739,8 +739,9 @@ pub fn run_prepared_with_faults(
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
     let mut sink = TraceSink::new(writer, spec.capture);
     let generation = match faults {
-        None if !spec.batch_with.is_empty() => generate_batched(m, spec, &prepared, &mut sink)?,
-        None if spec.prefill_chunk.is_some() => generate_chunked(m, spec, &prepared, &mut sink)?,
+        None if !spec.batch_with.is_empty() || spec.prefill_chunk.is_some() => {
+            generate_batched(m, spec, &prepared, &mut sink)?
+        }
         None => {
             let opts = GenerateOptions {
                 max_new_tokens: spec.max_new_tokens as usize,
@@ -778,39 +779,11 @@ pub fn run_prepared_with_faults(
     })
 }
 
-/// The greedy loop of [`Model::generate`] with the prompt processed in
-/// chunks ([`RunSpec::prefill_chunk`], [`Model::step_chunked`]): the generated ids.
-fn generate_chunked(
-    m: &LoadedModel,
-    spec: &RunSpec<'_>,
-    prepared: &PreparedRun,
-    sink: &mut TraceSink,
-) -> Result<Vec<u32>, RunError> {
-    let opts = StepOptions {
-        precision: spec.precision,
-        combine: prepared.built.combine.as_ref(),
-        detokenizer: Some(&m.tokenizer),
-        allow_non_finite: spec.allow_non_finite,
-    };
-    let chunk = spec.prefill_chunk.unwrap_or(u32::MAX) as usize;
-    let mut state = m.model.new_state();
-    m.model
-        .step_chunked(&mut state, &prepared.prompt_ids, &opts, chunk, sink)
-        .map_err(RunError::runtime)?;
-    for _ in 1..spec.max_new_tokens {
-        let next = state
-            .pending
-            .ok_or_else(|| RunError::Invalid("no pending token".into()))?;
-        m.model
-            .step(&mut state, &[next], &opts, sink)
-            .map_err(RunError::runtime)?;
-    }
-    Ok(state.generated)
-}
-
 /// The greedy loop of [`Model::generate`] with the traced prompt decoded in
-/// one batch with the prompts of [`RunSpec::batch_with`] ([`Model::step_batch`]);
-/// only the traced sequence is captured: its generated ids.
+/// one batch with the prompts of [`RunSpec::batch_with`] (none: a batch of
+/// one) and its prefill in chunks of [`RunSpec::prefill_chunk`]
+/// ([`Model::step_batch`]); only the traced sequence is captured: its
+/// generated ids.
 fn generate_batched(
     m: &LoadedModel,
     spec: &RunSpec<'_>,
