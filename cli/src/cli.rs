@@ -71,6 +71,10 @@ pub enum Command {
     /// divergence (not only the first); or, with --teacher-force, the
     /// reference on the candidate's tokens with per-step KL divergence.
     Replay(cmd::replay::ReplayArgs),
+    /// Which serving knob changes the state, and where: one backend under a
+    /// matrix of configurations (threads, batch, chunked prefill, or any knob
+    /// of a capture command), each bisected against the base (docs/invariance.md).
+    Invariance(cmd::invariance::InvarianceArgs),
     /// Calibration suite: the paper's experiments and the fault-injection
     /// localization matrix on the reference runtime (docs/calibration.md).
     Calibrate(cmd::calibrate::CalibrateArgs),

@@ -48,6 +48,7 @@ fn dispatch(cli: cli::Cli) -> anyhow::Result<ExitCode> {
         cli::Command::Convert(a) => cmd::convert::run(&a),
         cli::Command::Import(a) => cmd::import::run(&a),
         cli::Command::Gate(a) => cmd::gate::run(&a),
+        cli::Command::Invariance(a) => cmd::invariance::run(&a),
         cli::Command::Calibrate(a) => cmd::calibrate::run(&a),
         cli::Command::Merge(a) => cmd::merge::run(&a),
         cli::Command::Replay(a) => cmd::replay::run(&a),

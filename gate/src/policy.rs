@@ -483,6 +483,10 @@ struct RawFile {
     default_profile: Option<String>,
     #[serde(default)]
     profile: BTreeMap<String, RawProfile>,
+    /// `moeconf invariance`: knob → `bitwise`, `info` or `profile:NAME`
+    /// (docs/invariance.md §3); read by [`invariance_section`].
+    #[serde(default)]
+    invariance: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -842,6 +846,20 @@ fn file_profile(raw: &RawFile, name: &str, source: &Source) -> Result<Profile, G
         p.apply(&mut profile).map_err(invalid)?;
     }
     Ok(profile)
+}
+
+/// The policy's `[invariance]` section (knob → expectation text, validated
+/// by `moeconf invariance`) and where it came from: the file the overrides
+/// name or `moeconf.toml` at the repository root of `cwd`; empty without a
+/// file.
+pub fn invariance_section(
+    o: &Overrides,
+    cwd: &Path,
+) -> Result<(BTreeMap<String, String>, Source), GateError> {
+    match policy_file(o, cwd) {
+        Some(p) => Ok((read_file(&p)?.invariance, Source::File(p))),
+        None => Ok((BTreeMap::new(), Source::BuiltIn)),
+    }
 }
 
 /// Resolves the profile: built-in defaults, then the file (given by the

@@ -1,4 +1,5 @@
-//! Self-contained HTML reports for `moeconf diff`, `gate` and `sweep`.
+//! Self-contained HTML reports for `moeconf diff`, `gate`, `sweep`, `replay`
+//! and `invariance`.
 //!
 //! The text report is precise; the first question a kernel engineer asks —
 //! *where* in layers × steps two executions part and how the difference
@@ -22,6 +23,7 @@ mod charts;
 mod diff_page;
 mod error;
 mod grid;
+mod invariance_page;
 mod maps;
 mod page;
 mod replay_page;
@@ -32,6 +34,7 @@ mod sweep_page;
 pub use diff_page::{render_diff, render_gate_only, GateSummary};
 pub use error::ReportError;
 pub use grid::{Cell, Grid, MAX_COLUMNS, MAX_ROWS};
+pub use invariance_page::{render_invariance, InvarianceRow, InvarianceView};
 pub use maps::{DiffMaps, Histogram, MarginSeries};
 pub use replay_page::{render_replay, OriginCell, OriginKind, ReplayView};
 pub use sweep_page::{render_sweep, SweepBranch, SweepView};

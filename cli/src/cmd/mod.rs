@@ -12,6 +12,7 @@ pub mod export;
 pub mod gate;
 pub mod import;
 pub mod inspect;
+pub mod invariance;
 pub mod merge;
 pub mod replay;
 pub mod run;
