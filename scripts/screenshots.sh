@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Opt-in (not part of .ci/run): renders the HTML reports of the demo and of a
-# sweep in headless Chromium and saves PNG screenshots.
+# Opt-in (not part of .ci/run): renders the HTML reports of the demo, of a
+# sweep and of the reference runtime's invariance matrix in headless Chromium and saves PNG screenshots.
 #
 #   scripts/screenshots.sh [OUT_DIR]      (default: docs/img)
 #
@@ -23,6 +23,7 @@ trap 'rm -rf "$work"' EXIT
 
 "$bin" demo --out-dir "$work/demo" >/dev/null
 "$bin" sweep --prompt "why the sheep" --scheme b --max-new-tokens 8 -q --html "$work/sweep.html" >/dev/null
+"$bin" invariance --preset reference --out "$work/invariance" -q >/dev/null
 
 shot() { # shot HTML PNG HEIGHT
   # The flags keep Chromium off the network (this machine has none) and
@@ -35,3 +36,4 @@ shot() { # shot HTML PNG HEIGHT
 }
 shot "$work/demo/report.html" "$out/demo-report.png" 1000
 shot "$work/sweep.html" "$out/sweep-report.png" 900
+shot "$work/invariance/index.html" "$out/invariance-report.png" 700

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 pub mod diff;
 pub mod fingerprint;
+pub mod invariance;
 pub mod measure;
 pub mod real_width;
 pub mod replay;

@@ -155,17 +155,17 @@ pub fn write_synthetic(
 
 /// What a child process did: its exit code, standard output, wall time and
 /// peak resident set size.
-struct Child {
-    code: i32,
-    stdout: Vec<u8>,
-    seconds: f64,
+pub(crate) struct Child {
+    pub(crate) code: i32,
+    pub(crate) stdout: Vec<u8>,
+    pub(crate) seconds: f64,
     /// User + system CPU time (what the child computed, whatever the load).
     cpu_seconds: Option<f64>,
     peak_rss: Option<u64>,
 }
 
 /// Runs `cmd` to completion and reads its peak RSS from `wait4`.
-fn measure(cmd: &mut Command, what: &str) -> Result<Child, BenchError> {
+pub(crate) fn measure(cmd: &mut Command, what: &str) -> Result<Child, BenchError> {
     let start = Instant::now();
     let mut child = cmd
         .stdout(Stdio::piped())

@@ -14,7 +14,9 @@
 //!   prompt natively and under contract b, so they differ), `prompt.txt`,
 //!   `ckpt/` (the released-format built-in model `builtin:tiny-v4-fp8` as a
 //!   checkpoint directory), `dumps/` (a backend's tensor dumps with their
-//!   manifest, docs/import.md) and an empty `baselines/`.
+//!   manifest, docs/import.md), an empty `baselines/`, `matrix.toml` (an
+//!   invariance matrix of the reference runtime, docs/invariance.md) and
+//!   `policy.toml` (a policy with an `[invariance]` section).
 //! * Examples run on the built-in fixtures and are quick (small
 //!   `--max-new-tokens`, `--limit`, `calibrate --quick`).
 //! * An example that needs an external backend (torch, llama.cpp, vLLM)
@@ -166,6 +168,17 @@ fn standard_inputs(dir: &Path, run_examples: &[String]) -> PathBuf {
     let inputs = dir.join("inputs");
     std::fs::create_dir_all(inputs.join("baselines")).unwrap();
     std::fs::write(inputs.join("prompt.txt"), "why the sheep").unwrap();
+    std::fs::write(
+        inputs.join("matrix.toml"),
+        "[run]\nbackend = \"reference\"\nprompt = \"why the sheep\"\nmax_new_tokens = 2\n\
+         [[config]]\nthreads = 2\n[[config]]\nprefill_chunk = 1\n",
+    )
+    .unwrap();
+    std::fs::write(
+        inputs.join("policy.toml"),
+        "[invariance]\nthreads = \"bitwise\"\nprefill_chunk = \"bitwise\"\n",
+    )
+    .unwrap();
     write_dumps(&inputs.join("dumps"));
     let ckpt =
         moeconf_fixtures::ensure_builtin_in(moeconf_fixtures::BUILTIN_TINY_V4_FP8, &dir.join("fixtures"))

@@ -31,6 +31,10 @@ pub enum BenchCommand {
     /// against a byte comparison of the files; and `moeconf run`'s peak RSS
     /// against the number of steps.
     Scale(BenchScaleArgs),
+    /// A 6-configuration invariance matrix on the fixture (`moeconf
+    /// invariance --preset reference-knobs`) against the same configurations
+    /// run as separate `moeconf run` processes; prints both and the ratio.
+    Invariance(BenchInvarianceArgs),
     /// Writes one synthetic trace of `bench scale` (its child process).
     #[command(hide = true)]
     ScaleWrite(BenchScaleWriteArgs),
@@ -52,6 +56,20 @@ pub struct BenchScaleArgs {
     /// Directory for the temporary traces (removed after each size; refused if one already exists).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+/// `moeconf bench invariance`.
+#[derive(Debug, Args)]
+pub struct BenchInvarianceArgs {
+    /// Tokens generated per configuration.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub tokens: u32,
+    /// Repetitions (the best is reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeat: u32,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
@@ -181,6 +199,15 @@ pub fn run(cmd: &BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Runtime(a) => runtime(a),
         BenchCommand::Replay(a) => replay(a),
         BenchCommand::Scale(a) => scale(a),
+        BenchCommand::Invariance(a) => {
+            let exe = std::env::current_exe()?;
+            let opts = moeconf_bench::invariance::InvarianceBenchOptions {
+                exe: &exe,
+                tokens: a.tokens,
+                repeat: a.repeat,
+            };
+            print(moeconf_bench::invariance::invariance(&opts)?, a.format)
+        }
         BenchCommand::ScaleWrite(a) => {
             moeconf_bench::scale::write_synthetic(&a.out, a.records, a.changed, a.version)?;
             Ok(ExitCode::SUCCESS)

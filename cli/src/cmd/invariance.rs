@@ -18,7 +18,7 @@ const INVARIANCE_EXAMPLES: &str = "Examples:
   moeconf invariance --preset reference --out inv            # 1/2 threads x batch 1/3 x prefill chunk 1/2/all
   moeconf invariance --preset reference-knobs --prompt \"why the sheep\" --out inv --format json
   moeconf invariance matrix.toml --out inv                   # your matrix (docs/invariance.md §2)
-  moeconf invariance matrix.toml --policy moeconf.toml --out inv   # expectations from [invariance]
+  moeconf invariance matrix.toml --policy policy.toml --out inv    # expectations from its [invariance]
 
 A matrix names a backend (the reference runtime in this process, or any command that writes a
 moeconf trace, with {knob} placeholders), a base configuration and the configurations to
