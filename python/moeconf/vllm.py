@@ -69,7 +69,7 @@ from .trace import TraceWriter, WriteSummary
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
            "NOT_CAPTURED_NOTE", "check_environment", "check_version", "installed_vllm_version", "check_model_dir",
-           "prepare_vllm", "LAYER_ORDER", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE", "PATCH_NOTE"]
+           "prepare_vllm", "LAYER_ORDER", "VLLM_CPU_CONSTRAINTS", "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE", "PATCH_NOTE"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
@@ -201,6 +201,63 @@ def check_version(version):
     return base
 
 
+class VllmConstraint(NamedTuple):
+    """One requirement vLLM-CPU 0.32.0's kernels place on a DeepSeek-V4 config."""
+    key: str
+    allowed: tuple
+    what: str
+    source: str
+    #: A fragment of the error vLLM raises when the requirement is not met.
+    vllm_message: str
+
+
+#: What vLLM-CPU 0.32.0 refuses, each found as a hard failure (../shared/docs/vllm-notes.md) and
+#: located in its source. :func:`check_model_dir` refuses a config that breaks one before vLLM
+#: starts; :func:`explain_vllm_error` names the one a vLLM error comes from.
+VLLM_CPU_CONSTRAINTS = (
+    VllmConstraint("head_dim", (512, 128), "the fused quant+cache store of the compressors",
+                   "vllm/models/deepseek_v4/compressor.py L296-314 (DeepseekCompressor.__init__), "
+                   "vllm/models/deepseek_v4/cpu/cpu_compressor.py L82",
+                   "Unsupported head_dim for fused quant+cache"),
+    VllmConstraint("index_head_dim", (512, 128), "the indexer's compressor (the same fused quant+cache store)",
+                   "vllm/models/deepseek_v4/compressor.py L296-314, vllm/models/deepseek_v4/cpu/cpu_compressor.py L82",
+                   "Unsupported head_dim for fused quant+cache"),
+    VllmConstraint("n_routed_experts", (64, 128, 256, 384), "the C++ routing kernels hash_topk_cpu and "
+                   "biased_topk_cpu (8, 16, 32, 72, 160 and 512 experts were refused here)",
+                   "vllm/model_executor/layers/fused_moe/router/cpu_router.py L103-125 -> vllm._custom_ops",
+                   "unsupported num_experts"),
+    VllmConstraint("index_topk", (512,), "the CPU sparse indexer's top-k transform",
+                   "vllm/model_executor/layers/sparse_attn_indexer.py L1235 and L1319 (forward_cpu)",
+                   "topk_transform_512_cpu only supports index_topk"),
+)
+
+
+def check_vllm_cpu_constraints(cfg, path):
+    """Raises :class:`VllmCaptureError` naming the first :data:`VLLM_CPU_CONSTRAINTS` entry the
+    config ``cfg`` (read from ``path``) breaks."""
+    for c in VLLM_CPU_CONSTRAINTS:
+        value = cfg.get(c.key)
+        if value is None:
+            continue
+        if value not in c.allowed:
+            raise VllmCaptureError(
+                f"{path}: {c.key} = {value!r}, but vLLM-CPU {PINNED_VLLM} accepts only "
+                f"{' or '.join(str(a) for a in c.allowed)} ({c.what}; {c.source}). vLLM would fail with "
+                f"{c.vllm_message!r}. builtin:tiny-v4-vllm has the sizes it accepts (docs/operators.md section 8.8)")
+
+
+def explain_vllm_error(e):
+    """The text of a vLLM exception, quoted, followed by the constraint it comes from when it is one
+    of :data:`VLLM_CPU_CONSTRAINTS`."""
+    text = f"{type(e).__name__}: {e}"
+    for c in VLLM_CPU_CONSTRAINTS:
+        if c.vllm_message in str(e):
+            keys = [x.key for x in VLLM_CPU_CONSTRAINTS if x.vllm_message == c.vllm_message]
+            return (f"vLLM says {text!r}; the constraint: {' / '.join(keys)} must be "
+                    f"{' or '.join(str(a) for a in c.allowed)} ({c.what}; {c.source})")
+    return f"vLLM says {text!r}"
+
+
 def check_model_dir(model_dir):
     """The config of a DeepSeek-V4 checkpoint directory vLLM can load (released config keys);
     raises :class:`VllmCaptureError` naming the file and the problem."""
@@ -220,6 +277,7 @@ def check_model_dir(model_dir):
         if key not in cfg:
             raise VllmCaptureError(f"{path}: config key {key!r} is missing (vLLM's DeepseekV4Config reads the "
                                    "released config keys, as builtin:tiny-v4-vllm has them)")
+    check_vllm_cpu_constraints(cfg, path)
     return cfg
 
 
@@ -574,7 +632,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         llm = LLM(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0,
                   trust_remote_code=False)
     except Exception as e:
-        raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} refused the model: {type(e).__name__}: {e}") from e
+        raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} refused the model: {explain_vllm_error(e)}") from e
     tok = llm.get_tokenizer()
     prompt_ids = [int(i) for i in tok.encode(prompt, add_special_tokens=False)]
     if not prompt_ids:
@@ -597,7 +655,11 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
         from vllm.inputs import TokensPrompt
 
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False)[0]
+        try:
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False)[0]
+        except Exception as e:
+            raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} failed to run the model: "
+                                   f"{explain_vllm_error(e)}") from e
     finally:
         llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
     generated = [int(t) for t in out.outputs[0].token_ids]

@@ -57,6 +57,45 @@ def test_model_of_another_architecture_refused(tmp_path):
         mv.check_model_dir(tmp_path / "nowhere")
 
 
+def _released_config(**over):
+    cfg = {"model_type": "deepseek_v4", "compress_ratios": [0, 4, 128], "num_hash_layers": 2, "hc_mult": 4,
+           "n_routed_experts": 64, "num_experts_per_tok": 6, "num_hidden_layers": 3, "hidden_size": 256,
+           "num_attention_heads": 4, "head_dim": 512, "index_head_dim": 128, "index_topk": 512}
+    cfg.update(over)
+    return cfg
+
+
+@pytest.mark.parametrize("key,value,constraint", [
+    ("head_dim", 192, "fused quant+cache"),
+    ("index_head_dim", 64, "indexer's compressor"),
+    ("n_routed_experts", 32, "hash_topk_cpu"),
+    ("index_topk", 256, "top-k transform"),
+])
+def test_a_fixture_vllm_refuses_is_refused_naming_the_constraint(tmp_path, key, value, constraint):
+    (tmp_path / "config.json").write_text(json.dumps(_released_config(**{key: value})))
+    with pytest.raises(mv.VllmCaptureError) as e:
+        mv.check_model_dir(tmp_path)
+    msg = str(e.value)
+    assert f"{key} = {value}" in msg and constraint in msg and "vllm/" in msg, msg
+    # The accepted sizes pass.
+    (tmp_path / "config.json").write_text(json.dumps(_released_config()))
+    assert mv.check_model_dir(tmp_path)["head_dim"] == 512
+
+
+def test_vllm_errors_are_quoted_with_their_constraint():
+    # The messages vLLM 0.32.0 raises (../shared/docs/vllm-notes.md), as the capture wraps them.
+    e = ValueError("Unsupported head_dim for fused quant+cache: 192")
+    text = mv.explain_vllm_error(e)
+    assert "'ValueError: Unsupported head_dim for fused quant+cache: 192'" in text
+    assert "head_dim / index_head_dim must be 512 or 128" in text
+    text = mv.explain_vllm_error(RuntimeError("hash_topk_cpu: unsupported num_experts 32"))
+    assert "n_routed_experts must be 64 or 128 or 256 or 384" in text
+    text = mv.explain_vllm_error(AssertionError("topk_transform_512_cpu only supports index_topk == 512."))
+    assert "index_topk must be 512" in text
+    # Anything else is quoted as it is, without a guessed constraint.
+    assert mv.explain_vllm_error(KeyError("c1a")) == "vLLM says \"KeyError: 'c1a'\""
+
+
 def test_notes_name_what_they_are():
     assert "workaround, not a supported setup" in mv.WORKAROUND_NOTE
     assert "c1a" in mv.PATCH_NOTE and "0.32.0" in mv.PATCH_NOTE
