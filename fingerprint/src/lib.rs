@@ -30,6 +30,7 @@ mod canonical;
 pub mod catalogue;
 mod coord;
 mod dtype;
+pub mod incremental;
 mod lanes;
 mod record;
 mod tree;
