@@ -240,6 +240,12 @@ pub struct ComponentSpec {
     pub layers: LayerKinds,
     /// At which coordinates it is emitted.
     pub presence: Presence,
+    /// Its values only grow between records of one layer: every later
+    /// record of the layer starts with the bytes of the earlier one (the
+    /// compressed caches, which entries are appended to and never
+    /// rewritten). Writers may digest such records incrementally
+    /// ([`crate::incremental`]); the digest is the same.
+    pub append_only: bool,
     /// The records its operator reads (empty for inputs of the whole step
     /// and for persistent state).
     pub inputs: &'static [Input],
@@ -437,9 +443,16 @@ const fn spec(
         rank,
         layers,
         presence: Presence::Always,
+        append_only: false,
         inputs,
         meaning,
     }
+}
+
+/// A row whose values only grow ([`ComponentSpec::append_only`]).
+const fn append_only(mut row: ComponentSpec) -> ComponentSpec {
+    row.append_only = true;
+    row
 }
 
 /// A row the reference runtime never emits ([`Presence::CaptureOnly`]).
@@ -611,7 +624,7 @@ pub const SPECS: &[ComponentSpec] = &[
         &[],
         "attention compressor: raw gate rows of the open window",
     ),
-    spec(
+    append_only(spec(
         C::StateCompressorCompressedKv,
         "state.compressor.compressed_kv",
         L2,
@@ -621,7 +634,7 @@ pub const SPECS: &[ComponentSpec] = &[
         CMP,
         &[],
         "attention compressor: emitted entries",
-    ),
+        )),
     spec(
         C::StateCompressorEntryCount,
         "state.compressor.entry_count",
@@ -677,7 +690,7 @@ pub const SPECS: &[ComponentSpec] = &[
         &[],
         "indexer compressor: raw gate rows of the open window",
     ),
-    spec(
+    append_only(spec(
         C::StateIndexerCompressedKv,
         "state.indexer.compressed_kv",
         L2,
@@ -687,7 +700,7 @@ pub const SPECS: &[ComponentSpec] = &[
         CSA,
         &[],
         "indexer compressor: emitted entries",
-    ),
+        )),
     spec(
         C::StateIndexerEntryCount,
         "state.indexer.entry_count",
@@ -875,7 +888,7 @@ pub const SPECS: &[ComponentSpec] = &[
         &[same(C::AttnIndexerCompressed)],
         "quantization site Q5: the emitted indexer entry Hadamard-rotated and FP4 fake-quantized in 1x32 blocks, as stored",
     )),
-    spec(
+    append_only(spec(
         C::AttnIndexerRead,
         "attn.indexer_read",
         L4,
@@ -885,7 +898,7 @@ pub const SPECS: &[ComponentSpec] = &[
         CSA,
         &[same(C::AttnIndexerCompressed), same(C::AttnIndexerCompressedFp4), CARRIED_STATE],
         "indexer keys as read from the indexer cache (every entry)",
-    ),
+        )),
     quantized(spec(
         C::AttnIndexerQFp4,
         "attn.indexer_q_fp4",

@@ -26,7 +26,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use moeconf_fingerprint::{Coord, DType, Level, Phase, RecordPath, TensorView};
+use moeconf_fingerprint::{Coord, DType, Digest, Level, Phase, RecordPath, TensorView};
 use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 
 /// Most batches in circulation between the two threads. A batch is
@@ -81,6 +81,9 @@ struct Item {
     shape: (usize, usize),
     bytes: (usize, usize),
     keep: bool,
+    /// A digest computed on the runtime's side (a fingerprint-only record of
+    /// growing state, [`CaptureThread::append_fingerprint`]): no bytes.
+    digest: Option<Digest>,
 }
 
 /// Records in emission order and the buffers their shapes and bytes live
@@ -133,6 +136,27 @@ impl Batch {
             shape: (s0, self.shapes.len()),
             bytes: (b0, self.data.len()),
             keep,
+            digest: None,
+        });
+    }
+
+    /// A fingerprint-only record with its digest: its shape, no bytes.
+    fn push_fingerprint(&mut self, coord: Coord, level: Level, dtype: DType, shape: &[u64], digest: Digest) {
+        let s0 = self.shapes.len();
+        self.shapes.extend_from_slice(shape);
+        let b0 = self.data.len();
+        self.items.push(Item {
+            step: coord.step,
+            position: coord.position,
+            phase: coord.phase,
+            layer: coord.layer,
+            path: coord.path,
+            level,
+            dtype,
+            shape: (s0, self.shapes.len()),
+            bytes: (b0, b0),
+            keep: false,
+            digest: Some(digest),
         });
     }
 
@@ -257,6 +281,26 @@ impl CaptureThread {
         Ok(())
     }
 
+    /// Queues a fingerprint-only record whose digest the runtime's side
+    /// computed (no bytes are copied), in order with the other records.
+    pub fn append_fingerprint(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: DType,
+        shape: &[u64],
+        digest: Digest,
+    ) -> Result<(), String> {
+        if let Some(m) = self.failed() {
+            return Err(m);
+        }
+        self.batch.push_fingerprint(coord, level, dtype, shape, digest);
+        if self.batch.full() {
+            self.hand_over()?;
+        }
+        Ok(())
+    }
+
     /// Sends the current batch to the writer thread and continues in a
     /// batch the writer has emptied, or a new one while fewer than [`POOL`]
     /// exist, or else waits for the writer to empty one.
@@ -360,27 +404,7 @@ fn write_batches(
     failure: Failure,
 ) -> Result<TraceWriter, TraceError> {
     while let Some(mut batch) = next_batch(&rx) {
-        let records: Vec<BatchRecord<'_>> = batch
-            .items
-            .iter()
-            .map(|item| BatchRecord {
-                coord: Coord {
-                    step: item.step,
-                    position: item.position,
-                    phase: item.phase,
-                    layer: item.layer,
-                    path: item.path.clone(),
-                },
-                level: item.level,
-                tensor: TensorView {
-                    dtype: item.dtype,
-                    shape: &batch.shapes[item.shape.0..item.shape.1],
-                    bytes: &batch.data[item.bytes.0..item.bytes.1],
-                },
-                keep_payload: item.keep,
-            })
-            .collect();
-        if let Err(e) = writer.append_batch(records) {
+        if let Err(e) = append_items(&mut writer, &batch) {
             let message = moeconf_output::error_chain(&e);
             match failure.message.lock() {
                 Ok(mut f) => *f = Some(message),
@@ -395,6 +419,40 @@ fn write_batches(
         let _ = back.try_send(batch);
     }
     Ok(writer)
+}
+
+/// Appends a batch's records in order: runs of records with bytes through
+/// [`TraceWriter::append_batch`], those with a digest through
+/// [`TraceWriter::append_fingerprint`].
+fn append_items(writer: &mut TraceWriter, batch: &Batch) -> Result<(), TraceError> {
+    let coord = |item: &Item| Coord {
+        step: item.step,
+        position: item.position,
+        phase: item.phase,
+        layer: item.layer,
+        path: item.path.clone(),
+    };
+    let mut run: Vec<BatchRecord<'_>> = Vec::new();
+    for item in &batch.items {
+        let shape = &batch.shapes[item.shape.0..item.shape.1];
+        match item.digest {
+            Some(d) => {
+                writer.append_batch(std::mem::take(&mut run))?;
+                writer.append_fingerprint(coord(item), item.level, item.dtype, shape, d)?;
+            }
+            None => run.push(BatchRecord {
+                coord: coord(item),
+                level: item.level,
+                tensor: TensorView {
+                    dtype: item.dtype,
+                    shape,
+                    bytes: &batch.data[item.bytes.0..item.bytes.1],
+                },
+                keep_payload: item.keep,
+            }),
+        }
+    }
+    writer.append_batch(run)
 }
 
 #[cfg(test)]

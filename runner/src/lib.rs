@@ -6,6 +6,7 @@
 
 pub mod capture_thread;
 pub mod field;
+pub mod growing;
 pub mod limits;
 
 pub use field::{Field, FieldMessage};
@@ -171,6 +172,8 @@ pub fn parse_capture(s: &str) -> Result<CaptureSpec, RunError> {
 pub struct TraceSink {
     out: SinkWriter,
     spec: CaptureSpec,
+    /// Digests of the growing state records ([`growing`]).
+    growing: growing::GrowingDigests,
 }
 
 /// Where a [`TraceSink`]'s writer runs.
@@ -185,19 +188,31 @@ impl TraceSink {
     /// Wraps a writer, moving it to a writer thread (or keeping it on this
     /// thread if no thread can be started).
     pub fn new(writer: TraceWriter, spec: CaptureSpec) -> Self {
+        let growing = growing_of(&writer);
         let out = match capture_thread::CaptureThread::spawn_or_return(writer) {
             Ok(t) => SinkWriter::Thread(t),
             Err(w) => SinkWriter::Here(w),
         };
-        TraceSink { out, spec }
+        TraceSink { out, spec, growing }
     }
 
     /// Wraps a writer that stays on the recording thread.
     pub fn on_this_thread(writer: TraceWriter, spec: CaptureSpec) -> Self {
         TraceSink {
+            growing: growing_of(&writer),
             out: SinkWriter::Here(Box::new(writer)),
             spec,
         }
+    }
+
+    /// Bytes the incremental digests of growing state hashed so far.
+    pub fn growing_hashed_bytes(&self) -> u64 {
+        self.growing.hashed_bytes()
+    }
+
+    /// Records of growing state digested incrementally so far.
+    pub fn growing_records(&self) -> u64 {
+        self.growing.records()
     }
 
     pub fn finish(self) -> Result<WriteSummary, RunError> {
@@ -208,6 +223,16 @@ impl TraceSink {
     }
 }
 
+/// The growing-state digests of a trace written by `w`.
+fn growing_of(w: &TraceWriter) -> growing::GrowingDigests {
+    let b = w.binding();
+    growing::GrowingDigests::new(
+        w.algorithm(),
+        b.canon,
+        b.decoding.max_new_tokens.saturating_sub(1),
+    )
+}
+
 impl CaptureSink for TraceSink {
     fn wants(&self, level: Level) -> bool {
         self.spec.captures(level)
@@ -215,6 +240,19 @@ impl CaptureSink for TraceSink {
 
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
         let keep = self.spec.keeps_payload(level) || tensor.bytes.len() <= SMALL_RECORD_BYTES;
+        if !keep {
+            if let Some(d) = self.growing.digest(&coord, level, tensor)? {
+                return match &mut self.out {
+                    SinkWriter::Here(w) => w
+                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
+                        .map(|_| ())
+                        .map_err(|e| CaptureError::new(moeconf_output::error_chain(&e))),
+                    SinkWriter::Thread(t) => t
+                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
+                        .map_err(CaptureError::new),
+                };
+            }
+        }
         match &mut self.out {
             SinkWriter::Here(w) => w
                 .append(coord, level, tensor, keep)
@@ -591,6 +629,8 @@ pub struct RunOutcome {
     pub text: String,
     pub summary: WriteSummary,
     pub prompt_ids: Vec<u32>,
+    /// Records of growing state digested incrementally (docs/format.md §4.5).
+    pub growing_records: u64,
 }
 
 /// A run whose options were validated against the model and prompt: the
@@ -769,6 +809,7 @@ pub fn run_prepared_with_faults(
             );
         }
     }
+    let growing_records = sink.growing_records();
     let summary = sink.finish()?;
     let text = m.tokenizer.decode(&generation)?;
     Ok(RunOutcome {
@@ -776,6 +817,7 @@ pub fn run_prepared_with_faults(
         text,
         summary,
         prompt_ids: prepared.prompt_ids,
+        growing_records,
     })
 }
 

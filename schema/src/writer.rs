@@ -434,6 +434,35 @@ impl TraceWriter {
         Ok(digest)
     }
 
+    /// Appends a fingerprint-only record whose digest the caller computed
+    /// from its canonical bytes (an incremental digest of persistent state
+    /// that only grows, `moeconf_fingerprint::incremental`): the same checks
+    /// as [`TraceWriter::append`] on the coordinate, dtype and shape, then
+    /// the digest as given. The caller answers for the digest: the trace
+    /// holds no bytes to check it against.
+    pub fn append_fingerprint(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: moeconf_fingerprint::DType,
+        shape: &[u64],
+        digest: Digest,
+    ) -> Result<Digest, TraceError> {
+        Coord::validate_path(&coord.path).map_err(|m| TraceError::invalid(&self.path, m))?;
+        check_record(&self.header.binding, &coord, dtype, shape)
+            .map_err(|m| TraceError::invalid(&self.path, format!("record {coord}: {m}")))?;
+        if TensorView::byte_len(dtype, shape).is_none() {
+            return Err(TraceError::invalid(
+                &self.path,
+                format!("record {coord}: shape {shape:?} overflows"),
+            ));
+        }
+        self.check_new(&coord, level)?;
+        self.enter_step(coord.step)?;
+        self.push(coord, level, dtype, shape, digest, None);
+        Ok(digest)
+    }
+
     /// Appends record `i` of `source` (a trace opened and verified by the
     /// caller) with its digest, copying its verified payload when it has
     /// one: what `moeconf convert` does. A payload is hashed again on the

@@ -1,0 +1,247 @@
+//! Fingerprints of persistent state that only grows (the compressed caches,
+//! catalogue rows marked `append_only`) at a cost proportional to what was
+//! appended, not to the context: the record digest of docs/format.md §4.1,
+//! unchanged, computed with [`IncrementalBlake3`] over the record's preimage
+//! (its header, then its bytes), one digest state per (layer, component).
+//!
+//! Trust: the incremental digest assumes the old bytes did not change. Each
+//! record re-hashes [`VERIFY_BLOCKS`] cached blocks round robin, and every
+//! record of the run's last step re-hashes all of them: an old entry
+//! rewritten without being appended (a runtime bug) fails the run, naming
+//! the record and the bytes, and no trace is written. It is never committed
+//! silently.
+
+use moeconf_fingerprint::incremental::{IncrementalBlake3, DEFAULT_BLOCK};
+use moeconf_fingerprint::{
+    catalogue::Component, is_canonical, record_prefix, surely_canonical, Algorithm, CanonPolicy, Coord,
+    Digest, Level, TensorView,
+};
+use moeconf_reference_runtime::capture::CaptureError;
+use std::collections::HashMap;
+
+/// Records smaller than this are hashed whole as before (two blocks).
+pub const MIN_INCREMENTAL_BYTES: usize = 2 * DEFAULT_BLOCK;
+/// Cached blocks re-hashed per record to find unreported rewrites.
+pub const VERIFY_BLOCKS: usize = 1;
+
+/// The digest state of one growing record.
+struct Growing {
+    hasher: IncrementalBlake3,
+    /// Bytes of the record at its last digest.
+    len: usize,
+}
+
+/// Digest states of every growing record of a run.
+pub struct GrowingDigests {
+    alg: Algorithm,
+    policy: CanonPolicy,
+    /// The run's last step (`max_new_tokens - 1`): its records verify every block.
+    last_step: u32,
+    states: HashMap<(Option<u32>, Level, String), Growing>,
+    /// Bytes hashed so far, for tests and measurements.
+    hashed: u64,
+    /// Records digested incrementally so far.
+    records: u64,
+}
+
+impl GrowingDigests {
+    /// Digests for a trace of `alg` and `policy` whose run ends at `last_step`.
+    pub fn new(alg: Algorithm, policy: CanonPolicy, last_step: u32) -> GrowingDigests {
+        GrowingDigests {
+            alg,
+            policy,
+            last_step,
+            states: HashMap::new(),
+            hashed: 0,
+            records: 0,
+        }
+    }
+
+    /// Bytes hashed by the incremental digests so far.
+    pub fn hashed_bytes(&self) -> u64 {
+        self.hashed
+    }
+
+    /// Records digested incrementally so far.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// The digest of a fingerprint-only record, when it is one this module
+    /// handles (BLAKE3, an append-only component, at least
+    /// [`MIN_INCREMENTAL_BYTES`], canonical bytes); `None`: digest it whole.
+    pub fn digest(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+    ) -> Result<Option<Digest>, CaptureError> {
+        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
+            return Ok(None);
+        }
+        let growing = Component::parse(&coord.path).is_some_and(|(c, _)| c.spec().append_only);
+        if !growing || tensor.validate(&coord.path).is_err() {
+            return Ok(None);
+        }
+        let key = (coord.layer, level, coord.path.to_string());
+        let data = tensor.bytes;
+        let previous = self.states.get(&key).map(|g| g.len).unwrap_or(0);
+        // Bytes not digested before must be canonical as they are (the old
+        // ones were checked when they were); otherwise the whole record goes
+        // the usual way, which canonicalizes.
+        let new = &data[previous.min(data.len())..];
+        if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
+        {
+            self.states.remove(&key);
+            return Ok(None);
+        }
+        let prefix = record_prefix(coord, level, tensor.dtype, tensor.shape, data.len() as u64);
+        let g = self.states.entry(key).or_insert_with(|| Growing {
+            hasher: IncrementalBlake3::default(),
+            len: 0,
+        });
+        let root = g.hasher.digest_stream(&prefix, data, &[]);
+        self.hashed += g.hasher.last_hashed() as u64;
+        g.len = data.len();
+        let checked = if coord.step >= self.last_step {
+            g.hasher.verify_all_stream(&prefix, data)
+        } else {
+            g.hasher.verify_next_stream(&prefix, data, VERIFY_BLOCKS)
+        };
+        if let Err(stale) = checked {
+            let p = prefix.len();
+            return Err(CaptureError::new(format!(
+                "{coord}: bytes {}..{} of this growing record changed after they were fingerprinted, without \
+                 being appended (an old entry was rewritten): the incremental fingerprint cannot commit to it, \
+                 no trace is written",
+                stale.start.saturating_sub(p),
+                stale.end.saturating_sub(p)
+            )));
+        }
+        self.records += 1;
+        Ok(Some(Digest(*root.as_bytes())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moeconf_fingerprint::{record_digest, DType, Phase};
+
+    fn coord(step: u32, position: u32) -> Coord {
+        Coord {
+            step,
+            position,
+            phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+            layer: Some(2),
+            path: "state.compressor.compressed_kv".into(),
+        }
+    }
+
+    fn entries(n: usize) -> Vec<u8> {
+        (0..n * 512)
+            .flat_map(|i| ((i as f32 * 0.37).sin()).to_le_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn a_growing_cache_gets_the_whole_record_digest_hashing_only_what_grew() {
+        let policy = CanonPolicy::default();
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 40);
+        let mut hashed_before = 0;
+        for step in 0..40u32 {
+            let n = 100 + step as usize;
+            let bytes = entries(n);
+            let shape = [n as u64, 512];
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
+            let c = coord(step, 10 + step);
+            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L2, t).unwrap();
+            assert_eq!(g.digest(&c, Level::L2, t).unwrap(), Some(want), "step {step}");
+            if step > 0 {
+                // One 2 KiB entry appended: the prefix's block, the last
+                // block, one verified block; never the whole cache (200-340 KiB).
+                let per_step = g.hashed_bytes() - hashed_before;
+                assert!(
+                    per_step <= 3 * DEFAULT_BLOCK as u64 + 2048,
+                    "step {step}: {per_step}"
+                );
+                assert!(per_step < bytes.len() as u64);
+            }
+            hashed_before = g.hashed_bytes();
+        }
+    }
+
+    #[test]
+    fn an_old_entry_rewritten_in_place_fails_by_the_last_step() {
+        let policy = CanonPolicy::default();
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+        let mut bytes = entries(200);
+        let mut failed = None;
+        for step in 0..6u32 {
+            if step == 2 {
+                bytes[100_000] ^= 1; // an old entry changes; nothing was appended there
+            }
+            bytes.extend(entries(1));
+            let shape = [(bytes.len() / 2048) as u64, 512];
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
+            if let Err(e) = g.digest(&coord(step, step), Level::L2, t) {
+                failed = Some(e.message);
+                break;
+            }
+        }
+        let m = failed.expect("the rewrite is found by the last step at the latest");
+        assert!(m.contains("rewritten"), "{m}");
+        let range = m
+            .split("bytes ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap();
+        let (a, b) = range.split_once("..").unwrap();
+        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+        assert!(a <= 100_000 && 100_000 < b, "{m}");
+    }
+
+    #[test]
+    fn other_records_go_the_usual_way() {
+        let policy = CanonPolicy::default();
+        let bytes = entries(200);
+        let shape = [200u64, 512];
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &shape,
+            bytes: &bytes,
+        };
+        let mut g = GrowingDigests::new(Algorithm::Sha256, policy, 5);
+        assert_eq!(g.digest(&coord(0, 0), Level::L2, t).unwrap(), None, "SHA-256");
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+        let mut other = coord(0, 0);
+        other.path = "state.window_kv".into();
+        assert_eq!(g.digest(&other, Level::L2, t).unwrap(), None, "not append-only");
+        let small = TensorView {
+            dtype: DType::F32,
+            shape: &[1, 512],
+            bytes: &bytes[..2048],
+        };
+        assert_eq!(g.digest(&coord(0, 0), Level::L2, small).unwrap(), None, "small");
+        let mut nan = bytes.clone();
+        nan[0..4].copy_from_slice(&f32::from_bits(0x7fc0_0001).to_le_bytes());
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &shape,
+            bytes: &nan,
+        };
+        assert_eq!(
+            g.digest(&coord(0, 0), Level::L2, t).unwrap(),
+            None,
+            "a non-canonical NaN"
+        );
+    }
+}
