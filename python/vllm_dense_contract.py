@@ -938,7 +938,7 @@ def attribute(dump, ref_path):
 # the capture (vLLM's environment)
 
 
-def capture(model_dir, out, prompt, max_new_tokens, gpu_memory_utilization=0.08):
+def capture(model_dir, out, prompt, max_new_tokens, gpu_memory_utilization=0.08, kv_cache_bytes=512 << 20):
     """Runs vLLM in-process on ``model_dir`` with taps on the dense operators and writes ``out``
     (an ``.npz``: ``s{step}/{L{layer}|G}/{op}#{call}/{field}``, BF16 as ``:bf16`` bits; the
     static per-layer tensors under step -1). Returns (prompt ids, generated ids)."""
@@ -1063,7 +1063,7 @@ def capture(model_dir, out, prompt, max_new_tokens, gpu_memory_utilization=0.08)
     torch.ops._C.flash_mla_with_kvcache_cpu = flash_
 
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype="bfloat16", max_model_len=512, seed=0,
-              gpu_memory_utilization=gpu_memory_utilization)
+              gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=int(kv_cache_bytes))
     ids = [int(i) for i in llm.get_tokenizer().encode(prompt, add_special_tokens=False)]
 
     def install(model):
@@ -1118,6 +1118,13 @@ def capture(model_dir, out, prompt, max_new_tokens, gpu_memory_utilization=0.08)
     rec["prompt_ids"] = np.array(ids)
     rec["generated"] = np.array(generated)
     rec["threads"] = np.array(torch.get_num_threads())
+    vc = llm.llm_engine.vllm_config
+    prov = {"vllm": __import__("vllm").__version__, "torch": torch.__version__,
+            "compilation_mode": int(vc.compilation_config.mode or 0),
+            "rms_norm_provider": list(vc.kernel_config.ir_op_priority.rms_norm),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "amx_tile": bool(torch.cpu._is_amx_tile_supported()), "threads": torch.get_num_threads()}
+    rec["provenance"] = np.frombuffer(json.dumps(prov).encode(), dtype=np.uint8)
     total = sum(v.nbytes for v in rec.values())
     if total > 3 << 30:
         raise SystemExit(f"the dump would take {total} bytes: use a shorter prompt")
@@ -1164,7 +1171,9 @@ def main(argv=None):
     g.add_argument("--prompt-file")
     c.add_argument("--max-new-tokens", type=int, default=8)
     c.add_argument("--gpu-memory-utilization", type=float, default=0.08,
-                   help="vLLM's CPU memory fraction (the KV cache; no effect on the values)")
+                   help="vLLM's CPU memory fraction checked at start-up (no effect on the values)")
+    c.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
+                   help="vLLM's KV cache size, set explicitly (no effect on the values)")
     k = sub.add_parser("check", help="recompute every tapped operator (numpy)")
     k.add_argument("dump")
     k.add_argument("--model-dir", required=True)
@@ -1174,7 +1183,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cmd == "capture":
         prompt = open(a.prompt_file, encoding="utf-8").read() if a.prompt_file else a.prompt
-        ids, gen = capture(a.model_dir, a.out, prompt, a.max_new_tokens, a.gpu_memory_utilization)
+        ids, gen = capture(a.model_dir, a.out, prompt, a.max_new_tokens, a.gpu_memory_utilization, a.kv_cache_bytes)
         print(json.dumps({"file": a.out, "prompt_ids": ids, "generated": gen}))
         return 0
     for p in (a.dump, os.path.join(a.model_dir, "config.json")):
@@ -1182,13 +1191,20 @@ def main(argv=None):
             print(f"error: {p}: not a file", file=sys.stderr)
             return 2
     t = check(a.dump, a.model_dir, a.threads)
+    z = np.load(a.dump)
+    prov = json.loads(z["provenance"].tobytes()) if "provenance" in z.files else None
+    if prov is not None and (prov.get("compilation_mode") != 0 or prov.get("threads") != a.threads):
+        print(f"warning: the capture ran with {prov}: the contract checked here is the eager run's with "
+              f"{a.threads} threads", file=sys.stderr)
     ok = all(r[0] == r[1] for r in t.rows.values()) and bool(t.rows)
     attribution = attribute(a.dump, a.ref) if a.ref else None
     if a.json:
-        print(json.dumps({"ok": ok, "operators": {k_: {"equal": r[0], "total": r[1], **(r[2] if len(r) > 2 else {})}
+        print(json.dumps({"ok": ok, "capture": prov, "operators": {k_: {"equal": r[0], "total": r[1], **(r[2] if len(r) > 2 else {})}
                                                   for k_, r in sorted(t.rows.items())},
                           "attribution": attribution}, indent=2))
     else:
+        if prov:
+            print("capture: " + ", ".join(f"{k} {v_}" for k, v_ in prov.items()))
         print(render(t))
         if attribution:
             print(render_attribution(attribution))
