@@ -903,7 +903,8 @@ def attribute(dump, ref_path):
             else:
                 mu = np.array([L.dot8(fn[i:i + 1], f32(x[t] * r)) for i in range(fn.shape[0])], F32).reshape(-1)
             z = mu[hc:2 * hc]
-            v = fma32(z, F32(scale[1]), base[hc:2 * hc]) if aff_c == "v" else f32(f32(F32(scale[1]) * z) + base[hc:2 * hc])
+            b1 = base[hc:2 * hc]
+            v = fma32(z, F32(scale[1]), b1) if aff_c == "v" else f32(f32(F32(scale[1]) * z) + b1)
             ex = np.array([(L.expf_c if exp_c == "v" else L.expf_rust_libm)(F32(-a)) for a in v], F32)
             out.append(f32(F32(2) / f32(F32(1) + ex)))
         e = np.array(out)
@@ -1152,11 +1153,13 @@ def render_attribution(a):
            f"(vLLM - reference in ulps: {a['post_ulps']})",
            "  causes (r = the reference's bf16 profile, v = vLLM): mix rms affine exp -> equal to reference / to vLLM"]
     for c in a["combinations"]:
-        out.append(f"    {c['mix']}   {c['rms']}   {c['affine']}      {c['exp']}    -> {c['equal_ref']:3d} / {c['equal_vllm']:3d}")
+        out.append(f"    {c['mix']}   {c['rms']}   {c['affine']}      {c['exp']}    -> "
+                   f"{c['equal_ref']:3d} / {c['equal_vllm']:3d}")
     out.append(f"layer 0 attn.norm, step 0: vLLM = reference in {a['norm_equal']} of {a['norm_total']} "
                f"({a['norm_equal_position0']} of 256 at position 0)")
     for c in a["norm"]:
-        out.append(f"    statistic {c['statistic']:5s}, {c['roundings']} BF16 rounding(s) -> {c['equal_ref']} / {c['equal_vllm']}")
+        out.append(f"    statistic {c['statistic']:5s}, {c['roundings']} BF16 rounding(s) -> "
+                   f"{c['equal_ref']} / {c['equal_vllm']}")
     return "\n".join(out)
 
 
@@ -1199,8 +1202,8 @@ def main(argv=None):
     ok = all(r[0] == r[1] for r in t.rows.values()) and bool(t.rows)
     attribution = attribute(a.dump, a.ref) if a.ref else None
     if a.json:
-        print(json.dumps({"ok": ok, "capture": prov, "operators": {k_: {"equal": r[0], "total": r[1], **(r[2] if len(r) > 2 else {})}
-                                                  for k_, r in sorted(t.rows.items())},
+        ops = {k_: {"equal": r[0], "total": r[1], **(r[2] if len(r) > 2 else {})} for k_, r in sorted(t.rows.items())}
+        print(json.dumps({"ok": ok, "capture": prov, "operators": ops,
                           "attribution": attribution}, indent=2))
     else:
         if prov:

@@ -266,7 +266,8 @@ def _live_or_skip():
     except OSError:
         flags = ""
     if "amx_bf16" not in flags or "avx512_bf16" not in flags:
-        pytest.skip("the contract of docs/interop-vllm.md section 4.2 is the AVX-512 BF16 + AMX build of vLLM's kernels")
+        pytest.skip("the contract of docs/interop-vllm.md section 4.2 is the AVX-512 BF16 + AMX build of vLLM's "
+                    "kernels")
 
 
 @pytest.mark.vllm
@@ -275,14 +276,16 @@ def test_every_dense_operator_is_recomputed_bit_for_bit(moeconf_bin, tmp_path, m
     _live_or_skip()
     env = dict(os.environ, MOECONF_CACHE_DIR=str(tmp_path / "cache"), NO_COLOR="1")
     p = subprocess.run([moeconf_bin, "run", "--model", f"builtin:{model}", "--prompt", "why the sheep",
-                        "--max-new-tokens", "1", "-o", str(tmp_path / "ref.bin")], capture_output=True, text=True, env=env)
+                        "--max-new-tokens", "1", "-o", str(tmp_path / "ref.bin")],
+                       capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr
     model_dir = [os.path.join(tmp_path / "cache", d) for d in os.listdir(tmp_path / "cache")
                  if d.startswith(model + "-") and d[len(model) + 1].isdigit()][0]
     venv = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="0-1")
     venv.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     dump = tmp_path / "dump.npz"
-    p = subprocess.run(["nice", "-n", "10", VPY, SCRIPT, "capture", model_dir, "-o", str(dump), "--max-new-tokens", "3"],
+    p = subprocess.run(["nice", "-n", "10", VPY, SCRIPT, "capture", model_dir, "-o", str(dump),
+                        "--max-new-tokens", "3"],
                        capture_output=True, text=True, env=venv, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     p = subprocess.run(["nice", "-n", "10", VPY, SCRIPT, "check", str(dump), "--model-dir", model_dir, "--json"],
