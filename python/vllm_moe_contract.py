@@ -595,7 +595,8 @@ def capture(model_dir, out_path, prompt="why the sheep", max_new_tokens=8):
             runner = ffn.experts
             fe = runner.routed_experts.quant_method.moe_kernel.fused_experts
             meta["layers"][str(i)] = {
-                "experts_kernel": type(fe).__name__, "runner_routed_scaling_factor": float(runner.routed_scaling_factor),
+                "experts_kernel": type(fe).__name__,
+                "runner_routed_scaling_factor": float(runner.routed_scaling_factor),
                 "router_routed_scaling_factor": float(runner.router.routed_scaling_factor),
                 "hash": runner.router._hash_indices_table is not None, "activation": str(runner.moe_config.activation),
                 "swiglu_limit": runner.moe_config.swiglu_limit}
@@ -603,7 +604,8 @@ def capture(model_dir, out_path, prompt="why the sheep", max_new_tokens=8):
 
             def fwd(hidden_states, input_ids=None, _o=orig_fwd, i=i):
                 put(i, "x", _np32(hidden_states))
-                put(i, "input_ids", np.zeros(0, np.int64) if input_ids is None else input_ids.cpu().numpy().astype(np.int64))
+                ids = np.zeros(0, np.int64) if input_ids is None else input_ids.cpu().numpy().astype(np.int64)
+                put(i, "input_ids", ids)
                 out = _o(hidden_states, input_ids)
                 put(i, "combine", _np32(out))
                 return out
@@ -685,7 +687,7 @@ def capture(model_dir, out_path, prompt="why the sheep", max_new_tokens=8):
 
 def _models(p):
     """Candidate accumulations of products p [..., K] (exact float64 products)."""
-    out = {"sequential": None, "odd-first pairs (VDPBF16PS)": None}
+    out = {}
     K = p.shape[-1]
     for name, order in (("sequential", range(K)), ("odd-first pairs (VDPBF16PS)", [k ^ 1 for k in range(K)])):
         acc = np.zeros(p.shape[:-1], F32)
@@ -878,7 +880,8 @@ def probe():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capture", help="run vLLM and save the MoE path's tensors (needs vLLM)")
     c.add_argument("model_dir")

@@ -70,7 +70,8 @@ from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
-           "NOT_CAPTURED_NOTE", "MOE_EXPERTS_NOTE", "moe_experts_kernel", "check_environment", "check_version", "installed_vllm_version", "check_model_dir",
+           "NOT_CAPTURED_NOTE", "MOE_EXPERTS_NOTE", "moe_experts_kernel", "check_environment", "check_version",
+           "installed_vllm_version", "check_model_dir",
            "prepare_vllm", "LAYER_ORDER", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE", "PATCH_NOTE"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.

@@ -77,7 +77,8 @@ VECTORS = {
 
 def _vec(name):
     x, y = VECTORS[name]
-    return np.array([int(a, 16) for a in x.split()], np.uint32).view(F32), np.array([int(a, 16) for a in y.split()], np.uint32)
+    x = np.array([int(a, 16) for a in x.split()], np.uint32).view(F32)
+    return x, np.array([int(a, 16) for a in y.split()], np.uint32)
 
 
 @pytest.mark.parametrize("name,fn", [("exp_u20", v.exp_u20), ("sleef_logf_u10", v.sleef_logf_u10),
@@ -220,7 +221,10 @@ def _synthetic(tmp_path, form):
                 for j in range(k):
                     w1, w3, w2 = W.expert(layer, int(ids[m, j]))
                     gg, uu = v.dot_sequential(x[m:m + 1], w1)[0], v.dot_sequential(x[m:m + 1], w3)[0]
-                    a = v.silu_mul_sgl(v.bf16_round(gg), v.bf16_round(uu)) if form == "mxfp4" else v.silu_mul_fast(gg, uu)
+                    if form == "mxfp4":
+                        a = v.silu_mul_sgl(v.bf16_round(gg), v.bf16_round(uu))
+                    else:
+                        a = v.silu_mul_fast(gg, uu)
                     d[m, j] = v.dot_sequential(a[None], w2)[0]
             units = v.bf16_round(d)
             if form == "mxfp4":
