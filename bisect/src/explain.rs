@@ -15,7 +15,8 @@
 use std::collections::BTreeMap;
 
 use moeconf_contract::{
-    explain_event, ContractError, EventExplanation, InferOptions, Observation, TraceInference,
+    backends_for_capture, explain_event, AggregationContract, ContractError, EventContext, EventExplanation,
+    InferOptions, KnownBackend, Observation, TraceInference,
 };
 use moeconf_fingerprint::{bf16_to_f32, canonical_f32_bits, Component, DType};
 use moeconf_schema::{Trace, TraceError};
@@ -159,6 +160,41 @@ pub struct EventRef {
     pub position: u32,
 }
 
+/// A known backend's combine, evaluated on every event of the trace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KnownCombineReport {
+    /// `moeconf_contract::KNOWN_BACKENDS` id (`vllm-cpu-mxfp4`, …).
+    pub id: String,
+    /// What it is, in words.
+    pub description: String,
+    /// Its contract in the notation (the nearest member when `outside_grammar` is set).
+    pub contract: String,
+    /// Where the contract comes from.
+    pub source: String,
+    /// What the kernel does that the notation cannot express, if anything.
+    pub outside_grammar: Option<String>,
+    /// Events whose recorded output the contract reproduces bitwise from the
+    /// recorded terms and shared output.
+    pub reproduced_events: usize,
+}
+
+/// The backend that wrote the trace, as its provenance names it, and its
+/// known combine(s) (`moeconf_contract::backends_for_capture`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BackendReport {
+    /// The provenance's runtime (`vllm`, `transformers`, `llama.cpp`).
+    pub runtime: String,
+    /// Its version.
+    pub version: String,
+    /// True when the provenance selects one form; false when it lacks the
+    /// note that tells the runtime's forms apart (every form is listed).
+    pub selected: bool,
+    /// The provenance note that selects the form (`vllm.moe_experts`), if any.
+    pub selected_by: Option<String>,
+    /// The known combines, evaluated on every event.
+    pub known: Vec<KnownCombineReport>,
+}
+
 /// The explanation of every MoE combine event of one trace.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TraceExplanation {
@@ -171,6 +207,10 @@ pub struct TraceExplanation {
     pub verdict: TraceRule,
     /// Limits of what was tried (e.g. no router payloads: no expert-id orders).
     pub notes: Vec<String>,
+    /// The backend the provenance names and its known combine(s); `None` when
+    /// the runtime is not one of `moeconf_contract::KNOWN_BACKENDS` (the
+    /// reference runtime declares its contract in the binding instead).
+    pub backend: Option<BackendReport>,
     /// Every event, in the trace's write order of `moe.combine`.
     pub events: Vec<EventReport>,
 }
@@ -535,9 +575,19 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
     let mut agg = TraceInference::new();
     let mut events = Vec::with_capacity(order.len());
     let mut rules_of: Vec<Vec<String>> = Vec::with_capacity(order.len());
+    let prov = t.provenance();
+    let (forms, selected) = backends_for_capture(&prov.runtime, &t.binding().precision, &prov.notes);
+    let known: Vec<(&KnownBackend, AggregationContract)> = forms
+        .into_iter()
+        .filter_map(|b| AggregationContract::parse(b.contract).ok().map(|c| (b, c)))
+        .collect();
+    let mut reproduced = vec![0usize; known.len()];
     for key in &order {
         let Some(r) = records.get(key) else { continue };
         let d = reader.read(*key, r, &mut notes)?;
+        for ((_, c), n) in known.iter().zip(reproduced.iter_mut()) {
+            *n += usize::from(reproduces(c, &d, &canonicalize));
+        }
         let e = explain_data(&d, &opts, name, *key)?;
         agg.add(&e);
         rules_of.push(e.rules().iter().map(|c| c.describe()).collect());
@@ -565,14 +615,50 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
                 .collect();
         }
     }
+    let backend = (!known.is_empty()).then(|| BackendReport {
+        runtime: prov.runtime.clone(),
+        version: prov.version.clone(),
+        selected,
+        selected_by: known
+            .iter()
+            .find_map(|(b, _)| b.captured_as.and_then(|c| c.note).map(|(k, _)| k.to_string())),
+        known: known
+            .iter()
+            .zip(&reproduced)
+            .map(|((b, _), &n)| KnownCombineReport {
+                id: b.id.into(),
+                description: b.description.into(),
+                contract: b.contract.into(),
+                source: b.source.into(),
+                outside_grammar: b.outside_grammar.map(str::to_string),
+                reproduced_events: n,
+            })
+            .collect(),
+    });
     Ok(TraceExplanation {
         schema_version: EXPLAIN_SCHEMA_VERSION,
         trace: name.into(),
         declared_contract: t.binding().contract.clone(),
         verdict,
         notes: notes.lines(order.len()),
+        backend,
         events,
     })
+}
+
+/// Whether `c` gives the event's recorded output bit for bit (after the
+/// trace's canonicalization) from its recorded terms and shared output.
+fn reproduces(c: &AggregationContract, d: &EventData, canonicalize: &dyn Fn(u32) -> u32) -> bool {
+    let refs: Vec<&[f32]> = d.terms.iter().map(Vec::as_slice).collect();
+    let ctx = EventContext {
+        experts: &d.experts,
+        gates: &d.gates,
+    };
+    let mut y = vec![0.0f32; d.combine.len()];
+    c.try_combine_in(Some(&ctx), &refs, &d.shared, &mut y).is_ok()
+        && y.iter()
+            .zip(&d.combine)
+            .all(|(a, b)| canonicalize(a.to_bits()) == canonicalize(b.to_bits()))
 }
 
 fn trace_rule(agg: &TraceInference, events: &[EventReport]) -> TraceRule {
@@ -712,6 +798,14 @@ impl TraceExplanation {
                 f.family, f.matching, f.listed
             );
         }
+        if let Some(b) = &self.backend {
+            let _ = writeln!(o, "{}", b.headline());
+            for k in &b.known {
+                for l in k.lines(v.events) {
+                    let _ = writeln!(o, "  {l}");
+                }
+            }
+        }
         for n in &self.notes {
             let _ = writeln!(o, "note: {n}");
         }
@@ -728,6 +822,43 @@ impl TraceExplanation {
             );
         }
         o
+    }
+}
+
+impl BackendReport {
+    /// `backend: vllm 0.32.0 (selected by provenance note vllm.moe_experts)`.
+    pub fn headline(&self) -> String {
+        let how = match (&self.selected_by, self.selected) {
+            (Some(note), true) => format!("its known combine, selected by provenance note {note}"),
+            (None, true) => "its known combine".to_string(),
+            (Some(note), false) => {
+                format!("the trace does not say which form ran (no provenance note {note} naming one); every known form")
+            }
+            (None, false) => "every known form".to_string(),
+        };
+        format!("backend: {} {} — {how}:", self.runtime, self.version)
+    }
+}
+
+impl KnownCombineReport {
+    /// Its lines: the id, the contract and how many of `events` it reproduces
+    /// (or why it is outside the grammar), then the source.
+    pub fn lines(&self, events: usize) -> Vec<String> {
+        let mut out = match &self.outside_grammar {
+            None => vec![format!(
+                "{}: {} reproduces {}/{events} events — {}",
+                self.id, self.contract, self.reproduced_events, self.description
+            )],
+            Some(why) => vec![
+                format!(
+                    "{}: outside the grammar; its nearest member {} reproduces {}/{events} events from the recorded terms — {}",
+                    self.id, self.contract, self.reproduced_events, self.description
+                ),
+                format!("  why: {why}"),
+            ],
+        };
+        out.push(format!("  source: {}", self.source));
+        out
     }
 }
 

