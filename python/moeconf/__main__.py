@@ -113,7 +113,22 @@ def main(argv=None):
     g2 = a.add_mutually_exclusive_group()
     g2.add_argument("--reference", default=None, help="reference trace whose prompt ids llama.cpp's tokenization must equal")
     g2.add_argument("--reference-ids", default=None, help="the reference's prompt ids, comma-separated (as --reference)")
-    a.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1: its decode attention is thread-count dependent with flash attention)")
+    a.add_argument("--threads", type=int, default=1, help="llama.cpp's n_threads: threads for ubatches of one token "
+                   "(default 1: its decode attention is thread-count dependent with flash attention)")
+    a.add_argument("--threads-batch", type=int, default=None, help="llama.cpp's n_threads_batch: threads for ubatches "
+                   "of more than one token (default: --threads)")
+    a.add_argument("--n-batch", type=int, default=None, help="llama.cpp's n_batch: the most entries of one "
+                   "llama_decode; a longer step is decoded in several calls (default: n_ctx)")
+    a.add_argument("--n-ubatch", type=int, default=None, help="llama.cpp's n_ubatch: the most rows of one graph; "
+                   "llama.cpp splits each llama_decode into ubatches (default: n_batch)")
+    a.add_argument("--batch-with", action="append", default=None, metavar="PROMPT", help="another sequence "
+                   "prefilled and decoded in the same batches as the traced one (repeatable; only the traced "
+                   "sequence is recorded)")
+    a.add_argument("--batch-with-json", default=None, metavar="JSON", help="the other sequences' prompts as one "
+                   "JSON array of strings ('[]': alone), for commands whose placeholders are single arguments "
+                   "(moeconf invariance)")
+    a.add_argument("--kv-unified", default="off", choices=["off", "on"], help="llama.cpp's kv_unified (default off, "
+                   "llama.cpp's default)")
     a.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     a.add_argument("--flash-attn", default="auto", choices=["auto", "on", "off"])
     a.add_argument("--levels", default="all")
@@ -142,7 +157,7 @@ def main(argv=None):
             doc = {"file": args.output, "root": s.root.hex(), "records": s.records, "payloads": s.payloads,
                    "bytes": s.bytes}
         elif args.cmd == "llamacpp":
-            from .llamacpp import LlamaCppError, capture as llama_capture
+            from .llamacpp import LlamaCppError, capture as llama_capture, parse_batch_with_json
 
             try:
                 if args.prompt_file:
@@ -154,8 +169,15 @@ def main(argv=None):
                 if args.reference_ids is not None:
                     ref_ids = [int(x) for x in args.reference_ids.split(",") if x.strip()]
                 levels = "all" if args.levels == "all" else args.levels.split(",")
+                batch_with = list(args.batch_with or [])
+                if args.batch_with_json is not None:
+                    if batch_with:
+                        raise ValueError("give the other sequences with --batch-with or --batch-with-json, not both")
+                    batch_with = parse_batch_with_json(args.batch_with_json)
                 r = llama_capture(args.gguf, prompt, args.max_new_tokens, args.output, model_dir=args.model_dir,
                                   model_name=args.name, reference_ids=ref_ids, n_threads=args.threads,
+                                  n_threads_batch=args.threads_batch, n_batch=args.n_batch, n_ubatch=args.n_ubatch,
+                                  batch_with=batch_with, kv_unified=args.kv_unified == "on",
                                   kv_type=args.kv_type, flash_attn=args.flash_attn, levels=levels,
                                   check_unobserved=not args.no_unobserved_check)
             except LlamaCppError as e:
@@ -163,7 +185,8 @@ def main(argv=None):
                 return 2
             doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
                    "generated": r.generated, "prompt_tokens": len(r.prompt_ids), "nodes_read": r.nodes_read,
-                   "tokenization_checked": r.tokenization_checked}
+                   "tokenization_checked": r.tokenization_checked, "batch_generated": r.batch_generated,
+                   "graphs": r.graphs}
         elif args.cmd == "vllm":
             from .vllm import VllmCaptureError, capture as vllm_capture
 

@@ -26,6 +26,7 @@ struct layout are testable without llama.cpp (python/tests/test_llamacpp.py).
 """
 
 import ctypes
+import json
 import os
 import re
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -39,7 +40,8 @@ from .trace import TraceWriter, WriteSummary
 __all__ = ["capture", "CaptureResult", "NodeRule", "NODE_RULES", "RECOMPUTED", "NOT_CAPTURED",
            "NOT_CAPTURED_NOTE", "LlamaCppError", "GgmlTensor", "check_gguf", "GgufModel",
            "split_name", "StepNodes", "assemble_layer", "layer_state_records", "check_tensor_struct",
-           "LEVEL_BITS"]
+           "LEVEL_BITS", "Knobs", "check_knobs", "parse_batch_with_json", "ContextSizes", "context_sizes",
+           "split_ubatches", "Entry", "step_entries", "chunks", "describe_composition", "knob_notes", "TRACED_SEQ"]
 
 #: Level name -> bit of the binding capture masks (as moeconf.capture).
 LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
@@ -369,14 +371,25 @@ def _rows(arr, n_rows, shape, what):
     return flat.reshape((n_rows,) + tuple(shape))
 
 
-def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
-    """The L3/L4 records of ``layer`` for the tokens at ``positions`` (one decode):
-    ``{position: [(level, path, array)]}`` in :data:`LAYER_ORDER`. Nodes a rule names but the
-    graph did not show are errors (a llama.cpp build whose graph differs), except the
-    alternatives of a rule (``attn_raw`` / ``attn_csa_lid`` / ``attn_hca``; the compressors)."""
+def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4"), layout=None):
+    """The L3/L4 records of ``layer`` for the traced tokens at ``positions`` (one graph, i.e. one
+    ubatch): ``{position: [(level, path, array)]}`` in :data:`LAYER_ORDER`. ``layout`` is the
+    graph's rows in order as ``(seq_id, position)`` pairs (default: every row is the traced
+    sequence's, ``[(0, p) for p in positions]``); only the rows of sequence 0, the traced one, are
+    recorded, and ``positions`` must be theirs in order. Nodes a rule names but the graph did not
+    show are errors (a llama.cpp build whose graph differs), except the alternatives of a rule
+    (``attn_raw`` / ``attn_csa_lid`` / ``attn_hca``; the compressors)."""
     ratio = cfg.ratios[layer]
     hashed = layer < cfg.n_hash
-    nt = len(positions)
+    if layout is None:
+        layout = [(0, p) for p in positions]
+    layout = [(int(s), int(p)) for s, p in layout]
+    sel = [j for j, (s, _) in enumerate(layout) if s == 0]
+    if [layout[j][1] for j in sel] != list(positions):
+        raise LlamaCppError(f"layer {layer}: the traced rows of the graph hold positions "
+                            f"{[layout[j][1] for j in sel][:4]}..., not {list(positions)[:4]}...")
+    traced = list(zip(sel, positions))
+    nt = len(layout)
     out = {p: {} for p in positions}
     rules = _rules(cfg)
 
@@ -400,18 +413,18 @@ def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
         if r.shape is not None and r.path != "moe.term.*":
             rows = _rows(arr, nt, r.shape, what)
             dtype = np.int32 if r.path == "router.topk" else np.float32
-            for j, p in enumerate(positions):
+            for j, p in traced:
                 put(p, r.level, r.path, rows[j].astype(dtype))
         elif r.path == "moe.term.*":
             rows = _rows(arr, nt, r.shape, what)
-            for j, p in enumerate(positions):
+            for j, p in traced:
                 for s in range(cfg.k):
                     put(p, r.level, f"moe.term.{s}", rows[j, s].astype(np.float32))
         elif r.path == "router.margin":
             if hashed:
                 continue
             rows = _rows(arr, nt, (cfg.n_expert,), what)
-            for j, p in enumerate(positions):
+            for j, p in traced:
                 top = np.sort(rows[j].astype(np.float32))[::-1]
                 if top.size > cfg.k:
                     put(p, r.level, r.path, np.array([top[cfg.k - 1] - top[cfg.k]], dtype=np.float32))
@@ -419,16 +432,19 @@ def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
             if ratio == 0 or (r.path == "attn.indexer_compressed" and ratio != 4):
                 continue
             width = cfg.index_head_dim if r.path == "attn.indexer_compressed" else cfg.head_dim
-            closing = [p for p in positions if (p + 1) % ratio == 0]
+            # One block per row that closes a window, in row order (every sequence's), then any
+            # padding ("dummy") blocks (llama-kv-cache-dsv4.cpp dsv4_build_comp_plan: the graph
+            # keeps its topology when no window closes, and pads each stream's block count).
+            closing = [j for j, (_, p) in enumerate(layout) if (p + 1) % ratio == 0]
+            block = {j: b for b, j in enumerate(closing)}
             flat = np.ascontiguousarray(arr).reshape(-1)
             n_blocks = flat.size // width
             if flat.size % width or n_blocks < len(closing):
                 raise LlamaCppError(f"node {what}: {flat.size} values for {len(closing)} closing windows of {width}")
             rows = flat.reshape(n_blocks, width)
-            # Real blocks first, in position order; a padding ("dummy") block may follow
-            # (llama-kv-cache-dsv4.cpp: the graph keeps its topology when no window closes).
-            for j, p in enumerate(closing):
-                put(p, r.level, r.path, rows[j:j + 1].astype(np.float32))
+            for j, p in traced:
+                if j in block:
+                    put(p, r.level, r.path, rows[block[j]:block[j] + 1].astype(np.float32))
         elif r.path in ("attn.indexer_scores", "attn.indexer_topk"):
             if ratio != 4:
                 continue
@@ -439,12 +455,12 @@ def assemble_layer(nodes, cfg, layer, positions, wanted=("L3", "L4")):
             n_lid = flat.size // nt
             srows = flat.reshape(nt, n_lid)
             if r.path == "attn.indexer_scores":
-                for j, p in enumerate(positions):
+                for j, p in traced:
                     t = (p + 1) // ratio
                     put(p, r.level, r.path, srows[j, :t].astype(np.float32))
             else:
                 kk = np.ascontiguousarray(arr).reshape(nt, -1)
-                for j, p in enumerate(positions):
+                for j, p in traced:
                     t = (p + 1) // ratio
                     sel = [int(i) for i in kk[j] if 0 <= int(i) < t]  # masked (not yet visible) entries dropped
                     sel.sort(key=lambda i: (-float(srows[j, i]), i))
@@ -538,13 +554,17 @@ def _lm_records(logits):
 
 class CaptureResult(NamedTuple):
     """What :func:`capture` returns: the generated ids, llama.cpp's prompt ids, the writer's
-    summary, the number of callback reads and whether the tokenization was checked."""
+    summary, the number of callback reads, whether the tokenization was checked, the ids the other
+    sequences of the batch generated (``batch_with``) and the number of graphs (ubatches)
+    llama.cpp computed."""
 
     generated: List[int]
     prompt_ids: List[int]
     summary: WriteSummary
     nodes_read: int
     tokenization_checked: bool
+    batch_generated: List[List[int]] = []
+    graphs: int = 0
 
 
 def parse_levels(levels):
@@ -611,12 +631,348 @@ def _cache_kind(t):
 
 
 _WANTED_L2 = re.compile(r"dsv4_(csa|hca|lid)_state_(kv|score)_l(\d+) \(view\) \(view\)")
-_CACHE = re.compile(r"cache_k_l(\d+) \(view\)")
+#: A cache write: ``cache_k_l<i> (view)``; with several streams (``n_seq_max`` > 1) the cache is
+#: first merged across them, ``cache_k_l<i> (reshaped) (view)`` (src/llama-kv-cache.cpp ``cpy_k``:
+#: the write indices are global over the streams).
+_CACHE = re.compile(r"cache_k_l(\d+)(?: \(reshaped\))? \(view\)")
+
+
+#: llama.cpp's bound on the sequences of one context (src/llama-cparams.h ``LLAMA_MAX_SEQ``).
+LLAMA_MAX_SEQ = 256
+#: The traced sequence's id in every ``llama_batch``. Its streams are the first of every cache and
+#: compressor ring (src/llama-kv-cache-dsv4.cpp ``dsv4_stream_offset``: seq_id × stream size), which
+#: is where :func:`layer_state_records` reads them.
+TRACED_SEQ = 0
+_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_KV_TYPES = {"f16": 1, "f32": 0}
+
+
+class Knobs(NamedTuple):
+    """The llama.cpp settings a capture runs under, named as ``llama_context_params`` names them
+    (``kv_type`` sets ``type_k`` and ``type_v``; ``flash_attn`` is ``flash_attn_type``;
+    ``batch_with``: the prompts of the other sequences decoded in the same batches). ``None``: the
+    capture's default, resolved once the prompts are tokenized (:func:`context_sizes`)."""
+
+    n_threads: int
+    n_threads_batch: int
+    n_batch: Optional[int]
+    n_ubatch: Optional[int]
+    batch_with: Tuple[str, ...]
+    kv_unified: bool
+    flash_attn: str
+    kv_type: str
+    n_ctx: Optional[int]
+
+
+def _count(name, v, optional=False):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name} {v!r}: not an integer (at least 1)")
+    if v < 1:
+        raise ValueError(f"{name} {v}: must be at least 1")
+    return int(v)
+
+
+def check_knobs(n_threads=1, n_threads_batch=None, n_batch=None, n_ubatch=None, batch_with=(), kv_unified=False,
+                flash_attn="auto", kv_type="f16", n_ctx=None):
+    """Validates a capture's llama.cpp settings before anything is loaded and returns them as
+    :class:`Knobs` (``n_threads_batch`` defaults to ``n_threads``). Raises ``ValueError`` naming the
+    setting: a count that is not an integer of at least 1; ``n_ubatch`` larger than ``n_batch``
+    (llama.cpp would clamp it silently, ``n_ubatch = min(n_batch, n_ubatch)`` in ``llama_context``,
+    and the trace would name a setting that did not run); an ``n_ctx`` that is not a multiple of 256
+    (llama.cpp pads it); ``batch_with`` that is not a list of non-empty prompts, or holds more than
+    ``LLAMA_MAX_SEQ - 1``; an unknown ``flash_attn`` or ``kv_type``; a ``kv_unified`` that is not a
+    bool."""
+    n_threads = _count("n_threads", n_threads)
+    n_threads_batch = n_threads if n_threads_batch is None else _count("n_threads_batch", n_threads_batch)
+    n_batch = _count("n_batch", n_batch, optional=True)
+    n_ubatch = _count("n_ubatch", n_ubatch, optional=True)
+    n_ctx = _count("n_ctx", n_ctx, optional=True)
+    if n_ctx is not None and n_ctx % 256:
+        raise ValueError(f"n_ctx {n_ctx}: not a multiple of 256 (llama.cpp pads n_ctx to one, so {n_ctx} would not "
+                         "be the context it runs)")
+    if n_batch is not None and n_ubatch is not None and n_ubatch > n_batch:
+        raise ValueError(f"n_ubatch {n_ubatch} is larger than n_batch {n_batch}: llama.cpp would use {n_batch} "
+                         "(n_ubatch = min(n_batch, n_ubatch)); give n_ubatch <= n_batch")
+    if isinstance(batch_with, (str, bytes)) or not isinstance(batch_with, (list, tuple)):
+        raise ValueError(f"batch_with {batch_with!r}: a list of prompts (the other sequences of the batch)")
+    for i, b in enumerate(batch_with):
+        if not isinstance(b, str):
+            raise ValueError(f"batch_with prompt {i + 1} is {b!r}, not a string")
+        if not b:
+            raise ValueError(f"batch_with prompt {i + 1} is empty")
+    if len(batch_with) > LLAMA_MAX_SEQ - 1:
+        raise ValueError(f"batch_with has {len(batch_with)} prompts; llama.cpp holds at most {LLAMA_MAX_SEQ} sequences "
+                         "in one context (LLAMA_MAX_SEQ), the traced one included")
+    if not isinstance(kv_unified, bool):
+        raise ValueError(f"kv_unified {kv_unified!r}: true or false")
+    if flash_attn not in _FLASH_ATTN:
+        raise ValueError(f"flash_attn {flash_attn!r}: auto, on or off")
+    if kv_type not in _KV_TYPES:
+        raise ValueError(f"kv_type {kv_type!r}: f16 or f32")
+    return Knobs(n_threads, n_threads_batch, n_batch, n_ubatch, tuple(batch_with), kv_unified, flash_attn, kv_type,
+                 n_ctx)
+
+
+def parse_batch_with_json(text):
+    """The prompts of ``--batch-with-json``: one argument holding a JSON array of strings (``[]``:
+    the traced sequence alone), so that a command whose placeholders are scalars (``moeconf
+    invariance``) can pass any batch composition."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--batch-with-json {text!r}: not JSON ({e})") from None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"--batch-with-json {text!r}: not a JSON array of strings")
+    return v
+
+
+class ContextSizes(NamedTuple):
+    """What the capture asks of ``llama_context_params``: ``n_ctx`` (llama.cpp's, for every
+    sequence together unless ``kv_unified``), ``n_ctx_seq`` (each sequence's: the DSV4 caches'
+    ``kv_size``), ``n_batch``, ``n_ubatch``, ``n_seq_max`` (the sequences of the batch)."""
+
+    n_ctx: int
+    n_ctx_seq: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+
+
+def context_sizes(knobs, lengths, max_new_tokens):
+    """The context of a run whose sequences have prompts of ``lengths`` tokens (the traced one
+    first) and decode ``max_new_tokens`` steps. Each sequence gets the same context whatever the
+    batch: ``n_ctx_seq`` = ``knobs.n_ctx`` or the smallest multiple of 256 (at least 512) holding
+    the longest run, and llama.cpp's ``n_ctx`` = ``n_ctx_seq`` × ``n_seq_max`` unless
+    ``kv_unified`` (src/llama-context.cpp: ``n_ctx_seq = n_ctx / n_seq_max`` when not unified).
+    ``n_batch`` defaults to ``n_ctx`` and ``n_ubatch`` to ``n_batch`` (one sequence: both
+    ``n_ctx``, the capture's setting before these knobs). Raises ``ValueError`` when the run does
+    not fit or ``n_batch`` exceeds ``n_ctx`` (llama.cpp would clamp it)."""
+    n_seq = len(lengths)
+    need = max(lengths) + max_new_tokens
+    n_ctx_seq = knobs.n_ctx or max(512, -(-need // 256) * 256)
+    if need > n_ctx_seq:
+        raise ValueError(f"n_ctx {n_ctx_seq} is smaller than the {need} positions of the run")
+    n_ctx = n_ctx_seq if (knobs.kv_unified or n_seq == 1) else n_ctx_seq * n_seq
+    n_batch = knobs.n_batch or n_ctx
+    if n_batch > n_ctx:
+        raise ValueError(f"n_batch {n_batch} is larger than n_ctx {n_ctx}: llama.cpp would clamp it to {n_ctx}")
+    n_ubatch = knobs.n_ubatch or n_batch
+    if n_ubatch > n_batch:
+        raise ValueError(f"n_ubatch {n_ubatch} is larger than n_batch {n_batch}: llama.cpp would use {n_batch}")
+    return ContextSizes(n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq)
+
+
+def split_ubatches(seq_ids, n_ubatch, per_seq):
+    """How llama.cpp splits one ``llama_batch`` into ubatches (one graph each) for ``deepseek4``:
+    for each ubatch, the batch indices of its rows in row order. ``seq_ids``: the sequence of each
+    batch entry (exactly one each). With ``per_seq`` False (``n_seq_max`` 1) llama.cpp takes
+    ``split_simple``: the next ``n_ubatch`` entries. With per-sequence streams (``n_seq_max`` > 1;
+    the DSV4 caches never share one, even with ``kv_unified``: src/llama-kv-cache-dsv4.cpp
+    ``init_batch``) it takes ``split_equal(n_ubatch, sequential = true)``: consecutive sequence ids
+    starting at the first unused entry's, the same number of entries of each, concatenated
+    sequence by sequence (src/llama-batch.cpp ``split_simple``, ``split_equal``). A port of those
+    two functions for such batches; the capture checks every graph's tokens and positions against
+    it and refuses the run when they differ."""
+    n = len(seq_ids)
+    out = []
+    if not per_seq:
+        return [list(range(i, min(n, i + n_ubatch))) for i in range(0, n, n_ubatch)]
+    used = [False] * n
+    seq_map = {}
+    for i, s in enumerate(seq_ids):
+        seq_map.setdefault(s, []).append(i)
+    while True:
+        cur, last = [], -1
+        for i in range(n):
+            if used[i]:
+                continue
+            s = seq_ids[i]
+            if s not in cur and (not cur or s == last + 1):
+                cur.append(s)
+                last = s
+                if len(cur) > n_ubatch:
+                    break
+        if not cur:
+            return out
+        at = []
+        for s in cur:
+            k = 0
+            while used[seq_map[s][k]]:
+                k += 1
+            at.append(k)
+        per = [[] for _ in cur]
+        while all(at[k] < len(seq_map[s]) for k, s in enumerate(cur)):
+            for k, s in enumerate(cur):
+                j = seq_map[s][at[k]]
+                per[k].append(j)
+                used[j] = True
+                at[k] += 1
+            if (len(per[0]) + 1) * len(cur) > n_ubatch:
+                break
+        out.append([j for p in per for j in p])
+
+
+class Entry(NamedTuple):
+    """One entry of a ``llama_batch``: token id, sequence id, position."""
+
+    token: int
+    seq: int
+    pos: int
+
+
+def step_entries(feeds, starts):
+    """A step's entries: every sequence's tokens ``feeds[s]`` from position ``starts[s]``,
+    sequence after sequence (the traced one, id 0, first), as llama.cpp's servers fill a batch."""
+    return [Entry(int(t), s, starts[s] + i) for s, feed in enumerate(feeds) for i, t in enumerate(feed)]
+
+
+def chunks(entries, n_batch):
+    """The ``llama_decode`` calls of a step: consecutive runs of at most ``n_batch`` entries (a
+    larger batch aborts llama.cpp: ``GGML_ASSERT(n_tokens_all <= cparams.n_batch)``)."""
+    return [entries[i:i + n_batch] for i in range(0, len(entries), n_batch)]
+
+
+def describe_composition(lengths, max_new_tokens, sizes):
+    """The batch composition of a run, for the provenance: per step, every ``llama_decode`` call
+    (how many tokens of each sequence) and the ubatches llama.cpp splits it into
+    (:func:`split_ubatches`; ``N × (...)``: N equal ubatches in a row); equal consecutive steps are
+    merged (``steps 1-7: ...``). Depends only on the prompts' lengths and the sizes, so it is known
+    before the run."""
+    per_seq = sizes.n_seq_max > 1
+
+    def counts(entries):
+        c = {}
+        for e in entries:
+            c[e.seq] = c.get(e.seq, 0) + 1
+        return ", ".join(f"seq {s}: {k}" for s, k in sorted(c.items()))
+
+    def step_text(feeds, starts):
+        calls = []
+        for chunk in chunks(step_entries(feeds, starts), sizes.n_batch):
+            ubs = [counts([chunk[j] for j in ub]) for ub in split_ubatches([e.seq for e in chunk], sizes.n_ubatch,
+                                                                            per_seq)]
+            runs = []
+            for u in ubs:
+                if runs and runs[-1][0] == u:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([u, 1])
+            parts = [f"{k} × ({u})" if k > 1 else f"({u})" for u, k in runs]
+            calls.append(f"llama_decode({counts(chunk)}) = " + " + ".join(parts))
+        return " then ".join(calls)
+
+    texts = []
+    starts = [0] * len(lengths)
+    feeds = [[0] * n for n in lengths]
+    for step in range(max_new_tokens):
+        texts.append(step_text(feeds, starts))
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
+        feeds = [[0] for _ in lengths]
+    out, i = [], 0
+    while i < len(texts):
+        j = i
+        while j + 1 < len(texts) and texts[j + 1] == texts[i]:
+            j += 1
+        out.append((f"step {i}" if i == j else f"steps {i}-{j}") + ": " + texts[i])
+        i = j + 1
+    return "; ".join(out)
+
+
+def knob_notes(knobs, sizes, batch_ids=(), flash_attn_resolved=None, composition=None):
+    """The provenance notes naming every llama.cpp setting of the run (effective values, as the
+    context reports them) and the batch composition: ``n_threads``, ``n_threads_batch`` (llama.cpp
+    computes a ubatch of one token with ``n_threads``, any larger one with ``n_threads_batch``:
+    ``llama_context::graph_compute``), ``n_batch``, ``n_ubatch``, ``n_seq_max``, ``n_ctx_seq``,
+    ``kv_unified``, ``flash_attn.resolved`` (what ``auto`` became), ``batch.sequences``,
+    ``batch.with`` (the other prompts, JSON), ``batch.with_prompt_ids`` and
+    ``batch.composition``."""
+    notes = [("n_threads", str(knobs.n_threads)), ("n_threads_batch", str(knobs.n_threads_batch)),
+             ("n_batch", str(sizes.n_batch)), ("n_ubatch", str(sizes.n_ubatch)), ("n_seq_max", str(sizes.n_seq_max)),
+             ("n_ctx_seq", str(sizes.n_ctx_seq)), ("kv_unified", "true" if knobs.kv_unified else "false")]
+    if flash_attn_resolved:
+        notes.append(("flash_attn.resolved", flash_attn_resolved))
+    others = len(knobs.batch_with)
+    notes.append(("batch.sequences", "1: the traced sequence (seq_id 0) alone" if not others else
+                  f"{others + 1}: the traced sequence (seq_id 0, the only one recorded) and {others} other "
+                  f"sequence{'s' if others > 1 else ''} (seq_id 1..{others}) prefilled and decoded greedily in the "
+                  "same batches"))
+    if others:
+        notes.append(("batch.with", json.dumps(list(knobs.batch_with), ensure_ascii=False)))
+        notes.append(("batch.with_prompt_ids", "; ".join(f"seq {i + 1}: " + ",".join(map(str, ids))
+                                                         for i, ids in enumerate(batch_ids))))
+    if composition:
+        notes.append(("batch.composition", composition))
+    return notes
+
+
+class _Graph:
+    """The observed nodes of one graph evaluation (one ubatch), with the token ids and positions of
+    its rows as its inputs held them (``inp_tokens``, the source of ``embd``; ``inp_pos``, the
+    positions of layer 0's ``q`` rope)."""
+
+    def __init__(self, tokens):
+        self.nodes = StepNodes()
+        self.tokens = tokens
+        self.positions = None
+
+
+def _decode_step(LL, ctx, entries, n_batch, n_vocab, after_call=None):
+    """``llama_decode`` of one step's ``entries`` in batches of at most ``n_batch``; the last entry
+    of every sequence is an output. ``after_call(chunk)`` runs after each call. Returns
+    ``{seq_id: logits}``."""
+    last = {}
+    for i, e in enumerate(entries):
+        last[e.seq] = i
+    outs = {}
+    done = 0
+    for chunk in chunks(entries, n_batch):
+        b = LL.llama_batch_init(len(chunk), 0, 1)
+        try:
+            for i, e in enumerate(chunk):
+                b.token[i] = e.token
+                b.pos[i] = e.pos
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = e.seq
+                b.logits[i] = 1 if last[e.seq] == done + i else 0
+            b.n_tokens = len(chunk)
+            rc = LL.llama_decode(ctx, b)
+            if rc != 0:
+                raise LlamaCppError(f"llama_decode returned {rc} (a batch of {len(chunk)} entries)")
+            for i, e in enumerate(chunk):
+                if last[e.seq] == done + i:
+                    lg = LL.llama_get_logits_ith(ctx, i)
+                    outs[e.seq] = np.ctypeslib.as_array(lg, shape=(n_vocab,)).astype(np.float32).copy()
+        finally:
+            LL.llama_batch_free(b)
+        if after_call is not None:
+            after_call(chunk)
+        done += len(chunk)
+    return outs
+
+
+def _greedy_run(LL, ctx, seqs, steps, n_batch, n_vocab):
+    """Every step's ``{seq_id: logits}`` of a greedy run of the sequences ``seqs`` (prompt ids) in
+    ``ctx`` (no observation)."""
+    out = []
+    feeds = [list(ids) for ids in seqs]
+    starts = [0] * len(seqs)
+    for step in range(steps):
+        try:
+            outs = _decode_step(LL, ctx, step_entries(feeds, starts), n_batch, n_vocab)
+        except LlamaCppError as e:
+            raise LlamaCppError(f"step {step} (run without the callback): {e}") from None
+        out.append(outs)
+        starts = [s + len(f) for s, f in zip(starts, feeds)]
+        feeds = [[_lm_records(outs[s])[1]] for s in range(len(seqs))]
+    return out
 
 
 def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_name=None, reference_ids=None,
-            levels="all", payload_levels="all", algorithm="blake3", n_threads=1, kv_type="f16",
-            flash_attn="auto", n_ctx=None, check_identity=True, check_unobserved=True):
+            levels="all", payload_levels="all", algorithm="blake3", n_threads=1, n_threads_batch=None,
+            kv_type="f16", flash_attn="auto", n_ctx=None, n_batch=None, n_ubatch=None, batch_with=(),
+            kv_unified=False, check_identity=True, check_unobserved=True):
     """Runs the GGUF ``gguf_path`` greedily for ``max_new_tokens`` steps on ``prompt`` and writes a
     canonical trace to ``out_path`` (atomically).
 
@@ -624,12 +980,23 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
     ``moeconf run`` binds it), and with ``check_identity`` the GGUF's ``moeconf.source.*``
     digests must equal it. ``reference_ids``: the reference's token ids of the prompt; llama.cpp's
     tokenization must equal them (a mismatch raises :class:`LlamaCppError` instead of a silent
-    divergence). ``kv_type`` (``f16``, llama.cpp's default, or ``f32``), ``flash_attn`` (``auto``,
-    ``on``, ``off``) and ``n_threads`` are llama.cpp's context parameters, recorded in the
-    provenance. With ``check_unobserved`` the same greedy run is first made in a context without
-    the callback, and the captured run's logits must be bit-identical to it at every step (else
-    :class:`LlamaCppError`: observing would have changed what llama.cpp computes). Returns a
-    :class:`CaptureResult`.
+    divergence).
+
+    llama.cpp's settings (:func:`check_knobs`, all recorded in the provenance, :func:`knob_notes`):
+    ``n_threads`` and ``n_threads_batch`` (default ``n_threads``), ``kv_type`` (``f16``, llama.cpp's
+    default, or ``f32``), ``flash_attn`` (``auto``, ``on``, ``off``), ``n_batch`` (the most entries
+    of one ``llama_decode``: a longer step is decoded in several calls, as llama.cpp's own tools
+    do), ``n_ubatch`` (llama.cpp splits each call into ubatches of at most this many rows, one graph
+    each), ``n_ctx`` (each sequence's context), ``kv_unified``, and ``batch_with``: the prompts of
+    other sequences (seq_id 1, 2, …) prefilled and decoded greedily in the same batches as the
+    traced one (seq_id 0). Only the traced sequence's rows are recorded: each graph's rows are
+    attributed to sequences by llama.cpp's ubatch split (:func:`split_ubatches`), checked against
+    the token ids and positions the graph's inputs hold.
+
+    With ``check_unobserved`` the same greedy run (the same batches) is first made in a context
+    without the callback, and the captured run's logits of every sequence must be bit-identical to
+    it at every step (else :class:`LlamaCppError`: observing would have changed what llama.cpp
+    computes). Returns a :class:`CaptureResult`.
     """
     from . import binding_from_model
     from .capture import parse_levels as _parse_levels
@@ -637,6 +1004,9 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
+    knobs = check_knobs(n_threads=n_threads, n_threads_batch=n_threads_batch, n_batch=n_batch, n_ubatch=n_ubatch,
+                        batch_with=batch_with, kv_unified=kv_unified, flash_attn=flash_attn, kv_type=kv_type,
+                        n_ctx=n_ctx)
     # The file first: what is wrong with it is said even where llama.cpp is not installed.
     cfg = check_gguf(gguf_path)
     try:
@@ -662,13 +1032,6 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
     mask, payload_mask = _parse_levels(levels), _parse_levels(payload_levels)
     ggml = _Ggml(lib_dir)
 
-    kv_types = {"f16": 1, "f32": 0}
-    if kv_type not in kv_types:
-        raise ValueError(f"kv_type {kv_type!r}: f16 or f32")
-    fa = {"auto": -1, "off": 0, "on": 1}
-    if flash_attn not in fa:
-        raise ValueError(f"flash_attn {flash_attn!r}: auto, on or off")
-
     messages = []
 
     @LL.llama_log_callback
@@ -691,13 +1054,20 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
     writer = None
     try:
         vocab = LL.llama_model_get_vocab(model)
-        text = prompt.encode("utf-8")
-        cap = len(text) + 16
-        buf = (LL.llama_token * cap)()
-        n = LL.llama_tokenize(vocab, text, len(text), buf, cap, False, False)
-        if n < 0:
-            raise LlamaCppError(f"llama_tokenize needs {-n} tokens")
-        prompt_ids = [int(i) for i in buf[:n]]
+
+        def tokenize(text_str, what):
+            text = text_str.encode("utf-8")
+            cap = len(text) + 16
+            buf = (LL.llama_token * cap)()
+            n = LL.llama_tokenize(vocab, text, len(text), buf, cap, False, False)
+            if n < 0:
+                raise LlamaCppError(f"llama_tokenize needs {-n} tokens")
+            ids = [int(i) for i in buf[:n]]
+            if not ids:
+                raise ValueError(f"{what} tokenizes to no tokens")
+            return ids
+
+        prompt_ids = tokenize(prompt, "the prompt") if prompt else []
         if not prompt_ids:
             raise ValueError("empty prompt")
         checked = reference_ids is not None
@@ -707,12 +1077,13 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
             raise LlamaCppError(f"llama.cpp tokenizes the prompt into {len(prompt_ids)} ids, the reference into "
                                 f"{len(reference_ids)}; first difference at index {first}: "
                                 f"{prompt_ids[first:first + 4]} vs {list(reference_ids)[first:first + 4]}")
-        total = len(prompt_ids) + max_new_tokens
-        n_ctx = n_ctx or max(512, -(-total // 256) * 256)
-        if total > n_ctx:
-            raise ValueError(f"n_ctx {n_ctx} is smaller than the {total} positions of the run")
+        batch_ids = [tokenize(b, f"batch_with prompt {i + 1}") for i, b in enumerate(knobs.batch_with)]
+        seqs = [prompt_ids] + batch_ids
+        sizes = context_sizes(knobs, [len(ids) for ids in seqs], max_new_tokens)
+        per_seq = sizes.n_seq_max > 1
 
-        step_nodes = [StepNodes()]
+        graphs = []
+        failures = []
         reads = [0]
 
         def wanted(name, op, t):
@@ -727,6 +1098,32 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                 return name == "embd" and op == "GET_ROWS"
             return base in _RULE_BASES
 
+        def observe(ptr, t, name, op):
+            arr = ggml.read(ptr, t)
+            reads[0] += 1
+            if name == "embd":
+                # The first node of every graph: a new ubatch. Its rows' token ids are its source.
+                graphs.append(_Graph(ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)))
+            if not graphs:
+                raise LlamaCppError(f"node {name} was computed before the graph's embd")
+            nodes = graphs[-1].nodes
+            m2 = _WANTED_L2.fullmatch(name)
+            if m2:
+                nodes.add(None, f"dsv4_{m2.group(1)}_state_{m2.group(2)}_l{m2.group(3)}", op, arr)
+                return
+            mc = _CACHE.fullmatch(name)
+            if mc:
+                kind = _cache_kind(t)
+                nodes.add(None, f"{kind}_cache_l{mc.group(1)}", op, arr)
+                if kind == "raw":
+                    idx = ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)
+                    nodes.add(None, f"raw_cache_idx_l{mc.group(1)}", op, idx)
+                return
+            base, layer = split_name(name)
+            if base == "q" and layer == 0 and op == "ROPE" and graphs[-1].positions is None:
+                graphs[-1].positions = ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)
+            nodes.add(layer, base, op, arr)
+
         @LL.ggml_backend_sched_eval_callback
         def on_eval(ptr, ask, user):
             t = ctypes.cast(ptr, ctypes.POINTER(GgmlTensor)).contents
@@ -734,69 +1131,76 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
             op = ggml.op_name(t.op)
             if ask:
                 return wanted(name, op, t)
+            if failures:
+                return False
             if not wanted(name, op, t):
                 return True
-            arr = ggml.read(ptr, t)
-            reads[0] += 1
-            m2 = _WANTED_L2.fullmatch(name)
-            if m2:
-                step_nodes[0].add(None, f"dsv4_{m2.group(1)}_state_{m2.group(2)}_l{m2.group(3)}", op, arr)
-                return True
-            mc = _CACHE.fullmatch(name)
-            if mc:
-                kind = _cache_kind(t)
-                step_nodes[0].add(None, f"{kind}_cache_l{mc.group(1)}", op, arr)
-                if kind == "raw":
-                    idx = ggml.read(ctypes.cast(t.src[1], ctypes.c_void_p), t.src[1].contents)
-                    step_nodes[0].add(None, f"raw_cache_idx_l{mc.group(1)}", op, idx)
-                return True
-            base, layer = split_name(name)
-            step_nodes[0].add(layer, base, op, arr)
+            try:
+                observe(ptr, t, name, op)
+            except BaseException as e:  # an exception cannot cross the C callback: stop, raise after
+                failures.append(e)
+                return False
             return True
 
         def context(callback):
             cp = LL.llama_context_default_params()
-            cp.n_ctx = n_ctx
-            cp.n_batch = n_ctx
-            cp.n_ubatch = n_ctx
-            cp.n_threads = n_threads
-            cp.n_threads_batch = n_threads
-            cp.type_k = kv_types[kv_type]
-            cp.type_v = kv_types[kv_type]
-            cp.flash_attn_type = fa[flash_attn]
+            cp.n_ctx = sizes.n_ctx
+            cp.n_batch = sizes.n_batch
+            cp.n_ubatch = sizes.n_ubatch
+            cp.n_seq_max = sizes.n_seq_max
+            cp.kv_unified = knobs.kv_unified
+            cp.n_threads = knobs.n_threads
+            cp.n_threads_batch = knobs.n_threads_batch
+            cp.type_k = _KV_TYPES[knobs.kv_type]
+            cp.type_v = _KV_TYPES[knobs.kv_type]
+            cp.flash_attn_type = _FLASH_ATTN[knobs.flash_attn]
             if callback is not None:
                 _KEEP_ALIVE.append(callback)
                 cp.cb_eval = callback
                 cp.cb_eval_user_data = None
+            first = len(messages)
             c = LL.llama_init_from_model(model, cp)
             if not c:
                 tail = "".join(messages[-6:]).strip()
                 raise LlamaCppError(f"{gguf_path}: llama.cpp could not create a context: {tail}")
-            return c
+            got = {"n_ctx": LL.llama_n_ctx(c), "n_ctx_seq": LL.llama_n_ctx_seq(c), "n_batch": LL.llama_n_batch(c),
+                   "n_ubatch": LL.llama_n_ubatch(c), "n_seq_max": LL.llama_n_seq_max(c),
+                   "n_threads": LL.llama_n_threads(c), "n_threads_batch": LL.llama_n_threads_batch(c)}
+            want = dict(sizes._asdict(), n_threads=knobs.n_threads, n_threads_batch=knobs.n_threads_batch)
+            for k, v in got.items():
+                if int(v) != int(want[k]):
+                    LL.llama_free(c)
+                    raise LlamaCppError(f"llama.cpp runs {k} = {v}, not the {want[k]} asked for: the trace would name a "
+                                        "setting that did not run")
+            fa = [m.strip() for m in messages[first:] if "Flash Attention" in m and ("enabled" in m or "disabled" in m)]
+            return c, (re.sub(r"^\S+: ", "", fa[-1]) if fa else None)
 
         n_vocab = LL.llama_vocab_n_tokens(vocab)
         unobserved = None
         if check_unobserved:
-            plain = context(None)
+            plain, _ = context(None)
             try:
-                unobserved = _greedy_logits(LL, plain, prompt_ids, max_new_tokens, n_vocab)
+                unobserved = _greedy_run(LL, plain, seqs, max_new_tokens, sizes.n_batch, n_vocab)
             finally:
                 LL.llama_free(plain)
-        ctx = context(on_eval)
+        ctx, fa_resolved = context(on_eval)
 
         binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt, prompt_ids=prompt_ids,
                                      max_new_tokens=int(max_new_tokens), precision=f"llamacpp-{cfg.export_type or 'gguf'}",
                                      contract="llamacpp-native", schedule="identity", capture_levels=mask,
                                      capture_payload_levels=payload_mask, algorithm=algorithm)
+        composition = describe_composition([len(ids) for ids in seqs], max_new_tokens, sizes)
         notes = [("llama-cpp-python", llama_cpp.__version__), ("gguf", os.path.basename(os.fspath(gguf_path))),
                  ("gguf.digest", _file_digest(os.fspath(gguf_path), algorithm)),
-                 ("gguf.export_type", str(cfg.export_type)), ("kv_type", kv_type), ("flash_attn", flash_attn),
-                 ("n_ctx", str(n_ctx)), ("llamacpp.prompt_ids", ",".join(map(str, prompt_ids))),
-                 ("observation", "logits bit-identical to a run without the callback" if check_unobserved
-                  else "not checked against a run without the callback"),
-                 ("tokenization", "checked against the reference" if checked else "not checked (no reference ids)"),
-                 (NOT_CAPTURED_NOTE, "; ".join(f"{k}: {v}" for k, v in NOT_CAPTURED.items()))]
-        prov = Provenance("llama.cpp", llama_cpp.__version__, n_threads, notes)
+                 ("gguf.export_type", str(cfg.export_type)), ("kv_type", knobs.kv_type),
+                 ("flash_attn", knobs.flash_attn), ("n_ctx", str(sizes.n_ctx))]
+        notes += knob_notes(knobs, sizes, batch_ids, fa_resolved, composition)
+        notes += [("llamacpp.prompt_ids", ",".join(map(str, prompt_ids))),
+                  ("observation", "logits bit-identical to a run without the callback" if check_unobserved
+                   else "not checked against a run without the callback"),
+                  ("tokenization", "checked against the reference" if checked else "not checked (no reference ids)"),
+                  (NOT_CAPTURED_NOTE, "; ".join(f"{k}: {v}" for k, v in NOT_CAPTURED.items()))]
+        prov = Provenance("llama.cpp", llama_cpp.__version__, knobs.n_threads, notes)
         prov.with_recomputed(RECOMPUTED)
         inputs = [os.fspath(gguf_path)] + [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
         writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
@@ -809,38 +1213,77 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                           keep_payload=keep)
 
         generated = []
+        others_generated = [[] for _ in batch_ids]
         cells = {layer: {} for layer in range(cfg.n_layer)}
         pieces = b""
-        feed = list(prompt_ids)
-        start = 0
+        feeds = [list(ids) for ids in seqs]
+        starts = [0] * len(seqs)
+        n_graphs = 0
         for step in range(max_new_tokens):
             phase = "prefill" if step == 0 else "decode"
-            positions = list(range(start, start + len(feed)))
-            step_nodes[0] = StepNodes()
-            arr = (LL.llama_token * len(feed))(*feed)
-            rc = LL.llama_decode(ctx, LL.llama_batch_get_one(arr, len(feed)))
-            if rc != 0:
-                raise LlamaCppError(f"llama_decode returned {rc} at step {step}")
-            nodes = step_nodes[0]
-            emit(step, start, phase, None, "L0", "token.input", np.array(feed, dtype=np.int32))
-            embd = nodes.get(None, "embd", "GET_ROWS")
-            if embd is None:
-                raise LlamaCppError("node embd was not computed")
-            erows = _rows(embd, len(feed), (cfg.hidden,), "embd")
-            for j, p in enumerate(positions):
-                emit(step, p, phase, None, "L4", "embed.output", erows[j].astype(np.float32))
+            positions = list(range(starts[0], starts[0] + len(feeds[0])))
+            embed = {}
+            layer_recs = {layer: {} for layer in range(cfg.n_layer)}
+            last_nodes = [None]
+
+            def after_call(chunk, step=step):
+                nonlocal n_graphs
+                if failures:
+                    raise LlamaCppError(f"step {step}: reading llama.cpp's nodes failed: {failures[0]}")
+                plan = split_ubatches([e.seq for e in chunk], sizes.n_ubatch, per_seq)
+                if len(graphs) != len(plan):
+                    raise LlamaCppError(f"step {step}: llama_decode of {len(chunk)} entries computed {len(graphs)} "
+                                        f"graphs, but llama.cpp's ubatch split gives {len(plan)}: the rows cannot be "
+                                        "attributed to sequences")
+                for g, ub in zip(graphs, plan):
+                    rows = [chunk[j] for j in ub]
+                    toks = np.asarray(g.tokens).reshape(-1).tolist()
+                    pos = None if g.positions is None else np.asarray(g.positions).reshape(-1)[:len(rows)].tolist()
+                    if toks != [e.token for e in rows] or pos != [e.pos for e in rows]:
+                        raise LlamaCppError(f"step {step}: a graph's rows (tokens {toks[:6]}…, positions "
+                                            f"{(pos or [])[:6]}…) are not the ubatch llama.cpp's split gives "
+                                            f"({[(e.seq, e.pos) for e in rows][:6]}…): the rows cannot be attributed "
+                                            "to sequences")
+                    layout = [(e.seq, e.pos) for e in rows]
+                    mine = [p for s, p in layout if s == TRACED_SEQ]
+                    if mine:
+                        e_arr = g.nodes.get(None, "embd", "GET_ROWS")
+                        erows = _rows(e_arr, len(rows), (cfg.hidden,), "embd")
+                        for j, (s, p) in enumerate(layout):
+                            if s == TRACED_SEQ:
+                                embed[p] = erows[j].astype(np.float32)
+                        for layer in range(cfg.n_layer):
+                            layer_recs[layer].update(assemble_layer(g.nodes, cfg, layer, mine, layout=layout))
+                    if mask & LEVEL_BITS["L2"]:
+                        for layer in range(cfg.n_layer):
+                            idx = g.nodes.get(None, f"raw_cache_idx_l{layer}", "SET_ROWS")
+                            if idx is None or np.asarray(idx).size != len(rows):
+                                raise LlamaCppError(f"layer {layer}: the window cache write indices were not observed")
+                            for (s, p), cell in zip(layout, np.asarray(idx).reshape(-1).tolist()):
+                                if s == TRACED_SEQ:
+                                    cells[layer][p] = int(cell)
+                    last_nodes[0] = g.nodes
+                n_graphs += len(graphs)
+                graphs.clear()
+
+            outs = _decode_step(LL, ctx, step_entries(feeds, starts), sizes.n_batch, n_vocab, after_call)
+            if sorted(embed) != positions or any(sorted(layer_recs[layer]) != positions for layer in layer_recs):
+                raise LlamaCppError(f"step {step}: not every position of the traced sequence was computed once")
+            if unobserved is not None:
+                for s, lg in outs.items():
+                    if not np.array_equal(unobserved[step][s].view(np.uint32), lg.view(np.uint32)):
+                        raise LlamaCppError(f"step {step}: the logits of sequence {s} with the evaluation callback "
+                                            "differ from the run without it: observing changed llama.cpp's "
+                                            "computation, the trace would not be faithful")
+            emit(step, starts[0], phase, None, "L0", "token.input", np.array(feeds[0], dtype=np.int32))
+            for p in positions:
+                emit(step, p, phase, None, "L4", "embed.output", embed[p])
             for layer in range(cfg.n_layer):
-                recs = assemble_layer(nodes, cfg, layer, positions)
                 for p in positions:
-                    for level, path, a in recs[p]:
+                    for level, path, a in layer_recs[layer][p]:
                         emit(step, p, phase, layer, level, path, a)
             last = positions[-1]
-            lg = LL.llama_get_logits_ith(ctx, -1)
-            logits = np.ctypeslib.as_array(lg, shape=(n_vocab,)).astype(np.float32).copy()
-            if unobserved is not None and not np.array_equal(unobserved[step].view(np.uint32), logits.view(np.uint32)):
-                raise LlamaCppError(f"step {step}: the logits with the evaluation callback differ from the run without "
-                                    "it: observing changed llama.cpp's computation, the trace would not be faithful")
-            lm, nxt = _lm_records(logits)
+            lm, nxt = _lm_records(outs[TRACED_SEQ])
             for path, a in lm:
                 emit(step, last, phase, None, "L1", path, a)
             generated.append(nxt)
@@ -853,15 +1296,13 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
                  np.frombuffer(text_so_far.encode("utf-8"), np.uint8))
             if mask & LEVEL_BITS["L2"]:
                 for layer in range(cfg.n_layer):
-                    idx = nodes.get(None, f"raw_cache_idx_l{layer}", "SET_ROWS")
-                    if idx is None or np.asarray(idx).size != len(positions):
-                        raise LlamaCppError(f"layer {layer}: the window cache write indices were not observed")
-                    for p, cell in zip(positions, np.asarray(idx).reshape(-1).tolist()):
-                        cells[layer][p] = int(cell)
-                    for path, a in layer_state_records(nodes, cfg, layer, last + 1, cells[layer]):
+                    for path, a in layer_state_records(last_nodes[0], cfg, layer, last + 1, cells[layer]):
                         emit(step, last, phase, layer, "L2", path, a)
-            start += len(feed)
-            feed = [nxt]
+            nexts = [nxt] + [_lm_records(outs[s])[1] for s in range(1, len(seqs))]
+            for s in range(1, len(seqs)):
+                others_generated[s - 1].append(nexts[s])
+            starts = [st + len(f) for st, f in zip(starts, feeds)]
+            feeds = [[t] for t in nexts]
         summary = writer.finish()
     except BaseException:
         if writer is not None:
@@ -871,23 +1312,7 @@ def capture(gguf_path, prompt, max_new_tokens, out_path, *, model_dir, model_nam
         if ctx:
             LL.llama_free(ctx)
         LL.llama_model_free(model)
-    return CaptureResult(generated, prompt_ids, summary, reads[0], checked)
-
-
-def _greedy_logits(LL, ctx, prompt_ids, steps, n_vocab):
-    """The logits of every step of a greedy run in ``ctx`` (no observation)."""
-    out = []
-    feed = list(prompt_ids)
-    for step in range(steps):
-        arr = (LL.llama_token * len(feed))(*feed)
-        rc = LL.llama_decode(ctx, LL.llama_batch_get_one(arr, len(feed)))
-        if rc != 0:
-            raise LlamaCppError(f"llama_decode returned {rc} at step {step} (run without the callback)")
-        lg = LL.llama_get_logits_ith(ctx, -1)
-        logits = np.ctypeslib.as_array(lg, shape=(n_vocab,)).astype(np.float32).copy()
-        out.append(logits)
-        feed = [_lm_records(logits)[1]]
-    return out
+    return CaptureResult(generated, prompt_ids, summary, reads[0], checked, others_generated, n_graphs)
 
 
 _RULE_BASES = {r[0] for r in NODE_RULES}

@@ -15,6 +15,7 @@ The opt-in run against a real llama.cpp is ``python/run_llamacpp.sh``.
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -259,13 +260,13 @@ def test_a_llama_cpp_build_without_deepseek4_is_recognized(tmp_path):
         lc.llama_supports_deepseek4(str(tmp_path / "nowhere"))
 
 
-def _py_capture(gguf_path, tmp_path):
+def _py_capture(gguf_path, tmp_path, *extra):
     """``python3 -m moeconf llamacpp GGUF ...`` as a user runs it."""
     model_dir = tmp_path / "model"
     model_dir.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run([sys.executable, "-m", "moeconf", "llamacpp", str(gguf_path), "--model-dir", str(model_dir),
-                           "--prompt", "hi", "--max-new-tokens", "1", "-o", str(tmp_path / "out.bin")],
+                           "--prompt", "hi", "--max-new-tokens", "1", "-o", str(tmp_path / "out.bin"), *extra],
                           capture_output=True, text=True, env=env)
 
 
@@ -453,3 +454,161 @@ def test_the_exported_gguf_reads_back_through_the_gguf_package_as_the_checkpoint
     assert q.tensor_type == gguf.GGMLQuantizationType.BF16
     got = gguf.quants.dequantize(np.asarray(q.data), gguf.GGMLQuantizationType.BF16).reshape(1536, 128)
     assert np.array_equal(got, _decode(get, "layers.2.attn.wq_b.weight", 1536, 128))
+
+
+# --------------------------------------------------------------------------- llama.cpp's settings (knobs)
+
+def test_knobs_default_to_the_captures_settings_and_bad_values_are_refused_naming_the_setting():
+    k = lc.check_knobs()
+    assert (k.n_threads, k.n_threads_batch, k.n_batch, k.n_ubatch, k.batch_with, k.kv_unified, k.flash_attn,
+            k.kv_type) == (1, 1, None, None, (), False, "auto", "f16")
+    assert lc.check_knobs(n_threads=3).n_threads_batch == 3          # n_threads_batch follows n_threads
+    assert lc.check_knobs(n_threads=3, n_threads_batch=1).n_threads_batch == 1
+    bad = [
+        (dict(n_threads=0), "n_threads 0: must be at least 1"),
+        (dict(n_threads_batch=-2), "n_threads_batch -2"),
+        (dict(n_batch=0), "n_batch 0"),
+        (dict(n_ubatch=2.5), "n_ubatch 2.5"),
+        (dict(n_ubatch=True), "n_ubatch True"),
+        (dict(n_batch=8, n_ubatch=64), "n_ubatch 64 is larger than n_batch 8"),
+        (dict(n_ctx=300), "n_ctx 300: not a multiple of 256"),
+        (dict(batch_with="one prompt"), "a list of prompts"),
+        (dict(batch_with=["ok", ""]), "batch_with prompt 2 is empty"),
+        (dict(batch_with=["ok", 3]), "batch_with prompt 2 is 3, not a string"),
+        (dict(batch_with=["x"] * 256), "at most 256 sequences"),
+        (dict(kv_unified="yes"), "kv_unified 'yes'"),
+        (dict(flash_attn="maybe"), "flash_attn 'maybe'"),
+        (dict(kv_type="q8_0"), "kv_type 'q8_0'"),
+    ]
+    for kw, why in bad:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            lc.check_knobs(**kw)
+
+
+def test_batch_with_json_is_one_argument_holding_a_list_of_prompts():
+    assert lc.parse_batch_with_json("[]") == []
+    assert lc.parse_batch_with_json('["a b", "c, d"]') == ["a b", "c, d"]
+    for text, why in (("a b", "not JSON"), ('"a"', "not a JSON array of strings"), ("[1]", "not a JSON array")):
+        with pytest.raises(ValueError, match=why):
+            lc.parse_batch_with_json(text)
+
+
+def test_every_sequence_gets_the_solo_context_and_n_batch_n_ubatch_default_to_n_ctx():
+    k = lc.check_knobs()
+    # One sequence: the capture's setting before these knobs (n_batch = n_ubatch = n_ctx).
+    assert lc.context_sizes(k, [124], 8) == lc.ContextSizes(512, 512, 512, 512, 1)
+    assert lc.context_sizes(k, [500], 40) == lc.ContextSizes(768, 768, 768, 768, 1)
+    # Three sequences: each its own 512 positions (llama.cpp divides n_ctx by n_seq_max unless unified).
+    assert lc.context_sizes(lc.check_knobs(batch_with=["a", "b"]), [124, 10, 600], 8) == \
+        lc.ContextSizes(768 * 3, 768, 768 * 3, 768 * 3, 3)
+    assert lc.context_sizes(lc.check_knobs(batch_with=["a"], kv_unified=True), [124, 10], 8).n_ctx == 512
+    assert lc.context_sizes(lc.check_knobs(n_batch=64), [124], 8)[2:4] == (64, 64)
+    assert lc.context_sizes(lc.check_knobs(n_ubatch=2), [124], 8)[2:4] == (512, 2)
+    with pytest.raises(ValueError, match="n_batch 1024 is larger than n_ctx 512"):
+        lc.context_sizes(lc.check_knobs(n_batch=1024), [124], 8)
+    with pytest.raises(ValueError, match="n_ubatch 1024 is larger than n_batch 512"):
+        lc.context_sizes(lc.check_knobs(n_ubatch=1024), [124], 8)
+    # The longest sequence decides (an other sequence's prompt of 300 tokens + 8 steps).
+    with pytest.raises(ValueError, match="n_ctx 256 is smaller than the 308 positions"):
+        lc.context_sizes(lc.check_knobs(n_ctx=256, batch_with=["a"]), [10, 300], 8)
+
+
+def test_ubatch_split_follows_llama_cpps_split_simple_and_split_equal():
+    # One sequence per context: split_simple, the next n_ubatch entries.
+    assert lc.split_ubatches([0] * 5, 2, per_seq=False) == [[0, 1], [2, 3], [4]]
+    assert lc.split_ubatches([0] * 5, 512, per_seq=False) == [[0, 1, 2, 3, 4]]
+    # Several: split_equal(sequential) takes the same number of entries of each consecutive
+    # sequence, concatenated sequence by sequence; a shorter sequence cuts the others' run.
+    seqs = [0] * 5 + [1] * 3
+    assert lc.split_ubatches(seqs, 512, per_seq=True) == [[0, 1, 2, 5, 6, 7], [3, 4]]
+    assert lc.split_ubatches(seqs, 4, per_seq=True) == [[0, 1, 5, 6], [2, 7], [3, 4]]
+    # A decode step: one entry per sequence, all in one ubatch.
+    assert lc.split_ubatches([0, 1, 2], 512, per_seq=True) == [[0, 1, 2]]
+    # n_ubatch smaller than the number of sequences: llama.cpp's loop admits n_ubatch + 1 sequences
+    # before it stops (src/llama-batch.cpp split_equal), the port does the same.
+    assert lc.split_ubatches([0, 1, 2], 1, per_seq=True) == [[0, 1], [2]]
+    # Every entry exactly once, whatever the sizes.
+    for n_ubatch in (1, 2, 3, 7, 64):
+        seqs = [0] * 11 + [1] * 4 + [2] * 9
+        got = lc.split_ubatches(seqs, n_ubatch, per_seq=True)
+        assert sorted(j for ub in got for j in ub) == list(range(len(seqs)))
+        assert all([seqs[j] for j in ub] == sorted(seqs[j] for j in ub) for ub in got)
+
+
+def test_the_batch_composition_is_described_per_step_with_its_llama_decode_calls_and_ubatches():
+    sizes = lc.ContextSizes(1024, 512, 1024, 1024, 2)
+    d = lc.describe_composition([124, 20], 8, sizes)
+    assert d == ("step 0: llama_decode(seq 0: 124, seq 1: 20) = (seq 0: 20, seq 1: 20) + (seq 0: 104); "
+                 "steps 1-7: llama_decode(seq 0: 1, seq 1: 1) = (seq 0: 1, seq 1: 1)"), d
+    d = lc.describe_composition([124], 3, lc.ContextSizes(512, 512, 64, 2, 1))
+    assert d == ("step 0: llama_decode(seq 0: 64) = 32 × (seq 0: 2) then llama_decode(seq 0: 60) = 30 × (seq 0: 2); "
+                 "steps 1-2: llama_decode(seq 0: 1) = (seq 0: 1)"), d
+    assert lc.describe_composition([5], 1, lc.ContextSizes(512, 512, 512, 512, 1)) == \
+        "step 0: llama_decode(seq 0: 5) = (seq 0: 5)"
+
+
+def test_the_provenance_names_every_setting_and_the_batch():
+    k = lc.check_knobs(n_threads=2, n_threads_batch=1, n_ubatch=2, batch_with=["other one", "two"])
+    sizes = lc.ContextSizes(1536, 512, 1536, 2, 3)
+    notes = dict(lc.knob_notes(k, sizes, [[5, 6], [7]], "Flash Attention enabled", "step 0: ..."))
+    assert {k: notes[k] for k in ("n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_seq_max", "n_ctx_seq",
+                                  "kv_unified")} == {
+        "n_threads": "2", "n_threads_batch": "1", "n_batch": "1536", "n_ubatch": "2", "n_seq_max": "3",
+        "n_ctx_seq": "512", "kv_unified": "false"}
+    assert notes["flash_attn.resolved"] == "Flash Attention enabled"
+    assert notes["batch.sequences"].startswith("3: the traced sequence (seq_id 0, the only one recorded)")
+    assert json.loads(notes["batch.with"]) == ["other one", "two"]
+    assert notes["batch.with_prompt_ids"] == "seq 1: 5,6; seq 2: 7"
+    assert notes["batch.composition"] == "step 0: ..."
+    alone = dict(lc.knob_notes(lc.check_knobs(), lc.ContextSizes(512, 512, 512, 512, 1)))
+    assert alone["batch.sequences"] == "1: the traced sequence (seq_id 0) alone"
+    assert "batch.with" not in alone and "flash_attn.resolved" not in alone
+
+
+def test_a_graph_of_several_sequences_gives_the_traced_rows_only():
+    # A ubatch of two sequences as split_equal lays it out: seq 0 positions 2..5, then seq 1
+    # positions 0..3. The traced records are exactly what a graph of seq 0's rows alone gives.
+    cfg = _cfg()
+    layout = [(0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 1), (1, 2), (1, 3)]
+    mixed = _layer_nodes(cfg, 1, nt=8, n_blocks=3)       # CSA layer: closings at seq 0 pos 3, seq 1 pos 3, a pad
+    n = lc.StepNodes()
+    n.nodes.update(mixed.nodes)
+    scores = np.arange(8 * 256, dtype=np.float32).reshape(8, 256)
+    n.add(1, "lid_score_masked", "LIGHTNING_INDEXER", scores)
+    n.add(1, "lid_top_k", "CONT", np.array([[1, 0]] * 8, dtype=np.int32))
+    recs = lc.assemble_layer(n, cfg, 1, [2, 3, 4, 5], layout=layout)
+    assert sorted(recs) == [2, 3, 4, 5]
+    got = {p: {path: a for _, path, a in recs[p]} for p in recs}
+    q = n.get(1, "q", "ROPE")
+    for j, p in enumerate([2, 3, 4, 5]):
+        assert got[p]["attn.q"].tolist() == q[j].tolist()        # rows 0..3: seq 0's
+    # The block of seq 0's closing row (pos 3) is block 0; seq 1's (its pos 3, row 7) is block 1.
+    comp = n.get(1, "csa_state_compress", "ROPE").reshape(3, -1)
+    assert [p for p in got if "attn.compressed" in got[p]] == [3]
+    assert got[3]["attn.compressed"].tolist() == comp[0:1].tolist()
+    assert got[5]["attn.indexer_scores"].tolist() == scores[3, :1].tolist()
+    # Seq 1 first in the graph (a ubatch that starts with another sequence): rows 4..7 are seq 0's.
+    layout2 = [(1, 0), (1, 1), (1, 2), (1, 3), (0, 4), (0, 5), (0, 6), (0, 7)]
+    recs2 = lc.assemble_layer(n, cfg, 1, [4, 5, 6, 7], layout=layout2)
+    got2 = {p: {path: a for _, path, a in recs2[p]} for p in recs2}
+    assert got2[4]["attn.q"].tolist() == q[4].tolist()
+    assert got2[7]["attn.compressed"].tolist() == comp[1:2].tolist()   # seq 1's pos 3 is block 0
+    with pytest.raises(lc.LlamaCppError, match="traced rows of the graph hold positions"):
+        lc.assemble_layer(n, cfg, 1, [2, 3], layout=layout)
+
+
+def test_the_capture_command_refuses_bad_settings_with_exit_2_before_llama_cpp(tmp_path):
+    g = _write_gguf(tmp_path / "ok.gguf")
+    cases = [
+        (("--n-ubatch", "0"), "n_ubatch 0: must be at least 1"),
+        (("--n-batch", "8", "--n-ubatch", "64"), "n_ubatch 64 is larger than n_batch 8"),
+        (("--threads-batch", "0"), "n_threads_batch 0"),
+        (("--batch-with", "a", "--batch-with-json", '["b"]'), "not both"),
+        (("--batch-with-json", "[1, 2]"), "not a JSON array of strings"),
+        (("--batch-with", ""), "batch_with prompt 1 is empty"),
+    ]
+    for extra, why in cases:
+        r = _py_capture(g, tmp_path, *extra)
+        assert r.returncode == 2, (extra, r.returncode, r.stderr)
+        assert why in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "out.bin").exists()

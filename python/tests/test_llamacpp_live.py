@@ -138,3 +138,85 @@ def test_bad_inputs_are_refused_with_clear_errors(setup, tmp_path):
     w.close()
     with pytest.raises(lc.LlamaCppError, match="'llama', not 'deepseek4'"):
         lc.capture(tmp_path / "llama.gguf", PROMPT, 1, tmp_path / "z.bin", model_dir=s["model_dir"])
+
+
+# --------------------------------------------------------------------------- llama.cpp's settings
+
+OTHER = "Three boats came up the river before noon."
+
+
+def _records(path, steps=None, levels=None):
+    return {(r.coord.step, r.coord.position, r.coord.layer, r.coord.path): r for r in read_trace(path).records
+            if (steps is None or r.coord.step in steps) and (levels is None or r.level in levels)}
+
+
+def test_a_batched_capture_holds_the_traced_sequences_rows_at_their_positions(setup, captured, tmp_path):
+    """Another, shorter prompt in the batch: llama.cpp's split_equal cuts the traced prefill into a
+    ubatch mixing both sequences' rows and one of the traced rows alone. The trace holds exactly
+    the solo trace's records (coordinates), its embedding rows are the traced prompt's (an exact
+    copy of the embedding table on any CPU; the other prompt's tokens differ), and the provenance
+    names the batch and the split llama.cpp computed (checked graph by graph against its inputs)."""
+    s = setup
+    _, solo = captured
+    out = tmp_path / "batched.bin"
+    r = lc.capture(s["gguf"], PROMPT, STEPS, out, model_dir=s["model_dir"], model_name="builtin:tiny-v4-fp8",
+                   reference_ids=s["ids"], batch_with=[OTHER])
+    mine, ref = _records(out), _records(solo)
+    assert set(mine) == set(ref)
+    emb = [k for k in ref if k[3] in ("embed.output", "token.input")]
+    assert len(emb) == len(s["ids"]) + 2 * STEPS - 1
+    for k in emb:
+        assert mine[k].digest == ref[k].digest, k
+    t = read_trace(out)
+    notes = dict(t.provenance.notes)
+    other_ids = [int(x) for x in notes["batch.with_prompt_ids"].split(": ")[1].split(",")]
+    assert json.loads(notes["batch.with"]) == [OTHER] and notes["n_seq_max"] == "2"
+    assert any(a != b for a, b in zip(other_ids, s["ids"]))          # the rows are distinguishable
+    sizes = lc.ContextSizes(int(notes["n_ctx"]), int(notes["n_ctx_seq"]), int(notes["n_batch"]),
+                            int(notes["n_ubatch"]), 2)
+    comp = lc.describe_composition([len(s["ids"]), len(other_ids)], STEPS, sizes)
+    assert notes["batch.composition"] == comp
+    n = len(other_ids)
+    assert comp.startswith(f"step 0: llama_decode(seq 0: {len(s['ids'])}, seq 1: {n}) = (seq 0: {n}, seq 1: {n}) + "
+                           f"(seq 0: {len(s['ids']) - n})"), comp
+    assert r.graphs == 2 + (STEPS - 1) and len(r.batch_generated) == 1 and len(r.batch_generated[0]) == STEPS
+
+
+def test_a_traced_sequence_batched_with_its_own_prompt_keeps_its_prefill_records(setup, captured, tmp_path):
+    """The traced prompt twice in one batch (seq 0 and seq 1, one ubatch of both): llama.cpp's CPU
+    kernels compute every row of a graph alone (one accumulator per output in the matmuls, per row
+    in attention and the MoE), so both sequences generate the same tokens, and the traced rows of
+    the prefill (L2-L4 of step 0) are the solo run's bit for bit; the rows were selected right.
+    (The logits may differ: two output rows take another matmul kernel than one, section 5.1 of
+    docs/invariance.md.)"""
+    s = setup
+    _, solo = captured
+    out = tmp_path / "twice.bin"
+    r = lc.capture(s["gguf"], PROMPT, STEPS, out, model_dir=s["model_dir"], model_name="builtin:tiny-v4-fp8",
+                   reference_ids=s["ids"], batch_with=[PROMPT])
+    assert r.batch_generated == [r.generated]
+    assert dict(read_trace(out).provenance.notes)["batch.composition"].startswith(
+        f"step 0: llama_decode(seq 0: {len(s['ids'])}, seq 1: {len(s['ids'])}) = (seq 0: {len(s['ids'])}, "
+        f"seq 1: {len(s['ids'])}); ")
+    mine, ref = _records(out, {0}, {2, 3, 4}), _records(solo, {0}, {2, 3, 4})
+    assert set(mine) == set(ref) and len(ref) > 1000
+    differ = [k for k in ref if mine[k].digest != ref[k].digest]
+    assert not differ, differ[:5]
+
+
+def test_ubatches_and_llama_decode_calls_follow_n_batch_and_n_ubatch(setup, tmp_path):
+    """n_batch 64, n_ubatch 8: the 124-token prompt is two llama_decode calls (64 + 60 entries)
+    and 16 graphs; the settings and the split are in the provenance, and the trace holds every
+    position of the prompt once."""
+    s = setup
+    out = tmp_path / "split.bin"
+    r = lc.capture(s["gguf"], PROMPT, 2, out, model_dir=s["model_dir"], model_name="builtin:tiny-v4-fp8",
+                   reference_ids=s["ids"], n_batch=64, n_ubatch=8, n_threads_batch=2)
+    n = len(s["ids"])
+    assert r.graphs == -(-64 // 8) + -(-(n - 64) // 8) + 1
+    notes = dict(read_trace(out).provenance.notes)
+    assert (notes["n_batch"], notes["n_ubatch"], notes["n_threads"], notes["n_threads_batch"]) == ("64", "8", "1", "2")
+    assert notes["batch.composition"].startswith(f"step 0: llama_decode(seq 0: 64) = 8 × (seq 0: 8) then "
+                                                 f"llama_decode(seq 0: {n - 64}) = ")
+    pos = sorted(k[1] for k in _records(out, {0}) if k[3] == "embed.output")
+    assert pos == list(range(n))
