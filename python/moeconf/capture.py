@@ -578,10 +578,11 @@ def _generate(model, cfg, cache, rec, tok, batch, max_new_tokens):
 NOT_CAPTURED_NOTE = "moeconf.not_captured"
 
 #: What a capture of a *padded* sequence (shorter than another prompt of its batch) leaves out, and
-#: why: records that count or pool the cache's slots, which include this sequence's pad slots.
+#: why: records that count or pool the cache's slots, which include this sequence's pad slots. (A
+#: reason never holds "; ", the note's item separator.)
 PADDED_NOT_CAPTURED = {
     "state.cumulative_length": "the cache layer counts the batch's slots, this sequence's pad slots "
-                               "included; transformers keeps no count of the sequence's own tokens",
+                               "included, and transformers keeps no count of the sequence's own tokens",
     "state.compressor.*": "transformers' compressor (DeepseekV4CSACompressor / DeepseekV4HCACompressor.forward, "
                           "DeepseekV4HCACache.store_compression_weights) pools windows of compress_rate cache "
                           "slots under no attention mask: this sequence's pad slots are pooled into its windows "
