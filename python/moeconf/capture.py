@@ -48,6 +48,10 @@ summation, the (position, layer) events it reproduces bitwise;
 ``moe_terms_unexplained`` counts the events none reproduces (the recomputed
 terms then differ from the kernel's, or the kernel sums another way).
 
+The traced sequence may be decoded inside a batch beside other prompts (``batch_with``,
+``padding_side``): only its own rows are recorded, at its own positions, and the batch
+composition goes into the provenance notes (docs/invariance.md section 5.2).
+
 Everything is recorded as f32 (bf16 values are exact in f32), ids as i32,
 counters as i64, as the reference runtime does. Requires torch and
 transformers (imported lazily; the rest of the package does not need them).
@@ -158,7 +162,7 @@ class _Recorder:
     The forward may run a batch: ``b`` is the traced sequence's batch index, ``slots`` the
     indices along the forward's sequence axis of its own tokens (its pad slots left out), in
     order, the k-th at position ``start + k``; ``width`` is that axis' length (row ``b * width
-    + slot`` of the tensors the MoE flattens to ``[batch * width, ...]``). ``own_slots``: the
+    + slot`` of the tensors the MoE flattens to ``[batch * width, ...]``). ``unpadded``: the
     traced sequence has no pad slot in the cache (cache slot = its own position), so records
     that index cache slots are its own (see :data:`PADDED_NOT_CAPTURED`)."""
 
@@ -172,7 +176,7 @@ class _Recorder:
         self.b = 0
         self.slots = []
         self.width = 0
-        self.own_slots = True
+        self.unpadded = True
         self.pending = {}  # layer -> {position: [(level, path, array)]}
 
     def select(self, start, slots, width):
@@ -359,7 +363,7 @@ def _attention_hooks(i, layer, rec, ctx, hook):
     comp = attn.compressor
     if comp is not None and getattr(comp, "indexer", None) is not None:
         def on_indexer(m, args, out, i=i):
-            if not rec.own_slots:  # indices into entries pooled over cache slots (PADDED_NOT_CAPTURED)
+            if not rec.unpadded:  # indices into entries pooled over cache slots (PADDED_NOT_CAPTURED)
                 return
             for n, s in enumerate(rec.slots):
                 ids = out[rec.b, s]
@@ -451,7 +455,7 @@ def _wrap_cache(cache, rec):
                 path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
                 # entry j pools cache slots [(first + j) * rate, (first + j + 1) * rate): the traced
                 # sequence's own positions only when it has no pad slot (PADDED_NOT_CAPTURED)
-                rows = _f32(compressed[rec.b]) if rec.own_slots else np.zeros((0, 1), np.float32)
+                rows = _f32(compressed[rec.b]) if rec.unpadded else np.zeros((0, 1), np.float32)
                 for j in range(rows.shape[0]):
                     rec.add(_i, (first + j + 1) * _cl.compress_rate - 1, "L4", path, rows[j:j + 1])
                 return _orig(name, compressed)
@@ -531,7 +535,7 @@ def _generate(model, cfg, cache, rec, tok, batch, max_new_tokens):
     ids_rows, mask_rows = batch.rows()
     am = torch.tensor(mask_rows, dtype=torch.long)
     slot_mask = list(mask_rows[0])  # the traced sequence's attention mask over the cache slots
-    rec.b, rec.own_slots = 0, batch.pads(0) == 0
+    rec.b, rec.unpadded = 0, batch.pads(0) == 0
     with torch.no_grad():
         for step in range(max_new_tokens):
             rec.step = step
@@ -569,7 +573,7 @@ def _generate(model, cfg, cache, rec, tok, batch, max_new_tokens):
             if text is not None:
                 rec.emit(last, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
             if rec.wants("L2"):
-                for layer, path, arr in _state_records(cfg, cache, 0, None if rec.own_slots else slot_mask):
+                for layer, path, arr in _state_records(cfg, cache, 0, None if rec.unpadded else slot_mask):
                     rec.emit(last, layer, "L2", path, arr)
     return generated[0]
 
