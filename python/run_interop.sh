@@ -4,8 +4,10 @@
 # transformers 5.23.0, safetensors 0.8.0: about 5.6 GB), builds the Rust binary if it is
 # missing, runs the `transformers`-marked tests (MOECONF_TRANSFORMERS_TESTS=1), then
 # python/interop_check.py (8 and 40 new tokens) and python/interop_experts.py (every experts
-# implementation in fp32 and bf16), which print every number of docs/interop.md
-# and leaves the traces in $INTEROP_OUT (default target/interop). Not part of the default CI run (.ci/run).
+# implementation in fp32 and bf16), which print every number of docs/interop.md, then the
+# transformers invariance matrix (python/invariance/transformers.toml, docs/invariance.md section 5.2)
+# and python/invariance_transformers.py, and leaves the traces in $INTEROP_OUT (default
+# target/interop). Not part of the default CI run (.ci/run).
 #
 # The tests assert structural properties that hold on any CPU; the numbers the report prints
 # depend on torch's CPU kernels (docs/interop.md names the CPU and torch capability of each
@@ -38,6 +40,30 @@ rc=$?; [ "$rc" -eq 0 ] || failed+=("interop_check.py --steps 8 (exit $rc)")
 rc=$?; [ "$rc" -eq 0 ] || failed+=("interop_check.py --steps 40 (exit $rc)")
 "$PYTHON" interop_experts.py --out "$OUT/experts"               # sections 4.5-4.6: eager / grouped_mm / batched_mm x fp32 / bf16 (diff, explain, replay)
 rc=$?; [ "$rc" -eq 0 ] || failed+=("interop_experts.py (exit $rc)")
+# docs/invariance.md section 5.2: transformers under its serving settings (threads, batch composition and
+# padding side, experts implementation), each configuration captured by `python3 -m moeconf transformers`
+# and bisected against the base. Every knob is declared `info`, so a non-invariance is reported, not
+# failed: only exit 2 (a configuration without a verdict, a bad matrix) fails this step.
+INV="$OUT/invariance"
+mkdir -p "$INV"
+# the built-in fixture's BF16 checkpoint, materialized by a one-token run into a private cache
+MOECONF_CACHE_DIR="$INV/cache" "$MOECONF_BIN" run --model builtin:tiny-v4 --prompt "why the sheep" \
+  --max-new-tokens 1 --capture L0 -o "$INV/fixture.bin" >/dev/null
+MODEL_DIR="$(dirname "$(ls -d "$INV"/cache/tiny-v4-*/config.json 2>/dev/null | head -n 1)")"
+if [ ! -f "$MODEL_DIR/config.json" ]; then
+  failed+=("materializing builtin:tiny-v4 for the invariance matrix")
+else
+  # the matrix's command runs `python3 -m moeconf`: this package, with $PYTHON's interpreter first on PATH
+  PATH="$(dirname "$(command -v "$PYTHON")"):$PATH" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+    "$MOECONF_BIN" invariance invariance/transformers.toml --model "$MODEL_DIR" --out "$INV/matrix"
+  rc=$?
+  if [ "$rc" -eq 2 ]; then
+    failed+=("moeconf invariance invariance/transformers.toml (exit 2)")
+  else
+    "$PYTHON" invariance_transformers.py --out "$INV/matrix" --model "$MODEL_DIR"   # divergences, recomputed both ways
+    rc=$?; [ "$rc" -eq 0 ] || failed+=("invariance_transformers.py (exit $rc)")
+  fi
+fi
 set -e
 if [ "${#failed[@]}" -gt 0 ]; then
   printf 'run_interop.sh: FAILED: %s\n' "${failed[@]}" >&2

