@@ -68,6 +68,7 @@ fn the_reference_presets_are_invariant_with_equal_roots_and_link_every_page() {
         );
         assert_eq!(c["compared"]["tokens_equal"], true);
         assert_eq!(c["compared"]["logits_bitwise"], true);
+        assert!(c["error"].is_null(), "a judged cell has no error: {c}");
         let page = format!("c{:02}.html", i + 1);
         assert_eq!(c["diff_page"], page.as_str());
         assert!(out.join(&page).is_file());

@@ -168,6 +168,7 @@ fn judge_config(
     }
     cell.status = status(&expectation, &report, gate.as_ref().map(|(v, _)| v.as_str()));
     cell.gate = gate.map(|(v, _)| v);
+    cell.error = None;
     cell
 }
 
