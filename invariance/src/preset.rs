@@ -1,7 +1,7 @@
 //! Built-in matrices (`moeconf invariance --preset NAME`).
 
 use crate::error::InvarianceError;
-use crate::matrix::{build, Backend, KnobValue, Knobs, Matrix, ReferenceRun};
+use crate::matrix::{build, Backend, KnobValue, Knobs, Matrix, ReferenceRun, RunOverrides};
 use std::collections::BTreeMap;
 
 /// The other prompts of a batched configuration: of other lengths than the
@@ -11,7 +11,30 @@ pub const COMPANION_PROMPTS: [&str; 2] = [
     "a third sequence, longer than the traced prompt, decoded in the same batch",
 ];
 
-/// Every preset: name and what it holds.
+/// The other backends' presets: the matrix files of python/invariance/
+/// (each a command matrix over that backend's capture; `--model` names
+/// what its capture loads, see the file's comment). Name, file text.
+pub const BACKEND_PRESETS: [(&str, &str); 3] = [
+    (
+        "transformers",
+        include_str!("../../python/invariance/transformers.toml"),
+    ),
+    ("llamacpp", include_str!("../../python/invariance/llamacpp.toml")),
+    (
+        "llamacpp-fa-off",
+        include_str!("../../python/invariance/llamacpp-fa-off.toml"),
+    ),
+];
+
+/// The preset `name` of another backend, with `o` over its `[run]` values.
+pub fn backend_preset(name: &str, o: &RunOverrides) -> Option<Result<Matrix, InvarianceError>> {
+    BACKEND_PRESETS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(n, text)| crate::matrix::parse(text, &format!("preset {n} (python/invariance/{n}.toml)"), o))
+}
+
+/// Every preset of the reference runtime: name and what it holds.
 pub const PRESETS: [(&str, &str); 2] = [
     (
         "reference",
@@ -82,7 +105,12 @@ pub fn preset(name: &str, r: ReferenceRun) -> Result<Matrix, InvarianceError> {
         _ => {
             return Err(InvarianceError::NoPreset {
                 name: name.into(),
-                known: PRESETS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+                known: PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .chain(BACKEND_PRESETS.iter().map(|(n, _)| *n))
+                    .collect::<Vec<_>>()
+                    .join(", "),
             })
         }
     };
@@ -120,9 +148,24 @@ mod tests {
         seen.dedup();
         assert_eq!(seen.len(), 12, "12 distinct combinations including the base");
         assert_eq!(preset("reference-knobs", req()).unwrap().configs.len(), 6);
-        assert!(preset("vllm", req())
-            .unwrap_err()
-            .to_string()
-            .contains("reference-knobs"));
+        let err = preset("gpu", req()).unwrap_err().to_string();
+        assert!(
+            err.contains("reference-knobs") && err.contains("transformers"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_backend_preset_is_a_valid_command_matrix() {
+        let o = RunOverrides {
+            model: Some("/models/x".into()),
+            ..RunOverrides::default()
+        };
+        for (name, _) in BACKEND_PRESETS {
+            let m = backend_preset(name, &o).expect("known").expect("valid");
+            assert!(matches!(m.backend, Backend::Command(_)), "{name}");
+            assert!(m.configs.len() >= 3, "{name}");
+        }
+        assert!(backend_preset("nope", &o).is_none());
     }
 }

@@ -40,7 +40,9 @@ pub struct InvarianceArgs {
     #[arg(required_unless_present = "preset", conflicts_with = "preset")]
     pub matrix: Option<PathBuf>,
     /// A built-in matrix: reference (the 12-combination matrix of threads × batch × prefill
-    /// chunk) or reference-knobs (one knob at a time, 6 configurations).
+    /// chunk), reference-knobs (one knob at a time, 6 configurations), or another backend's
+    /// (transformers, llamacpp, llamacpp-fa-off: the matrix files of python/invariance/, which
+    /// need --model and the backend's Python environment on PATH as python3).
     #[arg(long)]
     pub preset: Option<String>,
     /// The output directory (created, or replaced when it holds a previous result).
@@ -83,6 +85,14 @@ fn matrix_of(a: &InvarianceArgs) -> anyhow::Result<Matrix> {
     };
     Ok(match (&a.matrix, &a.preset) {
         (Some(path), _) => matrix::read(path, &o)?,
+        (None, Some(name)) if preset::backend_preset(name, &o).is_some() => {
+            if o.model.is_none() {
+                anyhow::bail!(
+                    "--preset {name} needs --model: what its capture loads (python/invariance/{name}.toml says what)"
+                );
+            }
+            preset::backend_preset(name, &o).context("preset")??
+        }
         (None, Some(name)) => preset::preset(
             name,
             ReferenceRun {
