@@ -330,7 +330,8 @@ def print_engines(py_json, model_dir, n, trace):
         diffs = [max((abs(x[1] - y[1]) for x, y in zip(a, b) if x[0] == y[0]), default=0.0)
                  for a, b in zip(r["logprobs"], base["logprobs"])]
         print(f"  multiprocess engine, VLLM_CPU_OMP_THREADS_BIND={bind or 'auto'} (worker: OMP_NUM_THREADS="
-              f"{w.get('OMP_NUM_THREADS')}, torch threads {w.get('torch_threads')}, OMP_PLACES {w.get('OMP_PLACES')}): "
+              f"{w.get('OMP_NUM_THREADS')}, torch threads {w.get('torch_threads')}, threads' CPU affinity "
+              f"{', '.join(f'{a}: {k}' for a, k in sorted((w.get('affinity') or {}).items())) or 'unknown'}): "
               f"tokens {'equal' if same_tok else 'differ: ' + str(r['tokens'])}; top-8 log-probabilities bitwise "
               f"equal at {lp_equal}/{len(base['logprobs'])} steps; max |d| of shared ids {max(diffs or [0]):.3e}")
 
