@@ -98,6 +98,21 @@ else
     --model "$model" --out "$OUT/invariance" -q
   matrix_rc=$?
   echo "(moeconf invariance exit $matrix_rc; pages: $OUT/invariance/index.html)"
+  if [ "$matrix_rc" -ne 2 ]; then
+    # One mechanism or several? One thread alone against two threads in a batch: both run every
+    # decode step's mHC pre with the same K blocking (docs/invariance.md section 5.3).
+    "$PY" - "$OUT/invariance" <<'EOF' || true
+import json, os, subprocess, sys
+d = sys.argv[1]
+trace = {c["name"]: os.path.join(d, c["trace"]) for c in json.load(open(os.path.join(d, "invariance.json")))["configurations"]}
+a = "1 thread, bound to CPU 0"
+for b in ("batch: + 1 short request", "batch: + 2 requests"):
+    if a in trace and b in trace:
+        p = subprocess.run([os.environ["MOECONF_BIN"], "diff", trace[a], trace[b]], capture_output=True, text=True)
+        last = [x for x in p.stdout.splitlines() if x.startswith(("first divergence", "equivalent"))]
+        print(f"{a!r} vs {b!r}: diff exit {p.returncode}; {last[-1] if last else p.stderr.strip()[-200:]}")
+EOF
+  fi
 fi
 set -e
 if [ "$tests_rc" -ne 0 ]; then
