@@ -178,7 +178,7 @@ def main():
             contracts = [member] + ([OFFICIAL_COMBINE] if prof == "official" else [])
             for contract in dict.fromkeys(contracts):
                 tf = mc("replay", "--teacher-force", C[fx], "--model", model_dir[fx], "--precision",
-                        "bf16" if prof == "vllm-cpu" else prof, "--contract", contract, "--format", "json", ok=(0, 1, 2))
+                        prof, "--contract", contract, "--format", "json", ok=(0, 1, 2))
                 if tf.returncode == 2:
                     print(f"  teacher-forced KL (--contract {contract}): cannot run: {tf.stderr.strip()[-300:]}")
                     continue

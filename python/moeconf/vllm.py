@@ -956,7 +956,7 @@ BATCH_INVARIANT_REFUSAL = (
     "modular_kernel.py L589-590); the CPU experts of fused_moe/experts/cpu_moe.py (CPUExpertsMxfp4, "
     "CPUUnquantizedExperts, ...) keep the default False (modular_kernel.py L668-673), so loading any MoE model "
     "fails (fused_moe/oracle/mxfp4.py L811, oracle/unquantized.py L369); the CPU sparse attention backend "
-    "does not declare it either (v1/attention/backend.py L206, checked in v1/worker/gpu/attn_utils.py L233-240)")
+    "does not declare it either (v1/attention/backend.py L205-207, checked in v1/worker/gpu/attn_utils.py L233-240)")
 
 
 def _apply_env(env):
