@@ -14,7 +14,7 @@ pub const COMPANION_PROMPTS: [&str; 2] = [
 /// The other backends' presets: the matrix files of python/invariance/
 /// (each a command matrix over that backend's capture; `--model` names
 /// what its capture loads, see the file's comment). Name, file text.
-pub const BACKEND_PRESETS: [(&str, &str); 3] = [
+pub const BACKEND_PRESETS: [(&str, &str); 4] = [
     (
         "transformers",
         include_str!("../../python/invariance/transformers.toml"),
@@ -24,6 +24,7 @@ pub const BACKEND_PRESETS: [(&str, &str); 3] = [
         "llamacpp-fa-off",
         include_str!("../../python/invariance/llamacpp-fa-off.toml"),
     ),
+    ("vllm", include_str!("../../python/invariance/vllm.toml")),
 ];
 
 /// The preset `name` of another backend, with `o` over its `[run]` values.

@@ -41,7 +41,7 @@ pub struct InvarianceArgs {
     pub matrix: Option<PathBuf>,
     /// A built-in matrix: reference (the 12-combination matrix of threads × batch × prefill
     /// chunk), reference-knobs (one knob at a time, 6 configurations), or another backend's
-    /// (transformers, llamacpp, llamacpp-fa-off: the matrix files of python/invariance/, which
+    /// (transformers, llamacpp, llamacpp-fa-off, vllm: the matrix files of python/invariance/, which
     /// need --model and the backend's Python environment on PATH as python3).
     #[arg(long)]
     pub preset: Option<String>,
