@@ -227,9 +227,12 @@ pub(crate) fn attention_forward(
                 };
                 attend_online_blocks(&lat.q, &keys, layout, &aw.sinks, h, d)
             }
-            // vllm-cpu: the bf16 profile's attention (§4.2.5 rule 11 is not
-            // modelled yet, docs/operators.md §11).
-            Precision::Bf16 | Precision::F32 | Precision::VllmCpu => attend(&lat.q, &keys, &aw.sinks, cx),
+            Precision::VllmCpu => {
+                let blocks =
+                    crate::vllm::key_blocks(&keys[..n_window], &keys[n_window..], cfg.sliding_window);
+                crate::vllm::sparse_attention(&lat.q, &blocks, &aw.sinks, h, d)
+            }
+            Precision::Bf16 | Precision::F32 => attend(&lat.q, &keys, &aw.sinks, cx),
         }
     };
     rec.f32(Component::AttnCore, at, &[h as u64, d as u64], &core)?;

@@ -77,13 +77,13 @@ impl Precision {
 
     /// The profile of the router: DeepSeek's gate is FP32 throughout (FP32
     /// logits, scores and gates, M L564–583), so the official profile rounds
-    /// none of them. The vllm-cpu profile keeps the bf16 profile's router
-    /// (vLLM's own router, docs/interop-vllm.md §4.1, is not modelled yet:
-    /// docs/operators.md §11).
+    /// none of them. The vllm-cpu profile's router is vLLM's (BF16 logits of
+    /// its GEMM, FP32 scores and weights: docs/interop-vllm.md §4.1,
+    /// crate::router).
     #[inline]
     pub fn router(self) -> Precision {
         match self {
-            Precision::VllmCpu => Precision::Bf16,
+            Precision::VllmCpu => Precision::VllmCpu,
             p => p.rope_tables(),
         }
     }

@@ -409,3 +409,287 @@ pub fn fp8_kv_round_trip(kv: &[f32], rope_dim: usize) -> Vec<f32> {
     }
     out
 }
+
+/// PyTorch's `Vectorized<float>::exp_u20` (vec512_float.h; vLLM's `fast_exp`):
+/// a degree-5 polynomial in one FMA chain, ≤ 20 ulp. Written out instruction
+/// by instruction (its FMAs fused), so it is the same on every CPU.
+pub fn exp_u20(x: f32) -> f32 {
+    let log2e = f32::from_bits(0x3FB8_AA3B);
+    let ln2 = f32::from_bits(0x3F31_7218);
+    let (lo, hi) = (f32::from_bits(0xC2AE_AC50), f32::from_bits(0x42B1_7218));
+    let (c1, c2, c3, c4, c5) = (
+        0.999_999_7_f32,
+        0.499_991_5_f32,
+        0.166_676_52_f32,
+        0.041_897_822_f32,
+        0.008_289_291_f32,
+    );
+    let less = x < lo;
+    let src = x.min(hi).max(lo);
+    let fx = src.mul_add(log2e, 0.5).floor();
+    let poly = (-fx).mul_add(ln2, src);
+    let mut r = poly.mul_add(c5, c4);
+    for c in [c3, c2, c1, 1.0] {
+        r = poly.mul_add(r, c);
+    }
+    let n = (fx - 1.0).round_ties_even() as i64 + 127;
+    let two = if less {
+        0.0
+    } else {
+        f32::from_bits((n.clamp(0, 255) as u32) << 23)
+    };
+    (r * two) * 2.0
+}
+
+/// `at::vec::reduce_all<float>` with 16-lane vectors (functional_base.h):
+/// fewer than 16 values in index order from the first; otherwise 16-lane
+/// accumulation (a partial tail merged lane by lane) then the shuffle tree of
+/// `VecReduceAllSIMD<float>` (256, 128, 64, 32 bits).
+pub fn reduce_all_16(v: &[f32], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let n = v.len();
+    if n == 0 {
+        return 0.0;
+    }
+    if n < 16 {
+        return v[1..].iter().fold(v[0], |a, b| op(a, *b));
+    }
+    let mut acc = [0.0f32; 16];
+    acc.copy_from_slice(&v[..16]);
+    for chunk in v[16..].chunks(16) {
+        for (a, b) in acc.iter_mut().zip(chunk) {
+            *a = op(*a, *b);
+        }
+    }
+    for shift in [8usize, 4, 2, 1] {
+        let prev = acc;
+        for (l, a) in acc.iter_mut().enumerate() {
+            // Lanes are paired within blocks of 2·shift: l with l ^ shift.
+            *a = op(prev[l], prev[l ^ shift]);
+        }
+    }
+    acc[0]
+}
+
+/// vLLM's sparse attention for one token (`flash_mla.cpp` @ e84937308a31
+/// `sparse_mla_decode_kernel_impl`; §4.2.5 rule 11). `blocks`: the key
+/// blocks in order (the window block, then the compressed keys in blocks of
+/// 128), each a list of `(slot, key)` with the block's slot count; V = K.
+/// Per block with a valid key, per head: `s = amx(q, k) ⊗ scale` (FP32),
+/// `m = max(reduce_all(max s), m')`, `md = expf(m' − m)`, `e = exp_u20(s −
+/// m)`, `l = (l ⊗ md) ⊕ reduce_all(Σ e)`, `acc = AMX(R(e), V)` onto `acc ⊗
+/// md` (K steps of 32 slots, even and odd slots in two chains). End: `lse =
+/// m ⊕ logf(l)`, `inv = (1 ⊘ l) ⊗ (1 ⊘ (1 ⊕ expf(sink − lse)))`, `o =
+/// R(acc ⊗ inv)`. expf, logf: the C library's.
+pub fn sparse_attention(
+    q: &[f32],
+    blocks: &[KeyBlock<'_>],
+    sinks: &[f32],
+    heads: usize,
+    d: usize,
+) -> Vec<f32> {
+    let scale = (d as f64).powf(-0.5) as f32;
+    let mut out = vec![0.0f32; heads * d];
+    for h in 0..heads {
+        let qh = &q[h * d..(h + 1) * d];
+        let mut l = 0.0f32;
+        let mut m_prev = f32::NEG_INFINITY;
+        let mut acc = vec![0.0f32; d];
+        for b in blocks {
+            if b.keys.is_empty() {
+                continue;
+            }
+            let mut s = vec![f32::NEG_INFINITY; b.slots];
+            for (slot, k) in &b.keys {
+                s[*slot] = amx_dot(qh, |i| k[i]) * scale;
+            }
+            let m = reduce_all_16(&s, f32::max).max(m_prev);
+            let md = c_expf(m_prev - m);
+            let e: Vec<f32> = s.iter().map(|v| exp_u20(v - m)).collect();
+            l = (l * md) + reduce_all_16(&e, |a, b| a + b);
+            m_prev = m;
+            for a in acc.iter_mut() {
+                *a *= md;
+            }
+            let mut by_slot: Vec<Option<&[f32]>> = vec![None; b.slots];
+            for (slot, k) in &b.keys {
+                by_slot[*slot] = Some(k);
+            }
+            for (c, a) in acc.iter_mut().enumerate() {
+                for k0 in (0..b.slots).step_by(AMX_K_STEP) {
+                    let (mut ev, mut od) = (0.0f32, 0.0f32);
+                    for j in k0..(k0 + AMX_K_STEP).min(b.slots) {
+                        let t = by_slot[j].map_or(0.0, |k| r_bf16(e[j]) * k[c]);
+                        if j % 2 == 0 {
+                            ev += t;
+                        } else {
+                            od += t;
+                        }
+                    }
+                    *a += ev + od;
+                }
+            }
+        }
+        let lse = m_prev + l.ln();
+        let inv = (1.0 / l) * (1.0 / (1.0 + c_expf(sinks[h] - lse)));
+        for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc) {
+            *o = r_bf16(a * inv);
+        }
+    }
+    out
+}
+
+/// One block of keys of [`sparse_attention`]: `slots` slots (the window's
+/// size, or 128 compressed slots), the valid keys at their slots.
+#[derive(Debug, Clone)]
+pub struct KeyBlock<'a> {
+    /// The block's slot count (invalid slots score −∞ and weigh 0).
+    pub slots: usize,
+    /// `(slot, key)` of every valid key.
+    pub keys: Vec<(usize, &'a [f32])>,
+}
+
+/// The key blocks vLLM's sparse attention reads for one token, as the
+/// profile assumes them (not read from vLLM's capture, which does not record
+/// slots): the window's keys oldest first at slots 0.. of one block of
+/// `window` slots (a ring that has not wrapped: positions below the window),
+/// then the compressed keys in index order in blocks of 128 slots.
+pub fn key_blocks<'a>(
+    window_keys: &[&'a [f32]],
+    compressed: &[&'a [f32]],
+    window: usize,
+) -> Vec<KeyBlock<'a>> {
+    let mut blocks = vec![KeyBlock {
+        slots: window.max(window_keys.len()),
+        keys: window_keys.iter().copied().enumerate().collect(),
+    }];
+    for chunk in compressed.chunks(128) {
+        blocks.push(KeyBlock {
+            slots: 128,
+            keys: chunk.iter().copied().enumerate().collect(),
+        });
+    }
+    blocks
+}
+
+/// `(s, err)` of `x ⊕ y` with its rounding error (SLEEF's `dfadd2`).
+#[inline]
+fn dfadd2(x: f32, y: f32) -> (f32, f32) {
+    let s = x + y;
+    let v = s - x;
+    (s, (x - (s - v)) + (y - v))
+}
+
+/// `Sleef_logf16_u10` (SLEEF's `xlogf_u1`, AVX-512F with FMA; ATen's
+/// `Vectorized<float>::log` on AVX-512), for positive normal inputs (the
+/// router's `1 + exp(x)`): the mantissa in [0.75, 1.5) and its exponent
+/// (`vgetmant`/`vgetexp`), then double-float arithmetic. Ported from
+/// `python/vllm_moe_contract.py` on branch `vllm-moe-contract`
+/// (`sleef_logf_u10`), which reproduces vLLM's router bit for bit.
+pub fn sleef_logf_u10(d: f32) -> f32 {
+    let expo = |v: f32| ((v.to_bits() >> 23) & 0xFF) as i32 - 127;
+    let e = expo(d * (1.0f32 / 0.75)) as f32;
+    let ex = expo(d);
+    let mut m = d * 2f32.powi(-ex);
+    if m >= 1.5 {
+        m *= 0.5;
+    }
+    let (hi, lo) = (0.693_147_2_f32, -1.904_654_3e-9_f32);
+    let sx = hi * e;
+    let sy = lo.mul_add(e, hi.mul_add(e, -sx));
+    let (nx, ny) = dfadd2(-1.0, m);
+    let (dx, dy) = dfadd2(1.0, m);
+    let t = 1.0 / dx;
+    let xs = nx * t;
+    let u = t.mul_add(nx, -xs);
+    let v = (-dy).mul_add(t, (-dx).mul_add(t, 1.0));
+    let xy = xs.mul_add(v, ny.mul_add(t, u));
+    let x2 = xs * xs;
+    let tt = 0.302_729_5_f32.mul_add(x2, 0.399_610_82).mul_add(x2, 0.666_669_5);
+    let (ax, ay) = (xs * 2.0, xy * 2.0);
+    let s2 = sx + ax;
+    let s2y = (((sx - s2) + ax) + sy) + ay;
+    let w = (x2 * xs) * tt;
+    let s3 = s2 + w;
+    let s3y = ((s2 - s3) + w) + s2y;
+    s3 + s3y
+}
+
+/// vLLM's router score (`sqrtsoftplus<float>`, csrc/cpu/sgl-kernels/topk.cpp;
+/// docs/interop-vllm.md §4.1): `sqrt(log(1 + exp_u20(x)))` in FP32 with
+/// [`exp_u20`] and [`sleef_logf_u10`]; `x > 20`: `sqrt(x)`; `x < −15`:
+/// `exp_u20(x ⊗ 0.5)`.
+pub fn sqrt_softplus(x: f32) -> f32 {
+    if x < -15.0 {
+        exp_u20(x * 0.5)
+    } else if x > 20.0 {
+        x.sqrt()
+    } else {
+        sleef_logf_u10(1.0 + exp_u20(x)).sqrt()
+    }
+}
+
+/// topk.cpp's renormalization: `sum` of the k scores from +0 in slot order,
+/// `scale = (1 ⊘ sum) ⊗ routed_scaling_factor`, `w_j = score_j ⊗ scale`; FP32.
+pub fn route_weights(scores: &[f32], rsf: f32) -> Vec<f32> {
+    let sum = scores.iter().fold(0.0f32, |a, s| a + s);
+    let scale = (1.0 / sum) * rsf;
+    scores.iter().map(|s| s * scale).collect()
+}
+
+/// `Sleef_expf16_u10` (SLEEF's `xexpf`, AVX-512F with FMA; ATen's
+/// `Vectorized<float>::exp`), written out as `python/vllm_moe_contract.py`
+/// (branch `vllm-moe-contract`) has it: `q = rint(d·log2 e)`, two-constant
+/// Cody–Waite reduction with FMAs, degree-6 polynomial, `ldexp` in two steps.
+pub fn sleef_expf_u10(d: f32) -> f32 {
+    if d < -104.0 {
+        return 0.0;
+    }
+    if d > 100.0 {
+        return f32::INFINITY;
+    }
+    let q = (d * std::f32::consts::LOG2_E).round_ties_even() as i32;
+    let qf = q as f32;
+    let mut s = qf.mul_add(-0.693_145_75, d);
+    s = qf.mul_add(-1.428_606_8e-6, s);
+    let mut u = 0.000_198_527_62_f32;
+    for c in [
+        0.001_393_043_6_f32,
+        0.008_333_361,
+        0.041_666_485,
+        0.166_666_67,
+        0.5,
+    ] {
+        u = u.mul_add(s, c);
+    }
+    u = 1.0 + (s * s).mul_add(u, s);
+    let q1 = q >> 1;
+    u = (f64::from(u) * 2f64.powi(q1)) as f32;
+    (f64::from(u) * 2f64.powi(q - q1)) as f32
+}
+
+/// The routed experts' activation of vLLM's MXFP4 kernel (sgl
+/// `silu_and_mul_stub`, moe_fp8.cpp; §4.1): `R((g ⊘ (1 ⊕ exp_u20(−g))) ⊗ u)`
+/// on the BF16 GEMM outputs, **no clamp** (`alpha` is not passed, so the
+/// kernel ignores `swiglu_limit`).
+pub fn silu_mul_sgl(g: f32, u: f32) -> f32 {
+    r_bf16((g / (1.0 + exp_u20(-g))) * u)
+}
+
+/// The BF16 experts' activation (`cpu_fused_moe.cpp` `silu_and_mul` with
+/// `fast_exp`; §4.1): `R(u ⊗ (g ⊗ (1 ⊘ (1 ⊕ exp_u20(−g)))))` on FP32 GEMM
+/// outputs, no clamp.
+pub fn silu_mul_fast(g: f32, u: f32) -> f32 {
+    let sig = 1.0 / (1.0 + exp_u20(-g));
+    r_bf16(u * (g * sig))
+}
+
+/// The shared expert's activation (`SiluAndMulWithClamp.forward_native` in
+/// BF16 torch ops, `vllm/model_executor/layers/activation.py`; §4.1):
+/// `g = min(g, L)`, `u = clamp(u, −L, L)`, `σ = R(1 ⊘ (1 ⊕
+/// Sleef_expf(−g)))`, `R(R(g ⊗ σ) ⊗ (u + 0))`.
+pub fn shared_act(g: f32, u: f32, limit: f32) -> f32 {
+    let g = g.min(limit);
+    let u = u.clamp(-limit, limit);
+    let sig = r_bf16(1.0 / (1.0 + sleef_expf_u10(-g)));
+    r_bf16(r_bf16(g * sig) * (u + 0.0))
+}
