@@ -466,6 +466,69 @@ pub fn hc_head(
 
 #[cfg(test)]
 mod tests {
+    /// The fused FMA chain written as exact f64 arithmetic rounded once per
+    /// FMA (products of these values are exact in f64).
+    fn fma_f64(a: f32, b: f32, c: f32) -> f32 {
+        (f64::from(a) * f64::from(b) + f64::from(c)) as f32
+    }
+
+    #[test]
+    fn vllm_post_adds_the_post_term_first_with_fmas_and_rounds_once() {
+        let u = f32::EPSILON; // 2^-23
+        let n = 2;
+        // Stream 0 carries 1 + a tail the FMA keeps, stream 1 cancels it.
+        let streams = [1.0f32 + u, -1.0, 3.0, 0.5];
+        let y = [u * 0.25, 1.0];
+        let post = [1.0f32, 0.5];
+        let comb = [1.0 + u, 0.25, 1.0, 0.75];
+        let got = hc_post_vllm(&streams, &y, &post, &comb, n);
+        let d = 2;
+        for k in 0..n {
+            for i in 0..d {
+                let mut acc = post[k] * y[i];
+                for j in 0..n {
+                    acc = fma_f64(comb[j * n + k], streams[j * d + i], acc);
+                }
+                assert_eq!(got[k * d + i].to_bits(), r_bf16(acc).to_bits(), "k {k} i {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn vllm_sinkhorn_multiplies_rows_by_the_reciprocal() {
+        let mut c = vec![0.3f32, 0.7, 0.9, 0.1];
+        let mut want = c.clone();
+        sinkhorn_vllm(&mut c, 2, 3, 1e-6);
+        // Independent: column step, then twice (row × 1/(sum+ε), column step).
+        let col = |m: &mut Vec<f32>| {
+            for k in 0..2 {
+                let den = (0.0f32 + m[k] + m[2 + k]) + 1e-6;
+                m[k] /= den;
+                m[2 + k] /= den;
+            }
+        };
+        col(&mut want);
+        for _ in 0..2 {
+            for j in 0..2 {
+                let inv = 1.0 / ((0.0f32 + want[2 * j] + want[2 * j + 1]) + 1e-6);
+                want[2 * j] *= inv;
+                want[2 * j + 1] *= inv;
+            }
+            col(&mut want);
+        }
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn vllm_collapse_is_an_fma_chain_from_the_first_product() {
+        let u = f32::EPSILON;
+        let streams = [1.0f32 + u, 1.0, -1.0, 0.0];
+        let w = [1.0f32 + u, 1.0];
+        let got = collapse_fma(&streams, &w, 2);
+        let want0 = r_bf16(fma_f64(w[1], streams[2], w[0] * streams[0]));
+        assert_eq!(got[0].to_bits(), want0.to_bits());
+    }
+
     use super::*;
 
     #[test]

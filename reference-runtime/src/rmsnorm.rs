@@ -69,6 +69,30 @@ pub fn rmsnorm_unweighted_bf16_tensors(q: &mut [f32], eps: f32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn vllm_rmsnorm_rounds_twice() {
+        // x = 1 + 2^-7 (BF16), r = 1 (ε = 0, every |x| equal), w = 1 + 2^-8 + 2^-9:
+        // R(R(x·r)·w) = R(x·w) rounds the product once; but with x·r
+        // not a BF16 value the two orders part. Search a small grid for a
+        // witness and check every value against the independent formula.
+        let mut parted = 0;
+        for a in 0..64 {
+            let x: Vec<f32> = (0..16).map(|i| r_bf16(1.0 + (i * 7 + a) as f32 / 97.0)).collect();
+            let g: Vec<f32> = (0..16).map(|i| r_bf16(0.75 + (i * 5 + a) as f32 / 131.0)).collect();
+            let got = rmsnorm_weighted_torch(&x, &g, 1e-6);
+            let sq: Vec<f32> = x.iter().map(|v| v * v).collect();
+            let var = crate::vllm::torch_cascade_sum(&sq) / 16.0;
+            let r = 1.0 / (var + 1e-6).sqrt();
+            for i in 0..16 {
+                let want = r_bf16(r_bf16(x[i] * r) * g[i]);
+                assert_eq!(got[i].to_bits(), want.to_bits());
+                parted += usize::from(want != r_bf16((x[i] * r) * g[i]));
+            }
+            assert_eq!(rmsnorm_weighted(&x, &g, 1e-6, Precision::VllmCpu), got);
+        }
+        assert!(parted > 0, "no value where two roundings differ from one");
+    }
+
     use super::*;
     use moeconf_contract::bf16::r_bf16;
 

@@ -693,3 +693,234 @@ pub fn shared_act(g: f32, u: f32, limit: f32) -> f32 {
     let sig = r_bf16(1.0 / (1.0 + sleef_expf_u10(-g)));
     r_bf16(r_bf16(g * sig) * (u + 0.0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::e4m3_to_f32;
+
+    const U: f32 = 1.0 / 8_388_608.0; // 2^-23
+
+    #[test]
+    fn ext_decode_is_exact_on_normal_codes_and_wrong_on_all_16_with_exponent_0() {
+        let mut wrong = 0;
+        for c in 0..=255u8 {
+            let (s, e, m) = (c >> 7, (c >> 3) & 0xF, c & 7);
+            if e == 15 && m == 7 {
+                continue; // NaN codes: refused by the loader
+            }
+            let sign = if s == 1 { -1.0f64 } else { 1.0 };
+            // Independent: the normal formula for every code.
+            let want = sign * (1.0 + f64::from(m) / 8.0) * 2f64.powi(i32::from(e) - 7);
+            assert_eq!(f64::from(e4m3_ext(c)), want, "code {c:#04x}");
+            if e == 0 {
+                assert_ne!(e4m3_ext(c).to_bits(), e4m3_to_f32(c).to_bits(), "code {c:#04x}");
+                wrong += 1;
+            } else {
+                assert_eq!(e4m3_ext(c).to_bits(), e4m3_to_f32(c).to_bits(), "code {c:#04x}");
+            }
+        }
+        assert_eq!(wrong, 16);
+        assert_eq!(e4m3_ext(0x00), 2f32.powi(-7));
+        assert_eq!(e4m3_ext(0x80), -(2f32.powi(-7)));
+    }
+
+    #[test]
+    fn vdpbf16_chain_adds_the_odd_product_first() {
+        // The hardware probes of docs/interop-vllm.md §4.2.1 (M = 1).
+        let ones = |_: usize| 1.0f32;
+        assert_eq!(vdpbf16_chain(&[1.0, 0.0, 0.25 * U, -1.0], ones), 0.25 * U);
+        assert_eq!(vdpbf16_chain(&[1.0, 0.0, -1.0, 0.25 * U], ones), 0.0);
+        // Even-first or an exact pair sum would give the other answers.
+        let even_first = ((0.0f32 + 1.0) + 0.0 + 0.25 * U) + -1.0;
+        assert_eq!(even_first, 0.0);
+        // An odd K: the last pair's odd element is absent.
+        assert_eq!(vdpbf16_chain(&[2.0, 3.0, 4.0], |k| [1.0, 1.0, 0.5][k]), 7.0);
+    }
+
+    /// The AMX model written independently: per 32-wide step, products of
+    /// even and odd indices in two chains, `C ⊕ (E ⊕ O)`.
+    fn amx_reference(x: &[f32], w: &[f32]) -> f32 {
+        let mut c = 0.0f32;
+        for step in 0..x.len().div_ceil(32) {
+            let idx: Vec<usize> = (step * 32..((step + 1) * 32).min(x.len())).collect();
+            let even: f32 = idx.iter().filter(|k| *k % 2 == 0).fold(0.0, |a, &k| a + x[k] * w[k]);
+            let odd: f32 = idx.iter().filter(|k| *k % 2 == 1).fold(0.0, |a, &k| a + x[k] * w[k]);
+            c += even + odd;
+        }
+        c
+    }
+
+    #[test]
+    fn amx_order_is_the_measured_two_chain_rule() {
+        let h = 0.5 * U; // 2^-24
+        // Step 1: E = 1 ⊕ −1 = 0, O = h ⊕ h = 2u; a sequential sum gives h.
+        let mut x = vec![0.0f32; 64];
+        x[..4].copy_from_slice(&[1.0, h, -1.0, h]);
+        // Step 2 carries C: C = 2⁻²³ then C ⊕ (1 ⊕ 0) = 1 (absorbed).
+        x[32] = 1.0;
+        let w = vec![1.0f32; 64];
+        let seq = x.iter().fold(0.0f32, |a, v| a + v);
+        assert_eq!(amx_dot(&x[..32], |k| w[k]), U);
+        assert_ne!(seq, 1.0 + U);
+        assert_eq!(amx_dot(&x, |k| w[k]).to_bits(), amx_reference(&x, &w).to_bits());
+        // Pseudo-random cancellation rows against the independent model.
+        let mut s = 0x2468_ace1u32;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            r_bf16((s as f32 / u32::MAX as f32 - 0.5) * 2f32.powi((s % 20) as i32 - 10))
+        };
+        for n in [31usize, 32, 33, 96, 448, 512] {
+            let x: Vec<f32> = (0..n).map(|_| next()).collect();
+            let w: Vec<f32> = (0..n).map(|_| next()).collect();
+            assert_eq!(amx_dot(&x, |k| w[k]).to_bits(), amx_reference(&x, &w).to_bits(), "n {n}");
+            assert_eq!(bf16_row(&x, |k| w[k], 5).to_bits(), amx_reference(&x, &w).to_bits());
+            assert_eq!(bf16_row(&x, |k| w[k], 4).to_bits(), vdpbf16_chain(&x, |k| w[k]).to_bits());
+        }
+    }
+
+    #[test]
+    fn fp8_gemm_promotes_blocks_at_most_4_rows_and_unpacks_to_bf16_above() {
+        let codes: Vec<u8> = (0..256u32).map(|i| ((i * 37 + 11) % 255) as u8 & 0xF7).collect();
+        let x: Vec<f32> = (0..256).map(|i| r_bf16(((i % 9) as f32 - 4.0) * 0.375)).collect();
+        let scales = [2f32.powi(-3), 2f32.powi(2)];
+        // Independent: the block chains on EXT codes, then acc ⊕ part·s.
+        let part = |b: usize| vdpbf16_chain(&x[b * 128..(b + 1) * 128], |k| e4m3_ext(codes[b * 128 + k]));
+        let want = (0.0f32 + part(0) * scales[0]) + part(1) * scales[1];
+        assert_eq!(fp8_row(&x, &codes, |b| scales[b], 1).to_bits(), want.to_bits());
+        let w: Vec<f32> = (0..256).map(|k| e4m3_ext(codes[k]) * scales[k / 128]).collect();
+        assert_eq!(fp8_row(&x, &codes, |b| scales[b], 5).to_bits(), amx_reference(&x, &w).to_bits());
+    }
+
+    #[test]
+    fn reduce_add_512_is_gccs_tree() {
+        let mut v = [0.0f32; 16];
+        v[0] = 1.0;
+        v[8] = U * 0.5;
+        v[4] = U * 0.5;
+        v[2] = -1.0;
+        // t8[0] = 1 + h, t8[4]... t4[0] = t8[0] + t8[4]: (1 ⊕ h) ⊕ h = 1, then ⊕ −1.
+        let t8: Vec<f32> = (0..8).map(|i| v[8 + i] + v[i]).collect();
+        let t4: Vec<f32> = (0..4).map(|i| t8[4 + i] + t8[i]).collect();
+        assert_eq!(reduce_add_512(&v), (t4[0] + t4[2]) + (t4[1] + t4[3]));
+        assert_eq!(reduce_add_512(&v), 0.0);
+    }
+
+    #[test]
+    fn cascade_sum_uses_four_interleaved_8_lane_accumulators() {
+        // 64 values: vectors 0..7, accumulator k holds vectors k and k + 4;
+        // then the accumulators in order, then the lanes from +0.
+        let mut x = vec![0.0f32; 67];
+        x[0] = 1.0; // vector 0, lane 0
+        x[32] = U * 0.5; // vector 4, lane 0: accumulator 0
+        x[8] = U * 0.5; // vector 1, lane 0: accumulator 1
+        x[64] = 3.0; // the scalar tail
+        let mut acc = [[0.0f32; 8]; 4];
+        for v in 0..8 {
+            for l in 0..8 {
+                acc[v % 4][l] += x[v * 8 + l];
+            }
+        }
+        let mut p = acc[0];
+        for a in &acc[1..] {
+            for l in 0..8 {
+                p[l] += a[l];
+            }
+        }
+        let want = p.iter().fold(x[64..].iter().fold(0.0f32, |a, v| a + v), |a, v| a + v);
+        assert_eq!(torch_cascade_sum(&x).to_bits(), want.to_bits());
+        // Long rows use the cascade levels; exact sums must come out exactly.
+        let y: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
+        let exact: f32 = (0..4099).map(|i| (i % 7) as f32).sum();
+        assert_eq!(torch_cascade_sum(&y), exact);
+    }
+
+    #[test]
+    fn kv_quantizer_flushes_below_2_pow_minus_6_and_rounds_to_nearest_even() {
+        for c in 0..=0x7Eu8 {
+            let v = e4m3_to_f32(c);
+            let want = if (c >> 3) == 0 { 0 } else { c };
+            assert_eq!(fp8_code_ftz(v), want, "code {c:#04x}");
+            assert_eq!(fp8_code_ftz(-v), want | 0x80, "code {c:#04x}");
+        }
+        // Halfway between 1 and 1.125 rounds to even (1); above it, up.
+        assert_eq!(fp8_code_ftz(1.0625), 0x38);
+        assert_eq!(fp8_code_ftz(1.0625 + U), 0x39);
+        assert_eq!(fp8_code_ftz(1.1875), 0x3A);
+        // The tile: amax 448·2^-3 gives scale 2^-3; a lane below 2^-6 · 2^-3
+        // is stored as code 0 and read back as EXT's 2^-7 · 2^-3.
+        let mut t = vec![0.0f32; 64];
+        t[0] = 56.0;
+        t[1] = 2f32.powi(-10);
+        let (codes, byte) = quantize_kv_tile(&t);
+        assert_eq!(byte, 127 - 3);
+        assert_eq!((codes[0], codes[1], codes[2]), (0x7E, 0, 0));
+        let mut kv = t.clone();
+        kv.extend([0.5f32; 64]);
+        let back = fp8_kv_round_trip(&kv, 64);
+        assert_eq!(back[0], 56.0);
+        assert_eq!(back[1], 2f32.powi(-10));
+        assert_eq!(back[2], 2f32.powi(-10));
+        assert_eq!(&back[64..], &kv[64..]);
+    }
+
+    #[test]
+    fn transcendental_ports_stay_within_their_error_bounds() {
+        // exp_u20, SLEEF expf and logf are pure FP32 arithmetic (no libm): checked
+        // against f64 within their documented bounds, no pinned values.
+        let ulps = |a: f32, b: f64| ((f64::from(a) - b) / (f64::from(a).abs() * f64::from(f32::EPSILON))).abs();
+        let mut x = -80.0f32;
+        while x < 80.0 {
+            assert!(ulps(exp_u20(x), f64::from(x).exp()) <= 20.0, "exp_u20({x})");
+            assert!(ulps(sleef_expf_u10(x), f64::from(x).exp()) <= 1.0, "sleef expf({x})");
+            x += 0.173;
+        }
+        let mut y = 1.0f32;
+        while y < 1e6 {
+            let l = sleef_logf_u10(y);
+            assert!((f64::from(l) - f64::from(y).ln()).abs() <= 1.5 * f64::from(f32::EPSILON) * f64::from(y).ln().abs().max(1e-30) + 1e-12, "logf({y})");
+            y *= 1.37;
+        }
+        assert_eq!(exp_u20(f32::NEG_INFINITY), 0.0);
+        assert_eq!(sqrt_softplus(30.0), 30f32.sqrt());
+    }
+
+    #[test]
+    fn route_weights_renormalize_in_slot_order() {
+        let w = route_weights(&[0.5, 0.25, 0.25], 1.5);
+        assert_eq!(w, vec![0.75, 0.375, 0.375]);
+    }
+
+    #[test]
+    fn forward_rows_are_scoped() {
+        assert_eq!(forward_rows(), 1);
+        {
+            let _a = ForwardRows::enter(5);
+            assert_eq!(forward_rows(), 5);
+            assert_eq!(hc_pre_k_block(forward_rows()), 256);
+            {
+                let _b = ForwardRows::enter(0);
+                assert_eq!(forward_rows(), 1);
+                assert_eq!(hc_pre_k_block(forward_rows()), 128);
+            }
+            assert_eq!(forward_rows(), 5);
+        }
+        assert_eq!(forward_rows(), 1);
+    }
+
+    #[test]
+    fn blocked_mixes_sum_16_lane_fma_blocks_and_squares_in_double() {
+        // Two 32-wide blocks of 64 inputs: block partials summed from +0.
+        let x: Vec<f32> = (0..64).map(|i| if i == 0 { 1.0 } else if i == 40 { -1.0 } else { 0.0 }).collect();
+        let row = |_: usize, k: usize| if k == 17 { U } else { 1.0 };
+        let (mix, sq) = blocked_fma_mixes(&x, 1, row, 32);
+        assert_eq!(mix, vec![0.0]);
+        assert_eq!(sq, 2.0);
+        // One 64-wide block: lanes 0 and 8 share the final tree: still 0.
+        let (mix, _) = blocked_fma_mixes(&x, 1, row, 64);
+        assert_eq!(mix, vec![0.0]);
+        assert_eq!(hc_rms_factor(4.0, 4, 0.0), 1.0);
+    }
+}
