@@ -187,7 +187,9 @@ pub fn reduce_add_512(v: &[f32; 16]) -> f32 {
 /// through `vectorized_inner_sum`) with **8-lane** vectors (measured on this
 /// CPU, docs/interop-vllm.md §4.2.1): vector `4i + k` into accumulator `k`,
 /// `multi_row_sum`'s cascade levels, the 4 accumulators added in order, then
-/// from +0 the scalar tail and the 8 lanes in order.
+/// from +0 the scalar tail and the 8 lanes in order. (Indexed loops: they
+/// mirror `multi_row_sum`'s.)
+#[allow(clippy::needless_range_loop)]
 pub fn torch_cascade_sum(x: &[f32]) -> f32 {
     const VEC: usize = 8;
     const ILP: usize = 4;
@@ -593,7 +595,8 @@ pub fn sleef_logf_u10(d: f32) -> f32 {
     if m >= 1.5 {
         m *= 0.5;
     }
-    let (hi, lo) = (0.693_147_2_f32, -1.904_654_3e-9_f32);
+    // SLEEF's ln 2 as a double-float: hi = fl32(ln 2) (0x3F317218), lo.
+    let (hi, lo) = (std::f32::consts::LN_2, -1.904_654_3e-9_f32);
     let sx = hi * e;
     let sy = lo.mul_add(e, hi.mul_add(e, -sx));
     let (nx, ny) = dfadd2(-1.0, m);
