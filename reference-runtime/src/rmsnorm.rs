@@ -78,7 +78,9 @@ mod tests {
         let mut parted = 0;
         for a in 0..64 {
             let x: Vec<f32> = (0..16).map(|i| r_bf16(1.0 + (i * 7 + a) as f32 / 97.0)).collect();
-            let g: Vec<f32> = (0..16).map(|i| r_bf16(0.75 + (i * 5 + a) as f32 / 131.0)).collect();
+            let g: Vec<f32> = (0..16)
+                .map(|i| r_bf16(0.75 + (i * 5 + a) as f32 / 131.0))
+                .collect();
             let got = rmsnorm_weighted_torch(&x, &g, 1e-6);
             let sq: Vec<f32> = x.iter().map(|v| v * v).collect();
             let var = crate::vllm::torch_cascade_sum(&sq) / 16.0;

@@ -747,8 +747,14 @@ mod tests {
         let mut c = 0.0f32;
         for step in 0..x.len().div_ceil(32) {
             let idx: Vec<usize> = (step * 32..((step + 1) * 32).min(x.len())).collect();
-            let even: f32 = idx.iter().filter(|k| *k % 2 == 0).fold(0.0, |a, &k| a + x[k] * w[k]);
-            let odd: f32 = idx.iter().filter(|k| *k % 2 == 1).fold(0.0, |a, &k| a + x[k] * w[k]);
+            let even: f32 = idx
+                .iter()
+                .filter(|k| *k % 2 == 0)
+                .fold(0.0, |a, &k| a + x[k] * w[k]);
+            let odd: f32 = idx
+                .iter()
+                .filter(|k| *k % 2 == 1)
+                .fold(0.0, |a, &k| a + x[k] * w[k]);
             c += even + odd;
         }
         c
@@ -757,7 +763,7 @@ mod tests {
     #[test]
     fn amx_order_is_the_measured_two_chain_rule() {
         let h = 0.5 * U; // 2^-24
-        // Step 1: E = 1 ⊕ −1 = 0, O = h ⊕ h = 2u; a sequential sum gives h.
+                         // Step 1: E = 1 ⊕ −1 = 0, O = h ⊕ h = 2u; a sequential sum gives h.
         let mut x = vec![0.0f32; 64];
         x[..4].copy_from_slice(&[1.0, h, -1.0, h]);
         // Step 2 carries C: C = 2⁻²³ then C ⊕ (1 ⊕ 0) = 1 (absorbed).
@@ -778,9 +784,19 @@ mod tests {
         for n in [31usize, 32, 33, 96, 448, 512] {
             let x: Vec<f32> = (0..n).map(|_| next()).collect();
             let w: Vec<f32> = (0..n).map(|_| next()).collect();
-            assert_eq!(amx_dot(&x, |k| w[k]).to_bits(), amx_reference(&x, &w).to_bits(), "n {n}");
-            assert_eq!(bf16_row(&x, |k| w[k], 5).to_bits(), amx_reference(&x, &w).to_bits());
-            assert_eq!(bf16_row(&x, |k| w[k], 4).to_bits(), vdpbf16_chain(&x, |k| w[k]).to_bits());
+            assert_eq!(
+                amx_dot(&x, |k| w[k]).to_bits(),
+                amx_reference(&x, &w).to_bits(),
+                "n {n}"
+            );
+            assert_eq!(
+                bf16_row(&x, |k| w[k], 5).to_bits(),
+                amx_reference(&x, &w).to_bits()
+            );
+            assert_eq!(
+                bf16_row(&x, |k| w[k], 4).to_bits(),
+                vdpbf16_chain(&x, |k| w[k]).to_bits()
+            );
         }
     }
 
@@ -794,7 +810,10 @@ mod tests {
         let want = (0.0f32 + part(0) * scales[0]) + part(1) * scales[1];
         assert_eq!(fp8_row(&x, &codes, |b| scales[b], 1).to_bits(), want.to_bits());
         let w: Vec<f32> = (0..256).map(|k| e4m3_ext(codes[k]) * scales[k / 128]).collect();
-        assert_eq!(fp8_row(&x, &codes, |b| scales[b], 5).to_bits(), amx_reference(&x, &w).to_bits());
+        assert_eq!(
+            fp8_row(&x, &codes, |b| scales[b], 5).to_bits(),
+            amx_reference(&x, &w).to_bits()
+        );
     }
 
     #[test]
@@ -832,7 +851,9 @@ mod tests {
                 p[l] += a[l];
             }
         }
-        let want = p.iter().fold(x[64..].iter().fold(0.0f32, |a, v| a + v), |a, v| a + v);
+        let want = p
+            .iter()
+            .fold(x[64..].iter().fold(0.0f32, |a, v| a + v), |a, v| a + v);
         assert_eq!(torch_cascade_sum(&x).to_bits(), want.to_bits());
         // Long rows use the cascade levels; exact sums must come out exactly.
         let y: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
@@ -873,17 +894,25 @@ mod tests {
     fn transcendental_ports_stay_within_their_error_bounds() {
         // exp_u20, SLEEF expf and logf are pure FP32 arithmetic (no libm): checked
         // against f64 within their documented bounds, no pinned values.
-        let ulps = |a: f32, b: f64| ((f64::from(a) - b) / (f64::from(a).abs() * f64::from(f32::EPSILON))).abs();
+        let ulps =
+            |a: f32, b: f64| ((f64::from(a) - b) / (f64::from(a).abs() * f64::from(f32::EPSILON))).abs();
         let mut x = -80.0f32;
         while x < 80.0 {
             assert!(ulps(exp_u20(x), f64::from(x).exp()) <= 20.0, "exp_u20({x})");
-            assert!(ulps(sleef_expf_u10(x), f64::from(x).exp()) <= 1.0, "sleef expf({x})");
+            assert!(
+                ulps(sleef_expf_u10(x), f64::from(x).exp()) <= 1.0,
+                "sleef expf({x})"
+            );
             x += 0.173;
         }
         let mut y = 1.0f32;
         while y < 1e6 {
             let l = sleef_logf_u10(y);
-            assert!((f64::from(l) - f64::from(y).ln()).abs() <= 1.5 * f64::from(f32::EPSILON) * f64::from(y).ln().abs().max(1e-30) + 1e-12, "logf({y})");
+            assert!(
+                (f64::from(l) - f64::from(y).ln()).abs()
+                    <= 1.5 * f64::from(f32::EPSILON) * f64::from(y).ln().abs().max(1e-30) + 1e-12,
+                "logf({y})"
+            );
             y *= 1.37;
         }
         assert_eq!(exp_u20(f32::NEG_INFINITY), 0.0);
@@ -916,7 +945,17 @@ mod tests {
     #[test]
     fn blocked_mixes_sum_16_lane_fma_blocks_and_squares_in_double() {
         // Two 32-wide blocks of 64 inputs: block partials summed from +0.
-        let x: Vec<f32> = (0..64).map(|i| if i == 0 { 1.0 } else if i == 40 { -1.0 } else { 0.0 }).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| {
+                if i == 0 {
+                    1.0
+                } else if i == 40 {
+                    -1.0
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         let row = |_: usize, k: usize| if k == 17 { U } else { 1.0 };
         let (mix, sq) = blocked_fma_mixes(&x, 1, row, 32);
         assert_eq!(mix, vec![0.0]);
