@@ -71,10 +71,9 @@ pub fn rmsnorm_unweighted_bf16_tensors(q: &mut [f32], eps: f32) {
 mod tests {
     #[test]
     fn vllm_rmsnorm_rounds_twice() {
-        // x = 1 + 2^-7 (BF16), r = 1 (ε = 0, every |x| equal), w = 1 + 2^-8 + 2^-9:
-        // R(R(x·r)·w) = R(x·w) rounds the product once; but with x·r
-        // not a BF16 value the two orders part. Search a small grid for a
-        // witness and check every value against the independent formula.
+        // Every value against the formula written out (torch's statistic, then
+        // two BF16 roundings), and at least one value of the grid where the
+        // two roundings differ from the bf16 profile's one.
         let mut parted = 0;
         for a in 0..64 {
             let x: Vec<f32> = (0..16).map(|i| r_bf16(1.0 + (i * 7 + a) as f32 / 97.0)).collect();
