@@ -100,7 +100,7 @@ pub fn set_threads(threads: Option<usize>) -> anyhow::Result<()> {
 /// Parses `--precision`.
 pub fn precision(name: &str) -> anyhow::Result<Precision> {
     Precision::from_name(name)
-        .with_context(|| format!("--precision {name:?}: expected bf16, f32 or official"))
+        .with_context(|| format!("--precision {name:?}: expected bf16, f32, official or vllm-cpu"))
 }
 
 /// Parses `--digest`.

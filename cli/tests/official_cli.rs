@@ -291,7 +291,7 @@ fn official_refuses_dimensions_the_kernels_reject() {
     let o = run("builtin:tiny-v4-fp8", "fp8", "1", &out);
     assert_eq!(o.status.code(), Some(2));
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("expected bf16, f32 or official"),
+        String::from_utf8_lossy(&o.stderr).contains("expected bf16, f32, official or vllm-cpu"),
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );

@@ -181,7 +181,10 @@ impl Presence {
 /// profiles (and any backend that names its run so: no quantization sites),
 /// `Some(true)` for `official` (DeepSeek's sites, docs/operators.md §9.6),
 /// `None` for any other name (a backend's own profile: whether it quantizes
-/// is not known, and a missing quantization record is a coverage difference).
+/// is not known, and a missing quantization record is a coverage difference),
+/// `vllm-cpu` included: that profile follows vLLM's FP8 KV cache (its
+/// `attn.kv_fp8` records) but none of DeepSeek's activation-quantization
+/// sites.
 pub fn profile_quantizes(precision: &str) -> Option<bool> {
     match precision {
         "bf16" | "f32" => Some(false),
@@ -1827,6 +1830,7 @@ mod tests {
         assert_eq!(profile_quantizes("bf16"), Some(false));
         assert_eq!(profile_quantizes("f32"), Some(false));
         assert_eq!(profile_quantizes("official"), Some(true));
+        assert_eq!(profile_quantizes("vllm-cpu"), None);
         assert_eq!(profile_quantizes("vllm-fp8"), None);
     }
 

@@ -182,7 +182,18 @@ pub(crate) fn attention_forward(
     if let Some(v) = &stored {
         rec.f32(Component::AttnKvFp8, at, &[d as u64], v)?;
     }
-    store_kv(ls, stored.as_deref().unwrap_or(&kv), cx);
+    // vllm-cpu: the window cache holds vLLM's FP8 KV (the NoPE channels in
+    // 64-wide tiles with flush to zero, read back with EXT; §4.2.5 rule 9),
+    // recorded as vLLM's capture records it.
+    let vllm_stored = (p == Precision::VllmCpu).then(|| crate::vllm::fp8_kv_round_trip(&kv, cfg.rope_dim));
+    if let Some(v) = &vllm_stored {
+        rec.f32(Component::AttnKvFp8, at, &[d as u64], v)?;
+    }
+    store_kv(
+        ls,
+        vllm_stored.as_deref().or(stored.as_deref()).unwrap_or(&kv),
+        cx,
+    );
 
     compress(aw, ls, a, ropes, cx, rec)?;
     let selected = select(aw, ls, a, &lat, ropes, cx, rec)?;
@@ -215,6 +226,11 @@ pub(crate) fn attention_forward(
                     compressed_slot: cfg.sliding_window,
                 };
                 attend_online_blocks(&lat.q, &keys, layout, &aw.sinks, h, d)
+            }
+            Precision::VllmCpu => {
+                let blocks =
+                    crate::vllm::key_blocks(&keys[..n_window], &keys[n_window..], cfg.sliding_window);
+                crate::vllm::sparse_attention(&lat.q, &blocks, &aw.sinks, h, d)
             }
             Precision::Bf16 | Precision::F32 => attend(&lat.q, &keys, &aw.sinks, cx),
         }
@@ -307,6 +323,10 @@ fn queries(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &T
         match p {
             // DeepSeek's norm on the BF16 tensor (M L498).
             Precision::Official => rmsnorm_unweighted_bf16_tensors(hq, eps),
+            Precision::VllmCpu => {
+                crate::vllm::query_norm_rope(hq, cs, eps);
+                continue;
+            }
             Precision::Bf16 | Precision::F32 => rmsnorm_unweighted_in_place(hq, eps, p),
         }
         apply_rope(hq, cs, false, p);
@@ -322,7 +342,15 @@ fn new_kv(aw: &AttnWeights, a: &[f32], a_q: Option<&[f32]>, cs: &CosSin, cx: &To
         false => official::linear(&aw.wkv, a, a_q, p),
     };
     let mut kv = rmsnorm_weighted(&projected, &aw.kv_norm, cx.cfg.rms_norm_eps, p);
-    apply_rope(&mut kv, cs, false, p);
+    match p {
+        // vLLM: RoPE in FP32 with the fused forms, then R of every value
+        // (§4.2.5 rule 9, `fused_qnorm_rope_kv_insert_cpu`).
+        Precision::VllmCpu => {
+            crate::rope::apply_rope_vllm(&mut kv, cs, false);
+            p.round_slice(&mut kv);
+        }
+        _ => apply_rope(&mut kv, cs, false, p),
+    }
     if let Some(bits) = cx.fx.kv_mantissa_bits {
         keep_mantissa_bits(&mut kv, bits);
     }
@@ -437,7 +465,11 @@ fn select(
     let scores = match p {
         // BF16 scores as DeepSeek's indexer computes them (M L417–421).
         Precision::Official => indexer_scores_bf16(iw, ist, &q, a, heads),
-        Precision::Bf16 | Precision::F32 => indexer_scores_from(iw, ist, &q, a, heads, p, fx.scale_after_sum),
+        // vllm-cpu: vLLM's learned indexer never runs below 2,048 tokens
+        // (docs/interop-vllm.md §4.2.6); the bf16 profile's scores.
+        Precision::Bf16 | Precision::F32 | Precision::VllmCpu => {
+            indexer_scores_from(iw, ist, &q, a, heads, p, fx.scale_after_sum)
+        }
     };
     rec.f32(Component::AttnIndexerScores, at, &[scores.len() as u64], &scores)?;
     let mut k = cfg.index_topk.min(scores.len());
@@ -623,19 +655,31 @@ fn output_projection(
     let (h, d) = (cfg.num_heads, cfg.head_dim);
     if !cx.fx.attention.derotation_skipped {
         for oh in core.chunks_exact_mut(d) {
-            apply_rope(oh, cs, true, p);
+            match p {
+                // vLLM: FP32 inverse RoPE with the fused forms, then R (rule 12).
+                Precision::VllmCpu => {
+                    let start = d - 2 * cs.cos.len();
+                    crate::rope::apply_rope_vllm(oh, cs, true);
+                    p.round_slice(&mut oh[start..]);
+                }
+                _ => apply_rope(oh, cs, true, p),
+            }
         }
     }
     let (g, r) = (cfg.o_groups, cfg.o_lora_rank);
     let per_group = h * d / g;
     let mut u = vec![0.0f32; g * r];
     // wo_a is a BF16 GEMM in every profile (DeepSeek dequantizes it, M L536–541).
+    // vllm-cpu: `bmm_cpu` on a BF16 copy of wo_a dequantized exactly (not
+    // EXT), the forward's M deciding VDPBF16PS or AMX (§4.2.5 rules 2, 12).
+    let rows = crate::vllm::forward_rows();
     for gi in 0..g {
-        aw.wo_a.matvec_rows(
-            gi * r,
-            &core[gi * per_group..(gi + 1) * per_group],
-            &mut u[gi * r..(gi + 1) * r],
-        );
+        let x = &core[gi * per_group..(gi + 1) * per_group];
+        let o = &mut u[gi * r..(gi + 1) * r];
+        match p {
+            Precision::VllmCpu => aw.wo_a.matvec_rows_vllm(gi * r, x, o, rows, false),
+            _ => aw.wo_a.matvec_rows(gi * r, x, o),
+        }
     }
     if let Some(gi) = cx.fx.output_group_truncate.map(|x| x.min(g.saturating_sub(1))) {
         u[gi * r..(gi + 1) * r]

@@ -126,7 +126,13 @@ pub(crate) fn compressor_step_with(
     // The official profile's one rounding (`kv.to(dtype)`, M L360); in the
     // other profiles the pooled entry is already rounded (R_BF16 is idempotent).
     p.round_slice(&mut pooled);
-    let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, p);
+    // vllm-cpu: the compressor's norm is not vLLM's eager RMSNorm but
+    // compressor.cpp's (§4.2.5 rule 10, not modelled yet): the bf16 profile's.
+    let norm_p = match p {
+        Precision::VllmCpu => Precision::Bf16,
+        p => p,
+    };
+    let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, norm_p);
     let cs = rope.cos_sin((i as usize * st.rate) as u32, p.rope_tables());
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();

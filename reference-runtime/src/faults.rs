@@ -727,7 +727,7 @@ impl<'a> Active<'a> {
 /// in f32. ±0 becomes the smallest positive subnormal of the format.
 pub fn nudge_one_ulp(x: f32, p: Precision) -> f32 {
     let unit = match p {
-        Precision::Bf16 | Precision::Official => 1u32 << 16,
+        Precision::Bf16 | Precision::Official | Precision::VllmCpu => 1u32 << 16,
         Precision::F32 => 1,
     };
     let bits = if x == 0.0 { 0 } else { x.to_bits() };

@@ -55,7 +55,12 @@ pub(crate) fn head_forward_with(
 ) -> Vec<f32> {
     let y = hc_head(&hw.hc, streams, cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, p);
     let h = rmsnorm_weighted(&y, &hw.norm, norm_eps, p);
-    hw.lm_head.linear(&h, p.logits())
+    match p {
+        // vLLM computes the logits of the last token only: an M = 1 BF16 GEMM
+        // (a VDPBF16PS chain), BF16 logits (§4.2.5 rule 13, `compute_logits`).
+        Precision::VllmCpu => hw.lm_head.linear_vllm(&h, 1),
+        _ => hw.lm_head.linear(&h, p.logits()),
+    }
 }
 
 fn key(v: f32) -> f32 {

@@ -31,4 +31,5 @@ mod rope;
 mod router;
 pub mod state;
 pub mod tokenizer;
+pub mod vllm;
 pub mod weights;

@@ -472,8 +472,55 @@ impl Mat {
         out
     }
 
-    /// `W·x` as a new vector, each output rounded with the profile's rounding point.
+    /// Row `r` of vLLM-CPU's GEMM for a forward of `rows` tokens
+    /// (docs/interop-vllm.md §4.2.5 rules 1–3; crate::vllm): FP8 weights with
+    /// `ext` through `fp8_scaled_mm_cpu` ([`crate::vllm::fp8_row`]: EXT
+    /// decode, block promotion or AMX); every other weight, and FP8 without
+    /// `ext` (wo_a, which vLLM dequantizes exactly to a BF16 copy), as exact
+    /// BF16 values through [`crate::vllm::bf16_row`]. FP32, unrounded.
+    pub fn dot_row_vllm(&self, r: usize, x: &[f32], rows: usize, ext: bool) -> f32 {
+        match self.dtype() {
+            WeightDType::Fp8E4m3 if ext => {
+                let sc = self.row_scales(r);
+                let scale = |b: usize| crate::weights::scale_value(sc.get(b).copied().unwrap_or(0xFF));
+                crate::vllm::fp8_row(x, self.row_bytes(r), scale, rows)
+            }
+            _ => {
+                let w = self.row_f32(r);
+                crate::vllm::bf16_row(x, |k| w[k], rows)
+            }
+        }
+    }
+
+    /// `out[i]` = [`Mat::dot_row_vllm`] of row `row0 + i`, unrounded, rows in
+    /// parallel as [`Mat::matvec_rows`] splits them.
+    pub fn matvec_rows_vllm(&self, row0: usize, x: &[f32], out: &mut [f32], rows: usize, ext: bool) {
+        debug_assert_eq!(x.len(), self.cols());
+        for_row_chunks(row0, self.cols(), out, |r0, o| {
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = self.dot_row_vllm(r0 + i, x, rows, ext);
+            }
+        });
+    }
+
+    /// vLLM-CPU's linear for a forward of `rows` tokens: every output
+    /// [`Mat::dot_row_vllm`] (EXT decode for FP8), rounded with R_BF16.
+    pub fn linear_vllm(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows()];
+        self.matvec_rows_vllm(0, x, &mut out, rows, true);
+        for v in &mut out {
+            *v = moeconf_contract::bf16::r_bf16(*v);
+        }
+        out
+    }
+
+    /// `W·x` as a new vector, each output rounded with the profile's rounding
+    /// point; in the vllm-cpu profile vLLM's GEMM for the current forward's
+    /// M ([`Mat::linear_vllm`], [`crate::vllm::forward_rows`]).
     pub fn linear(&self, x: &[f32], p: crate::precision::Precision) -> Vec<f32> {
+        if p == crate::precision::Precision::VllmCpu {
+            return self.linear_vllm(x, crate::vllm::forward_rows());
+        }
         let mut out = vec![0.0f32; self.rows()];
         self.matvec(x, &mut out);
         p.round_slice(&mut out);

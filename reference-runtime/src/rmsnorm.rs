@@ -15,10 +15,28 @@ pub fn rms_factor(x: &[f32], eps: f32) -> f32 {
     1.0 / (ss / x.len() as f32 + eps).sqrt()
 }
 
-/// Weighted RMSNorm: `round((x · r) · g)` per element.
+/// Weighted RMSNorm: `round((x · r) · g)` per element; in the vllm-cpu
+/// profile [`rmsnorm_weighted_torch`].
 pub fn rmsnorm_weighted(x: &[f32], g: &[f32], eps: f32, p: Precision) -> Vec<f32> {
+    if p == Precision::VllmCpu {
+        return rmsnorm_weighted_torch(x, g, eps);
+    }
     let r = rms_factor(x, eps);
     x.iter().zip(g).map(|(v, w)| p.round((v * r) * w)).collect()
+}
+
+/// vLLM-CPU's RMSNorm (the `native` provider in eager torch on BF16 `x` and
+/// weight; `vllm/model_executor/layers/layernorm.py` `RMSNorm.forward_native`
+/// L74–94, `vllm/ir/ops/layernorm.py` `rms_norm` L9–21; docs/interop-vllm.md
+/// §4.2.5 rule 6): `var = sum(x ⊗ x) ⊘ n` with torch's 8-lane cascade sum
+/// ([`crate::vllm::torch_cascade_sum`]), `r = 1 ⊘ sqrt(var ⊕ ε)`, and **two
+/// roundings** `R(R(x ⊗ r) ⊗ w)` (`x.to(weight.dtype) * weight`, L20).
+pub fn rmsnorm_weighted_torch(x: &[f32], g: &[f32], eps: f32) -> Vec<f32> {
+    use moeconf_contract::bf16::r_bf16;
+    let sq: Vec<f32> = x.iter().map(|v| v * v).collect();
+    let var = crate::vllm::torch_cascade_sum(&sq) / x.len() as f32;
+    let r = 1.0 / (var + eps).sqrt();
+    x.iter().zip(g).map(|(v, w)| r_bf16(r_bf16(v * r) * w)).collect()
 }
 
 /// Unweighted RMSNorm in place: `x · round(r)`, rounded.
@@ -51,6 +69,31 @@ pub fn rmsnorm_unweighted_bf16_tensors(q: &mut [f32], eps: f32) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn vllm_rmsnorm_rounds_twice() {
+        // Every value against the formula written out (torch's statistic, then
+        // two BF16 roundings), and at least one value of the grid where the
+        // two roundings differ from the bf16 profile's one.
+        let mut parted = 0;
+        for a in 0..64 {
+            let x: Vec<f32> = (0..16).map(|i| r_bf16(1.0 + (i * 7 + a) as f32 / 97.0)).collect();
+            let g: Vec<f32> = (0..16)
+                .map(|i| r_bf16(0.75 + (i * 5 + a) as f32 / 131.0))
+                .collect();
+            let got = rmsnorm_weighted_torch(&x, &g, 1e-6);
+            let sq: Vec<f32> = x.iter().map(|v| v * v).collect();
+            let var = crate::vllm::torch_cascade_sum(&sq) / 16.0;
+            let r = 1.0 / (var + 1e-6).sqrt();
+            for i in 0..16 {
+                let want = r_bf16(r_bf16(x[i] * r) * g[i]);
+                assert_eq!(got[i].to_bits(), want.to_bits());
+                parted += usize::from(want != r_bf16((x[i] * r) * g[i]));
+            }
+            assert_eq!(rmsnorm_weighted(&x, &g, 1e-6, Precision::VllmCpu), got);
+        }
+        assert!(parted > 0, "no value where two roundings differ from one");
+    }
+
     use super::*;
     use moeconf_contract::bf16::r_bf16;
 

@@ -115,6 +115,29 @@ pub fn apply_rope(x: &mut [f32], cs: &CosSin, inverse: bool, p: Precision) {
     }
 }
 
+/// vLLM-CPU's RoPE on the trailing `2·cs.cos.len()` channels of `x`, in
+/// FP32 without rounding (the caller rounds once), GPT-J pairs `(e, o)` in the
+/// forms GCC compiled (`store_cache.cpp` @ 6ddedede189232ae7314,
+/// `inverse_gptj_rope_o_proj_cpu`; docs/interop-vllm.md §4.2.5 rules 7, 9,
+/// 12): forward `(fma(e, c, −(o ⊗ s)), fma(e, s, o ⊗ c))`, inverse
+/// `(fma(e, c, o ⊗ s), fma(o, c, e ⊗ −s))`.
+pub fn apply_rope_vllm(x: &mut [f32], cs: &CosSin, inverse: bool) {
+    let r = 2 * cs.cos.len();
+    let start = x.len() - r;
+    let rho = &mut x[start..];
+    for i in 0..cs.cos.len() {
+        let (c, s) = (cs.cos[i], cs.sin[i]);
+        let (e, o) = (rho[2 * i], rho[2 * i + 1]);
+        if inverse {
+            rho[2 * i] = e.mul_add(c, o * s);
+            rho[2 * i + 1] = o.mul_add(c, e * -s);
+        } else {
+            rho[2 * i] = e.mul_add(c, -(o * s));
+            rho[2 * i + 1] = e.mul_add(s, o * c);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

