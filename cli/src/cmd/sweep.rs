@@ -66,7 +66,7 @@ pub struct SweepArgs {
     /// Tokens generated per branch (steps 0..N-1); must exceed --fork-step.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
     pub max_new_tokens: u32,
-    /// Precision profile: bf16, f32 or official.
+    /// Precision profile: bf16, f32, official or vllm-cpu (docs/operators.md §1, §9–§11).
     #[arg(long, default_value = "bf16")]
     pub precision: String,
     /// Contract of every other MoE event (the base; default native).
