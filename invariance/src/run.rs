@@ -290,12 +290,7 @@ fn trace_reference(
     let contract = default_contract(precision).parse().map_err(|e| format!("{e}"))?;
     let choice = CombineChoice {
         contract,
-        schedule: moeconf_contract::Schedule::Identity,
-        fork_layer: None,
-        fork_step: None,
-        fork_position: None,
-        fork_contract: None,
-        fork_order: None,
+        ..CombineChoice::default()
     };
     let spec = RunSpec {
         prompt: &r.prompt,

@@ -3,7 +3,6 @@
 //! fingerprint-only (digested incrementally) against the same run keeping L2
 //! payloads (digested whole, and verified against the bytes when opened).
 
-use moeconf_contract::Schedule;
 use moeconf_fingerprint::{Algorithm, CanonPolicy, Level};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_runner::{load_model, parse_capture, run_to_trace, CombineChoice, RunSpec};
@@ -12,15 +11,7 @@ use std::collections::BTreeMap;
 
 fn run(capture: &str, out: &std::path::Path) -> u64 {
     let m = load_model("builtin:tiny-v4").expect("built-in model");
-    let choice = CombineChoice {
-        contract: "native".parse().expect("native"),
-        schedule: Schedule::Identity,
-        fork_layer: None,
-        fork_step: None,
-        fork_position: None,
-        fork_contract: None,
-        fork_order: None,
-    };
+    let choice = CombineChoice::default();
     let spec = RunSpec {
         prompt: "why the sheep",
         max_new_tokens: 700,
