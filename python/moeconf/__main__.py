@@ -30,6 +30,14 @@ from .identity import SafetensorsError, model_identity
 from .trace import FORMAT_VERSION, TraceFormatError, TraceWriter, read_trace
 
 
+def _prompt_of(args):
+    """The prompt of a capture command: ``--prompt-file``'s text (UTF-8), else ``--prompt``."""
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt
+
+
 def _hex32(v, what):
     if v is None:
         return ZERO_DIGEST
@@ -200,11 +208,7 @@ def main(argv=None):
             from .llamacpp import LlamaCppError, capture as llama_capture, parse_batch_with_json
 
             try:
-                if args.prompt_file:
-                    with open(args.prompt_file, encoding="utf-8") as f:
-                        prompt = f.read()
-                else:
-                    prompt = args.prompt
+                prompt = _prompt_of(args)
                 ref_ids = list(read_trace(args.reference).binding.prompt_ids) if args.reference else None
                 if args.reference_ids is not None:
                     ref_ids = [int(x) for x in args.reference_ids.split(",") if x.strip()]
@@ -231,11 +235,7 @@ def main(argv=None):
             from .vllm import VllmCaptureError, capture as vllm_capture
 
             try:
-                if args.prompt_file:
-                    with open(args.prompt_file, encoding="utf-8") as f:
-                        prompt = f.read()
-                else:
-                    prompt = args.prompt
+                prompt = _prompt_of(args)
                 ref = read_trace(args.reference) if args.reference else None
                 ref_ids = list(ref.binding.prompt_ids) if ref is not None else None
                 name = args.name or (ref.binding.model_name if ref is not None else None)

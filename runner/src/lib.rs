@@ -827,6 +827,17 @@ pub fn run_prepared_with_faults(
     })
 }
 
+/// The step options of a prepared run (its precision, combine, tokenizer and
+/// non-finite policy).
+fn step_options<'a>(m: &'a LoadedModel, spec: &RunSpec<'_>, prepared: &'a PreparedRun) -> StepOptions<'a> {
+    StepOptions {
+        precision: spec.precision,
+        combine: prepared.built.combine.as_ref(),
+        detokenizer: Some(&m.tokenizer),
+        allow_non_finite: spec.allow_non_finite,
+    }
+}
+
 /// The greedy loop of [`Model::generate`] with the traced prompt decoded in
 /// one batch with the prompts of [`RunSpec::batch_with`] (none: a batch of
 /// one) and its prefill in chunks of [`RunSpec::prefill_chunk`]
@@ -840,12 +851,7 @@ fn generate_batched(
 ) -> Result<Vec<u32>, RunError> {
     use moeconf_reference_runtime::capture::NullSink;
     use moeconf_reference_runtime::model::BatchEntry;
-    let opts = StepOptions {
-        precision: spec.precision,
-        combine: prepared.built.combine.as_ref(),
-        detokenizer: Some(&m.tokenizer),
-        allow_non_finite: spec.allow_non_finite,
-    };
+    let opts = step_options(m, spec, prepared);
     let vocab = m.model.config().vocab_size;
     let mut prompts = vec![prepared.prompt_ids.clone()];
     for p in spec.batch_with {
@@ -903,12 +909,7 @@ fn generate_with_faults(
     plan: &FaultPlan,
     sink: &mut TraceSink,
 ) -> Result<Vec<u32>, RunError> {
-    let opts = StepOptions {
-        precision: spec.precision,
-        combine: prepared.built.combine.as_ref(),
-        detokenizer: Some(&m.tokenizer),
-        allow_non_finite: spec.allow_non_finite,
-    };
+    let opts = step_options(m, spec, prepared);
     let mut state = m.model.new_state();
     for s in 0..spec.max_new_tokens {
         let ids = if s == 0 {
