@@ -11,6 +11,7 @@
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
+pub mod context;
 pub mod diff;
 pub mod fingerprint;
 pub mod invariance;
@@ -283,6 +284,49 @@ pub fn runtime(
     });
     Ok(BenchReport {
         text: render_runtime_text(opts, &rows, [rss_tiny, rss_large]) + &quantized_text,
+        json,
+    })
+}
+
+/// `bench runtime --context N,...`: the default capture's cost, the trace
+/// bytes per decode step and memory at each context length
+/// ([`context::bench_context`]), on the built-in fixture.
+pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchReport, BenchError> {
+    use context::{bench_context, render_context_text, TARGET_COST};
+    let work = scratch("moeconf-bench-ctx")?;
+    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
+    let mut progress = |line: &str| eprintln!("moeconf bench runtime: {line}");
+    let rows =
+        bench_context(&tiny, opts, work.path(), &mut progress).map_err(step("bench runtime --context"))?;
+    let q = |v: Option<[f64; 3]>, n: usize| {
+        v.map(|[q1, median, q3]| json!({"rounds": n, "q1": q1, "median": median, "q3": q3}))
+    };
+    let json = json!({
+        "schema_version": 1,
+        "kind": "moeconf.bench.runtime.context",
+        "model": "builtin:tiny-v4",
+        "precision": "bf16",
+        "threads": rayon::current_num_threads(),
+        "decode_tokens": opts.decode_tokens,
+        "prefill_chunk": opts.prefill_chunk,
+        "target_cost": TARGET_COST,
+        "rows": rows.iter().map(|r| json!({
+            "context": r.context,
+            "prefill_tokens_per_second": {"none": r.prefill[0], "default": r.prefill[1]},
+            "decode_tokens_per_second": {"none": r.decode[0], "default": r.decode[1]},
+            "prefill_cost": q(r.prefill_quartiles(), r.prefill_cost.len()),
+            "decode_cost": q(r.decode_quartiles(), r.decode_cost.len()),
+            "decode_target_met": r.decode_quartiles().map(|[_, m, _]| m <= TARGET_COST),
+            "bytes_per_decode_step": {"min": r.step_bytes[0], "median": r.step_bytes[1], "max": r.step_bytes[2]},
+            "prefill_bytes": r.prefill_bytes,
+            "trace_bytes": r.trace_bytes,
+            "growing_records": r.growing_records,
+            "growing_hashed_bytes_per_step": r.growing_hashed_per_step,
+            "peak_rss_bytes": r.peak_rss,
+        })).collect::<Vec<_>>(),
+    });
+    Ok(BenchReport {
+        text: render_context_text(opts, &rows),
         json,
     })
 }

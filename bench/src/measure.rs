@@ -28,6 +28,24 @@ pub fn anon_rss_bytes() -> Option<u64> {
     kb.checked_mul(1024)
 }
 
+/// Peak resident memory of this process in bytes (`VmHWM` of
+/// `/proc/self/status`; file-backed pages such as memory-mapped weights
+/// included; Linux only, `None` elsewhere or if unreadable).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// First quartile, median and third quartile of sorted values (`None` when
+/// empty): the values at a quarter, half and three quarters of the way,
+/// rounded to the nearest index.
+pub fn quartiles(sorted: &[f64]) -> Option<[f64; 3]> {
+    let at = |q: usize| sorted[(q * (sorted.len() - 1) + 2) / 4];
+    (!sorted.is_empty()).then(|| [at(1), at(2), at(3)])
+}
+
 /// Memory read bandwidth in bytes per second: the best of `repeat`
 /// streaming reads of a `bytes`-byte buffer (touched once before), summed
 /// in 64-bit words by `threads` threads over contiguous parts. The buffer

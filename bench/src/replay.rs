@@ -102,6 +102,7 @@ pub fn bench_replay(
         allow_non_finite: false,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     let path = dir.join("bench-replay.bin");
     let (run, outcome) = best(repeat, || run_to_trace(m, &spec, &path).map_err(BenchError::Run))?;

@@ -123,9 +123,7 @@ impl RuntimeRow {
     /// The median and quartiles of [`RuntimeRow::paired_vs_none`] (none
     /// for an uncaptured row).
     pub fn paired_quartiles(&self) -> Option<[f64; 3]> {
-        let v = &self.paired_vs_none;
-        let at = |q: usize| v[(q * (v.len() - 1) + 2) / 4];
-        (!v.is_empty()).then(|| [at(1), at(2), at(3)])
+        crate::measure::quartiles(&self.paired_vs_none)
     }
 }
 
@@ -215,7 +213,7 @@ pub(crate) fn generate(
             let mut header = Header::default();
             header.binding.decoding.max_new_tokens = u32::try_from(decode_tokens + 1).unwrap_or(u32::MAX);
             let w = TraceWriter::create(&scratch.join("bench.bin"), Algorithm::Blake3, header)?;
-            let mut sink = TraceSink::new(w, spec);
+            let mut sink = TraceSink::new(w, spec).for_model(model);
             let r = bench_generate(model, prompt, decode_tokens, step, &mut sink)?;
             sink.finish()?;
             Ok(r)

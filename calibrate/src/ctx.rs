@@ -308,7 +308,7 @@ impl Ctx {
             provenance: moeconf_runner::reference_provenance(1, req.notes),
         };
         let writer = TraceWriter::create(req.path, ALGORITHM, header)?;
-        let mut sink = TraceSink::new(writer, capture);
+        let mut sink = TraceSink::new(writer, capture).for_model(&self.m.model);
         let mut state = self.m.model.new_state();
         let (ids, n) = (req.prompt_ids, req.tokens);
         self.advance_in(&mut state, ids, n, req.combine, req.faults, &mut sink, precision)?;

@@ -303,6 +303,7 @@ fn trace_reference(
         allow_non_finite: false,
         prefill_chunk,
         batch_with: &batch_with,
+        progress: false,
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

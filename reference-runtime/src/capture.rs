@@ -33,6 +33,25 @@ pub trait CaptureSink {
     fn wants(&self, level: Level) -> bool;
     /// Stores one record (called in execution order).
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError>;
+    /// Where the forward is, before each layer of each position (for
+    /// progress on long runs; whatever is captured). Default: ignored.
+    fn progress(&mut self, _at: Progress) {}
+}
+
+/// A point of a forward step, for progress reports ([`CaptureSink::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Forward step (0: the prefill).
+    pub step: u32,
+    /// Decoder layer about to run.
+    pub layer: u32,
+    /// Decoder layers of the model.
+    pub layers: u32,
+    /// Positions of this step done through `layer` so far (a chunked
+    /// prefill runs every layer over one chunk before the next).
+    pub done: u64,
+    /// Positions of this step.
+    pub positions: u64,
 }
 
 /// A sink that wants nothing (for benchmarks of the bare forward).
@@ -303,6 +322,12 @@ impl<'a> Recorder<'a> {
     #[inline]
     pub(crate) fn wants(&self, level: Level) -> bool {
         self.want.contains(level)
+    }
+
+    /// Reports progress to the sink ([`CaptureSink::progress`]).
+    #[inline]
+    pub(crate) fn progress(&mut self, at: Progress) {
+        self.sink.progress(at);
     }
 
     fn coord(&self, name: Name, at: At) -> Coord {

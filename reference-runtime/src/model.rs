@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use moeconf_fingerprint::{Component, Half, Level};
 
 use crate::attention::{attention_forward, AttnWeights, Ropes};
-use crate::capture::{At, CaptureSink, Recorder};
+use crate::capture::{At, CaptureSink, Progress, Recorder};
 use crate::config::{AttentionKind, MlpKind, ModelConfig};
 use crate::context::TokenCtx;
 use crate::error::RuntimeError;
@@ -402,8 +402,16 @@ impl Model {
         // The vllm-cpu profile's kernels follow vLLM's forward of the whole
         // step: M = the step's tokens (crate::vllm::ForwardRows).
         let forward = crate::vllm::ForwardRows::enter(ids.len());
+        let layers = self.layers.len() as u32;
         for (li, lw) in self.layers.iter().enumerate() {
             for (j, x) in streams.iter_mut().enumerate() {
+                rec.progress(Progress {
+                    step: state.step,
+                    layer: li as u32,
+                    layers,
+                    done: j as u64,
+                    positions: ids.len() as u64,
+                });
                 let t = pos0 + j as u32;
                 let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
                 let cx = TokenCtx {
@@ -554,8 +562,16 @@ impl Model {
                     let pos0 = s.state.position;
                     let start = (round * s.chunk).min(s.streams.len());
                     let end = (start + s.chunk).min(s.streams.len());
+                    let positions = s.streams.len() as u64;
                     for (j, x) in s.streams[start..end].iter_mut().enumerate() {
                         let j = start + j;
+                        s.rec.progress(Progress {
+                            step: s.state.step,
+                            layer: li as u32,
+                            layers: self.layers.len() as u32,
+                            done: j as u64,
+                            positions,
+                        });
                         let cx = TokenCtx {
                             cfg,
                             p: opts.precision,

@@ -33,6 +33,7 @@ fn write(
         allow_non_finite: false,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     let prepared = prepare_run(m, &spec).unwrap();
     run_prepared_with_faults(m, &spec, prepared, faults, out).unwrap();
@@ -371,6 +372,7 @@ fn an_f32_run_reproduces_in_the_f32_profile() {
         allow_non_finite: false,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     let prepared = prepare_run(&m, &spec).unwrap();
     run_prepared_with_faults(&m, &spec, prepared, None, &p).unwrap();
@@ -461,6 +463,7 @@ fn a_faulted_run_that_allows_non_finite_values_still_writes_a_valid_binding() {
         allow_non_finite: true,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     let plan = FaultPlan::new(vec![Fault::at(1, 0, FaultKind::AttentionOutputTruncate)]);
     let prepared = prepare_run(&m, &spec).unwrap();

@@ -38,6 +38,8 @@ pub struct GrowingDigests {
     /// The run's last step (`max_new_tokens - 1`): its records verify every block.
     last_step: u32,
     states: HashMap<(Option<u32>, Level, String), Growing>,
+    /// Rows that only grow on some layers ([`GrowingDigests::grow_on_layers`]).
+    layered: Vec<(Component, u32)>,
     /// Bytes hashed so far, for tests and measurements.
     hashed: u64,
     /// Records digested incrementally so far.
@@ -52,9 +54,20 @@ impl GrowingDigests {
             policy,
             last_step,
             states: HashMap::new(),
+            layered: Vec::new(),
             hashed: 0,
             records: 0,
         }
+    }
+
+    /// Treats `component` as growing on `layers` too, where the model makes
+    /// it append-only although the catalogue row is not on every layer:
+    /// `attn.compressed_read` on HCA layers, which read every compressed
+    /// entry in order (CSA layers read the selected ones). A layer named
+    /// wrongly costs the run, never the trace: a record that is not
+    /// append-only fails the verification below.
+    pub fn grow_on_layers(&mut self, component: Component, layers: impl IntoIterator<Item = u32>) {
+        self.layered.extend(layers.into_iter().map(|l| (component, l)));
     }
 
     /// Bytes hashed by the incremental digests so far.
@@ -79,7 +92,9 @@ impl GrowingDigests {
         if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
             return Ok(None);
         }
-        let growing = Component::parse(&coord.path).is_some_and(|(c, _)| c.spec().append_only);
+        let growing = Component::parse(&coord.path).is_some_and(|(c, _)| {
+            c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
+        });
         if !growing || tensor.validate(&coord.path).is_err() {
             return Ok(None);
         }

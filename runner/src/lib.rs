@@ -8,6 +8,7 @@ pub mod capture_thread;
 pub mod field;
 pub mod growing;
 pub mod limits;
+pub mod progress;
 
 pub use field::{Field, FieldMessage};
 use moeconf_contract::prompt_hash;
@@ -15,8 +16,9 @@ use moeconf_contract::{
     parse_fork_order, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Schedule,
     ScheduledCombine,
 };
-use moeconf_fingerprint::{Algorithm, CanonPolicy, Coord, Level, TensorView};
-use moeconf_reference_runtime::capture::{CaptureError, CaptureSink};
+use moeconf_fingerprint::{catalogue::Component, Algorithm, CanonPolicy, Coord, Level, TensorView};
+use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, Progress};
+use moeconf_reference_runtime::config::AttentionKind;
 use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::faults::FaultPlan;
 use moeconf_reference_runtime::files::{read_capped, MAX_TOKENIZER_BYTES};
@@ -172,6 +174,8 @@ pub fn parse_capture(s: &str) -> Result<CaptureSpec, RunError> {
 pub struct TraceSink {
     out: SinkWriter,
     spec: CaptureSpec,
+    /// Progress on the terminal, if shown.
+    progress: Option<progress::TerminalProgress>,
     /// Digests of the growing state records ([`growing`]).
     growing: growing::GrowingDigests,
 }
@@ -193,7 +197,12 @@ impl TraceSink {
             Ok(t) => SinkWriter::Thread(t),
             Err(w) => SinkWriter::Here(w),
         };
-        TraceSink { out, spec, growing }
+        TraceSink {
+            out,
+            spec,
+            growing,
+            progress: None,
+        }
     }
 
     /// Wraps a writer that stays on the recording thread.
@@ -202,7 +211,21 @@ impl TraceSink {
             growing: growing_of(&writer),
             out: SinkWriter::Here(Box::new(writer)),
             spec,
+            progress: None,
         }
+    }
+
+    /// Digests the reads that grow on this model's layers incrementally too
+    /// ([`growing::GrowingDigests::grow_on_layers`]): `attn.compressed_read`
+    /// on its HCA layers. The trace's bytes are the same either way.
+    pub fn for_model(mut self, model: &Model) -> Self {
+        let hca = model.config().layer_types.iter().enumerate();
+        self.growing.grow_on_layers(
+            Component::AttnCompressedRead,
+            hca.filter(|(_, k)| **k == AttentionKind::Hca)
+                .map(|(i, _)| i as u32),
+        );
+        self
     }
 
     /// Bytes the incremental digests of growing state hashed so far.
@@ -215,7 +238,17 @@ impl TraceSink {
         self.growing.records()
     }
 
+    /// Shows progress on the terminal (if standard error is one) for a run
+    /// of `max_new_tokens` steps.
+    pub fn with_terminal_progress(mut self, max_new_tokens: u32) -> Self {
+        self.progress = progress::TerminalProgress::if_terminal(max_new_tokens);
+        self
+    }
+
     pub fn finish(self) -> Result<WriteSummary, RunError> {
+        if let Some(p) = &self.progress {
+            p.clear();
+        }
         Ok(match self.out {
             SinkWriter::Here(w) => w.finish()?,
             SinkWriter::Thread(t) => t.finish()?,
@@ -236,6 +269,12 @@ fn growing_of(w: &TraceWriter) -> growing::GrowingDigests {
 impl CaptureSink for TraceSink {
     fn wants(&self, level: Level) -> bool {
         self.spec.captures(level)
+    }
+
+    fn progress(&mut self, at: Progress) {
+        if let Some(p) = &mut self.progress {
+            p.report(at);
+        }
     }
 
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
@@ -625,6 +664,9 @@ pub struct RunSpec<'a> {
     /// captured. The records and the root are the same as alone; the batch's
     /// size is noted in the provenance (`batch_sequences`).
     pub batch_with: &'a [String],
+    /// Show the run's progress on standard error when it is a terminal
+    /// ([`progress::TerminalProgress`]).
+    pub progress: bool,
 }
 
 /// What a traced run produced.
@@ -668,6 +710,9 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
     limits::check_prompt_tokens(prompt_ids.len())?;
     m.model.check_precision(spec.precision)?;
     let cfg = m.model.config();
+    let (prompt, new) = (prompt_ids.len() as u64, u64::from(spec.max_new_tokens));
+    let estimate = limits::estimate_memory(cfg, prompt, new, spec.capture);
+    limits::check_memory(&estimate, limits::available_memory(), prompt, new)?;
     let built = build_combine(
         spec.combine,
         cfg.experts_per_tok,
@@ -783,7 +828,10 @@ pub fn run_prepared_with_faults(
         ));
     }
     let writer = TraceWriter::create(out, spec.algorithm, header)?;
-    let mut sink = TraceSink::new(writer, spec.capture);
+    let mut sink = TraceSink::new(writer, spec.capture).for_model(&m.model);
+    if spec.progress {
+        sink = sink.with_terminal_progress(spec.max_new_tokens);
+    }
     let generation = match faults {
         None if !spec.batch_with.is_empty() || spec.prefill_chunk.is_some() => {
             generate_batched(m, spec, &prepared, &mut sink)?
@@ -991,6 +1039,7 @@ mod tests {
             allow_non_finite: false,
             prefill_chunk: None,
             batch_with: &[],
+            progress: false,
         }
     }
 

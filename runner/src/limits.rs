@@ -6,15 +6,29 @@
 use std::io::Read;
 use std::path::Path;
 
+use moeconf_fingerprint::Level;
+use moeconf_reference_runtime::config::{AttentionKind, ModelConfig};
 use moeconf_reference_runtime::files::limit_text;
+use moeconf_schema::CaptureSpec;
 
 use crate::{Field, FieldMessage, RunError};
 
 /// Largest prompt file read ([`Field::PromptFile`]) (16 MiB).
 pub const MAX_PROMPT_FILE_BYTES: u64 = 16 << 20;
 
-/// Largest `--max-new-tokens` (forward steps of one run).
-pub const MAX_NEW_TOKENS: u32 = 4096;
+/// DeepSeek-V4's context length (2^20 tokens): the prompt and the
+/// generated tokens of one run together hold at most this many.
+pub const MAX_CONTEXT_TOKENS: u64 = 1 << 20;
+
+/// Largest `--max-new-tokens` (forward steps of one run): the context
+/// length. Within it, what a run may ask for is bounded by memory, estimated
+/// before the run ([`estimate_memory`], [`check_memory`]).
+pub const MAX_NEW_TOKENS: u32 = 1 << 20;
+
+/// Largest token count of the multi-run commands (`sweep`, `invariance`,
+/// `calibrate`), which run many generations of the same length: a bound on
+/// their total time, not on memory.
+pub const MAX_PROTOCOL_TOKENS: u32 = 4096;
 
 /// Largest prompt in tokens (2^20, DeepSeek-V4's context length).
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
@@ -102,6 +116,134 @@ pub fn check_prompt_tokens(n: usize) -> Result<(), RunError> {
     Ok(())
 }
 
+/// The memory a run is estimated to need, by part (bytes). Measured on the
+/// fixture (docs/performance.md, "Long context"): the estimate is above the
+/// measured peak at every context measured, and within a small factor of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// The process and the runtime's fixed buffers.
+    pub base: u64,
+    /// Persistent state at the run's final context (window rings, compressed
+    /// caches, indexer caches).
+    pub state: u64,
+    /// Prefill activations: the residual streams of every prompt position.
+    pub prefill: u64,
+    /// The trace writer's index entries of its largest step (the prefill's
+    /// per-position records at L3 and L4), held until the step ends.
+    pub capture: u64,
+}
+
+impl MemoryEstimate {
+    /// The sum of the parts.
+    pub fn total(&self) -> u64 {
+        self.base
+            .saturating_add(self.state)
+            .saturating_add(self.prefill)
+            .saturating_add(self.capture)
+    }
+}
+
+/// Bytes of the process and the runtime's fixed buffers (measured: 58 MB
+/// for a 2,000-token prompt on the fixture).
+const BASE_BYTES: u64 = 256 << 20;
+/// Bytes the writer holds per record of an open step (entry, key, order;
+/// measured: about 200).
+const ENTRY_BYTES: u64 = 256;
+/// Records per prompt position and layer the writer holds at L3 and at L4
+/// (measured on the fixture: 5.7 and 25; the official profile's
+/// quantization sites add some).
+const L3_PER_LAYER: u64 = 8;
+const L4_PER_LAYER: u64 = 48;
+
+/// Estimates the memory of a run of `prompt` prompt tokens and
+/// `max_new_tokens` forward steps of a model with config `cfg` capturing
+/// `capture` (docs/operators.md §7).
+pub fn estimate_memory(
+    cfg: &ModelConfig,
+    prompt: u64,
+    max_new_tokens: u64,
+    capture: CaptureSpec,
+) -> MemoryEstimate {
+    let context = prompt.saturating_add(max_new_tokens);
+    let f32b = 4u64;
+    let mut per_token = 0u64;
+    let mut fixed = 0u64;
+    for kind in &cfg.layer_types {
+        // Window ring: `sliding_window` keys of head_dim.
+        fixed += (cfg.sliding_window * cfg.head_dim) as u64 * f32b;
+        match kind {
+            AttentionKind::Sliding => {}
+            AttentionKind::Csa => {
+                // Compressed entries (one per csa_rate tokens) and the indexer's.
+                per_token +=
+                    ((cfg.head_dim + cfg.index_head_dim) as u64 * f32b).div_ceil(cfg.csa_rate.max(1) as u64);
+            }
+            AttentionKind::Hca => {
+                per_token += (cfg.head_dim as u64 * f32b).div_ceil(cfg.hca_rate.max(1) as u64);
+            }
+        }
+    }
+    let layers = cfg.layer_types.len() as u64;
+    let residual = (cfg.hc_mult * cfg.hidden_size) as u64 * f32b;
+    let mut per_position = 0u64;
+    if capture.levels.contains(Level::L3) {
+        per_position += L3_PER_LAYER * layers;
+    }
+    if capture.levels.contains(Level::L4) {
+        per_position += L4_PER_LAYER * layers;
+    }
+    MemoryEstimate {
+        base: BASE_BYTES,
+        state: fixed.saturating_add(per_token.saturating_mul(context)),
+        // Twice the residual streams: the streams and one working copy.
+        prefill: prompt.saturating_mul(2 * residual),
+        capture: prompt.saturating_mul(per_position).saturating_mul(ENTRY_BYTES),
+    }
+}
+
+/// This machine's available memory (`MemAvailable` of `/proc/meminfo`), or
+/// `None` where it cannot be read.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
+/// Refuses a run whose estimate exceeds `available` bytes (no check when
+/// the available memory is unknown), naming each part and what lowers it.
+pub fn check_memory(
+    estimate: &MemoryEstimate,
+    available: Option<u64>,
+    prompt: u64,
+    max_new_tokens: u64,
+) -> Result<(), RunError> {
+    let context = prompt.saturating_add(max_new_tokens);
+    if context > MAX_CONTEXT_TOKENS {
+        return Err(RunError::Field(FieldMessage::of(Field::MaxNewTokens).text(format!(
+            " {max_new_tokens}: the prompt's {prompt} tokens and {max_new_tokens} new ones exceed DeepSeek-V4's context of {MAX_CONTEXT_TOKENS} tokens"
+        ))));
+    }
+    let Some(available) = available else {
+        return Ok(());
+    };
+    if estimate.total() <= available {
+        return Ok(());
+    }
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    Err(RunError::Invalid(format!(
+        "a run of {prompt} prompt tokens and {max_new_tokens} new ones needs an estimated {} (persistent state at {context} tokens {}, \
+         prefill activations {}, the trace writer's prefill step {}, the rest {}), more than the {} this machine has available; \
+         fewer tokens, or a capture without L3/L4 (e.g. --capture L0,L1+payload,L2), lower it",
+        gib(estimate.total()),
+        gib(estimate.state),
+        gib(estimate.prefill),
+        gib(estimate.capture),
+        gib(estimate.base),
+        gib(available),
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,5 +278,58 @@ mod tests {
         assert!(e.contains("16 MiB"), "{e}");
         assert!(check_prompt_tokens(MAX_PROMPT_TOKENS).is_ok());
         assert!(check_prompt_tokens(MAX_PROMPT_TOKENS + 1).is_err());
+    }
+
+    fn tiny() -> ModelConfig {
+        let dir = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").unwrap();
+        moeconf_reference_runtime::model::Model::load(&dir)
+            .unwrap()
+            .config()
+            .clone()
+    }
+
+    #[test]
+    fn memory_grows_with_the_context_and_the_captured_levels() {
+        let cfg = tiny();
+        let all = CaptureSpec::FINGERPRINTS_ONLY;
+        let l0 = CaptureSpec {
+            levels: moeconf_fingerprint::LevelSet::EMPTY.with(Level::L0),
+            payload_levels: moeconf_fingerprint::LevelSet::EMPTY,
+        };
+        let short = estimate_memory(&cfg, 264, 8, all);
+        let long = estimate_memory(&cfg, 131072, 8, all);
+        assert!(long.state > short.state && long.prefill > short.prefill && long.capture > short.capture);
+        // Decode steps add state, never writer entries.
+        let decode = estimate_memory(&cfg, 264, 100_000, all);
+        assert!(decode.state > short.state);
+        assert_eq!(decode.capture, short.capture);
+        // Without L3/L4 the writer holds no per-position entries.
+        assert_eq!(estimate_memory(&cfg, 131072, 8, l0).capture, 0);
+    }
+
+    #[test]
+    fn a_run_beyond_the_memory_or_the_context_is_refused_with_its_parts() {
+        let cfg = tiny();
+        let all = CaptureSpec::FINGERPRINTS_ONLY;
+        let e = estimate_memory(&cfg, 1 << 19, 8, all);
+        let m = check_memory(&e, Some(1 << 30), 1 << 19, 8)
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "needs an estimated",
+            "persistent state",
+            "prefill activations",
+            "trace writer",
+            "1.0 GiB",
+            "--capture",
+        ] {
+            assert!(m.contains(part), "{part}: {m}");
+        }
+        assert!(check_memory(&e, Some(e.total()), 1 << 19, 8).is_ok());
+        assert!(check_memory(&e, None, 1 << 19, 8).is_ok());
+        let m = check_memory(&e, None, MAX_CONTEXT_TOKENS, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("context of 1048576 tokens"), "{m}");
     }
 }

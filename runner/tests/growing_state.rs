@@ -23,6 +23,7 @@ fn run(capture: &str, out: &std::path::Path) -> u64 {
         allow_non_finite: false,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     run_to_trace(&m, &spec, out).expect("run").growing_records
 }

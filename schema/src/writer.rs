@@ -561,7 +561,12 @@ impl TraceWriter {
         };
         let step = *step;
         let entries = std::mem::take(pending);
+        // Clearing costs the table's capacity, not its length: after a step
+        // far larger than the next ones (a long prefill) the table shrinks
+        // to the next step's size, so a decode step never pays for the prompt.
+        let held = keys.len();
         keys.clear();
+        keys.shrink_to(held);
         // Only this step's entries share the interned paths and shapes; a
         // shape that grows with the position (a cache's length) would
         // otherwise keep one allocation per step for the whole run.

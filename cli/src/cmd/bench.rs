@@ -142,12 +142,26 @@ pub struct BenchRuntimeArgs {
     /// Directory for the --real-width checkpoint (default: the system temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// Decode steps per measurement (default: 200 on the fixture, 32 with --real-width).
+    /// Decode steps per measurement (default: 200 on the fixture, 32 with --real-width, 64 with --context).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100000))]
     pub decode_tokens: Option<u32>,
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub prompt_tokens: u32,
+    /// Instead of the throughput table: at each of these context lengths (comma-separated
+    /// prompt lengths in tokens, e.g. 264,4096,32768), prefill the fixture and decode
+    /// --decode-tokens steps (default 64), alternately without capture and with the default
+    /// capture, and report the paired cost ratio of each phase, tokens/s, the bytes each
+    /// decode step adds to the trace, and peak memory. A 32,768-token context writes a trace
+    /// of about 5 GB to the system's temporary directory per captured run (replaced, then
+    /// removed) and takes minutes per pair.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["real_width", "large", "quantized"],
+          value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    pub context: Vec<u32>,
+    /// With --context: prefill in chunks of this many tokens (bounded memory; the records are
+    /// those of the unchunked prefill).
+    #[arg(long, requires = "context", value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: Option<u32>,
     /// Repetitions per measurement (the best is reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
@@ -273,6 +287,15 @@ fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
         };
         let r = moeconf_bench::real_width(a.layers as usize, shrink, tokens, a.repeat, a.dir.as_ref())?;
         return print(r, a.format);
+    }
+    if !a.context.is_empty() {
+        let opts = moeconf_bench::context::ContextBenchOptions {
+            contexts: a.context.clone(),
+            decode_tokens: a.decode_tokens.unwrap_or(64),
+            repeat: a.repeat,
+            prefill_chunk: a.prefill_chunk,
+        };
+        return print(moeconf_bench::runtime_context(&opts)?, a.format);
     }
     let opts = moeconf_bench::runtime::RuntimeBenchOptions {
         prompt_tokens: a.prompt_tokens,

@@ -16,7 +16,7 @@ use moeconf_calibrate::suite::{self, RunInfo};
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
 use moeconf_output::{AtomicDir, Inputs};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_runner::limits::MAX_NEW_TOKENS;
+use moeconf_runner::limits::MAX_PROTOCOL_TOKENS;
 use moeconf_runner::{load_model, LoadedModel};
 use moeconf_shard::{ProgressMode, Shard};
 
@@ -66,10 +66,10 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub seeds: Option<u64>,
     /// Tokens generated per fork branch in protocol 2 (default: 8, quick: 4; at least 2).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=MAX_NEW_TOKENS as i64))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..=MAX_PROTOCOL_TOKENS as i64))]
     pub fork_tokens: Option<u32>,
     /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_NEW_TOKENS as i64))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_PROTOCOL_TOKENS as i64))]
     pub tokens: Option<u32>,
     /// Shards (the suite's jobs: every protocol's runs, in order), threads, progress.
     #[command(flatten)]

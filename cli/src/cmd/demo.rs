@@ -76,6 +76,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         allow_non_finite: false,
         prefill_chunk: None,
         batch_with: &[],
+        progress: false,
     };
     // Both runs are validated (the fork must take effect) before either runs.
     let (native_spec, fork_spec) = (spec(&native), spec(&fork));

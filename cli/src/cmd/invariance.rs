@@ -8,7 +8,7 @@ use moeconf_gate::policy::{self, Overrides};
 use moeconf_invariance::matrix::{self, Backend, ReferenceRun, RunOverrides};
 use moeconf_invariance::{preset, run_matrix, Expectations, Matrix, RunOptions};
 use moeconf_output::{AtomicDir, Inputs};
-use moeconf_runner::limits::MAX_NEW_TOKENS;
+use moeconf_runner::limits::MAX_PROTOCOL_TOKENS;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -55,7 +55,7 @@ pub struct InvarianceArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Tokens generated (overrides the matrix's; presets: 8).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_PROTOCOL_TOKENS as i64))]
     pub max_new_tokens: Option<u32>,
     /// Precision profile of the reference runtime (overrides the matrix's; default bf16).
     #[arg(long)]

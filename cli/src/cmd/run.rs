@@ -161,6 +161,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
         allow_non_finite: a.allow_non_finite,
         prefill_chunk: a.prefill_chunk,
         batch_with: &a.batch_with,
+        progress: true,
     };
     let t = std::time::Instant::now();
     let out = run_to_trace(&m, &spec, &a.output)?;

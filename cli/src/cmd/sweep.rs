@@ -20,7 +20,7 @@ use moeconf_shard::ProgressMode;
 
 use crate::args::{Format, ModelPromptArgs};
 use crate::output::print_text;
-use moeconf_runner::limits::MAX_NEW_TOKENS;
+use moeconf_runner::limits::MAX_PROTOCOL_TOKENS;
 use moeconf_runner::{load_model, CombineChoice};
 
 const SWEEP_EXAMPLES: &str = "Examples:
@@ -64,7 +64,7 @@ pub struct SweepArgs {
     #[arg(long)]
     pub limit: Option<usize>,
     /// Tokens generated per branch (steps 0..N-1); must exceed --fork-step.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_PROTOCOL_TOKENS as i64))]
     pub max_new_tokens: u32,
     /// Precision profile: bf16, f32, official or vllm-cpu (docs/operators.md §1, §9–§11).
     #[arg(long, default_value = "bf16")]

@@ -666,6 +666,19 @@ impl Trace {
         }
     }
 
+    /// Where the `k`-th step's block lies in the file (offset, length), from
+    /// the root block (versions 2 and 3; `None` for version 1, which has no
+    /// step blocks, and for a step the trace does not hold). A step's part
+    /// of the file (its payloads, group blocks and step block, docs/format.md
+    /// §11.1) ends where its step block ends, so consecutive ends measure the
+    /// bytes each step added.
+    pub fn step_block_extent(&self, k: usize) -> Option<(u64, u64)> {
+        match &self.store {
+            Store::V2(s) => s.step_block(k),
+            Store::V1(_) => None,
+        }
+    }
+
     /// Total file size.
     pub fn file_len(&self) -> u64 {
         self.data.bytes().len() as u64

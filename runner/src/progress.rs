@@ -1,0 +1,137 @@
+//! Progress of a long run on the terminal: the prefill's layer and
+//! position, then the decode step and its rate, on one line of standard
+//! error rewritten at most twice a second. Only when standard error is a
+//! terminal, so logs and pipes get the final summary alone.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use moeconf_reference_runtime::capture::Progress;
+
+/// How often the line is rewritten.
+const EVERY: Duration = Duration::from_millis(500);
+/// Calls between two looks at the clock (a call comes per layer and
+/// position: reading the clock each time would cost more than the report).
+const CALLS_PER_LOOK: u32 = 64;
+
+/// The progress line of one run.
+pub struct TerminalProgress {
+    max_new_tokens: u32,
+    start: Instant,
+    last: Instant,
+    calls: u32,
+    /// When the decode began (for its rate).
+    decode_start: Option<(Instant, u32)>,
+    shown: bool,
+}
+
+impl TerminalProgress {
+    /// A reporter for a run of `max_new_tokens` steps, if standard error is a terminal.
+    pub fn if_terminal(max_new_tokens: u32) -> Option<TerminalProgress> {
+        std::io::stderr()
+            .is_terminal()
+            .then(|| TerminalProgress::new(max_new_tokens))
+    }
+
+    fn new(max_new_tokens: u32) -> TerminalProgress {
+        let now = Instant::now();
+        TerminalProgress {
+            max_new_tokens,
+            start: now,
+            last: now,
+            calls: 0,
+            decode_start: None,
+            shown: false,
+        }
+    }
+
+    /// Notes where the forward is; rewrites the line when it is due.
+    pub fn report(&mut self, p: Progress) {
+        self.calls += 1;
+        if self.calls < CALLS_PER_LOOK && !(p.step >= 1 && p.layer == 0) {
+            return;
+        }
+        self.calls = 0;
+        let now = Instant::now();
+        if p.step >= 1 && self.decode_start.is_none() {
+            self.decode_start = Some((now, p.step));
+        }
+        if now.duration_since(self.last) < EVERY {
+            return;
+        }
+        self.last = now;
+        let line = self.line(&p, now);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r\x1b[K{line}");
+        let _ = err.flush();
+        self.shown = true;
+    }
+
+    /// The progress line at `p`.
+    fn line(&self, p: &Progress, now: Instant) -> String {
+        let elapsed = now.duration_since(self.start).as_secs_f64();
+        if p.step == 0 {
+            let of = (p.layer as u64 * p.positions + p.done) as f64;
+            let all = (p.layers as u64 * p.positions).max(1) as f64;
+            format!(
+                "prefill {:.1}%: layer {}/{}, position {}/{} ({elapsed:.0} s)",
+                100.0 * of / all,
+                p.layer + 1,
+                p.layers,
+                p.done,
+                p.positions
+            )
+        } else {
+            let rate = self.decode_start.map_or(0.0, |(t, s)| {
+                f64::from(p.step - s) / now.duration_since(t).as_secs_f64().max(1e-9)
+            });
+            format!(
+                "decode: step {}/{} ({rate:.1} tokens/s, {elapsed:.0} s)",
+                p.step,
+                self.max_new_tokens.saturating_sub(1)
+            )
+        }
+    }
+
+    /// Erases the line (before the run's summary is printed).
+    pub fn clear(&self) {
+        if self.shown {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_says_where_the_prefill_and_the_decode_are() {
+        let mut t = TerminalProgress::new(100);
+        let p = Progress {
+            step: 0,
+            layer: 4,
+            layers: 9,
+            done: 500,
+            positions: 1000,
+        };
+        let now = t.start + Duration::from_secs(3);
+        assert_eq!(
+            t.line(&p, now),
+            "prefill 50.0%: layer 5/9, position 500/1000 (3 s)"
+        );
+        t.decode_start = Some((t.start, 1));
+        let d = Progress {
+            step: 11,
+            positions: 1,
+            done: 0,
+            ..p
+        };
+        assert_eq!(
+            t.line(&d, t.start + Duration::from_secs(5)),
+            "decode: step 11/99 (2.0 tokens/s, 5 s)"
+        );
+    }
+}
