@@ -318,11 +318,15 @@ impl FaultKind {
         let pos = |x: usize| u32::try_from(x).ok();
         let rate = (layer != AttentionKind::Sliding).then(|| cfg.compress_rate(layer));
         match self {
-            FaultKind::WindowRingReadOffByOne => pos(2 * cfg.sliding_window),
-            FaultKind::IndexerTopkTakesNextEntry if layer == AttentionKind::Csa => {
-                pos((cfg.csa_rate * (cfg.index_topk + 1)).checked_sub(1)?)
+            // A ring of one slot has no other slot to read.
+            FaultKind::WindowRingReadOffByOne if cfg.sliding_window >= 2 => {
+                pos(cfg.sliding_window.checked_mul(2)?)
             }
-            FaultKind::CompressedPositionOffByOne => pos((2 * rate?).checked_sub(1)?),
+            FaultKind::IndexerTopkTakesNextEntry if layer == AttentionKind::Csa && cfg.index_topk > 0 => {
+                let entries = cfg.index_topk.checked_add(1)?;
+                pos(cfg.csa_rate.checked_mul(entries)?.checked_sub(1)?)
+            }
+            FaultKind::CompressedPositionOffByOne => pos(rate?.checked_mul(2)?.checked_sub(1)?),
             _ => None,
         }
     }
