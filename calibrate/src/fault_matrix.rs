@@ -111,12 +111,16 @@ pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
         let ids = ctx.encode(&text(n))?;
         Ok((ids.len() >= need).then_some(ids))
     };
-    // Double the word count until it reaches, then bisect for the fewest.
+    // Double the word count until it reaches, then bisect for the fewest
+    // (every word is at least one id: 16 words per id needed is a bound no
+    // tokenizer should meet).
+    let unreachable = || CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens"));
     let mut hi = words.len().min(need).max(1);
     while reaches(hi)?.is_none() {
-        hi = hi.checked_mul(2).ok_or_else(|| {
-            CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens"))
-        })?;
+        hi = hi
+            .checked_mul(2)
+            .filter(|&n| n <= need.saturating_mul(16).max(words.len()))
+            .ok_or_else(unreachable)?;
     }
     let mut lo = hi / 2;
     while lo + 1 < hi {
@@ -126,8 +130,7 @@ pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
             None => lo = mid,
         }
     }
-    let ids = reaches(hi)?
-        .ok_or_else(|| CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens")))?;
+    let ids = reaches(hi)?.ok_or_else(unreachable)?;
     Ok((text(hi), ids))
 }
 
