@@ -11,6 +11,15 @@
 //! traces, in index order), so a wrong headline can be told from a wrong
 //! expectation.
 //!
+//! The long-context faults (issue 35 item 4: an indexer selection off by
+//! one entry, a window-ring read off by one after the second wrap, compressed
+//! entries rotated one position early from the second window on) change no
+//! bit on "why the sheep"; their cases run on a second, long prompt (the
+//! built-in [`LONG_PASSAGE`], as many words of it as make the prompt reach
+//! every such kind's onset on the model, [`long_prompt`]) with their own
+//! reference trace per profile, each fault active at every step and position
+//! of one layer, so that only the context length makes it act.
+//!
 //! Reported as N/N over the effective cases per profile: a case whose
 //! candidate trace is bitwise identical to the reference (same root digest)
 //! changed no bit anywhere and cannot be localized by any tool; such silent
@@ -40,6 +49,91 @@ use crate::{frac, CalibrateError, Claim, Ctx, Result, Section, Table, TraceReque
 
 const PROMPT: &str = "why the sheep";
 
+/// The text of the long-context cases' prompt: the first words of this
+/// passage (repeated if a model needs more), as many as [`long_prompt`] needs.
+pub const LONG_PASSAGE: &str = "The shepherd counted the sheep at dusk, one by one, as they came \
+down from the hill. Why the sheep always waited for the oldest ewe before crossing the stream, \
+nobody in the village could say; the dog knew the order, the children knew the songs, and the \
+river kept its own time between the stones. When the rain came early that year, the flock \
+stayed in the high pasture, and the shepherd walked up every morning with bread, salt and a \
+lantern, counting again, always the same number, always in the same order.";
+
+/// Which prompt a case runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MatrixPrompt {
+    /// "why the sheep" (every case but the long-context ones).
+    Short,
+    /// The long prompt ([`long_prompt`]).
+    Long,
+}
+
+impl MatrixPrompt {
+    fn name(self) -> &'static str {
+        match self {
+            MatrixPrompt::Short => "short",
+            MatrixPrompt::Long => "long",
+        }
+    }
+}
+
+/// The long-context kinds of the matrix.
+pub fn long_context_kinds() -> [FaultKind; 3] {
+    [
+        FaultKind::WindowRingReadOffByOne,
+        FaultKind::IndexerTopkTakesNextEntry,
+        FaultKind::CompressedPositionOffByOne,
+    ]
+}
+
+/// The long prompt of the model: the fewest words of [`LONG_PASSAGE`]
+/// (cycled) whose ids reach one position past the latest onset of a
+/// long-context kind on any layer ([`FaultKind::long_context_onset`]), so
+/// that every long-context case acts inside its prefill. Its text and ids.
+pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
+    let cfg = ctx.m.model.config();
+    let need = long_context_kinds()
+        .iter()
+        .flat_map(|k| {
+            cfg.layer_types
+                .iter()
+                .filter_map(|&t| k.long_context_onset(cfg, t))
+        })
+        .max()
+        .map_or(1, |o| o as usize + 1);
+    let words: Vec<&str> = LONG_PASSAGE.split_whitespace().collect();
+    let text = |n: usize| -> String {
+        (0..n)
+            .map(|i| words[i % words.len()])
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let reaches = |n: usize| -> Result<Option<Vec<u32>>> {
+        let ids = ctx.encode(&text(n))?;
+        Ok((ids.len() >= need).then_some(ids))
+    };
+    // Double the word count until it reaches, then bisect for the fewest
+    // (every word is at least one id: 16 words per id needed is a bound no
+    // tokenizer should meet).
+    let unreachable = || CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens"));
+    let mut hi = words.len().min(need).max(1);
+    while reaches(hi)?.is_none() {
+        hi = hi
+            .checked_mul(2)
+            .filter(|&n| n <= need.saturating_mul(16).max(words.len()))
+            .ok_or_else(unreachable)?;
+    }
+    let mut lo = hi / 2;
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        match reaches(mid)? {
+            Some(_) => hi = mid,
+            None => lo = mid,
+        }
+    }
+    let ids = reaches(hi)?.ok_or_else(unreachable)?;
+    Ok((text(hi), ids))
+}
+
 /// Both profiles, in report order.
 const PROFILES: [Precision; 2] = [Precision::Bf16, Precision::F32];
 
@@ -67,6 +161,8 @@ pub struct Case {
     /// uncaptured steps it names inside the operator, or the candidate
     /// combine's fitted scales (`None`: no reading is required).
     pub reading: Option<&'static str>,
+    /// The prompt the case (and its reference) runs on.
+    pub prompt: MatrixPrompt,
 }
 
 impl Case {
@@ -83,6 +179,7 @@ impl Case {
             faults: vec![Fault::at(step, layer.unwrap_or(0), kind)],
             note: "",
             reading: None,
+            prompt: MatrixPrompt::Short,
         }
     }
 
@@ -212,6 +309,7 @@ fn attention_cases(pl: &Plan) -> Vec<Case> {
         },
         note: "active at every step; a decode kernel, so the first decode step",
         reading: None,
+        prompt: MatrixPrompt::Short,
     };
     vec![
         Case::at(pl.s(2), 0, K::EmbeddingWrongRow),
@@ -314,6 +412,68 @@ pub fn matrix(ctx: &Ctx, precision: Precision, ids: &[u32], tokens: usize) -> Re
     Ok(cases)
 }
 
+/// The long-context cases, on the long prompt of `prompt_len` ids and
+/// `tokens` tokens: each kind active at every step and position of one
+/// layer (the window ring on the last sliding layer, the indexer on the
+/// second CSA layer, the compressor on the first HCA layer, else the first
+/// CSA layer), expected at the step holding its onset on that layer (the
+/// prefill when the prompt reaches it). A kind with no onset on the model
+/// (no such layer) or past the run has no case.
+pub fn long_context_matrix(ctx: &Ctx, prompt_len: usize, tokens: usize) -> Vec<Case> {
+    use FaultKind as K;
+    let cfg = ctx.m.model.config();
+    let pl = Plan::new(ctx, prompt_len, tokens);
+    let hca: Vec<u32> = (0..pl.layers)
+        .filter(|&i| cfg.layer_types[i as usize] == AttentionKind::Hca)
+        .collect();
+    let csa_or = |v: &[u32], i: usize| v.get(i).copied();
+    let cases = [
+        (
+            K::WindowRingReadOffByOne,
+            pl.sliding.last().copied().or(Some(0)),
+            "long context, every step and position: a no-op until the window ring has wrapped twice (t >= 2w)",
+        ),
+        (
+            K::IndexerTopkTakesNextEntry,
+            csa_or(&pl.csa, 1).or(pl.csa.first().copied()),
+            "long context, every step and position: a no-op until there are more compressed entries than index_topk",
+        ),
+        (
+            K::CompressedPositionOffByOne,
+            hca.first().copied().or(pl.csa.first().copied()),
+            "long context, every step and position: a no-op until the second compression window closes",
+        ),
+    ];
+    cases
+        .into_iter()
+        .filter_map(|(kind, layer, note)| {
+            let layer = layer?;
+            let onset = kind.long_context_onset(cfg, *cfg.layer_types.get(layer as usize)?)? as usize;
+            // The step holding the onset position: the prefill, or decode step onset − len + 1.
+            let step = match onset < prompt_len {
+                true => 0,
+                false => u32::try_from(onset + 1 - prompt_len).ok()?,
+            };
+            (step <= pl.last).then(|| Case {
+                expect: Expect {
+                    step,
+                    layer: Some(layer),
+                    component: kind.component(),
+                },
+                faults: vec![Fault {
+                    step: None,
+                    layer: Some(layer),
+                    position: None,
+                    kind,
+                }],
+                note,
+                reading: None,
+                prompt: MatrixPrompt::Long,
+            })
+        })
+        .collect()
+}
+
 /// A combine nudge at one event.
 fn nudge(step: u32, layer: u32, element: usize) -> Fault {
     Fault::at(step, layer, FaultKind::CombineElementNudge { element })
@@ -345,12 +505,14 @@ fn nudge_cases(ctx: &Ctx, precision: Precision, ids: &[u32], pl: &Plan) -> Resul
             expect,
             note: "one combine value changed, absorbed by the FFN hc_post (nothing else differs)",
             reading: None,
+            prompt: MatrixPrompt::Short,
         },
         Case {
             faults: vec![nudge(first, layer, absorbed), nudge(later, layer, propagating)],
             expect,
             note: "the absorbed nudge, then a nudge two steps later that propagates (issue 13 gap 1)",
             reading: None,
+            prompt: MatrixPrompt::Short,
         },
     ])
 }
@@ -447,6 +609,12 @@ struct Expected {
 struct Outcome {
     /// The profile's name.
     profile: String,
+    /// The prompt the case ran on.
+    prompt: MatrixPrompt,
+    /// Its length in ids.
+    prompt_tokens: usize,
+    /// Its text.
+    prompt_text: String,
     /// The case's name ([`Case::name`]).
     fault: String,
     note: String,
@@ -492,6 +660,7 @@ impl Outcome {
         let e = &self.expected;
         json!({
             "profile": self.profile, "fault": self.fault, "note": self.note,
+            "prompt": self.prompt.name(), "prompt_tokens": self.prompt_tokens,
             "faults": self.faults,
             "expected": {"step": e.step, "layer": e.layer, "operator": e.operator},
             "found": self.found.as_ref().map(Found::json),
@@ -568,7 +737,7 @@ fn trace_path(ctx: &Ctx, precision: Precision, name: &str) -> PathBuf {
 fn run_case(
     ctx: &Ctx,
     precision: Precision,
-    ids: &[u32],
+    (text, ids): (&str, &[u32]),
     ref_path: &Path,
     i: usize,
     case: &Case,
@@ -577,7 +746,7 @@ fn run_case(
     let plan = FaultPlan::new(case.faults.clone());
     ctx.write_trace_in(
         TraceRequest {
-            prompt: PROMPT,
+            prompt: text,
             prompt_ids: ids,
             tokens: ctx.sizes.tokens,
             combine: &NativeCombine,
@@ -619,6 +788,9 @@ fn run_case(
     };
     Ok(Outcome {
         profile: precision.name().into(),
+        prompt: case.prompt,
+        prompt_tokens: ids.len(),
+        prompt_text: text.into(),
         fault: case.name(),
         note: case.note.into(),
         faults: case
@@ -646,15 +818,28 @@ fn run_case(
     })
 }
 
-/// Writes the native reference trace of one profile.
-fn write_reference(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<()> {
-    let ref_path = trace_path(ctx, precision, "reference");
+/// The reference trace's name of one prompt.
+fn reference_name(prompt: MatrixPrompt) -> &'static str {
+    match prompt {
+        MatrixPrompt::Short => "reference",
+        MatrixPrompt::Long => "long-reference",
+    }
+}
+
+/// Writes the native reference trace of one profile and prompt.
+fn write_reference(
+    ctx: &Ctx,
+    precision: Precision,
+    prompt: MatrixPrompt,
+    (text, ids): (&str, &[u32]),
+) -> Result<()> {
+    let ref_path = trace_path(ctx, precision, reference_name(prompt));
     if let Some(dir) = ref_path.parent() {
         std::fs::create_dir_all(dir).map_err(CalibrateError::io(format!("creating {}", dir.display())))?;
     }
     ctx.write_trace_in(
         TraceRequest {
-            prompt: PROMPT,
+            prompt: text,
             prompt_ids: ids,
             tokens: ctx.sizes.tokens,
             combine: &NativeCombine,
@@ -667,27 +852,40 @@ fn write_reference(ctx: &Ctx, precision: Precision, ids: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// One job of the matrix: a profile's reference trace, or one case.
+/// One job of the matrix: a profile's reference trace of one prompt, or one case.
 #[derive(Clone, Copy)]
 enum MatrixJob {
-    Reference { profile: usize },
+    Reference { profile: usize, prompt: MatrixPrompt },
     Case { profile: usize, case: usize },
 }
 
-impl MatrixJob {
-    fn profile(self) -> usize {
-        match self {
-            MatrixJob::Reference { profile } | MatrixJob::Case { profile, .. } => profile,
-        }
-    }
-}
-
-/// Protocol 10's jobs: per profile, the reference trace, then every case
-/// (its candidate trace and the diff against the reference).
+/// Protocol 10's jobs: per profile, the reference traces (the long one
+/// when there are long-context cases), then every case (its candidate
+/// trace and the diff against its prompt's reference).
 struct Matrix {
     ids: Vec<u32>,
+    /// The long prompt's text and ids.
+    long: (String, Vec<u32>),
     cases: Vec<Vec<Case>>,
     jobs: Vec<MatrixJob>,
+}
+
+impl Matrix {
+    /// The profile and prompt whose reference a job needs.
+    fn reference_of(&self, job: MatrixJob) -> (usize, MatrixPrompt) {
+        match job {
+            MatrixJob::Reference { profile, prompt } => (profile, prompt),
+            MatrixJob::Case { profile, case } => (profile, self.cases[profile][case].prompt),
+        }
+    }
+
+    /// A prompt's text and ids.
+    fn prompt(&self, prompt: MatrixPrompt) -> (&str, &[u32]) {
+        match prompt {
+            MatrixPrompt::Short => (PROMPT, &self.ids),
+            MatrixPrompt::Long => (&self.long.0, &self.long.1),
+        }
+    }
 }
 
 impl Jobs for Matrix {
@@ -698,32 +896,30 @@ impl Jobs for Matrix {
     /// Writes the reference trace of every profile an owned job needs (it is
     /// an output only of the job that owns it).
     fn prepare(&mut self, ctx: &Ctx, owned: &[usize]) -> Result<()> {
-        let need: Vec<usize> = (0..PROFILES.len())
-            .filter(|&p| owned.iter().any(|&j| self.jobs[j].profile() == p))
-            .collect();
+        let mut need: Vec<(usize, MatrixPrompt)> = Vec::new();
+        for &j in owned {
+            let r = self.reference_of(self.jobs[j]);
+            if !need.contains(&r) {
+                need.push(r);
+            }
+        }
         need.par_iter()
-            .map(|&p| write_reference(ctx, PROFILES[p], &self.ids))
+            .map(|&(p, prompt)| write_reference(ctx, PROFILES[p], prompt, self.prompt(prompt)))
             .collect::<Result<Vec<()>>>()?;
         Ok(())
     }
 
     fn run(&self, ctx: &Ctx, job: usize) -> Result<JobOut> {
         match self.jobs[job] {
-            MatrixJob::Reference { profile } => Ok(JobOut {
+            MatrixJob::Reference { profile, prompt } => Ok(JobOut {
                 result: Value::Null,
-                files: vec![trace_name(PROFILES[profile], "reference")],
+                files: vec![trace_name(PROFILES[profile], reference_name(prompt))],
             }),
             MatrixJob::Case { profile, case } => {
                 let precision = PROFILES[profile];
-                let ref_path = trace_path(ctx, precision, "reference");
-                let outcome = run_case(
-                    ctx,
-                    precision,
-                    &self.ids,
-                    &ref_path,
-                    case,
-                    &self.cases[profile][case],
-                )?;
+                let c = &self.cases[profile][case];
+                let ref_path = trace_path(ctx, precision, reference_name(c.prompt));
+                let outcome = run_case(ctx, precision, self.prompt(c.prompt), &ref_path, case, c)?;
                 Ok(JobOut {
                     result: serde_json::to_value(&outcome)?,
                     files: vec![trace_name(precision, &format!("{:02}", case + 1))],
@@ -737,21 +933,40 @@ impl Jobs for Matrix {
 /// searched on the runtime here, in every shard: the job list depends on them).
 pub fn plan(ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
     let ids = ctx.encode(PROMPT)?;
+    let long = long_prompt(ctx)?;
     let n = ctx.sizes.tokens;
     let mut cases = Vec::new();
     let mut jobs = Vec::new();
     for (p, &precision) in PROFILES.iter().enumerate() {
-        let m = matrix(ctx, precision, &ids, n)?;
+        let mut m = matrix(ctx, precision, &ids, n)?;
+        let long_cases = long_context_matrix(ctx, long.1.len(), n);
         ctx.note(&format!(
-            "[10] fault-injection localization matrix ({}): {} cases, {n} tokens",
+            "[10] fault-injection localization matrix ({}): {} cases, {n} tokens; {} long-context cases on a {}-token prompt",
             precision.name(),
-            m.len()
+            m.len(),
+            long_cases.len(),
+            long.1.len()
         ));
-        jobs.push(MatrixJob::Reference { profile: p });
+        jobs.push(MatrixJob::Reference {
+            profile: p,
+            prompt: MatrixPrompt::Short,
+        });
+        if !long_cases.is_empty() {
+            jobs.push(MatrixJob::Reference {
+                profile: p,
+                prompt: MatrixPrompt::Long,
+            });
+        }
+        m.extend(long_cases);
         jobs.extend((0..m.len()).map(|case| MatrixJob::Case { profile: p, case }));
         cases.push(m);
     }
-    Ok(Box::new(Matrix { ids, cases, jobs }))
+    Ok(Box::new(Matrix {
+        ids,
+        long,
+        cases,
+        jobs,
+    }))
 }
 
 /// Counts of one profile (or of both).
@@ -803,6 +1018,24 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
         .map(|&p| (p, Counts::of(outcomes.iter().filter(|o| o.profile == p.name()))))
         .collect();
     let each_enough = per.iter().all(|(_, c)| c.effective >= 8);
+    // The long-context cases: each must act (on the long prompt) and be localized.
+    let long: Vec<(Precision, Counts)> = PROFILES
+        .iter()
+        .map(|&p| {
+            let of = |o: &&Outcome| o.profile == p.name() && o.prompt == MatrixPrompt::Long;
+            (p, Counts::of(outcomes.iter().filter(of)))
+        })
+        .collect();
+    let long_all = Counts::of(outcomes.iter().filter(|o| o.prompt == MatrixPrompt::Long));
+    let long_ok = long
+        .iter()
+        .all(|(_, c)| c.cases > 0 && c.effective == c.cases && c.localized == c.cases);
+    let long_detail = long
+        .iter()
+        .map(|(p, c)| format!("{} {}", p.name(), frac(c.localized, c.cases)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let long_prompt = outcomes.iter().find(|o| o.prompt == MatrixPrompt::Long);
     let detail = per
         .iter()
         .map(|(p, c)| format!("{} {}", p.name(), frac(c.localized, c.effective)))
@@ -814,6 +1047,15 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
         .ok_or_else(|| CalibrateError::Invalid("the matrix counts are not a JSON object".into()))?;
     obj.insert("prompt".into(), json!(PROMPT));
     obj.insert("tokens".into(), json!(n));
+    obj.insert(
+        "long_prompt".into(),
+        json!(long_prompt.map(|o| o.prompt_text.clone())),
+    );
+    obj.insert(
+        "long_prompt_tokens".into(),
+        json!(long_prompt.map(|o| o.prompt_tokens)),
+    );
+    obj.insert("long_context".into(), long_all.json());
     obj.insert(
         "profiles".into(),
         per.iter()
@@ -827,7 +1069,7 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
     obj.insert("rows".into(), outcomes.iter().map(Outcome::json).collect());
     Ok(vec![Section {
         key: "fault_matrix".into(),
-        tables: vec![table(n, &outcomes)],
+        tables: vec![table(n, long_prompt.map(|o| o.prompt_tokens), &outcomes)],
         json,
         claims: vec![
             Claim::new(
@@ -836,6 +1078,15 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
                 format!(
                     "{} effective injected faults localized to exactly their step, layer and operator ({detail}; at least 8 per profile needed)",
                     frac(all.localized, all.effective)
+                ),
+            ),
+            Claim::new(
+                "long_context_localized",
+                long_ok,
+                format!(
+                    "{} long-context faults (run on a {}-token prompt) changed bits and were localized to exactly their step, layer and operator ({long_detail}; at least one per profile needed)",
+                    frac(long_all.localized, long_all.cases),
+                    long_prompt.map_or(0, |o| o.prompt_tokens),
                 ),
             ),
             Claim::new(
@@ -858,11 +1109,14 @@ pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
     }])
 }
 
-fn table(n: usize, outcomes: &[Outcome]) -> Table {
+fn table(n: usize, long: Option<usize>, outcomes: &[Outcome]) -> Table {
+    let long = long.map_or(String::new(), |l| {
+        format!(" (the long-context cases: a built-in passage of {l} prompt tokens)")
+    });
     let mut t = Table::new(
         "fault_localization",
         &format!(
-            "Fault-injection localization matrix: \"{PROMPT}\", {n} tokens, diff against the native trace of each profile"
+            "Fault-injection localization matrix: \"{PROMPT}\"{long}, {n} tokens, diff against the native trace of each profile and prompt"
         ),
         &[
             "Profile",
@@ -877,6 +1131,7 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
             "Divergence",
             "Result",
             "Reading",
+            "Prompt tokens",
         ],
     );
     let opt = |x: Option<u32>| x.map_or("-".to_string(), |v| v.to_string());
@@ -910,6 +1165,7 @@ fn table(n: usize, outcomes: &[Outcome]) -> Table {
                 Some(false) => "NOT NAMED".into(),
                 None => "-".into(),
             },
+            o.prompt_tokens.to_string(),
         ]);
     }
     t

@@ -4,15 +4,22 @@
 //! carried-state, cache storage/read, decode-only and integer-record
 //! faults, and in both profiles every effective case's expected step, layer
 //! and record is the first record that really differs between the two
-//! traces (in execution order over every level).
+//! traces (in execution order over every level). The long-context cases
+//! (issue 35 item 4) run on the long prompt, act there at exactly their
+//! onset, and change no bit on "why the sheep".
 
 use std::collections::BTreeSet;
 
-use moeconf_calibrate::fault_matrix::matrix;
-use moeconf_calibrate::{Ctx, CtxOptions, Sizes};
+use moeconf_calibrate::fault_matrix::{
+    long_context_kinds, long_context_matrix, long_prompt, matrix, MatrixPrompt,
+};
+use moeconf_calibrate::{Ctx, CtxOptions, Sizes, TraceRequest};
+use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::catalogue::{ExecGroup, Presence};
 use moeconf_fingerprint::Component;
+use moeconf_reference_runtime::faults::FaultPlan;
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_schema::Trace;
 
 fn ctx(out: &std::path::Path) -> Ctx {
     let m = moeconf_runner::load_model("builtin:tiny-v4").expect("built-in model");
@@ -82,6 +89,85 @@ fn the_matrix_covers_every_operator_with_enough_kinds() {
         assert!(cases
             .iter()
             .any(|c| c.faults.len() == 2 && c.expect.component == Component::MoeCombine));
+        assert!(cases.iter().all(|c| c.prompt == MatrixPrompt::Short));
+    }
+    // The long-context cases: one per kind, active at every step and
+    // position of its layer, on a prompt that reaches every onset (so each
+    // is expected in the prefill), at its kind's record.
+    let (text, long) = long_prompt(&ctx).unwrap();
+    let cfg = ctx.m.model.config();
+    let cases = long_context_matrix(&ctx, long.len(), Sizes::QUICK.tokens);
+    let kinds: Vec<_> = cases.iter().map(|c| c.faults[0].kind.clone()).collect();
+    assert_eq!(kinds, long_context_kinds().to_vec(), "{text:?}");
+    for c in &cases {
+        let f = &c.faults[0];
+        let layer = f.layer.unwrap();
+        let onset = f
+            .kind
+            .long_context_onset(cfg, cfg.layer_types[layer as usize])
+            .unwrap();
+        assert!((onset as usize) < long.len(), "{}: onset {onset}", f.kind.name());
+        assert!(f.step.is_none() && f.position.is_none() && c.faults.len() == 1);
+        assert_eq!(c.prompt, MatrixPrompt::Long);
+        assert_eq!((c.expect.step, c.expect.layer), (0, Some(layer)));
+        assert_eq!(c.expect.component, f.kind.component());
+    }
+    // The fewest words of the passage: one word fewer does not reach the latest onset.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let shorter = ctx.encode(&words[..words.len() - 1].join(" ")).unwrap();
+    let latest = cases
+        .iter()
+        .map(|c| {
+            let l = c.faults[0].layer.unwrap() as usize;
+            c.faults[0]
+                .kind
+                .long_context_onset(cfg, cfg.layer_types[l])
+                .unwrap()
+        })
+        .max()
+        .unwrap();
+    assert!(shorter.len() <= latest as usize, "{} ids", shorter.len());
+}
+
+/// The long-context cases' plans change no bit on "why the sheep" (the
+/// matrix's short prompt, with the matrix's tokens): the candidate trace has
+/// the reference's root digest, in both profiles.
+#[test]
+fn long_context_cases_are_silent_on_the_short_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctx = ctx(dir.path());
+    let ids = ctx.encode("why the sheep").unwrap();
+    let (_, long) = long_prompt(&ctx).unwrap();
+    let cases = long_context_matrix(&ctx, long.len(), Sizes::QUICK.tokens);
+    assert_eq!(cases.len(), 3);
+    for precision in [Precision::Bf16, Precision::F32] {
+        let write = |name: &str, plan: Option<&FaultPlan>| {
+            let path = dir.path().join(format!("{name}-{}.bin", precision.name()));
+            ctx.write_trace_in(
+                TraceRequest {
+                    prompt: "why the sheep",
+                    prompt_ids: &ids,
+                    tokens: Sizes::QUICK.tokens,
+                    combine: &NativeCombine,
+                    faults: plan,
+                    notes: vec![],
+                    path: &path,
+                },
+                precision,
+            )
+            .unwrap();
+            Trace::open_verified(&path).unwrap().root()
+        };
+        let reference = write("reference", None);
+        for (i, c) in cases.iter().enumerate() {
+            let plan = FaultPlan::new(c.faults.clone());
+            assert_eq!(
+                write(&format!("{i}"), Some(&plan)),
+                reference,
+                "{} ({precision:?}) changed bits on the short prompt",
+                c.name()
+            );
+        }
     }
 }
 
@@ -113,6 +199,32 @@ fn every_expectation_is_the_first_differing_record_in_both_profiles() {
         effective.iter().all(|&n| n >= 30),
         "effective cases per profile: {effective:?}"
     );
+    // The long-context cases: in each profile every one acts on the long
+    // prompt and the diff's headline names its step, layer and record at
+    // exactly its onset position.
+    let cfg = ctx.m.model.config();
+    for profile in ["bf16", "f32"] {
+        let long: Vec<&serde_json::Value> = rows
+            .iter()
+            .filter(|r| r["profile"] == profile && r["prompt"] == "long")
+            .collect();
+        assert_eq!(long.len(), 3, "{profile}");
+        for r in long {
+            assert_eq!(
+                (&r["effective"], &r["localized"]),
+                (&true.into(), &true.into()),
+                "{r}"
+            );
+            let kind = long_context_kinds()
+                .into_iter()
+                .find(|k| r["fault"] == k.name())
+                .unwrap_or_else(|| panic!("not a long-context kind: {}", r["fault"]));
+            let layer = r["expected"]["layer"].as_u64().unwrap() as usize;
+            let onset = kind.long_context_onset(cfg, cfg.layer_types[layer]).unwrap();
+            assert_eq!(r["found"]["position"], onset, "{r}");
+        }
+    }
+    assert_eq!(section.json["long_context"]["localized"], 6);
     // Faults in uncaptured sub-operators name the steps inside the localized
     // operator; scaling faults the fitted scale (issue 32, items 4 and 5).
     for profile in ["bf16", "f32"] {

@@ -203,7 +203,7 @@ pub(crate) fn attention_forward(
             Component::AttnWindowRead,
             at,
             &[(window.len() / d) as u64, d as u64],
-            window,
+            &window,
         )?;
         // DeepSeek's kernel reads the selection in the indexer's top-k order
         // (score descending); the other profiles in ascending entry order.
@@ -263,14 +263,23 @@ fn store_kv(ls: &mut LayerState, kv: &[f32], cx: &TokenCtx<'_>) {
 /// The window rows attention reads: the cache after this position's kv is
 /// stored (≤ w rows, oldest first). With the
 /// [`crate::faults::FaultKind::WindowReadDropsOldest`] fault a full window
-/// is read without its oldest row.
-fn window_read<'s>(ls: &'s LayerState, cx: &TokenCtx<'_>) -> &'s [f32] {
-    let d = cx.cfg.head_dim;
-    let rows = ls.window_kv.len() / d;
-    if cx.fx.attention.window_read_drops_oldest && rows >= cx.cfg.sliding_window && rows > 0 {
-        &ls.window_kv[d..]
+/// is read without its oldest row; with
+/// [`crate::faults::FaultKind::WindowRingReadOffByOne`], from position 2w
+/// on, the newest row (the position's kv) is read from the next ring slot,
+/// which holds the oldest row.
+fn window_read<'s>(ls: &'s LayerState, cx: &TokenCtx<'_>) -> Cow<'s, [f32]> {
+    let (d, w) = (cx.cfg.head_dim, cx.cfg.sliding_window);
+    let rows = ls.window_kv.len() / d.max(1);
+    let full = rows >= w && rows > 0;
+    let twice_wrapped = cx.position as usize >= 2 * w;
+    if cx.fx.attention.window_read_drops_oldest && full {
+        Cow::Borrowed(&ls.window_kv[d..])
+    } else if cx.fx.attention.window_ring_read_off_by_one && full && twice_wrapped && rows > 1 {
+        let mut v = ls.window_kv[..(rows - 1) * d].to_vec();
+        v.extend_from_slice(&ls.window_kv[..d]);
+        Cow::Owned(v)
     } else {
-        &ls.window_kv
+        Cow::Borrowed(&ls.window_kv)
     }
 }
 
@@ -472,11 +481,20 @@ fn select(
         }
     };
     rec.f32(Component::AttnIndexerScores, at, &[scores.len() as u64], &scores)?;
-    let mut k = cfg.index_topk.min(scores.len());
+    let full = cfg.index_topk.min(scores.len());
+    let mut k = full;
     if fx.topk_drops_last {
         k = k.saturating_sub(1);
     }
-    let selected = topk_desc(&scores, k);
+    let selected = match fx.topk_takes_next && scores.len() > full && k > 0 {
+        // The last slot takes the next entry of the ranking (T > K_I only).
+        true => {
+            let mut s = topk_desc(&scores, k + 1);
+            s.remove(k - 1);
+            s
+        }
+        false => topk_desc(&scores, k),
+    };
     let ids: Vec<i32> = selected.iter().map(|&i| i as i32).collect();
     rec.i32(Component::AttnIndexerTopk, at, &ids)?;
     Ok(selected)

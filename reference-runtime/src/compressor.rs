@@ -94,7 +94,8 @@ pub(crate) struct Emitted {
 /// emitted if this token closed a window (it is also appended to the
 /// state). With the calibration faults of `fx` (none by default): the pooling sums' order and accumulator, the carried overlap
 /// ignored or saved without its position bias, buffered rows or the stored
-/// entry kept with fewer mantissa bits. The returned entry is the one
+/// entry kept with fewer mantissa bits, the entry rotated one position early
+/// from the second window on. The returned entry is the one
 /// computed; the state stores it, or its quantization by `store` (with
 /// `fx.store_bits`, truncated).
 #[allow(clippy::too_many_arguments)] // the operator's inputs plus its faults and storage format
@@ -133,7 +134,12 @@ pub(crate) fn compressor_step_with(
         p => p,
     };
     let mut entry = rmsnorm_weighted(&pooled, &cw.norm, eps, norm_p);
-    let cs = rope.cos_sin((i as usize * st.rate) as u32, p.rope_tables());
+    let mut position = i as usize * st.rate;
+    if fx.position_off_by_one {
+        // The long-context fault: right for the first window (0), one early after.
+        position = position.saturating_sub(1);
+    }
+    let cs = rope.cos_sin(position as u32, p.rope_tables());
     apply_rope(&mut entry, &cs, false, p);
     st.buffer_kv.clear();
     st.buffer_gate.clear();

@@ -33,6 +33,7 @@ use moeconf_contract::bf16::r_bf16;
 use moeconf_contract::{AggregationContract, CombineEvent, MoeCombine, CANONICAL_NAN_BITS};
 use moeconf_fingerprint::{Component, Half};
 
+use crate::config::{AttentionKind, ModelConfig};
 use crate::precision::Precision;
 
 /// One deliberate deviation from the runtime's numerical contract.
@@ -149,6 +150,27 @@ pub enum FaultKind {
     /// Lightning indexer: the selection keeps one entry fewer than
     /// min(K_I, T) (the lowest-scored selected entry is dropped).
     IndexerTopkDropsLast,
+    /// Lightning indexer, a long-context fault: the last selected slot takes
+    /// its neighbour in the ranking, the (K_I+1)-th best entry instead of the
+    /// K_I-th (an off-by-one in the top-k cut). Only possible once there are
+    /// more compressed entries than K_I (T > K_I, from position
+    /// rate·(K_I+1) − 1 on); before that the selection is every entry and
+    /// the fault changes no bit.
+    IndexerTopkTakesNextEntry,
+    /// Window cache read, a long-context fault: once the ring of w slots
+    /// (slot of position t = t mod w) has wrapped twice (t ≥ 2w), the read
+    /// of the newest row takes the next slot, (t + 1) mod w, which holds the
+    /// oldest row: the read view has the oldest row twice and lacks the
+    /// position's own kv (the cache is unchanged). Before the second wrap it
+    /// changes no bit.
+    WindowRingReadOffByOne,
+    /// Main KV compressor (CSA/HCA), a long-context fault: the entry of
+    /// window i is rotated at position i·rate − 1 instead of i·rate (an
+    /// off-by-one at the window boundary, as `(i·rate).saturating_sub(1)`),
+    /// so the first window's entry (i = 0, position 0) is right and every
+    /// entry from the second window on (closing at position 2·rate − 1) is
+    /// wrong.
+    CompressedPositionOffByOne,
     /// FFN-half RMSNorm (`ffn_norm`) with this ε instead of the config's.
     FfnNormEpsilon(f32),
     /// Router scores: softplus computed as `log1pf(R_BF16(expf(x)))`, the
@@ -253,7 +275,9 @@ impl FaultKind {
             K::KvProjectionTruncate => C::AttnKv,
             K::OutputGroupTruncate { .. } => C::AttnOutput,
             K::IndexerScoreScaleAfterSum => C::AttnIndexerScores,
-            K::IndexerTopkDropsLast => C::AttnIndexerTopk,
+            K::IndexerTopkDropsLast | K::IndexerTopkTakesNextEntry => C::AttnIndexerTopk,
+            K::WindowRingReadOffByOne => C::AttnWindowRead,
+            K::CompressedPositionOffByOne => C::AttnCompressed,
             K::FfnNormEpsilon(_) => C::FfnNorm,
             K::RouterSoftplusBf16Exp => C::RouterScores,
             K::RouterNearTieFlip | K::HashRouteNextRow => C::RouterTopk,
@@ -282,6 +306,29 @@ impl FaultKind {
     /// step and position whatever layer its [`Fault`] names.
     pub fn is_global(&self) -> bool {
         matches!(self, FaultKind::EmbeddingWrongRow | FaultKind::HeadNormEpsilon(_))
+    }
+
+    /// For the long-context kinds, the first absolute position at which the
+    /// kind changes a bit on a layer of attention kind `layer` of `cfg`
+    /// (active there, it is a no-op at every earlier position); `None` for
+    /// the other kinds, and for a layer where the kind never acts (the
+    /// indexer's only on CSA layers, the compressor's only on CSA and HCA
+    /// layers).
+    pub fn long_context_onset(&self, cfg: &ModelConfig, layer: AttentionKind) -> Option<u32> {
+        let pos = |x: usize| u32::try_from(x).ok();
+        let rate = (layer != AttentionKind::Sliding).then(|| cfg.compress_rate(layer));
+        match self {
+            // A ring of one slot has no other slot to read.
+            FaultKind::WindowRingReadOffByOne if cfg.sliding_window >= 2 => {
+                pos(cfg.sliding_window.checked_mul(2)?)
+            }
+            FaultKind::IndexerTopkTakesNextEntry if layer == AttentionKind::Csa && cfg.index_topk > 0 => {
+                let entries = cfg.index_topk.checked_add(1)?;
+                pos(cfg.csa_rate.checked_mul(entries)?.checked_sub(1)?)
+            }
+            FaultKind::CompressedPositionOffByOne => pos(rate?.checked_mul(2)?.checked_sub(1)?),
+            _ => None,
+        }
     }
 
     /// A short name for reports (`attention-softmax-reversed`, `combine:b+order=class:135`, …).
@@ -328,6 +375,9 @@ impl FaultKind {
             K::OutputGroupTruncate { group } => format!("attn-output-group-{group}-bf16-truncate"),
             K::IndexerScoreScaleAfterSum => "indexer-score-scale-after-head-sum".into(),
             K::IndexerTopkDropsLast => "indexer-topk-drops-last".into(),
+            K::IndexerTopkTakesNextEntry => "indexer-topk-takes-next-entry".into(),
+            K::WindowRingReadOffByOne => "window-ring-read-off-by-one-after-second-wrap".into(),
+            K::CompressedPositionOffByOne => "compressed-position-off-by-one-from-second-window".into(),
             K::FfnNormEpsilon(e) => format!("ffn-norm-eps={e:e}"),
             K::RouterSoftplusBf16Exp => "router-softplus-bf16-exp".into(),
             K::RouterNearTieFlip => "router-near-tie-flip".into(),
@@ -444,6 +494,9 @@ impl FaultPlan {
                 K::OutputGroupTruncate { group } => a.output_group_truncate = Some(*group),
                 K::IndexerScoreScaleAfterSum => a.indexer.scale_after_sum = true,
                 K::IndexerTopkDropsLast => a.indexer.topk_drops_last = true,
+                K::IndexerTopkTakesNextEntry => a.indexer.topk_takes_next = true,
+                K::WindowRingReadOffByOne => a.attention.window_ring_read_off_by_one = true,
+                K::CompressedPositionOffByOne => a.compressor.position_off_by_one = true,
                 K::FfnNormEpsilon(e) => a.ffn_norm_eps = Some(*e),
                 K::RouterSoftplusBf16Exp => a.router.softplus_bf16_exp = true,
                 K::RouterNearTieFlip => a.router_flip = true,
@@ -583,6 +636,8 @@ pub struct AttentionFaults {
     pub window_store_bits: Option<u32>,
     /// See [`FaultKind::WindowReadDropsOldest`].
     pub window_read_drops_oldest: bool,
+    /// See [`FaultKind::WindowRingReadOffByOne`].
+    pub window_ring_read_off_by_one: bool,
 }
 
 /// Faults of one compressor (the attention's or the indexer's) and its cache.
@@ -595,6 +650,8 @@ pub struct CompressorFaults {
     pub ignore_overlap: bool,
     /// See [`FaultKind::CompressorOverlapGateWithoutBias`].
     pub overlap_gate_without_bias: bool,
+    /// See [`FaultKind::CompressedPositionOffByOne`].
+    pub position_off_by_one: bool,
     /// Mantissa bits kept in the buffered raw kv rows
     /// ([`FaultKind::IndexerBufferLowPrecision`]).
     pub buffer_bits: Option<u32>,
@@ -613,6 +670,8 @@ pub struct IndexerFaults {
     pub scale_after_sum: bool,
     /// See [`FaultKind::IndexerTopkDropsLast`].
     pub topk_drops_last: bool,
+    /// See [`FaultKind::IndexerTopkTakesNextEntry`].
+    pub topk_takes_next: bool,
 }
 
 /// Faults of the router (besides [`FaultKind::RouterNearTieFlip`]).
@@ -878,6 +937,11 @@ mod tests {
             FaultKind::IndexerStoreLowPrecision { mantissa_bits: 3 },
             FaultKind::IndexerBufferLowPrecision { mantissa_bits: 3 },
             FaultKind::CombineElementNudge { element: 7 },
+            FaultKind::IndexerTopkDropsLast,
+            FaultKind::IndexerTopkTakesNextEntry,
+            FaultKind::WindowReadDropsOldest,
+            FaultKind::WindowRingReadOffByOne,
+            FaultKind::CompressedPositionOffByOne,
         ];
         let names: std::collections::HashSet<String> = kinds.iter().map(FaultKind::name).collect();
         assert_eq!(names.len(), kinds.len());

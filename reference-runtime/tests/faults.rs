@@ -11,6 +11,7 @@ use common::{digests, fixture_model, prompt};
 use moeconf_contract::{AggregationContract, NativeCombine, Order};
 use moeconf_fingerprint::Half;
 use moeconf_reference_runtime::capture::MemorySink;
+use moeconf_reference_runtime::config::AttentionKind;
 use moeconf_reference_runtime::faults::{Fault, FaultKind, FaultPlan};
 use moeconf_reference_runtime::model::StepOptions;
 use moeconf_reference_runtime::precision::Precision;
@@ -24,8 +25,13 @@ fn run(plan: Option<&FaultPlan>) -> MemorySink {
 /// The 5-token prompt for 5 steps in `precision` with the native combine
 /// (as the calibration matrix runs it), capturing every level.
 fn run_in(plan: Option<&FaultPlan>, precision: Precision) -> MemorySink {
+    run_ids(plan, precision, &prompt(1, 5), TOKENS)
+}
+
+/// `ids` for `steps` steps in `precision` with the native combine, capturing
+/// every level.
+fn run_ids(plan: Option<&FaultPlan>, precision: Precision, ids: &[u32], steps: u32) -> MemorySink {
     let m = fixture_model();
-    let ids = prompt(1, 5);
     let opts = StepOptions {
         precision,
         combine: &NativeCombine,
@@ -34,9 +40,9 @@ fn run_in(plan: Option<&FaultPlan>, precision: Precision) -> MemorySink {
     };
     let mut sink = MemorySink::all();
     let mut st = m.new_state();
-    while st.step < TOKENS {
+    while st.step < steps {
         let input = if st.step == 0 {
-            ids.clone()
+            ids.to_vec()
         } else {
             vec![st.pending.unwrap()]
         };
@@ -228,4 +234,144 @@ fn post_mhc_intervention_adds_delta_once() {
         FaultKind::AddPostFfnMhc(vec![0.0; h.len()]),
     )]);
     assert_eq!(digests(&run(Some(&zero))), digests(&base));
+}
+
+/// The long-context kinds (issue 35 item 4).
+fn long_context_kinds() -> [FaultKind; 3] {
+    [
+        FaultKind::IndexerTopkTakesNextEntry,
+        FaultKind::WindowRingReadOffByOne,
+        FaultKind::CompressedPositionOffByOne,
+    ]
+}
+
+/// A fault active at every step and position of one layer (or of every layer).
+fn everywhere(layer: Option<u32>, kind: FaultKind) -> Fault {
+    Fault {
+        step: None,
+        layer,
+        position: None,
+        kind,
+    }
+}
+
+/// The first record that differs between two runs (same record sequence
+/// up to it).
+fn first_difference<'a>(
+    base: &MemorySink,
+    sink: &'a MemorySink,
+    name: &str,
+) -> Option<&'a moeconf_fingerprint::Coord> {
+    let (bd, d) = (digests(base), digests(sink));
+    let i = d.iter().zip(&bd).position(|(a, b)| a != b);
+    if i.is_none() {
+        assert_eq!(d.len(), bd.len(), "{name}");
+    }
+    let c = &sink.records[i?].coord;
+    assert_eq!(base.records[i?].coord, *c, "{name}: the record sequences part");
+    Some(c)
+}
+
+/// The long-context kinds, active at every layer, step and position, change
+/// no bit at a short context (positions 0..6: before the ring's second wrap,
+/// before T > K_I, before any second compression window); on a long prompt
+/// each, active at every step and position of one layer, first changes its
+/// own record exactly at its onset ([`FaultKind::long_context_onset`]):
+/// in the prefill when the prompt reaches the onset, in the first decode
+/// step when the prompt ends just before it. Both profiles.
+#[test]
+fn long_context_faults_are_silent_when_short_and_localized_when_long() {
+    let cfg = fixture_model().config();
+    let short = prompt(1, 5);
+    let every = FaultPlan::new(
+        long_context_kinds()
+            .into_iter()
+            .map(|k| everywhere(None, k))
+            .collect(),
+    );
+    let long = prompt(3, 40);
+    // (kind, layer): sliding, CSA and HCA layers.
+    let cases = [
+        (FaultKind::WindowRingReadOffByOne, 0u32),
+        (FaultKind::WindowRingReadOffByOne, 3),
+        (FaultKind::IndexerTopkTakesNextEntry, 2),
+        (FaultKind::IndexerTopkTakesNextEntry, 6),
+        (FaultKind::CompressedPositionOffByOne, 3),
+        (FaultKind::CompressedPositionOffByOne, 4),
+    ];
+    // tiny-v4: w = 8, CSA rate 4, HCA rate 16, K_I = 4.
+    let onset = |k: FaultKind, t| k.long_context_onset(cfg, t);
+    let (sl, csa, hca) = (AttentionKind::Sliding, AttentionKind::Csa, AttentionKind::Hca);
+    assert_eq!(
+        (cfg.sliding_window, cfg.csa_rate, cfg.hca_rate, cfg.index_topk),
+        (8, 4, 16, 4)
+    );
+    for t in [sl, csa, hca] {
+        // The ring of 8 slots has wrapped twice at position 16, on every layer.
+        assert_eq!(onset(FaultKind::WindowRingReadOffByOne, t), Some(16));
+    }
+    // T = 5 > K_I entries from position 19, on CSA layers only.
+    assert_eq!(onset(FaultKind::IndexerTopkTakesNextEntry, csa), Some(19));
+    assert_eq!(onset(FaultKind::IndexerTopkTakesNextEntry, hca), None);
+    // The second window closes at 2·rate − 1; no compressor on sliding layers.
+    assert_eq!(onset(FaultKind::CompressedPositionOffByOne, csa), Some(7));
+    assert_eq!(onset(FaultKind::CompressedPositionOffByOne, hca), Some(31));
+    assert_eq!(onset(FaultKind::CompressedPositionOffByOne, sl), None);
+    assert_eq!(onset(FaultKind::WindowReadDropsOldest, sl), None);
+    for precision in [Precision::Bf16, Precision::F32] {
+        let onsets: Vec<u32> = long_context_kinds()
+            .iter()
+            .flat_map(|k| {
+                cfg.layer_types
+                    .iter()
+                    .filter_map(|&t| k.long_context_onset(cfg, t))
+            })
+            .collect();
+        // 5 prompt tokens and 2 decode steps: positions 0..6, before every onset.
+        assert!(onsets.iter().all(|&o| o >= 7), "{onsets:?}");
+        let base = run_ids(None, precision, &short, 3);
+        let faulty = run_ids(Some(&every), precision, &short, 3);
+        assert_eq!(first_difference(&base, &faulty, "short"), None, "{precision:?}");
+        assert_eq!(digests(&faulty), digests(&base));
+
+        let base = run_ids(None, precision, &long, 2);
+        for (kind, layer) in &cases {
+            let name = kind.name();
+            let lt = cfg.layer_types[*layer as usize];
+            let onset = kind.long_context_onset(cfg, lt).unwrap();
+            assert!(onset < long.len() as u32, "{name}: onset {onset}");
+            let plan = FaultPlan::new(vec![everywhere(Some(*layer), kind.clone())]);
+            let sink = run_ids(Some(&plan), precision, &long, 2);
+            let c = first_difference(&base, &sink, &name)
+                .unwrap_or_else(|| panic!("{name} ({precision:?}) changed nothing at layer {layer}"));
+            let expect = kind.component();
+            assert!(
+                c.step == 0 && c.layer == Some(*layer) && c.position == onset && expect.matches(&c.path),
+                "{name} ({precision:?}): first difference at {c}, expected step 0 layer {layer} position {onset} {expect}"
+            );
+        }
+        // The prompt ends just before the onset: the prefill is untouched
+        // and the first decode step (at the onset) is not.
+        for (kind, layer) in [
+            (FaultKind::WindowRingReadOffByOne, 1u32),
+            (FaultKind::IndexerTopkTakesNextEntry, 4),
+            (FaultKind::CompressedPositionOffByOne, 5),
+        ] {
+            let name = kind.name();
+            let onset = kind
+                .long_context_onset(cfg, cfg.layer_types[layer as usize])
+                .unwrap();
+            let ids = prompt(5, onset);
+            let base = run_ids(None, precision, &ids, 2);
+            let plan = FaultPlan::new(vec![everywhere(Some(layer), kind.clone())]);
+            let sink = run_ids(Some(&plan), precision, &ids, 2);
+            let c = first_difference(&base, &sink, &name)
+                .unwrap_or_else(|| panic!("{name} ({precision:?}) changed nothing in the decode step"));
+            let expect = kind.component();
+            assert!(
+                c.step == 1 && c.layer == Some(layer) && c.position == onset && expect.matches(&c.path),
+                "{name} ({precision:?}): first difference at {c}, expected step 1 layer {layer} position {onset} {expect}"
+            );
+        }
+    }
 }
