@@ -522,17 +522,11 @@ impl Model {
             let pos0 = e.state.position;
             let id32: Vec<i32> = e.ids.iter().map(|&t| t as i32).collect();
             rec.i32(Component::TokenInput, At::global(pos0), &id32)?;
-            let mut streams = Vec::with_capacity(e.ids.len());
-            for (j, &id) in e.ids.iter().enumerate() {
-                let emb = self.embedding(id, false);
-                rec.f32(
-                    Component::EmbedOutput,
-                    At::global(pos0 + j as u32),
-                    &[emb.len() as u64],
-                    &emb,
-                )?;
-                streams.push(emb.repeat(cfg.hc_mult));
-            }
+            // A position's streams exist only while its chunk runs (filled
+            // when the chunk starts, freed when it has left the last layer;
+            // the last position's are kept for the head), so a chunked
+            // prefill holds one chunk of residual streams, not the prompt's.
+            let streams = vec![Vec::new(); e.ids.len()];
             seqs.push(Seq {
                 state: &mut *e.state,
                 ids: e.ids,
@@ -557,6 +551,21 @@ impl Model {
                 })
                 .sum();
             let _forward = crate::vllm::ForwardRows::enter(m);
+            for s in seqs.iter_mut() {
+                let pos0 = s.state.position;
+                let start = (round * s.chunk).min(s.streams.len());
+                let end = (start + s.chunk).min(s.streams.len());
+                for j in start..end {
+                    let emb = self.embedding(s.ids[j], false);
+                    s.rec.f32(
+                        Component::EmbedOutput,
+                        At::global(pos0 + j as u32),
+                        &[emb.len() as u64],
+                        &emb,
+                    )?;
+                    s.streams[j] = emb.repeat(cfg.hc_mult);
+                }
+            }
             for (li, lw) in self.layers.iter().enumerate() {
                 for s in seqs.iter_mut() {
                     let pos0 = s.state.position;
@@ -585,6 +594,14 @@ impl Model {
                         };
                         self.layer_forward(lw, &mut s.state.layers[li], x, &cx, &mut s.rec)?;
                     }
+                }
+            }
+            for s in seqs.iter_mut() {
+                let n = s.streams.len();
+                let start = (round * s.chunk).min(n);
+                let end = (start + s.chunk).min(n);
+                for x in &mut s.streams[start..end.min(n.saturating_sub(1))] {
+                    *x = Vec::new();
                 }
             }
         }
