@@ -51,12 +51,7 @@ const PROMPT: &str = "why the sheep";
 
 /// The text of the long-context cases' prompt: the first words of this
 /// passage (repeated if a model needs more), as many as [`long_prompt`] needs.
-pub const LONG_PASSAGE: &str = "The shepherd counted the sheep at dusk, one by one, as they came \
-down from the hill. Why the sheep always waited for the oldest ewe before crossing the stream, \
-nobody in the village could say; the dog knew the order, the children knew the songs, and the \
-river kept its own time between the stones. When the rain came early that year, the flock \
-stayed in the high pasture, and the shepherd walked up every morning with bread, salt and a \
-lantern, counting again, always the same number, always in the same order.";
+pub use moeconf_fixtures::prompts::LONG_PASSAGE;
 
 /// Which prompt a case runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,38 +95,12 @@ pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
         })
         .max()
         .map_or(1, |o| o as usize + 1);
-    let words: Vec<&str> = LONG_PASSAGE.split_whitespace().collect();
-    let text = |n: usize| -> String {
-        (0..n)
-            .map(|i| words[i % words.len()])
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let reaches = |n: usize| -> Result<Option<Vec<u32>>> {
-        let ids = ctx.encode(&text(n))?;
-        Ok((ids.len() >= need).then_some(ids))
-    };
-    // Double the word count until it reaches, then bisect for the fewest
-    // (every word is at least one id: 16 words per id needed is a bound no
-    // tokenizer should meet).
     let unreachable = || CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens"));
-    let mut hi = words.len().min(need).max(1);
-    while reaches(hi)?.is_none() {
-        hi = hi
-            .checked_mul(2)
-            .filter(|&n| n <= need.saturating_mul(16).max(words.len()))
+    let (text, _) =
+        moeconf_fixtures::prompts::fewest_passage_words(need, |t| ctx.encode(t).map(|ids| ids.len()))?
             .ok_or_else(unreachable)?;
-    }
-    let mut lo = hi / 2;
-    while lo + 1 < hi {
-        let mid = (lo + hi) / 2;
-        match reaches(mid)? {
-            Some(_) => hi = mid,
-            None => lo = mid,
-        }
-    }
-    let ids = reaches(hi)?.ok_or_else(unreachable)?;
-    Ok((text(hi), ids))
+    let ids = ctx.encode(&text)?;
+    Ok((text, ids))
 }
 
 /// Both profiles, in report order.

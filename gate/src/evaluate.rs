@@ -79,7 +79,14 @@ struct Margins<'a> {
     reference: &'a Trace,
     lm: RefCell<HashMap<u32, Option<f64>>>,
     router: RefCell<HashMap<RouteSite, Option<f64>>>,
+    /// Per (step, layer, component): the matching record ids of the
+    /// reference by position, in execution order, built on first use so
+    /// that judging many route sites of one long prefill reads each group
+    /// once, not once per site.
+    sites: RefCell<SiteIndex>,
 }
+
+type SiteIndex = HashMap<(u32, Option<u32>, Component), HashMap<u32, Vec<usize>>>;
 
 impl<'a> Margins<'a> {
     fn new(reference: &'a Trace) -> Margins<'a> {
@@ -87,6 +94,7 @@ impl<'a> Margins<'a> {
             reference,
             lm: RefCell::new(HashMap::new()),
             router: RefCell::new(HashMap::new()),
+            sites: RefCell::new(HashMap::new()),
         }
     }
 
@@ -100,24 +108,40 @@ impl<'a> Margins<'a> {
         component: Component,
     ) -> Result<Option<f64>, GateError> {
         let t = self.reference;
-        let Some(node) = t.step(step).map_err(GateError::Reference)? else {
-            return Ok(None);
-        };
-        let mut ids: Vec<usize> = Vec::new();
-        for l in &node.levels {
-            if let Some(g) = l.group(layer) {
-                ids.extend(
-                    t.group_records(g)
-                        .map_err(GateError::Reference)?
-                        .iter()
-                        .filter(|&&i| {
-                            let e = t.record(i);
-                            component.matches(&e.coord.path) && position.is_none_or(|p| e.coord.position == p)
-                        }),
-                );
+        let key = (step, layer, component);
+        if !self.sites.borrow().contains_key(&key) {
+            let Some(node) = t.step(step).map_err(GateError::Reference)? else {
+                return Ok(None);
+            };
+            let mut by_position: HashMap<u32, Vec<usize>> = HashMap::new();
+            for l in &node.levels {
+                if let Some(g) = l.group(layer) {
+                    for &i in t.group_records(g).map_err(GateError::Reference)? {
+                        let e = t.record(i);
+                        if component.matches(&e.coord.path) {
+                            by_position.entry(e.coord.position).or_default().push(i);
+                        }
+                    }
+                }
             }
+            for ids in by_position.values_mut() {
+                ids.sort_by_cached_key(|&i| exec_order(t, i));
+            }
+            self.sites.borrow_mut().insert(key, by_position);
         }
-        ids.sort_by_cached_key(|&i| exec_order(t, i));
+        let ids: Vec<usize> = {
+            let sites = self.sites.borrow();
+            let by_position = sites.get(&key);
+            match (by_position, position) {
+                (None, _) => Vec::new(),
+                (Some(m), Some(p)) => m.get(&p).cloned().unwrap_or_default(),
+                (Some(m), None) => {
+                    let mut all: Vec<usize> = m.values().flatten().copied().collect();
+                    all.sort_by_cached_key(|&i| exec_order(t, i));
+                    all
+                }
+            }
+        };
         let mut found = None;
         for i in ids {
             if let Some(v) = judge::scalar(t, i).map_err(GateError::Reference)? {

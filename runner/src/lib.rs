@@ -688,6 +688,22 @@ pub struct PreparedRun {
     built: BuiltCombine,
 }
 
+/// The built-in long prompt of at least `tokens` tokens for `m`: the
+/// fewest words of the built-in passage (`moeconf_fixtures::prompts::LONG_PASSAGE`,
+/// cycled) whose tokenization by the model's tokenizer reaches `tokens`.
+pub fn builtin_long_prompt(m: &LoadedModel, tokens: usize) -> Result<String, RunError> {
+    limits::check_prompt_tokens(tokens)?;
+    let vocab = m.model.config().vocab_size;
+    let found = moeconf_fixtures::prompts::fewest_passage_words(tokens, |t| {
+        m.tokenizer.encode_for(t, vocab).map(|ids| ids.len())
+    })?;
+    found.map(|(text, _)| text).ok_or_else(|| {
+        RunError::Invalid(format!(
+            "no prompt of the built-in passage reaches {tokens} tokens with this tokenizer"
+        ))
+    })
+}
+
 /// Validates `spec` against the loaded model before anything runs or is
 /// written: token count, prompt, precision profile (the official profile's
 /// dimensions), contract, schedule and fork point (a fork that can never

@@ -118,6 +118,12 @@ pub struct RunArgs {
     /// construction (the same records and root), and the batch size is noted in the provenance.
     #[arg(long, value_name = "PROMPT")]
     pub batch_with: Vec<String>,
+    /// Instead of --prompt/--prompt-file: the built-in long prompt of at least N tokens, the
+    /// fewest words of a built-in passage (cycled) whose tokenization by the model reaches N
+    /// (deterministic; for long-context runs, e.g. 32768 or 131072).
+    #[arg(long, value_name = "N", conflicts_with_all = ["prompt", "prompt_file"],
+          value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    pub prompt_tokens: Option<u32>,
 }
 
 /// Runs `moeconf run`.
@@ -125,7 +131,10 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     crate::args::set_threads(a.threads)?;
     let mut inputs = a.input.inputs();
     check_output(&a.output, &inputs)?;
-    let prompt = a.input.prompt()?;
+    let given = match a.prompt_tokens {
+        Some(_) => None,
+        None => Some(a.input.prompt()?),
+    };
     let precision = crate::args::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
     let algorithm = crate::args::algorithm(&a.digest)?;
@@ -148,6 +157,11 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     // A built-in model's files are known once it is materialized.
     inputs.dir_files(&m.dir, "model file");
     moeconf_output::check_output(&a.output, &inputs)?;
+    let prompt = match (given, a.prompt_tokens) {
+        (Some(p), _) => p,
+        (None, Some(n)) => moeconf_runner::builtin_long_prompt(&m, n as usize)?,
+        (None, None) => anyhow::bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
+    };
     let spec = RunSpec {
         prompt: &prompt,
         max_new_tokens: a.max_new_tokens,
