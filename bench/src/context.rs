@@ -53,8 +53,14 @@ pub struct ContextRow {
     pub decode: [f64; 2],
     /// Per pair, captured prefill seconds / uncaptured prefill seconds, sorted.
     pub prefill_cost: Vec<f64>,
-    /// Per pair, captured decode seconds / uncaptured decode seconds, sorted.
+    /// Per pair, the captured run's median decode-step seconds / the
+    /// uncaptured run's, sorted (a step's median: the first decode step
+    /// also finishes the prefill step's blocks in the writer, a cost of the
+    /// prefill that a phase total would charge to the decode).
     pub decode_cost: Vec<f64>,
+    /// Per pair, captured decode-phase seconds / uncaptured, sorted (the
+    /// whole phase, the prefill's tail included).
+    pub decode_phase_cost: Vec<f64>,
     /// Bytes of the trace's prefill part (step 0, with the file's header).
     pub prefill_bytes: u64,
     /// Bytes each decode step added to the trace: least, median, most.
@@ -74,6 +80,10 @@ impl ContextRow {
     pub fn decode_quartiles(&self) -> Option<[f64; 3]> {
         measure::quartiles(&self.decode_cost)
     }
+    /// Median (quartiles) of the decode-phase cost ratio.
+    pub fn decode_phase_quartiles(&self) -> Option<[f64; 3]> {
+        measure::quartiles(&self.decode_phase_cost)
+    }
     /// Median (quartiles) of the prefill cost ratio.
     pub fn prefill_quartiles(&self) -> Option<[f64; 3]> {
         measure::quartiles(&self.prefill_cost)
@@ -87,7 +97,8 @@ fn prompt_of(n: u32, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
-/// One timed generation: the prefill (chunked if asked) and `decode` steps.
+/// One timed generation: the prefill (chunked if asked) and `decode` steps,
+/// with the median decode step's seconds.
 fn timed(
     model: &Model,
     prompt: &[u32],
@@ -95,7 +106,7 @@ fn timed(
     opts: &StepOptions<'_>,
     chunk: Option<u32>,
     sink: &mut dyn CaptureSink,
-) -> Result<GenerateTiming, RuntimeError> {
+) -> Result<(GenerateTiming, f64), RuntimeError> {
     let mut state = model.new_state();
     let t0 = Instant::now();
     let out = match chunk {
@@ -104,16 +115,24 @@ fn timed(
     };
     let mut next = out.next_token;
     let t1 = Instant::now();
+    let mut steps = Vec::with_capacity(decode as usize);
     for _ in 0..decode {
+        let t = Instant::now();
         next = model.step(&mut state, &[next], opts, sink)?.next_token;
+        steps.push(t.elapsed().as_secs_f64());
     }
     let t2 = Instant::now();
-    Ok(GenerateTiming {
-        prefill_tokens: prompt.len(),
-        prefill_seconds: (t1 - t0).as_secs_f64(),
-        decode_tokens: decode as usize,
-        decode_seconds: (t2 - t1).as_secs_f64(),
-    })
+    steps.sort_by(f64::total_cmp);
+    let median = measure::quartiles(&steps).map_or(0.0, |[_, m, _]| m);
+    Ok((
+        GenerateTiming {
+            prefill_tokens: prompt.len(),
+            prefill_seconds: (t1 - t0).as_secs_f64(),
+            decode_tokens: decode as usize,
+            decode_seconds: (t2 - t1).as_secs_f64(),
+        },
+        median,
+    ))
 }
 
 /// What the captured run's trace holds: per-step bytes from its step blocks.
@@ -160,7 +179,7 @@ pub fn bench_context(
     for &n in &opts.contexts {
         let prompt = prompt_of(n, vocab);
         let mut best = [[0.0f64; 2]; 2];
-        let (mut prefill_cost, mut decode_cost) = (Vec::new(), Vec::new());
+        let (mut prefill_cost, mut decode_cost, mut decode_phase_cost) = (Vec::new(), Vec::new(), Vec::new());
         let mut last = None;
         for r in 0..opts.repeat {
             progress(&format!(
@@ -168,7 +187,7 @@ pub fn bench_context(
                 r + 1,
                 opts.repeat
             ));
-            let none = timed(
+            let (none, none_step) = timed(
                 &model,
                 &prompt,
                 opts.decode_tokens,
@@ -186,7 +205,7 @@ pub fn bench_context(
             header.binding.decoding.max_new_tokens = opts.decode_tokens.saturating_add(1);
             let w = TraceWriter::create(&path, Algorithm::Blake3, header)?;
             let mut sink = TraceSink::new(w, spec).for_model(&model);
-            let with = timed(
+            let (with, with_step) = timed(
                 &model,
                 &prompt,
                 opts.decode_tokens,
@@ -201,13 +220,15 @@ pub fn bench_context(
                 best[1][i] = best[1][i].max(t.decode_tokens_per_second());
             }
             prefill_cost.push(with.prefill_seconds / none.prefill_seconds.max(1e-12));
-            decode_cost.push(with.decode_seconds / none.decode_seconds.max(1e-12));
+            decode_cost.push(with_step / none_step.max(1e-12));
+            decode_phase_cost.push(with.decode_seconds / none.decode_seconds.max(1e-12));
             last = Some(growing);
         }
         let bytes = trace_bytes(&path)?;
         let _ = std::fs::remove_file(&path);
         prefill_cost.sort_by(f64::total_cmp);
         decode_cost.sort_by(f64::total_cmp);
+        decode_phase_cost.sort_by(f64::total_cmp);
         let (growing_records, hashed) = last.unwrap_or((0, 0));
         let s = &bytes.steps;
         rows.push(ContextRow {
@@ -216,6 +237,7 @@ pub fn bench_context(
             decode: best[1],
             prefill_cost,
             decode_cost,
+            decode_phase_cost,
             prefill_bytes: bytes.prefill,
             step_bytes: match s.len() {
                 0 => [0; 3],
@@ -241,9 +263,9 @@ fn median_text(q: Option<[f64; 3]>) -> String {
 /// The text report.
 pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> String {
     let mut t = format!(
-        "long-context capture cost (builtin:tiny-v4, bf16, {} threads, {} decode steps after a prefill of \
+        "long-context capture cost (builtin:tiny-v4, bf16, runtime threads: {}, {} decode steps after a prefill of \
          the context, {} alternated pairs{}; cost = seconds with the default capture / seconds without, \
-         per pair, median (quartiles); target <= {TARGET_COST:.2}x)\n",
+         per pair, median (quartiles), for decode of the median step; target <= {TARGET_COST:.2}x)\n",
         rayon::current_num_threads(),
         opts.decode_tokens,
         opts.repeat,
@@ -257,7 +279,8 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             None => "n/a",
         };
         t.push_str(&format!(
-            "  context {:>7}\n    decode   {:>9.1} t/s without, {:>9.1} t/s with capture; cost {} — target {}\n    \
+            "  context {:>7}\n    decode   {:>9.1} t/s without, {:>9.1} t/s with capture; cost per step {} — target {}; \
+             whole phase {}\n    \
              prefill  {:>9.1} t/s without, {:>9.1} t/s with capture; cost {}\n    \
              trace    {} per decode step (least {}, most {}); prefill part {}; whole trace {}\n    \
              growing  {} records digested incrementally, {} hashed per step; peak RSS {}\n",
@@ -266,6 +289,7 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             r.decode[1],
             median_text(r.decode_quartiles()),
             met(r.decode_quartiles()),
+            median_text(r.decode_phase_quartiles()),
             r.prefill[0],
             r.prefill[1],
             median_text(r.prefill_quartiles()),

@@ -316,6 +316,7 @@ pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchRepor
             "decode_tokens_per_second": {"none": r.decode[0], "default": r.decode[1]},
             "prefill_cost": q(r.prefill_quartiles(), r.prefill_cost.len()),
             "decode_cost": q(r.decode_quartiles(), r.decode_cost.len()),
+            "decode_phase_cost": q(r.decode_phase_quartiles(), r.decode_phase_cost.len()),
             "decode_target_met": r.decode_quartiles().map(|[_, m, _]| m <= TARGET_COST),
             "bytes_per_decode_step": {"min": r.step_bytes[0], "median": r.step_bytes[1], "max": r.step_bytes[2]},
             "prefill_bytes": r.prefill_bytes,
