@@ -19,7 +19,7 @@ use moeconf_reference_runtime::capture::{CaptureSink, NullSink};
 use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
-use moeconf_runner::{parse_capture, RunError, TraceSink};
+use moeconf_runner::{limits, parse_capture, RunError, TraceSink};
 use moeconf_schema::{Header, Trace, TraceWriter};
 
 use crate::measure;
@@ -175,6 +175,13 @@ pub fn bench_context(
         allow_non_finite: false,
     };
     let path = scratch.join("bench-context.bin");
+    // Every context must fit before any runs (the default capture's estimate).
+    let spec = parse_capture(BenchCapture::Default.name())?;
+    for &n in &opts.contexts {
+        let (n, new) = (u64::from(n), u64::from(opts.decode_tokens) + 1);
+        let estimate = limits::estimate_memory(model.config(), n, new, spec);
+        limits::check_memory(&estimate, limits::available_memory(), n, new)?;
+    }
     let mut rows = Vec::new();
     for &n in &opts.contexts {
         let prompt = prompt_of(n, vocab);

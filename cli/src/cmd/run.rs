@@ -159,7 +159,18 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     moeconf_output::check_output(&a.output, &inputs)?;
     let prompt = match (given, a.prompt_tokens) {
         (Some(p), _) => p,
-        (None, Some(n)) => moeconf_runner::builtin_long_prompt(&m, n as usize)?,
+        (None, Some(n)) => {
+            // Refused before the prompt is built when the run cannot fit.
+            use moeconf_runner::limits::{available_memory, check_memory, estimate_memory};
+            let (n, new) = (u64::from(n), u64::from(a.max_new_tokens));
+            check_memory(
+                &estimate_memory(m.model.config(), n, new, capture),
+                available_memory(),
+                n,
+                new,
+            )?;
+            moeconf_runner::builtin_long_prompt(&m, n as usize)?
+        }
         (None, None) => anyhow::bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
     };
     let spec = RunSpec {
