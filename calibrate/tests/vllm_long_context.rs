@@ -118,8 +118,8 @@ fn localize(ctx: &Ctx, reference: &Path, ids: &[u32], case: &Case, dir: &Path) {
 }
 
 /// Positions (last first) whose `attn.indexer_topk` on a CSA layer selects
-/// the full index_topk out of more scored entries: (position, selected, scored).
-fn selections(ctx: &Ctx, trace: &Path) -> Vec<(u32, u64, u64)> {
+/// the full index_topk out of more scored entries: (position, layer, selected, scored).
+fn selections(ctx: &Ctx, trace: &Path) -> Vec<(u32, u32, u64, u64)> {
     let cfg = ctx.m.model.config();
     let t = Trace::open_verified(trace).expect("trace");
     let recs = t.records().expect("records");
@@ -136,7 +136,7 @@ fn selections(ctx: &Ctx, trace: &Path) -> Vec<(u32, u64, u64)> {
         if let Some(k) = len("attn.indexer_topk", e) {
             if let Some((pos, layer, n)) = scored {
                 if pos == e.coord.position && layer == e.coord.layer && n > k {
-                    out.push((pos, k, n));
+                    out.push((pos, layer.unwrap_or(0), k, n));
                 }
             }
         }
@@ -169,12 +169,16 @@ fn long_context_faults_localized_on_the_vllm_fixture() {
     let secs = write(&ctx, &ids, None, &reference);
     eprintln!("reference: {} tokens in {secs:.1} s", ids.len());
     let sel = selections(&ctx, &reference);
-    let first = sel.last().expect("the indexer selects at some position");
+    // Every selecting record, on either CSA layer, is at or after the onset.
+    let first = sel.iter().map(|s| s.0).min();
+    assert_eq!(first, Some(2051), "the first selecting position is the onset");
+    let layers: std::collections::BTreeSet<u32> = sel.iter().filter(|s| s.0 == 2051).map(|s| s.1).collect();
     assert_eq!(
-        first.0, 2051,
-        "the first selecting position is the onset: {first:?}"
+        layers.into_iter().collect::<Vec<_>>(),
+        vec![1, 3],
+        "both CSA layers select from 2051"
     );
-    assert!(sel.iter().all(|&(_, k, n)| k == 512 && n > 512));
+    assert!(sel.iter().all(|&(_, _, k, n)| k == 512 && n > 512));
     let cases = long_context_matrix(&ctx, ids.len(), TOKENS);
     assert_eq!(
         cases.iter().map(|c| c.faults[0].kind.clone()).collect::<Vec<_>>(),
@@ -201,7 +205,7 @@ fn indexer_selection_engages_on_the_vllm_fixture_at_8192_tokens() {
     let bytes = std::fs::metadata(&reference).map(|m| m.len()).unwrap_or(0);
     eprintln!("reference: {n} tokens in {secs:.1} s, {bytes} bytes");
     let sel = selections(&ctx, &reference);
-    let (pos, k, scored) = *sel.first().expect("the indexer selects");
+    let (pos, _, k, scored) = *sel.first().expect("the indexer selects");
     eprintln!(
         "last selecting position {pos}: attn.indexer_topk {k} of {scored} entries; {} selecting records",
         sel.len()
