@@ -56,6 +56,10 @@ pub struct Sizes {
     pub breadth_prompts: usize,
     /// Breadth horizons (paper: 8, 16, 32).
     pub horizons: [usize; 3],
+    /// Prompt tokens of protocol 11's long context (`--context N`; `None`:
+    /// the short context only). Absent from the JSON when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<u32>,
 }
 
 impl Sizes {
@@ -69,6 +73,7 @@ impl Sizes {
         control_tokens: 9,
         breadth_prompts: usize::MAX,
         horizons: [8, 16, 32],
+        context: None,
     };
 
     /// Reduced sizes for `--quick` (every protocol, fewer runs and tokens).
@@ -81,6 +86,7 @@ impl Sizes {
         control_tokens: 6,
         breadth_prompts: 8,
         horizons: [4, 8, 12],
+        context: None,
     };
 }
 
@@ -281,7 +287,18 @@ impl Ctx {
 
     /// [`Ctx::write_trace`] in `precision` (bound in the trace).
     pub fn write_trace_in(&self, req: TraceRequest<'_>, precision: Precision) -> Result<DecodeState> {
-        let capture = parse_capture("all")?;
+        self.write_trace_captured(req, precision, "all")
+    }
+
+    /// [`Ctx::write_trace_in`] with another capture (`moeconf run --capture`'s
+    /// notation, e.g. `fingerprints` for long prompts whose payloads would not fit).
+    pub fn write_trace_captured(
+        &self,
+        req: TraceRequest<'_>,
+        precision: Precision,
+        capture: &str,
+    ) -> Result<DecodeState> {
+        let capture = parse_capture(capture)?;
         let binding = Binding {
             model: self.identity.clone(),
             tokenizer: TokenizerIdentity {

@@ -20,6 +20,7 @@ mod error;
 pub mod fault_matrix;
 pub mod fork_sweep;
 pub mod jobs;
+pub mod long_fork;
 pub mod persistent;
 pub mod propagation;
 pub mod replay;

@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 
 use crate::jobs::{JobOut, Jobs, Params, Single};
 use crate::{
-    breadth, fault_matrix, fork_sweep, persistent, propagation, replay, substitution, CalibrateError, Claim,
-    Ctx, Result, Section, Sizes, Table,
+    breadth, fault_matrix, fork_sweep, long_fork, persistent, propagation, replay, substitution,
+    CalibrateError, Claim, Ctx, Result, Section, Sizes, Table,
 };
 
 /// Version of `calibration.json` (2: no timings, so that reruns and merged
@@ -24,7 +24,7 @@ use crate::{
 pub const CALIBRATION_SCHEMA_VERSION: u32 = 2;
 
 /// The highest protocol number (protocols are numbered 1..=`PROTOCOL_COUNT`).
-pub const PROTOCOL_COUNT: u32 = 10;
+pub const PROTOCOL_COUNT: u32 = 11;
 
 /// The command name recorded in partial results of the suite.
 pub const COMMAND: &str = "calibrate";
@@ -39,6 +39,8 @@ struct Protocol {
     plan: for<'a> fn(&'a Ctx) -> Result<Box<dyn Jobs + 'a>>,
     /// Assembles its sections from all its job results.
     assemble: fn(&Params, &[Value]) -> Result<Vec<Section>>,
+    /// Runs only when `--only` names it (not in the default selection).
+    opt_in: bool,
 }
 
 /// Protocol 6: one job.
@@ -53,60 +55,80 @@ fn persistent_state(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
     })))
 }
 
+/// Protocol 11: one job.
+fn context_fork(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
+    Ok(Box::new(Single::new(|c| Ok(vec![long_fork::run(c)?]))))
+}
+
 /// Protocol 8: one job.
 fn propagation(_ctx: &Ctx) -> Result<Box<dyn Jobs + '_>> {
     Ok(Box::new(Single::new(|c| Ok(vec![propagation::run(c)?]))))
 }
 
 /// The suite, in the paper's order.
-const PROTOCOLS: [Protocol; 8] = [
+const PROTOCOLS: [Protocol; 9] = [
     Protocol {
         name: "replay",
         numbers: &[1],
         plan: replay::plan,
         assemble: replay::assemble,
+        opt_in: false,
     },
     Protocol {
         name: "fork_sweep",
         numbers: &[2],
         plan: fork_sweep::plan,
         assemble: fork_sweep::assemble,
+        opt_in: false,
     },
     Protocol {
         name: "persistent",
         numbers: &[3, 4, 5],
         plan: persistent::plan,
         assemble: persistent::assemble,
+        opt_in: false,
     },
     Protocol {
         name: "post_mhc_substitution",
         numbers: &[6],
         plan: post_mhc,
         assemble: |_, r| Single::assemble("post_mhc_substitution", r),
+        opt_in: false,
     },
     Protocol {
         name: "persistent_state_substitution",
         numbers: &[7],
         plan: persistent_state,
         assemble: |_, r| Single::assemble("persistent_state_substitution", r),
+        opt_in: false,
     },
     Protocol {
         name: "propagation",
         numbers: &[8],
         plan: propagation,
         assemble: |_, r| Single::assemble("propagation", r),
+        opt_in: false,
     },
     Protocol {
         name: "breadth",
         numbers: &[9],
         plan: breadth::plan,
         assemble: breadth::assemble,
+        opt_in: false,
     },
     Protocol {
         name: "fault_matrix",
         numbers: &[10],
         plan: fault_matrix::plan,
         assemble: fault_matrix::assemble,
+        opt_in: false,
+    },
+    Protocol {
+        name: "context_fork",
+        numbers: &[11],
+        plan: context_fork,
+        assemble: |_, r| Single::assemble("context_fork", r),
+        opt_in: true,
     },
 ];
 
@@ -167,11 +189,16 @@ pub fn normalize_selection(only: &[u32]) -> Vec<u32> {
     v
 }
 
-/// The protocols `only` selects (all when empty), in the paper's order.
+/// The protocols `only` selects (all but the opt-in ones when empty), in
+/// the paper's order.
 fn selected(only: &[u32]) -> impl Iterator<Item = &'static Protocol> + '_ {
-    PROTOCOLS
-        .iter()
-        .filter(move |p| only.is_empty() || p.numbers.iter().any(|n| only.contains(n)))
+    PROTOCOLS.iter().filter(move |p| {
+        if only.is_empty() {
+            !p.opt_in
+        } else {
+            p.numbers.iter().any(|n| only.contains(n))
+        }
+    })
 }
 
 /// The jobs one shard of the suite ran.
@@ -455,6 +482,14 @@ impl Suite {
             protocols.insert(s.key.clone(), s.json.clone());
         }
         let sizes = &info.sizes;
+        let mut sizes_json = json!({
+            "tokens": sizes.tokens, "fork_tokens": sizes.fork_tokens,
+            "fork_branches": if sizes.fork_branches == usize::MAX { None } else { Some(sizes.fork_branches) },
+            "seeds": sizes.seeds, "control_tokens": sizes.control_tokens, "horizons": sizes.horizons,
+        });
+        if let (Some(c), Some(o)) = (sizes.context, sizes_json.as_object_mut()) {
+            o.insert("context".into(), json!(c));
+        }
         json!({
             "schema_version": CALIBRATION_SCHEMA_VERSION,
             "kind": "moeconf.calibration",
@@ -462,11 +497,7 @@ impl Suite {
             "precision": info.precision,
             "quick": info.quick,
             "fork_layer": info.fork_layer,
-            "sizes": {
-                "tokens": sizes.tokens, "fork_tokens": sizes.fork_tokens,
-                "fork_branches": if sizes.fork_branches == usize::MAX { None } else { Some(sizes.fork_branches) },
-                "seeds": sizes.seeds, "control_tokens": sizes.control_tokens, "horizons": sizes.horizons,
-            },
+            "sizes": sizes_json,
             "protocols": protocols,
             "claims": self.claims(),
             "all_claims_hold": self.all_hold(),
@@ -489,7 +520,9 @@ mod tests {
         }
         assert!(check_selection(&[1, 10]).is_ok());
         let e = check_selection(&[0]).unwrap_err().to_string();
-        assert_eq!(e, "protocol selection 0: protocols are numbered 1..10");
+        assert_eq!(e, "protocol selection 0: protocols are numbered 1..11");
+        assert!(selected(&[]).all(|p| !p.opt_in));
+        assert!(selected(&[11]).all(|p| p.name == "context_fork"));
     }
 
     #[test]

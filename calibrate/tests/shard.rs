@@ -27,6 +27,7 @@ const TINY: Sizes = Sizes {
     control_tokens: 4,
     breadth_prompts: 3,
     horizons: [2, 3, 4],
+    context: None,
 };
 
 fn ctx() -> Ctx {

@@ -34,6 +34,9 @@ fn quick_calibration_passes_every_structural_claim() {
     assert_eq!(j["quick"], true);
     assert_eq!(j["all_claims_hold"], true);
     let p = &j["protocols"];
+    // Protocol 11 is opt-in: not in the default selection.
+    assert!(p.get("context_fork").is_none());
+    assert!(j["sizes"].get("context").is_none());
 
     // 1: native replay bitwise identical.
     assert!(p["replay"]["prompts"].as_u64().unwrap() >= 1);
@@ -118,10 +121,70 @@ fn quick_calibration_passes_every_structural_claim() {
 fn bad_arguments_are_usage_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = Command::new(env!("CARGO_BIN_EXE_moeconf"))
-        .args(["calibrate", "--quick", "--only", "11", "--out"])
+        .args(["calibrate", "--quick", "--only", "12", "--out"])
         .arg(dir.path())
         .output()
         .expect("run moeconf");
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--only 11"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--only 12"));
+    // --context is protocol 11's alone, and a context has at least one token.
+    for args in [
+        &["--only", "2", "--context", "64"][..],
+        &["--context", "64"][..],
+        &["--only", "11", "--context", "0"][..],
+        &["--only", "11", "--context", "1048577"][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_moeconf"))
+            .args(["calibrate", "--quick", "--quiet", "--out"])
+            .arg(dir.path().join("c"))
+            .args(args)
+            .output()
+            .expect("run moeconf");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("--context"),
+            "{args:?}"
+        );
+        assert!(!dir.path().join("c").exists(), "{args:?}");
+    }
+}
+
+/// Protocol 11 (opt-in) at a short context: the short prompt and a
+/// 300-token one side by side, the structural claim held, the fork visible
+/// in the state after the fork step and only in layers after the fork.
+#[test]
+fn context_fork_at_a_short_context() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (out, j) = calibrate(
+        dir.path(),
+        &["--only", "11", "--context", "300", "--fork-tokens", "6"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = &j["protocols"]["context_fork"];
+    let runs = s["contexts"].as_array().expect("contexts");
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[1]["prompt_tokens"], 300);
+    for r in runs {
+        assert_eq!(r["steps"].as_array().map(Vec::len), Some(5), "{r}");
+        assert_eq!(r["prefix_mhc_equal"], r["prefix_mhc_total"]);
+        assert_eq!(r["prefix_state_equal"], true);
+        if r["fork_changed_moe"] == true {
+            // The fork's own post-mHC at layer 5 is the first checkpoint to differ.
+            assert_eq!(r["first_mhc"]["step"], 1, "{r}");
+            assert_eq!(r["first_mhc"]["layer"], 5, "{r}");
+            assert_eq!(r["first_mhc"]["record"], "layer.post_ffn_mhc", "{r}");
+        }
+        if let Some(l) = r["first_state"][1].as_u64() {
+            assert!(l > 5, "{r}");
+        }
+    }
+    assert!(dir.path().join("context_fork.tsv").is_file());
+    assert!(dir.path().join("context_fork_steps.tsv").is_file());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[ok] context_fork_prefix_identical"));
+    assert_eq!(j["sizes"]["context"], 300);
 }

@@ -26,6 +26,7 @@ const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --only 1 --shard 0/2 --out part-0.part  # one of 2 shards (docs/scale.md)
   moeconf calibrate --quick --only 1 --shard 1/2 --out part-1.part
   moeconf merge part-*.part -o cal-sharded                          # the unsharded outputs
+  moeconf calibrate --only 11 --context 32768 --fork-tokens 129 --out cal-32k
 
 Without --quick (moeconf calibrate --out cal-full): the paper's sizes (720 A, 360 B, 64 seeds,
 50 prompts; minutes instead of seconds). --out DIR appears only once complete (docs/format.md §10).
@@ -33,7 +34,9 @@ Without --quick (moeconf calibrate --out cal-full): the paper's sizes (720 A, 36
 Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static ablation,
 4 same-mode canonical reference, 5 C intermediate check, 6 post-mHC substitution control,
 7 persistent-state substitution control, 8 representative propagation trace, 9 breadth,
-10 fault-injection localization matrix. Exit codes: 0 all structural claims hold, 1 a claim
+10 fault-injection localization matrix; opt-in (only with --only): 11 the fork protocol by
+context (the B fork at the fork layer vs native, per decode step, at \"why the sheep\" and with
+--context N at N tokens). Exit codes: 0 all structural claims hold, 1 a claim
 failed, 2 error.";
 
 /// Arguments of `moeconf calibrate`.
@@ -53,7 +56,8 @@ pub struct CalibrateArgs {
     /// Reduced version of every protocol (fewer seeds, classes, prompts, shorter continuations).
     #[arg(long)]
     pub quick: bool,
-    /// Run only these protocols (comma-separated numbers 1..10; 3, 4 and 5 run together).
+    /// Run only these protocols (comma-separated numbers 1..11; 3, 4 and 5 run together; 11 runs
+    /// only when named here).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<u32>,
     /// Layer of the single-layer fork (paper: 5).
@@ -65,9 +69,16 @@ pub struct CalibrateArgs {
     /// Request seeds per prompt and scheme in protocols 3-5 (default: 64, quick: 6).
     #[arg(long)]
     pub seeds: Option<u64>,
-    /// Tokens generated per fork branch in protocol 2 (default: 8, quick: 4; at least 2).
+    /// Tokens generated per fork branch in protocols 2 and 11 (default: 8, quick: 4; at least 2).
     #[arg(long, value_parser = clap::value_parser!(u32).range(2..=MAX_PROTOCOL_TOKENS as i64))]
     pub fork_tokens: Option<u32>,
+    /// Protocol 11 (the fork protocol by context) also at a prompt of exactly N tokens (words
+    /// drawn deterministically from a built-in passage), beside the short context "why the
+    /// sheep"; needs --only with 11. Its horizon is --fork-tokens (e.g. 128). On tiny-v4, 32768 tokens with 128 decode steps
+    /// took 72 s of CPU (2-4 min wall on 2 shared cores) and 190 MB; no trace is kept.
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=moeconf_runner::limits::MAX_PROMPT_TOKENS as i64))]
+    pub context: Option<u32>,
     /// Tokens generated in protocols 1, 3-5, 8 and 10 (default: 8, quick: 6; at least 4).
     #[arg(long, value_parser = clap::value_parser!(u32).range(4..=MAX_PROTOCOL_TOKENS as i64))]
     pub tokens: Option<u32>,
@@ -91,6 +102,12 @@ impl CalibrateArgs {
         }
         if let Some(n) = self.tokens {
             sizes.tokens = n as usize;
+        }
+        if let Some(c) = self.context {
+            if !self.only.contains(&11) {
+                bail!("--context {c}: only protocol 11 runs at a context; add --only 11");
+            }
+            sizes.context = Some(c);
         }
         Ok(sizes)
     }
