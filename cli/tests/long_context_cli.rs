@@ -3,12 +3,14 @@
 //! `bench runtime --context` at a context small enough for the default
 //! suite. Each asserts what would fail if the feature broke.
 
-mod common;
-
+use std::path::Path;
 use std::process::{Command, Output};
 
-use common::s;
 use serde_json::Value;
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("UTF-8 test path")
+}
 
 fn moeconf(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_moeconf"))
