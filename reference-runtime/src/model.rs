@@ -600,7 +600,10 @@ impl Model {
                 let n = s.streams.len();
                 let start = (round * s.chunk).min(n);
                 let end = (start + s.chunk).min(n);
-                for x in &mut s.streams[start..end.min(n.saturating_sub(1))] {
+                // The last position's streams stay for the head; a sequence
+                // with fewer rounds than the batch has nothing left here.
+                let stop = end.min(n.saturating_sub(1));
+                for x in s.streams.iter_mut().take(stop).skip(start) {
                     *x = Vec::new();
                 }
             }
