@@ -47,7 +47,9 @@ pub struct RunArgs {
     /// Model and prompt.
     #[command(flatten)]
     pub input: ModelPromptArgs,
-    /// Number of tokens to generate (= number of forward steps).
+    /// Number of tokens to generate (= number of forward steps). The prompt and the new tokens
+    /// hold at most 2^20 (DeepSeek-V4's context); a run whose estimated memory exceeds what the
+    /// machine has available is refused before it starts (docs/operators.md §7).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_NEW_TOKENS as i64))]
     pub max_new_tokens: u32,
     /// Output trace file, written atomically (a temporary `.NAME.moeconf-tmp.PID.RAND` renamed into
