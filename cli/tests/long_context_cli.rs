@@ -3,6 +3,7 @@
 //! `bench runtime --context` at a context small enough for the default
 //! suite. Each asserts what would fail if the feature broke.
 
+#[allow(dead_code)] // this test uses only some of the shared helpers
 mod common;
 
 use std::process::{Command, Output};
