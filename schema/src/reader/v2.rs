@@ -687,15 +687,17 @@ impl Store {
         interner: &mut Interner,
     ) -> Result<Vec<(u64, IndexEntry)>, TraceError> {
         let node = t.step_at(k)?;
-        // Sized once from the step node's group record counts (bounded by
-        // what the file could hold), so that a step of millions of records
-        // is not copied on growth.
+        // Sized once from the step node's group record counts, so that a
+        // step of millions of records is not copied on growth; bounded by
+        // what its group blocks can hold (each record there carries a
+        // 32-byte digest), whatever the counts claim.
         let declared: u64 = node
             .levels
             .iter()
             .flat_map(|l| &l.groups)
             .fold(0u64, |n, g| n.saturating_add(g.records));
-        let mut out = Vec::with_capacity(declared.min(t.file_len() / 32) as usize);
+        let room: u64 = node.blocks.iter().fold(0u64, |n, b| n.saturating_add(b.len)) / 32;
+        let mut out = Vec::with_capacity(declared.min(room) as usize);
         for l in &node.levels {
             for g in &l.groups {
                 match g.content.get() {
