@@ -71,10 +71,10 @@ impl Engine<'_> {
         position: u32,
         layer: Option<u32>,
     ) -> Result<Gathered<Vec<f32>>> {
-        let Some(i) = self.cand.find(step, position, layer, c.path()) else {
+        let Some(f) = self.cand.find(step, position, layer, c.path())? else {
             return Ok(Err(vec![Self::missing(c, step, position, layer, false)]));
         };
-        Ok(match self.cand.floats(i)? {
+        Ok(match self.cand.floats(&f)? {
             Some(v) => Ok(v),
             None => Err(vec![Self::missing(c, step, position, layer, true)]),
         })
@@ -90,10 +90,10 @@ impl Engine<'_> {
         }
         let n = self.model.config().hc_mult;
         let e = Component::EmbedOutput;
-        let Some(i) = self.cand.find(st.step, position, None, e.path()) else {
+        let Some(f) = self.cand.find(st.step, position, None, e.path())? else {
             return Ok(Err(vec![Self::missing(e, st.step, position, None, false)]));
         };
-        if let Some(v) = self.cand.floats(i)? {
+        if let Some(v) = self.cand.floats(&f)? {
             return Ok(Ok(v.repeat(n)));
         }
         let Some(token) = st.token(position) else {
@@ -407,13 +407,13 @@ impl Engine<'_> {
     /// its payload (FP32 values in the reference's order).
     fn max_abs_diff(&self, r: &Record) -> Result<Option<f64>> {
         let c = &r.coord;
-        let Some(i) = self.cand.find(c.step, c.position, c.layer, &c.path) else {
+        let Some(f) = self.cand.find(c.step, c.position, c.layer, &c.path)? else {
             return Ok(None);
         };
         if r.dtype != DType::F32 {
             return Ok(None);
         }
-        let Some(cv) = self.cand.floats(i)? else {
+        let Some(cv) = self.cand.floats(&f)? else {
             return Ok(None);
         };
         let rv = r.f32s();

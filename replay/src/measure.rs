@@ -76,6 +76,11 @@ fn clean(cand: &Candidate<'_>, model: &Model, reference: &Reference, steps: &[St
     let mut records = HashMap::new();
     let mut states: HashMap<(u32, u32, u32), Cmp> = HashMap::new();
     for (i, st) in steps.iter().enumerate() {
+        // The candidate's groups of earlier steps are not read again.
+        cand.retain(|s, _, _| s >= st.step);
+        if let Some(prev) = st.step.checked_sub(1) {
+            cand.trace.release_step(prev);
+        }
         let Some(ids) = st.ids.as_ref().filter(|_| st.step as usize == i) else {
             break;
         };

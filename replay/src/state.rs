@@ -6,7 +6,7 @@
 use moeconf_fingerprint::Component;
 use moeconf_reference_runtime::state::{CompressorComponents, CompressorRole, CompressorState, LayerState};
 
-use crate::candidate::Candidate;
+use crate::candidate::{Candidate, Found};
 use crate::error::{ReplayError, Result};
 use crate::report::Missing;
 
@@ -27,14 +27,14 @@ struct Reader<'a, 'c> {
     missing: &'a mut Vec<Missing>,
 }
 
-impl Reader<'_, '_> {
-    fn index(&mut self, c: Component) -> Option<usize> {
+impl<'c> Reader<'_, 'c> {
+    fn index(&mut self, c: Component) -> Result<Option<Found<'c>>> {
         let at = self.at;
-        let i = self.cand.find(at.step, at.position, Some(at.layer), c.path());
-        if i.is_none() {
+        let f = self.cand.find(at.step, at.position, Some(at.layer), c.path())?;
+        if f.is_none() {
             self.miss(c, false);
         }
-        i
+        Ok(f)
     }
 
     fn miss(&mut self, c: Component, payload_only: bool) {
@@ -48,10 +48,10 @@ impl Reader<'_, '_> {
     }
 
     fn floats(&mut self, c: Component) -> Result<Option<Vec<f32>>> {
-        let Some(i) = self.index(c) else {
+        let Some(f) = self.index(c)? else {
             return Ok(None);
         };
-        let v = self.cand.floats(i)?;
+        let v = self.cand.floats(&f)?;
         if v.is_none() {
             self.miss(c, true);
         }
@@ -59,10 +59,10 @@ impl Reader<'_, '_> {
     }
 
     fn count(&mut self, c: Component) -> Result<Option<u64>> {
-        let Some(i) = self.index(c) else {
+        let Some(f) = self.index(c)? else {
             return Ok(None);
         };
-        match self.cand.ints(i)? {
+        match self.cand.ints(&f)? {
             None => {
                 self.miss(c, true);
                 Ok(None)

@@ -175,8 +175,8 @@ fn layer_metrics(cand: &Candidate<'_>, records: &[Record], layers: u32) -> Resul
         };
         lm.identical &= cand.compare(r)? == Cmp::Same;
         let c = &r.coord;
-        let values = match cand.find(c.step, c.position, c.layer, &c.path) {
-            Some(i) => cand.floats(i)?,
+        let values = match cand.find(c.step, c.position, c.layer, &c.path)? {
+            Some(f) => cand.floats(&f)?,
             None => None,
         };
         lm.max_abs_diff = match (lm.max_abs_diff, values) {
@@ -200,17 +200,20 @@ fn layer_metrics(cand: &Candidate<'_>, records: &[Record], layers: u32) -> Resul
 /// at every step; what is missing is an error naming records and steps.
 pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Result<TeacherReport> {
     let reference = reference_for(trace, m, opts.precision, opts.contract.as_deref())?;
-    let cand = Candidate::new(trace)?;
+    let cand = Candidate::new(trace);
     let steps = steps(&cand)?;
     let mut missing = Vec::new();
     let mut plan = Vec::new();
+    // The candidate's groups are held while their step is read, then dropped.
+    cand.retain(|_, _, _| false);
     for (i, st) in steps.iter().enumerate() {
+        cand.retain(|s, _, _| s >= st.step);
         if st.step as usize != i {
             missing.push(format!("every record of step {i}"));
             break;
         }
-        let logits = match cand.find(st.step, st.last(), None, Component::LmLogits.path()) {
-            Some(j) => cand.floats(j)?,
+        let logits = match cand.find(st.step, st.last(), None, Component::LmLogits.path())? {
+            Some(f) => cand.floats(&f)?,
             None => None,
         };
         match (&st.ids, logits) {
@@ -247,7 +250,9 @@ pub fn teacher_force(trace: &Trace, m: &LoadedModel, opts: TeacherOptions) -> Re
     let mut state = m.model.new_state();
     let mut rows = Vec::with_capacity(plan.len());
     let layers = m.model.config().num_layers() as u32;
+    cand.retain(|_, _, _| false);
     for (st, ids, cand_logits) in plan {
+        cand.retain(|s, _, _| s >= st.step);
         let mut l3 = MemorySink::with_levels(&[Level::L3]);
         let sink: &mut dyn CaptureSink = if opts.l3 { &mut l3 } else { &mut NullSink };
         let out = m

@@ -120,8 +120,8 @@ pub(crate) fn steps(cand: &Candidate<'_>) -> Result<Vec<StepInfo>> {
     let mut out = Vec::with_capacity(ids.len());
     for step in ids {
         let (first, count) = if step == 0 { (0, p) } else { (p + step - 1, 1) };
-        let tokens = match cand.find(step, first, None, Component::TokenInput.path()) {
-            Some(i) => cand.ints(i)?.map(|v| {
+        let tokens = match cand.find(step, first, None, Component::TokenInput.path())? {
+            Some(f) => cand.ints(&f)?.map(|v| {
                 v.into_iter()
                     .map(|x| u32::try_from(x).unwrap_or(u32::MAX))
                     .collect::<Vec<u32>>()

@@ -519,3 +519,72 @@ fn the_contract_override_replaces_the_bindings_contract() {
     };
     assert!(e.to_string().contains("cannot be run"), "{e}");
 }
+
+#[test]
+fn streaming_the_candidate_changes_no_report() {
+    // Replay reads the candidate group by group and drops what no later
+    // unit reads; the former whole-index lookup must give the same report,
+    // byte for byte, on a multi-step run with origins, propagation and
+    // (measured) carried state, on one thread and on two.
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plan = FaultPlan::new(vec![
+        Fault::at(1, 2, FaultKind::AttentionOutputTruncate),
+        Fault::at(3, 5, FaultKind::FfnNormEpsilon(0.5)),
+    ]);
+    let p = trace(&m, dir.path(), "t.bin", &CombineChoice::default(), Some(&plan));
+    for measure_propagation in [false, true] {
+        let opts = LayerOptions {
+            measure_propagation,
+            ..LayerOptions::default()
+        };
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let (streamed, whole) = pool.install(|| {
+                // A fresh trace each: nothing the other path read is in memory.
+                let a = replay_layers(&Trace::open(&p).unwrap(), &m, &opts).unwrap();
+                let b =
+                    moeconf_replay::replay_layers_whole_index(&Trace::open(&p).unwrap(), &m, &opts).unwrap();
+                (a, b)
+            });
+            assert_eq!(
+                streamed.units.len(),
+                TOKENS as usize * (2 * m.model.config().num_layers() + 2)
+            );
+            assert_eq!(
+                streamed.count(Status::Origin),
+                2,
+                "{}",
+                streamed.render_text(false)
+            );
+            assert_eq!(
+                serde_json::to_string(&streamed.to_json(false)).unwrap(),
+                serde_json::to_string(&whole.to_json(false)).unwrap()
+            );
+            assert_eq!(streamed.render_text(false), whole.render_text(false));
+        }
+    }
+    // At most a few layers' groups are held at once, not the whole trace.
+    let t = Trace::open(&p).unwrap();
+    let (_, peak) = moeconf_replay::replay_layers_held(&t, &m, &LayerOptions::default()).unwrap();
+    let total = t.record_count() as usize;
+    assert!(
+        peak > 0 && peak * 2 < total,
+        "held {peak} of {total} records at once"
+    );
+    // Teacher forcing reads the same candidate streamed.
+    let t = Trace::open(&p).unwrap();
+    let tf = teacher_force(
+        &t,
+        &m,
+        TeacherOptions {
+            l3: true,
+            ..TeacherOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(tf.steps.len(), TOKENS as usize);
+}

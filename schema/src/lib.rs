@@ -72,7 +72,7 @@ pub use error::{InputError, TraceError};
 #[cfg(feature = "checkpoint")]
 pub use identity::model_identity;
 pub use layout::{Header, IndexEntry, PayloadRef, FORMAT_V1, FORMAT_VERSION};
-pub use nodes::{GroupNode, GroupRecords, LevelNode, StepNode, StepSummary};
+pub use nodes::{GroupNode, GroupRecords, HeldRecord, LevelNode, StepNode, StepSummary};
 pub use reader::{Trace, Verification, VerifySummary};
 pub use recomputed::{Recomputed, RECOMPUTED_NOTE};
 pub use writer::{BatchRecord, TraceWriter, WriteSummary, DEFAULT_FORMAT_VERSION};

@@ -169,6 +169,28 @@ impl<'a> GroupRecords<'a> {
     }
 }
 
+/// One record of a group read without the trace keeping it
+/// ([`Trace::read_group`]): its id (write-order number) and its entry, as
+/// the group's verified block holds them. Its payload is read with
+/// [`Trace::held_payload`]; only the reader makes one.
+#[derive(Debug, Clone)]
+pub struct HeldRecord {
+    pub(crate) id: usize,
+    pub(crate) entry: IndexEntry,
+}
+
+impl HeldRecord {
+    /// The record's id (its position in write order).
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// The record's entry.
+    pub fn entry(&self) -> &IndexEntry {
+        &self.entry
+    }
+}
+
 /// Where a group sits: its step (index into the root's steps), level and
 /// position among the level's groups, and (version 2) its block's index in
 /// [`StepNode`]'s blocks.

@@ -30,7 +30,7 @@ mod v2;
 use crate::binding::{Binding, Provenance};
 use crate::error::TraceError;
 use crate::layout::{align_up, Header, IndexEntry, PayloadRef, MAGIC, MAX_HEADER_LEN, PREAMBLE_LEN};
-use crate::nodes::{Fault, GroupNode, GroupRecords, StepNode, StepSummary};
+use crate::nodes::{Fault, GroupNode, GroupRecords, HeldRecord, StepNode, StepSummary};
 use moeconf_fingerprint::{is_canonical, record_prefix, Algorithm, Digest, LevelSet, TensorView};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -601,6 +601,58 @@ impl Trace {
         })
     }
 
+    /// The records of `group` (a group of one of this trace's step nodes)
+    /// with their ids, in canonical tree order, read and verified as
+    /// [`Trace::group_records`] reads them (version 2: the group block
+    /// against its digest in the step node, every record checked, the ids
+    /// distinct) but **not kept** by the trace: the caller holds them for
+    /// as long as it needs them and memory follows what it holds (what
+    /// `replay` streams a long trace with). A group already loaded is
+    /// copied from memory; version 1 copies from its index.
+    pub fn read_group(&self, group: &GroupNode) -> Result<Vec<HeldRecord>, TraceError> {
+        let held = |ids: &[usize], entries: &dyn Fn(usize, usize) -> Option<IndexEntry>| {
+            ids.iter()
+                .enumerate()
+                .filter_map(|(k, &id)| entries(k, id).map(|entry| HeldRecord { id, entry }))
+                .collect::<Vec<_>>()
+        };
+        match &self.store {
+            Store::V1(s) => {
+                let ids = self.group_records(group)?;
+                Ok(held(ids, &|_, id| s.entries.get(id).cloned()))
+            }
+            Store::V2(s) => match group.content.get() {
+                Some(Ok(c)) => Ok(held(&c.ids, &|k, _| c.entries.get(k).cloned())),
+                Some(Err(f)) => Err(self.fault(f)),
+                None => s.read_held(self, group).map_err(|f| self.fault(&f)),
+            },
+        }
+    }
+
+    /// The payload of `r`, a record [`Trace::read_group`] of this trace
+    /// handed out, re-hashed against its record digest like
+    /// [`Trace::payload_verified`]. A payload already matched is returned
+    /// without re-hashing only when its id is known to be the record's
+    /// alone (version 1, or a trace [`Trace::verify_payloads`] checked,
+    /// which proves every step's write-order numbers a permutation);
+    /// otherwise it is re-hashed on every call and nothing is remembered.
+    pub fn held_payload(&self, r: &HeldRecord) -> Result<Option<&[u8]>, TraceError> {
+        let Some(p) = r.entry.payload else {
+            return Ok(None);
+        };
+        let ids_unique = matches!(self.store, Store::V1(_)) || self.is_fully_verified();
+        if ids_unique && self.is_verified(r.id) {
+            if let Some(bytes) = self.raw_payload(p) {
+                return Ok(Some(bytes));
+            }
+        }
+        let bytes = self.check_payload(r.id, &r.entry, p)?;
+        if ids_unique {
+            self.mark_verified(r.id);
+        }
+        Ok(Some(bytes))
+    }
+
     /// The record with id `i` (its position in write order), when this
     /// trace has it in memory: every record of a version 1 trace, the
     /// records of the groups [`Trace::group_records`] has loaded of a
@@ -676,6 +728,39 @@ impl Trace {
         match &self.store {
             Store::V2(s) => s.step_block(k),
             Store::V1(_) => None,
+        }
+    }
+
+    /// Drops the mapped pages of `step`'s part of the file (its payloads,
+    /// group blocks and step block, docs/format.md §11.1) from this
+    /// process's resident set: for a reader that is done with the step
+    /// (`replay` moving past it), so that reading every payload of a long
+    /// trace once does not keep the file resident. Nothing else changes: a
+    /// later read maps the same bytes again from the page cache, and what
+    /// was verified stays verified. Version 1 (no step parts) and a step the
+    /// trace does not hold: nothing is dropped.
+    pub fn release_step(&self, step: u32) {
+        if let (Store::V2(s), Some(k)) = (&self.store, self.step_index(step)) {
+            if let Some((from, to)) = s.step_region(k) {
+                self.release(from, to);
+            }
+        }
+    }
+
+    /// Drops the mapped pages lying wholly inside the span of `records`'
+    /// payloads (records [`Trace::read_group`] handed out) from this
+    /// process's resident set, like [`Trace::release_step`]: for a reader
+    /// dropping a group it is done with. Pages of other records inside the
+    /// span are dropped too; they stay readable (mapped again on their next
+    /// read), so this costs at most page faults.
+    pub fn release_held(&self, records: &[HeldRecord]) {
+        let span = records
+            .iter()
+            .filter_map(|r| r.entry.payload)
+            .filter_map(|p| Some((p.offset, p.offset.checked_add(p.len)?)))
+            .reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
+        if let Some((from, to)) = span {
+            self.release(from, to.min(self.file_len()));
         }
     }
 

@@ -8,7 +8,7 @@ use crate::error::TraceError;
 use crate::layout::{
     align_up, check_record, check_step_phase, Header, IndexEntry, END_MAGIC, PAYLOAD_ALIGN, PREAMBLE_LEN,
 };
-use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, LevelNode, StepNode, StepSummary};
+use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, HeldRecord, LevelNode, StepNode, StepSummary};
 use crate::reader::VerifySummary;
 use crate::v2::{
     block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block, step_ref_len,
@@ -21,6 +21,10 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Bytes of verified payloads after which [`Store::verify_step`] drops
+/// their pages from the resident set.
+const VERIFY_RELEASE: u64 = 16 << 20;
 
 /// Where a loaded record sits among the step nodes.
 #[derive(Debug, Clone, Copy)]
@@ -490,6 +494,36 @@ impl Store {
         })
     }
 
+    /// The checked records of group `g` with their ids, kept by nobody but
+    /// the caller ([`Trace::read_group`]); two records claiming one
+    /// write-order number are refused.
+    pub fn read_held(&self, t: &Trace, g: &GroupNode) -> Result<Vec<HeldRecord>, Fault> {
+        let entries = self.read_group(t, g, &mut lock(&self.interner))?;
+        let mut seen = std::collections::HashSet::with_capacity(entries.len());
+        let mut out = Vec::with_capacity(entries.len());
+        for ge in entries {
+            if !seen.insert(ge.ordinal) {
+                return Err(Fault::new(
+                    ge.at,
+                    format!(
+                        "step {} level {} layer {:?}'s group block: record {}: write-order number {} is \
+                         already another record's (the numbers of a step must be a permutation)",
+                        t.summaries[g.at.step_index as usize].step,
+                        g.at.level,
+                        g.layer,
+                        ge.entry.coord,
+                        ge.ordinal
+                    ),
+                ));
+            }
+            out.push(HeldRecord {
+                id: ge.ordinal as usize,
+                entry: ge.entry,
+            });
+        }
+        Ok(out)
+    }
+
     /// [`Store::load_group`] without keeping anything: the checked entries.
     fn read_group(
         &self,
@@ -653,7 +687,17 @@ impl Store {
         interner: &mut Interner,
     ) -> Result<Vec<(u64, IndexEntry)>, TraceError> {
         let node = t.step_at(k)?;
-        let mut out = Vec::new();
+        // Sized once from the step node's group record counts, so that a
+        // step of millions of records is not copied on growth; bounded by
+        // what its group blocks can hold (each record there carries a
+        // 32-byte digest), whatever the counts claim.
+        let declared: u64 = node
+            .levels
+            .iter()
+            .flat_map(|l| &l.groups)
+            .fold(0u64, |n, g| n.saturating_add(g.records));
+        let room: u64 = node.blocks.iter().fold(0u64, |n, b| n.saturating_add(b.len)) / 32;
+        let mut out = Vec::with_capacity(declared.min(room) as usize);
         for l in &node.levels {
             for g in &l.groups {
                 match g.content.get() {
@@ -720,6 +764,14 @@ impl Store {
         }
     }
 
+    /// The `k`-th step's part of the file: from the end of the previous
+    /// step's block to the end of its own.
+    pub fn step_region(&self, k: usize) -> Option<(u64, u64)> {
+        let from = *self.regions.get(k)?;
+        let b = self.blocks.get(k)?;
+        Some((from, b.offset.saturating_add(b.len)))
+    }
+
     /// Where the `k`-th step's block lies (offset, length).
     pub fn step_block(&self, k: usize) -> Option<(u64, u64)> {
         self.blocks.get(k).map(|b| (b.offset, b.len))
@@ -782,8 +834,16 @@ impl Store {
             }
         }
         let mut cursor = self.regions[k];
+        // Verified payload pages leave the resident set as verification
+        // goes, not only when the step is done: a long prefill's step holds
+        // most of the file.
+        let mut released = cursor;
         let (mut payloads, mut bytes) = (0u64, 0u64);
         for (i, e) in &entries {
+            if cursor.saturating_sub(released) >= VERIFY_RELEASE {
+                t.release(released, cursor);
+                released = cursor;
+            }
             let Some(p) = e.payload else { continue };
             self.chunk(t, cursor, p.offset, &|| {
                 format!("the payload of record {i} ({})", e.coord)
