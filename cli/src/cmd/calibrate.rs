@@ -26,7 +26,7 @@ const EXAMPLES: &str = "Examples:
   moeconf calibrate --quick --only 1 --shard 0/2 --out part-0.part  # one of 2 shards (docs/scale.md)
   moeconf calibrate --quick --only 1 --shard 1/2 --out part-1.part
   moeconf merge part-*.part -o cal-sharded                          # the unsharded outputs
-  moeconf calibrate --only 11 --context 32768 --fork-tokens 129 --out cal-32k
+  moeconf calibrate --only 11 --context 2048 --fork-tokens 33 --out cal-2k   # the fork at 2,048 tokens
 
 Without --quick (moeconf calibrate --out cal-full): the paper's sizes (720 A, 360 B, 64 seeds,
 50 prompts; minutes instead of seconds). --out DIR appears only once complete (docs/format.md §10).
@@ -36,7 +36,8 @@ Protocols: 1 native replay, 2 single-layer A/B fork, 3 persistent layer-static a
 7 persistent-state substitution control, 8 representative propagation trace, 9 breadth,
 10 fault-injection localization matrix; opt-in (only with --only): 11 the fork protocol by
 context (the B fork at the fork layer vs native, per decode step, at \"why the sheep\" and with
---context N at N tokens). Exit codes: 0 all structural claims hold, 1 a claim
+--context N at N tokens; docs/calibration.md's 32k result: --context 32768 --fork-tokens 129,
+about 2-4 minutes). Exit codes: 0 all structural claims hold, 1 a claim
 failed, 2 error.";
 
 /// Arguments of `moeconf calibrate`.
