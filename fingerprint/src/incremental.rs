@@ -189,7 +189,8 @@ impl IncrementalBlake3 {
         let p = prefix.len();
         // Every byte range that may differ from the last stream: the
         // prefix, the reported rewrites, and what was appended or cut.
-        let mut changed: Vec<Range<usize>> = vec![0..p];
+        let mut changed: Vec<Range<usize>> = Vec::with_capacity(rewritten.len() + 2);
+        changed.push(0..p);
         changed.extend(rewritten.iter().map(|r| r.start + p..r.end + p));
         changed.push(self.len.min(total)..self.len.max(total));
         let mut stale = vec![false; keep];
