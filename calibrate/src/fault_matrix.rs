@@ -80,13 +80,10 @@ pub fn long_context_kinds() -> [FaultKind; 3] {
     ]
 }
 
-/// The long prompt of the model: the fewest words of [`LONG_PASSAGE`]
-/// (cycled) whose ids reach one position past the latest onset of a
-/// long-context kind on any layer ([`FaultKind::long_context_onset`]), so
-/// that every long-context case acts inside its prefill. Its text and ids.
-pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
-    let cfg = ctx.m.model.config();
-    let need = long_context_kinds()
+/// The latest position at which a long-context kind first acts on any
+/// layer of `cfg` ([`FaultKind::long_context_onset`]; `None`: none acts).
+pub fn latest_onset(cfg: &moeconf_reference_runtime::config::ModelConfig) -> Option<u32> {
+    long_context_kinds()
         .iter()
         .flat_map(|k| {
             cfg.layer_types
@@ -94,7 +91,14 @@ pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
                 .filter_map(|&t| k.long_context_onset(cfg, t))
         })
         .max()
-        .map_or(1, |o| o as usize + 1);
+}
+
+/// The long prompt of the model: the fewest words of [`LONG_PASSAGE`]
+/// (cycled) whose ids reach one position past the latest onset of a
+/// long-context kind on any layer ([`FaultKind::long_context_onset`]), so
+/// that every long-context case acts inside its prefill. Its text and ids.
+pub fn long_prompt(ctx: &Ctx) -> Result<(String, Vec<u32>)> {
+    let need = latest_onset(ctx.m.model.config()).map_or(1, |o| o as usize + 1);
     let unreachable = || CalibrateError::Invalid(format!("no prompt of the passage reaches {need} tokens"));
     let (text, _) =
         moeconf_fixtures::prompts::fewest_passage_words(need, |t| ctx.encode(t).map(|ids| ids.len()))?

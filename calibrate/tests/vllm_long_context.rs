@@ -28,7 +28,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use moeconf_bisect::{diff, DiffOptions};
-use moeconf_calibrate::fault_matrix::{long_context_kinds, long_context_matrix, Case};
+use moeconf_calibrate::fault_matrix::{latest_onset, long_context_kinds, long_context_matrix, Case};
 use moeconf_calibrate::long_fork::context_prompt;
 use moeconf_calibrate::{Ctx, CtxOptions, Sizes, TraceRequest};
 use moeconf_contract::NativeCombine;
@@ -153,16 +153,7 @@ fn long_context_faults_localized_on_the_vllm_fixture() {
     let cfg = ctx.m.model.config();
     assert_eq!(cfg.index_topk, 512);
     // One position past the latest onset of the three kinds on any layer.
-    let need = long_context_kinds()
-        .iter()
-        .flat_map(|k| {
-            cfg.layer_types
-                .iter()
-                .filter_map(|&t| k.long_context_onset(cfg, t))
-        })
-        .max()
-        .expect("onsets") as usize
-        + 1;
+    let need = latest_onset(cfg).expect("onsets") as usize + 1;
     assert_eq!(need, 2052, "the indexer's onset 4·513 − 1 = 2051 is the latest");
     let ids = context_prompt(&ctx, need + 12).expect("prompt");
     let reference = dir.path().join("reference.bin");
