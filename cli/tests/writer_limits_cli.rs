@@ -110,6 +110,12 @@ fn run_refuses_a_prompt_longer_than_the_readers_string_cap_before_running() {
         s(&prompt),
         "--max-new-tokens",
         "1",
+        // Small enough for any machine's memory estimate: the refusal
+        // under test is the string cap's.
+        "--capture",
+        "L0",
+        "--prefill-chunk",
+        "256",
         "-o",
         s(&out),
     ]);

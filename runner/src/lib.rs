@@ -727,7 +727,8 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
     m.model.check_precision(spec.precision)?;
     let cfg = m.model.config();
     let (prompt, new) = (prompt_ids.len() as u64, u64::from(spec.max_new_tokens));
-    let estimate = limits::estimate_memory(cfg, prompt, new, spec.capture);
+    let chunk = spec.prefill_chunk.map(u64::from);
+    let estimate = limits::estimate_memory(cfg, prompt, new, spec.capture, chunk);
     limits::check_memory(&estimate, limits::available_memory(), prompt, new)?;
     let built = build_combine(
         spec.combine,

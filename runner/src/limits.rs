@@ -157,12 +157,14 @@ const L4_PER_LAYER: u64 = 48;
 
 /// Estimates the memory of a run of `prompt` prompt tokens and
 /// `max_new_tokens` forward steps of a model with config `cfg` capturing
-/// `capture` (docs/operators.md §7).
+/// `capture`, its prefill in chunks of `prefill_chunk` tokens if given
+/// (docs/operators.md §7).
 pub fn estimate_memory(
     cfg: &ModelConfig,
     prompt: u64,
     max_new_tokens: u64,
     capture: CaptureSpec,
+    prefill_chunk: Option<u64>,
 ) -> MemoryEstimate {
     let context = prompt.saturating_add(max_new_tokens);
     let f32b = 4u64;
@@ -196,7 +198,10 @@ pub fn estimate_memory(
         base: BASE_BYTES,
         state: fixed.saturating_add(per_token.saturating_mul(context)),
         // Twice the residual streams: the streams and one working copy.
-        prefill: prompt.saturating_mul(2 * residual),
+        // A chunked prefill holds one chunk's streams at a time.
+        prefill: prompt
+            .min(prefill_chunk.unwrap_or(u64::MAX))
+            .saturating_mul(2 * residual),
         capture: prompt.saturating_mul(per_position).saturating_mul(ENTRY_BYTES),
     }
 }
@@ -296,22 +301,22 @@ mod tests {
             levels: moeconf_fingerprint::LevelSet::EMPTY.with(Level::L0),
             payload_levels: moeconf_fingerprint::LevelSet::EMPTY,
         };
-        let short = estimate_memory(&cfg, 264, 8, all);
-        let long = estimate_memory(&cfg, 131072, 8, all);
+        let short = estimate_memory(&cfg, 264, 8, all, None);
+        let long = estimate_memory(&cfg, 131072, 8, all, None);
         assert!(long.state > short.state && long.prefill > short.prefill && long.capture > short.capture);
         // Decode steps add state, never writer entries.
-        let decode = estimate_memory(&cfg, 264, 100_000, all);
+        let decode = estimate_memory(&cfg, 264, 100_000, all, None);
         assert!(decode.state > short.state);
         assert_eq!(decode.capture, short.capture);
         // Without L3/L4 the writer holds no per-position entries.
-        assert_eq!(estimate_memory(&cfg, 131072, 8, l0).capture, 0);
+        assert_eq!(estimate_memory(&cfg, 131072, 8, l0, None).capture, 0);
     }
 
     #[test]
     fn a_run_beyond_the_memory_or_the_context_is_refused_with_its_parts() {
         let cfg = tiny();
         let all = CaptureSpec::FINGERPRINTS_ONLY;
-        let e = estimate_memory(&cfg, 1 << 19, 8, all);
+        let e = estimate_memory(&cfg, 1 << 19, 8, all, None);
         let m = check_memory(&e, Some(1 << 30), 1 << 19, 8)
             .unwrap_err()
             .to_string();

@@ -166,7 +166,7 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
             use moeconf_runner::limits::{available_memory, check_memory, estimate_memory};
             let (n, new) = (u64::from(n), u64::from(a.max_new_tokens));
             check_memory(
-                &estimate_memory(m.model.config(), n, new, capture),
+                &estimate_memory(m.model.config(), n, new, capture, a.prefill_chunk.map(u64::from)),
                 available_memory(),
                 n,
                 new,
