@@ -862,6 +862,12 @@ fn limit_cases(d: &Path) -> Vec<Case> {
         s(&big),
         "--max-new-tokens".into(),
         "1".into(),
+        // Within any machine's memory estimate: the refusal under test is
+        // the writer's string cap.
+        "--capture".into(),
+        "L0".into(),
+        "--prefill-chunk".into(),
+        "256".into(),
         "-o".into(),
         p("big.bin"),
     ];
