@@ -11,7 +11,8 @@ use crate::cmd;
 #[derive(Debug, Parser)]
 #[command(
     name = "moeconf",
-    version,
+    version = crate::version::SHORT,
+    long_version = crate::version::LONG,
     about,
     long_about = "Tell whether two sparse Mixture-of-Experts inference backends execute the same model the same \
 way, and if not, exactly where and why they first part.\n\nA trace is one captured execution: canonical \
@@ -90,6 +91,12 @@ pub enum Command {
     /// ratios against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(cmd::bench::BenchCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    /// generated from this binary's own options.
+    Completions(cmd::completions::CompletionsArgs),
+    /// Write man pages (moeconf.1 and one per subcommand) generated from this
+    /// binary's own options and help.
+    Man(cmd::completions::ManArgs),
 }
 
 /// `moeconf diff`'s description (one constant for the full grammar and
@@ -140,7 +147,8 @@ fn one_subcommand(name: &str) -> Option<clap::Command> {
     // name in usage lines, and a subcommand being required.
     Some(
         clap::Command::new("moeconf")
-            .version(env!("CARGO_PKG_VERSION"))
+            .version(crate::version::SHORT)
+            .long_version(crate::version::LONG)
             .subcommand_required(true)
             .arg_required_else_help(true)
             .subcommand(sub),

@@ -10,6 +10,7 @@ mod compare;
 mod complete;
 mod output;
 mod results;
+mod version;
 
 use std::process::ExitCode;
 
@@ -54,6 +55,8 @@ fn dispatch(cli: cli::Cli) -> anyhow::Result<ExitCode> {
         cli::Command::Replay(a) => cmd::replay::run(&a),
         cli::Command::Bench(b) => cmd::bench::run(&b),
         cli::Command::Export(e) => cmd::export::run(&e),
+        cli::Command::Completions(a) => cmd::completions::run_completions(&a),
+        cli::Command::Man(a) => cmd::completions::run_man(&a),
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod calibrate;
 pub mod certify;
+pub mod completions;
 pub mod convert;
 pub mod demo;
 pub mod diff;
