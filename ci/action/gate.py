@@ -176,8 +176,12 @@ def set_output(name, value):
     delimiter = "ghadelimiter_" + secrets.token_hex(16)
     while delimiter in value:
         delimiter = "ghadelimiter_" + secrets.token_hex(16)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("%s<<%s\n%s\n%s\n" % (name, delimiter, value, delimiter))
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("%s<<%s\n%s\n%s\n" % (name, delimiter, value, delimiter))
+    except OSError as e:
+        # The verdict stands (the exit code carries it): a broken output file is a warning.
+        annotate("warning", "moeconf gate: outputs not set", visible(str(e)))
 
 
 def add_summary(markdown):
@@ -185,8 +189,11 @@ def add_summary(markdown):
     path = os.environ.get("GITHUB_STEP_SUMMARY", "")
     if not path:
         return
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    except OSError as e:
+        annotate("warning", "moeconf gate: no job summary", visible(str(e)))
 
 
 # --- moeconf -------------------------------------------------------------------------------------
@@ -258,11 +265,11 @@ def run_moeconf(argv):
     return p.returncode, out, err
 
 
-def describe_location(at):
+def describe_location(at, level=True):
     """`L4 step 1 pos 5 (decode) layer 5 moe.combine` from a gate JSON location."""
     if not isinstance(at, dict):
         return ""
-    s = "%s step %s pos %s" % (at.get("level"), at.get("step"), at.get("position"))
+    s = "%sstep %s pos %s" % ("%s " % at.get("level") if level else "", at.get("step"), at.get("position"))
     if at.get("phase") is not None:
         s += " (%s)" % at.get("phase")
     if at.get("layer") is not None:
@@ -270,9 +277,9 @@ def describe_location(at):
     return s + " " + str(at.get("path"))
 
 
-def fail_reason(doc):
+def fail_reason(doc, most=3):
     """The reason of a failing (or warned) gate, from its JSON report: the summary line, the first
-    divergence and each failing level's first failure."""
+    divergence, each failing level's first failure and the first `most` near-ties."""
     parts = [str(doc.get("summary", ""))]
     loc = doc.get("localization")
     if isinstance(loc, dict):
@@ -284,11 +291,15 @@ def fail_reason(doc):
     for level in doc.get("levels") or []:
         first = level.get("first_failure") if isinstance(level, dict) else None
         if isinstance(first, dict):
-            parts.append("%s %s: %s: %s" % (level.get("level"), level.get("status", "").upper(),
-                                             describe_location(first.get("at")), first.get("reason")))
-    for tie in doc.get("near_ties") or []:
-        if isinstance(tie, dict) and doc.get("verdict") == "warn":
-            parts.append("near-tie (%s) at %s" % (tie.get("kind"), describe_location(tie.get("at"))))
+            parts.append("%s FAIL at %s: %s" % (level.get("level"), describe_location(first.get("at"), False),
+                                                first.get("reason")))
+    ties = [t for t in doc.get("near_ties") or [] if isinstance(t, dict)]
+    for tie in ties[:most]:
+        parts.append("near-tie (%s flip) at %s: %s, reference margin %s < %s"
+                     % (tie.get("kind"), describe_location(tie.get("at")), tie.get("change"),
+                        tie.get("reference_margin"), tie.get("threshold")))
+    if len(ties) > most:
+        parts.append("... and %d more near-ties (the report lists them)" % (len(ties) - most))
     return "\n".join(visible(p) for p in parts if p)
 
 
