@@ -224,6 +224,9 @@ def install(how, temp):
         binary = os.path.join(root, "bin", exe)
         steps = [argv]
     elif how == "pip":
+        if not os.path.isfile(os.path.join(ACTION_ROOT, "pyproject.toml")):
+            raise Failure("install: pip needs the wheel's pyproject.toml at the action's root, which this "
+                          "version of the action lacks: use install: cargo")
         venv = os.path.join(temp, "moeconf-action-venv")
         bindir = os.path.join(venv, "Scripts" if os.name == "nt" else "bin")
         python = os.path.join(bindir, "python.exe" if os.name == "nt" else "python")
