@@ -12,6 +12,8 @@
   configuration (thread binding, chunked prefill, prefix caching, other requests in the batch);
 * ``vllm-tokens DIR --prompt ... --max-new-tokens N [--engine multiprocess]`` prints vLLM's tokens
   and top log-probabilities from its API, without hooks (its multiprocess engine included);
+* ``binary [--path P]`` says which ``moeconf`` binary this package uses and whether it fits
+  (``moeconf.binary``: same release, trace format versions both read);
 * ``transformers DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of transformers'
   DeepSeek-V4 (``moeconf.transformers_cli``; needs torch and transformers): experts
   implementation, dtype, thread count, other prompts in the batch and padding side as options.
@@ -192,9 +194,16 @@ def main(argv=None):
     from .transformers_cli import add_arguments as add_transformers_arguments
 
     add_transformers_arguments(a)
+    a = sub.add_parser("binary", help="the moeconf binary this package uses: release, commit, trace formats, and "
+                       "whether it fits this package (exit 2 if not)")
+    a.add_argument("--path", default=None, help="the binary (default: $MOECONF_BIN, the wheel's, then PATH)")
     args = p.parse_args(argv)
     if args.cmd == "transformers":
         return _transformers(args)
+    if args.cmd == "binary":
+        from . import binary
+
+        return binary.main(["--path", args.path] if args.path else [])
     try:
         if args.cmd == "inspect":
             doc = _summary(read_trace(args.trace, verify=not args.no_verify))
