@@ -41,6 +41,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from interop_words import gate_words, summary_words, tokens_of  # noqa: E402
+
 MODEL = "builtin:tiny-v4-fp8"
 PROMPT_FILE = os.path.join(REPO, "fixtures", "prompts", "llamacpp.txt")
 TYPES = ("f32", "bf16", "native")
@@ -289,34 +291,6 @@ def print_hc_pre(gguf_path, ref, cand, cpu_path):
     ct = r["causes_over_tokens"]
     print(f"    over the {ct['tokens']} prompt tokens: {ct['differing']}/{ct['values']} values differ; per cause "
           f"alone/needed: " + ", ".join(f"{g} {ct['alone'][g]}/{ct['needed'][g]}" for g in ct["alone"]))
-
-
-def tokens_of(path):
-    """The generated ids of a trace (``token.output`` in step order)."""
-    from moeconf.trace import read_trace
-
-    t = read_trace(path, verify=False)
-    toks = {}
-    for i, r in enumerate(t.records):
-        if r.coord.path == "token.output":
-            toks[r.coord.step] = int(t.array(i)[0])
-    return [toks[s] for s in sorted(toks)]
-
-
-def gate_words(j):
-    """The gate's summary and its first failing rule, briefly."""
-    words = j.get("summary", j.get("verdict", ""))
-    for r in j.get("rules", []):
-        if r.get("status") == "fail" and r.get("first_failure"):
-            f = r["first_failure"]
-            at = f["at"]
-            words += f"; first failure {r['rule']} at step {at['step']} {at['path']}: {f['reason']}"
-            break
-    return words
-
-
-def summary_words(s):
-    return ", ".join(f"{k} {v}" for k, v in s.items() if isinstance(v, (int, float, str)))
 
 
 if __name__ == "__main__":

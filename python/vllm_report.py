@@ -43,6 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from interop_words import gate_words, summary_words, tokens_of  # noqa: E402
+
 FIXTURES = ("tiny-v4-vllm", "tiny-v4-vllm-bf16")
 PROMPT = "why the sheep"
 #: DeepSeek's own combine, the official profile's default (docs/operators.md section 10.5).
@@ -347,34 +349,6 @@ def cpu_model():
     have = set(flags.group(1).split()) if flags else set()
     feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
     return f"{name.group(1).strip() if name else 'unknown'} ({os.cpu_count()} cores; {' '.join(feats) or 'no AVX2'})"
-
-
-def tokens_of(path):
-    """The generated ids of a trace (``token.output`` in step order)."""
-    from moeconf.trace import read_trace
-
-    t = read_trace(path, verify=False)
-    toks = {}
-    for i, r in enumerate(t.records):
-        if r.coord.path == "token.output":
-            toks[r.coord.step] = int(t.array(i)[0])
-    return [toks[s] for s in sorted(toks)]
-
-
-def gate_words(j):
-    """The gate's summary and its first failing rule, briefly."""
-    words = j.get("summary", j.get("verdict", ""))
-    for r in j.get("rules", []):
-        if r.get("status") == "fail" and r.get("first_failure"):
-            f = r["first_failure"]
-            at = f["at"]
-            words += f"; first failure {r['rule']} at step {at['step']} {at['path']}: {f['reason']}"
-            break
-    return words
-
-
-def summary_words(s):
-    return ", ".join(f"{k} {v}" for k, v in s.items() if isinstance(v, (int, float, str)))
 
 
 if __name__ == "__main__":

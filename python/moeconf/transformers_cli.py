@@ -22,6 +22,8 @@ import json
 import os
 from typing import List, NamedTuple, Optional
 
+from .cli_args import add_run_arguments
+
 #: The experts implementations transformers 5.23.0 runs on CPU (integrations/moe.py).
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 #: ``--dtype`` -> the torch dtype's name.
@@ -59,12 +61,7 @@ def add_arguments(a):
     a.add_argument("model_dir", help="a DeepSeek-V4 checkpoint directory transformers loads (config.json, "
                    "model.safetensors, tokenizer.json), e.g. the one `moeconf run --model builtin:tiny-v4` "
                    "materializes under ~/.cache/moeconf")
-    a.add_argument("--name", default=None, help="bound model name (default: the directory; e.g. builtin:tiny-v4)")
-    g = a.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-file")
-    a.add_argument("--max-new-tokens", type=int, required=True)
-    a.add_argument("-o", "--output", required=True)
+    add_run_arguments(a, "bound model name (default: the directory; e.g. builtin:tiny-v4)")
     a.add_argument("--experts-implementation", default=None, choices=EXPERTS_IMPLEMENTATIONS,
                    help="transformers' experts_implementation (default: transformers' choice)")
     a.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="model dtype (default bf16)")
