@@ -71,9 +71,9 @@ import numpy as np
 
 from .binding import Binding, Provenance, TensorDigest, weights_digest
 from .catalogue import component as component_row
+from .catalogue import not_captured_note as _note_value
 from .catalogue import (
-    COMPONENTS, LEVEL_BITS, NOT_CAPTURED_NOTE, SHAPES, capture_set, lm_records, lookup, not_captured_note,
-    parse_levels,
+    COMPONENTS, LEVEL_BITS, NOT_CAPTURED_NOTE, SHAPES, capture_set, lm_records, lookup, parse_levels,
 )
 from .fingerprint import Coord, hash_bytes, validate_path
 from .trace import TraceWriter
@@ -276,13 +276,24 @@ class Mapping:
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise CaptureError(f"{r!r} is not a Rule")
-        self.state = list(state)
-        for p in self.state:
+        if isinstance(state, str):
+            raise CaptureError("Mapping(state=...) is a list of paths (or a dict path -> layers), not one string")
+        if not isinstance(state, dict):
+            paths = list(state)
+            if len(set(paths)) != len(paths):
+                raise CaptureError("Mapping(state=...) lists a path twice")
+            state = {p: None for p in paths}
+        #: {state path: the layers that have it (None: every layer)}.
+        self.state = {}
+        for p, layers in state.items():
             hit = lookup(p)
             if hit is None or hit[0].group != "state":
                 raise CaptureError(f"Mapping(state=...): {p!r} is not a persistent-state record path (state.*)")
-        if len(set(self.state)) != len(self.state):
-            raise CaptureError("Mapping(state=...) lists a path twice")
+            if layers is not None:
+                layers = sorted(set(layers))
+                if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+                    raise CaptureError(f"Mapping(state=...): the layers of {p} are not layer indices")
+            self.state[p] = layers
         self.manual = dict(manual or {})
         for p, rec in self.manual.items():
             hit = lookup(p)
@@ -464,6 +475,10 @@ class Step:
             raise self.cap._fail(CaptureError(f"step {self.index}: state {path!r} is not declared in "
                                               "Mapping(state=...)"))
         layer = self.cap._check_layer(layer, f"step {self.index}: state {path}")
+        layers = self.cap.mapping.state[path]
+        if layers is not None and layer not in layers:
+            raise self.cap._fail(CaptureError(f"step {self.index}: state {path} of layer {layer}: the mapping declares "
+                                              f"it for layers {layers}"))
         c = lookup(path)[0]
         if (layer, c.rank) in self.state_recs:
             raise self.cap._fail(CaptureError(f"step {self.index}: state {path} of layer {layer} given twice"))
@@ -516,7 +531,8 @@ class Capture:
                  model_dir=None, model_name=None, capture="default", levels=None, payload_levels=None,
                  precision=None, contract="torch-native", schedule="identity", decode=None, runtime="torch",
                  runtime_version=None, threads=None, notes=(), dims=None, allow_nan=False, algorithm="blake3",
-                 weights=True, tokenizer_json=None, inputs=()):
+                 weights=True, tokenizer_json=None, inputs=(), rules_note=True, not_captured_note=True,
+                 recomputed_order=None):
         if not isinstance(mapping, Mapping):
             raise CaptureError("mapping must be a moeconf.torch.Mapping")
         if not hasattr(model, "named_modules"):
@@ -589,11 +605,18 @@ class Capture:
             runtime_version = getattr(torch, "__version__", "") if torch is not None else ""
         if threads is None:
             threads = torch.get_num_threads() if torch is not None else 1
-        pnotes = list(notes) + [("moeconf.torch.rules", "; ".join(r.describe() for r in mapping.rules))]
-        if mapping.name:
-            pnotes.append(("moeconf.torch.mapping", mapping.name))
-        if self.not_captured:
-            pnotes.append((NOT_CAPTURED_NOTE, not_captured_note(self.not_captured)))
+        pnotes = list(notes)
+        if rules_note:
+            pnotes.append(("moeconf.torch.rules", "; ".join(r.describe() for r in mapping.rules)))
+            if mapping.name:
+                pnotes.append(("moeconf.torch.mapping", mapping.name))
+        if self.not_captured and not_captured_note:
+            pnotes.append((NOT_CAPTURED_NOTE, _note_value(self.not_captured)))
+        if recomputed_order is not None:
+            if sorted(recomputed_order) != sorted(self.recomputed):
+                raise CaptureError(f"recomputed_order {list(recomputed_order)} is not an order of the mapping's "
+                                   f"recomputed paths {self.recomputed}")
+            self.recomputed = list(recomputed_order)
         prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
         prov.with_recomputed(self.recomputed)
         self.binding = binding
@@ -888,6 +911,12 @@ class Capture:
         if st is not None and (st is not self._current or st.done):
             raise CaptureError(f"step {st.index} is over")
 
+    @property
+    def current(self):
+        """The open :class:`Step` (None between steps): what a wrap outside the rules (a cache method,
+        a module-global function) records into with :meth:`Step.record`."""
+        return self._current
+
     def step(self, tokens):
         """Starts step ``steps_done``: ``tokens`` are the ids its forward consumes (step 0: the prompt;
         later: the previous step's greedy token). Use as ``with cap.step(tokens) as s:``."""
@@ -923,17 +952,18 @@ class Capture:
                     raise CaptureError(f"step {st.index}: {s.where()} " + (
                         "did not run" if c == 0 else f"ran {c} time(s), the rule reads call {s.rule.call}"))
             n_layers = self.dims.get("L")
-            for path in self.mapping.state:
+            for path, layers in self.mapping.state.items():
                 c = lookup(path)[0]
                 if not self._wants(c.level):
                     continue
-                if n_layers is None:
+                if layers is None and n_layers is None:
                     raise CaptureError("Mapping(state=...) needs the model's layer count (num_hidden_layers in the "
                                        "config, or dims={'L': ...})")
-                absent = [layer for layer in range(n_layers) if (layer, c.rank) not in st.state_recs]
+                absent = [layer for layer in (range(n_layers) if layers is None else layers)
+                          if (layer, c.rank) not in st.state_recs]
                 if absent:
                     raise CaptureError(f"step {st.index}: state {path} of layer {absent[0]} was not given "
-                                       "(s.state(layer, path, array) for every layer)")
+                                       "(s.state(layer, path, array) for every layer the mapping declares)")
             self._write(st)
         except BaseException as e:
             raise self._fail(e if isinstance(e, Exception) else CaptureError(str(e)))
@@ -1033,7 +1063,12 @@ def capture(model, mapping, out_path, **kwargs):
       (default ``torch-native``), ``schedule``;
     * ``decode`` (ids -> text: records ``text.continuation``), ``runtime`` / ``runtime_version`` /
       ``threads`` / ``notes`` (provenance), ``allow_nan``, ``algorithm``, ``inputs`` (files the
-      trace may not overwrite).
+      trace may not overwrite);
+    * for re-expressing an existing capture byte for byte (its provenance exactly as it was):
+      ``rules_note=False`` (no ``moeconf.torch.rules`` / ``moeconf.torch.mapping`` note),
+      ``not_captured_note=False`` (no ``moeconf.not_captured`` note: the caller writes its own
+      in ``notes``, or none), ``recomputed_order`` (the ``moeconf.recomputed`` patterns in this
+      order; the same set as the mapping's).
     """
     return Capture(model, mapping, out_path, **kwargs)
 

@@ -49,7 +49,7 @@ def test_example_writes_two_comparable_traces(toy):
     assert ref.provenance.recomputed() == ["router.scores", "moe.term.*"]
     notes = dict(ref.provenance.notes)
     assert notes["moeconf.not_captured"].startswith("attn.*: the toy model has no attention; state.*: ")
-    assert "moe.combine: no rule" in notes["moeconf.not_captured"]
+    assert "moe.shared: no rule" in notes["moeconf.not_captured"]
     tokens = [int(ref.array(i)[0]) for i, r in enumerate(ref.records) if r.coord.path == "token.output"]
     tokens2 = [int(cand.array(i)[0]) for i, r in enumerate(cand.records) if r.coord.path == "token.output"]
     assert tokens == tokens2 and len(tokens) == 6  # identical tokens ...
@@ -71,7 +71,8 @@ def test_example_with_the_rust_binary(toy, run_moeconf):
     p = run_moeconf("diff", d / "ref.bin", d / "cand.bin", check=False)
     assert p.returncode == 1, p.stdout + p.stderr
     last = p.stdout.strip().splitlines()[-1]
-    assert "layer 1" in last and "moe.routed" in last, p.stdout
+    assert last.startswith("first divergence: L4 step 0 position 0 layer 1 operator moe.combine"), p.stdout
+    assert "differs: moe.routed (layer 1)" in last and "tokens and text identical" in last, p.stdout
 
 
 class _Scaled(torch.nn.Module):
