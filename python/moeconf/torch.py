@@ -462,8 +462,9 @@ class Step:
             raise self.cap._fail(CaptureError(f"step {self.index}: logits of {a.size} values, the vocabulary has {v}"))
         if a.size == 0:
             raise self.cap._fail(CaptureError(f"step {self.index}: empty logits"))
-        if np.isnan(a).any():
-            raise self.cap._fail(CaptureError(f"step {self.index}: NaN in the logits (no greedy token)"))
+        if not self.cap.allow_nan and np.isnan(a).any():
+            raise self.cap._fail(CaptureError(f"step {self.index}: NaN in the logits (pass allow_nan=True to record "
+                                              "them; NaN then ranks as numpy's argsort ranks it)"))
         self.lm, self.next_token = lm_records(a)
         return self.next_token
 
@@ -613,10 +614,13 @@ class Capture:
         if self.not_captured and not_captured_note:
             pnotes.append((NOT_CAPTURED_NOTE, _note_value(self.not_captured)))
         if recomputed_order is not None:
-            if sorted(recomputed_order) != sorted(self.recomputed):
-                raise CaptureError(f"recomputed_order {list(recomputed_order)} is not an order of the mapping's "
-                                   f"recomputed paths {self.recomputed}")
-            self.recomputed = list(recomputed_order)
+            order = list(recomputed_order)
+            lost = [p for p in self.recomputed if p not in order]
+            wrong = [p for p in order if p in self.observed]
+            if lost or wrong or len(set(order)) != len(order):
+                raise CaptureError(f"recomputed_order {order}: it must list every recomputed path of the mapping "
+                                   f"{self.recomputed} once and no observed one ({', '.join(lost + wrong) or 'twice'})")
+            self.recomputed = order
         prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
         prov.with_recomputed(self.recomputed)
         self.binding = binding
@@ -1068,7 +1072,8 @@ def capture(model, mapping, out_path, **kwargs):
       ``rules_note=False`` (no ``moeconf.torch.rules`` / ``moeconf.torch.mapping`` note),
       ``not_captured_note=False`` (no ``moeconf.not_captured`` note: the caller writes its own
       in ``notes``, or none), ``recomputed_order`` (the ``moeconf.recomputed`` patterns in this
-      order; the same set as the mapping's).
+      order: every recomputed path of the mapping, and possibly paths no rule records at the
+      captured levels, never an observed one).
     """
     return Capture(model, mapping, out_path, **kwargs)
 
