@@ -173,7 +173,7 @@ class Rule:
     ``{layer}`` the layer index; or a regular expression with ``regex=True`` and a named group
     ``layer``), matched against the whole name. ``component``: a catalogue record path
     (``router.topk``), a family member (``moe.term.2``) or a family (``moe.term.*``: the value holds
-    the k terms along its second-to-last... first per-position axis, ``[n, k, D]``).
+    the k members along the first axis after the positions, ``[n, k, D]``).
 
     Where the value comes from (one of):
 

@@ -67,6 +67,6 @@ def test_mapping_writes_the_capture_byte_for_byte(model_dir, tmp_path, dtype, st
            (rb.moe_events, rb.moe_routed_reproduced, rb.moe_terms_unexplained)
 
 
-def test_mapping_refuses_a_batch(model_dir, tmp_path):
+def test_mapping_refuses_a_batch(tmp_path):
     with pytest.raises(ValueError, match="batch of one"):
         capture_mapping.capture(None, [1, 2], "", 1, tmp_path / "x.bin", batch_with=["a"])
