@@ -66,6 +66,8 @@ import numpy as np
 
 from . import binding_from_model
 from .binding import Provenance
+from .catalogue import LEVEL_BITS, LM_TOPK, NOT_CAPTURED_NOTE, REPLAY_PAYLOAD_LEVELS, parse_levels
+from .catalogue import lm_records as _lm_records
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
@@ -74,16 +76,10 @@ __all__ = ["capture", "CaptureResult", "LEVEL_BITS", "NOT_CAPTURED_NOTE", "PADDE
            "original_name",
            "save_original"]
 
-#: Level name -> bit of the binding capture masks.
-LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
-
-#: The payload levels of the capture set ``replay`` (``moeconf run --capture
-#: replay``, docs/replay.md §3): payloads for L0-L3, with ``levels="all"`` (L4
-#: as fingerprints). ``capture(..., payload_levels=REPLAY_PAYLOAD_LEVELS)``
-#: records what ``moeconf replay`` needs.
-REPLAY_PAYLOAD_LEVELS = ("L0", "L1", "L2", "L3")
-#: Entries of ``lm.topk_ids`` / ``lm.topk_logits``.
-LM_TOPK = 8
+# LEVEL_BITS, REPLAY_PAYLOAD_LEVELS (the payload levels of the capture set ``replay``: with
+# ``levels="all"``, ``capture(..., payload_levels=REPLAY_PAYLOAD_LEVELS)`` records what ``moeconf
+# replay`` needs, docs/replay.md section 3), LM_TOPK and parse_levels are shared with the other
+# captures (moeconf.catalogue) and stay importable from here.
 
 
 #: The records the capture recomputes (the trace's ``moeconf.recomputed`` note).
@@ -108,22 +104,6 @@ class CaptureResult(NamedTuple):
     moe_events: int
     moe_routed_reproduced: Dict[str, int]
     moe_terms_unexplained: int
-
-
-def parse_levels(levels):
-    """A level mask from ``"all"``, an int mask, or an iterable of names (``["L0", "L3"]``)."""
-    if levels == "all" or levels is None:
-        return 0b11111
-    if isinstance(levels, int):
-        if not 0 <= levels <= 0b11111:
-            raise ValueError(f"level mask {levels!r} is not a bit mask of L0..L4")
-        return levels
-    mask = 0
-    for name in levels:
-        if name not in LEVEL_BITS:
-            raise ValueError(f"unknown level {name!r} (expected L0..L4)")
-        mask |= LEVEL_BITS[name]
-    return mask
 
 
 def _f32(t):
@@ -309,19 +289,6 @@ def _routed_sums(v, ids, dtype):
                 buf = buf + f[j]
         acc = buf.to(dtype)
     return [slot.to(dtype), asc.to(dtype), acc]
-
-
-def _lm_records(logits):
-    """``lm.logits``, ``lm.topk_ids``, ``lm.topk_logits``, ``lm.margin`` and the greedy id
-    (ties to the lowest id) from one f32 logits row."""
-    order = np.argsort(-logits.astype(np.float64), kind="stable")  # descending, ties -> lower id
-    top = order[:LM_TOPK]
-    margin = np.float32(logits[order[0]]) - np.float32(logits[order[1]]) if logits.size > 1 else np.float32(0)
-    recs = [("lm.logits", logits.astype(np.float32)),
-            ("lm.topk_ids", top.astype(np.int32)),
-            ("lm.topk_logits", logits[top].astype(np.float32)),
-            ("lm.margin", np.array([margin], dtype=np.float32))]
-    return recs, int(order[0])
 
 
 def _attention_hooks(i, layer, rec, ctx, hook):
@@ -577,9 +544,6 @@ def _generate(model, cfg, cache, rec, tok, batch, max_new_tokens):
                     rec.emit(last, layer, "L2", path, arr)
     return generated[0]
 
-
-#: The provenance note naming what a capture left out, with the reason (docs/format.md 5.2.2).
-NOT_CAPTURED_NOTE = "moeconf.not_captured"
 
 #: What a capture of a *padded* sequence (shorter than another prompt of its batch) leaves out, and
 #: why: records that count or pool the cache's slots, which include this sequence's pad slots. (A

@@ -89,6 +89,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .binding import Provenance
+from .catalogue import LEVEL_BITS, LM_TOPK, NOT_CAPTURED_NOTE  # noqa: F401 (LM_TOPK: importable from here)
+from .catalogue import lm_records as _lm_records
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
 
@@ -102,10 +104,8 @@ __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOM
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
-#: Level name -> bit of the binding capture masks (as moeconf.capture).
-LEVEL_BITS = {"L0": 1, "L1": 2, "L2": 4, "L3": 8, "L4": 16}
-LM_TOPK = 8
-NOT_CAPTURED_NOTE = "moeconf.not_captured"
+# LEVEL_BITS, LM_TOPK and NOT_CAPTURED_NOTE are the catalogue's (moeconf.catalogue, shared with the
+# other captures).
 #: Provenance note naming the fused-MoE experts class vLLM selected (``CPUExpertsMxfp4`` for MXFP4
 #: experts, ``X86CPUUnquantizedExperts`` for BF16 ones): ``moeconf explain`` reads it to name the
 #: known combine (contract/src/backends.rs ``KNOWN_BACKENDS``, docs/interop-vllm.md section 4.1).
@@ -550,16 +550,6 @@ def _f32(t):
     import torch
 
     return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-
-
-def _lm_records(logits):
-    """``lm.*`` records and the greedy id (ties to the lowest id), as moeconf.capture."""
-    order = np.argsort(-logits.astype(np.float64), kind="stable")
-    top = order[:LM_TOPK]
-    margin = np.float32(logits[order[0]]) - np.float32(logits[order[1]]) if logits.size > 1 else np.float32(0)
-    return ([("lm.logits", logits.astype(np.float32)), ("lm.topk_ids", top.astype(np.int32)),
-             ("lm.topk_logits", logits[top].astype(np.float32)), ("lm.margin", np.array([margin], dtype=np.float32))],
-            int(order[0]))
 
 
 class _Step:
@@ -1038,7 +1028,7 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
     """
     from . import binding_from_model
-    from .capture import parse_levels
+    from .catalogue import parse_levels
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")

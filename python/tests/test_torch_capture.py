@@ -1,0 +1,467 @@
+"""The generic capture's engine (moeconf.torch) without torch: a toy MoE model in numpy whose
+modules have torch's hook interface (``named_modules``, ``register_forward_hook``,
+``register_forward_pre_hook`` with ``with_kwargs``, removable handles), a mapping onto the
+catalogue, a greedy loop, and the trace checked by the reader and by the Rust binary (``moeconf
+inspect`` / ``moeconf diff``; skipped without it). The hostile cases check that every mistake
+is a CaptureError naming its cause and leaves no file (and no temporary file) behind."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moeconf import read_trace
+from moeconf.torch import CaptureError, Mapping, Rule, capture
+
+
+class _Handle:
+    def __init__(self, hooks, entry):
+        self.hooks, self.entry = hooks, entry
+
+    def remove(self):
+        if self.entry in self.hooks:
+            self.hooks.remove(self.entry)
+
+
+class Module:
+    """torch.nn.Module's hook protocol, in numpy."""
+
+    def __init__(self):
+        self._children = {}
+        self._pre, self._post = [], []
+
+    def add(self, name, m):
+        self._children[name] = m
+        return m
+
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for n, c in self._children.items():
+            yield from c.named_modules(f"{prefix}.{n}" if prefix else n)
+
+    def register_forward_hook(self, hook, *, with_kwargs=False):
+        e = (hook, with_kwargs)
+        self._post.append(e)
+        return _Handle(self._post, e)
+
+    def register_forward_pre_hook(self, hook, *, with_kwargs=False):
+        e = (hook, with_kwargs)
+        self._pre.append(e)
+        return _Handle(self._pre, e)
+
+    def hooks(self):
+        return sum(len(m._pre) + len(m._post) for _, m in self.named_modules())
+
+    def __call__(self, *args, **kwargs):
+        for h, kw in list(self._pre):
+            h(self, args, kwargs) if kw else h(self, args)
+        out = self.forward(*args, **kwargs)
+        for h, kw in list(self._post):
+            h(self, args, kwargs, out) if kw else h(self, args, out)
+        return out
+
+
+class Fn(Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *a, **kw):
+        return self.fn(*a, **kw)
+
+
+D, E, K, V, LAYERS = 8, 4, 2, 16, 2
+CONFIG = {"hidden_size": D, "n_routed_experts": E, "num_experts_per_tok": K, "vocab_size": V,
+          "num_hidden_layers": LAYERS, "model_type": "toy-moe"}
+
+
+class Router(Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        logits = x @ self.w
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p = p / p.sum(-1, keepdims=True)
+        ids = np.argsort(-p, axis=-1, kind="stable")[:, :K]
+        gates = np.take_along_axis(p, ids, -1)
+        return gates.astype(np.float32), ids, logits.astype(np.float32)
+
+
+class Experts(Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = w  # [E, D, D]
+
+    def terms(self, x, gates, ids):
+        return np.stack([gates[:, j:j + 1] * np.einsum("td,tde->te", x, self.w[ids[:, j]]) for j in range(K)], 1)
+
+    def forward(self, x, gates, ids):
+        return self.terms(x, gates, ids).sum(1).astype(np.float32)
+
+
+class Layer(Module):
+    def __init__(self, rng):
+        super().__init__()
+        self.norm = self.add("norm", Fn(lambda x: (x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6))
+                                        .astype(np.float32)))
+        self.router = self.add("router", Router(rng.standard_normal((D, E)).astype(np.float32)))
+        self.experts = self.add("experts", Experts((rng.standard_normal((E, D, D)) / D).astype(np.float32)))
+
+    def forward(self, x):
+        h = self.norm(x)
+        gates, ids, _ = self.router(h)
+        return (x + self.experts(h, gates, ids)).astype(np.float32)
+
+
+class Toy(Module):
+    """Embedding, LAYERS MoE layers, head; one sequence, no cache (every step recomputes the prefix
+    and returns the rows of the step's own positions)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        rng = np.random.default_rng(seed)
+        self.embed = self.add("embed", Fn(lambda ids: self.table[np.asarray(ids)]))
+        self.table = rng.standard_normal((V, D)).astype(np.float32)
+        self.layers = [self.add(f"layers.{i}", Layer(rng)) for i in range(LAYERS)]
+        self.head = rng.standard_normal((D, V)).astype(np.float32)
+
+    def state_dict(self):
+        out = {"embed.weight": self.table, "head.weight": self.head}
+        for i, layer in enumerate(self.layers):
+            out[f"layers.{i}.router.weight"] = layer.router.w
+            out[f"layers.{i}.experts.weight"] = layer.experts.w
+        return out
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.head
+
+
+MAPPING = Mapping([
+    Rule("embed", "embed.output"),
+    Rule("layers.{layer}.norm", "ffn.norm"),
+    Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z - z.max(-1, keepdims=True),
+         recomputed=True),
+    Rule("layers.{layer}.router", "router.topk", output=1),
+    Rule("layers.{layer}.router", "router.gates", output=0),
+    Rule("layers.{layer}.experts", "moe.term.*", select=lambda m, a, kw, out: m.terms(*a), recomputed=True),
+    Rule("layers.{layer}.experts", "moe.routed"),
+    Rule("layers.{layer}.experts", "moe.combine"),
+    Rule("layers.{layer}", "layer.post_ffn_mhc"),
+], not_captured={"attn.*": "the toy model has no attention"}, name="toy")
+
+PROMPT = [3, 1, 4, 1, 5]
+STEPS = 4
+
+
+def run(model, out, mapping=MAPPING, steps=STEPS, **kw):
+    """The greedy loop. The toy model has no attention, so a step's forward needs only the ids it
+    consumes (no cache)."""
+    kw.setdefault("config", CONFIG)
+    kw.setdefault("precision", "numpy-f32")
+    with capture(model, mapping, out, prompt_ids=PROMPT, max_new_tokens=STEPS, **kw) as cap:
+        feed = list(PROMPT)
+        for _ in range(steps):
+            with cap.step(feed) as s:
+                logits = model(feed)
+                feed = [s.logits(logits[-1])]
+    return cap
+
+
+def files(d):
+    return sorted(os.listdir(d))
+
+
+def test_trace_records_notes_and_order(tmp_path):
+    out = tmp_path / "toy.bin"
+    cap = run(Toy(), out, capture="all", decode=lambda ids: " ".join(map(str, ids)))
+    t = read_trace(str(out))
+    assert t.root == cap.summary.root
+    paths = [r.coord.path for r in t.records]
+    n_pos = len(PROMPT) + STEPS - 1
+    per_layer = 1 + 3 + K + 3  # ffn.norm; scores, topk, gates; k terms; routed, combine, post_ffn_mhc
+    per_step = 1 + 4 + 2  # token.input; lm.*; token.output, text.continuation
+    assert len(t.records) == STEPS * per_step + n_pos * (1 + LAYERS * per_layer)
+    step0 = [r for r in t.records if r.coord.step == 0]
+    assert step0[0].coord.path == "token.input" and step0[0].coord.position == 0
+    assert [r.coord.path for r in step0[-6:]][:4] == ["lm.logits", "lm.topk_ids", "lm.topk_logits", "lm.margin"]
+    # per layer and position, catalogue order
+    lay = [r.coord.path for r in step0 if r.coord.layer == 1 and r.coord.position == 2]
+    assert lay == ["ffn.norm", "router.scores", "router.topk", "router.gates", "moe.term.0", "moe.term.1",
+                   "moe.routed", "moe.combine", "layer.post_ffn_mhc"]
+    assert "embed.output" in paths and "text.continuation" in paths
+    i = paths.index("router.topk")
+    assert t.records[i].dtype == "i32" if isinstance(t.records[i].dtype, str) else True
+    assert t.array(i).dtype == np.int32 and t.array(i).shape == (K,)
+    assert t.array(paths.index("layer.post_ffn_mhc")).shape == (1, D)  # N = 1 residual stream
+    notes = dict(t.provenance.notes)
+    assert t.provenance.recomputed() == ["router.scores", "moe.term.*"]
+    nc = notes["moeconf.not_captured"]
+    assert nc.startswith("attn.*: the toy model has no attention; ")
+    assert "state.window_kv: no rule" in nc and "router.margin: no rule" in nc and "moe.routed" not in nc
+    assert "ffn.norm" not in nc and "attn.norm_fp8" not in nc
+    assert dict(t.binding.extra)["model_identity"].startswith("in-memory")
+    assert len(t.binding.tensors) == 2 + 2 * LAYERS
+    assert t.payload_count() == len(t.records)
+
+
+def test_deterministic_and_capture_sets(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    run(Toy(), a)
+    run(Toy(), b)
+    assert a.read_bytes() == b.read_bytes()
+    t = read_trace(str(a))
+    assert (t.binding.capture_levels, t.binding.capture_payload_levels) == (0b11111, 0b01010)
+    assert all((r.payload is not None) == (r.level in (1, 3)) for r in t.records)
+    for name, (lv, pl) in {"fingerprints": (31, 0), "replay": (31, 15), "all": (31, 31)}.items():
+        p = tmp_path / f"{name}.bin"
+        run(Toy(), p, capture=name)
+        t2 = read_trace(str(p))
+        assert (t2.binding.capture_levels, t2.binding.capture_payload_levels) == (lv, pl)
+        # the same records (the masks are bound, so the roots differ)
+        assert [r.digest for r in t2.records] == [r.digest for r in t.records]
+    m = Toy()
+    run(m, tmp_path / "l01.bin", levels=["L0", "L1"])
+    t3 = read_trace(str(tmp_path / "l01.bin"))
+    assert {r.level for r in t3.records} == {0, 1}
+    # of L0/L1 only the text is missing, for want of a detokenizer
+    assert dict(t3.provenance.notes)["moeconf.not_captured"] == "text.continuation: no detokenizer given (decode=)"
+    assert m.hooks() == 0
+
+
+def test_rust_inspect_and_diff(tmp_path, run_moeconf):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    run(Toy(), a, capture="all")
+    run(Toy(), b, capture="all")
+    p = run_moeconf("inspect", a, "--format", "json")
+    j = json.loads(p.stdout)
+    assert j["provenance"]["recomputed"] == ["router.scores", "moe.term.*"]
+    assert run_moeconf("diff", a, b, check=False).returncode == 0
+    assert run_moeconf("diff", a, a, check=False).returncode == 0
+
+
+def test_moeconf_diff_localizes_a_changed_expert(tmp_path, run_moeconf):
+    a, c = tmp_path / "a.bin", tmp_path / "c.bin"
+    run(Toy(), a, capture="all", weights=False)
+    m = Toy()
+    m.layers[1].experts.w = m.layers[1].experts.w.copy()
+    m.layers[1].experts.w[:, 0, 0] += 1e-3
+    run(m, c, capture="all", weights=False)
+    d = run_moeconf("diff", a, c, check=False)
+    assert d.returncode == 1, d.stdout + d.stderr
+    last = d.stdout.strip().splitlines()[-1]
+    assert "layer 1" in last and "moe." in last, d.stdout
+
+
+def test_binding_identity(tmp_path):
+    run(Toy(), tmp_path / "a.bin")
+    run(Toy(seed=1), tmp_path / "b.bin")
+    a, b = read_trace(str(tmp_path / "a.bin")), read_trace(str(tmp_path / "b.bin"))
+    assert a.binding.config_digest == b.binding.config_digest
+    assert a.binding.weights_digest != b.binding.weights_digest
+    assert [t.dtype for t in a.binding.tensors] == ["f32"] * len(a.binding.tensors)
+
+
+# --- hostile and mistaken use ------------------------------------------------------------------
+
+
+def _no_output(tmp_path, out):
+    assert not out.exists()
+    assert not glob.glob(str(tmp_path / ".*moeconf-tmp*")), files(tmp_path)
+
+
+@pytest.mark.parametrize("rules,match", [
+    ([Rule("layers.{layer}.gate", "router.topk")], r"matches no module of Toy.*close names: layers.0.router"),
+    ([Rule("layers.{layer}.router", "router.topk", output=1),
+      Rule("layers.{layer}.router", "router.topk", output=1)], "both record router.topk of layer 0"),
+    ([Rule("layers.{layer}.experts", "moe.term.*", select=lambda *a: a[3], recomputed=True),
+      Rule("layers.{layer}.experts", "moe.term.1")], "both record moe.term.1"),
+    ([Rule("**.{layer}", "moe.routed")], "is not a decimal integer"),
+])
+def test_mapping_refusals(tmp_path, rules, match):
+    out = tmp_path / "x.bin"
+    m = Toy()
+    with pytest.raises(CaptureError, match=match):
+        run(m, out, mapping=Mapping(rules))
+    _no_output(tmp_path, out)
+    assert m.hooks() == 0
+
+
+def test_rule_refusals():
+    with pytest.raises(CaptureError, match="not a record path"):
+        Rule("layers.{layer}.router", "router.top")
+    with pytest.raises(CaptureError, match="say recomputed=True"):
+        Rule("layers.{layer}.router", "router.scores", transform=lambda x: x)
+    with pytest.raises(CaptureError, match="names no layer"):
+        Rule("layers.0.router", "router.topk")
+    with pytest.raises(CaptureError, match="model-global"):
+        Rule("layers.{layer}", "embed.output")
+    with pytest.raises(CaptureError, match="Step.logits"):
+        Rule("head", "lm.logits")
+    with pytest.raises(CaptureError, match="Step.state"):
+        Rule("layers.{layer}", "state.window_kv")
+    with pytest.raises(CaptureError, match="no fixed per-position shape"):
+        Rule("layers.{layer}", "attn.window_read")
+    with pytest.raises(CaptureError, match="one of output=, input=, select="):
+        Rule("layers.{layer}", "moe.routed", output=0, input=0)
+    # a reason for a component the mapping records (refused before any file is opened)
+    with pytest.raises(CaptureError, match="names ffn.norm, which the mapping records"):
+        capture(Toy(), Mapping([Rule("layers.{layer}.norm", "ffn.norm")], not_captured={"ffn.*": "x"}),
+                "/nonexistent/x.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG)
+
+
+def test_layer_outside_the_model(tmp_path):
+    out = tmp_path / "x.bin"
+    with pytest.raises(CaptureError, match="layer 1, the model has 1 layers"):
+        run(Toy(), out, config=dict(CONFIG, num_hidden_layers=1))
+    _no_output(tmp_path, out)
+
+
+def test_wrong_shape_aborts(tmp_path):
+    out = tmp_path / "x.bin"
+    m = Toy()
+    bad = Mapping([Rule("layers.{layer}.experts", "router.gates")])  # [n, D] where [n, k] is due
+    with pytest.raises(CaptureError, match=r"step 0: rule .*layers.0.experts.*shape \[5, 8\], expected 5 position"):
+        run(m, out, mapping=bad)
+    _no_output(tmp_path, out)
+    assert m.hooks() == 0
+
+
+def test_nan_aborts_unless_allowed(tmp_path):
+    out = tmp_path / "x.bin"
+    m = Toy()
+    m.layers[0].experts.w = m.layers[0].experts.w.copy()
+    m.layers[0].experts.w[m.layers[0].experts.w != 0] = np.nan
+    with pytest.raises(CaptureError, match=r"position 0 moe.term.0 .*NaN at index 0 \(pass allow_nan=True"):
+        run(m, out)
+    _no_output(tmp_path, out)
+
+
+def test_ids_must_be_ids(tmp_path):
+    out = tmp_path / "x.bin"
+    bad = Mapping([Rule("layers.{layer}.router", "router.topk", output=0)])  # the gates: floats
+    with pytest.raises(CaptureError, match="not integers for an ids record"):
+        run(Toy(), out, mapping=bad)
+    _no_output(tmp_path, out)
+
+
+def test_loop_mistakes(tmp_path):
+    out = tmp_path / "x.bin"
+    # fewer steps than max_new_tokens
+    with pytest.raises(CaptureError, match="3 step\\(s\\) captured, max_new_tokens is 4"):
+        run(Toy(), out, steps=3)
+    _no_output(tmp_path, out)
+    # a forward outside a step
+    m = Toy()
+    with pytest.raises(CaptureError, match="a forward ran outside a step"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG):
+            m(PROMPT)
+    _no_output(tmp_path, out)
+    assert m.hooks() == 0
+    # feeding another token than the greedy one
+    m = Toy()
+    with pytest.raises(CaptureError, match="step 1 feeds \\[99\\].*greedy token"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                s.logits(m(PROMPT)[-1])
+            cap.step([99])
+    _no_output(tmp_path, out)
+    # no logits
+    with pytest.raises(CaptureError, match="no logits"):
+        with capture(Toy(), MAPPING, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            with cap.step(PROMPT):
+                m(PROMPT)
+    _no_output(tmp_path, out)
+    # a module the forward did not run
+    m = Toy()
+    with pytest.raises(CaptureError, match="module 'layers.1.norm' \\(layer 1\\) did not run"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                x = m.embed(PROMPT)
+                x = m.layers[0](x)
+                s.logits((x @ m.head)[-1])
+    _no_output(tmp_path, out)
+    # an exception in the user's loop
+    with pytest.raises(KeyboardInterrupt):
+        with capture(Toy(), MAPPING, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            raise KeyboardInterrupt
+    _no_output(tmp_path, out)
+
+
+def test_call_index_and_inputs(tmp_path):
+    """A module run twice per layer (call=) and a rule on an input argument."""
+    out = tmp_path / "x.bin"
+    m = Toy()
+    for layer in m.layers:
+        orig = layer.forward
+
+        def twice(x, _l=layer, _o=orig):
+            _l.norm(x)  # an extra call before the real one
+            return _o(x)
+
+        layer.forward = twice
+    mp = Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=1),
+                  Rule("layers.{layer}.experts", "ffn.norm", input=0, optional=True)])
+    with pytest.raises(CaptureError, match="both record ffn.norm"):
+        run(m, out, mapping=mp)
+    mp = Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=1),
+                  Rule("layers.{layer}.experts", "router.gates", input=1),
+                  Rule("layers.{layer}.experts", "router.topk", input=2)])
+    run(m, out, mapping=mp)
+    t = read_trace(str(out))
+    ref = tmp_path / "ref.bin"
+    run(Toy(), ref, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm"),
+                                     Rule("layers.{layer}.router", "router.gates", output=0),
+                                     Rule("layers.{layer}.router", "router.topk", output=1)]))
+    assert t.root == read_trace(str(ref)).root
+    with pytest.raises(CaptureError, match="ran twice in one step"):
+        run(m, tmp_path / "y.bin", mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm")]))
+    _no_output(tmp_path, tmp_path / "y.bin")
+
+
+def test_state_and_manual_records(tmp_path):
+    out = tmp_path / "x.bin"
+    mp = Mapping([Rule("layers.{layer}.norm", "ffn.norm")], state=["state.cumulative_length"],
+                 manual={"moe.shared": True})
+    m = Toy()
+    with capture(m, mp, out, prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+        seq, feed = list(PROMPT), list(PROMPT)
+        for step in range(2):
+            with cap.step(feed) as s:
+                logits = m(feed)
+                for layer in range(LAYERS):
+                    s.state(layer, "state.cumulative_length", np.array([len(seq)], np.int64))
+                    for k, pos in enumerate(s.positions):
+                        s.record("moe.shared", np.zeros(D, np.float32), layer=layer, position=pos)
+                nxt = s.logits(logits[-1])
+            seq.append(nxt)
+            feed = [nxt]
+    t = read_trace(str(out))
+    st = [r for r in t.records if r.coord.path == "state.cumulative_length"]
+    assert [(r.coord.step, r.coord.layer, r.coord.position) for r in st] == [(0, 0, 4), (0, 1, 4), (1, 0, 5), (1, 1, 5)]
+    assert t.provenance.recomputed() == ["moe.shared"]
+    assert "state.cumulative_length" not in dict(t.provenance.notes)["moeconf.not_captured"]
+    m = Toy()
+    with pytest.raises(CaptureError, match="state state.cumulative_length of layer 1 was not given"):
+        with capture(m, mp, tmp_path / "y.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                s.state(0, "state.cumulative_length", np.array([5], np.int64))
+                s.logits(m(PROMPT)[-1])
+    _no_output(tmp_path, tmp_path / "y.bin")
+
+
+def test_generate_helper(tmp_path):
+    m = Toy()
+    out = tmp_path / "g.bin"
+    with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG,
+                 precision="numpy-f32") as cap:
+        gen = cap.generate(lambda ids: m(ids)[-1])
+    assert len(gen) == STEPS
+    run(Toy(), tmp_path / "r.bin")
+    assert read_trace(str(out)).root == read_trace(str(tmp_path / "r.bin")).root
