@@ -3,8 +3,9 @@
 # bindings = "bin": ../pyproject.toml) and checks it in a fresh virtual environment that has
 # only that wheel (and its dependencies numpy and blake3) installed and no Rust toolchain on
 # PATH: `moeconf --version`, `python -c "import moeconf"` holding the binary to the package
-# (`python3 -m moeconf binary`), `moeconf demo` to its last line, and the generic capture's
-# example (docs/capture.md) end to end. CI runs it (.ci/run).
+# (`python3 -m moeconf binary`), `moeconf demo` to its last line, and the generic capture end to
+# end without torch (python/examples/generic_capture.py: a numpy toy MoE traced through
+# moeconf.torch twice and diffed, docs/capture.md §6). CI runs it (.ci/run).
 #
 # Usage: python/run_wheel.sh [--out DIR]     (DIR keeps the built wheel; default: a temporary
 #                                             directory removed at the end)
@@ -21,7 +22,7 @@ OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_wheel.sh: unknown argument $1 (--out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -88,10 +89,7 @@ grep -q '^first divergence: L4 step 1 position 5 layer 5 operator moe.combine' d
 tail -n 1 demo.txt | grep -q '^The demo worked' || fail "moeconf demo: its last line is not the normal one"
 [ -s moeconf-demo/report.html ] || fail "moeconf demo: no report.html"
 
-EXAMPLE="$REPO/python/examples/generic_capture.py"
-if [ -f "$EXAMPLE" ]; then
-  echo "== generic capture example (docs/capture.md), end to end"
-  "${RUN[@]}" python "$EXAMPLE" --out "$WORK/run/example" || fail "the generic capture example"
-fi
+echo "== generic capture end to end (python/examples/generic_capture.py: numpy toy, moeconf.torch, diff)"
+"${RUN[@]}" python "$REPO/python/examples/generic_capture.py" --out "$WORK/run/example" || fail "the generic capture example"
 
-echo "run_wheel.sh: OK: $(basename "$WHEEL") installs the moeconf command and package; demo, --version, import and the binary check pass without Rust"
+echo "run_wheel.sh: OK: $(basename "$WHEEL") installs the moeconf command and package; demo, --version, import, the binary check and the generic capture pass without Rust"

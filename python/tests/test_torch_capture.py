@@ -8,170 +8,18 @@ is a CaptureError naming its cause and leaves no file (and no temporary file) be
 import glob
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 
-from moeconf import read_trace
-from moeconf.torch import CaptureError, Mapping, Rule, capture
+from conftest import PYTHON_DIR
 
+sys.path.insert(0, os.path.join(PYTHON_DIR, "examples"))
 
-class _Handle:
-    def __init__(self, hooks, entry):
-        self.hooks, self.entry = hooks, entry
-
-    def remove(self):
-        if self.entry in self.hooks:
-            self.hooks.remove(self.entry)
-
-
-class Module:
-    """torch.nn.Module's hook protocol, in numpy."""
-
-    def __init__(self):
-        self._children = {}
-        self._pre, self._post = [], []
-
-    def add(self, name, m):
-        self._children[name] = m
-        return m
-
-    def named_modules(self, prefix=""):
-        yield prefix, self
-        for n, c in self._children.items():
-            yield from c.named_modules(f"{prefix}.{n}" if prefix else n)
-
-    def register_forward_hook(self, hook, *, with_kwargs=False):
-        e = (hook, with_kwargs)
-        self._post.append(e)
-        return _Handle(self._post, e)
-
-    def register_forward_pre_hook(self, hook, *, with_kwargs=False):
-        e = (hook, with_kwargs)
-        self._pre.append(e)
-        return _Handle(self._pre, e)
-
-    def hooks(self):
-        return sum(len(m._pre) + len(m._post) for _, m in self.named_modules())
-
-    def __call__(self, *args, **kwargs):
-        for h, kw in list(self._pre):
-            h(self, args, kwargs) if kw else h(self, args)
-        out = self.forward(*args, **kwargs)
-        for h, kw in list(self._post):
-            h(self, args, kwargs, out) if kw else h(self, args, out)
-        return out
-
-
-class Fn(Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *a, **kw):
-        return self.fn(*a, **kw)
-
-
-D, E, K, V, LAYERS = 8, 4, 2, 16, 2
-CONFIG = {"hidden_size": D, "n_routed_experts": E, "num_experts_per_tok": K, "vocab_size": V,
-          "num_hidden_layers": LAYERS, "model_type": "toy-moe"}
-
-
-class Router(Module):
-    def __init__(self, w):
-        super().__init__()
-        self.w = w
-
-    def forward(self, x):
-        logits = x @ self.w
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p = p / p.sum(-1, keepdims=True)
-        ids = np.argsort(-p, axis=-1, kind="stable")[:, :K]
-        gates = np.take_along_axis(p, ids, -1)
-        return gates.astype(np.float32), ids, logits.astype(np.float32)
-
-
-class Experts(Module):
-    def __init__(self, w):
-        super().__init__()
-        self.w = w  # [E, D, D]
-
-    def terms(self, x, gates, ids):
-        return np.stack([gates[:, j:j + 1] * np.einsum("td,tde->te", x, self.w[ids[:, j]]) for j in range(K)], 1)
-
-    def forward(self, x, gates, ids):
-        return self.terms(x, gates, ids).sum(1).astype(np.float32)
-
-
-class Layer(Module):
-    def __init__(self, rng):
-        super().__init__()
-        self.norm = self.add("norm", Fn(lambda x: (x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6))
-                                        .astype(np.float32)))
-        self.router = self.add("router", Router(rng.standard_normal((D, E)).astype(np.float32)))
-        self.experts = self.add("experts", Experts((rng.standard_normal((E, D, D)) / D).astype(np.float32)))
-
-    def forward(self, x):
-        h = self.norm(x)
-        gates, ids, _ = self.router(h)
-        return (x + self.experts(h, gates, ids)).astype(np.float32)
-
-
-class Toy(Module):
-    """Embedding, LAYERS MoE layers, head; one sequence, no cache (every step recomputes the prefix
-    and returns the rows of the step's own positions)."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        rng = np.random.default_rng(seed)
-        self.embed = self.add("embed", Fn(lambda ids: self.table[np.asarray(ids)]))
-        self.table = rng.standard_normal((V, D)).astype(np.float32)
-        self.layers = [self.add(f"layers.{i}", Layer(rng)) for i in range(LAYERS)]
-        self.head = rng.standard_normal((D, V)).astype(np.float32)
-
-    def state_dict(self):
-        out = {"embed.weight": self.table, "head.weight": self.head}
-        for i, layer in enumerate(self.layers):
-            out[f"layers.{i}.router.weight"] = layer.router.w
-            out[f"layers.{i}.experts.weight"] = layer.experts.w
-        return out
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return x @ self.head
-
-
-MAPPING = Mapping([
-    Rule("embed", "embed.output"),
-    Rule("layers.{layer}.norm", "ffn.norm"),
-    Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z - z.max(-1, keepdims=True),
-         recomputed=True),
-    Rule("layers.{layer}.router", "router.topk", output=1),
-    Rule("layers.{layer}.router", "router.gates", output=0),
-    Rule("layers.{layer}.experts", "moe.term.*", select=lambda m, a, kw, out: m.terms(*a), recomputed=True),
-    Rule("layers.{layer}.experts", "moe.routed"),
-    Rule("layers.{layer}.experts", "moe.combine"),
-    Rule("layers.{layer}", "layer.post_ffn_mhc"),
-], not_captured={"attn.*": "the toy model has no attention"}, name="toy")
-
-PROMPT = [3, 1, 4, 1, 5]
-STEPS = 4
-
-
-def run(model, out, mapping=MAPPING, steps=STEPS, **kw):
-    """The greedy loop. The toy model has no attention, so a step's forward needs only the ids it
-    consumes (no cache)."""
-    kw.setdefault("config", CONFIG)
-    kw.setdefault("precision", "numpy-f32")
-    with capture(model, mapping, out, prompt_ids=PROMPT, max_new_tokens=STEPS, **kw) as cap:
-        feed = list(PROMPT)
-        for _ in range(steps):
-            with cap.step(feed) as s:
-                logits = model(feed)
-                feed = [s.logits(logits[-1])]
-    return cap
+from moeconf import read_trace  # noqa: E402
+from moeconf.torch import CaptureError, Mapping, Rule, capture  # noqa: E402
+from numpy_toy import CONFIG, D, K, LAYERS, MAPPING, PROMPT, STEPS, Fn, Module, Toy, run  # noqa: E402
 
 
 def files(d):
@@ -465,3 +313,12 @@ def test_generate_helper(tmp_path):
     assert len(gen) == STEPS
     run(Toy(), tmp_path / "r.bin")
     assert read_trace(str(out)).root == read_trace(str(tmp_path / "r.bin")).root
+
+
+def test_the_example_script_runs_end_to_end(tmp_path, moeconf_bin):
+    """python/examples/generic_capture.py (what run_wheel.sh runs in the wheel's venv) passes its
+    own checks: the trace against itself equivalent, the float16 routed sum found at layer 1."""
+    import generic_capture
+
+    assert generic_capture.main(["--out", str(tmp_path), "--moeconf", moeconf_bin]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["cand.bin", "ref.bin"]
