@@ -16,7 +16,7 @@ use moeconf_contract::{
     parse_fork_order, AggregationContract, CombineEvent, ForkCombine, ForkPoint, MoeCombine, Schedule,
     ScheduledCombine,
 };
-use moeconf_fingerprint::{catalogue::Component, Algorithm, CanonPolicy, Coord, Level, TensorView};
+use moeconf_fingerprint::{catalogue::Component, Algorithm, CanonPolicy, Coord, Level, LevelSet, TensorView};
 use moeconf_reference_runtime::capture::{CaptureError, CaptureSink, Progress};
 use moeconf_reference_runtime::config::AttentionKind;
 use moeconf_reference_runtime::error::RuntimeError;
@@ -245,8 +245,8 @@ impl TraceSink {
         self
     }
 
-    pub fn finish(self) -> Result<WriteSummary, RunError> {
-        if let Some(p) = &self.progress {
+    pub fn finish(mut self) -> Result<WriteSummary, RunError> {
+        if let Some(p) = &mut self.progress {
             p.clear();
         }
         Ok(match self.out {
@@ -699,7 +699,11 @@ pub fn builtin_long_prompt(m: &LoadedModel, tokens: usize) -> Result<String, Run
     })?;
     found.map(|(text, _)| text).ok_or_else(|| {
         RunError::Invalid(format!(
-            "no prompt of the built-in passage reaches {tokens} tokens with this tokenizer"
+            "--prompt-tokens {tokens}: no text of the built-in passage (up to {} words) reaches {tokens} \
+             tokens with the tokenizer {} (its count stopped growing, or needs more than 16 ids a word: \
+             a tokenizer that truncates never reaches it); give the prompt with --prompt-file",
+            moeconf_fixtures::prompts::MAX_PASSAGE_WORDS,
+            m.dir.join("tokenizer.json").display()
         ))
     })
 }
@@ -926,6 +930,28 @@ fn generate_batched(
         }
         limits::check_prompt_tokens(ids.len())?;
         prompts.push(ids);
+    }
+    if prompts.len() > 1 {
+        // Every sequence of the batch holds its own state to its own context
+        // (the others are not captured): the traced run's estimate plus theirs.
+        let (cfg, new) = (m.model.config(), u64::from(spec.max_new_tokens));
+        let chunk = spec.prefill_chunk.map(u64::from);
+        let traced = prompts[0].len() as u64;
+        let mut total = limits::estimate_memory(cfg, traced, new, spec.capture, chunk);
+        let uncaptured = CaptureSpec {
+            levels: LevelSet::of_mask(0b00001),
+            payload_levels: LevelSet::EMPTY,
+        };
+        for p in &prompts[1..] {
+            let (len, e) = (
+                p.len() as u64,
+                limits::estimate_memory(cfg, p.len() as u64, new, uncaptured, chunk),
+            );
+            limits::check_memory(&e, None, len, new)?;
+            total.state = total.state.saturating_add(e.state);
+            total.prefill = total.prefill.saturating_add(e.prefill);
+        }
+        limits::check_memory(&total, limits::available_memory(), traced, new)?;
     }
     let mut states: Vec<_> = prompts.iter().map(|_| m.model.new_state()).collect();
     let mut others: Vec<NullSink> = spec.batch_with.iter().map(|_| NullSink).collect();
