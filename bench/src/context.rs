@@ -181,7 +181,13 @@ pub fn bench_context(
         let (n, new) = (u64::from(n), u64::from(opts.decode_tokens) + 1);
         let estimate =
             limits::estimate_memory(model.config(), n, new, spec, opts.prefill_chunk.map(u64::from));
-        limits::check_memory(&estimate, limits::available_memory(), n, new)?;
+        limits::check_memory_for(
+            limits::Sizing::BenchContext,
+            &estimate,
+            limits::available_memory(),
+            n,
+            new,
+        )?;
     }
     let mut rows = Vec::new();
     for &n in &opts.contexts {

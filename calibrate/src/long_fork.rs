@@ -420,9 +420,26 @@ fn printed(r: &StepRow, run: &ContextRun, last: u32) -> bool {
     r.step <= 8 || r.step.is_multiple_of(8) || r.step == last || Some(r.step) == run.first_token_step
 }
 
+/// Refuses a context of `c` prompt tokens and `n` decoded ones that exceeds
+/// DeepSeek-V4's context or this machine's memory, before anything runs:
+/// the protocol holds two decode states (native and forked) and captures
+/// nothing but what it compares, so the estimate is the tokens-only run's
+/// with its state counted twice.
+fn check_context_fits(ctx: &Ctx, c: u64, n: u64) -> Result<()> {
+    use moeconf_runner::limits::{available_memory, check_memory_for, estimate_memory, Sizing};
+    let tokens_only = moeconf_runner::parse_capture("L0")?;
+    let mut e = estimate_memory(ctx.m.model.config(), c, n, tokens_only, None);
+    e.state = e.state.saturating_mul(2);
+    check_memory_for(Sizing::CalibrateContext, &e, available_memory(), c, n)?;
+    Ok(())
+}
+
 /// Runs protocol 11: the short context and, with `--context N`, N tokens.
 pub fn run(ctx: &Ctx) -> Result<Section> {
     let n = ctx.sizes.fork_tokens;
+    if let Some(c) = ctx.sizes.context {
+        check_context_fits(ctx, u64::from(c), n as u64)?;
+    }
     let mut runs = vec![at_context(ctx, "short", &ctx.encode(SHORT_PROMPT)?, n)?];
     if let Some(c) = ctx.sizes.context {
         let ids = context_prompt(ctx, c as usize)?;

@@ -215,6 +215,20 @@ pub fn available_memory() -> Option<u64> {
     kb.checked_mul(1024)
 }
 
+/// The command a memory or context refusal is worded for: each names its own
+/// options (what sets the tokens, what lowers the estimate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sizing {
+    /// `moeconf run`: `--prompt*` and `--max-new-tokens`, and its `--capture`.
+    Run,
+    /// `moeconf bench runtime --context N`: N prompt tokens and
+    /// `--decode-tokens` + 1 new ones, at the default capture.
+    BenchContext,
+    /// `moeconf calibrate --only 11 --context N`: N prompt tokens and the
+    /// fork protocol's own decode steps, tokens only.
+    CalibrateContext,
+}
+
 /// Refuses a run whose estimate exceeds `available` bytes (no check when
 /// the available memory is unknown), naming each part and what lowers it.
 pub fn check_memory(
@@ -223,11 +237,34 @@ pub fn check_memory(
     prompt: u64,
     max_new_tokens: u64,
 ) -> Result<(), RunError> {
+    check_memory_for(Sizing::Run, estimate, available, prompt, max_new_tokens)
+}
+
+/// [`check_memory`] worded for `command`'s options.
+pub fn check_memory_for(
+    command: Sizing,
+    estimate: &MemoryEstimate,
+    available: Option<u64>,
+    prompt: u64,
+    max_new_tokens: u64,
+) -> Result<(), RunError> {
     let context = prompt.saturating_add(max_new_tokens);
     if context > MAX_CONTEXT_TOKENS {
-        return Err(RunError::Field(FieldMessage::of(Field::MaxNewTokens).text(format!(
-            " {max_new_tokens}: the prompt's {prompt} tokens and {max_new_tokens} new ones exceed DeepSeek-V4's context of {MAX_CONTEXT_TOKENS} tokens"
-        ))));
+        let over = format!(
+            "the prompt's {prompt} tokens and {max_new_tokens} new ones exceed DeepSeek-V4's context of {MAX_CONTEXT_TOKENS} tokens"
+        );
+        return Err(match command {
+            Sizing::Run => RunError::Field(
+                FieldMessage::of(Field::MaxNewTokens).text(format!(" {max_new_tokens}: {over}")),
+            ),
+            Sizing::BenchContext => RunError::Invalid(format!(
+                "--context {prompt} with --decode-tokens {}: {over} (the prefill's token is new too)",
+                max_new_tokens.saturating_sub(1)
+            )),
+            Sizing::CalibrateContext => RunError::Invalid(format!(
+                "--context {prompt}: {over} (the fork protocol decodes {max_new_tokens} tokens)"
+            )),
+        });
     }
     let Some(available) = available else {
         return Ok(());
@@ -239,13 +276,18 @@ pub fn check_memory(
     Err(RunError::Invalid(format!(
         "a run of {prompt} prompt tokens and {max_new_tokens} new ones needs an estimated {} (persistent state at {context} tokens {}, \
          prefill activations {}, the trace writer's prefill step {}, the rest {}), more than the {} this machine has available; \
-         fewer tokens, or a capture without L3/L4 (e.g. --capture L0,L1+payload,L2), lower it",
+         {} lower it",
         gib(estimate.total()),
         gib(estimate.state),
         gib(estimate.prefill),
         gib(estimate.capture),
         gib(estimate.base),
         gib(available),
+        match command {
+            Sizing::Run => "fewer tokens, or a capture without L3/L4 (e.g. --capture L0,L1+payload,L2),",
+            Sizing::BenchContext => "a smaller --context or fewer --decode-tokens (the benchmark measures the default capture)",
+            Sizing::CalibrateContext => "a smaller --context",
+        },
     )))
 }
 
@@ -310,6 +352,37 @@ mod tests {
         assert_eq!(decode.capture, short.capture);
         // Without L3/L4 the writer holds no per-position entries.
         assert_eq!(estimate_memory(&cfg, 131072, 8, l0, None).capture, 0);
+    }
+
+    #[test]
+    fn each_command_is_told_its_own_options() {
+        let cfg = tiny();
+        let e = estimate_memory(&cfg, 1 << 19, 65, CaptureSpec::FINGERPRINTS_ONLY, None);
+        let bench = check_memory_for(Sizing::BenchContext, &e, Some(1 << 30), 1 << 19, 65)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            bench.contains("--context") && bench.contains("--decode-tokens"),
+            "{bench}"
+        );
+        assert!(
+            !bench.contains("--capture") && !bench.contains("--max-new-tokens"),
+            "{bench}"
+        );
+        let over = check_memory_for(Sizing::BenchContext, &e, None, MAX_CONTEXT_TOKENS, 65)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            over.contains("--context 1048576 with --decode-tokens 64"),
+            "{over}"
+        );
+        let cal = check_memory_for(Sizing::CalibrateContext, &e, None, MAX_CONTEXT_TOKENS, 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            cal.starts_with("--context 1048576") && !cal.contains("--max-new-tokens"),
+            "{cal}"
+        );
     }
 
     #[test]

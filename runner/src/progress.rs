@@ -94,12 +94,21 @@ impl TerminalProgress {
     }
 
     /// Erases the line (before the run's summary is printed).
-    pub fn clear(&self) {
+    pub fn clear(&mut self) {
         if self.shown {
             let mut err = std::io::stderr().lock();
             let _ = write!(err, "\r\x1b[K");
             let _ = err.flush();
+            self.shown = false;
         }
+    }
+}
+
+/// A run that fails part way drops its reporter before its error is
+/// printed: the line is erased then too, so the error starts a line of its own.
+impl Drop for TerminalProgress {
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 

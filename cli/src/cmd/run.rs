@@ -109,22 +109,26 @@ pub struct RunArgs {
     #[arg(long)]
     pub allow_non_finite: bool,
     /// Process the prompt in chunks of N tokens, each through every layer before the next (a
-    /// chunked prefill, as serving engines schedule long prompts). The reference runtime is
-    /// invariant to it by construction: the trace's records and root are those of the unchunked
-    /// run; the chunk size is noted in the provenance.
+    /// chunked prefill, as serving engines schedule long prompts). Under the bf16, f32 and
+    /// official profiles the reference runtime is invariant to it by construction: the trace's
+    /// records and root are those of the unchunked run. The vllm-cpu profile follows vLLM-CPU's
+    /// per-forward rounding, so there the chunks change the records (and the root). The chunk
+    /// size is noted in the provenance.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
     /// Decode this prompt in the same batch as the traced one (repeatable; a batched step runs
     /// every sequence through each layer together, as serving engines batch requests). Only the
-    /// traced prompt's sequence is captured; the reference runtime is invariant to the batch by
-    /// construction (the same records and root), and the batch size is noted in the provenance.
+    /// traced prompt's sequence is captured. Under the bf16, f32 and official profiles the
+    /// reference runtime is invariant to the batch by construction (the same records and root);
+    /// under vllm-cpu the batch changes them, as in vLLM-CPU. The batch size is noted in the
+    /// provenance.
     #[arg(long, value_name = "PROMPT")]
     pub batch_with: Vec<String>,
     /// Instead of --prompt/--prompt-file: the built-in long prompt of at least N tokens, the
     /// fewest words of a built-in passage (cycled) whose tokenization by the model reaches N
     /// (deterministic; for long-context runs, e.g. 32768 or 131072).
     #[arg(long, value_name = "N", conflicts_with_all = ["prompt", "prompt_file"],
-          value_parser = clap::value_parser!(u32).range(1..=1048576))]
+          value_parser = clap::value_parser!(u32).range(1..=1048575))]
     pub prompt_tokens: Option<u32>,
 }
 
