@@ -15,8 +15,9 @@
 //! `rewritten`); a bug that rewrites old bytes without reporting them would
 //! leave a stale block value. [`IncrementalBlake3::verify_next`] re-hashes a
 //! few cached blocks per call, round robin, and [`IncrementalBlake3::verify_all`]
-//! all of them: an unreported rewrite is found within one sweep, never
-//! silently committed past the end of a run.
+//! all of them: an unreported rewrite that lasts is found within one sweep
+//! or at the end of a run; one undone before the sweep reaches its block is
+//! not seen (the digests in between are of the bytes before it).
 //!
 //! Independent check: the tests compare every digest with `blake3::hash` of
 //! the same bytes, over random sizes, appends, rewrites and truncations.

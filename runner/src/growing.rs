@@ -7,9 +7,11 @@
 //! Trust: the incremental digest assumes the old bytes did not change. Each
 //! record re-hashes [`VERIFY_BLOCKS`] cached blocks round robin, and every
 //! record of the run's last step re-hashes all of them: an old entry
-//! rewritten without being appended (a runtime bug) fails the run, naming
-//! the record and the bytes, and no trace is written. It is never committed
-//! silently.
+//! rewritten without being appended (a runtime bug) that stays rewritten
+//! until the sweep or the last step reaches its block fails the run, naming
+//! the record and the bytes, and no trace is written. A rewrite undone
+//! before then is not seen: the digests of the steps in between commit to
+//! the bytes before it (docs/format.md §4.5; payload capture hashes whole).
 
 use moeconf_fingerprint::incremental::{IncrementalBlake3, DEFAULT_BLOCK};
 use moeconf_fingerprint::{
