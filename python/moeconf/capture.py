@@ -66,7 +66,7 @@ import numpy as np
 
 from . import binding_from_model
 from .binding import Provenance
-from .catalogue import LEVEL_BITS, LM_TOPK, NOT_CAPTURED_NOTE, REPLAY_PAYLOAD_LEVELS, parse_levels
+from .catalogue import LEVEL_BITS, LM_TOPK, NOT_CAPTURED_NOTE, REPLAY_PAYLOAD_LEVELS, parse_levels  # noqa: F401
 from .catalogue import lm_records as _lm_records
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
@@ -619,6 +619,36 @@ def _batch_notes(batch, batch_with):
     return notes
 
 
+def _checked_arguments(model, tokenizer_or_ids, prompt, max_new_tokens, model_dir, levels, payload_levels,
+                       precision):
+    """The arguments of :func:`capture` (and of ``moeconf.capture_mapping.capture``) checked and
+    resolved: ``(config, model_dir, level mask, payload mask, precision, tokenizer, prompt ids)``.
+    Refuses another model type, no new tokens, a directory without config.json and an empty
+    prompt."""
+    import torch
+
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != "deepseek_v4":
+        raise ValueError(f"capture supports model_type deepseek_v4, got {getattr(cfg, 'model_type', None)!r}")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    model_dir = os.fspath(model_dir or model.name_or_path)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir}: no config.json (pass model_dir= the checkpoint directory)")
+    mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
+    dtype = next(model.parameters()).dtype
+    if precision is None:
+        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, "hf-" + str(dtype).replace("torch.", ""))
+    if isinstance(tokenizer_or_ids, (list, tuple)):
+        tok, prompt_ids = _Tokenizer(None), [int(i) for i in tokenizer_or_ids]
+    else:
+        tok = _Tokenizer(tokenizer_or_ids)
+        prompt_ids = tok.encode(prompt)
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    return cfg, model_dir, mask, payload_mask, precision, tok, prompt_ids
+
+
 def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_dir=None, model_name=None,
             precision=None, levels="all", payload_levels="all", algorithm="blake3", contract="hf-native",
             schedule="identity", batch_with=(), padding_side="left", pad_token_id=None):
@@ -651,26 +681,8 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     import transformers
     from transformers.cache_utils import DynamicCache
 
-    cfg = model.config
-    if getattr(cfg, "model_type", None) != "deepseek_v4":
-        raise ValueError(f"capture supports model_type deepseek_v4, got {getattr(cfg, 'model_type', None)!r}")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    model_dir = os.fspath(model_dir or model.name_or_path)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"{model_dir}: no config.json (pass model_dir= the checkpoint directory)")
-    mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
-    dtype = next(model.parameters()).dtype
-    if precision is None:
-        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, "hf-" + str(dtype).replace("torch.", ""))
-
-    if isinstance(tokenizer_or_ids, (list, tuple)):
-        tok, prompt_ids = _Tokenizer(None), [int(i) for i in tokenizer_or_ids]
-    else:
-        tok = _Tokenizer(tokenizer_or_ids)
-        prompt_ids = tok.encode(prompt)
-    if not prompt_ids:
-        raise ValueError("empty prompt")
+    cfg, model_dir, mask, payload_mask, precision, tok, prompt_ids = _checked_arguments(
+        model, tokenizer_or_ids, prompt, max_new_tokens, model_dir, levels, payload_levels, precision)
     batch = _make_batch(cfg, tok, prompt_ids, batch_with, padding_side, pad_token_id)
 
     binding = binding_from_model(model_dir, model_name or model_dir, prompt_text=prompt or "",

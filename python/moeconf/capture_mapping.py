@@ -18,11 +18,8 @@ the opt-in transformers suite, asserts it). A batch (``batch_with``) is not re-e
 engine takes a batch of one. Requires torch and transformers (imported lazily).
 """
 
-import os
-
 from .capture import (
-    RECOMPUTED, ROUTED_SUMS, CaptureResult, _f32, _make_batch, _recompute_terms, _routed_sums, _state_records,
-    _Tokenizer, parse_levels,
+    RECOMPUTED, ROUTED_SUMS, CaptureResult, _checked_arguments, _f32, _make_batch, _recompute_terms, _routed_sums, _state_records,
 )
 from .torch import Mapping, Rule
 from .torch import capture as torch_capture
@@ -165,25 +162,8 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
 
     if batch_with:
         raise ValueError("capture_mapping.capture takes a batch of one (use moeconf.capture for batch_with)")
-    cfg = model.config
-    if getattr(cfg, "model_type", None) != "deepseek_v4":
-        raise ValueError(f"capture supports model_type deepseek_v4, got {getattr(cfg, 'model_type', None)!r}")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
-    model_dir = os.fspath(model_dir or model.name_or_path)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"{model_dir}: no config.json (pass model_dir= the checkpoint directory)")
-    mask, payload_mask = parse_levels(levels), parse_levels(payload_levels)
-    dtype = next(model.parameters()).dtype
-    if precision is None:
-        precision = {torch.float32: "hf-f32", torch.bfloat16: "hf-bf16"}.get(dtype, "hf-" + str(dtype).replace("torch.", ""))
-    if isinstance(tokenizer_or_ids, (list, tuple)):
-        tok, prompt_ids = _Tokenizer(None), [int(i) for i in tokenizer_or_ids]
-    else:
-        tok = _Tokenizer(tokenizer_or_ids)
-        prompt_ids = tok.encode(prompt)
-    if not prompt_ids:
-        raise ValueError("empty prompt")
+    cfg, model_dir, mask, payload_mask, precision, tok, prompt_ids = _checked_arguments(
+        model, tokenizer_or_ids, prompt, max_new_tokens, model_dir, levels, payload_levels, precision)
     _make_batch(cfg, tok, prompt_ids, (), "left", None)  # the same checks as moeconf.capture
     ctx = {"events": 0, "unexplained": 0, "reproduced": [0] * len(ROUTED_SUMS), "cos_sin": {}}
     mapping = transformers_mapping(model, ctx)

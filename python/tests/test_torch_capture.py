@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(PYTHON_DIR, "examples"))
 
 from moeconf import read_trace  # noqa: E402
 from moeconf.torch import CaptureError, Mapping, Rule, capture  # noqa: E402
-from numpy_toy import CONFIG, D, K, LAYERS, MAPPING, PROMPT, STEPS, Fn, Module, Toy, run  # noqa: E402
+from numpy_toy import CONFIG, D, K, LAYERS, MAPPING, PROMPT, STEPS, Toy, run  # noqa: E402
 
 
 def files(d):
