@@ -13,15 +13,18 @@
 # under ${MOECONF_CACHE:-$HOME/.cache/moeconf}). Exit 0 when every check passes, 1 when one
 # fails, 2 on a usage or set-up error.
 set -euo pipefail
+CALLER="$PWD"
 cd "$(dirname "$0")/.."
 REPO="$PWD"
+setup_fail() { echo "run_wheel.sh: set-up failed: $*" >&2; exit 2; }
 
 MATURIN_VERSION="1.16.0"
 PYTHON="${PYTHON:-python3}"
 OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
+    --out) OUT="${2:?--out needs a directory}"; shift 2
+           case "$OUT" in /*) ;; *) OUT="$CALLER/$OUT" ;; esac ;;
     -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run_wheel.sh: unknown argument $1 (--out DIR)" >&2; exit 2 ;;
   esac
@@ -30,7 +33,8 @@ command -v cargo >/dev/null 2>&1 || { echo "run_wheel.sh: cargo not found (build
 command -v "$PYTHON" >/dev/null 2>&1 || { echo "run_wheel.sh: $PYTHON not found" >&2; exit 2; }
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/moeconf-wheel.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
+BUILD_INFO="$REPO/python/moeconf/_build.py"
+trap 'rm -rf "$WORK" "$BUILD_INFO"' EXIT
 DIST="${OUT:-$WORK/dist}"
 mkdir -p "$DIST"
 
@@ -39,9 +43,17 @@ BUILD_VENV="$CACHE/venv-maturin-$MATURIN_VERSION"
 if ! "$BUILD_VENV/bin/maturin" --version >/dev/null 2>&1; then
   echo "== build environment: maturin==$MATURIN_VERSION in $BUILD_VENV"
   rm -rf "$BUILD_VENV"
-  "$PYTHON" -m venv "$BUILD_VENV"
+  "$PYTHON" -m venv "$BUILD_VENV" || setup_fail "python3 -m venv $BUILD_VENV"
   PIP_ROOT_USER_ACTION=ignore "$BUILD_VENV/bin/pip" install --quiet --disable-pip-version-check \
-    "maturin==$MATURIN_VERSION"
+    "maturin==$MATURIN_VERSION" || setup_fail "pip install maturin==$MATURIN_VERSION"
+fi
+
+# The commit goes into the wheel's package too, so that `python3 -m moeconf binary` holds the
+# binary to the same commit, not only the same release (removed again when the script ends).
+COMMIT="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || true)"
+if [ -n "$COMMIT" ]; then
+  printf '"""Written by python/run_wheel.sh into the wheel: the commit it was built from."""\nCOMMIT = "%s"\n' \
+    "$COMMIT" > "$BUILD_INFO"
 fi
 
 echo "== maturin build --release (binary from cli/, package from python/moeconf)"
@@ -56,8 +68,9 @@ WHEEL="${WHEELS[0]}"
 echo "wheel: $WHEEL ($(du -h "$WHEEL" | cut -f1))"
 
 echo "== fresh virtual environment with only the wheel"
-"$PYTHON" -m venv "$WORK/venv"
-PIP_ROOT_USER_ACTION=ignore "$WORK/venv/bin/pip" install --quiet --disable-pip-version-check "$WHEEL"
+"$PYTHON" -m venv "$WORK/venv" || setup_fail "python3 -m venv $WORK/venv"
+PIP_ROOT_USER_ACTION=ignore "$WORK/venv/bin/pip" install --quiet --disable-pip-version-check "$WHEEL" \
+  || setup_fail "pip install of the wheel (and numpy, blake3 from PyPI)"
 
 # The checks run with the venv first on PATH, no cargo/rustc, outside the repository (so
 # `import moeconf` is the installed package, not python/moeconf).
@@ -82,6 +95,10 @@ echo "== python -c 'import moeconf' (the installed package, held to the binary)"
 "${RUN[@]}" python -c 'import moeconf, sys; sys.exit(0 if "site-packages" in moeconf.__file__ else 1)' \
   || fail "import moeconf did not import the installed package"
 "${RUN[@]}" python -m moeconf binary || fail "python -m moeconf binary: the binary does not fit the package"
+if [ -n "$COMMIT" ]; then
+  "${RUN[@]}" python -c 'import sys; from moeconf import binary; sys.exit(0 if binary.package_commit() == sys.argv[1] else 1)' \
+    "$COMMIT" || fail "the wheel's package does not name commit $COMMIT"
+fi
 
 echo "== moeconf demo"
 "${RUN[@]}" moeconf demo > demo.txt 2> demo.err || { cat demo.err >&2; fail "moeconf demo exited non-zero"; }

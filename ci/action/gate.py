@@ -51,6 +51,12 @@ FILES = {
 }
 
 
+# Options of `moeconf gate` that only the action sets: given in extra-args they could write files
+# (a --bless over the committed baseline), change what the exit code means or redirect a report.
+RESERVED_FLAGS = frozenset(["--bless", "--baseline", "--output", "--format", "--junit", "--html",
+                            "--bisect-exit-codes"])
+
+
 class Failure(Exception):
     """An error of the action itself (its inputs, installing moeconf): exit 2, no verdict."""
 
@@ -349,6 +355,12 @@ class Inputs:
             self.extra = shlex.split(self.extra_args)
         except ValueError as e:
             raise Failure("extra-args: %s (split as shell words, never evaluated)" % e)
+        for word in self.extra:
+            flag = word.split("=", 1)[0]
+            if flag in RESERVED_FLAGS or word == "--":
+                raise Failure("extra-args: %r is not allowed there: the action sets the traces, --bless, "
+                              "--baseline, the report files and formats itself (the inputs candidate, "
+                              "reference, baseline, bless)" % word)
 
     def options(self):
         """moeconf gate's options from the inputs (`--flag=value`: a value starting with `-`
@@ -373,7 +385,8 @@ def bless(inp, binary, paths):
     code, out, err = run_moeconf(argv)
     log(out + err)
     if code == 0:
-        shutil.copyfile(inp.baseline, paths["baseline"])
+        if not (os.path.exists(paths["baseline"]) and os.path.samefile(inp.baseline, paths["baseline"])):
+            shutil.copyfile(inp.baseline, paths["baseline"])
         add_summary("### moeconf gate: 📝 BLESSED\n\nBaseline %s recorded from candidate %s: review its "
                     "diff and commit it (docs/ci.md §6); it is also in the report directory as "
                     "`baseline.json`.\n\n%s" % (md_code(inp.baseline), md_code(inp.candidate), md_block(out)))
@@ -429,9 +442,14 @@ def main():
         for p in paths.values():
             if any(os.path.exists(i) and os.path.exists(p) and os.path.samefile(i, p) for i in inputs):
                 raise Failure("report-dir: %s is an input of the gate: give another report-dir" % p)
-        # Reports of an earlier run in the same directory must not pass for this run's.
+        # Reports of an earlier run in the same directory must not pass for this run's. A link
+        # there would be written through (or uploaded as its target): refused, never followed.
         for p in paths.values():
-            if os.path.isfile(p) and not os.path.islink(p):
+            if os.path.islink(p):
+                raise Failure("report-dir: %s is a symbolic link: the action writes its reports there "
+                              "and never through a link; remove it or give another report-dir" % p)
+        for p in paths.values():
+            if os.path.isfile(p):
                 os.remove(p)
         binary = install(inp.install, inp.temp) if inp.install != "none" else find_binary(inp.moeconf)
         if inp.bless == "true":
@@ -466,5 +484,24 @@ def main():
     return code if 0 <= code <= 255 else 2
 
 
+def run():
+    """:func:`main` with a log that takes any character (a runner whose stdout is not UTF-8 must
+    not turn a pass into a crash) and any unexpected exception an error, exit 2, never 1 (which
+    the job would read as a gate that failed)."""
+    try:
+        sys.stdout.reconfigure(encoding="utf-8", errors="backslashreplace")
+    except (AttributeError, ValueError):
+        pass
+    try:
+        return main()
+    except Exception as e:  # noqa: BLE001 - anything unexpected is an error of the action
+        try:
+            log("moeconf gate action: internal error: %s: %s" % (type(e).__name__, e))
+            annotate("error", "moeconf gate: ERROR (exit 2)", visible("internal error: %s" % e))
+        except Exception:  # noqa: BLE001
+            pass
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -133,6 +133,9 @@ def check(path: Optional[str] = None) -> BinaryInfo:
     problems = []
     if b.release != __version__:
         problems.append(f"its release is {b.release}, this Python package's is {__version__}")
+    ours_commit = package_commit()
+    if ours_commit and b.commit != "unknown" and b.commit != ours_commit:
+        problems.append(f"it was built from commit {b.commit}, this Python package from {ours_commit}")
     ours = tuple(range(FORMAT_V1, FORMAT_VERSION + 1))
     unread = [v for v in ours if v not in b.reads]
     if unread:
@@ -148,6 +151,19 @@ def check(path: Optional[str] = None) -> BinaryInfo:
     return b
 
 
+def package_commit() -> Optional[str]:
+    """The commit this package was built from: ``moeconf/_build.py``, which
+    ``python/run_wheel.sh`` writes into the wheel; ``None`` for a package used
+    from a checkout or installed otherwise (then only the release is held
+    to the binary's)."""
+    try:
+        from . import _build  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    commit = getattr(_build, "COMMIT", None)
+    return commit if isinstance(commit, str) and commit else None
+
+
 def main(argv=None) -> int:
     """``python3 -m moeconf binary [--path P]``: prints the binary's
     release, commit and formats, and whether it fits; exit 2 if not."""
@@ -161,7 +177,11 @@ def main(argv=None) -> int:
     except BinaryError as e:
         print(f"moeconf: {e}", file=sys.stderr)
         return 2
+    commit = package_commit()
     print(f"{b.path}: moeconf {b.release} (commit {b.commit}); reads trace formats "
           f"{' '.join(map(str, b.reads))}, writes {' '.join(map(str, b.writes))} (default {b.default_write}); "
-          f"fits this package")
+          f"fits this package ({'the same commit' if commit else 'release checked; the package names no commit'})")
+    on_path = shutil.which("moeconf")
+    if on_path and os.path.realpath(on_path) != os.path.realpath(b.path):
+        print(f"note: the `moeconf` a shell runs here is another binary, {on_path}: check it with --path")
     return 0

@@ -56,7 +56,7 @@ class Run:
         return [c for c in self.commands if c[0] in ("error", "warning", "notice")]
 
 
-def run_action(tmp, moeconf_bin, cwd=None, path=None, **inputs):
+def run_action(tmp, moeconf_bin, cwd=None, path=None, extra_env=None, **inputs):
     """Runs the script with the environment a runner sets; `inputs` by input name (`_` for `-`)."""
     tmp.mkdir(parents=True, exist_ok=True)
     summary, output, temp = tmp / "step-summary.md", tmp / "github-output", tmp / "runner-temp"
@@ -72,6 +72,7 @@ def run_action(tmp, moeconf_bin, cwd=None, path=None, **inputs):
         env["PATH"] = path + os.pathsep + env.get("PATH", "")
     for k, v in inputs.items():
         env["MOECONF_ACTION_" + k.upper()] = str(v)
+    env.update(extra_env or {})
     cwd = cwd or tmp
     p = subprocess.run([sys.executable, SCRIPT], cwd=cwd, env=env, capture_output=True, text=True,
                        timeout=600)
@@ -362,6 +363,11 @@ def test_input_errors(traces, moeconf_bin, tmp_path):
         (dict(reference=ref, candidate=cand, bless="yes"), "bless"),
         (dict(reference=ref, candidate=cand, bless="true", baseline="b.json"), "bless"),
         (dict(reference=ref, candidate=cand, extra_args="--level 'L2=info"), "extra-args"),
+        (dict(reference=ref, candidate=cand, extra_args="--level L2=info --bless"), "--bless"),
+        (dict(reference=ref, candidate=cand, extra_args="--baseline=x.json"), "--baseline=x.json"),
+        (dict(reference=ref, candidate=cand, extra_args="--output=/tmp/x"), "--output"),
+        (dict(reference=ref, candidate=cand, extra_args="--bisect-exit-codes"), "--bisect-exit-codes"),
+        (dict(reference=ref, candidate=cand, extra_args="-- other.bin"), "'--'"),
         (dict(reference=ref, candidate=cand, report_dir="a\n::error::INJECTED"), "report-dir"),
         (dict(reference=ref, candidate=cand, report_dir="out*"), "report-dir"),
         (dict(reference=ref, candidate=cand, moeconf="no-such-moeconf-binary"), "not on PATH"),
@@ -512,3 +518,34 @@ def test_docs_workflow_uses_the_actions_inputs():
     assert len(ours) == len(uses)
     for st in ours:
         assert set(st["with"]) <= set(INPUTS) and "if" in st
+
+
+def test_a_log_that_cannot_encode_the_report_still_passes(traces, moeconf_bin, tmp_path):
+    """A runner whose stdout is not UTF-8: the pass stays exit 0 (it was a crash, exit 1)."""
+    for enc in ("ascii", "cp1252"):
+        run = run_action(tmp_path / enc, moeconf_bin, reference=traces / "ref.bin", candidate=traces / "same.bin",
+                         extra_env={"PYTHONIOENCODING": enc})
+        assert run.code == 0 and run.outputs["verdict"] == "pass", (enc, run.stderr)
+        run = run_action(tmp_path / (enc + "-fail"), moeconf_bin, reference=traces / "ref.bin",
+                         candidate=traces / "f32.bin", extra_env={"PYTHONIOENCODING": enc})
+        assert run.code == 1 and run.outputs["verdict"] == "fail", (enc, run.stderr)
+
+
+def test_a_link_in_the_report_dir_is_refused_and_not_followed(traces, moeconf_bin, tmp_path):
+    reports, target = tmp_path / "reports", tmp_path / "precious.md"
+    reports.mkdir()
+    target.write_text("mine")
+    os.symlink(target, reports / "gate.md")
+    run = run_action(tmp_path / "run", moeconf_bin, reference=traces / "ref.bin", candidate=traces / "same.bin",
+                     report_dir=reports)
+    assert_common(run, 2, "error")
+    assert "symbolic link" in run.outputs["reason"]
+    assert target.read_text() == "mine"
+
+
+def test_bless_into_the_report_dir_itself(traces, moeconf_bin, tmp_path):
+    """The baseline written where the report copy goes (report-dir `.`): blessed, not an error."""
+    run = run_action(tmp_path / "run", moeconf_bin, cwd=tmp_path, bless="true", baseline="baseline.json",
+                     candidate=traces / "ref.bin", report_dir=".")
+    assert_common(run, 0, "blessed")
+    assert os.path.isfile(tmp_path / "baseline.json")

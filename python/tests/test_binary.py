@@ -101,3 +101,13 @@ def test_versions_of_both_halves_agree(repo):
     with open(os.path.join(repo, "pyproject.toml")) as f:
         root = f.read()
     assert 'bindings = "bin"' in root and 'dynamic = ["version"]' in root
+
+
+def test_a_wheel_built_from_another_commit_is_refused(tmp_path, monkeypatch):
+    """The wheel's package names its commit (moeconf/_build.py, written by run_wheel.sh): a binary of
+    the same release built from another commit does not fit."""
+    monkeypatch.setattr(binary, "package_commit", lambda: "fedcba9876543210fedcba9876543210fedcba98")
+    with pytest.raises(BinaryError, match="built from commit 0123456789abcdef"):
+        binary.check(fake(tmp_path, GOOD.format(release=moeconf.__version__)))
+    monkeypatch.setattr(binary, "package_commit", lambda: "0123456789abcdef0123456789abcdef01234567")
+    assert binary.check(fake(tmp_path, GOOD.format(release=moeconf.__version__))).commit.startswith("0123")
