@@ -123,12 +123,21 @@ def _numpy(x, what):
 
 
 def _ids(x, what):
-    """A list of Python ints from ids given as a list, numpy array or tensor."""
+    """A list of Python ints from ids given as a list, numpy array or tensor of integers: floats
+    (even whole-valued: bf16 rounds ids above 256) and booleans are refused, and so is more than
+    one dimension unless the leading ones are all 1 (a batch of one)."""
+    if hasattr(x, "detach") and hasattr(x, "is_floating_point") and x.is_floating_point():
+        raise CaptureError(f"{what}: {str(x.dtype).replace('torch.', '')} values: ids must be integers (a float "
+                           "dtype may hold an id rounded; give the integer tensor)")
     a = _numpy(x, what) if _is_tensor(x) else np.asarray(list(x))
+    if a.ndim > 1 and any(d != 1 for d in a.shape[:-1]):
+        raise CaptureError(f"{what}: ids of shape {list(a.shape)}: give one sequence (a list, or [1, n]: a batch "
+                           "of one)")
     a = a.reshape(-1)
-    if a.size and not (np.issubdtype(a.dtype, np.integer) or
-                       (np.issubdtype(a.dtype, np.floating) and np.all(np.isfinite(a)) and np.all(a == np.round(a)))):
-        raise CaptureError(f"{what}: {a.dtype} values that are not integer ids")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise CaptureError(f"{what}: {a.dtype} values: ids must be integers" +
+                           (" (a float dtype may hold an id rounded; give the integer array)"
+                            if np.issubdtype(a.dtype, np.floating) else ""))
     out = [int(v) for v in a.tolist()]
     if any(not 0 <= v < 2**31 for v in out):
         raise CaptureError(f"{what}: an id outside 0..2^31-1")
@@ -882,11 +891,9 @@ class Capture:
                 raise CaptureError(f"{what}: NaN at index {int(np.flatnonzero(np.isnan(a.reshape(-1)))[0])} "
                                    "(pass allow_nan=True to record NaN)")
             return np.ascontiguousarray(a)
-        if np.issubdtype(a.dtype, np.floating):
-            if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise CaptureError(f"{what}: {a.dtype} values that are not integers for an {c.kind} record")
-        elif not np.issubdtype(a.dtype, np.integer):
-            raise CaptureError(f"{what}: {a.dtype} values for an {c.kind} record")
+        if not np.issubdtype(a.dtype, np.integer):  # floats (even whole-valued: bf16 rounds ids above 256), bool
+            raise CaptureError(f"{what}: {a.dtype} values for an {c.kind} record: give integers (any width; a "
+                               "float dtype may hold an id or a count rounded)")
         lo, hi = (-2**31, 2**31) if c.kind == "ids" else (-2**63, 2**63)
         if a.size and (a.min() < lo or a.max() >= hi):
             raise CaptureError(f"{what}: a value outside the range of {'i32' if c.kind == 'ids' else 'i64'}")

@@ -194,7 +194,7 @@ def test_nan_aborts_unless_allowed(tmp_path):
 def test_ids_must_be_ids(tmp_path):
     out = tmp_path / "x.bin"
     bad = Mapping([Rule("layers.{layer}.router", "router.topk", output=0)])  # the gates: floats
-    with pytest.raises(CaptureError, match="not integers for an ids record"):
+    with pytest.raises(CaptureError, match="float32 values for an ids record: give integers"):
         run(Toy(), out, mapping=bad)
     _no_output(tmp_path, out)
 
@@ -322,3 +322,45 @@ def test_the_example_script_runs_end_to_end(tmp_path, moeconf_bin):
 
     assert generic_capture.main(["--out", str(tmp_path), "--moeconf", moeconf_bin]) == 0
     assert sorted(os.listdir(tmp_path)) == ["cand.bin", "ref.bin"]
+
+
+# --- review findings: ids, layouts, calls, bindings, coverage ---------------------------------
+
+
+def test_float_ids_are_refused_even_whole(tmp_path):
+    """Whole-valued floats are not ids (a bf16 tensor rounds ids above 256): refused for an ids
+    record and for the prompt and step ids; booleans too. Integers of any width are taken."""
+    out = tmp_path / "x.bin"
+    bad = Mapping([Rule("layers.{layer}.router", "router.topk", output=1, transform=lambda i: i.astype(np.float64),
+                        recomputed=False)])
+    with pytest.raises(CaptureError, match="float64 values for an ids record: give integers"):
+        run(Toy(), out, mapping=bad)
+    _no_output(tmp_path, out)
+    for ids in ([3.0, 1.0, 4.0, 1.0, 5.0], np.array(PROMPT, np.float32), np.array([True, False])):
+        with pytest.raises(CaptureError, match="prompt_ids: .*ids must be integers"):
+            capture(Toy(), MAPPING, out, prompt_ids=ids, max_new_tokens=1, config=CONFIG)
+    _no_output(tmp_path, out)
+    m = Toy()
+    with pytest.raises(CaptureError, match="step 1: tokens: float64 values: ids must be integers"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                nxt = s.logits(m(PROMPT)[-1])
+            cap.step(np.array([nxt], np.float64))
+    _no_output(tmp_path, out)
+    good = Mapping([Rule("layers.{layer}.router", "router.topk", output=1, transform=lambda i: i.astype(np.uint8),
+                         recomputed=False)])
+    run(Toy(), tmp_path / "u8.bin", mapping=good)
+    run(Toy(), tmp_path / "i64.bin", mapping=Mapping([Rule("layers.{layer}.router", "router.topk", output=1)]))
+    u8, i64 = read_trace(str(tmp_path / "u8.bin")), read_trace(str(tmp_path / "i64.bin"))
+    assert [r.digest for r in u8.records] == [r.digest for r in i64.records]
+
+
+def test_ids_of_more_than_one_sequence_are_refused(tmp_path):
+    out = tmp_path / "x.bin"
+    with pytest.raises(CaptureError, match=r"prompt_ids: ids of shape \[2, 2\]: give one sequence"):
+        capture(Toy(), MAPPING, out, prompt_ids=[[3, 1], [4, 1]], max_new_tokens=1, config=CONFIG)
+    _no_output(tmp_path, out)
+    # a batch of one is one sequence
+    with capture(Toy(), MAPPING, out, prompt_ids=np.array([PROMPT]), max_new_tokens=1, config=CONFIG) as cap:
+        assert cap.prompt_ids == PROMPT
+        cap.generate(lambda ids: cap.model(ids)[-1])
