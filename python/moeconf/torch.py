@@ -144,6 +144,21 @@ def _ids(x, what):
     return out
 
 
+def _fits(shape, item):
+    """Whether the axes ``shape`` (after the positions) hold one value of catalogue shape ``item``
+    in its own order: ``item`` with some of its size-1 axes left out (``[D]`` for ``[1, D]``), never
+    an axis it does not have (a ``[H, 1, d]`` is a heads-first layout of one position, not a
+    ``[H, d]``)."""
+    i = 0
+    for d in shape:
+        while i < len(item) and item[i] != d and item[i] == 1:
+            i += 1
+        if i == len(item) or item[i] != d:
+            return False
+        i += 1
+    return all(x == 1 for x in item[i:])
+
+
 def _compile(pattern, regex):
     """(compiled regex, whether it has a ``layer`` group) of a rule's module pattern. Glob syntax:
     ``*`` one name segment, ``**`` any run of segments, ``{layer}`` the segment holding the layer
@@ -862,12 +877,22 @@ class Capture:
         if c.is_family and r.index is None:
             item = (self._item_shape(lookup("router.topk")[0], s)[0],) + item
         want = (st.n,) + item
-        squeeze = [d for d in arr.shape if d != 1]
-        if squeeze != [d for d in want if d != 1]:
-            raise CaptureError(f"step {st.index}: {s.where()}: a tensor of shape {list(arr.shape)}, expected "
-                               f"{st.n} position(s) of {c.path if not c.is_family else r.paths_pattern} shape "
-                               f"{list(item)} ({list(want)}, or with a batch axis of 1)")
-        arr = arr.reshape(want)
+        shape = tuple(arr.shape)
+        if _fits(shape[1:], item) and shape[:1] == (st.n,):  # [n, *item]
+            arr = arr.reshape(want)
+        elif _fits(shape[2:], item) and shape[:2] == (1, st.n):  # [1, n, *item]: a batch of one
+            arr = arr.reshape(want)
+        elif st.n == 1 and _fits(shape, item):  # one position, its axis left out: [*item]
+            arr = arr.reshape(want)
+        else:
+            what = c.path if not c.is_family else r.paths_pattern
+            msg = (f"step {st.index}: {s.where()}: a tensor of shape {list(arr.shape)}, expected {st.n} position(s) "
+                   f"of {what} shape {list(item)} ({list(want)}, or with a batch axis of 1)")
+            if sorted(d for d in shape if d != 1) == sorted(d for d in want if d != 1):
+                msg += ("; it holds as many values, in another layout: the positions must be the leading axis "
+                        "(after a batch axis of 1). Give transform= that puts them first, e.g. transform=lambda t: "
+                        "t.transpose(1, 2) for a heads-first [1, H, n, d], with recomputed=False")
+            raise CaptureError(msg)
         for k, pos in enumerate(st.positions):
             v = arr[k]
             if c.is_family and r.index is None:

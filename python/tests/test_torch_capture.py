@@ -364,3 +364,38 @@ def test_ids_of_more_than_one_sequence_are_refused(tmp_path):
     with capture(Toy(), MAPPING, out, prompt_ids=np.array([PROMPT]), max_new_tokens=1, config=CONFIG) as cap:
         assert cap.prompt_ids == PROMPT
         cap.generate(lambda ids: cap.model(ids)[-1])
+
+
+def _scores_transposed(tmp_path, prompt, steps):
+    """router.scores given as [E, n] (experts first) by the transform, the prompt as long as E."""
+    m = Toy()
+    mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z.T,
+                       recomputed=False)])
+    out = tmp_path / "t.bin"
+    with capture(m, mp, out, prompt_ids=prompt, max_new_tokens=steps, config=CONFIG) as cap:
+        cap.generate(lambda ids: m(ids)[-1])
+    return out
+
+
+def test_positions_must_lead(tmp_path):
+    """A value whose positions are not its leading axis (after a batch axis of 1) is refused with
+    the advice to transform it; when the sizes coincide (n == E at the prefill) the shape cannot
+    tell, but the next step (one position, [E, 1]) does."""
+    with pytest.raises(CaptureError, match=r"shape \[4, 5\], expected 5 position.*another layout.*transform="):
+        _scores_transposed(tmp_path, PROMPT, 2)
+    with pytest.raises(CaptureError, match=r"step 1: .*shape \[4, 1\], expected 1 position.*another layout"):
+        _scores_transposed(tmp_path, PROMPT[:4], 2)
+    _no_output(tmp_path, tmp_path / "t.bin")
+    # [1, n, *item] (a batch of one) and, for one position, [*item] are taken
+    for f in (lambda z: z[None], lambda z: z[None] if z.shape[0] > 1 else z[0]):
+        m = Toy()
+        mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=f, recomputed=False)])
+        with capture(m, mp, tmp_path / "b.bin", prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+            cap.generate(lambda ids: m(ids)[-1])
+    # an extra size-1 axis inside the value is refused ([n, 1, E] is not [n, E])
+    m = Toy()
+    mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z[:, None],
+                       recomputed=False)])
+    with pytest.raises(CaptureError, match=r"shape \[5, 1, 4\]"):
+        with capture(m, mp, tmp_path / "c.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            cap.generate(lambda ids: m(ids)[-1])
