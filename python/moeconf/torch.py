@@ -595,6 +595,11 @@ class Capture:
                 raise CaptureError(f"dims: {sym}={v!r} (symbols {', '.join(DIM_ALIASES)}, positive integers)")
             self.dims[sym] = v
         self.sites = self._match(model, mapping)
+        #: {module name: the calls a step must make of it (max(call) + 1 over the rules with call=)}.
+        self._calls = {}
+        for site in self.sites:
+            if site.rule.call is not None:
+                self._calls[site.name] = max(self._calls.get(site.name, 0), site.rule.call + 1)
         self.observed, self.recomputed = self._marks()
         self.not_captured = self._not_captured()
 
@@ -841,6 +846,10 @@ class Capture:
             raise self._fail(CaptureError(f"step {st.index}: {s.where()} ran twice in one step: a module called "
                                           "more than once per forward needs call=i (or a chunked prefill, which "
                                           "this capture does not merge)"))
+        if r.call is not None and c >= self._calls[s.name]:
+            raise self._fail(CaptureError(f"step {st.index}: {s.where()} ran {c + 1} times in one step; the rules on "
+                                          f"module {s.name!r} read calls up to {self._calls[s.name] - 1} (a call "
+                                          "index past the last one a rule reads would go unrecorded)"))
         if r.call is not None and c != r.call:
             return
         try:
@@ -983,10 +992,11 @@ class Capture:
                 if not self._wants(s.rule.spec.level):
                     continue
                 c = st.calls.get(n, 0)
-                need = 1 if s.rule.call is None else s.rule.call + 1
+                need = 1 if s.rule.call is None else self._calls[s.name]
                 if c < need:
                     raise CaptureError(f"step {st.index}: {s.where()} " + (
-                        "did not run" if c == 0 else f"ran {c} time(s), the rule reads call {s.rule.call}"))
+                        "did not run" if c == 0 else f"ran {c} time(s), the rules on module {s.name!r} read calls "
+                        f"up to {need - 1}"))
             n_layers = self.dims.get("L")
             for path, layers in self.mapping.state.items():
                 c = lookup(path)[0]

@@ -399,3 +399,26 @@ def test_positions_must_lead(tmp_path):
     with pytest.raises(CaptureError, match=r"shape \[5, 1, 4\]"):
         with capture(m, mp, tmp_path / "c.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
             cap.generate(lambda ids: m(ids)[-1])
+
+
+def test_extra_calls_past_the_last_call_index_are_refused(tmp_path):
+    out = tmp_path / "x.bin"
+    m = Toy()
+    for layer in m.layers:
+        orig = layer.forward
+
+        def thrice(x, _l=layer, _o=orig):
+            _l.norm(x)
+            _l.norm(x)
+            return _o(x)
+
+        layer.forward = thrice
+    with pytest.raises(CaptureError, match=r"layers.0.norm.*ran 2 times in one step; the rules on module "
+                                           r"'layers.0.norm' read calls up to 0"):
+        run(m, out, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=0)]))
+    _no_output(tmp_path, out)
+    # the highest call index over the module's rules counts: calls 0..2 are read
+    run(m, out, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=0),
+                                 Rule("layers.{layer}.norm", "attn.norm", call=2)]))
+    with pytest.raises(CaptureError, match=r"ran 3 time\(s\), the rules on module 'layers.0.norm' read calls up to 3"):
+        run(m, tmp_path / "y.bin", mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=3)]))
