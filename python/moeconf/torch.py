@@ -369,6 +369,27 @@ def _config_dict(config):
                        "attributes")
 
 
+#: Config keys left out of an in-memory config digest besides those starting with ``_``
+#: (``_name_or_path``, ``_commit_hash``, ``_attn_implementation``...): where and by which library
+#: version the config was loaded, not what the model is.
+_NOT_IDENTITY_KEYS = ("transformers_version",)
+
+
+def _identity_config(config):
+    """The config dict an in-memory binding digests: without keys starting with ``_`` nor
+    ``transformers_version`` (at any depth), so that one checkpoint loaded from two paths, or by
+    two transformers versions, binds alike."""
+    def strip(v):
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items()
+                    if not (isinstance(k, str) and (k.startswith("_") or k in _NOT_IDENTITY_KEYS))}
+        if isinstance(v, (list, tuple)):
+            return [strip(x) for x in v]
+        return v
+
+    return strip(_config_dict(config))
+
+
 def _canonical_json(d):
     def default(v):
         s = str(v)
@@ -413,16 +434,22 @@ def model_binding(model, config, name, algorithm="blake3", weights=True, **field
     so (``model_identity``), so that it is never taken for a directory's identity. Two captures of
     the same model object are comparable; a capture and ``moeconf run`` of a directory are not
     (use ``model_dir=`` for that)."""
-    b = Binding(model_name=name, config_digest=hash_bytes(algorithm, _canonical_json(_config_dict(config))))
-    if weights and hasattr(model, "state_dict"):
+    b = Binding(model_name=name, config_digest=hash_bytes(algorithm, _canonical_json(_identity_config(config))))
+    if weights:
+        sd = model.state_dict() if callable(getattr(model, "state_dict", None)) else None
+        if not sd:
+            raise CaptureError(f"{type(model).__name__} has " + ("no state_dict()" if sd is None else
+                               "an empty state_dict()") + ": its weights cannot be bound, and two different models "
+                               "would bind alike. Pass weights=False (the binding then says the weights are not "
+                               "bound) or model_dir= (the checkpoint directory's identity)")
         tensors = []
-        for n, t in model.state_dict().items():
+        for n, t in sd.items():
             dtype, shape, raw = _tensor_bytes(t, n)
             tensors.append(TensorDigest(str(n), dtype, shape, hash_bytes(algorithm, raw)))
         tensors.sort(key=lambda t: t.name.encode("utf-8"))
         b.tensors = tensors
         b.weights_digest = weights_digest(algorithm, tensors)
-    what = "state_dict() tensors" if weights else "no weights"
+    what = "state_dict() tensors" if weights else "weights not bound (weights=False)"
     extra = [("model_identity", f"in-memory (moeconf.torch): config digest of its canonical JSON, {what}")]
     for k, v in fields.items():
         if k == "extra":

@@ -422,3 +422,32 @@ def test_extra_calls_past_the_last_call_index_are_refused(tmp_path):
                                  Rule("layers.{layer}.norm", "attn.norm", call=2)]))
     with pytest.raises(CaptureError, match=r"ran 3 time\(s\), the rules on module 'layers.0.norm' read calls up to 3"):
         run(m, tmp_path / "y.bin", mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=3)]))
+
+
+class _Engine(Toy):
+    """A duck-typed engine: modules with hooks, no state_dict()."""
+
+    state_dict = None
+
+
+def test_weights_must_be_bound_or_declared_unbound(tmp_path):
+    out = tmp_path / "x.bin"
+    with pytest.raises(CaptureError, match=r"_Engine has no state_dict\(\).*Pass weights=False.*or model_dir="):
+        run(_Engine(), out)
+    e = Toy()
+    e.state_dict = lambda: {}
+    with pytest.raises(CaptureError, match=r"an empty state_dict\(\)"):
+        run(e, out)
+    _no_output(tmp_path, out)
+    run(_Engine(), out, weights=False)
+    b = read_trace(str(out)).binding
+    assert b.tensors == [] and "weights not bound (weights=False)" in dict(b.extra)["model_identity"]
+
+
+def test_config_digest_ignores_load_paths_and_versions(tmp_path):
+    a, b, c = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+    run(Toy(), a, config=dict(CONFIG, _name_or_path="/models/x", transformers_version="5.23.0", _commit_hash="ab"))
+    run(Toy(), b, config=dict(CONFIG, _name_or_path="/elsewhere/x", transformers_version="5.24.0"))
+    run(Toy(), c, config=dict(CONFIG, model_type="toy-moe-2"))
+    ta, tb, tc = (read_trace(str(p)).binding for p in (a, b, c))
+    assert ta.config_digest == tb.config_digest != tc.config_digest
