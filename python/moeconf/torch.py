@@ -761,31 +761,75 @@ class Capture:
         return [p for p, r in marks.items() if not r], [p for p, r in marks.items() if r]
 
     def _not_captured(self):
-        """{pattern: reason} of the catalogue components of captured levels nothing records."""
+        """{pattern: reason} of the catalogue components of captured levels nothing records.
+
+        The note is in the trace's header, which the writer writes before the first record, so it
+        is computed from the mapping and the modules its rules matched, not from the records: a
+        rule counts only for the layers of the modules it matched (an optional rule that matched
+        none covers nothing), a component the catalogue has on every layer (``layers`` ``all``)
+        that the matched modules and declared state give on some layers only is named with the
+        layers missing (``moe.combine: layers 1 (reason)``), one of some layer kinds only
+        (``cmp``, ``csa``, ``score``: the engine does not know the kinds) is covered by any layer.
+        ``state`` paths count for the layers declared, ``manual`` paths for every layer, as
+        declared (the engine cannot know before the steps that the loop will give them)."""
         covered = {"token.input", "token.output", "lm.logits", "lm.topk_ids", "lm.topk_logits", "lm.margin"}
         if self.decode is not None:
             covered.add("text.continuation")
-        covered.update(self.mapping.state)
-        pats = [r.paths_pattern for r in self.mapping.rules] + list(self.mapping.manual)
-        out = {}
-        missing = []
+        n_layers = self.dims.get("L")
+        every = set(range(n_layers)) if n_layers is not None else None
+        # pattern -> the layers it is given for (None: every layer, or model-global)
+        given = {}
+        for p, layers in self.mapping.state.items():
+            given.setdefault(p, set())
+            if layers is None or given[p] is None:
+                given[p] = None
+            else:
+                given[p] |= set(layers)
+        for site in self.sites:
+            p = site.rule.paths_pattern
+            if site.layer is None:
+                given[p] = None
+            elif given.get(p, set()) is not None:
+                given[p] = given.get(p, set()) | {site.layer}
+        for p in self.mapping.manual:
+            given[p] = None
+
+        def probe(c):
+            return c.path + "0" if c.is_family else c.path
+
+        out, partial, missing = {}, {}, []
         for c in COMPONENTS:
             if not self._wants(c.level) or c.presence not in ("always", "on_emit"):
                 continue
             path = c.path + "*" if c.is_family else c.path
-            if path in covered or any(_matches(p, c.path + "0" if c.is_family else c.path) or
-                                      (c.is_family and p.startswith(c.path)) for p in pats):
-                for p in self.mapping.not_captured:
-                    if _matches(p, c.path if not c.is_family else c.path + "0"):
-                        raise CaptureError(f"Mapping(not_captured=...): {p!r} names {c.path}, which the mapping "
-                                           "records")
+            why = [q for q in self.mapping.not_captured if _matches(q, probe(c))]
+            if path in covered:
+                if why:
+                    raise CaptureError(f"Mapping(not_captured=...): {why[0]!r} names {c.path}, which the capture "
+                                       "records")
                 continue
-            missing.append((c, path))
+            have = set()
+            for p, layers in given.items():
+                if _matches(p, probe(c)) or (c.is_family and p.startswith(c.path)):
+                    have = None if layers is None or have is None else have | layers
+            if have is not None and not have:
+                missing.append((c, path))
+                continue
+            lacking = [] if (have is None or every is None or c.group == "step" or c.layers != "all") else \
+                sorted(every - have)
+            if not lacking:
+                if why:
+                    raise CaptureError(f"Mapping(not_captured=...): {why[0]!r} names {c.path}, which the mapping "
+                                       "records")
+                continue
+            partial[path] = (f"layers {', '.join(map(str, lacking))} ("
+                             + (self.mapping.not_captured[why[0]] if why else DEFAULT_NOT_CAPTURED) + ")")
+        out.update(partial)  # first: a reader quotes the first item whose pattern matches
         for p, why in self.mapping.not_captured.items():
-            if any(_matches(p, c.path + "0" if c.is_family else c.path) for c, _ in missing):
+            if any(_matches(p, probe(c)) for c, _ in missing):
                 out[p] = why
         for c, path in missing:
-            if not any(_matches(p, c.path + "0" if c.is_family else c.path) for p in self.mapping.not_captured):
+            if not any(_matches(p, probe(c)) for p in self.mapping.not_captured):
                 out[path] = "no detokenizer given (decode=)" if path == "text.continuation" else DEFAULT_NOT_CAPTURED
         return out
 

@@ -451,3 +451,37 @@ def test_config_digest_ignores_load_paths_and_versions(tmp_path):
     run(Toy(), c, config=dict(CONFIG, model_type="toy-moe-2"))
     ta, tb, tc = (read_trace(str(p)).binding for p in (a, b, c))
     assert ta.config_digest == tb.config_digest != tc.config_digest
+
+
+def _note(path):
+    return dict(read_trace(str(path)).provenance.notes).get("moeconf.not_captured", "")
+
+
+def test_not_captured_counts_matched_modules_and_layers(tmp_path):
+    """The note (in the header, written before any record) counts a rule only for the layers of
+    the modules it matched: an optional rule matching nothing covers nothing, a rule for layer 0
+    of 2 names layer 1."""
+    out = tmp_path / "a.bin"
+    run(Toy(), tmp_path / "full.bin")
+    full = _note(tmp_path / "full.bin")
+    assert "moe.combine" not in full and "router.margin: no rule" in full
+    rules = [r for r in MAPPING.rules if r.component != "moe.combine"]
+    run(Toy(), out, mapping=Mapping(rules + [Rule("layers.{layer}.mlp", "moe.combine", optional=True)],
+                                    not_captured=MAPPING.not_captured))
+    assert "moe.combine: no rule of this capture's mapping records it" in _note(out)
+    run(Toy(), out, mapping=Mapping(rules + [Rule(r"layers\.(?P<layer>0)\.experts", "moe.combine", regex=True)],
+                                    not_captured=MAPPING.not_captured))
+    note = _note(out)
+    assert note.startswith("moe.combine: layers 1 (no rule of this capture's mapping records it); attn.*: "), note
+    assert note.replace("moe.combine: layers 1 (no rule of this capture's mapping records it); ", "") == full
+    # the mapping's reason for the layers left out
+    run(Toy(), out, mapping=Mapping(rules + [Rule(r"layers\.(?P<layer>0)\.experts", "moe.combine", regex=True)],
+                                    not_captured=dict(MAPPING.not_captured, **{"moe.combine": "layer 1 is dense"})))
+    assert _note(out).startswith("moe.combine: layers 1 (layer 1 is dense); attn.*: ")
+    # declared state of some layers only
+    mp = Mapping(MAPPING.rules, state={"state.cumulative_length": [0]}, not_captured=MAPPING.not_captured)
+    with capture(Toy(), mp, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG, capture="all") as cap:
+        with cap.step(PROMPT) as s:
+            s.state(0, "state.cumulative_length", np.array([5], np.int64))
+            s.logits(cap.model(PROMPT)[-1])
+    assert _note(out).startswith("state.cumulative_length: layers 1 (no rule")
