@@ -25,9 +25,11 @@ installs one forward hook per matched module and the user's own greedy loop mark
 What it does for the mapping, as the other captures do:
 
 * **Steps and positions.** Step 0 is the prefill forward over the prompt, step s >= 1 the forward
-  of the greedy token of step s - 1 (checked: the capture is greedy, ties to the lowest id); the
-  rows of each hooked tensor are the step's positions (``[n, ...]`` or ``[1, n, ...]``: a batch of
-  one), in order. L0/L1 (``token.*``, ``lm.*``, ``text.continuation`` with ``decode=``) come from
+  of the greedy token of step s - 1 (checked on the ids each step declares, ``cap.step(ids)``, which
+  ``token.input`` records: the capture is greedy, ties to the lowest id; what the forward actually
+  consumes is not seen); the leading axis of each hooked tensor is the step's positions
+  (``[n, *item]`` or ``[1, n, *item]``: a batch of one; ``[*item]`` for one position), in order.
+  L0/L1 (``token.*``, ``lm.*``, ``text.continuation`` with ``decode=``) come from
   :meth:`Step.logits`; persistent state (L2) from :meth:`Step.state`.
 * **Values** as the catalogue stores them (:mod:`moeconf.catalogue`): floats as f32 (bf16/f16 are
   exact in f32), ids as i32, counters as i64, each per-position value checked against its shape in
@@ -37,21 +39,27 @@ What it does for the mapping, as the other captures do:
   level not captured are not even converted.
 * **Binding** from the checkpoint directory (``model_dir=``, as ``moeconf run`` computes it:
   :func:`moeconf.binding_from_model`) or, for a model that has none, from the model in memory
-  (its config as canonical JSON, every ``state_dict()`` tensor's bytes, marked in the binding's
-  ``extra``).
+  (its config as canonical JSON without load-path keys, every ``state_dict()`` tensor's bytes,
+  marked in the binding's ``extra``; a model without a non-empty ``state_dict()`` needs
+  ``weights=False``).
 * **Observed or recomputed.** A rule with ``recomputed=True`` (a value the capture computes from
   what it observed, e.g. router scores from the gate logits) is listed in the ``moeconf.recomputed``
   note (docs/format.md 5.2.1); every other record is the backend's own value.
-* **What is not captured.** Every catalogue component of a captured level that no rule, state or
-  manual record covers is named in the ``moeconf.not_captured`` note with a reason (the mapping's,
-  or "not mapped") (docs/format.md 5.2.2). Quantization sites and ``moe.routed`` (capture-only)
-  are listed only when mapped.
+* **What is not captured.** Every catalogue component of a captured level that no matched rule,
+  state or manual record covers is named in the ``moeconf.not_captured`` note with a reason (the
+  mapping's, or "not mapped") (docs/format.md 5.2.2), with the layers it lacks when the matched
+  modules give it on some layers only. The note is in the header, written before the records: it
+  is computed from the mapping and the matched modules (manual paths count as declared).
+  Quantization sites and ``moe.routed`` (capture-only) are listed only when mapped.
 
 Hostile or mistaken use fails with :class:`CaptureError` naming the rule, module, step, layer and
 position: a rule matching no module, a layer index that is not a decimal integer or exceeds the
-model's layers, two rules for one record, a hook that did not fire (or fired twice) in a step, a
-tensor of the wrong shape or dtype, a NaN (unless ``allow_nan=True``), a forward outside a step,
-a step fed another token than the greedy one, fewer steps than ``max_new_tokens``. Any error
+model's layers, two rules for one record, a hook that did not fire (or fired twice, or past the
+highest ``call=`` index) in a step, a tensor of the wrong shape, layout (positions not leading) or
+dtype (floats for ids, even whole-valued), ids of more than one sequence, a model without a
+``state_dict()`` whose weights are to be bound, a NaN (unless ``allow_nan=True``), a forward
+outside a step, a step declaring another token than the greedy one, fewer steps than
+``max_new_tokens``. Any error
 aborts the trace: the writer (:class:`moeconf.TraceWriter`) writes a temporary file and renames it
 into place only when the last step is complete, so no half-written trace ever appears, and the
 hooks are removed on every exit.
@@ -211,8 +219,9 @@ class Rule:
     may compute new values, so a rule with either must say ``recomputed=True`` (a value the capture
     computes: marked in ``moeconf.recomputed``) or ``recomputed=False`` (it only picks what the
     module computed). ``call=i``: the i-th call of the module in a step (a module called twice per
-    layer, e.g. one mHC module for both halves); by default a matched module must run exactly once
-    per step. ``optional=True``: the pattern may match no module (otherwise an error).
+    layer, e.g. one mHC module for both halves): the module must then run exactly max(call) + 1
+    times per step, over all its rules; by default a matched module must run exactly once per
+    step. ``optional=True``: the pattern may match no module (otherwise an error).
     """
 
     def __init__(self, module, component, *, output=_WHOLE, input=None, select=None, transform=None,
@@ -1035,7 +1044,9 @@ class Capture:
 
     def step(self, tokens):
         """Starts step ``steps_done``: ``tokens`` are the ids its forward consumes (step 0: the prompt;
-        later: the previous step's greedy token). Use as ``with cap.step(tokens) as s:``."""
+        later: the previous step's greedy token), as declared: they are checked and recorded as
+        ``token.input``, but what the forward really consumes is not seen. Integers in one
+        sequence (a list, ``[n]`` or ``[1, n]``). Use as ``with cap.step(tokens) as s:``."""
         self._check_open()
         if self._current is not None:
             raise self._fail(CaptureError(f"step {self._current.index} is still open"))
