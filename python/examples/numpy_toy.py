@@ -78,8 +78,7 @@ class Router(Module):
 
     def forward(self, x):
         logits = x @ self.w
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p = p / p.sum(-1, keepdims=True)
+        p = _softmax(logits)
         ids = np.argsort(-p, axis=-1, kind="stable")[:, :K]
         gates = np.take_along_axis(p, ids, -1)
         return gates.astype(np.float32), ids, logits.astype(np.float32)
@@ -115,8 +114,8 @@ class Layer(Module):
 
 
 class Toy(Module):
-    """Embedding, LAYERS MoE layers, head; one sequence, no cache (every step recomputes the prefix
-    and returns the rows of the step's own positions)."""
+    """Embedding, LAYERS MoE layers, head; one sequence, no attention and so no cache: a forward
+    runs the ids it is given (a step's own ids) and returns one row of logits per id."""
 
     def __init__(self, seed=0):
         super().__init__()
@@ -140,11 +139,16 @@ class Toy(Module):
         return x @ self.head
 
 
+def _softmax(z):
+    """The router's probabilities from its logits, as the router computes them (f32)."""
+    p = np.exp(z - z.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)).astype(np.float32)
+
+
 MAPPING = Mapping([
     Rule("embed", "embed.output"),
     Rule("layers.{layer}.norm", "ffn.norm"),
-    Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z - z.max(-1, keepdims=True),
-         recomputed=True),
+    Rule("layers.{layer}.router", "router.scores", output=2, transform=_softmax, recomputed=True),
     Rule("layers.{layer}.router", "router.topk", output=1),
     Rule("layers.{layer}.router", "router.gates", output=0),
     Rule("layers.{layer}.experts", "moe.term.*", select=lambda m, a, kw, out: m.terms(*a), recomputed=True),

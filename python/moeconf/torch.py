@@ -25,9 +25,11 @@ installs one forward hook per matched module and the user's own greedy loop mark
 What it does for the mapping, as the other captures do:
 
 * **Steps and positions.** Step 0 is the prefill forward over the prompt, step s >= 1 the forward
-  of the greedy token of step s - 1 (checked: the capture is greedy, ties to the lowest id); the
-  rows of each hooked tensor are the step's positions (``[n, ...]`` or ``[1, n, ...]``: a batch of
-  one), in order. L0/L1 (``token.*``, ``lm.*``, ``text.continuation`` with ``decode=``) come from
+  of the greedy token of step s - 1 (checked on the ids each step declares, ``cap.step(ids)``, which
+  ``token.input`` records: the capture is greedy, ties to the lowest id; what the forward actually
+  consumes is not seen); the leading axis of each hooked tensor is the step's positions
+  (``[n, *item]`` or ``[1, n, *item]``: a batch of one; ``[*item]`` for one position), in order.
+  L0/L1 (``token.*``, ``lm.*``, ``text.continuation`` with ``decode=``) come from
   :meth:`Step.logits`; persistent state (L2) from :meth:`Step.state`.
 * **Values** as the catalogue stores them (:mod:`moeconf.catalogue`): floats as f32 (bf16/f16 are
   exact in f32), ids as i32, counters as i64, each per-position value checked against its shape in
@@ -37,21 +39,27 @@ What it does for the mapping, as the other captures do:
   level not captured are not even converted.
 * **Binding** from the checkpoint directory (``model_dir=``, as ``moeconf run`` computes it:
   :func:`moeconf.binding_from_model`) or, for a model that has none, from the model in memory
-  (its config as canonical JSON, every ``state_dict()`` tensor's bytes, marked in the binding's
-  ``extra``).
+  (its config as canonical JSON without load-path keys, every ``state_dict()`` tensor's bytes,
+  marked in the binding's ``extra``; a model without a non-empty ``state_dict()`` needs
+  ``weights=False``).
 * **Observed or recomputed.** A rule with ``recomputed=True`` (a value the capture computes from
   what it observed, e.g. router scores from the gate logits) is listed in the ``moeconf.recomputed``
   note (docs/format.md 5.2.1); every other record is the backend's own value.
-* **What is not captured.** Every catalogue component of a captured level that no rule, state or
-  manual record covers is named in the ``moeconf.not_captured`` note with a reason (the mapping's,
-  or "not mapped") (docs/format.md 5.2.2). Quantization sites and ``moe.routed`` (capture-only)
-  are listed only when mapped.
+* **What is not captured.** Every catalogue component of a captured level that no matched rule,
+  state or manual record covers is named in the ``moeconf.not_captured`` note with a reason (the
+  mapping's, or "not mapped") (docs/format.md 5.2.2), with the layers it lacks when the matched
+  modules give it on some layers only. The note is in the header, written before the records: it
+  is computed from the mapping and the matched modules (manual paths count as declared).
+  Quantization sites and ``moe.routed`` (capture-only) are listed only when mapped.
 
 Hostile or mistaken use fails with :class:`CaptureError` naming the rule, module, step, layer and
 position: a rule matching no module, a layer index that is not a decimal integer or exceeds the
-model's layers, two rules for one record, a hook that did not fire (or fired twice) in a step, a
-tensor of the wrong shape or dtype, a NaN (unless ``allow_nan=True``), a forward outside a step,
-a step fed another token than the greedy one, fewer steps than ``max_new_tokens``. Any error
+model's layers, two rules for one record, a hook that did not fire (or fired twice, or past the
+highest ``call=`` index) in a step, a tensor of the wrong shape, layout (positions not leading) or
+dtype (floats for ids, even whole-valued), ids of more than one sequence, a model without a
+``state_dict()`` whose weights are to be bound, a NaN (unless ``allow_nan=True``), a forward
+outside a step, a step declaring another token than the greedy one, fewer steps than
+``max_new_tokens``. Any error
 aborts the trace: the writer (:class:`moeconf.TraceWriter`) writes a temporary file and renames it
 into place only when the last step is complete, so no half-written trace ever appears, and the
 hooks are removed on every exit.
@@ -123,16 +131,40 @@ def _numpy(x, what):
 
 
 def _ids(x, what):
-    """A list of Python ints from ids given as a list, numpy array or tensor."""
+    """A list of Python ints from ids given as a list, numpy array or tensor of integers: floats
+    (even whole-valued: bf16 rounds ids above 256) and booleans are refused, and so is more than
+    one dimension unless the leading ones are all 1 (a batch of one)."""
+    if hasattr(x, "detach") and hasattr(x, "is_floating_point") and x.is_floating_point():
+        raise CaptureError(f"{what}: {str(x.dtype).replace('torch.', '')} values: ids must be integers (a float "
+                           "dtype may hold an id rounded; give the integer tensor)")
     a = _numpy(x, what) if _is_tensor(x) else np.asarray(list(x))
+    if a.ndim > 1 and any(d != 1 for d in a.shape[:-1]):
+        raise CaptureError(f"{what}: ids of shape {list(a.shape)}: give one sequence (a list, or [1, n]: a batch "
+                           "of one)")
     a = a.reshape(-1)
-    if a.size and not (np.issubdtype(a.dtype, np.integer) or
-                       (np.issubdtype(a.dtype, np.floating) and np.all(np.isfinite(a)) and np.all(a == np.round(a)))):
-        raise CaptureError(f"{what}: {a.dtype} values that are not integer ids")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise CaptureError(f"{what}: {a.dtype} values: ids must be integers" +
+                           (" (a float dtype may hold an id rounded; give the integer array)"
+                            if np.issubdtype(a.dtype, np.floating) else ""))
     out = [int(v) for v in a.tolist()]
     if any(not 0 <= v < 2**31 for v in out):
         raise CaptureError(f"{what}: an id outside 0..2^31-1")
     return out
+
+
+def _fits(shape, item):
+    """Whether the axes ``shape`` (after the positions) hold one value of catalogue shape ``item``
+    in its own order: ``item`` with some of its size-1 axes left out (``[D]`` for ``[1, D]``), never
+    an axis it does not have (a ``[H, 1, d]`` is a heads-first layout of one position, not a
+    ``[H, d]``)."""
+    i = 0
+    for d in shape:
+        while i < len(item) and item[i] != d and item[i] == 1:
+            i += 1
+        if i == len(item) or item[i] != d:
+            return False
+        i += 1
+    return all(x == 1 for x in item[i:])
 
 
 def _compile(pattern, regex):
@@ -187,8 +219,9 @@ class Rule:
     may compute new values, so a rule with either must say ``recomputed=True`` (a value the capture
     computes: marked in ``moeconf.recomputed``) or ``recomputed=False`` (it only picks what the
     module computed). ``call=i``: the i-th call of the module in a step (a module called twice per
-    layer, e.g. one mHC module for both halves); by default a matched module must run exactly once
-    per step. ``optional=True``: the pattern may match no module (otherwise an error).
+    layer, e.g. one mHC module for both halves): the module must then run exactly max(call) + 1
+    times per step, over all its rules; by default a matched module must run exactly once per
+    step. ``optional=True``: the pattern may match no module (otherwise an error).
     """
 
     def __init__(self, module, component, *, output=_WHOLE, input=None, select=None, transform=None,
@@ -345,6 +378,27 @@ def _config_dict(config):
                        "attributes")
 
 
+#: Config keys left out of an in-memory config digest besides those starting with ``_``
+#: (``_name_or_path``, ``_commit_hash``, ``_attn_implementation``...): where and by which library
+#: version the config was loaded, not what the model is.
+_NOT_IDENTITY_KEYS = ("transformers_version",)
+
+
+def _identity_config(config):
+    """The config dict an in-memory binding digests: without keys starting with ``_`` nor
+    ``transformers_version`` (at any depth), so that one checkpoint loaded from two paths, or by
+    two transformers versions, binds alike."""
+    def strip(v):
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items()
+                    if not (isinstance(k, str) and (k.startswith("_") or k in _NOT_IDENTITY_KEYS))}
+        if isinstance(v, (list, tuple)):
+            return [strip(x) for x in v]
+        return v
+
+    return strip(_config_dict(config))
+
+
 def _canonical_json(d):
     def default(v):
         s = str(v)
@@ -389,16 +443,22 @@ def model_binding(model, config, name, algorithm="blake3", weights=True, **field
     so (``model_identity``), so that it is never taken for a directory's identity. Two captures of
     the same model object are comparable; a capture and ``moeconf run`` of a directory are not
     (use ``model_dir=`` for that)."""
-    b = Binding(model_name=name, config_digest=hash_bytes(algorithm, _canonical_json(_config_dict(config))))
-    if weights and hasattr(model, "state_dict"):
+    b = Binding(model_name=name, config_digest=hash_bytes(algorithm, _canonical_json(_identity_config(config))))
+    if weights:
+        sd = model.state_dict() if callable(getattr(model, "state_dict", None)) else None
+        if not sd:
+            raise CaptureError(f"{type(model).__name__} has " + ("no state_dict()" if sd is None else
+                               "an empty state_dict()") + ": its weights cannot be bound, and two different models "
+                               "would bind alike. Pass weights=False (the binding then says the weights are not "
+                               "bound) or model_dir= (the checkpoint directory's identity)")
         tensors = []
-        for n, t in model.state_dict().items():
+        for n, t in sd.items():
             dtype, shape, raw = _tensor_bytes(t, n)
             tensors.append(TensorDigest(str(n), dtype, shape, hash_bytes(algorithm, raw)))
         tensors.sort(key=lambda t: t.name.encode("utf-8"))
         b.tensors = tensors
         b.weights_digest = weights_digest(algorithm, tensors)
-    what = "state_dict() tensors" if weights else "no weights"
+    what = "state_dict() tensors" if weights else "weights not bound (weights=False)"
     extra = [("model_identity", f"in-memory (moeconf.torch): config digest of its canonical JSON, {what}")]
     for k, v in fields.items():
         if k == "extra":
@@ -571,6 +631,11 @@ class Capture:
                 raise CaptureError(f"dims: {sym}={v!r} (symbols {', '.join(DIM_ALIASES)}, positive integers)")
             self.dims[sym] = v
         self.sites = self._match(model, mapping)
+        #: {module name: the calls a step must make of it (max(call) + 1 over the rules with call=)}.
+        self._calls = {}
+        for site in self.sites:
+            if site.rule.call is not None:
+                self._calls[site.name] = max(self._calls.get(site.name, 0), site.rule.call + 1)
         self.observed, self.recomputed = self._marks()
         self.not_captured = self._not_captured()
 
@@ -705,31 +770,75 @@ class Capture:
         return [p for p, r in marks.items() if not r], [p for p, r in marks.items() if r]
 
     def _not_captured(self):
-        """{pattern: reason} of the catalogue components of captured levels nothing records."""
+        """{pattern: reason} of the catalogue components of captured levels nothing records.
+
+        The note is in the trace's header, which the writer writes before the first record, so it
+        is computed from the mapping and the modules its rules matched, not from the records: a
+        rule counts only for the layers of the modules it matched (an optional rule that matched
+        none covers nothing), a component the catalogue has on every layer (``layers`` ``all``)
+        that the matched modules and declared state give on some layers only is named with the
+        layers missing (``moe.combine: layers 1 (reason)``), one of some layer kinds only
+        (``cmp``, ``csa``, ``score``: the engine does not know the kinds) is covered by any layer.
+        ``state`` paths count for the layers declared, ``manual`` paths for every layer, as
+        declared (the engine cannot know before the steps that the loop will give them)."""
         covered = {"token.input", "token.output", "lm.logits", "lm.topk_ids", "lm.topk_logits", "lm.margin"}
         if self.decode is not None:
             covered.add("text.continuation")
-        covered.update(self.mapping.state)
-        pats = [r.paths_pattern for r in self.mapping.rules] + list(self.mapping.manual)
-        out = {}
-        missing = []
+        n_layers = self.dims.get("L")
+        every = set(range(n_layers)) if n_layers is not None else None
+        # pattern -> the layers it is given for (None: every layer, or model-global)
+        given = {}
+        for p, layers in self.mapping.state.items():
+            given.setdefault(p, set())
+            if layers is None or given[p] is None:
+                given[p] = None
+            else:
+                given[p] |= set(layers)
+        for site in self.sites:
+            p = site.rule.paths_pattern
+            if site.layer is None:
+                given[p] = None
+            elif given.get(p, set()) is not None:
+                given[p] = given.get(p, set()) | {site.layer}
+        for p in self.mapping.manual:
+            given[p] = None
+
+        def probe(c):
+            return c.path + "0" if c.is_family else c.path
+
+        out, partial, missing = {}, {}, []
         for c in COMPONENTS:
             if not self._wants(c.level) or c.presence not in ("always", "on_emit"):
                 continue
             path = c.path + "*" if c.is_family else c.path
-            if path in covered or any(_matches(p, c.path + "0" if c.is_family else c.path) or
-                                      (c.is_family and p.startswith(c.path)) for p in pats):
-                for p in self.mapping.not_captured:
-                    if _matches(p, c.path if not c.is_family else c.path + "0"):
-                        raise CaptureError(f"Mapping(not_captured=...): {p!r} names {c.path}, which the mapping "
-                                           "records")
+            why = [q for q in self.mapping.not_captured if _matches(q, probe(c))]
+            if path in covered:
+                if why:
+                    raise CaptureError(f"Mapping(not_captured=...): {why[0]!r} names {c.path}, which the capture "
+                                       "records")
                 continue
-            missing.append((c, path))
+            have = set()
+            for p, layers in given.items():
+                if _matches(p, probe(c)) or (c.is_family and p.startswith(c.path)):
+                    have = None if layers is None or have is None else have | layers
+            if have is not None and not have:
+                missing.append((c, path))
+                continue
+            lacking = [] if (have is None or every is None or c.group == "step" or c.layers != "all") else \
+                sorted(every - have)
+            if not lacking:
+                if why:
+                    raise CaptureError(f"Mapping(not_captured=...): {why[0]!r} names {c.path}, which the mapping "
+                                       "records")
+                continue
+            partial[path] = (f"layers {', '.join(map(str, lacking))} ("
+                             + (self.mapping.not_captured[why[0]] if why else DEFAULT_NOT_CAPTURED) + ")")
+        out.update(partial)  # first: a reader quotes the first item whose pattern matches
         for p, why in self.mapping.not_captured.items():
-            if any(_matches(p, c.path + "0" if c.is_family else c.path) for c, _ in missing):
+            if any(_matches(p, probe(c)) for c, _ in missing):
                 out[p] = why
         for c, path in missing:
-            if not any(_matches(p, c.path + "0" if c.is_family else c.path) for p in self.mapping.not_captured):
+            if not any(_matches(p, probe(c)) for p in self.mapping.not_captured):
                 out[path] = "no detokenizer given (decode=)" if path == "text.continuation" else DEFAULT_NOT_CAPTURED
         return out
 
@@ -817,6 +926,10 @@ class Capture:
             raise self._fail(CaptureError(f"step {st.index}: {s.where()} ran twice in one step: a module called "
                                           "more than once per forward needs call=i (or a chunked prefill, which "
                                           "this capture does not merge)"))
+        if r.call is not None and c >= self._calls[s.name]:
+            raise self._fail(CaptureError(f"step {st.index}: {s.where()} ran {c + 1} times in one step; the rules on "
+                                          f"module {s.name!r} read calls up to {self._calls[s.name] - 1} (a call "
+                                          "index past the last one a rule reads would go unrecorded)"))
         if r.call is not None and c != r.call:
             return
         try:
@@ -853,12 +966,22 @@ class Capture:
         if c.is_family and r.index is None:
             item = (self._item_shape(lookup("router.topk")[0], s)[0],) + item
         want = (st.n,) + item
-        squeeze = [d for d in arr.shape if d != 1]
-        if squeeze != [d for d in want if d != 1]:
-            raise CaptureError(f"step {st.index}: {s.where()}: a tensor of shape {list(arr.shape)}, expected "
-                               f"{st.n} position(s) of {c.path if not c.is_family else r.paths_pattern} shape "
-                               f"{list(item)} ({list(want)}, or with a batch axis of 1)")
-        arr = arr.reshape(want)
+        shape = tuple(arr.shape)
+        if _fits(shape[1:], item) and shape[:1] == (st.n,):  # [n, *item]
+            arr = arr.reshape(want)
+        elif _fits(shape[2:], item) and shape[:2] == (1, st.n):  # [1, n, *item]: a batch of one
+            arr = arr.reshape(want)
+        elif st.n == 1 and _fits(shape, item):  # one position, its axis left out: [*item]
+            arr = arr.reshape(want)
+        else:
+            what = c.path if not c.is_family else r.paths_pattern
+            msg = (f"step {st.index}: {s.where()}: a tensor of shape {list(arr.shape)}, expected {st.n} position(s) "
+                   f"of {what} shape {list(item)} ({list(want)}, or with a batch axis of 1)")
+            if sorted(d for d in shape if d != 1) == sorted(d for d in want if d != 1):
+                msg += ("; it holds as many values, in another layout: the positions must be the leading axis "
+                        "(after a batch axis of 1). Give transform= that puts them first, e.g. transform=lambda t: "
+                        "t.transpose(1, 2) for a heads-first [1, H, n, d], with recomputed=False")
+            raise CaptureError(msg)
         for k, pos in enumerate(st.positions):
             v = arr[k]
             if c.is_family and r.index is None:
@@ -882,11 +1005,9 @@ class Capture:
                 raise CaptureError(f"{what}: NaN at index {int(np.flatnonzero(np.isnan(a.reshape(-1)))[0])} "
                                    "(pass allow_nan=True to record NaN)")
             return np.ascontiguousarray(a)
-        if np.issubdtype(a.dtype, np.floating):
-            if not np.all(np.isfinite(a)) or not np.all(a == np.round(a)):
-                raise CaptureError(f"{what}: {a.dtype} values that are not integers for an {c.kind} record")
-        elif not np.issubdtype(a.dtype, np.integer):
-            raise CaptureError(f"{what}: {a.dtype} values for an {c.kind} record")
+        if not np.issubdtype(a.dtype, np.integer):  # floats (even whole-valued: bf16 rounds ids above 256), bool
+            raise CaptureError(f"{what}: {a.dtype} values for an {c.kind} record: give integers (any width; a "
+                               "float dtype may hold an id or a count rounded)")
         lo, hi = (-2**31, 2**31) if c.kind == "ids" else (-2**63, 2**63)
         if a.size and (a.min() < lo or a.max() >= hi):
             raise CaptureError(f"{what}: a value outside the range of {'i32' if c.kind == 'ids' else 'i64'}")
@@ -923,7 +1044,9 @@ class Capture:
 
     def step(self, tokens):
         """Starts step ``steps_done``: ``tokens`` are the ids its forward consumes (step 0: the prompt;
-        later: the previous step's greedy token). Use as ``with cap.step(tokens) as s:``."""
+        later: the previous step's greedy token), as declared: they are checked and recorded as
+        ``token.input``, but what the forward really consumes is not seen. Integers in one
+        sequence (a list, ``[n]`` or ``[1, n]``). Use as ``with cap.step(tokens) as s:``."""
         self._check_open()
         if self._current is not None:
             raise self._fail(CaptureError(f"step {self._current.index} is still open"))
@@ -951,10 +1074,11 @@ class Capture:
                 if not self._wants(s.rule.spec.level):
                     continue
                 c = st.calls.get(n, 0)
-                need = 1 if s.rule.call is None else s.rule.call + 1
+                need = 1 if s.rule.call is None else self._calls[s.name]
                 if c < need:
                     raise CaptureError(f"step {st.index}: {s.where()} " + (
-                        "did not run" if c == 0 else f"ran {c} time(s), the rule reads call {s.rule.call}"))
+                        "did not run" if c == 0 else f"ran {c} time(s), the rules on module {s.name!r} read calls "
+                        f"up to {need - 1}"))
             n_layers = self.dims.get("L")
             for path, layers in self.mapping.state.items():
                 c = lookup(path)[0]

@@ -194,7 +194,7 @@ def test_nan_aborts_unless_allowed(tmp_path):
 def test_ids_must_be_ids(tmp_path):
     out = tmp_path / "x.bin"
     bad = Mapping([Rule("layers.{layer}.router", "router.topk", output=0)])  # the gates: floats
-    with pytest.raises(CaptureError, match="not integers for an ids record"):
+    with pytest.raises(CaptureError, match="float32 values for an ids record: give integers"):
         run(Toy(), out, mapping=bad)
     _no_output(tmp_path, out)
 
@@ -322,3 +322,166 @@ def test_the_example_script_runs_end_to_end(tmp_path, moeconf_bin):
 
     assert generic_capture.main(["--out", str(tmp_path), "--moeconf", moeconf_bin]) == 0
     assert sorted(os.listdir(tmp_path)) == ["cand.bin", "ref.bin"]
+
+
+# --- review findings: ids, layouts, calls, bindings, coverage ---------------------------------
+
+
+def test_float_ids_are_refused_even_whole(tmp_path):
+    """Whole-valued floats are not ids (a bf16 tensor rounds ids above 256): refused for an ids
+    record and for the prompt and step ids; booleans too. Integers of any width are taken."""
+    out = tmp_path / "x.bin"
+    bad = Mapping([Rule("layers.{layer}.router", "router.topk", output=1, transform=lambda i: i.astype(np.float64),
+                        recomputed=False)])
+    with pytest.raises(CaptureError, match="float64 values for an ids record: give integers"):
+        run(Toy(), out, mapping=bad)
+    _no_output(tmp_path, out)
+    for ids in ([3.0, 1.0, 4.0, 1.0, 5.0], np.array(PROMPT, np.float32), np.array([True, False])):
+        with pytest.raises(CaptureError, match="prompt_ids: .*ids must be integers"):
+            capture(Toy(), MAPPING, out, prompt_ids=ids, max_new_tokens=1, config=CONFIG)
+    _no_output(tmp_path, out)
+    m = Toy()
+    with pytest.raises(CaptureError, match="step 1: tokens: float64 values: ids must be integers"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                nxt = s.logits(m(PROMPT)[-1])
+            cap.step(np.array([nxt], np.float64))
+    _no_output(tmp_path, out)
+    good = Mapping([Rule("layers.{layer}.router", "router.topk", output=1, transform=lambda i: i.astype(np.uint8),
+                         recomputed=False)])
+    run(Toy(), tmp_path / "u8.bin", mapping=good)
+    run(Toy(), tmp_path / "i64.bin", mapping=Mapping([Rule("layers.{layer}.router", "router.topk", output=1)]))
+    u8, i64 = read_trace(str(tmp_path / "u8.bin")), read_trace(str(tmp_path / "i64.bin"))
+    assert [r.digest for r in u8.records] == [r.digest for r in i64.records]
+
+
+def test_ids_of_more_than_one_sequence_are_refused(tmp_path):
+    out = tmp_path / "x.bin"
+    with pytest.raises(CaptureError, match=r"prompt_ids: ids of shape \[2, 2\]: give one sequence"):
+        capture(Toy(), MAPPING, out, prompt_ids=[[3, 1], [4, 1]], max_new_tokens=1, config=CONFIG)
+    _no_output(tmp_path, out)
+    # a batch of one is one sequence
+    with capture(Toy(), MAPPING, out, prompt_ids=np.array([PROMPT]), max_new_tokens=1, config=CONFIG) as cap:
+        assert cap.prompt_ids == PROMPT
+        cap.generate(lambda ids: cap.model(ids)[-1])
+
+
+def _scores_transposed(tmp_path, prompt, steps):
+    """router.scores given as [E, n] (experts first) by the transform, the prompt as long as E."""
+    m = Toy()
+    mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z.T,
+                       recomputed=False)])
+    out = tmp_path / "t.bin"
+    with capture(m, mp, out, prompt_ids=prompt, max_new_tokens=steps, config=CONFIG) as cap:
+        cap.generate(lambda ids: m(ids)[-1])
+    return out
+
+
+def test_positions_must_lead(tmp_path):
+    """A value whose positions are not its leading axis (after a batch axis of 1) is refused with
+    the advice to transform it; when the sizes coincide (n == E at the prefill) the shape cannot
+    tell, but the next step (one position, [E, 1]) does."""
+    with pytest.raises(CaptureError, match=r"shape \[4, 5\], expected 5 position.*another layout.*transform="):
+        _scores_transposed(tmp_path, PROMPT, 2)
+    with pytest.raises(CaptureError, match=r"step 1: .*shape \[4, 1\], expected 1 position.*another layout"):
+        _scores_transposed(tmp_path, PROMPT[:4], 2)
+    _no_output(tmp_path, tmp_path / "t.bin")
+    # [1, n, *item] (a batch of one) and, for one position, [*item] are taken
+    for f in (lambda z: z[None], lambda z: z[None] if z.shape[0] > 1 else z[0]):
+        m = Toy()
+        mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=f, recomputed=False)])
+        with capture(m, mp, tmp_path / "b.bin", prompt_ids=PROMPT, max_new_tokens=2, config=CONFIG) as cap:
+            cap.generate(lambda ids: m(ids)[-1])
+    # an extra size-1 axis inside the value is refused ([n, 1, E] is not [n, E])
+    m = Toy()
+    mp = Mapping([Rule("layers.{layer}.router", "router.scores", output=2, transform=lambda z: z[:, None],
+                       recomputed=False)])
+    with pytest.raises(CaptureError, match=r"shape \[5, 1, 4\]"):
+        with capture(m, mp, tmp_path / "c.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            cap.generate(lambda ids: m(ids)[-1])
+
+
+def test_extra_calls_past_the_last_call_index_are_refused(tmp_path):
+    out = tmp_path / "x.bin"
+    m = Toy()
+    for layer in m.layers:
+        orig = layer.forward
+
+        def thrice(x, _l=layer, _o=orig):
+            _l.norm(x)
+            _l.norm(x)
+            return _o(x)
+
+        layer.forward = thrice
+    with pytest.raises(CaptureError, match=r"layers.0.norm.*ran 2 times in one step; the rules on module "
+                                           r"'layers.0.norm' read calls up to 0"):
+        run(m, out, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=0)]))
+    _no_output(tmp_path, out)
+    # the highest call index over the module's rules counts: calls 0..2 are read
+    run(m, out, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=0),
+                                 Rule("layers.{layer}.norm", "attn.norm", call=2)]))
+    with pytest.raises(CaptureError, match=r"ran 3 time\(s\), the rules on module 'layers.0.norm' read calls up to 3"):
+        run(m, tmp_path / "y.bin", mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=3)]))
+
+
+class _Engine(Toy):
+    """A duck-typed engine: modules with hooks, no state_dict()."""
+
+    state_dict = None
+
+
+def test_weights_must_be_bound_or_declared_unbound(tmp_path):
+    out = tmp_path / "x.bin"
+    with pytest.raises(CaptureError, match=r"_Engine has no state_dict\(\).*Pass weights=False.*or model_dir="):
+        run(_Engine(), out)
+    e = Toy()
+    e.state_dict = lambda: {}
+    with pytest.raises(CaptureError, match=r"an empty state_dict\(\)"):
+        run(e, out)
+    _no_output(tmp_path, out)
+    run(_Engine(), out, weights=False)
+    b = read_trace(str(out)).binding
+    assert b.tensors == [] and "weights not bound (weights=False)" in dict(b.extra)["model_identity"]
+
+
+def test_config_digest_ignores_load_paths_and_versions(tmp_path):
+    a, b, c = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"
+    run(Toy(), a, config=dict(CONFIG, _name_or_path="/models/x", transformers_version="5.23.0", _commit_hash="ab"))
+    run(Toy(), b, config=dict(CONFIG, _name_or_path="/elsewhere/x", transformers_version="5.24.0"))
+    run(Toy(), c, config=dict(CONFIG, model_type="toy-moe-2"))
+    ta, tb, tc = (read_trace(str(p)).binding for p in (a, b, c))
+    assert ta.config_digest == tb.config_digest != tc.config_digest
+
+
+def _note(path):
+    return dict(read_trace(str(path)).provenance.notes).get("moeconf.not_captured", "")
+
+
+def test_not_captured_counts_matched_modules_and_layers(tmp_path):
+    """The note (in the header, written before any record) counts a rule only for the layers of
+    the modules it matched: an optional rule matching nothing covers nothing, a rule for layer 0
+    of 2 names layer 1."""
+    out = tmp_path / "a.bin"
+    run(Toy(), tmp_path / "full.bin")
+    full = _note(tmp_path / "full.bin")
+    assert "moe.combine" not in full and "router.margin: no rule" in full
+    rules = [r for r in MAPPING.rules if r.component != "moe.combine"]
+    run(Toy(), out, mapping=Mapping(rules + [Rule("layers.{layer}.mlp", "moe.combine", optional=True)],
+                                    not_captured=MAPPING.not_captured))
+    assert "moe.combine: no rule of this capture's mapping records it" in _note(out)
+    run(Toy(), out, mapping=Mapping(rules + [Rule(r"layers\.(?P<layer>0)\.experts", "moe.combine", regex=True)],
+                                    not_captured=MAPPING.not_captured))
+    note = _note(out)
+    assert note.startswith("moe.combine: layers 1 (no rule of this capture's mapping records it); attn.*: "), note
+    assert note.replace("moe.combine: layers 1 (no rule of this capture's mapping records it); ", "") == full
+    # the mapping's reason for the layers left out
+    run(Toy(), out, mapping=Mapping(rules + [Rule(r"layers\.(?P<layer>0)\.experts", "moe.combine", regex=True)],
+                                    not_captured=dict(MAPPING.not_captured, **{"moe.combine": "layer 1 is dense"})))
+    assert _note(out).startswith("moe.combine: layers 1 (layer 1 is dense); attn.*: ")
+    # declared state of some layers only
+    mp = Mapping(MAPPING.rules, state={"state.cumulative_length": [0]}, not_captured=MAPPING.not_captured)
+    with capture(Toy(), mp, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG, capture="all") as cap:
+        with cap.step(PROMPT) as s:
+            s.state(0, "state.cumulative_length", np.array([5], np.int64))
+            s.logits(cap.model(PROMPT)[-1])
+    assert _note(out).startswith("state.cumulative_length: layers 1 (no rule")

@@ -123,3 +123,31 @@ def test_keyword_inputs_and_bf16_on_real_modules(tmp_path):
         with torch.no_grad(), capture(net, mp, tmp_path / "v.bin", prompt_ids=[1, 2], max_new_tokens=1,
                                       config=cfg) as cap:
             cap.generate(lambda ids: net(torch.tensor(ids))[-1])
+
+
+def test_bf16_ids_and_heads_first_layouts_are_refused(tmp_path):
+    """Ids in a float dtype are refused (bf16 holds 257, 301, 1001 as 256, 300, 1000); a heads-first
+    [1, H, n, d] value is refused, and taken once a transform puts the positions first."""
+    from moeconf.torch import _ids
+
+    with pytest.raises(CaptureError, match="bfloat16 values: ids must be integers"):
+        _ids(torch.tensor([257, 301, 1001]).bfloat16(), "ids")
+    assert _ids(torch.tensor([[257, 301, 1001]], dtype=torch.int16), "ids") == [257, 301, 1001]
+    net = _Net()
+    cfg = {"hidden_size": 4, "vocab_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 2}
+    heads_first = lambda x: x.reshape(1, x.shape[0], 2, 2).transpose(1, 2)  # noqa: E731  [1, H, n, d]
+    for prompt in ([1, 2, 3], [1, 2]):  # n != H: refused at the prefill; n == H: at the first decode step
+        mp = Mapping([Rule("layers.{layer}", "attn.q", transform=heads_first, recomputed=False)])
+        with pytest.raises(CaptureError, match=r"another layout.*transform="):
+            with torch.no_grad(), capture(net, mp, tmp_path / "q.bin", prompt_ids=prompt, max_new_tokens=2,
+                                          config=cfg) as cap:
+                cap.generate(lambda ids: net(torch.tensor(ids))[-1])
+        assert not (tmp_path / "q.bin").exists()
+    mp = Mapping([Rule("layers.{layer}", "attn.q", transform=lambda x: heads_first(x).transpose(1, 2),
+                       recomputed=False)])
+    with torch.no_grad(), capture(net, mp, tmp_path / "q.bin", prompt_ids=[1, 2], max_new_tokens=2,
+                                  config=cfg, capture="all") as cap:
+        cap.generate(lambda ids: net(torch.tensor(ids))[-1])
+    t = read_trace(str(tmp_path / "q.bin"))
+    i = [r.coord.path for r in t.records].index("attn.q")
+    assert t.array(i).shape == (2, 2)
