@@ -14,6 +14,16 @@ REPO = os.path.dirname(PYTHON_DIR)
 sys.path.insert(0, PYTHON_DIR)
 
 
+def require_transformers():
+    """For a test module of the opt-in transformers suite, at its top: skips the module unless
+    ``MOECONF_TRANSFORMERS_TESTS=1`` (python/run_interop.sh sets it) and torch and transformers
+    import; returns ``(torch, transformers)``."""
+    if os.environ.get("MOECONF_TRANSFORMERS_TESTS") != "1":
+        pytest.skip("transformers tests are opt-in: MOECONF_TRANSFORMERS_TESTS=1 (python/run_interop.sh)",
+                    allow_module_level=True)
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
+
 @pytest.fixture(scope="session")
 def repo():
     """The repository root."""

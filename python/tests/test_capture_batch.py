@@ -22,11 +22,9 @@ import pytest
 
 pytestmark = pytest.mark.transformers
 
-if os.environ.get("MOECONF_TRANSFORMERS_TESTS") != "1":
-    pytest.skip("transformers tests are opt-in: MOECONF_TRANSFORMERS_TESTS=1 (python/run_interop.sh)",
-                allow_module_level=True)
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require_transformers  # noqa: E402
+
+torch, transformers = require_transformers()
 
 from moeconf import read_trace  # noqa: E402
 from moeconf.capture import NOT_CAPTURED_NOTE, PADDED_NOT_CAPTURED, capture  # noqa: E402

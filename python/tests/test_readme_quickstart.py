@@ -10,11 +10,9 @@ import pytest
 
 pytestmark = pytest.mark.transformers
 
-if os.environ.get("MOECONF_TRANSFORMERS_TESTS") != "1":
-    pytest.skip("transformers tests are opt-in: MOECONF_TRANSFORMERS_TESTS=1 (python/run_interop.sh)",
-                allow_module_level=True)
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require_transformers  # noqa: E402
+
+torch, transformers = require_transformers()
 
 from conftest import REPO  # noqa: E402
 
