@@ -242,18 +242,25 @@ def test_loop_mistakes(tmp_path):
     _no_output(tmp_path, out)
 
 
-def test_call_index_and_inputs(tmp_path):
-    """A module run twice per layer (call=) and a rule on an input argument."""
-    out = tmp_path / "x.bin"
-    m = Toy()
+def with_extra_norm_calls(m, extra):
+    """``m`` with each layer calling its norm ``extra`` more times before the real forward (so the
+    real call is call ``extra`` of the step)."""
     for layer in m.layers:
         orig = layer.forward
 
-        def twice(x, _l=layer, _o=orig):
-            _l.norm(x)  # an extra call before the real one
+        def forward(x, _l=layer, _o=orig):
+            for _ in range(extra):
+                _l.norm(x)
             return _o(x)
 
-        layer.forward = twice
+        layer.forward = forward
+    return m
+
+
+def test_call_index_and_inputs(tmp_path):
+    """A module run twice per layer (call=) and a rule on an input argument."""
+    out = tmp_path / "x.bin"
+    m = with_extra_norm_calls(Toy(), 1)
     mp = Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=1),
                   Rule("layers.{layer}.experts", "ffn.norm", input=0, optional=True)])
     with pytest.raises(CaptureError, match="both record ffn.norm"):
@@ -403,16 +410,7 @@ def test_positions_must_lead(tmp_path):
 
 def test_extra_calls_past_the_last_call_index_are_refused(tmp_path):
     out = tmp_path / "x.bin"
-    m = Toy()
-    for layer in m.layers:
-        orig = layer.forward
-
-        def thrice(x, _l=layer, _o=orig):
-            _l.norm(x)
-            _l.norm(x)
-            return _o(x)
-
-        layer.forward = thrice
+    m = with_extra_norm_calls(Toy(), 2)
     with pytest.raises(CaptureError, match=r"layers.0.norm.*ran 2 times in one step; the rules on module "
                                            r"'layers.0.norm' read calls up to 0"):
         run(m, out, mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=0)]))
