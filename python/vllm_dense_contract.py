@@ -35,6 +35,8 @@ import sys
 
 import numpy as np
 
+from moeconf.vllm_numerics import fma32  # noqa: F401  (exact fused multiply-add; importable from here)
+
 F32 = np.float32
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,24 +61,6 @@ def rne_bf16(x):
 def rbf(x):
     """R_BF16 as a float32 value."""
     return bf16_to_f32(rne_bf16(x))
-
-
-def fma32(a, b, c):
-    """Exact ``fma(a, b, c)`` rounded once to float32, elementwise (the product is exact in
-    float64; an error-free sum decides the ties)."""
-    a, b, c = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (a, b, c)))
-    p = a * b
-    with np.errstate(invalid="ignore", over="ignore"):
-        s = p + c
-        bb = s - p
-        err = (p - (s - bb)) + (c - bb)
-        r = s.astype(F32)
-        up = np.nextafter(r, F32(np.inf))
-        down = np.nextafter(r, F32(-np.inf))
-        r64 = r.astype(np.float64)
-        to_up = (err > 0) & (s == (r64 + up.astype(np.float64)) / 2)
-        to_down = (err < 0) & (s == (r64 + down.astype(np.float64)) / 2)
-    return np.where(to_up, up, np.where(to_down, down, r)).astype(F32)
 
 
 def f32(x):

@@ -296,9 +296,11 @@ def print_explain(e):
     sel = f"selected by provenance note {b.get('selected_by')}" if b.get("selected") else "not selected (every form)"
     print(f"  backend: {b.get('runtime')} {b.get('version')}, {sel}")
     for k in b.get("known", []):
-        outside = f"; outside the grammar: {k['outside_grammar']}" if k.get("outside_grammar") else ""
-        print(f"  known combine {k['id']}: {k['contract']} reproduces {k['reproduced_events']}/{v['events']} events"
-              f"{outside}; source: {k['source']}")
+        if k.get("not_checkable"):
+            got = f"not checkable from the recorded terms ({k['not_checkable']})"
+        else:
+            got = f"reproduces {k['reproduced_events']}/{v['events']} events"
+        print(f"  known combine {k['id']}: {k['contract']} {got}; source: {k['source']}")
 
 
 def print_engines(py_json, model_dir, n, trace):

@@ -26,7 +26,7 @@ use crate::explanation::{order_words, CombineExplanation, EquivalentReport, Reas
 use crate::numeric::{f32_values, int_values};
 
 /// Version of the JSON document of [`TraceExplanation`] (docs/contracts.md).
-pub const EXPLAIN_SCHEMA_VERSION: u32 = 1;
+pub const EXPLAIN_SCHEMA_VERSION: u32 = 2;
 
 /// Most rules listed in [`TraceRule::rules`].
 pub const MAX_LISTED_RULES: usize = 8;
@@ -167,12 +167,13 @@ pub struct KnownCombineReport {
     pub id: String,
     /// What it is, in words.
     pub description: String,
-    /// Its contract in the notation (the nearest member when `outside_grammar` is set).
+    /// Its contract in the notation.
     pub contract: String,
     /// Where the contract comes from.
     pub source: String,
-    /// What the kernel does that the notation cannot express, if anything.
-    pub outside_grammar: Option<String>,
+    /// Why the recorded terms cannot reproduce the contract, if they cannot
+    /// (`reproduced_events` is then 0 and means nothing).
+    pub not_checkable: Option<String>,
     /// Events whose recorded output the contract reproduces bitwise from the
     /// recorded terms and shared output.
     pub reproduced_events: usize,
@@ -630,7 +631,7 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
                 description: b.description.into(),
                 contract: b.contract.into(),
                 source: b.source.into(),
-                outside_grammar: b.outside_grammar.map(str::to_string),
+                not_checkable: b.not_checkable.map(str::to_string),
                 reproduced_events: n,
             })
             .collect(),
@@ -842,17 +843,17 @@ impl BackendReport {
 
 impl KnownCombineReport {
     /// Its lines: the id, the contract and how many of `events` it reproduces
-    /// (or why it is outside the grammar), then the source.
+    /// (or why the recorded terms cannot tell), then the source.
     pub fn lines(&self, events: usize) -> Vec<String> {
-        let mut out = match &self.outside_grammar {
+        let mut out = match &self.not_checkable {
             None => vec![format!(
                 "{}: {} reproduces {}/{events} events — {}",
                 self.id, self.contract, self.reproduced_events, self.description
             )],
             Some(why) => vec![
                 format!(
-                    "{}: outside the grammar; its nearest member {} reproduces {}/{events} events from the recorded terms — {}",
-                    self.id, self.contract, self.reproduced_events, self.description
+                    "{}: {} — not checkable from the recorded terms — {}",
+                    self.id, self.contract, self.description
                 ),
                 format!("  why: {why}"),
             ],

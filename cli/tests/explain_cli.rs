@@ -57,7 +57,7 @@ fn every_notation_run_is_explained_as_an_equivalent_of_itself() {
         run_trace(&trace, &["--capture", "all", "--contract", notation]);
         let run = AggregationContract::parse(notation).unwrap();
         let j = explain_json(&trace);
-        assert_eq!(j["schema_version"], 1);
+        assert_eq!(j["schema_version"], 2);
         let v = &j["verdict"];
         let events = v["events"].as_u64().unwrap();
         assert!(events > 0, "{notation}: {v}");

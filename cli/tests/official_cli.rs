@@ -296,3 +296,49 @@ fn official_refuses_dimensions_the_kernels_reject() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// The vllm-cpu profile's default combine follows the kernel vLLM picks by
+/// the routed experts' format (docs/operators.md §11): `c+routed=bf16` for
+/// MXFP4 experts, the fused-gate FMA sum (`operand=fma`) for BF16 experts;
+/// a profile that never forms the experts' outputs before their gate
+/// refuses `operand=fma` before it runs.
+#[test]
+fn vllm_cpu_profile_follows_the_experts_kernel_and_fma_needs_gate_free_outputs() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, want) in [
+        ("builtin:tiny-v4-vllm", "c+routed=bf16"),
+        (
+            "builtin:tiny-v4-vllm-bf16",
+            "p32+routed=bf16+start=first+operand=fma",
+        ),
+    ] {
+        let out = dir.path().join(format!("{}.bin", model.replace(':', "-")));
+        let o = run(model, "vllm-cpu", "1", &out);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let o = moeconf(&["inspect", s(&out), "--format", "json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["binding"]["contract"], want, "{model}: {}", v["binding"]);
+    }
+    let out = dir.path().join("official-fma.bin");
+    let o = moeconf(&[
+        "run",
+        "--model",
+        "builtin:tiny-v4-vllm",
+        "--prompt",
+        "why",
+        "--precision",
+        "official",
+        "--contract",
+        "p32+operand=fma",
+        "-o",
+        s(&out),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("operand=fma") && err.contains("official profile"),
+        "{err}"
+    );
+    assert!(!out.exists(), "nothing is written");
+}

@@ -25,16 +25,15 @@ pub struct KnownBackend {
     /// What it is, in words.
     pub description: &'static str,
     /// Its contract in the notation ([`crate::AggregationContract::parse`]).
-    /// With [`Self::outside_grammar`] set, the member the kernel reduces to
-    /// where the notation's assumptions hold (see there), not an exact description.
     pub contract: &'static str,
     /// Where the contract comes from (source lines, measurements).
     pub source: &'static str,
     /// How its captures are recognized (`None`: no capture module records it).
     pub captured_as: Option<CaptureSelector>,
-    /// `Some(why)` when the kernel's combine is not a member of the grammar:
-    /// what it does that the notation cannot express.
-    pub outside_grammar: Option<&'static str>,
+    /// `Some(why)` when a capture's recorded terms cannot reproduce the
+    /// contract (an `operand=fma` sum needs each expert's output before its
+    /// gate, which no capture records): explain names it without counting.
+    pub not_checkable: Option<&'static str>,
 }
 
 /// The known backends a trace's provenance names: its runtime (and precision)
@@ -78,7 +77,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
         contract: "c",
         source: "contract/src/lib.rs combine_native; paper section 2.5",
         captured_as: None,
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "transformers-eager-bf16",
@@ -90,7 +89,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: Some("hf-bf16"),
             note: Some(("experts_implementation", &["eager"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "transformers-grouped_mm-bf16",
@@ -102,7 +101,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: Some("hf-bf16"),
             note: Some(("experts_implementation", &["grouped_mm"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "transformers-batched_mm-bf16",
@@ -114,7 +113,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: Some("hf-bf16"),
             note: Some(("experts_implementation", &["batched_mm"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "transformers-eager-fp32",
@@ -126,7 +125,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: Some("hf-f32"),
             note: Some(("experts_implementation", &["eager"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "transformers-grouped_mm-fp32",
@@ -138,7 +137,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: Some("hf-f32"),
             note: Some(("experts_implementation", &["grouped_mm", "batched_mm"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "deepseek-official",
@@ -146,7 +145,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
         contract: "c+shared=last+order=asc-id",
         source: "model.py L630-644: y = zeros(fp32); y[idx] += expert_out in ascending expert id; y += shared; y.type_as(x)",
         captured_as: None,
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "llama.cpp-cpu",
@@ -158,7 +157,7 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: None,
             note: None,
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "vllm-cpu-mxfp4",
@@ -170,19 +169,19 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             precision: None,
             note: Some(("vllm.moe_experts", &["CPUExpertsMxfp4"])),
         }),
-        outside_grammar: None,
+        not_checkable: None,
     },
     KnownBackend {
         id: "vllm-cpu-bf16",
         description: "vLLM-CPU 0.32.0 DeepSeek-V4, BF16 experts (X86CPUUnquantizedExperts -> cpu_fused_moe, AMX), bf16",
-        contract: "p32+start=first+routed=bf16",
+        contract: "p32+start=first+routed=bf16+operand=fma",
         source: "csrc/cpu/cpu_fused_moe.cpp fused_moe_impl: down projections d_j kept FP32, weighted sum acc = d_0 * g_0, then acc + d_j * g_j compiled as a fused multiply-add, slot order, one BF16 rounding; moe_runner.py MoERunner.forward: shared + routed in BF16; verified bitwise 60/60 events on builtin:tiny-v4-vllm-bf16 from emulated FP32 down projections (python/vllm_moe_contract.py), FMA and start by kernel probes",
         captured_as: Some(CaptureSelector {
             runtime: "vllm",
             precision: None,
             note: Some(("vllm.moe_experts", &["X86CPUUnquantizedExperts"])),
         }),
-        outside_grammar: Some("the gate multiply is fused into the accumulation, a_j = fma(d_j, g_j, a_(j-1)) over FP32 down projections d_j: no term d_j * g_j is ever rounded on its own, so the member holds only where every product is exact in FP32; and the capture's moe.term.j are one-slot outputs R_BF16(d_j * g_j), from which no member can rebuild the sum"),
+        not_checkable: Some("the gate multiply is fused into the accumulation (operand=fma) over FP32 down projections d_j, and the capture's moe.term.j are one-slot outputs R_BF16(d_j * g_j): the FP32 d_j the sum reads are not recorded"),
     },
     KnownBackend {
         id: "paper-p32-c-a-b",
@@ -190,6 +189,6 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
         contract: "b",
         source: "paper section 2.5 equations P32, C, A, B and the common merge",
         captured_as: None,
-        outside_grammar: None,
+        not_checkable: None,
     },
 ];

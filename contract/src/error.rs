@@ -89,6 +89,14 @@ pub enum ContractError {
         /// The number of routed terms.
         k: usize,
     },
+    /// An `operand=fma` contract was asked to combine without the experts'
+    /// unweighted outputs and gates (a trace's recorded terms, or a
+    /// runtime profile that never forms them).
+    #[error("contract {contract} multiplies each expert's unweighted output by its gate inside the accumulation (operand=fma): it needs those outputs and the gates, which were not given (recorded terms cannot stand in for them)")]
+    NeedsUnits {
+        /// The contract's notation.
+        contract: String,
+    },
     /// The term, shared or output slices do not have the same length.
     #[error("length mismatch: {what} has length {got}, expected {expected}")]
     LengthMismatch {

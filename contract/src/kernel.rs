@@ -18,8 +18,48 @@ use crate::bf16::r_bf16;
 #[inline]
 pub(crate) fn operand(p: OperandPrecision, v: f32) -> f32 {
     match p {
-        OperandPrecision::F32 => v,
+        // `Fma` never reaches here (its terms are not operands); as f32.
+        OperandPrecision::F32 | OperandPrecision::Fma => v,
         OperandPrecision::Bf16 => r_bf16(v),
+    }
+}
+
+/// One output element of an `operand=fma` contract (FP32 accumulator,
+/// sequential shape): along `leaves`, a routed leaf j steps
+/// `a ← fma(u_j, g_j, a)` (`u_j` = `ops[j]`, the unweighted output; the
+/// chain's lone first leaf is `fl32(u_j · g_j)`), the shared leaf (index k)
+/// `a ← fl32(a + s)`; then the merge and output rounding of the other
+/// members. `f32::mul_add` is IEEE fusedMultiplyAdd (correctly rounded on
+/// every target, in hardware or in software), so the bits do not depend on
+/// the CPU.
+pub(crate) fn eval_fma_chain(
+    c: &AggregationContract,
+    leaves: &[u16],
+    zero: bool,
+    ops: &[f32],
+    gates: &[f32],
+) -> f32 {
+    let k = gates.len();
+    let step = |a: Option<f32>, l: u16| {
+        let i = l as usize;
+        let x = ops[i];
+        Some(match (a, gates.get(i)) {
+            (None, Some(&g)) => x * g,
+            (Some(a), Some(&g)) => x.mul_add(g, a),
+            (None, None) => x,
+            (Some(a), None) => a + x,
+        })
+    };
+    debug_assert_eq!(ops.len(), k + 1);
+    let a = leaves
+        .iter()
+        .fold(zero.then_some(0.0f32), |a, &l| step(a, l))
+        .unwrap_or(0.0);
+    let y = finish_f32(c, a, ops);
+    if y.is_nan() {
+        f32::from_bits(CANONICAL_NAN_BITS)
+    } else {
+        y
     }
 }
 

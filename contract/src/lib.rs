@@ -80,6 +80,12 @@ pub struct CombineEvent<'a> {
     /// Gate weights of the selected experts, in slot order (empty when
     /// unknown: the gate orders then cannot be resolved).
     pub gates: &'a [f32],
+    /// The routed experts' unweighted FP32 outputs `u_j = E_j(x)` in slot
+    /// order (each of length D), where the runtime forms them; empty
+    /// otherwise. Only `operand=fma` needs them: its chain multiplies each
+    /// `u_j` by its gate inside a fused multiply-add, so no term `g_j · u_j`
+    /// is ever rounded on its own and the terms cannot stand in for them.
+    pub units: &'a [&'a [f32]],
 }
 
 impl<'a> CombineEvent<'a> {
@@ -95,7 +101,9 @@ impl<'a> CombineEvent<'a> {
 /// A pluggable MoE combine: turns k FP32 gate-weighted routed terms
 /// `v_j = g_j · E_j(x)` (each of length D, in selection order) and the
 /// shared-expert output `s` (already BF16-valued in the bf16 profile) into
-/// the MoE output `y` written to `out`.
+/// the MoE output `y` written to `out`. A combine that fuses the gate
+/// multiply into its accumulation (`operand=fma`) reads the unweighted
+/// outputs and the gates from the event instead of the terms.
 pub trait MoeCombine: Send + Sync {
     /// Combines the terms of one event.
     fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]);

@@ -263,9 +263,10 @@ impl MoeCombine for ScheduledCombine {
     ///
     /// If [`ScheduledCombine::validate_for_k`] would fail or the slice lengths differ.
     fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
-        let result = self
-            .permutation(event, terms.len())
-            .and_then(|p| self.contract.try_combine_with_permutation(&p, terms, shared, out));
+        let result = self.permutation(event, terms.len()).and_then(|p| {
+            self.contract
+                .try_combine_event_with_permutation(&p, event, terms, shared, out)
+        });
         if let Err(e) = result {
             panic!("MoE combine with {}: {e}", self.describe());
         }

@@ -61,6 +61,16 @@ pub enum OperandPrecision {
     F32,
     /// `FP32(R_BF16(v_j))`: the term rounded to BF16, exactly promoted.
     Bf16,
+    /// Never formed: each routed step of the chain is `a ← fma(u_j, g_j, a)`
+    /// on the expert's unweighted FP32 output `u_j` and its gate `g_j` (one
+    /// rounding per step; with [`Start::First`] the chain begins at
+    /// `fl32(u_0 · g_0)`), the shared expert, when in the accumulator, added
+    /// as usual. Only with the FP32 accumulator and the sequential shape
+    /// (notation `operand=fma`). vLLM-CPU's BF16-expert kernel sums this way
+    /// (`cpu_fused_moe.cpp`, docs/interop-vllm.md §4.1). Needs the event's
+    /// unweighted outputs ([`crate::CombineEvent::units`]): a trace's
+    /// recorded terms cannot reproduce it, so inference never tries it.
+    Fma,
 }
 
 /// Precision of the cross-expert accumulator and the rounding after each addition.
@@ -545,7 +555,8 @@ impl AggregationContract {
                     contract.operand = match value.as_str() {
                         "f32" => OperandPrecision::F32,
                         "bf16" => OperandPrecision::Bf16,
-                        _ => return Err(bad("operand must be f32 or bf16")),
+                        "fma" => OperandPrecision::Fma,
+                        _ => return Err(bad("operand must be f32, bf16 or fma")),
                     }
                 }
                 "accumulator" | "acc" => {
@@ -584,6 +595,15 @@ impl AggregationContract {
             return Err(ContractError::InvalidOverride {
                 given: s.to_string(),
                 reason: "routed=bf16 rounds the routed sum before a separate merge: it needs shared=separate"
+                    .into(),
+            });
+        }
+        if contract.operand == OperandPrecision::Fma
+            && (contract.accumulator != Accumulator::F32 || contract.shape != Shape::Sequential)
+        {
+            return Err(ContractError::InvalidOverride {
+                given: s.to_string(),
+                reason: "operand=fma is a chain of FP32 fused multiply-adds: it needs accumulator=f32 and shape=sequential"
                     .into(),
             });
         }
@@ -656,6 +676,11 @@ impl AggregationContract {
     /// (the runtime's [`super::NativeCombine`] describes itself as `native`).
     /// Contracts of the notation before the grammar print as they did.
     pub fn describe(&self) -> String {
+        if self.operand == OperandPrecision::Fma {
+            let mut base = self.clone();
+            base.operand = OperandPrecision::F32;
+            return format!("{}+operand=fma", base.describe());
+        }
         let presets: Vec<(&str, Self)> = PRESET_NAMES[1..]
             .iter()
             .filter_map(|n| Self::from_preset_name(n).map(|p| (*n, p)))
@@ -708,6 +733,7 @@ impl AggregationContract {
         let op = match self.operand {
             OperandPrecision::F32 => "f32",
             OperandPrecision::Bf16 => "bf16",
+            OperandPrecision::Fma => "fma",
         };
         let fused = self.accumulator == Accumulator::Exact && self.shared != SharedMerge::Separate;
         let acc = match self.accumulator {
@@ -775,6 +801,11 @@ impl AggregationContract {
         shared: &[f32],
         out: &mut [f32],
     ) -> Result<(), ContractError> {
+        if self.operand == OperandPrecision::Fma {
+            return Err(ContractError::NeedsUnits {
+                contract: self.describe(),
+            });
+        }
         validate_permutation(terms.len(), perm)?;
         let d = out.len();
         if shared.len() != d {
@@ -794,6 +825,62 @@ impl AggregationContract {
             }
         }
         self.combine_unchecked(perm, terms, shared, out);
+        Ok(())
+    }
+
+    /// Combines one event under an explicit permutation: `operand=fma` from
+    /// the event's unweighted outputs and gates, every other member from
+    /// `terms` ([`AggregationContract::try_combine_with_permutation`]).
+    pub fn try_combine_event_with_permutation(
+        &self,
+        perm: &[usize],
+        event: &CombineEvent<'_>,
+        terms: &[&[f32]],
+        shared: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), ContractError> {
+        if self.operand != OperandPrecision::Fma {
+            return self.try_combine_with_permutation(perm, terms, shared, out);
+        }
+        if self.accumulator != Accumulator::F32 || self.shape != Shape::Sequential {
+            return Err(ContractError::InvalidOverride {
+                given: self.describe(),
+                reason: "operand=fma needs accumulator=f32 and shape=sequential".into(),
+            });
+        }
+        let k = terms.len();
+        if event.units.len() != k || event.gates.len() != k {
+            return Err(ContractError::NeedsUnits {
+                contract: self.describe(),
+            });
+        }
+        validate_permutation(k, perm)?;
+        let d = out.len();
+        let lengths = event
+            .units
+            .iter()
+            .enumerate()
+            .map(|(j, u)| (format!("unit {j}"), u.len()))
+            .chain(std::iter::once(("shared".to_string(), shared.len())));
+        for (what, got) in lengths {
+            if got != d {
+                return Err(ContractError::LengthMismatch {
+                    what,
+                    got,
+                    expected: d,
+                });
+            }
+        }
+        let leaves = crate::kernel::leaves(self, perm);
+        let zero = self.start == Start::Zero;
+        let mut ops = vec![0.0f32; k + 1];
+        for (e, y) in out.iter_mut().enumerate() {
+            for (op, u) in ops.iter_mut().zip(event.units) {
+                *op = u[e];
+            }
+            ops[k] = shared[e];
+            *y = crate::kernel::eval_fma_chain(self, &leaves, zero, &ops, event.gates);
+        }
         Ok(())
     }
 
@@ -839,7 +926,11 @@ impl MoeCombine for AggregationContract {
     /// does, with the config's `num_experts_per_tok`).
     fn combine(&self, event: &CombineEvent<'_>, terms: &[&[f32]], shared: &[f32], out: &mut [f32]) {
         let ctx = event.context();
-        if let Err(e) = self.try_combine_in(Some(&ctx), terms, shared, out) {
+        let result = self
+            .order
+            .resolve_in(terms.len(), Some(&ctx))
+            .and_then(|perm| self.try_combine_event_with_permutation(&perm, event, terms, shared, out));
+        if let Err(e) = result {
             panic!("MoE combine with contract {}: {e}", self.describe());
         }
     }

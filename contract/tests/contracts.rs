@@ -104,6 +104,7 @@ const EVENT: CombineEvent<'static> = CombineEvent {
     position: 0,
     experts: &[],
     gates: &[],
+    units: &[],
 };
 
 fn run(c: &dyn MoeCombine, terms: &[Vec<f32>], shared: &[f32]) -> Vec<u32> {
@@ -905,6 +906,7 @@ fn event(layer: u32, step: u32, position: u32) -> CombineEvent<'static> {
         position,
         experts: &[],
         gates: &[],
+        units: &[],
     }
 }
 
@@ -1061,5 +1063,88 @@ fn parsers_never_panic() {
         if let Ok(o) = Order::parse(s, true) {
             assert!(o.resolve(6).is_err());
         }
+    }
+}
+
+/// `operand=fma` (vLLM-CPU's BF16-expert weighted sum): the gate multiply is
+/// fused into the chain, so a product that FP32 cannot hold survives, which
+/// the multiply-then-add member with the same fields loses (the kernel probe
+/// of docs/interop-vllm.md §4.1). Exact values: IEEE fusedMultiplyAdd is
+/// correctly rounded on every CPU.
+#[test]
+fn fma_operand_fuses_the_gate_multiply_into_the_chain() {
+    let fma = AggregationContract::parse("p32+start=first+routed=bf16+operand=fma").unwrap();
+    assert_eq!(fma.operand, OperandPrecision::Fma);
+    assert_eq!(fma.describe(), "p32+routed=bf16+start=first+operand=fma");
+    assert_eq!(AggregationContract::parse(&fma.describe()).unwrap(), fma);
+    let d_a = -(1.0f32 + 2f32.powi(-22));
+    let d_b = 1.0f32 + 2f32.powi(-23);
+    let (units, gates) = (vec![vec![d_a], vec![d_b]], [1.0f32, d_b]);
+    let unit_refs = refs(&units);
+    let event = CombineEvent {
+        layer: 0,
+        step: 0,
+        position: 0,
+        experts: &[3, 5],
+        gates: &gates,
+        units: &unit_refs,
+    };
+    let terms: Vec<Vec<f32>> = units.iter().zip(gates).map(|(u, g)| vec![u[0] * g]).collect();
+    let mut y = [0.0f32];
+    fma.combine(&event, &refs(&terms), &[0.0], &mut y);
+    assert_eq!(
+        y[0],
+        2f32.powi(-46),
+        "fma(d_B, g_B, d_A) keeps the product's low bits"
+    );
+    // The same fields without the fusion lose them.
+    let mul_add = AggregationContract::parse("p32+start=first+routed=bf16").unwrap();
+    mul_add.combine(&event, &refs(&terms), &[0.0], &mut y);
+    assert_eq!(y[0], 0.0);
+    // A schedule applies the fused chain as well (the same permutation here).
+    let scheduled = ScheduledCombine::new(fma.clone(), Schedule::Identity, 0);
+    scheduled.combine(&event, &refs(&terms), &[0.0], &mut y);
+    assert_eq!(y[0], 2f32.powi(-46));
+    // Reversed: fl32(d_B·g_B) = 1 + 2⁻²² first, then fma(d_A, 1, ·) = 0.
+    fma.clone()
+        .with_order(Order::Reversed)
+        .combine(&event, &refs(&terms), &[0.0], &mut y);
+    assert_eq!(y[0], 0.0);
+}
+
+#[test]
+fn fma_operand_needs_the_unweighted_outputs_and_an_fp32_chain() {
+    let fma = AggregationContract::parse("p32+operand=fma").unwrap();
+    let terms = vec![vec![1.0f32], vec![2.0]];
+    let mut y = [0.0f32];
+    // Recorded terms cannot stand in for the unweighted outputs.
+    let err = fma.try_combine(&refs(&terms), &[0.0], &mut y).unwrap_err();
+    assert!(matches!(err, ContractError::NeedsUnits { .. }), "{err}");
+    assert!(err.to_string().contains("operand=fma"), "{err}");
+    // Units of the wrong length are refused, not read past.
+    let short: Vec<Vec<f32>> = vec![vec![1.0], vec![]];
+    let short_refs = refs(&short);
+    let event = CombineEvent {
+        layer: 0,
+        step: 0,
+        position: 0,
+        experts: &[0, 1],
+        gates: &[0.5, 0.5],
+        units: &short_refs,
+    };
+    let err = fma
+        .try_combine_event_with_permutation(&[0, 1], &event, &refs(&terms), &[0.0], &mut y)
+        .unwrap_err();
+    assert!(matches!(err, ContractError::LengthMismatch { .. }), "{err}");
+    for bad in [
+        "b+operand=fma",
+        "p32+shape=tree+operand=fma",
+        "p32+acc=exact+operand=fma",
+    ] {
+        let err = AggregationContract::parse(bad).unwrap_err();
+        assert!(
+            err.to_string().contains("accumulator=f32 and shape=sequential"),
+            "{bad}: {err}"
+        );
     }
 }

@@ -55,6 +55,7 @@ fn sequential_reference(c: &AggregationContract, perm: &[usize], t: &[f32], s: f
     let op = |v: f32| match c.operand {
         OperandPrecision::F32 => v,
         OperandPrecision::Bf16 => r_bf16(v),
+        OperandPrecision::Fma => unreachable!("operand=fma has no terms as operands"),
     };
     let mut list: Vec<f32> = perm.iter().map(|&j| op(t[j])).collect();
     match c.shared {

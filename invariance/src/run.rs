@@ -15,7 +15,7 @@ use crate::matrix::{Backend, Configuration, KnobValue, Matrix, ReferenceRun};
 use crate::outcome::{BaseResult, Cell, CellStatus, Compared, InvarianceReport};
 use moeconf_bisect::{diff, DiffOptions, DiffReport};
 use moeconf_gate::policy::Profile;
-use moeconf_runner::{default_contract, parse_capture, CombineChoice, LoadedModel, RunSpec};
+use moeconf_runner::{default_contract_for, parse_capture, CombineChoice, LoadedModel, RunSpec};
 use moeconf_schema::{Trace, Verification};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -287,7 +287,9 @@ fn trace_reference(
                 r.precision
             )
         })?;
-    let contract = default_contract(precision).parse().map_err(|e| format!("{e}"))?;
+    let contract = default_contract_for(precision, model)
+        .parse()
+        .map_err(|e| format!("{e}"))?;
     let choice = CombineChoice {
         contract,
         ..CombineChoice::default()

@@ -13,8 +13,9 @@ prompt, step s >= 1 = the decode forward of generated token g_s):
 * L3 ``layer.post_attn_mhc`` (the first ``mhc_post`` of a decoder layer), ``layer.post_ffn_mhc``
   (the decoder-layer output), ``router.topk`` / ``router.gates`` (the return of the router's
   ``_compute_routing``: expert ids and weights in the fused kernel's slot order), ``router.scores``
-  and ``router.margin`` (recomputed from the observed gate logits: ``sqrt(softplus(logits))`` in
-  FP32; margin = rank k minus rank k+1 of ``scores + e_score_correction_bias``, score layers only);
+  and ``router.margin`` (recomputed from the observed gate logits with vLLM's own score arithmetic,
+  ``sqrtsoftplus`` of topk.cpp written out in :mod:`moeconf.vllm_numerics`, FP32; margin = rank k
+  minus rank k+1 of ``scores + e_score_correction_bias``, score layers only);
   the gates include ``routed_scaling_factor`` (vLLM's router applies it);
 * L2 ``state.cumulative_length`` and ``state.window_kv`` (the last ``window - 1`` entries of each
   layer's paged sliding-window cache, read after the layer's attention and decoded from vLLM's
@@ -93,6 +94,7 @@ from .catalogue import LEVEL_BITS, LM_TOPK, NOT_CAPTURED_NOTE  # noqa: F401 (LM_
 from .catalogue import lm_records as _lm_records
 from .fingerprint import Coord
 from .trace import TraceWriter, WriteSummary
+from .vllm_numerics import sqrtsoftplus
 
 __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOMPUTED", "NOT_CAPTURED",
            "NOT_CAPTURED_NOTE", "MOE_EXPERTS_NOTE", "moe_experts_kernel", "check_environment", "check_version",
@@ -686,9 +688,9 @@ def _merge(forwards):
 
 
 def _sqrtsoftplus(logits):
-    x = logits.astype(np.float32)
-    sp = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(np.float32)
-    return np.sqrt(sp).astype(np.float32)
+    """vLLM's router score (topk.cpp ``sqrtsoftplus<float>``: ``exp_u20``, SLEEF's ``logf_u10``)
+    of the observed FP32 logits, bit for bit (:mod:`moeconf.vllm_numerics`)."""
+    return sqrtsoftplus(np.asarray(logits, dtype=np.float32))
 
 
 #: vLLM's ``fp8_ds_mla`` sliding-window cache entry (models/deepseek_v4/common/ops/cache_utils.py,

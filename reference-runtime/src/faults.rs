@@ -979,6 +979,7 @@ mod tests {
             position: 0,
             experts: &[0, 1],
             gates: &[],
+            units: &[],
         };
         let mut y = [0.0f32];
         SharedFirstCombine.combine(&ev, &[&t0, &t1], &s, &mut y);

@@ -266,6 +266,18 @@ impl Model {
         acc
     }
 
+    /// Whether the routed experts hold BF16 weights (the vllm-cpu profile then
+    /// follows vLLM's BF16-expert kernel `cpu_fused_moe`, whose weighted sum
+    /// is `operand=fma`; docs/operators.md §11). False for a model without
+    /// routed experts.
+    pub fn routed_experts_bf16(&self) -> bool {
+        self.layers
+            .iter()
+            .flat_map(|l| l.moe.experts.first())
+            .next()
+            .is_some_and(|e| e.w1.dtype() == crate::weights::WeightDType::Bf16)
+    }
+
     /// Whether this model can run in `precision`: the official profile needs
     /// the dimensions DeepSeek's quantization kernels assert (non-rope KV
     /// channels a multiple of 64, the indexer head width a power of two and

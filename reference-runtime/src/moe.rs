@@ -265,12 +265,14 @@ pub(crate) fn moe_forward(
         None => shared,
     };
     let term_refs: Vec<&[f32]> = terms.iter().map(|v| v.as_slice()).collect();
+    let unit_refs: Vec<&[f32]> = ex.units.iter().map(|v| v.as_slice()).collect();
     let event = CombineEvent {
         layer: cx.layer,
         step: cx.step,
         position: cx.position,
         experts: &r.topk,
         gates: &r.gates,
+        units: &unit_refs,
     };
     let mut y = vec![0.0f32; cfg.hidden_size];
     cx.fx
@@ -287,6 +289,10 @@ pub(crate) fn moe_forward(
 struct ExpertOutputs {
     /// The gate-weighted routed terms, selection order.
     terms: Vec<Vec<f32>>,
+    /// The routed experts' outputs before their gate, selection order, for
+    /// a combine that fuses the gate multiply (`operand=fma`); empty in the
+    /// official profile, whose gate is applied before `w2`.
+    units: Vec<Vec<f32>>,
     /// The shared expert's output.
     shared: Vec<f32>,
     /// Official profile: each routed expert's quantized hidden activation
@@ -341,6 +347,7 @@ fn experts_official(
     }
     ExpertOutputs {
         terms,
+        units: Vec::new(),
         shared,
         terms_h,
         shared_h,
@@ -398,6 +405,7 @@ fn experts(
         .collect();
     ExpertOutputs {
         terms,
+        units: outs,
         shared,
         terms_h: Vec::new(),
         shared_h: None,

