@@ -84,7 +84,7 @@ from .catalogue import (
     COMPONENTS, LEVEL_BITS, NOT_CAPTURED_NOTE, SHAPES, capture_set, lm_records, lookup, parse_levels,
 )
 from .fingerprint import Coord, hash_bytes, validate_path
-from .trace import TraceWriter
+from .trace import TraceWriter, check_output
 
 __all__ = ["Rule", "Mapping", "Capture", "Step", "CaptureError", "capture", "DIM_ALIASES", "DEFAULT_NOT_CAPTURED",
            "model_binding"]
@@ -471,6 +471,37 @@ def model_binding(model, config, name, algorithm="blake3", weights=True, **field
     return b
 
 
+class _HeldWriter:
+    """The writer of a capture whose notes are known only when it finishes (``notes=`` a callable):
+    the records are held in memory, in order, and :meth:`finish` makes the real
+    :class:`moeconf.TraceWriter` (``make()``, which calls the notes) and appends them, so the file
+    is the one a writer made at the start with those notes would have written."""
+
+    def __init__(self, make):
+        self._make, self._held = make, []
+
+    def append(self, *args, **kwargs):
+        if self._held is None:
+            raise ValueError("trace writer already finished")
+        self._held.append((args, kwargs))
+
+    def abort(self):
+        self._held = None
+
+    def finish(self):
+        if self._held is None:
+            raise ValueError("trace writer already finished or aborted")
+        held, self._held = self._held, None
+        w = self._make()
+        try:
+            for args, kwargs in held:
+                w.append(*args, **kwargs)
+            return w.finish()
+        except BaseException:
+            w.abort()
+            raise
+
+
 class _Site:
     """One matched (rule, module, layer): the hook's target."""
 
@@ -572,6 +603,12 @@ class Step:
                                 f"step {self.index} layer {layer} position {position} {path}")
         self.cap._put(self, layer, position, c, idx, path, arr, f"Step.record({path!r})")
 
+    def end(self):
+        """Ends the step as leaving its ``with`` block does: for a loop the runtime drives (the step
+        opened in one hook, e.g. at the start of each forward, and ended in another, after the
+        logits)."""
+        self.cap._end_step(self)
+
     def __enter__(self):
         return self
 
@@ -671,7 +708,8 @@ class Capture:
             runtime_version = getattr(torch, "__version__", "") if torch is not None else ""
         if threads is None:
             threads = torch.get_num_threads() if torch is not None else 1
-        pnotes = list(notes)
+        late = callable(notes)
+        pnotes = [] if late else list(notes)
         if rules_note:
             pnotes.append(("moeconf.torch.rules", "; ".join(r.describe() for r in mapping.rules)))
             if mapping.name:
@@ -686,10 +724,24 @@ class Capture:
                 raise CaptureError(f"recomputed_order {order}: it must list every recomputed path of the mapping "
                                    f"{self.recomputed} once and no observed one ({', '.join(lost + wrong) or 'twice'})")
             self.recomputed = order
-        prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
-        prov.with_recomputed(self.recomputed)
         self.binding = binding
-        self.writer = TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
+        if late:
+            # The header waits for finish(): the records are held until the notes are known.
+            check_output(out_path, self._inputs)
+
+            def make(_notes=notes, _tail=pnotes, _rt=runtime, _v=str(runtime_version), _t=int(threads)):
+                head = _notes()
+                if isinstance(head, (str, bytes)) or any(not (isinstance(kv, tuple) and len(kv) == 2) for kv in head):
+                    raise CaptureError("notes() must return a list of (key, value) pairs")
+                prov = Provenance(_rt, _v, _t, list(head) + _tail)
+                prov.with_recomputed(self.recomputed)
+                return TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
+
+            self.writer = _HeldWriter(make)
+        else:
+            prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
+            prov.with_recomputed(self.recomputed)
+            self.writer = TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
         self.steps_done = 0
         self.generated: List[int] = []
         self._current: Optional[Step] = None
@@ -1192,6 +1244,11 @@ def capture(model, mapping, out_path, **kwargs):
     * ``decode`` (ids -> text: records ``text.continuation``), ``runtime`` / ``runtime_version`` /
       ``threads`` / ``notes`` (provenance), ``allow_nan``, ``algorithm``, ``inputs`` (files the
       trace may not overwrite);
+    * ``notes`` may be a callable returning the pairs, for what only the finished run knows (what
+      a runtime reports once its generate call returns): it is called by :meth:`Capture.finish`,
+      and the header that holds the notes is written then, so the records are held in memory
+      until the end instead of streamed (the file is the same; the output path is still checked
+      at the start, a record the writer refuses is reported at the end);
     * for re-expressing an existing capture byte for byte (its provenance exactly as it was):
       ``rules_note=False`` (no ``moeconf.torch.rules`` / ``moeconf.torch.mapping`` note),
       ``not_captured_note=False`` (no ``moeconf.not_captured`` note: the caller writes its own

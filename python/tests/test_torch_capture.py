@@ -483,3 +483,51 @@ def test_not_captured_counts_matched_modules_and_layers(tmp_path):
             s.state(0, "state.cumulative_length", np.array([5], np.int64))
             s.logits(cap.model(PROMPT)[-1])
     assert _note(out).startswith("state.cumulative_length: layers 1 (no rule")
+
+
+def test_late_notes_write_the_same_file(tmp_path):
+    """notes= a callable (what only the finished run knows): called once, by finish; the file is the
+    one the same notes given up front write, byte for byte. A failure before finish leaves no file
+    and never calls it."""
+    notes = [("runtime.forwards", "4"), ("observed", "after the run")]
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    run(Toy(), a, capture="all", notes=notes)
+    calls = []
+
+    def late():
+        calls.append(1)
+        return list(notes)
+
+    run(Toy(), b, capture="all", notes=late)
+    assert calls == [1]
+    assert a.read_bytes() == b.read_bytes()
+    assert dict(read_trace(str(b)).provenance.notes)["observed"] == "after the run"
+    c = tmp_path / "c.bin"
+    calls.clear()
+    with pytest.raises(CaptureError, match="did not run"):
+        with capture(Toy(), MAPPING, c, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG, notes=late) as cap:
+            with cap.step(PROMPT) as s:
+                s.logits(np.zeros(CONFIG["vocab_size"], np.float32))
+    assert calls == []
+    _no_output(tmp_path, c)
+    with pytest.raises(CaptureError, match=r"notes\(\) must return a list of \(key, value\) pairs"):
+        run(Toy(), c, notes=lambda: "a note")
+    _no_output(tmp_path, c)
+
+
+def test_step_end_for_a_runtime_driven_loop(tmp_path):
+    """A step opened in one hook and ended in another (Step.end: a loop the runtime drives, as the
+    vLLM mapping's) writes what the with-block loop writes."""
+    m = Toy()
+    out = tmp_path / "hooked.bin"
+    cap = capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG, precision="numpy-f32")
+    feed = list(PROMPT)
+    for _ in range(STEPS):
+        s = cap.step(feed)
+        logits = m(feed)
+        nxt = s.logits(logits[-1])
+        s.end()
+        feed = [nxt]
+    cap.finish()
+    run(Toy(), tmp_path / "ref.bin")
+    assert out.read_bytes() == (tmp_path / "ref.bin").read_bytes()
