@@ -762,6 +762,137 @@ def _window_rows(mqa, positions, head_dim, view, check_slots=False):
     return rows
 
 
+# The method wraps: what no module boundary exposes (a method the module's forward calls: the
+# attention kernel's forward_mqa, the routed experts' forward_modular, the router's
+# _compute_routing). Each records into ``cur()``, the current forward's observations: an object
+# with ``traced`` (whether the forward holds the traced request), ``view`` (its place in the batch:
+# :func:`_traced_view`), ``put(layer, path, array)`` and ``put_rows(layer, path, tensor)`` (the
+# traced request's rows of a per-token tensor): :class:`_Step` here, the engine step of
+# :mod:`moeconf.vllm_mapping` there. Each returns the callable(s) that undo it.
+
+
+def find_mqa(layer, i):
+    """The one module under ``layer.attn`` whose class has ``forward_mqa`` (the sparse-attention kernel)."""
+    mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
+           any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
+    if len(mqa) != 1:
+        raise VllmCaptureError(f"layer {i}: {len(mqa)} attention modules with forward_mqa (expected 1)")
+    return mqa[0]
+
+
+def find_routed_experts(ffn, i):
+    """The one module under ``ffn.experts`` with ``forward_modular`` (the fused routed experts)."""
+    routed = [m for m in ffn.experts.modules() if hasattr(m, "forward_modular")]
+    if len(routed) != 1:
+        raise VllmCaptureError(f"layer {i}: {len(routed)} routed-experts modules with forward_modular under "
+                               "ffn.experts (expected 1)")
+    return routed[0]
+
+
+def wrap_forward_mqa(mqa, i, hd, cur, state_l2):
+    """Records ``attn.q`` (the query ``forward_mqa`` receives), ``attn.core`` (its output), what the
+    kernel stored and read, decoded from the paged FP8 window cache (``attn.kv_fp8``,
+    ``attn.window_read``) and, with ``state_l2``, ``state.cumulative_length`` / ``state.window_kv``
+    after the forward."""
+    orig_mqa = mqa.forward_mqa
+
+    def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
+        s = cur()
+        s.put_rows(i, "attn.q", q)
+        r = _orig(q, kv, positions, output)
+        if not s.traced:
+            return r
+        s.put_rows(i, "attn.core", output)
+        # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
+        # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots), from the
+        # traced request's blocks (the slots written this forward checked against its block table).
+        w = int(mqa.window_size)
+        r0, r1 = s.view["rows"]
+        pos = [int(x) for x in positions.reshape(-1)[r0:r1].tolist()]
+        if pos != s.view["positions"]:
+            raise VllmCaptureError(f"layer {i}: forward_mqa's positions of the traced rows {pos[:8]} are not the "
+                                   f"model runner's {s.view['positions'][:8]}")
+        need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
+        rows = _window_rows(mqa, need, hd, s.view, check_slots=True)
+        s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
+        s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
+        if state_l2:
+            c = pos[-1] + 1
+            s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
+            s.put(i, "state.window_kv", _window_state(mqa, c, hd, s.view))
+        return r
+
+    mqa.forward_mqa = forward_mqa
+    return lambda m=mqa: m.__dict__.pop("forward_mqa", None)
+
+
+def wrap_routed_experts(routed, i, cur, terms):
+    """Records ``moe.routed`` (the routed experts' ``forward_modular`` output) and, with ``terms``,
+    ``moe.term.j`` (recomputed: one-slot calls of the same kernel after the real one, whose output
+    buffer is then restored); refuses the monolithic path."""
+    orig_fm = routed.forward_modular
+
+    def forward_modular(x, topk_weights, topk_ids, *a, _orig=orig_fm, i=i, **kw):
+        out = _orig(x, topk_weights, topk_ids, *a, **kw)
+        import torch
+
+        if not isinstance(out, torch.Tensor):
+            raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
+                                   "(a deferred finalize the capture does not map)")
+        s = cur()
+        s.put_rows(i, "moe.routed", out)
+        if terms and s.traced:
+            # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
+            # saved and written back afterwards, in case the kernel reuses its output buffer.
+            saved = out.detach().clone()
+            for j in range(topk_ids.shape[1]):
+                t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
+                s.put_rows(i, f"moe.term.{j}", t)
+            out.copy_(saved)
+        return out
+
+    routed.forward_modular = forward_modular
+
+    def forward_monolithic(*a, i=i, **kw):
+        raise VllmCaptureError(f"layer {i}: vLLM chose a monolithic MoE kernel (routing inside the kernel); the "
+                               "capture maps the modular CPU path only")
+
+    routed.forward_monolithic = forward_monolithic
+    return [lambda r=routed: r.__dict__.pop("forward_modular", None),
+            lambda r=routed: r.__dict__.pop("forward_monolithic", None)]
+
+
+def wrap_router(router, i, cur):
+    """Records ``router.topk`` / ``router.gates``: the return of the router's ``_compute_routing``
+    (expert ids and weights in the fused kernel's slot order)."""
+    orig = router._compute_routing
+
+    def compute_routing(*a, _orig=orig, i=i, **kw):
+        w, ids = _orig(*a, **kw)
+        s = cur()
+        if s.traced:
+            r0, r1 = s.view["rows"]
+            s.put(i, "router.topk", ids[r0:r1].detach().to("cpu").numpy().astype(np.int32))
+            s.put_rows(i, "router.gates", w)
+        return w, ids
+
+    router._compute_routing = compute_routing
+    return lambda r=router: r.__dict__.pop("_compute_routing", None)
+
+
+def record_shapes(cfg):
+    """{record path: the shape of one position's value} of the per-position records the capture
+    reshapes (what the hooked tensors hold per token)."""
+    d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
+    nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
+    k = int(cfg["num_experts_per_tok"])
+    return {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.kv_fp8": (hd,), "attn.hc_post_weights": (hc,),
+            "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,), "attn.output": (d,),
+            "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,), "ffn.hc_comb": (hc, hc),
+            "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,), "router.gates": (k,), "moe.routed": (d,),
+            "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
+
+
 def _install_hooks(model, cfg, steps, k, pending, terms=True, state_l2=True):
     """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables.
     ``pending``: the traced request's place in each forward the model runner prepared (a list the
@@ -856,93 +987,9 @@ def _install_hooks(model, cfg, steps, k, pending, terms=True, state_l2=True):
             hook(ffn.shared_experts, lambda m, a, o, i=i: cur().put_rows(i, "moe.shared", o))
         hook(ffn.gate, lambda m, a, o, i=i: cur().put_rows(i, "router.logits", o[0] if isinstance(o, tuple) else o))
 
-        mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
-               any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
-        if len(mqa) != 1:
-            raise VllmCaptureError(f"layer {i}: {len(mqa)} attention modules with forward_mqa (expected 1)")
-        mqa = mqa[0]
-        orig_mqa = mqa.forward_mqa
-
-        def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
-            s = cur()
-            s.put_rows(i, "attn.q", q)
-            r = _orig(q, kv, positions, output)
-            if not s.traced:
-                return r
-            s.put_rows(i, "attn.core", output)
-            # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
-            # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots), from the
-            # traced request's blocks (the slots written this forward checked against its block table).
-            hd = int(cfg["head_dim"])
-            w = int(mqa.window_size)
-            r0, r1 = s.view["rows"]
-            pos = [int(x) for x in positions.reshape(-1)[r0:r1].tolist()]
-            if pos != s.view["positions"]:
-                raise VllmCaptureError(f"layer {i}: forward_mqa's positions of the traced rows {pos[:8]} are not the "
-                                       f"model runner's {s.view['positions'][:8]}")
-            need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
-            rows = _window_rows(mqa, need, hd, s.view, check_slots=True)
-            s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
-            s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
-            if state_l2:
-                c = pos[-1] + 1
-                s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
-                s.put(i, "state.window_kv", _window_state(mqa, c, int(cfg["head_dim"]), s.view))
-            return r
-
-        mqa.forward_mqa = forward_mqa
-        undo.append(lambda m=mqa: m.__dict__.pop("forward_mqa", None))
-
-        routed = [m for m in ffn.experts.modules() if hasattr(m, "forward_modular")]
-        if len(routed) != 1:
-            raise VllmCaptureError(f"layer {i}: {len(routed)} routed-experts modules with forward_modular under "
-                                   "ffn.experts (expected 1)")
-        routed = routed[0]
-        orig_fm = routed.forward_modular
-
-        def forward_modular(x, topk_weights, topk_ids, *a, _orig=orig_fm, i=i, **kw):
-            out = _orig(x, topk_weights, topk_ids, *a, **kw)
-            import torch
-
-            if not isinstance(out, torch.Tensor):
-                raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
-                                       "(a deferred finalize the capture does not map)")
-            s = cur()
-            s.put_rows(i, "moe.routed", out)
-            if terms and s.traced:
-                # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
-                # saved and written back afterwards, in case the kernel reuses its output buffer.
-                saved = out.detach().clone()
-                for j in range(topk_ids.shape[1]):
-                    t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
-                    s.put_rows(i, f"moe.term.{j}", t)
-                out.copy_(saved)
-            return out
-
-        routed.forward_modular = forward_modular
-        undo.append(lambda r=routed: r.__dict__.pop("forward_modular", None))
-
-        def forward_monolithic(*a, i=i, **kw):
-            raise VllmCaptureError(f"layer {i}: vLLM chose a monolithic MoE kernel (routing inside the kernel); the "
-                                   "capture maps the modular CPU path only")
-
-        routed.forward_monolithic = forward_monolithic
-        undo.append(lambda r=routed: r.__dict__.pop("forward_monolithic", None))
-
-        router = ffn.experts.router
-        orig = router._compute_routing
-
-        def compute_routing(*a, _orig=orig, i=i, **kw):
-            w, ids = _orig(*a, **kw)
-            s = cur()
-            if s.traced:
-                r0, r1 = s.view["rows"]
-                s.put(i, "router.topk", ids[r0:r1].detach().to("cpu").numpy().astype(np.int32))
-                s.put_rows(i, "router.gates", w)
-            return w, ids
-
-        router._compute_routing = compute_routing
-        undo.append(lambda r=router: r.__dict__.pop("_compute_routing", None))
+        undo.append(wrap_forward_mqa(find_mqa(layer, i), i, int(cfg["head_dim"]), cur, state_l2))
+        undo.extend(wrap_routed_experts(find_routed_experts(ffn, i), i, cur, terms))
+        undo.append(wrap_router(ffn.experts.router, i, cur))
         bias = ffn.gate.e_score_correction_bias
         layer._moeconf_bias = None if bias is None else _f32(bias)
     return undo
@@ -1289,12 +1336,8 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
     """Writes the observations; returns [MoE events, events whose routed sum the terms reproduce]."""
     counts = [0, 0]
     n_layers = int(cfg["num_hidden_layers"])
-    d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
-    nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
-    shapes = {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.kv_fp8": (hd,), "attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
-              "attn.output": (d,), "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,),
-              "ffn.hc_comb": (hc, hc), "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,),
-              "router.gates": (k,), "moe.routed": (d,), "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
+    d = int(cfg["hidden_size"])
+    shapes = record_shapes(cfg)
 
     def emit(step, pos, phase, layer, level, path, arr):
         if not mask & LEVEL_BITS[level]:
