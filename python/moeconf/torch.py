@@ -84,7 +84,7 @@ from .catalogue import (
     COMPONENTS, LEVEL_BITS, NOT_CAPTURED_NOTE, SHAPES, capture_set, lm_records, lookup, parse_levels,
 )
 from .fingerprint import Coord, hash_bytes, validate_path
-from .trace import TraceWriter
+from .trace import TraceWriter, check_output
 
 __all__ = ["Rule", "Mapping", "Capture", "Step", "CaptureError", "capture", "DIM_ALIASES", "DEFAULT_NOT_CAPTURED",
            "model_binding"]
@@ -221,11 +221,13 @@ class Rule:
     module computed). ``call=i``: the i-th call of the module in a step (a module called twice per
     layer, e.g. one mHC module for both halves): the module must then run exactly max(call) + 1
     times per step, over all its rules; by default a matched module must run exactly once per
-    step. ``optional=True``: the pattern may match no module (otherwise an error).
+    step. ``calls=n`` (with ``call=``): the module runs exactly n times per step, more than the
+    calls the rules read (vLLM's ``mhc_post`` runs for both halves of a layer; a rule reads the
+    first). ``optional=True``: the pattern may match no module (otherwise an error).
     """
 
     def __init__(self, module, component, *, output=_WHOLE, input=None, select=None, transform=None,
-                 recomputed=None, call=None, optional=False, regex=False):
+                 recomputed=None, call=None, calls=None, optional=False, regex=False):
         if not isinstance(module, str):
             raise CaptureError(f"rule module pattern {module!r} is not a string")
         self.module, self.regex = module, bool(regex)
@@ -271,7 +273,11 @@ class Rule:
         self.recomputed = bool(recomputed)
         if call is not None and not (isinstance(call, int) and not isinstance(call, bool) and call >= 0):
             raise CaptureError(f"rule {module!r} -> {component}: call={call!r} is not a call index")
-        self.call, self.optional = call, bool(optional)
+        if calls is not None and (call is None or isinstance(calls, bool) or not isinstance(calls, int)
+                                  or calls <= call):
+            raise CaptureError(f"rule {module!r} -> {component}: calls={calls!r} needs call= and must exceed it (the "
+                               "calls the module makes per step)")
+        self.call, self.calls, self.optional = call, calls, bool(optional)
 
     @property
     def paths_pattern(self):
@@ -300,7 +306,7 @@ class Mapping:
     """How a model's modules map onto the catalogue: the hook :class:`Rule` s, the persistent-state
     records the loop supplies per step (``state``: record paths, every layer of the model, each
     step, with :meth:`Step.state`), records the loop supplies itself (``manual``: ``{path:
-    recomputed}``, with :meth:`Step.record`) and the reasons for components it leaves out
+    recomputed}``, a family written ``moe.term.*``, with :meth:`Step.record`) and the reasons for components it leaves out
     (``not_captured``: ``{pattern: reason}``, pattern a record path or ``prefix*``). ``name`` is
     recorded in the provenance."""
 
@@ -329,9 +335,10 @@ class Mapping:
             self.state[p] = layers
         self.manual = dict(manual or {})
         for p, rec in self.manual.items():
-            hit = lookup(p)
-            if hit is None or hit[0].group not in ("layer",) and p != "embed.output":
-                raise CaptureError(f"Mapping(manual=...): {p!r} is not a per-layer record path (or embed.output)")
+            c = _manual_component(p)
+            if c is None or c.group not in ("layer",) and p != "embed.output":
+                raise CaptureError(f"Mapping(manual=...): {p!r} is not a per-layer record path, a family (moe.term.*) "
+                                   "or embed.output")
             if not isinstance(rec, bool):
                 raise CaptureError(f"Mapping(manual=...): {p!r} maps to {rec!r}; give True (recomputed) or False "
                                    "(observed)")
@@ -346,6 +353,26 @@ class Mapping:
                 raise CaptureError(f"Mapping(not_captured=...): the reason for {p!r} must be non-empty text without "
                                    "'; ' (the note's separator)")
         self.name = str(name)
+
+    def manual_pattern(self, path):
+        """The ``manual`` key that declares record ``path`` (the path itself, or its family
+        ``moe.term.*``), or None."""
+        if path in self.manual:
+            return path
+        for p in self.manual:
+            if p.endswith(".*") and path.startswith(p[:-1]) and path[len(p) - 1:].isdigit():
+                return p
+        return None
+
+
+def _manual_component(p):
+    """The catalogue component of a ``Mapping(manual=...)`` key: a record path, or a family written
+    ``moe.term.*`` (its members are given with :meth:`Step.record`); None if neither."""
+    if isinstance(p, str) and p.endswith(".*"):
+        hit = [c for c in COMPONENTS if c.path == p[:-1] and c.is_family]
+        return hit[0] if hit else None
+    hit = lookup(p) if isinstance(p, str) else None
+    return None if hit is None else hit[0]
 
 
 def _matches(pattern, path):
@@ -471,6 +498,37 @@ def model_binding(model, config, name, algorithm="blake3", weights=True, **field
     return b
 
 
+class _HeldWriter:
+    """The writer of a capture whose notes are known only when it finishes (``notes=`` a callable):
+    the records are held in memory, in order, and :meth:`finish` makes the real
+    :class:`moeconf.TraceWriter` (``make()``, which calls the notes) and appends them, so the file
+    is the one a writer made at the start with those notes would have written."""
+
+    def __init__(self, make):
+        self._make, self._held = make, []
+
+    def append(self, *args, **kwargs):
+        if self._held is None:
+            raise ValueError("trace writer already finished")
+        self._held.append((args, kwargs))
+
+    def abort(self):
+        self._held = None
+
+    def finish(self):
+        if self._held is None:
+            raise ValueError("trace writer already finished or aborted")
+        held, self._held = self._held, None
+        w = self._make()
+        try:
+            for args, kwargs in held:
+                w.append(*args, **kwargs)
+            return w.finish()
+        except BaseException:
+            w.abort()
+            raise
+
+
 class _Site:
     """One matched (rule, module, layer): the hook's target."""
 
@@ -553,7 +611,7 @@ class Step:
         """Records one value of ``path`` (declared in ``Mapping(manual=...)``) at ``layer`` and
         ``position`` (default: the step's last position), as given (one position's value)."""
         self.cap._check_open(self)
-        if path not in self.cap.mapping.manual:
+        if self.cap.mapping.manual_pattern(path) is None:
             raise self.cap._fail(CaptureError(f"step {self.index}: {path!r} is not declared in Mapping(manual=...)"))
         c, idx = lookup(path)
         position = self.start + self.n - 1 if position is None else position
@@ -571,6 +629,12 @@ class Step:
         arr = self.cap._convert(_numpy(array, path) if _is_tensor(array) else np.asarray(array), c,
                                 f"step {self.index} layer {layer} position {position} {path}")
         self.cap._put(self, layer, position, c, idx, path, arr, f"Step.record({path!r})")
+
+    def end(self):
+        """Ends the step as leaving its ``with`` block does: for a loop the runtime drives (the step
+        opened in one hook, e.g. at the start of each forward, and ended in another, after the
+        logits)."""
+        self.cap._end_step(self)
 
     def __enter__(self):
         return self
@@ -635,7 +699,7 @@ class Capture:
         self._calls = {}
         for site in self.sites:
             if site.rule.call is not None:
-                self._calls[site.name] = max(self._calls.get(site.name, 0), site.rule.call + 1)
+                self._calls[site.name] = max(self._calls.get(site.name, 0), site.rule.call + 1, site.rule.calls or 0)
         self.observed, self.recomputed = self._marks()
         self.not_captured = self._not_captured()
 
@@ -671,7 +735,8 @@ class Capture:
             runtime_version = getattr(torch, "__version__", "") if torch is not None else ""
         if threads is None:
             threads = torch.get_num_threads() if torch is not None else 1
-        pnotes = list(notes)
+        late = callable(notes)
+        pnotes = [] if late else list(notes)
         if rules_note:
             pnotes.append(("moeconf.torch.rules", "; ".join(r.describe() for r in mapping.rules)))
             if mapping.name:
@@ -686,10 +751,24 @@ class Capture:
                 raise CaptureError(f"recomputed_order {order}: it must list every recomputed path of the mapping "
                                    f"{self.recomputed} once and no observed one ({', '.join(lost + wrong) or 'twice'})")
             self.recomputed = order
-        prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
-        prov.with_recomputed(self.recomputed)
         self.binding = binding
-        self.writer = TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
+        if late:
+            # The header waits for finish(): the records are held until the notes are known.
+            check_output(out_path, self._inputs)
+
+            def make(_notes=notes, _tail=pnotes, _rt=runtime, _v=str(runtime_version), _t=int(threads)):
+                head = _notes()
+                if isinstance(head, (str, bytes)) or any(not (isinstance(kv, tuple) and len(kv) == 2) for kv in head):
+                    raise CaptureError("notes() must return a list of (key, value) pairs")
+                prov = Provenance(_rt, _v, _t, list(head) + _tail)
+                prov.with_recomputed(self.recomputed)
+                return TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
+
+            self.writer = _HeldWriter(make)
+        else:
+            prov = Provenance(runtime, str(runtime_version), int(threads), pnotes)
+            prov.with_recomputed(self.recomputed)
+            self.writer = TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
         self.steps_done = 0
         self.generated: List[int] = []
         self._current: Optional[Step] = None
@@ -765,7 +844,7 @@ class Capture:
                 raise CaptureError(f"{p} is recomputed by one rule and observed by another: the moeconf.recomputed "
                                    "note marks a path for the whole trace")
         for p, rec in self.mapping.manual.items():
-            if self._wants(lookup(p)[0].level) and marks.setdefault(p, rec) != rec:
+            if self._wants(_manual_component(p).level) and marks.setdefault(p, rec) != rec:
                 raise CaptureError(f"{p} is both recomputed and observed")
         return [p for p, r in marks.items() if not r], [p for p, r in marks.items() if r]
 
@@ -1192,6 +1271,11 @@ def capture(model, mapping, out_path, **kwargs):
     * ``decode`` (ids -> text: records ``text.continuation``), ``runtime`` / ``runtime_version`` /
       ``threads`` / ``notes`` (provenance), ``allow_nan``, ``algorithm``, ``inputs`` (files the
       trace may not overwrite);
+    * ``notes`` may be a callable returning the pairs, for what only the finished run knows (what
+      a runtime reports once its generate call returns): it is called by :meth:`Capture.finish`,
+      and the header that holds the notes is written then, so the records are held in memory
+      until the end instead of streamed (the file is the same; the output path is still checked
+      at the start, a record the writer refuses is reported at the end);
     * for re-expressing an existing capture byte for byte (its provenance exactly as it was):
       ``rules_note=False`` (no ``moeconf.torch.rules`` / ``moeconf.torch.mapping`` note),
       ``not_captured_note=False`` (no ``moeconf.not_captured`` note: the caller writes its own

