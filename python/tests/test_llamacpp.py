@@ -26,6 +26,10 @@ import pytest
 from moeconf import llamacpp as lc
 
 gguf = pytest.importorskip("gguf")
+if not hasattr(gguf, "GGUFWriter"):
+    # Run from the repository root, `import gguf` finds the Rust crate's folder gguf/ as a
+    # namespace package, not the PyPI package.
+    pytest.skip("the gguf package is not installed (found a folder named gguf instead)", allow_module_level=True)
 
 
 # --------------------------------------------------------------------------- struct and names

@@ -30,6 +30,10 @@ if os.environ.get("MOECONF_LLAMACPP_TESTS") != "1":
                 allow_module_level=True)
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
+if not hasattr(gguf, "GGUFWriter"):
+    # Run from the repository root, `import gguf` finds the Rust crate's folder gguf/ as a
+    # namespace package, not the PyPI package.
+    pytest.skip("the gguf package is not installed (found a folder named gguf instead)", allow_module_level=True)
 
 from moeconf import llamacpp as lc  # noqa: E402
 from moeconf.trace import read_trace  # noqa: E402
