@@ -685,7 +685,7 @@ pub fn run(req: &SweepRequest<'_>) -> Result<SweepRun> {
     moeconf_runner::limits::check_prompt_tokens(prompt_ids.len())?;
     check_fork_point(req.point, true, prompt_ids.len(), req.max_new_tokens, layers)?;
     let schemes = build_schemes(&req.schemes, k)?;
-    let base = build_combine(req.combine, k, req.prompt, layers)?;
+    let base = build_combine(req.combine, k, req.prompt, layers, req.precision)?;
     let args = SweepArguments {
         model: m.name.clone(),
         prompt: req.prompt.to_string(),

@@ -91,8 +91,14 @@ pub fn reference_for(
         ..CombineChoice::default()
     };
     let cfg = m.model.config();
-    let built = build_combine(&choice, cfg.experts_per_tok, &b.prompt.text, cfg.num_layers())
-        .map_err(|e| err(format!("the contract/schedule cannot be run: {e}")))?;
+    let built = build_combine(
+        &choice,
+        cfg.experts_per_tok,
+        &b.prompt.text,
+        cfg.num_layers(),
+        precision,
+    )
+    .map_err(|e| err(format!("the contract/schedule cannot be run: {e}")))?;
     Ok(Reference {
         precision,
         combine: built.combine,

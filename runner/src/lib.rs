@@ -551,10 +551,12 @@ pub fn build_combine(
     k: usize,
     prompt: &str,
     layers: usize,
+    precision: Precision,
 ) -> Result<BuiltCombine, RunError> {
     let opt =
         |m: FieldMessage| move |e: moeconf_contract::ContractError| RunError::Field(m.text(format!(": {e}")));
     c.check()?;
+    c.check_precision(precision)?;
     let base = c.contract.contract().clone();
     let schedule = c.schedule.clone();
     let scheduled = ScheduledCombine::new(base.clone(), schedule.clone(), prompt_hash(prompt));
@@ -775,7 +777,6 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
     }
     limits::check_prompt_tokens(prompt_ids.len())?;
     m.model.check_precision(spec.precision)?;
-    spec.combine.check_precision(spec.precision)?;
     let cfg = m.model.config();
     let (prompt, new) = (prompt_ids.len() as u64, u64::from(spec.max_new_tokens));
     let chunk = spec.prefill_chunk.map(u64::from);
@@ -786,6 +787,7 @@ pub fn prepare_run(m: &LoadedModel, spec: &RunSpec<'_>) -> Result<PreparedRun, R
         cfg.experts_per_tok,
         spec.prompt,
         cfg.layer_types.len(),
+        spec.precision,
     )?;
     if let Some(w) = &built.fork {
         let step_given = spec.combine.fork_step.is_some();
@@ -1086,6 +1088,34 @@ mod tests {
         assert_eq!(fork.fork_contract(), b);
     }
 
+    /// Every path that builds a combine (run, replay of a trace's own
+    /// binding, calibrate) refuses `operand=fma` where the profile never forms
+    /// the experts' outputs before their gate: otherwise the combine would
+    /// meet an event without units mid-run.
+    #[test]
+    fn operand_fma_is_refused_where_the_profile_has_no_gate_free_outputs() {
+        let fma: ContractChoice = "p32+operand=fma".parse().unwrap();
+        let base = CombineChoice {
+            contract: fma.clone(),
+            ..CombineChoice::default()
+        };
+        let fork = CombineChoice {
+            fork_layer: Some(1),
+            fork_contract: Some(fma),
+            ..CombineChoice::default()
+        };
+        for (c, field) in [(&base, "contract"), (&fork, "fork")] {
+            let Err(e) = build_combine(c, 6, "p", 4, Precision::Official) else {
+                panic!("{field}: refused")
+            };
+            let text = e.to_string();
+            assert!(text.contains(field) && text.contains("operand=fma"), "{text}");
+            for p in [Precision::Bf16, Precision::F32, Precision::VllmCpu] {
+                assert!(build_combine(c, 6, "p", 4, p).is_ok(), "{field} {p:?}");
+            }
+        }
+    }
+
     #[test]
     fn a_fork_choice_is_checked_before_any_model() {
         let no_layer = CombineChoice {
@@ -1157,8 +1187,14 @@ mod tests {
         // fails after the run, leaving neither the trace nor its temporary file.
         let prompt_ids = m.tokenizer.encode("why the sheep").unwrap();
         let layers = m.model.config().num_layers();
-        let built =
-            build_combine(&choice, m.model.config().experts_per_tok, "why the sheep", layers).unwrap();
+        let built = build_combine(
+            &choice,
+            m.model.config().experts_per_tok,
+            "why the sheep",
+            layers,
+            Precision::Bf16,
+        )
+        .unwrap();
         assert!(built.schedule.contains("fork"), "{}", built.schedule);
         let prepared = PreparedRun { prompt_ids, built };
         let e = run_prepared(&m, &spec(&choice, 2), prepared, &out)
