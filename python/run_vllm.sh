@@ -80,7 +80,7 @@ if ! "$TPY" -c 'import numpy, blake3, pytest' >/dev/null 2>&1; then
 fi
 set +e
 MOECONF_VLLM_TESTS=1 MOECONF_VLLM_PYTHON="$PY" nice -n 10 "$TPY" -m pytest -q -p no:cacheprovider \
-  tests/test_vllm.py tests/test_vllm_live.py
+  tests/test_vllm.py tests/test_vllm_live.py tests/test_vllm_mapping.py tests/test_vllm_moe_contract.py
 tests_rc=$?
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
