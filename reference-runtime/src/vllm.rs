@@ -17,6 +17,8 @@
 //! * [`torch_cascade_sum`]: PyTorch's float `sum` (8-lane `cascade_sum`, the
 //!   lane count measured), the statistic of vLLM's eager RMSNorm (rule 6).
 //! * [`reduce_add_512`], [`blocked_fma_mixes`]: `mhc.cpp`'s phase 1 (rule 4).
+//! * [`rcp14`]: `vrcp14ps`, the approximate reciprocal the fast-math sgl kernels
+//!   divide with; [`silu_mul_sgl`]: the MXFP4 experts' activation with it (§4.1).
 //!
 //! **The forward's shape.** Rules 1 and 4 depend on M, the number of tokens
 //! of vLLM's forward, which the reference's token-by-token execution does not
