@@ -626,6 +626,7 @@ class Step:
             raise self.cap._fail(CaptureError(f"step {self.index}: {path} is model-global, given layer {layer}"))
         if not self.cap._wants(c.level):
             return
+        self.cap._manual_seen.add(self.cap.mapping.manual_pattern(path))
         arr = self.cap._convert(_numpy(array, path) if _is_tensor(array) else np.asarray(array), c,
                                 f"step {self.index} layer {layer} position {position} {path}")
         self.cap._put(self, layer, position, c, idx, path, arr, f"Step.record({path!r})")
@@ -770,6 +771,8 @@ class Capture:
             prov.with_recomputed(self.recomputed)
             self.writer = TraceWriter(out_path, binding, prov, algorithm, inputs=self._inputs)
         self.steps_done = 0
+        #: The ``Mapping(manual=...)`` keys some step recorded (their level captured).
+        self._manual_seen = set()
         self.generated: List[int] = []
         self._current: Optional[Step] = None
         self._failed: Optional[BaseException] = None
@@ -1227,6 +1230,12 @@ class Capture:
             if self.steps_done != self.max_new_tokens:
                 raise CaptureError(f"{self.steps_done} step(s) captured, max_new_tokens is {self.max_new_tokens}: the "
                                    "trace would claim steps it does not hold")
+            unrecorded = [p for p in self.mapping.manual
+                          if self._wants(_manual_component(p).level) and p not in self._manual_seen]
+            if unrecorded:
+                raise CaptureError(f"{', '.join(unrecorded)}: declared in Mapping(manual=...) but no step recorded "
+                                   "it (Step.record): the trace would claim a record it does not hold (a declared "
+                                   "path is not named in moeconf.not_captured); record it or remove the declaration")
             self.summary = self.writer.finish()
         except BaseException as e:
             raise self._fail(e if isinstance(e, Exception) else CaptureError(str(e)))

@@ -311,6 +311,23 @@ def test_state_and_manual_records(tmp_path):
     _no_output(tmp_path, tmp_path / "y.bin")
 
 
+def test_a_declared_manual_record_never_recorded_is_refused(tmp_path):
+    # Declared paths count as covered (not in moeconf.not_captured): a loop that never records one
+    # would write a trace claiming it. Not refused when its level is not captured.
+    mp = Mapping([Rule("layers.{layer}.norm", "ffn.norm")], manual={"moe.shared": False})
+    out = tmp_path / "x.bin"
+    m = Toy()
+    with pytest.raises(CaptureError, match="moe.shared: declared in Mapping.manual=.... but no step recorded it"):
+        with capture(m, mp, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG) as cap:
+            with cap.step(PROMPT) as s:
+                s.logits(m(PROMPT)[-1])
+    _no_output(tmp_path, out)
+    with capture(Toy(), mp, out, prompt_ids=PROMPT, max_new_tokens=1, config=CONFIG, levels=["L0", "L1", "L3"]) as cap:
+        with cap.step(PROMPT) as s:
+            s.logits(m(PROMPT)[-1])
+    assert out.exists()
+
+
 def test_generate_helper(tmp_path):
     m = Toy()
     out = tmp_path / "g.bin"
