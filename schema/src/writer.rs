@@ -44,7 +44,7 @@ use moeconf_fingerprint::{
     TensorView,
 };
 use moeconf_output::{check_output, AtomicFile, CheckedOutput, Inputs};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -575,24 +575,7 @@ impl TraceWriter {
             return Ok(());
         }
         let base = self.records - entries.len() as u64;
-        let mut order: Vec<usize> = (0..entries.len()).collect();
-        order.sort_unstable_by(|&a, &b| {
-            let (x, y) = (&entries[a], &entries[b]);
-            (
-                x.level,
-                x.coord.layer,
-                x.coord.position,
-                x.coord.phase,
-                &x.coord.path,
-            )
-                .cmp(&(
-                    y.level,
-                    y.coord.layer,
-                    y.coord.position,
-                    y.coord.phase,
-                    &y.coord.path,
-                ))
-        });
+        let order = tree_order(&entries);
         let mut levels: Vec<LevelRefs> = Vec::new();
         let mut level_records = [0u64; 5];
         let mut i = 0;
@@ -780,6 +763,82 @@ impl TraceWriter {
     }
 }
 
+/// The entries' order in the tree: by level, layer (none first), position,
+/// phase and path, the key of [`TraceWriter::push`]'s duplicate check, so no
+/// two entries compare equal and the order is the same whatever sort finds
+/// it. Sorted as packed integers (level, layer, position, phase, the path's
+/// rank among the step's distinct paths, then the entry's index) rather
+/// than by comparing entries through their indices: a long prefill holds
+/// millions of entries, and the comparisons' scattered reads and string
+/// compares made its step the writer's longest pause (issue 35).
+fn tree_order(entries: &[IndexEntry]) -> Vec<usize> {
+    // Ranks of the distinct paths; the interner shares one text per path, so
+    // the pointer finds most repeats without hashing the string.
+    let mut by_text: HashMap<&str, u32> = HashMap::new();
+    let mut last: Option<(*const u8, u32)> = None;
+    let mut path_ids: Vec<u32> = Vec::with_capacity(entries.len());
+    for e in entries {
+        let text = e.coord.path.as_str();
+        let id = match last {
+            Some((ptr, id)) if ptr == text.as_ptr() => id,
+            _ => {
+                let next = by_text.len() as u32;
+                let id = *by_text.entry(text).or_insert(next);
+                last = Some((text.as_ptr(), id));
+                id
+            }
+        };
+        path_ids.push(id);
+    }
+    let mut texts: Vec<(&str, u32)> = by_text.into_iter().collect();
+    texts.sort_unstable();
+    let mut rank = vec![0u32; texts.len()];
+    for (r, (_, id)) in texts.iter().enumerate() {
+        rank[*id as usize] = r as u32;
+    }
+    const RANK_BITS: u32 = 27;
+    let fits = entries.len() <= u32::MAX as usize && texts.len() < (1 << RANK_BITS);
+    if !fits {
+        let mut order: Vec<usize> = (0..entries.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            let (x, y) = (&entries[a], &entries[b]);
+            (
+                x.level,
+                x.coord.layer,
+                x.coord.position,
+                x.coord.phase,
+                &x.coord.path,
+            )
+                .cmp(&(
+                    y.level,
+                    y.coord.layer,
+                    y.coord.position,
+                    y.coord.phase,
+                    &y.coord.path,
+                ))
+        });
+        return order;
+    }
+    // 3 bits level, 33 layer (0 = none), 32 position, 1 phase, 27 path
+    // rank, 32 index: 128.
+    let mut keys: Vec<u128> = entries
+        .iter()
+        .zip(&path_ids)
+        .enumerate()
+        .map(|(i, (e, &id))| {
+            let layer = e.coord.layer.map_or(0u128, |l| u128::from(l) + 1);
+            (u128::from(e.level.code()) << 125)
+                | (layer << 92)
+                | (u128::from(e.coord.position) << 60)
+                | ((e.coord.phase as u128) << 59)
+                | (u128::from(rank[id as usize]) << 32)
+                | i as u128
+        })
+        .collect();
+    keys.sort_unstable();
+    keys.into_iter().map(|k| (k as u32) as usize).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -840,6 +899,89 @@ mod tests {
             // recomputes it.
             assert_eq!(t.root(), a.root);
         }
+    }
+
+    /// The packed-key order is the comparison order of (level, layer,
+    /// position, phase, path), with layers absent and present, both phases,
+    /// paths shared and static with equal texts, extreme values, and entries
+    /// in scrambled order.
+    #[test]
+    fn tree_order_is_the_key_comparison_order() {
+        let paths = [
+            "moe.term.10",
+            "moe.term.2",
+            "attn.q",
+            "token.output",
+            "a",
+            "moe.term.1",
+        ];
+        let mut entries = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut seen = HashSet::new();
+        while entries.len() < 5000 {
+            let layer = match next(4) {
+                0 => None,
+                1 => Some(u32::MAX),
+                _ => Some(next(40) as u32),
+            };
+            let position = match next(5) {
+                0 => u32::MAX,
+                _ => next(300) as u32,
+            };
+            let phase = if next(2) == 0 {
+                Phase::Prefill
+            } else {
+                Phase::Decode
+            };
+            let text = paths[next(paths.len() as u64) as usize];
+            let path = match next(2) {
+                0 => RecordPath::from(text),
+                _ => RecordPath::from(text.to_string()),
+            };
+            let level = Level::from_code(next(5) as u32).unwrap();
+            if !seen.insert((level, layer, position, phase, text)) {
+                continue;
+            }
+            entries.push(IndexEntry {
+                coord: Coord {
+                    step: 0,
+                    position,
+                    phase,
+                    layer,
+                    path,
+                },
+                level,
+                dtype: DType::F32,
+                shape: std::sync::Arc::from(&[1u64][..]),
+                digest: Digest::ZERO,
+                payload: None,
+            });
+        }
+        let mut want: Vec<usize> = (0..entries.len()).collect();
+        want.sort_by(|&a, &b| {
+            let (x, y) = (&entries[a], &entries[b]);
+            (
+                x.level,
+                x.coord.layer,
+                x.coord.position,
+                x.coord.phase,
+                &x.coord.path,
+            )
+                .cmp(&(
+                    y.level,
+                    y.coord.layer,
+                    y.coord.position,
+                    y.coord.phase,
+                    &y.coord.path,
+                ))
+        });
+        assert_eq!(tree_order(&entries), want);
     }
 }
 
