@@ -355,9 +355,9 @@ fn write_vllm(path: &Path, form: VllmForm, notes: &[(&str, &str)], events: u32) 
 }
 
 /// `moeconf explain` names vLLM-CPU's combine from the capture's provenance:
-/// the MXFP4 form's `c+routed=bf16` reproduces every event; the BF16 form is
-/// reported as outside the grammar (its nearest member reproduces none from
-/// the recorded one-slot terms), not as a near miss of some member.
+/// the MXFP4 form's `c+routed=bf16` reproduces every event; the BF16 form's
+/// `operand=fma` member is reported as not checkable from the recorded
+/// one-slot terms (no count), not as a near miss of some member.
 #[test]
 fn vllm_captures_name_their_known_combine() {
     let dir = tempfile::tempdir().unwrap();
