@@ -636,12 +636,24 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
             })
             .collect(),
     });
+    let mut note_lines = notes.lines(order.len());
+    // A run under an operand=fma member declares a contract the recorded
+    // terms cannot check: say so, so "no grammar member reproduces" is not
+    // read as a contract the run broke.
+    let declared = &t.binding().contract;
+    if AggregationContract::parse(declared)
+        .is_ok_and(|c| c.operand == moeconf_contract::OperandPrecision::Fma)
+    {
+        note_lines.push(format!(
+            "the declared contract {declared} fuses each gate multiply into the sum (operand=fma): it reads the experts' outputs before their gates, which the trace does not record, so no rule inferred from the recorded terms can be it"
+        ));
+    }
     Ok(TraceExplanation {
         schema_version: EXPLAIN_SCHEMA_VERSION,
         trace: name.into(),
         declared_contract: t.binding().contract.clone(),
         verdict,
-        notes: notes.lines(order.len()),
+        notes: note_lines,
         backend,
         events,
     })

@@ -15,7 +15,10 @@ use moeconf_reference_runtime::fork::{
 };
 use moeconf_reference_runtime::tokenizer::Detokenize;
 use moeconf_report::{SweepBranch, SweepView};
-use moeconf_runner::{build_combine, check_fork_point, CombineChoice, Field, FieldMessage, LoadedModel};
+use moeconf_runner::{
+    build_combine, check_contract_precision, check_fork_point, CombineChoice, Field, FieldMessage,
+    LoadedModel,
+};
 use moeconf_shard::{JobGroup, JobResult, Merged, Progress, ProgressMode, RunIdentity, Shard};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -685,6 +688,15 @@ pub fn run(req: &SweepRequest<'_>) -> Result<SweepRun> {
     moeconf_runner::limits::check_prompt_tokens(prompt_ids.len())?;
     check_fork_point(req.point, true, prompt_ids.len(), req.max_new_tokens, layers)?;
     let schemes = build_schemes(&req.schemes, k)?;
+    for s in &schemes {
+        let field = match s.name.as_str() {
+            "explicit" => Field::Branch,
+            _ => Field::Scheme,
+        };
+        for b in &s.branches {
+            check_contract_precision(&b.contract, req.precision, field)?;
+        }
+    }
     let base = build_combine(req.combine, k, req.prompt, layers, req.precision)?;
     let args = SweepArguments {
         model: m.name.clone(),

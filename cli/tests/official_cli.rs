@@ -319,6 +319,14 @@ fn vllm_cpu_profile_follows_the_experts_kernel_and_fma_needs_gate_free_outputs()
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let v: Value = serde_json::from_slice(&o.stdout).unwrap();
         assert_eq!(v["binding"]["contract"], want, "{model}: {}", v["binding"]);
+        // explain says that the recorded terms cannot check a fused-gate sum.
+        let o = moeconf(&["explain", s(&out)]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(
+            text.contains("note: the declared contract") && text.contains("operand=fma"),
+            want.ends_with("operand=fma"),
+            "{model}: {text}"
+        );
     }
     let out = dir.path().join("official-fma.bin");
     let o = moeconf(&[
@@ -341,4 +349,30 @@ fn vllm_cpu_profile_follows_the_experts_kernel_and_fma_needs_gate_free_outputs()
         "{err}"
     );
     assert!(!out.exists(), "nothing is written");
+    // The sweep's branches and schemes are contracts too (before: a panic, exit 101).
+    for (option, value) in [("--branch", "p32+operand=fma"), ("--scheme", "c+operand=fma")] {
+        let o = moeconf(&[
+            "sweep",
+            "--model",
+            "builtin:tiny-v4-vllm",
+            "--precision",
+            "official",
+            "--prompt",
+            "why",
+            "--fork-layer",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--limit",
+            "2",
+            option,
+            value,
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{option}: {err}");
+        assert!(
+            err.contains(option) && err.contains("operand=fma"),
+            "{option}: {err}"
+        );
+    }
 }

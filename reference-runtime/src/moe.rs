@@ -87,9 +87,10 @@ fn expert_forward_with(ew: &ExpertWeights, f: &[f32], limit: f32, p: Precision, 
 /// GEMMs one-row VDPBF16PS chains (vLLM's `tinygemm`, taken while avg_M =
 /// max(1, M·k div E) ≤ 4; its `brgemm` above is not modelled); routed BF16
 /// experts (`cpu_fused_moe`) with FP32 GEMM outputs,
-/// [`crate::vllm::silu_mul_fast`] and an FP32 down projection (vLLM's FMA
-/// weighted sum over it is outside the combine grammar: the run's combine
-/// applies; their GEMM accumulation order is not established, §4.1).
+/// [`crate::vllm::silu_mul_fast`] and an FP32 down projection, which the
+/// combine receives unrounded as the event's `units` (vLLM's FMA weighted
+/// sum over it is the member `operand=fma`, the profile's default there;
+/// their GEMM accumulation order is not established, §4.1).
 fn expert_forward_vllm(ew: &ExpertWeights, f: &[f32], shared_limit: Option<f32>) -> Vec<f32> {
     let p = Precision::VllmCpu;
     let bf16_experts = ew.w1.dtype() == crate::weights::WeightDType::Bf16 && shared_limit.is_none();

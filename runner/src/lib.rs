@@ -338,6 +338,30 @@ pub fn default_contract_for(precision: Precision, m: &LoadedModel) -> &'static s
     }
 }
 
+/// Refuses a contract `precision` cannot run, naming `field` (the option
+/// that gave it): `operand=fma` reads each routed expert's output before its
+/// gate, which the official profile never forms (DeepSeek's experts apply
+/// the gate before `w2`). Every path that runs a contract calls it before
+/// the run ([`CombineChoice::check_precision`], the sweep's schemes and
+/// branches): the combine would otherwise meet an event without them.
+pub fn check_contract_precision(
+    c: &AggregationContract,
+    precision: Precision,
+    field: Field,
+) -> Result<(), RunError> {
+    if precision.quantizes() && c.operand == moeconf_contract::OperandPrecision::Fma {
+        refuse!(
+            field,
+            format!(
+                " {}: operand=fma multiplies each expert's output by its gate inside the sum, but the {} profile applies the gate before the down projection (no gate-free output exists)",
+                c.describe(),
+                precision.name()
+            )
+        );
+    }
+    Ok(())
+}
+
 /// How the MoE combine is chosen for a run.
 #[derive(Debug, Clone)]
 pub struct CombineChoice {
@@ -436,29 +460,11 @@ impl CombineChoice {
     /// routed experts' outputs before their gate, which the official profile
     /// never forms (DeepSeek's experts apply the gate before `w2`).
     pub fn check_precision(&self, precision: Precision) -> Result<(), RunError> {
-        let fused = |c: &ContractChoice| c.contract().operand == moeconf_contract::OperandPrecision::Fma;
-        if precision.quantizes() {
-            if fused(&self.contract) {
-                refuse!(
-                    Field::Contract,
-                    format!(
-                        " {}: operand=fma multiplies each expert's output by its gate inside the sum, but the {} profile applies the gate before the down projection (no gate-free output exists)",
-                        self.contract,
-                        precision.name()
-                    )
-                );
-            }
-            if self.fork_contract.as_ref().is_some_and(fused) {
-                refuse!(
-                    Field::ForkContract,
-                    format!(
-                        ": operand=fma needs each expert's output before its gate, which the {} profile does not form",
-                        precision.name()
-                    )
-                );
-            }
+        check_contract_precision(self.contract.contract(), precision, Field::Contract)?;
+        match &self.fork_contract {
+            Some(c) => check_contract_precision(c.contract(), precision, Field::ForkContract),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The contract at the fork: the one given, or `b`.

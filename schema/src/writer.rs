@@ -773,18 +773,18 @@ impl TraceWriter {
 /// compares made its step the writer's longest pause (issue 35).
 fn tree_order(entries: &[IndexEntry]) -> Vec<usize> {
     // Ranks of the distinct paths; the interner shares one text per path, so
-    // the pointer finds most repeats without hashing the string.
+    // the text's address and length find most repeats without hashing it.
     let mut by_text: HashMap<&str, u32> = HashMap::new();
-    let mut last: Option<(*const u8, u32)> = None;
+    let mut last: Option<(*const u8, usize, u32)> = None;
     let mut path_ids: Vec<u32> = Vec::with_capacity(entries.len());
     for e in entries {
         let text = e.coord.path.as_str();
         let id = match last {
-            Some((ptr, id)) if ptr == text.as_ptr() => id,
+            Some((ptr, len, id)) if ptr == text.as_ptr() && len == text.len() => id,
             _ => {
                 let next = by_text.len() as u32;
                 let id = *by_text.entry(text).or_insert(next);
-                last = Some((text.as_ptr(), id));
+                last = Some((text.as_ptr(), text.len(), id));
                 id
             }
         };
@@ -923,6 +923,9 @@ mod tests {
             x ^= x << 17;
             x % n
         };
+        let long: &'static str = Box::leak("moe.term.10".to_string().into_boxed_str());
+        let prefixes: [&'static &'static str; 2] =
+            [Box::leak(Box::new(long)), Box::leak(Box::new(&long[..10]))];
         let mut seen = HashSet::new();
         while entries.len() < 5000 {
             let layer = match next(4) {
@@ -940,12 +943,15 @@ mod tests {
                 Phase::Decode
             };
             let text = paths[next(paths.len() as u64) as usize];
-            let path = match next(2) {
+            let path = match next(3) {
                 0 => RecordPath::from(text),
+                // A text at the same address as a longer one ("moe.term.1"
+                // inside "moe.term.10"): equal addresses are not equal paths.
+                1 => RecordPath::from_static(prefixes[next(2) as usize]),
                 _ => RecordPath::from(text.to_string()),
             };
             let level = Level::from_code(next(5) as u32).unwrap();
-            if !seen.insert((level, layer, position, phase, text)) {
+            if !seen.insert((level, layer, position, phase, path.as_str().to_string())) {
                 continue;
             }
             entries.push(IndexEntry {
