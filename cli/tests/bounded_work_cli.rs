@@ -188,6 +188,14 @@ fn certify_refuses_work_beyond_its_limits_before_evaluating() {
             && e.contains("--max-event-work"),
         "{e}"
     );
+    // A family the recorded terms cannot evaluate: refused before any event.
+    let o = moeconf(d, &["certify", s(&big), "--contract", "p32+operand=fma"]);
+    assert_eq!(code(&o), 2, "{}", both(&o));
+    assert!(
+        both(&o).contains("operand=fma") && !both(&o).contains("step 0"),
+        "{}",
+        both(&o)
+    );
     // k beyond the enumerated range: refused up front, naming the event.
     let nine = moe_trace(&d.join("nine.bin"), 9, 4);
     let o = moeconf(d, &["certify", s(&nine)]);

@@ -61,6 +61,11 @@ pub fn run(a: &CertifyArgs) -> anyhow::Result<ExitCode> {
     let mut families = Vec::new();
     for name in a.contract.iter().map(|s| s.trim()).filter(|s| !s.is_empty()) {
         let c = AggregationContract::parse(name).map_err(|e| anyhow::anyhow!("--contract {name:?}: {e}"))?;
+        if c.operand == moeconf_contract::OperandPrecision::Fma {
+            bail!(
+                "--contract {name:?}: operand=fma multiplies each expert's output by its gate inside the sum;                  a trace records the gate-weighted terms, not those outputs, so it cannot be certified from one"
+            );
+        }
         families.push(Family {
             name: name.to_string(),
             contract: c.with_order(Order::Identity),
