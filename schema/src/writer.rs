@@ -763,6 +763,18 @@ impl TraceWriter {
     }
 }
 
+/// An entry's place in the tree: level, layer (none first), position,
+/// phase, path (the duplicate check's key, so unique within a step).
+fn tree_key(e: &IndexEntry) -> (Level, Option<u32>, u32, Phase, &RecordPath) {
+    (
+        e.level,
+        e.coord.layer,
+        e.coord.position,
+        e.coord.phase,
+        &e.coord.path,
+    )
+}
+
 /// The entries' order in the tree: by level, layer (none first), position,
 /// phase and path, the key of [`TraceWriter::push`]'s duplicate check, so no
 /// two entries compare equal and the order is the same whatever sort finds
@@ -800,23 +812,7 @@ fn tree_order(entries: &[IndexEntry]) -> Vec<usize> {
     let fits = entries.len() <= u32::MAX as usize && texts.len() < (1 << RANK_BITS);
     if !fits {
         let mut order: Vec<usize> = (0..entries.len()).collect();
-        order.sort_unstable_by(|&a, &b| {
-            let (x, y) = (&entries[a], &entries[b]);
-            (
-                x.level,
-                x.coord.layer,
-                x.coord.position,
-                x.coord.phase,
-                &x.coord.path,
-            )
-                .cmp(&(
-                    y.level,
-                    y.coord.layer,
-                    y.coord.position,
-                    y.coord.phase,
-                    &y.coord.path,
-                ))
-        });
+        order.sort_unstable_by_key(|&i| tree_key(&entries[i]));
         return order;
     }
     // 3 bits level, 33 layer (0 = none), 32 position, 1 phase, 27 path
@@ -970,23 +966,7 @@ mod tests {
             });
         }
         let mut want: Vec<usize> = (0..entries.len()).collect();
-        want.sort_by(|&a, &b| {
-            let (x, y) = (&entries[a], &entries[b]);
-            (
-                x.level,
-                x.coord.layer,
-                x.coord.position,
-                x.coord.phase,
-                &x.coord.path,
-            )
-                .cmp(&(
-                    y.level,
-                    y.coord.layer,
-                    y.coord.position,
-                    y.coord.phase,
-                    &y.coord.path,
-                ))
-        });
+        want.sort_by_key(|&i| tree_key(&entries[i]));
         assert_eq!(tree_order(&entries), want);
     }
 }
