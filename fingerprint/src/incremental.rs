@@ -24,6 +24,7 @@
 
 use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, HasherExt, Mode};
 use blake3::{Hasher, CHUNK_LEN};
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// Default block: 16 BLAKE3 chunks (16 KiB), what BLAKE3's widest SIMD path
@@ -61,6 +62,14 @@ pub struct IncrementalBlake3 {
     /// the chunks it touches).
     head: BlockChunks,
     tail: BlockChunks,
+    /// Chaining values of complete power-of-two subtrees of whole blocks
+    /// that neither hold the first block (the prefix changes at every
+    /// digest) nor reach past the last complete one, keyed by (offset,
+    /// length): they do not change when bytes are appended, so the root of
+    /// a grown stream merges O(log blocks) values instead of one per block.
+    /// Cleared whenever a block inside one may have changed (a reported
+    /// rewrite, a truncation, a new prefix length).
+    subtrees: HashMap<(usize, usize), [u8; 32]>,
 }
 
 /// The chaining values of the chunks of one block, as last hashed.
@@ -71,6 +80,10 @@ struct BlockChunks {
     /// Bytes of the block the values covered (its complete chunks are reusable).
     len: usize,
     cvs: Vec<[u8; 32]>,
+    /// Chaining values of subtrees of whole chunks, keyed by (first chunk,
+    /// chunks), merged from chunk values none of which has been hashed
+    /// again since: a digest that re-hashes one chunk merges O(log chunks).
+    merged: HashMap<(usize, usize), [u8; 32]>,
 }
 
 impl Default for IncrementalBlake3 {
@@ -93,6 +106,7 @@ impl IncrementalBlake3 {
             last_hashed: 0,
             head: BlockChunks::default(),
             tail: BlockChunks::default(),
+            subtrees: HashMap::new(),
         }
     }
 
@@ -128,6 +142,11 @@ impl IncrementalBlake3 {
         let end = (start + block).min(s.len());
         let len = end - start;
         let same = cache.block == Some(i);
+        let mut merged = if same {
+            std::mem::take(&mut cache.merged)
+        } else {
+            HashMap::new()
+        };
         let mut cvs = Vec::with_capacity(len.div_ceil(CHUNK_LEN));
         for c in 0..len.div_ceil(CHUNK_LEN) {
             let cs = start + c * CHUNK_LEN;
@@ -145,13 +164,15 @@ impl IncrementalBlake3 {
                 s.feed(&mut h, cs..ce);
                 cvs.push(h.finalize_non_root());
                 *last_hashed += ce - cs;
+                merged.retain(|&(first, n), _| c < first || first + n <= c);
             }
         }
-        let cv = merge_chunks(&cvs, len);
+        let cv = merge_chunks_memo(&cvs, 0, len, &mut merged);
         *cache = BlockChunks {
             block: Some(i),
             len,
             cvs,
+            merged,
         };
         cv
     }
@@ -178,6 +199,7 @@ impl IncrementalBlake3 {
             self.prefix_len = prefix.len();
             self.head = BlockChunks::default();
             self.tail = BlockChunks::default();
+            self.subtrees.clear();
         }
         let b = self.block;
         let total = s.len();
@@ -202,6 +224,10 @@ impl IncrementalBlake3 {
                     *flag = true;
                 }
             }
+        }
+        // A truncation or a rewritten block may change a remembered subtree.
+        if total < self.len || stale.iter().skip(1).any(|&x| x) {
+            self.subtrees.clear();
         }
         for (i, _) in stale.iter().enumerate().filter(|(_, &x)| x) {
             self.cvs[i] = self.cv_of(s, i, n, &changed);
@@ -237,7 +263,7 @@ impl IncrementalBlake3 {
 
     /// The root from the cached block values (the stream itself only when it
     /// is at most one block, whose root is its plain hash).
-    fn root(&self, s: Stream<'_>) -> blake3::Hash {
+    fn root(&mut self, s: Stream<'_>) -> blake3::Hash {
         let total = s.len();
         if total <= self.block {
             let mut h = Hasher::new();
@@ -255,16 +281,26 @@ impl IncrementalBlake3 {
     /// Chaining value of the subtree of `len` bytes at `offset` (a multiple
     /// of the block size; BLAKE3's splits above one block fall on block
     /// boundaries because the block is a power of two of chunks).
-    fn subtree(&self, offset: usize, len: usize) -> [u8; 32] {
+    /// Subtrees of whole complete blocks after the first are remembered
+    /// (`subtrees`); the stream's length is `self.len`.
+    fn subtree(&mut self, offset: usize, len: usize) -> [u8; 32] {
         if len <= self.block {
             return self.cvs[offset / self.block];
         }
+        let stable = offset >= self.block && offset + len <= self.len / self.block * self.block;
+        if stable {
+            if let Some(cv) = self.subtrees.get(&(offset, len)) {
+                return *cv;
+            }
+        }
         let left = left_subtree_len(len as u64) as usize;
-        merge_subtrees_non_root(
-            &self.subtree(offset, left),
-            &self.subtree(offset + left, len - left),
-            Mode::Hash,
-        )
+        let l = self.subtree(offset, left);
+        let r = self.subtree(offset + left, len - left);
+        let cv = merge_subtrees_non_root(&l, &r, Mode::Hash);
+        if stable {
+            self.subtrees.insert((offset, len), cv);
+        }
+        cv
     }
 
     /// Re-hashes up to `blocks` cached blocks of `data` (the buffer of the
@@ -327,19 +363,34 @@ impl IncrementalBlake3 {
 }
 
 /// The chaining value of a subtree of `len` bytes from the values of its
-/// chunks (BLAKE3's tree: the left subtree is the largest power of two of
-/// chunks strictly smaller than its parent).
-fn merge_chunks(cvs: &[[u8; 32]], len: usize) -> [u8; 32] {
+/// chunks `first..` (BLAKE3's tree: the left subtree is the largest power
+/// of two of chunks strictly smaller than its parent), through `memo`:
+/// subtrees of whole chunks are looked up there by (first chunk, chunks),
+/// and stored once merged.
+fn merge_chunks_memo(
+    cvs: &[[u8; 32]],
+    first: usize,
+    len: usize,
+    memo: &mut HashMap<(usize, usize), [u8; 32]>,
+) -> [u8; 32] {
     if len <= CHUNK_LEN || cvs.len() <= 1 {
         return cvs.first().copied().unwrap_or_default();
     }
+    let whole = len.is_multiple_of(CHUNK_LEN);
+    if whole {
+        if let Some(cv) = memo.get(&(first, cvs.len())) {
+            return *cv;
+        }
+    }
     let left = left_subtree_len(len as u64) as usize;
     let k = left / CHUNK_LEN;
-    merge_subtrees_non_root(
-        &merge_chunks(&cvs[..k], left),
-        &merge_chunks(&cvs[k..], len - left),
-        Mode::Hash,
-    )
+    let l = merge_chunks_memo(&cvs[..k], first, left, memo);
+    let r = merge_chunks_memo(&cvs[k..], first + k, len - left, memo);
+    let cv = merge_subtrees_non_root(&l, &r, Mode::Hash);
+    if whole {
+        memo.insert((first, cvs.len()), cv);
+    }
+    cv
 }
 
 /// The hashed stream: `prefix` then `data`, addressed as one byte range.
@@ -439,6 +490,56 @@ mod tests {
             }
         }
         assert!(d.verify_all(&data).is_ok());
+    }
+
+    #[test]
+    fn remembered_subtrees_follow_prefixes_appends_rewrites_and_truncations() {
+        // Many blocks (the remembered subtrees of blocks and of the first
+        // block's chunks take part), a header that changes at every digest
+        // and sometimes changes length, appends of every size, reported
+        // rewrites anywhere (also inside remembered subtrees) and truncations:
+        // every digest is blake3::hash of the whole preimage.
+        for block in [CHUNK_LEN, 4 * CHUNK_LEN, DEFAULT_BLOCK] {
+            let mut data = bytes(11, 37 * block + 5);
+            let mut d = IncrementalBlake3::new(block);
+            let mut seed = 100;
+            for step in 0..160usize {
+                seed += 1;
+                let plen = if step % 41 == 40 { 192 } else { 128 };
+                let mut prefix = bytes(seed, plen);
+                prefix[0] = step as u8;
+                let grow = match step % 7 {
+                    0 => 0,
+                    1 => 3 * block + 11,
+                    _ => (step * 97) % (block + 300),
+                };
+                data.extend_from_slice(&bytes(seed + 7, grow));
+                let mut rewritten = Vec::new();
+                if step % 13 == 6 {
+                    let at = (step * 7919) % (data.len() - 700);
+                    for x in &mut data[at..at + 700] {
+                        *x = x.wrapping_add(3);
+                    }
+                    rewritten.push(at..at + 700);
+                }
+                if step % 29 == 28 {
+                    data.truncate(data.len() * 2 / 3);
+                }
+                let mut whole = prefix.clone();
+                whole.extend_from_slice(&data);
+                assert_eq!(
+                    d.digest_stream(&prefix, &data, &rewritten),
+                    blake3::hash(&whole),
+                    "block {block} step {step}"
+                );
+                assert!(d.verify_next_stream(&prefix, &data, 2).is_ok());
+            }
+            let prefix = bytes(1, 128);
+            let mut whole = prefix.clone();
+            whole.extend_from_slice(&data);
+            assert_eq!(d.digest_stream(&prefix, &data, &[]), blake3::hash(&whole));
+            assert!(d.verify_all_stream(&prefix, &data).is_ok());
+        }
     }
 
     #[test]
