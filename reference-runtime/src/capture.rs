@@ -33,6 +33,21 @@ pub trait CaptureSink {
     fn wants(&self, level: Level) -> bool;
     /// Stores one record (called in execution order).
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError>;
+    /// Stores one record whose first `kept` bytes are those of the previous
+    /// record of the same path, level and layer (`text.continuation`, which
+    /// grows and may change only in its last few bytes). `kept` is a hint
+    /// for incremental hashing: the record is the same whatever it says.
+    /// Default: [`CaptureSink::record`].
+    fn record_grown(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: usize,
+    ) -> Result<(), CaptureError> {
+        let _ = kept;
+        self.record(coord, level, tensor)
+    }
     /// Where the forward is, before each layer of each position (for
     /// progress on long runs; whatever is captured). Default: ignored.
     fn progress(&mut self, _at: Progress) {}
@@ -426,15 +441,28 @@ impl<'a> Recorder<'a> {
         Ok(self.emit(name, at, DType::I64, &[1])?)
     }
 
-    /// A U8 vector record (UTF-8 text).
-    pub(crate) fn bytes(&mut self, name: impl Into<Name>, at: At, data: &[u8]) -> Result<(), RuntimeError> {
+    /// A U8 vector record (UTF-8 text) whose first `kept` bytes are those
+    /// of this name's record at the previous step
+    /// ([`CaptureSink::record_grown`]); passed without a copy.
+    pub(crate) fn grown_bytes(
+        &mut self,
+        name: impl Into<Name>,
+        at: At,
+        data: &[u8],
+        kept: usize,
+    ) -> Result<(), RuntimeError> {
         let name = name.into();
         if !self.wants(name.level()) {
             return Ok(());
         }
-        self.buf.clear();
-        self.buf.extend_from_slice(data);
-        Ok(self.emit(name, at, DType::U8, &[data.len() as u64])?)
+        let coord = self.coord(name, at);
+        let shape = [data.len() as u64];
+        let tensor = TensorView {
+            dtype: DType::U8,
+            shape: &shape,
+            bytes: data,
+        };
+        Ok(self.sink.record_grown(coord, name.level(), tensor, kept)?)
     }
 }
 

@@ -10,6 +10,7 @@ pub mod capture;
 mod compressor;
 pub mod config;
 mod context;
+pub mod continuation;
 pub mod error;
 pub mod faults;
 pub mod files;

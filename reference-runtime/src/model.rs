@@ -489,7 +489,7 @@ impl Model {
         state.position = last + 1;
         state.step += 1;
         state.pending = Some(next);
-        text_record(rec, opts.detokenizer, &state.generated, last)?;
+        text_record(rec, opts.detokenizer, state, last)?;
         state.emit_l2(rec, last)?;
         Ok(StepOutput {
             logits,
@@ -783,17 +783,24 @@ fn logit_records(rec: &mut Recorder<'_>, logits: &[f32], last: u32) -> Result<()
     Ok(())
 }
 
-/// The `text.continuation` record: the decoding of every generated id so far.
+/// The `text.continuation` record: the decoding of every generated id so
+/// far, decoded incrementally ([`crate::continuation`]) and passed with how
+/// many leading bytes it shares with the previous step's.
 fn text_record(
     rec: &mut Recorder<'_>,
     det: Option<&dyn Detokenize>,
-    ids: &[u32],
+    state: &mut DecodeState,
     pos: u32,
 ) -> Result<(), RuntimeError> {
     if let Some(d) = det {
         if rec.wants(Component::TextContinuation.level()) {
-            let text = d.decode(ids)?;
-            rec.bytes(Component::TextContinuation, At::global(pos), text.as_bytes())?;
+            let (text, kept) = state.continuation.update(d, &state.generated)?;
+            rec.grown_bytes(
+                Component::TextContinuation,
+                At::global(pos),
+                text.as_bytes(),
+                kept,
+            )?;
         }
     }
     Ok(())

@@ -18,6 +18,7 @@ use moeconf_fingerprint::{Component, Level, Phase};
 
 use crate::capture::{At, Recorder};
 use crate::config::{AttentionKind, ModelConfig};
+use crate::continuation::Continuation;
 use crate::error::RuntimeError;
 
 /// State of one compressor (main or indexer) of a CSA/HCA layer.
@@ -183,6 +184,9 @@ pub struct DecodeState {
     pub prompt: Vec<u32>,
     /// Generated tokens g_1, g_2, … so far.
     pub generated: Vec<u32>,
+    /// The decoding of `generated` kept from step to step (the
+    /// `text.continuation` record); a cache, not compared.
+    pub continuation: Continuation,
 }
 
 impl DecodeState {
@@ -223,6 +227,7 @@ impl DecodeState {
             pending: None,
             prompt: Vec::new(),
             generated: Vec::new(),
+            continuation: Continuation::default(),
         }
     }
 

@@ -10,6 +10,17 @@ use crate::files::{read_capped, MAX_TOKENIZER_BYTES};
 pub trait Detokenize: Sync {
     /// Decodes ids to text.
     fn decode(&self, ids: &[u32]) -> Result<String, RuntimeError>;
+
+    /// Whether this decoding splits at complete characters: for every id
+    /// sequence `a ‖ b`, `decode(a ‖ b) == decode(a) + decode(b)` whenever
+    /// `decode(a)` is empty or does not end in U+FFFD. The incremental
+    /// decoding of the `text.continuation` record
+    /// ([`crate::continuation::Continuation`]) relies on it and re-decodes
+    /// everything at every step when it is `false` (the default, always
+    /// correct). Implement `true` only with a proof.
+    fn splits_at_complete_chars(&self) -> bool {
+        false
+    }
 }
 
 /// A `tokenizer.json` loaded with the `tokenizers` crate.
@@ -81,5 +92,30 @@ impl Detokenize for Tokenizer {
             path: self.path.clone(),
             message: e.to_string(),
         })
+    }
+
+    /// `true` for a `tokenizer.json` whose decoder is exactly `ByteLevel`
+    /// (the fixture tokenizer's and DeepSeek's), from the `tokenizers`
+    /// 0.22 source: `Tokenizer::decode` maps each id to its token on its
+    /// own (special tokens dropped, unknown ids skipped), and the
+    /// `ByteLevel` decoder maps each token to bytes on its own, concatenates
+    /// them and returns `String::from_utf8_lossy` of the whole. So
+    /// `decode(a ‖ b) = lossy(B(a) ‖ B(b))`. If `lossy(B(a))` is empty, `B(a)`
+    /// is; if it does not end in U+FFFD, `B(a)` ends with a complete valid
+    /// character (every invalid or incomplete sequence is replaced by a
+    /// U+FFFD that ends the output), and the lossy scan then reaches the
+    /// end of `B(a)` at a character boundary having emitted `lossy(B(a))`
+    /// whatever follows (UTF-8 is prefix-free, and a sequence that starts
+    /// before that character ends before it: its lead byte is not a
+    /// continuation byte). Hence `lossy(B(a) ‖ B(b)) = lossy(B(a)) +
+    /// lossy(B(b))`. Every other decoder (none: ids joined by spaces;
+    /// Metaspace, WordPiece, CTC, sequences, ...) is decoded in full.
+    /// `reference-runtime/tests/continuation.rs` checks the property against
+    /// the full decode (a `tokenizers` upgrade that changed it fails there).
+    fn splits_at_complete_chars(&self) -> bool {
+        matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_))
+        )
     }
 }

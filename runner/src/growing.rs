@@ -101,27 +101,59 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
     ) -> Result<Option<Digest>, CaptureError> {
+        self.digest_with(coord, level, tensor, None)
+    }
+
+    /// [`GrowingDigests::digest`] of a record whose first `kept` bytes are
+    /// those of its previous record of the same path, level and layer and
+    /// whose other bytes may all have changed (`text.continuation`, whose
+    /// last characters can change as a split character completes; see
+    /// `CaptureSink::record_grown`). Handled whatever its catalogue row
+    /// says; the verification is the same as for append-only records.
+    pub fn digest_grown(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: usize,
+    ) -> Result<Option<Digest>, CaptureError> {
+        self.digest_with(coord, level, tensor, Some(kept))
+    }
+
+    fn digest_with(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<Option<Digest>, CaptureError> {
         if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
             return Ok(None);
         }
-        let growing = Component::parse(&coord.path).is_some_and(|(c, _)| {
-            c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
-        });
+        let growing = kept.is_some()
+            || Component::parse(&coord.path).is_some_and(|(c, _)| {
+                c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
+            });
         if !growing || tensor.validate(&coord.path).is_err() {
             return Ok(None);
         }
         let key = (coord.layer, level, coord.path.to_string());
         let data = tensor.bytes;
         let previous = self.states.get(&key).map(|g| g.len).unwrap_or(0);
+        // Bytes [same..) may differ from the last digest's: the appended
+        // ones, and for a grown record those after its kept prefix.
+        let same = kept.map_or(previous, |k| k.min(previous)).min(data.len());
         // Bytes not digested before must be canonical as they are (the old
         // ones were checked when they were); otherwise the whole record goes
         // the usual way, which canonicalizes.
-        let new = &data[previous.min(data.len())..];
+        let new = &data[same..];
         if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
         {
             self.states.remove(&key);
             return Ok(None);
         }
+        let rewritten: Vec<std::ops::Range<usize>> =
+            (previous > same).then_some(same..previous).into_iter().collect();
         let prefix = record_prefix(coord, level, tensor.dtype, tensor.shape, data.len() as u64);
         let stagger = self.states.len() as u32;
         let g = self.states.entry(key).or_insert_with(|| Growing {
@@ -129,7 +161,7 @@ impl GrowingDigests {
             len: 0,
             calls: stagger,
         });
-        let root = g.hasher.digest_stream(&prefix, data, &[]);
+        let root = g.hasher.digest_stream(&prefix, data, &rewritten);
         self.hashed += g.hasher.last_hashed() as u64;
         g.len = data.len();
         let checked = if coord.step >= self.last_step {
@@ -239,6 +271,68 @@ mod tests {
         let (a, b) = range.split_once("..").unwrap();
         let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
         assert!(a <= 100_000 && 100_000 < b, "{m}");
+    }
+
+    /// A text that grows by a few bytes per step and whose last character
+    /// is sometimes U+FFFD replaced by the completed character (the
+    /// `text.continuation` record): every digest is the whole-record digest,
+    /// and past the threshold each step hashes a bounded number of bytes.
+    #[test]
+    fn a_grown_text_with_rewritten_tails_gets_the_whole_record_digest() {
+        let policy = CanonPolicy::default();
+        let steps = 12_000u32;
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
+        let mut text = String::new();
+        let mut prev = String::new();
+        let mut hashed_before = 0;
+        let mut incremental = 0;
+        for step in 0..steps {
+            // Every third step ends in a split character (U+FFFD) that the
+            // next step completes: the tail is rewritten, not appended.
+            if text.ends_with('\u{FFFD}') {
+                text.truncate(text.len() - '\u{FFFD}'.len_utf8());
+                text.push('羊');
+            }
+            text.push_str(if step % 2 == 0 { " sheep" } else { " why" });
+            if step % 3 == 0 {
+                text.push('\u{FFFD}');
+            }
+            let kept = prev.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
+            let bytes = text.as_bytes();
+            let shape = [bytes.len() as u64];
+            let t = TensorView {
+                dtype: DType::U8,
+                shape: &shape,
+                bytes,
+            };
+            let c = Coord {
+                step,
+                position: 5 + step,
+                phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                layer: None,
+                path: "text.continuation".into(),
+            };
+            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L0, t).unwrap();
+            let got = g.digest_grown(&c, Level::L0, t, kept).unwrap();
+            match got {
+                Some(d) => {
+                    assert_eq!(d, want, "step {step}");
+                    let per_step = g.hashed_bytes() - hashed_before;
+                    // After the first (whole) one: the header's chunk, the
+                    // tail's chunks, one verified block (every block at the
+                    // last step).
+                    if incremental > 0 && step + 1 < steps {
+                        assert!(per_step <= 2 * DEFAULT_BLOCK as u64, "step {step}: {per_step}");
+                    }
+                    incremental += 1;
+                }
+                None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "step {step}: hashed whole"),
+            }
+            hashed_before = g.hashed_bytes();
+            prev = text.clone();
+        }
+        assert!(text.len() > 2 * MIN_INCREMENTAL_BYTES, "{}", text.len());
+        assert!(incremental > 5_000, "{incremental}");
     }
 
     #[test]

@@ -178,6 +178,11 @@ pub struct TraceSink {
     progress: Option<progress::TerminalProgress>,
     /// Digests of the growing state records ([`growing`]).
     growing: growing::GrowingDigests,
+    /// The run's last step (`max_new_tokens - 1`).
+    last_step: u32,
+    /// The `text.continuation` of the last step, checked against a full
+    /// decode of the generated ids after the run ([`TraceSink::last_text`]).
+    last_text: Option<Vec<u8>>,
 }
 
 /// Where a [`TraceSink`]'s writer runs.
@@ -193,6 +198,7 @@ impl TraceSink {
     /// thread if no thread can be started).
     pub fn new(writer: TraceWriter, spec: CaptureSpec) -> Self {
         let growing = growing_of(&writer);
+        let last_step = last_step_of(&writer);
         let out = match capture_thread::CaptureThread::spawn_or_return(writer) {
             Ok(t) => SinkWriter::Thread(t),
             Err(w) => SinkWriter::Here(w),
@@ -201,6 +207,8 @@ impl TraceSink {
             out,
             spec,
             growing,
+            last_step,
+            last_text: None,
             progress: None,
         }
     }
@@ -209,6 +217,8 @@ impl TraceSink {
     pub fn on_this_thread(writer: TraceWriter, spec: CaptureSpec) -> Self {
         TraceSink {
             growing: growing_of(&writer),
+            last_step: last_step_of(&writer),
+            last_text: None,
             out: SinkWriter::Here(Box::new(writer)),
             spec,
             progress: None,
@@ -238,6 +248,14 @@ impl TraceSink {
         self.growing.records()
     }
 
+    /// The `text.continuation` record of the run's last step, if one was
+    /// recorded: the decoding of every generated id, computed step by step
+    /// ([`moeconf_reference_runtime::continuation`]); the run checks it
+    /// against one full decode before the trace is written.
+    pub fn last_text(&self) -> Option<&[u8]> {
+        self.last_text.as_deref()
+    }
+
     /// Shows progress on the terminal (if standard error is one) for a run
     /// of `max_new_tokens` steps.
     pub fn with_terminal_progress(mut self, max_new_tokens: u32) -> Self {
@@ -254,6 +272,11 @@ impl TraceSink {
             SinkWriter::Thread(t) => t.finish()?,
         })
     }
+}
+
+/// The last step of the run whose trace `w` writes.
+fn last_step_of(w: &TraceWriter) -> u32 {
+    w.binding().decoding.max_new_tokens.saturating_sub(1)
 }
 
 /// The growing-state digests of a trace written by `w`.
@@ -278,9 +301,41 @@ impl CaptureSink for TraceSink {
     }
 
     fn record(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>) -> Result<(), CaptureError> {
+        self.append(coord, level, tensor, None)
+    }
+
+    fn record_grown(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: usize,
+    ) -> Result<(), CaptureError> {
+        if coord.step >= self.last_step && coord.path == Component::TextContinuation.path() {
+            self.last_text = Some(tensor.bytes.to_vec());
+        }
+        self.append(coord, level, tensor, Some(kept))
+    }
+}
+
+impl TraceSink {
+    /// Appends a record: fingerprint-only growing records (append-only
+    /// state, or grown ones with `kept`) through their incremental digest,
+    /// the others whole.
+    fn append(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<(), CaptureError> {
         let keep = self.spec.keeps_payload(level) || tensor.bytes.len() <= SMALL_RECORD_BYTES;
         if !keep {
-            if let Some(d) = self.growing.digest(&coord, level, tensor)? {
+            let digest = match kept {
+                Some(k) => self.growing.digest_grown(&coord, level, tensor, k)?,
+                None => self.growing.digest(&coord, level, tensor)?,
+            };
+            if let Some(d) = digest {
                 return match &mut self.out {
                     SinkWriter::Here(w) => w
                         .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
@@ -940,8 +995,15 @@ pub fn run_prepared_with_faults(
         }
     }
     let growing_records = sink.growing_records();
-    let summary = sink.finish()?;
     let text = m.tokenizer.decode(&generation)?;
+    if sink.last_text().is_some_and(|t| t != text.as_bytes()) {
+        // The writer is dropped unfinished: its temporary file is removed.
+        bail!(
+            "internal error: the last step's text.continuation, decoded incrementally, is not the decoding of \
+             the generated ids; no trace written"
+        );
+    }
+    let summary = sink.finish()?;
     Ok(RunOutcome {
         tokens: generation,
         text,
