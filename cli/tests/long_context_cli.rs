@@ -145,3 +145,50 @@ fn bench_runtime_context_reports_cost_bytes_per_step_and_memory() {
     let o = moeconf(&["bench", "runtime", "--context", "40", "--real-width"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// A trace that clearly won't fit the output's free space is refused before
+/// the run (exit 2, naming the estimate, the free space, the output and what
+/// lowers it; nothing written); one that fits runs, and a smaller capture
+/// fits where the default does not. The free space is faked with the test
+/// hook `MOECONF_TEST_FREE_SPACE`. Standard error is not a terminal here: no
+/// estimate line is printed.
+#[test]
+fn a_trace_larger_than_the_free_space_is_refused_before_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("t.bin");
+    let run = |free: &str, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_moeconf"))
+            .env("MOECONF_TEST_FREE_SPACE", free)
+            .args(["run", "--prompt", "why the sheep", "-o", s(&out)])
+            .args(args)
+            .output()
+            .expect("run moeconf")
+    };
+    // About 27 MB at the default capture (docs/performance.md), 4 MB free.
+    let o = run("4000000", &["--max-new-tokens", "200"]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    for part in [
+        "would need an estimated",
+        "MiB",
+        "3.8 MiB free",
+        s(&out),
+        "--capture",
+        "--max-new-tokens",
+    ] {
+        assert!(e.contains(part), "{part}: {e}");
+    }
+    assert!(!e.contains("generated in"), "refused before the run: {e}");
+    assert!(!out.exists());
+    // Tokens only: about 100 KB, fits.
+    let o = run("4000000", &["--max-new-tokens", "200", "--capture", "L0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.exists());
+    // Within the estimate's error of the free space: not refused.
+    std::fs::remove_file(&out).unwrap();
+    let o = run("25000000", &["--max-new-tokens", "200"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(!e.contains("estimated"), "no estimate line off a terminal: {e}");
+    assert_eq!(e.lines().count(), 2, "the summary alone: {e}");
+}

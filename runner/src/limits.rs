@@ -291,6 +291,314 @@ pub fn check_memory_for(
     )))
 }
 
+/// The trace a run is estimated to write, by part (bytes; docs/performance.md
+/// "Trace size" states its accuracy against real runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceEstimate {
+    /// The prefill step (step 0): every prompt position's records.
+    pub prefill: u64,
+    /// The decode steps (1 .. max_new_tokens).
+    pub decode: u64,
+}
+
+impl TraceEstimate {
+    /// The sum of the parts.
+    pub fn total(&self) -> u64 {
+        self.prefill.saturating_add(self.decode)
+    }
+}
+
+/// Bytes of one record's index entry (format version 3, docs/format.md
+/// §11.2: ordinal, position, phase, path, dtype, shape, digest, payload
+/// flag), and the payload reference it adds when the payload is kept.
+const TRACE_ENTRY_BYTES: f64 = 100.0;
+const TRACE_PAYLOAD_REF_BYTES: f64 = 16.0;
+/// Bytes of one group (a step's level and layer): its block's header and
+/// alignment, and its reference in the step block.
+const TRACE_GROUP_BYTES: f64 = 150.0;
+/// Bytes of one step: its reference in the root block (284, §11.8) and its
+/// block's header and alignment.
+const TRACE_STEP_BYTES: f64 = 344.0;
+/// UTF-8 bytes per generated token in `text.continuation` (byte-level BPE;
+/// the fixture's continuations measure about 3).
+const TEXT_BYTES_PER_TOKEN: f64 = 4.0;
+/// Points at which the per-step cost is evaluated; between them it is
+/// interpolated linearly (the growing records grow linearly with the
+/// context, or stop growing at the window).
+const TRACE_SAMPLES: u64 = 64;
+
+/// Accumulates the estimated bytes of records of a capture.
+struct TraceBytes {
+    capture: CaptureSpec,
+    bytes: f64,
+}
+
+impl TraceBytes {
+    /// `count` records of `level` of `payload` bytes each (fractional for a
+    /// record that exists at one position in `rate`).
+    fn add(&mut self, level: Level, payload: f64, count: f64) {
+        if !self.capture.levels.contains(level) {
+            return;
+        }
+        let kept = self.capture.keeps_payload(level) || payload <= moeconf_schema::SMALL_RECORD_BYTES as f64;
+        let stored = if kept {
+            TRACE_PAYLOAD_REF_BYTES + (payload / 64.0).ceil() * 64.0
+        } else {
+            0.0
+        };
+        self.bytes += count * (TRACE_ENTRY_BYTES + stored);
+    }
+}
+
+/// The records of one position of layer `layer` at `ctx` tokens of context
+/// (docs/format.md §6: L3 and L4, with the official profile's quantization
+/// sites when `quantized`).
+fn position_records(t: &mut TraceBytes, cfg: &ModelConfig, layer: usize, ctx: f64, quantized: bool) {
+    let f = 4.0;
+    let (n, d_model, d) = (cfg.hc_mult as f64, cfg.hidden_size as f64, cfg.head_dim as f64);
+    let (h, k) = (cfg.num_heads as f64, cfg.experts_per_tok as f64);
+    let (d_i, h_i) = (cfg.index_head_dim as f64, cfg.index_n_heads as f64);
+    let q = |t: &mut TraceBytes, bytes: f64, count: f64| {
+        if quantized {
+            t.add(Level::L4, bytes, count);
+        }
+    };
+    // The attention half.
+    t.add(Level::L4, n * f, 2.0); // hc pre / post weights
+    t.add(Level::L4, n * n * f, 1.0); // hc_comb
+    t.add(Level::L4, d_model * f, 2.0); // hc_pre, norm
+    q(t, d_model * f, 1.0); // norm_fp8
+    q(t, cfg.q_lora_rank as f64 * f, 1.0); // q_lat_fp8
+    t.add(Level::L4, h * d * f, 2.0); // q, core
+    t.add(Level::L4, d * f, 1.0); // kv
+    q(t, d * f, 1.0); // kv_fp8
+    t.add(Level::L4, ctx.min(cfg.sliding_window as f64) * d * f, 1.0); // window_read
+    q(t, (cfg.o_groups * cfg.o_lora_rank) as f64 * f, 1.0); // o_lat_fp8
+    t.add(Level::L4, d_model * f, 1.0); // output
+    let kind = cfg
+        .layer_types
+        .get(layer)
+        .copied()
+        .unwrap_or(AttentionKind::Sliding);
+    let rate = match kind {
+        AttentionKind::Sliding => None,
+        AttentionKind::Csa => Some(cfg.csa_rate.max(1) as f64),
+        AttentionKind::Hca => Some(cfg.hca_rate.max(1) as f64),
+    };
+    if let Some(rate) = rate {
+        let entries = (ctx / rate).floor();
+        // An entry emitted at one position in `rate`.
+        t.add(Level::L4, d * f, 1.0 / rate);
+        q(t, d * f, 1.0 / rate);
+        let read = if kind == AttentionKind::Csa {
+            entries.min(cfg.index_topk as f64)
+        } else {
+            entries
+        };
+        t.add(Level::L4, read * d * f, 1.0); // compressed_read
+        if kind == AttentionKind::Csa {
+            t.add(Level::L4, d_i * f, 1.0 / rate); // indexer_compressed
+            q(t, d_i * f, 1.0 / rate);
+            t.add(Level::L4, entries * d_i * f, 1.0); // indexer_read
+            q(t, h_i * d_i * f, 1.0); // indexer_q_fp4
+            t.add(Level::L4, entries * f, 1.0); // indexer_scores
+            t.add(Level::L4, entries.min(cfg.index_topk as f64) * f, 1.0); // indexer_topk
+        }
+    }
+    t.add(Level::L3, n * d_model * f, 2.0); // post_attn_mhc, post_ffn_mhc
+                                            // The FFN half.
+    t.add(Level::L4, n * f, 2.0);
+    t.add(Level::L4, n * n * f, 1.0);
+    t.add(Level::L4, d_model * f, 2.0);
+    q(t, d_model * f, 1.0); // ffn.norm_fp8
+    t.add(Level::L3, cfg.n_routed_experts as f64 * f, 1.0); // router.scores
+    t.add(Level::L3, k * f, 2.0); // router.topk, router.gates
+    if cfg.mlp_layer_types.get(layer) == Some(&moeconf_reference_runtime::config::MlpKind::Moe) {
+        t.add(Level::L3, f, 1.0); // router.margin
+    }
+    t.add(Level::L4, d_model * f, k + 3.0); // moe.term.J, routed, shared, combine
+    q(t, cfg.moe_intermediate_size as f64 * f, k + 1.0); // term_h_fp8.J, shared_h_fp8
+}
+
+/// The persistent state records of layer `layer` at `ctx` tokens (L2).
+fn state_records(t: &mut TraceBytes, cfg: &ModelConfig, layer: usize, ctx: f64) {
+    let (f, d, d_i) = (4.0, cfg.head_dim as f64, cfg.index_head_dim as f64);
+    t.add(Level::L2, 8.0, 1.0); // cumulative_length
+    t.add(Level::L2, ctx.min(cfg.sliding_window as f64) * d * f, 1.0);
+    let mut compressor = |rate: f64, width: f64, overlap: bool| {
+        let entries = (ctx / rate).floor();
+        // The buffer holds half a window on average, kv and gate.
+        t.add(Level::L2, rate / 2.0 * width * f, 2.0);
+        t.add(
+            Level::L2,
+            entries * width / if overlap { 2.0 } else { 1.0 } * f,
+            1.0,
+        );
+        t.add(Level::L2, 8.0, 1.0); // entry_count
+        if overlap {
+            t.add(Level::L2, rate * width / 2.0 * f, 2.0);
+        }
+    };
+    match cfg.layer_types.get(layer) {
+        Some(AttentionKind::Csa) => {
+            let rate = cfg.csa_rate.max(1) as f64;
+            compressor(rate, 2.0 * d, true);
+            compressor(rate, 2.0 * d_i, true);
+        }
+        Some(AttentionKind::Hca) => compressor(cfg.hca_rate.max(1) as f64, d, false),
+        _ => {}
+    }
+}
+
+/// Groups (level, layer) of a step: the model-global ones and one per layer
+/// of each layered level captured.
+fn step_groups(capture: CaptureSpec, layers: f64) -> f64 {
+    let global = [Level::L0, Level::L1, Level::L4]
+        .into_iter()
+        .filter(|&l| capture.levels.contains(l))
+        .count() as f64;
+    let layered = [Level::L2, Level::L3, Level::L4]
+        .into_iter()
+        .filter(|&l| capture.levels.contains(l))
+        .count() as f64;
+    global + layered * layers
+}
+
+/// Estimates the trace of a run of `prompt` prompt tokens and
+/// `max_new_tokens` forward steps of a model with config `cfg` capturing
+/// `capture` (`quantized`: a profile with the official quantization sites),
+/// from the catalogue's records and their shapes (docs/format.md §6) and
+/// the format's per-record, per-group and per-step bytes. Records whose
+/// size depends on the context (persistent state, the attention's reads,
+/// the continuation) are evaluated at [`TRACE_SAMPLES`] points and
+/// interpolated.
+pub fn estimate_trace(
+    cfg: &ModelConfig,
+    prompt: u64,
+    max_new_tokens: u64,
+    capture: CaptureSpec,
+    quantized: bool,
+) -> TraceEstimate {
+    let layers = cfg.layer_types.len();
+    let f = 4.0;
+    let new_tokens = |t: &mut TraceBytes, generated: f64| {
+        t.add(Level::L0, f, 1.0); // token.output
+        t.add(Level::L0, generated * TEXT_BYTES_PER_TOKEN, 1.0); // text.continuation
+        t.add(Level::L1, cfg.vocab_size as f64 * f, 1.0); // lm.logits
+        t.add(Level::L1, 8.0 * f, 2.0); // top-k ids and logits
+        t.add(Level::L1, f, 1.0); // margin
+    };
+    // One position at context `ctx` through every layer.
+    let position = |t: &mut TraceBytes, ctx: f64| {
+        t.add(Level::L4, cfg.hidden_size as f64 * f, 1.0); // embed.output
+        for l in 0..layers {
+            position_records(t, cfg, l, ctx, quantized);
+        }
+    };
+    let state = |t: &mut TraceBytes, ctx: f64| {
+        for l in 0..layers {
+            state_records(t, cfg, l, ctx);
+        }
+    };
+    // Mean of `cost` over 1..=n, from samples (exact for a linear cost).
+    let mean = |n: u64, cost: &dyn Fn(f64) -> f64| -> f64 {
+        if n == 0 {
+            return 0.0;
+        }
+        let samples = TRACE_SAMPLES.min(n);
+        (0..samples)
+            .map(|i| cost(1.0 + (n - 1) as f64 * (i as f64 + 0.5) / samples as f64))
+            .sum::<f64>()
+            / samples as f64
+    };
+    let empty = || TraceBytes { capture, bytes: 0.0 };
+    let p = prompt as f64;
+    let prefill = {
+        let mut t = empty();
+        t.add(Level::L0, p * f, 1.0); // token.input
+        new_tokens(&mut t, 1.0);
+        state(&mut t, p);
+        let per_position = mean(prompt, &|ctx| {
+            let mut t = empty();
+            position(&mut t, ctx);
+            t.bytes
+        });
+        t.bytes
+            + per_position * p
+            + TRACE_STEP_BYTES
+            + TRACE_GROUP_BYTES * step_groups(capture, layers as f64)
+    };
+    let steps = max_new_tokens.saturating_sub(1);
+    let per_step = mean(steps, &|s| {
+        let ctx = p + s;
+        let mut t = empty();
+        t.add(Level::L0, f, 1.0); // token.input
+        new_tokens(&mut t, s + 1.0);
+        state(&mut t, ctx);
+        position(&mut t, ctx);
+        t.bytes
+    });
+    let decode = if steps == 0 {
+        0.0
+    } else {
+        (per_step + TRACE_STEP_BYTES + TRACE_GROUP_BYTES * step_groups(capture, layers as f64)) * steps as f64
+    };
+    // Preamble, header (the binding's weight digests), trailer, root block.
+    let fixed = 64.0 * 1024.0;
+    TraceEstimate {
+        prefill: (prefill + fixed) as u64,
+        decode: decode as u64,
+    }
+}
+
+/// Refuses a run whose estimated trace exceeds the `free` bytes of the
+/// output's filesystem by more than the estimate's error (no check when the
+/// free space is unknown), naming the estimate, the free space, the output
+/// and what lowers it.
+pub fn check_disk(estimate: &TraceEstimate, free: Option<u64>, output: &Path) -> Result<(), RunError> {
+    let Some(free) = free else {
+        return Ok(());
+    };
+    // The estimate is within a factor TRACE_ESTIMATE_ERROR of the trace
+    // (measured, docs/performance.md "Trace size"): refuse only when even
+    // the smallest trace it allows would not fit.
+    if (estimate.total() as f64 / TRACE_ESTIMATE_ERROR) <= free as f64 {
+        return Ok(());
+    }
+    Err(RunError::Invalid(format!(
+        "the trace {} would need an estimated {} (prefill step {}, decode steps {}), more than the {} free on its \
+         filesystem; write it elsewhere, or lower it with fewer levels or payloads (--capture, e.g. --capture \
+         L0,L1+payload,L2), a shorter prompt or fewer --max-new-tokens",
+        output.display(),
+        human(estimate.total()),
+        human(estimate.prefill),
+        human(estimate.decode),
+        human(free),
+    )))
+}
+
+/// Largest ratio between the estimate and a real trace's size, either way
+/// (docs/performance.md "Trace size").
+pub const TRACE_ESTIMATE_ERROR: f64 = 1.25;
+
+/// `bytes` in the largest binary unit that keeps a number at least 1.
+pub fn human(bytes: u64) -> String {
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if bytes == 1 {
+        "1 byte".to_string()
+    } else if u == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,6 +691,53 @@ mod tests {
             cal.starts_with("--context 1048576") && !cal.contains("--max-new-tokens"),
             "{cal}"
         );
+    }
+
+    #[test]
+    fn the_trace_estimate_grows_with_what_is_captured_and_refuses_what_clearly_does_not_fit() {
+        let cfg = tiny();
+        let parse = |c: &str| CaptureSpec::parse(c).unwrap();
+        let d = |c: &str, p: u64, n: u64| estimate_trace(&cfg, p, n, parse(c), false);
+        // More prompt, more steps, more levels and payloads: more bytes.
+        assert!(d("default", 1000, 8).prefill > d("default", 100, 8).prefill);
+        assert!(d("default", 5, 1000).decode > d("default", 5, 100).decode);
+        assert!(d("all", 5, 100).total() > d("default", 5, 100).total());
+        assert!(d("default", 5, 100).total() > d("L0", 5, 100).total());
+        // A decode step does not grow with the context at the default
+        // capture (fingerprints of the growing records)...
+        let step = |p: u64| (d("default", p, 101).decode - d("default", p, 1).decode) / 100;
+        assert!(
+            step(10_000).abs_diff(step(100)) < step(100) / 50,
+            "{} {}",
+            step(100),
+            step(10_000)
+        );
+        // ... and does with L2 payloads (the caches' bytes).
+        let l2 = |p: u64| d("L2+payload", p, 101).decode;
+        assert!(l2(10_000) > 2 * l2(100));
+        // The quantization sites add L4 records.
+        assert!(
+            estimate_trace(&cfg, 5, 10, parse("all"), true).total()
+                > estimate_trace(&cfg, 5, 10, parse("all"), false).total()
+        );
+        let e = d("default", 5, 200);
+        let out = Path::new("/some/dir/t.bin");
+        let free = (e.total() as f64 / TRACE_ESTIMATE_ERROR) as u64;
+        assert!(check_disk(&e, Some(free + 1), out).is_ok(), "within the error");
+        assert!(check_disk(&e, None, out).is_ok(), "unknown free space");
+        let m = check_disk(&e, Some(free / 2), out).unwrap_err().to_string();
+        for part in [
+            "/some/dir/t.bin",
+            "estimated",
+            "free",
+            "--capture",
+            "--max-new-tokens",
+            "prefill step",
+        ] {
+            assert!(m.contains(part), "{part}: {m}");
+        }
+        assert_eq!(human(512), "512 bytes");
+        assert_eq!(human(3 << 20), "3.0 MiB");
     }
 
     #[test]

@@ -11,8 +11,46 @@ use moeconf_runner::{
     ContractChoice, RunSpec,
 };
 use moeconf_schema::inspect::human_bytes;
-use std::path::PathBuf;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+/// Environment variable that replaces the free space of the output's
+/// filesystem (bytes), for tests of the refusal.
+pub const FREE_SPACE_ENV: &str = "MOECONF_TEST_FREE_SPACE";
+
+/// Free bytes of the filesystem `output` is written to (its directory's,
+/// for unprivileged users), or `None` where it cannot be read;
+/// [`FREE_SPACE_ENV`] overrides it.
+fn free_space(output: &Path) -> Option<u64> {
+    if let Some(v) = std::env::var_os(FREE_SPACE_ENV) {
+        return v.to_str().and_then(|v| v.parse().ok());
+    }
+    let dir = match output.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    statvfs_free(dir)
+}
+
+#[cfg(unix)]
+fn statvfs_free(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statvfs the
+    // call fills; nothing is read unless it succeeds.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)] // the field types differ between platforms
+    (st.f_bavail as u64).checked_mul(st.f_frsize as u64)
+}
+
+#[cfg(not(unix))]
+fn statvfs_free(_dir: &Path) -> Option<u64> {
+    None
+}
 
 const RUN_EXAMPLES: &str = "Examples:
   moeconf run --model builtin:tiny-v4 --prompt \"why the sheep\" --max-new-tokens 8 -o ref.bin
@@ -169,18 +207,41 @@ pub fn run(a: &RunArgs) -> anyhow::Result<ExitCode> {
     // A built-in model's files are known once it is materialized.
     inputs.dir_files(&m.dir, "model file");
     moeconf_output::check_output(&a.output, &inputs)?;
+    let new = u64::from(a.max_new_tokens);
+    // The context and memory, then the trace's size against the output's
+    // free space, before the run (and before a built-in prompt is built).
+    let check_sizes = |prompt_tokens: u64| -> anyhow::Result<()> {
+        use moeconf_runner::limits::{
+            available_memory, check_disk, check_memory, estimate_memory, estimate_trace, human,
+        };
+        let cfg = m.model.config();
+        let chunk = a.prefill_chunk.map(u64::from);
+        let memory = estimate_memory(cfg, prompt_tokens, new, capture, chunk);
+        let available = available_memory();
+        check_memory(&memory, available, prompt_tokens, new)?;
+        let trace = estimate_trace(cfg, prompt_tokens, new, capture, precision.quantizes());
+        let free = free_space(&a.output);
+        if std::io::stderr().is_terminal() {
+            eprintln!(
+                "moeconf run: estimated memory {}{}, trace {}{}",
+                human(memory.total()),
+                available
+                    .map(|b| format!(" ({} available)", human(b)))
+                    .unwrap_or_default(),
+                human(trace.total()),
+                free.map(|b| format!(" ({} free)", human(b))).unwrap_or_default(),
+            );
+        }
+        Ok(check_disk(&trace, free, &a.output)?)
+    };
     let prompt = match (given, a.prompt_tokens) {
-        (Some(p), _) => p,
+        (Some(p), _) => {
+            let ids = m.tokenizer.encode_for(&p, m.model.config().vocab_size)?;
+            check_sizes(ids.len() as u64)?;
+            p
+        }
         (None, Some(n)) => {
-            // Refused before the prompt is built when the run cannot fit.
-            use moeconf_runner::limits::{available_memory, check_memory, estimate_memory};
-            let (n, new) = (u64::from(n), u64::from(a.max_new_tokens));
-            check_memory(
-                &estimate_memory(m.model.config(), n, new, capture, a.prefill_chunk.map(u64::from)),
-                available_memory(),
-                n,
-                new,
-            )?;
+            check_sizes(u64::from(n))?;
             moeconf_runner::builtin_long_prompt(&m, n as usize)?
         }
         (None, None) => anyhow::bail!("give the prompt with --prompt TEXT or --prompt-file FILE"),
