@@ -192,3 +192,48 @@ fn a_trace_larger_than_the_free_space_is_refused_before_the_run() {
     assert!(!e.contains("estimated"), "no estimate line off a terminal: {e}");
     assert_eq!(e.lines().count(), 2, "the summary alone: {e}");
 }
+
+/// A chunked prefill on a terminal (a pseudo-terminal from util-linux
+/// `script`) shows its chunk, the positions done, the rate and the time
+/// left, after a line with the memory and trace estimates; off a terminal
+/// standard error holds the run's summary alone, and the trace is the same
+/// bytes either way.
+#[test]
+fn a_chunked_prefill_shows_its_progress_on_a_terminal_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, tty) = (dir.path().join("plain.bin"), dir.path().join("tty.bin"));
+    let args = "run --prompt-tokens 4000 --prefill-chunk 500 --capture L0 --max-new-tokens 2";
+    let o = Command::new(env!("CARGO_BIN_EXE_moeconf"))
+        .args(args.split(' '))
+        .args(["-o", s(&plain)])
+        .output()
+        .expect("run moeconf");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert_eq!(e.lines().count(), 2, "the summary alone: {e}");
+    assert!(
+        !e.contains('\r') && !e.contains('\u{1b}'),
+        "no redraws when redirected: {e:?}"
+    );
+    let cmd = format!("{} {args} -o {}", env!("CARGO_BIN_EXE_moeconf"), s(&tty));
+    let o = Command::new("script")
+        .args(["-qec", &cmd, "/dev/null"])
+        .env("TERM", "xterm")
+        .output()
+        .expect("util-linux script (a pseudo-terminal) is part of the machine");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let screen = String::from_utf8_lossy(&o.stdout);
+    for part in [
+        "moeconf run: estimated memory",
+        ", trace ",
+        "free)",
+        "prefill ",
+        ": chunk ",
+        " (layer ",
+        "positions done, ",
+        " positions/s, ETA ",
+    ] {
+        assert!(screen.contains(part), "{part}: {screen:?}");
+    }
+    assert_eq!(std::fs::read(&plain).unwrap(), std::fs::read(&tty).unwrap());
+}

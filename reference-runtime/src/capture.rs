@@ -67,6 +67,10 @@ pub struct Progress {
     pub done: u64,
     /// Positions of this step.
     pub positions: u64,
+    /// Positions per chunk of a chunked prefill (`positions` when the step
+    /// is not chunked): the chunk of `done` starts at the multiple of
+    /// `chunk` at or below it.
+    pub chunk: u64,
 }
 
 /// A sink that wants nothing (for benchmarks of the bare forward).

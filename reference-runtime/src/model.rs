@@ -423,6 +423,7 @@ impl Model {
                     layers,
                     done: j as u64,
                     positions: ids.len() as u64,
+                    chunk: ids.len() as u64,
                 });
                 let t = pos0 + j as u32;
                 let fx = faults.map_or_else(Active::default, |f| f.active(state.step, li as u32, t));
@@ -592,6 +593,7 @@ impl Model {
                             layers: self.layers.len() as u32,
                             done: j as u64,
                             positions,
+                            chunk: s.chunk as u64,
                         });
                         let cx = TokenCtx {
                             cfg,
