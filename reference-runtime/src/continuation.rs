@@ -61,10 +61,12 @@ impl Continuation {
     /// every call. A sequence whose window (the ids after the closed
     /// prefix) is not as last seen is decoded in full.
     pub fn update(&mut self, det: &dyn Detokenize, ids: &[u32]) -> Result<(&str, usize), RuntimeError> {
-        let extends = ids.len() >= self.decoded
+        let splits = det.splits_at_complete_chars();
+        let extends = splits
+            && ids.len() >= self.decoded
             && self.decoded >= self.closed
             && ids.get(self.closed..self.decoded) == Some(&self.window[..]);
-        if !det.splits_at_complete_chars() || !extends {
+        if !extends {
             let text = det.decode(ids)?;
             self.full_decodes += 1;
             self.ids_decoded += ids.len() as u64;
@@ -73,8 +75,9 @@ impl Continuation {
             self.decoded = ids.len();
             self.closed = 0;
             self.closed_bytes = 0;
-            self.window = ids.to_vec();
-            if det.splits_at_complete_chars() {
+            self.window.clear();
+            if splits {
+                self.window.extend_from_slice(ids);
                 self.close();
             }
             return Ok((&self.text, kept));
