@@ -22,7 +22,8 @@
 //! Independent check: the tests compare every digest with `blake3::hash` of
 //! the same bytes, over random sizes, appends, rewrites and truncations.
 
-use blake3::hazmat::{left_subtree_len, merge_subtrees_non_root, merge_subtrees_root, HasherExt, Mode};
+use crate::blake3_tree::{merge_chunks, root_from_block_cvs};
+use blake3::hazmat::HasherExt;
 use blake3::{Hasher, CHUNK_LEN};
 use std::ops::Range;
 
@@ -236,35 +237,20 @@ impl IncrementalBlake3 {
     }
 
     /// The root from the cached block values (the stream itself only when it
-    /// is at most one block, whose root is its plain hash).
+    /// is at most one block, whose root is its plain hash), merged along
+    /// BLAKE3's tree ([`crate::blake3_tree`]).
     fn root(&self, s: Stream<'_>) -> blake3::Hash {
         let total = s.len();
-        if total <= self.block {
-            let mut h = Hasher::new();
-            s.feed(&mut h, 0..total);
-            return h.finalize();
+        if total > self.block {
+            if let Some(h) = root_from_block_cvs(&self.cvs, self.block as u64, total as u64) {
+                return h;
+            }
         }
-        let left = left_subtree_len(total as u64) as usize;
-        merge_subtrees_root(
-            &self.subtree(0, left),
-            &self.subtree(left, total - left),
-            Mode::Hash,
-        )
-    }
-
-    /// Chaining value of the subtree of `len` bytes at `offset` (a multiple
-    /// of the block size; BLAKE3's splits above one block fall on block
-    /// boundaries because the block is a power of two of chunks).
-    fn subtree(&self, offset: usize, len: usize) -> [u8; 32] {
-        if len <= self.block {
-            return self.cvs[offset / self.block];
-        }
-        let left = left_subtree_len(len as u64) as usize;
-        merge_subtrees_non_root(
-            &self.subtree(offset, left),
-            &self.subtree(offset + left, len - left),
-            Mode::Hash,
-        )
+        // At most one block (or, never, a cache that does not cover the
+        // stream): hash the stream itself.
+        let mut h = Hasher::new();
+        s.feed(&mut h, 0..total);
+        h.finalize()
     }
 
     /// Re-hashes up to `blocks` cached blocks of `data` (the buffer of the
@@ -324,22 +310,6 @@ impl IncrementalBlake3 {
             end: (start + self.block).min(s.len()),
         })
     }
-}
-
-/// The chaining value of a subtree of `len` bytes from the values of its
-/// chunks (BLAKE3's tree: the left subtree is the largest power of two of
-/// chunks strictly smaller than its parent).
-fn merge_chunks(cvs: &[[u8; 32]], len: usize) -> [u8; 32] {
-    if len <= CHUNK_LEN || cvs.len() <= 1 {
-        return cvs.first().copied().unwrap_or_default();
-    }
-    let left = left_subtree_len(len as u64) as usize;
-    let k = left / CHUNK_LEN;
-    merge_subtrees_non_root(
-        &merge_chunks(&cvs[..k], left),
-        &merge_chunks(&cvs[k..], len - left),
-        Mode::Hash,
-    )
 }
 
 /// The hashed stream: `prefix` then `data`, addressed as one byte range.
