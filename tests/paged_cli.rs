@@ -115,6 +115,14 @@ fn paged_traces_answer_as_version_3_and_falsified_pages_exit_2() {
         let (code, _, err) = moeconf(d, &["convert", s(from), "-o", s(to), "--to", "3"]);
         assert_eq!(code, 0, "{err}");
     }
+    // Converting back gives `run`'s paged file byte for byte.
+    let back = d.join("back4.bin");
+    let (code, _, err) = moeconf(d, &["convert", s(&c3), "-o", s(&back), "--to", "4"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        std::fs::read(&back).unwrap() == std::fs::read(&c4).unwrap(),
+        "3 -> 4 is run's file"
+    );
     let t4 = Trace::open_verified(&c4).unwrap();
     assert_eq!(t4.format_version(), 4);
     assert_eq!(t4.root(), Trace::open(&c3).unwrap().root());
