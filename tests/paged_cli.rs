@@ -177,6 +177,7 @@ fn paged_traces_answer_as_version_3_and_falsified_pages_exit_2() {
         PageLie::Cv(j),
         PageLie::Shift(j),
         PageLie::Boundary(j),
+        PageLie::Digest(j),
         PageLie::Missing,
         PageLie::Truncated(j),
     ] {

@@ -231,6 +231,8 @@ fn every_falsified_page_table_page_or_count_is_an_error() {
         PageLie::Shift(1),
         PageLie::Boundary(1),
         PageLie::Boundary(2),
+        PageLie::Digest(0),
+        PageLie::Digest(1),
         PageLie::Missing,
         PageLie::Truncated(0),
         PageLie::Truncated(2),
