@@ -930,11 +930,13 @@ impl Ctx<'_> {
                     let r = self.s.r;
                     let key = |c: &moeconf_fingerprint::Coord| (ExecKey::of(c), c.phase, c.path.clone());
                     let bound = p.r.map(|i| key(&r.record(i).coord));
-                    let mut last: Option<(_, usize)> = None;
+                    let mut last: Option<(_, moeconf_fingerprint::Coord)> = None;
                     if let Some(level) = self.s.step_node(r, s).and_then(|n| n.level(Level::L3)) {
                         for g in &level.groups {
-                            for &i in self.s.group_ids(r, g) {
-                                let c = &r.record(i).coord;
+                            // Counted from the groups read whole and not
+                            // kept (no record of them is needed by id).
+                            for h in self.s.group_held(r, g) {
+                                let c = &h.entry().coord;
                                 if !is_checkpoint(&c.path) {
                                     continue;
                                 }
@@ -942,14 +944,13 @@ impl Ctx<'_> {
                                 if bound.as_ref().is_none_or(|b| &k < b) {
                                     rep.earlier_checkpoints_matched += 1;
                                     if last.as_ref().is_none_or(|(l, _)| &k > l) {
-                                        last = Some((k, i));
+                                        last = Some((k, c.clone()));
                                     }
                                 }
                             }
                         }
                     }
-                    rep.last_matched_checkpoint =
-                        last.map(|(_, i)| RecordRef::new(Level::L3, &self.s.r.record(i).coord, "both"));
+                    rep.last_matched_checkpoint = last.map(|(_, c)| RecordRef::new(Level::L3, &c, "both"));
                 }
             }
             if rep.route.is_none() {

@@ -425,12 +425,9 @@ fn event_records(t: &Trace, (step, layer, position): Key) -> Result<Vec<usize>, 
     };
     for l in &node.levels {
         if let Some(g) = l.group(Some(layer)) {
-            ids.extend(
-                t.group_records(g)?
-                    .iter()
-                    .copied()
-                    .filter(|&i| t.record(i).coord.position == position),
-            );
+            // A paged group (format version 4) reads only the pages holding
+            // the position.
+            ids.extend(t.group_entries_at(g, position)?.into_iter().map(|(i, _)| i));
         }
     }
     // Execution order from the coordinates, never the write-order numbers

@@ -79,26 +79,60 @@ impl Kinds {
     }
 }
 
+/// The group of `layer` at `level` of a step node.
+fn group_of(
+    n: Option<&moeconf_schema::StepNode>,
+    level: Level,
+    layer: u32,
+) -> Option<&moeconf_schema::GroupNode> {
+    n.and_then(|n| n.level(level)).and_then(|l| l.group(Some(layer)))
+}
+
 /// The kinds of `layer` consistent with the records both traces hold at
 /// `step` (levels in `compared` only).
 pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) -> Kinds {
     let mut present: HashSet<Component> = HashSet::new();
-    for t in [s.r, s.c] {
-        let Some(node) = s.step_node(t, step) else {
+    let mut add = |path: &str| {
+        if let Some((c, _)) = Component::parse(path) {
+            present.insert(c);
+        }
+    };
+    let (rn, cn) = (s.step_node(s.r, step), s.step_node(s.c, step));
+    for level in [Level::L2, Level::L3, Level::L4] {
+        if !compared.contains(level) {
             continue;
-        };
-        for level in [Level::L2, Level::L3, Level::L4] {
-            if !compared.contains(level) {
-                continue;
+        }
+        let (rg, cg) = (group_of(rn, level, layer), group_of(cn, level, layer));
+        // Which paths the groups hold: the reference's read whole (every
+        // page of a paged group), not kept; the candidate's only where it
+        // can hold another path: nowhere when the digests are equal, only
+        // in the pages that differ when both are paged alike
+        // (`Sides::differing_page_records`), else whole.
+        if let Some(g) = rg {
+            for r in s.group_held(s.r, g) {
+                add(&r.entry().coord.path);
             }
-            let Some(g) = node.level(level).and_then(|l| l.group(Some(layer))) else {
-                continue;
-            };
-            present.extend(
-                s.group_entries(t, g)
-                    .iter()
-                    .filter_map(|(_, e)| Component::parse(&e.coord.path).map(|(c, _)| c)),
-            );
+        }
+        match (rg, cg) {
+            (Some(a), Some(b)) if a.digest == b.digest => {}
+            (Some(a), Some(b)) => match s.differing_page_records(a, b) {
+                Some(records) => {
+                    for (_, e) in records {
+                        add(&e.coord.path);
+                    }
+                }
+                None => {
+                    for r in s.group_held(s.c, b) {
+                        add(&r.entry().coord.path);
+                    }
+                }
+            },
+            (None, Some(b)) => {
+                for r in s.group_held(s.c, b) {
+                    add(&r.entry().coord.path);
+                }
+            }
+            _ => {}
         }
     }
     if present.is_empty() {

@@ -138,6 +138,16 @@ impl<'a> Sides<'a> {
         self.latch(t, r, GroupRecords::empty())
     }
 
+    /// The records of a group of `t`, read and verified but not kept by the
+    /// trace (empty when unreadable, the failure remembered): for a question
+    /// about the whole group that needs no record by id afterwards (which
+    /// paths it holds, how many), at the cost of reading it, without the
+    /// memory and the lookups of keeping it.
+    pub fn group_held(&self, t: &'a Trace, g: &'a GroupNode) -> Vec<moeconf_schema::HeldRecord> {
+        let r = t.read_group(g);
+        self.latch(t, r, Vec::new())
+    }
+
     /// The group of (`step`, `level`, `layer`) in `t`.
     pub fn group(&self, t: &'a Trace, step: u32, level: Level, layer: Option<u32>) -> Option<&'a GroupNode> {
         self.step_node(t, step)
@@ -256,8 +266,13 @@ impl<'a> Sides<'a> {
                 }
                 Ordering::Equal => {
                     if rg[i].digest != cg[j].digest {
-                        let ra: Vec<_> = self.group_entries(self.r, &rg[i]).iter().collect();
-                        let ca: Vec<_> = self.group_entries(self.c, &cg[j]).iter().collect();
+                        let (ra, ca) = match self.differing_pages(&rg[i], &cg[j]) {
+                            Some(pair) => pair,
+                            None => (
+                                self.group_entries(self.r, &rg[i]).iter().collect(),
+                                self.group_entries(self.c, &cg[j]).iter().collect(),
+                            ),
+                        };
                         merge_join(&ra, &ca, &mut out, |x, y| {
                             x.digest != y.digest || x.dtype != y.dtype || x.shape != y.shape
                         });
@@ -269,6 +284,53 @@ impl<'a> Sides<'a> {
         }
         out.sort_by_cached_key(|&p| self.exec_key(p));
         out
+    }
+
+    /// The records of the pages that differ between two paged groups of the
+    /// same (step, level, layer) (format version 4, docs/format.md §11.9),
+    /// when both are stored paged with the same record count (the same
+    /// layout): pages with equal chaining values hold the same record
+    /// digests at the same places, so every differing record lies in a
+    /// page whose values differ, and the records of those pages, merged,
+    /// pair exactly as the whole groups' would (their keys lie strictly
+    /// between the equal records around them). `None`: read the groups
+    /// whole. A read that fails is remembered like any other.
+    #[allow(clippy::type_complexity)]
+    fn differing_pages(
+        &self,
+        a: &'a GroupNode,
+        b: &'a GroupNode,
+    ) -> Option<(Vec<(usize, &'a IndexEntry)>, Vec<(usize, &'a IndexEntry)>)> {
+        if a.records != b.records {
+            return None;
+        }
+        let va = self.latch(self.r, self.r.group_pages(a), None)?;
+        let vb = self.latch(self.c, self.c.group_pages(b), None)?;
+        if va.len() != vb.len() {
+            return None;
+        }
+        let differ: Vec<u64> = (0..va.len())
+            .filter(|&j| va[j] != vb[j])
+            .map(|j| j as u64)
+            .collect();
+        let ra = self.r.group_page_entries(a, &differ);
+        let ca = self.c.group_page_entries(b, &differ);
+        Some((
+            self.latch(self.r, ra, Vec::new()),
+            self.latch(self.c, ca, Vec::new()),
+        ))
+    }
+
+    /// The candidate's records of the pages of `b` whose chaining values
+    /// differ from those of the reference's `a` (both paged alike, see
+    /// [`Sides::differing_pages`]): every record of `b` that is not a record
+    /// of `a` is among them. `None` when the groups are not paged alike.
+    pub fn differing_page_records(
+        &self,
+        a: &'a GroupNode,
+        b: &'a GroupNode,
+    ) -> Option<Vec<(usize, &'a IndexEntry)>> {
+        self.differing_pages(a, b).map(|(_, c)| c)
     }
 
     /// The coordinate-matched records of both traces: records of `level` at
@@ -287,8 +349,17 @@ impl<'a> Sides<'a> {
             let Some(g) = self.group(t, step, level, layer) else {
                 return Vec::new();
             };
-            self.group_entries(t, g)
-                .iter()
+            // At one position, a paged group (format version 4) reads only
+            // the pages holding it.
+            let records: Vec<(usize, &'a IndexEntry)> = match position {
+                Some(p) => {
+                    let r = t.group_entries_at(g, p);
+                    self.latch(t, r, Vec::new())
+                }
+                None => self.group_entries(t, g).iter().collect(),
+            };
+            records
+                .into_iter()
                 .filter(|(_, e)| {
                     position.is_none_or(|p| e.coord.position == p)
                         && if prefix {

@@ -14,8 +14,8 @@ pub const LONG: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     "\ncommit: ",
     env!("MOECONF_BUILD_COMMIT"),
-    "\ntrace formats read: 1 2 3",
-    "\ntrace formats written: 1 2 3 (default 3)",
+    "\ntrace formats read: 1 2 3 4",
+    "\ntrace formats written: 1 2 3 4 (default 4)",
     "\nbaseline schema: 3",
 );
 

@@ -1,5 +1,5 @@
 //! Both container format versions as a user meets them (docs/format.md §11):
-//! `run` writes version 2; `moeconf convert` rewrites a trace in either
+//! `run` writes version 4; `moeconf convert` rewrites a trace in any
 //! version with the same root and refuses the outputs every command refuses;
 //! and `diff`, `gate`, `inspect` and `explain` say the same thing of the same
 //! records in either version (also of mixed pairs), so version 1 traces read
@@ -65,30 +65,30 @@ fn renamed(text: &str, from: &[&Path], to: &[&Path]) -> String {
 }
 
 #[test]
-fn run_writes_version_3_and_convert_keeps_the_root_every_way() {
+fn run_writes_version_4_and_convert_keeps_the_root_every_way() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let v3 = d.join("run.bin");
-    run(d, &v3, &[]);
-    let t3 = Trace::open_verified(&v3).unwrap();
-    assert_eq!(t3.format_version(), 3);
+    let v4 = d.join("run.bin");
+    run(d, &v4, &[]);
+    let t4 = Trace::open_verified(&v4).unwrap();
+    assert_eq!(t4.format_version(), 4);
     let mut inspected = Vec::new();
-    for to in ["1", "2"] {
+    for to in ["1", "2", "3"] {
         let (v, back) = (d.join(format!("v{to}.bin")), d.join(format!("back{to}.bin")));
-        convert(d, &v3, &v, to);
+        convert(d, &v4, &v, to);
         let t = Trace::open_verified(&v).unwrap();
         assert_eq!(t.format_version().to_string(), to);
-        assert_eq!(t.root(), t3.root(), "the same tree in every version");
-        assert_eq!(t.record_count(), t3.record_count());
-        convert(d, &v, &back, "3");
+        assert_eq!(t.root(), t4.root(), "the same tree in every version");
+        assert_eq!(t.record_count(), t4.record_count());
+        convert(d, &v, &back, "4");
         assert_eq!(
             std::fs::read(&back).unwrap(),
-            std::fs::read(&v3).unwrap(),
-            "3 -> {to} -> 3 gives run's file back"
+            std::fs::read(&v4).unwrap(),
+            "4 -> {to} -> 4 gives run's file back"
         );
         inspected.push(v);
     }
-    inspected.push(v3.clone());
+    inspected.push(v4.clone());
     // inspect says the same of every version but the version.
     let mut js: Vec<serde_json::Value> = inspected
         .iter()
@@ -98,7 +98,7 @@ fn run_writes_version_3_and_convert_keeps_the_root_every_way() {
         js.iter()
             .map(|j| j["format_version"].as_u64())
             .collect::<Vec<_>>(),
-        [Some(1), Some(2), Some(3)]
+        [Some(1), Some(2), Some(3), Some(4)]
     );
     for j in &mut js {
         let o = j.as_object_mut().unwrap();
@@ -106,8 +106,9 @@ fn run_writes_version_3_and_convert_keeps_the_root_every_way() {
             o.remove(k);
         }
     }
-    assert_eq!(js[0], js[2]);
-    assert_eq!(js[1], js[2]);
+    assert_eq!(js[0], js[3]);
+    assert_eq!(js[1], js[3]);
+    assert_eq!(js[2], js[3]);
     // The shipped version 1 test vector converts with its pinned root.
     let vector = repo_root().join("fixtures/test-vectors/minimal-trace.bin");
     let conv = d.join("minimal-v2.bin");
@@ -177,8 +178,8 @@ fn convert_refuses_the_outputs_every_command_refuses() {
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
     assert!(leftovers.is_empty(), "no temporary file left: {leftovers:?}");
-    // --to accepts 1, 2 and 3 only.
-    let o = moeconf(d, &["convert", s(&input), "-o", s(&out), "--to", "4"]);
+    // --to accepts 1, 2, 3 and 4 only.
+    let o = moeconf(d, &["convert", s(&input), "-o", s(&out), "--to", "5"]);
     assert_eq!(code(&o), 2);
 }
 
@@ -206,10 +207,13 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
             "2",
         ],
     );
-    // `run` writes version 3: r2 and c2 are its files, converted.
+    // `run` writes version 4: r2 and c2 are its files, converted.
+    let (r4, c4) = (d.join("r4.bin"), d.join("c4.bin"));
+    std::fs::rename(&r2, &r4).unwrap();
+    std::fs::rename(&c2, &c4).unwrap();
     let (r3, c3) = (d.join("r3.bin"), d.join("c3.bin"));
-    std::fs::rename(&r2, &r3).unwrap();
-    std::fs::rename(&c2, &c3).unwrap();
+    convert(d, &r4, &r3, "3");
+    convert(d, &c4, &c3, "3");
     convert(d, &r3, &r2, "2");
     convert(d, &c3, &c2, "2");
     let (r1, c1) = (d.join("r1.bin"), d.join("c1.bin"));
@@ -223,6 +227,9 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
         (&r3, &c3),
         (&r3, &c1),
         (&r2, &c3),
+        (&r4, &c4),
+        (&r4, &c1),
+        (&r3, &c4),
     ] {
         let names: [&Path; 2] = [r, c];
         for args in [
@@ -244,14 +251,21 @@ fn diff_gate_and_explain_answer_the_same_for_both_versions() {
             assert_eq!(renamed(&stdout(&got), &names, &v2), stdout(&want), "{a:?}");
         }
     }
-    for (v, t) in [(&c1, &c2), (&r1, &r2), (&c3, &c2), (&r3, &r2)] {
+    for (v, t) in [
+        (&c1, &c2),
+        (&r1, &r2),
+        (&c3, &c2),
+        (&r3, &r2),
+        (&c4, &c2),
+        (&r4, &r2),
+    ] {
         let got = moeconf(d, &["explain", s(v), "--format", "json"]);
         let want = moeconf(d, &["explain", s(t), "--format", "json"]);
         assert_eq!(code(&got), code(&want), "{}", stderr(&got));
         assert_eq!(renamed(&stdout(&got), &[v], &[t]), stdout(&want));
     }
     // Equal traces in either version are equivalent, whatever their versions.
-    for (a, b) in [(&r1, &r2), (&r1, &r3), (&r3, &r2)] {
+    for (a, b) in [(&r1, &r2), (&r1, &r3), (&r3, &r2), (&r4, &r1), (&r4, &r3)] {
         let o = moeconf(d, &["diff", s(a), s(b)]);
         assert_eq!(code(&o), 0, "{}", stdout(&o));
     }

@@ -26,10 +26,12 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod algorithm;
+pub mod blake3_tree;
 mod canonical;
 pub mod catalogue;
 mod coord;
 mod dtype;
+pub mod group_pages;
 pub mod incremental;
 mod lanes;
 mod record;
@@ -49,6 +51,7 @@ pub use record::{
     FingerprintError, RecordRef, TensorView, BATCH_MAX_BYTES, DOMAIN_RECORD, MAX_RANK, PREIMAGE_ALIGN,
 };
 pub use tree::{
-    binding_digest, group_digest, level_digest, root_digest, step_digest, GroupNode, HashTree, Leaf,
-    LevelNode, RootHasher, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL, DOMAIN_ROOT, DOMAIN_STEP,
+    binding_digest, group_digest, group_prefix, level_digest, root_digest, step_digest, GroupNode, HashTree,
+    Leaf, LevelNode, RootHasher, StepNode, DOMAIN_BINDING, DOMAIN_GROUP, DOMAIN_LEVEL, DOMAIN_ROOT,
+    DOMAIN_STEP,
 };

@@ -105,8 +105,10 @@ fn hash_list(
 
 /// Digest of a layer group: the records of one (step, level, layer), given
 /// as their record digests in canonical order. The one definition of the
-/// group preimage: [`HashTree::build`] and the readers of persisted nodes
-/// (trace format version 2) both use it.
+/// group preimage ([`group_prefix`], then the digests): [`HashTree::build`]
+/// and the readers of persisted nodes (trace format version 2) both use it,
+/// and format version 4's pages cut the same preimage
+/// ([`crate::group_pages`]).
 pub fn group_digest(
     alg: Algorithm,
     step: u32,
@@ -115,8 +117,24 @@ pub fn group_digest(
     records: impl ExactSizeIterator<Item = Digest>,
 ) -> Digest {
     let mut e = Encoder::with_capacity(64 + 32 * records.len());
-    e.str(DOMAIN_GROUP).u32(step).u32(level.code()).opt_u32(layer);
-    hash_list(alg, &mut e, records.map(|d| (None, d)))
+    e.raw(&group_prefix(step, level, layer, records.len() as u64));
+    for d in records {
+        e.raw(&d.0);
+    }
+    alg.hash(e.as_bytes())
+}
+
+/// The bytes of a layer group's preimage before its record digests: the
+/// domain tag, step, level, layer and the number of records (the length of
+/// the digest list).
+pub fn group_prefix(step: u32, level: Level, layer: Option<u32>, records: u64) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(48);
+    e.str(DOMAIN_GROUP)
+        .u32(step)
+        .u32(level.code())
+        .opt_u32(layer)
+        .u64(records);
+    e.into_bytes()
 }
 
 /// Digest of a level node: its group digests in canonical order (layer

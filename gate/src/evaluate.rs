@@ -109,6 +109,19 @@ impl<'a> Margins<'a> {
     ) -> Result<Option<f64>, GateError> {
         let t = self.reference;
         let key = (step, layer, component);
+        if let (Some(p), false) = (position, self.sites.borrow().contains_key(&key)) {
+            // One site of a layer whose groups are paged (format version 4):
+            // read only the pages holding its position, not the groups.
+            if let Some(ids) = self.paged_site(step, layer, p, component)? {
+                let mut found = None;
+                for i in ids {
+                    if let Some(v) = judge::scalar(t, i).map_err(GateError::Reference)? {
+                        found = Some(v);
+                    }
+                }
+                return Ok(found);
+            }
+        }
         if !self.sites.borrow().contains_key(&key) {
             let Some(node) = t.step(step).map_err(GateError::Reference)? else {
                 return Ok(None);
@@ -149,6 +162,42 @@ impl<'a> Margins<'a> {
             }
         }
         Ok(found)
+    }
+
+    /// The records of `component` at (`step`, `layer`, `position`) in
+    /// execution order, when a group of that layer is stored paged
+    /// (format version 4): each level's group read only where it holds the
+    /// position ([`Trace::group_entries_at`]). `None` when no group of the
+    /// layer is paged (the caller indexes the groups whole, once).
+    fn paged_site(
+        &self,
+        step: u32,
+        layer: Option<u32>,
+        position: u32,
+        component: Component,
+    ) -> Result<Option<Vec<usize>>, GateError> {
+        let t = self.reference;
+        let Some(node) = t.step(step).map_err(GateError::Reference)? else {
+            return Ok(None);
+        };
+        let groups: Vec<_> = node.levels.iter().filter_map(|l| l.group(layer)).collect();
+        let mut paged = false;
+        for g in &groups {
+            paged |= t.group_pages(g).map_err(GateError::Reference)?.is_some();
+        }
+        if !paged {
+            return Ok(None);
+        }
+        let mut ids = Vec::new();
+        for g in groups {
+            for (i, e) in t.group_entries_at(g, position).map_err(GateError::Reference)? {
+                if component.matches(&e.coord.path) {
+                    ids.push(i);
+                }
+            }
+        }
+        ids.sort_by_cached_key(|&i| exec_order(t, i));
+        Ok(Some(ids))
     }
 
     /// The reference's `lm.margin` at `step`.

@@ -127,7 +127,7 @@ def check(path: Optional[str] = None) -> BinaryInfo:
     binary's default written version readable here. Raises
     :class:`BinaryError` naming the mismatch."""
     from . import __version__
-    from .trace import FORMAT_V1, FORMAT_VERSION
+    from .trace import FORMAT_V1, FORMAT_VERSION, READ_VERSION
 
     b = info(path)
     problems = []
@@ -140,7 +140,7 @@ def check(path: Optional[str] = None) -> BinaryInfo:
     unread = [v for v in ours if v not in b.reads]
     if unread:
         problems.append(f"it does not read trace format version(s) {unread} that this package writes")
-    if b.default_write not in ours:
+    if b.default_write not in range(FORMAT_V1, READ_VERSION + 1):
         problems.append(f"it writes trace format version {b.default_write} by default, which this package cannot read")
     if problems:
         raise BinaryError(

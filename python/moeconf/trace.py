@@ -65,6 +65,9 @@ END_MAGIC = b"MOECEND\x00"
 FORMAT_VERSION = 3
 #: The first container version (a flat index).
 FORMAT_V1 = 1
+#: The newest container version this module reads: version 4 (large groups
+#: paged, docs/format.md section 11.9) is read, not written.
+READ_VERSION = 4
 #: Preamble size.
 PREAMBLE_LEN = 32
 #: Trailer size of version 1 (version 2: :data:`moeconf.v2.TRAILER_V2_LEN`).
@@ -395,7 +398,8 @@ class TraceWriter:
     def __init__(self, path, binding, provenance=None, algorithm="blake3", inputs=(), format_version=FORMAT_VERSION):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown digest algorithm {algorithm!r} (use blake3 or sha256)")
-        if format_version != FORMAT_V1 and not v2.is_block_format(format_version):
+        if format_version != FORMAT_V1 and not v2.is_block_format(format_version) or format_version == v2.FORMAT_V4:
+            # Version 4 (paged groups) is read here but written by the Rust writers only.
             raise ValueError(f"format version {format_version!r} cannot be written (1, 2 or 3)")
         self.format_version = format_version
         self.path = os.fspath(path)
@@ -707,7 +711,7 @@ def read_trace(path, verify=True):
         raise fail(0, 'not a moeconf trace (bad magic; expected "MOECONF\\0")')
     version, flags, alg_code, reserved, header_len = struct.unpack_from("<IIIIQ", b, 8)
     if version != FORMAT_V1 and not v2.is_block_format(version):
-        raise fail(8, f"unsupported format version {version} (this reader supports versions 1 to {FORMAT_VERSION})")
+        raise fail(8, f"unsupported format version {version} (this reader supports versions 1 to {READ_VERSION})")
     if v2.is_block_format(version) and n < PREAMBLE_LEN + v2.TRAILER_V2_LEN:
         raise fail(0, f"file is {n} bytes, shorter than the smallest version {version} trace")
     if flags != 0:
@@ -820,8 +824,44 @@ def _check_zero(b, lo, hi, fail):
         raise fail(lo + k, "padding byte is not zero (corrupted file)")
 
 
+def _read_pages(b, block, fail, gname, step, lv, g, pages, prefix_len, floor):
+    """Every record of a paged group (format version 4, section 11.9): the page
+    table's size and placement, then every page block (its digest, that it names
+    the group and the page and holds the records the layout puts in it), a record
+    two pages share identical in both. The caller checks the records and the
+    group digest as a group block's (no chaining value is needed for that)."""
+    count = -(-(prefix_len + 32 * g.records) // v2.PAGE_BYTES)
+    if len(pages) != count:
+        raise fail(g.block.offset, f"{gname}: has {len(pages)} pages, a group of {g.records} records has {count}")
+    out = []
+    cursor = floor
+    for j, (_cv, ref) in enumerate(pages):
+        if ref.offset % ALIGN or ref.offset < cursor or ref.offset + ref.length > g.block.offset:
+            raise fail(g.block.offset, f"{gname}: page {j}'s block at {ref.offset} (+{ref.length}) is misaligned, out "
+                                       "of order or not between the previous group's block and this one")
+        cursor = ref.offset + ref.length
+        pname = f"{gname} page {j}"
+        data = block(ref, pname)
+        try:
+            pstep, plevel, player, page, entries = v2.decode_page_block(data, ref.offset, Record)
+        except WireError as e:
+            raise fail(e.offset, f"{pname}: {e.what}") from None
+        if (pstep, plevel, player, page) != (step, lv, g.layer, j):
+            raise fail(ref.offset, f"{pname}: says it holds step {pstep} level L{plevel} layer {player} page {page}")
+        want = v2.page_entries(prefix_len, g.records, j)
+        if len(entries) != len(want):
+            raise fail(ref.offset, f"{pname}: holds {len(entries)} records, the group's layout puts {len(want)} in it")
+        skip = max(len(out) - want.start, 0)
+        for (o1, r1, _), (o2, r2, _) in zip(out[want.start:], entries[:skip]):
+            if o1 != o2 or r1 != r2:
+                raise fail(ref.offset, f"{pname}: record {r2.coord}, which pages {j - 1} and {j} share, differs "
+                                       "between them")
+        out.extend(entries[skip:])
+    return out
+
+
 def _read_v2(path, b, alg, header_end, payload_start, verify, fail, version=v2.FORMAT_V2):
-    """Reads a version 2 or 3 trace whole (see :func:`read_trace`)."""
+    """Reads a version 2, 3 or 4 trace whole (see :func:`read_trace`)."""
     n = len(b)
     t0 = n - v2.TRAILER_V2_LEN
     if b[t0:t0 + 8] != END_MAGIC or b[t0 + 128:t0 + 136] != END_MAGIC:
@@ -939,15 +979,31 @@ def _read_v2(path, b, alg, header_end, payload_start, verify, fail, version=v2.F
                 raise sfail("its level digests differ from those the root block lists")
         base, count = bases[k], sum(s.level_records)
         mine = []
+        # Version 4: each paged group's page blocks, and where the previous
+        # group's block ends (a paged group's pages lie after it).
+        page_blocks, page_floor = {}, []
         for lv, g in blocks:
             gname = f"step {step} level L{lv} layer {g.layer}'s group block"
             gdata = block(g.block, gname)
             try:
-                gstep, glevel, glayer, entries = v2.decode_group_block(gdata, g.block.offset, Record)
+                gstep, glevel, glayer, entries, pages = v2.decode_group_block_paged(
+                    gdata, g.block.offset, Record, version >= v2.FORMAT_V4)
             except WireError as e:
                 raise fail(e.offset, f"{gname}: {e.what}") from None
             if (gstep, glevel, glayer) != (step, lv, g.layer):
                 raise fail(g.block.offset, f"{gname}: says it holds step {gstep} level L{glevel} layer {glayer}")
+            prefix_len = v2.group_prefix_len(g.layer)
+            should_page = (version >= v2.FORMAT_V4 and alg == "blake3"
+                           and prefix_len + 32 * g.records > v2.PAGE_BYTES)
+            if should_page != bool(pages):
+                raise fail(g.block.offset, f"{gname}: a group of {g.records} records is "
+                                           f"{'' if should_page else 'not '}stored paged in format version "
+                                           f"{version}")
+            if pages:
+                entries = _read_pages(b, block, fail, gname, step, lv, g, pages, prefix_len,
+                                      page_floor[-1] if page_floor else regions[k])
+                page_blocks[(lv, g.layer)] = [ref for _, ref in pages]
+            page_floor.append(g.block.offset + g.block.length)
             if len(entries) != g.records:
                 raise fail(g.block.offset, f"{gname}: holds {len(entries)} records, its step says {g.records}")
             prev = None
@@ -998,6 +1054,9 @@ def _read_v2(path, b, alg, header_end, payload_start, verify, fail, version=v2.F
                                     "(corrupted payload)")
                 cur = off + ln
             for lv, g in blocks:
+                for j, ref in enumerate(page_blocks.get((lv, g.layer), [])):
+                    chunk(cur, ref.offset, f"step {step} level L{lv} layer {g.layer}'s page {j}")
+                    cur = ref.offset + ref.length
                 chunk(cur, g.block.offset, f"step {step} level L{lv} layer {g.layer}'s group block")
                 cur = g.block.offset + g.block.length
             chunk(cur, s.block.offset, f"step {step}'s block")

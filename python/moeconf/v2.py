@@ -20,7 +20,8 @@ __all__ = [
     "MIN_GROUP_REF_LEN", "MIN_LEVEL_LEN", "STEP_REF_LEN", "STEP_REF_LEN_V3", "FORMAT_V3", "is_block_format",
     "step_ref_len", "BlockRef", "GroupRef", "StepRef", "block_digest",
     "checksum_v2", "encode_group_block", "decode_group_block", "encode_step_block", "decode_step_block",
-    "encode_root_block", "decode_root_block",
+    "encode_root_block", "decode_root_block", "FORMAT_V4", "KIND_PAGE", "PAGE_BYTES", "PAGE_REF_LEN",
+    "decode_group_block_paged", "decode_page_block", "page_entries",
 ]
 
 #: The container version with persisted tree nodes.
@@ -42,16 +43,44 @@ STEP_REF_LEN = 4 + 32 + 8 * 5 + 8 + 8 + 32
 FORMAT_V3 = 3
 STEP_REF_LEN_V3 = STEP_REF_LEN + 5 * 32
 ZERO = bytes(32)
+#: Version 4: version 3 whose layer groups longer than one page (BLAKE3
+#: traces) are stored as page blocks under a page table, docs/format.md
+#: section 11.9. Read here; written by the Rust writers only.
+FORMAT_V4 = 4
+#: Block kind code of a page block (version 4).
+KIND_PAGE = 3
+#: Bytes of a group's digest preimage per page (128 BLAKE3 chunks).
+PAGE_BYTES = 128 * 1024
+#: Size of an encoded page reference (chaining value, block reference).
+PAGE_REF_LEN = 32 + 8 + 8 + 32
 
 
 def is_block_format(version):
-    """Whether ``version`` is one of the block formats (2 or 3)."""
-    return version in (FORMAT_V2, FORMAT_V3)
+    """Whether ``version`` is one of the block formats (2, 3 or 4)."""
+    return version in (FORMAT_V2, FORMAT_V3, FORMAT_V4)
 
 
 def step_ref_len(version):
-    """Size of one step reference of ``version`` (2 or 3)."""
-    return STEP_REF_LEN_V3 if version == FORMAT_V3 else STEP_REF_LEN
+    """Size of one step reference of ``version`` (2, 3 or 4)."""
+    return STEP_REF_LEN_V3 if version >= FORMAT_V3 else STEP_REF_LEN
+
+
+def group_prefix_len(layer):
+    """Bytes of a group's digest preimage before its record digests (section 4.3): the
+    domain tag, step, level, layer and record count."""
+    return 8 + len("moeconf.group.v1") + 4 + 4 + (1 if layer is None else 5) + 8
+
+
+def page_entries(prefix_len, records, j):
+    """The records (indices in canonical order) whose digest bytes overlap page ``j``
+    of a group's preimage: ``range(first, last)``; a record straddling a page
+    boundary is in both pages (section 11.9)."""
+    total = prefix_len + 32 * records
+    a = min(j * PAGE_BYTES, total)
+    b = min(a + PAGE_BYTES, total)
+    first = max(a - prefix_len, 0) // 32
+    last = min(-(-max(b - prefix_len, 0) // 32), records)
+    return range(min(first, last), last)
 
 
 def block_digest(algorithm, data):
@@ -151,11 +180,46 @@ def decode_group_block(data, base, make_record):
     [(ordinal, Record, offset)])``; ``make_record(coord, level, dtype, shape,
     digest, payload)`` builds the records. Order, counts and locations are the
     reader's to check."""
+    step, level, layer, out, _ = decode_group_block_paged(data, base, make_record, False)
+    return step, level, layer, out
+
+
+def decode_group_block_paged(data, base, make_record, paged=True):
+    """:func:`decode_group_block` of version 4 (with ``paged``): a block without
+    entries carries a page table. Returns ``(step, level, layer, entries, pages)``,
+    ``pages`` a list of ``(chaining value, BlockRef)`` (empty unless paged)."""
     d = Decoder(data, base)
     _kind(d, KIND_GROUP, "group")
     step = d.u32("group step")
     level = _level(d, "group level")
     layer = d.opt_u32("group layer")
+    out = _entries(d, step, level, layer, make_record)
+    pages = []
+    if paged and not out:
+        n = d.length("page count", PAGE_REF_LEN, 2**64)
+        for _ in range(n):
+            cv = d.array32("page chaining value")
+            pages.append((cv, BlockRef.decode(d, "page block reference")))
+    d.finish("group block")
+    return step, level, layer, out, pages
+
+
+def decode_page_block(data, base, make_record):
+    """Decodes a page block (version 4): ``(step, level, layer, page, entries)``,
+    with the checks of :func:`decode_group_block`."""
+    d = Decoder(data, base)
+    _kind(d, KIND_PAGE, "page")
+    step = d.u32("page step")
+    level = _level(d, "page level")
+    layer = d.opt_u32("page layer")
+    page = d.u32("page number")
+    out = _entries(d, step, level, layer, make_record)
+    d.finish("page block")
+    return step, level, layer, page, out
+
+
+def _entries(d, step, level, layer, make_record):
+    """The entry list of a group or page block."""
     n = d.length("group entry count", MIN_GROUP_ENTRY_LEN, 2**64)
     out = []
     for _ in range(n):
@@ -197,8 +261,7 @@ def decode_group_block(data, base, make_record):
                 raise d.error(f"record {coord}: payload length {payload[1]} does not match shape {shape} of {dtype}",
                               oat)
         out.append((ordinal, make_record(coord, level, dtype, shape, digest, payload), at))
-    d.finish("group block")
-    return step, level, layer, out
+    return out
 
 
 def encode_step_block(step, levels):
@@ -248,7 +311,7 @@ def encode_root_block(steps):
 
 
 def decode_root_block(data, base, version=FORMAT_V2):
-    """Decodes the root block of ``version`` (2 or 3): ``[StepRef]``."""
+    """Decodes the root block of ``version`` (2, 3 or 4): ``[StepRef]``."""
     d = Decoder(data, base)
     _kind(d, KIND_ROOT, "root")
     n = d.length("root block step count", step_ref_len(version), 2**64)
@@ -258,7 +321,7 @@ def decode_root_block(data, base, version=FORMAT_V2):
         digest = d.array32("step digest")
         counts = [d.u64("step level record count") for _ in range(5)]
         block = BlockRef.decode(d, "step block reference")
-        levels = [d.array32("step level digest") for _ in range(5)] if version == FORMAT_V3 else None
+        levels = [d.array32("step level digest") for _ in range(5)] if version >= FORMAT_V3 else None
         steps.append(StepRef(step, digest, counts, block, levels))
     d.finish("root block")
     return steps

@@ -29,7 +29,7 @@ def fake(tmp_path, text, code=0, name="moeconf"):
 def test_the_real_binary_fits_this_package(moeconf_bin):
     b = binary.check(moeconf_bin)
     assert b.release == moeconf.__version__
-    assert b.reads == (1, 2, 3) and b.default_write == 3
+    assert b.reads == (1, 2, 3, 4) and b.default_write == 4
     assert re.fullmatch(r"[0-9a-f]{7,64}|unknown", b.commit)
 
 
@@ -57,8 +57,9 @@ def test_a_binary_that_cannot_read_what_this_package_writes_is_refused(tmp_path)
 
 
 def test_a_binary_writing_an_unknown_version_is_refused(tmp_path):
-    text = GOOD.format(release=moeconf.__version__).replace("written: 1 2 3 (default 3)", "written: 1 2 3 4 (default 4)")
-    with pytest.raises(BinaryError, match="version 4 by default"):
+    text = GOOD.format(release=moeconf.__version__).replace("written: 1 2 3 (default 3)",
+                                                            "written: 1 2 3 4 5 (default 5)")
+    with pytest.raises(BinaryError, match="version 5 by default"):
         binary.check(fake(tmp_path, text))
 
 

@@ -164,3 +164,48 @@ def test_recomputed_marker_is_read_by_rust_and_leaves_the_root(run_moeconf, tmp_
     assert p.returncode == 2 and RECOMPUTED_NOTE in p.stderr, p.stderr
     with pytest.raises(TraceFormatError, match=RECOMPUTED_NOTE):
         read_trace(bad)
+
+
+def test_python_reads_rust_version_4_paged_trace(run_moeconf, tmp_path):
+    """A long prompt's layer groups are longer than a page: ``moeconf run`` writes them
+    paged (format version 4, docs/format.md section 11.9); Python reads every page, checks
+    it and recomputes every group digest, and reads the same records as the version 3
+    conversion; a page falsified in one byte is refused."""
+    import pytest
+    import struct
+    from collections import Counter
+
+    from moeconf import v2
+    from moeconf.trace import TraceFormatError
+
+    x = tmp_path / "long.bin"
+    run_moeconf("run", "--model", "builtin:tiny-v4", "--prompt-tokens", "300", "--max-new-tokens", "1",
+                "--capture", "L0,L4", "-o", x)
+    doc = _inspect(run_moeconf, x)
+    t = read_trace(x)
+    assert t.format_version == 4
+    assert t.root.hex() == doc["root"]
+    assert len(t.records) == doc["records"]["total"]
+    sizes = Counter((r.coord.step, r.level, r.coord.layer) for r in t.records)
+    assert max(sizes.values()) * 32 + 45 > v2.PAGE_BYTES, "no group long enough to be paged"
+    y = tmp_path / "v3.bin"
+    run_moeconf("convert", x, "-o", y, "--to", "3")
+    t3 = read_trace(y)
+    assert t3.format_version == 3 and t3.root == t.root
+    assert [(r.coord, r.digest) for r in t3.records] == [(r.coord, r.digest) for r in t.records]
+    # A page block's entry count raised by one: the page no longer decodes (or holds
+    # more records than its layout) even with its block digest recomputed; here the
+    # digest is not, so the page table's reference refuses it first.
+    b = bytearray(x.read_bytes())
+    head = struct.pack("<III", v2.KIND_PAGE, 0, 4)  # a page block of step 0, level L4, a layer, page 0
+
+    def page_block(o):
+        return (b[o:o + 12] == head and b[o + 12] == 1 and struct.unpack_from("<I", b, o + 17)[0] == 0
+                and 1000 < struct.unpack_from("<Q", b, o + 21)[0] < 10**6)
+
+    at = next(o for o in range(64, len(b), 64) if page_block(o))
+    b[at + 40] ^= 0x01
+    z = tmp_path / "bad.bin"
+    z.write_bytes(bytes(b))
+    with pytest.raises(TraceFormatError, match="page"):
+        read_trace(z)

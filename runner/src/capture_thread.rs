@@ -512,11 +512,11 @@ mod tests {
         let (x, y) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
         assert!(x.len() > 1 << 20, "a trace with payloads ({} bytes)", x.len());
         assert!(x == y, "the two traces differ");
-        // The streaming writer (format version 2, one step's entries in
+        // The streaming writer (format version 4, one step's entries in
         // memory) is the one both threads ran, and its file verifies.
         let t = moeconf_schema::Trace::open_verified(&b).unwrap();
         assert_eq!(t.format_version(), moeconf_schema::DEFAULT_FORMAT_VERSION);
-        assert_eq!(t.format_version(), 3);
+        assert_eq!(t.format_version(), 4);
         assert_eq!(t.steps().len(), 6);
     }
 

@@ -16,7 +16,7 @@ pub const END_MAGIC: [u8; 8] = *b"MOECEND\0";
 /// The newest container format version this build reads and writes (and
 /// the version its writers write by default); version 1 stays readable and
 /// writable ([`crate::TraceWriter::create_version`]).
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// The first container format version (a flat index, docs/format.md §5).
 pub const FORMAT_V1: u32 = 1;
 /// Size of the fixed preamble.

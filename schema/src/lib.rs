@@ -16,10 +16,11 @@
 //!   exposes the fingerprint tree ([`Trace::steps`], [`Trace::step`],
 //!   [`Trace::group_records`]), the records and their payloads; a version 2
 //!   file is read node by node, each verified against its parent, as the
-//!   tree is descended ([`nodes`], [`v2`]).
+//!   tree is descended ([`nodes`], [`v2`]); a version 4 file's large groups
+//!   page by page ([`Trace::group_pages`], [`Trace::group_page_entries`]).
 //!
 //! The run → trace → diff flow: the reference runtime (or a backend's capture
-//! hooks) writes a trace with [`TraceWriter`] (format version 2 by default,
+//! hooks) writes a trace with [`TraceWriter`] (format version 4 by default,
 //! streaming the tree to disk step by step); `moeconf diff` opens two with
 //! [`Trace::open_for`] and walks their trees.
 //!
@@ -100,6 +101,12 @@ pub fn fuzz_read(bytes: &[u8]) {
             for s in t.steps().to_vec() {
                 if let Ok(Some(node)) = t.step(s.step) {
                     for g in node.levels.iter().flat_map(|l| &l.groups) {
+                        // Version 4: a paged group's pages one at a time first.
+                        if let Ok(Some(cvs)) = t.group_pages(g) {
+                            for j in 0..cvs.len() as u64 {
+                                let _ = t.group_page_entries(g, &[j]);
+                            }
+                        }
                         if let Ok(ids) = t.group_records(g) {
                             for &i in ids {
                                 let _ = t.payload_verified(i);

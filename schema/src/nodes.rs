@@ -93,6 +93,25 @@ pub struct GroupNode {
     pub records: u64,
     pub(crate) at: GroupAt,
     pub(crate) content: OnceLock<Result<GroupContent, Fault>>,
+    /// Version 4, a paged group: its verified page table and the pages
+    /// read so far (docs/format.md §11.9). Boxed: every group of every
+    /// loaded step carries the slot, few groups are paged.
+    pub(crate) paged: OnceLock<Box<Result<Paged, Fault>>>,
+}
+
+/// A paged group's table, verified against the group digest, and its
+/// pages, each verified against its chaining value on first read.
+#[derive(Debug)]
+pub(crate) struct Paged {
+    pub layout: moeconf_fingerprint::group_pages::GroupPages,
+    /// The group preimage's prefix (hashed with page 0).
+    pub prefix: Vec<u8>,
+    /// Each page's chaining value, in page order.
+    pub cvs: Box<[Digest]>,
+    /// Each page's block.
+    pub blocks: Box<[BlockRef]>,
+    /// Each page's checked entries (ids and entries, as a group's).
+    pub pages: Box<[OnceLock<Result<GroupContent, Fault>>]>,
 }
 
 /// The records of one loaded layer group ([`Trace::group_entries`]): each

@@ -29,6 +29,10 @@ pub const FORMAT_V2: u32 = 2;
 /// digest, so which levels a step holds is checked without reading its
 /// step block (docs/format.md §11.8).
 pub const FORMAT_V3: u32 = 3;
+/// Version 3 in which a layer group whose digest preimage is longer than
+/// one page (BLAKE3 traces) is stored as page blocks under a page table
+/// (docs/format.md §11.9, [`moeconf_fingerprint::group_pages`]).
+pub const FORMAT_V4: u32 = 4;
 /// Size of the version 2 trailer.
 pub const TRAILER_V2_LEN: u64 = 136;
 /// Domain tag of a block digest.
@@ -41,6 +45,10 @@ pub const KIND_GROUP: u32 = 0;
 pub const KIND_STEP: u32 = 1;
 /// Block kind code of the root block.
 pub const KIND_ROOT: u32 = 2;
+/// Block kind code of a page block (version 4).
+pub const KIND_PAGE: u32 = 3;
+/// Size of an encoded page reference (chaining value, block reference).
+pub const PAGE_REF_LEN: u64 = 32 + 8 + 8 + 32;
 /// Smallest encoded group entry (ordinal, position, phase, a 1-byte path,
 /// dtype, empty shape, digest, no payload): bounds record counts.
 pub const MIN_GROUP_ENTRY_LEN: u64 = 8 + 4 + 4 + 8 + 1 + 4 + 8 + 32 + 1;
@@ -63,10 +71,15 @@ pub fn step_ref_len(version: u32) -> u64 {
     }
 }
 
-/// Whether `version` is one of the block formats (2 or 3) this module
+/// Whether `version` is one of the block formats (2, 3 or 4) this module
 /// encodes.
 pub fn is_block_format(version: u32) -> bool {
-    version == FORMAT_V2 || version == FORMAT_V3
+    (FORMAT_V2..=FORMAT_V4).contains(&version)
+}
+
+/// Whether `version` stores large groups paged (version 4).
+pub fn is_paged_format(version: u32) -> bool {
+    version >= FORMAT_V4
 }
 
 /// Digest of a block's bytes: `H(wire("moeconf.block.v2") ‖ bytes)`.
@@ -125,6 +138,14 @@ pub struct GroupRef {
     pub digest: Digest,
     /// Records in the group.
     pub records: u64,
+    pub block: BlockRef,
+}
+
+/// A paged group block's reference to one of its pages (version 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRef {
+    /// The page's BLAKE3 chaining value in the group's digest preimage.
+    pub cv: Digest,
     pub block: BlockRef,
 }
 
@@ -202,7 +223,20 @@ pub struct GroupBlock {
     pub level: Level,
     /// The layer, or `None` for model-global records.
     pub layer: Option<u32>,
-    /// Entries in block order.
+    /// Entries in block order (none in a paged group block).
+    pub entries: Vec<GroupEntry>,
+    /// Version 4: a paged group's page table (empty otherwise).
+    pub pages: Vec<PageRef>,
+}
+
+/// A decoded page block (version 4): a range of a paged group's entries.
+#[derive(Debug, Clone)]
+pub struct PageBlock {
+    pub step: u32,
+    pub level: Level,
+    pub layer: Option<u32>,
+    /// The page's number in its group (0-based).
+    pub page: u32,
     pub entries: Vec<GroupEntry>,
 }
 
@@ -216,15 +250,53 @@ pub fn encode_group_block<'e>(
 ) -> Vec<u8> {
     let mut e = Encoder::with_capacity(32 + 110 * entries.len());
     e.u32(KIND_GROUP).u32(step).u32(level.code()).opt_u32(layer);
+    encode_entries(&mut e, entries);
+    e.into_bytes()
+}
+
+/// Encodes a paged group block (version 4): kind 0, step, level, layer, an
+/// empty entry list, then the page table (each page's chaining value and
+/// block reference, in page order).
+pub fn encode_paged_group_block(step: u32, level: Level, layer: Option<u32>, pages: &[PageRef]) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(40 + PAGE_REF_LEN as usize * pages.len());
+    e.u32(KIND_GROUP).u32(step).u32(level.code()).opt_u32(layer);
+    e.len(0).len(pages.len());
+    for p in pages {
+        e.raw(&p.cv.0);
+        p.block.encode(&mut e);
+    }
+    e.into_bytes()
+}
+
+/// Encodes a page block (version 4): kind 3, step, level, layer, the page's
+/// number, then its entries as a group block holds them.
+pub fn encode_page_block<'e>(
+    step: u32,
+    level: Level,
+    layer: Option<u32>,
+    page: u32,
+    entries: impl ExactSizeIterator<Item = (u64, &'e IndexEntry)>,
+) -> Vec<u8> {
+    let mut e = Encoder::with_capacity(36 + 110 * entries.len());
+    e.u32(KIND_PAGE)
+        .u32(step)
+        .u32(level.code())
+        .opt_u32(layer)
+        .u32(page);
+    encode_entries(&mut e, entries);
+    e.into_bytes()
+}
+
+/// The entry list of a group or page block.
+fn encode_entries<'e>(e: &mut Encoder, entries: impl ExactSizeIterator<Item = (u64, &'e IndexEntry)>) {
     e.len(entries.len());
     for (ordinal, x) in entries {
         e.u64(ordinal)
             .u32(x.coord.position)
             .u32(x.coord.phase as u32)
             .str(&x.coord.path);
-        x.encode_value_fields(&mut e);
+        x.encode_value_fields(e);
     }
-    e.into_bytes()
 }
 
 fn kind(d: &mut Decoder<'_>, want: u32, name: &str) -> Result<(), WireError> {
@@ -247,14 +319,69 @@ fn level_code(d: &mut Decoder<'_>, what: &str) -> Result<Level, WireError> {
 
 /// Decodes a group block (`base`: its absolute offset), rejecting unknown
 /// codes, invalid paths and tags, ranks above 8, payload lengths that do not
-/// match the shape, and trailing bytes. Order, counts and locations are the
+/// match the shape, and trailing bytes. With `paged` (version 4), a block
+/// with no entry carries a page table. Order, counts and locations are the
 /// reader's to check.
-pub fn decode_group_block(bytes: &[u8], base: u64, interner: &mut Interner) -> Result<GroupBlock, WireError> {
+pub fn decode_group_block(
+    bytes: &[u8],
+    base: u64,
+    interner: &mut Interner,
+    paged: bool,
+) -> Result<GroupBlock, WireError> {
     let mut d = Decoder::new(bytes, base);
     kind(&mut d, KIND_GROUP, "group")?;
     let step = d.u32("group step")?;
     let level = level_code(&mut d, "group level")?;
     let layer = d.opt_u32("group layer")?;
+    let entries = decode_entries(&mut d, step, level, layer, interner)?;
+    let mut pages = Vec::new();
+    if paged && entries.is_empty() {
+        let n = d.len("page count", PAGE_REF_LEN as usize, u64::MAX)?;
+        pages.reserve_exact(n);
+        for _ in 0..n {
+            let cv = Digest(d.array32("page chaining value")?);
+            let block = BlockRef::decode(&mut d, "page block reference")?;
+            pages.push(PageRef { cv, block });
+        }
+    }
+    d.finish("group block")?;
+    Ok(GroupBlock {
+        step,
+        level,
+        layer,
+        entries,
+        pages,
+    })
+}
+
+/// Decodes a page block (version 4) with the checks of
+/// [`decode_group_block`].
+pub fn decode_page_block(bytes: &[u8], base: u64, interner: &mut Interner) -> Result<PageBlock, WireError> {
+    let mut d = Decoder::new(bytes, base);
+    kind(&mut d, KIND_PAGE, "page")?;
+    let step = d.u32("page step")?;
+    let level = level_code(&mut d, "page level")?;
+    let layer = d.opt_u32("page layer")?;
+    let page = d.u32("page number")?;
+    let entries = decode_entries(&mut d, step, level, layer, interner)?;
+    d.finish("page block")?;
+    Ok(PageBlock {
+        step,
+        level,
+        layer,
+        page,
+        entries,
+    })
+}
+
+/// The entry list of a group or page block of (`step`, `level`, `layer`).
+fn decode_entries(
+    d: &mut Decoder<'_>,
+    step: u32,
+    level: Level,
+    layer: Option<u32>,
+    interner: &mut Interner,
+) -> Result<Vec<GroupEntry>, WireError> {
     let n = d.len("group entry count", MIN_GROUP_ENTRY_LEN as usize, u64::MAX)?;
     let mut entries = Vec::with_capacity(n);
     for _ in 0..n {
@@ -316,13 +443,7 @@ pub fn decode_group_block(bytes: &[u8], base: u64, interner: &mut Interner) -> R
             at,
         });
     }
-    d.finish("group block")?;
-    Ok(GroupBlock {
-        step,
-        level,
-        layer,
-        entries,
-    })
+    Ok(entries)
 }
 
 /// Encodes a step block: kind, step, then each level with its group
@@ -564,7 +685,7 @@ mod tests {
             Some(2),
             es.iter().enumerate().map(|(i, e)| (i as u64 + 9, e)),
         );
-        let g = decode_group_block(&b, 1000, &mut Interner::new()).unwrap();
+        let g = decode_group_block(&b, 1000, &mut Interner::new(), true).unwrap();
         assert_eq!((g.step, g.level, g.layer), (3, Level::L3, Some(2)));
         assert_eq!(g.entries.len(), 2);
         assert_eq!(g.entries[1].ordinal, 10);
@@ -572,7 +693,7 @@ mod tests {
         assert_eq!(g.entries[0].at, 1000 + 4 + 4 + 4 + 5 + 8);
         let mut longer = b.clone();
         longer.push(0);
-        assert!(decode_group_block(&longer, 0, &mut Interner::new()).is_err());
+        assert!(decode_group_block(&longer, 0, &mut Interner::new(), false).is_err());
 
         let block = BlockRef {
             offset: 64,

@@ -33,15 +33,17 @@ use crate::layout::{
 };
 use crate::steprefs::{self, StepRefLog};
 use crate::v2::{
-    block_digest, block_hasher, checksum_v2, encode_group_block, encode_root_block_head, encode_step_block,
-    is_block_format, step_ref_len, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2, FORMAT_V3,
+    block_digest, block_hasher, checksum_v2, encode_group_block, encode_page_block, encode_paged_group_block,
+    encode_root_block_head, encode_step_block, is_block_format, is_paged_format, step_ref_len, BlockRef,
+    GroupRef, LevelRefs, PageRef, StepRef, TrailerV2, FORMAT_V3, FORMAT_V4,
 };
 use crate::Trace;
+use moeconf_fingerprint::group_pages::GroupPages;
 use moeconf_fingerprint::wire::Encoder;
 use moeconf_fingerprint::{
-    binding_digest, group_digest, level_digest, record_digest_with_sink, record_digests_in_place,
-    step_digest, Algorithm, Coord, Digest, Interner, Level, Phase, RecordPath, RecordRef, RootHasher,
-    TensorView,
+    binding_digest, group_digest, group_prefix, level_digest, record_digest_with_sink,
+    record_digests_in_place, step_digest, Algorithm, Coord, Digest, Interner, Level, Phase, RecordPath,
+    RecordRef, RootHasher, TensorView,
 };
 use moeconf_output::{check_output, AtomicFile, CheckedOutput, Inputs};
 use std::collections::{HashMap, HashSet};
@@ -68,7 +70,7 @@ pub struct BatchRecord<'a> {
 const BUFFER: usize = 64 << 10;
 
 /// The format version [`TraceWriter::create`] writes.
-pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V3;
+pub const DEFAULT_FORMAT_VERSION: u32 = FORMAT_V4;
 
 /// What [`TraceWriter::finish`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,7 +176,7 @@ impl TraceWriter {
             v => {
                 return Err(TraceError::invalid(
                     path,
-                    format!("format version {v} cannot be written (1, 2 or 3)"),
+                    format!("format version {v} cannot be written (1, 2, 3 or 4)"),
                 ))
             }
         };
@@ -547,6 +549,58 @@ impl TraceWriter {
         self.payloads += u64::from(payload.is_some());
     }
 
+    /// Writes the blocks of one group (`members`: indices into `entries`,
+    /// in tree order) and returns its group block's reference. Version 4
+    /// writes a group whose digest preimage is longer than one page (BLAKE3
+    /// only) as its page blocks, in page order, then a group block holding
+    /// their page table (docs/format.md §11.9); every other group is one
+    /// group block, as in version 2.
+    fn write_group(
+        &mut self,
+        step: u32,
+        level: Level,
+        layer: Option<u32>,
+        base: u64,
+        entries: &[IndexEntry],
+        members: &[usize],
+    ) -> Result<BlockRef, TraceError> {
+        let paged_format = matches!(&self.body, Body::V2 { version, .. } if is_paged_format(*version));
+        let prefix = group_prefix(step, level, layer, members.len() as u64);
+        let layout = GroupPages::new(prefix.len() as u64, members.len() as u64);
+        let Some(layout) = layout.filter(|l| paged_format && self.alg == Algorithm::Blake3 && l.is_paged())
+        else {
+            let bytes = encode_group_block(
+                step,
+                level,
+                layer,
+                members.iter().map(|&m| (base + m as u64, &entries[m])),
+            );
+            return self.write_block(&bytes);
+        };
+        let mut pages = Vec::with_capacity(layout.count() as usize);
+        for j in 0..layout.count() {
+            let r = layout.entries(j);
+            let part = &members[r.start as usize..r.end as usize];
+            let digests: Vec<Digest> = part.iter().map(|&m| entries[m].digest).collect();
+            let cv = layout.cv(j, &prefix, &digests).ok_or_else(|| {
+                TraceError::invalid(
+                    &self.path,
+                    format!("step {step}: group page {j} does not fit its layout"),
+                )
+            })?;
+            let bytes = encode_page_block(
+                step,
+                level,
+                layer,
+                j as u32,
+                part.iter().map(|&m| (base + m as u64, &entries[m])),
+            );
+            let block = self.write_block(&bytes)?;
+            pages.push(PageRef { cv, block });
+        }
+        self.write_block(&encode_paged_group_block(step, level, layer, &pages))
+    }
+
     /// Version 2: writes the current step's group blocks (tree order) and
     /// step block, and forgets its entries.
     fn flush_step(&mut self) -> Result<(), TraceError> {
@@ -588,13 +642,7 @@ impl TraceWriter {
                 i += 1;
             }
             let members = &order[start..i];
-            let bytes = encode_group_block(
-                step,
-                level,
-                layer,
-                members.iter().map(|&m| (base + m as u64, &entries[m])),
-            );
-            let block = self.write_block(&bytes)?;
+            let block = self.write_group(step, level, layer, base, &entries, members)?;
             let digest = group_digest(
                 self.alg,
                 step,

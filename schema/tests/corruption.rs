@@ -128,11 +128,11 @@ fn future_versions_are_refused_with_the_supported_version() {
     let p = dir.path().join("t.bin");
     write_small(&p, Algorithm::Blake3);
     let mut bytes = std::fs::read(&p).unwrap();
-    bytes[8] = 4;
+    bytes[8] = 5;
     let e = check(bytes).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "case.bin: trace format version 4 is not supported (this build reads versions 1 to 3); upgrade \
+        "case.bin: trace format version 5 is not supported (this build reads versions 1 to 4); upgrade \
          moeconf or re-capture the trace"
     );
 }

@@ -1,4 +1,4 @@
-//! "Well-formed lies": a structure-aware rewriter of format version 2 and 3
+//! "Well-formed lies": a structure-aware rewriter of format version 2, 3 and 4
 //! traces (docs/format.md §11) that changes what the root digest does not
 //! commit to, then recomputes every block digest, block reference, the root
 //! block digest and the checksum, so that the result is internally
@@ -17,14 +17,23 @@
 //! schema crate's own block decoders; [`Model::encode`] lays the nodes out
 //! again as §11.1 says (a chunk at the next multiple of 64 after the
 //! previous one, plus any extra padding a lie asks for), so that encoding
-//! an unchanged model gives the input back byte for byte.
+//! an unchanged model gives the input back byte for byte. Version 4's paged
+//! groups (§11.9) are decoded from their pages and laid out as pages again
+//! (their chaining values recomputed), so every lie above applies to them
+//! too: a [`Lie::Pad`] can move a page block, a count lie changes the
+//! record count the pages' layout is computed from. [`PageLie`] falsifies a
+//! page or a page table itself (a corruption with recomputed digests, which
+//! readers must refuse: `testkit/tests/pages.rs`, `tests/paged_cli.rs`).
 
 use arbitrary::Unstructured;
+use moeconf_fingerprint::group_pages::GroupPages;
+use moeconf_fingerprint::group_prefix;
 use moeconf_fingerprint::{Algorithm, Digest, Interner, Level};
 use moeconf_schema::layout::{align_up, Preamble, END_MAGIC, MAGIC, PREAMBLE_LEN};
 use moeconf_schema::v2::{
-    block_digest, checksum_v2, decode_group_block, decode_root_block, decode_step_block, encode_group_block,
-    encode_root_block, encode_step_block, is_block_format, BlockRef, GroupRef, LevelRefs, StepRef, TrailerV2,
+    block_digest, checksum_v2, decode_group_block, decode_page_block, decode_root_block, decode_step_block,
+    encode_group_block, encode_page_block, encode_paged_group_block, encode_root_block, encode_step_block,
+    is_block_format, is_paged_format, BlockRef, GroupRef, LevelRefs, PageRef, StepRef, TrailerV2,
     TRAILER_V2_LEN,
 };
 use moeconf_schema::{Header, IndexEntry, PayloadRef};
@@ -49,8 +58,32 @@ pub struct GroupModel {
     pub digest: Digest,
     /// `GroupRef.records` as the step block claims it.
     pub records: u64,
-    /// Its entries, in block (canonical) order.
+    /// Its entries, in block (canonical) order (a paged group's from
+    /// every page, each once).
     pub entries: Vec<EntryModel>,
+    /// Version 4: a falsification of the group's pages to make on encoding
+    /// (not a lie about an uncommitted fact: each is a corruption whose
+    /// block digests are recomputed, which a reader must refuse).
+    pub page_lie: Option<PageLie>,
+}
+
+/// A falsified page of a paged group (version 4), [`GroupModel::page_lie`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageLie {
+    /// The page table lists a wrong chaining value for this page.
+    Cv(usize),
+    /// The page holds the records one further on (its count unchanged).
+    Shift(usize),
+    /// The page's copy of the record it shares with the page before has
+    /// another write-order number (that of the page's second record).
+    Boundary(usize),
+    /// The page's copy of a record in its middle (shared with no other
+    /// page) has another digest: the page no longer hashes to its value.
+    Digest(usize),
+    /// The page table leaves out the last page.
+    Missing,
+    /// This page's block reference covers its bytes but the last.
+    Truncated(usize),
 }
 
 /// One level of a step.
@@ -116,7 +149,7 @@ impl StepModel {
 /// A whole version 2 trace as nodes, with what it claims besides the root.
 #[derive(Debug, Clone)]
 pub struct Model {
-    /// Container format version (2 or 3).
+    /// Container format version (2, 3 or 4).
     pub version: u32,
     pub alg: Algorithm,
     /// Binding and provenance.
@@ -156,7 +189,7 @@ impl Model {
     pub fn decode(bytes: &[u8]) -> Result<Model, LieError> {
         let version = u32_at(bytes, 8).filter(|&v| is_block_format(v));
         let Some(version) = version.filter(|_| bytes.get(..8) == Some(&MAGIC[..])) else {
-            return Err("not a version 2 or 3 trace".into());
+            return Err("not a version 2, 3 or 4 trace".into());
         };
         let alg = u32_at(bytes, 16)
             .and_then(Algorithm::from_code)
@@ -200,10 +233,29 @@ impl Model {
             for (li, l) in levels.into_iter().enumerate() {
                 let mut groups = Vec::with_capacity(l.groups.len());
                 for (gi, g) in l.groups.into_iter().enumerate() {
-                    let gb = decode_group_block(slice(bytes, g.block)?, g.block.offset, &mut interner)
-                        .map_err(|e| e.to_string())?;
-                    let mut entries = Vec::with_capacity(gb.entries.len());
-                    for (ei, ge) in gb.entries.into_iter().enumerate() {
+                    let gb = decode_group_block(
+                        slice(bytes, g.block)?,
+                        g.block.offset,
+                        &mut interner,
+                        is_paged_format(version),
+                    )
+                    .map_err(|e| e.to_string())?;
+                    let mut all = gb.entries;
+                    if !gb.pages.is_empty() {
+                        // A paged group: every page's records, a record two
+                        // pages share once.
+                        let layout =
+                            layout_of(l.level, g.layer, g.records).ok_or("group length overflows")?;
+                        for (j, p) in gb.pages.iter().enumerate() {
+                            let pb = decode_page_block(slice(bytes, p.block)?, p.block.offset, &mut interner)
+                                .map_err(|e| e.to_string())?;
+                            let start = layout.entries(j as u64).start as usize;
+                            let skip = all.len().saturating_sub(start);
+                            all.extend(pb.entries.into_iter().skip(skip));
+                        }
+                    }
+                    let mut entries = Vec::with_capacity(all.len());
+                    for (ei, ge) in all.into_iter().enumerate() {
                         let payload = match ge.entry.payload {
                             Some(p) => {
                                 payloads.push((p.offset, (li, gi, ei)));
@@ -227,6 +279,7 @@ impl Model {
                         digest: g.digest,
                         records: g.records,
                         entries,
+                        page_lie: None,
                     });
                 }
                 lm.push(LevelModel {
@@ -310,12 +363,21 @@ impl Model {
             for l in &s2.levels {
                 let mut groups = Vec::with_capacity(l.groups.len());
                 for g in &l.groups {
-                    let b = encode_group_block(
-                        s2.step,
-                        l.level,
-                        g.layer,
-                        g.entries.iter().map(|e| (e.ordinal, &e.entry)),
-                    );
+                    let layout = layout_of(l.level, g.layer, g.entries.len() as u64).filter(|x| {
+                        is_paged_format(self.version) && self.alg == Algorithm::Blake3 && x.is_paged()
+                    });
+                    let b = match layout {
+                        Some(layout) => {
+                            let pages = encode_pages(&mut out, &mut place, s2.step, l.level, g, layout)?;
+                            encode_paged_group_block(s2.step, l.level, g.layer, &pages)
+                        }
+                        None => encode_group_block(
+                            s2.step,
+                            l.level,
+                            g.layer,
+                            g.entries.iter().map(|e| (e.ordinal, &e.entry)),
+                        ),
+                    };
                     let block = place(&mut out, &b)?;
                     groups.push(GroupRef {
                         layer: g.layer,
@@ -824,6 +886,64 @@ fn share(s: &mut StepModel, a: EntryAt, b: EntryAt) -> bool {
         }
         _ => false,
     }
+}
+
+/// The page layout of a group of `records` records at `level`, `layer`.
+fn layout_of(level: Level, layer: Option<u32>, records: u64) -> Option<GroupPages> {
+    GroupPages::new(group_prefix(0, level, layer, records).len() as u64, records)
+}
+
+/// Places one chunk in the file being encoded ([`Model::encode`]).
+type Place<'a> = dyn FnMut(&mut Vec<u8>, &[u8]) -> Result<BlockRef, LieError> + 'a;
+
+/// Places a paged group's page blocks (version 4, §11.9) and returns its
+/// page table, applying the group's [`PageLie`].
+fn encode_pages(
+    out: &mut Vec<u8>,
+    place: &mut Place<'_>,
+    step: u32,
+    level: Level,
+    g: &GroupModel,
+    layout: GroupPages,
+) -> Result<Vec<PageRef>, LieError> {
+    let prefix = group_prefix(step, level, g.layer, layout.records());
+    let mut pages = Vec::new();
+    for j in 0..layout.count() {
+        let r = layout.entries(j);
+        let (a, b) = (r.start as usize, r.end as usize);
+        let digests: Vec<Digest> = g.entries[a..b].iter().map(|e| e.entry.digest).collect();
+        let mut cv = layout.cv(j, &prefix, &digests).ok_or("page outside its group")?;
+        let mut held: Vec<(u64, IndexEntry)> = g.entries[a..b]
+            .iter()
+            .map(|e| (e.ordinal, e.entry.clone()))
+            .collect();
+        match g.page_lie {
+            Some(PageLie::Cv(p)) if p as u64 == j => cv.0[0] ^= 1,
+            Some(PageLie::Shift(p)) if p as u64 == j && b < g.entries.len() => {
+                held = g.entries[a + 1..b + 1]
+                    .iter()
+                    .map(|e| (e.ordinal, e.entry.clone()))
+                    .collect();
+            }
+            Some(PageLie::Boundary(p)) if p as u64 == j && held.len() > 1 => held[0].0 = held[1].0,
+            Some(PageLie::Digest(p)) if p as u64 == j && held.len() > 2 => {
+                let mid = held.len() / 2;
+                held[mid].1.digest.0[0] ^= 1;
+            }
+            _ => {}
+        }
+        let bytes = encode_page_block(step, level, g.layer, j as u32, held.iter().map(|(o, e)| (*o, e)));
+        let mut block = place(out, &bytes)?;
+        if g.page_lie == Some(PageLie::Truncated(j as usize)) {
+            block.len -= 1;
+            block.digest = block_digest(Algorithm::Blake3, &bytes[..bytes.len() - 1]);
+        }
+        pages.push(PageRef { cv, block });
+    }
+    if g.page_lie == Some(PageLie::Missing) {
+        pages.pop();
+    }
+    Ok(pages)
 }
 
 /// Applies `lies` to the version 2 trace `bytes` and re-encodes it,

@@ -84,8 +84,8 @@ pub struct BenchScaleWriteArgs {
     /// Change the middle step's `moe.combine` of layer 21.
     #[arg(long)]
     pub changed: bool,
-    /// Container format version (the writers' default, 3, unless given).
-    #[arg(long, default_value_t = moeconf_schema::DEFAULT_FORMAT_VERSION, value_parser = clap::value_parser!(u32).range(1..=3))]
+    /// Container format version (the writers' default, 4, unless given).
+    #[arg(long, default_value_t = moeconf_schema::DEFAULT_FORMAT_VERSION, value_parser = clap::value_parser!(u32).range(1..=4))]
     pub version: u32,
     /// Output trace.
     #[arg(long)]

@@ -1,4 +1,4 @@
-//! `moeconf convert IN -o OUT [--to 1|2|3]`: the same trace in another
+//! `moeconf convert IN -o OUT [--to 1|2|3|4]`: the same trace in another
 //! container format version (the library side is `moeconf_schema::convert`).
 
 use crate::output::check_output;
@@ -10,7 +10,7 @@ use std::process::ExitCode;
 /// Arguments of `moeconf convert`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "The root digest does not change: every version stores the same records and the same hash tree.\n\nExamples:\n  moeconf convert ref.bin -o ref-v1.bin --to 1     # for readers that only know version 1\n  moeconf convert ref-v1.bin -o ref-v2.bin --to 2  # for readers that know versions 1 and 2\n  moeconf convert ref-v2.bin -o ref-v3.bin         # to version 3 (levels committed in the root block)"
+    after_help = "The root digest does not change: every version stores the same records and the same hash tree.\n\nExamples:\n  moeconf convert ref.bin -o ref-v1.bin --to 1     # for readers that only know version 1\n  moeconf convert ref-v1.bin -o ref-v2.bin --to 2  # for readers that know versions 1 and 2\n  moeconf convert ref-v2.bin -o ref-v3.bin --to 3  # to version 3 (levels committed in the root block)\n  moeconf convert ref-v3.bin -o ref-v4.bin         # to version 4 (large groups paged)"
 )]
 pub struct ConvertArgs {
     /// The trace to convert (verified in full before anything is written).
@@ -20,10 +20,11 @@ pub struct ConvertArgs {
     /// itself (by name or hard link).
     #[arg(short, long)]
     pub output: PathBuf,
-    /// Container format version to write: 3 (persisted tree nodes with each step's levels committed
-    /// in the root block, the default of every writer), 2 (persisted tree nodes: a step's levels
-    /// are read from its block) or 1 (a flat index).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
+    /// Container format version to write: 4 (version 3 with every layer group longer than a page
+    /// stored as pages, so that a comparison reads only the pages that differ; the default of the
+    /// Rust writers), 3 (persisted tree nodes with each step's levels committed in the root block),
+    /// 2 (persisted tree nodes: a step's levels are read from its block) or 1 (a flat index).
+    #[arg(long, default_value_t = moeconf_schema::DEFAULT_FORMAT_VERSION, value_parser = clap::value_parser!(u32).range(1..=4))]
     pub to: u32,
 }
 
@@ -43,7 +44,7 @@ pub fn run(a: &ConvertArgs) -> anyhow::Result<ExitCode> {
         s.written.payloads,
         s.root,
         if s.reordered {
-            "; records put in step order (versions 2 and 3 take them step by step)"
+            "; records put in step order (versions 2, 3 and 4 take them step by step)"
         } else {
             ""
         }

@@ -162,7 +162,7 @@ fn check_preamble(path: &Path, b: &[u8]) -> Result<Preambled, TraceError> {
         return Err(TraceError::UnsupportedVersion {
             path: path.to_path_buf(),
             found: version,
-            supported: crate::v2::FORMAT_V3,
+            supported: crate::v2::FORMAT_V4,
         });
     }
     if len < smallest(version) {
@@ -599,6 +599,111 @@ impl Trace {
                 _ => GroupRecords::empty(),
             },
         })
+    }
+
+    /// The chaining values of `group`'s pages (docs/format.md §11.9), in
+    /// page order, when the file stores it paged (format version 4, BLAKE3,
+    /// a group longer than a page): read with the group's page table on
+    /// first use and checked to merge to the group digest. `None` for any
+    /// other group. Two groups of the same (step, level, layer) with the
+    /// same record count have the same layout: their records differ only
+    /// inside pages whose values differ.
+    pub fn group_pages<'a>(&'a self, group: &'a GroupNode) -> Result<Option<&'a [Digest]>, TraceError> {
+        match &self.store {
+            Store::V2(s) => s
+                .paged(self, group)
+                .map(|p| p.map(|p| &p.cvs[..]))
+                .map_err(|f| self.fault(&f)),
+            Store::V1(_) => Ok(None),
+        }
+    }
+
+    /// The records (ids and entries) of pages `pages` of a paged `group`
+    /// ([`Trace::group_pages`]), in canonical tree order, a record two
+    /// pages share once; each page read and verified against its chaining
+    /// value on first use, with the neighbouring page when a record
+    /// straddles into it (so that every byte of every digest returned is
+    /// checked). The records become reachable by id ([`Trace::record`]).
+    /// An error for a group not stored paged.
+    pub fn group_page_entries<'a>(
+        &'a self,
+        group: &'a GroupNode,
+        pages: &[u64],
+    ) -> Result<Vec<(usize, &'a IndexEntry)>, TraceError> {
+        match &self.store {
+            Store::V2(s) => s.page_entries(self, group, pages).map_err(|f| self.fault(&f)),
+            Store::V1(_) => Err(TraceError::format(
+                &self.path,
+                0,
+                "version 1 stores no paged group",
+            )),
+        }
+    }
+
+    /// The records of `group` at `position` (ids and entries), in canonical
+    /// tree order. A paged group ([`Trace::group_pages`]) reads only the
+    /// pages that hold the position, found by bisection over its pages (a
+    /// group's records are in position order), each page read and verified
+    /// as [`Trace::group_page_entries`] reads it; any other group is read
+    /// whole ([`Trace::group_entries`]).
+    pub fn group_entries_at<'a>(
+        &'a self,
+        group: &'a GroupNode,
+        position: u32,
+    ) -> Result<Vec<(usize, &'a IndexEntry)>, TraceError> {
+        let Some(cvs) = self.group_pages(group)? else {
+            return Ok(self
+                .group_entries(group)?
+                .iter()
+                .filter(|(_, e)| e.coord.position == position)
+                .collect());
+        };
+        let n = cvs.len() as u64;
+        // The first page whose last record is at or after the position:
+        // narrowed first by the pages already read (a comparison looks up
+        // positions inside the pages it read), then bisected.
+        let (mut lo, mut hi) = (0u64, n);
+        if let Store::V2(s) = &self.store {
+            for (j, _, last) in s.loaded_positions(group) {
+                if last < position {
+                    lo = lo.max(j + 1);
+                } else {
+                    hi = hi.min(j);
+                }
+            }
+        }
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let page = self.group_page_entries(group, &[mid])?;
+            match page.last() {
+                Some((_, e)) if e.coord.position < position => lo = mid + 1,
+                _ => hi = mid,
+            }
+        }
+        let mut out: Vec<(usize, &IndexEntry)> = Vec::new();
+        for j in lo..n {
+            let page = self.group_page_entries(group, &[j])?;
+            for &(id, e) in &page {
+                // A record two pages share is taken once.
+                if e.coord.position == position && !out.iter().any(|&(i, _)| i == id) {
+                    out.push((id, e));
+                }
+            }
+            if page.last().is_none_or(|(_, e)| e.coord.position > position) {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Page blocks (format version 4) read so far: for tests of what a
+    /// command reads.
+    #[doc(hidden)]
+    pub fn pages_read(&self) -> u64 {
+        match &self.store {
+            Store::V2(s) => s.pages_read(),
+            Store::V1(_) => 0,
+        }
     }
 
     /// The records of `group` (a group of one of this trace's step nodes)

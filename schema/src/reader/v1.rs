@@ -194,6 +194,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
                         ids: g.records.into_boxed_slice(),
                         entries: Box::default(),
                     })),
+                    paged: OnceLock::new(),
                 });
             }
             levels.push(LevelNode {

@@ -11,8 +11,9 @@ use crate::layout::{
 use crate::nodes::{Fault, GroupAt, GroupContent, GroupNode, HeldRecord, LevelNode, StepNode, StepSummary};
 use crate::reader::VerifySummary;
 use crate::v2::{
-    block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block, step_ref_len,
-    BlockRef, GroupEntry, RootParts, StepRef, TrailerV2, MIN_GROUP_ENTRY_LEN, TRAILER_V2_LEN,
+    block_digest, checksum_v2, decode_group_block, decode_root_block_split, decode_step_block,
+    is_paged_format, step_ref_len, BlockRef, GroupEntry, RootParts, StepRef, TrailerV2, MIN_GROUP_ENTRY_LEN,
+    TRAILER_V2_LEN,
 };
 use moeconf_fingerprint::{
     binding_digest, group_digest, level_digest, root_digest, step_digest, Digest, Interner, Level, LevelSet,
@@ -20,7 +21,10 @@ use moeconf_fingerprint::{
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, MutexGuard, OnceLock};
+
+mod paged;
 
 /// Bytes of verified payloads after which [`Store::verify_step`] drops
 /// their pages from the resident set.
@@ -32,7 +36,30 @@ struct Loc {
     step_index: u32,
     level_index: u8,
     group_index: u32,
+    /// The page holding the record ([`WHOLE`]: the group's own content).
+    page: u32,
     k: u32,
+}
+
+/// [`Loc::page`] of a record held in its group's whole content.
+const WHOLE: u32 = u32::MAX;
+
+/// A group's place in the file ([`Store::site`]).
+struct Site<'t> {
+    /// Index of its step.
+    k: usize,
+    step: StepRef,
+    node: &'t StepNode,
+    /// Its group block.
+    block: BlockRef,
+    /// "step S level L layer Y's group block", for messages.
+    name: String,
+}
+
+/// The canonical order of a group's records: position, phase, path
+/// (bytewise).
+fn tree_key(e: &IndexEntry) -> (u32, moeconf_fingerprint::Phase, &str) {
+    (e.coord.position, e.coord.phase, e.coord.path.as_str())
 }
 
 /// What a version 2 trace holds in memory: the root block's steps and
@@ -59,6 +86,8 @@ pub(super) struct Store {
     level_digests: Vec<[Digest; 5]>,
     /// Size of one step reference in the root block.
     ref_len: u64,
+    /// Page blocks read so far (version 4).
+    pages_read: AtomicU64,
 }
 
 /// The root block's reference to a step, from its two halves.
@@ -245,6 +274,7 @@ pub(super) fn open(path: &Path, b: &[u8], pre: &Preambled) -> Result<Opened, Tra
             touched: Mutex::new(vec![(root_offset, root_len)]),
             level_digests,
             ref_len,
+            pages_read: AtomicU64::new(0),
         })),
     })
 }
@@ -390,6 +420,7 @@ impl Store {
                         block: blocks.len() as u32,
                     },
                     content: OnceLock::new(),
+                    paged: OnceLock::new(),
                 });
                 blocks.push(g.block);
             }
@@ -447,46 +478,7 @@ impl Store {
             out.push(ge.entry);
         }
         if register {
-            // A record is found by its write-order number, and its payload's
-            // verified state is kept under that number: two records claiming
-            // one number would make a lookup return the wrong record (the
-            // numbers are not under the root, docs/format.md §11.5). So every
-            // number is checked free before any is taken.
-            let mut locs = lock(&self.locs);
-            let mut seen = std::collections::HashSet::with_capacity(ids.len());
-            for (k, &i) in ids.iter().enumerate() {
-                if !seen.insert(i) || locs.contains_key(&i) {
-                    let block = t
-                        .nodes
-                        .get(g.at.step_index as usize)
-                        .and_then(|n| n.as_ref().ok());
-                    let at = block
-                        .and_then(|n| n.blocks.get(g.at.block as usize))
-                        .map_or(0, |b| b.offset);
-                    return Err(Fault::new(
-                        at,
-                        format!(
-                            "step {} level {} layer {:?}'s group block: record {}: write-order number {i} is \
-                             already another record's (the numbers of a step must be a permutation)",
-                            t.summaries[g.at.step_index as usize].step,
-                            g.at.level,
-                            g.layer,
-                            out[k].coord
-                        ),
-                    ));
-                }
-            }
-            for (k, &i) in ids.iter().enumerate() {
-                locs.insert(
-                    i,
-                    Loc {
-                        step_index: g.at.step_index,
-                        level_index: g.at.level_index,
-                        group_index: g.at.group_index,
-                        k: k as u32,
-                    },
-                );
-            }
+            self.register(t, g, WHOLE, &ids, &out)?;
         }
         Ok(GroupContent {
             ids: ids.into_boxed_slice(),
@@ -524,34 +516,21 @@ impl Store {
         Ok(out)
     }
 
-    /// [`Store::load_group`] without keeping anything: the checked entries.
+    /// [`Store::load_group`] without keeping anything: the checked entries
+    /// (a paged group's from every page, `paged.rs`).
     fn read_group(
         &self,
         t: &Trace,
         g: &GroupNode,
         interner: &mut Interner,
     ) -> Result<Vec<GroupEntry>, Fault> {
-        let k = g.at.step_index as usize;
-        let s = &self
-            .step(t, k)
-            .ok_or_else(|| Fault::new(0, format!("no step number {k}")))?;
-        let node = match t.nodes.get(k) {
-            Some(Ok(n)) => n,
-            _ => return Err(Fault::new(s.block.offset, "group read before its step")),
-        };
-        let block = *node
-            .blocks
-            .get(g.at.block as usize)
-            .ok_or_else(|| Fault::new(s.block.offset, "group without a block"))?;
-        let name = format!(
-            "step {} level {} layer {:?}'s group block",
-            s.step, g.at.level, g.layer
-        );
-        let bytes = self.block(t, block, &name)?;
-        let decoded = decode_group_block(bytes, block.offset, interner)
+        let site = self.site(t, g)?;
+        let (block, name) = (site.block, &site.name);
+        let bytes = self.block(t, block, name)?;
+        let decoded = decode_group_block(bytes, block.offset, interner, is_paged_format(t.version))
             .map_err(|e| Fault::new(e.offset, format!("{name}: {}", e.what)))?;
         let fail = |at: u64, m: String| Fault::new(at, format!("{name}: {m}"));
-        if (decoded.step, decoded.level, decoded.layer) != (s.step, g.at.level, g.layer) {
+        if (decoded.step, decoded.level, decoded.layer) != (site.step.step, g.at.level, g.layer) {
             return Err(fail(
                 block.offset,
                 format!(
@@ -559,6 +538,21 @@ impl Store {
                     decoded.step, decoded.level, decoded.layer
                 ),
             ));
+        }
+        if let Some(layout) = self.paged_layout(t, g) {
+            if decoded.pages.is_empty() {
+                return Err(fail(
+                    block.offset,
+                    format!(
+                        "holds its records unpaged, though a group of {} records is stored in {} pages in \
+                         format version 4",
+                        g.records,
+                        layout.count()
+                    ),
+                ));
+            }
+            let paged = self.table(g, &site, layout, decoded.pages)?;
+            return self.read_all_pages(t, g, &site, &paged, interner);
         }
         if decoded.entries.len() as u64 != g.records {
             return Err(fail(
@@ -570,10 +564,62 @@ impl Store {
                 ),
             ));
         }
-        let (base, n) = (self.bases[k], s.total().unwrap_or(0));
+        self.check_entries(t, &site, &decoded.entries)?;
+        let digest = group_digest(
+            t.alg,
+            site.step.step,
+            g.at.level,
+            g.layer,
+            decoded.entries.iter().map(|x| x.entry.digest),
+        );
+        if digest != g.digest {
+            return Err(fail(
+                block.offset,
+                "its records do not hash to the group digest in its step block (corrupted block)".into(),
+            ));
+        }
+        Ok(decoded.entries)
+    }
+
+    /// Where group `g` sits: its step's reference and node, its group
+    /// block, and its name in messages. The step must have been read.
+    fn site<'t>(&self, t: &'t Trace, g: &GroupNode) -> Result<Site<'t>, Fault> {
+        let k = g.at.step_index as usize;
+        let step = self
+            .step(t, k)
+            .ok_or_else(|| Fault::new(0, format!("no step number {k}")))?;
+        let node = match t.nodes.get(k) {
+            Some(Ok(n)) => n,
+            _ => return Err(Fault::new(step.block.offset, "group read before its step")),
+        };
+        let block = *node
+            .blocks
+            .get(g.at.block as usize)
+            .ok_or_else(|| Fault::new(step.block.offset, "group without a block"))?;
+        let name = format!(
+            "step {} level {} layer {:?}'s group block",
+            step.step, g.at.level, g.layer
+        );
+        Ok(Site {
+            k,
+            step,
+            node,
+            block,
+            name,
+        })
+    }
+
+    /// Checks the entries of a group or page block of `site`'s group, in
+    /// block order: every record as docs/format.md §7 checks it, strictly
+    /// ascending canonical order, write-order numbers in the step's range,
+    /// payloads inside the step's payloads.
+    fn check_entries(&self, t: &Trace, site: &Site<'_>, entries: &[GroupEntry]) -> Result<(), Fault> {
+        let k = site.k;
+        let fail = |at: u64, m: String| Fault::new(at, format!("{}: {m}", site.name));
+        let (base, n) = (self.bases[k], site.step.total().unwrap_or(0));
         let binding = t.binding();
         let mut previous: Option<&GroupEntry> = None;
-        for ge in &decoded.entries {
+        for ge in entries {
             let e = &ge.entry;
             let at = ge.at;
             check_record(binding, &e.coord, e.dtype, &e.shape)
@@ -590,14 +636,7 @@ impl Store {
                 ));
             }
             if let Some(p) = previous {
-                let key = |x: &GroupEntry| {
-                    (
-                        x.entry.coord.position,
-                        x.entry.coord.phase,
-                        x.entry.coord.path.clone(),
-                    )
-                };
-                if key(p) >= key(ge) {
+                if tree_key(&p.entry) >= tree_key(e) {
                     return Err(fail(
                         at,
                         format!(
@@ -612,7 +651,7 @@ impl Store {
                     || p.offset < self.regions[k]
                     || p.offset
                         .checked_add(p.len)
-                        .is_none_or(|end| end > node.payload_end)
+                        .is_none_or(|end| end > site.node.payload_end)
                 {
                     return Err(fail(
                         at,
@@ -625,20 +664,7 @@ impl Store {
             }
             previous = Some(ge);
         }
-        let digest = group_digest(
-            t.alg,
-            s.step,
-            g.at.level,
-            g.layer,
-            decoded.entries.iter().map(|x| x.entry.digest),
-        );
-        if digest != g.digest {
-            return Err(fail(
-                block.offset,
-                "its records do not hash to the group digest in its step block (corrupted block)".into(),
-            ));
-        }
-        Ok(decoded.entries)
+        Ok(())
     }
 
     /// A loaded record by id.
@@ -647,13 +673,89 @@ impl Store {
             return flat.get(i);
         }
         let loc = *lock(&self.locs).get(&i)?;
+        Self::at(t, loc)
+    }
+
+    /// The loaded record at `loc`.
+    fn at(t: &Trace, loc: Loc) -> Option<&IndexEntry> {
         let node = t.nodes.get(loc.step_index as usize)?.as_ref().ok()?;
         let g = node
             .levels
             .get(loc.level_index as usize)?
             .groups
             .get(loc.group_index as usize)?;
-        g.content.get()?.as_ref().ok()?.entries.get(loc.k as usize)
+        let content = if loc.page == WHOLE {
+            g.content.get()?.as_ref().ok()?
+        } else {
+            g.paged
+                .get()?
+                .as_ref()
+                .as_ref()
+                .ok()?
+                .pages
+                .get(loc.page as usize)?
+                .get()?
+                .as_ref()
+                .ok()?
+        };
+        content.entries.get(loc.k as usize)
+    }
+
+    /// Makes the records `ids` (with `entries`, the content of group `g`'s
+    /// page `page` or, with [`WHOLE`], of the whole group) reachable by id.
+    /// A record is found by its write-order number, and its payload's
+    /// verified state is kept under that number: two records claiming one
+    /// number would make a lookup return the wrong record (the numbers are
+    /// not under the root, docs/format.md §11.5). So every number is checked
+    /// free before any is taken: free, or taken by the same record of the
+    /// same group (read through another of its pages, or whole).
+    fn register(
+        &self,
+        t: &Trace,
+        g: &GroupNode,
+        page: u32,
+        ids: &[usize],
+        entries: &[IndexEntry],
+    ) -> Result<(), Fault> {
+        let mut locs = lock(&self.locs);
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        for (k, &i) in ids.iter().enumerate() {
+            let same = |l: &Loc| {
+                (l.step_index, l.level_index, l.group_index)
+                    == (g.at.step_index, g.at.level_index, g.at.group_index)
+                    && Self::at(t, *l) == entries.get(k)
+            };
+            if !seen.insert(i) || locs.get(&i).is_some_and(|l| !same(l)) {
+                let block = t
+                    .nodes
+                    .get(g.at.step_index as usize)
+                    .and_then(|n| n.as_ref().ok());
+                let at = block
+                    .and_then(|n| n.blocks.get(g.at.block as usize))
+                    .map_or(0, |b| b.offset);
+                return Err(Fault::new(
+                    at,
+                    format!(
+                        "step {} level {} layer {:?}'s group block: record {}: write-order number {i} is \
+                         already another record's (the numbers of a step must be a permutation)",
+                        t.summaries[g.at.step_index as usize].step,
+                        g.at.level,
+                        g.layer,
+                        entries.get(k).map_or_else(String::new, |e| e.coord.to_string())
+                    ),
+                ));
+            }
+        }
+        for (k, &i) in ids.iter().enumerate() {
+            locs.entry(i).or_insert(Loc {
+                step_index: g.at.step_index,
+                level_index: g.at.level_index,
+                group_index: g.at.group_index,
+                page,
+                k: k as u32,
+            });
+        }
+        Ok(())
     }
 
     /// Reads the groups of the step holding record `i` until it is in memory.
@@ -777,6 +879,11 @@ impl Store {
         self.blocks.get(k).map(|b| (b.offset, b.len))
     }
 
+    /// Page blocks read so far.
+    pub fn pages_read(&self) -> u64 {
+        self.pages_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// The blocks read so far.
     pub fn blocks_read(&self) -> Vec<(u64, u64)> {
         lock(&self.touched).clone()
@@ -859,6 +966,15 @@ impl Store {
         }
         for l in &node.levels {
             for g in &l.groups {
+                // A paged group's page blocks come first, in page order.
+                if let Some(paged) = self.paged(t, g).map_err(|f| t.fault(&f))? {
+                    for (j, p) in paged.blocks.iter().enumerate() {
+                        self.chunk(t, cursor, p.offset, &|| {
+                            format!("step {} level {} layer {:?}'s page {j}", s.step, l.level, g.layer)
+                        })?;
+                        cursor = p.offset + p.len;
+                    }
+                }
                 if let Some(&b) = node.blocks.get(g.at.block as usize) {
                     self.chunk(t, cursor, b.offset, &|| {
                         format!(

@@ -1,0 +1,334 @@
+//! Format version 4's paged groups (docs/format.md §11.9): a group whose
+//! digest preimage is longer than one page is stored as page blocks under
+//! a page table; a comparison reads only the pages whose chaining values
+//! differ, and every falsified page, table or count is refused.
+
+use moeconf_fingerprint::group_pages::{GroupPages, PAGE_BYTES};
+use moeconf_fingerprint::{group_prefix, Algorithm, Coord, DType, Level, Phase, TensorView};
+use moeconf_output::{check_output, Inputs};
+use moeconf_schema::v2::{FORMAT_V3, FORMAT_V4};
+use moeconf_schema::{Header, Trace, TraceWriter};
+use moeconf_testkit::lies::{lie1, Lie, Model, PageLie};
+use std::path::Path;
+
+/// Records in the large group (L4, layer 1, step 0): about 2.4 pages.
+const BIG: u32 = 10_000;
+
+fn header() -> Header {
+    let mut h = Header::default();
+    h.binding.decoding.max_new_tokens = 2;
+    h.binding.capture.levels = moeconf_fingerprint::LevelSet::ALL;
+    h
+}
+
+/// A trace of `version` and `alg`: step 0 holds `BIG` L4 records of layer 1
+/// (fingerprints), 50 L3 records with payloads and a token; step 1 a
+/// token. With `fork`, the L4 record at that position differs.
+fn write(path: &Path, version: u32, alg: Algorithm, fork: Option<u32>, big: u32) -> Vec<u8> {
+    let out = check_output(path, &Inputs::new()).unwrap();
+    let mut w = TraceWriter::create_version(&out, alg, header(), version).unwrap();
+    let c = |step: u32, position: u32, layer: Option<u32>, path: &str| Coord {
+        step,
+        position,
+        phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+        layer,
+        path: path.into(),
+    };
+    for p in 0..big {
+        let v = (p as f32) * 0.5 + if fork == Some(p) { 1.0 } else { 0.0 };
+        let b: Vec<u8> = [v, -v].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &[2],
+            bytes: &b,
+        };
+        w.append(c(0, p, Some(1), "moe.combine"), Level::L4, t, false)
+            .unwrap();
+        if p % 200 == 0 {
+            w.append(c(0, p, Some(1), "layer.post_ffn_mhc"), Level::L3, t, true)
+                .unwrap();
+        }
+    }
+    for step in 0..2u32 {
+        let tok = (7 + step as i32).to_le_bytes();
+        let t = TensorView {
+            dtype: DType::I32,
+            shape: &[1],
+            bytes: &tok,
+        };
+        w.append(c(step, big + step, None, "token.output"), Level::L0, t, true)
+            .unwrap();
+    }
+    w.finish().unwrap();
+    std::fs::read(path).unwrap()
+}
+
+fn big_group(t: &Trace) -> &moeconf_schema::GroupNode {
+    t.step(0)
+        .unwrap()
+        .unwrap()
+        .level(Level::L4)
+        .unwrap()
+        .group(Some(1))
+        .unwrap()
+}
+
+/// Opens `bytes` and uses it the way a comparison does: the big group's
+/// page table, then every page one at a time (each read with the
+/// neighbours its straddling records need). The first error, if any.
+fn use_pages(bytes: Vec<u8>) -> Result<(), String> {
+    let t = Trace::from_bytes(Path::new("lie.bin"), bytes).map_err(|e| e.to_string())?;
+    t.step(0).map_err(|e| e.to_string())?;
+    let g = big_group(&t);
+    let Some(cvs) = t.group_pages(g).map_err(|e| e.to_string())? else {
+        // Not paged for the record count the step block gives: a comparison
+        // reads the group whole.
+        t.group_records(g).map_err(|e| e.to_string())?;
+        return Ok(());
+    };
+    for j in 0..cvs.len() as u64 {
+        t.group_page_entries(g, &[j]).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// [`use_pages`], then every byte (full verification).
+fn use_all(bytes: Vec<u8>) -> Result<(), String> {
+    use_pages(bytes.clone())?;
+    let t = Trace::from_bytes(Path::new("lie.bin"), bytes).map_err(|e| e.to_string())?;
+    t.verify_payloads().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[test]
+fn a_large_group_is_paged_in_version_4_with_the_root_of_version_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p3, p4) = (dir.path().join("v3.bin"), dir.path().join("v4.bin"));
+    let b3 = write(&p3, FORMAT_V3, Algorithm::Blake3, None, BIG);
+    let b4 = write(&p4, FORMAT_V4, Algorithm::Blake3, None, BIG);
+    let (t3, t4) = (Trace::open(&p3).unwrap(), Trace::open(&p4).unwrap());
+    assert_eq!(t3.root(), t4.root());
+    assert_eq!(t4.format_version(), 4);
+    let layout = GroupPages::new(
+        group_prefix(0, Level::L4, Some(1), BIG as u64).len() as u64,
+        BIG as u64,
+    )
+    .unwrap();
+    assert!(layout.is_paged() && layout.count() == 3, "{layout:?}");
+    assert_eq!(t3.group_pages(big_group(&t3)).unwrap(), None);
+    assert_eq!(t4.group_pages(big_group(&t4)).unwrap().map(|c| c.len()), Some(3));
+    // Groups of at most one page stay as in version 3.
+    let small = t4
+        .step(0)
+        .unwrap()
+        .unwrap()
+        .level(Level::L3)
+        .unwrap()
+        .group(Some(1))
+        .unwrap();
+    assert_eq!(t4.group_pages(small).unwrap(), None);
+    // Every record reads the same; full verification accepts it.
+    let (r3, r4) = (
+        t3.group_entries(big_group(&t3)).unwrap(),
+        t4.group_entries(big_group(&t4)).unwrap(),
+    );
+    assert_eq!(r3.len(), BIG as usize);
+    for ((i3, e3), (i4, e4)) in r3.iter().zip(r4.iter()) {
+        assert_eq!((i3, &e3.coord, e3.digest), (i4, &e4.coord, e4.digest));
+    }
+    t4.verify_payloads().unwrap();
+    assert!(use_all(b4.clone()).is_ok());
+    // The rewriter of the lies reads and writes version 4 byte for byte.
+    assert_eq!(Model::decode(&b4).unwrap().encode().unwrap(), b4);
+    assert_eq!(Model::decode(&b3).unwrap().encode().unwrap(), b3);
+    // SHA-256 traces are never paged.
+    let ps = dir.path().join("sha.bin");
+    write(&ps, FORMAT_V4, Algorithm::Sha256, None, BIG);
+    let ts = Trace::open_verified(&ps).unwrap();
+    assert_eq!(ts.group_pages(big_group(&ts)).unwrap(), None);
+}
+
+#[test]
+fn without_a_paged_group_version_4_is_version_3_but_for_the_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let (p3, p4) = (dir.path().join("v3.bin"), dir.path().join("v4.bin"));
+    let b3 = write(&p3, FORMAT_V3, Algorithm::Blake3, None, 3000);
+    let b4 = write(&p4, FORMAT_V4, Algorithm::Blake3, None, 3000);
+    assert_eq!(b3.len(), b4.len());
+    let n = b3.len();
+    let differing: Vec<usize> = (0..n).filter(|&i| b3[i] != b4[i]).collect();
+    // The preamble's version, and the checksum (which covers the preamble).
+    assert!(
+        differing
+            .iter()
+            .all(|&i| (8..12).contains(&i) || (n - 40..n - 8).contains(&i)),
+        "{differing:?}"
+    );
+    assert_eq!(b3[8], 3);
+    assert_eq!(b4[8], 4);
+    Trace::open_verified(&p4).unwrap();
+}
+
+#[test]
+fn a_comparison_reads_only_the_pages_whose_values_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let (pr, pc) = (dir.path().join("r.bin"), dir.path().join("c.bin"));
+    // Position 5000 lies inside page 1 (records about 4095..8190).
+    write(&pr, FORMAT_V4, Algorithm::Blake3, None, BIG);
+    write(&pc, FORMAT_V4, Algorithm::Blake3, Some(5000), BIG);
+    let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+    let (gr, gc) = (big_group(&r), big_group(&c));
+    assert_ne!(gr.digest, gc.digest);
+    let (vr, vc) = (
+        r.group_pages(gr).unwrap().unwrap(),
+        c.group_pages(gc).unwrap().unwrap(),
+    );
+    let differ: Vec<u64> = (0..vr.len())
+        .filter(|&j| vr[j] != vc[j])
+        .map(|j| j as u64)
+        .collect();
+    assert_eq!(differ, vec![1]);
+    let (er, ec) = (
+        r.group_page_entries(gr, &differ).unwrap(),
+        c.group_page_entries(gc, &differ).unwrap(),
+    );
+    assert_eq!(er.len(), ec.len());
+    let found: Vec<u32> = er
+        .iter()
+        .zip(&ec)
+        .filter(|(a, b)| a.1.digest != b.1.digest)
+        .map(|(a, _)| a.1.coord.position)
+        .collect();
+    assert_eq!(found, vec![5000]);
+    // Page 1 and its two neighbours (each shares a straddling record with
+    // it), never the whole group.
+    assert_eq!(r.pages_read(), 3);
+    assert_eq!(c.pages_read(), 3);
+    // The records are reachable by id.
+    let (id, e) = er.iter().find(|(_, e)| e.coord.position == 5000).unwrap();
+    assert_eq!(r.record(*id).coord, e.coord);
+    // The whole group afterwards reads every page once more, consistent.
+    assert_eq!(r.group_entries(gr).unwrap().len(), BIG as usize);
+    r.verify_payloads().unwrap();
+}
+
+#[test]
+fn every_falsified_page_table_page_or_count_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("v4.bin");
+    let honest = write(&p, FORMAT_V4, Algorithm::Blake3, None, BIG);
+    let with = |l: PageLie| {
+        let mut m = Model::decode(&honest).unwrap();
+        let s = &mut m.steps[0];
+        let level = s.levels.iter_mut().find(|x| x.level == Level::L4).unwrap();
+        level.groups[0].page_lie = Some(l);
+        m.encode().unwrap()
+    };
+    // Each page lie is refused, by the comparison's path and by full
+    // verification alike.
+    for l in [
+        PageLie::Cv(1),
+        PageLie::Shift(1),
+        PageLie::Boundary(1),
+        PageLie::Boundary(2),
+        PageLie::Digest(0),
+        PageLie::Digest(1),
+        PageLie::Missing,
+        PageLie::Truncated(0),
+        PageLie::Truncated(2),
+    ] {
+        let bytes = with(l);
+        let e = use_pages(bytes.clone()).expect_err(&format!("{l:?} accepted by the page reads"));
+        eprintln!("{l:?}: {e}");
+        let t = Trace::from_bytes(Path::new("lie.bin"), bytes).unwrap();
+        assert!(
+            t.verify_payloads().is_err(),
+            "{l:?}: full verification accepted it"
+        );
+    }
+    // A lying record count (GroupRef.records of the big group, the first
+    // of L4, with the root block's and the trailer's counts made to agree)
+    // moves the layout: the page values no longer merge to the group
+    // digest, or the table has the wrong size, or the group is not paged.
+    for count in [BIG as u64 - 1, BIG as u64 + 1, BIG as u64 + 5000, 100] {
+        let l = Lie::LevelRecords {
+            step: 0,
+            level: Level::L4,
+            count,
+            groups: true,
+            trailer: true,
+        };
+        let bytes = lie1(&honest, &l).unwrap().expect("the lie applies");
+        let e = use_pages(bytes).expect_err(&format!("count {count} accepted"));
+        eprintln!("records {count}: {e}");
+    }
+    // The honest bytes, re-encoded, still pass (the lies are what fails).
+    assert!(use_all(Model::decode(&honest).unwrap().encode().unwrap()).is_ok());
+    assert!(PAGE_BYTES.is_power_of_two());
+}
+
+#[test]
+fn diff_of_paged_traces_finds_what_version_3_finds_reading_a_few_pages() {
+    use moeconf_bisect::{diff, DiffOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let big = 40_000u32; // 10 pages
+    let report = |version: u32| {
+        let (pr, pc) = (
+            dir.path().join(format!("r{version}.bin")),
+            dir.path().join(format!("c{version}.bin")),
+        );
+        write(&pr, version, Algorithm::Blake3, None, big);
+        write(&pc, version, Algorithm::Blake3, Some(23_456), big);
+        let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+        let d = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let json = serde_json::to_value(&d).unwrap();
+        (
+            json["verdict"].clone(),
+            json["first_divergence"].clone(),
+            json["divergences"].clone(),
+            json["levels"].clone(),
+            r.pages_read(),
+            c.pages_read(),
+        )
+    };
+    let v3 = report(FORMAT_V3);
+    let v4 = report(FORMAT_V4);
+    assert_eq!(v4.1["position"], 23_456, "{}", v4.1);
+    assert_eq!((&v3.0, &v3.1, &v3.2, &v3.3), (&v4.0, &v4.1, &v4.2, &v4.3));
+    assert_eq!((v3.4, v3.5), (0, 0));
+    // The candidate: the differing page and its neighbours (the look-ups of
+    // the divergence's position find them read). The reference: the same,
+    // plus one whole reading of the group for the layer-kind inference of
+    // the report, which asks which paths the group holds anywhere (an open
+    // cost: docs/performance.md).
+    assert!(v4.5 >= 1 && v4.5 <= 5, "candidate read {} pages", v4.5);
+    assert!(v4.4 <= 13, "reference read {} pages", v4.4);
+}
+
+#[test]
+fn the_differing_records_of_paged_traces_cost_the_differing_pages() {
+    use moeconf_bisect::differing_pairs;
+    let dir = tempfile::tempdir().unwrap();
+    let big = 40_000u32; // 10 pages
+    let pairs = |version: u32| {
+        let (pr, pc) = (
+            dir.path().join(format!("r{version}.bin")),
+            dir.path().join(format!("c{version}.bin")),
+        );
+        write(&pr, version, Algorithm::Blake3, None, big);
+        write(&pc, version, Algorithm::Blake3, Some(23_456), big);
+        let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+        let p: Vec<String> = differing_pairs(&r, &c)
+            .unwrap()
+            .iter()
+            .map(|p| format!("{:?}", p.reference.map(|i| r.record(i).coord.clone())))
+            .collect();
+        (p, r.pages_read(), c.pages_read())
+    };
+    let (p3, _, _) = pairs(FORMAT_V3);
+    let (p4, r4, c4) = pairs(FORMAT_V4);
+    assert_eq!(p3, p4);
+    assert!(p4.iter().any(|p| p.contains("position: 23456")), "{p4:?}");
+    // Page 5 and its two neighbours on each side, of 10.
+    assert_eq!((r4, c4), (3, 3));
+}
