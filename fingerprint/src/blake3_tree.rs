@@ -1,8 +1,8 @@
-//! BLAKE3's own tree, from the chaining values of aligned blocks: the
-//! one implementation of "hash a stream cut into blocks, merge the
-//! blocks' values" that [`crate::incremental`] (a growing buffer's digest)
-//! and [`crate::group_pages`] (a layer group's digest from its pages)
-//! share.
+//! BLAKE3's own tree, from the chaining values of aligned blocks: "hash a
+//! stream cut into blocks, merge the blocks' values", for
+//! [`crate::group_pages`] (a layer group's digest from its pages).
+//! [`crate::incremental`] (a growing buffer's digest) merges the same tree
+//! with the values of unchanged subtrees remembered between digests.
 //!
 //! A block is a power-of-two number of BLAKE3 chunks; BLAKE3's tree puts
 //! every left subtree at the largest power of two of bytes strictly
@@ -61,22 +61,6 @@ fn subtree_cv(cvs: &[[u8; 32]], block: u64, offset: u64, len: u64) -> Option<[u8
         &subtree_cv(cvs, block, offset + left, len - left)?,
         Mode::Hash,
     ))
-}
-
-/// The chaining value of a subtree of `len` bytes from the values of its
-/// chunks (BLAKE3's tree: the left subtree is the largest power of two of
-/// chunks strictly smaller than its parent).
-pub(crate) fn merge_chunks(cvs: &[[u8; 32]], len: usize) -> [u8; 32] {
-    if len <= CHUNK_LEN || cvs.len() <= 1 {
-        return cvs.first().copied().unwrap_or_default();
-    }
-    let left = left_subtree_len(len as u64) as usize;
-    let k = left / CHUNK_LEN;
-    merge_subtrees_non_root(
-        &merge_chunks(&cvs[..k], left),
-        &merge_chunks(&cvs[k..], len - left),
-        Mode::Hash,
-    )
 }
 
 #[cfg(test)]
