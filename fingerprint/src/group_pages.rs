@@ -125,6 +125,32 @@ mod tests {
     use super::*;
     use crate::{group_digest, group_prefix, Algorithm, Level};
 
+    /// The reader bounds a differing page's records by the record it
+    /// shares with each neighbour (schema's `page_entries`: a page is read
+    /// with the neighbours its edge records straddle into, and records used
+    /// together must be in canonical order). That holds because every page
+    /// boundary falls inside a record digest: the group preimage's head is
+    /// never a multiple of 32 bytes long. A format change that made it one
+    /// must also read non-sharing neighbours.
+    #[test]
+    fn every_page_boundary_falls_inside_a_record_digest() {
+        for layer in [None, Some(0), Some(u32::MAX)] {
+            for n in [4096u64, 8193, 100_000] {
+                let prefix = group_prefix(u32::MAX, Level::L4, layer, n);
+                assert_ne!(prefix.len() % 32, 0, "layer {layer:?}");
+                let g = GroupPages::new(prefix.len() as u64, n).unwrap();
+                assert!(g.is_paged(), "{n} records");
+                for j in 1..g.count() {
+                    assert!(
+                        g.entries(j - 1).end > g.entries(j).start,
+                        "pages {} and {j} of {n} records share no record",
+                        j - 1
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn pages_merge_to_the_group_digest_and_cover_every_record() {
         for (layer, n) in [(None, 4096u64), (Some(3), 4095), (Some(7), 9000), (None, 12289)] {
