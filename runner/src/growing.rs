@@ -18,7 +18,7 @@
 use moeconf_fingerprint::incremental::{IncrementalBlake3, DEFAULT_BLOCK};
 use moeconf_fingerprint::{
     catalogue::Component, is_canonical, record_prefix, surely_canonical, Algorithm, CanonPolicy, Coord,
-    Digest, Level, TensorView,
+    Digest, Level, RecordPath, TensorView,
 };
 use moeconf_reference_runtime::capture::CaptureError;
 use std::collections::HashMap;
@@ -49,7 +49,7 @@ pub struct GrowingDigests {
     policy: CanonPolicy,
     /// The run's last step (`max_new_tokens - 1`): its records verify every block.
     last_step: u32,
-    states: HashMap<(Option<u32>, Level, String), Growing>,
+    states: HashMap<(Option<u32>, Level, RecordPath), Growing>,
     /// Rows that only grow on some layers ([`GrowingDigests::grow_on_layers`]).
     layered: Vec<(Component, u32)>,
     /// Bytes hashed so far, for tests and measurements.
@@ -80,6 +80,11 @@ impl GrowingDigests {
     /// append-only fails the verification below.
     pub fn grow_on_layers(&mut self, component: Component, layers: impl IntoIterator<Item = u32>) {
         self.layered.extend(layers.into_iter().map(|l| (component, l)));
+    }
+
+    /// The run's last step, whose records verify every block.
+    pub fn last_step(&self) -> u32 {
+        self.last_step
     }
 
     /// Bytes hashed by the incremental digests so far.
@@ -137,7 +142,8 @@ impl GrowingDigests {
         if !growing || tensor.validate(&coord.path).is_err() {
             return Ok(None);
         }
-        let key = (coord.layer, level, coord.path.to_string());
+        // The runtime's paths are `'static`: the key costs no allocation.
+        let key = (coord.layer, level, coord.path.clone());
         let data = tensor.bytes;
         let previous = self.states.get(&key).map(|g| g.len).unwrap_or(0);
         // Bytes [same..) may differ from the last digest's: the appended

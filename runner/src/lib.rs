@@ -178,8 +178,6 @@ pub struct TraceSink {
     progress: Option<progress::TerminalProgress>,
     /// Digests of the growing state records ([`growing`]).
     growing: growing::GrowingDigests,
-    /// The run's last step (`max_new_tokens - 1`).
-    last_step: u32,
     /// The `text.continuation` of the last step, checked against a full
     /// decode of the generated ids after the run ([`TraceSink::last_text`]).
     last_text: Option<Vec<u8>>,
@@ -198,7 +196,6 @@ impl TraceSink {
     /// thread if no thread can be started).
     pub fn new(writer: TraceWriter, spec: CaptureSpec) -> Self {
         let growing = growing_of(&writer);
-        let last_step = last_step_of(&writer);
         let out = match capture_thread::CaptureThread::spawn_or_return(writer) {
             Ok(t) => SinkWriter::Thread(t),
             Err(w) => SinkWriter::Here(w),
@@ -207,7 +204,6 @@ impl TraceSink {
             out,
             spec,
             growing,
-            last_step,
             last_text: None,
             progress: None,
         }
@@ -217,7 +213,6 @@ impl TraceSink {
     pub fn on_this_thread(writer: TraceWriter, spec: CaptureSpec) -> Self {
         TraceSink {
             growing: growing_of(&writer),
-            last_step: last_step_of(&writer),
             last_text: None,
             out: SinkWriter::Here(Box::new(writer)),
             spec,
@@ -274,11 +269,6 @@ impl TraceSink {
     }
 }
 
-/// The last step of the run whose trace `w` writes.
-fn last_step_of(w: &TraceWriter) -> u32 {
-    w.binding().decoding.max_new_tokens.saturating_sub(1)
-}
-
 /// The growing-state digests of a trace written by `w`.
 fn growing_of(w: &TraceWriter) -> growing::GrowingDigests {
     let b = w.binding();
@@ -311,7 +301,7 @@ impl CaptureSink for TraceSink {
         tensor: TensorView<'_>,
         kept: usize,
     ) -> Result<(), CaptureError> {
-        if coord.step >= self.last_step && coord.path == Component::TextContinuation.path() {
+        if coord.step >= self.growing.last_step() && coord.path == Component::TextContinuation.path() {
             self.last_text = Some(tensor.bytes.to_vec());
         }
         self.append(coord, level, tensor, Some(kept))
