@@ -60,8 +60,9 @@ pub enum Command {
     /// Build a canonical trace from a backend's safetensors tensor dumps
     /// (naming convention and manifest in docs/import.md).
     Import(cmd::import::ImportArgs),
-    /// Rewrite a trace in another container format version (2: tree nodes
-    /// read on use, the default; 1: a flat index). The root does not change.
+    /// Rewrite a trace in another container format version (4: layer groups
+    /// longer than a page stored as pages, the default; 3 and 2: tree nodes
+    /// read on use; 1: a flat index). The root does not change.
     Convert(cmd::convert::ConvertArgs),
     /// CI gate: diff a candidate against a reference under a reviewed policy
     /// (moeconf.toml), with text/JSON/JUnit/Markdown reports and blessed baselines.
