@@ -708,3 +708,20 @@ def test_batch_rows_refusals(tmp_path):
                 s.logits(m(PROMPT)[-1])
     _no_output(tmp_path, out)
 
+
+def test_the_transformers_capture_runs_through_its_mapping(monkeypatch):
+    """``moeconf.capture.capture`` (and so ``python3 -m moeconf transformers``) is
+    ``moeconf.capture_mapping.capture``, this engine under the transformers mapping, with every
+    argument passed on: there is no second hook path (whose trace test_capture_mapping.py compares)."""
+    import moeconf
+    from moeconf import capture_mapping
+
+    seen = []
+    monkeypatch.setattr(capture_mapping, "capture", lambda *a, **kw: seen.append((a, kw)) or "ran")
+    assert moeconf.capture("m", [1, 2], "p", 3, "o.bin", batch_with=[[4]], padding_side="right", pad_token_id=0,
+                           levels=1, payload_levels=0, model_dir="d", model_name="n", precision="x",
+                           algorithm="sha256", contract="c", schedule="s") == "ran"
+    assert seen == [(("m", [1, 2], "p", 3, "o.bin"),
+                     dict(model_dir="d", model_name="n", precision="x", levels=1, payload_levels=0, algorithm="sha256",
+                          contract="c", schedule="s", batch_with=[[4]], padding_side="right", pad_token_id=0))]
+    assert not any(hasattr(moeconf.capture, n) for n in ("_Recorder", "_attention_hooks", "_ffn_hooks", "_generate"))
