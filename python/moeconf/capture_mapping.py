@@ -1,27 +1,43 @@
-"""The transformers capture (:mod:`moeconf.capture`) re-expressed as a :mod:`moeconf.torch` mapping.
+"""The transformers capture (:mod:`moeconf.capture`) as a :mod:`moeconf.torch` mapping: its only path.
 
 :func:`transformers_mapping` is the mapping of a transformers ``DeepseekV4ForCausalLM`` onto the
-catalogue: every record ``moeconf.capture`` takes from a forward hook is a :class:`moeconf.torch.Rule`
-(``attn.hc_pre``, ``attn.norm``, ``attn.q`` (recomputed: the rotation HF applies next),
-``attn.output``, ``layer.post_attn_mhc``, ``ffn.hc_pre``, ``ffn.norm``, ``router.scores`` /
-``router.margin`` (recomputed), ``router.topk``, ``router.gates``, ``moe.term.*`` (recomputed by
-the experts module's own forward), ``moe.routed``, ``moe.shared``, ``moe.combine``,
-``layer.post_ffn_mhc``); what no module boundary exposes stays what it is in ``moeconf.capture``
-and is given to the engine as manual records (``attn.kv`` and ``attn.compressed`` /
-``attn.indexer_compressed`` from wraps of the cache methods, ``attn.core`` from a wrap of the
-module-global attention function, ``attn.indexer_topk`` from the indexer's output, with its
-``-1`` sentinels dropped) and persistent state (the L2 records of every layer after every step).
+catalogue: every record taken from a forward hook is a :class:`moeconf.torch.Rule` (``attn.hc_pre``,
+``attn.norm``, ``attn.q`` (recomputed: the rotation HF applies next), ``attn.output``,
+``layer.post_attn_mhc``, ``ffn.hc_pre``, ``ffn.norm``, ``router.scores`` / ``router.margin``
+(recomputed), ``router.topk``, ``router.gates``, ``moe.term.*`` (recomputed by the experts module's
+own forward), ``moe.routed``, ``moe.shared``, ``moe.combine``, ``layer.post_ffn_mhc``); what no
+module boundary exposes is given to the engine as manual records (``attn.kv`` and
+``attn.compressed`` / ``attn.indexer_compressed`` from wraps of the cache methods, ``attn.core``
+from a wrap of the module-global attention function, ``attn.indexer_topk`` from the indexer's
+output, with its ``-1`` sentinels dropped) and persistent state (the L2 records of every layer
+after every step).
 
-:func:`capture` runs it: the same greedy loop, binding and provenance as ``moeconf.capture.capture``
-and, for a batch of one, the same trace byte for byte (python/tests/test_capture_mapping.py, in
-the opt-in transformers suite, asserts it). A batch (``batch_with``) is not re-expressed: the
-engine takes a batch of one. Requires torch and transformers (imported lazily).
+:func:`capture` runs it, and ``moeconf.capture.capture`` (so ``python3 -m moeconf transformers``)
+is this function: the greedy loop with the capture's own ``DynamicCache``, the binding and the
+provenance ``moeconf.capture`` has always written. With ``batch_with`` the traced prompt is batch
+entry 0 and every step's forward runs the whole padded batch (2D attention mask, position ids
+counted over each row's own tokens); each step gives the engine a :class:`moeconf.torch.BatchRows`
+(the prefill: the prompt's own slots of the padded width; a decode step: slot 0 of width 1), so
+the rules record the traced row only, and the wraps cut the same row themselves. A padded traced
+row (a longer prompt beside it) shares its cache slots' pooling with its pads, so the mapping then
+declares none of ``moeconf.capture.PADDED_NOT_CAPTURED`` (of the state only ``state.window_kv``,
+which keeps its own slots) and the batch notes name them.
+
+Why one path: the hook path ``moeconf.capture`` had before (python/tests/transformers_hooks_reference.py,
+kept as the test oracle) and this mapping wrote the same files, and keeping one means one set of
+shape, level, order and provenance rules. The mapping keeps the old provenance exactly
+(``rules_note=False``, ``not_captured_note=False``, ``recomputed_order=RECOMPUTED``), so the trace
+is the old file byte for byte: python/tests/test_capture_mapping.py (opt-in, marker ``transformers``)
+asserts it in one process, alone and in batches, left and right padding, under every capture set,
+in f32 and bf16. Requires torch and transformers (imported lazily).
 """
 
 from .capture import (
-    RECOMPUTED, ROUTED_SUMS, CaptureResult, _checked_arguments, _f32, _make_batch, _recompute_terms, _routed_sums, _state_records,
+    RECOMPUTED, ROUTED_SUMS, CaptureResult, _batch_notes, _checked_arguments, _f32, _greedy, _make_batch,
+    _recompute_terms, _routed_sums, _state_records,
 )
-from .torch import Mapping, Rule
+from .catalogue import LEVEL_BITS
+from .torch import BatchRows, Mapping, Rule
 from .torch import capture as torch_capture
 
 __all__ = ["transformers_mapping", "capture", "state_layers"]
@@ -46,10 +62,14 @@ def state_layers(cfg):
     return {p: v for p, v in out.items() if v}
 
 
-def transformers_mapping(model, ctx):
+def transformers_mapping(model, ctx, padded=False):
     """The :class:`moeconf.torch.Mapping` of a transformers ``DeepseekV4ForCausalLM``. ``ctx`` is the
     capture's scratch dict: ``cos_sin`` (per layer, set by the attention pre-hook :func:`capture`
-    installs) and the MoE diagnostics ``events`` / ``unexplained`` / ``reproduced``."""
+    installs), the MoE diagnostics ``events`` / ``unexplained`` / ``reproduced`` (counted over the
+    traced sequence's rows) and ``cap`` (the running :class:`moeconf.torch.Capture`, whose open step
+    says which rows those are). ``padded``: the traced sequence has pad slots in the cache (a shorter
+    prompt of a batch), so the records of ``moeconf.capture.PADDED_NOT_CAPTURED`` are not declared:
+    of the state, only ``state.window_kv``, and no compressed entry nor indexer selection."""
     import torch
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
 
@@ -74,8 +94,9 @@ def transformers_mapping(model, ctx):
 
     def terms(m, args, kw, out):
         x, idx, w = args[0], args[1], args[2]
-        t = _recompute_terms(m, x, idx, w)
-        for s in range(t.shape[0]):
+        t = _recompute_terms(m, x, idx, w)  # over the whole batch: the GEMMs of the real call
+        st = ctx["cap"].current
+        for s in (range(t.shape[0]) if st.batch is None else st.batch.flat):
             ids = [int(e) for e in idx[s].tolist()]
             hits = [torch.equal(y, out[s]) for y in _routed_sums(t[s], ids, out.dtype)]
             ctx["events"] += 1
@@ -109,25 +130,34 @@ def transformers_mapping(model, ctx):
     ]
     manual = {"attn.kv": False, "attn.core": False}
     kinds = set(cfg.layer_types)
-    if kinds - {"sliding_attention"}:
+    if kinds - {"sliding_attention"} and not padded:
         manual["attn.compressed"] = False
-    if "compressed_sparse_attention" in kinds:
+    if "compressed_sparse_attention" in kinds and not padded:
         manual["attn.indexer_compressed"] = False
         manual["attn.indexer_topk"] = False
-    return Mapping(rules, state=state_layers(cfg), manual=manual, name="transformers DeepseekV4ForCausalLM")
+    state = state_layers(cfg)
+    if padded:
+        state = {"state.window_kv": state["state.window_kv"]}
+    return Mapping(rules, state=state, manual=manual, name="transformers DeepseekV4ForCausalLM")
 
 
-def _wrap_cache(cache, cap, undo):
+def _own(s):
+    """(batch index, slots) of the traced sequence in step ``s``'s forward."""
+    return (0, list(range(s.n))) if s.batch is None else (s.batch.index, list(s.batch.slots))
+
+
+def _wrap_cache(cache, cap, wants, padded):
     """The current kv (argument of ``update``) and emitted compressed entries (argument of
-    ``update_compressor_states``) as manual records of the open step (``moeconf.capture._wrap_cache``)."""
-    wants = bool(cap.mask & 16)
+    ``update_compressor_states``) of the traced sequence as manual records of the open step. A padded
+    traced sequence gives no compressed entry (they pool its pad slots: ``PADDED_NOT_CAPTURED``)."""
     for i, cl in enumerate(cache.layers):
         orig_update = cl.update
 
         def update(key_states, value_states, *a, _orig=orig_update, _i=i, **kw):
             s = cap.current
             if wants and s is not None:
-                rows = _f32(key_states[:, 0][0])
+                b, slots = _own(s)
+                rows = _f32(key_states[:, 0][b][slots])
                 for k in range(rows.shape[0]):
                     s.record("attn.kv", rows[k], layer=_i, position=s.start + k)
             return _orig(key_states, value_states, *a, **kw)
@@ -138,10 +168,12 @@ def _wrap_cache(cache, cap, undo):
 
             def ucs(name, compressed, _orig=orig_ucs, _i=i, _cl=cl):
                 s = cap.current
-                if wants and s is not None:
+                if wants and not padded and s is not None:
+                    # entry j pools cache slots [(first + j) * rate, (first + j + 1) * rate): with no pad
+                    # slot in the traced row, its own positions
                     first = _cl.entry_count[name]
                     path = "attn.compressed" if name == "compressor" else "attn.indexer_compressed"
-                    rows = _f32(compressed[0])
+                    rows = _f32(compressed[_own(s)[0]])
                     for j in range(rows.shape[0]):
                         s.record(path, rows[j:j + 1], layer=_i, position=(first + j + 1) * _cl.compress_rate - 1)
                 return _orig(name, compressed)
@@ -151,24 +183,25 @@ def _wrap_cache(cache, cap, undo):
 
 def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_dir=None, model_name=None,
             precision=None, levels="all", payload_levels="all", algorithm="blake3", contract="hf-native",
-            schedule="identity", batch_with=()):
-    """``moeconf.capture.capture`` for a batch of one, through :mod:`moeconf.torch` and
-    :func:`transformers_mapping`: the same parameters (``batch_with`` must be empty), the same
-    :class:`moeconf.capture.CaptureResult`, the same trace."""
+            schedule="identity", batch_with=(), padding_side="left", pad_token_id=None):
+    """``moeconf.capture.capture`` (the same parameters and :class:`moeconf.capture.CaptureResult`; that
+    function calls this one): the greedy run of a transformers ``DeepseekV4ForCausalLM`` through
+    :mod:`moeconf.torch` and :func:`transformers_mapping`, the traced prompt alone or decoded beside
+    ``batch_with`` (each step a :class:`moeconf.torch.BatchRows` of the traced row)."""
     import torch
     import transformers
     from transformers.cache_utils import DynamicCache
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdv4
 
-    if batch_with:
-        raise ValueError("capture_mapping.capture takes a batch of one (use moeconf.capture for batch_with)")
     cfg, model_dir, mask, payload_mask, precision, tok, prompt_ids = _checked_arguments(
         model, tokenizer_or_ids, prompt, max_new_tokens, model_dir, levels, payload_levels, precision)
-    _make_batch(cfg, tok, prompt_ids, (), "left", None)  # the same checks as moeconf.capture
+    batch = _make_batch(cfg, tok, prompt_ids, batch_with, padding_side, pad_token_id)
+    padded = batch.pads(0) > 0
     ctx = {"events": 0, "unexplained": 0, "reproduced": [0] * len(ROUTED_SUMS), "cos_sin": {}}
-    mapping = transformers_mapping(model, ctx)
+    mapping = transformers_mapping(model, ctx, padded=padded)
     notes = [("torch", torch.__version__),
              ("experts_implementation", str(getattr(cfg, "_experts_implementation", None)))]
+    notes += _batch_notes(batch, batch_with)
     cap = torch_capture(model, mapping, out_path, prompt_ids=prompt_ids, max_new_tokens=int(max_new_tokens),
                         config=cfg, prompt_text=prompt or "", model_dir=model_dir, model_name=model_name or model_dir,
                         levels=mask, payload_levels=payload_mask, precision=precision, contract=contract,
@@ -176,6 +209,8 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
                         runtime_version=transformers.__version__, threads=torch.get_num_threads(), notes=notes,
                         allow_nan=True, algorithm=algorithm, rules_note=False, not_captured_note=False,
                         recomputed_order=RECOMPUTED)
+    ctx["cap"] = cap
+    wants = bool(mask & LEVEL_BITS["L4"])
     handles, restore = [], []
     try:
         for i, layer in enumerate(model.model.layers):
@@ -186,11 +221,13 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
 
             handles.append(attn.register_forward_pre_hook(on_attn_pre, with_kwargs=True))
             comp = attn.compressor
-            if comp is not None and getattr(comp, "indexer", None) is not None and mask & 16:
+            if comp is not None and getattr(comp, "indexer", None) is not None and wants and not padded:
                 def on_indexer(m, args, out, i=i):
+                    # indices into the entries of attn.indexer_compressed (none for a padded row)
                     s = cap.current
-                    for n in range(s.n):
-                        ids = out[0, n]
+                    b, slots = _own(s)
+                    for n, slot in enumerate(slots):
+                        ids = out[b, slot]
                         s.record("attn.indexer_topk", ids[ids >= 0].to(torch.int32).numpy(), layer=i,
                                  position=s.start + n)
 
@@ -200,8 +237,9 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
         def eager(module, *a, **kw):
             out, weights = orig_eager(module, *a, **kw)
             s = cap.current
-            if mask & 16 and s is not None:
-                rows = _f32(out[0])
+            if wants and s is not None:
+                b, slots = _own(s)
+                rows = _f32(out[b][slots])
                 for n in range(rows.shape[0]):
                     s.record("attn.core", rows[n], layer=module.layer_idx, position=s.start + n)
             return out, weights
@@ -209,18 +247,9 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
         mdv4.eager_attention_forward = eager
         restore.append(lambda: setattr(mdv4, "eager_attention_forward", orig_eager))
         cache = DynamicCache(config=cfg)
-        _wrap_cache(cache, cap, restore)
+        _wrap_cache(cache, cap, wants, padded)
         with torch.no_grad(), cap:
-            feed = list(prompt_ids)
-            for step in range(max_new_tokens):
-                with cap.step(feed) as s:
-                    ids = torch.tensor([feed], dtype=torch.long)
-                    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-                    nxt = s.logits(out.logits[0, len(feed) - 1])
-                    if mask & 4:
-                        for layer, path, arr in _state_records(cfg, cache, 0, None):
-                            s.state(layer, path, arr)
-                feed = [nxt]
+            _generate(model, cfg, cache, cap, batch, max_new_tokens, bool(mask & LEVEL_BITS["L2"]))
     finally:
         cap.close()
         for h in handles:
@@ -230,3 +259,50 @@ def capture(model, tokenizer_or_ids, prompt, max_new_tokens, out_path, *, model_
     return CaptureResult(list(cap.generated), cap.summary, ctx["events"], dict(zip(ROUTED_SUMS, ctx["reproduced"])),
                          ctx["unexplained"])
 
+
+def _generate(model, cfg, cache, cap, batch, max_new_tokens, states):
+    """The greedy loop: one forward per step with the capture's own cache; the traced sequence
+    (``batch.ids[0]``) is stepped through ``cap`` (its logits, its L2 state after the forward when
+    ``states``), every other sequence of the batch decoded greedily alongside (its own argmax).
+
+    A batch of one runs with no attention mask, positions from the cache. A larger batch passes the
+    padded rows with their 2D attention mask and position ids: each token's position is its
+    sequence's count of real tokens before it (``attention_mask.cumsum(-1) - 1``, pads 0, as
+    transformers' ``GenerationMixin._prepare_position_ids_for_generation`` does for the prompt), at
+    every step: ``generate()`` itself continues a row from its last slot's position + 1
+    (``_update_model_kwargs_for_generation``), which for a right-padded row is a pad's."""
+    import torch
+
+    nb = len(batch.ids)
+    others = [[] for _ in range(nb)]
+    ids_rows, mask_rows = batch.rows()
+    am = torch.tensor(mask_rows, dtype=torch.long)
+    slot_mask = list(mask_rows[0])  # the traced sequence's attention mask over the cache slots
+    padded = batch.pads(0) > 0
+    feed = list(batch.ids[0])
+    for step in range(max_new_tokens):
+        if step == 0:
+            ids = torch.tensor(ids_rows, dtype=torch.long)
+            rows = BatchRows(nb, 0, batch.width, tuple(batch.own_slots(0)))
+            lasts = [batch.own_slots(b)[-1] for b in range(nb)]
+        else:
+            ids = torch.tensor([[feed[0]]] + [[g[-1]] for g in others[1:]], dtype=torch.long)
+            am = torch.cat([am, torch.ones((nb, 1), dtype=am.dtype)], dim=1)
+            slot_mask.append(1)
+            rows = BatchRows(nb, 0, 1, (0,))
+            lasts = [0] * nb
+        with cap.step(feed, batch=rows if nb > 1 else None) as s:
+            if nb == 1:
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            else:
+                pos = am.cumsum(-1) - 1
+                pos = pos.masked_fill(am == 0, 0)[:, -ids.shape[1]:]
+                out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache,
+                            use_cache=True)
+            nxt = s.logits(out.logits[0, lasts[0]])
+            for b in range(1, nb):
+                others[b].append(_greedy(_f32(out.logits[b, lasts[b]])))
+            if states:
+                for layer, path, arr in _state_records(cfg, cache, 0, slot_mask if padded else None):
+                    s.state(layer, path, arr)
+        feed = [nxt]

@@ -31,6 +31,10 @@ What it does for the mapping, as the other captures do:
   (``[n, *item]`` or ``[1, n, *item]``: a batch of one; ``[*item]`` for one position), in order.
   L0/L1 (``token.*``, ``lm.*``, ``text.continuation`` with ``decode=``) come from
   :meth:`Step.logits`; persistent state (L2) from :meth:`Step.state`.
+* **A batched forward** (the traced sequence beside others, ``cap.step(ids, batch=BatchRows(size,
+  index, width, slots))``): each hooked tensor holds the whole batch, ``[size, width, *item]`` or
+  ``[size * width, *item]``, and only the traced rows ``index * width + slots[k]`` are recorded, at
+  the step's positions; records not per slot are the loop's to cut (:class:`BatchRows`).
 * **Values** as the catalogue stores them (:mod:`moeconf.catalogue`): floats as f32 (bf16/f16 are
   exact in f32), ids as i32, counters as i64, each per-position value checked against its shape in
   the model's dimensions (from its config, or ``dims=``).
@@ -73,7 +77,7 @@ import difflib
 import json
 import re
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -86,8 +90,8 @@ from .catalogue import (
 from .fingerprint import Coord, hash_bytes, validate_path
 from .trace import TraceWriter, check_output
 
-__all__ = ["Rule", "Mapping", "Capture", "Step", "CaptureError", "capture", "DIM_ALIASES", "DEFAULT_NOT_CAPTURED",
-           "model_binding"]
+__all__ = ["Rule", "Mapping", "Capture", "Step", "BatchRows", "CaptureError", "capture", "DIM_ALIASES",
+           "DEFAULT_NOT_CAPTURED", "model_binding"]
 
 
 class CaptureError(ValueError):
@@ -150,6 +154,27 @@ def _ids(x, what):
     if any(not 0 <= v < 2**31 for v in out):
         raise CaptureError(f"{what}: an id outside 0..2^31-1")
     return out
+
+
+def _batch_rows(batch, n, what):
+    """``batch`` as a checked :class:`BatchRows` for a step of ``n`` tokens."""
+    if not isinstance(batch, BatchRows):
+        raise CaptureError(f"{what}: batch= must be a moeconf.torch.BatchRows")
+
+    def count(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    size, index, width = batch.size, batch.index, batch.width
+    if not (count(size) and count(index) and count(width) and size >= 1 and 0 <= index < size and width >= 1):
+        raise CaptureError(f"{what}: batch size {size!r}, index {index!r}, width {width!r}: the traced sequence must "
+                           "be one of size >= 1 sequences of width >= 1 slots")
+    slots = tuple(batch.slots)
+    if len(slots) != n or any(not count(x) for x in slots):
+        raise CaptureError(f"{what}: batch slots {list(slots)[:8]}: one slot index per token of the step ({n})")
+    slots = tuple(int(x) for x in slots)
+    if any(not 0 <= x < width for x in slots) or any(a >= b for a, b in zip(slots, slots[1:])):
+        raise CaptureError(f"{what}: batch slots {list(slots)[:8]}: increasing, within 0..{width - 1}")
+    return BatchRows(int(size), int(index), int(width), slots)
 
 
 def _fits(shape, item):
@@ -540,6 +565,29 @@ class _Site:
             f" (layer {self.layer})" if self.layer is not None else "")
 
 
+class BatchRows(NamedTuple):
+    """Where the traced sequence's tokens sit in a step's batched forward (``cap.step(tokens,
+    batch=BatchRows(...))``): the forward runs ``size`` sequences over a sequence axis of ``width``
+    slots; the traced one is batch entry ``index`` and its tokens are at ``slots`` (increasing, one
+    per token of the step, pads and other sequences' tokens left out).
+
+    Every hooked tensor of such a step holds the whole batch, ``[size, width, *item]`` or flattened
+    ``[size * width, *item]`` (row ``index * width + slot``, as an MoE flattens its tokens); the
+    capture records rows ``index * width + slots[k]`` at position ``start + k``. Records that are not
+    per slot (cache contents, pooled entries) are the loop's: it gives them with :meth:`Step.record`
+    / :meth:`Step.state`, selecting the traced sequence itself."""
+
+    size: int
+    index: int
+    width: int
+    slots: Tuple[int, ...]
+
+    @property
+    def flat(self):
+        """The traced tokens' rows in a tensor flattened to ``[size * width, ...]``, in order."""
+        return [self.index * self.width + s for s in self.slots]
+
+
 class Step:
     """One step of a :class:`Capture` (``with cap.step(tokens) as s``): the hooks record into it
     while the model's forward runs; :meth:`logits` gives the L1 records and the greedy token,
@@ -547,8 +595,10 @@ class Step:
     Leaving the block checks that every hook fired and writes the step's records in the catalogue's
     execution order."""
 
-    def __init__(self, cap, index, tokens, start):
+    def __init__(self, cap, index, tokens, start, batch=None):
         self.cap, self.index, self.tokens, self.start = cap, index, tokens, start
+        #: The :class:`BatchRows` of a batched forward, None for a batch of one.
+        self.batch: Optional[BatchRows] = batch
         self.n = len(tokens)
         self.phase = "prefill" if index == 0 else "decode"
         self.calls: Dict[int, int] = {}
@@ -1048,6 +1098,8 @@ class Capture:
         if c.is_family and r.index is None:
             item = (self._item_shape(lookup("router.topk")[0], s)[0],) + item
         want = (st.n,) + item
+        if st.batch is not None:
+            arr = self._batch_select(st, s, arr)
         shape = tuple(arr.shape)
         if _fits(shape[1:], item) and shape[:1] == (st.n,):  # [n, *item]
             arr = arr.reshape(want)
@@ -1075,6 +1127,19 @@ class Capture:
                 path = r.paths_pattern
                 conv = self._convert(v, c, f"step {st.index} layer {s.layer} position {pos} {path} ({s.where()})")
                 self._put(st, s.layer, pos, c, r.index, path, conv, s.where())
+
+    def _batch_select(self, st, s, arr):
+        """The traced sequence's rows ``[n, *rest]`` of a batched step's tensor, which holds the whole
+        batch as ``[size, width, *rest]`` or ``[size * width, *rest]`` (:class:`BatchRows`)."""
+        b = st.batch
+        shape = tuple(arr.shape)
+        if shape[:2] == (b.size, b.width):
+            arr = arr.reshape((b.size * b.width,) + shape[2:])
+        elif not shape[:1] == (b.size * b.width,):
+            raise CaptureError(f"step {st.index}: {s.where()}: a tensor of shape {list(shape)} in a batched step: "
+                               f"expected the whole batch, [{b.size}, {b.width}, ...] or [{b.size * b.width}, ...] "
+                               f"({b.size} sequence(s) of {b.width} slot(s))")
+        return arr[b.flat]
 
     def _convert(self, a, c, what):
         """``a`` in the catalogue's dtype for ``c``, checked."""
@@ -1124,11 +1189,14 @@ class Capture:
         a module-global function) records into with :meth:`Step.record`."""
         return self._current
 
-    def step(self, tokens):
+    def step(self, tokens, batch=None):
         """Starts step ``steps_done``: ``tokens`` are the ids its forward consumes (step 0: the prompt;
         later: the previous step's greedy token), as declared: they are checked and recorded as
         ``token.input``, but what the forward really consumes is not seen. Integers in one
-        sequence (a list, ``[n]`` or ``[1, n]``). Use as ``with cap.step(tokens) as s:``."""
+        sequence (a list, ``[n]`` or ``[1, n]``). Use as ``with cap.step(tokens) as s:``.
+
+        ``batch``: a :class:`BatchRows` when the forward runs the traced sequence beside others (its
+        tokens at ``batch.slots`` of batch entry ``batch.index``): only those rows are recorded."""
         self._check_open()
         if self._current is not None:
             raise self._fail(CaptureError(f"step {self._current.index} is still open"))
@@ -1144,7 +1212,12 @@ class Capture:
             raise self._fail(CaptureError(f"step {i} feeds {ids[:8]}, the capture expects {want[:8]} (" +
                                           ("the prompt" if i == 0 else "the greedy token of the previous step") + ")"))
         start = 0 if i == 0 else len(self.prompt_ids) + i - 1
-        self._current = Step(self, i, ids, start)
+        if batch is not None:
+            try:
+                batch = _batch_rows(batch, len(ids), f"step {i}")
+            except CaptureError as e:
+                raise self._fail(e)
+        self._current = Step(self, i, ids, start, batch)
         return self._current
 
     def _end_step(self, st):

@@ -605,3 +605,123 @@ def test_manual_family(tmp_path):
         Mapping([], manual={"router.*": True})
     with pytest.raises(CaptureError, match="both a manual record and mapped"):
         run(Toy(), tmp_path / "z.bin", mapping=Mapping(MAPPING.rules, manual={"moe.term.*": True}))
+
+
+# --- a batched forward (BatchRows) ---------------------------------------------------------------
+
+
+def _batched_run(model, out, others, index, side="left", mapping=MAPPING, **kw):
+    """The greedy loop with the traced PROMPT as batch entry ``index`` beside ``others`` (id lists,
+    decoded greedily alongside), rows padded to the longest on ``side`` with id 0. The toy has no
+    attention: a forward runs the flattened ``[size * width]`` ids, so each tensor is ``[size *
+    width, ...]``. Returns (capture, per step the whole batch's layer outputs ``[size * width, D]``
+    recorded by a plain hook of the same forward, per step the BatchRows)."""
+    from moeconf.torch import BatchRows
+
+    seqs = list(others)
+    seqs.insert(index, list(PROMPT))
+    width = max(len(x) for x in seqs)
+    rows = [([0] * (width - len(x)) + x) if side == "left" else (x + [0] * (width - len(x))) for x in seqs]
+    first = width - len(PROMPT) if side == "left" else 0
+    seen, batches = [], []
+    h = model.layers[-1].register_forward_hook(lambda m, a, o: seen[-1].append(np.array(o)))
+    kw.setdefault("config", CONFIG)
+    kw.setdefault("precision", "numpy-f32")
+    with capture(model, mapping, out, prompt_ids=PROMPT, max_new_tokens=STEPS, **kw) as cap:
+        feed, lasts = list(PROMPT), [width - 1 if side == "left" else len(x) - 1 for x in seqs]
+        flat = [i for r in rows for i in r]
+        br = BatchRows(len(seqs), index, width, tuple(range(first, first + len(PROMPT))))
+        for _ in range(STEPS):
+            seen.append([])
+            batches.append(br)
+            with cap.step(feed, batch=br) as s:
+                logits = model(flat)
+                w = br.width
+                nxt = [int(np.argsort(-logits[b * w + lasts[b]].astype(np.float64), kind="stable")[0])
+                       for b in range(len(seqs))]
+                feed = [s.logits(logits[index * w + lasts[index]])]
+            assert nxt[index] == feed[0]
+            flat, lasts = nxt, [0] * len(seqs)
+            br = BatchRows(len(seqs), index, 1, (0,))
+    h.remove()
+    return cap, [x[0] for x in seen], batches
+
+
+@pytest.mark.parametrize("index,side", [(0, "left"), (1, "left"), (1, "right")])
+def test_a_batched_step_records_the_traced_rows_only(tmp_path, index, side):
+    """The traced sequence beside a longer one (it is padded) and a shorter one: the trace holds the
+    coordinates of a batch of one (own positions, no pad, no other sequence) and each value is the
+    traced row of the batched forward's tensor."""
+    out = tmp_path / "b.bin"
+    cap, outs, batches = _batched_run(Toy(), out, [[7, 2, 9, 9, 2, 6, 5], [8, 8]], index, side, capture="all")
+    solo = tmp_path / "solo.bin"
+    run(Toy(), solo, capture="all")
+    t, s = read_trace(str(out)), read_trace(str(solo))
+    assert [(r.coord, r.level, r.dtype, r.shape) for r in t.records] == \
+           [(r.coord, r.level, r.dtype, r.shape) for r in s.records]
+    for i, r in enumerate(t.records):
+        if r.coord.path == "layer.post_ffn_mhc" and r.coord.layer == LAYERS - 1:
+            br = batches[r.coord.step]
+            k = r.coord.position - (0 if r.coord.step == 0 else len(PROMPT) + r.coord.step - 1)
+            row = outs[r.coord.step][br.index * br.width + br.slots[k]]
+            assert np.array_equal(t.array(i).reshape(-1), row), r.coord
+    assert cap.generated == [int(t.array(i)[0]) for i, r in enumerate(t.records) if r.coord.path == "token.output"]
+
+
+def test_a_batched_step_takes_the_batch_as_size_by_width(tmp_path):
+    """A tensor of ``[size, width, *item]`` gives the same records as its flattened ``[size * width,
+    *item]``."""
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    _batched_run(Toy(), a, [[7, 2, 9, 9, 2, 6, 5]], 1, capture="all")
+    rules = [r for r in MAPPING.rules if r.component != "layer.post_ffn_mhc"]
+    rules.append(Rule("layers.{layer}", "layer.post_ffn_mhc", transform=lambda t: t.reshape(2, -1, t.shape[-1]),
+                      recomputed=False))  # [2 sequences, width, D]
+    mapping = Mapping(rules, not_captured=MAPPING.not_captured, name=MAPPING.name)
+    _batched_run(Toy(), b, [[7, 2, 9, 9, 2, 6, 5]], 1, mapping=mapping, capture="all")
+    ta, tb = read_trace(str(a)), read_trace(str(b))
+    assert [r.digest for r in ta.records] == [r.digest for r in tb.records]
+    assert dict(tb.provenance.notes)["moeconf.torch.rules"].count("transformed") == 2  # scores, post_ffn_mhc
+
+
+def test_batch_rows_refusals(tmp_path):
+    from moeconf.torch import BatchRows
+
+    for br, match in [(BatchRows(2, 2, 5, tuple(range(5))), "size >= 1 sequences"),
+                      (BatchRows(2, 0, 5, (0, 1, 2)), r"one slot index per token of the step \(5\)"),
+                      (BatchRows(2, 0, 6, (0, 1, 3, 2, 4)), "increasing"),
+                      (BatchRows(2, 0, 4, (0, 1, 2, 3, 4)), r"within 0\.\.3"),
+                      ((2, 0, 5, tuple(range(5))), "must be a moeconf.torch.BatchRows")]:
+        out = tmp_path / "x.bin"
+        m = Toy()
+        with pytest.raises(CaptureError, match=match):
+            with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG) as cap:
+                with cap.step(PROMPT, batch=br):
+                    pass
+        _no_output(tmp_path, out)
+        assert m.hooks() == 0
+    # a tensor that is not the whole batch
+    out = tmp_path / "y.bin"
+    m = Toy()
+    with pytest.raises(CaptureError, match=r"in a batched step: expected the whole batch, \[3, 5, \.\.\.\] or \[15"):
+        with capture(m, MAPPING, out, prompt_ids=PROMPT, max_new_tokens=STEPS, config=CONFIG) as cap:
+            with cap.step(PROMPT, batch=BatchRows(3, 0, 5, tuple(range(5)))) as s:
+                s.logits(m(PROMPT)[-1])
+    _no_output(tmp_path, out)
+
+
+def test_the_transformers_capture_runs_through_its_mapping(monkeypatch):
+    """``moeconf.capture.capture`` (and so ``python3 -m moeconf transformers``) is
+    ``moeconf.capture_mapping.capture``, this engine under the transformers mapping, with every
+    argument passed on: there is no second hook path (whose trace test_capture_mapping.py compares)."""
+    import moeconf
+    from moeconf import capture_mapping
+
+    seen = []
+    monkeypatch.setattr(capture_mapping, "capture", lambda *a, **kw: seen.append((a, kw)) or "ran")
+    assert moeconf.capture("m", [1, 2], "p", 3, "o.bin", batch_with=[[4]], padding_side="right", pad_token_id=0,
+                           levels=1, payload_levels=0, model_dir="d", model_name="n", precision="x",
+                           algorithm="sha256", contract="c", schedule="s") == "ran"
+    assert seen == [(("m", [1, 2], "p", 3, "o.bin"),
+                     dict(model_dir="d", model_name="n", precision="x", levels=1, payload_levels=0, algorithm="sha256",
+                          contract="c", schedule="s", batch_with=[[4]], padding_side="right", pad_token_id=0))]
+    assert not any(hasattr(moeconf.capture, n) for n in ("_Recorder", "_attention_hooks", "_ffn_hooks", "_generate"))
