@@ -183,7 +183,9 @@ impl GrowingDigests {
             return Err(CaptureError::new(format!(
                 "{coord}: bytes {}..{} of this growing record changed after they were fingerprinted, without \
                  being appended (an old entry was rewritten): the incremental fingerprint cannot commit to it, \
-                 no trace is written",
+                 no trace is written. To trace this run anyway, capture the persistent state with its payloads \
+                 (`--capture L0,L1+payload,L2+payload,L3+payload,L4`: the default plus L2 payloads), which hashes \
+                 every step's state whole",
                 stale.start.saturating_sub(p),
                 stale.end.saturating_sub(p)
             )));
