@@ -109,9 +109,9 @@ pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) ->
         // kinds apart (`always_records_alone_tell_every_kind`), so the read
         // does not grow with the group (a paged group reads its first page
         // or two). The candidate's group is read only where it can hold
-        // another path: nowhere when the digests are equal; besides its
-        // first position, the candidate's records in the pages that differ
-        // when both are paged alike (read by the walk anyway).
+        // another path: nowhere when the digests are equal; its records in
+        // the pages that differ when both are paged alike (read by the walk
+        // anyway); else at its own first position.
         if let Some(g) = rg {
             for p in s.group_first_position_paths(s.r, g) {
                 add(&p);
@@ -119,16 +119,22 @@ pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) ->
         }
         match (rg, cg) {
             (Some(a), Some(b)) if a.digest == b.digest => {}
-            (a, Some(b)) => {
-                for p in s.group_first_position_paths(s.c, b) {
-                    add(&p);
-                }
-                if let Some(records) = a.and_then(|a| s.differing_page_records(a, b)) {
+            // Paged alike: the candidate's records outside the differing
+            // pages are the reference's, at the same places, so its first
+            // position holds no path that is not at the reference's or in
+            // those pages.
+            (a, Some(b)) => match a.and_then(|a| s.differing_page_records(a, b)) {
+                Some(records) => {
                     for (_, e) in records {
                         add(&e.coord.path);
                     }
                 }
-            }
+                None => {
+                    for p in s.group_first_position_paths(s.c, b) {
+                        add(&p);
+                    }
+                }
+            },
             _ => {}
         }
     }
