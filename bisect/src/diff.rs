@@ -933,6 +933,14 @@ impl Ctx<'_> {
                     let mut last: Option<(_, moeconf_fingerprint::Coord)> = None;
                     if let Some(level) = self.s.step_node(r, s).and_then(|n| n.level(Level::L3)) {
                         for g in &level.groups {
+                            // A group of a later layer holds no checkpoint
+                            // before the bound (execution order is
+                            // layer-major): not read.
+                            if g.layer.is_some_and(|l| {
+                                bound.as_ref().is_some_and(|b| checkpoints_follow(s, l, &b.0))
+                            }) {
+                                continue;
+                            }
                             // Counted from the groups read whole and not
                             // kept (no record of them is needed by id).
                             for h in self.s.group_held(r, g) {
@@ -1075,4 +1083,14 @@ impl Ctx<'_> {
         });
         Ok(rep)
     }
+}
+
+/// Whether every checkpoint of `layer` at `step` follows `bound` in
+/// execution order ([`ExecKey`]: step, group, layer first), so that a group
+/// of that layer holds none before it.
+fn checkpoints_follow(step: u32, layer: u32, bound: &ExecKey) -> bool {
+    Component::ALL
+        .iter()
+        .filter(|c| c.is_checkpoint())
+        .all(|c| (step, c.exec_group(), layer) > (bound.step, bound.group, bound.layer))
 }

@@ -103,38 +103,48 @@ pub(crate) fn infer(s: &Sides<'_>, step: u32, layer: u32, compared: LevelSet) ->
             continue;
         }
         let (rg, cg) = (group_of(rn, level, layer), group_of(cn, level, layer));
-        // Which paths the groups hold: the reference's read whole (every
-        // page of a paged group), not kept; the candidate's only where it
-        // can hold another path: nowhere when the digests are equal, only
-        // in the pages that differ when both are paged alike
-        // (`Sides::differing_page_records`), else whole.
+        // Which paths the groups hold, from the records at each group's
+        // first position: a record present at every position of its layer
+        // kind ([`Presence::Always`]) is there, and those alone tell the
+        // kinds apart (`always_records_alone_tell_every_kind`), so the read
+        // does not grow with the group (a paged group reads its first page
+        // or two). The candidate's group is read only where it can hold
+        // another path: nowhere when the digests are equal; its records in
+        // the pages that differ when both are paged alike (read by the walk
+        // anyway); else at its own first position.
         if let Some(g) = rg {
-            for r in s.group_held(s.r, g) {
-                add(&r.entry().coord.path);
+            for p in s.group_first_position_paths(s.r, g) {
+                add(&p);
             }
         }
         match (rg, cg) {
             (Some(a), Some(b)) if a.digest == b.digest => {}
-            (Some(a), Some(b)) => match s.differing_page_records(a, b) {
+            // Paged alike: the candidate's records outside the differing
+            // pages are the reference's, at the same places, so its first
+            // position holds no path that is not at the reference's or in
+            // those pages.
+            (a, Some(b)) => match a.and_then(|a| s.differing_page_records(a, b)) {
                 Some(records) => {
                     for (_, e) in records {
                         add(&e.coord.path);
                     }
                 }
                 None => {
-                    for r in s.group_held(s.c, b) {
-                        add(&r.entry().coord.path);
+                    for p in s.group_first_position_paths(s.c, b) {
+                        add(&p);
                     }
                 }
             },
-            (None, Some(b)) => {
-                for r in s.group_held(s.c, b) {
-                    add(&r.entry().coord.path);
-                }
-            }
             _ => {}
         }
     }
+    kinds_of(&present)
+}
+
+/// The kinds consistent with the components `present` at a layer: each
+/// holds every present one, and every record it would hold at every
+/// position, at a level some present record is at, is present.
+fn kinds_of(present: &HashSet<Component>) -> Kinds {
     if present.is_empty() {
         return Kinds { possible: Vec::new() };
     }
@@ -185,5 +195,60 @@ mod tests {
         let r = both.report().unwrap();
         assert_eq!((r.attention, r.ffn.as_deref()), (None, Some("score_routed")));
         assert_eq!(Kinds { possible: vec![] }.has(Component::AttnQ), None);
+    }
+
+    /// What `infer` relies on to read only a group's first position: the
+    /// records every position holds ([`Presence::Always`]) give the same
+    /// kinds as those plus the records only some positions hold (a
+    /// compressor's entries, [`Presence::OnEmit`]), for every kind and every
+    /// set of compared levels, with or without the records present at every
+    /// coordinate when at all (capture-only values, quantization sites).
+    #[test]
+    fn always_records_alone_tell_every_kind() {
+        let levels = [Level::L2, Level::L3, Level::L4];
+        let mut checked = 0;
+        for a in ATTENTION {
+            for f in FFN {
+                for mask in 1u8..8 {
+                    let at = |c: &Component| {
+                        let spec = c.spec();
+                        spec.layers.contains(a, f)
+                            && levels
+                                .iter()
+                                .enumerate()
+                                .any(|(i, &l)| mask & (1 << i) != 0 && spec.level == l)
+                    };
+                    let with = |ps: &[Presence]| -> HashSet<Component> {
+                        Component::ALL
+                            .iter()
+                            .copied()
+                            .filter(|c| at(c) && ps.contains(&c.spec().presence))
+                            .collect()
+                    };
+                    for extra in [&[][..], &[Presence::CaptureOnly, Presence::Quantized][..]] {
+                        let first: Vec<Presence> = [Presence::Always].iter().chain(extra).copied().collect();
+                        let every: Vec<Presence> = first
+                            .iter()
+                            .chain(&[Presence::OnEmit, Presence::QuantizedOnEmit])
+                            .copied()
+                            .collect();
+                        let (k1, k2) = (kinds_of(&with(&first)), kinds_of(&with(&every)));
+                        assert_eq!(k1, k2, "{a:?} {f:?} levels {mask:03b} {extra:?}");
+                        // The kind itself is among them (nothing rules it out).
+                        assert!(
+                            k1.possible.is_empty() || k1.possible.contains(&(a, f)),
+                            "{a:?} {f:?} levels {mask:03b}: {k1:?}"
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, 6 * 7 * 2);
+        // The OnEmit rows are really there (the check compares something).
+        assert!(Component::ALL
+            .iter()
+            .any(|c| c.spec().presence.is_on_emit()
+                && c.spec().layers.contains(AttentionKind::Hca, FfnKind::Moe)));
     }
 }

@@ -148,6 +148,34 @@ impl<'a> Sides<'a> {
         self.latch(t, r, Vec::new())
     }
 
+    /// The paths of `g`'s records at its first position (the position of
+    /// its first record in canonical order), read and verified (empty when
+    /// unreadable, the failure remembered). A paged group (format version
+    /// 4) reads only its first page and the pages after it that still hold
+    /// that position, so the cost does not grow with the group; any other
+    /// group is read whole (a group block is at most a page's worth of
+    /// records when the trace pages, docs/format.md §11.9) and not kept.
+    pub fn group_first_position_paths(&self, t: &'a Trace, g: &'a GroupNode) -> Vec<RecordPath> {
+        let paged = self.latch(t, t.group_pages(g), None).is_some();
+        if paged {
+            let first = self.latch(t, t.group_page_entries(g, &[0]), Vec::new());
+            let Some(p0) = first.first().map(|(_, e)| e.coord.position) else {
+                return Vec::new();
+            };
+            let at = self.latch(t, t.group_entries_at(g, p0), Vec::new());
+            at.into_iter().map(|(_, e)| e.coord.path.clone()).collect()
+        } else {
+            let held = self.group_held(t, g);
+            let Some(p0) = held.first().map(|h| h.entry().coord.position) else {
+                return Vec::new();
+            };
+            held.into_iter()
+                .take_while(|h| h.entry().coord.position == p0)
+                .map(|h| h.entry().coord.path.clone())
+                .collect()
+        }
+    }
+
     /// The group of (`step`, `level`, `layer`) in `t`.
     pub fn group(&self, t: &'a Trace, step: u32, level: Level, layer: Option<u32>) -> Option<&'a GroupNode> {
         self.step_node(t, step)
