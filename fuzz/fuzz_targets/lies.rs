@@ -8,5 +8,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = moeconf_testkit::targets::lies_case(data, moeconf_testkit::seeds::fuzz_dir());
+    let _ = moeconf_testkit::targets::lies_target(data, moeconf_testkit::seeds::fuzz_dir());
 });
