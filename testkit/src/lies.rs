@@ -547,6 +547,17 @@ impl Model {
             .filter(|x| is_paged_format(self.version) && self.alg == Algorithm::Blake3 && x.is_paged())
     }
 
+    /// The `n`-th paged group of step index `step` (modulo their count),
+    /// or `None` when the step has none.
+    pub fn paged_group(&self, step: usize, n: usize) -> Option<(usize, usize, usize)> {
+        let paged: Vec<(usize, usize, usize)> = self
+            .paged_groups()
+            .into_iter()
+            .filter(|&(s, _, _)| s == step)
+            .collect();
+        paged.get(n % paged.len().max(1)).copied()
+    }
+
     /// Every paged group: (step index, level index, group index).
     pub fn paged_groups(&self) -> Vec<(usize, usize, usize)> {
         let mut v = Vec::new();
@@ -670,6 +681,18 @@ pub enum Lie {
         group: usize,
         lie: PageLie,
     },
+    /// Version 4: change `GroupRef.records` of a paged group (as
+    /// [`Lie::Page`] picks it) by `delta` (when the result is not
+    /// negative): the page layout moves by a few records, or the group is
+    /// no longer paged. With `level`, the root block's count of its level
+    /// and the trailer's `record_count` follow (and version 3's level
+    /// digest stays listed).
+    PagedRecords {
+        step: usize,
+        group: usize,
+        delta: i16,
+        level: bool,
+    },
     /// Rewrite the provenance's runtime, version and thread count (its
     /// notes, which consumers interpret, are kept). The header length
     /// changes, and every offset after it with it.
@@ -731,7 +754,7 @@ impl Lie {
             Lie::Pad { .. } | Lie::ReorderPayloads { .. } => LieClass::Layout,
             Lie::RecordCount { .. } => LieClass::Trailer,
             Lie::Provenance { .. } => LieClass::Provenance,
-            Lie::Page { .. } => LieClass::Pages,
+            Lie::Page { .. } | Lie::PagedRecords { .. } => LieClass::Pages,
         }
     }
 
@@ -807,11 +830,29 @@ impl Lie {
                 runtime: crate::metamorphic::LIAR.repeat(u.int_in_range(1..=9)?),
                 threads: crate::metamorphic::LIAR_THREADS,
             },
-            LieClass::Pages => Lie::Page {
-                step,
-                group: usize::from(u.arbitrary::<u8>()?),
-                lie: PageLie::draw(u)?,
-            },
+            LieClass::Pages => {
+                let group = usize::from(u.arbitrary::<u8>()?);
+                if u.ratio(1, 5)? {
+                    // Mostly a few records either way, sometimes thousands.
+                    let delta = if u.ratio(1, 4)? {
+                        u.arbitrary::<i16>()?
+                    } else {
+                        u.int_in_range(-3..=3)?
+                    };
+                    Lie::PagedRecords {
+                        step,
+                        group,
+                        delta,
+                        level: u.arbitrary()?,
+                    }
+                } else {
+                    Lie::Page {
+                        step,
+                        group,
+                        lie: PageLie::draw(u)?,
+                    }
+                }
+            }
         })
     }
 
@@ -1020,15 +1061,45 @@ impl Lie {
                 s.payload_order.rotate_left(by % n);
                 true
             }
-            Lie::Page { step, group, lie } => {
-                let paged: Vec<(usize, usize, usize)> = match step_of(*step) {
-                    Some(i) => m.paged_groups().into_iter().filter(|&(s, _, _)| s == i).collect(),
-                    None => return false,
+            Lie::PagedRecords {
+                step,
+                group,
+                delta,
+                level,
+            } => {
+                let Some((si, li, gi)) = step_of(*step).and_then(|i| m.paged_group(i, *group)) else {
+                    return false;
                 };
-                if paged.is_empty() {
+                let s = &mut m.steps[si];
+                let l = s.levels[li].level.code() as usize;
+                let g = &mut s.levels[li].groups[gi];
+                let Ok(new) = u64::try_from(i128::from(g.records) + i128::from(*delta)) else {
+                    return false;
+                };
+                if *delta == 0 {
                     return false;
                 }
-                let (si, li, gi) = paged[group % paged.len()];
+                g.records = new;
+                if *level {
+                    let c = i128::from(s.level_records[l]) + i128::from(*delta);
+                    s.level_records[l] = u64::try_from(c).unwrap_or(0);
+                    if let Some(d) = &mut s.level_digests {
+                        if (s.level_records[l] == 0) != (d[l] == Digest::ZERO) {
+                            d[l] = if s.level_records[l] == 0 {
+                                Digest::ZERO
+                            } else {
+                                MADE_UP
+                            };
+                        }
+                    }
+                    m.record_count = m.claimed_total();
+                }
+                true
+            }
+            Lie::Page { step, group, lie } => {
+                let Some((si, li, gi)) = step_of(*step).and_then(|i| m.paged_group(i, *group)) else {
+                    return false;
+                };
                 let level = m.steps[si].levels[li].level;
                 let count = m.pages_of(level, &m.steps[si].levels[li].groups[gi]);
                 let lie = match lie.page() {
