@@ -51,6 +51,12 @@ pub struct TraceSpec {
 pub struct GenOptions {
     /// Levels always captured (with payloads) besides the drawn ones.
     pub levels: LevelSet,
+    /// A long prompt: this many prompt positions and one layer instead of
+    /// the drawn 1–2 positions and 1–2 layers, so that step 0's per-layer
+    /// groups hold thousands of records (format version 4 pages a group
+    /// longer than 128 KiB: about 4,100 records; [`crate::paged`]).
+    /// `None` draws as before, consuming the same bytes.
+    pub prompt: Option<u32>,
 }
 
 /// The dimensions of one generated run.
@@ -287,8 +293,14 @@ impl TraceSpec {
     pub fn generate(u: &mut Unstructured<'_>, opts: GenOptions) -> Result<TraceSpec> {
         let d = Dims {
             steps: u.int_in_range(1..=3)?,
-            layers: u.int_in_range(1..=2)?,
-            prompt: u.int_in_range(1..=2)?,
+            layers: match opts.prompt {
+                Some(_) => 1,
+                None => u.int_in_range(1..=2)?,
+            },
+            prompt: match opts.prompt {
+                Some(p) => p.max(1),
+                None => u.int_in_range(1..=2)?,
+            },
             hidden: u.int_in_range(1..=4)?,
             vocab: u.int_in_range(2..=10)?,
             experts: u.int_in_range(1..=4)?,

@@ -15,6 +15,9 @@
 //! * [`lies`]: "well-formed lies", version 2 traces rewritten where the
 //!   root does not commit (write-order numbers, record counts, layout,
 //!   trailer count, provenance) with every digest and checksum recomputed;
+//! * [`paged`]: format version 4 traces with paged groups (long prompts)
+//!   and candidates differing inside, across or outside their pages, for
+//!   the paged case of the `lies` target;
 //! * [`metamorphic`]: the oracle that a lie gets its trace's answer or an
 //!   error from every command, with the fixtures and lies of
 //!   `testkit/tests/lies.rs`;
@@ -30,6 +33,7 @@ pub mod gen;
 pub mod lies;
 pub mod metamorphic;
 pub mod mutate;
+pub mod paged;
 pub mod policy;
 pub mod seeds;
 pub mod targets;

@@ -68,6 +68,8 @@ pub struct GroupModel {
 }
 
 /// A falsified page of a paged group (version 4), [`GroupModel::page_lie`].
+/// A page index past the group's last page (or, for a lie about a page
+/// and the one after it, its last page) makes the lie a no-op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageLie {
     /// The page table lists a wrong chaining value for this page.
@@ -84,6 +86,101 @@ pub enum PageLie {
     Missing,
     /// This page's block reference covers its bytes but the last.
     Truncated(usize),
+    /// The page leaves out its first record (for a page after the first,
+    /// the record it shares with the page before): one entry short.
+    Omit(usize),
+    /// The page also holds the record after its last (one entry too many;
+    /// for a page before the last, a record of the page after).
+    Extra(usize),
+    /// The page's second record is a copy of its first (a record repeated,
+    /// the count unchanged).
+    Repeat(usize),
+    /// Two adjacent records in the page's middle trade places.
+    SwapWithin(usize),
+    /// The page's copy of the record it shares with the page after has
+    /// another write-order number (that of the page's second-to-last).
+    BoundaryEnd(usize),
+    /// The page's copy of the record it shares with the page before has
+    /// another payload reference (none, or the page's second record's) or,
+    /// without a payload, another shape; its digest unchanged.
+    BoundaryField(usize),
+    /// The page block names another page number (the next, or for the
+    /// last page the one before).
+    Renumber(usize),
+    /// The table lists this page and the next in swapped order (values
+    /// and blocks).
+    SwapTable(usize),
+    /// The table swaps the blocks of this page and the next, values in
+    /// order.
+    SwapBlocks(usize),
+    /// The blocks of this page and the next are written in swapped file
+    /// order (the table refers to each correctly).
+    FileOrder(usize),
+    /// The table's entry for the next page refers to this page's block
+    /// (the next page's value kept).
+    Duplicate(usize),
+}
+
+impl PageLie {
+    /// Draws a page lie; its page index is a byte (taken modulo the group's
+    /// page count when applied, [`Lie::Page`]).
+    pub fn draw(u: &mut Unstructured<'_>) -> arbitrary::Result<PageLie> {
+        let j = usize::from(u.arbitrary::<u8>()?);
+        Ok(match u.int_in_range(0..=16u8)? {
+            0 => PageLie::Cv(j),
+            1 => PageLie::Shift(j),
+            2 => PageLie::Boundary(j),
+            3 => PageLie::Digest(j),
+            4 => PageLie::Missing,
+            5 => PageLie::Truncated(j),
+            6 => PageLie::Omit(j),
+            7 => PageLie::Extra(j),
+            8 => PageLie::Repeat(j),
+            9 => PageLie::SwapWithin(j),
+            10 => PageLie::BoundaryEnd(j),
+            11 => PageLie::BoundaryField(j),
+            12 => PageLie::Renumber(j),
+            13 => PageLie::SwapTable(j),
+            14 => PageLie::SwapBlocks(j),
+            15 => PageLie::FileOrder(j),
+            _ => PageLie::Duplicate(j),
+        })
+    }
+
+    /// The page it falsifies (`None` for [`PageLie::Missing`]).
+    pub fn page(self) -> Option<usize> {
+        use PageLie::*;
+        match self {
+            Missing => None,
+            Cv(j) | Shift(j) | Boundary(j) | Digest(j) | Truncated(j) | Omit(j) | Extra(j) | Repeat(j)
+            | SwapWithin(j) | BoundaryEnd(j) | BoundaryField(j) | Renumber(j) | SwapTable(j)
+            | SwapBlocks(j) | FileOrder(j) | Duplicate(j) => Some(j),
+        }
+    }
+
+    /// The same lie about page `j`.
+    pub fn at(self, j: usize) -> PageLie {
+        use PageLie::*;
+        match self {
+            Missing => Missing,
+            Cv(_) => Cv(j),
+            Shift(_) => Shift(j),
+            Boundary(_) => Boundary(j),
+            Digest(_) => Digest(j),
+            Truncated(_) => Truncated(j),
+            Omit(_) => Omit(j),
+            Extra(_) => Extra(j),
+            Repeat(_) => Repeat(j),
+            SwapWithin(_) => SwapWithin(j),
+            BoundaryEnd(_) => BoundaryEnd(j),
+            BoundaryField(_) => BoundaryField(j),
+            Renumber(_) => Renumber(j),
+            SwapTable(_) => SwapTable(j),
+            SwapBlocks(_) => SwapBlocks(j),
+            FileOrder(_) => FileOrder(j),
+            Duplicate(_) => Duplicate(j),
+        }
+    }
 }
 
 /// One level of a step.
@@ -363,10 +460,7 @@ impl Model {
             for l in &s2.levels {
                 let mut groups = Vec::with_capacity(l.groups.len());
                 for g in &l.groups {
-                    let layout = layout_of(l.level, g.layer, g.entries.len() as u64).filter(|x| {
-                        is_paged_format(self.version) && self.alg == Algorithm::Blake3 && x.is_paged()
-                    });
-                    let b = match layout {
+                    let b = match self.layout(l.level, g) {
                         Some(layout) => {
                             let pages = encode_pages(&mut out, &mut place, s2.step, l.level, g, layout)?;
                             encode_paged_group_block(s2.step, l.level, g.layer, &pages)
@@ -428,8 +522,55 @@ impl Model {
         1 + self
             .steps
             .iter()
-            .map(|s| 1 + s.payload_order.len() + s.levels.iter().map(|l| l.groups.len()).sum::<usize>())
+            .map(|s| {
+                let groups: usize = s
+                    .levels
+                    .iter()
+                    .flat_map(|l| l.groups.iter().map(|g| 1 + self.pages_of(l.level, g)))
+                    .sum();
+                1 + s.payload_order.len() + groups
+            })
             .sum::<usize>()
+    }
+
+    /// The number of page blocks [`Model::encode`] writes for group `g` of
+    /// `level` (0 when it is not paged).
+    pub fn pages_of(&self, level: Level, g: &GroupModel) -> usize {
+        self.layout(level, g).map_or(0, |x| x.count() as usize)
+    }
+
+    /// The page layout [`Model::encode`] stores group `g` of `level` in
+    /// (its records' count; version 4, BLAKE3), or `None` when the group
+    /// is not paged.
+    pub fn layout(&self, level: Level, g: &GroupModel) -> Option<GroupPages> {
+        layout_of(level, g.layer, g.entries.len() as u64)
+            .filter(|x| is_paged_format(self.version) && self.alg == Algorithm::Blake3 && x.is_paged())
+    }
+
+    /// The `n`-th paged group of step index `step` (modulo their count),
+    /// or `None` when the step has none.
+    pub fn paged_group(&self, step: usize, n: usize) -> Option<(usize, usize, usize)> {
+        let paged: Vec<(usize, usize, usize)> = self
+            .paged_groups()
+            .into_iter()
+            .filter(|&(s, _, _)| s == step)
+            .collect();
+        paged.get(n % paged.len().max(1)).copied()
+    }
+
+    /// Every paged group: (step index, level index, group index).
+    pub fn paged_groups(&self) -> Vec<(usize, usize, usize)> {
+        let mut v = Vec::new();
+        for (si, s) in self.steps.iter().enumerate() {
+            for (li, l) in s.levels.iter().enumerate() {
+                for (gi, g) in l.groups.iter().enumerate() {
+                    if self.layout(l.level, g).is_some() {
+                        v.push((si, li, gi));
+                    }
+                }
+            }
+        }
+        v
     }
 }
 
@@ -528,6 +669,30 @@ pub enum Lie {
         /// Rotation.
         by: usize,
     },
+    /// Version 4: falsify one page or page table of a paged group
+    /// ([`PageLie`]): the `group`-th paged group of the step (modulo their
+    /// count), its page index taken modulo the group's page count. A
+    /// corruption behind recomputed block digests rather than a lie about
+    /// an uncommitted fact, except the page blocks' order and placement;
+    /// a no-op in a trace without a paged group.
+    Page {
+        step: usize,
+        /// Index among the step's paged groups (tree order).
+        group: usize,
+        lie: PageLie,
+    },
+    /// Version 4: change `GroupRef.records` of a paged group (as
+    /// [`Lie::Page`] picks it) by `delta` (when the result is not
+    /// negative): the page layout moves by a few records, or the group is
+    /// no longer paged. With `level`, the root block's count of its level
+    /// and the trailer's `record_count` follow (and version 3's level
+    /// digest stays listed).
+    PagedRecords {
+        step: usize,
+        group: usize,
+        delta: i16,
+        level: bool,
+    },
     /// Rewrite the provenance's runtime, version and thread count (its
     /// notes, which consumers interpret, are kept). The header length
     /// changes, and every offset after it with it.
@@ -551,15 +716,29 @@ pub enum LieClass {
     /// The trailer's record count.
     Trailer,
     Provenance,
+    /// Version 4's pages and page tables ([`Lie::Page`]).
+    Pages,
 }
 
 impl LieClass {
+    /// The classes of lies about what the root does not commit to (every
+    /// format version 2–4).
     pub const ALL: [LieClass; 5] = [
         LieClass::Ordinals,
         LieClass::Counts,
         LieClass::Layout,
         LieClass::Trailer,
         LieClass::Provenance,
+    ];
+    /// [`LieClass::ALL`] and [`LieClass::Pages`]: what the paged case of
+    /// the `lies` target draws from.
+    pub const PAGED: [LieClass; 6] = [
+        LieClass::Ordinals,
+        LieClass::Counts,
+        LieClass::Layout,
+        LieClass::Trailer,
+        LieClass::Provenance,
+        LieClass::Pages,
     ];
 }
 
@@ -575,6 +754,7 @@ impl Lie {
             Lie::Pad { .. } | Lie::ReorderPayloads { .. } => LieClass::Layout,
             Lie::RecordCount { .. } => LieClass::Trailer,
             Lie::Provenance { .. } => LieClass::Provenance,
+            Lie::Page { .. } | Lie::PagedRecords { .. } => LieClass::Pages,
         }
     }
 
@@ -650,6 +830,29 @@ impl Lie {
                 runtime: crate::metamorphic::LIAR.repeat(u.int_in_range(1..=9)?),
                 threads: crate::metamorphic::LIAR_THREADS,
             },
+            LieClass::Pages => {
+                let group = usize::from(u.arbitrary::<u8>()?);
+                if u.ratio(1, 5)? {
+                    // Mostly a few records either way, sometimes thousands.
+                    let delta = if u.ratio(1, 4)? {
+                        u.arbitrary::<i16>()?
+                    } else {
+                        u.int_in_range(-3..=3)?
+                    };
+                    Lie::PagedRecords {
+                        step,
+                        group,
+                        delta,
+                        level: u.arbitrary()?,
+                    }
+                } else {
+                    Lie::Page {
+                        step,
+                        group,
+                        lie: PageLie::draw(u)?,
+                    }
+                }
+            }
         })
     }
 
@@ -858,6 +1061,54 @@ impl Lie {
                 s.payload_order.rotate_left(by % n);
                 true
             }
+            Lie::PagedRecords {
+                step,
+                group,
+                delta,
+                level,
+            } => {
+                let Some((si, li, gi)) = step_of(*step).and_then(|i| m.paged_group(i, *group)) else {
+                    return false;
+                };
+                let s = &mut m.steps[si];
+                let l = s.levels[li].level.code() as usize;
+                let g = &mut s.levels[li].groups[gi];
+                let Ok(new) = u64::try_from(i128::from(g.records) + i128::from(*delta)) else {
+                    return false;
+                };
+                if *delta == 0 {
+                    return false;
+                }
+                g.records = new;
+                if *level {
+                    let c = i128::from(s.level_records[l]) + i128::from(*delta);
+                    s.level_records[l] = u64::try_from(c).unwrap_or(0);
+                    if let Some(d) = &mut s.level_digests {
+                        if (s.level_records[l] == 0) != (d[l] == Digest::ZERO) {
+                            d[l] = if s.level_records[l] == 0 {
+                                Digest::ZERO
+                            } else {
+                                MADE_UP
+                            };
+                        }
+                    }
+                    m.record_count = m.claimed_total();
+                }
+                true
+            }
+            Lie::Page { step, group, lie } => {
+                let Some((si, li, gi)) = step_of(*step).and_then(|i| m.paged_group(i, *group)) else {
+                    return false;
+                };
+                let level = m.steps[si].levels[li].level;
+                let count = m.pages_of(level, &m.steps[si].levels[li].groups[gi]);
+                let lie = match lie.page() {
+                    Some(j) if count > 0 => lie.at(j % count),
+                    _ => *lie,
+                };
+                m.steps[si].levels[li].groups[gi].page_lie = Some(lie);
+                true
+            }
             Lie::Provenance { runtime, threads } => {
                 let p = &mut m.header.provenance;
                 if p.runtime == *runtime && p.threads == *threads {
@@ -907,41 +1158,107 @@ fn encode_pages(
     layout: GroupPages,
 ) -> Result<Vec<PageRef>, LieError> {
     let prefix = group_prefix(step, level, g.layer, layout.records());
-    let mut pages = Vec::new();
-    for j in 0..layout.count() {
-        let r = layout.entries(j);
+    let count = layout.count() as usize;
+    let lie = g.page_lie;
+    let here = |j: usize| lie.and_then(PageLie::page) == Some(j);
+    let entry = |i: usize| -> Result<(u64, IndexEntry), LieError> {
+        let e = g.entries.get(i).ok_or("page outside its group")?;
+        Ok((e.ordinal, e.entry.clone()))
+    };
+    let mut blocks = Vec::with_capacity(count);
+    for j in 0..count {
+        let r = layout.entries(j as u64);
         let (a, b) = (r.start as usize, r.end as usize);
-        let digests: Vec<Digest> = g.entries[a..b].iter().map(|e| e.entry.digest).collect();
-        let mut cv = layout.cv(j, &prefix, &digests).ok_or("page outside its group")?;
-        let mut held: Vec<(u64, IndexEntry)> = g.entries[a..b]
+        let digests: Vec<Digest> = g
+            .entries
+            .get(a..b)
+            .ok_or("page outside its group")?
             .iter()
-            .map(|e| (e.ordinal, e.entry.clone()))
+            .map(|e| e.entry.digest)
             .collect();
-        match g.page_lie {
-            Some(PageLie::Cv(p)) if p as u64 == j => cv.0[0] ^= 1,
-            Some(PageLie::Shift(p)) if p as u64 == j && b < g.entries.len() => {
-                held = g.entries[a + 1..b + 1]
-                    .iter()
-                    .map(|e| (e.ordinal, e.entry.clone()))
-                    .collect();
+        let mut cv = layout
+            .cv(j as u64, &prefix, &digests)
+            .ok_or("page outside its group")?;
+        let mut held: Vec<(u64, IndexEntry)> = (a..b).map(entry).collect::<Result<_, _>>()?;
+        let mut number = j as u32;
+        if here(j) {
+            let n = held.len();
+            match lie {
+                Some(PageLie::Cv(_)) => cv.0[0] ^= 1,
+                Some(PageLie::Shift(_)) if b < g.entries.len() => {
+                    held = (a + 1..b + 1).map(entry).collect::<Result<_, _>>()?;
+                }
+                Some(PageLie::Boundary(_)) if n > 1 => held[0].0 = held[1].0,
+                Some(PageLie::Digest(_)) if n > 2 => held[n / 2].1.digest.0[0] ^= 1,
+                Some(PageLie::Omit(_)) if n > 0 => {
+                    held.remove(0);
+                }
+                Some(PageLie::Extra(_)) if b < g.entries.len() => held.push(entry(b)?),
+                Some(PageLie::Repeat(_)) if n > 1 => held[1] = held[0].clone(),
+                Some(PageLie::SwapWithin(_)) if n > 3 => held.swap(n / 2, n / 2 + 1),
+                Some(PageLie::BoundaryEnd(_)) if n > 1 => held[n - 1].0 = held[n - 2].0,
+                Some(PageLie::BoundaryField(_)) if n > 1 => {
+                    let other = held[1].1.payload;
+                    let e = &mut held[0].1;
+                    match e.payload {
+                        Some(_) if other.is_some() && other != e.payload => e.payload = other,
+                        Some(_) => e.payload = None,
+                        None => {
+                            let mut shape = e.shape.to_vec();
+                            shape.push(1);
+                            e.shape = shape.into();
+                        }
+                    }
+                }
+                Some(PageLie::Renumber(_)) => {
+                    number = if j + 1 < count {
+                        j as u32 + 1
+                    } else {
+                        (j as u32).saturating_sub(1)
+                    }
+                }
+                _ => {}
             }
-            Some(PageLie::Boundary(p)) if p as u64 == j && held.len() > 1 => held[0].0 = held[1].0,
-            Some(PageLie::Digest(p)) if p as u64 == j && held.len() > 2 => {
-                let mid = held.len() / 2;
-                held[mid].1.digest.0[0] ^= 1;
-            }
-            _ => {}
         }
-        let bytes = encode_page_block(step, level, g.layer, j as u32, held.iter().map(|(o, e)| (*o, e)));
-        let mut block = place(out, &bytes)?;
-        if g.page_lie == Some(PageLie::Truncated(j as usize)) {
+        let bytes = encode_page_block(step, level, g.layer, number, held.iter().map(|(o, e)| (*o, e)));
+        blocks.push((cv, bytes));
+    }
+    // The file order of the page blocks.
+    let mut order: Vec<usize> = (0..count).collect();
+    if let Some(PageLie::FileOrder(p)) = lie {
+        if p + 1 < count {
+            order.swap(p, p + 1);
+        }
+    }
+    let mut refs: Vec<Option<BlockRef>> = vec![None; count];
+    for &j in &order {
+        let bytes = &blocks[j].1;
+        let mut block = place(out, bytes)?;
+        if lie == Some(PageLie::Truncated(j)) && !bytes.is_empty() {
             block.len -= 1;
             block.digest = block_digest(Algorithm::Blake3, &bytes[..bytes.len() - 1]);
         }
-        pages.push(PageRef { cv, block });
+        refs[j] = Some(block);
     }
-    if g.page_lie == Some(PageLie::Missing) {
-        pages.pop();
+    let mut pages = Vec::with_capacity(count);
+    for (j, r) in refs.into_iter().enumerate() {
+        pages.push(PageRef {
+            cv: blocks[j].0,
+            block: r.ok_or("a page block was not placed")?,
+        });
+    }
+    match lie {
+        Some(PageLie::Missing) => {
+            pages.pop();
+        }
+        Some(PageLie::SwapTable(p)) if p + 1 < count => pages.swap(p, p + 1),
+        Some(PageLie::SwapBlocks(p)) if p + 1 < count => {
+            let x = pages[p].block;
+            pages[p].block = pages[p + 1].block;
+            pages[p + 1].block = x;
+        }
+        Some(PageLie::Duplicate(p)) if p + 1 < count => pages[p + 1].block = pages[p].block,
+        _ => {}
     }
     Ok(pages)
 }

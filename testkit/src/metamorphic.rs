@@ -422,6 +422,9 @@ pub struct Checked {
     /// Answers of F′ that were reports equal to F's (not errors): the lie
     /// was read and did not change the answer.
     pub answered: usize,
+    /// Answers of F′ that were errors where F's was a report: the lie was
+    /// refused.
+    pub refused: usize,
 }
 
 /// Runs `family` on F and on F′ (= `lied`) against G and compares. With
@@ -474,6 +477,11 @@ pub fn check_picked(
             .iter()
             .zip(&l)
             .filter(|((_, t), (_, x))| matches!(x, Outcome::Report(_)) && t == x)
+            .count(),
+        refused: truth
+            .iter()
+            .zip(&l)
+            .filter(|((_, t), (_, x))| matches!(t, Outcome::Report(_)) && matches!(x, Outcome::Error(_)))
             .count(),
     }
 }
@@ -574,6 +582,7 @@ pub fn base_spec() -> TraceSpec {
             &mut u,
             GenOptions {
                 levels: LevelSet::of_mask(0b11011),
+                ..GenOptions::default()
             },
         ) else {
             continue;
@@ -770,6 +779,20 @@ pub fn lies_of(class: LieClass, f: &[u8]) -> Vec<Vec<Lie>> {
             vec![Lie::Provenance {
                 runtime: LIAR.repeat(9),
                 threads: LIAR_THREADS,
+            }],
+        ],
+        // No-ops on the fixtures (too small to be paged); the paged lies
+        // run on `crate::paged`'s traces.
+        LieClass::Pages => vec![
+            vec![Lie::Page {
+                step: 0,
+                group: 0,
+                lie: crate::lies::PageLie::Cv(0),
+            }],
+            vec![Lie::Page {
+                step: 0,
+                group: 0,
+                lie: crate::lies::PageLie::Missing,
             }],
         ],
     }

@@ -451,6 +451,7 @@ fn certify_body(u: &mut Unstructured<'_>, dir: &Path, seen: &mut Seen) -> Result
         u,
         GenOptions {
             levels: LevelSet::EMPTY.with(Level::L4),
+            ..GenOptions::default()
         },
     )?;
     let spec = if u.ratio(1, 4)? { mutate(u, &spec)? } else { spec };
@@ -609,13 +610,110 @@ pub fn lies_case_of(data: &[u8], dir: &Path, classes: &[crate::lies::LieClass]) 
     seen
 }
 
+/// The `lies` target's body: an odd first byte runs [`lies_paged_case`] on
+/// the rest, anything else [`lies_case`] on the whole input (so inputs of
+/// the small case found before the paged one keep their meaning when they
+/// start with an even byte).
+pub fn lies_target(data: &[u8], dir: &Path) -> Seen {
+    match data.split_first() {
+        Some((b, rest)) if b & 1 == 1 => lies_paged_case(rest, dir),
+        _ => lies_case(data, dir),
+    }
+}
+
+/// A lie of [`crate::lies::LieClass::Pages`] applied ([`lies_paged_case`]).
+pub const PAGE_LIE: Seen = 256;
+/// A lie of [`crate::lies::LieClass::Pages`] applied, and some answer of
+/// the lie was F's report (the falsified page was not one the command
+/// read, or the command read none).
+pub const PAGE_LIE_ANSWERED: Seen = 512;
+
+/// `lies` on paged traces (format version 4, docs/format.md §11.9): F is
+/// one of the [`crate::paged`] bases (step 0's per-layer groups stored as
+/// 2–3 pages), G one of its candidates (differing inside a page, at a
+/// record two pages share, in every page, by a record fewer, or outside
+/// the paged groups), both written once per process; 1–3 lies drawn from
+/// [`crate::lies::LieClass::PAGED`] (the first a page lie one time in two:
+/// a falsified page table entry, chaining value, page content, page
+/// number, page order, or a record omitted, repeated or changed across a
+/// page boundary) rewritten into F; one drawn case of one command family
+/// on F and F′. Oracle as [`lies_case`].
+pub fn lies_paged_case(data: &[u8], dir: &Path) -> Seen {
+    lies_paged_case_of(data, dir, &crate::lies::LieClass::PAGED)
+}
+
+/// [`lies_paged_case`] with lies drawn only from `classes`.
+pub fn lies_paged_case_of(data: &[u8], dir: &Path, classes: &[crate::lies::LieClass]) -> Seen {
+    let mut seen = 0;
+    let _ = lies_paged_body(&mut Unstructured::new(data), dir, classes, &mut seen);
+    seen
+}
+
+fn lies_paged_body(
+    u: &mut Unstructured<'_>,
+    dir: &Path,
+    classes: &[crate::lies::LieClass],
+    seen: &mut Seen,
+) -> Result<()> {
+    use crate::lies::{Lie, LieClass};
+    let b = u.choose_index(crate::paged::BASES)?;
+    let c = u.choose_index(crate::paged::CANDIDATES)?;
+    let f = crate::paged::base(b, dir);
+    let g = crate::paged::candidate(b, c, dir);
+    let mut lies = Vec::new();
+    for i in 0..u.int_in_range(1..=3)? {
+        let class = if i == 0 && classes.contains(&LieClass::Pages) && u.arbitrary()? {
+            LieClass::Pages
+        } else {
+            *u.choose(classes)?
+        };
+        lies.push(Lie::draw_of(u, class)?);
+    }
+    judge(u, &f, &g, &lies, dir, Some((b, c)), seen)
+}
+
+/// F's answers of the paged case, by (scratch directory, base, candidate,
+/// family, profile, case): F and G are the same bytes for the whole
+/// process, so their answers are computed once (they are half the cost of
+/// an execution).
+type Truths = std::sync::Mutex<
+    std::collections::HashMap<(PathBuf, usize, usize, String, String, usize), Vec<metamorphic::Answer>>,
+>;
+
+fn truth_of(
+    key: Option<(usize, usize)>,
+    family: metamorphic::Family,
+    f_bytes: &[u8],
+    g_bytes: &[u8],
+    dir: &Path,
+    profiles: &[(&str, Profile)],
+    k: usize,
+) -> Vec<metamorphic::Answer> {
+    static TRUTHS: std::sync::OnceLock<Truths> = std::sync::OnceLock::new();
+    let pick = metamorphic::Pick::One(k);
+    let Some((b, c)) = key else {
+        return metamorphic::answers_picked(family, f_bytes, g_bytes, dir, profiles, pick);
+    };
+    let profile = profiles.first().map(|p| p.0.to_string()).unwrap_or_default();
+    let key = (dir.to_path_buf(), b, c, format!("{family:?}"), profile, k);
+    let truths = TRUTHS.get_or_init(Default::default);
+    if let Some(t) = truths.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return t;
+    }
+    let t = metamorphic::answers_picked(family, f_bytes, g_bytes, dir, profiles, pick);
+    if let Ok(mut m) = truths.lock() {
+        m.insert(key, t.clone());
+    }
+    t
+}
+
 fn lies_body(
     u: &mut Unstructured<'_>,
     dir: &Path,
     classes: &[crate::lies::LieClass],
     seen: &mut Seen,
 ) -> Result<()> {
-    use crate::lies::{lie, Lie, LieClass};
+    use crate::lies::Lie;
     let mut f = TraceSpec::generate(u, GenOptions::default())?;
     // Version 2 (levels read from step blocks) or 3 (committed in the root
     // block).
@@ -636,14 +734,33 @@ fn lies_body(
         let class = *u.choose(classes)?;
         lies.push(Lie::draw_of(u, class)?);
     }
-    let lied = match lie(&f_bytes, &lies) {
+    judge(u, &f_bytes, &g_bytes, &lies, dir, None, seen)
+}
+
+/// Rewrites `lies` into F (`f_bytes`), draws one command family and one
+/// case of it, and asserts the oracle on F and F′ against G (`g_bytes`).
+/// `paged`: the paged base and candidate F and G are (F's answers are
+/// cached, and `explain` is not drawn: on a 1,024-position prefill it
+/// takes seconds).
+#[allow(clippy::too_many_arguments)]
+fn judge(
+    u: &mut Unstructured<'_>,
+    f_bytes: &[u8],
+    g_bytes: &[u8],
+    lies: &[crate::lies::Lie],
+    dir: &Path,
+    paged: Option<(usize, usize)>,
+    seen: &mut Seen,
+) -> Result<()> {
+    use crate::lies::{lie, LieClass};
+    let lied = match lie(f_bytes, lies) {
         Ok(Some(b)) => b,
         Ok(None) => return Ok(()),
         Err(e) => panic!("the rewriter refused a trace the writer wrote: {e}"),
     };
     // `explain` costs ~100 times what one picked case of the others does
     // (it was a third of the time at one execution in 64): one in 512.
-    let family = if u.ratio(1, 512)? {
+    let family = if paged.is_none() && u.ratio(1, 512)? {
         metamorphic::Family::Explain
     } else {
         *u.choose(&[
@@ -664,16 +781,17 @@ fn lies_body(
     let cases = metamorphic::case_count(family, dir, &profiles);
     let extra = usize::from(family == metamorphic::Family::Gate);
     let k = u.choose_index(cases + extra)?;
-    let mut bad = if k < cases {
+    let (mut bad, answered, refused) = if k < cases {
         let pick = metamorphic::Pick::One(k);
-        let truth = metamorphic::answers_picked(family, &f_bytes, &g_bytes, dir, &profiles, pick);
-        metamorphic::check_picked(&truth, family, &lied, &g_bytes, dir, provenance, &profiles, pick).failures
+        let truth = truth_of(paged, family, f_bytes, g_bytes, dir, &profiles, k);
+        let c = metamorphic::check_picked(&truth, family, &lied, g_bytes, dir, provenance, &profiles, pick);
+        (c.failures, c.answered, c.refused)
     } else {
-        Vec::new()
+        (Vec::new(), 0, 0)
     };
     if k >= cases {
         bad.extend(metamorphic::cross_baselines(
-            &f_bytes, &lied, dir, &profiles, provenance,
+            f_bytes, &lied, dir, &profiles, provenance,
         ));
     }
     assert!(
@@ -683,5 +801,17 @@ fn lies_body(
         bad.join("\n")
     );
     *seen |= VERDICT | SAME;
+    if answered > 0 {
+        *seen |= PASSED;
+    }
+    if refused > 0 {
+        *seen |= REFUSED;
+    }
+    if lies.iter().any(|l| l.class() == LieClass::Pages) {
+        *seen |= PAGE_LIE;
+        if answered > 0 {
+            *seen |= PAGE_LIE_ANSWERED;
+        }
+    }
     Ok(())
 }
