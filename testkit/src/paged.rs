@@ -14,7 +14,7 @@
 use crate::gen::{GenOptions, Record, TraceSpec};
 use crate::lies::Model;
 use arbitrary::Unstructured;
-use moeconf_fingerprint::{Algorithm, DType, LevelSet};
+use moeconf_fingerprint::{Algorithm, Component, DType, LevelSet};
 use moeconf_schema::v2::FORMAT_V4;
 use std::collections::HashMap;
 use std::path::Path;
@@ -179,7 +179,7 @@ pub fn candidate_spec(i: usize, c: usize, spec: &TraceSpec, f: &[u8]) -> TraceSp
             let at = g
                 .records
                 .iter()
-                .rposition(|r| r.coord.step == last && &*r.coord.path == "token.output");
+                .rposition(|r| r.coord.step == last && &*r.coord.path == Component::TokenOutput.path());
             if let Some(x) = at {
                 change(&mut g.records[x]);
             }
