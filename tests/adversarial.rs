@@ -17,29 +17,10 @@
 
 use moeconf_fingerprint::{Algorithm, Component, Coord, DType, Digest, LevelSet, Phase, TensorView};
 use moeconf_schema::{Binding, CaptureSpec, Decoding, Header, PromptBinding, Trace, TraceWriter};
+use moeconf_workspace_tests::binary;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-/// The `moeconf` binary under test.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("MOECONF_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/PROFILE/deps/adversarial-HASH -> target/PROFILE/moeconf
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("moeconf"))
-        .expect("target directory");
-    assert!(
-        bin.is_file(),
-        "{} not found: build it first (cargo build --release -p moeconf) or set MOECONF_BIN",
-        bin.display()
-    );
-    bin
-}
 
 fn s(p: &Path) -> String {
     p.to_str().expect("UTF-8 test path").to_string()

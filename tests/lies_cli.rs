@@ -17,27 +17,9 @@
 
 use moeconf_testkit::lies::{lie, Lie, LieClass};
 use moeconf_testkit::metamorphic::{fixtures, lies_of, without_provenance};
-use std::path::{Path, PathBuf};
+use moeconf_workspace_tests::binary;
+use std::path::Path;
 use std::process::Command;
-
-/// The `moeconf` binary under test.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("MOECONF_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("moeconf"))
-        .expect("target directory");
-    assert!(
-        bin.is_file(),
-        "{} not found: build it first (cargo build --release -p moeconf) or set MOECONF_BIN",
-        bin.display()
-    );
-    bin
-}
 
 /// Runs `moeconf ARGS` in `dir` (no repository above it, so no policy
 /// file; no `MOECONF_*` settings): exit code and stdout, plus any output

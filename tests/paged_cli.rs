@@ -13,26 +13,9 @@ use moeconf_fingerprint::group_pages::{GroupPages, PAGE_BYTES};
 use moeconf_fingerprint::{group_prefix, Level};
 use moeconf_schema::Trace;
 use moeconf_testkit::lies::{lie1, Lie, Model, PageLie};
-use std::path::{Path, PathBuf};
+use moeconf_workspace_tests::binary;
+use std::path::Path;
 use std::process::Command;
-
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("MOECONF_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("moeconf"))
-        .expect("target directory");
-    assert!(
-        bin.is_file(),
-        "{} not found: build it first (cargo build --release -p moeconf) or set MOECONF_BIN",
-        bin.display()
-    );
-    bin
-}
 
 /// `moeconf ARGS` in `dir` without `MOECONF_*` settings: exit code, stdout, stderr.
 fn moeconf(dir: &Path, args: &[&str]) -> (i32, String, String) {
