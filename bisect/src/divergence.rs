@@ -8,9 +8,13 @@
 //! (`moeconf_fingerprint::catalogue::reaches`): a divergence propagates only
 //! to a checkpoint it can reach (never an earlier position of the forward).
 //! After an absorbed divergence the walk goes on to the next one; after a
-//! propagating one it goes on through the records of the same step that the
-//! divergence cannot reach, where a divergence is independent of it, and
-//! stops at the end of the step, since everything later can follow from it.
+//! propagating one it goes on through the records that the divergence cannot
+//! reach, where a divergence is independent of it: earlier positions of later
+//! layers in its own step and, in later steps fed the same tokens, the layers
+//! before its own (a later step sees it only through the persistent state it
+//! changed, [`reaches_fed_equal`]). The walk stops at the first later step
+//! fed a differing token (or whose fed token is not compared), since
+//! everything from there on can follow from it.
 //!
 //! The walk enters only steps, levels and layer groups whose digests differ
 //! (`Sides::differing_records`), and reads no payload.
@@ -186,7 +190,49 @@ impl Seen {
     }
 }
 
+/// Whether a divergence at `from` can reach `to` when every token fed to
+/// the steps after `from`'s matches on both sides: inside `from`'s step as
+/// the catalogue says ([`reaches`]); at a later step only through the
+/// persistent state it changed, which the later forward reads in the same
+/// layer and feeds to the layers after it. So a later step's records of
+/// `from`'s layer and later ones, their state and the step's outputs are
+/// reachable; its input (the token and its embedding) and the layers before
+/// `from`'s are not. A step output (logits) reaches later steps only through
+/// the token. Errs towards "reaches" (a divergence in the attention half and
+/// one in the FFN half of a layer are given the same floor, the layer).
+pub(crate) fn reaches_fed_equal(from: &moeconf_fingerprint::Coord, to: &moeconf_fingerprint::Coord) -> bool {
+    if to.step <= from.step {
+        return reaches(from, to);
+    }
+    let (a, b) = (ExecKey::of(from), ExecKey::of(to));
+    match (a.group, b.group) {
+        (ExecGroup::StepOutput, _) | (_, ExecGroup::StepInput) => false,
+        (ExecGroup::StepInput, _) | (_, ExecGroup::StepOutput) => true,
+        (ExecGroup::Layer | ExecGroup::State, ExecGroup::Layer | ExecGroup::State) => b.layer >= a.layer,
+    }
+}
+
 impl Ctx<'_> {
+    /// Whether the token fed to `step` may differ between the two traces: the
+    /// previous step's `token.output` or this step's `token.input` differs,
+    /// or either is not compared on both sides (then nothing later is known
+    /// to be out of reach).
+    fn fed_token_may_differ(&self, step: u32) -> bool {
+        if !self.compared.contains(Level::L0) {
+            return true;
+        }
+        let differs = |pairs: Vec<Pair>| match pairs.as_slice() {
+            [p] => p.r.is_none() || p.c.is_none() || !self.s.pair_equal(*p),
+            _ => true,
+        };
+        let fed = match step.checked_sub(1) {
+            Some(prev) => differs(self.s.lookup_component(prev, None, None, Component::TokenOutput)),
+            None => true,
+        };
+        let input = self.s.lookup_component(step, None, None, Component::TokenInput);
+        fed || (!input.is_empty() && differs(input))
+    }
+
     /// The inputs of the operator that produces `path` at (`step`,
     /// `layer`, `position`) and whether each matches. A missing input is
     /// `not_captured` when its level is not compared or the trace lacks it,
@@ -251,12 +297,16 @@ impl Ctx<'_> {
         out
     }
     /// Every differing record of `step` at the compared levels, in
-    /// execution order.
-    fn step_differences(&self, step: u32) -> Vec<Pair> {
+    /// execution order; with `below`, only the model-global records and
+    /// those of layers before it ([`crate::walk::Sides::differing_records_below`]).
+    fn step_differences(&self, step: u32, below: Option<u32>) -> Vec<Pair> {
         let mut out = Vec::new();
         for level in self.compared.iter() {
             if self.s.level_differs(step, level) {
-                out.extend(self.s.differing_records(step, level));
+                match below {
+                    None => out.extend(self.s.differing_records(step, level)),
+                    Some(b) => out.extend(self.s.differing_records_below(step, level, b)),
+                }
             }
         }
         out.sort_by_cached_key(|&p| self.s.exec_key(p));
@@ -285,7 +335,13 @@ impl Ctx<'_> {
     /// or is absorbed, the record that decides it, and where it is absorbed:
     /// by both contracts at the combine, at its consumer, or by the
     /// checkpoints it can reach ([`Ctx::classify_kind`]).
-    fn classify(&self, recs: &[Pair], i: usize, key: &ExecKey) -> Result<Classified, BisectError> {
+    fn classify(
+        &self,
+        recs: &[Pair],
+        i: usize,
+        key: &ExecKey,
+        earlier: &[moeconf_fingerprint::Coord],
+    ) -> Result<Classified, BisectError> {
         let Some(e) = self.s.entry(recs[i]) else {
             return Ok((None, None, None));
         };
@@ -305,7 +361,7 @@ impl Ctx<'_> {
                 Some(Absorption::Consumer),
             ));
         }
-        let (kind, cp) = self.classify_kind(recs, i, key)?;
+        let (kind, cp) = self.classify_kind(recs, i, key, earlier)?;
         let at = (kind == Some(DivergenceKind::Absorbed)).then_some(Absorption::Checkpoint);
         Ok((kind, cp, at))
     }
@@ -314,15 +370,25 @@ impl Ctx<'_> {
     /// at or after position `i` of `recs` for a record inside the step, the
     /// step's token for a step output, a checkpoint of a later step for
     /// persistent state. Returns the kind and the checkpoint that decides it.
+    /// A differing checkpoint that an `earlier` propagating divergence can
+    /// reach does not decide: it may be that one's consequence. When such a
+    /// checkpoint is the only one that could show the record's own effect,
+    /// the kind stays unknown.
     fn classify_kind(
         &self,
         recs: &[Pair],
         i: usize,
         key: &ExecKey,
+        earlier: &[moeconf_fingerprint::Coord],
     ) -> Result<(Option<DivergenceKind>, Option<Pair>), BisectError> {
         let p = recs[i];
         let Some(e) = self.s.entry(p) else {
             return Ok((None, None));
+        };
+        let own = |q: Pair| {
+            self.s
+                .entry(q)
+                .is_some_and(|f| !earlier.iter().any(|from| reaches_fed_equal(from, &f.coord)))
         };
         let step = e.coord.step;
         match key.group {
@@ -334,17 +400,22 @@ impl Ctx<'_> {
                 // record can reach (`reaches`: never an earlier position of
                 // the forward).
                 if let Some(&cp) = recs[i..].iter().find(|&&q| {
-                    self.s
-                        .entry(q)
-                        .is_some_and(|f| is_checkpoint(&f.coord.path) && reaches(&e.coord, &f.coord))
+                    own(q)
+                        && self
+                            .s
+                            .entry(q)
+                            .is_some_and(|f| is_checkpoint(&f.coord.path) && reaches(&e.coord, &f.coord))
                 }) {
                     return Ok((Some(DivergenceKind::Propagating), Some(cp)));
                 }
                 // Absorbed only when the checkpoint that would show it is
-                // there (and matches): without it nothing is known.
+                // there and matches: without it, or when it differs by an
+                // earlier divergence's reach, nothing is known.
                 match self.next_checkpoint(e) {
-                    Some(cp) => Ok((Some(DivergenceKind::Absorbed), Some(cp))),
-                    None => Ok((None, None)),
+                    Some(cp) if cp.r.is_none() || cp.c.is_none() || self.s.pair_equal(cp) => {
+                        Ok((Some(DivergenceKind::Absorbed), Some(cp)))
+                    }
+                    _ => Ok((None, None)),
                 }
             }
             ExecGroup::StepOutput => {
@@ -374,11 +445,10 @@ impl Ctx<'_> {
                     if !self.s.level_differs(later, Level::L3) {
                         continue;
                     }
-                    if let Some(&cp) = self
-                        .s
-                        .differing_records(later, Level::L3)
-                        .iter()
-                        .find(|&&q| self.s.entry(q).is_some_and(|e| is_checkpoint(&e.coord.path)))
+                    if let Some(&cp) =
+                        self.s.differing_records(later, Level::L3).iter().find(|&&q| {
+                            own(q) && self.s.entry(q).is_some_and(|e| is_checkpoint(&e.coord.path))
+                        })
                     {
                         return Ok((Some(DivergenceKind::Propagating), Some(cp)));
                     }
@@ -475,15 +545,31 @@ impl Ctx<'_> {
             if !differs {
                 continue;
             }
-            if !propagating.is_empty() {
-                // Every record of a later step can follow from a
-                // propagating divergence (persistent state, the fed token).
+            if !propagating.is_empty() && self.fed_token_may_differ(step) {
+                // A differing token was fed (or its equality is unknown):
+                // every record from here on can follow from a propagating
+                // divergence.
                 out.rest = Rest::Propagates;
                 return Ok(out);
             }
             seen.next_step(last_step.is_some_and(|l| l + 1 == step));
             last_step = Some(step);
-            let recs = self.step_differences(step);
+            // At a later step fed the same tokens the propagating divergences
+            // reach their own layers and later ones ([`reaches_fed_equal`]):
+            // only the groups before the lowest of them are read.
+            let below = propagating
+                .iter()
+                .filter(|c| c.step < step)
+                .filter_map(|c| {
+                    let k = ExecKey::of(c);
+                    match k.group {
+                        ExecGroup::Layer | ExecGroup::State => Some(k.layer),
+                        ExecGroup::StepInput => Some(0),
+                        ExecGroup::StepOutput => None,
+                    }
+                })
+                .min();
+            let recs = self.step_differences(step, below.or(propagating.first().map(|_| u32::MAX)));
             if out.localized.is_none() {
                 out.localized = self.localize(&recs)?;
             }
@@ -492,7 +578,7 @@ impl Ctx<'_> {
                     && self
                         .s
                         .entry(p)
-                        .is_none_or(|e| propagating.iter().any(|from| reaches(from, &e.coord)))
+                        .is_none_or(|e| propagating.iter().any(|from| reaches_fed_equal(from, &e.coord)))
                 {
                     // A possible consequence of a propagating divergence.
                     continue;
@@ -534,7 +620,7 @@ impl Ctx<'_> {
                     // site: the same operator, one divergence.
                     continue;
                 }
-                let (kind, checkpoint, absorbed_at) = self.classify(&recs, i, &key)?;
+                let (kind, checkpoint, absorbed_at) = self.classify(&recs, i, &key, &propagating)?;
                 out.events.push(Event {
                     pair: p,
                     kind,

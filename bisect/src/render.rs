@@ -524,6 +524,12 @@ impl DiffReport {
             st.dim("Each is a record that differs while its inputs match. Propagating: a later checkpoint it can reach (post-mHC layer state at its position or a later one, the step's token, or for persistent state a later step's layer state) differs. Absorbed: rounding erased it before the next checkpoint.")
         );
         for (i, d) in self.divergences.iter().enumerate() {
+            // After a propagating divergence, the checkpoints it reaches may
+            // differ by its doing: an absorbed one says only that none of
+            // the others does.
+            let after_propagating = self.divergences[..i]
+                .iter()
+                .any(|e| e.kind == Some(DivergenceKind::Propagating));
             let how = match (d.kind, &d.checkpoint) {
                 (Some(DivergenceKind::Propagating), Some(c)) if c.path == d.at.path && c.step == d.at.step => {
                     "propagating: it is a checkpoint".to_string()
@@ -540,6 +546,10 @@ impl DiffReport {
                     "absorbed: its only consumer, {}, matches (whatever differs later does not come from it)",
                     c.describe_location()
                 ),
+                (Some(DivergenceKind::Absorbed), Some(c)) if after_propagating => format!(
+                    "absorbed: the next checkpoint, {}, matches, and no later one differs but those a divergence above can reach",
+                    c.describe_location()
+                ),
                 (Some(DivergenceKind::Absorbed), Some(c)) => format!(
                     "absorbed: the next checkpoint, {}, matches, and no later one differs",
                     c.describe_location()
@@ -549,6 +559,7 @@ impl DiffReport {
                         .to_string()
                 }
                 (Some(DivergenceKind::Absorbed), None) => "absorbed: no later checkpoint differs".to_string(),
+                (None, _) if after_propagating => "not classified (the layer-state checkpoints are not compared, or the one that would show it differs where a divergence above reaches)".to_string(),
                 (None, _) => "not classified (the layer-state checkpoints are not compared)".to_string(),
             };
             let _ = writeln!(
@@ -617,7 +628,7 @@ impl DiffReport {
             "propagates" if self.divergences.last().is_some_and(|d| d.kind == Some(DivergenceKind::Absorbed)) => {
                 "   later differences reach a checkpoint through the persistent state carried from these; they are not separated further"
             }
-            "propagates" => "   every later difference can follow from a propagating one above (what it can reach: its position and later ones, later layers, later steps); they are not separated further",
+            "propagates" => "   every later difference can follow from a propagating one above (what it can reach: its position and later ones, later layers; in later steps its own and later layers, and everything once a fed token differs); they are not separated further",
             "limit" => "   more divergences follow than the report lists",
             _ => "",
         };

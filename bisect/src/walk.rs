@@ -268,11 +268,33 @@ impl<'a> Sides<'a> {
         out
     }
 
+    /// The differing records of `level` at `step` in its model-global group
+    /// and the groups of layers before `below`, in execution order: the part
+    /// of a step a divergence of layer `below` or later at an earlier step
+    /// cannot reach while the fed tokens match. Descends into no other group.
+    pub fn differing_records_below(&self, step: u32, level: Level, below: u32) -> Vec<Pair> {
+        self.find_differing_records_in(step, level, |layer| layer.is_none_or(|l| l < below))
+    }
+
     /// [`Sides::differing_records`], computed.
     fn find_differing_records(&self, step: u32, level: Level) -> Vec<Pair> {
+        self.find_differing_records_in(step, level, |_| true)
+    }
+
+    /// The differing records of the groups whose layer `keep` accepts.
+    fn find_differing_records_in(
+        &self,
+        step: u32,
+        level: Level,
+        keep: impl Fn(Option<u32>) -> bool,
+    ) -> Vec<Pair> {
         let (rl, cl) = self.level_nodes(step, level);
-        let rg = rl.map(|l| l.groups.as_slice()).unwrap_or(&[]);
-        let cg = cl.map(|l| l.groups.as_slice()).unwrap_or(&[]);
+        let rg: Vec<&GroupNode> = rl
+            .map(|l| l.groups.iter().filter(|g| keep(g.layer)).collect())
+            .unwrap_or_default();
+        let cg: Vec<&GroupNode> = cl
+            .map(|l| l.groups.iter().filter(|g| keep(g.layer)).collect())
+            .unwrap_or_default();
         let mut out = Vec::new();
         let (mut i, mut j) = (0, 0);
         while i < rg.len() || j < cg.len() {
@@ -283,22 +305,22 @@ impl<'a> Sides<'a> {
             };
             match ord {
                 Ordering::Less => {
-                    let ids = self.group_ids(self.r, &rg[i]);
+                    let ids = self.group_ids(self.r, rg[i]);
                     out.extend(ids.iter().map(|&r| Pair { r: Some(r), c: None }));
                     i += 1;
                 }
                 Ordering::Greater => {
-                    let ids = self.group_ids(self.c, &cg[j]);
+                    let ids = self.group_ids(self.c, cg[j]);
                     out.extend(ids.iter().map(|&c| Pair { r: None, c: Some(c) }));
                     j += 1;
                 }
                 Ordering::Equal => {
                     if rg[i].digest != cg[j].digest {
-                        let (ra, ca) = match self.differing_pages(&rg[i], &cg[j]) {
+                        let (ra, ca) = match self.differing_pages(rg[i], cg[j]) {
                             Some(pair) => pair,
                             None => (
-                                self.group_entries(self.r, &rg[i]).iter().collect(),
-                                self.group_entries(self.c, &cg[j]).iter().collect(),
+                                self.group_entries(self.r, rg[i]).iter().collect(),
+                                self.group_entries(self.c, cg[j]).iter().collect(),
                             ),
                         };
                         merge_join(&ra, &ca, &mut out, |x, y| {

@@ -1066,3 +1066,64 @@ fn a_term_whose_combine_matches_is_absorbed_at_its_consumer() {
         );
     }
 }
+
+/// A later step fed the same tokens sees a divergence only through the
+/// persistent state it changed: its own layer and later ones. A divergence
+/// in an earlier layer of a later step is independent of it and is listed;
+/// once a differing token is fed, nothing later is separated.
+#[test]
+fn a_divergence_reaches_later_steps_only_from_its_own_layer_on_while_the_tokens_match() {
+    let first = Inject::Combine {
+        step: 0,
+        layer: 2,
+        position: 0,
+        contract: b_class(5),
+    };
+    let later = Inject::Combine {
+        step: 2,
+        layer: 0,
+        position: PROMPT + 1,
+        contract: b_class(9),
+    };
+    let mut cand = Synth::candidate(first.clone());
+    cand.also = vec![later.clone()];
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let text = rep.render_text(false);
+    let got: Vec<_> = rep
+        .divergences
+        .iter()
+        .map(|d| {
+            (
+                d.at.step,
+                d.at.position,
+                d.at.layer,
+                d.at.path.as_str(),
+                d.kind.map(|k| k.name()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (0, 0, Some(2), "moe.combine", Some("propagating")),
+            (2, PROMPT + 1, Some(0), "moe.combine", Some("propagating")),
+        ],
+        "{text}"
+    );
+    // The later one is decided by a checkpoint the first cannot reach: its own layer's.
+    let cp = rep.divergences[1].checkpoint.as_ref().unwrap();
+    assert_eq!((cp.step, cp.layer), (2, Some(0)), "{text}");
+    assert_eq!(rep.rest, "propagates");
+
+    // The same pair with a differing token fed at step 1: everything later can
+    // follow from the first divergence, so the walk stops there.
+    let mut cand = Synth::candidate(first);
+    cand.also = vec![later];
+    cand.token_step = Some(1);
+    let (_d, r, c) = pair(&Synth::reference(), &cand);
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let paths: Vec<_> = rep.divergences.iter().map(|d| (d.at.step, d.at.layer)).collect();
+    assert_eq!(paths, [(0, Some(2))], "{}", rep.render_text(false));
+    assert_eq!(rep.rest, "propagates");
+}
