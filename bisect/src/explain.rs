@@ -192,6 +192,10 @@ pub struct BackendReport {
     pub selected: bool,
     /// The provenance note that selects the form (`vllm.moe_experts`), if any.
     pub selected_by: Option<String>,
+    /// That note's value in the trace, when it has one (a value no form
+    /// lists, such as an experts class of another CPU, leaves `selected` false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub selected_by_value: Option<String>,
     /// The known combines, evaluated on every event.
     pub known: Vec<KnownCombineReport>,
 }
@@ -613,13 +617,18 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
                 .collect();
         }
     }
+    let selected_by = known
+        .iter()
+        .find_map(|(b, _)| b.captured_as.and_then(|c| c.note).map(|(k, _)| k.to_string()));
     let backend = (!known.is_empty()).then(|| BackendReport {
         runtime: prov.runtime.clone(),
         version: prov.version.clone(),
         selected,
-        selected_by: known
-            .iter()
-            .find_map(|(b, _)| b.captured_as.and_then(|c| c.note).map(|(k, _)| k.to_string())),
+        selected_by: selected_by.clone(),
+        selected_by_value: selected_by
+            .as_ref()
+            .and_then(|note| prov.notes.iter().find(|(k, _)| k == note))
+            .map(|(_, v)| v.clone()),
         known: known
             .iter()
             .zip(&reproduced)
@@ -838,13 +847,16 @@ impl TraceExplanation {
 impl BackendReport {
     /// `backend: vllm 0.32.0 (selected by provenance note vllm.moe_experts)`.
     pub fn headline(&self) -> String {
-        let how = match (&self.selected_by, self.selected) {
-            (Some(note), true) => format!("its known combine, selected by provenance note {note}"),
-            (None, true) => "its known combine".to_string(),
-            (Some(note), false) => {
+        let how = match (&self.selected_by, self.selected, &self.selected_by_value) {
+            (Some(note), true, _) => format!("its known combine, selected by provenance note {note}"),
+            (None, true, _) => "its known combine".to_string(),
+            (Some(note), false, Some(value)) => format!(
+                "its provenance note {note} names {value:?}, which no known form lists; every known form"
+            ),
+            (Some(note), false, None) => {
                 format!("the trace does not say which form ran (no provenance note {note} naming one); every known form")
             }
-            (None, false) => "every known form".to_string(),
+            (None, false, _) => "every known form".to_string(),
         };
         format!("backend: {} {} — {how}:", self.runtime, self.version)
     }

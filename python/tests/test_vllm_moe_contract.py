@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import vllm_moe_contract as v
+from moeconf.vllm import cpu_features, cpu_refusal
 
 F32 = np.float32
 
@@ -357,6 +358,8 @@ def _run_all(model_dir):
     p = subprocess.run(["nice", "-n", "10", VPY, os.path.join(here, "vllm_moe_contract.py"), "all", str(model_dir),
                         "--json"], capture_output=True, text=True, env=env, timeout=1200)
     out = p.stdout
+    if p.returncode != 0 and '{\n "checks"' not in out and cpu_refusal(p.stderr):
+        pytest.skip(f"vLLM cannot run this fixture on this CPU: {cpu_refusal(p.stderr)!r} ({p.stderr.strip()[-300:]})")
     return p.returncode, json.loads(out[out.index('{\n "checks"'):]), p.stderr
 
 
@@ -382,12 +385,13 @@ def test_vllm_moe_contract_live(moeconf_bin, tmp_path, model):
         assert c["equal"] == c["total"] == 60
         assert meta["kernel_calls"][0]["limit"] == 10.0 and meta["kernel_calls"][0]["alpha"] is None
     else:
-        assert kernels == {"X86CPUUnquantizedExperts"}
+        amx = "amx_tile" in cpu_features()[1]  # the class and ISA vLLM picks depend on the CPU
+        assert kernels == {"X86CPUUnquantizedExperts" if amx else "CPUUnquantizedExperts"}
         c = checks["experts: routed = R_BF16(fma chain of FP32 down * g, slot order, from d0*g0)"]
         assert c["equal"] == c["total"] == 60
         # the §3 observation: the one-slot terms do not rebuild the routed sum
         assert checks["experts: routed rebuilt from the one-slot (BF16) terms by sum_stub"]["equal"] < 60
-        assert meta["kernel_calls"][0] == {"kernel": "cpu_fused_moe", "act": "silu", "isa": "amx"}
+        assert meta["kernel_calls"][0] == {"kernel": "cpu_fused_moe", "act": "silu", "isa": "amx" if amx else "vec"}
     for layer in meta["layers"].values():
         assert layer["router_routed_scaling_factor"] == 1.5 and layer["runner_routed_scaling_factor"] == 1.0
     probes = [c for c in doc["checks"] if c["fixture"] == "probe" and c["kind"] == "contract"]
