@@ -40,6 +40,7 @@
 //! | `exact-fused` | bf16 | exact | sequential | last (one rounding) | bf16 |
 
 use std::fmt;
+use std::sync::LazyLock;
 
 use super::error::ContractError;
 use super::named::EventContext;
@@ -422,6 +423,17 @@ pub const PRESET_NAMES: [&str; 9] = [
     "exact-fused",
 ];
 
+/// The presets [`AggregationContract::describe`] names a base after
+/// ([`PRESET_NAMES`] without `native`, in that order), parsed once: `moeconf
+/// explain` describes every rule of every event of a trace, and parsing the
+/// names anew for each description was a measurable share of its time.
+static DESCRIBE_PRESETS: LazyLock<Vec<(&'static str, AggregationContract)>> = LazyLock::new(|| {
+    PRESET_NAMES[1..]
+        .iter()
+        .filter_map(|n| AggregationContract::from_preset_name(n).map(|p| (*n, p)))
+        .collect()
+});
+
 impl AggregationContract {
     const fn preset(operand: OperandPrecision, accumulator: Accumulator, shape: Shape) -> Self {
         AggregationContract {
@@ -681,10 +693,7 @@ impl AggregationContract {
             base.operand = OperandPrecision::F32;
             return format!("{}+operand=fma", base.describe());
         }
-        let presets: Vec<(&str, Self)> = PRESET_NAMES[1..]
-            .iter()
-            .filter_map(|n| Self::from_preset_name(n).map(|p| (*n, p)))
-            .collect();
+        let presets: &[(&str, Self)] = &DESCRIBE_PRESETS;
         let same_core = |p: &Self| p.operand == self.operand && p.accumulator == self.accumulator;
         let found = presets
             .iter()
@@ -722,7 +731,8 @@ impl AggregationContract {
             s.push_str("+output=f32");
         }
         if self.order != Order::Identity {
-            s.push_str(&format!("+order={}", self.order));
+            use fmt::Write as _;
+            let _ = write!(s, "+order={}", self.order);
         }
         s
     }
@@ -937,5 +947,54 @@ impl MoeCombine for AggregationContract {
 
     fn describe(&self) -> String {
         AggregationContract::describe(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The presets `describe` reads from its cache are the ones the names
+    /// parse to, every one of them, in [`PRESET_NAMES`] order: a preset
+    /// added to or changed in `from_preset_name` without the cache following
+    /// would change every description.
+    #[test]
+    fn cached_describe_presets_are_the_parsed_presets() {
+        let parsed: Vec<(&str, AggregationContract)> = PRESET_NAMES[1..]
+            .iter()
+            .map(|n| {
+                (
+                    *n,
+                    AggregationContract::from_preset_name(n).expect("every preset name parses"),
+                )
+            })
+            .collect();
+        assert_eq!(*DESCRIBE_PRESETS, parsed);
+    }
+
+    /// Every preset describes itself by its own name (or `c` for `native`,
+    /// its alias) and reads back to itself.
+    #[test]
+    fn every_preset_describes_as_its_name_and_parses_back() {
+        for name in PRESET_NAMES {
+            let p = AggregationContract::from_preset_name(name).expect("every preset name parses");
+            let d = p.describe();
+            let expected = if name == "native" { "c" } else { name };
+            assert_eq!(d, expected, "{name}");
+            assert_eq!(AggregationContract::parse(&d).ok(), Some(p), "{name}");
+        }
+    }
+
+    /// Every grammar variant, with a named and an explicit order, reads back
+    /// from its description (the bases now come from the cache).
+    #[test]
+    fn every_grammar_variant_describes_and_parses_back() {
+        for v in crate::grammar_variants() {
+            for order in [Order::Identity, Order::PermutationIndex(5)] {
+                let c = v.clone().with_order(order);
+                let d = c.describe();
+                assert_eq!(AggregationContract::parse(&d).ok(), Some(c), "{d}");
+            }
+        }
     }
 }
