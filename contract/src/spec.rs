@@ -434,6 +434,18 @@ static DESCRIBE_PRESETS: LazyLock<Vec<(&'static str, AggregationContract)>> = La
         .collect()
 });
 
+/// Most contracts (without their orders) whose descriptions a thread keeps:
+/// more than the grammar's members, so that only contracts outside it (such
+/// as lane widths nothing names) can find the cache full.
+const MAX_CACHED_FAMILIES: usize = 4096;
+
+thread_local! {
+    /// The descriptions of the contracts (order `identity`) this thread has
+    /// described ([`AggregationContract::describe`]), by their family key.
+    static FAMILY_DESCRIPTIONS: std::cell::RefCell<std::collections::HashMap<u64, String>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
 impl AggregationContract {
     const fn preset(operand: OperandPrecision, accumulator: Accumulator, shape: Shape) -> Self {
         AggregationContract {
@@ -687,7 +699,70 @@ impl AggregationContract {
     /// `+output=`, `+order=`. C with the identity order is described as `c`
     /// (the runtime's [`super::NativeCombine`] describes itself as `native`).
     /// Contracts of the notation before the grammar print as they did.
+    ///
+    /// Everything before `+order=` depends on the contract without its order
+    /// alone: that part is kept per thread ([`FAMILY_DESCRIPTIONS`]), as
+    /// `moeconf explain` describes the same few hundred grammar members
+    /// for every event of a trace.
     pub fn describe(&self) -> String {
+        if self.operand == OperandPrecision::Fma {
+            // `+operand=fma` follows the order: not cached.
+            return self.describe_uncached();
+        }
+        let key = self.family_key();
+        let mut s = FAMILY_DESCRIPTIONS.with(|cache| {
+            if let Some(d) = cache.borrow().get(&key) {
+                return d.clone();
+            }
+            let family = AggregationContract {
+                operand: self.operand,
+                accumulator: self.accumulator,
+                shape: self.shape,
+                order: Order::Identity,
+                start: self.start,
+                shared: self.shared,
+                routed: self.routed,
+                output: self.output,
+            };
+            let d = family.describe_uncached();
+            let mut cache = cache.borrow_mut();
+            if cache.len() < MAX_CACHED_FAMILIES {
+                cache.insert(key, d.clone());
+            }
+            d
+        });
+        self.push_order(&mut s);
+        s
+    }
+
+    /// Every field but the order, packed into one number (a byte each, the
+    /// shape's kind, lane width and fold in the top bits): the key of
+    /// [`FAMILY_DESCRIPTIONS`], cheaper to hash than the contract.
+    fn family_key(&self) -> u64 {
+        let shape = match self.shape {
+            Shape::Sequential => 0,
+            Shape::PairwiseTree => 1,
+            Shape::Lanes { width, fold } => 2 | u64::from(width) << 2 | (fold as u64) << 10,
+        };
+        self.operand as u64
+            | (self.accumulator as u64) << 8
+            | (self.start as u64) << 16
+            | (self.shared as u64) << 24
+            | (self.routed as u64) << 32
+            | (self.output as u64) << 40
+            | shape << 48
+    }
+
+    /// `+order=…` when the order is not the identity.
+    fn push_order(&self, s: &mut String) {
+        if self.order != Order::Identity {
+            use fmt::Write as _;
+            let _ = write!(s, "+order={}", self.order);
+        }
+    }
+
+    /// [`AggregationContract::describe`], computed.
+    fn describe_uncached(&self) -> String {
         if self.operand == OperandPrecision::Fma {
             let mut base = self.clone();
             base.operand = OperandPrecision::F32;
@@ -730,10 +805,7 @@ impl AggregationContract {
         if self.output == OutputRounding::F32 {
             s.push_str("+output=f32");
         }
-        if self.order != Order::Identity {
-            use fmt::Write as _;
-            let _ = write!(s, "+order={}", self.order);
-        }
+        self.push_order(&mut s);
         s
     }
 
@@ -994,6 +1066,36 @@ mod tests {
                 let c = v.clone().with_order(order);
                 let d = c.describe();
                 assert_eq!(AggregationContract::parse(&d).ok(), Some(c), "{d}");
+            }
+        }
+    }
+
+    /// The cached description is the computed one, for every grammar
+    /// variant and its `operand=fma` form, with named, explicit and
+    /// identity orders, described twice (the second time from the cache).
+    #[test]
+    fn cached_descriptions_are_the_computed_ones() {
+        let orders = [
+            Order::Identity,
+            Order::PermutationIndex(17),
+            Order::BClass(3),
+            Order::parse("asc-id", false).expect("a named order"),
+        ];
+        let mut keys: std::collections::HashMap<u64, AggregationContract> = std::collections::HashMap::new();
+        for v in crate::grammar_variants() {
+            let mut fma = v.clone();
+            fma.operand = OperandPrecision::Fma;
+            for c in [v, fma] {
+                // Distinct contracts have distinct keys.
+                if let Some(other) = keys.insert(c.family_key(), c.clone()) {
+                    assert_eq!(other, c);
+                }
+                for order in &orders {
+                    let c = c.clone().with_order(order.clone());
+                    let computed = c.describe_uncached();
+                    assert_eq!(c.describe(), computed);
+                    assert_eq!(c.describe(), computed);
+                }
             }
         }
     }
