@@ -12,7 +12,8 @@
 //! router payloads the expert-id and gate orders are not tried, and the
 //! report says so.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 
 use moeconf_contract::{
     backends_for_capture, explain_event, AggregationContract, ContractError, EventContext, EventExplanation,
@@ -20,7 +21,8 @@ use moeconf_contract::{
 };
 use moeconf_fingerprint::{bf16_to_f32, canonical_f32_bits, Component, DType};
 use moeconf_schema::{Trace, TraceError};
-use serde::Serialize;
+use serde::ser::{Error as _, SerializeMap, SerializeSeq};
+use serde::{Serialize, Serializer};
 
 use crate::explanation::{order_words, CombineExplanation, EquivalentReport, ReasonReport};
 use crate::numeric::{f32_values, int_values};
@@ -33,6 +35,26 @@ pub const MAX_LISTED_RULES: usize = 8;
 
 /// Most events listed in [`TraceRule::outside_best_rule`].
 pub const MAX_LISTED_OUTLIERS: usize = 16;
+
+/// Events [`explain_trace`] reads, then explains, at a time, and between two
+/// releases of the mapped pages their payloads were read from
+/// ([`Trace::release_step`]): small enough that a long prefill's
+/// explanation holds a few megabytes of payloads and of the file resident,
+/// large enough that the pages shared by neighbouring events are rarely
+/// mapped again.
+const CHUNK: usize = 64;
+
+/// One event's explanation and what the report takes from it.
+struct Explained {
+    e: EventExplanation,
+    /// Its rules ([`EventExplanation::rules`]), described.
+    rules: Vec<String>,
+    report: CombineExplanation,
+    /// [`explanation_hash`] of `report`.
+    hash: u64,
+    /// Whether each known backend's combine reproduces it.
+    reproduced: Vec<bool>,
+}
 
 /// Why a trace could not be explained.
 #[derive(Debug, thiserror::Error)]
@@ -88,17 +110,236 @@ pub enum ExplainError {
     Trace(#[from] TraceError),
 }
 
-/// One explained event.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct EventReport {
+/// One explained event, as [`EventList`] hands it out (serialized as one
+/// element of the report's `events`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EventView<'a> {
     /// Forward step.
     pub step: u32,
     /// Decoder layer.
     pub layer: u32,
     pub position: u32,
     /// Selected expert ids in slot order (empty when `router.topk` was not recorded).
-    pub experts: Vec<u32>,
-    pub explanation: CombineExplanation,
+    pub experts: &'a [u32],
+    pub explanation: &'a CombineExplanation,
+}
+
+/// Where one event of an [`EventList`] is, and what its explanation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct EventEntry {
+    step: u32,
+    layer: u32,
+    position: u32,
+    /// Index of its explanation in [`EventList::explanations`].
+    explanation: usize,
+    /// End of its expert ids in [`EventList::experts`] (they start where the
+    /// previous event's end).
+    experts_end: usize,
+}
+
+/// Every explained event of a trace, in order, held compactly: each
+/// distinct explanation once, and per event its place, its expert ids and
+/// which explanation it has.
+///
+/// A long prefill's events mostly share a handful of explanations (a
+/// 1,024-token prompt's 9,243 events have 28), and an explanation lists up to
+/// [`crate::MAX_LISTED_EQUIVALENTS`] members with their reasons: holding one
+/// per event made `moeconf explain`'s memory grow by tens of kilobytes per
+/// event. Events whose explanations all differ (orders that change from
+/// token to token) still cost one explanation each: the JSON report prints
+/// every one of them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EventList {
+    explanations: Vec<CombineExplanation>,
+    entries: Vec<EventEntry>,
+    experts: Vec<u32>,
+    /// While events are added: the explanations by [`explanation_hash`].
+    by_hash: HashMap<u64, Vec<usize>>,
+}
+
+impl EventList {
+    /// Adds an event at the end, whose explanation's [`explanation_hash`] is `hash`.
+    fn push_hashed(
+        &mut self,
+        (step, layer, position): Key,
+        experts: &[u32],
+        explanation: CombineExplanation,
+        hash: u64,
+    ) {
+        let ids = self.by_hash.entry(hash).or_default();
+        let found = ids.iter().copied().find(|&i| {
+            self.explanations
+                .get(i)
+                .is_some_and(|x| identical(x, &explanation))
+        });
+        let explanation = match found {
+            Some(i) => i,
+            None => {
+                self.explanations.push(explanation);
+                ids.push(self.explanations.len() - 1);
+                self.explanations.len() - 1
+            }
+        };
+        self.experts.extend_from_slice(experts);
+        self.entries.push(EventEntry {
+            step,
+            layer,
+            position,
+            explanation,
+            experts_end: self.experts.len(),
+        });
+    }
+
+    /// Drops what only adding needed.
+    fn finish(&mut self) {
+        self.by_hash = HashMap::new();
+        self.entries.shrink_to_fit();
+        self.experts.shrink_to_fit();
+        self.explanations.shrink_to_fit();
+    }
+
+    /// Number of events.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is no event.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// How many distinct explanations the events have.
+    pub fn distinct_explanations(&self) -> usize {
+        self.explanations.len()
+    }
+
+    /// Every event, in order.
+    pub fn iter(&self) -> impl Iterator<Item = EventView<'_>> + '_ {
+        let mut start = 0;
+        self.entries.iter().map(move |e| {
+            let experts = self.experts.get(start..e.experts_end).unwrap_or_default();
+            start = e.experts_end;
+            EventView {
+                step: e.step,
+                layer: e.layer,
+                position: e.position,
+                experts,
+                explanation: &self.explanations[e.explanation],
+            }
+        })
+    }
+}
+
+impl<'a> IntoIterator for &'a EventList {
+    type Item = EventView<'a>;
+    type IntoIter = Box<dyn Iterator<Item = EventView<'a>> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+/// Serialized as the list of every event (what a `Vec` of them would give).
+impl Serialize for EventList {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.len()))?;
+        for e in self.iter() {
+            seq.serialize_element(&e)?;
+        }
+        seq.end()
+    }
+}
+
+/// A hash of an explanation for [`EventList`]'s sharing (equal explanations
+/// hash equal; [`identical`] decides). The equivalents' reasons are hashed
+/// by their codes only: their texts are the bulk of an explanation and
+/// rarely tell two apart that the rest does not.
+fn explanation_hash(x: &CombineExplanation) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    x.status.hash(&mut h);
+    x.k.hash(&mut h);
+    x.elements.hash(&mut h);
+    x.simplest.hash(&mut h);
+    x.order.hash(&mut h);
+    x.equivalent_count.hash(&mut h);
+    for q in &x.equivalents {
+        q.contract.hash(&mut h);
+        for r in &q.reasons {
+            (&r.code, r.structural).hash(&mut h);
+        }
+    }
+    x.permutations.hash(&mut h);
+    x.closest.hash(&mut h);
+    x.candidates.hash(&mut h);
+    if let Some(f) = &x.fit {
+        f.changes.hash(&mut h);
+        fit_bits(f).hash(&mut h);
+        f.placement.hash(&mut h);
+        f.output.hash(&mut h);
+        f.differing.hash(&mut h);
+        f.elements.hash(&mut h);
+        f.max_ulps.hash(&mut h);
+        f.summary.hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The bits of a fit's coefficients (fitted, used), routed then shared.
+fn fit_bits(f: &crate::explanation::FitReport) -> Vec<(Option<u64>, u32)> {
+    f.terms
+        .iter()
+        .chain(std::iter::once(&f.shared))
+        .map(|c| (c.fitted.map(f64::to_bits), c.used.to_bits()))
+        .collect()
+}
+
+/// Whether two explanations serialize to the same text: equal, with their
+/// floating-point values equal bit for bit (`==` alone takes -0.0 for 0.0).
+fn identical(a: &CombineExplanation, b: &CombineExplanation) -> bool {
+    a == b
+        && match (&a.fit, &b.fit) {
+            (Some(x), Some(y)) => fit_bits(x) == fit_bits(y),
+            _ => true,
+        }
+}
+
+/// For every rule seen so far, the first [`MAX_LISTED_OUTLIERS`] events it
+/// does not reproduce: what [`TraceRule::outside_best_rule`] lists once the
+/// best rule is known, without keeping every event's rules.
+#[derive(Debug, Default)]
+struct Outliers {
+    /// The first [`MAX_LISTED_OUTLIERS`] events (a rule first seen at an
+    /// event reproduced none of the earlier ones).
+    first: Vec<EventRef>,
+    misses: HashMap<String, Vec<EventRef>>,
+}
+
+impl Outliers {
+    /// Adds the event at `at`, which the rules `rules` (described) reproduce.
+    fn add(&mut self, at: EventRef, rules: &[String]) {
+        let here: HashSet<&str> = rules.iter().map(String::as_str).collect();
+        for r in &here {
+            if !self.misses.contains_key(*r) {
+                self.misses.insert((*r).to_string(), self.first.clone());
+            }
+        }
+        for (r, m) in &mut self.misses {
+            if m.len() < MAX_LISTED_OUTLIERS && !here.contains(r.as_str()) {
+                m.push(at);
+            }
+        }
+        if self.first.len() < MAX_LISTED_OUTLIERS {
+            self.first.push(at);
+        }
+    }
+
+    /// The events `rule` does not reproduce (at most [`MAX_LISTED_OUTLIERS`]).
+    fn of(&self, rule: &str) -> Vec<EventRef> {
+        self.misses
+            .get(rule)
+            .cloned()
+            .unwrap_or_else(|| self.first.clone())
+    }
 }
 
 /// A rule (a member with a named order) and the events it reproduces.
@@ -217,7 +458,7 @@ pub struct TraceExplanation {
     /// reference runtime declares its contract in the binding instead).
     pub backend: Option<BackendReport>,
     /// Every event, in the trace's write order of `moe.combine`.
-    pub events: Vec<EventReport>,
+    pub events: EventList,
 }
 
 /// Record indices of one combine event.
@@ -575,8 +816,8 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
     };
     let mut notes = Notes::default();
     let mut agg = TraceInference::new();
-    let mut events = Vec::with_capacity(order.len());
-    let mut rules_of: Vec<Vec<String>> = Vec::with_capacity(order.len());
+    let mut events = EventList::default();
+    let mut outliers = Outliers::default();
     let prov = t.provenance();
     let (forms, selected) = backends_for_capture(&prov.runtime, &t.binding().precision, &prov.notes);
     let known: Vec<(&KnownBackend, AggregationContract)> = forms
@@ -584,37 +825,71 @@ pub fn explain_trace(t: &Trace, name: &str) -> Result<TraceExplanation, ExplainE
         .filter_map(|b| AggregationContract::parse(b.contract).ok().map(|c| (b, c)))
         .collect();
     let mut reproduced = vec![0usize; known.len()];
-    for key in &order {
-        let Some(r) = records.get(key) else { continue };
-        let d = reader.read(*key, r, &mut notes)?;
-        for ((_, c), n) in known.iter().zip(reproduced.iter_mut()) {
-            *n += usize::from(reproduces(c, &d, &canonicalize));
+    let explain = |(key, d): &(Key, EventData)| -> Result<Explained, ExplainError> {
+        let e = explain_data(d, &opts, name, *key)?;
+        let report = CombineExplanation::of(&e);
+        Ok(Explained {
+            rules: e.rules().iter().map(|c| c.describe()).collect(),
+            hash: explanation_hash(&report),
+            report,
+            reproduced: known
+                .iter()
+                .map(|(_, c)| reproduces(c, d, &canonicalize))
+                .collect(),
+            e,
+        })
+    };
+    for chunk in order.chunks(CHUNK) {
+        // Read in order, up to the first event that cannot be read.
+        let mut data = Vec::with_capacity(chunk.len());
+        let mut unreadable = None;
+        for key in chunk {
+            let Some(r) = records.get(key) else { continue };
+            match reader.read(*key, r, &mut notes) {
+                Ok(d) => data.push((*key, d)),
+                Err(err) => {
+                    unreadable = Some(err);
+                    break;
+                }
+            }
         }
-        let e = explain_data(&d, &opts, name, *key)?;
-        agg.add(&e);
-        rules_of.push(e.rules().iter().map(|c| c.describe()).collect());
-        events.push(EventReport {
-            step: key.0,
-            layer: key.1,
-            position: key.2,
-            experts: d.experts,
-            explanation: CombineExplanation::of(&e),
-        });
+        let explained: Vec<Result<Explained, ExplainError>> = data.iter().map(&explain).collect();
+        // The first error in event order, as one event after another finds it.
+        for ((key, d), x) in data.iter().zip(explained) {
+            let x = x?;
+            agg.add(&x.e);
+            for (n, hit) in reproduced.iter_mut().zip(&x.reproduced) {
+                *n += usize::from(*hit);
+            }
+            let (step, layer, position) = *key;
+            outliers.add(
+                EventRef {
+                    step,
+                    layer,
+                    position,
+                },
+                &x.rules,
+            );
+            events.push_hashed(*key, &d.experts, x.report, x.hash);
+        }
+        if let Some(err) = unreadable {
+            return Err(err);
+        }
+        // The payloads read stay mapped in this process's resident set (a
+        // long prefill's events read pages across most of the file): drop
+        // the pages of the chunk's steps (a later read maps them again from
+        // the page cache).
+        let mut steps: Vec<u32> = chunk.iter().map(|k| k.0).collect();
+        steps.dedup();
+        for step in steps {
+            t.release_step(step);
+        }
     }
+    events.finish();
     let mut verdict = trace_rule(&agg, &events);
     if verdict.rule.is_none() {
-        if let Some(best) = verdict.rules.first().map(|r| r.contract.clone()) {
-            verdict.outside_best_rule = events
-                .iter()
-                .zip(&rules_of)
-                .filter(|(_, rules)| !rules.contains(&best))
-                .take(MAX_LISTED_OUTLIERS)
-                .map(|(e, _)| EventRef {
-                    step: e.step,
-                    layer: e.layer,
-                    position: e.position,
-                })
-                .collect();
+        if let Some(best) = verdict.rules.first() {
+            verdict.outside_best_rule = outliers.of(&best.contract);
         }
     }
     let selected_by = known
@@ -680,7 +955,7 @@ fn reproduces(c: &AggregationContract, d: &EventData, canonicalize: &dyn Fn(u32)
             .all(|(a, b)| canonicalize(a.to_bits()) == canonicalize(b.to_bits()))
 }
 
-fn trace_rule(agg: &TraceInference, events: &[EventReport]) -> TraceRule {
+fn trace_rule(agg: &TraceInference, events: &EventList) -> TraceRule {
     let v = agg.verdict();
     let rules: Vec<RuleReport> = v
         .rules
@@ -768,6 +1043,14 @@ impl TraceExplanation {
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
     }
 
+    /// Writes [`TraceExplanation::to_json`], pretty, byte for byte as
+    /// `serde_json::to_writer_pretty` writes that value, without building
+    /// it: the document of a long prefill is several hundred megabytes as a
+    /// `serde_json::Value`, while this holds one event's value at a time.
+    pub fn write_json_pretty<W: std::io::Write>(&self, w: W) -> serde_json::Result<()> {
+        serde_json::to_writer_pretty(w, &AsValue(self))
+    }
+
     /// The text report: the verdict, its equivalents, then one line per event.
     pub fn render_text(&self) -> String {
         use std::fmt::Write;
@@ -844,6 +1127,66 @@ impl TraceExplanation {
     }
 }
 
+/// The fields of a [`TraceExplanation`], in its order, with no events.
+#[derive(Serialize)]
+struct Head<'a> {
+    schema_version: u32,
+    trace: &'a str,
+    declared_contract: &'a str,
+    verdict: &'a TraceRule,
+    notes: &'a [String],
+    backend: &'a Option<BackendReport>,
+    events: [u32; 0],
+}
+
+/// A [`TraceExplanation`] serialized as its `serde_json::Value` would be: the
+/// keys in the order of that value's map (the value of [`Head`] tells it,
+/// whichever map `serde_json` was built with) and every number as that value
+/// holds it, the events converted one at a time.
+struct AsValue<'a>(&'a TraceExplanation);
+
+/// The events serialized as a list of their `serde_json::Value`s.
+struct EventsAsValues<'a>(&'a EventList);
+
+impl Serialize for EventsAsValues<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(self.0.len()))?;
+        for e in self.0.iter() {
+            seq.serialize_element(&serde_json::to_value(e).map_err(S::Error::custom)?)?;
+        }
+        seq.end()
+    }
+}
+
+impl Serialize for AsValue<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        const EVENTS: &str = "events";
+        let x = self.0;
+        let head = serde_json::to_value(Head {
+            schema_version: x.schema_version,
+            trace: &x.trace,
+            declared_contract: &x.declared_contract,
+            verdict: &x.verdict,
+            notes: &x.notes,
+            backend: &x.backend,
+            events: [],
+        })
+        .map_err(S::Error::custom)?;
+        let serde_json::Value::Object(head) = head else {
+            return Err(S::Error::custom("the report's head is not a JSON object"));
+        };
+        let mut m = s.serialize_map(Some(head.len()))?;
+        for (k, v) in &head {
+            if k == EVENTS {
+                m.serialize_entry(k, &EventsAsValues(&x.events))?;
+            } else {
+                m.serialize_entry(k, v)?;
+            }
+        }
+        m.end()
+    }
+}
+
 impl BackendReport {
     /// `backend: vllm 0.32.0 (selected by provenance note vllm.moe_experts)`.
     pub fn headline(&self) -> String {
@@ -888,14 +1231,13 @@ impl KnownCombineReport {
 /// bitwise in 40 of 40 events)`: the fit of the first unexplained event, and
 /// how many events the same reading reproduces exactly (empty when no event
 /// has a reading).
-fn fit_reading(events: &[EventReport]) -> String {
-    let fits: Vec<&crate::explanation::FitReport> =
-        events.iter().filter_map(|e| e.explanation.fit.as_ref()).collect();
-    let Some(first) = fits.first() else {
+fn fit_reading(events: &EventList) -> String {
+    let mut fits = events.iter().filter_map(|e| e.explanation.fit.as_ref());
+    let Some(first) = fits.next() else {
         return String::new();
     };
-    let same = fits
-        .iter()
+    let same = std::iter::once(first)
+        .chain(fits)
         .filter(|f| f.changes == first.changes && f.differing == 0)
         .count();
     format!(
@@ -903,4 +1245,47 @@ fn fit_reading(events: &[EventReport]) -> String {
         first.changes.join(", "),
         events.len()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`Outliers`] lists, for the rule asked for, the first events whose
+    /// rules do not include it, as a scan of every event's rules would
+    /// (whichever rule turns out best, including one first seen late and
+    /// one seen from the start).
+    #[test]
+    fn outliers_are_the_first_events_a_rule_misses() {
+        let names = ["c", "c+order=asc-id", "b", "a+order=desc-gate"];
+        // Event n reproduced by the rules whose bit is set in a pattern
+        // that changes with n (some events by none).
+        let rules_of = |n: usize| -> Vec<String> {
+            let bits = (n * 7 + n / 5) % 16;
+            names
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| bits >> i & 1 == 1 && !(n < 30 && *i == 3))
+                .map(|(_, r)| r.to_string())
+                .collect()
+        };
+        let at = |n: usize| EventRef {
+            step: 0,
+            layer: (n % 3) as u32,
+            position: n as u32,
+        };
+        let mut o = Outliers::default();
+        let events = 200;
+        for n in 0..events {
+            o.add(at(n), &rules_of(n));
+        }
+        for rule in names {
+            let expected: Vec<EventRef> = (0..events)
+                .filter(|&n| !rules_of(n).iter().any(|r| r == rule))
+                .take(MAX_LISTED_OUTLIERS)
+                .map(at)
+                .collect();
+            assert_eq!(o.of(rule), expected, "{rule}");
+        }
+    }
 }

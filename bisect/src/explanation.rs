@@ -13,7 +13,7 @@ use serde::Serialize;
 pub const MAX_LISTED_EQUIVALENTS: usize = 64;
 
 /// Why a member cannot be told apart from the simplest one.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct ReasonReport {
     /// Stable identifier (`terms_bf16_valued`, `first_pair_commutes`, …).
     pub code: String,
@@ -35,7 +35,7 @@ impl ReasonReport {
 }
 
 /// Another member that reproduces the output, and why it is indistinguishable.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct EquivalentReport {
     /// The member in the contract notation.
     pub contract: String,
@@ -44,7 +44,7 @@ pub struct EquivalentReport {
 }
 
 /// The explicit permutations of one sequential variant that reproduce the output.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct PermutationReport {
     /// The variant (order `identity`) in the notation.
     pub family: String,
@@ -58,7 +58,7 @@ pub struct PermutationReport {
 }
 
 /// A member that does not reproduce the output.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct NearMissReport {
     /// The member in the notation.
     pub contract: String,
@@ -139,7 +139,7 @@ impl FitReport {
 }
 
 /// Whether the grammar explains an event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ExplanationStatus {
     /// Some grammar member reproduces the output bitwise.

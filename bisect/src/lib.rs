@@ -78,8 +78,8 @@ pub use diff::{diff, open_pair, open_pair_with, DiffOptions};
 pub use divergence::MAX_DIVERGENCES;
 pub use error::{BisectError, FieldDifference};
 pub use explain::{
-    explain_trace, BackendReport, EventReport, ExplainError, FixedPermutationReport, KnownCombineReport,
-    RuleReport, TraceExplanation, TraceRule, EXPLAIN_SCHEMA_VERSION, MAX_LISTED_RULES,
+    explain_trace, BackendReport, EventList, EventView, ExplainError, FixedPermutationReport,
+    KnownCombineReport, RuleReport, TraceExplanation, TraceRule, EXPLAIN_SCHEMA_VERSION, MAX_LISTED_RULES,
 };
 pub use explanation::{
     order_words, CombineExplanation, EquivalentReport, ExplanationStatus, NearMissReport, PermutationReport,

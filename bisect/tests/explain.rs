@@ -488,3 +488,54 @@ fn vllm_captures_name_their_known_combine() {
     let x = explain_trace(&Trace::open(&path).unwrap(), "ref.bin").unwrap();
     assert!(x.backend.is_none() && !x.render_text().contains("backend:"));
 }
+
+/// The JSON report written event by event (what `moeconf explain --format
+/// json` prints) is byte for byte `serde_json::to_writer_pretty` of
+/// `to_json()`, on a trace every event of which one rule explains, one no
+/// rule explains (the vLLM BF16 form) and one with a backend section; and
+/// the compact event list hands out every event, its experts included.
+#[test]
+fn the_streamed_json_report_is_the_json_value_written_pretty() {
+    let dir = tempfile::tempdir().unwrap();
+    let eager = dir.path().join("eager.bin");
+    write(
+        &eager,
+        &AggregationContract::parse("b+order=asc-id").unwrap(),
+        12,
+        Shape {
+            topk: true,
+            shared: true,
+        },
+    );
+    let bf16 = dir.path().join("vllm-bf16.bin");
+    write_vllm(
+        &bf16,
+        VllmForm::Bf16,
+        &[("vllm.moe_experts", "X86CPUUnquantizedExperts")],
+        5,
+    );
+    let mxfp4 = dir.path().join("vllm-mxfp4.bin");
+    write_vllm(&mxfp4, VllmForm::Mxfp4, &[], 4);
+    for path in [&eager, &bf16, &mxfp4] {
+        let x = explain_trace(&Trace::open(path).unwrap(), "t.bin").unwrap();
+        let mut streamed = Vec::new();
+        x.write_json_pretty(&mut streamed).unwrap();
+        let mut whole = Vec::new();
+        serde_json::to_writer_pretty(&mut whole, &x.to_json()).unwrap();
+        assert_eq!(
+            String::from_utf8(streamed).unwrap(),
+            String::from_utf8(whole).unwrap(),
+            "{}",
+            path.display()
+        );
+        assert_eq!(x.events.len(), x.verdict.events);
+        assert!(x.events.distinct_explanations() <= x.events.len());
+        assert_eq!(
+            x.to_json()["events"].as_array().map(Vec::len),
+            Some(x.events.len())
+        );
+        for e in &x.events {
+            assert_eq!(e.experts.len(), K, "{}", path.display());
+        }
+    }
+}

@@ -20,6 +20,17 @@ pub fn print_json(v: &serde_json::Value) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints a JSON document that `write` writes (pretty, as [`print_json`]
+/// prints a value), with a trailing newline, buffered as [`print_json`]: for
+/// a report too large to build as a `serde_json::Value` first.
+pub fn print_json_with(write: impl FnOnce(&mut dyn Write) -> serde_json::Result<()>) -> anyhow::Result<()> {
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    write(&mut out)?;
+    writeln!(out)?;
+    out.flush()?;
+    Ok(())
+}
+
 /// Writes a rendered text report to stdout.
 pub fn print_text(text: &str) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();

@@ -40,6 +40,7 @@
 //! | `exact-fused` | bf16 | exact | sequential | last (one rounding) | bf16 |
 
 use std::fmt;
+use std::sync::LazyLock;
 
 use super::error::ContractError;
 use super::named::EventContext;
@@ -422,6 +423,29 @@ pub const PRESET_NAMES: [&str; 9] = [
     "exact-fused",
 ];
 
+/// The presets [`AggregationContract::describe`] names a base after
+/// ([`PRESET_NAMES`] without `native`, in that order), parsed once: `moeconf
+/// explain` describes every rule of every event of a trace, and parsing the
+/// names anew for each description was a measurable share of its time.
+static DESCRIBE_PRESETS: LazyLock<Vec<(&'static str, AggregationContract)>> = LazyLock::new(|| {
+    PRESET_NAMES[1..]
+        .iter()
+        .filter_map(|n| AggregationContract::from_preset_name(n).map(|p| (*n, p)))
+        .collect()
+});
+
+/// Most contracts (without their orders) whose descriptions a thread keeps:
+/// more than the grammar's members, so that only contracts outside it (such
+/// as lane widths nothing names) can find the cache full.
+const MAX_CACHED_FAMILIES: usize = 4096;
+
+thread_local! {
+    /// The descriptions of the contracts (order `identity`) this thread has
+    /// described ([`AggregationContract::describe`]), by their family key.
+    static FAMILY_DESCRIPTIONS: std::cell::RefCell<std::collections::HashMap<u64, String>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
 impl AggregationContract {
     const fn preset(operand: OperandPrecision, accumulator: Accumulator, shape: Shape) -> Self {
         AggregationContract {
@@ -675,16 +699,76 @@ impl AggregationContract {
     /// `+output=`, `+order=`. C with the identity order is described as `c`
     /// (the runtime's [`super::NativeCombine`] describes itself as `native`).
     /// Contracts of the notation before the grammar print as they did.
+    ///
+    /// Everything before `+order=` depends on the contract without its order
+    /// alone: that part is kept per thread ([`FAMILY_DESCRIPTIONS`]), as
+    /// `moeconf explain` describes the same few hundred grammar members
+    /// for every event of a trace.
     pub fn describe(&self) -> String {
+        if self.operand == OperandPrecision::Fma {
+            // `+operand=fma` follows the order: not cached.
+            return self.describe_uncached();
+        }
+        let key = self.family_key();
+        let mut s = FAMILY_DESCRIPTIONS.with(|cache| {
+            if let Some(d) = cache.borrow().get(&key) {
+                return d.clone();
+            }
+            let family = AggregationContract {
+                operand: self.operand,
+                accumulator: self.accumulator,
+                shape: self.shape,
+                order: Order::Identity,
+                start: self.start,
+                shared: self.shared,
+                routed: self.routed,
+                output: self.output,
+            };
+            let d = family.describe_uncached();
+            let mut cache = cache.borrow_mut();
+            if cache.len() < MAX_CACHED_FAMILIES {
+                cache.insert(key, d.clone());
+            }
+            d
+        });
+        self.push_order(&mut s);
+        s
+    }
+
+    /// Every field but the order, packed into one number (a byte each, the
+    /// shape's kind, lane width and fold in the top bits): the key of
+    /// [`FAMILY_DESCRIPTIONS`], cheaper to hash than the contract.
+    fn family_key(&self) -> u64 {
+        let shape = match self.shape {
+            Shape::Sequential => 0,
+            Shape::PairwiseTree => 1,
+            Shape::Lanes { width, fold } => 2 | u64::from(width) << 2 | (fold as u64) << 10,
+        };
+        self.operand as u64
+            | (self.accumulator as u64) << 8
+            | (self.start as u64) << 16
+            | (self.shared as u64) << 24
+            | (self.routed as u64) << 32
+            | (self.output as u64) << 40
+            | shape << 48
+    }
+
+    /// `+order=…` when the order is not the identity.
+    fn push_order(&self, s: &mut String) {
+        if self.order != Order::Identity {
+            use fmt::Write as _;
+            let _ = write!(s, "+order={}", self.order);
+        }
+    }
+
+    /// [`AggregationContract::describe`], computed.
+    fn describe_uncached(&self) -> String {
         if self.operand == OperandPrecision::Fma {
             let mut base = self.clone();
             base.operand = OperandPrecision::F32;
             return format!("{}+operand=fma", base.describe());
         }
-        let presets: Vec<(&str, Self)> = PRESET_NAMES[1..]
-            .iter()
-            .filter_map(|n| Self::from_preset_name(n).map(|p| (*n, p)))
-            .collect();
+        let presets: &[(&str, Self)] = &DESCRIBE_PRESETS;
         let same_core = |p: &Self| p.operand == self.operand && p.accumulator == self.accumulator;
         let found = presets
             .iter()
@@ -721,9 +805,7 @@ impl AggregationContract {
         if self.output == OutputRounding::F32 {
             s.push_str("+output=f32");
         }
-        if self.order != Order::Identity {
-            s.push_str(&format!("+order={}", self.order));
-        }
+        self.push_order(&mut s);
         s
     }
 
@@ -937,5 +1019,84 @@ impl MoeCombine for AggregationContract {
 
     fn describe(&self) -> String {
         AggregationContract::describe(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The presets `describe` reads from its cache are the ones the names
+    /// parse to, every one of them, in [`PRESET_NAMES`] order: a preset
+    /// added to or changed in `from_preset_name` without the cache following
+    /// would change every description.
+    #[test]
+    fn cached_describe_presets_are_the_parsed_presets() {
+        let parsed: Vec<(&str, AggregationContract)> = PRESET_NAMES[1..]
+            .iter()
+            .map(|n| {
+                (
+                    *n,
+                    AggregationContract::from_preset_name(n).expect("every preset name parses"),
+                )
+            })
+            .collect();
+        assert_eq!(*DESCRIBE_PRESETS, parsed);
+    }
+
+    /// Every preset describes itself by its own name (or `c` for `native`,
+    /// its alias) and reads back to itself.
+    #[test]
+    fn every_preset_describes_as_its_name_and_parses_back() {
+        for name in PRESET_NAMES {
+            let p = AggregationContract::from_preset_name(name).expect("every preset name parses");
+            let d = p.describe();
+            let expected = if name == "native" { "c" } else { name };
+            assert_eq!(d, expected, "{name}");
+            assert_eq!(AggregationContract::parse(&d).ok(), Some(p), "{name}");
+        }
+    }
+
+    /// Every grammar variant, with a named and an explicit order, reads back
+    /// from its description (the bases now come from the cache).
+    #[test]
+    fn every_grammar_variant_describes_and_parses_back() {
+        for v in crate::grammar_variants() {
+            for order in [Order::Identity, Order::PermutationIndex(5)] {
+                let c = v.clone().with_order(order);
+                let d = c.describe();
+                assert_eq!(AggregationContract::parse(&d).ok(), Some(c), "{d}");
+            }
+        }
+    }
+
+    /// The cached description is the computed one, for every grammar
+    /// variant and its `operand=fma` form, with named, explicit and
+    /// identity orders, described twice (the second time from the cache).
+    #[test]
+    fn cached_descriptions_are_the_computed_ones() {
+        let orders = [
+            Order::Identity,
+            Order::PermutationIndex(17),
+            Order::BClass(3),
+            Order::parse("asc-id", false).expect("a named order"),
+        ];
+        let mut keys: std::collections::HashMap<u64, AggregationContract> = std::collections::HashMap::new();
+        for v in crate::grammar_variants() {
+            let mut fma = v.clone();
+            fma.operand = OperandPrecision::Fma;
+            for c in [v, fma] {
+                // Distinct contracts have distinct keys.
+                if let Some(other) = keys.insert(c.family_key(), c.clone()) {
+                    assert_eq!(other, c);
+                }
+                for order in &orders {
+                    let c = c.clone().with_order(order.clone());
+                    let computed = c.describe_uncached();
+                    assert_eq!(c.describe(), computed);
+                    assert_eq!(c.describe(), computed);
+                }
+            }
+        }
     }
 }

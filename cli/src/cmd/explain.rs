@@ -6,7 +6,7 @@
 //! payloads, named in the message).
 
 use crate::args::Format;
-use crate::output::{print_json, print_text};
+use crate::output::{print_json_with, print_text};
 use clap::Args;
 use moeconf_bisect::explain_trace;
 use moeconf_schema::Trace;
@@ -32,7 +32,7 @@ pub fn run(a: &ExplainArgs) -> anyhow::Result<ExitCode> {
     let t = Trace::open_verified(&a.trace)?;
     let report = explain_trace(&t, &a.trace.display().to_string())?;
     match a.format {
-        Format::Json => print_json(&report.to_json())?,
+        Format::Json => print_json_with(|w| report.write_json_pretty(w))?,
         Format::Text => print_text(&report.render_text())?,
     }
     Ok(ExitCode::SUCCESS)

@@ -206,18 +206,19 @@ impl EventExplanation {
         out
     }
 
-    pub(crate) fn permutation_of(&self, o: &Order) -> Option<Vec<usize>> {
+    /// The permutation the named order `o` gives at this event, borrowed.
+    pub(crate) fn permutation_of(&self, o: &Order) -> Option<&[usize]> {
         self.orders
             .iter()
             .find(|g| g.orders.contains(o))
-            .map(|g| g.permutation.clone())
+            .map(|g| g.permutation.as_slice())
     }
 
     /// The permutation of any order at this event (named orders as resolved
     /// here, explicit ones for this k).
     fn resolve(&self, o: &Order) -> Option<Vec<usize>> {
         if o.is_named() {
-            self.permutation_of(o)
+            self.permutation_of(o).map(<[usize]>::to_vec)
         } else {
             o.resolve(self.k).ok()
         }

@@ -66,6 +66,9 @@ pub use variants::*;
 #[allow(unused_imports)]
 use variants::*;
 
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
 use rayon::prelude::*;
 
 use crate::bf16::r_bf16;
@@ -148,17 +151,60 @@ pub(crate) struct Prepared<'a> {
     /// `exact[operand][with shared][precision]`: per-element partial-sum proofs.
     exact: [[[Vec<bool>; 3]; 2]; 2],
     canon: Option<&'a (dyn Fn(u32) -> u32 + Sync)>,
-    /// All k! permutations (when enumerated), their first-pair partner index,
-    /// and the chain operand lists per shared placement (separate, last, first).
-    perms: Option<Vec<Vec<usize>>>,
-    partner: Vec<usize>,
-    chains: [Vec<Vec<u16>>; 3],
+    /// The permutation tables of k slots, when every permutation is enumerated.
+    tables: Option<Arc<PermTables>>,
     named: Vec<(Order, Vec<usize>)>,
     facts: DataFacts,
 }
 
 pub(crate) fn shared_index(s: SharedMerge) -> usize {
     s as usize
+}
+
+/// What the sequential shape's enumeration needs for k slots and does not
+/// depend on an event's data: for each of the k! permutations (lexicographic
+/// index), its first-pair partner's index, and its chain operand lists per
+/// shared placement (separate, last, first).
+pub(crate) struct PermTables {
+    partner: Vec<usize>,
+    chains: [Vec<Vec<u16>>; 3],
+}
+
+impl PermTables {
+    /// The tables of k slots (`None` when k! cannot be enumerated).
+    fn build(k: usize) -> Option<PermTables> {
+        let perms = all_permutations(k).ok()?;
+        let partner = perms
+            .iter()
+            .map(|p| {
+                let mut q = p.clone();
+                if q.len() >= 2 {
+                    q.swap(0, 1);
+                }
+                index_of_permutation(&q).unwrap_or(0) as usize
+            })
+            .collect();
+        let chains = std::array::from_fn(|m| {
+            let shared = [SharedMerge::Separate, SharedMerge::Last, SharedMerge::First][m];
+            let mut c = AggregationContract::c();
+            c.shared = shared;
+            perms.iter().map(|p| leaves(&c, p)).collect()
+        });
+        Some(PermTables { partner, chains })
+    }
+
+    /// The tables of k slots, built once per process for k up to
+    /// [`MAX_PERMUTATION_K`] (what every event of a trace shares: building
+    /// them anew for each event was a large share of explaining a trace's
+    /// events, in allocations; k = 8 holds about 7 MB) and anew above it.
+    fn of(k: usize) -> Option<Arc<PermTables>> {
+        static CACHE: [OnceLock<Option<Arc<PermTables>>>; MAX_PERMUTATION_K + 1] =
+            [const { OnceLock::new() }; MAX_PERMUTATION_K + 1];
+        match CACHE.get(k) {
+            Some(cell) => cell.get_or_init(|| PermTables::build(k).map(Arc::new)).clone(),
+            None => PermTables::build(k).map(Arc::new),
+        }
+    }
 }
 
 impl<'a> Prepared<'a> {
@@ -205,30 +251,7 @@ impl<'a> Prepared<'a> {
         });
         let facts = Self::facts(obs, &ops, &exact);
         let max_k = opts.max_permutation_k.min(crate::MAX_ENUMERATED_K);
-        let perms = if k <= max_k {
-            all_permutations(k).ok()
-        } else {
-            None
-        };
-        let partner = perms.as_ref().map_or_else(Vec::new, |ps| {
-            ps.iter()
-                .map(|p| {
-                    let mut q = p.clone();
-                    if q.len() >= 2 {
-                        q.swap(0, 1);
-                    }
-                    index_of_permutation(&q).unwrap_or(0) as usize
-                })
-                .collect()
-        });
-        let chains = std::array::from_fn(|m| {
-            let shared = [SharedMerge::Separate, SharedMerge::Last, SharedMerge::First][m];
-            let mut c = AggregationContract::c();
-            c.shared = shared;
-            perms
-                .as_ref()
-                .map_or_else(Vec::new, |ps| ps.iter().map(|p| leaves(&c, p)).collect())
-        });
+        let tables = if k <= max_k { PermTables::of(k) } else { None };
         let ctx = EventContext {
             experts: obs.experts,
             gates: obs.gates,
@@ -244,9 +267,7 @@ impl<'a> Prepared<'a> {
             target: obs.output.iter().map(|y| y.to_bits()).collect(),
             exact,
             canon: opts.canonicalize,
-            perms,
-            partner,
-            chains,
+            tables,
             named,
             facts,
         })
@@ -288,7 +309,43 @@ pub(crate) enum Candidates {
     /// Every permutation (index = candidate), chain plans from the prepared tables.
     Permutations { symmetric: bool },
     /// One plan per distinct permutation of the named orders.
-    Plans(Vec<(Plan, Vec<usize>)>),
+    Plans(NamedPlans),
+}
+
+/// The plans of one variant's candidates and their permutations, shared by
+/// the variants that build the same ones ([`named_plans`]).
+pub(crate) type NamedPlans = Arc<[(Plan, Vec<usize>)]>;
+
+/// What a plan of a non-exact accumulator is built from besides the
+/// permutation ([`Plan::new`] reads the shape, the shared placement and the
+/// start, never the terms, accumulator or roundings).
+type PlanKey = (Shape, SharedMerge, Start);
+
+/// One plan per distinct permutation of the event's named orders, for `v`.
+fn build_named_plans(v: &AggregationContract, p: &Prepared<'_>) -> NamedPlans {
+    let mut plans: Vec<(Plan, Vec<usize>)> = Vec::new();
+    for (_, perm) in &p.named {
+        if !plans.iter().any(|(_, q)| q == perm) {
+            plans.push((Plan::new(v, perm), perm.clone()));
+        }
+    }
+    plans.into()
+}
+
+/// The named-order plans of every variant among `keys` that tries named
+/// orders, built once per [`PlanKey`]: the variants that differ only in terms,
+/// accumulator or roundings share them (building them per variant was a
+/// fifth of an event's explanation, in allocations).
+fn named_plans(keys: &[AggregationContract], p: &Prepared<'_>) -> HashMap<PlanKey, NamedPlans> {
+    let mut out = HashMap::new();
+    for v in keys {
+        let enumerated = v.shape == Shape::Sequential && p.tables.is_some();
+        if v.accumulator != Accumulator::Exact && !enumerated {
+            out.entry((v.shape, v.shared, v.start))
+                .or_insert_with(|| build_named_plans(v, p));
+        }
+    }
+    out
 }
 
 /// The outcome of one variant: the indices of the reproducing candidates.
@@ -298,29 +355,35 @@ pub(crate) struct Outcome {
     proven: bool,
 }
 
-pub(crate) fn candidates(v: &AggregationContract, p: &Prepared<'_>) -> Candidates {
+/// The candidates of `v` at the event `p`, the named-order plans taken from
+/// `named` ([`named_plans`] of the event's variants) where they are there.
+pub(crate) fn candidates(
+    v: &AggregationContract,
+    p: &Prepared<'_>,
+    named: &HashMap<PlanKey, NamedPlans>,
+) -> Candidates {
     if v.accumulator == Accumulator::Exact {
         let id: Vec<usize> = (0..p.k).collect();
-        return Candidates::Plans(vec![(Plan::new(v, &id), id)]);
+        return Candidates::Plans(Arc::from(vec![(Plan::new(v, &id), id)]));
     }
-    if v.shape == Shape::Sequential && p.perms.is_some() {
+    if v.shape == Shape::Sequential && p.tables.is_some() {
         return Candidates::Permutations {
             symmetric: first_pair_symmetric(v) && p.k >= 2,
         };
     }
-    let mut plans: Vec<(Plan, Vec<usize>)> = Vec::new();
-    for (_, perm) in &p.named {
-        if !plans.iter().any(|(_, q)| q == perm) {
-            plans.push((Plan::new(v, perm), perm.clone()));
-        }
+    match named.get(&(v.shape, v.shared, v.start)) {
+        Some(plans) => Candidates::Plans(Arc::clone(plans)),
+        None => Candidates::Plans(build_named_plans(v, p)),
     }
-    Candidates::Plans(plans)
 }
 
 /// Evaluates one variant's candidates element by element (see the module docs).
 pub(crate) fn evaluate(v: &AggregationContract, p: &Prepared<'_>, cands: &Candidates) -> Outcome {
     let zero = v.start == Start::Zero;
-    let chains = &p.chains[shared_index(v.shared)];
+    let (chains, partner): (&[Vec<u16>], &[usize]) = match p.tables.as_deref() {
+        Some(t) => (&t.chains[shared_index(v.shared)], &t.partner),
+        None => (&[], &[]),
+    };
     let plan_of = |i: usize| -> PlanRef<'_> {
         match cands {
             Candidates::Permutations { .. } => PlanRef::Chain {
@@ -332,8 +395,8 @@ pub(crate) fn evaluate(v: &AggregationContract, p: &Prepared<'_>, cands: &Candid
     };
     let (mut alive, tried): (Vec<usize>, usize) = match cands {
         Candidates::Permutations { symmetric } => {
-            let n = p.partner.len();
-            let reps = (0..n).filter(|&i| !*symmetric || p.partner[i] >= i).collect();
+            let n = partner.len();
+            let reps = (0..n).filter(|&i| !*symmetric || partner[i] >= i).collect();
             (reps, n)
         }
         Candidates::Plans(ps) => ((0..ps.len()).collect(), ps.len()),
@@ -360,7 +423,7 @@ pub(crate) fn evaluate(v: &AggregationContract, p: &Prepared<'_>, cands: &Candid
         }
     }
     if let Candidates::Permutations { symmetric: true } = cands {
-        let partners: Vec<usize> = alive.iter().map(|&i| p.partner[i]).collect();
+        let partners: Vec<usize> = alive.iter().map(|&i| partner[i]).collect();
         alive.extend(partners);
         alive.sort_unstable();
         alive.dedup();
@@ -397,24 +460,31 @@ pub fn explain_event(
     let all = variants();
     let keyed: Vec<(AggregationContract, Vec<Reason>)> =
         all.iter().map(|v| data_key(&v.family, &p.facts)).collect();
+    // The distinct keys in first-seen order, and each variant's key's place
+    // among them (a map: a search of the list per variant was quadratic).
     let mut keys: Vec<AggregationContract> = Vec::new();
-    for (k, _) in &keyed {
-        if !keys.contains(k) {
-            keys.push(k.clone());
-        }
-    }
+    let mut place: HashMap<&AggregationContract, usize> = HashMap::new();
+    let slot: Vec<usize> = keyed
+        .iter()
+        .map(|(k, _)| {
+            *place.entry(k).or_insert_with(|| {
+                keys.push(k.clone());
+                keys.len() - 1
+            })
+        })
+        .collect();
+    let named = named_plans(&keys, &p);
     let results: Vec<(Candidates, Outcome)> = keys
         .par_iter()
         .map(|v| {
-            let c = candidates(v, &p);
+            let c = candidates(v, &p, &named);
             let o = evaluate(v, &p, &c);
             (c, o)
         })
         .collect();
     let candidates_tried = results.iter().map(|(_, o)| o.tried as u64).sum();
     let mut matches = Vec::new();
-    for (v, (key, reasons)) in all.iter().zip(&keyed) {
-        let i = keys.iter().position(|k| k == key).unwrap_or(0);
+    for ((v, (key, reasons)), &i) in all.iter().zip(&keyed).zip(&slot) {
         let (cands, outcome) = &results[i];
         if outcome.alive.is_empty() {
             continue;

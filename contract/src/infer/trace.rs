@@ -110,10 +110,11 @@ impl TraceInference {
                 t.events += 1;
             }
         }
-        for (i, a) in NAMED_ORDERS.iter().enumerate() {
-            for (j, b) in NAMED_ORDERS.iter().enumerate().skip(i + 1) {
-                let pa = e.permutation_of(a);
-                if pa.is_none() || pa != e.permutation_of(b) {
+        // Each named order's permutation once (borrowed), then every pair.
+        let perms: Vec<Option<&[usize]>> = NAMED_ORDERS.iter().map(|o| e.permutation_of(o)).collect();
+        for (i, pa) in perms.iter().enumerate() {
+            for (j, pb) in perms.iter().enumerate().skip(i + 1) {
+                if pa.is_none() || pa != pb {
                     self.diverged.insert((i, j));
                 }
             }
