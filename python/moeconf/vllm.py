@@ -24,7 +24,8 @@ prompt, step s >= 1 = the decode forward of generated token g_s):
   ``ffn.`` twins: the three outputs of ``mhc_pre``), ``attn.norm`` / ``ffn.norm`` (the RMSNorm
   modules' outputs), ``attn.q`` (the query ``forward_mqa`` receives: after norm and RoPE),
   ``attn.kv_fp8`` (this position's entry as stored: decoded from the window cache after the
-  insert), ``attn.window_read`` (the window entries p-w+1..p the kernel reads, decoded),
+  insert, as the kernel reads it), ``attn.window_read`` (the window entries p-w+1..p the kernel
+  reads, decoded so),
   ``attn.core`` (``forward_mqa``'s output, before de-rotation), ``attn.output`` (the attention
   module's output), ``moe.routed`` (the routed experts' ``forward_modular`` output: the routed sum
   before the shared merge), ``moe.term.j`` (recomputed: one-slot calls of the same
@@ -712,7 +713,14 @@ FP8_DS_MLA = dict(fp8_dim=448, rope_dim=64, token_bytes=576, scale_bytes=8, quan
 
 def decode_fp8_ds_mla(block_bytes, offset, block_size):
     """The f32 values of the entry at ``offset`` of one paged block (a uint8 numpy array of the
-    block's bytes) of the ``fp8_ds_mla`` layout (:data:`FP8_DS_MLA`)."""
+    block's bytes) of the ``fp8_ds_mla`` layout (:data:`FP8_DS_MLA`), as vLLM's sparse attention, the
+    cache's only reader, reads them: ``R_BF16(EXT(code) * 2^(byte - 127))`` with a scale byte 0 read as
+    0 (``flash_mla.cpp`` @ e84937308a31 ``cvt_fp8_32_to_scaled_bf16``, ``fp8_e8m0_to_float``; the
+    profile's ``vllm::fp8_kv_round_trip``). EXT (``CVT_FP8_TO_BF16_EXT``, sgl-kernels ``vec.h``) decodes
+    every code as a normal number, ``(1 + m/8) * 2^(e - 7)``: equal to the E4M3 value except for the 16
+    codes with exponent field 0, whose zero reads as +-2^-7 and whose subnormal ``m * 2^-9`` reads as
+    ``(1 + m/8) * 2^-7``. So the records hold the window state the model computes with
+    (docs/interop-vllm.md section 7)."""
     L = FP8_DS_MLA
     tok = block_bytes[offset * L["token_bytes"]:(offset + 1) * L["token_bytes"]]
     so = block_size * L["token_bytes"] + offset * L["scale_bytes"]
@@ -723,10 +731,11 @@ def decode_fp8_ds_mla(block_bytes, offset, block_size):
     m = codes & 7
     if np.any((e == 15) & (m == 7)):
         raise VllmCaptureError("a NaN code in vLLM's FP8 window cache")
-    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7)) * sign
-    nope = v * np.repeat(2.0 ** (scales - 127).astype(np.float64), L["quant_block"])
+    v = (1 + m / 8.0) * 2.0 ** (e - 7) * sign  # EXT: every code as a normal number
+    scale = np.where(scales == 0, 0.0, 2.0 ** (scales - 127).astype(np.float64))
+    nope = _bf16((v * np.repeat(scale, L["quant_block"])).astype(np.float32))
     rope = (tok[L["fp8_dim"]:].view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.concatenate([nope.astype(np.float32), rope])
+    return np.concatenate([nope, rope])
 
 
 def _window_state(mqa, c, head_dim, view):

@@ -160,17 +160,22 @@ def test_decode_fp8_ds_mla():
     codes = np.zeros(448, np.uint8)
     codes[0] = 0x38  # e=7, m=0: 1.0
     codes[1] = 0xB9  # sign, e=7, m=1: -1.125
-    codes[64] = 0x01  # subnormal: 2^-9
+    codes[64] = 0x01  # subnormal 2^-9, which vLLM's attention reads through EXT as (1 + 1/8) 2^-7
+    codes[65] = 0x80  # -0, read as -2^-7
+    codes[128] = 0x38  # 1.0 under a scale byte 0, read as 0
     codes[447] = 0x7E  # e=15, m=6: 448
     rope = np.array([1.5, -2.0] + [0.0] * 62, np.float32)
     block[off * 576:off * 576 + 448] = codes
     block[off * 576 + 448:off * 576 + 576] = (rope.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    scales = np.array([127, 128, 126, 127, 127, 127, 120], np.uint8)
+    scales = np.array([127, 128, 0, 127, 127, 127, 120], np.uint8)
     block[bs * 576 + off * 8:bs * 576 + off * 8 + 7] = scales
     v = mv.decode_fp8_ds_mla(block, off, bs)
     assert v.dtype == np.float32 and v.shape == (512,)
-    assert v[0] == 1.0 and v[1] == -1.125 and v[64] == 2.0 ** -9 * 2 and v[447] == 448 * 2.0 ** -7
-    assert v[448] == 1.5 and v[449] == -2.0 and not v[2:64].any()
+    assert v[0] == 1.0 and v[1] == -1.125 and v[447] == 448 * 2.0 ** -7
+    # EXT (the sparse attention's decode): the exponent-0 codes as normal numbers, zero included
+    assert v[64] == 1.125 * 2.0 ** -7 * 2 and v[65] == -(2.0 ** -7) * 2 and v[66] == 2.0 ** -7 * 2
+    assert v[128] == 0.0
+    assert v[448] == 1.5 and v[449] == -2.0 and (v[2:64] == 2.0 ** -7).all()
     block[off * 576 + 5] = 0x7F  # NaN code
     with pytest.raises(mv.VllmCaptureError, match="NaN"):
         mv.decode_fp8_ds_mla(block, off, bs)
