@@ -539,3 +539,27 @@ fn the_streamed_json_report_is_the_json_value_written_pretty() {
         }
     }
 }
+
+/// A provenance note is not committed by any digest and may hold anything:
+/// a value no known form lists reaches the text report quoted and escaped
+/// (no raw control character or line break), and the streamed JSON carries
+/// it as a string that reads back unchanged.
+#[test]
+fn a_hostile_experts_note_is_quoted_in_text_and_exact_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("vllm-hostile.bin");
+    let hostile = "X\"\n\u{1b}[31m<b>\\\u{0}";
+    write_vllm(&path, VllmForm::Mxfp4, &[("vllm.moe_experts", hostile)], 4);
+    let x = explain_trace(&Trace::open(&path).unwrap(), "vllm-hostile.bin").unwrap();
+    let b = x.backend.as_ref().unwrap();
+    assert!(!b.selected);
+    assert_eq!(b.selected_by_value.as_deref(), Some(hostile));
+    let text = x.render_text();
+    let headline = text.lines().find(|l| l.starts_with("backend:")).unwrap();
+    assert!(headline.contains(&format!("{hostile:?}")), "{headline}");
+    assert!(!text.contains('\u{1b}') && !text.contains('\u{0}'), "{text}");
+    let mut out = Vec::new();
+    x.write_json_pretty(&mut out).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["backend"]["selected_by_value"], hostile);
+}
