@@ -204,11 +204,24 @@ pub(crate) fn reaches_fed_equal(from: &moeconf_fingerprint::Coord, to: &moeconf_
     if to.step <= from.step {
         return reaches(from, to);
     }
-    let (a, b) = (ExecKey::of(from), ExecKey::of(to));
-    match (a.group, b.group) {
-        (ExecGroup::StepOutput, _) | (_, ExecGroup::StepInput) => false,
-        (ExecGroup::StepInput, _) | (_, ExecGroup::StepOutput) => true,
-        (ExecGroup::Layer | ExecGroup::State, ExecGroup::Layer | ExecGroup::State) => b.layer >= a.layer,
+    let b = ExecKey::of(to);
+    match (later_floor(from), b.group) {
+        (None, _) | (_, ExecGroup::StepInput) => false,
+        (Some(_), ExecGroup::StepOutput) => true,
+        (Some(floor), ExecGroup::Layer | ExecGroup::State) => b.layer >= floor,
+    }
+}
+
+/// The lowest layer a divergence at `from` reaches in a later step fed the
+/// same tokens ([`reaches_fed_equal`]): its own for a layer or state record,
+/// 0 for the step's input (the embedding feeds every layer's state), none
+/// for a step output (it reaches later steps only through the token).
+fn later_floor(from: &moeconf_fingerprint::Coord) -> Option<u32> {
+    let a = ExecKey::of(from);
+    match a.group {
+        ExecGroup::Layer | ExecGroup::State => Some(a.layer),
+        ExecGroup::StepInput => Some(0),
+        ExecGroup::StepOutput => None,
     }
 }
 
@@ -560,16 +573,9 @@ impl Ctx<'_> {
             let below = propagating
                 .iter()
                 .filter(|c| c.step < step)
-                .filter_map(|c| {
-                    let k = ExecKey::of(c);
-                    match k.group {
-                        ExecGroup::Layer | ExecGroup::State => Some(k.layer),
-                        ExecGroup::StepInput => Some(0),
-                        ExecGroup::StepOutput => None,
-                    }
-                })
+                .filter_map(later_floor)
                 .min();
-            let recs = self.step_differences(step, below.or(propagating.first().map(|_| u32::MAX)));
+            let recs = self.step_differences(step, below);
             if out.localized.is_none() {
                 out.localized = self.localize(&recs)?;
             }
