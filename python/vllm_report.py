@@ -341,17 +341,13 @@ def print_engines(py_json, model_dir, n, trace):
 
 
 def cpu_model():
-    """The CPU's model name and the x86 features that pick vLLM-CPU's kernels (AVX-512, BF16, AMX)."""
-    try:
-        info = open("/proc/cpuinfo", encoding="utf-8").read()
-    except OSError:
-        return "unknown"
-    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
-    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-    have = set(flags.group(1).split()) if flags else set()
-    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
-    return f"{name.group(1).strip() if name else 'unknown'} ({os.cpu_count()} cores; {' '.join(feats) or 'no AVX2'})"
+    """The CPU's model name and the x86 features that pick vLLM-CPU's kernels (AVX-512, BF16, AMX):
+    :func:`moeconf.vllm.cpu_features`, as the captures record it."""
+    from moeconf.vllm import cpu_features
 
+    name, have = cpu_features()
+    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have]
+    return f"{name} ({os.cpu_count()} cores; {' '.join(feats) or 'no AVX2'})"
 
 if __name__ == "__main__":
     main()

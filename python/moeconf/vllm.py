@@ -1198,8 +1198,8 @@ def traced_output(outs, traced_prefix, max_new_tokens):
 
 
 def cpu_features(cpuinfo="/proc/cpuinfo"):
-    """The CPU's model name and the subset of ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_tile`` it
-    lists (Linux ``/proc/cpuinfo``; ``("unknown", frozenset())`` where it cannot be read). vLLM-CPU
+    """The CPU's model name and the subset of ``avx2``, ``avx512f``, ``avx512_bf16``, ``amx_bf16``,
+    ``amx_tile`` it lists (Linux ``/proc/cpuinfo``; ``("unknown", frozenset())`` where it cannot be read). vLLM-CPU
     0.32.0 loads ``vllm._C`` (the sgl kernels) with AVX-512 BF16, and uses AMX tiles, where present, for
     its FP8 GEMMs, the BF16 experts (``X86CPUUnquantizedExperts``, ISA ``amx``) and oneDNN's brgemm."""
     try:
@@ -1214,7 +1214,7 @@ def cpu_features(cpuinfo="/proc/cpuinfo"):
             name = value.strip() or "unknown"
         elif key.strip() == "flags" and not flags:
             flags = set(value.split())
-    return name, frozenset(flags & {"avx2", "avx512f", "avx512_bf16", "amx_tile"})
+    return name, frozenset(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 
 
 def cpu_refusal(message, features=None):
