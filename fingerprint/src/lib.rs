@@ -35,6 +35,7 @@ pub mod group_pages;
 pub mod incremental;
 mod lanes;
 mod record;
+pub mod streaming;
 mod tree;
 pub mod wire;
 

@@ -2,7 +2,9 @@
 //! and writing records overlap the forward pass instead of lengthening it.
 //!
 //! The runtime's thread copies each record (coordinate, level, dtype, shape
-//! and bytes) into a batch and hands full batches to the writer thread over
+//! and bytes; the bytes with non-temporal stores, which keep them out of
+//! its caches: the writer reads them next, the forward never) into a batch
+//! and hands full batches to the writer thread over
 //! a bounded channel; the writer thread appends each batch with
 //! [`TraceWriter::append_batch`] (which writes what `append` would, record
 //! by record, but digests the batch's short records together). The channel
@@ -26,6 +28,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use moeconf_fingerprint::incremental::{finish_pending, PendingRoot};
 use moeconf_fingerprint::{Coord, DType, Digest, Level, Phase, RecordPath, TensorView};
 use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 
@@ -81,9 +84,20 @@ struct Item {
     shape: (usize, usize),
     bytes: (usize, usize),
     keep: bool,
-    /// A digest computed on the runtime's side (a fingerprint-only record of
-    /// growing state, [`CaptureThread::append_fingerprint`]): no bytes.
-    digest: Option<Digest>,
+    digest: ItemDigest,
+}
+
+/// How an item's record digest is had.
+enum ItemDigest {
+    /// From its bytes (`Item::bytes`), by the writer.
+    Bytes,
+    /// Computed on the runtime's side (a fingerprint-only record of growing
+    /// state, [`CaptureThread::append_fingerprint`]).
+    Done(Digest),
+    /// The runtime's side did all but the header's part
+    /// ([`CaptureThread::append_pending`]): the first chunk is `Item::bytes`,
+    /// its siblings a range of the batch's `cvs`.
+    Pending { cvs: (usize, usize) },
 }
 
 /// Records in emission order and the buffers their shapes and bytes live
@@ -94,6 +108,8 @@ struct Batch {
     items: Vec<Item>,
     shapes: Vec<u64>,
     data: Vec<u8>,
+    /// Chaining values of pending digests.
+    cvs: Vec<[u8; 32]>,
 }
 
 impl Batch {
@@ -105,6 +121,7 @@ impl Batch {
             items: Vec::with_capacity(BATCH_RECORDS),
             shapes: Vec::with_capacity(2 * BATCH_RECORDS),
             data: Vec::with_capacity(DATA_CAPACITY),
+            cvs: Vec::new(),
         }
     }
 
@@ -114,6 +131,7 @@ impl Batch {
         self.items.clear();
         self.shapes.clear();
         self.data.clear();
+        self.cvs.clear();
         if self.data.capacity() > DATA_CAPACITY {
             self.data.shrink_to(DATA_CAPACITY);
         }
@@ -124,7 +142,10 @@ impl Batch {
         self.shapes.extend_from_slice(tensor.shape);
         let b0 = self.data.len().next_multiple_of(ALIGN);
         self.data.resize(b0, 0);
-        self.data.extend_from_slice(tensor.bytes);
+        // Non-temporal: the writer thread reads these bytes next, and kept
+        // in this core's caches they only evict the forward's weights and
+        // state (docs/performance.md, "Long context").
+        moeconf_fingerprint::streaming::extend_streaming(&mut self.data, tensor.bytes);
         self.items.push(Item {
             step: coord.step,
             position: coord.position,
@@ -136,7 +157,7 @@ impl Batch {
             shape: (s0, self.shapes.len()),
             bytes: (b0, self.data.len()),
             keep,
-            digest: None,
+            digest: ItemDigest::Bytes,
         });
     }
 
@@ -156,7 +177,40 @@ impl Batch {
             shape: (s0, self.shapes.len()),
             bytes: (b0, b0),
             keep: false,
-            digest: Some(digest),
+            digest: ItemDigest::Done(digest),
+        });
+    }
+
+    /// A fingerprint-only record whose digest the writer finishes: its
+    /// shape, the first chunk of its preimage and the values to merge it with.
+    fn push_pending(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: DType,
+        shape: &[u64],
+        pending: &PendingRoot,
+    ) {
+        let s0 = self.shapes.len();
+        self.shapes.extend_from_slice(shape);
+        let b0 = self.data.len();
+        self.data.extend_from_slice(&pending.first_chunk);
+        let c0 = self.cvs.len();
+        self.cvs.extend_from_slice(&pending.siblings);
+        self.items.push(Item {
+            step: coord.step,
+            position: coord.position,
+            phase: coord.phase,
+            layer: coord.layer,
+            path: coord.path,
+            level,
+            dtype,
+            shape: (s0, self.shapes.len()),
+            bytes: (b0, self.data.len()),
+            keep: false,
+            digest: ItemDigest::Pending {
+                cvs: (c0, self.cvs.len()),
+            },
         });
     }
 
@@ -301,6 +355,31 @@ impl CaptureThread {
         Ok(())
     }
 
+    /// Queues a fingerprint-only record whose digest the writer thread
+    /// finishes ([`moeconf_fingerprint::incremental::PendingRoot`]: about a
+    /// KiB of header and bytes, a few chaining values), in order with the
+    /// other records.
+    pub fn append_pending(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: DType,
+        shape: &[u64],
+        pending: &PendingRoot,
+    ) -> Result<(), String> {
+        if let Some(m) = self.failed() {
+            return Err(m);
+        }
+        if self.batch.would_grow(pending.first_chunk.len()) {
+            self.hand_over()?;
+        }
+        self.batch.push_pending(coord, level, dtype, shape, pending);
+        if self.batch.full() {
+            self.hand_over()?;
+        }
+        Ok(())
+    }
+
     /// Sends the current batch to the writer thread and continues in a
     /// batch the writer has emptied, or a new one while fewer than [`POOL`]
     /// exist, or else waits for the writer to empty one.
@@ -326,6 +405,8 @@ impl CaptureThread {
     /// Sends the current batch to the writer thread, leaving an empty,
     /// unallocated one in its place.
     fn send_current(&mut self) -> Result<(), String> {
+        // The batch's non-temporal stores are ordered before the hand-over.
+        moeconf_fingerprint::streaming::fence();
         let full = std::mem::take(&mut self.batch);
         let sent = self.tx.as_ref().map(|tx| tx.send(full).is_ok()).unwrap_or(false);
         if sent {
@@ -435,7 +516,15 @@ fn append_items(writer: &mut TraceWriter, batch: &Batch) -> Result<(), TraceErro
     let mut run: Vec<BatchRecord<'_>> = Vec::new();
     for item in &batch.items {
         let shape = &batch.shapes[item.shape.0..item.shape.1];
-        match item.digest {
+        let bytes = &batch.data[item.bytes.0..item.bytes.1];
+        let digest = match item.digest {
+            ItemDigest::Bytes => None,
+            ItemDigest::Done(d) => Some(d),
+            ItemDigest::Pending { cvs: (c0, c1) } => {
+                Some(Digest(*finish_pending(bytes, &batch.cvs[c0..c1]).as_bytes()))
+            }
+        };
+        match digest {
             Some(d) => {
                 writer.append_batch(std::mem::take(&mut run))?;
                 writer.append_fingerprint(coord(item), item.level, item.dtype, shape, d)?;
@@ -446,7 +535,7 @@ fn append_items(writer: &mut TraceWriter, batch: &Batch) -> Result<(), TraceErro
                 tensor: TensorView {
                     dtype: item.dtype,
                     shape,
-                    bytes: &batch.data[item.bytes.0..item.bytes.1],
+                    bytes,
                 },
                 keep_payload: item.keep,
             }),

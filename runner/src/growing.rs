@@ -15,7 +15,7 @@
 //! before then is not seen: the digests of the steps in between commit to
 //! the bytes before it (docs/format.md §4.5; payload capture hashes whole).
 
-use moeconf_fingerprint::incremental::{IncrementalBlake3, DEFAULT_BLOCK};
+use moeconf_fingerprint::incremental::{Digested, IncrementalBlake3, PendingRoot, DEFAULT_BLOCK};
 use moeconf_fingerprint::{
     catalogue::Component, is_canonical, record_prefix, surely_canonical, Algorithm, CanonPolicy, Coord,
     Digest, Level, RecordPath, TensorView,
@@ -106,7 +106,23 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
     ) -> Result<Option<Digest>, CaptureError> {
-        self.digest_with(coord, level, tensor, None)
+        Ok(self
+            .digest_with(coord, level, tensor, None, false)?
+            .map(|d| d.finish()))
+    }
+
+    /// [`GrowingDigests::digest`] (`kept`: [`GrowingDigests::digest_grown`])
+    /// leaving the part that changes at every digest, the record header's
+    /// chunk and its path to the root, to whoever finishes the
+    /// [`GrowingDigest`] (the trace writer's thread).
+    pub fn digest_pending(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<Option<GrowingDigest>, CaptureError> {
+        self.digest_with(coord, level, tensor, kept, true)
     }
 
     /// [`GrowingDigests::digest`] of a record whose first `kept` bytes are
@@ -122,7 +138,9 @@ impl GrowingDigests {
         tensor: TensorView<'_>,
         kept: usize,
     ) -> Result<Option<Digest>, CaptureError> {
-        self.digest_with(coord, level, tensor, Some(kept))
+        Ok(self
+            .digest_with(coord, level, tensor, Some(kept), false)?
+            .map(|d| d.finish()))
     }
 
     fn digest_with(
@@ -131,7 +149,8 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
         kept: Option<usize>,
-    ) -> Result<Option<Digest>, CaptureError> {
+        pending: bool,
+    ) -> Result<Option<GrowingDigest>, CaptureError> {
         if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
             return Ok(None);
         }
@@ -167,7 +186,10 @@ impl GrowingDigests {
             len: 0,
             calls: stagger,
         });
-        let root = g.hasher.digest_stream(&prefix, data, &rewritten);
+        let root = match pending {
+            true => g.hasher.digest_stream_pending(&prefix, data, &rewritten),
+            false => Digested::Done(g.hasher.digest_stream(&prefix, data, &rewritten)),
+        };
         self.hashed += g.hasher.last_hashed() as u64;
         g.len = data.len();
         let checked = if coord.step >= self.last_step {
@@ -191,7 +213,28 @@ impl GrowingDigests {
             )));
         }
         self.records += 1;
-        Ok(Some(Digest(*root.as_bytes())))
+        Ok(Some(match root {
+            Digested::Done(h) => GrowingDigest::Done(Digest(*h.as_bytes())),
+            Digested::Pending(p) => GrowingDigest::Pending(p),
+        }))
+    }
+}
+
+/// A growing record's digest, or all of it but the header's part
+/// ([`GrowingDigests::digest_pending`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrowingDigest {
+    Done(Digest),
+    Pending(PendingRoot),
+}
+
+impl GrowingDigest {
+    /// The record digest (finishing a pending one here).
+    pub fn finish(&self) -> Digest {
+        match self {
+            GrowingDigest::Done(d) => *d,
+            GrowingDigest::Pending(p) => Digest(*p.finish().as_bytes()),
+        }
     }
 }
 

@@ -321,19 +321,20 @@ impl TraceSink {
     ) -> Result<(), CaptureError> {
         let keep = self.spec.keeps_payload(level) || tensor.bytes.len() <= SMALL_RECORD_BYTES;
         if !keep {
-            let digest = match kept {
-                Some(k) => self.growing.digest_grown(&coord, level, tensor, k)?,
-                None => self.growing.digest(&coord, level, tensor)?,
-            };
-            if let Some(d) = digest {
-                return match &mut self.out {
-                    SinkWriter::Here(w) => w
-                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
+            // With a writer thread, the header's part of a growing digest
+            // (which changes at every step) is finished there.
+            if let Some(d) = self.growing.digest_pending(&coord, level, tensor, kept)? {
+                return match (&mut self.out, d) {
+                    (SinkWriter::Thread(t), growing::GrowingDigest::Pending(p)) => t
+                        .append_pending(coord, level, tensor.dtype, tensor.shape, &p)
+                        .map_err(CaptureError::new),
+                    (SinkWriter::Thread(t), d) => t
+                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d.finish())
+                        .map_err(CaptureError::new),
+                    (SinkWriter::Here(w), d) => w
+                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d.finish())
                         .map(|_| ())
                         .map_err(|e| CaptureError::new(moeconf_output::error_chain(&e))),
-                    SinkWriter::Thread(t) => t
-                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
-                        .map_err(CaptureError::new),
                 };
             }
         }
