@@ -9,8 +9,16 @@
 //! the bytes each decode step adds to the trace (from the file's own step
 //! blocks), the bytes of growing state hashed per decode step, and memory.
 //! Nothing here is asserted: it is measured and printed.
+//!
+//! Each run may be a process of its own ([`ContextBenchOptions::exe`], what
+//! `moeconf bench` does): on the 2-vCPU machines we measure on, one process
+//! keeps the cost it drew for the whole invocation (two invocations of the
+//! same build gave 1.09 and 1.23 at 4,096 tokens; the writer's batches and
+//! the forward's buffers land in the caches differently per process), so
+//! pairs within one process sample one draw; fresh processes sample them all,
+//! as users' runs do.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use moeconf_contract::NativeCombine;
@@ -40,6 +48,25 @@ pub struct ContextBenchOptions {
     pub repeat: u32,
     /// Prefill in chunks of this many tokens (`None`: the whole prompt at once).
     pub prefill_chunk: Option<u32>,
+    /// Runs each measured run in a new process of this executable (`moeconf
+    /// bench runtime --context-child`, [`one_run`]); `None`: in this process.
+    pub exe: Option<PathBuf>,
+}
+
+/// What one measured run (prefill and decode, captured or not) took: the
+/// line a `--context-child` process prints.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct OneRun {
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    /// The median decode step's seconds.
+    pub median_step_seconds: f64,
+    /// Growing-state records digested incrementally and the bytes hashed for
+    /// them (captured runs).
+    pub growing_records: u64,
+    pub growing_hashed_bytes: u64,
+    /// Peak resident memory of the process that ran it.
+    pub peak_rss_bytes: Option<u64>,
 }
 
 /// What one context length measured.
@@ -167,13 +194,6 @@ pub fn bench_context(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<ContextRow>, RunError> {
     let model = Model::load(dir)?;
-    let vocab = model.config().vocab_size as u32;
-    let step = StepOptions {
-        precision: Precision::Bf16,
-        combine: &NativeCombine,
-        detokenizer: None,
-        allow_non_finite: false,
-    };
     let path = scratch.join("bench-context.bin");
     // Every context must fit before any runs (the default capture's estimate).
     let spec = parse_capture(BenchCapture::Default.name())?;
@@ -189,54 +209,52 @@ pub fn bench_context(
             new,
         )?;
     }
+    drop(model);
     let mut rows = Vec::new();
     for &n in &opts.contexts {
-        let prompt = prompt_of(n, vocab);
         let mut best = [[0.0f64; 2]; 2];
         let (mut prefill_cost, mut decode_cost, mut decode_phase_cost) = (Vec::new(), Vec::new(), Vec::new());
-        let mut last = None;
+        let (mut last, mut peak_rss) = (None, None);
         for r in 0..opts.repeat {
-            progress(&format!(
-                "context {n}: pair {}/{}: without capture ...",
-                r + 1,
-                opts.repeat
-            ));
-            let (none, none_step) = timed(
-                &model,
-                &prompt,
-                opts.decode_tokens,
-                &step,
-                opts.prefill_chunk,
-                &mut NullSink,
-            )?;
-            progress(&format!(
-                "context {n}: pair {}/{}: with the default capture ...",
-                r + 1,
-                opts.repeat
-            ));
-            let spec = parse_capture(BenchCapture::Default.name())?;
-            let mut header = Header::default();
-            header.binding.decoding.max_new_tokens = opts.decode_tokens.saturating_add(1);
-            let w = TraceWriter::create(&path, Algorithm::Blake3, header)?;
-            let mut sink = TraceSink::new(w, spec).for_model(&model);
-            let (with, with_step) = timed(
-                &model,
-                &prompt,
-                opts.decode_tokens,
-                &step,
-                opts.prefill_chunk,
-                &mut sink,
-            )?;
-            let growing = (sink.growing_records(), sink.growing_hashed_bytes());
-            sink.finish()?;
+            let mut pair = [None; 2];
+            for (i, capture) in [BenchCapture::None, BenchCapture::Default]
+                .into_iter()
+                .enumerate()
+            {
+                progress(&format!(
+                    "context {n}: pair {}/{}: {} ...",
+                    r + 1,
+                    opts.repeat,
+                    match capture {
+                        BenchCapture::None => "without capture",
+                        BenchCapture::Default => "with the default capture",
+                    }
+                ));
+                let run = match &opts.exe {
+                    Some(exe) => child_run(exe, n, opts, capture, &path)?,
+                    None => one_run(dir, n, opts.decode_tokens, opts.prefill_chunk, capture, &path)?,
+                };
+                peak_rss = peak_rss.max(run.peak_rss_bytes);
+                pair[i] = Some(run);
+            }
+            let [Some(none), Some(with)] = pair else {
+                continue;
+            };
+            let phases = |o: &OneRun| {
+                [
+                    n as f64 / o.prefill_seconds.max(1e-12),
+                    f64::from(opts.decode_tokens) / o.decode_seconds.max(1e-12),
+                ]
+            };
             for (i, t) in [none, with].iter().enumerate() {
-                best[0][i] = best[0][i].max(t.prefill_tokens_per_second());
-                best[1][i] = best[1][i].max(t.decode_tokens_per_second());
+                let [p, d] = phases(t);
+                best[0][i] = best[0][i].max(p);
+                best[1][i] = best[1][i].max(d);
             }
             prefill_cost.push(with.prefill_seconds / none.prefill_seconds.max(1e-12));
-            decode_cost.push(with_step / none_step.max(1e-12));
+            decode_cost.push(with.median_step_seconds / none.median_step_seconds.max(1e-12));
             decode_phase_cost.push(with.decode_seconds / none.decode_seconds.max(1e-12));
-            last = Some(growing);
+            last = Some((with.growing_records, with.growing_hashed_bytes));
         }
         let bytes = trace_bytes(&path)?;
         let _ = std::fs::remove_file(&path);
@@ -260,10 +278,99 @@ pub fn bench_context(
             trace_bytes: bytes.total,
             growing_records,
             growing_hashed_per_step: hashed as f64 / f64::from(opts.decode_tokens.saturating_add(1)),
-            peak_rss: measure::peak_rss_bytes(),
+            peak_rss,
         });
     }
     Ok(rows)
+}
+
+/// One measured run at context `n` in this process: the fixture in `dir`
+/// loaded, a prompt of `n` tokens prefilled and `decode` steps decoded,
+/// without capture or with the default capture into `trace` (finished, so
+/// that its step blocks can be read).
+pub fn one_run(
+    dir: &Path,
+    n: u32,
+    decode: u32,
+    prefill_chunk: Option<u32>,
+    capture: BenchCapture,
+    trace: &Path,
+) -> Result<OneRun, RunError> {
+    let model = Model::load(dir)?;
+    let prompt = prompt_of(n, model.config().vocab_size as u32);
+    let step = StepOptions {
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+        allow_non_finite: false,
+    };
+    let (t, median, growing) = match capture {
+        BenchCapture::None => {
+            let (t, m) = timed(&model, &prompt, decode, &step, prefill_chunk, &mut NullSink)?;
+            (t, m, (0, 0))
+        }
+        BenchCapture::Default => {
+            let mut header = Header::default();
+            header.binding.decoding.max_new_tokens = decode.saturating_add(1);
+            let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
+            let spec = parse_capture(BenchCapture::Default.name())?;
+            let mut sink = TraceSink::new(w, spec).for_model(&model);
+            let (t, m) = timed(&model, &prompt, decode, &step, prefill_chunk, &mut sink)?;
+            let growing = (sink.growing_records(), sink.growing_hashed_bytes());
+            sink.finish()?;
+            (t, m, growing)
+        }
+    };
+    Ok(OneRun {
+        prefill_seconds: t.prefill_seconds,
+        decode_seconds: t.decode_seconds,
+        median_step_seconds: median,
+        growing_records: growing.0,
+        growing_hashed_bytes: growing.1,
+        peak_rss_bytes: measure::peak_rss_bytes(),
+    })
+}
+
+/// [`one_run`] in a new process: `exe bench runtime --context-child N
+/// --child-capture C --child-trace PATH ...`, which prints the run as one
+/// JSON line.
+fn child_run(
+    exe: &Path,
+    n: u32,
+    opts: &ContextBenchOptions,
+    capture: BenchCapture,
+    trace: &Path,
+) -> Result<OneRun, RunError> {
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["bench", "runtime", "--context-child"])
+        .arg(n.to_string())
+        .args(["--child-capture", capture.name(), "--decode-tokens"])
+        .arg(opts.decode_tokens.to_string())
+        .arg("--child-trace")
+        .arg(trace);
+    if let Some(c) = opts.prefill_chunk {
+        cmd.arg("--prefill-chunk").arg(c.to_string());
+    }
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| RunError::Invalid(format!("starting {}: {e}", exe.display())))?;
+    if !out.status.success() {
+        return Err(RunError::Invalid(format!(
+            "the run at context {n} ({} capture) in a child process of {} failed ({})",
+            capture.name(),
+            exe.display(),
+            out.status
+        )));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).map_err(|e| {
+        RunError::Invalid(format!(
+            "the run at context {n} in a child process of {} printed no run ({e}): {:?}",
+            exe.display(),
+            line.chars().take(200).collect::<String>()
+        ))
+    })
 }
 
 fn mib(b: u64) -> String {
@@ -278,11 +385,12 @@ fn median_text(q: Option<[f64; 3]>) -> String {
 pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> String {
     let mut t = format!(
         "long-context capture cost (builtin:tiny-v4, bf16, runtime threads: {}, {} decode steps after a prefill of \
-         the context, {} alternated pairs{}; cost = seconds with the default capture / seconds without, \
+         the context, {} alternated pairs{}{}; cost = seconds with the default capture / seconds without, \
          per pair, median (quartiles), for decode of the median step; target <= {TARGET_COST:.2}x)\n",
         rayon::current_num_threads(),
         opts.decode_tokens,
         opts.repeat,
+        if opts.exe.is_some() { ", each run a process of its own" } else { "" },
         opts.prefill_chunk
             .map_or(String::new(), |c| format!(", prefill in chunks of {c}")),
     );

@@ -332,6 +332,20 @@ pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchRepor
     })
 }
 
+/// One run of `bench runtime --context` in this process
+/// ([`context::one_run`], the child process of each measured run).
+pub fn context_child(
+    n: u32,
+    decode_tokens: u32,
+    prefill_chunk: Option<u32>,
+    capture: runtime::BenchCapture,
+    trace: &std::path::Path,
+) -> Result<context::OneRun, BenchError> {
+    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
+    context::one_run(&tiny, n, decode_tokens, prefill_chunk, capture, trace)
+        .map_err(step("bench runtime --context-child"))
+}
+
 /// `bench runtime --real-width`: decode of a generated checkpoint of
 /// V4-Flash's per-layer dimensions (`layers` layers) against the memory
 /// bandwidth bound, all measured in one run; the checkpoint is generated

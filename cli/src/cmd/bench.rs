@@ -151,7 +151,8 @@ pub struct BenchRuntimeArgs {
     /// Instead of the throughput table: at each of these context lengths (comma-separated
     /// prompt lengths in tokens, e.g. 264,4096,32768), prefill the fixture and decode
     /// --decode-tokens steps (default 64), alternately without capture and with the default
-    /// capture, and report the paired cost ratio of each phase, tokens/s, the bytes each
+    /// capture (each run a process of its own, as users' runs are: one process keeps the cost
+    /// it drew), and report the paired cost ratio of each phase, tokens/s, the bytes each
     /// decode step adds to the trace, and peak memory. A 32,768-token context writes a trace
     /// of about 5 GB to the system's temporary directory per captured run (replaced, then
     /// removed) and takes minutes per pair.
@@ -168,6 +169,18 @@ pub struct BenchRuntimeArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
+    /// Internal: one measured run of --context at this length in this process, printed as one
+    /// JSON line (each run of `--context` is a process of its own).
+    #[arg(long, hide = true, conflicts_with_all = ["context", "real_width", "large", "quantized"],
+          requires_all = ["child_capture", "child_trace"],
+          value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    pub context_child: Option<u32>,
+    /// Internal, with --context-child: `none` or `default`.
+    #[arg(long, hide = true, requires = "context_child", value_parser = ["none", "default"])]
+    pub child_capture: Option<String>,
+    /// Internal, with --context-child: the trace of a captured run.
+    #[arg(long, hide = true, requires = "context_child")]
+    pub child_trace: Option<PathBuf>,
 }
 
 /// `moeconf bench diff`.
@@ -288,12 +301,23 @@ fn runtime(a: &BenchRuntimeArgs) -> anyhow::Result<ExitCode> {
         let r = moeconf_bench::real_width(a.layers as usize, shrink, tokens, a.repeat, a.dir.as_ref())?;
         return print(r, a.format);
     }
+    if let (Some(n), Some(capture), Some(trace)) = (a.context_child, &a.child_capture, &a.child_trace) {
+        let capture = match capture.as_str() {
+            "default" => moeconf_bench::runtime::BenchCapture::Default,
+            _ => moeconf_bench::runtime::BenchCapture::None,
+        };
+        let run =
+            moeconf_bench::context_child(n, a.decode_tokens.unwrap_or(64), a.prefill_chunk, capture, trace)?;
+        println!("{}", serde_json::to_string(&run)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     if !a.context.is_empty() {
         let opts = moeconf_bench::context::ContextBenchOptions {
             contexts: a.context.clone(),
             decode_tokens: a.decode_tokens.unwrap_or(64),
             repeat: a.repeat,
             prefill_chunk: a.prefill_chunk,
+            exe: Some(std::env::current_exe()?),
         };
         return print(moeconf_bench::runtime_context(&opts)?, a.format);
     }
