@@ -146,6 +146,36 @@ fn bench_runtime_context_reports_cost_bytes_per_step_and_memory() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// Each measured run of `bench runtime --context` is a child process: the
+/// hidden `--context-child` mode runs one and prints it as one JSON line; a
+/// captured run leaves a finished trace. Without its companions it is refused.
+#[test]
+fn a_context_child_run_prints_its_timings_and_finishes_its_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("child.bin");
+    let o = moeconf(&[
+        "bench",
+        "runtime",
+        "--context-child",
+        "40",
+        "--child-capture",
+        "default",
+        "--child-trace",
+        s(&trace),
+        "--decode-tokens",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    for k in ["prefill_seconds", "decode_seconds", "median_step_seconds"] {
+        assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
+    }
+    let o = moeconf(&["inspect", s(&trace)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = moeconf(&["bench", "runtime", "--context-child", "40"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
 /// A trace that clearly won't fit the output's free space is refused before
 /// the run (exit 2, naming the estimate, the free space, the output and what
 /// lowers it; nothing written); one that fits runs, and a smaller capture
