@@ -921,7 +921,10 @@ mod tests {
         data[at] ^= 0x10;
         d.digest_stream(&prefix, &data, &[]);
         data[at] ^= 0x10;
-        let rewritten = [std::ops::Range { start: at, end: at + 1 }];
+        let rewritten = [std::ops::Range {
+            start: at,
+            end: at + 1,
+        }];
         assert_eq!(
             d.digest_stream(&[3u8; 96], &data, &rewritten),
             blake3::hash(&[&[3u8; 96][..], &data[..]].concat())
