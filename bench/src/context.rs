@@ -297,6 +297,17 @@ pub fn one_run(
     trace: &Path,
 ) -> Result<OneRun, RunError> {
     let model = Model::load(dir)?;
+    // Refused before it runs, as the parent refuses the whole benchmark.
+    let (tokens, new) = (u64::from(n), u64::from(decode) + 1);
+    let spec = parse_capture(BenchCapture::Default.name())?;
+    let estimate = limits::estimate_memory(model.config(), tokens, new, spec, prefill_chunk.map(u64::from));
+    limits::check_memory_for(
+        limits::Sizing::BenchContext,
+        &estimate,
+        limits::available_memory(),
+        tokens,
+        new,
+    )?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
     let step = StepOptions {
         precision: Precision::Bf16,
