@@ -470,7 +470,7 @@ fn step_groups(capture: CaptureSpec, layers: f64) -> f64 {
 /// from the catalogue's records and their shapes (docs/format.md §6) and
 /// the format's per-record, per-group and per-step bytes. Records whose
 /// size depends on the context (persistent state, the attention's reads,
-/// the continuation) are evaluated at [`TRACE_SAMPLES`] points and
+/// the continuation) are evaluated at `TRACE_SAMPLES` points and
 /// interpolated.
 pub fn estimate_trace(
     cfg: &ModelConfig,
