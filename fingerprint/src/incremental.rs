@@ -221,26 +221,16 @@ impl IncrementalBlake3 {
         } else {
             HashMap::new()
         };
-        let mut cvs = Vec::with_capacity(len.div_ceil(CHUNK_LEN));
-        for c in 0..len.div_ceil(CHUNK_LEN) {
-            let cs = start + c * CHUNK_LEN;
-            let ce = (cs + CHUNK_LEN).min(end);
-            let reusable = same
-                && ce - cs == CHUNK_LEN
-                && (c + 1) * CHUNK_LEN <= cache.len
-                && c < cache.cvs.len()
-                && changed.iter().all(|r| r.end <= cs || ce <= r.start);
-            if reusable {
-                cvs.push(cache.cvs[c]);
-            } else {
-                let mut h = Hasher::new();
-                h.set_input_offset(cs as u64);
-                s.feed(&mut h, cs..ce);
-                cvs.push(h.finalize_non_root());
-                *last_hashed += ce - cs;
-                merged.retain(|&(first, n), _| c < first || first + n <= c);
-            }
-        }
+        let cvs = Self::chunk_values(
+            s,
+            start,
+            end,
+            0,
+            same.then_some(&*cache),
+            changed,
+            &mut merged,
+            last_hashed,
+        );
         let cv = merge_chunks_memo(&cvs, 0, len, &mut merged);
         *cache = BlockChunks {
             block: Some(i),
@@ -250,6 +240,48 @@ impl IncrementalBlake3 {
             merged,
         };
         cv
+    }
+
+    /// The chunk values of the block of bytes `start..end` of the stream:
+    /// those of `cached` (the same block's, as last hashed) that were
+    /// complete, are complete now and meet none of the `changed` ranges, the
+    /// others hashed (adding to `last_hashed`, and dropping from `merged`
+    /// every subtree holding them). The first `skip` chunks are left zero.
+    #[allow(clippy::too_many_arguments)]
+    fn chunk_values(
+        s: Stream<'_>,
+        start: usize,
+        end: usize,
+        skip: usize,
+        cached: Option<&BlockChunks>,
+        changed: &[Range<usize>],
+        merged: &mut HashMap<(usize, usize), [u8; 32]>,
+        last_hashed: &mut usize,
+    ) -> Vec<[u8; 32]> {
+        let chunks = (end - start).div_ceil(CHUNK_LEN);
+        let mut cvs = vec![[0; 32]; skip.min(chunks)];
+        for c in skip..chunks {
+            let cs = start + c * CHUNK_LEN;
+            let ce = (cs + CHUNK_LEN).min(end);
+            let reuse = cached.filter(|cache| {
+                ce - cs == CHUNK_LEN
+                    && (c + 1) * CHUNK_LEN <= cache.len
+                    && c < cache.cvs.len()
+                    && changed.iter().all(|r| r.end <= cs || ce <= r.start)
+            });
+            match reuse {
+                Some(cache) => cvs.push(cache.cvs[c]),
+                None => {
+                    let mut h = Hasher::new();
+                    h.set_input_offset(cs as u64);
+                    s.feed(&mut h, cs..ce);
+                    cvs.push(h.finalize_non_root());
+                    *last_hashed += ce - cs;
+                    merged.retain(|&(first, n), _| c < first || first + n <= c);
+                }
+            }
+        }
+        cvs
     }
 
     /// `blake3::hash(data)`, re-hashing only the blocks that differ from the
@@ -396,27 +428,16 @@ impl IncrementalBlake3 {
             HashMap::new()
         };
         merged.retain(|&(first, _), _| first != 0);
-        let mut cvs = Vec::with_capacity(len.div_ceil(CHUNK_LEN));
-        cvs.push([0; 32]);
-        for c in 1..len.div_ceil(CHUNK_LEN) {
-            let cs = c * CHUNK_LEN;
-            let ce = (cs + CHUNK_LEN).min(len);
-            let reusable = same
-                && ce - cs == CHUNK_LEN
-                && (c + 1) * CHUNK_LEN <= cache.len
-                && c < cache.cvs.len()
-                && changed.iter().all(|r| r.end <= cs || ce <= r.start);
-            if reusable {
-                cvs.push(cache.cvs[c]);
-            } else {
-                let mut h = Hasher::new();
-                h.set_input_offset(cs as u64);
-                s.feed(&mut h, cs..ce);
-                cvs.push(h.finalize_non_root());
-                *last_hashed += ce - cs;
-                merged.retain(|&(first, n), _| c < first || first + n <= c);
-            }
-        }
+        let cvs = Self::chunk_values(
+            s,
+            0,
+            len,
+            1,
+            same.then_some(&*cache),
+            changed,
+            &mut merged,
+            last_hashed,
+        );
         *cache = BlockChunks {
             block: Some(0),
             len,

@@ -138,47 +138,36 @@ impl Batch {
     }
 
     fn push(&mut self, coord: Coord, level: Level, tensor: TensorView<'_>, keep: bool) {
-        let s0 = self.shapes.len();
-        self.shapes.extend_from_slice(tensor.shape);
         let b0 = self.data.len().next_multiple_of(ALIGN);
         self.data.resize(b0, 0);
         // Non-temporal: the writer thread reads these bytes next, and kept
         // in this core's caches they only evict the forward's weights and
         // state (docs/performance.md, "Long context").
         moeconf_fingerprint::streaming::extend_streaming(&mut self.data, tensor.bytes);
-        self.items.push(Item {
-            step: coord.step,
-            position: coord.position,
-            phase: coord.phase,
-            layer: coord.layer,
-            path: coord.path,
+        let bytes = (b0, self.data.len());
+        self.push_item(
+            coord,
             level,
-            dtype: tensor.dtype,
-            shape: (s0, self.shapes.len()),
-            bytes: (b0, self.data.len()),
+            tensor.dtype,
+            tensor.shape,
+            bytes,
             keep,
-            digest: ItemDigest::Bytes,
-        });
+            ItemDigest::Bytes,
+        );
     }
 
     /// A fingerprint-only record with its digest: its shape, no bytes.
     fn push_fingerprint(&mut self, coord: Coord, level: Level, dtype: DType, shape: &[u64], digest: Digest) {
-        let s0 = self.shapes.len();
-        self.shapes.extend_from_slice(shape);
         let b0 = self.data.len();
-        self.items.push(Item {
-            step: coord.step,
-            position: coord.position,
-            phase: coord.phase,
-            layer: coord.layer,
-            path: coord.path,
+        self.push_item(
+            coord,
             level,
             dtype,
-            shape: (s0, self.shapes.len()),
-            bytes: (b0, b0),
-            keep: false,
-            digest: ItemDigest::Done(digest),
-        });
+            shape,
+            (b0, b0),
+            false,
+            ItemDigest::Done(digest),
+        );
     }
 
     /// A fingerprint-only record whose digest the writer finishes: its
@@ -191,12 +180,30 @@ impl Batch {
         shape: &[u64],
         pending: &PendingRoot,
     ) {
-        let s0 = self.shapes.len();
-        self.shapes.extend_from_slice(shape);
         let b0 = self.data.len();
         self.data.extend_from_slice(&pending.first_chunk);
         let c0 = self.cvs.len();
         self.cvs.extend_from_slice(&pending.siblings);
+        let digest = ItemDigest::Pending {
+            cvs: (c0, self.cvs.len()),
+        };
+        self.push_item(coord, level, dtype, shape, (b0, self.data.len()), false, digest);
+    }
+
+    /// The item of a record whose bytes (if any) are `bytes` of the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn push_item(
+        &mut self,
+        coord: Coord,
+        level: Level,
+        dtype: DType,
+        shape: &[u64],
+        bytes: (usize, usize),
+        keep: bool,
+        digest: ItemDigest,
+    ) {
+        let s0 = self.shapes.len();
+        self.shapes.extend_from_slice(shape);
         self.items.push(Item {
             step: coord.step,
             position: coord.position,
@@ -206,11 +213,9 @@ impl Batch {
             level,
             dtype,
             shape: (s0, self.shapes.len()),
-            bytes: (b0, self.data.len()),
-            keep: false,
-            digest: ItemDigest::Pending {
-                cvs: (c0, self.cvs.len()),
-            },
+            bytes,
+            keep,
+            digest,
         });
     }
 

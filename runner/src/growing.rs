@@ -87,7 +87,8 @@ impl GrowingDigests {
         self.last_step
     }
 
-    /// Bytes hashed by the incremental digests so far.
+    /// Bytes hashed by the incremental digests so far on this side (the
+    /// first chunk of a pending digest is hashed by whoever finishes it).
     pub fn hashed_bytes(&self) -> u64 {
         self.hashed
     }

@@ -233,7 +233,8 @@ impl TraceSink {
         self
     }
 
-    /// Bytes the incremental digests of growing state hashed so far.
+    /// Bytes the incremental digests of growing state hashed so far on the
+    /// recording thread (a pending digest's first chunk is the writer's).
     pub fn growing_hashed_bytes(&self) -> u64 {
         self.growing.hashed_bytes()
     }
