@@ -195,19 +195,9 @@ pub fn bench_context(
 ) -> Result<Vec<ContextRow>, RunError> {
     let model = Model::load(dir)?;
     let path = scratch.join("bench-context.bin");
-    // Every context must fit before any runs (the default capture's estimate).
-    let spec = parse_capture(BenchCapture::Default.name())?;
+    // Every context must fit before any runs.
     for &n in &opts.contexts {
-        let (n, new) = (u64::from(n), u64::from(opts.decode_tokens) + 1);
-        let estimate =
-            limits::estimate_memory(model.config(), n, new, spec, opts.prefill_chunk.map(u64::from));
-        limits::check_memory_for(
-            limits::Sizing::BenchContext,
-            &estimate,
-            limits::available_memory(),
-            n,
-            new,
-        )?;
+        check_fits(&model, n, opts.decode_tokens, opts.prefill_chunk)?;
     }
     drop(model);
     let mut rows = Vec::new();
@@ -298,16 +288,7 @@ pub fn one_run(
 ) -> Result<OneRun, RunError> {
     let model = Model::load(dir)?;
     // Refused before it runs, as the parent refuses the whole benchmark.
-    let (tokens, new) = (u64::from(n), u64::from(decode) + 1);
-    let spec = parse_capture(BenchCapture::Default.name())?;
-    let estimate = limits::estimate_memory(model.config(), tokens, new, spec, prefill_chunk.map(u64::from));
-    limits::check_memory_for(
-        limits::Sizing::BenchContext,
-        &estimate,
-        limits::available_memory(),
-        tokens,
-        new,
-    )?;
+    check_fits(&model, n, decode, prefill_chunk)?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
     let step = StepOptions {
         precision: Precision::Bf16,
@@ -340,6 +321,21 @@ pub fn one_run(
         growing_hashed_bytes: growing.1,
         peak_rss_bytes: measure::peak_rss_bytes(),
     })
+}
+
+/// Refuses a run at context `n` with `decode` steps that the default
+/// capture's memory estimate says would not fit.
+fn check_fits(model: &Model, n: u32, decode: u32, prefill_chunk: Option<u32>) -> Result<(), RunError> {
+    let (n, new) = (u64::from(n), u64::from(decode) + 1);
+    let spec = parse_capture(BenchCapture::Default.name())?;
+    let estimate = limits::estimate_memory(model.config(), n, new, spec, prefill_chunk.map(u64::from));
+    limits::check_memory_for(
+        limits::Sizing::BenchContext,
+        &estimate,
+        limits::available_memory(),
+        n,
+        new,
+    )
 }
 
 /// [`one_run`] in a new process: `exe bench runtime --context-child N

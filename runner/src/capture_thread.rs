@@ -325,19 +325,7 @@ impl CaptureThread {
         tensor: TensorView<'_>,
         keep: bool,
     ) -> Result<(), String> {
-        if let Some(m) = self.failed() {
-            return Err(m);
-        }
-        if self.batch.would_grow(tensor.bytes.len()) {
-            // Hand over what the batch holds rather than growing its buffer:
-            // a buffer only grows for a record larger than a whole batch.
-            self.hand_over()?;
-        }
-        self.batch.push(coord, level, tensor, keep);
-        if self.batch.full() {
-            self.hand_over()?;
-        }
-        Ok(())
+        self.queue(Some(tensor.bytes.len()), |b| b.push(coord, level, tensor, keep))
     }
 
     /// Queues a fingerprint-only record whose digest the runtime's side
@@ -350,14 +338,7 @@ impl CaptureThread {
         shape: &[u64],
         digest: Digest,
     ) -> Result<(), String> {
-        if let Some(m) = self.failed() {
-            return Err(m);
-        }
-        self.batch.push_fingerprint(coord, level, dtype, shape, digest);
-        if self.batch.full() {
-            self.hand_over()?;
-        }
-        Ok(())
+        self.queue(None, |b| b.push_fingerprint(coord, level, dtype, shape, digest))
     }
 
     /// Queues a fingerprint-only record whose digest the writer thread
@@ -372,13 +353,25 @@ impl CaptureThread {
         shape: &[u64],
         pending: &PendingRoot,
     ) -> Result<(), String> {
+        let bytes = pending.first_chunk.len();
+        self.queue(Some(bytes), |b| {
+            b.push_pending(coord, level, dtype, shape, pending)
+        })
+    }
+
+    /// Adds one record to the current batch with `push`, handing batches
+    /// over around it: before, when its `bytes` would make a batch that
+    /// holds records reallocate (a buffer only grows for a record larger
+    /// than a whole batch); after, when the batch is full. Fails with the
+    /// writer's message once the writer thread has failed.
+    fn queue(&mut self, bytes: Option<usize>, push: impl FnOnce(&mut Batch)) -> Result<(), String> {
         if let Some(m) = self.failed() {
             return Err(m);
         }
-        if self.batch.would_grow(pending.first_chunk.len()) {
+        if bytes.is_some_and(|n| self.batch.would_grow(n)) {
             self.hand_over()?;
         }
-        self.batch.push_pending(coord, level, dtype, shape, pending);
+        push(&mut self.batch);
         if self.batch.full() {
             self.hand_over()?;
         }
