@@ -84,8 +84,52 @@ pub struct WriteSummary {
     pub bytes: u64,
 }
 
-/// What identifies a record inside a step: level, layer, position, phase, path.
-type Key = (Level, Option<u32>, u32, Phase, RecordPath);
+/// What identifies a record inside a step: level, layer, position, phase and
+/// path, packed (the path as its [`PathIds`] number) in 101 bits: 16 bytes
+/// a record where the tuple with the path took 32, and hashed without
+/// reading the path's text. A long prefill holds one per record of the
+/// step until the step is written (36 M at 128k tokens).
+type Key = u128;
+
+/// Numbers for the paths of the records the writer holds keys of, equal
+/// for equal texts.
+#[derive(Default)]
+struct PathIds {
+    /// A `'static` path's literal ([`RecordPath::static_addr`]) to its number.
+    by_addr: HashMap<usize, u32>,
+    by_text: HashMap<RecordPath, u32>,
+}
+
+impl PathIds {
+    fn id(&mut self, path: &RecordPath) -> u32 {
+        let addr = path.static_addr();
+        if let Some(id) = addr.and_then(|a| self.by_addr.get(&a)) {
+            return *id;
+        }
+        let next = self.by_text.len() as u32;
+        let id = *self.by_text.entry(path.clone()).or_insert(next);
+        if let Some(a) = addr {
+            self.by_addr.insert(a, id);
+        }
+        id
+    }
+
+    fn clear(&mut self) {
+        self.by_addr.clear();
+        self.by_text.clear();
+    }
+}
+
+/// The packed [`Key`]: 3 bits level, 33 layer (0: none), 32 position, 1
+/// phase, 32 path number.
+fn key_of(ids: &mut PathIds, coord: &Coord, level: Level) -> Key {
+    let layer = coord.layer.map_or(0u128, |l| u128::from(l) + 1);
+    (u128::from(level.code()) << 98)
+        | (layer << 65)
+        | (u128::from(coord.position) << 33)
+        | ((coord.phase as u128) << 32)
+        | u128::from(ids.id(&coord.path))
+}
 
 /// What the writer keeps besides the file.
 enum Body {
@@ -93,6 +137,7 @@ enum Body {
     V1 {
         entries: Vec<IndexEntry>,
         keys: HashSet<(u32, Key)>,
+        ids: PathIds,
     },
     /// Version 2: the entries of the current step only, and the references
     /// of the steps written (bounded in memory, see [`StepRefLog`]).
@@ -102,6 +147,8 @@ enum Body {
         step: Option<u32>,
         pending: Vec<IndexEntry>,
         keys: HashSet<Key>,
+        /// The numbers of the current step's paths, for its keys.
+        ids: PathIds,
         steps: StepRefLog,
     },
 }
@@ -159,12 +206,14 @@ impl TraceWriter {
             1 => Body::V1 {
                 entries: Vec::new(),
                 keys: HashSet::new(),
+                ids: PathIds::default(),
             },
             v if is_block_format(v) => Body::V2 {
                 version: v,
                 step: None,
                 pending: Vec::new(),
                 keys: HashSet::new(),
+                ids: PathIds::default(),
                 steps: StepRefLog::new(
                     path.parent()
                         .filter(|d| !d.as_os_str().is_empty())
@@ -281,40 +330,49 @@ impl TraceWriter {
         })
     }
 
-    /// Checks that a record may be appended (version 2: no earlier step than
-    /// the current one; no coordinate twice at its level). Changes nothing.
-    fn check_new(&self, coord: &Coord, level: Level) -> Result<(), TraceError> {
-        let key = (
-            level,
-            coord.layer,
-            coord.position,
-            coord.phase,
-            coord.path.clone(),
-        );
-        let seen = match &self.body {
-            Body::V1 { keys, .. } => keys.contains(&(coord.step, key)),
-            Body::V2 { step, keys, .. } => match *step {
-                Some(s) if coord.step < s => {
-                    return Err(TraceError::invalid(
-                        &self.path,
-                        format!(
-                            "record {coord}: step {} after step {s}: format version 2 takes records step by step \
-                             (in execution order)",
-                            coord.step
-                        ),
-                    ))
-                }
-                Some(s) => s == coord.step && keys.contains(&key),
-                None => false,
-            },
+    /// Checks that a record's step may be appended (version 2: no earlier
+    /// step than the current one). Changes nothing.
+    fn check_order(&self, coord: &Coord) -> Result<(), TraceError> {
+        match &self.body {
+            Body::V2 { step: Some(s), .. } if coord.step < *s => Err(TraceError::invalid(
+                &self.path,
+                format!(
+                    "record {coord}: step {} after step {s}: format version 2 takes records step by step \
+                     (in execution order)",
+                    coord.step
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Takes the record's coordinate at its level, refusing one already
+    /// taken (a duplicate coordinate), changing nothing then. One lookup
+    /// per record: the set is the writer's largest per-record cost on a long
+    /// prefill (docs/performance.md, "Long context"). Version 2 calls it
+    /// after [`Self::enter_step`], so the set holds the current step's.
+    fn claim(&mut self, coord: &Coord, level: Level) -> Result<(), TraceError> {
+        let fresh = match &mut self.body {
+            Body::V1 { keys, ids, .. } => keys.insert((coord.step, key_of(ids, coord, level))),
+            Body::V2 { keys, ids, .. } => keys.insert(key_of(ids, coord, level)),
         };
-        if seen {
-            return Err(TraceError::invalid(
+        if fresh {
+            Ok(())
+        } else {
+            Err(TraceError::invalid(
                 &self.path,
                 format!("record {coord} at {level} was already appended (duplicate coordinate)"),
-            ));
+            ))
         }
-        Ok(())
+    }
+
+    /// Gives back a coordinate [`Self::claim`] took for a record that was
+    /// then refused, so the writer is as it was.
+    fn release(&mut self, coord: &Coord, level: Level) {
+        match &mut self.body {
+            Body::V1 { keys, ids, .. } => keys.remove(&(coord.step, key_of(ids, coord, level))),
+            Body::V2 { keys, ids, .. } => keys.remove(&key_of(ids, coord, level)),
+        };
     }
 
     /// Version 2: before the first record of a later step, writes the
@@ -388,8 +446,9 @@ impl TraceWriter {
         tensor
             .validate(&coord.path)
             .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?;
-        self.check_new(&coord, level)?;
+        self.check_order(&coord)?;
         self.enter_step(coord.step)?;
+        self.claim(&coord, level)?;
         if keep_payload {
             // After a step's blocks (version 2) the next payload starts at
             // the next 64-byte boundary, like every payload and block.
@@ -429,8 +488,13 @@ impl TraceWriter {
             self.pad_to_alignment()?;
             d
         } else {
-            record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |_| Ok(()))
-                .map_err(|e| TraceError::invalid(&self.path, e.to_string()))?
+            match record_digest_with_sink(alg, canon, &coord, level, tensor, parallel, |_| Ok(())) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.release(&coord, level);
+                    return Err(TraceError::invalid(&self.path, e.to_string()));
+                }
+            }
         };
         self.push(coord, level, tensor.dtype, tensor.shape, digest, payload);
         Ok(digest)
@@ -459,8 +523,9 @@ impl TraceWriter {
                 format!("record {coord}: shape {shape:?} overflows"),
             ));
         }
-        self.check_new(&coord, level)?;
+        self.check_order(&coord)?;
         self.enter_step(coord.step)?;
+        self.claim(&coord, level)?;
         self.push(coord, level, dtype, shape, digest, None);
         Ok(digest)
     }
@@ -482,8 +547,9 @@ impl TraceWriter {
             // source's root, which the output's root must reproduce.
             check_record(&self.header.binding, &e.coord, e.dtype, &e.shape)
                 .map_err(|m| TraceError::invalid(&self.path, format!("record {}: {m}", e.coord)))?;
-            self.check_new(&e.coord, e.level)?;
+            self.check_order(&e.coord)?;
             self.enter_step(e.coord.step)?;
+            self.claim(&e.coord, e.level)?;
             self.push(e.coord, e.level, e.dtype, &e.shape, e.digest, None);
             return Ok(e.digest);
         };
@@ -528,22 +594,9 @@ impl TraceWriter {
             payload,
             coord,
         };
-        let key = (
-            level,
-            entry.coord.layer,
-            entry.coord.position,
-            entry.coord.phase,
-            entry.coord.path.clone(),
-        );
         match &mut self.body {
-            Body::V1 { entries, keys } => {
-                keys.insert((entry.coord.step, key));
-                entries.push(entry);
-            }
-            Body::V2 { pending, keys, .. } => {
-                keys.insert(key);
-                pending.push(entry);
-            }
+            Body::V1 { entries, .. } => entries.push(entry),
+            Body::V2 { pending, .. } => pending.push(entry),
         }
         self.records += 1;
         self.payloads += u64::from(payload.is_some());
@@ -608,6 +661,7 @@ impl TraceWriter {
             step: Some(step),
             pending,
             keys,
+            ids,
             ..
         } = &mut self.body
         else {
@@ -621,6 +675,7 @@ impl TraceWriter {
         let held = keys.len();
         keys.clear();
         keys.shrink_to(held);
+        ids.clear();
         // Only this step's entries share the interned paths and shapes; a
         // shape that grows with the position (a cache's length) would
         // otherwise keep one allocation per step for the whole run.
@@ -942,6 +997,77 @@ mod tests {
             // The root digest is the one of the steps' digests, as a reader
             // recomputes it.
             assert_eq!(t.root(), a.root);
+        }
+    }
+
+    /// A coordinate is refused twice whatever holds its path's text: a
+    /// `'static` literal, another literal of the same text, or a shared
+    /// string; equal coordinates with another level, layer, position or
+    /// path are taken. In both container versions.
+    #[test]
+    fn a_duplicate_is_refused_whichever_literal_or_string_holds_its_path() {
+        static A: &str = "moe.combine";
+        static B: &str = "moe.combine";
+        let tmp = tempfile::tempdir().unwrap();
+        for version in [1, DEFAULT_FORMAT_VERSION] {
+            let out = check_output(&tmp.path().join(format!("v{version}.bin")), &Inputs::new()).unwrap();
+            let mut header = Header::default();
+            header.binding.decoding.max_new_tokens = 2;
+            let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, version).unwrap();
+            let bytes = [0u8; 4];
+            let view = TensorView {
+                dtype: DType::F32,
+                shape: &[1],
+                bytes: &bytes,
+            };
+            let coord = |path: RecordPath, layer: Option<u32>, position: u32| Coord {
+                step: 1,
+                position,
+                phase: Phase::Decode,
+                layer,
+                path,
+            };
+            let a = RecordPath::from_static(&A);
+            let b = RecordPath::from_static(&B);
+            assert_ne!(a.static_addr(), b.static_addr());
+            w.append(coord(a.clone(), Some(3), 7), Level::L4, view, false)
+                .unwrap();
+            for same in [a.clone(), b.clone(), RecordPath::from("moe.combine")] {
+                let e = w
+                    .append(coord(same, Some(3), 7), Level::L4, view, false)
+                    .unwrap_err();
+                assert!(e.to_string().contains("duplicate coordinate"), "{e}");
+            }
+            w.append(coord(b.clone(), Some(3), 7), Level::L3, view, false)
+                .unwrap();
+            w.append(coord(b.clone(), None, 7), Level::L4, view, false)
+                .unwrap();
+            w.append(coord(b.clone(), Some(4), 7), Level::L4, view, false)
+                .unwrap();
+            w.append(
+                coord(RecordPath::from("moe.combine"), Some(3), 8),
+                Level::L4,
+                view,
+                false,
+            )
+            .unwrap();
+            w.append(
+                coord(RecordPath::from("moe.shared"), Some(3), 7),
+                Level::L4,
+                view,
+                false,
+            )
+            .unwrap();
+            let e = w
+                .append(
+                    coord(RecordPath::from("moe.shared"), Some(3), 7),
+                    Level::L4,
+                    view,
+                    false,
+                )
+                .unwrap_err();
+            assert!(e.to_string().contains("duplicate coordinate"), "{e}");
+            assert_eq!(w.finish().unwrap().records, 6, "version {version}");
         }
     }
 
