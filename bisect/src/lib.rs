@@ -94,7 +94,7 @@ pub use numeric::{
 pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
-    Absorption, BeyondStorage, ContractReport, CoverageLimit, DiffReport, Divergence, DivergenceKind,
+    Absorption, BeyondStorage, ContractReport, CoverageLimit, DiffReport, Divergence, DivergenceKind, EarlierCheckpoints,
     FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus,
     Levels, Localized, NeededRecord, OneSided, RecordRef, RouteDivergence, StateComponent, StateLayer,
     StoragePrecision, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,

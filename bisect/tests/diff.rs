@@ -460,7 +460,7 @@ fn json_has_the_documented_keys() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
-    assert_eq!(j["schema_version"], 4);
+    assert_eq!(j["schema_version"], 5);
     assert_eq!(j["kind"], "moeconf.diff");
     assert_eq!(j["verdict"], "divergent");
     let fd = &j["first_divergence"];

@@ -155,7 +155,7 @@ fn json_output_is_one_versioned_document() {
     let out = moeconf(&["diff", "--format", "json", s(&f.reference), s(&f.divergent)]);
     assert_eq!(out.status.code(), Some(1));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(j["schema_version"], 4);
+    assert_eq!(j["schema_version"], 5);
     assert_eq!(j["verdict"], "divergent");
     assert_eq!(j["first_divergence"]["level"], "L3");
     assert_eq!(j["first_divergence"]["operator"], "layer.post_ffn_mhc");
