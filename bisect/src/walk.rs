@@ -505,7 +505,10 @@ impl<'a> Sides<'a> {
                 // Only when the layer holds no record before the bound's
                 // position does the bound open it.
                 let first = self.latch(t, t.group_page_entries(g, &[0]), Vec::new());
-                if first.first().is_none_or(|(_, e)| e.coord.position < bound.position) {
+                if first
+                    .first()
+                    .is_none_or(|(_, e)| e.coord.position < bound.position)
+                {
                     return Preceding::Unlocated;
                 }
             }
@@ -513,7 +516,12 @@ impl<'a> Sides<'a> {
         // The bound opens its layer: the last checkpoint of the nearest
         // earlier layer (groups are in ascending layer order), at its last
         // position.
-        let Some(g) = level.groups.iter().rev().find(|g| g.layer.is_some_and(|l| l < layer)) else {
+        let Some(g) = level
+            .groups
+            .iter()
+            .rev()
+            .find(|g| g.layer.is_some_and(|l| l < layer))
+        else {
             return if global {
                 Preceding::Unlocated
             } else {
