@@ -11,8 +11,7 @@ use crate::operators::{half_of, is_checkpoint};
 use crate::passed::inputs_note;
 use crate::report::*;
 use crate::textdiff::{compare_texts, TextComparison};
-use crate::walk::{Pair, Sides};
-use moeconf_fingerprint::catalogue::ExecKey;
+use crate::walk::{Pair, Preceding, Sides};
 use moeconf_fingerprint::{Component, DType, Level, LevelSet};
 use moeconf_schema::{Trace, TraceError, Verification};
 use std::cell::{OnceCell, RefCell};
@@ -903,7 +902,7 @@ impl Ctx<'_> {
             differing_steps: steps.len() as u64,
             first: None,
             half: None,
-            earlier_checkpoints_matched: 0,
+            earlier_checkpoints: None,
             last_matched_checkpoint: None,
             numeric: None,
             first_record: None,
@@ -924,41 +923,13 @@ impl Ctx<'_> {
                     rep.first = self.rec_ref(Level::L3, p);
                     rep.half = self.s.entry(p).and_then(|e| half_of(&e.coord.path));
                     rep.numeric = self.numeric(p)?;
-                    // Earlier checkpoints of this step, in execution order
-                    // from the coordinates (never the write-order numbers,
-                    // which no digest commits to).
-                    let r = self.s.r;
-                    let key = |c: &moeconf_fingerprint::Coord| (ExecKey::of(c), c.phase, c.path.clone());
-                    let bound = p.r.map(|i| key(&r.record(i).coord));
-                    let mut last: Option<(_, moeconf_fingerprint::Coord)> = None;
-                    if let Some(level) = self.s.step_node(r, s).and_then(|n| n.level(Level::L3)) {
-                        for g in &level.groups {
-                            // A group of a later layer holds no checkpoint
-                            // before the bound (execution order is
-                            // layer-major): not read.
-                            if g.layer.is_some_and(|l| {
-                                bound.as_ref().is_some_and(|b| checkpoints_follow(s, l, &b.0))
-                            }) {
-                                continue;
-                            }
-                            // Counted from the groups read whole and not
-                            // kept (no record of them is needed by id).
-                            for h in self.s.group_held(r, g) {
-                                let c = &h.entry().coord;
-                                if !is_checkpoint(&c.path) {
-                                    continue;
-                                }
-                                let k = key(c);
-                                if bound.as_ref().is_none_or(|b| &k < b) {
-                                    rep.earlier_checkpoints_matched += 1;
-                                    if last.as_ref().is_none_or(|(l, _)| &k > l) {
-                                        last = Some((k, c.clone()));
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    rep.last_matched_checkpoint = last.map(|(_, c)| RecordRef::new(Level::L3, &c, "both"));
+                    // Every earlier checkpoint of the step matches (the walk
+                    // lists every differing record, and this is the first
+                    // checkpoint among them in execution order): only the
+                    // last one is looked up, at its coordinates.
+                    let (earlier, last) = self.last_matched_checkpoint(p);
+                    rep.earlier_checkpoints = Some(earlier);
+                    rep.last_matched_checkpoint = last;
                 }
             }
             if rep.route.is_none() {
@@ -975,6 +946,39 @@ impl Ctx<'_> {
             }
         }
         Ok(rep)
+    }
+
+    /// The checkpoint before the first differing one, `p`, in execution
+    /// order ([`Sides::checkpoint_before`] in the reference, which reads
+    /// the pages of one or two positions), named only when the candidate
+    /// holds the same record with the same digest (it lies before the
+    /// first difference, so it must; a trace where it does not gets no
+    /// name, never another record).
+    fn last_matched_checkpoint(&self, p: Pair) -> (EarlierCheckpoints, Option<RecordRef>) {
+        let Some(bound) = self.s.entry(p).map(|e| e.coord.clone()) else {
+            return (EarlierCheckpoints::Unlocated, None);
+        };
+        match self.s.checkpoint_before(self.s.r, &bound) {
+            Preceding::None => (EarlierCheckpoints::None, None),
+            Preceding::Unlocated => (EarlierCheckpoints::Unlocated, None),
+            Preceding::At(id) => {
+                let c = &self.s.r.record(id).coord;
+                let same = self
+                    .s
+                    .lookup(c.step, Level::L3, c.layer, Some(c.position), &c.path, false)
+                    .into_iter()
+                    .find(|q| q.r == Some(id))
+                    .is_some_and(|q| self.s.pair_equal(q));
+                if same {
+                    (
+                        EarlierCheckpoints::Match,
+                        Some(RecordRef::new(Level::L3, c, "both")),
+                    )
+                } else {
+                    (EarlierCheckpoints::Unlocated, None)
+                }
+            }
+        }
     }
 
     fn route(&self, p: Pair) -> Result<Option<RouteDivergence>, BisectError> {
@@ -1083,14 +1087,4 @@ impl Ctx<'_> {
         });
         Ok(rep)
     }
-}
-
-/// Whether every checkpoint of `layer` at `step` follows `bound` in
-/// execution order ([`ExecKey`]: step, group, layer first), so that a group
-/// of that layer holds none before it.
-fn checkpoints_follow(step: u32, layer: u32, bound: &ExecKey) -> bool {
-    Component::ALL
-        .iter()
-        .filter(|c| c.is_checkpoint())
-        .all(|c| (step, c.exec_group(), layer) > (bound.step, bound.group, bound.layer))
 }

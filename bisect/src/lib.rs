@@ -95,10 +95,10 @@ pub use operators::{half_of, inputs_of, InputSpec};
 pub use pairing::{differing_pairs, RecordPair};
 pub use report::{
     Absorption, BeyondStorage, ContractReport, CoverageLimit, DiffReport, Divergence, DivergenceKind,
-    FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report, L4Report, LayerKind, LevelStatus,
-    Levels, Localized, NeededRecord, OneSided, RecordRef, RouteDivergence, StateComponent, StateLayer,
-    StoragePrecision, TextOp, TextPosition, TextSummary, TraceSummary, UncomparedLevel, Verdict,
-    DIFF_SCHEMA_VERSION,
+    EarlierCheckpoints, FirstDivergence, InputCheck, L0Report, L1Report, L2Report, L3Report, L4Report,
+    LayerKind, LevelStatus, Levels, Localized, NeededRecord, OneSided, RecordRef, RouteDivergence,
+    StateComponent, StateLayer, StoragePrecision, TextOp, TextPosition, TextSummary, TraceSummary,
+    UncomparedLevel, Verdict, DIFF_SCHEMA_VERSION,
 };
 pub use textdiff::{
     compare_texts, describe_summary, render_inline, TextComparison, TEXT_DIFF_DEADLINE, TEXT_DIFF_MAX_TOKENS,

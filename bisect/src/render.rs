@@ -760,18 +760,24 @@ fn render_l3(o: &mut String, st: &Style, l3: &L3Report) {
             f.describe(),
             l3.half.map(|h| h.name()).unwrap_or("?")
         );
-        match &l3.last_matched_checkpoint {
-            Some(m) => {
+        match (&l3.last_matched_checkpoint, l3.earlier_checkpoints) {
+            (Some(m), _) => {
                 let _ = writeln!(
                     o,
-                    "   the {} earlier checkpoint(s) of step {} all match; last match: {}",
-                    l3.earlier_checkpoints_matched,
+                    "   every earlier checkpoint of step {} matches; last match: {}",
                     f.step,
                     m.describe()
                 );
             }
-            None => {
+            (None, Some(EarlierCheckpoints::None)) => {
                 let _ = writeln!(o, "   it is the first checkpoint of step {}", f.step);
+            }
+            (None, _) => {
+                let _ = writeln!(
+                    o,
+                    "   every earlier checkpoint of step {} matches; the last one is not where execution order puts it",
+                    f.step
+                );
             }
         }
         if let Some(n) = &l3.numeric {

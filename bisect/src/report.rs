@@ -7,7 +7,7 @@ use moeconf_fingerprint::{Coord, Half, Level};
 use serde::Serialize;
 
 /// Version of the JSON document; bumped on any incompatible change.
-pub const DIFF_SCHEMA_VERSION: u32 = 4;
+pub const DIFF_SCHEMA_VERSION: u32 = 5;
 
 /// Overall verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -399,6 +399,22 @@ pub struct RouteDivergence {
     pub candidate_margin: Option<f64>,
 }
 
+/// The checkpoints of a step before its first differing one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EarlierCheckpoints {
+    /// The reference holds no checkpoint of the step before it.
+    None,
+    /// All match; `last_matched_checkpoint` names the last one.
+    Match,
+    /// All match (if any precede it), but the last one is not where
+    /// execution order puts it (the records of the position before it, or
+    /// of the last position of the layer before, hold no checkpoint: a
+    /// partial or malformed trace), and the report reads no further than
+    /// those pages, so it names none.
+    Unlocated,
+}
+
 /// L3: post-mHC layer state and routes.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct L3Report {
@@ -411,9 +427,17 @@ pub struct L3Report {
     pub first: Option<RecordRef>,
     /// The half that checkpoint closes.
     pub half: Option<Half>,
-    /// Post-mHC checkpoints of that step before it, all matching.
-    pub earlier_checkpoints_matched: u64,
-    /// The last matching checkpoint before it (the divergence lies after it).
+    /// What precedes it in its step (`None` when no checkpoint differs).
+    /// Every earlier checkpoint of the step matches: the walk lists every
+    /// differing record, and the first differing checkpoint is the first
+    /// in execution order among them. How many there are is not reported:
+    /// no digest commits to how many records of a path a group holds, and
+    /// counting them would read the step's groups whole.
+    pub earlier_checkpoints: Option<EarlierCheckpoints>,
+    /// The last matching checkpoint before it (the divergence lies after
+    /// it), found at the coordinates execution order puts it at (the
+    /// pages of one or two positions); `None` when it is the first of its
+    /// step or was not located there.
     pub last_matched_checkpoint: Option<RecordRef>,
     /// Element-wise comparison of the first differing checkpoint.
     pub numeric: Option<NumericSummary>,

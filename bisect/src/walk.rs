@@ -12,7 +12,7 @@
 //! verification.
 
 use moeconf_fingerprint::catalogue::ExecKey;
-use moeconf_fingerprint::{Component, Level, RecordPath};
+use moeconf_fingerprint::{Component, Coord, Level, RecordPath};
 use moeconf_schema::{
     GroupNode, GroupRecords, IndexEntry, LevelNode, StepNode, StepSummary, Trace, TraceError,
 };
@@ -445,6 +445,108 @@ impl<'a> Sides<'a> {
         )
     }
 
+    /// The last post-mHC checkpoint of `t` before `bound` (a checkpoint's
+    /// coordinate) in its step, in execution order ([`ExecKey`], then phase
+    /// and path; never write-order numbers), read at the coordinates that
+    /// order puts it at, so that the reads do not grow with the positions
+    /// or layers before it. Execution order is layer-major, then position,
+    /// then the attention half's checkpoint before the FFN half's: the
+    /// checkpoint before it is at the bound's own position, else at the
+    /// position before in the same layer, else (the bound opens its layer)
+    /// at the last position of the nearest earlier layer. A paged group
+    /// (format version 4) reads the pages of those positions (and a
+    /// layer's first page, to see that the bound opens it); any other
+    /// group is read whole (a group block is at most a page's worth of
+    /// records when the trace pages). A checkpoint not found where the
+    /// order puts it (a partial or malformed trace) is
+    /// [`Preceding::Unlocated`], never another record.
+    pub fn checkpoint_before(&self, t: &'a Trace, bound: &Coord) -> Preceding {
+        let key = |c: &Coord| (ExecKey::of(c), c.phase, c.path.clone());
+        let kb = key(bound);
+        let Some(layer) = bound.layer else {
+            return Preceding::Unlocated;
+        };
+        let Some(level) = self.step_node(t, bound.step).and_then(|n| n.level(Level::L3)) else {
+            return Preceding::None;
+        };
+        // A model-global group's records key as layer 0 ([`ExecKey`]): a
+        // checkpoint path there (no well-formed trace holds one) could sort
+        // anywhere in layer 0, so no answer within layer 0 is certain.
+        let global = level.groups.iter().any(|g| g.layer.is_none());
+        let last = |records: &[(usize, &IndexEntry)]| -> Option<usize> {
+            records
+                .iter()
+                .filter(|(_, e)| crate::operators::is_checkpoint(&e.coord.path) && key(&e.coord) < kb)
+                .max_by(|(_, a), (_, b)| key(&a.coord).cmp(&key(&b.coord)))
+                .map(|&(id, _)| id)
+        };
+        let found = |id: usize| {
+            if global && t.record(id).coord.layer == Some(0) {
+                Preceding::Unlocated
+            } else {
+                Preceding::At(id)
+            }
+        };
+        let at = |g: &'a GroupNode, position: u32| self.latch(t, t.group_entries_at(g, position), Vec::new());
+        // The bound's own layer: its position, then the one before.
+        if let Some(g) = level.group(Some(layer)) {
+            if self.latch(t, t.group_pages(g), None).is_none() {
+                let all: Vec<(usize, &IndexEntry)> = self.group_entries(t, g).iter().collect();
+                if let Some(id) = last(&all) {
+                    return found(id);
+                }
+            } else {
+                if let Some(id) = last(&at(g, bound.position)) {
+                    return found(id);
+                }
+                if let Some(id) = bound.position.checked_sub(1).and_then(|p| last(&at(g, p))) {
+                    return found(id);
+                }
+                // Only when the layer holds no record before the bound's
+                // position does the bound open it.
+                let first = self.latch(t, t.group_page_entries(g, &[0]), Vec::new());
+                if first
+                    .first()
+                    .is_none_or(|(_, e)| e.coord.position < bound.position)
+                {
+                    return Preceding::Unlocated;
+                }
+            }
+        }
+        // The bound opens its layer: the last checkpoint of the nearest
+        // earlier layer (groups are in ascending layer order), at its last
+        // position.
+        let Some(g) = level
+            .groups
+            .iter()
+            .rev()
+            .find(|g| g.layer.is_some_and(|l| l < layer))
+        else {
+            return if global {
+                Preceding::Unlocated
+            } else {
+                Preceding::None
+            };
+        };
+        let id = match self.latch(t, t.group_pages(g), None) {
+            None => {
+                let all: Vec<(usize, &IndexEntry)> = self.group_entries(t, g).iter().collect();
+                last(&all)
+            }
+            Some(cvs) => {
+                let Some(j) = (cvs.len() as u64).checked_sub(1) else {
+                    return Preceding::Unlocated;
+                };
+                let page = self.latch(t, t.group_page_entries(g, &[j]), Vec::new());
+                match page.last() {
+                    Some(&(_, e)) => last(&at(g, e.coord.position)),
+                    None => None,
+                }
+            }
+        };
+        id.map_or(Preceding::Unlocated, found)
+    }
+
     /// Whether both sides hold the record and their digests are equal.
     pub fn pair_equal(&self, p: Pair) -> bool {
         match (p.r, p.c) {
@@ -458,6 +560,19 @@ impl<'a> Sides<'a> {
         p.r.map(|i| self.r.record(i))
             .or_else(|| p.c.map(|i| self.c.record(i)))
     }
+}
+
+/// Where the checkpoint before a bound lies in one trace
+/// ([`Sides::checkpoint_before`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Preceding {
+    /// No checkpoint of the step precedes the bound.
+    None,
+    /// The record id of the last checkpoint before the bound.
+    At(usize),
+    /// Not where execution order puts it (a partial or malformed trace);
+    /// not searched further.
+    Unlocated,
 }
 
 /// Merge-joins two record lists (id and entry) sorted in tree order:

@@ -253,6 +253,110 @@ fn unexplained_candidate_reports_the_closest_members() {
     assert!(e.fit.is_none(), "{:?}", e.fit);
 }
 
+/// The last checkpoint of the step before `bound` in execution order, from
+/// every L3 group of the step read whole (what the report named when it
+/// counted the earlier checkpoints): the oracle of the lookup at the
+/// coordinates execution order gives.
+fn last_checkpoint_read_whole(
+    t: &moeconf_schema::Trace,
+    bound: &moeconf_bisect::RecordRef,
+) -> Option<(Option<u32>, u32, String)> {
+    use moeconf_fingerprint::catalogue::ExecKey;
+    use moeconf_fingerprint::{Coord, Phase};
+    let key = |c: &Coord| (ExecKey::of(c), c.phase, c.path.to_string());
+    let b = Coord {
+        step: bound.step,
+        position: bound.position,
+        phase: if bound.phase == "prefill" {
+            Phase::Prefill
+        } else {
+            Phase::Decode
+        },
+        layer: bound.layer,
+        path: bound.path.as_str().into(),
+    };
+    let level = t
+        .step(b.step)
+        .unwrap()
+        .unwrap()
+        .level(moeconf_fingerprint::Level::L3)
+        .unwrap();
+    level
+        .groups
+        .iter()
+        .flat_map(|g| t.read_group(g).unwrap())
+        .map(|h| h.entry().coord.clone())
+        .filter(|c| c.path.ends_with("_mhc") && key(c) < key(&b))
+        .max_by_key(key)
+        .map(|c| (c.layer, c.position, c.path.to_string()))
+}
+
+/// The L3 line names as last match the checkpoint just before the first
+/// differing one in execution order (layer-major, then position, then the
+/// attention half before the FFN half): the same position's attention
+/// checkpoint, the position before's FFN checkpoint, the layer before's
+/// last, or none for the first checkpoint of a step. Attention forks make
+/// the attention half's checkpoint the first to differ.
+#[test]
+fn the_last_matched_checkpoint_is_the_one_before_in_execution_order() {
+    use moeconf_bisect::EarlierCheckpoints;
+    let decode = PROMPT + 1;
+    // (step, layer, position of the fork), the expected last match.
+    for (step, layer, position, expect) in [
+        (0, 0, 0, None),
+        (0, 0, 2, Some((Some(0), 1, "layer.post_ffn_mhc"))),
+        (0, 2, 0, Some((Some(1), PROMPT - 1, "layer.post_ffn_mhc"))),
+        (0, 3, 1, Some((Some(3), 0, "layer.post_ffn_mhc"))),
+        (2, 0, decode, None),
+        (2, 3, decode, Some((Some(2), decode, "layer.post_ffn_mhc"))),
+    ] {
+        let cand = Synth::candidate(Inject::Attention {
+            step,
+            layer,
+            position,
+        });
+        let (_d, r, c) = pair(&Synth::reference(), &cand);
+        let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let l3 = &rep.levels.l3;
+        let first = l3.first.as_ref().unwrap();
+        assert_eq!(
+            (first.step, first.layer, first.position, first.path.as_str()),
+            (step, Some(layer), position, "layer.post_attn_mhc")
+        );
+        let named = l3
+            .last_matched_checkpoint
+            .as_ref()
+            .map(|m| (m.layer, m.position, m.path.clone()));
+        let expect = expect.map(|(l, p, path)| (l, p, path.to_string()));
+        assert_eq!(
+            named, expect,
+            "fork at step {step} layer {layer} position {position}"
+        );
+        assert_eq!(named, last_checkpoint_read_whole(&r, first));
+        assert_eq!(
+            l3.earlier_checkpoints,
+            Some(if expect.is_some() {
+                EarlierCheckpoints::Match
+            } else {
+                EarlierCheckpoints::None
+            })
+        );
+        let text = rep.render_text(false);
+        match &named {
+            Some(_) => assert!(
+                text.contains(&format!(
+                    "   every earlier checkpoint of step {step} matches; last match: "
+                )),
+                "{text}"
+            ),
+            None => assert!(
+                text.contains(&format!("   it is the first checkpoint of step {step}\n")),
+                "{text}"
+            ),
+        }
+    }
+}
+
 #[test]
 fn attention_divergence_is_localized_at_attn_output() {
     let cand = Synth::candidate(Inject::Attention {
@@ -460,7 +564,7 @@ fn json_has_the_documented_keys() {
     });
     let (_d, r, c) = pair(&Synth::reference(), &cand);
     let j = diff(&r, &c, &DiffOptions::default()).unwrap().to_json();
-    assert_eq!(j["schema_version"], 4);
+    assert_eq!(j["schema_version"], 5);
     assert_eq!(j["kind"], "moeconf.diff");
     assert_eq!(j["verdict"], "divergent");
     let fd = &j["first_divergence"];

@@ -155,7 +155,7 @@ fn json_output_is_one_versioned_document() {
     let out = moeconf(&["diff", "--format", "json", s(&f.reference), s(&f.divergent)]);
     assert_eq!(out.status.code(), Some(1));
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(j["schema_version"], 4);
+    assert_eq!(j["schema_version"], 5);
     assert_eq!(j["verdict"], "divergent");
     assert_eq!(j["first_divergence"]["level"], "L3");
     assert_eq!(j["first_divergence"]["operator"], "layer.post_ffn_mhc");
@@ -328,4 +328,73 @@ fn runtime_layer_static_schedules_are_localized_and_c_is_equivalent() {
             j["summary"]
         );
     }
+}
+
+/// A fork inside a 2,048-token prefill (layer 5, position 1,900): the L3
+/// line's last match (the attention checkpoint of the fork's own position,
+/// what counting the step's checkpoints named too) is read at its
+/// position, so the reference reads a few pages more than the candidate
+/// (the walk's), where counting the earlier checkpoints read the L3 groups
+/// of layers 0–5 whole.
+#[test]
+fn a_prefill_forks_last_match_costs_the_pages_of_its_position() {
+    use moeconf_bisect::{diff, DiffOptions, EarlierCheckpoints};
+    use moeconf_schema::Trace;
+    let dir = tempfile::tempdir().unwrap();
+    let (pr, pc) = (dir.path().join("ref.bin"), dir.path().join("cand.bin"));
+    let run = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--model",
+            "builtin:tiny-v4",
+            "--prompt-tokens",
+            "2048",
+            "--max-new-tokens",
+            "2",
+            "--capture",
+            "L0,L1+payload,L2,L3,L4",
+            "-o",
+            s(out),
+        ];
+        args.extend_from_slice(extra);
+        let o = moeconf(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    run(&pr, &[]);
+    run(
+        &pc,
+        &["--fork-step", "0", "--fork-position", "1900", "--fork-layer", "5"],
+    );
+    let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let l3 = &rep.levels.l3;
+    let first = l3.first.as_ref().unwrap();
+    assert_eq!(
+        (first.step, first.layer, first.position, first.path.as_str()),
+        (0, Some(5), 1900, "layer.post_ffn_mhc")
+    );
+    let last = l3.last_matched_checkpoint.as_ref().unwrap();
+    assert_eq!(
+        (last.step, last.layer, last.position, last.path.as_str()),
+        (0, Some(5), 1900, "layer.post_attn_mhc")
+    );
+    assert_eq!(l3.earlier_checkpoints, Some(EarlierCheckpoints::Match));
+    let (rp, cp) = (r.pages_read(), c.pages_read());
+    // The L3 groups of layers 0-5 read whole: what the count cost.
+    let whole = Trace::open(&pr).unwrap();
+    let level = whole
+        .step(0)
+        .unwrap()
+        .unwrap()
+        .level(moeconf_fingerprint::Level::L3)
+        .unwrap();
+    for g in level.groups.iter().filter(|g| g.layer.is_some_and(|l| l <= 5)) {
+        whole.read_group(g).unwrap();
+    }
+    eprintln!(
+        "reference {rp} pages, candidate {cp}; L3 groups of layers 0-5: {}",
+        whole.pages_read()
+    );
+    assert!(rp <= cp + 8, "reference {rp} pages, candidate {cp}");
+    assert!(whole.pages_read() > 8, "the count's reads exceed the margin");
 }

@@ -440,3 +440,195 @@ fn pages_read_by_diff_and_gate_of_given_traces() {
         c.pages_read()
     );
 }
+
+/// Layers and positions of [`write_checkpoints`]' traces: about 2.9 pages
+/// of L3 records per layer.
+const CK_LAYERS: u32 = 4;
+const CK_POSITIONS: u32 = 6_000;
+/// The first position of the prefill (as after a cached prefix).
+const CK_START: u32 = 100;
+
+/// A version 4 trace whose step 0 (a prefill of positions `CK_START..`)
+/// holds both post-mHC checkpoints of every layer at every position
+/// (fingerprints), and a token at steps 0 and 1. With `fork` (layer,
+/// position, FFN half), that checkpoint differs; `omit` (layer, position)
+/// holds no checkpoint there (a partial trace).
+fn write_checkpoints(path: &Path, fork: Option<(u32, u32, bool)>, omit: Option<(u32, u32)>) {
+    let out = check_output(path, &Inputs::new()).unwrap();
+    let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header(), FORMAT_V4).unwrap();
+    let c = |step: u32, position: u32, layer: Option<u32>, path: &str| Coord {
+        step,
+        position,
+        phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+        layer,
+        path: path.into(),
+    };
+    for layer in 0..CK_LAYERS {
+        for p in CK_START..CK_START + CK_POSITIONS {
+            if omit == Some((layer, p)) {
+                continue;
+            }
+            for (ffn, path) in [(false, "layer.post_attn_mhc"), (true, "layer.post_ffn_mhc")] {
+                let forked = fork == Some((layer, p, ffn));
+                let v =
+                    (p * 2 + u32::from(ffn)) as f32 + layer as f32 * 0.25 + if forked { 1.0 } else { 0.0 };
+                let b: Vec<u8> = [v, -v].iter().flat_map(|x| x.to_le_bytes()).collect();
+                let t = TensorView {
+                    dtype: DType::F32,
+                    shape: &[2],
+                    bytes: &b,
+                };
+                w.append(c(0, p, Some(layer), path), Level::L3, t, false).unwrap();
+            }
+        }
+    }
+    for step in 0..2u32 {
+        let tok = (7 + step as i32).to_le_bytes();
+        let t = TensorView {
+            dtype: DType::I32,
+            shape: &[1],
+            bytes: &tok,
+        };
+        let position = CK_START + CK_POSITIONS + step;
+        w.append(c(step, position, None, "token.output"), Level::L0, t, true)
+            .unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// What the report named before it looked the last match up: the last
+/// checkpoint of step 0 before `bound` in execution order, from every L3
+/// group of the step read whole (the oracle).
+fn last_checkpoint_read_whole(t: &Trace, bound: &Coord) -> Option<(Option<u32>, u32, String)> {
+    use moeconf_fingerprint::catalogue::ExecKey;
+    let key = |c: &Coord| (ExecKey::of(c), c.phase, c.path.to_string());
+    let level = t.step(bound.step).unwrap().unwrap().level(Level::L3).unwrap();
+    level
+        .groups
+        .iter()
+        .flat_map(|g| t.read_group(g).unwrap())
+        .map(|h| h.entry().coord.clone())
+        .filter(|c| c.path.ends_with("_mhc") && key(c) < key(bound))
+        .max_by_key(key)
+        .map(|c| (c.layer, c.position, c.path.to_string()))
+}
+
+/// The L3 line's last match is the checkpoint just before the first
+/// differing one in execution order (the one every L3 group read whole
+/// names), found by reading the pages of one or two positions: the
+/// reference reads a few pages more than the candidate, however many
+/// pages of checkpoints precede the divergence (about 9 at layer 3 here).
+#[test]
+fn the_last_matched_checkpoint_costs_the_pages_of_its_position() {
+    use moeconf_bisect::{diff, DiffOptions, EarlierCheckpoints};
+    let dir = tempfile::tempdir().unwrap();
+    let pr = dir.path().join("ref.bin");
+    write_checkpoints(&pr, None, None);
+    let layout = GroupPages::new(
+        group_prefix(0, Level::L3, Some(0), 2 * CK_POSITIONS as u64).len() as u64,
+        2 * CK_POSITIONS as u64,
+    )
+    .unwrap();
+    assert!(layout.count() >= 3, "{layout:?}");
+    let s = CK_START;
+    // (layer, position, FFN half) of the fork.
+    for fork in [
+        (0, s, false),         // the first checkpoint of the step: no last match
+        (0, s, true),          // its attention half
+        (1, s + 2_500, false), // the position before, same layer
+        (3, s + 4_100, false),
+        (2, s, false), // opens its layer: the last position of layer 1
+        (3, s + CK_POSITIONS - 1, true),
+    ] {
+        let pc = dir.path().join(format!("c-{}-{}-{}.bin", fork.0, fork.1, fork.2));
+        write_checkpoints(&pc, Some(fork), None);
+        let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+        let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+        let l3 = &rep.levels.l3;
+        let first = l3.first.as_ref().expect("a differing checkpoint");
+        let path = if fork.2 {
+            "layer.post_ffn_mhc"
+        } else {
+            "layer.post_attn_mhc"
+        };
+        assert_eq!(
+            (first.layer, first.position, first.path.as_str()),
+            (Some(fork.0), fork.1, path)
+        );
+        let bound = Coord {
+            step: 0,
+            position: fork.1,
+            phase: Phase::Prefill,
+            layer: Some(fork.0),
+            path: path.into(),
+        };
+        let whole = Trace::open(&pr).unwrap();
+        let oracle = last_checkpoint_read_whole(&whole, &bound);
+        let named = l3
+            .last_matched_checkpoint
+            .as_ref()
+            .map(|m| (m.layer, m.position, m.path.clone()));
+        assert_eq!(named, oracle, "fork {fork:?}");
+        assert_eq!(
+            l3.earlier_checkpoints,
+            Some(if oracle.is_some() {
+                EarlierCheckpoints::Match
+            } else {
+                EarlierCheckpoints::None
+            })
+        );
+        let text = rep.render_text(false);
+        match &oracle {
+            Some((l, p, path)) => assert!(
+                text.contains(&format!(
+                    "   every earlier checkpoint of step 0 matches; last match: step 0 pos {p} (prefill) layer {} {path}\n",
+                    l.unwrap()
+                )),
+                "{text}"
+            ),
+            None => assert!(text.contains("   it is the first checkpoint of step 0\n"), "{text}"),
+        }
+        let (rp, cp) = (r.pages_read(), c.pages_read());
+        eprintln!("fork {fork:?}: reference {rp} pages, candidate {cp}");
+        assert!(
+            rp <= cp + 4,
+            "fork {fork:?}: reference {rp} pages, candidate {cp}"
+        );
+        // Reading the groups up to the fork's layer whole (what counting the
+        // earlier checkpoints did) is more than this test allows.
+        if fork.0 == 3 {
+            let w = whole.pages_read();
+            assert!(
+                w >= u64::from(CK_LAYERS) * layout.count() && w > cp + 4,
+                "{w} pages"
+            );
+        }
+    }
+}
+
+/// A partial trace without the checkpoints of the position before the
+/// first differing one: the report names no last match (rather than one
+/// found by reading further back) and says so.
+#[test]
+fn a_last_match_not_where_execution_order_puts_it_is_not_named() {
+    use moeconf_bisect::{diff, DiffOptions, EarlierCheckpoints};
+    let dir = tempfile::tempdir().unwrap();
+    let (pr, pc) = (dir.path().join("ref.bin"), dir.path().join("cand.bin"));
+    let gap = (1, CK_START + 2_000);
+    write_checkpoints(&pr, None, Some(gap));
+    write_checkpoints(&pc, Some((1, gap.1 + 1, false)), Some(gap));
+    let (r, c) = (Trace::open(&pr).unwrap(), Trace::open(&pc).unwrap());
+    let rep = diff(&r, &c, &DiffOptions::default()).unwrap();
+    let l3 = &rep.levels.l3;
+    assert_eq!(l3.first.as_ref().map(|f| f.position), Some(gap.1 + 1));
+    assert_eq!(l3.last_matched_checkpoint, None);
+    assert_eq!(l3.earlier_checkpoints, Some(EarlierCheckpoints::Unlocated));
+    let text = rep.render_text(false);
+    assert!(
+        text.contains(
+            "   every earlier checkpoint of step 0 matches; the last one is not where execution order puts it\n"
+        ),
+        "{text}"
+    );
+    assert!(r.pages_read() <= c.pages_read() + 4);
+}

@@ -661,15 +661,39 @@ impl Trace {
         let n = cvs.len() as u64;
         // The first page whose last record is at or after the position:
         // narrowed first by the pages already read (a comparison looks up
-        // positions inside the pages it read), then bisected.
+        // positions inside the pages it read, or next to them), then
+        // searched. A page read whose first record lies before the
+        // position bounds the answer from below too: every page before it
+        // ends at or before that record.
         let (mut lo, mut hi) = (0u64, n);
         if let Store::V2(s) = &self.store {
-            for (j, _, last) in s.loaded_positions(group) {
+            for (j, first, last) in s.loaded_positions(group) {
                 if last < position {
                     lo = lo.max(j + 1);
                 } else {
                     hi = hi.min(j);
+                    if first < position {
+                        lo = lo.max(j);
+                    }
                 }
+            }
+        }
+        // Bounded by a page read: probe the pages just before it first
+        // (1, 2, 4, … back), so that a position next to the pages read
+        // costs a page or two whatever the group's length.
+        if hi < n {
+            let mut step = 1u64;
+            while lo < hi {
+                let probe = hi.saturating_sub(step).max(lo);
+                let page = self.group_page_entries(group, &[probe])?;
+                match page.last() {
+                    Some((_, e)) if e.coord.position < position => {
+                        lo = probe + 1;
+                        break;
+                    }
+                    _ => hi = probe,
+                }
+                step *= 2;
             }
         }
         while lo < hi {
