@@ -102,7 +102,68 @@ pub struct ContextRow {
     pub peak_rss: Option<u64>,
 }
 
+/// Whether the decode cost per step meets [`TARGET_COST`], from the pairs'
+/// 95 % interval of the median ([`measure::median_interval95`]): met when
+/// the whole interval is at or below the target, not met when it is all
+/// above, undecided when it holds the target (more pairs decide). Below 6
+/// pairs there is no interval, and the median alone answers, saying so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetVerdict {
+    Met,
+    NotMet,
+    Undecided,
+    MedianMet,
+    MedianNotMet,
+}
+
+impl TargetVerdict {
+    /// The verdict on sorted cost ratios; `None` without any.
+    pub fn of(sorted: &[f64]) -> Option<TargetVerdict> {
+        let [_, median, _] = measure::quartiles(sorted)?;
+        Some(match measure::median_interval95(sorted) {
+            Some((_, hi)) if hi <= TARGET_COST => TargetVerdict::Met,
+            Some((lo, _)) if lo > TARGET_COST => TargetVerdict::NotMet,
+            Some(_) => TargetVerdict::Undecided,
+            None if median <= TARGET_COST => TargetVerdict::MedianMet,
+            None => TargetVerdict::MedianNotMet,
+        })
+    }
+
+    /// The JSON value.
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetVerdict::Met => "met",
+            TargetVerdict::NotMet => "not_met",
+            TargetVerdict::Undecided => "undecided",
+            TargetVerdict::MedianMet => "median_met",
+            TargetVerdict::MedianNotMet => "median_not_met",
+        }
+    }
+
+    /// The text report's words.
+    fn text(self, pairs: usize) -> String {
+        match self {
+            TargetVerdict::Met => "target met (the whole 95 % interval of the median)".into(),
+            TargetVerdict::NotMet => "target NOT met (the whole 95 % interval of the median)".into(),
+            TargetVerdict::Undecided => format!(
+                "target undecided: the 95 % interval of the median holds {TARGET_COST:.2}x at {pairs} pairs \
+                 (more pairs, --repeat, decide)"
+            ),
+            TargetVerdict::MedianMet => {
+                "target met at the median (fewer than 6 pairs: no 95 % interval)".into()
+            }
+            TargetVerdict::MedianNotMet => {
+                "target NOT met at the median (fewer than 6 pairs: no 95 % interval)".into()
+            }
+        }
+    }
+}
+
 impl ContextRow {
+    /// The decode cost per step against the target ([`TargetVerdict`]).
+    pub fn decode_verdict(&self) -> Option<TargetVerdict> {
+        TargetVerdict::of(&self.decode_cost)
+    }
     /// Median (quartiles) of the decode cost ratio.
     pub fn decode_quartiles(&self) -> Option<[f64; 3]> {
         measure::quartiles(&self.decode_cost)
@@ -402,13 +463,13 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             .map_or(String::new(), |c| format!(", prefill in chunks of {c}")),
     );
     for r in rows {
-        let met = |q: Option<[f64; 3]>| match q {
-            Some([_, m, _]) if m <= TARGET_COST => "met",
-            Some(_) => "NOT met",
-            None => "n/a",
-        };
+        let interval = measure::median_interval95(&r.decode_cost)
+            .map_or(String::new(), |(lo, hi)| format!(", 95 % interval of the median {lo:.3}-{hi:.3}"));
+        let verdict = r
+            .decode_verdict()
+            .map_or("target n/a".into(), |v| v.text(r.decode_cost.len()));
         t.push_str(&format!(
-            "  context {:>7}\n    decode   {:>9.1} t/s without, {:>9.1} t/s with capture; cost per step {} — target {}; \
+            "  context {:>7}\n    decode   {:>9.1} t/s without, {:>9.1} t/s with capture; cost per step {}{} — {}; \
              whole phase {}\n    \
              prefill  {:>9.1} t/s without, {:>9.1} t/s with capture; cost {}\n    \
              trace    {} per decode step (least {}, most {}); prefill part {}; whole trace {}\n    \
@@ -417,7 +478,8 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             r.decode[0],
             r.decode[1],
             median_text(r.decode_quartiles()),
-            met(r.decode_quartiles()),
+            interval,
+            verdict,
             median_text(r.decode_phase_quartiles()),
             r.prefill[0],
             r.prefill[1],
@@ -433,4 +495,30 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
         ));
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The verdict follows the 95 % interval of the median: wholly below or
+    /// at the target, wholly above, or holding it; below 6 pairs the median
+    /// alone, said so.
+    #[test]
+    fn the_target_verdict_follows_the_interval_of_the_median() {
+        let around = |centre: f64, n: usize| -> Vec<f64> {
+            (0..n).map(|i| centre + (i as f64 - (n - 1) as f64 / 2.0) * 0.01).collect()
+        };
+        assert_eq!(TargetVerdict::of(&around(1.00, 15)), Some(TargetVerdict::Met));
+        assert_eq!(TargetVerdict::of(&around(1.20, 15)), Some(TargetVerdict::NotMet));
+        assert_eq!(TargetVerdict::of(&around(1.10, 15)), Some(TargetVerdict::Undecided));
+        // 15 pairs: the interval is x(4)..x(12); a median below the target
+        // with x(12) above it (the four largest above) is undecided, not met.
+        let mut v = around(1.00, 15);
+        v[11..].fill(1.2);
+        assert_eq!(TargetVerdict::of(&v), Some(TargetVerdict::Undecided));
+        assert_eq!(TargetVerdict::of(&around(1.00, 5)), Some(TargetVerdict::MedianMet));
+        assert_eq!(TargetVerdict::of(&around(1.20, 5)), Some(TargetVerdict::MedianNotMet));
+        assert_eq!(TargetVerdict::of(&[]), None);
+    }
 }

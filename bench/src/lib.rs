@@ -318,6 +318,8 @@ pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchRepor
             "decode_cost": q(r.decode_quartiles(), r.decode_cost.len()),
             "decode_phase_cost": q(r.decode_phase_quartiles(), r.decode_phase_cost.len()),
             "decode_target_met": r.decode_quartiles().map(|[_, m, _]| m <= TARGET_COST),
+            "decode_cost_median_interval95": crate::measure::median_interval95(&r.decode_cost).map(|(lo, hi)| [lo, hi]),
+            "decode_target": r.decode_verdict().map(|v| v.name()),
             "bytes_per_decode_step": {"min": r.step_bytes[0], "median": r.step_bytes[1], "max": r.step_bytes[2]},
             "prefill_bytes": r.prefill_bytes,
             "trace_bytes": r.trace_bytes,

@@ -46,6 +46,35 @@ pub fn quartiles(sorted: &[f64]) -> Option<[f64; 3]> {
     (!sorted.is_empty()).then(|| [at(1), at(2), at(3)])
 }
 
+/// A distribution-free interval holding the median of the population
+/// `sorted` was drawn from with probability at least 95 %: the order
+/// statistics x_(k) and x_(n+1-k) (1-based) for the largest k whose
+/// binomial tail P(Bin(n, 1/2) < k) is at most 2.5 %. `None` below 6
+/// samples, where no such pair exists (n = 5: 2 × 1/32 = 6.25 %).
+pub fn median_interval95(sorted: &[f64]) -> Option<(f64, f64)> {
+    let n = sorted.len();
+    // P(Bin(n, 1/2) <= j), summed in f64 (exact enough for n up to ~1000;
+    // larger n uses the normal approximation's k).
+    let k = if n <= 1000 {
+        let mut c = 1.0f64; // C(n, 0)
+        let mut tail = 0.0f64;
+        let scale = 0.5f64.powi(n as i32);
+        let mut k = 0usize;
+        for j in 0..n {
+            tail += c * scale;
+            if tail > 0.025 {
+                break;
+            }
+            k = j + 1;
+            c = c * (n - j) as f64 / (j + 1) as f64;
+        }
+        k
+    } else {
+        ((n as f64 - 1.96 * (n as f64).sqrt()) / 2.0).floor() as usize
+    };
+    (k >= 1 && k <= n - k + 1 && n >= 6).then(|| (sorted[k - 1], sorted[n - k]))
+}
+
 /// Memory read bandwidth in bytes per second: the best of `repeat`
 /// streaming reads of a `bytes`-byte buffer (touched once before), summed
 /// in 64-bit words by `threads` threads over contiguous parts. The buffer
@@ -82,4 +111,41 @@ fn sum_words(w: &[u64]) -> u64 {
     }
     let tail = it.remainder().iter().fold(0u64, |a, b| a.wrapping_add(*b));
     acc.iter().fold(tail, |a, b| a.wrapping_add(*b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// C(n, j) exactly.
+    fn choose(n: u128, j: u128) -> u128 {
+        (0..j).fold(1u128, |c, i| c * (n - i) / (i + 1))
+    }
+
+    /// The interval's order statistics against exact binomial tails: the
+    /// largest k with 2^n · P(Bin(n, 1/2) < k) ≤ 2^n / 40, for every n up
+    /// to 60, and none below 6 samples.
+    #[test]
+    fn the_median_interval_takes_the_order_statistics_of_the_exact_binomial_tail() {
+        for n in 1usize..=60 {
+            let sorted: Vec<f64> = (0..n).map(|i| i as f64).collect();
+            let total = 1u128 << n;
+            let mut k = 0usize;
+            let mut tail = 0u128;
+            for j in 0..n {
+                tail += choose(n as u128, j as u128);
+                if tail * 40 > total {
+                    break;
+                }
+                k = j + 1;
+            }
+            let expected = (n >= 6 && k >= 1).then(|| ((k - 1) as f64, (n - k) as f64));
+            assert_eq!(median_interval95(&sorted), expected, "n = {n}");
+        }
+        // Known values: 15 samples give x(4) and x(12); 6 give the extremes.
+        let v: Vec<f64> = (1..=15).map(f64::from).collect();
+        assert_eq!(median_interval95(&v), Some((4.0, 12.0)));
+        assert_eq!(median_interval95(&v[..6]), Some((1.0, 6.0)));
+        assert_eq!(median_interval95(&v[..5]), None);
+    }
 }
