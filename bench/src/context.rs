@@ -463,8 +463,9 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             .map_or(String::new(), |c| format!(", prefill in chunks of {c}")),
     );
     for r in rows {
-        let interval = measure::median_interval95(&r.decode_cost)
-            .map_or(String::new(), |(lo, hi)| format!(", 95 % interval of the median {lo:.3}-{hi:.3}"));
+        let interval = measure::median_interval95(&r.decode_cost).map_or(String::new(), |(lo, hi)| {
+            format!(", 95 % interval of the median {lo:.3}-{hi:.3}")
+        });
         let verdict = r
             .decode_verdict()
             .map_or("target n/a".into(), |v| v.text(r.decode_cost.len()));
@@ -507,18 +508,29 @@ mod tests {
     #[test]
     fn the_target_verdict_follows_the_interval_of_the_median() {
         let around = |centre: f64, n: usize| -> Vec<f64> {
-            (0..n).map(|i| centre + (i as f64 - (n - 1) as f64 / 2.0) * 0.01).collect()
+            (0..n)
+                .map(|i| centre + (i as f64 - (n - 1) as f64 / 2.0) * 0.01)
+                .collect()
         };
         assert_eq!(TargetVerdict::of(&around(1.00, 15)), Some(TargetVerdict::Met));
         assert_eq!(TargetVerdict::of(&around(1.20, 15)), Some(TargetVerdict::NotMet));
-        assert_eq!(TargetVerdict::of(&around(1.10, 15)), Some(TargetVerdict::Undecided));
+        assert_eq!(
+            TargetVerdict::of(&around(1.10, 15)),
+            Some(TargetVerdict::Undecided)
+        );
         // 15 pairs: the interval is x(4)..x(12); a median below the target
         // with x(12) above it (the four largest above) is undecided, not met.
         let mut v = around(1.00, 15);
         v[11..].fill(1.2);
         assert_eq!(TargetVerdict::of(&v), Some(TargetVerdict::Undecided));
-        assert_eq!(TargetVerdict::of(&around(1.00, 5)), Some(TargetVerdict::MedianMet));
-        assert_eq!(TargetVerdict::of(&around(1.20, 5)), Some(TargetVerdict::MedianNotMet));
+        assert_eq!(
+            TargetVerdict::of(&around(1.00, 5)),
+            Some(TargetVerdict::MedianMet)
+        );
+        assert_eq!(
+            TargetVerdict::of(&around(1.20, 5)),
+            Some(TargetVerdict::MedianNotMet)
+        );
         assert_eq!(TargetVerdict::of(&[]), None);
     }
 }

@@ -21,19 +21,43 @@ fn header() -> Header {
     h
 }
 
+/// A token at steps 0 and 1, at positions `first` and `first + 1`.
+fn append_tokens(w: &mut TraceWriter, first: u32) {
+    for step in 0..2u32 {
+        let tok = (7 + step as i32).to_le_bytes();
+        let t = TensorView {
+            dtype: DType::I32,
+            shape: &[1],
+            bytes: &tok,
+        };
+        w.append(
+            coord(step, first + step, None, "token.output"),
+            Level::L0,
+            t,
+            true,
+        )
+        .unwrap();
+    }
+}
+
+/// A coordinate of step `step` (prefill at step 0, decode after).
+fn coord(step: u32, position: u32, layer: Option<u32>, path: &str) -> Coord {
+    Coord {
+        step,
+        position,
+        phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+        layer,
+        path: path.into(),
+    }
+}
+
 /// A trace of `version` and `alg`: step 0 holds `BIG` L4 records of layer 1
 /// (fingerprints), 50 L3 records with payloads and a token; step 1 a
 /// token. With `fork`, the L4 record at that position differs.
 fn write(path: &Path, version: u32, alg: Algorithm, fork: Option<u32>, big: u32) -> Vec<u8> {
     let out = check_output(path, &Inputs::new()).unwrap();
     let mut w = TraceWriter::create_version(&out, alg, header(), version).unwrap();
-    let c = |step: u32, position: u32, layer: Option<u32>, path: &str| Coord {
-        step,
-        position,
-        phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
-        layer,
-        path: path.into(),
-    };
+    let c = coord;
     for p in 0..big {
         let v = (p as f32) * 0.5 + if fork == Some(p) { 1.0 } else { 0.0 };
         let b: Vec<u8> = [v, -v].iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -49,16 +73,7 @@ fn write(path: &Path, version: u32, alg: Algorithm, fork: Option<u32>, big: u32)
                 .unwrap();
         }
     }
-    for step in 0..2u32 {
-        let tok = (7 + step as i32).to_le_bytes();
-        let t = TensorView {
-            dtype: DType::I32,
-            shape: &[1],
-            bytes: &tok,
-        };
-        w.append(c(step, big + step, None, "token.output"), Level::L0, t, true)
-            .unwrap();
-    }
+    append_tokens(&mut w, big);
     w.finish().unwrap();
     std::fs::read(path).unwrap()
 }
@@ -456,13 +471,7 @@ const CK_START: u32 = 100;
 fn write_checkpoints(path: &Path, fork: Option<(u32, u32, bool)>, omit: Option<(u32, u32)>) {
     let out = check_output(path, &Inputs::new()).unwrap();
     let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header(), FORMAT_V4).unwrap();
-    let c = |step: u32, position: u32, layer: Option<u32>, path: &str| Coord {
-        step,
-        position,
-        phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
-        layer,
-        path: path.into(),
-    };
+    let c = coord;
     for layer in 0..CK_LAYERS {
         for p in CK_START..CK_START + CK_POSITIONS {
             if omit == Some((layer, p)) {
@@ -482,17 +491,7 @@ fn write_checkpoints(path: &Path, fork: Option<(u32, u32, bool)>, omit: Option<(
             }
         }
     }
-    for step in 0..2u32 {
-        let tok = (7 + step as i32).to_le_bytes();
-        let t = TensorView {
-            dtype: DType::I32,
-            shape: &[1],
-            bytes: &tok,
-        };
-        let position = CK_START + CK_POSITIONS + step;
-        w.append(c(step, position, None, "token.output"), Level::L0, t, true)
-            .unwrap();
-    }
+    append_tokens(&mut w, CK_START + CK_POSITIONS);
     w.finish().unwrap();
 }
 
