@@ -8,7 +8,7 @@
 //! outputs and, when it applies, the static proof of order invariance. The
 //! summary counts the order-invariant events per contract.
 //!
-//! It lives beside contract inference ([`crate::infer`]): both read the
+//! It lives beside contract inference (`explain`, [`crate::explain_trace`]): both read the
 //! routed terms of a recorded combine back from a trace.
 //!
 //! **Bounded work.** Certifying an event evaluates k! orders of D values

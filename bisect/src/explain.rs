@@ -387,7 +387,7 @@ pub struct TraceRule {
     /// One line: the rule and its count, or what is unexplained.
     pub headline: String,
     /// When no rule explains every event: the events the best rule (the
-    /// first of `rules`) does not reproduce (at most [`MAX_LISTED_OUTLIERS`]).
+    /// first of `rules`) does not reproduce (at most `MAX_LISTED_OUTLIERS`).
     pub outside_best_rule: Vec<EventRef>,
 }
 

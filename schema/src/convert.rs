@@ -34,7 +34,7 @@ pub struct ConvertSummary {
 
 /// Writes the trace at `input` to `output` in container format `version`
 /// (1, 2, 3 or 4). `output` must have been checked against `input`
-/// ([`crate::check_output`] with the input among its inputs).
+/// ([`moeconf_output::check_output`] with the input among its inputs).
 pub fn convert(input: &Path, output: &CheckedOutput, version: u32) -> Result<ConvertSummary, TraceError> {
     let src = Trace::open_verified(input)?;
     let records = src.records()?;

@@ -51,14 +51,14 @@ pub enum TraceError {
         /// What was rejected.
         what: String,
     },
-    /// The output path cannot be written (see [`crate::output`]): not a
+    /// The output path cannot be written (see [`moeconf_output`]): not a
     /// regular file, a symbolic link, an input of the command, or the write,
     /// flush, sync or rename failed (the temporary file is removed).
     /// (Boxed: it is large and rare, and keeps every `Result<_, TraceError>` small.)
     #[error(transparent)]
     Output(Box<moeconf_output::OutputError>),
     /// The input is not a regular file (a directory, FIFO, socket, device,
-    /// or a symbolic link to one or to nothing; see [`crate::input`]).
+    /// or a symbolic link to one or to nothing; see [`moeconf_output::input`]).
     #[error(transparent)]
     Input(Box<moeconf_output::input::InputFileError>),
 }

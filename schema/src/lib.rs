@@ -9,7 +9,7 @@
 //!   [`Provenance`] says who produced it.
 //! * [`TraceWriter`] appends records as a runtime produces them and writes the
 //!   file atomically, refusing anything its reader would refuse.
-//! * [`output`] is the one way any moeconf command writes a file: outputs
+//! * [`moeconf_output`] is the one way any moeconf command writes a file: outputs
 //!   checked before work starts, temporary files that never outlive an
 //!   error, normal file modes.
 //! * [`Trace`] opens a file of either container version, validates it and
