@@ -374,7 +374,7 @@ fn ffn_cases(ctx: &Ctx, pl: &Plan) -> Result<Vec<Case>> {
 
 /// The matrix of one profile: every case above, and the two one-ulp combine
 /// nudges of issue 13's gap 1 (their elements searched on the runtime, see
-/// [`nudge_elements`]).
+/// `nudge_elements`).
 pub fn matrix(ctx: &Ctx, precision: Precision, ids: &[u32], tokens: usize) -> Result<Vec<Case>> {
     let pl = Plan::new(ctx, ids.len(), tokens);
     let mut cases = attention_cases(&pl);
@@ -980,7 +980,7 @@ impl Counts {
 }
 
 /// Assembles protocol 10 from its job results (the reference jobs' results
-/// are empty; every other is an [`Outcome`]).
+/// are empty; every other is an `Outcome`).
 pub fn assemble(params: &Params, results: &[Value]) -> Result<Vec<Section>> {
     let n = params.sizes.tokens;
     let cases: Vec<Value> = results.iter().filter(|v| !v.is_null()).cloned().collect();

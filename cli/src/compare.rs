@@ -63,7 +63,7 @@ impl DiffJob {
 }
 
 /// Whether to color: `auto` means stdout is a terminal and `NO_COLOR` is
-/// unset or empty (https://no-color.org).
+/// unset or empty (<https://no-color.org>).
 fn use_color(choice: ColorChoice, is_tty: bool, no_color: Option<std::ffi::OsString>) -> bool {
     match choice {
         ColorChoice::Always => true,

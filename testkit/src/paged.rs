@@ -56,7 +56,7 @@ fn stream(seed: u64, n: usize) -> Vec<u8> {
 }
 
 /// The content of base `i`: a generated run with a long prompt, one layer,
-/// the levels of [`shape`] (payload levels drawn among them), BLAKE3,
+/// the levels of `shape` (payload levels drawn among them), BLAKE3,
 /// format version 4.
 pub fn base_spec(i: usize) -> TraceSpec {
     for attempt in 0..64u64 {

@@ -62,6 +62,8 @@ pub struct InvarianceArgs {
     pub precision: Option<String>,
     /// Policy file whose [invariance] section declares the expectations (default:
     /// moeconf.toml at the repository root, when it exists; MOECONF_POLICY).
+    // The text is the option's --help: `[invariance]` is the TOML table, not a link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long)]
     pub policy: Option<PathBuf>,
     /// Report format on stdout.
