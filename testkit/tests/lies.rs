@@ -508,3 +508,49 @@ fn fuzz_finding_convert_carries_the_write_order_it_was_given() {
     ];
     moeconf_testkit::targets::lies_case(&data, dir.path());
 }
+
+/// Two records of one group given one write-order number (the second
+/// takes the first's, tree order adjacent, every digest recomputed): a
+/// reader reading on use refuses the group when it reads it, as it refuses
+/// a number shared across groups (a verified open refuses the step first). Every fixture, at its first group of two or more
+/// records in step 1.
+#[test]
+fn a_number_shared_by_two_records_of_one_group_is_refused() {
+    let dir = scratch();
+    for fx in fixtures(dir.path()) {
+        let clean = dir.path().join("clean.bin");
+        std::fs::write(&clean, &fx.f).unwrap();
+        let t = Trace::open(&clean).unwrap();
+        let node = t.step(1).unwrap().expect("step 1");
+        let mut first = 0u64;
+        let mut pair = None;
+        for g in node.levels.iter().flat_map(|l| &l.groups) {
+            if g.records >= 2 {
+                pair = Some((first as usize, first as usize + 1));
+                break;
+            }
+            first += g.records;
+        }
+        let (a, b) = pair.expect("a group of two records");
+        let lied = lie1(&fx.f, &Lie::ShareOrdinal { step: 1, a, b })
+            .unwrap()
+            .expect("the lie applies");
+        let path = dir.path().join("lied.bin");
+        std::fs::write(&path, &lied).unwrap();
+        // Loaded on use and reachable by number (as `diff` reads): refused.
+        let t = Trace::open(&path).unwrap();
+        let node = t.step(1).unwrap().expect("step 1");
+        let g = node
+            .levels
+            .iter()
+            .flat_map(|l| &l.groups)
+            .find(|g| g.records >= 2)
+            .unwrap();
+        let e = t.group_records(g).map(|_| ()).unwrap_err();
+        assert!(
+            e.to_string().contains("must be a permutation"),
+            "{}: {e}",
+            fx.name
+        );
+    }
+}

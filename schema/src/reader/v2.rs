@@ -718,42 +718,69 @@ impl Store {
         entries: &[IndexEntry],
     ) -> Result<(), Fault> {
         let mut locs = lock(&self.locs);
-        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        let here = |l: &Loc| {
+            (l.step_index, l.level_index, l.group_index)
+                == (g.at.step_index, g.at.level_index, g.at.group_index)
+        };
+        // One map operation per number: taken here when free; when taken,
+        // it must be this record: the same place of this page or content
+        // (a page read again), or an equal entry of the same group read
+        // through another page or whole. A number twice in this page fails
+        // the first test (another place of the same page).
         for (k, &i) in ids.iter().enumerate() {
-            let same = |l: &Loc| {
-                (l.step_index, l.level_index, l.group_index)
-                    == (g.at.step_index, g.at.level_index, g.at.group_index)
-                    && Self::at(t, *l) == entries.get(k)
+            let ok = match locs.entry(i) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Loc {
+                        step_index: g.at.step_index,
+                        level_index: g.at.level_index,
+                        group_index: g.at.group_index,
+                        page,
+                        k: k as u32,
+                    });
+                    true
+                }
+                std::collections::hash_map::Entry::Occupied(o) => {
+                    let l = o.get();
+                    here(l)
+                        && if l.page == page {
+                            l.k == k as u32
+                        } else {
+                            Self::at(t, *l) == entries.get(k)
+                        }
+                }
             };
-            if !seen.insert(i) || locs.get(&i).is_some_and(|l| !same(l)) {
-                let block = t
-                    .nodes
-                    .get(g.at.step_index as usize)
-                    .and_then(|n| n.as_ref().ok());
-                let at = block
-                    .and_then(|n| n.blocks.get(g.at.block as usize))
-                    .map_or(0, |b| b.offset);
-                return Err(Fault::new(
-                    at,
-                    format!(
-                        "step {} level {} layer {:?}'s group block: record {}: write-order number {i} is \
-                         already another record's (the numbers of a step must be a permutation)",
-                        t.summaries[g.at.step_index as usize].step,
-                        g.at.level,
-                        g.layer,
-                        entries.get(k).map_or_else(String::new, |e| e.coord.to_string())
-                    ),
-                ));
+            if ok {
+                continue;
             }
-        }
-        for (k, &i) in ids.iter().enumerate() {
-            locs.entry(i).or_insert(Loc {
-                step_index: g.at.step_index,
-                level_index: g.at.level_index,
-                group_index: g.at.group_index,
-                page,
-                k: k as u32,
-            });
+            // Refused: the numbers this call took are given back (a page
+            // registered before never fails again: its numbers all hold
+            // this page's places), so nothing is taken.
+            for (j, &taken) in ids[..k].iter().enumerate() {
+                if locs
+                    .get(&taken)
+                    .is_some_and(|l| here(l) && l.page == page && l.k == j as u32)
+                {
+                    locs.remove(&taken);
+                }
+            }
+            let block = t
+                .nodes
+                .get(g.at.step_index as usize)
+                .and_then(|n| n.as_ref().ok());
+            let at = block
+                .and_then(|n| n.blocks.get(g.at.block as usize))
+                .map_or(0, |b| b.offset);
+            return Err(Fault::new(
+                at,
+                format!(
+                    "step {} level {} layer {:?}'s group block: record {}: write-order number {i} is \
+                     already another record's (the numbers of a step must be a permutation)",
+                    t.summaries[g.at.step_index as usize].step,
+                    g.at.level,
+                    g.layer,
+                    entries.get(k).map_or_else(String::new, |e| e.coord.to_string())
+                ),
+            ));
         }
         Ok(())
     }
