@@ -112,6 +112,10 @@ pub(crate) struct Paged {
     pub blocks: Box<[BlockRef]>,
     /// Each page's checked entries (ids and entries, as a group's).
     pub pages: Box<[OnceLock<Result<GroupContent, Fault>>]>,
+    /// Each page whose records `Trace::group_page_entries` has made
+    /// reachable by number and found in canonical order once: later reads
+    /// of it check only its first record against the page before.
+    pub settled: Box<[std::sync::atomic::AtomicBool]>,
 }
 
 /// The records of one loaded layer group ([`Trace::group_entries`]): each

@@ -89,6 +89,7 @@ impl Store {
             cvs: cvs.into_boxed_slice(),
             blocks: pages.iter().map(|p| p.block).collect(),
             pages: (0..pages.len()).map(|_| OnceLock::new()).collect(),
+            settled: (0..pages.len()).map(|_| Default::default()).collect(),
         })
     }
 
@@ -353,17 +354,31 @@ impl Store {
         let mut out: Vec<(usize, &IndexEntry)> = Vec::new();
         let mut next = 0u64;
         for (j, c) in loaded.iter().filter(|(j, _)| want.binary_search(j).is_ok()) {
-            self.register(t, g, *j as u32, &c.ids, &c.entries)?;
+            // A page settled by an earlier read (registered, and its records
+            // found in ascending order) is not checked again record by
+            // record: a look-up by position probes the same pages many times.
+            let settled = paged
+                .settled
+                .get(*j as usize)
+                .is_some_and(|f| f.load(Ordering::Acquire));
+            if !settled {
+                self.register(t, g, *j as u32, &c.ids, &c.entries)?;
+            }
             let r = layout.entries(*j);
             // Skip the record shared with the previous wanted page.
             let skip = next.saturating_sub(r.start) as usize;
-            for (&id, e) in c.ids.iter().zip(c.entries.iter()).skip(skip) {
+            for (n, (&id, e)) in c.ids.iter().zip(c.entries.iter()).skip(skip).enumerate() {
                 if let Some((_, p)) = out.last() {
-                    if tree_key(p) >= tree_key(e) {
+                    if (!settled || n == 0) && tree_key(p) >= tree_key(e) {
                         return Err(order_fault(&site, *j as usize, e, p));
                     }
                 }
                 out.push((id, e));
+            }
+            if !settled {
+                if let Some(f) = paged.settled.get(*j as usize) {
+                    f.store(true, Ordering::Release);
+                }
             }
             next = next.max(r.end);
         }
