@@ -120,15 +120,21 @@ impl PathIds {
     }
 }
 
-/// The packed [`Key`]: 3 bits level, 33 layer (0: none), 32 position, 1
-/// phase, 32 path number.
-fn key_of(ids: &mut PathIds, coord: &Coord, level: Level) -> Key {
+/// A record's level and coordinate but its step and path in 69 bits, in
+/// comparison order: 3 bits level, 33 layer (0: none), 32 position, 1
+/// phase. The duplicate check's [`Key`] and [`tree_order`]'s sort key both
+/// start with it.
+fn coord_bits(level: Level, coord: &Coord) -> u128 {
     let layer = coord.layer.map_or(0u128, |l| u128::from(l) + 1);
-    (u128::from(level.code()) << 98)
-        | (layer << 65)
-        | (u128::from(coord.position) << 33)
-        | ((coord.phase as u128) << 32)
-        | u128::from(ids.id(&coord.path))
+    (u128::from(level.code()) << 66)
+        | (layer << 33)
+        | (u128::from(coord.position) << 1)
+        | (coord.phase as u128)
+}
+
+/// The packed [`Key`]: [`coord_bits`], then 32 bits of path number.
+fn key_of(ids: &mut PathIds, coord: &Coord, level: Level) -> Key {
+    (coord_bits(level, coord) << 32) | u128::from(ids.id(&coord.path))
 }
 
 /// What the writer keeps besides the file.
@@ -918,20 +924,13 @@ fn tree_order(entries: &[IndexEntry]) -> Vec<usize> {
         order.sort_unstable_by_key(|&i| tree_key(&entries[i]));
         return order;
     }
-    // 3 bits level, 33 layer (0 = none), 32 position, 1 phase, 27 path
-    // rank, 32 index: 128.
+    // 69 bits of coordinate ([`coord_bits`]), 27 path rank, 32 index: 128.
     let mut keys: Vec<u128> = entries
         .iter()
         .zip(&path_ids)
         .enumerate()
         .map(|(i, (e, &id))| {
-            let layer = e.coord.layer.map_or(0u128, |l| u128::from(l) + 1);
-            (u128::from(e.level.code()) << 125)
-                | (layer << 92)
-                | (u128::from(e.coord.position) << 60)
-                | ((e.coord.phase as u128) << 59)
-                | (u128::from(rank[id as usize]) << 32)
-                | i as u128
+            (coord_bits(e.level, &e.coord) << 59) | (u128::from(rank[id as usize]) << 32) | i as u128
         })
         .collect();
     keys.sort_unstable();
