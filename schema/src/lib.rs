@@ -51,6 +51,7 @@ mod binding;
 mod completeness;
 pub mod convert;
 mod error;
+mod group_stream;
 #[cfg(feature = "checkpoint")]
 mod identity;
 #[cfg(feature = "checkpoint")]

@@ -27,6 +27,7 @@
 
 use crate::binding::Binding;
 use crate::error::TraceError;
+use crate::group_stream::{EndedGroup, Spilled, StepGroups};
 use crate::layout::{
     align_up, check_record, checksum, fingerprint_tree, Header, IndexEntry, PayloadRef, Preamble, Trailer,
     PAYLOAD_ALIGN, PREAMBLE_LEN,
@@ -176,6 +177,10 @@ pub struct TraceWriter {
     /// One shared path and shape per distinct value among the entries.
     interner: Interner,
     parallel: bool,
+    /// The current step's groups (version 4 with BLAKE3: their long
+    /// groups' page blocks encoded as the records arrive); `None` only
+    /// while a step's blocks are being written.
+    groups: Option<StepGroups>,
 }
 
 impl TraceWriter {
@@ -208,6 +213,11 @@ impl TraceWriter {
         version: u32,
     ) -> Result<TraceWriter, TraceError> {
         let path = out.path();
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let groups = StepGroups::new(dir, alg, is_paged_format(version) && alg == Algorithm::Blake3);
         let body = match version {
             1 => Body::V1 {
                 entries: Vec::new(),
@@ -220,13 +230,7 @@ impl TraceWriter {
                 pending: Vec::new(),
                 keys: HashSet::new(),
                 ids: PathIds::default(),
-                steps: StepRefLog::new(
-                    path.parent()
-                        .filter(|d| !d.as_os_str().is_empty())
-                        .unwrap_or(Path::new(".")),
-                    steprefs::IN_MEMORY,
-                    step_ref_len(v),
-                ),
+                steps: StepRefLog::new(dir, steprefs::IN_MEMORY, step_ref_len(v)),
             },
             v => {
                 return Err(TraceError::invalid(
@@ -252,6 +256,7 @@ impl TraceWriter {
             body,
             interner: Interner::new(),
             parallel: true,
+            groups: Some(groups),
         };
         let pre = Preamble {
             algorithm: alg,
@@ -270,6 +275,18 @@ impl TraceWriter {
     /// digests are identical either way).
     pub fn set_parallel_hashing(&mut self, on: bool) {
         self.parallel = on;
+    }
+
+    /// Whether a long group's page blocks are encoded while its step's
+    /// records arrive rather than all at the step's end (default on where
+    /// groups are paged: version 4 with BLAKE3). The file's bytes are the
+    /// same either way; only the pause at a long step's end differs. Takes
+    /// effect before the first record.
+    pub fn set_group_streaming(&mut self, on: bool) {
+        if let Some(g) = &mut self.groups {
+            let paged = matches!(&self.body, Body::V2 { version, .. } if is_paged_format(*version));
+            g.set_on(on && paged && self.alg == Algorithm::Blake3 && self.records == 0);
+        }
     }
 
     /// The binding this trace is being written under.
@@ -307,6 +324,13 @@ impl TraceWriter {
     fn failed(&mut self, what: &'static str, e: std::io::Error) -> TraceError {
         self.out = None;
         TraceError::io(&self.path, what, e)
+    }
+
+    /// The open temporary file, as an I/O error when there is none.
+    fn file_io(&mut self) -> std::io::Result<&mut AtomicFile> {
+        self.out
+            .as_mut()
+            .ok_or_else(|| std::io::Error::other("trace writer already finished or failed"))
     }
 
     fn write_all(&mut self, bytes: &[u8]) -> Result<(), TraceError> {
@@ -602,7 +626,13 @@ impl TraceWriter {
         };
         match &mut self.body {
             Body::V1 { entries, .. } => entries.push(entry),
-            Body::V2 { pending, .. } => pending.push(entry),
+            Body::V2 { pending, .. } => {
+                pending.push(entry);
+                if let Some(g) = &mut self.groups {
+                    let i = pending.len() - 1;
+                    g.add(pending, i, self.records - i as u64);
+                }
+            }
         }
         self.records += 1;
         self.payloads += u64::from(payload.is_some());
@@ -613,7 +643,11 @@ impl TraceWriter {
     /// writes a group whose digest preimage is longer than one page (BLAKE3
     /// only) as its page blocks, in page order, then a group block holding
     /// their page table (docs/format.md §11.9); every other group is one
-    /// group block, as in version 2.
+    /// group block, as in version 2. `spilled` are the group's first page
+    /// blocks, encoded while the step ran ([`StepGroups`]): copied as they
+    /// are, the rest encoded here. Gives also the group digest of a paged
+    /// group, merged from its pages' chaining values.
+    #[allow(clippy::too_many_arguments)]
     fn write_group(
         &mut self,
         step: u32,
@@ -622,7 +656,8 @@ impl TraceWriter {
         base: u64,
         entries: &[IndexEntry],
         members: &[usize],
-    ) -> Result<BlockRef, TraceError> {
+        spilled: (&[Spilled], &StepGroups),
+    ) -> Result<(BlockRef, Option<Digest>), TraceError> {
         let paged_format = matches!(&self.body, Body::V2 { version, .. } if is_paged_format(*version));
         let prefix = group_prefix(step, level, layer, members.len() as u64);
         let layout = GroupPages::new(prefix.len() as u64, members.len() as u64);
@@ -634,30 +669,71 @@ impl TraceWriter {
                 layer,
                 members.iter().map(|&m| (base + m as u64, &entries[m])),
             );
-            return self.write_block(&bytes);
+            return Ok((self.write_block(&bytes)?, None));
         };
+        let (spilled, groups) = spilled;
+        if spilled.len() as u64 > layout.count() {
+            return Err(TraceError::invalid(
+                &self.path,
+                format!("step {step}: more page blocks encoded than the group has pages"),
+            ));
+        }
         let mut pages = Vec::with_capacity(layout.count() as usize);
         for j in 0..layout.count() {
             let r = layout.entries(j);
             let part = &members[r.start as usize..r.end as usize];
-            let digests: Vec<Digest> = part.iter().map(|&m| entries[m].digest).collect();
-            let cv = layout.cv(j, &prefix, &digests).ok_or_else(|| {
+            let early = spilled.get(j as usize);
+            let cv = match early {
+                // Every page but the first is independent of the group's
+                // length; the first holds the prefix, which counts it.
+                Some(s) if j > 0 => Some(s.cv),
+                _ => {
+                    let digests: Vec<Digest> = part.iter().map(|&m| entries[m].digest).collect();
+                    layout.cv(j, &prefix, &digests)
+                }
+            };
+            let cv = cv.ok_or_else(|| {
                 TraceError::invalid(
                     &self.path,
                     format!("step {step}: group page {j} does not fit its layout"),
                 )
             })?;
-            let bytes = encode_page_block(
-                step,
-                level,
-                layer,
-                j as u32,
-                part.iter().map(|&m| (base + m as u64, &entries[m])),
-            );
-            let block = self.write_block(&bytes)?;
+            let block = match early {
+                Some(s) => {
+                    self.pad_to_alignment()?;
+                    let offset = self.pos;
+                    let copied = groups
+                        .source(s)
+                        .and_then(|(src, at)| self.file_io()?.copy_range(src, at, s.len));
+                    if let Err(e) = copied {
+                        return Err(
+                            self.failed("copying a page block from a temporary file beside the trace", e)
+                        );
+                    }
+                    self.pos += s.len;
+                    BlockRef {
+                        offset,
+                        len: s.len,
+                        digest: s.digest,
+                    }
+                }
+                None => {
+                    let bytes = encode_page_block(
+                        step,
+                        level,
+                        layer,
+                        j as u32,
+                        part.iter().map(|&m| (base + m as u64, &entries[m])),
+                    );
+                    self.write_block(&bytes)?
+                }
+            };
             pages.push(PageRef { cv, block });
         }
-        self.write_block(&encode_paged_group_block(step, level, layer, &pages))
+        let cvs: Vec<Digest> = pages.iter().map(|p| p.cv).collect();
+        let digest = layout.digest(&cvs);
+        let block = self.write_block(&encode_paged_group_block(step, level, layer, &pages))?;
+        Ok((block, digest))
     }
 
     /// Version 2: writes the current step's group blocks (tree order) and
@@ -686,31 +762,47 @@ impl TraceWriter {
         // shape that grows with the position (a cache's length) would
         // otherwise keep one allocation per step for the whole run.
         self.interner = Interner::new();
-        if entries.is_empty() {
-            return Ok(());
-        }
+        let Some(mut groups) = self.groups.take() else {
+            return Err(TraceError::invalid(&self.path, "trace writer already failed"));
+        };
+        let written = if entries.is_empty() {
+            Ok(())
+        } else {
+            self.write_step(step, &entries, &mut groups)
+        };
+        groups.clear();
+        self.groups = Some(groups);
+        written
+    }
+
+    /// Writes the group blocks and step block of `step`, whose entries are
+    /// `entries`.
+    fn write_step(
+        &mut self,
+        step: u32,
+        entries: &[IndexEntry],
+        groups: &mut StepGroups,
+    ) -> Result<(), TraceError> {
         let base = self.records - entries.len() as u64;
-        let order = tree_order(&entries);
+        let ended = match groups.end_step(entries) {
+            Some(ended) => ended,
+            None => whole_step_groups(entries),
+        };
         let mut levels: Vec<LevelRefs> = Vec::new();
         let mut level_records = [0u64; 5];
-        let mut i = 0;
-        while i < order.len() {
-            let (level, layer) = (entries[order[i]].level, entries[order[i]].coord.layer);
-            let start = i;
-            while i < order.len()
-                && (entries[order[i]].level, entries[order[i]].coord.layer) == (level, layer)
-            {
-                i += 1;
-            }
-            let members = &order[start..i];
-            let block = self.write_group(step, level, layer, base, &entries, members)?;
-            let digest = group_digest(
-                self.alg,
-                step,
-                level,
-                layer,
-                members.iter().map(|&m| entries[m].digest),
-            );
+        for g in &ended {
+            let (level, layer, members) = (g.level, g.layer, &g.members[..]);
+            let (block, merged) =
+                self.write_group(step, level, layer, base, entries, members, (&g.spilled, groups))?;
+            let digest = merged.unwrap_or_else(|| {
+                group_digest(
+                    self.alg,
+                    step,
+                    level,
+                    layer,
+                    members.iter().map(|&m| entries[m].digest),
+                )
+            });
             let g = GroupRef {
                 layer,
                 digest,
@@ -870,6 +962,28 @@ impl TraceWriter {
         self.write_all(&trailer.to_bytes())?;
         Ok(root)
     }
+}
+
+/// A step's groups in tree order, each with its members in tree order, from
+/// one sort of the whole step.
+fn whole_step_groups(entries: &[IndexEntry]) -> Vec<EndedGroup> {
+    let order = tree_order(entries);
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < order.len() {
+        let (level, layer) = (entries[order[i]].level, entries[order[i]].coord.layer);
+        let start = i;
+        while i < order.len() && (entries[order[i]].level, entries[order[i]].coord.layer) == (level, layer) {
+            i += 1;
+        }
+        out.push(EndedGroup {
+            level,
+            layer,
+            members: order[start..i].to_vec(),
+            spilled: Vec::new(),
+        });
+    }
+    out
 }
 
 /// An entry's place in the tree: level, layer (none first), position,
@@ -1261,6 +1375,165 @@ mod batch_tests {
                     assert!(Trace::open_verified(&b).is_ok(), "{case}");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod group_streaming_tests {
+    use super::*;
+    use moeconf_fingerprint::group_pages::PAGE_BYTES;
+    use moeconf_fingerprint::DType;
+
+    /// Records of the first record count that fills page 0 of a group.
+    fn page0_end(layer: Option<u32>) -> u32 {
+        let p = group_prefix(0, Level::L4, layer, 0).len() as u64;
+        (PAGE_BYTES - p).div_ceil(32) as u32
+    }
+
+    /// One record to append: level, layer, position, path, kept or not.
+    type Rec = (Level, Option<u32>, u32, String, bool);
+
+    /// A long prefill step's records in the orders a runtime emits them,
+    /// then two decode steps. Groups of several pages whose records come
+    /// layer by layer, positions ascending and a position's paths shuffled;
+    /// a chunked pass that returns to each layer; a group that ends just
+    /// after its first page; one that turns out of order after pages were
+    /// encoded; small groups.
+    fn prefill(seed: u64) -> Vec<Vec<Rec>> {
+        let mut s = seed;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as usize
+        };
+        let mut step0: Vec<Rec> = Vec::new();
+        let paths: Vec<String> = (0..13).map(|k| format!("op.{}", (k * 7) % 13)).collect();
+        let position_of =
+            |step0: &mut Vec<Rec>, level: Level, layer: u32, t: u32, next: &mut dyn FnMut() -> usize| {
+                let mut p = paths.clone();
+                for i in (1..p.len()).rev() {
+                    p.swap(i, next() % (i + 1));
+                }
+                for (k, path) in p.into_iter().enumerate() {
+                    let keep = k % 5 == 0;
+                    step0.push((level, Some(layer), t, path.clone(), keep));
+                    if k % 4 == 0 {
+                        step0.push((Level::L3, Some(layer), t, format!("{path}.half"), false));
+                    }
+                }
+            };
+        // Chunks of 211 positions, every layer per chunk (layers revisited).
+        for chunk in 0..4u32 {
+            for layer in 0..3 {
+                for t in chunk * 211..(chunk + 1) * 211 {
+                    position_of(&mut step0, Level::L4, layer, t, &mut next);
+                }
+            }
+        }
+        // A group of exactly page 0's records plus one.
+        for t in 0..=page0_end(Some(7)) {
+            step0.push((Level::L4, Some(7), t, "x".into(), false));
+        }
+        // A group that goes out of order after two pages.
+        for t in 0..2 * page0_end(Some(8)) + 5 {
+            step0.push((Level::L4, Some(8), t, "y".into(), t % 100 == 0));
+        }
+        step0.push((Level::L4, Some(8), 3, "z".into(), false));
+        for t in 2 * page0_end(Some(8)) + 5..2 * page0_end(Some(8)) + 400 {
+            step0.push((Level::L4, Some(8), t, "y".into(), false));
+        }
+        // Globals between and after.
+        step0.push((Level::L0, None, 843, "token.output".into(), true));
+        step0.push((Level::L2, Some(1), 843, "state".into(), false));
+        let decode: Vec<Vec<Rec>> = (1..3u32)
+            .map(|step| {
+                let t = 843 + step;
+                let mut v: Vec<Rec> = paths
+                    .iter()
+                    .map(|p| (Level::L4, Some(0), t, p.clone(), true))
+                    .collect();
+                v.push((Level::L0, None, t, "token.output".into(), true));
+                v
+            })
+            .collect();
+        let mut all = vec![step0];
+        all.extend(decode);
+        all
+    }
+
+    fn write(path: &Path, steps: &[Vec<Rec>], streaming: bool, version: u32) -> (WriteSummary, Vec<u8>) {
+        let mut header = Header::default();
+        header.binding.decoding.max_new_tokens = 3;
+        let out = check_output(path, &Inputs::new()).unwrap();
+        let mut w = TraceWriter::create_version(&out, Algorithm::Blake3, header, version).unwrap();
+        w.set_group_streaming(streaming);
+        let mut early = 0;
+        for (step, recs) in steps.iter().enumerate() {
+            if step == 1 {
+                early = w.groups.as_ref().map_or(0, |g| g.spilled_pages());
+            }
+            for (i, (level, layer, t, p, keep)) in recs.iter().enumerate() {
+                let bytes = (i as u32 ^ *t).to_le_bytes();
+                let coord = Coord {
+                    step: step as u32,
+                    position: *t,
+                    phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                    layer: *layer,
+                    path: p.as_str().into(),
+                };
+                let view = TensorView {
+                    dtype: DType::I32,
+                    shape: &[1],
+                    bytes: &bytes,
+                };
+                w.append(coord, *level, view, *keep).unwrap();
+            }
+        }
+        // Layers 0-2 of L4: 10,972 records, 3 pages, of which 2 are full;
+        // layer 7: 1 of 2; layer 8: 2 before it turned out of order.
+        let want = if streaming && version == FORMAT_V4 {
+            3 * 2 + 1 + 2
+        } else {
+            0
+        };
+        assert_eq!(early, want, "streaming {streaming}, version {version}");
+        let summary = w.finish().unwrap();
+        (summary, std::fs::read(path).unwrap())
+    }
+
+    /// Page blocks encoded while the step runs give the file that ordering
+    /// the whole step at its end gives, byte for byte, and it verifies.
+    #[test]
+    fn groups_encoded_as_their_records_arrive_give_the_same_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        for seed in [1u64, 2, 3] {
+            let steps = prefill(seed);
+            let (a, x) = write(&tmp.path().join("end.bin"), &steps, false, FORMAT_V4);
+            let (b, y) = write(&tmp.path().join("early.bin"), &steps, true, FORMAT_V4);
+            assert_eq!(a, b, "seed {seed}");
+            assert!(x == y, "seed {seed}: the files differ");
+            let t = Trace::open_verified(&tmp.path().join("early.bin")).unwrap();
+            assert_eq!(t.root(), a.root);
+        }
+        let mut names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["early.bin", "end.bin"]);
+    }
+
+    /// The streaming switch changes nothing where groups are not paged.
+    #[test]
+    fn versions_without_pages_write_the_same_file_either_way() {
+        let tmp = tempfile::tempdir().unwrap();
+        let steps = prefill(4);
+        for v in [2, FORMAT_V3] {
+            let (_, x) = write(&tmp.path().join("a.bin"), &steps, false, v);
+            let (_, y) = write(&tmp.path().join("b.bin"), &steps, true, v);
+            assert!(x == y, "version {v}");
         }
     }
 }
