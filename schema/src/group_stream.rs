@@ -120,7 +120,8 @@ impl StepGroups {
         }
     }
 
-    /// Switched off mid-step, the step is ordered at its end as a whole.
+    /// Before the step's first record (switched off mid-step, the step
+    /// would be ordered at its end as a whole).
     pub(crate) fn set_on(&mut self, on: bool) {
         self.on = on;
     }

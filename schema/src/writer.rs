@@ -280,12 +280,15 @@ impl TraceWriter {
     /// Whether a long group's page blocks are encoded while its step's
     /// records arrive rather than all at the step's end (default on where
     /// groups are paged: version 4 with BLAKE3). The file's bytes are the
-    /// same either way; only the pause at a long step's end differs. Takes
-    /// effect before the first record.
+    /// same either way; only the pause at a long step's end differs. Only
+    /// before the first record; later calls change nothing.
     pub fn set_group_streaming(&mut self, on: bool) {
+        if self.records != 0 {
+            return;
+        }
         if let Some(g) = &mut self.groups {
             let paged = matches!(&self.body, Body::V2 { version, .. } if is_paged_format(*version));
-            g.set_on(on && paged && self.alg == Algorithm::Blake3 && self.records == 0);
+            g.set_on(on && paged && self.alg == Algorithm::Blake3);
         }
     }
 
