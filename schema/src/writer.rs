@@ -5,7 +5,7 @@
 //! same canonical bytes go to the file. Nothing is visible at the final path
 //! until [`TraceWriter::finish`] has written the last blocks and the trailer,
 //! flushed and synced: the file is written under a temporary name in the
-//! same directory (`.NAME.moeconf-tmp.PID.RAND`, see [`crate::output`]) and
+//! same directory (`.NAME.moeconf-tmp.PID.RAND`, see [`moeconf_output`]) and
 //! renamed into place, so a crash never leaves a half-written trace, and
 //! every error (including a failed flush, sync or rename in `finish`)
 //! removes the temporary file.

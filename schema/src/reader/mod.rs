@@ -1,7 +1,7 @@
 //! Validating trace reader for both container versions.
 //!
 //! A trace file is untrusted input. [`Trace::open`] checks, in this order:
-//! that the path is a regular file (before opening it: [`crate::input`]),
+//! that the path is a regular file (before opening it: [`moeconf_output::input`]),
 //! size, magic, version, reserved fields, algorithm, header length, trailer
 //! magic and offsets, the checksum, then decodes the header. What follows
 //! depends on the version:
