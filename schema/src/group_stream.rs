@@ -26,6 +26,7 @@ use moeconf_fingerprint::{group_prefix, Digest, Level, Phase};
 
 use crate::layout::IndexEntry;
 use crate::v2::{block_digest, encode_page_block};
+use crate::writer::tree_key;
 use moeconf_fingerprint::Algorithm;
 
 /// More distinct (level, layer) groups than this in one step and the step
@@ -64,6 +65,10 @@ struct Stream {
     open: Vec<u32>,
     open_at: (u32, Phase),
     spilled: Vec<Spilled>,
+    /// The group's page layout, long enough that no full page is cut
+    /// short by the group's end (which records a full page holds does not
+    /// depend on the group's length).
+    layout: GroupPages,
 }
 
 enum Order {
@@ -150,10 +155,12 @@ impl StepGroups {
             None => match self.index.get(&key) {
                 Some(&g) => g,
                 None => {
-                    if self.groups.len() >= MAX_GROUPS {
+                    let prefix_len = group_prefix(e.coord.step, key.0, key.1, 0).len() as u64;
+                    let layout = GroupPages::new(prefix_len, 1 << 40);
+                    let (Some(layout), true) = (layout, self.groups.len() < MAX_GROUPS) else {
                         self.give_up();
                         return;
-                    }
+                    };
                     self.groups.push(Group {
                         level: key.0,
                         layer: key.1,
@@ -162,6 +169,7 @@ impl StepGroups {
                             open: Vec::new(),
                             open_at: (e.coord.position, e.coord.phase),
                             spilled: Vec::new(),
+                            layout,
                         }),
                     });
                     self.index.insert(key, self.groups.len() - 1);
@@ -221,16 +229,11 @@ impl StepGroups {
         entries: &[IndexEntry],
     ) -> Result<(), ()> {
         let (step, base, alg) = (self.step, self.base, self.alg);
-        let prefix = group_prefix(step, level, layer, 0);
-        // Long enough that no full page is cut short by the group's end.
-        let Some(layout) = GroupPages::new(prefix.len() as u64, 1 << 40) else {
-            return Err(());
-        };
         loop {
             let Order::Stream(s) = &self.groups[g].order else {
                 return Ok(());
             };
-            let j = s.spilled.len() as u64;
+            let (j, layout) = (s.spilled.len() as u64, s.layout);
             let r = layout.entries(j);
             if (s.placed.len() as u64) < r.end {
                 return Ok(());
@@ -240,6 +243,8 @@ impl StepGroups {
             let cv = if j == 0 {
                 Digest::ZERO
             } else {
+                // Only page 0 reads the prefix; the length is what is checked.
+                let prefix = group_prefix(step, level, layer, 0);
                 layout.cv(j, &prefix, &digests).ok_or(())?
             };
             let bytes = encode_page_block(
@@ -298,12 +303,7 @@ impl StepGroups {
                     }
                     Order::Unordered(mut m) => {
                         m.sort_unstable_by(|&a, &b| {
-                            let (x, y) = (&entries[a as usize], &entries[b as usize]);
-                            (x.coord.position, x.coord.phase, &x.coord.path).cmp(&(
-                                y.coord.position,
-                                y.coord.phase,
-                                &y.coord.path,
-                            ))
+                            tree_key(&entries[a as usize]).cmp(&tree_key(&entries[b as usize]))
                         });
                         (m, Vec::new())
                     }
@@ -345,14 +345,10 @@ impl StepGroups {
     }
 }
 
-/// Puts the open (position, phase)'s records in path order after the
-/// placed ones.
+/// Puts the open (position, phase)'s records in tree order (their paths'
+/// order) after the placed ones.
 fn close_open(s: &mut Stream, entries: &[IndexEntry]) {
-    s.open.sort_unstable_by(|&a, &b| {
-        entries[a as usize]
-            .coord
-            .path
-            .cmp(&entries[b as usize].coord.path)
-    });
+    s.open
+        .sort_unstable_by(|&a, &b| tree_key(&entries[a as usize]).cmp(&tree_key(&entries[b as usize])));
     s.placed.append(&mut s.open);
 }

@@ -991,7 +991,7 @@ fn whole_step_groups(entries: &[IndexEntry]) -> Vec<EndedGroup> {
 
 /// An entry's place in the tree: level, layer (none first), position,
 /// phase, path (the duplicate check's key, so unique within a step).
-fn tree_key(e: &IndexEntry) -> (Level, Option<u32>, u32, Phase, &RecordPath) {
+pub(crate) fn tree_key(e: &IndexEntry) -> (Level, Option<u32>, u32, Phase, &RecordPath) {
     (
         e.level,
         e.coord.layer,
