@@ -13,6 +13,16 @@
 //!
 //! (docs/performance.md, "Long context"). Without valgrind it prints the
 //! decode phase's seconds.
+//!
+//! `decode_cost CONTEXT SEGMENTS ab` runs both in one process instead: two
+//! runs of the prompt, one uncaptured and one with the default capture,
+//! advanced in turn by segments of 50 decode steps, and prints the median
+//! of the segments' wall-clock ratios and the ratio of the runtime thread's
+//! whole time on a core with and without. Both
+//! runs then share whatever the process drew (where its memory sits, the
+//! machine's state at that moment), so comparing builds or switched-off
+//! parts of the capture this way is less noisy than the bench's pairs of
+//! processes; the bench stays the measure of the target.
 
 use moeconf_contract::NativeCombine;
 use moeconf_fingerprint::Algorithm;
@@ -51,6 +61,9 @@ fn run() -> Result<(), Failure> {
         allow_non_finite: false,
     };
     let scratch = tempfile::tempdir()?;
+    if capture == "ab" {
+        return alternate(&model, &prompt, &opts, steps, &scratch);
+    }
     let mut trace = None;
     let mut none = NullSink;
     let sink: &mut dyn CaptureSink = match capture.as_str() {
@@ -61,7 +74,7 @@ fn run() -> Result<(), Failure> {
             let w = TraceWriter::create(&scratch.path().join("t.bin"), Algorithm::Blake3, header)?;
             trace.insert(TraceSink::new(w, parse_capture("default")?).for_model(&model))
         }
-        other => return Err(format!("capture is none or default, not {other}").into()),
+        other => return Err(format!("the mode is none, default or ab, not {other}").into()),
     };
     let mut state = model.new_state();
     let mut next = model.step(&mut state, &prompt, &opts, sink)?.next_token;
@@ -104,6 +117,72 @@ fn run() -> Result<(), Failure> {
             (q - wq) as f64 * 1e-9
         );
     }
+    Ok(())
+}
+
+/// Segments of `ALTERNATE_STEPS` decode steps of one run without capture
+/// and one with the default capture, in turn, `segments` of each.
+const ALTERNATE_STEPS: u32 = 50;
+
+/// The `ab` mode: two runs of the same prompt in this one process, one
+/// without capture and one with the default capture, advanced in turn a
+/// segment at a time; prints the runtime thread's time on a core per
+/// segment pair and the median ratio. Both runs share the process's
+/// weights and heap, so what one process draws (where its memory sits)
+/// weighs on both alike.
+fn alternate(
+    model: &Model,
+    prompt: &[u32],
+    opts: &StepOptions<'_>,
+    segments: u32,
+    scratch: &tempfile::TempDir,
+) -> Result<(), Failure> {
+    let mut header = Header::default();
+    header.binding.decoding.max_new_tokens = segments * ALTERNATE_STEPS + WARM_UP + 1;
+    let w = TraceWriter::create(&scratch.path().join("t.bin"), Algorithm::Blake3, header)?;
+    let mut sink = TraceSink::new(w, parse_capture("default")?).for_model(model);
+    let mut none = NullSink;
+    let (mut plain, mut captured) = (model.new_state(), model.new_state());
+    let mut next_plain = model.step(&mut plain, prompt, opts, &mut none)?.next_token;
+    let mut next_captured = model.step(&mut captured, prompt, opts, &mut sink)?.next_token;
+    for _ in 0..WARM_UP {
+        next_plain = model.step(&mut plain, &[next_plain], opts, &mut none)?.next_token;
+        next_captured = model
+            .step(&mut captured, &[next_captured], opts, &mut sink)?
+            .next_token;
+    }
+    let on_core = || schedstat().map_or(0.0, |s| s[0] as f64 * 1e-9);
+    // Per segment the wall clock: a running thread's time on a core is read
+    // as of the scheduler's last tick (milliseconds stale), too coarse for
+    // segments of tens of milliseconds. Summed over the run it is exact
+    // enough, and counts only the runtime thread's own time.
+    let mut ratios = Vec::new();
+    let (mut core_plain, mut core_captured) = (0.0, 0.0);
+    for _ in 0..segments {
+        let (c, t) = (on_core(), Instant::now());
+        for _ in 0..ALTERNATE_STEPS {
+            next_plain = model.step(&mut plain, &[next_plain], opts, &mut none)?.next_token;
+        }
+        let a = t.elapsed().as_secs_f64();
+        core_plain += on_core() - c;
+        let (c, t) = (on_core(), Instant::now());
+        for _ in 0..ALTERNATE_STEPS {
+            next_captured = model
+                .step(&mut captured, &[next_captured], opts, &mut sink)?
+                .next_token;
+        }
+        let b = t.elapsed().as_secs_f64();
+        core_captured += on_core() - c;
+        ratios.push(b / a);
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN);
+    println!(
+        "context {}: {segments} segments of {ALTERNATE_STEPS} steps each way; median segment ratio (wall) {median:.4}; runtime thread on a core {core_plain:.3} s without, {core_captured:.3} s with: {:.4}",
+        prompt.len(),
+        core_captured / core_plain
+    );
+    sink.finish()?;
     Ok(())
 }
 
