@@ -61,8 +61,8 @@ pub struct OneRun {
     pub decode_seconds: f64,
     /// The median decode step's seconds.
     pub median_step_seconds: f64,
-    /// Growing-state records digested incrementally and the bytes hashed for
-    /// them (captured runs).
+    /// Growing-state records digested incrementally and the bytes the
+    /// runtime's thread read again for them (captured runs).
     pub growing_records: u64,
     pub growing_hashed_bytes: u64,
     /// Peak resident memory of the process that ran it.
@@ -96,7 +96,8 @@ pub struct ContextRow {
     pub trace_bytes: u64,
     /// Records of growing state digested incrementally in the captured run.
     pub growing_records: u64,
-    /// Bytes of growing state hashed per forward step (prefill included).
+    /// Bytes of growing state the runtime's thread read again per forward
+    /// step (prefill included): for the writer thread's verification sweep.
     pub growing_hashed_per_step: f64,
     /// This process's peak resident memory after the context's runs.
     pub peak_rss: Option<u64>,
@@ -474,7 +475,7 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
              whole phase {}\n    \
              prefill  {:>9.1} t/s without, {:>9.1} t/s with capture; cost {}\n    \
              trace    {} per decode step (least {}, most {}); prefill part {}; whole trace {}\n    \
-             growing  {} records digested incrementally, {} hashed per step; peak RSS {}\n",
+             growing  {} records digested incrementally, {} re-read per step for the sweep; peak RSS {}\n",
             r.context,
             r.decode[0],
             r.decode[1],

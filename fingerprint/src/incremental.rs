@@ -42,61 +42,6 @@ pub struct StaleBlock {
     pub end: usize,
 }
 
-/// A digest whose first chunk is left to hash
-/// ([`IncrementalBlake3::digest_stream_pending`]): the stream's first chunk
-/// (a record's header and its first bytes, which change at every digest)
-/// and the chaining values of the subtrees right of that chunk's path to the
-/// root, lowest first. [`finish_pending`] gives the digest, on whichever
-/// thread has time for it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PendingRoot {
-    pub first_chunk: Vec<u8>,
-    pub siblings: Vec<[u8; 32]>,
-}
-
-impl PendingRoot {
-    /// The stream's BLAKE3 digest.
-    pub fn finish(&self) -> blake3::Hash {
-        finish_pending(&self.first_chunk, &self.siblings)
-    }
-}
-
-/// BLAKE3 of a stream from its first chunk and the chaining values right of
-/// that chunk's path, lowest first (a [`PendingRoot`]); with no siblings the
-/// chunk is the whole stream.
-pub fn finish_pending(first_chunk: &[u8], siblings: &[[u8; 32]]) -> blake3::Hash {
-    let mut h = Hasher::new();
-    h.update(first_chunk);
-    match siblings.split_last() {
-        None => h.finalize(),
-        Some((top, below)) => {
-            let cv = below.iter().fold(h.finalize_non_root(), |cv, s| {
-                merge_subtrees_non_root(&cv, s, Mode::Hash)
-            });
-            merge_subtrees_root(&cv, top, Mode::Hash)
-        }
-    }
-}
-
-/// What [`IncrementalBlake3::digest_stream_pending`] computed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Digested {
-    /// The digest itself.
-    Done(blake3::Hash),
-    /// All but the first chunk's part.
-    Pending(PendingRoot),
-}
-
-impl Digested {
-    /// The digest (finishing a pending one here).
-    pub fn finish(&self) -> blake3::Hash {
-        match self {
-            Digested::Done(h) => *h,
-            Digested::Pending(p) => p.finish(),
-        }
-    }
-}
-
 /// The BLAKE3 digest of one buffer across its changes.
 #[derive(Debug, Clone)]
 pub struct IncrementalBlake3 {
@@ -131,10 +76,6 @@ pub struct IncrementalBlake3 {
     /// digest whose only change is the prefix then merges just the first
     /// block's path to the root.
     volatile: HashMap<(usize, usize), [u8; 32]>,
-    /// Whether the last digest left its first chunk pending: the first
-    /// block's value and its first chunk's are then not kept, and verifying
-    /// the first block checks its other chunks one by one.
-    head_pending: bool,
 }
 
 /// The chaining values of the chunks of one block, as last hashed.
@@ -176,7 +117,6 @@ impl IncrementalBlake3 {
             tail: BlockChunks::default(),
             subtrees: HashMap::new(),
             volatile: HashMap::new(),
-            head_pending: false,
         }
     }
 
@@ -299,26 +239,10 @@ impl IncrementalBlake3 {
     /// hashed again); a prefix of another length than the last call's starts
     /// over.
     pub fn digest_stream(&mut self, prefix: &[u8], data: &[u8], rewritten: &[Range<usize>]) -> blake3::Hash {
-        self.update(prefix, data, rewritten, false).finish()
+        self.update(prefix, data, rewritten)
     }
 
-    /// [`Self::digest_stream`] without hashing the stream's first chunk nor
-    /// merging it up to the root: that part is returned as a
-    /// [`PendingRoot`]. The caller's thread then does what does not change
-    /// between digests (appended bytes, remembered subtrees), and another
-    /// thread the part that changes at every digest (a record's header).
-    /// A stream of at most one block, or without a prefix shorter than a
-    /// chunk, is digested here ([`Digested::Done`]).
-    pub fn digest_stream_pending(
-        &mut self,
-        prefix: &[u8],
-        data: &[u8],
-        rewritten: &[Range<usize>],
-    ) -> Digested {
-        self.update(prefix, data, rewritten, true)
-    }
-
-    fn update(&mut self, prefix: &[u8], data: &[u8], rewritten: &[Range<usize>], pending: bool) -> Digested {
+    fn update(&mut self, prefix: &[u8], data: &[u8], rewritten: &[Range<usize>]) -> blake3::Hash {
         let s = Stream { prefix, data };
         if prefix.len() != self.prefix_len {
             self.cvs.clear();
@@ -332,7 +256,6 @@ impl IncrementalBlake3 {
         let b = self.block;
         let total = s.len();
         let n = total.div_ceil(b);
-        let pending = pending && (1..CHUNK_LEN).contains(&prefix.len()) && total > b;
         // Blocks from the first one that was partial (or did not exist) in
         // the last stream, or from the end of a truncated stream, change.
         let keep = (self.len / b).min(total / b).min(self.cvs.len());
@@ -364,13 +287,12 @@ impl IncrementalBlake3 {
             self.subtrees.clear();
         }
         for (i, _) in stale.iter().enumerate().filter(|(_, &x)| x) {
-            self.cvs[i] = self.value_of(s, i, n, &changed, pending);
+            self.cvs[i] = self.cv_of(s, i, n, &changed);
         }
         for i in keep..n {
-            let cv = self.value_of(s, i, n, &changed, pending);
+            let cv = self.cv_of(s, i, n, &changed);
             self.cvs.push(cv);
         }
-        self.head_pending = pending;
         let after_first_unchanged = same_len
             && rewritten.iter().all(|r| r.is_empty())
             && match dropped {
@@ -385,94 +307,7 @@ impl IncrementalBlake3 {
         if self.cursor >= n {
             self.cursor = 0;
         }
-        if pending {
-            Digested::Pending(self.pending_root(s))
-        } else {
-            Digested::Done(self.root(s))
-        }
-    }
-
-    /// Block `i`'s value ([`Self::cv_of`]); with `pending`, the first block's
-    /// chunks other than the first are brought up to date and its value is
-    /// left unknown (zero), for [`Self::pending_root`].
-    fn value_of(
-        &mut self,
-        s: Stream<'_>,
-        i: usize,
-        n: usize,
-        changed: &[Range<usize>],
-        pending: bool,
-    ) -> [u8; 32] {
-        if i == 0 && pending {
-            Self::head_chunks_but_first(s, self.block, &mut self.head, changed, &mut self.last_hashed);
-            return [0; 32];
-        }
-        self.cv_of(s, i, n, changed)
-    }
-
-    /// The chunk values of the (complete) first block but its first chunk,
-    /// as [`Self::block_cv_chunked`] keeps them; the first chunk's value and
-    /// every merged subtree holding it are dropped.
-    fn head_chunks_but_first(
-        s: Stream<'_>,
-        block: usize,
-        cache: &mut BlockChunks,
-        changed: &[Range<usize>],
-        last_hashed: &mut usize,
-    ) {
-        let len = block.min(s.len());
-        let same = cache.block == Some(0);
-        let mut merged = if same {
-            std::mem::take(&mut cache.merged)
-        } else {
-            HashMap::new()
-        };
-        merged.retain(|&(first, _), _| first != 0);
-        let cvs = Self::chunk_values(
-            s,
-            0,
-            len,
-            1,
-            same.then_some(&*cache),
-            changed,
-            &mut merged,
-            last_hashed,
-        );
-        *cache = BlockChunks {
-            block: Some(0),
-            len,
-            cvs,
-            value: [0; 32],
-            merged,
-        };
-    }
-
-    /// The digest but its first chunk's part: the values right of the first
-    /// chunk's path, inside the first block and then above it.
-    fn pending_root(&mut self, s: Stream<'_>) -> PendingRoot {
-        let mut above = Vec::new();
-        let mut len = s.len();
-        while len > self.block {
-            let left = left_subtree_len(len as u64) as usize;
-            above.push(self.subtree(left, len - left));
-            len = left;
-        }
-        let BlockChunks { cvs, merged, .. } = &mut self.head;
-        let mut inside = Vec::new();
-        while len > CHUNK_LEN {
-            let left = left_subtree_len(len as u64) as usize;
-            let (k, end) = (left / CHUNK_LEN, len.div_ceil(CHUNK_LEN));
-            inside.push(merge_chunks_memo(&cvs[k..end], k, len - left, merged));
-            len = left;
-        }
-        let p = s.prefix.len();
-        let mut first_chunk = Vec::with_capacity(CHUNK_LEN);
-        first_chunk.extend_from_slice(s.prefix);
-        first_chunk.extend_from_slice(&s.data[..CHUNK_LEN - p]);
-        PendingRoot {
-            first_chunk,
-            siblings: inside.into_iter().rev().chain(above.into_iter().rev()).collect(),
-        }
+        self.root(s)
     }
 
     /// The value of block `i` of `n`: the first and the last block through
@@ -586,9 +421,6 @@ impl IncrementalBlake3 {
     /// Block `i` against its cached value; the error's range is in the
     /// stream's coordinates.
     fn check(&self, s: Stream<'_>, i: usize) -> Result<(), StaleBlock> {
-        if i == 0 && self.head_pending {
-            return self.check_head_but_first(s);
-        }
         if self.block_cv(s, i) == self.cvs[i] {
             return Ok(());
         }
@@ -598,29 +430,6 @@ impl IncrementalBlake3 {
             start,
             end: (start + self.block).min(s.len()),
         })
-    }
-}
-
-impl IncrementalBlake3 {
-    /// The first block's kept chunk values (all but the first chunk's,
-    /// after a pending digest) against its bytes, chunk by chunk.
-    fn check_head_but_first(&self, s: Stream<'_>) -> Result<(), StaleBlock> {
-        let len = self.block.min(s.len());
-        for (c, cv) in self.head.cvs.iter().enumerate().skip(1) {
-            let cs = c * CHUNK_LEN;
-            let ce = (cs + CHUNK_LEN).min(len);
-            let mut h = Hasher::new();
-            h.set_input_offset(cs as u64);
-            s.feed(&mut h, cs..ce);
-            if h.finalize_non_root() != *cv {
-                return Err(StaleBlock {
-                    block: 0,
-                    start: cs,
-                    end: ce,
-                });
-            }
-        }
-        Ok(())
     }
 }
 
@@ -950,100 +759,6 @@ mod tests {
             d.digest_stream(&[3u8; 96], &data, &rewritten),
             blake3::hash(&[&[3u8; 96][..], &data[..]].concat())
         );
-    }
-
-    #[test]
-    fn pending_digests_finish_to_blake3_mixed_with_whole_ones() {
-        // The scenario of the remembered-subtrees test, each digest left
-        // pending or not in turn: finished anywhere, every one is
-        // blake3::hash of the preimage, and the sweeps pass.
-        for block in [CHUNK_LEN, 2 * CHUNK_LEN, DEFAULT_BLOCK] {
-            let mut data = bytes(13, 19 * block + 77);
-            let mut d = IncrementalBlake3::new(block);
-            let mut seed = 500;
-            for step in 0..150usize {
-                seed += 1;
-                let plen = if step % 37 == 36 { 200 } else { 96 };
-                let prefix = bytes(seed, plen);
-                let grow = match step % 5 {
-                    0 | 1 => 0,
-                    2 => 2 * block + 3,
-                    _ => (step * 53) % (CHUNK_LEN + 100),
-                };
-                data.extend_from_slice(&bytes(seed + 3, grow));
-                let mut rewritten = Vec::new();
-                if step % 11 == 7 {
-                    // Inside the first block too, now and then.
-                    let at = if step % 22 == 7 {
-                        50
-                    } else {
-                        (step * 4099) % (data.len() - 300)
-                    };
-                    for x in &mut data[at..at + 300] {
-                        *x = x.wrapping_add(5);
-                    }
-                    rewritten.push(at..at + 300);
-                }
-                if step % 31 == 30 {
-                    data.truncate(data.len() * 3 / 4);
-                }
-                let want = blake3::hash(&[&prefix[..], &data[..]].concat());
-                let got = if step % 3 == 2 {
-                    d.digest_stream(&prefix, &data, &rewritten)
-                } else {
-                    match d.digest_stream_pending(&prefix, &data, &rewritten) {
-                        Digested::Pending(p) => {
-                            assert_eq!(p.first_chunk.len(), CHUNK_LEN);
-                            assert_eq!(&p.first_chunk[..plen], &prefix[..]);
-                            p.finish()
-                        }
-                        Digested::Done(h) => {
-                            assert!(block == CHUNK_LEN || prefix.len() + data.len() <= block);
-                            h
-                        }
-                    }
-                };
-                assert_eq!(got, want, "block {block} step {step}");
-                assert!(
-                    d.verify_next_stream(&prefix, &data, 3).is_ok(),
-                    "block {block} step {step}"
-                );
-            }
-        }
-        // Nothing to leave pending: no prefix, or one block in all.
-        let mut d = IncrementalBlake3::default();
-        let data = bytes(5, 3 * DEFAULT_BLOCK);
-        assert_eq!(
-            d.digest_stream_pending(&[], &data, &[]),
-            Digested::Done(blake3::hash(&data))
-        );
-        let mut d = IncrementalBlake3::default();
-        let short = bytes(6, 1000);
-        let want = blake3::hash(&[&[1u8; 64][..], &short[..]].concat());
-        assert_eq!(
-            d.digest_stream_pending(&[1; 64], &short, &[]),
-            Digested::Done(want)
-        );
-    }
-
-    #[test]
-    fn after_a_pending_digest_a_silent_rewrite_in_the_first_block_is_found() {
-        let mut d = IncrementalBlake3::default();
-        let mut data = bytes(17, 4 * DEFAULT_BLOCK + 100);
-        let prefix = [7u8; 96];
-        let Digested::Pending(p) = d.digest_stream_pending(&prefix, &data, &[]) else {
-            panic!("a long stream with a short prefix is left pending");
-        };
-        assert_eq!(p.finish(), blake3::hash(&[&prefix[..], &data[..]].concat()));
-        assert!(d.verify_all_stream(&prefix, &data).is_ok());
-        // Bytes of the first block's fourth chunk change unreported.
-        let at = 3 * CHUNK_LEN + 10 - prefix.len();
-        data[at] ^= 1;
-        let e = d
-            .verify_all_stream(&prefix, &data)
-            .expect_err("the kept chunk values of the first block are checked");
-        assert_eq!(e.block, 0);
-        assert_eq!((e.start, e.end), (3 * CHUNK_LEN, 4 * CHUNK_LEN));
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! and bytes; the bytes with non-temporal stores, which keep them out of
 //! its caches: the writer reads them next, the forward never) into a batch
 //! and hands full batches to the writer thread over
-//! a bounded channel; the writer thread appends each batch with
+//! a bounded channel (a fingerprint-only record of growing state: only the
+//! bytes appended since its last step, the writer keeping a copy of the
+//! rest, [`crate::growing::Mirrors`]); the writer thread appends each batch with
 //! [`TraceWriter::append_batch`] (which writes what `append` would, record
 //! by record, but digests the batch's short records together). The channel
 //! is first-in first-out and has one producer and one consumer, so the
@@ -28,8 +30,8 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use moeconf_fingerprint::incremental::{finish_pending, PendingRoot};
-use moeconf_fingerprint::{Coord, DType, Digest, Level, Phase, RecordPath, TensorView};
+use crate::growing::{MirrorUpdate, Mirrors};
+use moeconf_fingerprint::{Coord, DType, Level, Phase, RecordPath, TensorView};
 use moeconf_schema::{BatchRecord, TraceError, TraceWriter, WriteSummary};
 
 /// Most batches in circulation between the two threads. A batch is
@@ -91,13 +93,18 @@ struct Item {
 enum ItemDigest {
     /// From its bytes (`Item::bytes`), by the writer.
     Bytes,
-    /// Computed on the runtime's side (a fingerprint-only record of growing
-    /// state, [`CaptureThread::append_fingerprint`]).
-    Done(Digest),
-    /// The runtime's side did all but the header's part
-    /// ([`CaptureThread::append_pending`]): the first chunk is `Item::bytes`,
-    /// its siblings a range of the batch's `cvs`.
-    Pending { cvs: (usize, usize) },
+    /// A growing record the writer keeps a copy of
+    /// ([`CaptureThread::append_mirrored`]): `Item::bytes` are its new
+    /// bytes, after the first `same` of its `len`; `checked` is the range of
+    /// the batch's buffer holding its bytes from `check_at` on, to check
+    /// the copy against (a [`MirrorUpdate`] in parts, which keeps items
+    /// small and the hand-over free of allocations).
+    Mirrored {
+        same: usize,
+        len: usize,
+        check_at: usize,
+        checked: (usize, usize),
+    },
 }
 
 /// Records in emission order and the buffers their shapes and bytes live
@@ -108,8 +115,6 @@ struct Batch {
     items: Vec<Item>,
     shapes: Vec<u64>,
     data: Vec<u8>,
-    /// Chaining values of pending digests.
-    cvs: Vec<[u8; 32]>,
 }
 
 impl Batch {
@@ -121,7 +126,6 @@ impl Batch {
             items: Vec::with_capacity(BATCH_RECORDS),
             shapes: Vec::with_capacity(2 * BATCH_RECORDS),
             data: Vec::with_capacity(DATA_CAPACITY),
-            cvs: Vec::new(),
         }
     }
 
@@ -131,7 +135,6 @@ impl Batch {
         self.items.clear();
         self.shapes.clear();
         self.data.clear();
-        self.cvs.clear();
         if self.data.capacity() > DATA_CAPACITY {
             self.data.shrink_to(DATA_CAPACITY);
         }
@@ -156,38 +159,32 @@ impl Batch {
         );
     }
 
-    /// A fingerprint-only record with its digest: its shape, no bytes.
-    fn push_fingerprint(&mut self, coord: Coord, level: Level, dtype: DType, shape: &[u64], digest: Digest) {
-        let b0 = self.data.len();
-        self.push_item(
-            coord,
-            level,
-            dtype,
-            shape,
-            (b0, b0),
-            false,
-            ItemDigest::Done(digest),
-        );
-    }
-
-    /// A fingerprint-only record whose digest the writer finishes: its
-    /// shape, the first chunk of its preimage and the values to merge it with.
-    fn push_pending(
+    /// A mirrored growing record: its new bytes, then the bytes to check.
+    #[allow(clippy::too_many_arguments)]
+    fn push_mirrored(
         &mut self,
         coord: Coord,
         level: Level,
         dtype: DType,
         shape: &[u64],
-        pending: &PendingRoot,
+        new: &[u8],
+        checked: &[u8],
+        update: MirrorUpdate,
     ) {
-        let b0 = self.data.len();
-        self.data.extend_from_slice(&pending.first_chunk);
-        let c0 = self.cvs.len();
-        self.cvs.extend_from_slice(&pending.siblings);
-        let digest = ItemDigest::Pending {
-            cvs: (c0, self.cvs.len()),
+        let b0 = self.data.len().next_multiple_of(ALIGN);
+        self.data.resize(b0, 0);
+        moeconf_fingerprint::streaming::extend_streaming(&mut self.data, new);
+        let b1 = self.data.len();
+        let c0 = b1.next_multiple_of(ALIGN);
+        self.data.resize(c0, 0);
+        moeconf_fingerprint::streaming::extend_streaming(&mut self.data, checked);
+        let digest = ItemDigest::Mirrored {
+            same: update.same,
+            len: update.len,
+            check_at: update.check.start,
+            checked: (c0, self.data.len()),
         };
-        self.push_item(coord, level, dtype, shape, (b0, self.data.len()), false, digest);
+        self.push_item(coord, level, dtype, shape, (b0, b1), false, digest);
     }
 
     /// The item of a record whose bytes (if any) are `bytes` of the batch.
@@ -328,34 +325,24 @@ impl CaptureThread {
         self.queue(Some(tensor.bytes.len()), |b| b.push(coord, level, tensor, keep))
     }
 
-    /// Queues a fingerprint-only record whose digest the runtime's side
-    /// computed (no bytes are copied), in order with the other records.
-    pub fn append_fingerprint(
+    /// Queues a growing fingerprint-only record that the writer thread
+    /// digests from its copy of the record ([`crate::growing::Mirrors`]):
+    /// only `new`, the bytes after the `update.same` kept ones, and
+    /// `checked`, the bytes `update.check` to verify the copy against, are
+    /// copied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_mirrored(
         &mut self,
         coord: Coord,
         level: Level,
         dtype: DType,
         shape: &[u64],
-        digest: Digest,
+        new: &[u8],
+        checked: &[u8],
+        update: MirrorUpdate,
     ) -> Result<(), String> {
-        self.queue(None, |b| b.push_fingerprint(coord, level, dtype, shape, digest))
-    }
-
-    /// Queues a fingerprint-only record whose digest the writer thread
-    /// finishes ([`moeconf_fingerprint::incremental::PendingRoot`]: about a
-    /// KiB of header and bytes, a few chaining values), in order with the
-    /// other records.
-    pub fn append_pending(
-        &mut self,
-        coord: Coord,
-        level: Level,
-        dtype: DType,
-        shape: &[u64],
-        pending: &PendingRoot,
-    ) -> Result<(), String> {
-        let bytes = pending.first_chunk.len();
-        self.queue(Some(bytes), |b| {
-            b.push_pending(coord, level, dtype, shape, pending)
+        self.queue(Some(new.len() + checked.len() + ALIGN), |b| {
+            b.push_mirrored(coord, level, dtype, shape, new, checked, update)
         })
     }
 
@@ -482,8 +469,9 @@ fn write_batches(
     back: SyncSender<Batch>,
     failure: Failure,
 ) -> Result<TraceWriter, TraceError> {
+    let mut mirrors = Mirrors::default();
     while let Some(mut batch) = next_batch(&rx) {
-        if let Err(e) = append_items(&mut writer, &batch) {
+        if let Err(e) = append_items(&mut writer, &mut mirrors, &batch) {
             let message = moeconf_output::error_chain(&e);
             match failure.message.lock() {
                 Ok(mut f) => *f = Some(message),
@@ -503,7 +491,7 @@ fn write_batches(
 /// Appends a batch's records in order: runs of records with bytes through
 /// [`TraceWriter::append_batch`], those with a digest through
 /// [`TraceWriter::append_fingerprint`].
-fn append_items(writer: &mut TraceWriter, batch: &Batch) -> Result<(), TraceError> {
+fn append_items(writer: &mut TraceWriter, mirrors: &mut Mirrors, batch: &Batch) -> Result<(), TraceError> {
     let coord = |item: &Item| Coord {
         step: item.step,
         position: item.position,
@@ -517,9 +505,35 @@ fn append_items(writer: &mut TraceWriter, batch: &Batch) -> Result<(), TraceErro
         let bytes = &batch.data[item.bytes.0..item.bytes.1];
         let digest = match item.digest {
             ItemDigest::Bytes => None,
-            ItemDigest::Done(d) => Some(d),
-            ItemDigest::Pending { cvs: (c0, c1) } => {
-                Some(Digest(*finish_pending(bytes, &batch.cvs[c0..c1]).as_bytes()))
+            ItemDigest::Mirrored {
+                same,
+                len,
+                check_at,
+                checked: (c0, c1),
+            } => {
+                let c = coord(item);
+                let update = MirrorUpdate {
+                    same,
+                    len,
+                    check: check_at..check_at + (c1 - c0),
+                };
+                match mirrors.digest(
+                    &c,
+                    item.level,
+                    item.dtype,
+                    shape,
+                    &update,
+                    bytes,
+                    &batch.data[c0..c1],
+                ) {
+                    Ok(d) => Some(d),
+                    Err(what) => {
+                        return Err(TraceError::Invalid {
+                            path: writer.path().to_path_buf(),
+                            what,
+                        })
+                    }
+                }
             }
         };
         match digest {
@@ -711,5 +725,79 @@ mod tests {
             messages[1].ends_with(&messages[0]) || messages[0].ends_with(&messages[1]),
             "{messages:?}"
         );
+    }
+
+    /// An old entry of a growing state record that changes in place, with
+    /// nothing appended there, fails the run with the writer on either
+    /// thread (on its own thread the writer finds it, comparing its copy
+    /// with the bytes the recording side's sweep sends), naming the bytes,
+    /// and no file is left.
+    #[test]
+    fn an_old_growing_entry_rewritten_in_place_fails_the_run_on_either_thread() {
+        use moeconf_fingerprint::{Coord, DType, Level, Phase, TensorView};
+        let tmp = tempfile::tempdir().unwrap();
+        let entry = |i: usize| -> Vec<u8> {
+            (0..512)
+                .flat_map(|j| ((i * 512 + j) as f32 * 0.37).sin().to_le_bytes())
+                .collect()
+        };
+        for threaded in [false, true] {
+            let out = tmp.path().join("rewritten.bin");
+            let mut header = Header::default();
+            header.binding.decoding.max_new_tokens = 6;
+            let w = TraceWriter::create(&out, Algorithm::Blake3, header).unwrap();
+            let spec = parse_capture("default").unwrap();
+            let mut sink = if threaded {
+                TraceSink::new(w, spec)
+            } else {
+                TraceSink::on_this_thread(w, spec)
+            };
+            let mut bytes: Vec<u8> = (0..100).flat_map(entry).collect();
+            let mut failed = None;
+            for step in 0..6u32 {
+                if step == 2 {
+                    bytes[100_000] ^= 1; // an old entry changes; nothing was appended there
+                }
+                bytes.extend(entry(100 + step as usize));
+                let shape = [(bytes.len() / 2048) as u64, 512];
+                let coord = Coord {
+                    step,
+                    position: step,
+                    phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                    layer: Some(2),
+                    path: "state.compressor.compressed_kv".into(),
+                };
+                let view = TensorView {
+                    dtype: DType::F32,
+                    shape: &shape,
+                    bytes: &bytes,
+                };
+                if let Err(e) = sink.record(coord, Level::L2, view) {
+                    failed = Some(e.message);
+                    break;
+                }
+            }
+            let m = match failed {
+                Some(m) => {
+                    drop(sink); // as a failed run does: the writer removes its file
+                    m
+                }
+                None => moeconf_output::error_chain(&sink.finish().expect_err("the rewrite fails the run")),
+            };
+            assert!(
+                m.contains("rewritten") && m.contains("state.compressor.compressed_kv"),
+                "{m}"
+            );
+            let range = m
+                .split("bytes ")
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap();
+            let (a, b) = range.split_once("..").unwrap();
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            assert!(a <= 100_000 && 100_000 < b, "threaded {threaded}: {m}");
+            let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+            assert!(left.is_empty(), "files left behind: {left:?}");
+        }
     }
 }

@@ -14,11 +14,19 @@
 //! the record and the bytes, and no trace is written. A rewrite undone
 //! before then is not seen: the digests of the steps in between commit to
 //! the bytes before it (docs/format.md §4.5; payload capture hashes whole).
+//!
+//! Where the work runs: with the writer on the recording thread,
+//! [`GrowingDigests::digest`] does all of the above there. With the writer
+//! on its own thread, [`GrowingDigests::mirror`] hands over only the bytes
+//! appended since the last step, and for the sweep the same blocks' bytes
+//! instead of their hashes; [`Mirrors`], on the writer's thread, keeps a
+//! copy of each record, digests it and compares the swept bytes with it.
+//! The digests are the same either way.
 
-use moeconf_fingerprint::incremental::{Digested, IncrementalBlake3, PendingRoot, DEFAULT_BLOCK};
+use moeconf_fingerprint::incremental::{IncrementalBlake3, DEFAULT_BLOCK};
 use moeconf_fingerprint::{
     catalogue::Component, is_canonical, record_prefix, surely_canonical, Algorithm, CanonPolicy, Coord,
-    Digest, Level, RecordPath, TensorView,
+    DType, Digest, Level, RecordPath, TensorView,
 };
 use moeconf_reference_runtime::capture::CaptureError;
 use std::collections::HashMap;
@@ -43,6 +51,16 @@ struct Growing {
     calls: u32,
 }
 
+/// The recording side of one mirrored growing record.
+struct Mirrored {
+    /// Bytes of the record when last handed over.
+    len: usize,
+    /// Hand-overs so far, plus an offset that staggers the verifications.
+    calls: u32,
+    /// Next 16 KiB window ([`DEFAULT_BLOCK`]) the sweep checks.
+    cursor: usize,
+}
+
 /// Digest states of every growing record of a run.
 pub struct GrowingDigests {
     alg: Algorithm,
@@ -50,9 +68,11 @@ pub struct GrowingDigests {
     /// The run's last step (`max_new_tokens - 1`): its records verify every block.
     last_step: u32,
     states: HashMap<(Option<u32>, Level, RecordPath), Growing>,
+    /// Records mirrored on the writer's thread ([`GrowingDigests::mirror`]).
+    mirrors: HashMap<(Option<u32>, Level, RecordPath), Mirrored>,
     /// Rows that only grow on some layers ([`GrowingDigests::grow_on_layers`]).
     layered: Vec<(Component, u32)>,
-    /// Bytes hashed so far, for tests and measurements.
+    /// Bytes of growing records read again so far ([`Self::hashed_bytes`]).
     hashed: u64,
     /// Records digested incrementally so far.
     records: u64,
@@ -66,6 +86,7 @@ impl GrowingDigests {
             policy,
             last_step,
             states: HashMap::new(),
+            mirrors: HashMap::new(),
             layered: Vec::new(),
             hashed: 0,
             records: 0,
@@ -87,8 +108,9 @@ impl GrowingDigests {
         self.last_step
     }
 
-    /// Bytes hashed by the incremental digests so far on this side (the
-    /// first chunk of a pending digest is hashed by whoever finishes it).
+    /// Bytes of growing records this side read again so far: hashed by the
+    /// incremental digests ([`Self::digest`]), or handed over for the
+    /// writer's comparison ([`Self::mirror`], whose new bytes are not counted).
     pub fn hashed_bytes(&self) -> u64 {
         self.hashed
     }
@@ -107,23 +129,7 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
     ) -> Result<Option<Digest>, CaptureError> {
-        Ok(self
-            .digest_with(coord, level, tensor, None, false)?
-            .map(|d| d.finish()))
-    }
-
-    /// [`GrowingDigests::digest`] (`kept`: [`GrowingDigests::digest_grown`])
-    /// leaving the part that changes at every digest, the record header's
-    /// chunk and its path to the root, to whoever finishes the
-    /// [`GrowingDigest`] (the trace writer's thread).
-    pub fn digest_pending(
-        &mut self,
-        coord: &Coord,
-        level: Level,
-        tensor: TensorView<'_>,
-        kept: Option<usize>,
-    ) -> Result<Option<GrowingDigest>, CaptureError> {
-        self.digest_with(coord, level, tensor, kept, true)
+        self.digest_with(coord, level, tensor, None)
     }
 
     /// [`GrowingDigests::digest`] of a record whose first `kept` bytes are
@@ -139,9 +145,80 @@ impl GrowingDigests {
         tensor: TensorView<'_>,
         kept: usize,
     ) -> Result<Option<Digest>, CaptureError> {
-        Ok(self
-            .digest_with(coord, level, tensor, Some(kept), false)?
-            .map(|d| d.finish()))
+        self.digest_with(coord, level, tensor, Some(kept))
+    }
+
+    /// For a fingerprint-only record that grows (what [`Self::digest`]
+    /// handles: from [`MIN_INCREMENTAL_BYTES`] on, below which copying the
+    /// whole record costs the recording thread less), what the writer's
+    /// thread needs to digest it from its own copy of the record
+    /// ([`Mirrors`]): the bytes to keep from the last hand-over (the rest,
+    /// `tensor.bytes[same..]`, is handed over), and the bytes this step
+    /// verifies, `tensor.bytes[check]`, which the writer compares with its
+    /// copy: one [`DEFAULT_BLOCK`] every [`VERIFY_PERIOD`] hand-overs (round
+    /// robin), the whole record at the run's last step. So the recording
+    /// thread hashes nothing, and an old entry rewritten without being
+    /// appended fails the run as with [`Self::digest`]. `None`: hand the
+    /// record over whole.
+    pub fn mirror(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<Option<MirrorUpdate>, CaptureError> {
+        if !self.grows(coord, tensor, kept, MIN_INCREMENTAL_BYTES) {
+            return Ok(None);
+        }
+        let key = (coord.layer, level, coord.path.clone());
+        let data = tensor.bytes;
+        let previous = self.mirrors.get(&key).map_or(0, |m| m.len);
+        let same = kept.map_or(previous, |k| k.min(previous)).min(data.len());
+        let new = &data[same..];
+        if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
+        {
+            self.mirrors.remove(&key);
+            return Ok(None);
+        }
+        let stagger = self.mirrors.len() as u32;
+        let m = self.mirrors.entry(key).or_insert_with(|| Mirrored {
+            len: 0,
+            calls: stagger,
+            cursor: 0,
+        });
+        m.len = data.len();
+        let check = if coord.step >= self.last_step {
+            0..data.len()
+        } else if m.calls.is_multiple_of(VERIFY_PERIOD) {
+            let windows = data.len().div_ceil(DEFAULT_BLOCK);
+            let w = m.cursor % windows;
+            m.cursor = (w + VERIFY_BLOCKS) % windows;
+            w * DEFAULT_BLOCK..((w + VERIFY_BLOCKS) * DEFAULT_BLOCK).min(data.len())
+        } else {
+            0..0
+        };
+        m.calls = m.calls.wrapping_add(1);
+        self.hashed += check.len() as u64;
+        self.records += 1;
+        Ok(Some(MirrorUpdate {
+            same,
+            len: data.len(),
+            check,
+        }))
+    }
+
+    /// Whether `coord`'s record is one to digest incrementally: BLAKE3, at
+    /// least `min` bytes, of an append-only component (or one that grows on
+    /// this layer), or grown (`kept`), and of a valid shape.
+    fn grows(&self, coord: &Coord, tensor: TensorView<'_>, kept: Option<usize>, min: usize) -> bool {
+        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < min {
+            return false;
+        }
+        let growing = kept.is_some()
+            || Component::parse(&coord.path).is_some_and(|(c, _)| {
+                c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
+            });
+        growing && tensor.validate(&coord.path).is_ok()
     }
 
     fn digest_with(
@@ -150,16 +227,8 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
         kept: Option<usize>,
-        pending: bool,
-    ) -> Result<Option<GrowingDigest>, CaptureError> {
-        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
-            return Ok(None);
-        }
-        let growing = kept.is_some()
-            || Component::parse(&coord.path).is_some_and(|(c, _)| {
-                c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
-            });
-        if !growing || tensor.validate(&coord.path).is_err() {
+    ) -> Result<Option<Digest>, CaptureError> {
+        if !self.grows(coord, tensor, kept, MIN_INCREMENTAL_BYTES) {
             return Ok(None);
         }
         // The runtime's paths are `'static`: the key costs no allocation.
@@ -187,10 +256,7 @@ impl GrowingDigests {
             len: 0,
             calls: stagger,
         });
-        let root = match pending {
-            true => g.hasher.digest_stream_pending(&prefix, data, &rewritten),
-            false => Digested::Done(g.hasher.digest_stream(&prefix, data, &rewritten)),
-        };
+        let root = g.hasher.digest_stream(&prefix, data, &rewritten);
         self.hashed += g.hasher.last_hashed() as u64;
         g.len = data.len();
         let checked = if coord.step >= self.last_step {
@@ -203,39 +269,115 @@ impl GrowingDigests {
         g.calls = g.calls.wrapping_add(1);
         if let Err(stale) = checked {
             let p = prefix.len();
-            return Err(CaptureError::new(format!(
-                "{coord}: bytes {}..{} of this growing record changed after they were fingerprinted, without \
-                 being appended (an old entry was rewritten): the incremental fingerprint cannot commit to it, \
-                 no trace is written. To trace this run anyway, capture the persistent state with its payloads \
-                 (`--capture L0,L1+payload,L2+payload,L3+payload,L4`: the default plus L2 payloads), which hashes \
-                 every step's state whole",
+            return Err(CaptureError::new(stale_message(
+                coord,
                 stale.start.saturating_sub(p),
-                stale.end.saturating_sub(p)
+                stale.end.saturating_sub(p),
             )));
         }
         self.records += 1;
-        Ok(Some(match root {
-            Digested::Done(h) => GrowingDigest::Done(Digest(*h.as_bytes())),
-            Digested::Pending(p) => GrowingDigest::Pending(p),
-        }))
+        Ok(Some(Digest(*root.as_bytes())))
     }
 }
 
-/// A growing record's digest, or all of it but the header's part
-/// ([`GrowingDigests::digest_pending`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GrowingDigest {
-    Done(Digest),
-    Pending(PendingRoot),
+/// Why a run with a growing record whose bytes `start..end` changed
+/// unreported cannot be traced, and how to trace it anyway.
+fn stale_message(coord: &Coord, start: usize, end: usize) -> String {
+    format!(
+        "{coord}: bytes {start}..{end} of this growing record changed after they were fingerprinted, without \
+         being appended (an old entry was rewritten): the incremental fingerprint cannot commit to it, \
+         no trace is written. To trace this run anyway, capture the persistent state with its payloads \
+         (`--capture L0,L1+payload,L2+payload,L3+payload,L4`: the default plus L2 payloads), which hashes \
+         every step's state whole"
+    )
 }
 
-impl GrowingDigest {
-    /// The record digest (finishing a pending one here).
-    pub fn finish(&self) -> Digest {
-        match self {
-            GrowingDigest::Done(d) => *d,
-            GrowingDigest::Pending(p) => Digest(*p.finish().as_bytes()),
+/// What [`GrowingDigests::mirror`] hands to the writer's thread with a
+/// record's new bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MirrorUpdate {
+    /// Bytes of the record's last hand-over that are unchanged.
+    pub same: usize,
+    /// The record's length in bytes.
+    pub len: usize,
+    /// The bytes the writer checks its copy against (handed over too).
+    pub check: std::ops::Range<usize>,
+}
+
+/// The writer's side of mirrored growing records: a copy of each record's
+/// bytes, kept up to date from the new bytes of each hand-over, and its
+/// incremental digest, so that the recording thread hands over what
+/// changed instead of the whole record and hashes none of it. Memory: the
+/// growing records' bytes once more (about 16 MB at 32,768 tokens of
+/// context on the fixture).
+#[derive(Default)]
+pub struct Mirrors {
+    records: HashMap<(Option<u32>, Level, RecordPath), MirrorState>,
+}
+
+#[derive(Default)]
+struct MirrorState {
+    bytes: Vec<u8>,
+    hasher: IncrementalBlake3,
+}
+
+impl Mirrors {
+    /// The record digest of `coord`'s record after applying `update` and its
+    /// `new` bytes, once `checked` (the recording side's bytes
+    /// `update.check`) equals this copy there: an error names the bytes that
+    /// changed unreported.
+    #[allow(clippy::too_many_arguments)]
+    pub fn digest(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        dtype: DType,
+        shape: &[u64],
+        update: &MirrorUpdate,
+        new: &[u8],
+        checked: &[u8],
+    ) -> Result<Digest, String> {
+        let key = (coord.layer, level, coord.path.clone());
+        let m = self.records.entry(key).or_default();
+        if update.same == 0 {
+            *m = MirrorState::default();
         }
+        let previous = m.bytes.len();
+        if update.same > previous
+            || update.same + new.len() != update.len
+            || update.check.end > update.len
+            || update.check.len() != checked.len()
+        {
+            return Err(format!(
+                "{coord}: a growing record's hand-over does not continue its last one ({} bytes kept of {previous}, \
+                 {} new, {} in all, {} checked at {:?})",
+                update.same,
+                new.len(),
+                update.len,
+                checked.len(),
+                update.check
+            ));
+        }
+        m.bytes.truncate(update.same);
+        m.bytes.extend_from_slice(new);
+        let ours = &m.bytes[update.check.clone()];
+        if ours != checked {
+            let first = ours.iter().zip(checked).position(|(a, b)| a != b).unwrap_or(0);
+            let last = ours
+                .iter()
+                .zip(checked)
+                .rposition(|(a, b)| a != b)
+                .unwrap_or(first);
+            let at = update.check.start;
+            return Err(stale_message(coord, at + first, at + last + 1));
+        }
+        let rewritten: Vec<std::ops::Range<usize>> = (previous > update.same)
+            .then_some(update.same..previous)
+            .into_iter()
+            .collect();
+        let prefix = record_prefix(coord, level, dtype, shape, update.len as u64);
+        let root = m.hasher.digest_stream(&prefix, &m.bytes, &rewritten);
+        Ok(Digest(*root.as_bytes()))
     }
 }
 
@@ -455,5 +597,215 @@ mod tests {
             None,
             "a non-canonical NaN"
         );
+    }
+
+    /// One record through both sides of a mirrored digest: the recording
+    /// side's hand-over, then the writer's copy. Also returns the bytes
+    /// handed over and the bytes checked.
+    fn mirrored(
+        g: &mut GrowingDigests,
+        mirrors: &mut Mirrors,
+        c: &Coord,
+        level: Level,
+        t: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<Option<(Digest, usize, usize)>, String> {
+        let Some(u) = g.mirror(c, level, t, kept).map_err(|e| e.message)? else {
+            return Ok(None);
+        };
+        let (new, checked) = (&t.bytes[u.same..], &t.bytes[u.check.clone()]);
+        let d = mirrors.digest(c, level, t.dtype, t.shape, &u, new, checked)?;
+        Ok(Some((d, new.len(), checked.len())))
+    }
+
+    #[test]
+    fn a_mirrored_cache_gets_the_whole_record_digest_handing_over_only_what_grew() {
+        let policy = CanonPolicy::default();
+        let steps = 40u32;
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
+        let mut mirrors = Mirrors::default();
+        for step in 0..steps {
+            let n = 100 + step as usize;
+            let bytes = entries(n);
+            let shape = [n as u64, 512];
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
+            let c = coord(step, 10 + step);
+            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L2, t).unwrap();
+            let (got, handed, checked) = mirrored(&mut g, &mut mirrors, &c, Level::L2, t, None)
+                .unwrap()
+                .expect("a growing record is mirrored");
+            assert_eq!(got, want, "step {step}");
+            if step > 0 {
+                assert_eq!(handed, 2048, "step {step}: one entry handed over");
+            }
+            if step + 1 == steps {
+                assert_eq!(checked, bytes.len(), "the last step checks every byte");
+            } else {
+                assert!(
+                    checked <= VERIFY_BLOCKS * DEFAULT_BLOCK,
+                    "step {step}: {checked} bytes checked"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_mirrored_old_entry_rewritten_in_place_fails_by_the_last_step() {
+        let policy = CanonPolicy::default();
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+        let mut mirrors = Mirrors::default();
+        let mut bytes = entries(200);
+        let mut failed = None;
+        for step in 0..6u32 {
+            if step == 2 {
+                bytes[100_000] ^= 1; // an old entry changes; nothing was appended there
+            }
+            bytes.extend(entries(1));
+            let shape = [(bytes.len() / 2048) as u64, 512];
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
+            if let Err(m) = mirrored(&mut g, &mut mirrors, &coord(step, step), Level::L2, t, None) {
+                failed = Some(m);
+                break;
+            }
+        }
+        let m = failed.expect("the rewrite is found by the last step at the latest");
+        assert!(m.contains("rewritten"), "{m}");
+        let range = m
+            .split("bytes ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .unwrap();
+        let (a, b) = range.split_once("..").unwrap();
+        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+        assert!(a <= 100_000 && 100_000 < b, "{m}");
+    }
+
+    #[test]
+    fn a_mirrored_lasting_rewrite_is_found_by_the_sweep_long_before_the_last_step() {
+        let policy = CanonPolicy::default();
+        let last = 10_000;
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, last);
+        let mut mirrors = Mirrors::default();
+        let mut bytes = entries(200);
+        let mut found = None;
+        for step in 0..last {
+            if step == 2 {
+                bytes[100_000] ^= 1;
+            }
+            if step % 4 == 0 {
+                bytes.extend(entries(1));
+            }
+            let shape = [(bytes.len() / 2048) as u64, 512];
+            let t = TensorView {
+                dtype: DType::F32,
+                shape: &shape,
+                bytes: &bytes,
+            };
+            if mirrored(&mut g, &mut mirrors, &coord(step, step), Level::L2, t, None).is_err() {
+                found = Some(step);
+                break;
+            }
+        }
+        let blocks = (bytes.len() + 256).div_ceil(DEFAULT_BLOCK) as u32;
+        let step = found.expect("the sweep finds it");
+        assert!(
+            step <= 2 + VERIFY_PERIOD * (blocks + 1),
+            "found at step {step}, {blocks} blocks"
+        );
+    }
+
+    /// `text.continuation`, whose tail is rewritten when a split character
+    /// completes, through the mirror: every digest is the whole record's.
+    #[test]
+    fn a_mirrored_grown_text_with_rewritten_tails_gets_the_whole_record_digest() {
+        let policy = CanonPolicy::default();
+        let steps = 12_000u32;
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
+        let mut mirrors = Mirrors::default();
+        let (mut text, mut prev) = (String::new(), String::new());
+        let mut mirrored_steps = 0;
+        for step in 0..steps {
+            if text.ends_with('\u{FFFD}') {
+                text.truncate(text.len() - '\u{FFFD}'.len_utf8());
+                text.push('羊');
+            }
+            text.push_str(if step % 2 == 0 { " sheep" } else { " why" });
+            if step % 3 == 0 {
+                text.push('\u{FFFD}');
+            }
+            let kept = prev.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
+            let bytes = text.as_bytes();
+            let shape = [bytes.len() as u64];
+            let t = TensorView {
+                dtype: DType::U8,
+                shape: &shape,
+                bytes,
+            };
+            let c = Coord {
+                step,
+                position: 5 + step,
+                phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                layer: None,
+                path: "text.continuation".into(),
+            };
+            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L0, t).unwrap();
+            match mirrored(&mut g, &mut mirrors, &c, Level::L0, t, Some(kept)).unwrap() {
+                Some((d, handed, _)) => {
+                    assert_eq!(d, want, "step {step}");
+                    if mirrored_steps > 0 {
+                        assert!(handed <= 16, "step {step}: {handed} bytes handed over");
+                    }
+                    mirrored_steps += 1;
+                }
+                None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "step {step}"),
+            }
+            prev = text.clone();
+        }
+        assert!(mirrored_steps > 5_000, "{mirrored_steps}");
+    }
+
+    #[test]
+    fn a_hand_over_that_does_not_continue_the_last_one_is_refused() {
+        let bytes = entries(20);
+        let shape = [20u64, 512];
+        let c = coord(1, 1);
+        let mut mirrors = Mirrors::default();
+        let update =
+            |same: usize, len: usize, check: std::ops::Range<usize>| MirrorUpdate { same, len, check };
+        let whole = update(0, bytes.len(), 0..0);
+        mirrors
+            .digest(&c, Level::L2, DType::F32, &shape, &whole, &bytes, &[])
+            .unwrap();
+        let refused = [
+            // Kept bytes it never had.
+            (
+                update(bytes.len() + 10, bytes.len() + 20, 0..0),
+                &bytes[..10],
+                &[][..],
+            ),
+            // New bytes that do not make its length.
+            (update(100, bytes.len(), 0..0), &bytes[..10], &[][..]),
+            // Checked bytes beyond its end, or not the length they say.
+            (
+                update(bytes.len(), bytes.len(), 0..bytes.len() + 1),
+                &[][..],
+                &bytes[..],
+            ),
+            (update(bytes.len(), bytes.len(), 0..8), &[][..], &bytes[..4]),
+        ];
+        for (u, new, checked) in refused {
+            let e = mirrors
+                .digest(&c, Level::L2, DType::F32, &shape, &u, new, checked)
+                .unwrap_err();
+            assert!(e.contains("does not continue"), "{u:?}: {e}");
+        }
     }
 }

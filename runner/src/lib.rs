@@ -233,8 +233,9 @@ impl TraceSink {
         self
     }
 
-    /// Bytes the incremental digests of growing state hashed so far on the
-    /// recording thread (a pending digest's first chunk is the writer's).
+    /// Bytes of growing state the recording thread read again so far:
+    /// hashed with the writer on this thread, or handed over for the
+    /// writer thread's verification sweep ([`growing::GrowingDigests::hashed_bytes`]).
     pub fn growing_hashed_bytes(&self) -> u64 {
         self.growing.hashed_bytes()
     }
@@ -322,21 +323,30 @@ impl TraceSink {
     ) -> Result<(), CaptureError> {
         let keep = self.spec.keeps_payload(level) || tensor.bytes.len() <= SMALL_RECORD_BYTES;
         if !keep {
-            // With a writer thread, the header's part of a growing digest
-            // (which changes at every step) is finished there.
-            if let Some(d) = self.growing.digest_pending(&coord, level, tensor, kept)? {
-                return match (&mut self.out, d) {
-                    (SinkWriter::Thread(t), growing::GrowingDigest::Pending(p)) => t
-                        .append_pending(coord, level, tensor.dtype, tensor.shape, &p)
-                        .map_err(CaptureError::new),
-                    (SinkWriter::Thread(t), d) => t
-                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d.finish())
-                        .map_err(CaptureError::new),
-                    (SinkWriter::Here(w), d) => w
-                        .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d.finish())
-                        .map(|_| ())
-                        .map_err(|e| CaptureError::new(moeconf_output::error_chain(&e))),
-                };
+            match &mut self.out {
+                // With a writer thread, the writer keeps a copy of each
+                // growing record and digests it: only the new bytes and the
+                // bytes the sweep checks cross over.
+                SinkWriter::Thread(t) => {
+                    if let Some(u) = self.growing.mirror(&coord, level, tensor, kept)? {
+                        let (new, checked) = (&tensor.bytes[u.same..], &tensor.bytes[u.check.clone()]);
+                        return t
+                            .append_mirrored(coord, level, tensor.dtype, tensor.shape, new, checked, u)
+                            .map_err(CaptureError::new);
+                    }
+                }
+                SinkWriter::Here(w) => {
+                    let d = match kept {
+                        Some(k) => self.growing.digest_grown(&coord, level, tensor, k)?,
+                        None => self.growing.digest(&coord, level, tensor)?,
+                    };
+                    if let Some(d) = d {
+                        return w
+                            .append_fingerprint(coord, level, tensor.dtype, tensor.shape, d)
+                            .map(|_| ())
+                            .map_err(|e| CaptureError::new(moeconf_output::error_chain(&e)));
+                    }
+                }
             }
         }
         match &mut self.out {

@@ -292,6 +292,11 @@ impl TraceWriter {
         }
     }
 
+    /// The path the trace is being written to (it appears there when finished).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The binding this trace is being written under.
     pub fn binding(&self) -> &Binding {
         &self.header.binding
