@@ -788,13 +788,7 @@ mod tests {
                 m.contains("rewritten") && m.contains("state.compressor.compressed_kv"),
                 "{m}"
             );
-            let range = m
-                .split("bytes ")
-                .nth(1)
-                .and_then(|r| r.split(' ').next())
-                .unwrap();
-            let (a, b) = range.split_once("..").unwrap();
-            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            let (a, b) = crate::growing::stale_range(&m);
             assert!(a <= 100_000 && 100_000 < b, "threaded {threaded}: {m}");
             let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
             assert!(left.is_empty(), "files left behind: {left:?}");

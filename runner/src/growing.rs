@@ -381,6 +381,18 @@ impl Mirrors {
     }
 }
 
+/// The byte range a failure of [`stale_message`] names (tests).
+#[cfg(test)]
+pub(crate) fn stale_range(message: &str) -> (usize, usize) {
+    let range = message
+        .split("bytes ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .unwrap_or_default();
+    let (a, b) = range.split_once("..").unwrap_or_default();
+    (a.parse().unwrap_or(usize::MAX), b.parse().unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -431,136 +443,6 @@ mod tests {
             }
             hashed_before = g.hashed_bytes();
         }
-    }
-
-    #[test]
-    fn an_old_entry_rewritten_in_place_fails_by_the_last_step() {
-        let policy = CanonPolicy::default();
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
-        let mut bytes = entries(200);
-        let mut failed = None;
-        for step in 0..6u32 {
-            if step == 2 {
-                bytes[100_000] ^= 1; // an old entry changes; nothing was appended there
-            }
-            bytes.extend(entries(1));
-            let shape = [(bytes.len() / 2048) as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
-            if let Err(e) = g.digest(&coord(step, step), Level::L2, t) {
-                failed = Some(e.message);
-                break;
-            }
-        }
-        let m = failed.expect("the rewrite is found by the last step at the latest");
-        assert!(m.contains("rewritten"), "{m}");
-        let range = m
-            .split("bytes ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .unwrap();
-        let (a, b) = range.split_once("..").unwrap();
-        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-        assert!(a <= 100_000 && 100_000 < b, "{m}");
-    }
-
-    /// A text that grows by a few bytes per step and whose last character
-    /// is sometimes U+FFFD replaced by the completed character (the
-    /// `text.continuation` record): every digest is the whole-record digest,
-    /// and past the threshold each step hashes a bounded number of bytes.
-    #[test]
-    fn a_grown_text_with_rewritten_tails_gets_the_whole_record_digest() {
-        let policy = CanonPolicy::default();
-        let steps = 12_000u32;
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
-        let mut text = String::new();
-        let mut prev = String::new();
-        let mut hashed_before = 0;
-        let mut incremental = 0;
-        for step in 0..steps {
-            // Every third step ends in a split character (U+FFFD) that the
-            // next step completes: the tail is rewritten, not appended.
-            if text.ends_with('\u{FFFD}') {
-                text.truncate(text.len() - '\u{FFFD}'.len_utf8());
-                text.push('羊');
-            }
-            text.push_str(if step % 2 == 0 { " sheep" } else { " why" });
-            if step % 3 == 0 {
-                text.push('\u{FFFD}');
-            }
-            let kept = prev.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
-            let bytes = text.as_bytes();
-            let shape = [bytes.len() as u64];
-            let t = TensorView {
-                dtype: DType::U8,
-                shape: &shape,
-                bytes,
-            };
-            let c = Coord {
-                step,
-                position: 5 + step,
-                phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
-                layer: None,
-                path: "text.continuation".into(),
-            };
-            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L0, t).unwrap();
-            let got = g.digest_grown(&c, Level::L0, t, kept).unwrap();
-            match got {
-                Some(d) => {
-                    assert_eq!(d, want, "step {step}");
-                    let per_step = g.hashed_bytes() - hashed_before;
-                    // After the first (whole) one: the header's chunk, the
-                    // tail's chunks, one verified block (every block at the
-                    // last step).
-                    if incremental > 0 && step + 1 < steps {
-                        assert!(per_step <= 2 * DEFAULT_BLOCK as u64, "step {step}: {per_step}");
-                    }
-                    incremental += 1;
-                }
-                None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "step {step}: hashed whole"),
-            }
-            hashed_before = g.hashed_bytes();
-            prev = text.clone();
-        }
-        assert!(text.len() > 2 * MIN_INCREMENTAL_BYTES, "{}", text.len());
-        assert!(incremental > 5_000, "{incremental}");
-    }
-
-    #[test]
-    fn a_lasting_rewrite_is_found_by_the_sweep_long_before_the_last_step() {
-        let policy = CanonPolicy::default();
-        let last = 10_000;
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, last);
-        let mut bytes = entries(200);
-        let mut found = None;
-        for step in 0..last {
-            if step == 2 {
-                bytes[100_000] ^= 1;
-            }
-            if step % 4 == 0 {
-                bytes.extend(entries(1));
-            }
-            let shape = [(bytes.len() / 2048) as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
-            if g.digest(&coord(step, step), Level::L2, t).is_err() {
-                found = Some(step);
-                break;
-            }
-        }
-        // One sweep: every block once per VERIFY_PERIOD digests.
-        let blocks = (bytes.len() + 256).div_ceil(DEFAULT_BLOCK) as u32;
-        let step = found.expect("the sweep finds it");
-        assert!(
-            step <= 2 + VERIFY_PERIOD * (blocks + 1),
-            "found at step {step}, {blocks} blocks"
-        );
     }
 
     #[test]
@@ -653,54 +535,55 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_mirrored_old_entry_rewritten_in_place_fails_by_the_last_step() {
-        let policy = CanonPolicy::default();
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
-        let mut mirrors = Mirrors::default();
-        let mut bytes = entries(200);
-        let mut failed = None;
-        for step in 0..6u32 {
-            if step == 2 {
-                bytes[100_000] ^= 1; // an old entry changes; nothing was appended there
-            }
-            bytes.extend(entries(1));
-            let shape = [(bytes.len() / 2048) as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
-            if let Err(m) = mirrored(&mut g, &mut mirrors, &coord(step, step), Level::L2, t, None) {
-                failed = Some(m);
-                break;
-            }
-        }
-        let m = failed.expect("the rewrite is found by the last step at the latest");
-        assert!(m.contains("rewritten"), "{m}");
-        let range = m
-            .split("bytes ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .unwrap();
-        let (a, b) = range.split_once("..").unwrap();
-        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-        assert!(a <= 100_000 && 100_000 < b, "{m}");
+    /// Where a test's records are digested: by [`GrowingDigests::digest`] on
+    /// the recording thread, or through the writer thread's copy.
+    #[derive(Clone, Copy, Debug)]
+    enum Side {
+        Here,
+        Mirror,
     }
 
-    #[test]
-    fn a_mirrored_lasting_rewrite_is_found_by_the_sweep_long_before_the_last_step() {
-        let policy = CanonPolicy::default();
-        let last = 10_000;
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, last);
+    const SIDES: [Side; 2] = [Side::Here, Side::Mirror];
+
+    /// One record's digest on `side` (`None`: digested whole), and the bytes
+    /// that side hashed (here) or handed over besides the swept ones
+    /// (mirror) for it.
+    #[allow(clippy::too_many_arguments)]
+    fn digest_on(
+        side: Side,
+        g: &mut GrowingDigests,
+        mirrors: &mut Mirrors,
+        c: &Coord,
+        level: Level,
+        t: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Result<Option<(Digest, u64)>, String> {
+        match side {
+            Side::Here => {
+                let before = g.hashed_bytes();
+                let d = match kept {
+                    Some(k) => g.digest_grown(c, level, t, k),
+                    None => g.digest(c, level, t),
+                }
+                .map_err(|e| e.message)?;
+                Ok(d.map(|d| (d, g.hashed_bytes() - before)))
+            }
+            Side::Mirror => Ok(mirrored(g, mirrors, c, level, t, kept)?.map(|(d, new, _)| (d, new as u64))),
+        }
+    }
+
+    /// A cache of 2 KiB entries whose entry 48 (byte 100,000) changes in place
+    /// at step 2, with nothing appended there, then grows as `grow` says:
+    /// the step at which the run fails, if it does, and the message.
+    fn rewritten_cache(side: Side, last: u32, grow: impl Fn(u32) -> bool) -> Option<(u32, String, usize)> {
+        let mut g = GrowingDigests::new(Algorithm::Blake3, CanonPolicy::default(), last);
         let mut mirrors = Mirrors::default();
         let mut bytes = entries(200);
-        let mut found = None;
-        for step in 0..last {
+        for step in 0..=last {
             if step == 2 {
                 bytes[100_000] ^= 1;
             }
-            if step % 4 == 0 {
+            if grow(step) {
                 bytes.extend(entries(1));
             }
             let shape = [(bytes.len() / 2048) as u64, 512];
@@ -709,67 +592,100 @@ mod tests {
                 shape: &shape,
                 bytes: &bytes,
             };
-            if mirrored(&mut g, &mut mirrors, &coord(step, step), Level::L2, t, None).is_err() {
-                found = Some(step);
-                break;
+            if let Err(m) = digest_on(side, &mut g, &mut mirrors, &coord(step, step), Level::L2, t, None) {
+                return Some((step, m, bytes.len()));
             }
         }
-        let blocks = (bytes.len() + 256).div_ceil(DEFAULT_BLOCK) as u32;
-        let step = found.expect("the sweep finds it");
-        assert!(
-            step <= 2 + VERIFY_PERIOD * (blocks + 1),
-            "found at step {step}, {blocks} blocks"
-        );
+        None
     }
 
-    /// `text.continuation`, whose tail is rewritten when a split character
-    /// completes, through the mirror: every digest is the whole record's.
     #[test]
-    fn a_mirrored_grown_text_with_rewritten_tails_gets_the_whole_record_digest() {
+    fn an_old_entry_rewritten_in_place_fails_by_the_last_step() {
+        for side in SIDES {
+            let (_, m, _) = rewritten_cache(side, 5, |_| true)
+                .expect("the rewrite is found by the last step at the latest");
+            assert!(m.contains("rewritten"), "{side:?}: {m}");
+            let (a, b) = stale_range(&m);
+            assert!(a <= 100_000 && 100_000 < b, "{side:?}: {m}");
+        }
+    }
+
+    #[test]
+    fn a_lasting_rewrite_is_found_by_the_sweep_long_before_the_last_step() {
+        for side in SIDES {
+            let (step, _, len) = rewritten_cache(side, 10_000, |s| s % 4 == 0).expect("the sweep finds it");
+            // One sweep: every block once per VERIFY_PERIOD digests.
+            let blocks = (len + 256).div_ceil(DEFAULT_BLOCK) as u32;
+            assert!(
+                step <= 2 + VERIFY_PERIOD * (blocks + 1),
+                "{side:?}: found at step {step}, {blocks} blocks"
+            );
+        }
+    }
+
+    /// A text that grows by a few bytes per step and whose last character
+    /// is sometimes U+FFFD replaced by the completed character (the
+    /// `text.continuation` record): every digest is the whole-record digest,
+    /// and past the threshold each step hashes (here) or hands over (mirror)
+    /// a bounded number of bytes.
+    #[test]
+    fn a_grown_text_with_rewritten_tails_gets_the_whole_record_digest() {
         let policy = CanonPolicy::default();
         let steps = 12_000u32;
-        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
-        let mut mirrors = Mirrors::default();
-        let (mut text, mut prev) = (String::new(), String::new());
-        let mut mirrored_steps = 0;
-        for step in 0..steps {
-            if text.ends_with('\u{FFFD}') {
-                text.truncate(text.len() - '\u{FFFD}'.len_utf8());
-                text.push('羊');
-            }
-            text.push_str(if step % 2 == 0 { " sheep" } else { " why" });
-            if step % 3 == 0 {
-                text.push('\u{FFFD}');
-            }
-            let kept = prev.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
-            let bytes = text.as_bytes();
-            let shape = [bytes.len() as u64];
-            let t = TensorView {
-                dtype: DType::U8,
-                shape: &shape,
-                bytes,
-            };
-            let c = Coord {
-                step,
-                position: 5 + step,
-                phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
-                layer: None,
-                path: "text.continuation".into(),
-            };
-            let want = record_digest(Algorithm::Blake3, policy, &c, Level::L0, t).unwrap();
-            match mirrored(&mut g, &mut mirrors, &c, Level::L0, t, Some(kept)).unwrap() {
-                Some((d, handed, _)) => {
-                    assert_eq!(d, want, "step {step}");
-                    if mirrored_steps > 0 {
-                        assert!(handed <= 16, "step {step}: {handed} bytes handed over");
-                    }
-                    mirrored_steps += 1;
+        for side in SIDES {
+            let mut g = GrowingDigests::new(Algorithm::Blake3, policy, steps - 1);
+            let mut mirrors = Mirrors::default();
+            let (mut text, mut prev) = (String::new(), String::new());
+            let mut incremental = 0;
+            for step in 0..steps {
+                // Every third step ends in a split character (U+FFFD) that the
+                // next step completes: the tail is rewritten, not appended.
+                if text.ends_with('\u{FFFD}') {
+                    text.truncate(text.len() - '\u{FFFD}'.len_utf8());
+                    text.push('羊');
                 }
-                None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "step {step}"),
+                text.push_str(if step % 2 == 0 { " sheep" } else { " why" });
+                if step % 3 == 0 {
+                    text.push('\u{FFFD}');
+                }
+                let kept = prev.bytes().zip(text.bytes()).take_while(|(a, b)| a == b).count();
+                let bytes = text.as_bytes();
+                let shape = [bytes.len() as u64];
+                let t = TensorView {
+                    dtype: DType::U8,
+                    shape: &shape,
+                    bytes,
+                };
+                let c = Coord {
+                    step,
+                    position: 5 + step,
+                    phase: if step == 0 { Phase::Prefill } else { Phase::Decode },
+                    layer: None,
+                    path: "text.continuation".into(),
+                };
+                let want = record_digest(Algorithm::Blake3, policy, &c, Level::L0, t).unwrap();
+                match digest_on(side, &mut g, &mut mirrors, &c, Level::L0, t, Some(kept)).unwrap() {
+                    Some((d, cost)) => {
+                        assert_eq!(d, want, "{side:?} step {step}");
+                        // After the first (whole) one, here: the header's chunk,
+                        // the tail's chunks, one verified block (every block at
+                        // the last step); mirrored: the changed tail.
+                        let bound = match side {
+                            Side::Here => 2 * DEFAULT_BLOCK as u64,
+                            Side::Mirror => 16,
+                        };
+                        if incremental > 0 && step + 1 < steps {
+                            assert!(cost <= bound, "{side:?} step {step}: {cost}");
+                        }
+                        incremental += 1;
+                    }
+                    None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "{side:?} step {step}: whole"),
+                }
+                prev = text.clone();
             }
-            prev = text.clone();
+            assert!(text.len() > 2 * MIN_INCREMENTAL_BYTES, "{}", text.len());
+            assert!(incremental > 5_000, "{side:?}: {incremental}");
         }
-        assert!(mirrored_steps > 5_000, "{mirrored_steps}");
     }
 
     #[test]
