@@ -42,24 +42,56 @@ pub const VERIFY_BLOCKS: usize = 1;
 /// steps, and the last step checks every block whatever the period.
 pub const VERIFY_PERIOD: u32 = 4;
 
-/// The digest state of one growing record.
+/// The recording side's state of one growing record.
 struct Growing {
+    /// Its incremental digest ([`GrowingDigests::digest`]; unused when
+    /// mirrored, [`GrowingDigests::mirror`]).
     hasher: IncrementalBlake3,
-    /// Bytes of the record at its last digest.
+    /// Bytes of the record at its last digest or hand-over.
     len: usize,
-    /// Digests so far, plus an offset that staggers the records' verifications.
+    /// Digests or hand-overs so far, plus an offset that staggers the
+    /// records' verifications.
     calls: u32,
-}
-
-/// The recording side of one mirrored growing record.
-struct Mirrored {
-    /// Bytes of the record when last handed over.
-    len: usize,
-    /// Hand-overs so far, plus an offset that staggers the verifications.
-    calls: u32,
-    /// Next 16 KiB window ([`DEFAULT_BLOCK`]) the sweep checks.
+    /// Next 16 KiB window ([`DEFAULT_BLOCK`]) a mirrored record's sweep checks.
     cursor: usize,
 }
+
+/// What a record's verification sweep checks this time.
+enum Sweep {
+    /// Every byte (the run's last step).
+    All,
+    /// The next block or window, round robin.
+    Next,
+    Skip,
+}
+
+impl Growing {
+    fn new(stagger: u32) -> Growing {
+        Growing {
+            hasher: IncrementalBlake3::default(),
+            len: 0,
+            calls: stagger,
+            cursor: 0,
+        }
+    }
+
+    /// This digest's share of the sweep: everything at the run's `last`
+    /// step, else one block every [`VERIFY_PERIOD`] calls.
+    fn sweep(&mut self, last: bool) -> Sweep {
+        let s = if last {
+            Sweep::All
+        } else if self.calls.is_multiple_of(VERIFY_PERIOD) {
+            Sweep::Next
+        } else {
+            Sweep::Skip
+        };
+        self.calls = self.calls.wrapping_add(1);
+        s
+    }
+}
+
+/// A growing record: its layer, level and path.
+type GrowingKey = (Option<u32>, Level, RecordPath);
 
 /// Digest states of every growing record of a run.
 pub struct GrowingDigests {
@@ -67,9 +99,7 @@ pub struct GrowingDigests {
     policy: CanonPolicy,
     /// The run's last step (`max_new_tokens - 1`): its records verify every block.
     last_step: u32,
-    states: HashMap<(Option<u32>, Level, RecordPath), Growing>,
-    /// Records mirrored on the writer's thread ([`GrowingDigests::mirror`]).
-    mirrors: HashMap<(Option<u32>, Level, RecordPath), Mirrored>,
+    states: HashMap<GrowingKey, Growing>,
     /// Rows that only grow on some layers ([`GrowingDigests::grow_on_layers`]).
     layered: Vec<(Component, u32)>,
     /// Bytes of growing records read again so far ([`Self::hashed_bytes`]).
@@ -86,7 +116,6 @@ impl GrowingDigests {
             policy,
             last_step,
             states: HashMap::new(),
-            mirrors: HashMap::new(),
             layered: Vec::new(),
             hashed: 0,
             records: 0,
@@ -166,59 +195,70 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
         kept: Option<usize>,
-    ) -> Result<Option<MirrorUpdate>, CaptureError> {
-        if !self.grows(coord, tensor, kept, MIN_INCREMENTAL_BYTES) {
-            return Ok(None);
-        }
-        let key = (coord.layer, level, coord.path.clone());
+    ) -> Option<MirrorUpdate> {
+        let (key, _, same) = self.changed(coord, level, tensor, kept)?;
         let data = tensor.bytes;
-        let previous = self.mirrors.get(&key).map_or(0, |m| m.len);
-        let same = kept.map_or(previous, |k| k.min(previous)).min(data.len());
-        let new = &data[same..];
-        if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
-        {
-            self.mirrors.remove(&key);
-            return Ok(None);
-        }
-        let stagger = self.mirrors.len() as u32;
-        let m = self.mirrors.entry(key).or_insert_with(|| Mirrored {
-            len: 0,
-            calls: stagger,
-            cursor: 0,
-        });
-        m.len = data.len();
-        let check = if coord.step >= self.last_step {
-            0..data.len()
-        } else if m.calls.is_multiple_of(VERIFY_PERIOD) {
-            let windows = data.len().div_ceil(DEFAULT_BLOCK);
-            let w = m.cursor % windows;
-            m.cursor = (w + VERIFY_BLOCKS) % windows;
-            w * DEFAULT_BLOCK..((w + VERIFY_BLOCKS) * DEFAULT_BLOCK).min(data.len())
-        } else {
-            0..0
+        let last = coord.step >= self.last_step;
+        let stagger = self.states.len() as u32;
+        let g = self.states.entry(key).or_insert_with(|| Growing::new(stagger));
+        g.len = data.len();
+        let check = match g.sweep(last) {
+            Sweep::All => 0..data.len(),
+            Sweep::Next => {
+                let windows = data.len().div_ceil(DEFAULT_BLOCK);
+                let w = g.cursor % windows;
+                g.cursor = (w + VERIFY_BLOCKS) % windows;
+                w * DEFAULT_BLOCK..((w + VERIFY_BLOCKS) * DEFAULT_BLOCK).min(data.len())
+            }
+            Sweep::Skip => 0..0,
         };
-        m.calls = m.calls.wrapping_add(1);
         self.hashed += check.len() as u64;
         self.records += 1;
-        Ok(Some(MirrorUpdate {
+        Some(MirrorUpdate {
             same,
             len: data.len(),
             check,
-        }))
+        })
     }
 
-    /// Whether `coord`'s record is one to digest incrementally: BLAKE3, at
-    /// least `min` bytes, of an append-only component (or one that grows on
-    /// this layer), or grown (`kept`), and of a valid shape.
-    fn grows(&self, coord: &Coord, tensor: TensorView<'_>, kept: Option<usize>, min: usize) -> bool {
-        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < min {
-            return false;
+    /// For a record to digest incrementally (BLAKE3, at least
+    /// [`MIN_INCREMENTAL_BYTES`], of an append-only component or one that
+    /// grows on this layer, or grown (`kept`), of a valid shape): its key,
+    /// its length at the last digest, and from where its bytes may differ
+    /// from that digest's (the appended ones, and for a grown record those
+    /// after its kept prefix). `None` also when those bytes are not
+    /// canonical as they are (the old ones were checked when they were):
+    /// the record then goes whole, the usual way, which canonicalizes, and
+    /// its state starts over.
+    fn changed(
+        &mut self,
+        coord: &Coord,
+        level: Level,
+        tensor: TensorView<'_>,
+        kept: Option<usize>,
+    ) -> Option<(GrowingKey, usize, usize)> {
+        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
+            return None;
         }
         let growing = kept.is_some()
             || Component::parse(&coord.path).is_some_and(|(c, _)| {
                 c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
             });
-        growing && tensor.validate(&coord.path).is_ok()
+        if !growing || tensor.validate(&coord.path).is_err() {
+            return None;
+        }
+        // The runtime's paths are `'static`: the key costs no allocation.
+        let key = (coord.layer, level, coord.path.clone());
+        let data = tensor.bytes;
+        let previous = self.states.get(&key).map_or(0, |g| g.len);
+        let same = kept.map_or(previous, |k| k.min(previous)).min(data.len());
+        let new = &data[same..];
+        if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
+        {
+            self.states.remove(&key);
+            return None;
+        }
+        Some((key, previous, same))
     }
 
     fn digest_with(
@@ -228,45 +268,24 @@ impl GrowingDigests {
         tensor: TensorView<'_>,
         kept: Option<usize>,
     ) -> Result<Option<Digest>, CaptureError> {
-        if !self.grows(coord, tensor, kept, MIN_INCREMENTAL_BYTES) {
+        let Some((key, previous, same)) = self.changed(coord, level, tensor, kept) else {
             return Ok(None);
-        }
-        // The runtime's paths are `'static`: the key costs no allocation.
-        let key = (coord.layer, level, coord.path.clone());
+        };
         let data = tensor.bytes;
-        let previous = self.states.get(&key).map(|g| g.len).unwrap_or(0);
-        // Bytes [same..) may differ from the last digest's: the appended
-        // ones, and for a grown record those after its kept prefix.
-        let same = kept.map_or(previous, |k| k.min(previous)).min(data.len());
-        // Bytes not digested before must be canonical as they are (the old
-        // ones were checked when they were); otherwise the whole record goes
-        // the usual way, which canonicalizes.
-        let new = &data[same..];
-        if !surely_canonical(tensor.dtype, new, self.policy) && !is_canonical(tensor.dtype, new, self.policy)
-        {
-            self.states.remove(&key);
-            return Ok(None);
-        }
         let rewritten: Vec<std::ops::Range<usize>> =
             (previous > same).then_some(same..previous).into_iter().collect();
         let prefix = record_prefix(coord, level, tensor.dtype, tensor.shape, data.len() as u64);
+        let last = coord.step >= self.last_step;
         let stagger = self.states.len() as u32;
-        let g = self.states.entry(key).or_insert_with(|| Growing {
-            hasher: IncrementalBlake3::default(),
-            len: 0,
-            calls: stagger,
-        });
+        let g = self.states.entry(key).or_insert_with(|| Growing::new(stagger));
         let root = g.hasher.digest_stream(&prefix, data, &rewritten);
         self.hashed += g.hasher.last_hashed() as u64;
         g.len = data.len();
-        let checked = if coord.step >= self.last_step {
-            g.hasher.verify_all_stream(&prefix, data)
-        } else if g.calls.is_multiple_of(VERIFY_PERIOD) {
-            g.hasher.verify_next_stream(&prefix, data, VERIFY_BLOCKS)
-        } else {
-            Ok(())
+        let checked = match g.sweep(last) {
+            Sweep::All => g.hasher.verify_all_stream(&prefix, data),
+            Sweep::Next => g.hasher.verify_next_stream(&prefix, data, VERIFY_BLOCKS),
+            Sweep::Skip => Ok(()),
         };
-        g.calls = g.calls.wrapping_add(1);
         if let Err(stale) = checked {
             let p = prefix.len();
             return Err(CaptureError::new(stale_message(
@@ -312,7 +331,7 @@ pub struct MirrorUpdate {
 /// peaked 24 MB higher, docs/format.md §4.5).
 #[derive(Default)]
 pub struct Mirrors {
-    records: HashMap<(Option<u32>, Level, RecordPath), MirrorState>,
+    records: HashMap<GrowingKey, MirrorState>,
 }
 
 #[derive(Default)]
@@ -492,7 +511,7 @@ mod tests {
         t: TensorView<'_>,
         kept: Option<usize>,
     ) -> Result<Option<(Digest, usize, usize)>, String> {
-        let Some(u) = g.mirror(c, level, t, kept).map_err(|e| e.message)? else {
+        let Some(u) = g.mirror(c, level, t, kept) else {
             return Ok(None);
         };
         let (new, checked) = (&t.bytes[u.same..], &t.bytes[u.check.clone()]);

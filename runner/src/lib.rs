@@ -328,7 +328,7 @@ impl TraceSink {
                 // growing record and digests it: only the new bytes and the
                 // bytes the sweep checks cross over.
                 SinkWriter::Thread(t) => {
-                    if let Some(u) = self.growing.mirror(&coord, level, tensor, kept)? {
+                    if let Some(u) = self.growing.mirror(&coord, level, tensor, kept) {
                         let (new, checked) = (&tensor.bytes[u.same..], &tensor.bytes[u.check.clone()]);
                         return t
                             .append_mirrored(coord, level, tensor.dtype, tensor.shape, new, checked, u)
