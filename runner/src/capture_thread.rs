@@ -3,7 +3,9 @@
 //!
 //! The runtime's thread copies each record (coordinate, level, dtype, shape
 //! and bytes; the bytes with non-temporal stores, which keep them out of
-//! its caches: the writer reads them next, the forward never) into a batch
+//! its caches: the writer reads them next, the forward never; an F32
+//! record of BF16 values as its words' high halves, which the writer widens
+//! back) into a batch
 //! and hands full batches to the writer thread over
 //! a bounded channel (a fingerprint-only record of growing state: only the
 //! bytes appended since its last step, the writer keeping a copy of the
@@ -65,6 +67,9 @@ const POLL: std::time::Duration = std::time::Duration::from_micros(20);
 /// hands over a batch only every few milliseconds, does not keep a core
 /// waking every few tens of microseconds).
 const IDLE_POLLS: u32 = 50;
+/// F32 records from this size on are handed over as BF16 halves when
+/// they can be (smaller ones: not worth the check).
+const MIN_HALVED_BYTES: usize = 256;
 /// Payloads start at multiples of this in a batch's buffer (the
 /// canonicalization scan reads aligned words).
 const ALIGN: usize = 64;
@@ -93,6 +98,10 @@ struct Item {
 enum ItemDigest {
     /// From its bytes (`Item::bytes`), by the writer.
     Bytes,
+    /// From its bytes, which `Item::bytes` holds as the high halves of its
+    /// F32 words, whose low halves are zero
+    /// ([`moeconf_fingerprint::streaming::extend_streaming_bf16_halves`]).
+    Halves,
     /// A growing record the writer keeps a copy of
     /// ([`CaptureThread::append_mirrored`]): `Item::bytes` are its new
     /// bytes, after the first `same` of its `len`; `checked` is the range of
@@ -145,18 +154,21 @@ impl Batch {
         self.data.resize(b0, 0);
         // Non-temporal: the writer thread reads these bytes next, and kept
         // in this core's caches they only evict the forward's weights and
-        // state (docs/performance.md, "Long context").
-        moeconf_fingerprint::streaming::extend_streaming(&mut self.data, tensor.bytes);
+        // state (docs/performance.md, "Long context"). F32 records of BF16
+        // values (the bf16 profile's activations) move as their high halves.
+        let halves = tensor.dtype == DType::F32
+            && tensor.bytes.len() >= MIN_HALVED_BYTES
+            && moeconf_fingerprint::streaming::extend_streaming_bf16_halves(&mut self.data, tensor.bytes);
+        if !halves {
+            moeconf_fingerprint::streaming::extend_streaming(&mut self.data, tensor.bytes);
+        }
         let bytes = (b0, self.data.len());
-        self.push_item(
-            coord,
-            level,
-            tensor.dtype,
-            tensor.shape,
-            bytes,
-            keep,
-            ItemDigest::Bytes,
-        );
+        let digest = if halves {
+            ItemDigest::Halves
+        } else {
+            ItemDigest::Bytes
+        };
+        self.push_item(coord, level, tensor.dtype, tensor.shape, bytes, keep, digest);
     }
 
     /// A mirrored growing record: its new bytes, then the bytes to check.
@@ -470,8 +482,9 @@ fn write_batches(
     failure: Failure,
 ) -> Result<TraceWriter, TraceError> {
     let mut mirrors = Mirrors::default();
+    let mut widened = Vec::new();
     while let Some(mut batch) = next_batch(&rx) {
-        if let Err(e) = append_items(&mut writer, &mut mirrors, &batch) {
+        if let Err(e) = append_items(&mut writer, &mut mirrors, &batch, &mut widened) {
             let message = moeconf_output::error_chain(&e);
             match failure.message.lock() {
                 Ok(mut f) => *f = Some(message),
@@ -489,9 +502,15 @@ fn write_batches(
 }
 
 /// Appends a batch's records in order: runs of records with bytes through
-/// [`TraceWriter::append_batch`], those with a digest through
+/// [`TraceWriter::append_batch`] (those handed over as BF16 halves widened
+/// first, into `widened`), those with a digest through
 /// [`TraceWriter::append_fingerprint`].
-fn append_items(writer: &mut TraceWriter, mirrors: &mut Mirrors, batch: &Batch) -> Result<(), TraceError> {
+fn append_items<'a>(
+    writer: &mut TraceWriter,
+    mirrors: &mut Mirrors,
+    batch: &'a Batch,
+    widened: &'a mut Vec<u8>,
+) -> Result<(), TraceError> {
     let coord = |item: &Item| Coord {
         step: item.step,
         position: item.position,
@@ -499,12 +518,29 @@ fn append_items(writer: &mut TraceWriter, mirrors: &mut Mirrors, batch: &Batch) 
         layer: item.layer,
         path: item.path.clone(),
     };
+    // The records handed over as BF16 halves, widened back to their
+    // words, in order.
+    widened.clear();
+    for item in &batch.items {
+        if let ItemDigest::Halves = item.digest {
+            moeconf_fingerprint::streaming::widen_bf16_halves(
+                widened,
+                &batch.data[item.bytes.0..item.bytes.1],
+            );
+        }
+    }
+    let mut at = 0;
     let mut run: Vec<BatchRecord<'_>> = Vec::new();
     for item in &batch.items {
         let shape = &batch.shapes[item.shape.0..item.shape.1];
-        let bytes = &batch.data[item.bytes.0..item.bytes.1];
+        let mut bytes = &batch.data[item.bytes.0..item.bytes.1];
         let digest = match item.digest {
             ItemDigest::Bytes => None,
+            ItemDigest::Halves => {
+                bytes = &widened[at..at + 2 * bytes.len()];
+                at += bytes.len();
+                None
+            }
             ItemDigest::Mirrored {
                 same,
                 len,
