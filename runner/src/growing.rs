@@ -33,6 +33,10 @@ use std::collections::HashMap;
 
 /// Records smaller than this are hashed whole as before (two blocks).
 pub const MIN_INCREMENTAL_BYTES: usize = 2 * DEFAULT_BLOCK;
+/// Growing records of at least this many bytes are mirrored on the
+/// writer's thread ([`GrowingDigests::mirror`]); smaller ones are copied
+/// whole.
+pub const MIN_MIRRORED_BYTES: usize = 4096;
 /// Cached blocks re-hashed per record to find unreported rewrites ...
 pub const VERIFY_BLOCKS: usize = 1;
 /// ... at every this many digests of the record. Re-hashing a 16 KiB block
@@ -54,6 +58,9 @@ struct Growing {
     calls: u32,
     /// Next 16 KiB window ([`DEFAULT_BLOCK`]) a mirrored record's sweep checks.
     cursor: usize,
+    /// The step of its latest record, and whether that record was checked
+    /// whole ([`GrowingDigests::unverified`]).
+    latest: (u32, bool),
 }
 
 /// What a record's verification sweep checks this time.
@@ -72,12 +79,14 @@ impl Growing {
             len: 0,
             calls: stagger,
             cursor: 0,
+            latest: (0, false),
         }
     }
 
-    /// This digest's share of the sweep: everything at the run's `last`
-    /// step, else one block every [`VERIFY_PERIOD`] calls.
-    fn sweep(&mut self, last: bool) -> Sweep {
+    /// This digest's share of the sweep: everything for the run's `last`
+    /// record of this path, else one block every [`VERIFY_PERIOD`] calls.
+    fn sweep(&mut self, step: u32, last: bool) -> Sweep {
+        self.latest = (step, last);
         let s = if last {
             Sweep::All
         } else if self.calls.is_multiple_of(VERIFY_PERIOD) {
@@ -97,9 +106,15 @@ type GrowingKey = (Option<u32>, Level, RecordPath);
 pub struct GrowingDigests {
     alg: Algorithm,
     policy: CanonPolicy,
-    /// The run's last step (`max_new_tokens - 1`): its records verify every block.
+    /// The run's last step (`max_new_tokens - 1`) ...
     last_step: u32,
+    /// ... and the position of its last token, when known: the records
+    /// there are each path's last, and verify every block.
+    final_position: Option<u32>,
     states: HashMap<GrowingKey, Growing>,
+    /// Whether the record of a `'static` path ([`RecordPath::static_addr`])
+    /// on a layer grows, once found from its text.
+    grows: HashMap<(usize, Option<u32>), bool>,
     /// Rows that only grow on some layers ([`GrowingDigests::grow_on_layers`]).
     layered: Vec<(Component, u32)>,
     /// Bytes of growing records read again so far ([`Self::hashed_bytes`]).
@@ -115,7 +130,9 @@ impl GrowingDigests {
             alg,
             policy,
             last_step,
+            final_position: None,
             states: HashMap::new(),
+            grows: HashMap::new(),
             layered: Vec::new(),
             hashed: 0,
             records: 0,
@@ -130,11 +147,52 @@ impl GrowingDigests {
     /// append-only fails the verification below.
     pub fn grow_on_layers(&mut self, component: Component, layers: impl IntoIterator<Item = u32>) {
         self.layered.extend(layers.into_iter().map(|l| (component, l)));
+        self.grows.clear();
+    }
+
+    /// Of a run whose prompt is `prompt_tokens` long (one token a step
+    /// after it): only the records at its last position verify every block,
+    /// not every position's of a last step that is the prefill (whose
+    /// growing records would each be checked whole, a cost growing with the
+    /// square of the prompt). Unknown (0): every record of the last step.
+    pub fn with_prompt_tokens(mut self, prompt_tokens: usize) -> GrowingDigests {
+        self.final_position = u32::try_from(prompt_tokens)
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|p| p.checked_add(self.last_step));
+        self
     }
 
     /// The run's last step, whose records verify every block.
     pub fn last_step(&self) -> u32 {
         self.last_step
+    }
+
+    /// Whether `coord`'s record is its path's last of the run, which
+    /// verifies every block.
+    fn is_last(&self, coord: &Coord) -> bool {
+        coord.step >= self.last_step && self.final_position.is_none_or(|f| coord.position >= f)
+    }
+
+    /// A growing record whose last record of the run's last step was not
+    /// verified whole, if any: the run cannot vouch for its old bytes (its
+    /// prompt was not the length it was said to be), and no trace may be
+    /// written.
+    pub fn unverified(&self) -> Option<String> {
+        let mut bad = self
+            .states
+            .iter()
+            .filter(|(_, g)| g.latest.0 >= self.last_step && !g.latest.1)
+            .map(|((layer, level, path), _)| (*layer, *level, path.as_str()))
+            .collect::<Vec<_>>();
+        bad.sort();
+        bad.first().map(|(layer, level, path)| {
+            format!(
+                "{} growing record(s) were not verified whole at the run's last position ({path} at {level:?}{}, the                  first): their old bytes are not vouched for, no trace is written (a run's records past the                  position its prompt length and step count give)",
+                bad.len(),
+                layer.map(|l| format!(" on layer {l}")).unwrap_or_default()
+            )
+        })
     }
 
     /// Bytes of growing records this side read again so far: hashed by the
@@ -196,13 +254,13 @@ impl GrowingDigests {
         tensor: TensorView<'_>,
         kept: Option<usize>,
     ) -> Option<MirrorUpdate> {
-        let (key, _, same) = self.changed(coord, level, tensor, kept)?;
+        let (key, _, same) = self.changed(coord, level, tensor, kept, MIN_MIRRORED_BYTES)?;
         let data = tensor.bytes;
-        let last = coord.step >= self.last_step;
+        let last = self.is_last(coord);
         let stagger = self.states.len() as u32;
         let g = self.states.entry(key).or_insert_with(|| Growing::new(stagger));
         g.len = data.len();
-        let check = match g.sweep(last) {
+        let check = match g.sweep(coord.step, last) {
             Sweep::All => 0..data.len(),
             Sweep::Next => {
                 let windows = data.len().div_ceil(DEFAULT_BLOCK);
@@ -236,15 +294,15 @@ impl GrowingDigests {
         level: Level,
         tensor: TensorView<'_>,
         kept: Option<usize>,
+        min: usize,
     ) -> Option<(GrowingKey, usize, usize)> {
-        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < MIN_INCREMENTAL_BYTES {
+        if self.alg != Algorithm::Blake3 || tensor.bytes.len() < min {
             return None;
         }
-        let growing = kept.is_some()
-            || Component::parse(&coord.path).is_some_and(|(c, _)| {
-                c.spec().append_only || coord.layer.is_some_and(|l| self.layered.contains(&(c, l)))
-            });
-        if !growing || tensor.validate(&coord.path).is_err() {
+        if kept.is_none() && !self.grows(coord) {
+            return None;
+        }
+        if tensor.validate(&coord.path).is_err() {
             return None;
         }
         // The runtime's paths are `'static`: the key costs no allocation.
@@ -261,6 +319,25 @@ impl GrowingDigests {
         Some((key, previous, same))
     }
 
+    /// Whether `coord`'s record is of a component that only grows there:
+    /// append-only, or growing on its layer ([`Self::grow_on_layers`]).
+    /// Looked up by the path's address when it has one, so that the text is
+    /// parsed once per path and layer, not once per record.
+    fn grows(&mut self, coord: &Coord) -> bool {
+        let of_text = |layered: &[(Component, u32)]| {
+            Component::parse(&coord.path).is_some_and(|(c, _)| {
+                c.spec().append_only || coord.layer.is_some_and(|l| layered.contains(&(c, l)))
+            })
+        };
+        match coord.path.static_addr() {
+            Some(a) => *self
+                .grows
+                .entry((a, coord.layer))
+                .or_insert_with(|| of_text(&self.layered)),
+            None => of_text(&self.layered),
+        }
+    }
+
     fn digest_with(
         &mut self,
         coord: &Coord,
@@ -268,20 +345,21 @@ impl GrowingDigests {
         tensor: TensorView<'_>,
         kept: Option<usize>,
     ) -> Result<Option<Digest>, CaptureError> {
-        let Some((key, previous, same)) = self.changed(coord, level, tensor, kept) else {
+        let Some((key, previous, same)) = self.changed(coord, level, tensor, kept, MIN_INCREMENTAL_BYTES)
+        else {
             return Ok(None);
         };
         let data = tensor.bytes;
         let rewritten: Vec<std::ops::Range<usize>> =
             (previous > same).then_some(same..previous).into_iter().collect();
         let prefix = record_prefix(coord, level, tensor.dtype, tensor.shape, data.len() as u64);
-        let last = coord.step >= self.last_step;
+        let last = self.is_last(coord);
         let stagger = self.states.len() as u32;
         let g = self.states.entry(key).or_insert_with(|| Growing::new(stagger));
         let root = g.hasher.digest_stream(&prefix, data, &rewritten);
         self.hashed += g.hasher.last_hashed() as u64;
         g.len = data.len();
-        let checked = match g.sweep(last) {
+        let checked = match g.sweep(coord.step, last) {
             Sweep::All => g.hasher.verify_all_stream(&prefix, data),
             Sweep::Next => g.hasher.verify_next_stream(&prefix, data, VERIFY_BLOCKS),
             Sweep::Skip => Ok(()),
@@ -500,6 +578,57 @@ mod tests {
         );
     }
 
+    #[test]
+    fn records_are_mirrored_from_a_smaller_size_than_they_are_digested_incrementally_here() {
+        let policy = CanonPolicy::default();
+        let bytes = entries(16);
+        let t = |n: usize| TensorView {
+            dtype: DType::F32,
+            shape: &[],
+            bytes: &bytes[..n],
+        };
+        let shape = |n: usize| [(n / 4) as u64];
+        let at = |step| {
+            let mut c = coord(step, step);
+            c.path = RecordPath::from_static(&"state.compressor.compressed_kv");
+            c
+        };
+        for (n, mirrored) in [
+            (MIN_MIRRORED_BYTES - 4, false),
+            (MIN_MIRRORED_BYTES, true),
+            (MIN_INCREMENTAL_BYTES - 4, true),
+        ] {
+            let s = shape(n);
+            let v = TensorView { shape: &s, ..t(n) };
+            let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+            assert_eq!(
+                g.mirror(&at(0), Level::L2, v, None).is_some(),
+                mirrored,
+                "{n} mirrored"
+            );
+            let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+            assert_eq!(g.digest(&at(0), Level::L2, v).unwrap(), None, "{n} here");
+        }
+        // A component that grows on some layers only, named after a record
+        // of it was seen: the next record of it on such a layer grows.
+        let s = shape(MIN_MIRRORED_BYTES);
+        let v = TensorView {
+            shape: &s,
+            ..t(MIN_MIRRORED_BYTES)
+        };
+        let mut read = at(1);
+        read.path = RecordPath::from_static(&"attn.compressed_read");
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
+        assert!(
+            g.mirror(&read, Level::L4, v, None).is_none(),
+            "not on every layer"
+        );
+        g.grow_on_layers(Component::AttnCompressedRead, [2]);
+        assert!(g.mirror(&read, Level::L4, v, None).is_some(), "on layer 2");
+        read.layer = Some(3);
+        assert!(g.mirror(&read, Level::L4, v, None).is_none(), "not on layer 3");
+    }
+
     /// One record through both sides of a mirrored digest: the recording
     /// side's hand-over, then the writer's copy. Also returns the bytes
     /// handed over and the bytes checked.
@@ -563,6 +692,16 @@ mod tests {
     }
 
     const SIDES: [Side; 2] = [Side::Here, Side::Mirror];
+
+    impl Side {
+        /// The smallest record the side digests from what changed.
+        fn min_bytes(&self) -> usize {
+            match self {
+                Side::Here => MIN_INCREMENTAL_BYTES,
+                Side::Mirror => MIN_MIRRORED_BYTES,
+            }
+        }
+    }
 
     /// One record's digest on `side` (`None`: digested whole), and the bytes
     /// that side hashed (here) or handed over besides the swept ones
@@ -698,13 +837,70 @@ mod tests {
                         }
                         incremental += 1;
                     }
-                    None => assert!(bytes.len() < MIN_INCREMENTAL_BYTES, "{side:?} step {step}: whole"),
+                    None => assert!(bytes.len() < side.min_bytes(), "{side:?} step {step}: whole"),
                 }
                 prev = text.clone();
             }
             assert!(text.len() > 2 * MIN_INCREMENTAL_BYTES, "{}", text.len());
             assert!(incremental > 5_000, "{side:?}: {incremental}");
         }
+    }
+
+    #[test]
+    fn a_prefill_that_ends_the_run_verifies_only_its_last_positions_records_whole() {
+        let policy = CanonPolicy::default();
+        let positions = 24u32;
+        for side in SIDES {
+            for prompt in [positions as usize, positions as usize + 1] {
+                let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 0).with_prompt_tokens(prompt);
+                let mut mirrors = Mirrors::default();
+                for position in 0..positions {
+                    let n = 40 + position as usize;
+                    let bytes = entries(n);
+                    let shape = [n as u64, 512];
+                    let t = TensorView {
+                        dtype: DType::F32,
+                        shape: &shape,
+                        bytes: &bytes,
+                    };
+                    let mut c = coord(0, position);
+                    c.phase = Phase::Prefill;
+                    let before = g.hashed_bytes();
+                    let d = digest_on(side, &mut g, &mut mirrors, &c, Level::L2, t, None).unwrap();
+                    let want = record_digest(Algorithm::Blake3, policy, &c, Level::L2, t).unwrap();
+                    assert_eq!(d.map(|(d, _)| d), Some(want), "{side:?} {position}");
+                    let read = g.hashed_bytes() - before;
+                    // (Here the count leaves out the verification's reads.)
+                    let whole = position + 1 == prompt as u32;
+                    if position > 0 && matches!(side, Side::Mirror) {
+                        assert_eq!(
+                            read >= bytes.len() as u64,
+                            whole,
+                            "{side:?} {prompt} {position}: {read}"
+                        );
+                    }
+                }
+                // A prompt said to be longer than the positions recorded:
+                // the last record was not checked whole, and the run fails.
+                let told = g.unverified();
+                assert_eq!(
+                    told.is_some(),
+                    prompt > positions as usize,
+                    "{side:?} {prompt}: {told:?}"
+                );
+            }
+        }
+        // Unknown prompt length: every record of the last step whole.
+        let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 0);
+        let bytes = entries(40);
+        let t = TensorView {
+            dtype: DType::F32,
+            shape: &[40, 512],
+            bytes: &bytes,
+        };
+        g.mirror(&coord(0, 3), Level::L2, t, None);
+        assert!(g.hashed_bytes() >= bytes.len() as u64);
+        assert_eq!(g.unverified(), None);
     }
 
     #[test]

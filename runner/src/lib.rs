@@ -264,6 +264,10 @@ impl TraceSink {
         if let Some(p) = &mut self.progress {
             p.clear();
         }
+        // Dropping the writer removes its temporary file.
+        if let Some(m) = self.growing.unverified() {
+            return Err(RunError::Invalid(m));
+        }
         Ok(match self.out {
             SinkWriter::Here(w) => w.finish()?,
             SinkWriter::Thread(t) => t.finish()?,
@@ -279,6 +283,7 @@ fn growing_of(w: &TraceWriter) -> growing::GrowingDigests {
         b.canon,
         b.decoding.max_new_tokens.saturating_sub(1),
     )
+    .with_prompt_tokens(b.prompt.ids.len())
 }
 
 impl CaptureSink for TraceSink {
