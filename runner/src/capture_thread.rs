@@ -494,6 +494,10 @@ fn write_batches(
             return Err(e);
         }
         batch.clear();
+        // A record larger than a batch widened into a buffer of its size:
+        // back to a batch's.
+        widened.clear();
+        widened.shrink_to(2 * DATA_CAPACITY);
         // Room for every batch of the pool: never full. Fails only once
         // the runtime's side is gone, when nothing needs the batch.
         let _ = back.try_send(batch);

@@ -188,9 +188,13 @@ impl GrowingDigests {
         bad.sort();
         bad.first().map(|(layer, level, path)| {
             format!(
-                "{} growing record(s) were not verified whole at the run's last position ({path} at {level:?}{}, the                  first): their old bytes are not vouched for, no trace is written (a run's records past the                  position its prompt length and step count give)",
+                "{} growing record(s) of the run's last step were not verified whole (the first: {path} at \
+                 {level:?}{}): the trace cannot vouch for their old bytes, and none is written. Their last \
+                 records came before the last position that the prompt's length and the step count give ({})",
                 bad.len(),
-                layer.map(|l| format!(" on layer {l}")).unwrap_or_default()
+                layer.map(|l| format!(" on layer {l}")).unwrap_or_default(),
+                self.final_position
+                    .map_or("unknown".to_string(), |p| p.to_string()),
             )
         })
     }
