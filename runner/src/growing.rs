@@ -509,6 +509,15 @@ mod tests {
         }
     }
 
+    /// An F32 record of `bytes` and `shape`.
+    fn f32_view<'a>(bytes: &'a [u8], shape: &'a [u64]) -> TensorView<'a> {
+        TensorView {
+            dtype: DType::F32,
+            shape,
+            bytes,
+        }
+    }
+
     fn entries(n: usize) -> Vec<u8> {
         (0..n * 512)
             .flat_map(|i| ((i as f32 * 0.37).sin()).to_le_bytes())
@@ -524,11 +533,7 @@ mod tests {
             let n = 100 + step as usize;
             let bytes = entries(n);
             let shape = [n as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
+            let t = f32_view(&bytes, &shape);
             let c = coord(step, 10 + step);
             let want = record_digest(Algorithm::Blake3, policy, &c, Level::L2, t).unwrap();
             assert_eq!(g.digest(&c, Level::L2, t).unwrap(), Some(want), "step {step}");
@@ -551,11 +556,7 @@ mod tests {
         let policy = CanonPolicy::default();
         let bytes = entries(200);
         let shape = [200u64, 512];
-        let t = TensorView {
-            dtype: DType::F32,
-            shape: &shape,
-            bytes: &bytes,
-        };
+        let t = f32_view(&bytes, &shape);
         let mut g = GrowingDigests::new(Algorithm::Sha256, policy, 5);
         assert_eq!(g.digest(&coord(0, 0), Level::L2, t).unwrap(), None, "SHA-256");
         let mut g = GrowingDigests::new(Algorithm::Blake3, policy, 5);
@@ -570,11 +571,7 @@ mod tests {
         assert_eq!(g.digest(&coord(0, 0), Level::L2, small).unwrap(), None, "small");
         let mut nan = bytes.clone();
         nan[0..4].copy_from_slice(&f32::from_bits(0x7fc0_0001).to_le_bytes());
-        let t = TensorView {
-            dtype: DType::F32,
-            shape: &shape,
-            bytes: &nan,
-        };
+        let t = f32_view(&nan, &shape);
         assert_eq!(
             g.digest(&coord(0, 0), Level::L2, t).unwrap(),
             None,
@@ -662,11 +659,7 @@ mod tests {
             let n = 100 + step as usize;
             let bytes = entries(n);
             let shape = [n as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
+            let t = f32_view(&bytes, &shape);
             let c = coord(step, 10 + step);
             let want = record_digest(Algorithm::Blake3, policy, &c, Level::L2, t).unwrap();
             let (got, handed, checked) = mirrored(&mut g, &mut mirrors, &c, Level::L2, t, None)
@@ -749,11 +742,7 @@ mod tests {
                 bytes.extend(entries(1));
             }
             let shape = [(bytes.len() / 2048) as u64, 512];
-            let t = TensorView {
-                dtype: DType::F32,
-                shape: &shape,
-                bytes: &bytes,
-            };
+            let t = f32_view(&bytes, &shape);
             if let Err(m) = digest_on(side, &mut g, &mut mirrors, &coord(step, step), Level::L2, t, None) {
                 return Some((step, m, bytes.len()));
             }
@@ -862,11 +851,7 @@ mod tests {
                     let n = 40 + position as usize;
                     let bytes = entries(n);
                     let shape = [n as u64, 512];
-                    let t = TensorView {
-                        dtype: DType::F32,
-                        shape: &shape,
-                        bytes: &bytes,
-                    };
+                    let t = f32_view(&bytes, &shape);
                     let mut c = coord(0, position);
                     c.phase = Phase::Prefill;
                     let before = g.hashed_bytes();
