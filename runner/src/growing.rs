@@ -7,11 +7,12 @@
 //! Trust: the incremental digest assumes the old bytes did not change. Each
 //! record re-hashes [`VERIFY_BLOCKS`] cached blocks round robin every
 //! [`VERIFY_PERIOD`] digests (the records staggered, so that each step
-//! shares the work), and every record of the run's last step re-hashes all
+//! shares the work), and every record at the run's last position (each
+//! path's last record, [`GrowingDigests::with_prompt_tokens`]) re-hashes all
 //! of them: an old entry
 //! rewritten without being appended (a runtime bug) that stays rewritten
-//! until the sweep or the last step reaches its block fails the run, naming
-//! the record and the bytes, and no trace is written. A rewrite undone
+//! until the sweep or the last position reaches its block fails the run,
+//! naming the record and the bytes, and no trace is written. A rewrite undone
 //! before then is not seen: the digests of the steps in between commit to
 //! the bytes before it (docs/format.md §4.5; payload capture hashes whole).
 //!
