@@ -17,6 +17,13 @@
 //! the forward's buffers land in the caches differently per process), so
 //! pairs within one process sample one draw; fresh processes sample them all,
 //! as users' runs do.
+//!
+//! With [`ContextBenchOptions::interleave`] (`moeconf bench`'s default;
+//! `--separate-runs` turns it off) each pair is instead one process
+//! holding both runs, their decode steps advanced in turn a few at a time
+//! ([`interleaved_run`]): the machine's speed drifts within seconds on shared
+//! hosts, and segments milliseconds apart see the same machine while runs
+//! one after the other do not. The pairs are still processes of their own.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -51,6 +58,44 @@ pub struct ContextBenchOptions {
     /// Runs each measured run in a new process of this executable (`moeconf
     /// bench runtime --context-child`, [`one_run`]); `None`: in this process.
     pub exe: Option<PathBuf>,
+    /// Each pair is one process holding both runs, their decode steps
+    /// interleaved in segments ([`interleaved_run`]; `moeconf bench`'s
+    /// default), instead of two runs one after the other (`--separate-runs`).
+    pub interleave: bool,
+}
+
+/// Decode steps in each segment of an interleaved pair ([`interleaved_run`]).
+pub const SEGMENT_STEPS: u32 = 8;
+
+/// What one interleaved pair measured ([`interleaved_run`]): the line a
+/// `--context-child N --child-capture interleaved` process prints.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct InterleavedRun {
+    /// Prefill seconds, uncaptured and captured (one after the other).
+    pub prefill_seconds: [f64; 2],
+    /// Seconds of the counted decode segments, uncaptured and captured.
+    pub decode_seconds: [f64; 2],
+    /// Seconds of the whole decode phase, every segment (the first, which
+    /// finishes the prefill's blocks in the writer, included).
+    pub phase_seconds: [f64; 2],
+    /// Decode steps counted per run (the first segment is not).
+    pub counted_steps: u32,
+    /// Per counted segment, captured seconds / uncaptured seconds, in run order.
+    pub segment_cost: Vec<f64>,
+    /// As [`OneRun`]'s, of the captured run.
+    pub growing_records: u64,
+    pub growing_hashed_bytes: u64,
+    /// Peak resident memory of the process (both runs' state).
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl InterleavedRun {
+    /// The median of the segments' cost ratios: the pair's decode cost.
+    pub fn median_segment_cost(&self) -> Option<f64> {
+        let mut v = self.segment_cost.clone();
+        v.sort_by(f64::total_cmp);
+        measure::quartiles(&v).map(|[_, m, _]| m)
+    }
 }
 
 /// What one measured run (prefill and decode, captured or not) took: the
@@ -88,6 +133,8 @@ pub struct ContextRow {
     /// Per pair, captured decode-phase seconds / uncaptured, sorted (the
     /// whole phase, the prefill's tail included).
     pub decode_phase_cost: Vec<f64>,
+    /// Per pair, the whole run's ratio (prefill and decode phase), sorted.
+    pub run_cost: Vec<f64>,
     /// Bytes of the trace's prefill part (step 0, with the file's header).
     pub prefill_bytes: u64,
     /// Bytes each decode step added to the trace: least, median, most.
@@ -173,6 +220,10 @@ impl ContextRow {
     pub fn decode_phase_quartiles(&self) -> Option<[f64; 3]> {
         measure::quartiles(&self.decode_phase_cost)
     }
+    /// Median (quartiles) of the whole run's cost ratio.
+    pub fn run_quartiles(&self) -> Option<[f64; 3]> {
+        measure::quartiles(&self.run_cost)
+    }
     /// Median (quartiles) of the prefill cost ratio.
     pub fn prefill_quartiles(&self) -> Option<[f64; 3]> {
         measure::quartiles(&self.prefill_cost)
@@ -255,64 +306,76 @@ pub fn bench_context(
     scratch: &Path,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<ContextRow>, RunError> {
+    if opts.interleave {
+        segments_of(opts.decode_tokens)?;
+    }
     let model = Model::load(dir)?;
     let path = scratch.join("bench-context.bin");
     // Every context must fit before any runs.
     for &n in &opts.contexts {
-        check_fits(&model, n, opts.decode_tokens, opts.prefill_chunk)?;
+        check_fits(&model, n, opts.decode_tokens, opts.prefill_chunk, opts.interleave)?;
     }
     drop(model);
     let mut rows = Vec::new();
     for &n in &opts.contexts {
         let mut best = [[0.0f64; 2]; 2];
         let (mut prefill_cost, mut decode_cost, mut decode_phase_cost) = (Vec::new(), Vec::new(), Vec::new());
+        let mut run_cost = Vec::new();
         let (mut last, mut peak_rss) = (None, None);
         for r in 0..opts.repeat {
-            let mut pair = [None; 2];
-            for (i, capture) in [BenchCapture::None, BenchCapture::Default]
-                .into_iter()
-                .enumerate()
-            {
+            let pair = if opts.interleave {
                 progress(&format!(
-                    "context {n}: pair {}/{}: {} ...",
+                    "context {n}: pair {}/{}: both runs in one process, decode steps interleaved ...",
                     r + 1,
-                    opts.repeat,
-                    match capture {
-                        BenchCapture::None => "without capture",
-                        BenchCapture::Default => "with the default capture",
-                    }
+                    opts.repeat
                 ));
                 let run = match &opts.exe {
-                    Some(exe) => child_run(exe, n, opts, capture, &path)?,
-                    None => one_run(dir, n, opts.decode_tokens, opts.prefill_chunk, capture, &path)?,
+                    Some(exe) => child_run(exe, n, opts, "interleaved", &path)?,
+                    None => interleaved_run(dir, n, opts.decode_tokens, opts.prefill_chunk, &path)?,
                 };
-                peak_rss = peak_rss.max(run.peak_rss_bytes);
-                pair[i] = Some(run);
-            }
-            let [Some(none), Some(with)] = pair else {
-                continue;
+                Pair::interleaved(n, opts.decode_tokens, &run)
+            } else {
+                let mut runs = [None; 2];
+                for (i, capture) in [BenchCapture::None, BenchCapture::Default]
+                    .into_iter()
+                    .enumerate()
+                {
+                    progress(&format!(
+                        "context {n}: pair {}/{}: {} ...",
+                        r + 1,
+                        opts.repeat,
+                        match capture {
+                            BenchCapture::None => "without capture",
+                            BenchCapture::Default => "with the default capture",
+                        }
+                    ));
+                    runs[i] = Some(match &opts.exe {
+                        Some(exe) => child_run(exe, n, opts, capture.name(), &path)?,
+                        None => one_run(dir, n, opts.decode_tokens, opts.prefill_chunk, capture, &path)?,
+                    });
+                }
+                let [Some(none), Some(with)] = runs else {
+                    continue;
+                };
+                Pair::of_processes(n, opts.decode_tokens, &none, &with)
             };
-            let phases = |o: &OneRun| {
-                [
-                    n as f64 / o.prefill_seconds.max(1e-12),
-                    f64::from(opts.decode_tokens) / o.decode_seconds.max(1e-12),
-                ]
-            };
-            for (i, t) in [none, with].iter().enumerate() {
-                let [p, d] = phases(t);
-                best[0][i] = best[0][i].max(p);
-                best[1][i] = best[1][i].max(d);
+            peak_rss = peak_rss.max(pair.peak_rss);
+            for (b, now) in best.iter_mut().zip([pair.prefill, pair.decode]) {
+                b[0] = b[0].max(now[0]);
+                b[1] = b[1].max(now[1]);
             }
-            prefill_cost.push(with.prefill_seconds / none.prefill_seconds.max(1e-12));
-            decode_cost.push(with.median_step_seconds / none.median_step_seconds.max(1e-12));
-            decode_phase_cost.push(with.decode_seconds / none.decode_seconds.max(1e-12));
-            last = Some((with.growing_records, with.growing_hashed_bytes));
+            prefill_cost.push(pair.prefill_cost);
+            decode_cost.push(pair.decode_cost);
+            decode_phase_cost.push(pair.decode_phase_cost);
+            run_cost.push(pair.run_cost);
+            last = Some(pair.growing);
         }
         let bytes = trace_bytes(&path)?;
         let _ = std::fs::remove_file(&path);
         prefill_cost.sort_by(f64::total_cmp);
         decode_cost.sort_by(f64::total_cmp);
         decode_phase_cost.sort_by(f64::total_cmp);
+        run_cost.sort_by(f64::total_cmp);
         let (growing_records, hashed) = last.unwrap_or((0, 0));
         let s = &bytes.steps;
         rows.push(ContextRow {
@@ -322,6 +385,7 @@ pub fn bench_context(
             prefill_cost,
             decode_cost,
             decode_phase_cost,
+            run_cost,
             prefill_bytes: bytes.prefill,
             step_bytes: match s.len() {
                 0 => [0; 3],
@@ -334,6 +398,155 @@ pub fn bench_context(
         });
     }
     Ok(rows)
+}
+
+/// What one pair of runs measured, either way ([`ContextBenchOptions::interleave`]).
+struct Pair {
+    /// Tokens/s, uncaptured and captured.
+    prefill: [f64; 2],
+    decode: [f64; 2],
+    prefill_cost: f64,
+    decode_cost: f64,
+    decode_phase_cost: f64,
+    run_cost: f64,
+    growing: (u64, u64),
+    peak_rss: Option<u64>,
+}
+
+impl Pair {
+    /// Two processes: the decode cost is the ratio of their median steps.
+    fn of_processes(n: u32, decode: u32, none: &OneRun, with: &OneRun) -> Pair {
+        let per_second = |count: f64, s: f64| count / s.max(1e-12);
+        let ratio = |a: f64, b: f64| b / a.max(1e-12);
+        Pair {
+            prefill: [none, with].map(|o| per_second(f64::from(n), o.prefill_seconds)),
+            decode: [none, with].map(|o| per_second(f64::from(decode), o.decode_seconds)),
+            prefill_cost: ratio(none.prefill_seconds, with.prefill_seconds),
+            decode_cost: ratio(none.median_step_seconds, with.median_step_seconds),
+            decode_phase_cost: ratio(none.decode_seconds, with.decode_seconds),
+            run_cost: ratio(
+                none.prefill_seconds + none.decode_seconds,
+                with.prefill_seconds + with.decode_seconds,
+            ),
+            growing: (with.growing_records, with.growing_hashed_bytes),
+            peak_rss: none.peak_rss_bytes.max(with.peak_rss_bytes),
+        }
+    }
+
+    /// One process: the decode cost is the median of its segments' ratios.
+    fn interleaved(n: u32, decode: u32, run: &InterleavedRun) -> Pair {
+        let per_second = |count: f64, s: f64| count / s.max(1e-12);
+        let ratio = |[a, b]: [f64; 2]| b / a.max(1e-12);
+        Pair {
+            prefill: run.prefill_seconds.map(|s| per_second(f64::from(n), s)),
+            decode: run.phase_seconds.map(|s| per_second(f64::from(decode), s)),
+            prefill_cost: ratio(run.prefill_seconds),
+            decode_cost: run.median_segment_cost().unwrap_or(f64::NAN),
+            decode_phase_cost: ratio(run.phase_seconds),
+            run_cost: ratio([0, 1].map(|i| run.prefill_seconds[i] + run.phase_seconds[i])),
+            growing: (run.growing_records, run.growing_hashed_bytes),
+            peak_rss: run.peak_rss_bytes,
+        }
+    }
+}
+
+/// Both runs at context `n` in this one process: the prompt prefilled
+/// without capture, then with the default capture into `trace`, then their
+/// decode steps advanced in turn, [`SEGMENT_STEPS`] at a time, the order
+/// swapped every segment (uncaptured first, then captured first, ...). The
+/// first segment (with the remainder of `decode` over whole segments) is
+/// not counted: it finishes the prefill's blocks in the writer.
+///
+/// Why: on a shared machine the speed of the whole machine drifts within
+/// seconds (docs/performance.md: one process's uncaptured segments went
+/// from 46 to 66 ms in the middle of a run), so two runs measured one
+/// after the other compare the drift as much as the capture; segments
+/// milliseconds apart see the same machine. Every pair is still a process
+/// of its own, so the pairs sample what each process draws.
+pub fn interleaved_run(
+    dir: &Path,
+    n: u32,
+    decode: u32,
+    prefill_chunk: Option<u32>,
+    trace: &Path,
+) -> Result<InterleavedRun, RunError> {
+    let segments = segments_of(decode)?;
+    let model = Model::load(dir)?;
+    check_fits(&model, n, decode, prefill_chunk, true)?;
+    let prompt = prompt_of(n, model.config().vocab_size as u32);
+    let opts = StepOptions {
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+        allow_non_finite: false,
+    };
+    let mut header = Header::default();
+    header.binding.decoding.max_new_tokens = decode.saturating_add(1);
+    let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
+    let mut sink = TraceSink::new(w, parse_capture(BenchCapture::Default.name())?).for_model(&model);
+    let mut none = NullSink;
+    let mut states = [model.new_state(), model.new_state()];
+    let mut next = [0u32; 2];
+    let mut prefill_seconds = [0.0; 2];
+    for (i, state) in states.iter_mut().enumerate() {
+        let sink: &mut dyn CaptureSink = if i == 0 { &mut none } else { &mut sink };
+        let t = Instant::now();
+        next[i] = match prefill_chunk {
+            Some(c) => model.step_chunked(state, &prompt, &opts, c as usize, sink)?,
+            None => model.step(state, &prompt, &opts, sink)?,
+        }
+        .next_token;
+        prefill_seconds[i] = t.elapsed().as_secs_f64();
+    }
+    let first = SEGMENT_STEPS + decode % SEGMENT_STEPS;
+    let (mut decode_seconds, mut phase_seconds) = ([0.0; 2], [0.0; 2]);
+    let mut segment_cost = Vec::with_capacity(segments as usize);
+    for k in 0..segments {
+        let steps = if k == 0 { first } else { SEGMENT_STEPS };
+        let mut seconds = [0.0; 2];
+        let order = if k % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let sink: &mut dyn CaptureSink = if i == 0 { &mut none } else { &mut sink };
+            let t = Instant::now();
+            for _ in 0..steps {
+                next[i] = model.step(&mut states[i], &[next[i]], &opts, sink)?.next_token;
+            }
+            seconds[i] = t.elapsed().as_secs_f64();
+        }
+        phase_seconds[0] += seconds[0];
+        phase_seconds[1] += seconds[1];
+        if k > 0 {
+            decode_seconds[0] += seconds[0];
+            decode_seconds[1] += seconds[1];
+            segment_cost.push(seconds[1] / seconds[0].max(1e-12));
+        }
+    }
+    let growing = (sink.growing_records(), sink.growing_hashed_bytes());
+    sink.finish()?;
+    Ok(InterleavedRun {
+        prefill_seconds,
+        decode_seconds,
+        phase_seconds,
+        counted_steps: (segments - 1) * SEGMENT_STEPS,
+        segment_cost,
+        growing_records: growing.0,
+        growing_hashed_bytes: growing.1,
+        peak_rss_bytes: measure::peak_rss_bytes(),
+    })
+}
+
+/// The segments of `decode` interleaved steps, the first one included;
+/// refused below two.
+fn segments_of(decode: u32) -> Result<u32, RunError> {
+    if decode < 2 * SEGMENT_STEPS {
+        return Err(RunError::Invalid(format!(
+            "interleaved pairs need at least {} decode steps (--decode-tokens): a first segment of \
+             {SEGMENT_STEPS} that is not counted and at least one that is; {decode} given (--separate-runs \
+             measures fewer)",
+            2 * SEGMENT_STEPS
+        )));
+    }
+    Ok(decode / SEGMENT_STEPS)
 }
 
 /// One measured run at context `n` in this process: the fixture in `dir`
@@ -350,7 +563,7 @@ pub fn one_run(
 ) -> Result<OneRun, RunError> {
     let model = Model::load(dir)?;
     // Refused before it runs, as the parent refuses the whole benchmark.
-    check_fits(&model, n, decode, prefill_chunk)?;
+    check_fits(&model, n, decode, prefill_chunk, false)?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
     let step = StepOptions {
         precision: Precision::Bf16,
@@ -386,11 +599,21 @@ pub fn one_run(
 }
 
 /// Refuses a run at context `n` with `decode` steps that the default
-/// capture's memory estimate says would not fit.
-fn check_fits(model: &Model, n: u32, decode: u32, prefill_chunk: Option<u32>) -> Result<(), RunError> {
+/// capture's memory estimate says would not fit (`both`: an interleaved
+/// pair, two runs' state in one process).
+fn check_fits(
+    model: &Model,
+    n: u32,
+    decode: u32,
+    prefill_chunk: Option<u32>,
+    both: bool,
+) -> Result<(), RunError> {
     let (n, new) = (u64::from(n), u64::from(decode) + 1);
     let spec = parse_capture(BenchCapture::Default.name())?;
-    let estimate = limits::estimate_memory(model.config(), n, new, spec, prefill_chunk.map(u64::from));
+    let mut estimate = limits::estimate_memory(model.config(), n, new, spec, prefill_chunk.map(u64::from));
+    if both {
+        estimate.state = estimate.state.saturating_mul(2);
+    }
     limits::check_memory_for(
         limits::Sizing::BenchContext,
         &estimate,
@@ -403,17 +626,17 @@ fn check_fits(model: &Model, n: u32, decode: u32, prefill_chunk: Option<u32>) ->
 /// [`one_run`] in a new process: `exe bench runtime --context-child N
 /// --child-capture C --child-trace PATH ...`, which prints the run as one
 /// JSON line.
-fn child_run(
+fn child_run<T: serde::de::DeserializeOwned>(
     exe: &Path,
     n: u32,
     opts: &ContextBenchOptions,
-    capture: BenchCapture,
+    capture: &str,
     trace: &Path,
-) -> Result<OneRun, RunError> {
+) -> Result<T, RunError> {
     let mut cmd = std::process::Command::new(exe);
     cmd.args(["bench", "runtime", "--context-child"])
         .arg(n.to_string())
-        .args(["--child-capture", capture.name(), "--decode-tokens"])
+        .args(["--child-capture", capture, "--decode-tokens"])
         .arg(opts.decode_tokens.to_string())
         .arg("--child-trace")
         .arg(trace);
@@ -427,7 +650,7 @@ fn child_run(
     if !out.status.success() {
         return Err(RunError::Invalid(format!(
             "the run at context {n} ({} capture) in a child process of {} failed ({})",
-            capture.name(),
+            capture,
             exe.display(),
             out.status
         )));
@@ -455,13 +678,26 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
     let mut t = format!(
         "long-context capture cost (builtin:tiny-v4, bf16, runtime threads: {}, {} decode steps after a prefill of \
          the context, {} alternated pairs{}{}; cost = seconds with the default capture / seconds without, \
-         per pair, median (quartiles), for decode of the median step; target <= {TARGET_COST:.2}x)\n",
+         per pair, median (quartiles), for decode {}; target <= {TARGET_COST:.2}x)\n",
         rayon::current_num_threads(),
         opts.decode_tokens,
         opts.repeat,
-        if opts.exe.is_some() { ", each run a process of its own" } else { "" },
+        match (opts.interleave, opts.exe.is_some()) {
+            (true, true) => ", each pair a process of its own holding both runs",
+            (true, false) => ", each pair both runs in this process",
+            (false, true) => ", each run a process of its own",
+            (false, false) => "",
+        },
         opts.prefill_chunk
             .map_or(String::new(), |c| format!(", prefill in chunks of {c}")),
+        if opts.interleave {
+            format!(
+                "of the median of each pair's segment ratios (decode steps interleaved {SEGMENT_STEPS} at a time, \
+                 the first segment not counted)"
+            )
+        } else {
+            "of the median step".into()
+        },
     );
     for r in rows {
         let interval = measure::median_interval95(&r.decode_cost).map_or(String::new(), |(lo, hi)| {
@@ -473,7 +709,7 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
         t.push_str(&format!(
             "  context {:>7}\n    decode   {:>9.1} t/s without, {:>9.1} t/s with capture; cost per step {}{} — {}; \
              whole phase {}\n    \
-             prefill  {:>9.1} t/s without, {:>9.1} t/s with capture; cost {}\n    \
+             prefill  {:>9.1} t/s without, {:>9.1} t/s with capture; cost {}; whole run (prefill and decode) {}\n    \
              trace    {} per decode step (least {}, most {}); prefill part {}; whole trace {}\n    \
              growing  {} records digested incrementally, {} re-read per step for the sweep; peak RSS {}\n",
             r.context,
@@ -486,6 +722,7 @@ pub fn render_context_text(opts: &ContextBenchOptions, rows: &[ContextRow]) -> S
             r.prefill[0],
             r.prefill[1],
             median_text(r.prefill_quartiles()),
+            median_text(r.run_quartiles()),
             r.step_bytes[1],
             r.step_bytes[0],
             r.step_bytes[2],
@@ -533,5 +770,40 @@ mod tests {
             Some(TargetVerdict::MedianNotMet)
         );
         assert_eq!(TargetVerdict::of(&[]), None);
+    }
+
+    /// An interleaved pair's captured run is the run a process of its own
+    /// makes: the same trace bytes, though its steps alternate with an
+    /// uncaptured run's in one process. It counts every segment but the
+    /// first, and refuses fewer than two.
+    #[test]
+    fn an_interleaved_pair_captures_the_same_trace_as_a_run_of_its_own() {
+        let dir = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let (alone, paired) = (
+            scratch.path().join("alone.bin"),
+            scratch.path().join("paired.bin"),
+        );
+        // 2 whole segments and 3 steps: a first segment of 11, one counted.
+        let decode = 2 * SEGMENT_STEPS + 3;
+        let lone = one_run(&dir, 40, decode, None, BenchCapture::Default, &alone).unwrap();
+        let run = interleaved_run(&dir, 40, decode, None, &paired).unwrap();
+        assert_eq!(std::fs::read(&alone).unwrap(), std::fs::read(&paired).unwrap());
+        assert_eq!(run.counted_steps, SEGMENT_STEPS);
+        assert_eq!(run.segment_cost.len(), 1);
+        assert!(run.segment_cost[0] > 0.0);
+        for i in 0..2 {
+            assert!(0.0 < run.decode_seconds[i] && run.decode_seconds[i] < run.phase_seconds[i]);
+        }
+        assert_eq!(
+            (run.growing_records, run.growing_hashed_bytes),
+            (lone.growing_records, lone.growing_hashed_bytes)
+        );
+        // Chunked prefill too.
+        one_run(&dir, 40, decode, Some(16), BenchCapture::Default, &alone).unwrap();
+        interleaved_run(&dir, 40, decode, Some(16), &paired).unwrap();
+        assert_eq!(std::fs::read(&alone).unwrap(), std::fs::read(&paired).unwrap());
+        let e = interleaved_run(&dir, 40, 2 * SEGMENT_STEPS - 1, None, &paired).unwrap_err();
+        assert!(e.to_string().contains("at least 16 decode steps"), "{e}");
     }
 }

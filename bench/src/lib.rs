@@ -309,6 +309,8 @@ pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchRepor
         "threads": rayon::current_num_threads(),
         "decode_tokens": opts.decode_tokens,
         "prefill_chunk": opts.prefill_chunk,
+        "measure": if opts.interleave { "interleaved" } else { "process_pairs" },
+        "segment_steps": opts.interleave.then_some(context::SEGMENT_STEPS),
         "target_cost": TARGET_COST,
         "rows": rows.iter().map(|r| json!({
             "context": r.context,
@@ -317,6 +319,7 @@ pub fn runtime_context(opts: &context::ContextBenchOptions) -> Result<BenchRepor
             "prefill_cost": q(r.prefill_quartiles(), r.prefill_cost.len()),
             "decode_cost": q(r.decode_quartiles(), r.decode_cost.len()),
             "decode_phase_cost": q(r.decode_phase_quartiles(), r.decode_phase_cost.len()),
+            "run_cost": q(r.run_quartiles(), r.run_cost.len()),
             "decode_target_met": r.decode_quartiles().map(|[_, m, _]| m <= TARGET_COST),
             "decode_cost_median_interval95": crate::measure::median_interval95(&r.decode_cost).map(|(lo, hi)| [lo, hi]),
             "decode_target": r.decode_verdict().map(|v| v.name()),
@@ -345,6 +348,19 @@ pub fn context_child(
 ) -> Result<context::OneRun, BenchError> {
     let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
     context::one_run(&tiny, n, decode_tokens, prefill_chunk, capture, trace)
+        .map_err(step("bench runtime --context-child"))
+}
+
+/// One interleaved pair of `bench runtime --context` in this
+/// process ([`context::interleaved_run`], the child process of each pair).
+pub fn context_child_interleaved(
+    n: u32,
+    decode_tokens: u32,
+    prefill_chunk: Option<u32>,
+    trace: &std::path::Path,
+) -> Result<context::InterleavedRun, BenchError> {
+    let tiny = moeconf_fixtures::ensure_builtin("builtin:tiny-v4").map_err(step("the built-in fixture"))?;
+    context::interleaved_run(&tiny, n, decode_tokens, prefill_chunk, trace)
         .map_err(step("bench runtime --context-child"))
 }
 

@@ -118,12 +118,14 @@ fn bench_runtime_context_reports_cost_bytes_per_step_and_memory() {
         "3",
         "--repeat",
         "1",
+        "--separate-runs",
         "--format",
         "json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["kind"], "moeconf.bench.runtime.context");
+    assert_eq!(v["measure"], "process_pairs");
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
     for (r, n) in rows.iter().zip([40, 80]) {
@@ -143,6 +145,48 @@ fn bench_runtime_context_reports_cost_bytes_per_step_and_memory() {
     assert!(rows[1]["prefill_bytes"].as_u64() > rows[0]["prefill_bytes"].as_u64());
     // --context excludes the other modes.
     let o = moeconf(&["bench", "runtime", "--context", "40", "--real-width"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+/// By default each pair is one child process holding both runs; the report
+/// says so, and counts every segment but the first. Too few decode steps
+/// exit 2 before any run, naming --separate-runs; that flag needs --context.
+#[test]
+fn bench_runtime_context_interleaved_reports_the_pairs_segments() {
+    let o = moeconf(&[
+        "bench",
+        "runtime",
+        "--context",
+        "40",
+        "--decode-tokens",
+        "16",
+        "--repeat",
+        "2",
+        "--format",
+        "json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["measure"], "interleaved");
+    assert_eq!(v["segment_steps"], 8);
+    let r = &v["rows"][0];
+    assert_eq!(r["decode_cost"]["rounds"], 2);
+    assert!(r["decode_cost"]["median"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(
+        r["decode_tokens_per_second"]["default"].as_f64().unwrap() > 0.0,
+        "{r}"
+    );
+    assert!(r["bytes_per_decode_step"]["median"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["run_cost"]["median"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(stderr(&o).contains("both runs in one process"), "{}", stderr(&o));
+    let o = moeconf(&["bench", "runtime", "--context", "40", "--decode-tokens", "15"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("at least 16 decode steps") && e.contains("--separate-runs"),
+        "{e}"
+    );
+    let o = moeconf(&["bench", "runtime", "--separate-runs"]);
     assert_eq!(o.status.code(), Some(2));
 }
 

@@ -285,7 +285,10 @@ pub fn check_memory_for(
         gib(available),
         match command {
             Sizing::Run => "fewer tokens, or a capture without L3/L4 (e.g. --capture L0,L1+payload,L2),",
-            Sizing::BenchContext => "a smaller --context or fewer --decode-tokens (the benchmark measures the default capture)",
+            Sizing::BenchContext => {
+                "a smaller --context, fewer --decode-tokens, or --separate-runs (one run's state per process instead \
+                 of an interleaved pair's two; the benchmark measures the default capture)"
+            }
             Sizing::CalibrateContext => "a smaller --context",
         },
     )))
