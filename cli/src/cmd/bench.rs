@@ -158,7 +158,7 @@ pub struct BenchRuntimeArgs {
     /// segment, the first segment not counted; the pair's cost is the median of its segments'
     /// ratios. On a machine whose speed drifts within seconds (shared hosts), runs one after
     /// the other compare the drift as much as the capture; segments milliseconds apart see the
-    /// same machine. A 32,768-token context writes a trace of about 5 GB to the system's
+    /// same machine. A 32,768-token context writes a trace of about 3.5 GiB to the system's
     /// temporary directory per pair (replaced, then removed) and takes minutes per pair.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["real_width", "large", "quantized"],
           value_parser = clap::value_parser!(u32).range(1..=1048576))]
@@ -172,7 +172,7 @@ pub struct BenchRuntimeArgs {
     /// those of the unchunked prefill).
     #[arg(long, requires = "context", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
-    /// Repetitions per measurement (the best is reported).
+    /// Repetitions per measurement (the best is reported); with --context, the pairs.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub repeat: u32,
     /// Output format.
