@@ -474,16 +474,8 @@ pub fn interleaved_run(
     let model = Model::load(dir)?;
     check_fits(&model, n, decode, prefill_chunk, true)?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
-    let opts = StepOptions {
-        precision: Precision::Bf16,
-        combine: &NativeCombine,
-        detokenizer: None,
-        allow_non_finite: false,
-    };
-    let mut header = Header::default();
-    header.binding.decoding.max_new_tokens = decode.saturating_add(1);
-    let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
-    let mut sink = TraceSink::new(w, parse_capture(BenchCapture::Default.name())?).for_model(&model);
+    let opts = bf16_step();
+    let mut sink = default_sink(&model, decode, trace)?;
     let mut none = NullSink;
     let mut states = [model.new_state(), model.new_state()];
     let mut next = [0u32; 2];
@@ -535,6 +527,25 @@ pub fn interleaved_run(
     })
 }
 
+/// The bench's forward: the bf16 profile, the native combine.
+fn bf16_step() -> StepOptions<'static> {
+    StepOptions {
+        precision: Precision::Bf16,
+        combine: &NativeCombine,
+        detokenizer: None,
+        allow_non_finite: false,
+    }
+}
+
+/// The default capture into a new trace at `trace`, for a prefill and
+/// `decode` decode steps.
+fn default_sink(model: &Model, decode: u32, trace: &Path) -> Result<TraceSink, RunError> {
+    let mut header = Header::default();
+    header.binding.decoding.max_new_tokens = decode.saturating_add(1);
+    let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
+    Ok(TraceSink::new(w, parse_capture(BenchCapture::Default.name())?).for_model(model))
+}
+
 /// The segments of `decode` interleaved steps, the first one included;
 /// refused below two.
 fn segments_of(decode: u32) -> Result<u32, RunError> {
@@ -565,23 +576,14 @@ pub fn one_run(
     // Refused before it runs, as the parent refuses the whole benchmark.
     check_fits(&model, n, decode, prefill_chunk, false)?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
-    let step = StepOptions {
-        precision: Precision::Bf16,
-        combine: &NativeCombine,
-        detokenizer: None,
-        allow_non_finite: false,
-    };
+    let step = bf16_step();
     let (t, median, growing) = match capture {
         BenchCapture::None => {
             let (t, m) = timed(&model, &prompt, decode, &step, prefill_chunk, &mut NullSink)?;
             (t, m, (0, 0))
         }
         BenchCapture::Default => {
-            let mut header = Header::default();
-            header.binding.decoding.max_new_tokens = decode.saturating_add(1);
-            let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
-            let spec = parse_capture(BenchCapture::Default.name())?;
-            let mut sink = TraceSink::new(w, spec).for_model(&model);
+            let mut sink = default_sink(&model, decode, trace)?;
             let (t, m) = timed(&model, &prompt, decode, &step, prefill_chunk, &mut sink)?;
             let growing = (sink.growing_records(), sink.growing_hashed_bytes());
             sink.finish()?;
