@@ -333,7 +333,7 @@ pub fn bench_context(
                     Some(exe) => child_run(exe, n, opts, "interleaved", &path)?,
                     None => interleaved_run(dir, n, opts.decode_tokens, opts.prefill_chunk, &path)?,
                 };
-                Pair::interleaved(n, opts.decode_tokens, &run)
+                Pair::interleaved(n, opts.decode_tokens, &run)?
             } else {
                 let mut runs = [None; 2];
                 for (i, capture) in [BenchCapture::None, BenchCapture::Default]
@@ -434,10 +434,23 @@ impl Pair {
     }
 
     /// One process: the decode cost is the median of its segments' ratios.
-    fn interleaved(n: u32, decode: u32, run: &InterleavedRun) -> Pair {
+    /// Refuses a run without counted segments or with a time that is not a
+    /// positive number (a child process's line is read back).
+    fn interleaved(n: u32, decode: u32, run: &InterleavedRun) -> Result<Pair, RunError> {
+        let times = run
+            .prefill_seconds
+            .iter()
+            .chain(&run.phase_seconds)
+            .chain(&run.segment_cost);
+        if run.segment_cost.is_empty() || !times.into_iter().all(|t| t.is_finite() && *t > 0.0) {
+            return Err(RunError::Invalid(format!(
+                "the interleaved pair at context {n} measured no counted segment or a time that is not a \
+                 positive number: {run:?}"
+            )));
+        }
         let per_second = |count: f64, s: f64| count / s.max(1e-12);
         let ratio = |[a, b]: [f64; 2]| b / a.max(1e-12);
-        Pair {
+        Ok(Pair {
             prefill: run.prefill_seconds.map(|s| per_second(f64::from(n), s)),
             decode: run.phase_seconds.map(|s| per_second(f64::from(decode), s)),
             prefill_cost: ratio(run.prefill_seconds),
@@ -446,7 +459,7 @@ impl Pair {
             run_cost: ratio([0, 1].map(|i| run.prefill_seconds[i] + run.phase_seconds[i])),
             growing: (run.growing_records, run.growing_hashed_bytes),
             peak_rss: run.peak_rss_bytes,
-        }
+        })
     }
 }
 
@@ -805,6 +818,23 @@ mod tests {
         one_run(&dir, 40, decode, Some(16), BenchCapture::Default, &alone).unwrap();
         interleaved_run(&dir, 40, decode, Some(16), &paired).unwrap();
         assert_eq!(std::fs::read(&alone).unwrap(), std::fs::read(&paired).unwrap());
+        assert!(Pair::interleaved(40, decode, &run).is_ok());
+        for broken in [
+            InterleavedRun {
+                segment_cost: Vec::new(),
+                ..run.clone()
+            },
+            InterleavedRun {
+                segment_cost: vec![f64::NAN],
+                ..run.clone()
+            },
+            InterleavedRun {
+                phase_seconds: [0.0, 1.0],
+                ..run.clone()
+            },
+        ] {
+            assert!(Pair::interleaved(40, decode, &broken).is_err(), "{broken:?}");
+        }
         let e = interleaved_run(&dir, 40, 2 * SEGMENT_STEPS - 1, None, &paired).unwrap_err();
         assert!(e.to_string().contains("at least 16 decode steps"), "{e}");
     }
