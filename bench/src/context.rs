@@ -34,6 +34,7 @@ use moeconf_reference_runtime::capture::{CaptureSink, NullSink};
 use moeconf_reference_runtime::error::RuntimeError;
 use moeconf_reference_runtime::model::{Model, StepOptions};
 use moeconf_reference_runtime::precision::Precision;
+use moeconf_reference_runtime::state::DecodeState;
 use moeconf_runner::{limits, parse_capture, RunError, TraceSink};
 use moeconf_schema::{Header, Trace, TraceWriter};
 
@@ -71,7 +72,8 @@ pub const SEGMENT_STEPS: u32 = 8;
 /// `--context-child N --child-capture interleaved` process prints.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct InterleavedRun {
-    /// Prefill seconds, uncaptured and captured (one after the other).
+    /// Prefill seconds, uncaptured and captured: the uncaptured prefill
+    /// runs before and after the captured one, and its figure is their mean.
     pub prefill_seconds: [f64; 2],
     /// Seconds of the counted decode segments, uncaptured and captured.
     pub decode_seconds: [f64; 2],
@@ -464,7 +466,8 @@ impl Pair {
 }
 
 /// Both runs at context `n` in this one process: the prompt prefilled
-/// without capture, then with the default capture into `trace`, then their
+/// without capture, then with the default capture into `trace`, then
+/// without capture again (the baseline the mean of the two), then their
 /// decode steps advanced in turn, [`SEGMENT_STEPS`] at a time, the order
 /// swapped every segment (uncaptured first, then captured first, ...). The
 /// first segment (with the remainder of `decode` over whole segments) is
@@ -490,19 +493,24 @@ pub fn interleaved_run(
     let opts = bf16_step();
     let mut sink = default_sink(&model, decode, trace)?;
     let mut none = NullSink;
-    let mut states = [model.new_state(), model.new_state()];
-    let mut next = [0u32; 2];
-    let mut prefill_seconds = [0.0; 2];
-    for (i, state) in states.iter_mut().enumerate() {
-        let sink: &mut dyn CaptureSink = if i == 0 { &mut none } else { &mut sink };
+    let prefill = |state: &mut DecodeState, sink: &mut dyn CaptureSink| -> Result<(u32, f64), RunError> {
         let t = Instant::now();
-        next[i] = match prefill_chunk {
+        let out = match prefill_chunk {
             Some(c) => model.step_chunked(state, &prompt, &opts, c as usize, sink)?,
             None => model.step(state, &prompt, &opts, sink)?,
-        }
-        .next_token;
-        prefill_seconds[i] = t.elapsed().as_secs_f64();
-    }
+        };
+        Ok((out.next_token, t.elapsed().as_secs_f64()))
+    };
+    // Uncaptured, captured, uncaptured again (a new state, the first one
+    // dropped): the two uncaptured prefills' mean is the baseline, so a
+    // drift of the machine's speed that is linear over the three cancels.
+    let mut states = [model.new_state(), model.new_state()];
+    let (_, plain_before) = prefill(&mut states[0], &mut none)?;
+    let (captured_next, captured) = prefill(&mut states[1], &mut sink)?;
+    states[0] = model.new_state();
+    let (plain_next, plain_after) = prefill(&mut states[0], &mut none)?;
+    let mut next = [plain_next, captured_next];
+    let prefill_seconds = [(plain_before + plain_after) / 2.0, captured];
     let first = SEGMENT_STEPS + decode % SEGMENT_STEPS;
     let (mut decode_seconds, mut phase_seconds) = ([0.0; 2], [0.0; 2]);
     let mut segment_cost = Vec::with_capacity(segments as usize);

@@ -154,7 +154,8 @@ pub struct BenchRuntimeArgs {
     /// capture, and report the paired cost ratio of each phase, tokens/s, the bytes each
     /// decode step adds to the trace, peak memory, and whether the median decode cost meets the
     /// 1.10 target. Each pair is a process of its own (one process keeps the cost it drew)
-    /// holding both runs: their decode steps interleaved 8 at a time, the order swapped every
+    /// holding both runs: the uncaptured prefill runs before and after the captured one (the
+    /// baseline their mean), then their decode steps interleaved 8 at a time, the order swapped every
     /// segment, the first segment not counted; the pair's cost is the median of its segments'
     /// ratios. On a machine whose speed drifts within seconds (shared hosts), runs one after
     /// the other compare the drift as much as the capture; segments milliseconds apart see the
