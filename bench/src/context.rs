@@ -36,7 +36,7 @@ use moeconf_reference_runtime::model::{Model, StepOptions, StepOutput};
 use moeconf_reference_runtime::precision::Precision;
 use moeconf_reference_runtime::state::DecodeState;
 use moeconf_runner::{limits, parse_capture, RunError, TraceSink};
-use moeconf_schema::{Header, Trace, TraceWriter};
+use moeconf_schema::{Header, Trace, TraceError, TraceWriter};
 
 use crate::measure;
 use crate::runtime::{BenchCapture, GenerateTiming};
@@ -505,7 +505,7 @@ pub fn interleaved_run(
     check_fits(&model, n, decode, prefill_chunk, true)?;
     let prompt = prompt_of(n, model.config().vocab_size as u32);
     let opts = bf16_step();
-    let mut sink = default_sink(&model, decode, trace)?;
+    let mut sink = default_sink(&model, dir, decode, trace)?;
     let mut none = NullSink;
     let timed_prefill =
         |state: &mut DecodeState, sink: &mut dyn CaptureSink| -> Result<(u32, f64), RunError> {
@@ -567,11 +567,15 @@ fn bf16_step() -> StepOptions<'static> {
 }
 
 /// The default capture into a new trace at `trace`, for a prefill and
-/// `decode` decode steps.
-fn default_sink(model: &Model, decode: u32, trace: &Path) -> Result<TraceSink, RunError> {
+/// `decode` decode steps; `trace` must not be one of the model's files in
+/// `dir` (the hidden `--context-child` takes the path from its command line).
+fn default_sink(model: &Model, dir: &Path, decode: u32, trace: &Path) -> Result<TraceSink, RunError> {
+    let mut inputs = moeconf_output::Inputs::new();
+    inputs.dir_files(dir, "model file");
+    let out = moeconf_output::check_output(trace, &inputs).map_err(TraceError::from)?;
     let mut header = Header::default();
     header.binding.decoding.max_new_tokens = decode.saturating_add(1);
-    let w = TraceWriter::create(trace, Algorithm::Blake3, header)?;
+    let w = TraceWriter::create_checked(&out, Algorithm::Blake3, header)?;
     Ok(TraceSink::new(w, parse_capture(BenchCapture::Default.name())?).for_model(model))
 }
 
@@ -612,7 +616,7 @@ pub fn one_run(
             (t, m, (0, 0))
         }
         BenchCapture::Default => {
-            let mut sink = default_sink(&model, decode, trace)?;
+            let mut sink = default_sink(&model, dir, decode, trace)?;
             let (t, m) = timed(&model, &prompt, decode, &step, prefill_chunk, &mut sink)?;
             let growing = (sink.growing_records(), sink.growing_hashed_bytes());
             sink.finish()?;
@@ -848,6 +852,16 @@ mod tests {
         ] {
             assert!(Pair::interleaved(40, decode, &broken).is_err(), "{broken:?}");
         }
+        // The model's own file as the trace: refused, the file unchanged.
+        let model_file = dir.join("model.safetensors");
+        let before = std::fs::read(&model_file).unwrap();
+        for e in [
+            interleaved_run(&dir, 40, decode, None, &model_file).unwrap_err(),
+            one_run(&dir, 40, decode, None, BenchCapture::Default, &model_file).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("model.safetensors"), "{e}");
+        }
+        assert_eq!(std::fs::read(&model_file).unwrap(), before);
         let e = interleaved_run(&dir, 40, 2 * SEGMENT_STEPS - 1, None, &paired).unwrap_err();
         assert!(e.to_string().contains("at least 16 decode steps"), "{e}");
     }
